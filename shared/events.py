@@ -1,0 +1,323 @@
+"""Wire contract: every message that travels over NATS, as msgspec Structs.
+
+Rules (changelog at the bottom):
+- Every message is a tagged Struct (``tag_field="type"``) encoded as JSON, so ``nats sub 'xl.>'``
+  is readable. Tags are never reused; new fields get defaults, so older readers keep decoding
+  (unknown fields are ignored by msgspec).
+- ``PROTOCOL_VERSION`` travels in every node's availability and every claim, and is checked at claim
+  time with :func:`check_protocol`.
+- Trace context does not live here: ``traceparent`` travels in NATS headers (see shared.bus).
+- Times are milliseconds since the epoch (``*_ms``) or durations with their unit in the name.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+# 1: first version.
+PROTOCOL_VERSION = 1
+
+
+class ProtocolError(ValueError):
+    """A peer speaks a protocol version this build does not."""
+
+
+def check_protocol(version: int, peer: str) -> None:
+    """Raise ProtocolError with what to do when ``version`` is not ours."""
+    if version != PROTOCOL_VERSION:
+        raise ProtocolError(
+            f"{peer} speaks expresslane protocol {version}, this build speaks {PROTOCOL_VERSION}: "
+            "run the same expresslane version on the router, coordinator, prefill and decode nodes"
+        )
+
+
+class Event(msgspec.Struct, tag_field="type", kw_only=True, omit_defaults=False):
+    """Base of every wire message."""
+
+
+# ---------------------------------------------------------------- shared pieces (untagged)
+
+
+class SamplingParams(msgspec.Struct, kw_only=True):
+    """What the decode engine needs to sample; ``max_tokens`` counts tokens still to generate."""
+
+    max_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0: off
+    seed: int | None = None
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+    num_speculative_tokens: int | None = None  # None: the node's default; 0: off
+
+
+class KvSegment(msgspec.Struct, kw_only=True):
+    """One region of a slot's receive buffer: token t of this region starts at
+    ``slot base + offset_bytes + t * token_stride_bytes`` and is ``bytes_per_token`` long."""
+
+    layer: int
+    name: str  # "k", "v" (GQA) or "kv_latent" (MLA: normalized latent, then roped k_pe)
+    offset_bytes: int
+    token_stride_bytes: int
+    bytes_per_token: int
+
+
+class KvLayoutSpec(msgspec.Struct, kw_only=True):
+    """The decode engine's native KV layout of one slot (see shared.kvlayout)."""
+
+    layout_version: int
+    kind: Literal["gqa", "mla"]
+    dtype: str  # torch dtype name without the prefix: "float32", "bfloat16"
+    num_layers: int  # attention layers with a cache, MTP layers included
+    max_tokens: int
+    slot_nbytes: int
+    segments: list[KvSegment]
+
+
+class SlotTarget(msgspec.Struct, kw_only=True):
+    """Where a sender writes one slot's KV."""
+
+    slot: int
+    base_addr: int
+    nbytes: int
+
+
+class TransferTarget(msgspec.Struct, kw_only=True):
+    """Everything a prefill sender needs to write one leased slot one-sidedly."""
+
+    node_id: str
+    transport: Literal["mooncake", "nixl"]
+    endpoint: str  # mooncake: session id "host:rpc_port"; nixl: agent name
+    slot: SlotTarget
+    layout: KvLayoutSpec
+    nixl_metadata_b64: str = ""  # nixl: the receiving agent's metadata
+
+
+class Usage(msgspec.Struct, kw_only=True):
+    prompt_tokens: int
+    completion_tokens: int
+
+
+class SpecStats(msgspec.Struct, kw_only=True):
+    """Speculative-decoding counters of one request."""
+
+    num_steps: int = 0  # verify steps run
+    num_draft_tokens: int = 0  # draft tokens proposed
+    num_accepted_tokens: int = 0  # draft tokens accepted
+
+
+# ---------------------------------------------------------------- coordinator: claims
+
+
+class ClaimRequest(Event, tag="claim"):
+    request_id: str
+    model: str
+    num_prompt_tokens: int
+    max_tokens: int
+    protocol_version: int = PROTOCOL_VERSION
+    transports: list[str] = ["mooncake", "nixl"]
+    wait_ms: int = 2000  # how long the claim may wait in the queue for a free slot
+    tenant: str = ""
+
+
+class ClaimGranted(Event, tag="claim_granted"):
+    request_id: str
+    lease_id: str
+    generation: int
+    node_id: str
+    expires_at_ms: int
+    target: TransferTarget
+
+
+class ClaimRejected(Event, tag="claim_rejected"):
+    request_id: str
+    reason: str
+    retry_after_ms: int = 0
+
+
+ClaimReply = ClaimGranted | ClaimRejected
+
+
+# ---------------------------------------------------------------- decode node: availability
+
+
+class NodeAvailable(Event, tag="node_available"):
+    node_id: str
+    model: str
+    protocol_version: int
+    total_slots: int
+    free_slots: list[int]
+    transports: list[str]
+    endpoints: dict[str, str]  # transport -> endpoint (see TransferTarget.endpoint)
+    slots: list[SlotTarget]
+    layout: KvLayoutSpec
+    heartbeat_interval_ms: int
+    seq: int
+    sent_at_ms: int
+    nixl_metadata_b64: str = ""
+
+
+class NodeDraining(Event, tag="node_draining"):
+    node_id: str
+    sent_at_ms: int
+
+
+NodeMessage = NodeAvailable | NodeDraining
+
+
+# ---------------------------------------------------------------- prefill -> decode: KV ready
+
+
+class KvReady(Event, tag="kv_ready"):
+    request_id: str
+    lease_id: str
+    generation: int
+    node_id: str
+    slot: int
+    num_tokens: int  # tokens of state written (the prompt)
+    layout_version: int
+    nbytes: int
+    extract_ms: float = 0.0
+    transfer_ms: float = 0.0
+
+
+class KvFailed(Event, tag="kv_failed"):
+    request_id: str
+    lease_id: str
+    generation: int
+    node_id: str
+    slot: int
+    reason: str
+
+
+KvMessage = KvReady | KvFailed
+
+
+# ---------------------------------------------------------------- router -> decode: start
+
+
+class DecodeStart(Event, tag="decode_start"):
+    request_id: str
+    lease_id: str
+    generation: int
+    slot: int
+    first_token_id: int
+    num_prompt_tokens: int
+    sampling: SamplingParams
+    # Tokens already streamed to the client beyond the first (migration); 0 for a fresh request.
+    num_tokens_already_sent: int = 0
+
+
+# ---------------------------------------------------------------- decode -> router: tokens
+
+
+class TokensGenerated(Event, tag="tokens"):
+    request_id: str
+    index: int  # position of token_ids[0] among the completion's tokens (the first token is 0)
+    token_ids: list[int]
+
+
+class RequestFinished(Event, tag="finished"):
+    request_id: str
+    finish_reason: Literal["stop", "length", "cancelled"]
+    usage: Usage
+    spec: SpecStats = SpecStats()
+    decode_ms: float = 0.0
+
+
+class RequestFailed(Event, tag="failed"):
+    request_id: str
+    reason: str
+    retryable: bool = True
+
+
+TokenMessage = TokensGenerated | RequestFinished | RequestFailed
+
+
+class CancelRequest(Event, tag="cancel"):
+    request_id: str
+    reason: str = "client_disconnected"
+
+
+# ---------------------------------------------------------------- decode -> coordinator
+
+
+class DecodeStarted(Event, tag="decode_started"):
+    request_id: str
+    lease_id: str
+    generation: int
+    node_id: str
+    slot: int
+
+
+class SlotReleased(Event, tag="slot_released"):
+    request_id: str
+    lease_id: str
+    generation: int
+    node_id: str
+    slot: int
+    outcome: Literal["completed", "failed", "cancelled"]
+    reason: str = ""
+
+
+ReportMessage = DecodeStarted | SlotReleased
+
+
+# ---------------------------------------------------------------- coordinator: lifecycle
+
+HandoffState = Literal[
+    "queued", "claimed", "kv_ready", "decoding", "completed", "failed", "cancelled", "rejected"
+]
+TERMINAL_STATES = frozenset({"completed", "failed", "cancelled", "rejected"})
+
+
+class HandoffEvent(Event, tag="handoff"):
+    request_id: str
+    state: HandoffState
+    at_ms: int
+    lease_id: str = ""
+    generation: int = 0
+    node_id: str = ""
+    slot: int = -1
+    reason: str = ""
+
+
+# ---------------------------------------------------------------- decoding
+
+AnyEvent = (
+    ClaimRequest
+    | ClaimGranted
+    | ClaimRejected
+    | NodeAvailable
+    | NodeDraining
+    | KvReady
+    | KvFailed
+    | DecodeStart
+    | TokensGenerated
+    | RequestFinished
+    | RequestFailed
+    | CancelRequest
+    | DecodeStarted
+    | SlotReleased
+    | HandoffEvent
+)
+
+_encoder = msgspec.json.Encoder()
+_any_decoder = msgspec.json.Decoder(AnyEvent)
+
+
+def encode(event: Event) -> bytes:
+    """Encode one wire message as JSON bytes."""
+    return _encoder.encode(event)
+
+
+def decode_any(data: bytes) -> Event:
+    """Decode any wire message; raises msgspec.ValidationError / DecodeError on bad input."""
+    return _any_decoder.decode(data)
+
+
+def decoder(kind: type) -> msgspec.json.Decoder:
+    """A decoder for one message type or union (build once, reuse)."""
+    return msgspec.json.Decoder(kind)

@@ -1,0 +1,124 @@
+"""The decode engine's native KV layout: the one contract between prefill senders and decode slots.
+
+A decode node owns one receive buffer per slot; that buffer *is* the slot's KV cache (no copy on
+inject). Its layout, version ``LAYOUT_VERSION``:
+
+- GQA (Llama, Qwen2, Qwen3): for each attention layer ``l`` two regions, K then V, each
+  ``[max_tokens, num_kv_heads, head_dim]`` contiguous, in the model dtype. Keys are stored after
+  rotary embedding (and after q/k norm where the model has it), exactly what attention consumes.
+- MLA (DeepSeek-V3 family): for each attention layer one region ``[max_tokens, kv_lora_rank +
+  qk_rope_head_dim]``: the normalized compressed latent (after ``kv_a_layernorm``) followed by the
+  roped shared key ``k_pe``. MTP layers follow the main layers as further layers.
+
+Regions follow each other in layer order, K before V, with no padding. A writer that holds
+``n`` tokens of state writes, for every segment, the bytes ``[0, n * bytes_per_token)`` at
+``base + offset_bytes`` (token stride equals bytes per token in this version).
+
+Pure: no torch, no I/O.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from shared.events import KvLayoutSpec, KvSegment
+
+LAYOUT_VERSION = 1
+
+DTYPE_SIZES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+@dataclass(frozen=True)
+class KvShape:
+    """The per-token KV shape of one model, independent of where it lives."""
+
+    kind: Literal["gqa", "mla"]
+    num_layers: int  # layers with a cache, MTP layers included
+    num_kv_heads: int = 0  # gqa
+    head_dim: int = 0  # gqa
+    kv_lora_rank: int = 0  # mla
+    qk_rope_head_dim: int = 0  # mla
+
+    @property
+    def elems_per_token_per_layer(self) -> int:
+        """Elements per token per layer, K and V together (GQA) or latent + rope (MLA)."""
+        if self.kind == "gqa":
+            return 2 * self.num_kv_heads * self.head_dim
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+
+def kv_shape_from_hf_config(config: dict[str, Any], include_mtp: bool = True) -> KvShape:
+    """Derive the KV shape from an HF ``config.json`` dict (llama, qwen2, qwen3, deepseek_v3)."""
+    model_type = config.get("model_type", "")
+    num_layers = int(config["num_hidden_layers"])
+    if model_type in ("deepseek_v3", "deepseek_v2", "deepseek_v32", "glm_moe_dsa"):
+        if include_mtp:
+            num_layers += int(config.get("num_nextn_predict_layers", 0) or 0)
+        return KvShape(
+            kind="mla",
+            num_layers=num_layers,
+            kv_lora_rank=int(config["kv_lora_rank"]),
+            qk_rope_head_dim=int(config["qk_rope_head_dim"]),
+        )
+    if model_type in ("llama", "qwen2", "qwen3", "mistral"):
+        num_heads = int(config["num_attention_heads"])
+        head_dim = config.get("head_dim") or int(config["hidden_size"]) // num_heads
+        return KvShape(
+            kind="gqa",
+            num_layers=num_layers,
+            num_kv_heads=int(config.get("num_key_value_heads") or num_heads),
+            head_dim=int(head_dim),
+        )
+    raise ValueError(
+        f"model_type {model_type!r} has no expresslane KV layout: supported are llama, qwen2, "
+        "qwen3 and deepseek_v3"
+    )
+
+
+def layout_spec(shape: KvShape, dtype: str, max_tokens: int) -> KvLayoutSpec:
+    """The native layout of one slot holding up to ``max_tokens`` tokens."""
+    if dtype not in DTYPE_SIZES:
+        raise ValueError(f"dtype {dtype!r} not supported: use one of {sorted(DTYPE_SIZES)}")
+    if max_tokens <= 0:
+        raise ValueError(f"max_tokens must be positive, got {max_tokens}")
+    elt = DTYPE_SIZES[dtype]
+    segments: list[KvSegment] = []
+    offset = 0
+    if shape.kind == "gqa":
+        per_token = shape.num_kv_heads * shape.head_dim * elt
+        names = ("k", "v")
+    else:
+        per_token = (shape.kv_lora_rank + shape.qk_rope_head_dim) * elt
+        names = ("kv_latent",)
+    for layer in range(shape.num_layers):
+        for name in names:
+            segments.append(
+                KvSegment(
+                    layer=layer,
+                    name=name,
+                    offset_bytes=offset,
+                    token_stride_bytes=per_token,
+                    bytes_per_token=per_token,
+                )
+            )
+            offset += per_token * max_tokens
+    return KvLayoutSpec(
+        layout_version=LAYOUT_VERSION,
+        kind=shape.kind,
+        dtype=dtype,
+        num_layers=shape.num_layers,
+        max_tokens=max_tokens,
+        slot_nbytes=offset,
+        segments=segments,
+    )
+
+
+def write_ranges(spec: KvLayoutSpec, num_tokens: int) -> list[tuple[int, int]]:
+    """(offset_bytes, nbytes) of every region a writer of ``num_tokens`` tokens fills."""
+    if not 0 < num_tokens <= spec.max_tokens:
+        raise ValueError(
+            f"{num_tokens} tokens do not fit a slot of {spec.max_tokens}: "
+            "raise the decode node's --max-seq-len or shorten the prompt"
+        )
+    return [(s.offset_bytes, num_tokens * s.bytes_per_token) for s in spec.segments]
