@@ -4,4 +4,6 @@ pytest_plugins = [
     "tests.fixtures.nats",
     "tests.fixtures.models",
     "tests.fixtures.vllm",
+    "tests.fixtures.prefill",
+    "tests.fixtures.otlp",
 ]
