@@ -117,7 +117,7 @@ class ClaimRequest(Event, tag="claim"):
     num_prompt_tokens: int
     max_tokens: int
     protocol_version: int = PROTOCOL_VERSION
-    transports: list[str] = ["mooncake", "nixl"]
+    transports: list[str] = msgspec.field(default_factory=lambda: ["mooncake", "nixl"])
     wait_ms: int = 2000  # how long the claim may wait in the queue for a free slot
     tenant: str = ""
 
@@ -223,7 +223,7 @@ class RequestFinished(Event, tag="finished"):
     request_id: str
     finish_reason: Literal["stop", "length", "cancelled"]
     usage: Usage
-    spec: SpecStats = SpecStats()
+    spec: SpecStats = msgspec.field(default_factory=SpecStats)
     decode_ms: float = 0.0
 
 

@@ -1,0 +1,73 @@
+"""The engine's native KV layout: offsets, sizes and the errors a misconfigured node sees."""
+
+import pytest
+
+from shared.kvlayout import KvShape, kv_shape_from_hf_config, layout_spec, write_ranges
+
+LLAMA = {"model_type": "llama", "num_hidden_layers": 2, "num_attention_heads": 4,
+         "num_key_value_heads": 2, "hidden_size": 64}
+QWEN3 = {"model_type": "qwen3", "num_hidden_layers": 3, "num_attention_heads": 4,
+         "num_key_value_heads": 1, "hidden_size": 64, "head_dim": 32}
+DSV3 = {"model_type": "deepseek_v3", "num_hidden_layers": 2, "kv_lora_rank": 512,
+        "qk_rope_head_dim": 64, "num_nextn_predict_layers": 1}
+
+
+@pytest.mark.parametrize(
+    "config, include_mtp, expected",
+    [
+        (LLAMA, True, KvShape(kind="gqa", num_layers=2, num_kv_heads=2, head_dim=16)),
+        (QWEN3, True, KvShape(kind="gqa", num_layers=3, num_kv_heads=1, head_dim=32)),
+        (DSV3, True, KvShape(kind="mla", num_layers=3, kv_lora_rank=512, qk_rope_head_dim=64)),
+        (DSV3, False, KvShape(kind="mla", num_layers=2, kv_lora_rank=512, qk_rope_head_dim=64)),
+    ],
+)
+def test_shape_from_config(config, include_mtp, expected):
+    assert kv_shape_from_hf_config(config, include_mtp=include_mtp) == expected
+
+
+def test_unknown_model_type_names_supported_ones():
+    with pytest.raises(ValueError, match="supported are llama, qwen2, qwen3 and deepseek_v3"):
+        kv_shape_from_hf_config({"model_type": "gpt2", "num_hidden_layers": 1})
+
+
+@pytest.mark.parametrize(
+    "shape, dtype, max_tokens, num_segments, bytes_per_token, slot_nbytes",
+    [
+        # GQA: per layer K then V, each [max_tokens, Hkv, D]
+        (KvShape("gqa", 2, num_kv_heads=2, head_dim=16), "float32", 8, 4, 2 * 16 * 4, 4 * 8 * 128),
+        (KvShape("gqa", 1, num_kv_heads=8, head_dim=128), "bfloat16", 4, 2, 8 * 128 * 2, 2 * 4 * 2048),
+        # MLA: per layer one [max_tokens, 512 + 64] region
+        (KvShape("mla", 3, kv_lora_rank=512, qk_rope_head_dim=64), "bfloat16", 16, 3, 576 * 2, 3 * 16 * 1152),
+    ],
+)
+def test_layout_sizes(shape, dtype, max_tokens, num_segments, bytes_per_token, slot_nbytes):
+    spec = layout_spec(shape, dtype, max_tokens)
+    assert len(spec.segments) == num_segments
+    assert all(s.bytes_per_token == bytes_per_token == s.token_stride_bytes for s in spec.segments)
+    assert spec.slot_nbytes == slot_nbytes
+    # regions tile the slot exactly, in order, without gaps or overlap
+    offsets = [s.offset_bytes for s in spec.segments]
+    assert offsets == [i * max_tokens * bytes_per_token for i in range(num_segments)]
+
+
+def test_gqa_segments_are_k_then_v_per_layer():
+    spec = layout_spec(KvShape("gqa", 2, num_kv_heads=1, head_dim=4), "float32", 2)
+    assert [(s.layer, s.name) for s in spec.segments] == [(0, "k"), (0, "v"), (1, "k"), (1, "v")]
+
+
+def test_write_ranges_cover_prompt_only():
+    spec = layout_spec(KvShape("gqa", 1, num_kv_heads=1, head_dim=4), "float32", 10)
+    assert write_ranges(spec, 3) == [(0, 48), (160, 48)]
+
+
+@pytest.mark.parametrize("num_tokens", [0, 11])
+def test_write_ranges_refuse_what_does_not_fit(num_tokens):
+    spec = layout_spec(KvShape("gqa", 1, num_kv_heads=1, head_dim=4), "float32", 10)
+    with pytest.raises(ValueError, match="max-seq-len"):
+        write_ranges(spec, num_tokens)
+
+
+@pytest.mark.parametrize("dtype, max_tokens, message", [("int8", 4, "not supported"), ("float32", 0, "positive")])
+def test_layout_spec_refuses_bad_arguments(dtype, max_tokens, message):
+    with pytest.raises(ValueError, match=message):
+        layout_spec(KvShape("gqa", 1, num_kv_heads=1, head_dim=4), dtype, max_tokens)
