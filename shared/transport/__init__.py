@@ -1,0 +1,84 @@
+"""One small interface for one-sided bulk writes of KV state: Mooncake Transfer Engine or NIXL.
+
+Contract (the prefill sender writes, the decode node only registers and advertises):
+
+    t = create_transport("mooncake", host="10.0.0.5", protocol="rdma")   # or "nixl"
+    t.register(addr, nbytes)          # once, at start, for every buffer written from or into
+    t.endpoint, t.metadata_b64        # what the receiver advertises (NodeAvailable / TransferTarget)
+    t.write(remote_endpoint, [(local_addr, remote_addr, nbytes), ...], remote_metadata_b64, timeout_s)
+    t.close()
+
+``write`` blocks until every op has landed in the remote memory or raises :class:`TransferError`
+(remote gone, timeout, bad address); it never returns with part of the data in flight unreported.
+The receiver learns of completion only from the KV-ready event the writer publishes afterwards.
+
+- Mooncake: P2P handshake, no metadata server; ``protocol="rdma"`` in production, ``"tcp"`` where
+  there is no RDMA NIC (the same API; "rdma" without HCAs silently falls back to TCP). The endpoint
+  is the session id ``"host:rpc_port"``; ``metadata_b64`` is "".
+- NIXL (UCX backend): the endpoint is the agent name; ``metadata_b64`` is the agent metadata, taken
+  after registration; a writer loads it once per remote agent (again when it changes).
+
+Both are imported lazily, so importing this package needs neither library.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+__all__ = ["TransferError", "Transport", "create_transport", "TRANSPORTS"]
+
+TRANSPORTS = ("mooncake", "nixl")
+
+
+class TransferError(Exception):
+    """A one-sided write did not complete (remote gone, timeout, unregistered memory)."""
+
+
+@runtime_checkable
+class Transport(Protocol):
+    """A registered-memory endpoint able to write one-sidedly into remote registered memory."""
+
+    name: str  # "mooncake" | "nixl"
+    endpoint: str  # what a remote writer addresses
+    metadata_b64: str  # nixl agent metadata; "" for mooncake
+
+    def register(self, addr: int, nbytes: int) -> None:
+        """Register ``[addr, addr + nbytes)`` for transfers (local source or remote target)."""
+        ...
+
+    def unregister(self, addr: int) -> None:
+        """Undo :meth:`register` for the region starting at ``addr``."""
+        ...
+
+    def write(
+        self,
+        remote_endpoint: str,
+        ops: list[tuple[int, int, int]],
+        remote_metadata_b64: str = "",
+        timeout_s: float = 30.0,
+    ) -> None:
+        """Write every ``(local_addr, remote_addr, nbytes)`` op; block until done; raise TransferError."""
+        ...
+
+    def close(self) -> None:
+        """Release the engine / agent and every registration."""
+        ...
+
+
+def create_transport(
+    name: str,
+    *,
+    host: str = "127.0.0.1",
+    protocol: str = "tcp",
+    agent_name: str | None = None,
+) -> Transport:
+    """Build a transport by name: "mooncake" (``host``, ``protocol``) or "nixl" (``agent_name``)."""
+    if name == "mooncake":
+        from shared.transport.mooncake import MooncakeTransport
+
+        return MooncakeTransport(host=host, protocol=protocol)
+    if name == "nixl":
+        from shared.transport.nixl import NixlTransport
+
+        return NixlTransport(agent_name=agent_name)
+    raise ValueError(f"unknown transport {name!r}: use one of {', '.join(TRANSPORTS)}")

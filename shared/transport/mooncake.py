@@ -1,0 +1,132 @@
+"""Mooncake Transfer Engine behind the :class:`shared.transport.Transport` interface.
+
+P2P handshake (no metadata server): the engine listens on an RPC port and the session id
+``"host:port"`` is what remote writers address. Writes are coalesced, submitted, and polled to
+completion against the caller's deadline; the engine's own timeout (``MC_TRANSFER_TIMEOUT``, s) still
+bounds each op inside the library.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from shared.transport import TransferError
+
+def coalesce(ops: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
+    """Merge ops whose local and remote ranges both continue the previous op; drop empty ops."""
+    merged: list[tuple[int, int, int]] = []
+    for local, remote, n in ops:
+        if n <= 0:
+            continue
+        if merged:
+            pl, pr, pn = merged[-1]
+            if pl + pn == local and pr + pn == remote:
+                merged[-1] = (pl, pr, pn + n)
+                continue
+        merged.append((local, remote, n))
+    return merged
+
+
+# transfer_check_status results
+_DONE, _PENDING = 1, 0
+
+
+class MooncakeTransport:
+    """One Mooncake TransferEngine instance."""
+
+    name = "mooncake"
+    metadata_b64 = ""
+
+    def __init__(self, host: str = "127.0.0.1", protocol: str = "tcp", device_name: str = "") -> None:
+        try:
+            from mooncake.engine import TransferEngine
+        except ImportError as exc:  # pragma: no cover - depends on the machine
+            raise TransferError(
+                f"mooncake is not importable ({exc}): pip install mooncake-transfer-engine "
+                "(-non-cuda on CPU hosts) and apt-get install libibverbs1"
+            ) from exc
+        if protocol not in ("tcp", "rdma"):
+            raise ValueError(f"mooncake protocol {protocol!r}: use 'rdma' or 'tcp'")
+        self._engine = TransferEngine()
+        rc = self._engine.initialize(host, "P2PHANDSHAKE", protocol, device_name)
+        if rc != 0:
+            raise TransferError(f"mooncake initialize({host!r}, P2PHANDSHAKE, {protocol!r}) returned {rc}")
+        self.protocol = protocol
+        self.endpoint = f"{host}:{self._engine.get_rpc_port()}"
+        self._regions: dict[int, int] = {}
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def register(self, addr: int, nbytes: int) -> None:
+        """Register a buffer with the engine (local source or target of remote writes)."""
+        with self._lock:
+            if addr in self._regions:
+                raise ValueError(f"region at {addr:#x} is already registered")
+            rc = self._engine.register_memory(addr, nbytes)
+            if rc != 0:
+                raise TransferError(f"mooncake register_memory({addr:#x}, {nbytes}) returned {rc}")
+            self._regions[addr] = nbytes
+
+    def unregister(self, addr: int) -> None:
+        """Unregister a buffer registered with :meth:`register`."""
+        with self._lock:
+            if self._regions.pop(addr, None) is None:
+                return
+            self._engine.unregister_memory(addr)
+
+    def write(
+        self,
+        remote_endpoint: str,
+        ops: list[tuple[int, int, int]],
+        remote_metadata_b64: str = "",
+        timeout_s: float = 30.0,
+    ) -> None:
+        """One-sided writes; returns when every op has landed, raises TransferError otherwise."""
+        ops = coalesce(ops)
+        if not ops:
+            return
+        nbytes = sum(op[2] for op in ops)
+        # One single-op batch per (coalesced) op: transfer_check_status reports one task per batch.
+        pending = []
+        for local, remote, n in ops:
+            batch_id = self._engine.transfer_submit_write(remote_endpoint, local, remote, n)
+            if batch_id is None or batch_id < 0:
+                raise TransferError(
+                    f"mooncake could not submit a write to {remote_endpoint} (rc {batch_id}): "
+                    "is the receiver running and its memory registered?"
+                )
+            pending.append(batch_id)
+        deadline = time.monotonic() + timeout_s
+        delay_s = 20e-6
+        while pending:
+            still = []
+            for batch_id in pending:
+                status = self._engine.transfer_check_status(batch_id)
+                if status == _PENDING:
+                    still.append(batch_id)
+                elif status != _DONE:
+                    what = "timed out inside mooncake" if status == -2 else "failed"
+                    raise TransferError(
+                        f"mooncake write of {nbytes} bytes to {remote_endpoint} {what} (status {status})"
+                    )
+            pending = still
+            if not pending:
+                return
+            if time.monotonic() > deadline:
+                raise TransferError(
+                    f"mooncake write of {nbytes} bytes to {remote_endpoint} did not complete "
+                    f"within {timeout_s:.1f} s"
+                )
+            time.sleep(delay_s)
+            delay_s = min(delay_s * 2, 1e-3)
+
+    def close(self) -> None:
+        """Unregister every region; the engine itself is released with the object."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            for addr in list(self._regions):
+                self._engine.unregister_memory(addr)
+            self._regions.clear()

@@ -1,0 +1,140 @@
+"""NIXL (UCX backend) behind the :class:`shared.transport.Transport` interface.
+
+The endpoint is the agent name; ``metadata_b64`` is the agent metadata (base64), refreshed after
+every registration, which a receiver advertises and a writer loads before its first write to that
+agent (and again when the advertised metadata changes, e.g. after the receiver restarted).
+Memory is host DRAM here; GPU memory ("VRAM") works the same with a device id.
+"""
+
+from __future__ import annotations
+
+import base64
+import os
+import threading
+import time
+import uuid
+
+from shared.transport import TransferError
+
+
+class NixlTransport:
+    """One NIXL agent with the UCX backend."""
+
+    name = "nixl"
+
+    def __init__(self, agent_name: str | None = None, mem_type: str = "DRAM", device_id: int = 0) -> None:
+        os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")  # it logs to stdout otherwise
+        try:
+            from nixl._api import nixl_agent, nixl_agent_config
+        except ImportError as exc:  # pragma: no cover - depends on the machine
+            raise TransferError(f"nixl is not importable ({exc}): pip install nixl") from exc
+        self.endpoint = agent_name or f"xl-{uuid.uuid4().hex[:12]}"
+        self._agent = nixl_agent(self.endpoint, nixl_agent_config(backends=["UCX"]))
+        self._mem_type = mem_type
+        self._device_id = device_id
+        self._regions: dict[int, object] = {}  # addr -> reg descs
+        self._remotes: dict[str, str] = {}  # agent name -> metadata b64 loaded
+        self._lock = threading.Lock()
+        self.metadata_b64 = self._metadata()
+
+    def _metadata(self) -> str:
+        return base64.b64encode(self._agent.get_agent_metadata()).decode("ascii")
+
+    def register(self, addr: int, nbytes: int) -> None:
+        """Register a buffer with the UCX backend and refresh :attr:`metadata_b64`."""
+        with self._lock:
+            if addr in self._regions:
+                raise ValueError(f"region at {addr:#x} is already registered")
+            descs = self._agent.register_memory([(addr, nbytes, self._device_id, "")], self._mem_type)
+            self._regions[addr] = descs
+            self.metadata_b64 = self._metadata()
+
+    def unregister(self, addr: int) -> None:
+        """Deregister a buffer registered with :meth:`register`."""
+        with self._lock:
+            descs = self._regions.pop(addr, None)
+            if descs is not None:
+                self._agent.deregister_memory(descs)
+                self.metadata_b64 = self._metadata()
+
+    def _ensure_remote(self, remote: str, metadata_b64: str) -> None:
+        loaded = self._remotes.get(remote)
+        if loaded is not None and (not metadata_b64 or loaded == metadata_b64):
+            return
+        if not metadata_b64:
+            raise TransferError(f"no NIXL metadata for agent {remote!r}: the receiver must advertise it")
+        if loaded is not None:
+            self._agent.remove_remote_agent(remote)
+        name = self._agent.add_remote_agent(base64.b64decode(metadata_b64))
+        name = name.decode() if isinstance(name, bytes) else str(name)
+        if name != remote:
+            self._agent.remove_remote_agent(name)
+            raise TransferError(f"NIXL metadata is for agent {name!r}, not {remote!r}")
+        self._remotes[remote] = metadata_b64
+
+    def write(
+        self,
+        remote_endpoint: str,
+        ops: list[tuple[int, int, int]],
+        remote_metadata_b64: str = "",
+        timeout_s: float = 30.0,
+    ) -> None:
+        """One-sided WRITE of every op; returns when done, raises TransferError otherwise."""
+        ops = [op for op in ops if op[2] > 0]
+        if not ops:
+            return
+        nbytes = sum(op[2] for op in ops)
+        handle = None
+        try:
+            with self._lock:
+                self._ensure_remote(remote_endpoint, remote_metadata_b64)
+            local = self._agent.get_xfer_descs([(a, n, self._device_id) for a, _, n in ops], self._mem_type)
+            remote = self._agent.get_xfer_descs([(r, n, 0) for _, r, n in ops], self._mem_type)
+            handle = self._agent.initialize_xfer("WRITE", local, remote, remote_endpoint)
+            state = self._agent.transfer(handle)
+            deadline = time.monotonic() + timeout_s
+            delay_s = 20e-6
+            while state == "PROC":
+                if time.monotonic() > deadline:
+                    raise TransferError(
+                        f"nixl write of {nbytes} bytes to {remote_endpoint} did not complete "
+                        f"within {timeout_s:.1f} s"
+                    )
+                time.sleep(delay_s)
+                delay_s = min(delay_s * 2, 1e-3)
+                state = self._agent.check_xfer_state(handle)
+            if state != "DONE":
+                raise TransferError(f"nixl write of {nbytes} bytes to {remote_endpoint} failed ({state})")
+        except TransferError:
+            self._forget(remote_endpoint)
+            raise
+        except Exception as exc:  # nixl raises its own error types (e.g. remote disconnect)
+            self._forget(remote_endpoint)
+            raise TransferError(f"nixl write to {remote_endpoint} failed: {exc}") from exc
+        finally:
+            if handle is not None:
+                try:
+                    self._agent.release_xfer_handle(handle)
+                except Exception:  # an in-flight handle that cannot be cancelled is left to NIXL
+                    pass
+
+    def _forget(self, remote: str) -> None:
+        with self._lock:
+            if self._remotes.pop(remote, None) is not None:
+                try:
+                    self._agent.remove_remote_agent(remote)
+                except Exception:
+                    pass
+
+    def close(self) -> None:
+        """Forget remote agents and deregister every region."""
+        with self._lock:
+            for remote in list(self._remotes):
+                try:
+                    self._agent.remove_remote_agent(remote)
+                except Exception:
+                    pass
+            self._remotes.clear()
+            for descs in self._regions.values():
+                self._agent.deregister_memory(descs)
+            self._regions.clear()
