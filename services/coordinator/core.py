@@ -1,0 +1,377 @@
+"""The transfer coordinator's state machine: pure, no NATS, no clock (``now_ms`` is passed in).
+
+Contract:
+- Nodes register through ``NodeAvailable`` heartbeats; a node missing ``heartbeat_misses``
+  beats is dead, and so is a node whose heartbeat ``seq`` goes backwards (it restarted): every
+  lease on it fails and its slots are forgotten.
+- A claim is granted a lease (lease id, generation, slot, expiry) on a free slot of a compatible
+  node: same model, protocol version, layout version, a transport both sides speak, and room for
+  prompt + max_tokens. A slot is free when the node's last heartbeat lists it free and no lease
+  (live or fencing) holds it. Generations grow monotonically across restarts.
+- No free slot: the claim waits in a bounded FIFO queue until its deadline; the next free slot goes
+  to the oldest waiting claim it fits (gated dispatch). Queue full, deadline passed, or no node
+  that could ever serve it: ``ClaimRejected`` with ``retry_after_ms``.
+- Handoff states: claimed -> kv_ready -> decoding -> completed | failed | cancelled, each published
+  as a ``HandoffEvent`` on ``xl.handoff.<request_id>.<state>``; queued and rejected likewise.
+- Fencing: a lease whose KV-ready has not arrived fails at the transfer deadline but keeps its slot
+  until the transfer deadline + grace (a writer may still be live) unless KvReady/KvFailed shows the
+  writer stopped. An ended lease also keeps its slot until the node reports ``SlotReleased`` (or
+  ``release_grace_ms`` passed and the node's heartbeat lists the slot free).
+- Messages naming an unknown lease, an old generation, or a lease already ended are ignored for
+  state and counted in ``counters["stale_ignored"]`` (fencing bookkeeping still learns from them).
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections import Counter
+
+from shared import subjects
+from shared.events import (
+    PROTOCOL_VERSION,
+    CancelRequest,
+    ClaimGranted,
+    ClaimRejected,
+    ClaimRequest,
+    DecodeStarted,
+    HandoffEvent,
+    KvFailed,
+    KvReady,
+    NodeAvailable,
+    NodeDraining,
+    SlotReleased,
+    TransferTarget,
+)
+from shared.kvlayout import LAYOUT_VERSION
+from services.coordinator.model import (
+    CoordinatorConfig,
+    DeleteLease,
+    DeleteQueued,
+    Effect,
+    Lease,
+    Node,
+    Observe,
+    Publish,
+    PutLease,
+    PutMeta,
+    PutQueued,
+    QueuedClaim,
+    Reply,
+)
+
+
+class CoordinatorCore:
+    """Leases, queue and node registry; every input method returns the effects to perform."""
+
+    def __init__(self, config: CoordinatorConfig | None = None, new_id=None) -> None:
+        self.config = config or CoordinatorConfig()
+        self.config.validate()
+        self._new_id = new_id or (lambda: uuid.uuid4().hex[:16])
+        self.nodes: dict[str, Node] = {}
+        self.leases: dict[str, Lease] = {}  # lease_id -> lease (live or fencing)
+        self.queue: list[QueuedClaim] = []  # oldest first
+        self.next_generation = 1
+        self.counters: Counter[str] = Counter()
+
+    # ------------------------------------------------------------ restore / inspection
+
+    def restore(self, leases: list[Lease], queued: list[QueuedClaim], next_generation: int,
+                now_ms: int) -> None:
+        """Adopt persisted state; nodes named by leases count as seen ``now_ms``."""
+        self.leases = {lease.lease_id: lease for lease in leases}
+        self.queue = sorted(queued, key=lambda q: q.enqueued_at_ms)
+        top = max((lease.generation for lease in leases), default=0)
+        self.next_generation = max(next_generation, top + 1, 1)
+        for lease in leases:
+            if lease.node_id not in self.nodes:
+                self.nodes[lease.node_id] = Node(
+                    lease.node_id, None, now_ms, self.config.default_heartbeat_interval_ms
+                )
+
+    def live_lease(self, request_id: str) -> Lease | None:
+        """The request's lease that has not ended, if any."""
+        for lease in self.leases.values():
+            if lease.request_id == request_id and not lease.is_terminal:
+                return lease
+        return None
+
+    def free_slots(self, node_id: str) -> list[int]:
+        """Slots of the node that could be leased now (heartbeat says free, no lease holds them)."""
+        node = self.nodes.get(node_id)
+        if node is None or node.info is None or node.is_draining:
+            return []
+        held = {l.slot for l in self.leases.values() if l.node_id == node_id}
+        return sorted(s for s in node.info.free_slots if s not in held)
+
+    def num_free_slots(self) -> int:
+        return sum(len(self.free_slots(n)) for n in self.nodes)
+
+    # ------------------------------------------------------------ nodes
+
+    def on_heartbeat(self, hb: NodeAvailable, now_ms: int) -> list[Effect]:
+        effects: list[Effect] = []
+        node = self.nodes.get(hb.node_id)
+        if node is not None and node.info is not None and hb.seq < node.info.seq:
+            effects += self._node_gone(hb.node_id, "node_restarted", now_ms)
+            node = None
+        if node is None:
+            node = self.nodes[hb.node_id] = Node(hb.node_id, hb, now_ms, hb.heartbeat_interval_ms)
+            self.counters["nodes_joined"] += 1
+        node.info, node.last_seen_ms = hb, now_ms
+        node.interval_ms, node.is_draining = max(1, hb.heartbeat_interval_ms), False
+        return effects + self._sweep_and_dispatch(now_ms)
+
+    def on_draining(self, msg: NodeDraining, now_ms: int) -> list[Effect]:
+        node = self.nodes.get(msg.node_id)
+        if node is not None:
+            node.is_draining, node.last_seen_ms = True, now_ms
+        return []
+
+    def _node_gone(self, node_id: str, reason: str, now_ms: int) -> list[Effect]:
+        effects: list[Effect] = []
+        for lease in [l for l in self.leases.values() if l.node_id == node_id]:
+            if not lease.is_terminal:
+                effects += self._end(lease, "failed", reason, now_ms)
+            del self.leases[lease.lease_id]
+            effects.append(DeleteLease(lease.lease_id))
+        self.nodes.pop(node_id, None)
+        self.counters["nodes_dead"] += 1
+        return effects
+
+    # ------------------------------------------------------------ claims
+
+    def on_claim(self, claim: ClaimRequest, reply_to: str, now_ms: int) -> list[Effect]:
+        self.counters["claims"] += 1
+        if claim.protocol_version != PROTOCOL_VERSION:
+            return self._reject(claim, reply_to, "protocol_version", now_ms, retry=False)
+        existing = self.live_lease(claim.request_id)
+        if existing is not None:  # a retried claim: answer with the same lease
+            if existing.state == "claimed":
+                return [Reply(reply_to, self._granted(existing))]
+            return self._reject(claim, reply_to, "already_claimed", now_ms, retry=False)
+        for i, entry in enumerate(self.queue):
+            if entry.claim.request_id == claim.request_id:  # a retried queued claim
+                self.queue[i] = QueuedClaim(claim=claim, reply_to=reply_to,
+                                            enqueued_at_ms=entry.enqueued_at_ms,
+                                            deadline_ms=entry.deadline_ms)
+                return [PutQueued(self.queue[i])]
+        if not any(self._fits(n, claim) for n in self.nodes.values()):
+            return self._reject(claim, reply_to, "no_compatible_node", now_ms)
+        pick = self._pick_slot(claim)
+        if pick is not None:
+            return self._grant(claim, reply_to, pick, now_ms, now_ms)
+        wait_ms = min(max(claim.wait_ms, 0), self.config.max_wait_ms)
+        if wait_ms == 0 or len(self.queue) >= self.config.max_queue:
+            reason = "no_free_slot" if wait_ms == 0 else "queue_full"
+            return self._reject(claim, reply_to, reason, now_ms)
+        entry = QueuedClaim(claim=claim, reply_to=reply_to, enqueued_at_ms=now_ms,
+                            deadline_ms=now_ms + wait_ms)
+        self.queue.append(entry)
+        self.counters["claims_queued"] += 1
+        return [PutQueued(entry), self._event(claim.request_id, "queued", now_ms)]
+
+    def _fits(self, node: Node, claim: ClaimRequest) -> str | None:
+        """The transport to use when ``node`` could ever serve ``claim``, else None."""
+        info = node.info
+        if info is None or node.is_draining or info.model != claim.model:
+            return None
+        if info.protocol_version != PROTOCOL_VERSION:
+            return None
+        if info.layout.layout_version != LAYOUT_VERSION:
+            return None
+        if claim.num_prompt_tokens + claim.max_tokens > info.layout.max_tokens:
+            return None
+        for transport in claim.transports:
+            if transport in info.transports and transport in info.endpoints:
+                return transport
+        return None
+
+    def _pick_slot(self, claim: ClaimRequest) -> tuple[str, int, str] | None:
+        """(node, slot, transport) on the compatible node with the most free slots."""
+        best: tuple[int, str, int, str] | None = None
+        for node_id, node in sorted(self.nodes.items()):
+            transport = self._fits(node, claim)
+            free = self.free_slots(node_id) if transport else []
+            if free and (best is None or len(free) > best[0]):
+                best = (len(free), node_id, free[0], transport)
+        return None if best is None else (best[1], best[2], best[3])
+
+    def _grant(self, claim: ClaimRequest, reply_to: str, pick: tuple[str, int, str],
+               claimed_at_ms: int, now_ms: int) -> list[Effect]:
+        node_id, slot, transport = pick
+        cfg = self.config
+        lease = Lease(
+            lease_id=self._new_id(), generation=self.next_generation,
+            request_id=claim.request_id, node_id=node_id, slot=slot, transport=transport,
+            claimed_at_ms=claimed_at_ms, granted_at_ms=now_ms,
+            transfer_deadline_ms=now_ms + cfg.transfer_timeout_ms,
+            fence_until_ms=now_ms + cfg.transfer_timeout_ms + cfg.fence_grace_ms,
+        )
+        self.next_generation += 1
+        self.leases[lease.lease_id] = lease
+        self.counters["claims_granted"] += 1
+        return [
+            PutMeta(self.next_generation), PutLease(lease),
+            Reply(reply_to, self._granted(lease)),
+            self._event(claim.request_id, "claimed", now_ms, lease),
+            Observe("queue_wait", (now_ms - claimed_at_ms) / 1000),
+        ]
+
+    def _granted(self, lease: Lease) -> ClaimGranted:
+        info = self.nodes[lease.node_id].info
+        assert info is not None
+        slot = next(s for s in info.slots if s.slot == lease.slot)
+        target = TransferTarget(
+            node_id=lease.node_id, transport=lease.transport,
+            endpoint=info.endpoints[lease.transport], slot=slot, layout=info.layout,
+            nixl_metadata_b64=info.nixl_metadata_b64 if lease.transport == "nixl" else "",
+        )
+        return ClaimGranted(request_id=lease.request_id, lease_id=lease.lease_id,
+                            generation=lease.generation, node_id=lease.node_id,
+                            expires_at_ms=lease.transfer_deadline_ms, target=target)
+
+    def _reject(self, claim: ClaimRequest, reply_to: str, reason: str, now_ms: int,
+                retry: bool = True) -> list[Effect]:
+        self.counters[f"claims_rejected.{reason}"] += 1
+        retry_after = self.config.retry_after_ms if retry else 0
+        rejected = ClaimRejected(request_id=claim.request_id, reason=reason,
+                                 retry_after_ms=retry_after)
+        event = self._event(claim.request_id, "rejected", now_ms, reason=reason)
+        return [Reply(reply_to, rejected), event]
+
+    # ------------------------------------------------------------ transfer and decode reports
+
+    def _current(self, lease_id: str, generation: int, node_id: str, slot: int) -> Lease | None:
+        lease = self.leases.get(lease_id)
+        if lease is None or (lease.generation, lease.node_id, lease.slot) != (generation, node_id, slot):
+            self.counters["stale_ignored"] += 1
+            return None
+        return lease
+
+    def on_kv_ready(self, msg: KvReady, now_ms: int) -> list[Effect]:
+        lease = self._current(msg.lease_id, msg.generation, msg.node_id, msg.slot)
+        if lease is None:
+            return []
+        lease.is_writer_done = True
+        if lease.state != "claimed":
+            if lease.is_terminal:
+                self.counters["stale_ignored"] += 1
+            return [PutLease(lease)] + self._sweep_and_dispatch(now_ms)
+        lease.state, lease.kv_ready_at_ms = "kv_ready", now_ms
+        return [PutLease(lease), self._event(lease.request_id, "kv_ready", now_ms, lease),
+                Observe("transfer", (now_ms - lease.granted_at_ms) / 1000)]
+
+    def on_kv_failed(self, msg: KvFailed, now_ms: int) -> list[Effect]:
+        lease = self._current(msg.lease_id, msg.generation, msg.node_id, msg.slot)
+        if lease is None:
+            return []
+        lease.is_writer_done = True
+        effects: list[Effect] = []
+        if lease.is_terminal:
+            self.counters["stale_ignored"] += 1
+        else:
+            effects += self._end(lease, "failed", f"transfer_failed: {msg.reason}", now_ms)
+        return effects + [PutLease(lease)] + self._sweep_and_dispatch(now_ms)
+
+    def on_decode_started(self, msg: DecodeStarted, now_ms: int) -> list[Effect]:
+        lease = self._current(msg.lease_id, msg.generation, msg.node_id, msg.slot)
+        if lease is None:
+            return []
+        if lease.state not in ("claimed", "kv_ready"):
+            self.counters["stale_ignored"] += 1
+            return []
+        # The node starts only after KV-ready, so the writer is done even if we missed KvReady.
+        lease.is_writer_done = True
+        lease.state, lease.decoding_at_ms = "decoding", now_ms
+        return [PutLease(lease), self._event(lease.request_id, "decoding", now_ms, lease),
+                Observe("handoff", (now_ms - lease.claimed_at_ms) / 1000)]
+
+    def on_slot_released(self, msg: SlotReleased, now_ms: int) -> list[Effect]:
+        lease = self._current(msg.lease_id, msg.generation, msg.node_id, msg.slot)
+        if lease is None:
+            return []
+        lease.is_node_released = True
+        effects: list[Effect] = []
+        if not lease.is_terminal:
+            effects += self._end(lease, msg.outcome, msg.reason, now_ms)
+        return effects + [PutLease(lease)] + self._sweep_and_dispatch(now_ms)
+
+    def on_cancel(self, msg: CancelRequest, now_ms: int) -> list[Effect]:
+        for i, entry in enumerate(self.queue):
+            if entry.claim.request_id == msg.request_id:
+                del self.queue[i]
+                self.counters["claims_cancelled_queued"] += 1
+                rejected = ClaimRejected(request_id=msg.request_id, reason="cancelled")
+                return [DeleteQueued(msg.request_id), Reply(entry.reply_to, rejected),
+                        self._event(msg.request_id, "cancelled", now_ms, reason=msg.reason)]
+        lease = self.live_lease(msg.request_id)
+        if lease is None:
+            return []
+        effects = self._end(lease, "cancelled", msg.reason, now_ms)
+        return effects + [PutLease(lease)] + self._sweep_and_dispatch(now_ms)
+
+    # ------------------------------------------------------------ time
+
+    def tick(self, now_ms: int) -> list[Effect]:
+        """Apply every deadline that passed: dead nodes, lease timeouts, queue deadlines."""
+        effects: list[Effect] = []
+        for node in list(self.nodes.values()):
+            if now_ms - node.last_seen_ms > self.config.heartbeat_misses * node.interval_ms:
+                has_leases = any(l.node_id == node.node_id for l in self.leases.values())
+                if has_leases or not node.is_draining:
+                    effects += self._node_gone(node.node_id, "node_dead", now_ms)
+                else:
+                    self.nodes.pop(node.node_id)
+        for lease in list(self.leases.values()):
+            if lease.state == "claimed" and now_ms >= lease.transfer_deadline_ms:
+                effects += self._end(lease, "failed", "transfer_timeout", now_ms)
+                effects.append(PutLease(lease))
+            elif lease.state == "kv_ready" and (
+                now_ms >= lease.kv_ready_at_ms + self.config.start_timeout_ms
+            ):
+                effects += self._end(lease, "failed", "start_timeout", now_ms)
+                effects.append(PutLease(lease))
+        for entry in [q for q in self.queue if now_ms >= q.deadline_ms]:
+            self.queue.remove(entry)
+            effects.append(DeleteQueued(entry.claim.request_id))
+            effects += self._reject(entry.claim, entry.reply_to, "deadline", now_ms)
+        return effects + self._sweep_and_dispatch(now_ms)
+
+    def _end(self, lease: Lease, state: str, reason: str, now_ms: int) -> list[Effect]:
+        lease.state, lease.reason, lease.ended_at_ms = state, reason, now_ms  # type: ignore[assignment]
+        self.counters[f"lease_outcome.{state}"] += 1
+        return [self._event(lease.request_id, state, now_ms, lease, reason)]
+
+    def _is_reclaimable(self, lease: Lease, now_ms: int) -> bool:
+        """No writer may be live and the node let go of the slot (or should have, long ago)."""
+        if not lease.is_terminal:
+            return False
+        is_writer_gone = lease.is_writer_done or now_ms >= lease.fence_until_ms
+        is_node_done = lease.is_node_released or (
+            now_ms >= lease.ended_at_ms + self.config.release_grace_ms
+        )
+        return is_writer_gone and is_node_done
+
+    def _sweep_and_dispatch(self, now_ms: int) -> list[Effect]:
+        effects: list[Effect] = []
+        for lease in [l for l in self.leases.values() if self._is_reclaimable(l, now_ms)]:
+            del self.leases[lease.lease_id]
+            effects.append(DeleteLease(lease.lease_id))
+        for entry in list(self.queue):
+            pick = self._pick_slot(entry.claim)
+            if pick is not None:
+                self.queue.remove(entry)
+                effects.append(DeleteQueued(entry.claim.request_id))
+                effects += self._grant(entry.claim, entry.reply_to, pick,
+                                       entry.enqueued_at_ms, now_ms)
+        return effects
+
+    # ------------------------------------------------------------ events
+
+    def _event(self, request_id: str, state: str, now_ms: int, lease: Lease | None = None,
+               reason: str = "") -> Publish:
+        event = HandoffEvent(request_id=request_id, state=state, at_ms=now_ms, reason=reason)  # type: ignore[arg-type]
+        if lease is not None:
+            event.lease_id, event.generation = lease.lease_id, lease.generation
+            event.node_id, event.slot = lease.node_id, lease.slot
+        return Publish(subjects.handoff(request_id, state), event)

@@ -1,0 +1,399 @@
+"""Table-driven tests of the coordinator's pure state machine.
+
+Each case is a list of steps ``(t_ms, op, args, expect)``; the harness feeds the op to the core at
+time ``t_ms`` and checks what the step must have produced: the claim reply, the handoff events,
+the lease states, the slots held, the queue depth and the stale counter. Every case ends with no
+lease and no queued claim left (leak check), after completing whatever is still open.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import msgspec
+import pytest
+
+from services.coordinator.core import CoordinatorCore
+from services.coordinator.model import (
+    CoordinatorConfig, DeleteLease, Lease, PutLease, PutMeta, PutQueued, DeleteQueued,
+    Publish, QueuedClaim, Reply,
+)
+from shared.events import (
+    CancelRequest, ClaimGranted, ClaimRejected, ClaimRequest, DecodeStarted, KvFailed, KvReady,
+    NodeAvailable, NodeDraining, SlotReleased, SlotTarget,
+)
+from shared.kvlayout import KvShape, layout_spec
+
+LAYOUT = layout_spec(KvShape(kind="gqa", num_layers=2, num_kv_heads=2, head_dim=8), "float32", 256)
+CFG = CoordinatorConfig(transfer_timeout_ms=1000, fence_grace_ms=500, start_timeout_ms=2000,
+                        release_grace_ms=300, max_queue=2, max_wait_ms=5000, retry_after_ms=250)
+
+
+def hb(node="n1", free=(0,), total=None, seq=1, model="m", interval=10_000, layout=LAYOUT, proto=1,
+       transports=("mooncake",)):
+    total = total if total is not None else max(free, default=0) + 1
+    return NodeAvailable(
+        node_id=node, model=model, protocol_version=proto, total_slots=total,
+        free_slots=list(free), transports=list(transports),
+        endpoints={t: f"{node}:{t}" for t in transports},
+        slots=[SlotTarget(slot=s, base_addr=0x1000 * (s + 1), nbytes=layout.slot_nbytes)
+               for s in range(total)],
+        layout=layout, heartbeat_interval_ms=interval, seq=seq, sent_at_ms=0)
+
+
+class Harness:
+    def __init__(self, config=CFG):
+        ids = itertools.count(1)
+        self.core = CoordinatorCore(config, new_id=lambda: f"L{next(ids)}")
+        self.replies: dict[str, object] = {}
+        self.events: list[tuple[str, str]] = []
+        self.store: dict[str, Lease] = {}
+        self.queued: dict[str, QueuedClaim] = {}
+        self.meta = 1
+        self.last_lease: dict[str, Lease] = {}
+
+    def lease_of(self, rid):
+        return self.last_lease[rid]
+
+    def report_args(self, rid, gen=None, lease_id=None):
+        lease = self.lease_of(rid)
+        return dict(request_id=rid, lease_id=lease_id or lease.lease_id,
+                    generation=lease.generation if gen is None else gen,
+                    node_id=lease.node_id, slot=lease.slot)
+
+    def run(self, t, op, args):
+        c = self.core
+        if op == "hb":
+            effects = c.on_heartbeat(hb(**args), t)
+        elif op == "drain":
+            effects = c.on_draining(NodeDraining(node_id=args["node"], sent_at_ms=t), t)
+        elif op == "claim":
+            claim = ClaimRequest(request_id=args["rid"], model=args.get("model", "m"),
+                                 num_prompt_tokens=args.get("prompt", 10), max_tokens=args.get("max", 10),
+                                 wait_ms=args.get("wait", 1000), protocol_version=args.get("proto", 1),
+                                 transports=args.get("transports", ["mooncake", "nixl"]))
+            effects = c.on_claim(claim, f"inbox.{args['rid']}", t)
+        elif op == "kv_ready":
+            effects = c.on_kv_ready(KvReady(**self.report_args(**args), num_tokens=10,
+                                            layout_version=1, nbytes=100), t)
+        elif op == "kv_failed":
+            effects = c.on_kv_failed(KvFailed(**self.report_args(**args), reason="boom"), t)
+        elif op == "started":
+            effects = c.on_decode_started(DecodeStarted(**self.report_args(**args)), t)
+        elif op == "released":
+            outcome = args.pop("outcome", "completed")
+            effects = c.on_slot_released(SlotReleased(**self.report_args(**args), outcome=outcome), t)
+        elif op == "cancel":
+            effects = c.on_cancel(CancelRequest(request_id=args["rid"]), t)
+        elif op == "tick":
+            effects = c.tick(t)
+        elif op == "restart":  # a new core adopting what the shell persisted
+            self.core = CoordinatorCore(CFG, new_id=c._new_id)
+            self.core.restore(list(self.store.values()), list(self.queued.values()), self.meta, t)
+            effects = []
+        else:
+            raise AssertionError(op)
+        step_events = []
+        for e in effects:
+            if isinstance(e, Reply):
+                self.replies[e.reply_to.removeprefix("inbox.")] = e.event
+            elif isinstance(e, Publish):
+                step_events.append((e.event.request_id, e.event.state))
+            elif isinstance(e, PutLease):
+                self.last_lease[e.lease.request_id] = e.lease
+                self.store[e.lease.lease_id] = Lease(**{f: getattr(e.lease, f) for f in e.lease.__struct_fields__})
+            elif isinstance(e, DeleteLease):
+                self.store.pop(e.lease_id, None)
+            elif isinstance(e, PutQueued):
+                self.queued[e.entry.claim.request_id] = e.entry
+            elif isinstance(e, DeleteQueued):
+                self.queued.pop(e.request_id, None)
+            elif isinstance(e, PutMeta):
+                self.meta = e.next_generation
+        self.events += step_events
+        return step_events
+
+    def check(self, expect, step_events):
+        c = self.core
+        for key, want in expect.items():
+            if key == "reply":
+                for rid, spec in want.items():
+                    got = self.replies.get(rid)
+                    if spec is None:
+                        assert got is None, (rid, got)
+                    elif spec[0] == "granted":
+                        assert isinstance(got, ClaimGranted), (rid, got)
+                        assert (got.node_id, got.target.slot.slot, got.generation) == spec[1:], got
+                        assert got.target.slot.base_addr == 0x1000 * (spec[2] + 1)
+                    else:
+                        assert isinstance(got, ClaimRejected), (rid, got)
+                        assert (got.reason, got.retry_after_ms) == spec[1:], got
+            elif key == "events":
+                assert step_events == want
+            elif key == "state":
+                for rid, state in want.items():
+                    lease = c.live_lease(rid) or next(
+                        (l for l in c.leases.values() if l.request_id == rid), None)
+                    assert (lease.state if lease else None) == state, (rid, lease)
+            elif key == "held":
+                assert sorted((l.node_id, l.slot) for l in c.leases.values()) == sorted(want)
+            elif key == "queue":
+                assert [q.claim.request_id for q in c.queue] == want
+            elif key == "stale":
+                assert c.counters["stale_ignored"] == want
+            elif key == "free":
+                assert c.num_free_slots() == want
+            else:
+                raise AssertionError(key)
+
+    def assert_no_leak(self):
+        assert self.core.leases == {} and self.core.queue == []
+        assert self.store == {} and self.queued == {}  # nothing left in the persisted state
+
+
+def finish(rid, t, outcome="completed"):
+    """Steps that take a granted request through to a released slot."""
+    return [(t, "kv_ready", {"rid": rid}, {}), (t, "started", {"rid": rid}, {}),
+            (t, "released", {"rid": rid, "outcome": outcome}, {"state": {rid: None}})]
+
+
+G = "granted"
+CASES = {
+    "grant_first_free_slot": [
+        (0, "hb", {"free": (0, 1)}, {"free": 2}),
+        (1, "claim", {"rid": "r1"}, {"reply": {"r1": (G, "n1", 0, 1)}, "events": [("r1", "claimed")],
+                                     "held": [("n1", 0)], "free": 1}),
+        (2, "kv_ready", {"rid": "r1"}, {"events": [("r1", "kv_ready")], "state": {"r1": "kv_ready"}}),
+        (3, "started", {"rid": "r1"}, {"events": [("r1", "decoding")]}),
+        (4, "released", {"rid": "r1"}, {"events": [("r1", "completed")], "held": [], "free": 2}),
+    ],
+    "grant_spreads_to_node_with_most_free": [
+        (0, "hb", {"node": "a", "free": (0,)}, {}),
+        (0, "hb", {"node": "b", "free": (0, 1)}, {}),
+        (1, "claim", {"rid": "r1"}, {"reply": {"r1": (G, "b", 0, 1)}}),
+        (1, "claim", {"rid": "r2"}, {"reply": {"r2": (G, "a", 0, 2)}}),
+        *finish("r1", 2), *finish("r2", 2),
+    ],
+    "slot_busy_on_node_is_not_leased": [
+        (0, "hb", {"free": (1,), "total": 2}, {}),
+        (1, "claim", {"rid": "r1"}, {"reply": {"r1": (G, "n1", 1, 1)}}),
+        *finish("r1", 2),
+    ],
+    "retried_claim_gets_same_lease": [
+        (0, "hb", {"free": (0, 1)}, {}),
+        (1, "claim", {"rid": "r1"}, {"reply": {"r1": (G, "n1", 0, 1)}}),
+        (2, "claim", {"rid": "r1"}, {"reply": {"r1": (G, "n1", 0, 1)}, "events": [], "held": [("n1", 0)]}),
+        *finish("r1", 3),
+    ],
+    "queue_then_grant_on_release": [
+        (0, "hb", {"free": (0,)}, {}),
+        (1, "claim", {"rid": "r1"}, {"reply": {"r1": (G, "n1", 0, 1)}}),
+        (2, "claim", {"rid": "r2"}, {"reply": {"r2": None}, "events": [("r2", "queued")], "queue": ["r2"]}),
+        (3, "kv_ready", {"rid": "r1"}, {"queue": ["r2"]}),
+        (4, "started", {"rid": "r1"}, {"queue": ["r2"]}),
+        (5, "released", {"rid": "r1"}, {"reply": {"r2": (G, "n1", 0, 2)}, "queue": [],
+                                        "events": [("r1", "completed"), ("r2", "claimed")]}),
+        *finish("r2", 6),
+    ],
+    "gated_dispatch_oldest_first": [
+        (0, "hb", {"free": (0,)}, {}),
+        (1, "claim", {"rid": "r1"}, {}),
+        (2, "claim", {"rid": "r2"}, {}),
+        (3, "claim", {"rid": "r3"}, {"queue": ["r2", "r3"]}),
+        *finish("r1", 4)[:2],
+        (5, "released", {"rid": "r1"}, {"reply": {"r2": (G, "n1", 0, 2), "r3": None}, "queue": ["r3"]}),
+        *finish("r2", 6)[:2],
+        (7, "released", {"rid": "r2"}, {"reply": {"r3": (G, "n1", 0, 3)}, "queue": []}),
+        *finish("r3", 8),
+    ],
+    "queue_deadline_rejects_with_retry_after": [
+        (0, "hb", {"free": (0,)}, {}),
+        (0, "claim", {"rid": "r1"}, {}),
+        (0, "claim", {"rid": "r2", "wait": 50}, {"queue": ["r2"]}),
+        (49, "tick", {}, {"queue": ["r2"], "reply": {"r2": None}}),
+        (50, "tick", {}, {"queue": [], "reply": {"r2": ("rejected", "deadline", 250)},
+                          "events": [("r2", "rejected")]}),
+        *finish("r1", 60),
+    ],
+    "queue_full_rejects": [
+        (0, "hb", {"free": (0,)}, {}),
+        (0, "claim", {"rid": "r1"}, {}),
+        (0, "claim", {"rid": "r2"}, {}),
+        (0, "claim", {"rid": "r3"}, {"queue": ["r2", "r3"]}),
+        (0, "claim", {"rid": "r4"}, {"reply": {"r4": ("rejected", "queue_full", 250)}, "queue": ["r2", "r3"]}),
+        (1, "cancel", {"rid": "r2"}, {"reply": {"r2": ("rejected", "cancelled", 0)}, "queue": ["r3"]}),
+        (2, "cancel", {"rid": "r3"}, {"queue": []}),
+        *finish("r1", 3),
+    ],
+    "no_wait_rejects_at_once": [
+        (0, "hb", {"free": (0,)}, {}),
+        (0, "claim", {"rid": "r1"}, {}),
+        (0, "claim", {"rid": "r2", "wait": 0}, {"reply": {"r2": ("rejected", "no_free_slot", 250)}}),
+        *finish("r1", 1),
+    ],
+    "incompatible_nodes_reject": [
+        (0, "hb", {"node": "other_model", "model": "x"}, {}),
+        (0, "hb", {"node": "old_layout", "layout": msgspec.structs.replace(LAYOUT, layout_version=0)}, {}),
+        (0, "hb", {"node": "nixl_only", "transports": ("nixl",), "model": "y"}, {}),
+        (0, "hb", {"node": "old_proto", "proto": 0, "model": "z"}, {}),
+        (1, "claim", {"rid": "r1"}, {"reply": {"r1": ("rejected", "no_compatible_node", 250)}}),
+        (1, "claim", {"rid": "r2", "model": "y", "transports": ["mooncake"]},
+         {"reply": {"r2": ("rejected", "no_compatible_node", 250)}}),
+        (1, "claim", {"rid": "r3", "model": "z"}, {"reply": {"r3": ("rejected", "no_compatible_node", 250)}}),
+        (1, "claim", {"rid": "r4", "model": "x", "prompt": 250}, {"reply": {"r4": ("rejected", "no_compatible_node", 250)}}),
+        (1, "claim", {"rid": "r5", "model": "x", "proto": 2}, {"reply": {"r5": ("rejected", "protocol_version", 0)}}),
+        (1, "claim", {"rid": "r6", "model": "y", "transports": ["nixl"]}, {"reply": {"r6": (G, "nixl_only", 0, 1)}}),
+        *finish("r6", 2),
+    ],
+    "lease_timeout_keeps_slot_fenced_for_grace": [
+        (0, "hb", {"free": (0,)}, {}),
+        (0, "claim", {"rid": "r1"}, {}),
+        (1, "claim", {"rid": "r2", "wait": 5000}, {"queue": ["r2"]}),
+        (999, "tick", {}, {"state": {"r1": "claimed"}}),
+        (1000, "tick", {}, {"events": [("r1", "failed")], "state": {"r1": "failed"}, "held": [("n1", 0)]}),
+        (1001, "released", {"rid": "r1", "outcome": "failed"}, {"held": [("n1", 0)], "queue": ["r2"]}),
+        (1499, "tick", {}, {"held": [("n1", 0)], "reply": {"r2": None}}),
+        (1500, "tick", {}, {"reply": {"r2": (G, "n1", 0, 2)}, "events": [("r2", "claimed")]}),
+        *finish("r2", 1600),
+    ],
+    "late_kv_ready_ends_fence_early_and_counts_stale": [
+        (0, "hb", {"free": (0,)}, {}),
+        (0, "claim", {"rid": "r1"}, {}),
+        (1000, "tick", {}, {"state": {"r1": "failed"}}),
+        (1100, "kv_ready", {"rid": "r1"}, {"stale": 1, "events": [], "state": {"r1": "failed"}}),
+        (1101, "released", {"rid": "r1", "outcome": "failed"}, {"held": []}),
+    ],
+    "ended_lease_waits_for_release_grace": [
+        (0, "hb", {"free": (0,)}, {}),
+        (0, "claim", {"rid": "r1"}, {}),
+        (10, "kv_ready", {"rid": "r1"}, {}),
+        (20, "cancel", {"rid": "r1"}, {"events": [("r1", "cancelled")], "held": [("n1", 0)]}),
+        (319, "tick", {}, {"held": [("n1", 0)]}),
+        (320, "tick", {}, {"held": []}),
+    ],
+    "start_timeout_fails": [
+        (0, "hb", {"free": (0,)}, {}),
+        (0, "claim", {"rid": "r1"}, {}),
+        (10, "kv_ready", {"rid": "r1"}, {}),
+        (2010, "tick", {}, {"events": [("r1", "failed")]}),
+        (2011, "released", {"rid": "r1", "outcome": "failed"}, {"held": []}),
+    ],
+    "stale_generation_ignored_and_counted": [
+        (0, "hb", {"free": (0,)}, {}),
+        (0, "claim", {"rid": "r1"}, {}),
+        (1, "kv_ready", {"rid": "r1", "gen": 7}, {"stale": 1, "state": {"r1": "claimed"}, "events": []}),
+        (2, "started", {"rid": "r1", "lease_id": "nope"}, {"stale": 2, "state": {"r1": "claimed"}}),
+        (3, "released", {"rid": "r1", "gen": 0}, {"stale": 3, "held": [("n1", 0)]}),
+        *finish("r1", 4),
+        (5, "released", {"rid": "r1"}, {"stale": 4}),  # a duplicate for a deleted lease: unknown, stale
+    ],
+    "kv_failed_fails_lease": [
+        (0, "hb", {"free": (0,)}, {}),
+        (0, "claim", {"rid": "r1"}, {}),
+        (5, "kv_failed", {"rid": "r1"}, {"events": [("r1", "failed")], "held": [("n1", 0)]}),
+        (6, "released", {"rid": "r1", "outcome": "failed"}, {"held": []}),
+    ],
+    "node_death_fails_leases_after_three_missed_beats": [
+        (0, "hb", {"free": (0, 1), "interval": 100}, {}),
+        (0, "claim", {"rid": "r1"}, {}),
+        (0, "claim", {"rid": "r2"}, {}),
+        (5, "kv_ready", {"rid": "r2"}, {}),
+        (6, "started", {"rid": "r2"}, {}),
+        (300, "tick", {}, {"events": [], "held": [("n1", 0), ("n1", 1)]}),
+        (301, "tick", {}, {"events": [("r1", "failed"), ("r2", "failed")], "held": [], "free": 0}),
+        (302, "claim", {"rid": "r3"}, {"reply": {"r3": ("rejected", "no_compatible_node", 250)}}),
+    ],
+    "node_restart_fails_leases": [
+        (0, "hb", {"free": (0,), "seq": 5}, {}),
+        (0, "claim", {"rid": "r1"}, {}),
+        (10, "hb", {"free": (0,), "seq": 0}, {"events": [("r1", "failed")], "held": [], "free": 1}),
+    ],
+    "draining_node_gets_no_new_lease": [
+        (0, "hb", {"free": (0, 1)}, {}),
+        (0, "claim", {"rid": "r1"}, {}),
+        (1, "drain", {"node": "n1"}, {"free": 0}),
+        (2, "claim", {"rid": "r2"}, {"reply": {"r2": ("rejected", "no_compatible_node", 250)}}),
+        *finish("r1", 3),
+        (1000, "tick", {}, {}),  # the drained node stops beating and is forgotten, no event
+    ],
+    "cancel_queued": [
+        (0, "hb", {"free": (0,)}, {}),
+        (0, "claim", {"rid": "r1"}, {}),
+        (0, "claim", {"rid": "r2"}, {}),
+        (1, "cancel", {"rid": "r2"}, {"events": [("r2", "cancelled")], "queue": [],
+                                      "reply": {"r2": ("rejected", "cancelled", 0)}}),
+        *finish("r1", 2),
+    ],
+    "cancel_claimed_fences_until_writer_done": [
+        (0, "hb", {"free": (0,)}, {}),
+        (0, "claim", {"rid": "r1"}, {}),
+        (1, "cancel", {"rid": "r1"}, {"events": [("r1", "cancelled")], "held": [("n1", 0)]}),
+        (2, "released", {"rid": "r1", "outcome": "cancelled"}, {"held": [("n1", 0)]}),
+        (3, "kv_ready", {"rid": "r1"}, {"events": [], "held": [], "stale": 1}),
+    ],
+    "cancel_claimed_without_writer_news_waits_out_fence": [
+        (0, "hb", {"free": (0,)}, {}),
+        (0, "claim", {"rid": "r1"}, {}),
+        (1, "cancel", {"rid": "r1"}, {}),
+        (2, "released", {"rid": "r1", "outcome": "cancelled"}, {}),
+        (1000, "tick", {}, {"events": [], "held": [("n1", 0)]}),  # already ended: no second event
+        (1499, "tick", {}, {"held": [("n1", 0)]}),
+        (1500, "tick", {}, {"held": []}),
+    ],
+    "cancel_kv_ready": [
+        (0, "hb", {"free": (0,)}, {}),
+        (0, "claim", {"rid": "r1"}, {}),
+        (1, "kv_ready", {"rid": "r1"}, {}),
+        (2, "cancel", {"rid": "r1"}, {"events": [("r1", "cancelled")], "held": [("n1", 0)]}),
+        (3, "released", {"rid": "r1", "outcome": "cancelled"}, {"held": []}),
+    ],
+    "cancel_decoding": [
+        (0, "hb", {"free": (0,)}, {}),
+        (0, "claim", {"rid": "r1"}, {}),
+        (1, "kv_ready", {"rid": "r1"}, {}),
+        (2, "started", {"rid": "r1"}, {}),
+        (3, "cancel", {"rid": "r1"}, {"events": [("r1", "cancelled")], "state": {"r1": "cancelled"}}),
+        (4, "released", {"rid": "r1", "outcome": "cancelled"}, {"held": [], "events": []}),
+    ],
+    "cancel_after_completion_and_unknown_is_ignored": [
+        (0, "hb", {"free": (0,)}, {}),
+        (0, "claim", {"rid": "r1"}, {}),
+        *finish("r1", 1),
+        (2, "cancel", {"rid": "r1"}, {"events": []}),
+        (2, "cancel", {"rid": "ghost"}, {"events": []}),
+    ],
+    "restart_resumes_leases_and_queue": [
+        (0, "hb", {"free": (0,)}, {}),
+        (0, "claim", {"rid": "r1"}, {}),
+        (0, "claim", {"rid": "r2"}, {}),
+        (10, "kv_ready", {"rid": "r1"}, {}),
+        (20, "restart", {}, {"state": {"r1": "kv_ready"}, "queue": ["r2"], "held": [("n1", 0)], "free": 0}),
+        (30, "hb", {"free": (0,)}, {"free": 0}),
+        (40, "started", {"rid": "r1"}, {"state": {"r1": "decoding"}}),
+        (50, "released", {"rid": "r1"}, {"reply": {"r2": (G, "n1", 0, 2)}}),  # generation continues
+        *finish("r2", 60),
+    ],
+    "restart_fails_leases_of_node_that_never_returns": [
+        (0, "hb", {"free": (0,)}, {}),
+        (0, "claim", {"rid": "r1"}, {}),
+        *finish("r1", 5)[:2],
+        (10, "restart", {}, {"state": {"r1": "decoding"}}),
+        (3010, "tick", {}, {"events": [], "held": [("n1", 0)]}),
+        (3011, "tick", {}, {"events": [("r1", "failed")], "held": []}),
+    ],
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_core(name):
+    h = Harness()
+    for t, op, args, expect in CASES[name]:
+        step_events = h.run(t, op, dict(args))
+        h.check(expect, step_events)
+    h.run(10**7, "tick", {})
+    h.assert_no_leak()
+
+
+def test_config_validation_names_the_setting():
+    with pytest.raises(ValueError, match="transfer_timeout_ms"):
+        CoordinatorConfig(transfer_timeout_ms=0).validate()
