@@ -1,0 +1,258 @@
+"""``expresslane make-model``: write a tiny, real Hugging Face checkpoint with seeded random weights.
+
+Contract: ``make_model(arch, out, seed=0, dtype="float32")`` writes into ``out``
+``config.json``, ``generation_config.json``, ``model.safetensors``, ``tokenizer.json``,
+``tokenizer_config.json`` (with a chat template) and ``special_tokens_map.json``. The files are
+in the format of the public checkpoints of each family (hub-style config keys, one tensor per
+expert), so HF transformers and vLLM load them unchanged. The same arguments give the same bytes.
+
+Architectures: ``llama`` (Llama-3 GQA, llama3 rope scaling), ``qwen2`` (qkv bias), ``qwen3``
+(q/k RMSNorm), ``deepseek_v3`` (MLA with kv_lora_rank 512 + rope dim 64 so vLLM's CPU MLA can run
+it, q_lora, sigmoid/noaux_tc routed experts in groups, one shared expert, a dense first layer and
+one MTP layer stored as ``model.layers.<num_hidden_layers>.*`` the way DeepSeek-V3 ships it).
+
+The tokenizer is a byte-level BPE trained with ``tokenizers`` on ``tinymodel_corpus.txt``; its
+size is the model's ``vocab_size``, so every id a model can emit decodes.
+
+Weights: every tensor is drawn from its own generator seeded by (seed, tensor name), so shapes
+and names, not creation order, decide the values. Scales keep activations O(1) through the
+layers (linear std 1/sqrt(fan_in), embeddings std 1, norm weights 1 + N(0, 0.1)) and give logits
+a std of about 4, so greedy decoding depends on the whole context and argmax ties are rare.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+from pathlib import Path
+
+ARCHS = ("llama", "qwen2", "qwen3", "deepseek_v3")
+DTYPES = ("float32", "bfloat16")
+CORPUS = Path(__file__).with_name("tinymodel_corpus.txt")
+SPECIAL_TOKENS = ["<|begin_of_text|>", "<|end_of_text|>", "<|pad|>", "<|im_start|>", "<|im_end|>"]
+BOS_ID, EOS_ID, PAD_ID, IM_START_ID, IM_END_ID = range(len(SPECIAL_TOKENS))
+TARGET_VOCAB_SIZE = 1024
+MAX_POSITION_EMBEDDINGS = 2048
+NUM_LAYERS = 2
+LOGIT_STD = 4.0
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+# ---------------------------------------------------------------- tokenizer
+def train_tokenizer():
+    """Train the byte-level BPE on the bundled corpus; deterministic."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=TARGET_VOCAB_SIZE,
+        min_frequency=2,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(CORPUS.read_text(encoding="utf-8").splitlines(keepends=True), trainer)
+    bos = SPECIAL_TOKENS[BOS_ID]
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, BOS_ID)]
+    )
+    return tok
+
+
+def tokenizer_files(vocab_size: int) -> dict[str, dict]:
+    """tokenizer_config.json and special_tokens_map.json contents."""
+    names = {"bos_token": SPECIAL_TOKENS[BOS_ID], "eos_token": SPECIAL_TOKENS[EOS_ID],
+             "pad_token": SPECIAL_TOKENS[PAD_ID]}
+    added = {str(i): {"content": t, "lstrip": False, "normalized": False, "rstrip": False,
+                      "single_word": False, "special": True} for i, t in enumerate(SPECIAL_TOKENS)}
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", **names, "added_tokens_decoder": added,
+              "additional_special_tokens": SPECIAL_TOKENS[IM_START_ID:],
+              "chat_template": CHAT_TEMPLATE, "clean_up_tokenization_spaces": False,
+              "model_max_length": MAX_POSITION_EMBEDDINGS, "padding_side": "left"}
+    return {"tokenizer_config.json": config, "special_tokens_map.json": names}
+
+
+# ---------------------------------------------------------------- configs
+def _common(vocab_size: int, dtype: str) -> dict:
+    return {"vocab_size": vocab_size, "num_hidden_layers": NUM_LAYERS, "hidden_act": "silu",
+            "max_position_embeddings": MAX_POSITION_EMBEDDINGS, "tie_word_embeddings": False,
+            "bos_token_id": BOS_ID, "eos_token_id": EOS_ID, "pad_token_id": PAD_ID,
+            "initializer_range": 0.02, "use_cache": True, "torch_dtype": dtype}
+
+
+def model_config(arch: str, vocab_size: int, dtype: str) -> dict:
+    """Hub-style config.json for ``arch``."""
+    c = _common(vocab_size, dtype)
+    if arch == "llama":
+        c.update(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=256,
+                 intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                 rms_norm_eps=1e-5, rope_theta=500000.0, attention_bias=False, mlp_bias=False,
+                 rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                               "high_freq_factor": 4.0, "original_max_position_embeddings": 1024})
+    elif arch == "qwen2":
+        c.update(architectures=["Qwen2ForCausalLM"], model_type="qwen2", hidden_size=192,
+                 intermediate_size=384, num_attention_heads=3, num_key_value_heads=1,
+                 rms_norm_eps=1e-6, rope_theta=1000000.0, rope_scaling=None,
+                 use_sliding_window=False, sliding_window=None, max_window_layers=NUM_LAYERS)
+    elif arch == "qwen3":
+        c.update(architectures=["Qwen3ForCausalLM"], model_type="qwen3", hidden_size=128,
+                 intermediate_size=384, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                 rms_norm_eps=1e-6, rope_theta=1000000.0, rope_scaling=None, attention_bias=False,
+                 use_sliding_window=False, sliding_window=None, max_window_layers=NUM_LAYERS)
+    elif arch == "deepseek_v3":
+        c.update(architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3", hidden_size=256,
+                 intermediate_size=512, moe_intermediate_size=128, num_attention_heads=4,
+                 num_key_value_heads=4, q_lora_rank=64, kv_lora_rank=512, qk_rope_head_dim=64,
+                 qk_nope_head_dim=64, v_head_dim=64, n_routed_experts=8, num_experts_per_tok=2,
+                 n_group=2, topk_group=1, n_shared_experts=1, routed_scaling_factor=2.5,
+                 topk_method="noaux_tc", scoring_func="sigmoid", norm_topk_prob=True,
+                 first_k_dense_replace=1, moe_layer_freq=1, ep_size=1,
+                 num_nextn_predict_layers=1, rms_norm_eps=1e-6, rope_theta=10000.0,
+                 rope_scaling=None, attention_bias=False, attention_dropout=0.0)
+    else:
+        raise ValueError(f"unknown arch {arch!r}; choose one of {', '.join(ARCHS)}")
+    return dict(sorted(c.items()))
+
+
+# ---------------------------------------------------------------- weight shapes
+def _gqa_layer(c: dict, p: str) -> dict[str, tuple[int, ...]]:
+    h, i = c["hidden_size"], c["intermediate_size"]
+    d = c.get("head_dim") or h // c["num_attention_heads"]
+    nq, nkv = c["num_attention_heads"] * d, c["num_key_value_heads"] * d
+    s = {f"{p}.input_layernorm.weight": (h,), f"{p}.post_attention_layernorm.weight": (h,),
+         f"{p}.self_attn.q_proj.weight": (nq, h), f"{p}.self_attn.k_proj.weight": (nkv, h),
+         f"{p}.self_attn.v_proj.weight": (nkv, h), f"{p}.self_attn.o_proj.weight": (h, nq),
+         **_mlp(f"{p}.mlp", h, i)}
+    if c["model_type"] == "qwen2":
+        s |= {f"{p}.self_attn.q_proj.bias": (nq,), f"{p}.self_attn.k_proj.bias": (nkv,),
+              f"{p}.self_attn.v_proj.bias": (nkv,)}
+    if c["model_type"] == "qwen3":
+        s |= {f"{p}.self_attn.q_norm.weight": (d,), f"{p}.self_attn.k_norm.weight": (d,)}
+    return s
+
+
+def _mlp(p: str, h: int, i: int) -> dict[str, tuple[int, ...]]:
+    return {f"{p}.gate_proj.weight": (i, h), f"{p}.up_proj.weight": (i, h), f"{p}.down_proj.weight": (h, i)}
+
+
+def _mla_layer(c: dict, p: str, layer: int) -> dict[str, tuple[int, ...]]:
+    h, nh = c["hidden_size"], c["num_attention_heads"]
+    qk = c["qk_nope_head_dim"] + c["qk_rope_head_dim"]
+    a = f"{p}.self_attn"
+    s = {f"{p}.input_layernorm.weight": (h,), f"{p}.post_attention_layernorm.weight": (h,),
+         f"{a}.q_a_proj.weight": (c["q_lora_rank"], h), f"{a}.q_a_layernorm.weight": (c["q_lora_rank"],),
+         f"{a}.q_b_proj.weight": (nh * qk, c["q_lora_rank"]),
+         f"{a}.kv_a_proj_with_mqa.weight": (c["kv_lora_rank"] + c["qk_rope_head_dim"], h),
+         f"{a}.kv_a_layernorm.weight": (c["kv_lora_rank"],),
+         f"{a}.kv_b_proj.weight": (nh * (c["qk_nope_head_dim"] + c["v_head_dim"]), c["kv_lora_rank"]),
+         f"{a}.o_proj.weight": (h, nh * c["v_head_dim"])}
+    if layer < c["first_k_dense_replace"]:
+        return s | _mlp(f"{p}.mlp", h, c["intermediate_size"])
+    e, im = c["n_routed_experts"], c["moe_intermediate_size"]
+    s |= {f"{p}.mlp.gate.weight": (e, h), f"{p}.mlp.gate.e_score_correction_bias": (e,)}
+    for j in range(e):
+        s |= _mlp(f"{p}.mlp.experts.{j}", h, im)
+    return s | _mlp(f"{p}.mlp.shared_experts", h, im * c["n_shared_experts"])
+
+
+def weight_shapes(c: dict) -> dict[str, tuple[int, ...]]:
+    """Every tensor name of the checkpoint -> shape (MTP layers included)."""
+    h, v = c["hidden_size"], c["vocab_size"]
+    s = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,), "lm_head.weight": (v, h)}
+    mla = c["model_type"] == "deepseek_v3"
+    for layer in range(c["num_hidden_layers"]):
+        p = f"model.layers.{layer}"
+        s |= _mla_layer(c, p, layer) if mla else _gqa_layer(c, p)
+    for layer in range(c["num_hidden_layers"], c["num_hidden_layers"] + c.get("num_nextn_predict_layers", 0)):
+        p = f"model.layers.{layer}"
+        s |= {f"{p}.enorm.weight": (h,), f"{p}.hnorm.weight": (h,), f"{p}.eh_proj.weight": (h, 2 * h),
+              f"{p}.embed_tokens.weight": (v, h), f"{p}.shared_head.norm.weight": (h,),
+              f"{p}.shared_head.head.weight": (v, h), **_mla_layer(c, p, layer)}
+    return s
+
+
+# ---------------------------------------------------------------- weights
+def _init_std(name: str, shape: tuple[int, ...]) -> tuple[float, float]:
+    """(mean, std) of a tensor's init, from its name."""
+    if name.endswith("embed_tokens.weight"):
+        return 0.0, 1.0
+    if name.endswith(("head.weight",)) or name == "lm_head.weight":
+        return 0.0, LOGIT_STD / math.sqrt(shape[1])
+    if len(shape) == 1 and "norm" in name:
+        return 1.0, 0.1
+    if len(shape) == 1:  # biases, e_score_correction_bias
+        return 0.0, 0.1
+    return 0.0, 1.0 / math.sqrt(shape[1])
+
+
+def make_weights(c: dict, seed: int, dtype: str) -> dict:
+    """Seeded random tensors for ``weight_shapes(c)``; MTP embed/head are copies of the model's."""
+    import torch
+
+    out = {}
+    for name, shape in weight_shapes(c).items():
+        digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+        gen = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & (2**63 - 1))
+        mean, std = _init_std(name, shape)
+        out[name] = torch.randn(shape, generator=gen, dtype=torch.float32) * std + mean
+    for name in out:
+        if name.endswith(".embed_tokens.weight") and name != "model.embed_tokens.weight":
+            out[name] = out["model.embed_tokens.weight"].clone()
+        if name.endswith(".shared_head.head.weight"):
+            out[name] = out["lm_head.weight"].clone()
+    torch_dtype = getattr(torch, dtype)
+    return {k: t.to(torch_dtype).contiguous() for k, t in out.items()}
+
+
+# ---------------------------------------------------------------- writer
+def _write_json(path: Path, obj: dict) -> None:
+    path.write_text(json.dumps(obj, indent=2, sort_keys=True, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
+def make_model(arch: str, out: Path | str, seed: int = 0, dtype: str = "float32") -> Path:
+    """Write the checkpoint of ``arch`` into ``out``; returns ``out``."""
+    from safetensors.torch import save_file
+
+    if arch not in ARCHS:
+        raise ValueError(f"unknown arch {arch!r}; choose one of {', '.join(ARCHS)}")
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    tok = train_tokenizer()
+    tok.save(str(out / "tokenizer.json"), pretty=True)
+    vocab_size = tok.get_vocab_size(with_added_tokens=True)
+    for fname, obj in tokenizer_files(vocab_size).items():
+        _write_json(out / fname, obj)
+    config = model_config(arch, vocab_size, dtype)
+    _write_json(out / "config.json", config)
+    _write_json(out / "generation_config.json", {
+        "bos_token_id": BOS_ID, "eos_token_id": [EOS_ID, IM_END_ID], "pad_token_id": PAD_ID})
+    save_file(make_weights(config, seed, dtype), str(out / "model.safetensors"),
+              metadata={"format": "pt"})
+    return out
+
+
+def main(argv: list[str]) -> int:
+    """CLI entry: ``expresslane make-model --arch ARCH --out DIR``."""
+    parser = argparse.ArgumentParser(
+        prog="expresslane make-model",
+        description="Write a tiny HF checkpoint (config, safetensors, tokenizer with chat template) "
+                    "with seeded random weights. Same arguments, same bytes.")
+    parser.add_argument("--arch", required=True, choices=ARCHS, help="model family")
+    parser.add_argument("--out", required=True, type=Path, help="output directory (created)")
+    parser.add_argument("--seed", type=int, default=0, help="weight seed (default 0)")
+    parser.add_argument("--dtype", choices=DTYPES, default="float32",
+                        help="stored weight dtype and config torch_dtype (default float32)")
+    args = parser.parse_args(argv)
+    out = make_model(args.arch, args.out, seed=args.seed, dtype=args.dtype)
+    print(out)
+    return 0
