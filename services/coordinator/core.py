@@ -337,6 +337,15 @@ class CoordinatorCore:
             effects += self._reject(entry.claim, entry.reply_to, "deadline", now_ms)
         return effects + self._sweep_and_dispatch(now_ms)
 
+    def reject_queued(self, reason: str, now_ms: int) -> list[Effect]:
+        """Turn every waiting claim away (the coordinator is stopping); leases are kept."""
+        effects: list[Effect] = []
+        for entry in self.queue:
+            effects.append(DeleteQueued(entry.claim.request_id))
+            effects += self._reject(entry.claim, entry.reply_to, reason, now_ms)
+        self.queue = []
+        return effects
+
     def _end(self, lease: Lease, state: str, reason: str, now_ms: int) -> list[Effect]:
         lease.state, lease.reason, lease.ended_at_ms = state, reason, now_ms  # type: ignore[assignment]
         self.counters[f"lease_outcome.{state}"] += 1

@@ -85,6 +85,8 @@ class Harness:
             effects = c.on_slot_released(SlotReleased(**self.report_args(**args), outcome=outcome), t)
         elif op == "cancel":
             effects = c.on_cancel(CancelRequest(request_id=args["rid"]), t)
+        elif op == "stop":
+            effects = c.reject_queued("coordinator_stopping", t)
         elif op == "tick":
             effects = c.tick(t)
         elif op == "restart":  # a new core adopting what the shell persisted
@@ -361,6 +363,14 @@ CASES = {
         *finish("r1", 1),
         (2, "cancel", {"rid": "r1"}, {"events": []}),
         (2, "cancel", {"rid": "ghost"}, {"events": []}),
+    ],
+    "stop_rejects_waiting_claims_keeps_leases": [
+        (0, "hb", {"free": (0,)}, {}),
+        (0, "claim", {"rid": "r1"}, {}),
+        (0, "claim", {"rid": "r2"}, {}),
+        (1, "stop", {}, {"reply": {"r2": ("rejected", "coordinator_stopping", 250)}, "queue": [],
+                         "held": [("n1", 0)], "events": [("r2", "rejected")]}),
+        *finish("r1", 2),
     ],
     "restart_resumes_leases_and_queue": [
         (0, "hb", {"free": (0,)}, {}),

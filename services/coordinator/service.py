@@ -1,0 +1,301 @@
+"""``expresslane coordinator``: the NATS shell around the coordinator core.
+
+Contract:
+- Claims: request/reply on ``subjects.CLAIM`` (ClaimRequest -> ClaimGranted | ClaimRejected);
+  a queued claim is answered later on its reply subject.
+- Heartbeats: ``NodeAvailable`` / ``NodeDraining`` on ``subjects.NODE_AVAIL_ALL`` (live only).
+- KV-ready/failed (``xl.kv.ready.*``), decode reports (``xl.coord.report``) and cancels
+  (``xl.req.*.cancel``) are read through a JetStream work-queue stream with a durable consumer, so
+  what arrives while the coordinator is down is applied when it comes back; each message is
+  acknowledged after its effects are persisted (handling is idempotent, redelivery is harmless).
+- Every transition is published as a ``HandoffEvent`` on ``xl.handoff.<request_id>.<state>``.
+- State (leases, waiting claims, next generation) lives in the JetStream KV bucket
+  ``subjects.COORD_KV_BUCKET``: written before a grant is answered, reloaded at start.
+- HTTP: ``/health`` (200 when connected, 503 otherwise) and ``/metrics`` (Prometheus).
+- SIGTERM/SIGINT: stop taking claims, turn waiting claims away with ``retry_after_ms``, flush,
+  exit 0; leases stay in the bucket for the next coordinator. NATS restarts: nats-py reconnects,
+  subscriptions and the durable consumer resume.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import signal
+import time
+
+import msgspec
+import nats.errors
+import nats.js.errors
+from nats.js.api import AckPolicy, ConsumerConfig, RetentionPolicy, StorageType, StreamConfig
+from opentelemetry import context as otel_context
+
+from services.coordinator.core import CoordinatorCore
+from services.coordinator.http_status import serve_status
+from services.coordinator.metrics import CoordinatorMetrics
+from services.coordinator.model import (
+    CoordinatorConfig, DeleteLease, DeleteQueued, Effect, Lease, Observe, Publish, PutLease,
+    PutMeta, PutQueued, QueuedClaim, Reply,
+)
+from shared import config as shared_config
+from shared import subjects
+from shared.bus import Bus
+from shared.events import (
+    CancelRequest, ClaimRequest, DecodeStarted, HandoffEvent, KvFailed, KvReady, NodeAvailable,
+    NodeDraining, NodeMessage, SlotReleased, decoder, encode,
+)
+from shared.log import get_logger, setup_logging
+from shared.tracing import extract_context, inject_headers, setup_tracing
+
+INBOX_STREAM = "XL_COORD_INBOX"
+INBOX_SUBJECTS = [subjects.KV_READY_ALL, subjects.COORD_REPORT, subjects.REQ_CANCEL_ALL]
+InboxMessage = KvReady | KvFailed | DecodeStarted | SlotReleased | CancelRequest
+KV_RETRY_S = 30.0
+
+
+def now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+class CoordinatorService:
+    """Feeds bus messages and time to the core; performs its effects in order."""
+
+    def __init__(self, bus: Bus, core: CoordinatorCore, args: argparse.Namespace) -> None:
+        self.bus, self.core, self.args = bus, core, args
+        self.metrics = CoordinatorMetrics(core)
+        self.log = get_logger("coordinator")
+        self._lock = asyncio.Lock()
+        self._subs: list = []
+        self._inbox_sub = None
+        self._tasks: list[asyncio.Task] = []
+        self._inbox_decoder = decoder(InboxMessage)
+        self.http: asyncio.Server | None = None
+        self.is_ready = False
+
+    # ------------------------------------------------------------ lifecycle
+
+    async def start(self) -> None:
+        self.kv = await self.bus.kv(self.args.kv_bucket)
+        await self._restore()
+        self._subs.append(await self.bus.subscribe(subjects.NODE_AVAIL_ALL, self._on_node, NodeMessage))
+        await self._start_inbox()
+        self._subs.append(await self.bus.subscribe(subjects.CLAIM, self._on_claim, ClaimRequest))
+        self.http = await serve_status(self.args.http_host, self.args.http_port, {
+            "/health": self._health, "/metrics": self._metrics})
+        self._tasks.append(asyncio.create_task(self._tick_loop()))
+        self.is_ready = True
+        self.log.info("coordinator_ready", http_port=self.http.sockets[0].getsockname()[1],
+                      leases=len(self.core.leases), queued=len(self.core.queue))
+
+    async def stop(self) -> None:
+        """Drain: no new claims, waiting claims turned away, state flushed."""
+        self.is_ready = False
+        for sub in self._subs:
+            await _quietly(sub.unsubscribe())
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self._apply(self.core.reject_queued, "coordinator_stopping")
+        if self._inbox_sub is not None:
+            await _quietly(self._inbox_sub.unsubscribe())
+        if self.http is not None:
+            self.http.close()
+        self.log.info("coordinator_stopped", leases=len(self.core.leases))
+
+    async def _restore(self) -> None:
+        leases, queued, next_generation = [], [], 1
+        try:
+            keys = await self._kv_retry(self.kv.keys)
+        except nats.js.errors.NoKeysError:
+            keys = []
+        for key in keys:
+            try:
+                entry = await self.kv.get(key)
+            except nats.js.errors.KeyNotFoundError:
+                continue
+            if key.startswith("lease."):
+                leases.append(msgspec.json.decode(entry.value, type=Lease))
+            elif key.startswith("queue."):
+                queued.append(msgspec.json.decode(entry.value, type=QueuedClaim))
+            elif key == "meta":
+                next_generation = json.loads(entry.value)["next_generation"]
+        self.core.restore(leases, queued, next_generation, now_ms())
+        if leases or queued:
+            self.log.info("coordinator_restored", leases=len(leases), queued=len(queued),
+                          next_generation=self.core.next_generation)
+
+    async def _start_inbox(self) -> None:
+        js = self.bus.nc.jetstream()
+        stream = StreamConfig(name=self.args.inbox_stream, subjects=INBOX_SUBJECTS,
+                              retention=RetentionPolicy.WORK_QUEUE, storage=StorageType.FILE,
+                              max_age=3600.0)
+        try:
+            await js.add_stream(stream)
+        except nats.js.errors.BadRequestError:
+            await js.update_stream(stream)
+        consumer = ConsumerConfig(durable_name="coordinator", ack_policy=AckPolicy.EXPLICIT,
+                                  filter_subjects=INBOX_SUBJECTS, ack_wait=30.0,
+                                  max_ack_pending=10_000)
+        self._inbox_sub = await js.subscribe(subjects.COORD_REPORT, durable="coordinator",
+                                             stream=self.args.inbox_stream, config=consumer,
+                                             cb=self._on_inbox, manual_ack=True)
+        self._js = js
+
+    async def _tick_loop(self) -> None:
+        # Apply what arrived while we were down before any deadline fires.
+        deadline = time.monotonic() + 3.0
+        while time.monotonic() < deadline:
+            try:
+                info = await self._js.consumer_info(self.args.inbox_stream, "coordinator")
+                if info.num_pending == 0 and info.num_ack_pending == 0:
+                    break
+            except Exception:
+                pass
+            await asyncio.sleep(0.05)
+        while True:
+            await self._apply(self.core.tick)
+            await asyncio.sleep(self.args.tick_ms / 1000)
+
+    # ------------------------------------------------------------ handlers
+
+    async def _on_claim(self, claim: ClaimRequest, msg) -> None:
+        if not msg.reply:
+            self.log.warning("claim_without_reply", request_id=claim.request_id)
+            return
+        await self._apply(self.core.on_claim, claim, msg.reply)
+
+    async def _on_node(self, event: NodeAvailable | NodeDraining, msg) -> None:
+        if isinstance(event, NodeAvailable):
+            await self._apply(self.core.on_heartbeat, event)
+        else:
+            await self._apply(self.core.on_draining, event)
+
+    async def _on_inbox(self, msg) -> None:
+        try:
+            event = self._inbox_decoder.decode(msg.data)
+        except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+            self.log.warning("inbox_undecodable", subject=msg.subject, error=str(exc))
+            await _quietly(msg.term())
+            return
+        token = otel_context.attach(extract_context(msg.headers))
+        try:
+            handler = {
+                KvReady: self.core.on_kv_ready, KvFailed: self.core.on_kv_failed,
+                DecodeStarted: self.core.on_decode_started, SlotReleased: self.core.on_slot_released,
+                CancelRequest: self.core.on_cancel,
+            }[type(event)]
+            await self._apply(handler, event)
+            await _quietly(msg.ack())
+        except Exception:
+            self.log.exception("inbox_handler_failed", subject=msg.subject)
+        finally:
+            otel_context.detach(token)
+
+    # ------------------------------------------------------------ effects
+
+    async def _apply(self, fn, *args) -> None:
+        async with self._lock:
+            effects = fn(*args, now_ms())
+            await self._perform(effects)
+
+    async def _perform(self, effects: list[Effect]) -> None:
+        for e in effects:
+            if isinstance(e, PutLease):
+                await self._kv_retry(self.kv.put, f"lease.{e.lease.lease_id}", msgspec.json.encode(e.lease))
+            elif isinstance(e, DeleteLease):
+                await self._kv_retry(self.kv.delete, f"lease.{e.lease_id}")
+            elif isinstance(e, PutQueued):
+                await self._kv_retry(self.kv.put, f"queue.{e.entry.claim.request_id}", msgspec.json.encode(e.entry))
+            elif isinstance(e, DeleteQueued):
+                await self._kv_retry(self.kv.delete, f"queue.{e.request_id}")
+            elif isinstance(e, PutMeta):
+                await self._kv_retry(self.kv.put, "meta", json.dumps({"next_generation": e.next_generation}).encode())
+            elif isinstance(e, Reply):
+                await self.bus.nc.publish(e.reply_to, encode(e.event), headers=inject_headers({}) or None)
+            elif isinstance(e, Publish):
+                await self.bus.publish(e.subject, e.event)
+                if isinstance(e.event, HandoffEvent):
+                    ev = e.event
+                    self.log.info("handoff", request_id=ev.request_id, state=ev.state,
+                                  lease_id=ev.lease_id, generation=ev.generation,
+                                  node_id=ev.node_id, slot=ev.slot, reason=ev.reason)
+            elif isinstance(e, Observe):
+                self.metrics.observe(e.metric, e.value_s)
+
+    async def _kv_retry(self, fn, *args):
+        """Run a KV call, retrying while NATS is away (up to KV_RETRY_S)."""
+        deadline = time.monotonic() + KV_RETRY_S
+        while True:
+            try:
+                return await fn(*args)
+            except (nats.js.errors.NoKeysError, nats.js.errors.KeyNotFoundError):
+                raise
+            except (nats.errors.Error, asyncio.TimeoutError, OSError) as exc:
+                if time.monotonic() > deadline:
+                    self.log.error("kv_write_failed", error=str(exc))
+                    raise
+                await asyncio.sleep(0.2)
+
+    # ------------------------------------------------------------ http
+
+    def _health(self) -> tuple[int, str, bytes]:
+        is_ok = self.is_ready and self.bus.is_connected
+        body = {"status": "ok" if is_ok else "unavailable", "connected": self.bus.is_connected,
+                "leases": len(self.core.leases), "queued": len(self.core.queue),
+                "nodes": sorted(self.core.nodes), "free_slots": self.core.num_free_slots()}
+        return (200 if is_ok else 503), "application/json", json.dumps(body).encode()
+
+    def _metrics(self) -> tuple[int, str, bytes]:
+        return 200, "text/plain; version=0.0.4", self.metrics.render()
+
+
+async def _quietly(coro) -> None:
+    try:
+        await coro
+    except Exception:
+        pass
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="expresslane coordinator",
+                                description="Run the transfer coordinator: decode-slot leases, "
+                                "gated dispatch, handoff lifecycle events.")
+    shared_config.add_common_args(p)
+    d = CoordinatorConfig()
+    p.add_argument("--http-host", default="127.0.0.1", help="address of /health and /metrics")
+    p.add_argument("--http-port", type=int, default=9102, help="port of /health and /metrics (0: any free)")
+    p.add_argument("--kv-bucket", default=subjects.COORD_KV_BUCKET, help="JetStream KV bucket for state")
+    p.add_argument("--inbox-stream", default=INBOX_STREAM, help="JetStream stream for reports")
+    p.add_argument("--tick-ms", type=int, default=50, help="how often deadlines are checked")
+    for name in CoordinatorConfig.__dataclass_fields__:
+        p.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(d, name),
+                       help=f"(default {getattr(d, name)})")
+    return p
+
+
+async def _run(args: argparse.Namespace) -> int:
+    config = CoordinatorConfig(**{n: getattr(args, n) for n in CoordinatorConfig.__dataclass_fields__})
+    bus = await Bus.connect(args.nats_url, name="coordinator")
+    service = CoordinatorService(bus, CoordinatorCore(config), args)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await service.start()
+    await stop.wait()
+    await service.stop()
+    await bus.close()
+    return 0
+
+
+def main(argv: list[str]) -> int:
+    parser = build_parser()
+    args = shared_config.parse_args(parser, argv)
+    try:
+        CoordinatorConfig(**{n: getattr(args, n) for n in CoordinatorConfig.__dataclass_fields__}).validate()
+    except ValueError as exc:
+        parser.error(str(exc))
+    setup_logging("coordinator", args.log_level, json=args.log_format == "json")
+    setup_tracing("coordinator")
+    return asyncio.run(_run(args))
