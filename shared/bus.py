@@ -1,0 +1,280 @@
+"""The bus: typed publish/subscribe/request over NATS, with trace context in the headers.
+
+Contract:
+    bus = await Bus.connect(url, name="router", user=None, password=None, connect_timeout_s=2.0)
+        # BusUnavailable when nats-server cannot be reached at first connect (BusAuthError when it
+        # refuses the credentials); after that the client reconnects forever by itself and
+        # publishes made while disconnected are buffered (nats-py pending buffer).
+    await bus.publish(subject, event)              # JSON (shared.events.encode) + traceparent header
+    sub = await bus.subscribe(subject, handler, kind, queue="")
+        # handler: async def handler(event, msg) -> None, called in order, with the trace context
+        # of the message's headers attached. Undecodable messages are logged and counted
+        # (bus.num_undecodable); a handler's exception is logged and counted (bus.num_handler_errors)
+        # and does not stop the subscription. sub.unsubscribe() ends it.
+    reply = await bus.request(subject, event, reply_kind, timeout_s)
+        # BusTimeout when no reply arrives in time (BusNoResponders, a BusTimeout, when nobody
+        # listens); the reply is decoded as reply_kind.
+    await bus.respond(msg, event)                  # reply to a request, with traceparent
+    kv = await bus.kv(bucket)                      # nats-py KeyValue, bucket created if missing
+    bus.add_reconnect_callback(async fn) ; bus.add_error_callback(async fn(exc))
+        # error callbacks see asynchronous server errors, e.g. "Permissions Violation for Publish".
+    await bus.close()
+
+Credentials may also ride in the URL (nats://user:password@host:port); they are never logged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import urllib.parse
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import msgspec
+import nats
+import nats.errors
+import nats.js.errors
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+from nats.js.api import KeyValueConfig
+from nats.js.kv import KeyValue
+from opentelemetry import context as otel_context
+
+from shared import events
+from shared.log import get_logger
+from shared.tracing import extract_context, inject_headers
+
+Handler = Callable[[Any, Msg], Awaitable[None]]
+AsyncCallback = Callable[[], Awaitable[None]]
+ErrorCallback = Callable[[Exception], Awaitable[None]]
+
+RECONNECT_WAIT_S = 0.5
+_log = get_logger("shared.bus")
+
+
+class BusError(RuntimeError):
+    """Base of the bus's errors."""
+
+
+class BusUnavailable(BusError):
+    """nats-server cannot be reached (at first connect)."""
+
+
+class BusAuthError(BusUnavailable):
+    """nats-server refused this client's credentials."""
+
+
+class BusTimeout(BusError, TimeoutError):
+    """No reply within the request's timeout."""
+
+
+class BusNoResponders(BusTimeout):
+    """Nobody subscribes to the request's subject."""
+
+
+def redact_url(url: str) -> str:
+    """``url`` with any password replaced by ``***`` (for logs and errors)."""
+    out = []
+    for one in url.split(","):
+        parts = urllib.parse.urlsplit(one.strip())
+        if parts.password is not None:
+            host = parts.hostname or ""
+            netloc = f"{parts.username}:***@{host}" + (f":{parts.port}" if parts.port else "")
+            one = urllib.parse.urlunsplit(parts._replace(netloc=netloc))
+        out.append(one.strip())
+    return ",".join(out)
+
+
+class Bus:
+    """A connected bus client (build it with :meth:`Bus.connect`)."""
+
+    def __init__(self, nc: nats.NATS, url: str, name: str) -> None:
+        self.nc = nc
+        self.url = url
+        self.name = name
+        self.num_undecodable = 0
+        self.num_handler_errors = 0
+        self._reconnect_cbs: list[AsyncCallback] = []
+        self._error_cbs: list[ErrorCallback] = []
+        self._js = nc.jetstream()
+        self._closing = False
+
+    # ------------------------------------------------------------------ connection
+
+    @classmethod
+    async def connect(
+        cls,
+        url: str,
+        name: str = "expresslane",
+        user: str | None = None,
+        password: str | None = None,
+        connect_timeout_s: float = 2.0,
+    ) -> Bus:
+        """Connect to nats-server at ``url`` (see the module docstring)."""
+        bus: Bus | None = None
+        first_errors: list[Exception] = []
+        nc = nats.NATS()
+
+        async def on_error(exc: Exception) -> None:
+            if bus is None:
+                first_errors.append(exc)
+            else:
+                await bus._on_error(exc)
+
+        async def on_disconnected() -> None:
+            if bus is not None and not bus._closing:
+                _log.warning("bus_disconnected", url=redact_url(url), client=name)
+
+        async def on_reconnected() -> None:
+            if bus is not None:
+                await bus._on_reconnected()
+
+        servers = [s.strip() for s in url.split(",") if s.strip()]
+        try:
+            # Two attempts per server at first; once connected, reconnect forever.
+            await asyncio.wait_for(
+                nc.connect(
+                    servers=servers, name=name, user=user, password=password,
+                    connect_timeout=connect_timeout_s, allow_reconnect=True,
+                    max_reconnect_attempts=1, reconnect_time_wait=RECONNECT_WAIT_S,
+                    error_cb=on_error, disconnected_cb=on_disconnected,
+                    reconnected_cb=on_reconnected,
+                ),
+                timeout=2 * len(servers) * (connect_timeout_s + RECONNECT_WAIT_S) + 1.0,
+            )
+        except (nats.errors.Error, OSError, asyncio.TimeoutError) as exc:
+            await _close_quietly(nc)
+            if any(isinstance(e, nats.errors.AuthorizationError)
+                   or "authorization" in str(e).lower() for e in [exc, *first_errors]):
+                who = user or urllib.parse.urlsplit(servers[0]).username or "an anonymous client"
+                raise BusAuthError(
+                    f"nats-server at {redact_url(url)} refused the credentials of {who}: "
+                    "check the user and password in EXPRESSLANE_NATS_URL"
+                ) from exc
+            raise BusUnavailable(
+                f"nats-server at {redact_url(url)} is not reachable: start it with "
+                "`expresslane nats` or set EXPRESSLANE_NATS_URL"
+            ) from (first_errors[-1] if first_errors else exc)
+        nc.options["max_reconnect_attempts"] = -1
+        bus = cls(nc, url, name)
+        _log.info("bus_connected", url=redact_url(url), client=name)
+        return bus
+
+    @property
+    def is_connected(self) -> bool:
+        return self.nc.is_connected
+
+    def add_reconnect_callback(self, fn: AsyncCallback) -> None:
+        """Call ``await fn()`` after every reconnect (e.g. to republish state)."""
+        self._reconnect_cbs.append(fn)
+
+    def add_error_callback(self, fn: ErrorCallback) -> None:
+        """Call ``await fn(exc)`` for every asynchronous error the server reports."""
+        self._error_cbs.append(fn)
+
+    async def _on_reconnected(self) -> None:
+        _log.info("bus_reconnected", url=redact_url(self.url), client=self.name)
+        for fn in list(self._reconnect_cbs):
+            try:
+                await fn()
+            except Exception:
+                _log.exception("bus_reconnect_callback_failed", client=self.name)
+
+    async def _on_error(self, exc: Exception) -> None:
+        _log.warning("bus_error", error=str(exc), client=self.name)
+        for fn in list(self._error_cbs):
+            try:
+                await fn(exc)
+            except Exception:
+                _log.exception("bus_error_callback_failed", client=self.name)
+
+    async def close(self) -> None:
+        """Flush what is buffered and close the connection."""
+        if self.nc.is_closed:
+            return
+        self._closing = True
+        try:
+            await self.nc.drain()
+        except Exception:
+            await _close_quietly(self.nc)
+
+    # ------------------------------------------------------------------ messages
+
+    async def publish(self, subject: str, event: events.Event) -> None:
+        """Publish ``event`` as JSON on ``subject`` with the current trace context."""
+        await self.nc.publish(subject, events.encode(event), headers=_trace_headers())
+
+    async def subscribe(
+        self, subject: str, handler: Handler, kind: Any, queue: str = ""
+    ) -> Subscription:
+        """Call ``handler(event, msg)`` for every message on ``subject`` decoded as ``kind``."""
+        decoder = events.decoder(kind)
+
+        async def on_message(msg: Msg) -> None:
+            try:
+                event = decoder.decode(msg.data)
+            except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+                self.num_undecodable += 1
+                _log.warning("bus_undecodable", subject=msg.subject, error=str(exc),
+                             data=msg.data[:200].decode(errors="replace"))
+                return
+            token = otel_context.attach(extract_context(msg.headers))
+            try:
+                await handler(event, msg)
+            except Exception:
+                self.num_handler_errors += 1
+                _log.exception("bus_handler_failed", subject=msg.subject,
+                               event_type=type(event).__name__)
+            finally:
+                otel_context.detach(token)
+
+        return await self.nc.subscribe(subject, queue=queue, cb=on_message)
+
+    async def request(
+        self, subject: str, event: events.Event, reply_kind: Any, timeout_s: float
+    ) -> Any:
+        """Send ``event`` and return the reply decoded as ``reply_kind``; BusTimeout if none."""
+        try:
+            msg = await self.nc.request(
+                subject, events.encode(event), timeout=timeout_s, headers=_trace_headers()
+            )
+        except nats.errors.NoRespondersError as exc:
+            raise BusNoResponders(f"no service listens on {subject}") from exc
+        except nats.errors.TimeoutError as exc:
+            raise BusTimeout(f"no reply on {subject} within {timeout_s:g} s") from exc
+        return events.decoder(reply_kind).decode(msg.data)
+
+    async def respond(self, msg: Msg, event: events.Event) -> None:
+        """Reply to the request ``msg`` with ``event``."""
+        if not msg.reply:
+            raise BusError(f"message on {msg.subject} expects no reply")
+        await self.nc.publish(msg.reply, events.encode(event), headers=_trace_headers())
+
+    async def flush(self, timeout_s: float = 2.0) -> None:
+        """Wait until the server has processed everything published so far."""
+        await self.nc.flush(timeout=timeout_s)
+
+    # ------------------------------------------------------------------ JetStream
+
+    async def kv(self, bucket: str, history: int = 1) -> KeyValue:
+        """The JetStream key-value bucket ``bucket``, created (file storage) if missing."""
+        try:
+            return await self._js.key_value(bucket)
+        except nats.js.errors.BucketNotFoundError:
+            try:
+                return await self._js.create_key_value(
+                    KeyValueConfig(bucket=bucket, history=history)
+                )
+            except nats.js.errors.BadRequestError:
+                return await self._js.key_value(bucket)  # created meanwhile by another client
+
+
+def _trace_headers() -> dict[str, str] | None:
+    return inject_headers({}) or None
+
+
+async def _close_quietly(nc: nats.NATS) -> None:
+    try:
+        await nc.close()
+    except Exception:
+        pass

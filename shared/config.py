@@ -1,0 +1,148 @@
+"""Command-line flags and ``EXPRESSLANE_*`` environment variables, parsed once and validated.
+
+Contract:
+    parser = argparse.ArgumentParser(prog="expresslane router")
+    add_common_args(parser)      # --nats-url, --log-level, --log-format
+    parser.add_argument("--max-queue", type=positive_int, default=64)
+    args = parse_args(parser, argv, env=os.environ)
+
+Every long flag ``--foo-bar`` also reads ``EXPRESSLANE_FOO_BAR``; a flag on the command line wins
+over the variable, the variable over the default. Values from the environment go through the
+flag's ``type`` and ``choices`` like typed ones; a bad value exits with status 2 and a message
+naming both the flag and the variable. Boolean flags (store_true/store_false) read 1/true/yes/on
+and 0/false/no/off; list flags (nargs / append) read comma-separated values.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import urllib.parse
+from collections.abc import Mapping, Sequence
+
+ENV_PREFIX = "EXPRESSLANE_"
+DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+_NATS_SCHEMES = ("nats", "tls", "ws", "wss")
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off", "")
+
+
+def env_var(flag: str) -> str:
+    """``--foo-bar`` -> ``EXPRESSLANE_FOO_BAR``."""
+    return ENV_PREFIX + flag.lstrip("-").replace("-", "_").upper()
+
+
+# ---------------------------------------------------------------------- value types
+
+
+def nats_url(value: str) -> str:
+    """One or more comma-separated nats://host:port URLs (credentials allowed)."""
+    urls = [u.strip() for u in value.split(",") if u.strip()]
+    if not urls:
+        raise argparse.ArgumentTypeError("empty: give a URL such as nats://127.0.0.1:4222")
+    for url in urls:
+        parts = urllib.parse.urlsplit(url)
+        try:
+            port = parts.port
+        except ValueError:
+            port = -1
+        if parts.scheme not in _NATS_SCHEMES or not parts.hostname or port == -1:
+            shown = url.split("@")[-1]
+            raise argparse.ArgumentTypeError(
+                f"{shown!r} is not a NATS URL: use nats://HOST:PORT, e.g. nats://127.0.0.1:4222"
+            )
+    return ",".join(urls)
+
+
+def positive_int(value: str) -> int:
+    number = int(value)
+    if number <= 0:
+        raise argparse.ArgumentTypeError(f"{value} must be a whole number above 0")
+    return number
+
+
+def non_negative_int(value: str) -> int:
+    number = int(value)
+    if number < 0:
+        raise argparse.ArgumentTypeError(f"{value} must be a whole number, 0 or more")
+    return number
+
+
+def positive_float(value: str) -> float:
+    number = float(value)
+    if not number > 0:
+        raise argparse.ArgumentTypeError(f"{value} must be a number above 0")
+    return number
+
+
+def port(value: str) -> int:
+    number = int(value)
+    if not 0 <= number <= 65535:
+        raise argparse.ArgumentTypeError(f"{value} is not a port: use 1-65535 (0: any free port)")
+    return number
+
+
+# ---------------------------------------------------------------------- parser
+
+
+def add_common_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the flags every service has: --nats-url, --log-level, --log-format."""
+    group = parser.add_argument_group("common")
+    group.add_argument("--nats-url", type=nats_url, default=DEFAULT_NATS_URL,
+                       help="NATS server(s), comma-separated; credentials may ride in the URL "
+                       f"(nats://user:password@host:4222) (default {DEFAULT_NATS_URL})")
+    group.add_argument("--log-level", type=str.upper, choices=LOG_LEVELS, default="INFO",
+                       help="log level (default INFO)")
+    group.add_argument("--log-format", choices=("json", "console"), default="json",
+                       help="json: one JSON object per line (default); console: for humans")
+    return parser
+
+
+def parse_args(
+    parser: argparse.ArgumentParser,
+    argv: Sequence[str] | None,
+    env: Mapping[str, str] = os.environ,
+) -> argparse.Namespace:
+    """Parse ``argv`` with ``EXPRESSLANE_*`` values from ``env`` as defaults (see module doc)."""
+    if parser.epilog is None:
+        parser.epilog = "Every --foo-bar flag can also be set with the variable EXPRESSLANE_FOO_BAR."
+    for action in parser._actions:
+        flag = next((o for o in action.option_strings if o.startswith("--")), None)
+        if flag is None or flag == "--help":
+            continue
+        name = env_var(flag)
+        if name not in env:
+            continue
+        value = _from_env(parser, action, flag, name, env[name])
+        parser.set_defaults(**{action.dest: value})
+        action.required = False
+    return parser.parse_args(list(argv) if argv is not None else None)
+
+
+def _from_env(parser, action: argparse.Action, flag: str, name: str, raw: str):
+    def fail(why: str):
+        parser.error(f"{name}={raw!r} (the variable for {flag}): {why}")
+
+    if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
+        word = raw.strip().lower()
+        if word not in _TRUE + _FALSE:
+            fail("use one of 1/true/yes/on or 0/false/no/off")
+        is_on = word in _TRUE
+        return is_on if isinstance(action, argparse._StoreTrueAction) else not is_on
+    is_list = isinstance(action, argparse._AppendAction) or action.nargs in ("*", "+") or (
+        isinstance(action.nargs, int) and action.nargs > 1
+    )
+    items = [s.strip() for s in raw.split(",") if s.strip()] if is_list else [raw]
+    values = []
+    for item in items:
+        try:
+            value = action.type(item) if action.type else item
+        except (argparse.ArgumentTypeError, TypeError, ValueError) as exc:
+            type_name = getattr(action.type, "__name__", "value")
+            fail(str(exc) if isinstance(exc, argparse.ArgumentTypeError)
+                 else f"not a valid {type_name}")
+        if action.choices is not None and value not in action.choices:
+            fail(f"choose from {', '.join(map(str, action.choices))}")
+        values.append(value)
+    return values if is_list else values[0]

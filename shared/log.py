@@ -1,0 +1,107 @@
+"""structlog set-up shared by every service: one JSON object per line on stderr.
+
+Contract:
+    setup_logging(service, level="INFO", json=True)
+    log = get_logger(__name__, node_id="decode-0")     # extra keys bound to every line
+    structlog.contextvars.bind_contextvars(request_id=rid)   # or: with request_context(rid): ...
+    log.info("claim_granted", lease_id=...)
+
+Every line carries ``timestamp`` (UTC ISO), ``level``, ``service``, ``logger``, ``event`` and, when
+an OpenTelemetry span is current, ``trace_id`` (32 hex) and ``span_id`` (16 hex); ``request_id``
+and anything else bound with structlog's contextvars ride along. Records of stdlib ``logging``
+(nats-py, uvicorn, vLLM) go through the same renderer. ``json=False`` renders for humans.
+Stdout is left to the commands' own output.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import sys
+from collections.abc import Iterator
+
+import structlog
+from opentelemetry import trace
+
+_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+def add_trace_ids(logger, method_name, event_dict):
+    """structlog processor: trace_id/span_id of the current OpenTelemetry span."""
+    ctx = trace.get_current_span().get_span_context()
+    if ctx.is_valid:
+        event_dict.setdefault("trace_id", format(ctx.trace_id, "032x"))
+        event_dict.setdefault("span_id", format(ctx.span_id, "016x"))
+    return event_dict
+
+
+def _add_service(service: str):
+    def add_service(logger, method_name, event_dict):
+        event_dict.setdefault("service", service)
+        return event_dict
+
+    return add_service
+
+
+def setup_logging(service: str, level: str = "INFO", json: bool = True) -> None:
+    """Configure structlog and stdlib logging for this process (call once, at start)."""
+    level = level.upper()
+    if level not in _LEVELS:
+        raise ValueError(f"log level {level!r} is not one of {', '.join(_LEVELS)}")
+    shared = [
+        structlog.contextvars.merge_contextvars,
+        structlog.stdlib.add_log_level,
+        structlog.stdlib.add_logger_name,
+        structlog.processors.TimeStamper(fmt="iso", utc=True),
+        _add_service(service),
+        add_trace_ids,
+    ]
+    renderer = (
+        structlog.processors.JSONRenderer()
+        if json
+        else structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty())
+    )
+    structlog.configure(
+        processors=[
+            structlog.stdlib.filter_by_level,
+            *shared,
+            structlog.processors.StackInfoRenderer(),
+            structlog.stdlib.ProcessorFormatter.wrap_for_formatter,
+        ],
+        logger_factory=structlog.stdlib.LoggerFactory(),
+        wrapper_class=structlog.stdlib.BoundLogger,
+        cache_logger_on_first_use=False,
+    )
+    formatter = structlog.stdlib.ProcessorFormatter(
+        foreign_pre_chain=shared,
+        processors=[
+            structlog.stdlib.ProcessorFormatter.remove_processors_meta,
+            structlog.processors.format_exc_info if json else _identity,
+            renderer,
+        ],
+    )
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(formatter)
+    root = logging.getLogger()
+    for old in list(root.handlers):
+        if getattr(old, "_expresslane", False):
+            root.removeHandler(old)
+    handler._expresslane = True  # type: ignore[attr-defined]
+    root.addHandler(handler)
+    root.setLevel(level)
+
+
+def _identity(logger, method_name, event_dict):
+    return event_dict
+
+
+def get_logger(name: str, **bind) -> structlog.stdlib.BoundLogger:
+    """A logger named ``name`` with ``bind`` attached to every line."""
+    return structlog.get_logger(name).bind(**bind) if bind else structlog.get_logger(name)
+
+
+@contextlib.contextmanager
+def request_context(request_id: str, **extra) -> Iterator[None]:
+    """Bind ``request_id`` (and ``extra``) to every log line inside the block."""
+    with structlog.contextvars.bound_contextvars(request_id=request_id, **extra):
+        yield
