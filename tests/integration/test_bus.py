@@ -1,14 +1,196 @@
-"""The bus client against a real nats-server."""
+"""The bus client against a real nats-server (JetStream): typed pub/sub, request/reply with
+timeouts, KV with revisions, trace context across the hop, reconnect after a server restart."""
 
 from __future__ import annotations
 
+import asyncio
 import urllib.request
+import uuid
+
+import nats.js.errors
+import pytest
+
+from shared import events as ev
+from shared import subjects
+from shared.bus import Bus, BusNoResponders, BusTimeout, BusUnavailable
+from shared.tracing import build_tracer_provider, current_trace_id_hex
+
+WAIT_S = 5.0
+
+
+@pytest.fixture
+async def bus(nats_url):
+    client = await Bus.connect(nats_url, name="test-bus")
+    yield client
+    await client.close()
+    assert client.nc.is_closed
+
+
+@pytest.fixture
+async def peer(nats_url):
+    client = await Bus.connect(nats_url, name="test-peer")
+    yield client
+    await client.close()
+    assert client.nc.is_closed
+
+
+def rid() -> str:
+    return uuid.uuid4().hex[:12]
+
+
+async def collect(bus: Bus, subject: str, kind) -> asyncio.Queue:
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def handler(event, msg):
+        await queue.put((event, msg, current_trace_id_hex()))
+
+    await bus.subscribe(subject, handler, kind)
+    await bus.flush()
+    return queue
 
 
 def test_session_server_has_jetstream(nats_server, nats_url):
     assert nats_url == nats_server.url and nats_url.startswith("nats://127.0.0.1:")
     with urllib.request.urlopen(f"{nats_server.monitor_url}/healthz?js-enabled-only=true") as resp:
         assert resp.status == 200
+
+
+async def test_publish_subscribe_typed(bus, peer):
+    request_id = rid()
+    inbox = await collect(peer, subjects.req_tokens(request_id), ev.TokenMessage)
+    await bus.publish(subjects.req_tokens(request_id),
+                      ev.TokensGenerated(request_id=request_id, index=1, token_ids=[5, 6]))
+    await bus.publish(subjects.req_tokens(request_id), ev.RequestFinished(
+        request_id=request_id, finish_reason="length", usage=ev.Usage(prompt_tokens=3, completion_tokens=3)))
+    first, msg, _ = await asyncio.wait_for(inbox.get(), WAIT_S)
+    second, _, _ = await asyncio.wait_for(inbox.get(), WAIT_S)
+    assert first == ev.TokensGenerated(request_id=request_id, index=1, token_ids=[5, 6])
+    assert msg.subject == f"xl.req.{request_id}.tokens"
+    assert isinstance(second, ev.RequestFinished) and second.usage.completion_tokens == 3
+
+
+async def test_undecodable_message_is_counted_and_subscription_lives_on(bus, peer):
+    request_id = rid()
+    inbox = await collect(peer, subjects.req_cancel(request_id), ev.CancelRequest)
+    await bus.nc.publish(subjects.req_cancel(request_id), b'{"type": "cancel"}')  # no request_id
+    await bus.nc.publish(subjects.req_cancel(request_id), b"not json")
+    await bus.publish(subjects.req_cancel(request_id), ev.CancelRequest(request_id=request_id))
+    event, _, _ = await asyncio.wait_for(inbox.get(), WAIT_S)
+    assert event == ev.CancelRequest(request_id=request_id)
+    assert peer.num_undecodable == 2 and inbox.empty()
+
+
+async def test_request_reply_and_timeouts(bus, peer):
+    subject = f"{subjects.CLAIM}.{rid()}"
+
+    async def coordinator(event: ev.ClaimRequest, msg):
+        await peer.respond(msg, ev.ClaimRejected(request_id=event.request_id, reason="no_free_slot",
+                                                  retry_after_ms=50))
+
+    await peer.subscribe(subject, coordinator, ev.ClaimRequest)
+    await peer.flush()
+    claim = ev.ClaimRequest(request_id="r1", model="m", num_prompt_tokens=4, max_tokens=8)
+    reply = await bus.request(subject, claim, ev.ClaimReply, timeout_s=WAIT_S)
+    assert reply == ev.ClaimRejected(request_id="r1", reason="no_free_slot", retry_after_ms=50)
+
+    silent = f"{subjects.CLAIM}.{rid()}"
+
+    async def never_answers(event, msg):
+        return None
+
+    await peer.subscribe(silent, never_answers, ev.ClaimRequest)
+    await peer.flush()
+    with pytest.raises(BusTimeout, match=rf"no reply on {silent} within 0.2 s"):
+        await bus.request(silent, claim, ev.ClaimReply, timeout_s=0.2)
+    with pytest.raises(BusNoResponders, match="no service listens on xl.coord.claim.nobody"):
+        await bus.request(f"{subjects.CLAIM}.nobody", claim, ev.ClaimReply, timeout_s=WAIT_S)
+
+
+async def test_kv_put_get_update_with_revision(bus, peer):
+    bucket = f"xl_test_{rid()}"
+    kv = await bus.kv(bucket)
+    rev1 = await kv.put("lease.a", b'{"generation": 1}')
+    entry = await kv.get("lease.a")
+    assert (entry.value, entry.revision) == (b'{"generation": 1}', rev1)
+    rev2 = await kv.update("lease.a", b'{"generation": 2}', last=rev1)
+    assert rev2 > rev1
+    with pytest.raises(nats.js.errors.KeyWrongLastSequenceError):
+        await kv.update("lease.a", b'{"generation": 3}', last=rev1)  # a stale writer loses
+    same = await peer.kv(bucket)  # opens the existing bucket, sees the same state
+    assert (await same.get("lease.a")).value == b'{"generation": 2}'
+    await bus._js.delete_key_value(bucket)
+
+
+async def test_traceparent_crosses_the_hop(bus, peer):
+    tracer = build_tracer_provider("test", env={}).get_tracer("test")
+    request_id = rid()
+    inbox = await collect(peer, subjects.req_cancel(request_id), ev.CancelRequest)
+    with tracer.start_as_current_span("router.cancel") as span:
+        sent_trace_id = format(span.get_span_context().trace_id, "032x")
+        sent_span_id = format(span.get_span_context().span_id, "016x")
+        await bus.publish(subjects.req_cancel(request_id), ev.CancelRequest(request_id=request_id))
+    event, msg, seen_trace_id = await asyncio.wait_for(inbox.get(), WAIT_S)
+    assert msg.headers["traceparent"].startswith(f"00-{sent_trace_id}-{sent_span_id}-")
+    assert seen_trace_id == sent_trace_id  # the handler ran inside the sender's trace
+    assert current_trace_id_hex() == ""  # and the context did not leak out of the handler
+
+
+async def test_no_span_no_headers(bus, peer):
+    request_id = rid()
+    inbox = await collect(peer, subjects.req_cancel(request_id), ev.CancelRequest)
+    await bus.publish(subjects.req_cancel(request_id), ev.CancelRequest(request_id=request_id))
+    _, msg, seen_trace_id = await asyncio.wait_for(inbox.get(), WAIT_S)
+    assert not msg.headers and seen_trace_id == ""
+
+
+async def test_unreachable_server_says_what_to_do(make_nats_server):
+    server = make_nats_server()
+    url = server.url
+    server.stop()
+    with pytest.raises(BusUnavailable) as info:
+        await Bus.connect(url, connect_timeout_s=0.5)
+    assert str(info.value) == (
+        f"nats-server at {url} is not reachable: start it with `expresslane nats` "
+        "or set EXPRESSLANE_NATS_URL"
+    )
+
+
+async def test_password_is_not_shown_in_errors(make_nats_server):
+    server = make_nats_server()
+    url = server.url.replace("nats://", "nats://router:s3cret@")
+    server.stop()
+    with pytest.raises(BusUnavailable) as info:
+        await Bus.connect(url, connect_timeout_s=0.5)
+    assert "s3cret" not in str(info.value) and "router:***@" in str(info.value)
+
+
+async def test_reconnects_after_server_restart(make_nats_server):
+    server = make_nats_server()
+    subscriber = await Bus.connect(server.url, name="sub")
+    publisher = await Bus.connect(server.url, name="pub")
+    try:
+        reconnected = asyncio.Event()
+
+        async def on_reconnect():
+            reconnected.set()
+
+        subscriber.add_reconnect_callback(on_reconnect)
+        request_id = rid()
+        inbox = await collect(subscriber, subjects.req_tokens(request_id), ev.TokenMessage)
+        server.restart()  # same port; a new process knows nothing of earlier subscriptions
+        await asyncio.wait_for(reconnected.wait(), WAIT_S)
+        for _ in range(100):  # the publisher reconnects on its own schedule
+            if publisher.is_connected:
+                break
+            await asyncio.sleep(0.05)
+        await publisher.publish(subjects.req_tokens(request_id),
+                                ev.TokensGenerated(request_id=request_id, index=0, token_ids=[7]))
+        event, _, _ = await asyncio.wait_for(inbox.get(), WAIT_S)
+        assert event == ev.TokensGenerated(request_id=request_id, index=0, token_ids=[7])
+    finally:
+        await subscriber.close()
+        await publisher.close()
+    assert subscriber.nc.is_closed and publisher.nc.is_closed
 
 
 def test_private_server_restarts_on_same_port(make_nats_server):
