@@ -200,3 +200,80 @@ def test_private_server_restarts_on_same_port(make_nats_server):
     assert server.url == url and server.is_running
     server.stop()
     assert not server.is_running
+
+
+RESPONDER = """
+import asyncio, sys
+import structlog
+from shared import events as ev
+from shared.bus import Bus
+from shared.log import get_logger, setup_logging
+from shared.tracing import setup_tracing, shutdown_tracing
+
+async def main(url, subject):
+    setup_logging("coordinator")
+    tracer = setup_tracing("coordinator")
+    log = get_logger("responder")
+    bus = await Bus.connect(url, name="responder")
+    done = asyncio.Event()
+
+    async def handle(event, msg):
+        structlog.contextvars.bind_contextvars(request_id=event.request_id)
+        with tracer.start_as_current_span("coordinator.claim", attributes={"xl.request_id": event.request_id}):
+            log.info("claim_rejected", reason="test")
+            await bus.respond(msg, ev.ClaimRejected(request_id=event.request_id, reason="test"))
+        done.set()
+
+    await bus.subscribe(subject, handle, ev.ClaimRequest)
+    await bus.flush()
+    print("ready", flush=True)
+    await asyncio.wait_for(done.wait(), 30)
+    await bus.close()
+    shutdown_tracing()
+
+asyncio.run(main(sys.argv[1], sys.argv[2]))
+"""
+
+
+async def test_spans_and_logs_follow_the_request_across_processes(nats_url, otlp_receiver, bus):
+    """Router span -> NATS request -> coordinator span in another process: both reach the OTLP
+    receiver in one trace with the right parent, and the coordinator's log line carries them."""
+    import json
+    import os
+    import sys
+
+    subject = f"{subjects.CLAIM}.{rid()}"
+    env = {**os.environ, "OTEL_EXPORTER_OTLP_ENDPOINT": otlp_receiver.url,
+           "OTEL_BSP_SCHEDULE_DELAY": "50", "OTEL_SERVICE_NAME": ""}
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", RESPONDER, nats_url, subject, env=env,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    provider = build_tracer_provider("router", env={"OTEL_EXPORTER_OTLP_ENDPOINT": otlp_receiver.url})
+    try:
+        assert await asyncio.wait_for(proc.stdout.readline(), 30) == b"ready\n"
+        with provider.get_tracer("test").start_as_current_span("router.claim") as span:
+            trace_id = format(span.get_span_context().trace_id, "032x")
+            claim = ev.ClaimRequest(request_id="req-7", model="m", num_prompt_tokens=1, max_tokens=1)
+            reply = await bus.request(subject, claim, ev.ClaimReply, timeout_s=WAIT_S)
+        assert reply == ev.ClaimRejected(request_id="req-7", reason="test")
+        _, stderr = await asyncio.wait_for(proc.communicate(), 30)
+        assert proc.returncode == 0, stderr.decode()
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+        provider.shutdown()  # flushes the router span
+
+    spans = otlp_receiver.wait_for(
+        lambda got: sum(s.trace_id == trace_id for s in got) == 2, timeout_s=10)
+    by_name = {s.name: s for s in spans if s.trace_id == trace_id}
+    router, coordinator = by_name["router.claim"], by_name["coordinator.claim"]
+    assert (router.service_name, coordinator.service_name) == ("router", "coordinator")
+    assert router.parent_span_id == "" and coordinator.parent_span_id == router.span_id
+    assert coordinator.attributes == {"xl.request_id": "req-7"}
+
+    lines = [json.loads(line) for line in stderr.decode().splitlines() if line.startswith("{")]
+    [logged] = [line for line in lines if line["event"] == "claim_rejected"]
+    assert logged["service"] == "coordinator" and logged["request_id"] == "req-7"
+    assert (logged["trace_id"], logged["span_id"]) == (trace_id, coordinator.span_id)
+    assert logged["level"] == "info" and logged["reason"] == "test" and "timestamp" in logged
