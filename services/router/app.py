@@ -1,0 +1,340 @@
+"""``expresslane router``: the OpenAI-compatible endpoint in front of both lanes.
+
+Contract:
+- ``POST /v1/chat/completions`` and ``/v1/completions`` (streaming or not, usage,
+  ``stream_options.include_usage``, ``return_token_ids``): validated (OpenAI error body and 4xx on
+  bad input), optional Bearer API keys (key -> tenant), lane chosen by services.router.policy. The
+  response says which lane served it in ``x-expresslane-lane``.
+- Express lane: services.router.express, detokenized here with the model's tokenizer and the
+  request's stop strings. Standard lane: forwarded to the native pool or the prefill vLLM.
+- ``GET /v1/models`` (models of the configured vLLM servers), ``GET /health`` (200 once every
+  vLLM server answered; lists the express capacity per model), ``GET /metrics`` (Prometheus).
+- One span per request (``router.request``, parent: the client's ``traceparent`` if any) with child
+  spans per hop (claim, prefill, decode); logs carry request_id and trace_id.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import httpx
+import structlog
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from opentelemetry import trace
+from opentelemetry.trace import SpanKind
+
+from services.router import backend, standard
+from services.router.config import RouterConfig
+from services.router.detok import Detokenizer
+from services.router.errors import ApiError
+from services.router.express import Dispatcher, ExpressDeps, ExpressStream, LaneFallback
+from services.router.metrics import RouterMetrics
+from services.router.nodes import NodeTable
+from services.router.policy import HEADER, LaneInputs, choose_lane
+from services.router.stream import ResponseBuilder, sse_error, usage_dict
+from services.router.validate import ParsedRequest, parse_body, parse_request
+from shared import subjects
+from shared.bus import Bus, BusUnavailable
+from shared.events import NodeMessage
+from shared.log import get_logger
+from shared.tracing import extract_context, inject_headers, setup_tracing
+
+_log = get_logger("services.router")
+_PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
+
+
+class Router:
+    """The router's state: config, bus, HTTP client, models, nodes."""
+
+    def __init__(self, cfg: RouterConfig) -> None:
+        self.cfg = cfg
+        self.metrics = RouterMetrics()
+        self.nodes = NodeTable()
+        self.dispatcher = Dispatcher()
+        self.models: dict[str, backend.ModelInfo] = {}
+        self.discovered: set[str] = set()
+        self.bus: Bus | None = None
+        self.http = httpx.AsyncClient(limits=httpx.Limits(max_connections=1000,
+                                                          max_keepalive_connections=100))
+        self.tracer = setup_tracing("router")
+        self._tasks: set[asyncio.Task] = set()
+
+    # ---------------------------------------------------------------- lifecycle
+
+    def spawn(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def start(self) -> None:
+        self.spawn(self._connect_bus())
+        for url in self.cfg.prefill_urls:
+            self.spawn(self._discover(url))
+
+    async def stop(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self.bus is not None:
+            await self.bus.close()
+        await self.http.aclose()
+
+    async def _connect_bus(self) -> None:
+        while True:
+            try:
+                bus = await Bus.connect(self.cfg.nats_url, name="router")
+                break
+            except BusUnavailable as exc:
+                _log.warning("bus_unavailable_retrying", error=str(exc))
+                await asyncio.sleep(1.0)
+        await self.dispatcher.start(bus)
+        await bus.subscribe(subjects.NODE_AVAIL_ALL, self._on_node, NodeMessage)
+        self.bus = bus
+
+    async def _on_node(self, event: Any, msg: Any) -> None:
+        self.nodes.observe(event, time.monotonic())
+
+    async def _discover(self, url: str) -> None:
+        while url not in self.discovered:
+            try:
+                for info in await backend.discover(self.http, url, self.cfg.tokenizers):
+                    self.models[info.name] = info
+                self.discovered.add(url)
+                _log.info("models_discovered", url=url, models=sorted(self.models))
+            except (httpx.HTTPError, ValueError, KeyError) as exc:
+                _log.info("vllm_not_ready", url=url, error=str(exc)[:200])
+                await asyncio.sleep(1.0)
+
+    @property
+    def is_ready(self) -> bool:
+        return self.discovered == set(self.cfg.prefill_urls)
+
+    def express_capacity(self) -> dict[str, int | None]:
+        now = time.monotonic()
+        return {name: self.nodes.slot_capacity(info.aliases, now) for name, info in self.models.items()}
+
+    # ---------------------------------------------------------------- requests
+
+    def _tenant(self, request: Request) -> str:
+        if not self.cfg.api_keys:
+            return ""
+        auth = request.headers.get("authorization", "")
+        scheme, _, key = auth.partition(" ")
+        tenant = self.cfg.api_keys.get(key.strip()) if scheme.lower() == "bearer" else None
+        if tenant is None:
+            raise ApiError(401, "missing or invalid API key: send 'Authorization: Bearer KEY'",
+                           code="invalid_api_key")
+        return tenant
+
+    def _sampling(self, info: backend.ModelInfo, req: ParsedRequest) -> dict[str, Any]:
+        d = info.defaults
+        return {
+            "temperature": d["temperature"] if req.temperature is None else req.temperature,
+            "top_p": d["top_p"] if req.top_p is None else req.top_p,
+            "top_k": d["top_k"] if req.top_k is None else req.top_k,
+            "seed": req.seed,
+        }
+
+    async def handle(self, request: Request, endpoint: str) -> Response:
+        request_id = uuid.uuid4().hex
+        structlog.contextvars.bind_contextvars(request_id=request_id)
+        span = self.tracer.start_span("router.request", context=extract_context(dict(request.headers)),
+                                      kind=SpanKind.SERVER,
+                                      attributes={"request_id": request_id, "endpoint": endpoint})
+        lane = "none"
+        try:
+            with trace.use_span(span, end_on_exit=False):
+                response, lane = await self._handle(request, endpoint, request_id, span)
+        except ApiError as exc:
+            response = JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+        except standard.UpstreamError as exc:
+            response = exc.response()
+        response.headers["x-request-id"] = request_id
+        response.headers["x-expresslane-lane"] = lane
+        span.set_attribute("lane", lane)
+        span.set_attribute("http.status_code", response.status_code)
+        self.metrics.requests.labels(endpoint, lane, str(response.status_code)).inc()
+        if not isinstance(response, StreamingResponse) or lane != "express":
+            span.end()  # the express stream ends it when the stream ends
+        structlog.contextvars.unbind_contextvars("request_id")
+        return response
+
+    async def _handle(self, request: Request, endpoint: str, request_id: str,
+                      span: trace.Span) -> tuple[Response, str]:
+        tenant = self._tenant(request)
+        req = parse_request(endpoint, parse_body(await request.body()))  # type: ignore[arg-type]
+        info = self.models.get(req.model)
+        if info is None:
+            raise ApiError(404, f"The model `{req.model}` does not exist.", param="model",
+                           code="model_not_found")
+        capacity = self.nodes.slot_capacity(info.aliases, time.monotonic()) if self.bus else None
+        num_prompt = backend.count_prompt_tokens(info, req)
+        max_tokens = req.max_tokens or max(info.max_model_len - num_prompt, 1)
+        decision = choose_lane(self.cfg.policy, LaneInputs(
+            model=req.model, tenant=tenant, header=request.headers.get(HEADER),
+            blockers=tuple(req.express_blockers), max_tokens=max_tokens,
+            num_prompt_tokens=num_prompt, slot_capacity=capacity))
+        self.metrics.lane_reasons.labels(decision.lane, decision.reason.split(":")[0]).inc()
+        span.set_attribute("lane_reason", decision.reason)
+        if decision.lane == "express":
+            if info.max_model_len and num_prompt + max_tokens > info.max_model_len:
+                raise ApiError(400, (
+                    f"This model's maximum context length is {info.max_model_len} tokens. However, "
+                    f"you requested {num_prompt + max_tokens} tokens ({num_prompt} in the prompt, "
+                    f"{max_tokens} in the completion)."), param="max_tokens", code="context_length_exceeded")
+            es = ExpressStream(
+                self._deps(), info, request_id=request_id, path=_PATHS[endpoint], body=req.body,
+                sampling=self._sampling(info, req), stop_token_ids=req.stop_token_ids,
+                ignore_eos=req.ignore_eos, max_tokens=max_tokens, num_prompt_tokens=num_prompt,
+                tenant=tenant, parent=span)
+            try:
+                await es.open()
+                return await self._express_response(es, req, info, request_id, span), "express"
+            except LaneFallback as exc:
+                _log.warning("express_fallback", reason=str(exc))
+                self.metrics.fallbacks.labels("coordinator").inc()
+        url = self.cfg.standard_url or info.url
+        headers = inject_headers({})
+        resp = await standard.forward(self.http, url, _PATHS[endpoint], req.body, req.stream,
+                                      headers, self.cfg.standard_timeout_s)
+        return resp, "standard"
+
+    def _deps(self) -> ExpressDeps:
+        assert self.bus is not None
+        return ExpressDeps(bus=self.bus, http=self.http, dispatcher=self.dispatcher, nodes=self.nodes,
+                           metrics=self.metrics, tracer=self.tracer, spawn=self.spawn, cfg=self.cfg)
+
+    async def _express_response(self, es: ExpressStream, req: ParsedRequest, info: backend.ModelInfo,
+                                request_id: str, span: trace.Span) -> Response:
+        prefix = "chatcmpl-" if req.endpoint == "chat" else "cmpl-"
+        builder = ResponseBuilder(req.endpoint, prefix + request_id, req.model,  # type: ignore[arg-type]
+                                  include_usage=req.include_usage, return_token_ids=req.return_token_ids)
+        detok = Detokenizer(info.tokenizer, es.prompt_ids, skip_special_tokens=req.skip_special_tokens,
+                            stop=req.stop, include_stop_str_in_output=req.include_stop_str_in_output)
+        if req.stream:
+            return StreamingResponse(self._stream_body(es, detok, builder, span),
+                                     media_type="text/event-stream")
+        text, finish, stop_reason = "", None, None
+        try:
+            async for delta, _, finish, stop_reason in self._run(es, detok):
+                text += delta
+        finally:
+            span.end()
+        usage = usage_dict(len(es.prompt_ids), detok.num_tokens)
+        return JSONResponse(builder.full(text, finish or "length", stop_reason, usage,
+                                         detok.token_ids, es.prompt_ids))
+
+    async def _run(self, es: ExpressStream, detok: Detokenizer
+                   ) -> AsyncIterator[tuple[str, list[int], str | None, str | None]]:
+        """(text, token ids, finish_reason, stop_reason) per batch; the source closes on a stop."""
+        gen = es.tokens()
+        self.metrics.active.labels("express").inc()
+        try:
+            async for batch in gen:
+                delta = detok.add(batch.token_ids)
+                self.metrics.completion_tokens.labels("express").inc(len(delta.token_ids))
+                finish = delta.finish_reason or batch.finish_reason
+                if finish:
+                    yield delta.text + detok.flush(), delta.token_ids, finish, delta.stop_reason
+                    return
+                yield delta.text, delta.token_ids, None, None
+            yield detok.flush(), [], "length", None
+        finally:
+            self.metrics.active.labels("express").dec()
+            await gen.aclose()
+
+    async def _stream_body(self, es: ExpressStream, detok: Detokenizer, builder: ResponseBuilder,
+                           span: trace.Span) -> AsyncIterator[bytes]:
+        t0 = time.perf_counter()
+        first = True
+        try:
+            async for text, token_ids, finish, stop_reason in self._run(es, detok):
+                chunk = builder.delta(text, token_ids, es.prompt_ids)
+                if chunk:
+                    if first:
+                        self.metrics.ttft_ms.labels("express").observe((time.perf_counter() - t0) * 1000)
+                        first = False
+                    yield chunk
+                if finish:
+                    yield builder.finish(finish, stop_reason, usage_dict(len(es.prompt_ids), detok.num_tokens))
+                    return
+        except ApiError as exc:
+            yield sse_error(exc.body())
+        except standard.UpstreamError as exc:
+            yield sse_error(ApiError(exc.status, exc.body.decode(errors="replace")[:500]).body())
+        finally:
+            span.end()
+
+
+def create_app(cfg: RouterConfig) -> FastAPI:
+    router = Router(cfg)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        await router.start()
+        try:
+            yield
+        finally:
+            await router.stop()
+
+    app = FastAPI(title="expresslane router", lifespan=lifespan)
+    app.state.router = router
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        return await router.handle(request, "chat")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await router.handle(request, "completions")
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        try:
+            router._tenant(request)
+        except ApiError as exc:
+            return JSONResponse(exc.body(), status_code=exc.status)
+        now = int(time.time())
+        data = [{"id": m.name, "object": "model", "created": now, "owned_by": "expresslane",
+                 "root": m.root, "max_model_len": m.max_model_len} for m in router.models.values()]
+        return JSONResponse({"object": "list", "data": data})
+
+    @app.get("/health")
+    async def health() -> Response:
+        body = {"status": "ok" if router.is_ready else "starting", "bus": router.bus is not None,
+                "models": sorted(router.models), "express_capacity": router.express_capacity(),
+                "missing": sorted(set(cfg.prefill_urls) - router.discovered)}
+        return JSONResponse(body, status_code=200 if router.is_ready else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(router.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    return app
+
+
+def main(argv: list[str]) -> int:
+    import uvicorn
+
+    from services.router.config import build_parser, from_args
+    from shared import config as shared_config
+    from shared.log import setup_logging
+
+    parser = build_parser()
+    args = shared_config.parse_args(parser, argv)
+    try:
+        cfg = from_args(args)
+    except ValueError as exc:
+        parser.error(str(exc))
+    setup_logging("router", level=args.log_level, json=args.log_format == "json")
+    app = create_app(cfg)
+    server = uvicorn.Server(uvicorn.Config(app, host=cfg.host, port=cfg.port, log_config=None,
+                                           access_log=False, timeout_graceful_shutdown=5))
+    server.run()
+    return 0

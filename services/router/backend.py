@@ -1,0 +1,131 @@
+"""The models behind the router: which vLLM serves each, its tokenizer, limits and defaults.
+
+Contract:
+- ``discover(client, url)`` asks one vLLM server (``GET /v1/models``) what it serves and returns a
+  ``ModelInfo`` per model; the tokenizer is loaded from the model's checkpoint directory (``root``,
+  or an override) so the router detokenizes exactly as vLLM would.
+- ``count_prompt_tokens(info, req)``: the prompt's length the way vLLM renders it (chat template
+  with the generation prompt, BOS for text completions). Used for the claim and for the context
+  check before the prefill; vLLM's own count (``prompt_token_ids``) is authoritative afterwards.
+- ``sampling_defaults``: what vLLM applies when a request leaves temperature/top_p/top_k unset
+  (``generation_config.json``, else 1.0 / 1.0 / off), so both lanes sample alike.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from services.router.validate import ParsedRequest
+
+
+@dataclass
+class ModelInfo:
+    name: str
+    root: str
+    url: str  # base URL of the vLLM server that serves it (prefill and, by default, standard lane)
+    max_model_len: int
+    tokenizer: Any = None
+    eos_token_ids: list[int] = field(default_factory=list)
+    defaults: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def aliases(self) -> set[str]:
+        root = self.root.rstrip("/")
+        return {self.name, root, os.path.basename(root)}
+
+
+def _generation_config(root: str) -> dict[str, Any]:
+    path = Path(root) / "generation_config.json"
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def sampling_defaults(gen_config: dict[str, Any]) -> dict[str, Any]:
+    """The defaults vLLM takes from ``generation_config.json`` (only the keys it uses)."""
+    out = {"temperature": 1.0, "top_p": 1.0, "top_k": 0}
+    for key in ("temperature", "top_p", "top_k"):
+        if gen_config.get(key) is not None:
+            out[key] = gen_config[key]
+    return out
+
+
+def _eos_ids(gen_config: dict[str, Any], tokenizer: Any) -> list[int]:
+    eos = gen_config.get("eos_token_id")
+    ids = eos if isinstance(eos, list) else ([eos] if isinstance(eos, int) else [])
+    tok_eos = getattr(tokenizer, "eos_token_id", None)
+    if isinstance(tok_eos, int) and tok_eos not in ids:
+        ids.append(tok_eos)
+    return ids
+
+
+def load_tokenizer(path: str) -> Any:
+    """The HF tokenizer of a checkpoint directory (blocking: call it in a thread)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+async def discover(
+    client: httpx.AsyncClient, url: str, tokenizer_paths: dict[str, str] | None = None
+) -> list[ModelInfo]:
+    """The models one vLLM server serves, with tokenizers loaded; raises httpx errors."""
+    import asyncio
+
+    resp = await client.get(f"{url.rstrip('/')}/v1/models", timeout=5.0)
+    resp.raise_for_status()
+    out = []
+    for entry in resp.json().get("data", []):
+        name = entry["id"]
+        root = entry.get("root") or name
+        tok_path = (tokenizer_paths or {}).get(name, root)
+        tokenizer = await asyncio.to_thread(load_tokenizer, tok_path)
+        gen = _generation_config(root)
+        out.append(ModelInfo(
+            name=name, root=root, url=url.rstrip("/"),
+            max_model_len=int(entry.get("max_model_len") or 0),
+            tokenizer=tokenizer, eos_token_ids=_eos_ids(gen, tokenizer),
+            defaults=sampling_defaults(gen),
+        ))
+    return out
+
+
+def _text_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    out = []
+    for m in messages:
+        content = m.get("content")
+        if isinstance(content, list):
+            content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+        out.append({**m, "content": content or ""})
+    return out
+
+
+def count_prompt_tokens(info: ModelInfo, req: ParsedRequest) -> int:
+    """The prompt's length in tokens as vLLM will render it."""
+    tok = info.tokenizer
+    if req.endpoint == "completions":
+        if isinstance(req.prompt, list):
+            return len(req.prompt)
+        return len(tok.encode(req.prompt or ""))
+    body = req.body
+    try:
+        ids = tok.apply_chat_template(
+            _text_messages(req.messages or []),
+            add_generation_prompt=body.get("add_generation_prompt", True),
+            continue_final_message=body.get("continue_final_message", False),
+            tokenize=True,
+            **(body.get("chat_template_kwargs") or {}),
+        )
+    except Exception:
+        text = "\n".join(m["content"] for m in _text_messages(req.messages or []))
+        return len(tok.encode(text))
+    if hasattr(ids, "keys"):
+        ids = ids["input_ids"]
+    return len(ids)

@@ -1,0 +1,112 @@
+"""The router's configuration: one object, parsed once from flags and ``EXPRESSLANE_*`` variables.
+
+Every flag ``--foo-bar`` also reads ``EXPRESSLANE_FOO_BAR`` (shared.config). ``from_args`` checks
+the values and raises ValueError naming the flag.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, field
+
+from services.router.policy import PolicyConfig, parse_lane_table
+from shared import config as shared_config
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    prefill_urls: tuple[str, ...] = ("http://127.0.0.1:8100",)
+    standard_url: str = ""  # native decode pool; "" -> the model's prefill vLLM
+    nats_url: str = "nats://127.0.0.1:4222"
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_keys: dict[str, str] = field(default_factory=dict)  # key -> tenant; empty: no auth
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+    tokenizers: dict[str, str] = field(default_factory=dict)  # model -> tokenizer path override
+    claim_wait_ms: int = 2000
+    claim_margin_s: float = 2.0
+    prefill_timeout_s: float = 300.0
+    first_decode_timeout_s: float = 30.0
+    token_timeout_s: float = 10.0
+    standard_timeout_s: float = 600.0
+    max_migrations: int = 2
+    migrate_to: str = "express"  # "express": another node first, then standard; "standard"
+    migrate_wait_ms: int = 500
+
+
+def _pairs(text: str, what: str) -> dict[str, str]:
+    out = {}
+    for item in filter(None, (s.strip() for s in text.split(","))):
+        key, sep, value = item.partition("=")
+        if not sep or not key or not value:
+            raise ValueError(f"--{what}: bad entry {item!r}, expected KEY=VALUE")
+        out[key.strip()] = value.strip()
+    return out
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="expresslane router",
+        description="OpenAI-compatible router: the express lane (our decode nodes) and the standard "
+        "lane (vLLM) behind one endpoint.",
+    )
+    shared_config.add_common_args(p)
+    d = RouterConfig()
+    p.add_argument("--prefill-url", default=",".join(d.prefill_urls),
+                   help="vLLM prefill server(s) with the express connector, comma separated")
+    p.add_argument("--standard-url", default="",
+                   help="OpenAI endpoint of the native decode pool (default: the prefill vLLM)")
+    p.add_argument("--host", default=d.host, help="listen address")
+    p.add_argument("--port", type=int, default=d.port, help="listen port")
+    p.add_argument("--api-keys", default="", help="KEY=TENANT,... ; empty: no authentication")
+    p.add_argument("--default-lane", default="express", choices=["express", "standard"])
+    p.add_argument("--tenant-lanes", default="", help="TENANT=express|standard,...")
+    p.add_argument("--model-lanes", default="", help="MODEL=express|standard,...")
+    p.add_argument("--header-override", default="on", choices=["on", "off"],
+                   help="honour the x-expresslane: on|off request header")
+    p.add_argument("--capability-gate", default="standard", choices=["standard", "reject"],
+                   help="a parameter the express lane cannot honour: standard lane, or 400")
+    p.add_argument("--tokenizers", default="", help="MODEL=PATH,... tokenizer overrides")
+    p.add_argument("--claim-wait-ms", type=int, default=d.claim_wait_ms,
+                   help="how long a claim may queue for a free decode slot")
+    p.add_argument("--prefill-timeout-s", type=float, default=d.prefill_timeout_s)
+    p.add_argument("--first-decode-timeout-s", type=float, default=d.first_decode_timeout_s,
+                   help="silence before the first decoded token that counts as a failed node")
+    p.add_argument("--token-timeout-s", type=float, default=d.token_timeout_s,
+                   help="silence between tokens that counts as a failed node")
+    p.add_argument("--max-migrations", type=int, default=d.max_migrations)
+    p.add_argument("--migrate-to", default=d.migrate_to, choices=["express", "standard"])
+    return p
+
+
+def from_args(args: argparse.Namespace) -> RouterConfig:
+    """Build and check the config; ValueError names the bad flag."""
+    policy = PolicyConfig(
+        default_lane=args.default_lane,
+        tenant_lanes=parse_lane_table(args.tenant_lanes),
+        model_lanes=parse_lane_table(args.model_lanes),
+        header_override=args.header_override == "on",
+        capability_gate=args.capability_gate,
+    ).validate()
+    urls = tuple(u.strip().rstrip("/") for u in args.prefill_url.split(",") if u.strip())
+    if not urls:
+        raise ValueError("--prefill-url: at least one vLLM URL is needed")
+    for name in ("claim_wait_ms", "max_migrations"):
+        if getattr(args, name) < 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 0")
+    return RouterConfig(
+        prefill_urls=urls,
+        standard_url=args.standard_url.rstrip("/"),
+        nats_url=args.nats_url,
+        host=args.host,
+        port=args.port,
+        api_keys=_pairs(args.api_keys, "api-keys"),
+        policy=policy,
+        tokenizers=_pairs(args.tokenizers, "tokenizers"),
+        claim_wait_ms=args.claim_wait_ms,
+        prefill_timeout_s=args.prefill_timeout_s,
+        first_decode_timeout_s=args.first_decode_timeout_s,
+        token_timeout_s=args.token_timeout_s,
+        max_migrations=args.max_migrations,
+        migrate_to=args.migrate_to,
+    )

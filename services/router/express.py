@@ -1,0 +1,360 @@
+"""The express leg of one request: claim, prefill in vLLM, decode on a node, migrate on failure.
+
+Contract (``ExpressStream``):
+- ``await open()``: claim a decode slot (``ClaimRejected`` -> ``ApiError`` 429 with Retry-After;
+  no coordinator -> ``LaneFallback``: the caller serves the standard lane), then the prefill leg
+  to vLLM (``max_tokens=1``, ``stream=false``, ``return_token_ids``, ``kv_transfer_params`` with
+  the lease and its transfer target). A vLLM error passes through (``UpstreamError``) and the lease
+  is cancelled. Returns the prompt's token ids.
+- ``tokens()``: the completion's token ids as ``TokenBatch``es: the first token (from the prefill)
+  at once, then ``DecodeStart`` to the node and its ``TokensGenerated`` relayed in order, ending
+  with the node's finish reason. When the node fails (``RequestFailed``, a ``failed`` handoff, or
+  silence past a timeout), the request migrates: prompt + ids already yielded go to another
+  express node (new claim + prefill of those ids) or to the standard lane (vLLM continues from
+  them), so the ids yielded are exactly those of an uninterrupted run: none lost, none repeated.
+- Closing ``tokens()`` early (client gone, stop string) publishes ``CancelRequest`` for the live
+  leg; every leg ends with its queue unregistered.
+
+Each leg has its own request id (``<id>``, ``<id>-m1``, ...), so the coordinator's state machine
+sees every attempt as one request with one terminal state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import msgspec
+from opentelemetry import trace
+from opentelemetry.trace import SpanKind
+
+from services.router.backend import ModelInfo
+from services.router.errors import ApiError, rate_limited
+from services.router.metrics import RouterMetrics
+from services.router.nodes import NodeTable
+from services.router.standard import TokenBatch, UpstreamError, continuation_body, continue_tokens, unreachable
+from shared import subjects
+from shared.bus import Bus, BusTimeout
+from shared.events import (
+    CancelRequest, ClaimGranted, ClaimReply, ClaimRejected, ClaimRequest, DecodeStart, HandoffEvent,
+    RequestFailed, RequestFinished, SamplingParams, TokenMessage, TokensGenerated,
+)
+from shared.log import get_logger
+from shared.tracing import current_traceparent, inject_headers
+
+_log = get_logger("services.router.express")
+
+
+class LaneFallback(Exception):
+    """The express lane cannot take the request; nothing was sent yet: use the standard lane."""
+
+
+class _LegFailed(Exception):
+    """The decode side of one leg failed; the request migrates."""
+
+
+class Dispatcher:
+    """One wildcard subscription for all legs' tokens and handoff events, routed by request id."""
+
+    def __init__(self) -> None:
+        self._queues: dict[str, asyncio.Queue] = {}
+
+    async def start(self, bus: Bus) -> None:
+        await bus.subscribe(subjects.REQ_TOKENS_ALL, self._on_event, TokenMessage)
+        await bus.subscribe(subjects.HANDOFF_ALL, self._on_event, HandoffEvent)
+
+    async def _on_event(self, event: Any, msg: Any) -> None:
+        queue = self._queues.get(event.request_id)
+        if queue is not None:
+            queue.put_nowait(event)
+
+    def open(self, leg_id: str) -> asyncio.Queue:
+        return self._queues.setdefault(leg_id, asyncio.Queue())
+
+    def close(self, leg_id: str) -> None:
+        self._queues.pop(leg_id, None)
+
+    @property
+    def num_open(self) -> int:
+        return len(self._queues)
+
+
+@dataclass
+class ExpressDeps:
+    bus: Bus
+    http: httpx.AsyncClient
+    dispatcher: Dispatcher
+    nodes: NodeTable
+    metrics: RouterMetrics
+    tracer: trace.Tracer
+    spawn: Callable[[Any], None]  # run a coroutine in the background, safe under cancellation
+    cfg: Any  # RouterConfig
+
+
+@dataclass
+class _Leg:
+    id: str
+    grant: ClaimGranted
+    queue: asyncio.Queue
+    finished: bool = False
+    span: trace.Span | None = None  # router.decode: from DecodeStart to the leg's end
+
+    def end_span(self, status: str) -> None:
+        if self.span is not None:
+            self.span.set_attribute("outcome", status)
+            self.span.end()
+            self.span = None
+
+
+class ExpressStream:
+    def __init__(self, deps: ExpressDeps, info: ModelInfo, *, request_id: str, path: str,
+                 body: dict[str, Any], sampling: dict[str, Any], stop_token_ids: list[int],
+                 ignore_eos: bool, max_tokens: int, num_prompt_tokens: int, tenant: str,
+                 parent: trace.Span) -> None:
+        self.d = deps
+        self.info = info
+        self.request_id = request_id
+        self._path = path
+        self._body = body
+        self._sampling = sampling
+        self._stop_ids = list(stop_token_ids) + ([] if ignore_eos else
+                                                 [t for t in info.eos_token_ids if t not in stop_token_ids])
+        self._ignore_eos = ignore_eos
+        self.max_tokens = max_tokens
+        self._num_prompt_tokens = num_prompt_tokens
+        self._tenant = tenant
+        self._ctx = trace.set_span_in_context(parent)
+        self.prompt_ids: list[int] = []
+        self._leg: _Leg | None = None
+        self._first: TokenBatch | None = None
+        self.num_migrations = 0
+        self.timings: dict[str, float] = {}
+
+    # ---------------------------------------------------------------- one leg
+
+    def _node_model(self) -> str:
+        live = self.d.nodes.live(time.monotonic(), self.info.aliases)
+        return live[0].model if live else self.info.name
+
+    async def _claim(self, leg_id: str, num_prompt: int, max_tokens: int, wait_ms: int) -> ClaimGranted:
+        req = ClaimRequest(request_id=leg_id, model=self._node_model(), num_prompt_tokens=num_prompt,
+                           max_tokens=max_tokens, wait_ms=wait_ms, tenant=self._tenant)
+        t0 = time.perf_counter()
+        with self.d.tracer.start_as_current_span("router.claim", context=self._ctx,
+                                                 attributes={"request_id": leg_id}):
+            try:
+                reply = await self.d.bus.request(subjects.CLAIM, req, ClaimReply,
+                                                 timeout_s=wait_ms / 1000 + self.d.cfg.claim_margin_s)
+            except BusTimeout as exc:
+                raise LaneFallback(f"coordinator: {exc}") from None
+        self.d.metrics.claim_ms.observe((time.perf_counter() - t0) * 1000)
+        if isinstance(reply, ClaimRejected):
+            self.d.metrics.rejected.inc()
+            raise rate_limited(
+                f"the express lane is saturated ({reply.reason}); retry later or send "
+                "'x-expresslane: off'", max(1, -(-reply.retry_after_ms // 1000)))
+        return reply
+
+    def _cancel(self, leg: _Leg, reason: str) -> None:
+        """Tell node and coordinator to drop the leg (fire and forget)."""
+        self.d.dispatcher.close(leg.id)
+        leg.end_span(reason)
+        if leg.finished:
+            return
+        leg.finished = True
+        self.d.metrics.cancels.labels(reason).inc()
+        self.d.spawn(self.d.bus.publish(subjects.req_cancel(leg.id),
+                                        CancelRequest(request_id=leg.id, reason=reason)))
+
+    async def _open_leg(self, leg_id: str, path: str, body: dict[str, Any], num_prompt: int,
+                        max_tokens: int, wait_ms: int) -> tuple[_Leg, TokenBatch, list[int]]:
+        """Claim, prefill; return the leg, its first token and the prompt ids vLLM saw."""
+        queue = self.d.dispatcher.open(leg_id)
+        try:
+            grant = await self._claim(leg_id, num_prompt, max_tokens, wait_ms)
+        except BaseException:
+            self.d.dispatcher.close(leg_id)
+            raise
+        leg = _Leg(id=leg_id, grant=grant, queue=queue)
+        try:
+            first, prompt_ids = await self._prefill(leg, path, body)
+        except BaseException:
+            self._cancel(leg, "prefill_failed")
+            raise
+        return leg, first, prompt_ids
+
+    async def _prefill(self, leg: _Leg, path: str, body: dict[str, Any]) -> tuple[TokenBatch, list[int]]:
+        g = leg.grant
+        url = f"{self.info.url}{path}"
+        t0 = time.perf_counter()
+        with self.d.tracer.start_as_current_span("router.prefill", context=self._ctx, kind=SpanKind.CLIENT,
+                                                 attributes={"request_id": leg.id, "node_id": g.node_id}):
+            params = {"expresslane": {
+                "request_id": leg.id, "lease_id": g.lease_id, "generation": g.generation,
+                "target": msgspec.to_builtins(g.target), "traceparent": current_traceparent(),
+            }}
+            body = {**body, "max_tokens": 1, "stream": False, "return_token_ids": True,
+                    "kv_transfer_params": params}
+            for key in ("max_completion_tokens", "stream_options", "stop"):
+                body.pop(key, None)
+            try:
+                resp = await self.d.http.post(url, json=body, headers=inject_headers({}),
+                                              timeout=self.d.cfg.prefill_timeout_s)
+            except httpx.HTTPError as exc:
+                raise unreachable(self.info.url, exc) from None
+        self.d.metrics.prefill_ms.observe((time.perf_counter() - t0) * 1000)
+        if resp.status_code >= 400:
+            raise UpstreamError(resp.status_code, resp.content,
+                                resp.headers.get("content-type", "application/json").split(";")[0])
+        data = resp.json()
+        choice = data["choices"][0]
+        prompt_ids = data.get("prompt_token_ids") or choice.get("prompt_token_ids") or []
+        token_ids = choice.get("token_ids") or []
+        if len(token_ids) != 1:
+            raise ApiError(500, f"the prefill server returned {len(token_ids)} token ids, expected 1: "
+                                "is it vLLM >= 0.32 with return_token_ids?")
+        finish = choice.get("finish_reason")
+        return TokenBatch(list(token_ids), "stop" if finish == "stop" else None), list(prompt_ids)
+
+    async def _start_decode(self, leg: _Leg, first_id: int, num_prompt: int, remaining: int) -> None:
+        g = leg.grant
+        sampling = SamplingParams(
+            max_tokens=remaining, temperature=float(self._sampling["temperature"]),
+            top_p=float(self._sampling["top_p"]), top_k=max(0, int(self._sampling["top_k"])),
+            seed=self._sampling.get("seed"), stop_token_ids=self._stop_ids, ignore_eos=self._ignore_eos,
+        )
+        start = DecodeStart(request_id=leg.id, lease_id=g.lease_id, generation=g.generation,
+                            slot=g.target.slot.slot, first_token_id=first_id,
+                            num_prompt_tokens=num_prompt, sampling=sampling)
+        leg.span = self.d.tracer.start_span("router.decode", context=self._ctx, attributes={
+            "request_id": leg.id, "node_id": g.node_id, "slot": g.target.slot.slot})
+        with trace.use_span(leg.span, end_on_exit=False):
+            await self.d.bus.publish(subjects.decode_start(g.node_id), start)
+
+    async def _relay(self, leg: _Leg) -> AsyncIterator[TokenBatch]:
+        """The decode node's tokens for one leg (leg-local index 1 onwards), in order."""
+        expected = 1
+        timeout_s = self.d.cfg.first_decode_timeout_s
+        while True:
+            try:
+                event = await asyncio.wait_for(leg.queue.get(), timeout_s)
+            except asyncio.TimeoutError:
+                raise _LegFailed(f"decode node {leg.grant.node_id} silent for {timeout_s:g} s") from None
+            if isinstance(event, TokensGenerated):
+                ids = event.token_ids[max(0, expected - event.index):]
+                if event.index > expected:
+                    raise _LegFailed(f"tokens {expected}..{event.index - 1} never arrived")
+                expected += len(ids)
+                timeout_s = self.d.cfg.token_timeout_s
+                if ids:
+                    yield TokenBatch(list(ids))
+            elif isinstance(event, RequestFinished):
+                if event.finish_reason == "cancelled":
+                    raise _LegFailed("the decode node cancelled the request")
+                leg.finished = True
+                leg.end_span(event.finish_reason)
+                yield TokenBatch([], event.finish_reason)
+                return
+            elif isinstance(event, RequestFailed):
+                raise _LegFailed(f"decode node: {event.reason}")
+            elif isinstance(event, HandoffEvent) and event.state in ("failed", "cancelled"):
+                raise _LegFailed(f"lease {event.state}: {event.reason}")
+
+    # ---------------------------------------------------------------- the request
+
+    async def open(self) -> list[int]:
+        """Claim and prefill the first leg; returns the prompt's token ids."""
+        t0 = time.perf_counter()
+        self._leg, self._first, self.prompt_ids = await self._open_leg(
+            self.request_id, self._path, self._body, self._num_prompt_tokens, self.max_tokens,
+            self.d.cfg.claim_wait_ms)
+        self.timings["open_ms"] = (time.perf_counter() - t0) * 1000
+        return self.prompt_ids
+
+    async def tokens(self) -> AsyncIterator[TokenBatch]:
+        """Every completion token id, in order (see the module contract)."""
+        assert self._leg is not None and self._first is not None, "call open() first"
+        leg: _Leg | None = self._leg
+        generated: list[int] = []
+        batch: TokenBatch | None = self._first
+        try:
+            while True:
+                # a leg's first token (from its prefill), then its decode node's tokens
+                generated += batch.token_ids
+                remaining = self.max_tokens - len(generated)
+                if batch.finish_reason or remaining <= 0:
+                    if leg is not None:
+                        self._cancel(leg, "finished_at_prefill")
+                    yield TokenBatch(batch.token_ids, batch.finish_reason or "length")
+                    return
+                await self._start_decode(leg, batch.token_ids[0],
+                                         len(self.prompt_ids) + len(generated) - 1, remaining)
+                yield batch
+                try:
+                    async for item in self._relay(leg):
+                        generated += item.token_ids
+                        yield item
+                        if item.finish_reason:
+                            self.d.dispatcher.close(leg.id)
+                            return
+                    return
+                except _LegFailed as exc:
+                    _log.warning("express_leg_failed", request_id=leg.id, error=str(exc))
+                    self._cancel(leg, "migrating")
+                    leg = None
+                if len(generated) >= self.max_tokens:
+                    yield TokenBatch([], "length")
+                    return
+                leg, batch = await self._migrate(generated)
+                if leg is None:
+                    async for item in self._continue_standard(generated):
+                        generated += item.token_ids
+                        yield item
+                    return
+        finally:
+            if leg is not None:
+                self._cancel(leg, "client_disconnected")
+
+    async def _migrate(self, generated: list[int]) -> tuple[_Leg | None, TokenBatch | None]:
+        """Another express node for the rest of the request, or (None, None): the standard lane."""
+        self.num_migrations += 1
+        if self.num_migrations > self.d.cfg.max_migrations:
+            raise ApiError(503, f"request failed after {self.d.cfg.max_migrations} migrations")
+        ids = self.prompt_ids + generated
+        remaining = self.max_tokens - len(generated)
+        if self.d.cfg.migrate_to == "express" and self.d.nodes.live(time.monotonic(), self.info.aliases):
+            body = continuation_body(self.info.name, ids, 1, self._vllm_sampling())
+            body["stream"] = False
+            try:
+                leg, first, _ = await self._open_leg(
+                    f"{self.request_id}-m{self.num_migrations}", "/v1/completions", body, len(ids),
+                    remaining, self.d.cfg.migrate_wait_ms)
+                self.d.metrics.migrations.labels("express").inc()
+                return leg, first
+            except (LaneFallback, ApiError, UpstreamError) as exc:
+                _log.warning("express_migration_fell_back", request_id=self.request_id, error=str(exc))
+        self.d.metrics.migrations.labels("standard").inc()
+        return None, None
+
+    def _vllm_sampling(self) -> dict[str, Any]:
+        s = self._sampling
+        out = {"temperature": s["temperature"], "top_p": s["top_p"], "seed": s.get("seed"),
+               "ignore_eos": self._ignore_eos, "stop_token_ids": self._stop_ids or None}
+        if s["top_k"]:
+            out["top_k"] = s["top_k"]
+        return out
+
+    async def _continue_standard(self, generated: list[int]) -> AsyncIterator[TokenBatch]:
+        ids = self.prompt_ids + generated
+        body = continuation_body(self.info.name, ids, self.max_tokens - len(generated),
+                                 self._vllm_sampling())
+        url = self.d.cfg.standard_url or self.info.url
+        with self.d.tracer.start_as_current_span("router.continue_standard", context=self._ctx,
+                                                 kind=SpanKind.CLIENT):
+            headers = inject_headers({})
+        async for batch in continue_tokens(self.d.http, url, body, headers, self.d.cfg.standard_timeout_s):
+            yield batch

@@ -1,0 +1,129 @@
+"""The standard lane: vLLM generates; the router forwards bytes, or continues a migrated request.
+
+Contract:
+- ``forward(client, url, path, body, stream, headers)``: the client's request, unchanged, to the
+  standard pool's (or the prefill vLLM's) OpenAI endpoint. A non-2xx answer passes through with its
+  status and body (never hidden behind a 502); an unreachable server is a 503 with an OpenAI error
+  body. A streamed answer is relayed chunk by chunk; a client that goes away closes the upstream
+  request, so vLLM aborts it.
+- ``continue_tokens(...)``: the migration path. vLLM continues a completion from token ids
+  (``prompt + tokens already sent``) with ``max_tokens`` reduced; yields ``TokenBatch``es with the
+  ids vLLM generated and, on the last one, the finish reason.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+from starlette.background import BackgroundTask
+from starlette.responses import Response, StreamingResponse
+
+from services.router.errors import ApiError
+
+
+@dataclass
+class TokenBatch:
+    """Completion token ids in order; ``finish_reason`` set on the last batch."""
+
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+
+
+class UpstreamError(Exception):
+    """vLLM answered with an error: passed through to the client with its status and body."""
+
+    def __init__(self, status: int, body: bytes, content_type: str = "application/json") -> None:
+        super().__init__(f"upstream status {status}: {body[:200]!r}")
+        self.status = status
+        self.body = body
+        self.content_type = content_type
+
+    def response(self) -> Response:
+        return Response(self.body, status_code=self.status, media_type=self.content_type)
+
+
+def unreachable(url: str, exc: Exception) -> ApiError:
+    return ApiError(503, f"the model server at {url} is not reachable: {exc}", code="upstream_unavailable")
+
+
+async def forward(
+    client: httpx.AsyncClient,
+    url: str,
+    path: str,
+    body: dict[str, Any],
+    stream: bool,
+    headers: dict[str, str],
+    timeout_s: float,
+) -> Response:
+    """Send the request to vLLM and relay its answer (see the module contract)."""
+    request = client.build_request("POST", f"{url}{path}", json=body, headers=headers,
+                                   timeout=httpx.Timeout(timeout_s, connect=5.0))
+    try:
+        upstream = await client.send(request, stream=True)
+    except httpx.HTTPError as exc:
+        raise unreachable(url, exc) from None
+    content_type = upstream.headers.get("content-type", "application/json")
+    if upstream.status_code >= 400 or not stream:
+        try:
+            data = await upstream.aread()
+        finally:
+            await upstream.aclose()
+        return Response(data, status_code=upstream.status_code, media_type=content_type.split(";")[0])
+
+    async def relay() -> AsyncIterator[bytes]:
+        try:
+            async for chunk in upstream.aiter_raw():
+                yield chunk
+        finally:
+            await upstream.aclose()
+
+    return StreamingResponse(relay(), status_code=upstream.status_code, media_type="text/event-stream",
+                             background=BackgroundTask(upstream.aclose))
+
+
+def continuation_body(
+    model: str, token_ids: list[int], max_tokens: int, sampling: dict[str, Any]
+) -> dict[str, Any]:
+    """A completions request that continues from ``token_ids`` (prompt + tokens already sent)."""
+    return {
+        "model": model,
+        "prompt": list(token_ids),
+        "max_tokens": max_tokens,
+        "stream": True,
+        "return_token_ids": True,
+        **{k: v for k, v in sampling.items() if v is not None},
+    }
+
+
+async def continue_tokens(
+    client: httpx.AsyncClient,
+    url: str,
+    body: dict[str, Any],
+    headers: dict[str, str],
+    timeout_s: float,
+) -> AsyncIterator[TokenBatch]:
+    """Stream the continuation's token ids from vLLM; raises UpstreamError or ApiError (503)."""
+    import json
+
+    request = client.build_request("POST", f"{url}/v1/completions", json=body, headers=headers,
+                                   timeout=httpx.Timeout(timeout_s, connect=5.0))
+    try:
+        upstream = await client.send(request, stream=True)
+    except httpx.HTTPError as exc:
+        raise unreachable(url, exc) from None
+    try:
+        if upstream.status_code >= 400:
+            raise UpstreamError(upstream.status_code, await upstream.aread())
+        async for line in upstream.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                raise UpstreamError(500, json.dumps(chunk).encode())
+            for choice in chunk.get("choices", []):
+                yield TokenBatch(list(choice.get("token_ids") or []), choice.get("finish_reason"))
+    finally:
+        await upstream.aclose()

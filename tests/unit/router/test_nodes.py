@@ -1,0 +1,54 @@
+"""Node table: liveness from heartbeats, draining, capacity per model."""
+
+from __future__ import annotations
+
+import pytest
+
+from shared.events import KvLayoutSpec, NodeAvailable, NodeDraining
+from services.router.nodes import NodeTable, serves
+
+
+def hb(node="n0", model="/m/tiny-llama", seq=1, max_tokens=512, interval_ms=500, sent=0):
+    layout = KvLayoutSpec(layout_version=1, kind="gqa", dtype="float32", num_layers=2,
+                          max_tokens=max_tokens, slot_nbytes=1, segments=[])
+    return NodeAvailable(node_id=node, model=model, protocol_version=1, total_slots=2,
+                         free_slots=[0, 1], transports=["mooncake"], endpoints={}, slots=[],
+                         layout=layout, heartbeat_interval_ms=interval_ms, seq=seq, sent_at_ms=sent)
+
+
+ALIASES = {"tiny-llama", "/m/tiny-llama"}
+
+CASES = [
+    # (events as (event, at_s), now_s, expected capacity)
+    ([], 0.0, None),
+    ([(hb(), 0.0)], 1.0, 512),
+    ([(hb(), 0.0)], 1.6, None),  # 3 intervals of 0.5 s passed
+    ([(hb(), 0.0), (hb(seq=2), 1.0)], 2.0, 512),
+    ([(hb(), 0.0), (NodeDraining(node_id="n0", sent_at_ms=1), 0.1)], 0.2, None),
+    ([(hb(), 0.0), (NodeDraining(node_id="n0", sent_at_ms=1), 0.1), (hb(seq=2), 0.2)], 0.3, 512),
+    ([(hb(model="other"), 0.0)], 0.1, None),
+    ([(hb(), 0.0), (hb(node="n1", max_tokens=1024), 0.0)], 0.1, 1024),
+    ([(hb(seq=5), 0.0), (hb(seq=4, sent=-1), 1.0)], 1.6, None),  # stale heartbeat does not refresh
+]
+
+
+@pytest.mark.parametrize("events,now,capacity", CASES)
+def test_capacity(events, now, capacity):
+    table = NodeTable()
+    for event, at in events:
+        table.observe(event, at)
+    assert table.slot_capacity(ALIASES, now) == capacity
+
+
+@pytest.mark.parametrize("node_model,ok", [
+    ("tiny-llama", True), ("/m/tiny-llama", True), ("/other/dir/tiny-llama/", True), ("llama", False),
+])
+def test_serves(node_model, ok):
+    assert serves(node_model, ALIASES) is ok
+
+
+def test_forget_stale():
+    table = NodeTable()
+    table.observe(hb(), 0.0)
+    table.forget_stale(now_s=1000.0)
+    assert table.live(1000.0) == []
