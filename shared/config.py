@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import urllib.parse
 from collections.abc import Mapping, Sequence
 
@@ -122,7 +123,8 @@ def parse_args(
 
 def _from_env(parser, action: argparse.Action, flag: str, name: str, raw: str):
     def fail(why: str):
-        parser.error(f"{name}={raw!r} (the variable for {flag}): {why}")
+        shown = re.sub(r"(://[^:/@]*:)[^@]*@", r"\1***@", raw)  # never echo a password
+        parser.error(f"{name}={shown!r} (the variable for {flag}): {why}")
 
     if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
         word = raw.strip().lower()
