@@ -1,0 +1,59 @@
+"""Static KV cache: one preallocated receive buffer per slot, laid out as shared.kvlayout says.
+
+All slots live in one allocation ``buffer [num_slots + 1, slot_nbytes]`` (uint8); row ``slot`` is
+that slot's receive buffer (what a Transport registers and a prefill sender writes), and the
+per-layer cache tensors are typed views into it, so injected bytes are the cache with no copy.
+The extra last row is a scratch slot that padded batch entries may write without harm.
+
+Per cache layer (main layers first, then MTP layers):
+- GQA: ``k[layer]``, ``v[layer]``: [num_slots + 1, max_tokens, num_kv_heads, head_dim]
+- MLA: ``kv[layer]``: [num_slots + 1, max_tokens, kv_lora_rank + qk_rope_head_dim], the normalized
+  latent then the roped shared key. The rope part keeps the checkpoint's pair order: with
+  ``rope_interleave`` (DeepSeek-V3) rotated pairs stay adjacent, as vLLM's MLA cache holds them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from shared.events import KvLayoutSpec
+from shared.kvlayout import KvShape, layout_spec
+
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """'float32' for torch.float32, and so on (the name kvlayout uses)."""
+    return str(dtype).removeprefix("torch.")
+
+
+class KvCache:
+    """The slots' receive buffers and the per-layer views the models read and write."""
+
+    def __init__(self, shape: KvShape, num_slots: int, max_tokens: int, dtype: torch.dtype, device: torch.device | str):
+        self.shape = shape
+        self.num_slots = num_slots
+        self.scratch_slot = num_slots
+        self.max_tokens = max_tokens
+        self.layout: KvLayoutSpec = layout_spec(shape, dtype_name(dtype), max_tokens)
+        self.buffer = torch.zeros(num_slots + 1, self.layout.slot_nbytes, dtype=torch.uint8, device=device)
+        typed = self.buffer.view(dtype)
+        elt = typed.element_size()
+        rows = num_slots + 1
+        self.k: list[torch.Tensor] = []
+        self.v: list[torch.Tensor] = []
+        self.kv: list[torch.Tensor] = []
+        for seg in self.layout.segments:
+            start = seg.offset_bytes // elt
+            region = typed[:, start : start + max_tokens * seg.bytes_per_token // elt]
+            if shape.kind == "gqa":
+                view = region.view(rows, max_tokens, shape.num_kv_heads, shape.head_dim)
+                (self.k if seg.name == "k" else self.v).append(view)
+            else:
+                self.kv.append(region.view(rows, max_tokens, shape.kv_lora_rank + shape.qk_rope_head_dim))
+
+    def slot_buffer(self, slot: int) -> torch.Tensor:
+        """uint8 [slot_nbytes]: the slot's cache memory, allocated once."""
+        if not 0 <= slot < self.num_slots:
+            raise IndexError(f"slot {slot} does not exist: this engine has slots 0..{self.num_slots - 1}")
+        return self.buffer[slot]

@@ -1,0 +1,151 @@
+"""Split-K decode attention (flash-decoding) in Triton, for GQA and for absorbed MLA, and its torch twin.
+
+One program per (kv head, split): it loads every query head of the group (GQA: Hq/Hkv heads; MLA:
+all heads over the one shared latent) and walks its slice of the sequence once, so each KV byte is
+read exactly once per step. The number of splits is fixed at capture time; the slice length is
+derived in the kernel from the sequence length held in a device tensor (``pos + 1``), so one CUDA
+graph serves every position. A second tiny kernel merges the splits (log-sum-exp).
+
+Queries may span ``T`` consecutive new tokens (speculative verify): query row ``t`` sees keys
+``<= pos + t``. Layouts: q ``[T, Hq, D_QK]``; keys ``[max_tokens, Hkv, key_stride]`` of which the
+first ``D_MAIN`` elements are dotted with q's first ``D_MAIN`` and, for MLA, the ``D_ROPE`` elements
+at ``rope_offset`` with q's last ``D_ROPE``; values are the first ``D_V`` elements at ``v_ptr``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from .gemv import INTERPRET
+
+
+@triton.jit
+def _attn_split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, part_o_ptr, part_ml_ptr, sm_scale,
+                       stride_kt, stride_vt, rope_offset,
+                       T: tl.constexpr, NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
+                       GROUP: tl.constexpr, ROWS: tl.constexpr, D_MAIN: tl.constexpr, D_ROPE: tl.constexpr,
+                       D_V: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+                       DOT_F32: tl.constexpr):
+    kvh = tl.program_id(0)
+    split = tl.program_id(1)
+    pos = tl.load(pos_ptr)
+    seq_len = pos + T  # keys valid after this step's writes
+    chunk = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_S) * BLOCK_S
+    start = split * chunk
+    end = tl.minimum(start + chunk, seq_len)
+
+    r = tl.arange(0, ROWS)  # row = t * GROUP + g
+    t_of = r // GROUP
+    head = kvh * GROUP + (r % GROUP)
+    rvalid = r < T * GROUP
+    D_QK: tl.constexpr = D_MAIN + D_ROPE
+    q_row = q_ptr + (t_of * NUM_Q_HEADS + head) * D_QK
+    dm = tl.arange(0, D_MAIN)
+    q = tl.load(q_row[:, None] + dm[None, :], mask=rvalid[:, None], other=0.0)
+    if D_ROPE > 0:
+        dr = tl.arange(0, D_ROPE)
+        q_pe = tl.load(q_row[:, None] + D_MAIN + dr[None, :], mask=rvalid[:, None], other=0.0)
+    dv = tl.arange(0, D_V)
+    qk_scale = sm_scale * 1.4426950408889634
+    m = tl.full((ROWS,), float("-inf"), tl.float32)
+    l = tl.zeros((ROWS,), tl.float32)
+    acc = tl.zeros((ROWS, D_V), tl.float32)
+    limit = pos + t_of  # last key index each row may see
+    for s in range(start, end, BLOCK_S):
+        offs = s + tl.arange(0, BLOCK_S)
+        smask = offs < end
+        kbase = k_ptr + offs[:, None].to(tl.int64) * stride_kt + kvh * D_MAIN
+        k = tl.load(kbase + dm[None, :], mask=smask[:, None], other=0.0)
+        if DOT_F32:
+            scores = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)))
+        else:
+            scores = tl.dot(q, tl.trans(k))
+        if D_ROPE > 0:
+            k_pe = tl.load(k_ptr + offs[:, None].to(tl.int64) * stride_kt + rope_offset + dr[None, :],
+                           mask=smask[:, None], other=0.0)
+            if DOT_F32:
+                scores += tl.dot(q_pe.to(tl.float32), tl.trans(k_pe.to(tl.float32)))
+            else:
+                scores += tl.dot(q_pe, tl.trans(k_pe))
+        scores = scores * qk_scale
+        visible = smask[None, :] & (offs[None, :] <= limit[:, None])
+        scores = tl.where(visible, scores, float("-inf"))
+        m_new = tl.maximum(m, tl.max(scores, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(scores - m_safe[:, None])
+        alpha = tl.exp2(m - m_safe)
+        l = l * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_ptr + offs[:, None].to(tl.int64) * stride_vt + kvh * D_V + dv[None, :],
+                    mask=smask[:, None], other=0.0)
+        if DOT_F32:
+            pv = tl.dot(p, v.to(tl.float32))
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
+        m = m_new
+    # partials: [T, Hq, NUM_SPLITS, D_V] and [T, Hq, NUM_SPLITS, 2] (max in log2 units, sum)
+    prow = (t_of * NUM_Q_HEADS + head) * NUM_SPLITS + split
+    tl.store(part_o_ptr + prow[:, None] * D_V + dv[None, :], acc, mask=rvalid[:, None])
+    tl.store(part_ml_ptr + prow * 2, m, mask=rvalid)
+    tl.store(part_ml_ptr + prow * 2 + 1, l, mask=rvalid)
+
+
+@triton.jit
+def _attn_combine_kernel(part_o_ptr, part_ml_ptr, out_ptr, NUM_SPLITS: tl.constexpr, D_V: tl.constexpr):
+    row = tl.program_id(0)  # t * Hq + head
+    sp = tl.arange(0, NUM_SPLITS)
+    m = tl.load(part_ml_ptr + (row * NUM_SPLITS + sp) * 2)
+    l = tl.load(part_ml_ptr + (row * NUM_SPLITS + sp) * 2 + 1)
+    m_max = tl.max(m, axis=0)
+    w = tl.where(m == float("-inf"), 0.0, tl.exp2(m - m_max))
+    denom = tl.sum(w * l, axis=0)
+    dv = tl.arange(0, D_V)
+    o = tl.load(part_o_ptr + (row * NUM_SPLITS + sp)[:, None] * D_V + dv[None, :])
+    o = tl.sum(o * w[:, None], axis=0) / denom
+    tl.store(out_ptr + row * D_V + dv, o.to(out_ptr.dtype.element_ty))
+
+
+class DecodeAttention:
+    """Preallocated split-K decode attention for one shape; ``__call__`` launches two kernels."""
+
+    def __init__(self, *, num_q_heads: int, num_kv_heads: int, d_main: int, d_v: int, d_rope: int = 0,
+                 num_tokens: int = 1, num_splits: int = 32, block_s: int = 32, sm_scale: float | None = None,
+                 num_warps: int = 4, device: torch.device | str = "cpu"):
+        self.hq, self.hkv, self.t = num_q_heads, num_kv_heads, num_tokens
+        self.d_main, self.d_v, self.d_rope = d_main, d_v, d_rope
+        self.group = num_q_heads // num_kv_heads
+        self.rows = max(16, triton.next_power_of_2(self.group * num_tokens))
+        self.num_splits, self.block_s, self.num_warps = num_splits, block_s, num_warps
+        self.sm_scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(d_main + d_rope)
+        self.part_o = torch.empty(num_tokens * num_q_heads * num_splits * d_v, dtype=torch.float32, device=device)
+        self.part_ml = torch.empty(num_tokens * num_q_heads * num_splits * 2, dtype=torch.float32, device=device)
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, out: torch.Tensor,
+                 *, stride_kt: int, stride_vt: int, rope_offset: int = 0) -> torch.Tensor:
+        """q [T, Hq, D_QK]; k/v cache storage (token strides in elements); out [T, Hq, D_V]."""
+        _attn_split_kernel[(self.hkv, self.num_splits)](
+            q, k, v, pos, self.part_o, self.part_ml, self.sm_scale, stride_kt, stride_vt, rope_offset,
+            T=self.t, NUM_Q_HEADS=self.hq, NUM_KV_HEADS=self.hkv, GROUP=self.group, ROWS=self.rows,
+            D_MAIN=self.d_main, D_ROPE=self.d_rope, D_V=self.d_v, NUM_SPLITS=self.num_splits,
+            BLOCK_S=self.block_s, DOT_F32=INTERPRET, num_warps=self.num_warps)
+        _attn_combine_kernel[(self.t * self.hq,)](self.part_o, self.part_ml, out, NUM_SPLITS=self.num_splits,
+                                                  D_V=self.d_v, num_warps=4)
+        return out
+
+
+def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: int, sm_scale: float) -> torch.Tensor:
+    """q [T, Hq, Dqk], k [S, Hkv, Dqk], v [S, Hkv, Dv] (S >= pos + T); causal from pos; fp32 math."""
+    t, hq, _ = q.shape
+    hkv = k.shape[1]
+    n = pos + t
+    kf = k[:n].float().repeat_interleave(hq // hkv, dim=1)  # [n, Hq, D]
+    vf = v[:n].float().repeat_interleave(hq // hkv, dim=1)
+    scores = torch.einsum("thd,shd->hts", q.float(), kf) * sm_scale
+    mask = torch.arange(n)[None, :] <= (pos + torch.arange(t))[:, None]
+    scores = scores.masked_fill(~mask.to(scores.device)[None], float("-inf"))
+    p = scores.softmax(-1)
+    return torch.einsum("hts,shd->thd", p, vf).to(q.dtype)

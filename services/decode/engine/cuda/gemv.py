@@ -1,0 +1,220 @@
+"""Batch-1 GEMV kernels (Triton) with the decode step's small ops fused in, and their torch twins.
+
+Every kernel reads each weight element exactly once: program ``p`` owns ``BLOCK_N`` output rows and
+walks the full K dimension in ``BLOCK_K`` chunks (16-byte row loads, fp32 accumulation).
+
+Fusions (all optional, compile-time flags):
+- prologue ``NORM``: RMSNorm of the input vector (fp32 statistics, rounded to the model dtype, times
+  the norm weight; HF's rounding points), recomputed per program from L2 (the vector is 4-8 KB);
+- epilogue ``RESIDUAL``: ``out = res + round(W @ x)`` (the residual add of o_proj and down_proj);
+- paired rows (``gemv_silu``): rows ``n`` and ``n + I`` of ``w_gate_up`` in one program, writes
+  ``round(silu(round(g)) * round(u))``;
+- paired rows (``gemv_qkv_rope``): rows ``d`` and ``d + D/2`` of one head of ``wqkv``, applies
+  rotary embedding (neox pairing) to q and k heads and writes q to a buffer, k and v straight into
+  the KV cache at the position held in a device tensor (no host sync).
+
+``reference_*`` functions compute the same thing with torch ops in the same rounding order; CPU tests
+run the kernels under ``TRITON_INTERPRET=1`` against them.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@triton.jit
+def _rnd(x, dt):
+    # round an fp32 value to the model dtype and back: bf16 arithmetic spelled out in fp32
+    return x.to(dt).to(tl.float32)
+
+
+@triton.jit
+def _inv_rms(x_ptr, K, eps, K_POW2: tl.constexpr):
+    offs = tl.arange(0, K_POW2)
+    x = tl.load(x_ptr + offs, mask=offs < K, other=0.0).to(tl.float32)
+    return 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / K + eps)
+
+
+@triton.jit
+def _load_x(x_ptr, nw_ptr, k, K, inv_rms, NORM: tl.constexpr, BLOCK_K: tl.constexpr):
+    offs = k + tl.arange(0, BLOCK_K)
+    kmask = offs < K
+    x = tl.load(x_ptr + offs, mask=kmask, other=0.0)
+    if NORM:
+        nw = tl.load(nw_ptr + offs, mask=kmask, other=0.0)
+        xr = _rnd(x.to(tl.float32) * inv_rms, nw.dtype)
+        x = _rnd(xr * nw.to(tl.float32), nw.dtype)
+    return x.to(tl.float32), offs, kmask
+
+
+@triton.jit
+def _gemv_kernel(x_ptr, w_ptr, out_ptr, res_ptr, nw_ptr, N, K, eps,
+                 NORM: tl.constexpr, RESIDUAL: tl.constexpr, K_POW2: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    rmask = rows < N
+    inv_rms = 1.0
+    if NORM:
+        inv_rms = _inv_rms(x_ptr, K, eps, K_POW2)
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k in tl.range(0, K, BLOCK_K, num_stages=STAGES):
+        x, offs, kmask = _load_x(x_ptr, nw_ptr, k, K, inv_rms, NORM, BLOCK_K)
+        w = tl.load(w_ptr + rows[:, None].to(tl.int64) * K + offs[None, :],
+                    mask=rmask[:, None] & kmask[None, :], other=0.0)
+        acc += w.to(tl.float32) * x[None, :]
+    y = tl.sum(acc, axis=1)
+    if RESIDUAL:
+        r = tl.load(res_ptr + rows, mask=rmask, other=0.0)
+        y = r.to(tl.float32) + y.to(r.dtype).to(tl.float32)
+    tl.store(out_ptr + rows, y.to(out_ptr.dtype.element_ty), mask=rmask)
+
+
+@triton.jit
+def _gemv_pair_loop(x_ptr, nw_ptr, w_ptr, rows_a, rows_b, K, inv_rms,
+                    NORM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
+    acc_a = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    acc_b = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k in tl.range(0, K, BLOCK_K, num_stages=STAGES):
+        x, offs, kmask = _load_x(x_ptr, nw_ptr, k, K, inv_rms, NORM, BLOCK_K)
+        wa = tl.load(w_ptr + rows_a[:, None].to(tl.int64) * K + offs[None, :], mask=kmask[None, :], other=0.0)
+        wb = tl.load(w_ptr + rows_b[:, None].to(tl.int64) * K + offs[None, :], mask=kmask[None, :], other=0.0)
+        acc_a += wa.to(tl.float32) * x[None, :]
+        acc_b += wb.to(tl.float32) * x[None, :]
+    return tl.sum(acc_a, axis=1), tl.sum(acc_b, axis=1)
+
+
+@triton.jit
+def _gemv_silu_kernel(x_ptr, w_ptr, out_ptr, nw_ptr, I, K, eps,
+                      NORM: tl.constexpr, K_POW2: tl.constexpr,
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)  # I % BLOCK_N == 0
+    inv_rms = 1.0
+    if NORM:
+        inv_rms = _inv_rms(x_ptr, K, eps, K_POW2)
+    g, u = _gemv_pair_loop(x_ptr, nw_ptr, w_ptr, rows, rows + I, K, inv_rms, NORM, BLOCK_N, BLOCK_K, STAGES)
+    dt = out_ptr.dtype.element_ty
+    g = g.to(dt).to(tl.float32)
+    s = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
+    tl.store(out_ptr + rows, (s * u.to(dt).to(tl.float32)).to(dt))
+
+
+@triton.jit
+def _gemv_qkv_rope_kernel(x_ptr, w_ptr, nw_ptr, q_ptr, k_cache_ptr, v_cache_ptr, pos_ptr,
+                          cos_ptr, sin_ptr, K, eps,
+                          NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                          NORM: tl.constexpr, K_POW2: tl.constexpr,
+                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
+    HALF: tl.constexpr = HEAD_DIM // 2
+    pid = tl.program_id(0)
+    per_head: tl.constexpr = HALF // BLOCK_N
+    head = pid // per_head
+    j = (pid % per_head) * BLOCK_N + tl.arange(0, BLOCK_N)  # index inside the first half
+    rows_a = head * HEAD_DIM + j
+    inv_rms = 1.0
+    if NORM:
+        inv_rms = _inv_rms(x_ptr, K, eps, K_POW2)
+    a, b = _gemv_pair_loop(x_ptr, nw_ptr, w_ptr, rows_a, rows_a + HALF, K, inv_rms, NORM, BLOCK_N, BLOCK_K, STAGES)
+    dt = q_ptr.dtype.element_ty
+    a = _rnd(a, dt)
+    b = _rnd(b, dt)
+    pos = tl.load(pos_ptr)
+    if head < NUM_Q_HEADS + NUM_KV_HEADS:
+        cos = tl.load(cos_ptr + pos * HALF + j).to(tl.float32)
+        sin = tl.load(sin_ptr + pos * HALF + j).to(tl.float32)
+        a1 = _rnd(_rnd(a * cos, dt) - _rnd(b * sin, dt), dt)
+        b1 = _rnd(_rnd(b * cos, dt) + _rnd(a * sin, dt), dt)
+        if head < NUM_Q_HEADS:
+            tl.store(q_ptr + head * HEAD_DIM + j, a1.to(dt))
+            tl.store(q_ptr + head * HEAD_DIM + HALF + j, b1.to(dt))
+        else:
+            base = k_cache_ptr + pos.to(tl.int64) * (NUM_KV_HEADS * HEAD_DIM) + (head - NUM_Q_HEADS) * HEAD_DIM
+            tl.store(base + j, a1.to(dt))
+            tl.store(base + HALF + j, b1.to(dt))
+    else:
+        base = v_cache_ptr + pos.to(tl.int64) * (NUM_KV_HEADS * HEAD_DIM) + (head - NUM_Q_HEADS - NUM_KV_HEADS) * HEAD_DIM
+        tl.store(base + j, a.to(dt))
+        tl.store(base + HALF + j, b.to(dt))
+
+
+def _pow2(n: int) -> int:
+    return triton.next_power_of_2(n)
+
+
+def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, *, norm_w: torch.Tensor | None = None,
+         eps: float = 1e-5, residual: torch.Tensor | None = None, block_n: int = 16, block_k: int = 512,
+         num_warps: int = 4, stages: int = 1) -> torch.Tensor:
+    """out[N] = [residual +] W[N, K] @ [rmsnorm(x) * norm_w | x][K]."""
+    n, k = w.shape
+    _gemv_kernel[(triton.cdiv(n, block_n),)](
+        x, w, out, residual if residual is not None else out, norm_w if norm_w is not None else x,
+        n, k, eps, NORM=norm_w is not None, RESIDUAL=residual is not None, K_POW2=_pow2(k),
+        BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, num_warps=num_warps)
+    return out
+
+
+def gemv_silu(x: torch.Tensor, w_gate_up: torch.Tensor, out: torch.Tensor, *, norm_w: torch.Tensor | None = None,
+              eps: float = 1e-5, block_n: int = 16, block_k: int = 512, num_warps: int = 4, stages: int = 1) -> torch.Tensor:
+    """out[I] = silu(W[:I] @ x') * (W[I:] @ x'), x' = rmsnorm(x) * norm_w when norm_w is given."""
+    two_i, k = w_gate_up.shape
+    inter = two_i // 2
+    if inter % block_n:
+        raise ValueError(f"intermediate size {inter} is not a multiple of block_n {block_n}")
+    _gemv_silu_kernel[(inter // block_n,)](
+        x, w_gate_up, out, norm_w if norm_w is not None else x, inter, k, eps,
+        NORM=norm_w is not None, K_POW2=_pow2(k), BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, num_warps=num_warps)
+    return out
+
+
+def gemv_qkv_rope(x: torch.Tensor, wqkv: torch.Tensor, norm_w: torch.Tensor | None, eps: float,
+                  q_out: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: torch.Tensor,
+                  cos: torch.Tensor, sin: torch.Tensor, *, num_q_heads: int, num_kv_heads: int, head_dim: int,
+                  block_n: int = 16, block_k: int = 512, num_warps: int = 4, stages: int = 1) -> None:
+    """Fused norm + QKV projection + rope; q -> q_out[Hq*D], k/v -> caches [max_tokens, Hkv, D] at pos[0]."""
+    half = head_dim // 2
+    if half % block_n:
+        raise ValueError(f"head_dim/2 = {half} is not a multiple of block_n {block_n}")
+    num_heads = num_q_heads + 2 * num_kv_heads
+    if wqkv.shape[0] != num_heads * head_dim:
+        raise ValueError(f"wqkv has {wqkv.shape[0]} rows, expected (Hq + 2*Hkv) * D = {num_heads * head_dim}")
+    grid = (num_heads * (half // block_n),)
+    _gemv_qkv_rope_kernel[grid](
+        x, wqkv, norm_w if norm_w is not None else x, q_out, k_cache, v_cache, pos, cos, sin,
+        wqkv.shape[1], eps, NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
+        NORM=norm_w is not None, K_POW2=_pow2(wqkv.shape[1]), BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages,
+        num_warps=num_warps)
+
+
+# ---- torch twins (same rounding points) ----
+
+def reference_rmsnorm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF RMSNorm: fp32 statistics, rounded to the input dtype, times the weight."""
+    xf = x.float()
+    inv = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return w * (xf * inv).to(x.dtype)
+
+
+def reference_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x @ W^T with fp32 accumulation, rounded to the input dtype."""
+    return (x.float() @ w.float().T).to(x.dtype)
+
+
+def reference_silu_mul(gu: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up on the rounded projections, each op rounded like eager bf16 torch."""
+    g, u = gu.chunk(2, dim=-1)
+    return torch.nn.functional.silu(g) * u
+
+
+def reference_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Neox rope on x [..., H, D] with cos/sin [..., D/2] already in x's dtype."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)

@@ -1,0 +1,190 @@
+"""The GQA (Llama-family) batch-1 decode step on the fast path, and its torch reference.
+
+``GqaDecoder`` owns the step's device buffers (token, position, residual stream, q, attention output,
+MLP activation, logits) and runs one decode step as a fixed sequence of launches that reads the token
+and position from device tensors and advances them on device, so the whole step (or several steps)
+can be captured in one CUDA graph and replayed with no host sync per token.
+
+Per layer, with every GEMV on Triton (``backends`` all "triton"), five launches:
+  1. norm + QKV GEMV + rope + K/V cache write      (gemv_qkv_rope)
+  2-3. split-K attention over the slot's KV, merge  (DecodeAttention)
+  4. o_proj GEMV + residual add                     (gemv, RESIDUAL)
+  5. norm + gate/up GEMV + SiLU-mul                 (gemv_silu)
+  6. down GEMV + residual add                       (gemv, RESIDUAL)
+then final norm + lm_head GEMV (fp32 logits) and on-device greedy argmax. A projection whose backend
+is "cublas" runs torch.matmul instead, with the small fused kernels of ``smallops`` around it.
+
+Weights are the engine's fused per-layer tensors (contracts.md names); KV caches are the slot's views
+in the shared.kvlayout layout, per layer K and V each ``[max_tokens, num_kv_heads, head_dim]``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from . import gemv as G
+from . import smallops as S
+from .attention import DecodeAttention, reference_attention
+
+PROJECTIONS = ("qkv", "o", "gate_up", "down", "lm_head")
+
+
+@dataclass
+class GqaLayer:
+    attn_norm: torch.Tensor  # [H]
+    wqkv: torch.Tensor  # [(Hq + 2 Hkv) D, H]
+    wo: torch.Tensor  # [H, Hq D]
+    mlp_norm: torch.Tensor  # [H]
+    w_gate_up: torch.Tensor  # [2 I, H]
+    w_down: torch.Tensor  # [H, I]
+
+
+@dataclass
+class GqaModel:
+    layers: list[GqaLayer]
+    embed: torch.Tensor  # [V, H]
+    final_norm: torch.Tensor  # [H]
+    lm_head: torch.Tensor  # [V, H]
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    eps: float
+
+    @property
+    def hidden(self) -> int:
+        return self.embed.shape[1]
+
+    @property
+    def intermediate(self) -> int:
+        return self.layers[0].w_down.shape[1]
+
+    def weight_bytes(self) -> int:
+        """Bytes a batch-1 step reads from weights (one embedding row, not the table)."""
+        per_layer = sum(t.numel() * t.element_size() for l in self.layers for t in vars(l).values())
+        return per_layer + self.lm_head.numel() * self.lm_head.element_size() + self.embed[0].numel() * 2
+
+
+@dataclass
+class FastOptions:
+    """Backend per projection ("triton" | "cublas") and kernel tile choices."""
+
+    backends: dict[str, str] = field(default_factory=lambda: {p: "triton" for p in PROJECTIONS})
+    tiles: dict[str, tuple[int, int, int]] = field(default_factory=lambda: {
+        "qkv": (16, 512, 4, 1), "o": (8, 512, 4, 1), "gate_up": (16, 512, 4, 1), "down": (8, 1024, 4, 1),
+        "lm_head": (16, 512, 4, 1)})  # (block_n, block_k, num_warps, num_stages)
+    num_splits: int = 32
+    block_s: int = 32
+    attn_warps: int = 4
+
+
+class GqaDecoder:
+    """One slot's batch-1 decode step; ``step()`` is capturable (no host sync, no allocation by us)."""
+
+    def __init__(self, model: GqaModel, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor],
+                 cos: torch.Tensor, sin: torch.Tensor, options: FastOptions | None = None,
+                 max_steps: int = 4096):
+        self.m, self.k_caches, self.v_caches = model, k_caches, v_caches
+        self.opt = options or FastOptions()
+        dev, dt = model.embed.device, model.embed.dtype
+        self.cos, self.sin = cos.to(device=dev, dtype=dt).contiguous(), sin.to(device=dev, dtype=dt).contiguous()
+        hq, hkv, d = model.num_q_heads, model.num_kv_heads, model.head_dim
+        h, inter, vocab = model.hidden, model.intermediate, model.lm_head.shape[0]
+        self.token = torch.zeros(1, dtype=torch.int64, device=dev)
+        self.pos = torch.zeros(1, dtype=torch.int32, device=dev)
+        self.step_idx = torch.zeros(1, dtype=torch.int64, device=dev)
+        self.out_tokens = torch.zeros(max_steps, dtype=torch.int64, device=dev)
+        self.h = torch.zeros(h, dtype=dt, device=dev)
+        self.xn = torch.zeros(h, dtype=dt, device=dev)
+        self.q = torch.zeros(hq * d, dtype=dt, device=dev)
+        self.attn_out = torch.zeros(hq * d, dtype=dt, device=dev)
+        self.act = torch.zeros(inter, dtype=dt, device=dev)
+        self.tmp = torch.zeros(max((hq + 2 * hkv) * d, 2 * inter, h), dtype=dt, device=dev)
+        self.logits = torch.zeros(vocab, dtype=torch.float32, device=dev)
+        self.attn = DecodeAttention(num_q_heads=hq, num_kv_heads=hkv, d_main=d, d_v=d,
+                                    num_splits=self.opt.num_splits, block_s=self.opt.block_s,
+                                    num_warps=self.opt.attn_warps, device=dev)
+
+    def set_state(self, token_id: int, pos: int) -> None:
+        """Host-side (re)start: the token to feed next and its position (= tokens already cached)."""
+        self.token.fill_(token_id)
+        self.pos.fill_(pos)
+        self.step_idx.zero_()
+
+    def _tile(self, name: str) -> dict:
+        bn, bk, nw, st = self.opt.tiles[name]
+        return dict(block_n=bn, block_k=bk, num_warps=nw, stages=st)
+
+    def _cublas(self, name: str) -> bool:
+        return self.opt.backends.get(name, "triton") == "cublas"
+
+    def _linear_into(self, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        torch.matmul(x.view(1, -1), w.t(), out=out.view(1, -1))
+        return out
+
+    def layer(self, i: int) -> None:
+        """One transformer layer on the residual stream ``self.h`` (in place)."""
+        m, lw, eps = self.m, self.m.layers[i], self.m.eps
+        hq, hkv, d = m.num_q_heads, m.num_kv_heads, m.head_dim
+        kc, vc = self.k_caches[i], self.v_caches[i]
+        if self._cublas("qkv"):
+            S.rmsnorm(self.h, lw.attn_norm, self.xn, eps)
+            qkv = self._linear_into(self.xn, lw.wqkv, self.tmp[: lw.wqkv.shape[0]])
+            S.rope_cache_write(qkv, self.q, kc, vc, self.pos, self.cos, self.sin,
+                               num_q_heads=hq, num_kv_heads=hkv, head_dim=d)
+        else:
+            G.gemv_qkv_rope(self.h, lw.wqkv, lw.attn_norm, eps, self.q, kc, vc, self.pos, self.cos, self.sin,
+                            num_q_heads=hq, num_kv_heads=hkv, head_dim=d, **self._tile("qkv"))
+        self.attn(self.q, kc, vc, self.pos, self.attn_out, stride_kt=hkv * d, stride_vt=hkv * d)
+        if self._cublas("o"):
+            self.h.add_(self._linear_into(self.attn_out, lw.wo, self.tmp[: m.hidden]))
+        else:
+            G.gemv(self.attn_out, lw.wo, self.h, residual=self.h, **self._tile("o"))
+        if self._cublas("gate_up"):
+            S.rmsnorm(self.h, lw.mlp_norm, self.xn, eps)
+            gu = self._linear_into(self.xn, lw.w_gate_up, self.tmp[: lw.w_gate_up.shape[0]])
+            S.silu_mul(gu, self.act)
+        else:
+            G.gemv_silu(self.h, lw.w_gate_up, self.act, norm_w=lw.mlp_norm, eps=eps, **self._tile("gate_up"))
+        if self._cublas("down"):
+            self.h.add_(self._linear_into(self.act, lw.w_down, self.tmp[: m.hidden]))
+        else:
+            G.gemv(self.act, lw.w_down, self.h, residual=self.h, **self._tile("down"))
+
+    def step(self) -> None:
+        """One decode step: token/pos from device, logits + next token on device, pos += 1."""
+        m = self.m
+        torch.index_select(m.embed, 0, self.token, out=self.h.view(1, -1))
+        for i in range(len(m.layers)):
+            self.layer(i)
+        if self._cublas("lm_head"):
+            S.rmsnorm(self.h, m.final_norm, self.xn, m.eps)
+            # bf16 x bf16 -> bf16 on cuBLAS, widened: logits rounded to bf16 (more argmax ties)
+            self.logits.copy_(torch.matmul(self.xn.view(1, -1), m.lm_head.t()).view(-1))
+        else:
+            G.gemv(self.h, m.lm_head, self.logits, norm_w=m.final_norm, eps=m.eps, **self._tile("lm_head"))
+        self.token.copy_(torch.argmax(self.logits, dim=0, keepdim=True))
+        self.out_tokens.index_copy_(0, self.step_idx, self.token)
+        self.step_idx.add_(1)
+        self.pos.add_(1)
+
+
+def reference_step(model: GqaModel, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor],
+                   cos: torch.Tensor, sin: torch.Tensor, token: int, pos: int) -> torch.Tensor:
+    """Plain torch decode step (same rounding points as the fast path); writes K/V at pos; fp32 logits."""
+    hq, hkv, d, eps = model.num_q_heads, model.num_kv_heads, model.head_dim, model.eps
+    dt = model.embed.dtype
+    cos_p, sin_p = cos[pos].to(dt), sin[pos].to(dt)
+    h = model.embed[token]
+    for i, lw in enumerate(model.layers):
+        qkv = G.reference_linear(G.reference_rmsnorm(h, lw.attn_norm, eps), lw.wqkv).view(hq + 2 * hkv, d)
+        q = G.reference_rope(qkv[:hq], cos_p, sin_p)
+        k_caches[i][pos] = G.reference_rope(qkv[hq:hq + hkv], cos_p, sin_p)
+        v_caches[i][pos] = qkv[hq + hkv:]
+        o = reference_attention(q[None], k_caches[i], v_caches[i], pos, d ** -0.5)[0].reshape(-1)
+        h = h + G.reference_linear(o, lw.wo)
+        gu = G.reference_linear(G.reference_rmsnorm(h, lw.mlp_norm, eps), lw.w_gate_up)
+        h = h + G.reference_linear(G.reference_silu_mul(gu), lw.w_down)
+    x = G.reference_rmsnorm(h, model.final_norm, eps)
+    return x.float() @ model.lm_head.float().T

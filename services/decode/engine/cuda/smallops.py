@@ -1,0 +1,87 @@
+"""Small fused Triton ops for the steps whose GEMVs run on cuBLAS: RMSNorm, rope + cache write, SiLU-mul.
+
+Each has the same rounding points as the fused GEMV epilogues in ``gemv.py`` (and their torch twins),
+so every backend mix computes the same numbers up to fp32 summation order.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rmsnorm_kernel(x_ptr, w_ptr, out_ptr, K, eps, K_POW2: tl.constexpr):
+    offs = tl.arange(0, K_POW2)
+    mask = offs < K
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    inv = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / K + eps)
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0)
+    xr = (x * inv).to(w.dtype).to(tl.float32)
+    tl.store(out_ptr + offs, (xr * w.to(tl.float32)).to(w.dtype), mask=mask)
+
+
+@triton.jit
+def _rope_cache_kernel(qkv_ptr, q_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, cos_ptr, sin_ptr,
+                       NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr):
+    HALF: tl.constexpr = HEAD_DIM // 2
+    head = tl.program_id(0)
+    j = tl.arange(0, HALF)
+    a_raw = tl.load(qkv_ptr + head * HEAD_DIM + j)
+    b_raw = tl.load(qkv_ptr + head * HEAD_DIM + HALF + j)
+    dt = a_raw.dtype
+    a = a_raw.to(tl.float32)
+    b = b_raw.to(tl.float32)
+    pos = tl.load(pos_ptr)
+    if head < NUM_Q_HEADS + NUM_KV_HEADS:
+        cos = tl.load(cos_ptr + pos * HALF + j).to(tl.float32)
+        sin = tl.load(sin_ptr + pos * HALF + j).to(tl.float32)
+        a1 = ((a * cos).to(dt).to(tl.float32) - (b * sin).to(dt).to(tl.float32)).to(dt)
+        b1 = ((b * cos).to(dt).to(tl.float32) + (a * sin).to(dt).to(tl.float32)).to(dt)
+        if head < NUM_Q_HEADS:
+            tl.store(q_ptr + head * HEAD_DIM + j, a1.to(dt))
+            tl.store(q_ptr + head * HEAD_DIM + HALF + j, b1.to(dt))
+        else:
+            base = k_cache_ptr + pos.to(tl.int64) * (NUM_KV_HEADS * HEAD_DIM) + (head - NUM_Q_HEADS) * HEAD_DIM
+            tl.store(base + j, a1.to(dt))
+            tl.store(base + HALF + j, b1.to(dt))
+    else:
+        base = v_cache_ptr + pos.to(tl.int64) * (NUM_KV_HEADS * HEAD_DIM) + (head - NUM_Q_HEADS - NUM_KV_HEADS) * HEAD_DIM
+        tl.store(base + j, a_raw)
+        tl.store(base + HALF + j, b_raw)
+
+
+@triton.jit
+def _silu_mul_kernel(gu_ptr, out_ptr, I, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < I
+    g = tl.load(gu_ptr + offs, mask=mask, other=0.0)
+    u = tl.load(gu_ptr + I + offs, mask=mask, other=0.0)
+    dt = g.dtype
+    gf = g.to(tl.float32)
+    s = (gf / (1.0 + tl.exp(-gf))).to(dt)
+    tl.store(out_ptr + offs, (s.to(tl.float32) * u.to(tl.float32)).to(dt), mask=mask)
+
+
+def rmsnorm(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, eps: float) -> torch.Tensor:
+    """out = rmsnorm(x) * w for one vector x [K]."""
+    k = x.numel()
+    _rmsnorm_kernel[(1,)](x, w, out, k, eps, K_POW2=triton.next_power_of_2(k), num_warps=8)
+    return out
+
+
+def rope_cache_write(qkv: torch.Tensor, q_out: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, num_q_heads: int,
+                     num_kv_heads: int, head_dim: int) -> None:
+    """Split qkv [(Hq+2Hkv)*D], rope q and k, write q to q_out and k/v into the caches at pos[0]."""
+    _rope_cache_kernel[(num_q_heads + 2 * num_kv_heads,)](
+        qkv, q_out, k_cache, v_cache, pos, cos, sin, NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads,
+        HEAD_DIM=head_dim, num_warps=1)
+
+
+def silu_mul(gu: torch.Tensor, out: torch.Tensor, block: int = 1024) -> torch.Tensor:
+    """out[I] = silu(gu[:I]) * gu[I:]."""
+    inter = gu.numel() // 2
+    _silu_mul_kernel[(triton.cdiv(inter, block),)](gu, out, inter, BLOCK=block, num_warps=4)
+    return out

@@ -1,0 +1,262 @@
+"""The decode engine: N slots decoding together, one (speculative) step at a time.
+
+Contract (see notes/contracts): ``Engine.load(model_dir, num_slots, max_seq_len, device, dtype,
+num_speculative_tokens)``; ``slot_buffer(slot)`` is the slot's KV memory in the shared.kvlayout
+layout; ``prefill`` or ``inject`` fill a free slot, ``start`` arms it with its first token (already
+emitted by the prefill side, not counted in ``max_tokens``), ``step`` runs one decode step over all
+active slots and returns the tokens each emitted; ``cancel`` stops a slot, ``release`` frees it.
+
+After ``inject(slot, n)`` of an MTP model the MTP layer's cache must hold positions ``[0, n)`` as
+vLLM's MTP prefill writes them (entry i from hidden i and token i+1, the last from the first
+generated token); the slot's first step then runs without drafts.
+
+Per step: one model forward over ``[B, 1 + K]`` tokens, sampling, acceptance, the MTP draft pass,
+and a single host sync to emit the tokens.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from shared.events import KvLayoutSpec, SamplingParams, SpecStats
+from shared.kvlayout import kv_shape_from_hf_config
+
+from .cache import TORCH_DTYPES, KvCache
+from .sampling import exponential_noise, process_probs, sample, uniform_noise
+from .slots import SlotState, emit
+from .spec import verify
+from .weights import iter_engine_params, read_config
+
+
+@dataclass
+class StepOutput:
+    token_ids: list[int]
+    finish_reason: str | None = None  # "stop" | "length" | None
+
+
+def _build_model(cfg, params: dict[str, torch.Tensor]) -> torch.nn.Module:
+    if cfg.family == "gqa":
+        from .llama import LlamaModel
+
+        with torch.device("meta"):
+            model = LlamaModel(cfg)
+    else:
+        from .deepseek import DeepseekModel
+
+        with torch.device("meta"):
+            model = DeepseekModel(cfg, with_mtp=any(n.startswith("mtp.") for n in params))
+    model.load_state_dict(params, strict=True, assign=True)
+    return model.eval()
+
+
+def _load_params(model_dir, cfg, device, dtype) -> dict[str, torch.Tensor]:
+    params: dict[str, torch.Tensor] = {}
+    converted: dict[int, torch.Tensor] = {}  # tied weights stay tied
+    for name, t in iter_engine_params(model_dir, cfg):
+        if id(t) not in converted:
+            keep_fp32 = name.endswith("router_bias")
+            converted[id(t)] = t.to(device=device, dtype=torch.float32 if keep_fp32 else dtype)
+        params[name] = converted[id(t)]
+    return params
+
+
+class Engine:
+    def __init__(self, model, cfg, *, model_name: str, num_slots: int, max_seq_len: int, num_speculative_tokens: int,
+                 raw_config: dict, eos_token_ids: tuple[int, ...] = ()):
+        if num_speculative_tokens and not getattr(model, "has_mtp", False):
+            raise ValueError(f"{model_name} has no MTP layer weights: run it with num_speculative_tokens=0")
+        if not 0 <= num_speculative_tokens <= 3:
+            raise ValueError(f"num_speculative_tokens must be 0..3, got {num_speculative_tokens}")
+        self.model, self.cfg, self.model_name = model, cfg, model_name
+        self.device, self.dtype = model.embed.device, model.embed.dtype
+        self.num_slots, self.max_seq_len, self.k = num_slots, max_seq_len, num_speculative_tokens
+        self.eos_token_ids = eos_token_ids
+        self.cache = KvCache(kv_shape_from_hf_config(raw_config), num_slots, max_seq_len + self.k, self.dtype, self.device)
+        model.bind(self.cache)
+        n, dev, vocab = num_slots + 1, self.device, cfg.vocab_size
+        self.temperature = torch.zeros(n, device=dev)
+        self.top_k = torch.zeros(n, dtype=torch.long, device=dev)
+        self.top_p = torch.ones(n, device=dev)
+        self.drafts = torch.zeros(n, max(self.k, 1), dtype=torch.long, device=dev)
+        self.draft_probs = torch.zeros(n, max(self.k, 1), vocab, device=dev) if self.k else None
+        self.prefill_hidden = torch.zeros(n, cfg.hidden_size, dtype=self.dtype, device=dev)
+        self.generators = [torch.Generator(device=dev) for _ in range(n)]
+        self.slots = [SlotState() for _ in range(num_slots)]
+
+    @classmethod
+    def load(cls, model_dir: str | Path, *, num_slots: int = 1, max_seq_len: int = 2048, device: str = "cpu",
+             dtype: torch.dtype | str | None = None, num_speculative_tokens: int = 0,
+             model_name: str | None = None) -> Engine:
+        """Load an HF safetensors checkpoint or the engine's converted format."""
+        raw, cfg = read_config(model_dir)
+        if isinstance(dtype, str):
+            dtype = TORCH_DTYPES[dtype]
+        dtype = dtype or TORCH_DTYPES.get(cfg.torch_dtype, torch.float32)
+        params = _load_params(model_dir, cfg, torch.device(device), dtype)
+        eos = set(cfg.eos_token_ids)
+        gen_cfg = Path(model_dir) / "generation_config.json"
+        if gen_cfg.exists():
+            import json
+
+            e = json.loads(gen_cfg.read_text()).get("eos_token_id")
+            eos |= set(e if isinstance(e, list) else [] if e is None else [e])
+        return cls(_build_model(cfg, params), cfg, model_name=model_name or Path(model_dir).name,
+                   num_slots=num_slots, max_seq_len=max_seq_len, num_speculative_tokens=num_speculative_tokens,
+                   raw_config=raw, eos_token_ids=tuple(sorted(eos)))
+
+    # ------------------------------------------------------------------ slots
+
+    @property
+    def layout(self) -> KvLayoutSpec:
+        return self.cache.layout
+
+    def slot_buffer(self, slot: int) -> torch.Tensor:
+        """uint8 [layout.slot_nbytes]: the slot's KV cache memory (register it with a Transport)."""
+        return self.cache.slot_buffer(slot)
+
+    def active_slots(self) -> list[int]:
+        return [i for i, s in enumerate(self.slots) if s.state == "active"]
+
+    def free_slots(self) -> list[int]:
+        return [i for i, s in enumerate(self.slots) if s.state == "free"]
+
+    def _slot(self, slot: int, *states: str) -> SlotState:
+        if not 0 <= slot < self.num_slots:
+            raise IndexError(f"slot {slot} does not exist: this engine has slots 0..{self.num_slots - 1}")
+        s = self.slots[slot]
+        if states and s.state not in states:
+            raise RuntimeError(f"slot {slot} is {s.state}, expected {' or '.join(states)}")
+        return s
+
+    def _check_len(self, num_tokens: int) -> None:
+        if not 0 < num_tokens < self.max_seq_len:
+            raise ValueError(f"{num_tokens} tokens do not fit max_seq_len {self.max_seq_len}: raise --max-seq-len")
+
+    @torch.inference_mode()
+    def prefill(self, slot: int, token_ids: list[int]) -> torch.Tensor:
+        """Run the prompt through the model into the slot's cache; float32 logits [vocab] of its last position."""
+        s = self._slot(slot, "free", "done")
+        self._check_len(len(token_ids))
+        tokens = torch.tensor([token_ids], device=self.device)
+        positions = torch.arange(len(token_ids), device=self.device)[None]
+        slot_ids = torch.tensor([slot], device=self.device)
+        hidden = self.model(tokens, positions, slot_ids)
+        if getattr(self.model, "has_mtp", False) and len(token_ids) > 1:
+            self.model.mtp(tokens[:, 1:], positions[:, :-1], hidden[:, :-1], slot_ids)
+        self.prefill_hidden[slot] = hidden[0, -1]
+        self.slots[slot] = SlotState(state="ready", seq_len=len(token_ids), has_prefill_hidden=True)
+        return self.model.logits(hidden[0, -1])
+
+    def inject(self, slot: int, num_tokens: int) -> None:
+        """Adopt ``num_tokens`` tokens of KV already written into slot_buffer(slot)."""
+        self._slot(slot, "free", "done")
+        self._check_len(num_tokens)
+        self.slots[slot] = SlotState(state="ready", seq_len=num_tokens)
+
+    @torch.inference_mode()
+    def start(self, slot: int, first_token_id: int, sampling: SamplingParams) -> None:
+        """Arm a ready slot: it decodes from ``first_token_id`` at the next step."""
+        s = self._slot(slot, "ready")
+        if sampling.temperature < 0 or not 0 < sampling.top_p <= 1 or sampling.top_k < 0 or sampling.max_tokens < 0:
+            raise ValueError(f"invalid sampling parameters: {sampling}")
+        stop = set(sampling.stop_token_ids) | (set() if sampling.ignore_eos else set(self.eos_token_ids))
+        k = self.k if sampling.num_speculative_tokens is None else min(self.k, sampling.num_speculative_tokens)
+        s.state, s.pending, s.max_tokens, s.stop_token_ids, s.num_spec = "active", first_token_id, sampling.max_tokens, frozenset(stop), k
+        self.temperature[slot], self.top_k[slot], self.top_p[slot] = sampling.temperature, sampling.top_k, sampling.top_p
+        self.generators[slot].manual_seed(sampling.seed if sampling.seed is not None else random.getrandbits(63))
+        s.num_valid_drafts = 0
+        if k and s.has_prefill_hidden:
+            slot_ids = torch.tensor([slot], device=self.device)
+            tokens = torch.tensor([[first_token_id]], device=self.device)
+            positions = torch.tensor([[s.seq_len - 1]], device=self.device)
+            hidden, logits = self.model.mtp(tokens, positions, self.prefill_hidden[slot][None, None], slot_ids)
+            self._draft(slot_ids, [self.generators[slot]], hidden[:, 0], logits[:, 0], torch.tensor([s.seq_len], device=self.device))
+            s.num_valid_drafts = k
+
+    def cancel(self, slot: int) -> None:
+        """Stop decoding the slot (its tokens so far stand); the slot stays taken until release."""
+        s = self._slot(slot)
+        if s.state in ("active", "ready"):
+            s.state = "done"
+
+    def release(self, slot: int) -> None:
+        """Free the slot for the next request."""
+        self._slot(slot)
+        self.slots[slot] = SlotState()
+
+    def spec_stats(self, slot: int) -> SpecStats:
+        s = self._slot(slot)
+        return SpecStats(num_steps=s.num_steps, num_draft_tokens=s.num_draft_tokens, num_accepted_tokens=s.num_accepted_tokens)
+
+    # ------------------------------------------------------------------ decode
+
+    def _probs(self, slot_ids: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        return process_probs(logits, self.temperature[slot_ids], self.top_k[slot_ids], self.top_p[slot_ids])
+
+    def _draft(self, slot_ids: torch.Tensor, gens: list[torch.Generator], hidden: torch.Tensor, logits: torch.Tensor,
+               next_pos: torch.Tensor) -> None:
+        """Draw K drafts per slot from the MTP head, recycling its hidden for drafts 2..K.
+
+        hidden/logits [B, ...] are the MTP outputs at position next_pos - 1 (whose input token is
+        the pending token at next_pos); draft j lands at position next_pos + j.
+        """
+        greedy = self.temperature[slot_ids] <= 0
+        drafts, probs = [], []
+        for j in range(self.k):
+            q = self._probs(slot_ids, logits[:, None])[:, 0]
+            d = sample(q, exponential_noise(gens, (q.shape[-1],), self.device), greedy)
+            drafts.append(d)
+            probs.append(q)
+            if j + 1 < self.k:
+                pos = (next_pos + j)[:, None]
+                h, lg = self.model.mtp(d[:, None], pos, hidden[:, None], slot_ids)
+                hidden, logits = h[:, 0], lg[:, 0]
+        self.drafts[slot_ids] = torch.stack(drafts, dim=1)
+        self.draft_probs[slot_ids] = torch.stack(probs, dim=1)
+
+    @torch.inference_mode()
+    def step(self) -> dict[int, StepOutput]:
+        """One decode step over every active slot: {slot: StepOutput}."""
+        active = self.active_slots()
+        if not active:
+            return {}
+        dev, k, b = self.device, self.k, len(active)
+        slot_ids = torch.tensor(active, device=dev)
+        seq = torch.tensor([self.slots[i].seq_len for i in active], device=dev)
+        pending = torch.tensor([self.slots[i].pending for i in active], device=dev)
+        num_valid = torch.tensor([self.slots[i].num_valid_drafts for i in active], device=dev)
+        gens = [self.generators[i] for i in active]
+        greedy = self.temperature[slot_ids] <= 0
+        tokens = torch.cat([pending[:, None], self.drafts[slot_ids][:, :k]], dim=1)  # [B, 1+K]
+        positions = seq[:, None] + torch.arange(k + 1, device=dev)
+        hidden = self.model(tokens, positions, slot_ids)
+        self.last_logits = self.model.logits(hidden)  # [B, 1+K, V] float32, kept for inspection
+        probs = self._probs(slot_ids, self.last_logits)
+        noise = exponential_noise(gens, (probs.shape[-1],), dev)
+        if k:
+            uniform = uniform_noise(gens, (k,), dev)
+            num_accepted, nxt = verify(probs, self.draft_probs[slot_ids], tokens[:, 1:], num_valid, uniform, noise, greedy)
+            mtp_tokens = torch.cat([tokens[:, 1:], nxt[:, None]], dim=1).scatter(1, num_accepted[:, None], nxt[:, None])
+            h, lg = self.model.mtp(mtp_tokens, positions, hidden, slot_ids)
+            rows = torch.arange(b, device=dev)
+            self._draft(slot_ids, gens, h[rows, num_accepted], lg[rows, num_accepted], seq + num_accepted + 1)
+        else:
+            num_accepted, nxt = torch.zeros(b, dtype=torch.long, device=dev), sample(probs[:, 0], noise, greedy)
+        host = torch.cat([num_accepted[:, None], tokens[:, 1:], nxt[:, None]], dim=1).tolist()  # the one sync
+        return {slot: self._emit(slot, row) for slot, row in zip(active, host)}
+
+    def _emit(self, slot: int, row: list[int]) -> StepOutput:
+        s = self.slots[slot]
+        a, drafts, nxt = row[0], row[1:-1], row[-1]
+        s.num_steps += 1
+        s.num_draft_tokens += s.num_valid_drafts
+        out, reason = emit(s, drafts[:a] + [nxt], self.max_seq_len)
+        s.num_accepted_tokens += max(0, len(out) - 1)
+        s.num_valid_drafts = s.num_spec
+        if reason is not None:
+            s.state = "done"
+        return StepOutput(token_ids=out, finish_reason=reason)

@@ -1,0 +1,40 @@
+"""Building blocks shared by the model families: RMSNorm, SwiGLU MLP, cache write, masked attention.
+
+Shapes: B slots in the step, T query tokens per slot, S cache capacity (tokens), H heads.
+Everything here is static-shaped and free of host syncs.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm computed in float32, scaled in the input dtype (as HF transformers does)."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def swiglu(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
+    """down(silu(gate(x)) * up(x)) with gate and up fused in one [2*I, H] weight."""
+    gate, up = F.linear(x, w_gate_up).chunk(2, dim=-1)
+    return F.linear(F.silu(gate) * up, w_down)
+
+
+def write_cache(cache: torch.Tensor, slot_ids: torch.Tensor, positions: torch.Tensor, values: torch.Tensor) -> None:
+    """cache [N, S, ...][slot_ids[b], positions[b, t]] = values[b, t]."""
+    cache[slot_ids[:, None], positions] = values.to(cache.dtype)
+
+
+def causal_mask(positions: torch.Tensor, capacity: int) -> torch.Tensor:
+    """[B, 1, T, S] boolean: cache position s is visible to the query at positions[b, t] iff s <= it."""
+    keys = torch.arange(capacity, device=positions.device)
+    return (keys[None, None, :] <= positions[:, :, None])[:, None]
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [B, Hq, T, D], k [B, Hkv, S, D], v [B, Hkv, S, Dv] -> [B, T, Hq, Dv] (GQA by head groups)."""
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
+    return out.transpose(1, 2)

@@ -1,0 +1,90 @@
+"""Llama-style GQA decoder (Llama 3 incl. rope scaling, Qwen2 with qkv bias, Qwen3 with q/k norm).
+
+One forward serves prefill, decode and speculative verification: ``tokens [B, T]`` at
+``positions [B, T]`` of slots ``slot_ids [B]``; their K/V are written into the slots' caches first,
+then every query attends to its slot's cache up to its own position. Static shapes, no host sync.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .cache import KvCache
+from .config import ModelConfig
+from .layers import attend, causal_mask, rms_norm, swiglu, write_cache
+from .rope import apply_rope, rope_tables
+
+
+def _param(*shape: int, dtype: torch.dtype | None = None) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+
+
+class GqaBlock(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        h, d, nq, nkv = cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
+        self.attn_norm = _param(h)
+        self.wqkv = _param((nq + 2 * nkv) * d, h)
+        self.bqkv = _param((nq + 2 * nkv) * d) if cfg.qkv_bias else None
+        self.q_norm = _param(d) if cfg.qk_norm else None
+        self.k_norm = _param(d) if cfg.qk_norm else None
+        self.wo = _param(h, nq * d)
+        self.bo = _param(h) if cfg.o_bias else None
+        self.mlp_norm = _param(h)
+        self.w_gate_up = _param(2 * cfg.intermediate_size, h)
+        self.w_down = _param(h, cfg.intermediate_size)
+
+
+class LlamaModel(nn.Module):
+    """Parameters named as in weights.py; call :meth:`bind` with the cache before the first forward."""
+
+    family = "gqa"
+    has_mtp = False
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed = _param(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(GqaBlock(cfg) for _ in range(cfg.num_layers))
+        self.final_norm = _param(cfg.hidden_size)
+        self.lm_head = _param(cfg.vocab_size, cfg.hidden_size)
+        self.cache: KvCache | None = None
+
+    def bind(self, cache: KvCache) -> None:
+        """Attach the KV cache and build rope tables for its capacity."""
+        self.cache = cache
+        self.cos, self.sin = rope_tables(self.cfg.rope, self.cfg.head_dim, cache.max_tokens, self.embed.device)
+
+    def _attention(self, i: int, blk: GqaBlock, x: torch.Tensor, cos, sin, mask, slot_ids, positions) -> torch.Tensor:
+        cfg, cache = self.cfg, self.cache
+        b, t, _ = x.shape
+        d, nq, nkv = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
+        qkv = F.linear(x, blk.wqkv, blk.bqkv)
+        q, k, v = qkv.split([nq * d, nkv * d, nkv * d], dim=-1)
+        q, k, v = q.view(b, t, nq, d), k.view(b, t, nkv, d), v.view(b, t, nkv, d)
+        if blk.q_norm is not None:
+            q, k = rms_norm(q, blk.q_norm, cfg.rms_norm_eps), rms_norm(k, blk.k_norm, cfg.rms_norm_eps)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        write_cache(cache.k[i], slot_ids, positions, k)
+        write_cache(cache.v[i], slot_ids, positions, v)
+        keys = cache.k[i][slot_ids].transpose(1, 2)  # [B, Hkv, S, D]
+        values = cache.v[i][slot_ids].transpose(1, 2)
+        out = attend(q.transpose(1, 2), keys, values, mask, d**-0.5)  # [B, T, Hq, D]
+        return F.linear(out.reshape(b, t, nq * d), blk.wo, blk.bo)
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, slot_ids: torch.Tensor) -> torch.Tensor:
+        """Hidden states after the final norm, [B, T, hidden]."""
+        x = F.embedding(tokens, self.embed)
+        cos, sin = self.cos[positions], self.sin[positions]  # [B, T, D/2]
+        mask = causal_mask(positions, self.cache.max_tokens)
+        eps = self.cfg.rms_norm_eps
+        for i, blk in enumerate(self.layers):
+            x = x + self._attention(i, blk, rms_norm(x, blk.attn_norm, eps), cos, sin, mask, slot_ids, positions)
+            x = x + swiglu(rms_norm(x, blk.mlp_norm, eps), blk.w_gate_up, blk.w_down)
+        return rms_norm(x, self.final_norm, eps)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[..., hidden] -> float32 logits [..., vocab]."""
+        return F.linear(hidden, self.lm_head).float()

@@ -1,0 +1,53 @@
+"""Per-slot request bookkeeping of the engine: pure Python, no torch.
+
+A slot is free, then ``ready`` (its cache holds ``seq_len`` tokens, from the engine's prefill or
+an inject), then ``active`` (decoding; ``pending`` is the last emitted token, not yet in the cache),
+then ``done`` (finished or cancelled) until released.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SlotState:
+    state: str = "free"  # free | ready | active | done
+    seq_len: int = 0  # tokens whose KV is in the cache
+    pending: int = 0
+    num_generated: int = 0
+    max_tokens: int = 0
+    stop_token_ids: frozenset[int] = frozenset()
+    num_spec: int = 0  # drafts per step for this request
+    num_valid_drafts: int = 0  # drafts held for the next step
+    has_prefill_hidden: bool = False
+    num_steps: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    extra: dict = field(default_factory=dict)
+
+
+def emit(state: SlotState, tokens: list[int], max_seq_len: int) -> tuple[list[int], str | None]:
+    """Cut a step's tokens at the first stop token or at max_tokens; return (emitted, finish_reason).
+
+    Updates the counters of ``state``; the last emitted token becomes ``pending``.
+    """
+    out: list[int] = []
+    reason = None
+    for tok in tokens:
+        if state.num_generated + len(out) >= state.max_tokens or state.seq_len + 1 + len(out) >= max_seq_len:
+            reason = "length"
+            break
+        out.append(tok)
+        if tok in state.stop_token_ids:
+            reason = "stop"
+            break
+    state.num_generated += len(out)
+    state.seq_len += len(out)
+    if out:
+        state.pending = out[-1]
+    if reason is None and state.num_generated >= state.max_tokens:
+        reason = "length"
+    if reason is None and state.seq_len + 1 >= max_seq_len:  # prompt + output reached max_seq_len
+        reason = "length"
+    return out, reason

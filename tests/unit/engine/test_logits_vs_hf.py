@@ -1,0 +1,42 @@
+"""Engine logits equal HF transformers' (float32) at prefill and at every step of a 64-token greedy run."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.decode.engine import Engine
+from shared.events import SamplingParams
+
+PROMPT = [0, 17, 42, 99, 3, 250, 7, 8, 120, 64, 5]
+NUM_STEPS = 64
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max())
+
+
+@pytest.mark.parametrize("arch", ["llama", "llama3_rope", "qwen2", "qwen3", "deepseek_v3", "deepseek_v3_yarn"])
+def test_logits_match_hf_prefill_and_every_decode_step(hf_checkpoint, arch):
+    from transformers import DynamicCache
+
+    path, hf = hf_checkpoint(arch)
+    engine = Engine.load(path, num_slots=1, max_seq_len=128, dtype=torch.float32)
+    with torch.no_grad():
+        cache = DynamicCache(config=hf.config)
+        ref = hf(torch.tensor([PROMPT]), past_key_values=cache, use_cache=True).logits[0, -1]
+        ours = engine.prefill(0, PROMPT)
+        assert rel_err(ours, ref) < 1e-4
+        first = int(ref.argmax())
+        engine.start(0, first, SamplingParams(max_tokens=NUM_STEPS, ignore_eos=True))
+        token = first
+        for i in range(NUM_STEPS):
+            ref = hf(torch.tensor([[token]]), past_key_values=cache, use_cache=True).logits[0, -1]
+            out = engine.step()[0]
+            assert rel_err(engine.last_logits[0, 0], ref) < 1e-4, f"step {i}"
+            token = int(ref.argmax())
+            assert out.token_ids == [token], f"step {i}"
+        assert out.finish_reason == "length"
+    assert engine.active_slots() == []
+    engine.release(0)
+    assert engine.free_slots() == [0]
