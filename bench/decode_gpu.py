@@ -1,0 +1,427 @@
+"""Batch-1 decode speed of the fast CUDA path on one GPU, against the bandwidth roofline and HF.
+
+One self-contained run (random bf16 weights, no checkpoint): copy bandwidth first; then per shape
+GEMV micro-benchmarks (Triton tiles vs cuBLAS, each projection over all layers' distinct weights in
+one CUDA graph), whole-step variants in one CUDA graph, correctness against the torch reference
+(greedy tokens over 256 steps, logits tolerance), HF transformers static cache + CUDA graph, and
+contexts 1K / 8K / 32K; the DeepSeek-V3-family shape (bench/decode_gpu_mla.py) when asked.
+Prints a table; writes --out (default bench/results/decode_gpu.json).
+
+    python bench/decode_gpu.py [--parts copy,micro,llama,correct,hf,ctx,mla] [--out PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import math
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def load_cuda_pkg():
+    """Import services/decode/engine/cuda as a standalone package (needs only torch + triton)."""
+    if "xl_cuda" in sys.modules:
+        return sys.modules["xl_cuda"]
+    pkg_dir = ROOT / "services/decode/engine/cuda"
+    spec = importlib.util.spec_from_file_location("xl_cuda", pkg_dir / "__init__.py",
+                                                  submodule_search_locations=[str(pkg_dir)])
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["xl_cuda"] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+LLAMA8B = dict(hidden=4096, layers=32, hq=32, hkv=8, d=128, inter=14336, vocab=128256, eps=1e-5)
+LLAMA_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+              "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
+def log(*a):
+    print(*a, flush=True)
+
+
+def time_graph(fn, iters: int = 50, warmup: int = 5) -> float:
+    """Median ms of one call of fn (a graph replay or launcher), CUDA events, after warm-up."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        ts.append(a.elapsed_time(b))
+    ts.sort()
+    return ts[len(ts) // 2]
+
+
+def capture(fn) -> torch.cuda.CUDAGraph:
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    torch.cuda.synchronize()
+    return g
+
+
+def copy_bandwidth() -> float:
+    n = 2 * 1024**3
+    a = torch.empty(n, dtype=torch.uint8, device="cuda").random_(0, 255)
+    b = torch.empty_like(a)
+    ms = time_graph(lambda: b.copy_(a), iters=20)
+    del a, b
+    return 2 * n / (ms * 1e-3) / 1e12
+
+
+# ---------------------------------------------------------------- llama shape
+
+def rope_tables(params: dict, dim: int, max_pos: int) -> tuple[torch.Tensor, torch.Tensor]:
+    base = params["rope_theta"]
+    inv = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    f, lo, hi, old = params["factor"], params["low_freq_factor"], params["high_freq_factor"], \
+        params["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv
+    scaled = torch.where(wavelen > old / lo, inv / f, inv)
+    smooth = (old / wavelen - lo) / (hi - lo)
+    smoothed = (1 - smooth) * scaled / f + smooth * scaled
+    is_medium = ~(wavelen < old / hi) * ~(wavelen > old / lo)
+    inv = torch.where(is_medium, smoothed, scaled)
+    fr = torch.arange(max_pos, dtype=torch.float32)[:, None] * inv[None, :]
+    return fr.cos(), fr.sin()
+
+
+def build_llama(X, s: dict, seed: int = 0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    dt = torch.bfloat16
+
+    def w(n, k):
+        return (torch.randn(n, k, device="cuda", dtype=dt, generator=g) * (k ** -0.5)).to(dt)
+
+    def nw(n):
+        return (1 + 0.1 * torch.randn(n, device="cuda", generator=g)).to(dt)
+
+    h, hq, hkv, d, inter = s["hidden"], s["hq"], s["hkv"], s["d"], s["inter"]
+    layers = [X.GqaLayer(nw(h), w((hq + 2 * hkv) * d, h), w(h, hq * d), nw(h), w(2 * inter, h), w(h, inter))
+              for _ in range(s["layers"])]
+    embed = torch.randn(s["vocab"], h, device="cuda", dtype=dt, generator=g)
+    return X.GqaModel(layers, embed, nw(h), w(s["vocab"], h), hq, hkv, d, s["eps"])
+
+
+def make_slot(s: dict, max_tokens: int, ctx: int, seed: int = 1):
+    """One slot buffer in the shared.kvlayout GQA layout, K/V views per layer, first ctx tokens random."""
+    per = max_tokens * s["hkv"] * s["d"]
+    buf = torch.empty(s["layers"] * 2 * per, dtype=torch.bfloat16, device="cuda")
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    views = buf.view(s["layers"], 2, max_tokens, s["hkv"], s["d"])
+    views[:, :, :ctx].normal_(generator=g)
+    return buf, [views[i, 0] for i in range(s["layers"])], [views[i, 1] for i in range(s["layers"])]
+
+
+def kv_bytes(s: dict, ctx: int) -> int:
+    return s["layers"] * 2 * ctx * s["hkv"] * s["d"] * 2
+
+
+MICRO_TILES = {
+    "qkv": [(8, 512, 4, 1), (16, 512, 4, 1), (16, 256, 4, 1), (8, 1024, 4, 1), (16, 512, 8, 1), (16, 512, 4, 3)],
+    "o": [(4, 1024, 4, 1), (8, 512, 4, 1), (8, 1024, 4, 1), (16, 512, 4, 1), (16, 256, 4, 1), (8, 512, 4, 3)],
+    "gate_up": [(8, 512, 4, 1), (16, 512, 4, 1), (16, 256, 4, 1), (8, 1024, 4, 1), (32, 256, 8, 1), (16, 512, 4, 3)],
+    "down": [(4, 1024, 4, 1), (8, 1024, 4, 1), (8, 512, 4, 1), (16, 512, 4, 1), (16, 1024, 8, 1), (8, 1024, 4, 3)],
+    "lm_head": [(16, 512, 4, 1), (32, 256, 4, 1), (8, 1024, 4, 1), (32, 512, 8, 1), (16, 512, 4, 3)],
+}
+
+
+def micro_gemv(X, model, s, k_caches, v_caches, cos, sin) -> dict:
+    """Per projection: us per launch and TB/s for each tile and for cuBLAS, over all layers' weights."""
+    G, S = X.gemv, X.smallops
+    h, hq, hkv, d, inter = s["hidden"], s["hq"], s["hkv"], s["d"], s["inter"]
+    dev, dt = "cuda", torch.bfloat16
+    x = torch.randn(h, device=dev, dtype=dt)
+    xa = torch.randn(hq * d, device=dev, dtype=dt)
+    xi = torch.randn(inter, device=dev, dtype=dt)
+    q = torch.empty(hq * d, device=dev, dtype=dt)
+    act = torch.empty(inter, device=dev, dtype=dt)
+    hres = torch.empty(h, device=dev, dtype=dt)
+    logits = torch.empty(s["vocab"], device=dev, dtype=torch.float32)
+    pos = torch.tensor([100], dtype=torch.int32, device=dev)
+    L = model.layers
+    nbytes = {"qkv": L[0].wqkv.numel() * 2, "o": L[0].wo.numel() * 2, "gate_up": L[0].w_gate_up.numel() * 2,
+              "down": L[0].w_down.numel() * 2, "lm_head": model.lm_head.numel() * 2}
+
+    def triton_fn(name, t):
+        kw = dict(block_n=t[0], block_k=t[1], num_warps=t[2], stages=t[3])
+        if name == "qkv":
+            return lambda: [G.gemv_qkv_rope(x, l.wqkv, l.attn_norm, 1e-5, q, k_caches[i], v_caches[i], pos, cos, sin,
+                                            num_q_heads=hq, num_kv_heads=hkv, head_dim=d, **kw) for i, l in enumerate(L)]
+        if name == "o":
+            return lambda: [G.gemv(xa, l.wo, hres, residual=hres, **kw) for l in L]
+        if name == "gate_up":
+            return lambda: [G.gemv_silu(x, l.w_gate_up, act, norm_w=l.mlp_norm, **kw) for l in L]
+        if name == "down":
+            return lambda: [G.gemv(xi, l.w_down, hres, residual=hres, **kw) for l in L]
+        return lambda: [G.gemv(x, model.lm_head, logits, norm_w=model.final_norm, **kw) for _ in range(4)]
+
+    def cublas_fn(name):
+        if name == "lm_head":
+            return lambda: [torch.matmul(x.view(1, -1), model.lm_head.t()) for _ in range(4)]
+        attr = {"qkv": "wqkv", "o": "wo", "gate_up": "w_gate_up", "down": "w_down"}[name]
+        inp = {"qkv": x, "o": xa, "gate_up": x, "down": xi}[name]
+        return lambda: [torch.matmul(inp.view(1, -1), getattr(l, attr).t()) for l in L]
+
+    out = {}
+    for name, tiles in MICRO_TILES.items():
+        n_launch = 4 if name == "lm_head" else len(L)
+        res = {}
+        for label, fn in [("cublas", cublas_fn(name))] + [(str(t), triton_fn(name, t)) for t in tiles]:
+            try:
+                g = capture(fn)
+                ms = time_graph(g.replay, iters=20)
+                us = ms * 1e3 / n_launch
+                res[label] = {"us": round(us, 2), "TBps": round(nbytes[name] / (us * 1e-6) / 1e12, 3)}
+                del g
+            except Exception as e:  # a tile that fails to compile is reported, not fatal
+                res[label] = {"error": repr(e)[:200]}
+        best = min((k for k in res if k != "cublas" and "us" in res[k]), key=lambda k: res[k]["us"], default=None)
+        out[name] = {"results": res, "best_triton": best}
+        log(f"  micro {name:8s} cublas {res['cublas'].get('us')} us; best triton {best} "
+            f"{res[best]['us'] if best else None} us ({res[best]['TBps'] if best else None} TB/s)")
+    return out
+
+
+def step_timing(X, model, s, ctx, opts, steps_per_replay=8, max_tokens=None, slot=None):
+    """ms per token of the captured step (steps_per_replay steps per graph) at context ctx."""
+    max_tokens = max_tokens or ctx + 1024
+    if slot is None:
+        slot = make_slot(s, max_tokens, ctx)
+    _, kc, vc = slot
+    cos, sin = rope_tables(LLAMA_ROPE, s["d"], max_tokens)
+    dec = X.GqaDecoder(model, kc, vc, cos, sin, opts, max_steps=max_tokens)
+    runner = X.GraphRunner(dec.step, "cuda", steps_per_replay=steps_per_replay,
+                           before_capture=lambda: dec.set_state(1, ctx))
+    dec.set_state(1, ctx)
+    iters = max(1, min(40, (max_tokens - ctx - 16) // steps_per_replay - 6))
+    ms = time_graph(runner.replay, iters=iters, warmup=3) / steps_per_replay
+    del runner, dec
+    return ms
+
+
+def correctness(X, model, s, ctx, opts, steps=256) -> dict:
+    """Fast path (graph, one step per replay) vs reference_step: greedy tokens and logits per step."""
+    max_tokens = ctx + steps + 8
+    _, kc, vc = make_slot(s, max_tokens, ctx, seed=7)
+    kr, vr = [k.clone() for k in kc], [v.clone() for v in vc]
+    cos, sin = rope_tables(LLAMA_ROPE, s["d"], max_tokens)
+    dec = X.GqaDecoder(model, kc, vc, cos, sin, opts, max_steps=max_tokens)
+    runner = X.GraphRunner(dec.step, "cuda", steps_per_replay=1, before_capture=lambda: dec.set_state(5, ctx))
+    dec.set_state(5, ctx)
+    tok, identical, first_diff, max_rel, mismatches, gaps = 5, 0, None, 0.0, 0, []
+    cos_b, sin_b = cos.cuda(), sin.cuda()
+    for i in range(steps):
+        runner.replay()
+        ref = X.reference_step(model, kr, vr, cos_b, sin_b, tok, ctx + i)
+        fast = dec.logits
+        rel = ((fast - ref).abs().max() / ref.abs().max()).item()
+        max_rel = max(max_rel, rel)
+        ft, rt = int(dec.token.item()), int(ref.argmax().item())
+        if ft == rt and first_diff is None:
+            identical += 1
+        elif ft != rt:
+            mismatches += 1
+            first_diff = i if first_diff is None else first_diff
+            top2 = ref.topk(2).values
+            gaps.append(float(top2[0] - top2[1]))
+        tok = ft  # teacher-force the reference with the fast path's token from here on
+    del runner, dec
+    return {"steps": steps, "greedy_identical_prefix": identical, "mismatches": mismatches,
+            "first_mismatch": first_diff, "mismatch_ref_top2_gaps": gaps[:5], "logits_max_rel_err": max_rel,
+            "tokens_identical": mismatches == 0, "logits_ok": max_rel < 2e-2}
+
+
+def hf_graph(s: dict, ctx: int, steps: int = 30) -> dict:
+    """HF transformers Llama with a static cache, one decode step captured in a CUDA graph."""
+    from transformers import LlamaConfig, LlamaForCausalLM, StaticCache
+    cfg = LlamaConfig(hidden_size=s["hidden"], intermediate_size=s["inter"], num_hidden_layers=s["layers"],
+                      num_attention_heads=s["hq"], num_key_value_heads=s["hkv"], head_dim=s["d"],
+                      vocab_size=s["vocab"], max_position_embeddings=131072, rms_norm_eps=s["eps"],
+                      rope_theta=LLAMA_ROPE["rope_theta"], rope_scaling=dict(LLAMA_ROPE))
+    cfg._attn_implementation = "sdpa"
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device("cuda"):
+            model = LlamaForCausalLM(cfg).eval()
+    finally:
+        torch.set_default_dtype(torch.float32)
+    max_len = ctx + 64
+    try:
+        cache = StaticCache(config=cfg, max_cache_len=max_len)
+    except TypeError:
+        cache = StaticCache(config=cfg, max_batch_size=1, max_cache_len=max_len, device="cuda", dtype=torch.bfloat16)
+    tok = torch.ones(1, 1, dtype=torch.long, device="cuda")
+    cpos = torch.tensor([ctx], dtype=torch.long, device="cuda")
+    with torch.no_grad():
+        def fn():
+            return model(input_ids=tok, past_key_values=cache, cache_position=cpos, position_ids=cpos[None],
+                         use_cache=True).logits
+        eager_ms = time_graph(fn, iters=5, warmup=2)
+        g = capture(fn)
+        ms = time_graph(g.replay, iters=steps, warmup=3)
+    del g, model, cache
+    torch.cuda.empty_cache()
+    return {"hf_eager_ms": eager_ms, "hf_graph_ms": ms, "hf_graph_tok_s": 1e3 / ms}
+
+
+def variants(X, micro: dict | None) -> dict:
+    P = X.llama.PROJECTIONS
+    best_tiles = dict(X.FastOptions().tiles)
+    if micro:
+        for name, r in micro.items():
+            if r.get("best_triton"):
+                best_tiles[name] = tuple(int(v) for v in r["best_triton"].strip("()").split(","))
+    faster = {}
+    if micro:
+        for name, r in micro.items():
+            b = r.get("best_triton")
+            c = r["results"].get("cublas", {}).get("us")
+            faster[name] = "triton" if (b and (c is None or r["results"][b]["us"] <= c)) else "cublas"
+    out = {
+        "triton_all": X.FastOptions(tiles=best_tiles),
+        "cublas_all": X.FastOptions(backends={p: "cublas" for p in P}),
+        "mixed_qkv_o_triton": X.FastOptions(tiles=best_tiles, backends={
+            "qkv": "triton", "o": "triton", "gate_up": "cublas", "down": "cublas", "lm_head": "triton"}),
+    }
+    if faster:
+        out["per_projection_best"] = X.FastOptions(tiles=best_tiles, backends={p: faster.get(p, "triton") for p in P})
+    return out
+
+
+def run_llama(X, parts, R: dict) -> None:
+    s = LLAMA8B
+    t0 = time.time()
+    model = build_llama(X, s)
+    wbytes = model.weight_bytes()
+    R["llama8b_weight_GB"] = wbytes / 1e9
+    log(f"llama8b weights {wbytes / 1e9:.2f} GB, built in {time.time() - t0:.1f} s")
+    bw = R.get("copy_bw_TBps", 4.2)
+    micro = None
+    if "micro" in parts:
+        mt = 2048
+        _, kc, vc = make_slot(s, mt, 0)
+        cos, sin = rope_tables(LLAMA_ROPE, s["d"], mt)
+        micro = micro_gemv(X, model, s, kc, vc, cos.cuda().bfloat16(), sin.cuda().bfloat16())
+        R["llama8b_micro"] = micro
+        del kc, vc
+    V = variants(X, micro)
+    R["llama8b_variants"] = {}
+    ctx = 1024
+    slot = make_slot(s, ctx + 1024, ctx)
+    roof = (wbytes + kv_bytes(s, ctx)) / (bw * 1e12) * 1e3
+    for name, opts in V.items():
+        try:
+            ms = step_timing(X, model, s, ctx, opts, slot=slot)
+            R["llama8b_variants"][name] = {"ms": ms, "tok_s": 1e3 / ms, "frac_roofline": roof / ms,
+                                           "backends": opts.backends, "tiles": {k: list(v) for k, v in opts.tiles.items()}}
+            log(f"  step {name:22s} {ms:.3f} ms  {1e3 / ms:6.1f} tok/s  {roof / ms:.1%} of roofline")
+        except Exception:
+            R["llama8b_variants"][name] = {"error": traceback.format_exc()[-600:]}
+            log(f"  step {name} FAILED\n{traceback.format_exc()[-1500:]}")
+    ok = {k: v for k, v in R["llama8b_variants"].items() if "ms" in v}
+    if not ok:
+        return
+    best = min(ok, key=lambda k: ok[k]["ms"])
+    R["llama8b_best_variant"] = best
+    R["llama8b_ctx1k_tok_s"] = ok[best]["tok_s"]
+    R["llama8b_ctx1k_frac_roofline"] = ok[best]["frac_roofline"]
+    R["llama8b_ctx1k_roofline_tok_s"] = 1e3 / roof
+    del slot
+    if "correct" in parts:
+        for name in dict.fromkeys([best, "triton_all"]):
+            try:
+                R.setdefault("llama8b_correctness", {})[name] = c = correctness(X, model, s, ctx, V[name])
+                log(f"  correctness {name}: {c}")
+            except Exception:
+                R.setdefault("llama8b_correctness", {})[name] = {"error": traceback.format_exc()[-600:]}
+                log(traceback.format_exc()[-1500:])
+        c = R["llama8b_correctness"].get(best, {})
+        R["llama8b_tokens_identical"] = bool(c.get("tokens_identical"))
+        R["llama8b_logits_ok"] = bool(c.get("logits_ok"))
+    if "ctx" in parts:
+        for ctx in (8192, 32768):
+            try:
+                ms = step_timing(X, model, s, ctx, V[best], max_tokens=ctx + 512)
+                roof = (wbytes + kv_bytes(s, ctx)) / (bw * 1e12) * 1e3
+                R[f"llama8b_ctx{ctx // 1024}k_tok_s"] = 1e3 / ms
+                R[f"llama8b_ctx{ctx // 1024}k_frac_roofline"] = roof / ms
+                log(f"  ctx {ctx}: {ms:.3f} ms {1e3 / ms:.1f} tok/s {roof / ms:.1%} of roofline")
+            except Exception:
+                log(traceback.format_exc()[-1500:])
+    del model
+    torch.cuda.empty_cache()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--parts", default="copy,micro,llama,correct,hf,ctx,mla")
+    ap.add_argument("--out", default=str(ROOT / "bench/results/decode_gpu.json"))
+    args = ap.parse_args(argv)
+    parts = set(args.parts.split(","))
+    torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
+    X = load_cuda_pkg()
+    R: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
+    import triton
+    R["triton"] = triton.__version__
+    t_start = time.time()
+
+    def save():
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(R, indent=1, default=str))
+
+    if "copy" in parts:
+        R["copy_bw_TBps"] = copy_bandwidth()
+        log(f"copy bandwidth {R['copy_bw_TBps']:.3f} TB/s")
+    if "hf" in parts:
+        try:
+            R.update(hf_graph(LLAMA8B, 1024))
+            log(f"HF static cache + graph: {R['hf_graph_tok_s']:.1f} tok/s (eager {1e3 / R['hf_eager_ms']:.1f})")
+        except Exception:
+            R["hf_error"] = traceback.format_exc()[-800:]
+            log(R["hf_error"])
+        save()
+    if "llama" in parts:
+        run_llama(X, parts, R)
+        save()
+    if "mla" in parts:
+        try:
+            from decode_gpu_mla import run_mla  # bench/ is on sys.path when run as a script
+            run_mla(X, R)
+        except Exception:
+            R["mla_error"] = traceback.format_exc()[-1500:]
+            log(R["mla_error"])
+        save()
+    if "hf_graph_tok_s" in R and "llama8b_ctx1k_tok_s" in R:
+        R["speedup_vs_hf_graph"] = R["llama8b_ctx1k_tok_s"] / R["hf_graph_tok_s"]
+    R["wall_s"] = time.time() - t_start
+    save()
+    log("\n| metric | value |\n| --- | --- |")
+    for k, v in R.items():
+        if not isinstance(v, (dict, list)):
+            log(f"| {k} | {v:.4g} |" if isinstance(v, float) else f"| {k} | {v} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
