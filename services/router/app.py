@@ -176,6 +176,11 @@ class Router:
         capacity = self.nodes.slot_capacity(info.aliases, time.monotonic()) if self.bus else None
         num_prompt = backend.count_prompt_tokens(info, req)
         max_tokens = req.max_tokens or max(info.max_model_len - num_prompt, 1)
+        if info.max_model_len and num_prompt + max_tokens > info.max_model_len:
+            raise ApiError(400, (
+                f"This model's maximum context length is {info.max_model_len} tokens. However, "
+                f"you requested {num_prompt + max_tokens} tokens ({num_prompt} in the prompt, "
+                f"{max_tokens} in the completion)."), param="max_tokens", code="context_length_exceeded")
         decision = choose_lane(self.cfg.policy, LaneInputs(
             model=req.model, tenant=tenant, header=request.headers.get(HEADER),
             blockers=tuple(req.express_blockers), max_tokens=max_tokens,
@@ -183,11 +188,6 @@ class Router:
         self.metrics.lane_reasons.labels(decision.lane, decision.reason.split(":")[0]).inc()
         span.set_attribute("lane_reason", decision.reason)
         if decision.lane == "express":
-            if info.max_model_len and num_prompt + max_tokens > info.max_model_len:
-                raise ApiError(400, (
-                    f"This model's maximum context length is {info.max_model_len} tokens. However, "
-                    f"you requested {num_prompt + max_tokens} tokens ({num_prompt} in the prompt, "
-                    f"{max_tokens} in the completion)."), param="max_tokens", code="context_length_exceeded")
             es = ExpressStream(
                 self._deps(), info, request_id=request_id, path=_PATHS[endpoint], body=req.body,
                 sampling=self._sampling(info, req), stop_token_ids=req.stop_token_ids,

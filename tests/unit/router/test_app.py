@@ -1,0 +1,274 @@
+"""The router app against fake neighbours: a fake vLLM (httpx mock transport) and a fake
+coordinator and decode node on a real nats-server. Checks the express leg's protocol (claim,
+prefill body, DecodeStart, relay), back-pressure, stop strings, migration and cancellation."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import httpx
+import msgspec
+import pytest
+
+from services.router.app import Router, create_app
+from services.router.config import RouterConfig
+from services.router.policy import PolicyConfig
+from shared import subjects
+from shared.bus import Bus
+from shared.events import (
+    CancelRequest, ClaimGranted, ClaimRejected, ClaimRequest, DecodeStart, KvLayoutSpec, NodeAvailable,
+    RequestFailed, RequestFinished, SlotTarget, TokensGenerated, TransferTarget, Usage,
+)
+
+MODEL = "tiny"
+PROMPT_IDS = [0, 3, 100, 200, 4]
+
+
+class World:
+    """Scripted neighbours; ``answer`` is the full greedy completion every lane produces."""
+
+    def __init__(self, tokenizer, model_dir: str) -> None:
+        self.answer = tokenizer.encode(" The quick brown fox jumps over the lazy dog again and again",
+                                       add_special_tokens=False)
+        self.model_dir = model_dir
+        self.claims: list[ClaimRequest] = []
+        self.starts: list[DecodeStart] = []
+        self.cancels: list[CancelRequest] = []
+        self.prefill_bodies: list[dict] = []
+        self.reject = False
+        self.fail_after: int | None = None  # node goes silent after this many decode tokens
+        self.fail_with_event = False
+        self.node_delay_s = 0.0
+
+    # ------------------------------------------------------------------ fake vLLM
+    def handler(self, request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/models":
+            return httpx.Response(200, json={"data": [{"id": MODEL, "root": self.model_dir,
+                                                        "max_model_len": 256}]})
+        body = json.loads(request.content)
+        if body.get("model") != MODEL:
+            return httpx.Response(404, json={"error": {"message": "no such model", "type": "NotFoundError",
+                                                       "param": None, "code": 404}})
+        prompt = body.get("prompt") if isinstance(body.get("prompt"), list) else PROMPT_IDS
+        done = len(prompt) - len(PROMPT_IDS)  # continuation: tokens already generated
+        n = min(body.get("max_tokens") or 10**6, len(self.answer) - done)
+        ids = self.answer[done : done + n]
+        finish = "length" if done + n < len(self.answer) else "stop"
+        if "kv_transfer_params" in body:
+            self.prefill_bodies.append(body)
+        if body.get("stream"):
+            lines = [f"data: {json.dumps({'choices': [{'index': 0, 'text': '', 'token_ids': [t], 'finish_reason': None}]})}\n\n" for t in ids]
+            lines.append(f"data: {json.dumps({'choices': [{'index': 0, 'text': '', 'token_ids': [], 'finish_reason': finish}]})}\n\n")
+            lines.append("data: [DONE]\n\n")
+            return httpx.Response(200, content="".join(lines).encode(),
+                                  headers={"content-type": "text/event-stream"})
+        choice = {"index": 0, "token_ids": ids, "finish_reason": finish, "text": "",
+                  "message": {"role": "assistant", "content": "x"}}
+        return httpx.Response(200, json={"choices": [choice], "prompt_token_ids": prompt,
+                                         "usage": {"prompt_tokens": len(prompt), "completion_tokens": n}})
+
+    # ------------------------------------------------------------------ fake coordinator + node
+    async def attach(self, bus: Bus) -> None:
+        layout = KvLayoutSpec(layout_version=1, kind="gqa", dtype="float32", num_layers=2, max_tokens=256,
+                              slot_nbytes=1, segments=[])
+        self.heartbeat = NodeAvailable(node_id="n0", model=self.model_dir, protocol_version=1, total_slots=1,
+                                       free_slots=[0], transports=["mooncake"], endpoints={}, slots=[],
+                                       layout=layout, heartbeat_interval_ms=60_000, seq=1, sent_at_ms=0)
+        self.layout = layout
+
+        async def on_claim(req: ClaimRequest, msg) -> None:
+            self.claims.append(req)
+            if self.reject:
+                await bus.respond(msg, ClaimRejected(request_id=req.request_id, reason="queue full",
+                                                     retry_after_ms=1500))
+                return
+            target = TransferTarget(node_id="n0", transport="mooncake", endpoint="127.0.0.1:1",
+                                    slot=SlotTarget(slot=0, base_addr=0, nbytes=1), layout=self.layout)
+            await bus.respond(msg, ClaimGranted(request_id=req.request_id, lease_id="L" + req.request_id,
+                                                generation=1, node_id="n0", expires_at_ms=0, target=target))
+
+        async def on_start(start: DecodeStart, msg) -> None:
+            self.starts.append(start)
+            asyncio.get_running_loop().create_task(self._decode(bus, start))
+
+        async def on_cancel(c: CancelRequest, msg) -> None:
+            self.cancels.append(c)
+
+        await bus.subscribe(subjects.CLAIM, on_claim, ClaimRequest)
+        await bus.subscribe(subjects.DECODE_START_ALL, on_start, DecodeStart)
+        await bus.subscribe(subjects.REQ_CANCEL_ALL, on_cancel, CancelRequest)
+        await bus.publish(subjects.node_avail("n0"), self.heartbeat)
+
+    async def _decode(self, bus: Bus, start: DecodeStart) -> None:
+        done = start.num_prompt_tokens - len(PROMPT_IDS) + 1  # answer tokens before this leg's decode
+        rest = self.answer[done : done + start.sampling.max_tokens]
+        for i, t in enumerate(rest):
+            if self.fail_after is not None and i >= self.fail_after and not start.request_id.count("-m"):
+                if self.fail_with_event:
+                    await bus.publish(subjects.req_tokens(start.request_id),
+                                      RequestFailed(request_id=start.request_id, reason="node lost"))
+                return
+            if any(c.request_id == start.request_id for c in self.cancels):
+                await bus.publish(subjects.req_tokens(start.request_id), RequestFinished(
+                    request_id=start.request_id, finish_reason="cancelled",
+                    usage=Usage(prompt_tokens=start.num_prompt_tokens, completion_tokens=i + 1)))
+                return
+            await asyncio.sleep(self.node_delay_s)
+            await bus.publish(subjects.req_tokens(start.request_id),
+                              TokensGenerated(request_id=start.request_id, index=i + 1, token_ids=[t]))
+        reason = "stop" if done + len(rest) >= len(self.answer) else "length"
+        await bus.publish(subjects.req_tokens(start.request_id), RequestFinished(
+            request_id=start.request_id, finish_reason=reason,
+            usage=Usage(prompt_tokens=start.num_prompt_tokens, completion_tokens=len(rest) + 1)))
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_model):
+    return str(tiny_model("llama"))
+
+
+@pytest.fixture
+async def harness(nats_url, model_dir):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    world = World(tok, model_dir)
+    cfg = RouterConfig(prefill_urls=("http://vllm",), nats_url=nats_url,
+                       policy=PolicyConfig(capability_gate="reject"),
+                       first_decode_timeout_s=1.0, token_timeout_s=0.5)
+    app = create_app(cfg)
+    router: Router = app.state.router
+    await router.http.aclose()
+    router.http = httpx.AsyncClient(transport=httpx.MockTransport(world.handler))
+    bus = await Bus.connect(nats_url, name="fakes")
+    await world.attach(bus)
+    await router.start()
+    for _ in range(100):
+        if router.is_ready and router.bus and router.express_capacity().get(MODEL):
+            break
+        await asyncio.sleep(0.05)
+        await bus.publish(subjects.node_avail("n0"), world.heartbeat)
+    client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://router")
+    try:
+        yield world, client, router, tok
+    finally:
+        await client.aclose()
+        await router.stop()
+        await bus.close()
+    assert router.dispatcher.num_open == 0  # no leg left registered
+
+
+def _sse(raw: str) -> list:
+    out = []
+    for block in raw.split("\n\n"):
+        if block.startswith("data: "):
+            out.append(block[6:] if block[6:] == "[DONE]" else json.loads(block[6:]))
+    return out
+
+
+def _chat(**kw):
+    return {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "temperature": 0, **kw}
+
+
+async def test_express_stream_relays_every_token(harness):
+    world, client, router, tok = harness
+    r = await client.post("/v1/chat/completions", json=_chat(
+        stream=True, max_tokens=8, stream_options={"include_usage": True}, return_token_ids=True))
+    assert r.status_code == 200 and r.headers["x-expresslane-lane"] == "express"
+    events = _sse(r.text)
+    assert events[-1] == "[DONE]"
+    ids = [t for e in events[:-1] for c in e["choices"] for t in c.get("token_ids") or []]
+    assert ids == world.answer[:8]
+    text = "".join(c["delta"].get("content") or "" for e in events[:-1] for c in e["choices"])
+    assert text == tok.decode(world.answer[:8])
+    assert events[-2]["usage"] == {"prompt_tokens": 5, "completion_tokens": 8, "total_tokens": 13}
+    # the protocol with the neighbours
+    (claim,) = world.claims
+    assert (claim.model, claim.max_tokens) == (world.model_dir, 8)
+    body = world.prefill_bodies[0]
+    assert body["max_tokens"] == 1 and body["stream"] is False and body["return_token_ids"] is True
+    xl = body["kv_transfer_params"]["expresslane"]
+    assert xl["lease_id"] == "L" + claim.request_id and xl["generation"] == 1
+    assert msgspec.convert(xl["target"], TransferTarget).node_id == "n0"
+    assert xl["traceparent"].startswith("00-")
+    (start,) = world.starts
+    assert (start.first_token_id, start.sampling.max_tokens, start.num_prompt_tokens) == (world.answer[0], 7, 5)
+    assert start.sampling.temperature == 0.0
+    assert 1 in start.sampling.stop_token_ids  # the model's EOS ids ride along
+
+
+async def test_non_stream_completions(harness):
+    world, client, _, tok = harness
+    r = await client.post("/v1/completions", json={"model": MODEL, "prompt": "hello", "max_tokens": 6,
+                                                  "temperature": 0})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["object"] == "text_completion"
+    assert body["choices"][0]["text"] == tok.decode(world.answer[:6])
+    assert body["choices"][0]["finish_reason"] == "length"
+    assert body["usage"]["completion_tokens"] == 6
+
+
+async def test_stop_string_cancels_decode(harness):
+    world, client, _, tok = harness
+    world.node_delay_s = 0.02
+    r = await client.post("/v1/chat/completions", json=_chat(max_tokens=12, stop=[" fox"]))
+    assert r.status_code == 200
+    choice = r.json()["choices"][0]
+    assert choice["message"]["content"] == " The quick brown"
+    assert choice["finish_reason"] == "stop" and choice["stop_reason"] == " fox"
+    await asyncio.sleep(0.2)
+    assert [c.reason for c in world.cancels] == ["client_disconnected"]
+
+
+async def test_saturation_is_429_with_retry_after(harness):
+    world, client, _, _ = harness
+    world.reject = True
+    r = await client.post("/v1/chat/completions", json=_chat(stream=True, max_tokens=8))
+    assert r.status_code == 429
+    assert r.headers["retry-after"] == "2"
+    assert r.json()["error"]["code"] == "rate_limit_exceeded"
+
+
+@pytest.mark.parametrize("with_event", [False, True])
+async def test_node_failure_migrates_without_loss(harness, with_event):
+    world, client, router, _ = harness
+    world.fail_after, world.fail_with_event = 3, with_event
+    r = await client.post("/v1/chat/completions", json=_chat(stream=True, max_tokens=10, return_token_ids=True))
+    events = _sse(r.text)
+    ids = [t for e in events[:-1] for c in e["choices"] for t in c.get("token_ids") or []]
+    assert ids == world.answer[:10]
+    assert [c.request_id.endswith("-m1") for c in world.claims] == [False, True]
+    assert world.starts[1].num_prompt_tokens == len(PROMPT_IDS) + 4
+
+
+async def test_migration_to_standard_lane(harness):
+    world, client, router, _ = harness
+    world.fail_after = 2
+    router.cfg = RouterConfig(**{**router.cfg.__dict__, "migrate_to": "standard"})
+    r = await client.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 9,
+                                                  "temperature": 0, "return_token_ids": True})
+    assert r.json()["choices"][0]["token_ids"] == world.answer[:9]
+    assert len(world.claims) == 1
+
+
+async def test_standard_lane_passthrough(harness):
+    world, client, _, _ = harness
+    r = await client.post("/v1/chat/completions", json=_chat(max_tokens=3),
+                          headers={"x-expresslane": "off"})
+    assert r.status_code == 200 and r.headers["x-expresslane-lane"] == "standard"
+    assert world.claims == []
+
+
+@pytest.mark.parametrize("body,status", [
+    (b"{", 400), (json.dumps(_chat(model="nope")).encode(), 404),
+    (json.dumps(_chat(n=2)).encode(), 400), (json.dumps(_chat(max_tokens=0)).encode(), 400),
+    (json.dumps(_chat(max_tokens=300)).encode(), 400),
+])
+async def test_errors(harness, body, status):
+    _, client, _, _ = harness
+    r = await client.post("/v1/chat/completions", content=body, headers={"content-type": "application/json"})
+    assert r.status_code == status
+    assert set(r.json()["error"]) == {"message", "type", "param", "code"}
