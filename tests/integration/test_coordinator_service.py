@@ -1,0 +1,255 @@
+"""The coordinator and decode node as real processes on a real nats-server (JetStream).
+
+Each test gets its own nats-server (so the coordinator's KV bucket and report stream start empty),
+runs ``expresslane coordinator`` and ``expresslane decode`` as subprocesses on the tiny Llama, and
+ends with the leak check: no lease, no waiting claim, every decode slot free. Latencies are
+measured and printed, never asserted tightly (generous bounds only).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from shared import subjects
+from shared.bus import Bus
+from shared.events import (
+    CancelRequest, ClaimGranted, ClaimRejected, ClaimReply, ClaimRequest, DecodeStart,
+    HandoffEvent, KvReady, RequestFinished, SamplingParams, TokenMessage, TokensGenerated,
+)
+
+REPO = Path(__file__).resolve().parents[2]
+HEARTBEAT_MS = 200
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Proc:
+    """One service subprocess with its log file and its /health port."""
+
+    def __init__(self, name: str, args: list[str], log_dir: Path) -> None:
+        self.name, self.args, self.port = name, args, free_port()
+        self.log_path = log_dir / f"{name}.log"
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> Proc:
+        env = dict(os.environ, PYTHONPATH=str(REPO), VLLM_CPU_OMP_THREADS_BIND="0-1")
+        self.log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen([sys.executable, "-m", "shared.cli", *self.args,
+                                      "--http-port", str(self.port)],
+                                     cwd=REPO, env=env, stdout=self.log, stderr=subprocess.STDOUT)
+        return self
+
+    def health(self) -> tuple[int, dict]:
+        try:
+            r = httpx.get(f"http://127.0.0.1:{self.port}/health", timeout=2.0)
+            return r.status_code, r.json()
+        except (httpx.HTTPError, ValueError):
+            return 0, {}
+
+    async def wait_healthy(self, timeout_s: float = 60.0, until=lambda h: True) -> dict:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, f"{self.name} exited: {self.tail()}"
+            status, body = await asyncio.to_thread(self.health)
+            if status == 200 and until(body):
+                return body
+            await asyncio.sleep(0.05)
+        raise AssertionError(f"{self.name} not healthy in {timeout_s} s: {self.tail()}")
+
+    def signal(self, sig: int) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(sig)
+
+    def stop(self, timeout_s: float = 15.0) -> int | None:
+        if self.proc is None:
+            return None
+        self.signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return self.proc.wait(timeout=5)
+        finally:
+            self.log.close()
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.wait(timeout=10)
+        self.log.close()
+
+    def tail(self, n: int = 30) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+
+class Stack:
+    """A nats-server, a coordinator, decode nodes, and a bus client recording handoff events."""
+
+    def __init__(self, nats, model_dir: Path, log_dir: Path) -> None:
+        self.nats, self.model_dir, self.log_dir = nats, model_dir, log_dir
+        self.procs: list[Proc] = []
+        self.events: list[HandoffEvent] = []
+        self.bus: Bus | None = None
+
+    async def open(self) -> Stack:
+        self.bus = await Bus.connect(self.nats.url, name="test")
+
+        async def on_event(ev, _msg):
+            self.events.append(ev)
+
+        await self.bus.subscribe(subjects.HANDOFF_ALL, on_event, HandoffEvent)
+        return self
+
+    async def coordinator(self, *extra: str) -> Proc:
+        p = Proc(f"coordinator-{len(self.procs)}", ["coordinator", "--nats-url", self.nats.url,
+                                                     "--log-format", "json", "--tick-ms", "20", *extra],
+                 self.log_dir).start()
+        self.procs.append(p)
+        await p.wait_healthy(30)
+        self.coord = p
+        return p
+
+    async def decode(self, node_id: str, slots: int = 1, *extra: str) -> Proc:
+        p = Proc(node_id, ["decode", "--nats-url", self.nats.url, "--model", str(self.model_dir),
+                           "--slots", str(slots), "--node-id", node_id, "--max-seq-len", "256",
+                           "--heartbeat-ms", str(HEARTBEAT_MS), "--log-format", "json", *extra],
+                 self.log_dir).start()
+        self.procs.append(p)
+        await p.wait_healthy(120)
+        await self.coord.wait_healthy(10, until=lambda h: node_id in h["nodes"])
+        return p
+
+    async def claim(self, rid: str, wait_ms: int = 5000, timeout_s: float = 10.0):
+        claim = ClaimRequest(request_id=rid, model=self.model_dir.name, num_prompt_tokens=8,
+                             max_tokens=16, wait_ms=wait_ms)
+        return await self.bus.request(subjects.CLAIM, claim, ClaimReply, timeout_s)
+
+    def states(self, rid: str) -> list[str]:
+        return [e.state for e in self.events if e.request_id == rid]
+
+    async def wait_state(self, rid: str, state: str, timeout_s: float = 10.0) -> float:
+        t0 = time.monotonic()
+        while state not in self.states(rid):
+            assert time.monotonic() - t0 < timeout_s, f"{rid}: no {state} in {self.states(rid)}"
+            await asyncio.sleep(0.01)
+        return time.monotonic() - t0
+
+    async def assert_no_leak(self, decodes: list[Proc], timeout_s: float = 10.0) -> None:
+        """No lease, no waiting claim, every slot of every decode node free."""
+        await self.coord.wait_healthy(timeout_s, until=lambda h: h["leases"] == 0 and h["queued"] == 0)
+        for d in decodes:
+            await d.wait_healthy(timeout_s, until=lambda h: h["active"] == [] and
+                                 len(h["free_slots"]) == h["total_slots"])
+
+    async def close(self) -> None:
+        if self.bus is not None:
+            await self.bus.close()
+        for p in reversed(self.procs):
+            p.stop()
+
+
+async def run_request(stack: Stack, grant: ClaimGranted, prompt_len: int, max_tokens: int,
+                      first_token_id: int = 1, kv_ready: bool = True) -> asyncio.Queue:
+    """Pretend to be prefill + router: KV-ready (no bytes: the test model tolerates any KV) and
+    start; returns the queue of the request's token messages."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def on_token(ev, _msg):
+        queue.put_nowait(ev)
+
+    await stack.bus.subscribe(subjects.req_tokens(grant.request_id), on_token, TokenMessage)
+    if kv_ready:
+        await stack.bus.publish(subjects.kv_ready(grant.node_id), KvReady(
+            request_id=grant.request_id, lease_id=grant.lease_id, generation=grant.generation,
+            node_id=grant.node_id, slot=grant.target.slot.slot, num_tokens=prompt_len,
+            layout_version=grant.target.layout.layout_version, nbytes=0))
+    await stack.bus.publish(subjects.decode_start(grant.node_id), DecodeStart(
+        request_id=grant.request_id, lease_id=grant.lease_id, generation=grant.generation,
+        slot=grant.target.slot.slot, first_token_id=first_token_id, num_prompt_tokens=prompt_len,
+        sampling=SamplingParams(max_tokens=max_tokens, ignore_eos=True)))
+    return queue
+
+
+async def collect(queue: asyncio.Queue, timeout_s: float = 30.0) -> tuple[list[int], object]:
+    tokens: list[int] = []
+    while True:
+        ev = await asyncio.wait_for(queue.get(), timeout_s)
+        if isinstance(ev, TokensGenerated):
+            assert ev.index == 1 + len(tokens), (ev.index, len(tokens))
+            tokens += ev.token_ids
+        else:
+            return tokens, ev
+
+
+@pytest.fixture
+async def stack(make_nats_server, tiny_model, tmp_path):
+    s = await Stack(make_nats_server(), tiny_model("llama"), tmp_path).open()
+    try:
+        yield s
+    finally:
+        await s.close()
+        for p in s.procs:
+            if p.proc is not None and p.proc.returncode not in (0, None, -9):
+                print(f"--- {p.name} exited {p.proc.returncode}\n{p.tail()}")
+
+
+# ---------------------------------------------------------------- tests
+
+
+async def test_last_of_n_plus_one_claims_waits_then_is_granted(stack):
+    await stack.coordinator()
+    node = await stack.decode("d1", 2)
+    grants = [await stack.claim(f"r{i}") for i in range(2)]
+    assert all(isinstance(g, ClaimGranted) for g in grants)
+    assert sorted(g.target.slot.slot for g in grants) == [0, 1]
+    waiting = asyncio.create_task(stack.claim("r2", wait_ms=20_000, timeout_s=30))
+    await stack.wait_state("r2", "queued")
+    assert not waiting.done()
+    tokens, end = await collect(await run_request(stack, grants[0], prompt_len=8, max_tokens=4))
+    assert isinstance(end, RequestFinished) and len(tokens) == 4
+    assert (end.finish_reason, end.usage.completion_tokens) == ("length", 5)
+    third = await asyncio.wait_for(waiting, 10)
+    assert isinstance(third, ClaimGranted) and third.target.slot.slot == grants[0].target.slot.slot
+    assert third.generation > max(g.generation for g in grants)
+    assert stack.states("r0") == ["claimed", "kv_ready", "decoding", "completed"]
+    assert stack.states("r2")[:2] == ["queued", "claimed"]
+    for g in (grants[1], third):
+        _, end = await collect(await run_request(stack, g, prompt_len=8, max_tokens=3))
+        assert isinstance(end, RequestFinished) and end.usage.completion_tokens == 4
+    await stack.assert_no_leak([node])
+
+
+async def test_queue_full_is_rejected_with_retry_after(stack):
+    await stack.coordinator("--max-queue", "1", "--retry-after-ms", "750")
+    node = await stack.decode("d1", 1)
+    first = await stack.claim("r0")
+    waiting = asyncio.create_task(stack.claim("r1", wait_ms=20_000, timeout_s=30))
+    await stack.wait_state("r1", "queued")
+    rejected = await stack.claim("r2")
+    assert isinstance(rejected, ClaimRejected)
+    assert (rejected.reason, rejected.retry_after_ms) == ("queue_full", 750)
+    # a claim whose deadline passes in the queue is rejected too
+    await stack.bus.publish(subjects.req_cancel("r1"), CancelRequest(request_id="r1"))
+    cancelled = await asyncio.wait_for(waiting, 10)
+    assert isinstance(cancelled, ClaimRejected) and cancelled.reason == "cancelled"
+    late = await stack.claim("r3", wait_ms=300)
+    assert isinstance(late, ClaimRejected) and (late.reason, late.retry_after_ms) == ("deadline", 750)
+    _, end = await collect(await run_request(stack, first, prompt_len=8, max_tokens=2))
+    assert isinstance(end, RequestFinished)
+    await stack.assert_no_leak([node])
