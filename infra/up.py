@@ -1,0 +1,285 @@
+"""``expresslane up``: the whole stack on this machine, supervised, on a generated tiny model by default.
+
+Contract:
+- Starts, in order, each as its own process group with its log under ``WORKDIR/logs``: an embedded
+  nats-server (JetStream), the coordinator, ``--decode-nodes`` decode nodes, the vLLM prefill with
+  the express connector, and the router; waits for each one's health before the next.
+- Without ``--model`` it writes a tiny checkpoint (``infra.tinymodel``, ``--arch``) under WORKDIR.
+- A piece whose module is not in this build is reported as missing and skipped (vLLM then runs
+  without the connector and the router serves the standard lane only).
+- Prints the endpoint, an example curl and how to watch events; then supervises: if a process
+  exits, the stack is stopped and its log tail printed (exit 1). Ctrl-C or SIGTERM stops every
+  process (SIGTERM, then SIGKILL after a grace period) and exits 0 with nothing left running.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+STOP_GRACE_S = 15.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2.0) as resp:
+            return resp.status == 200
+    except (OSError, ValueError):
+        return False
+
+
+def _tail(path: Path, num_lines: int = 30) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-num_lines:])
+    except OSError:
+        return ""
+
+
+@dataclass
+class Proc:
+    name: str
+    argv: list[str]
+    health_url: str = ""
+    env: dict[str, str] = field(default_factory=dict)
+    popen: subprocess.Popen | None = None
+    log_path: Path | None = None
+
+    def start(self, log_dir: Path) -> None:
+        self.log_path = log_dir / f"{self.name}.log"
+        log = open(self.log_path, "ab")
+        log.write(("$ " + " ".join(self.argv) + "\n").encode())
+        log.flush()
+        pythonpath = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH")) if p)
+        self.popen = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT,
+                                      env={**os.environ, "PYTHONPATH": pythonpath, **self.env},
+                                      start_new_session=True)
+        log.close()
+
+    @property
+    def alive(self) -> bool:
+        return self.popen is not None and self.popen.poll() is None
+
+    def wait_healthy(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if not self.alive:
+                raise RuntimeError(f"{self.name} exited ({self.popen.returncode}) before it was ready; "
+                                   f"log {self.log_path}:\n{_tail(self.log_path)}")
+            if not self.health_url or _healthy(self.health_url):
+                return
+            time.sleep(0.3)
+        raise RuntimeError(f"{self.name} not healthy at {self.health_url} within {timeout_s:.0f} s; "
+                           f"log {self.log_path}:\n{_tail(self.log_path)}")
+
+    def signal(self, sig: int) -> None:
+        if self.popen is not None:
+            try:
+                os.killpg(self.popen.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def group_alive(self) -> bool:
+        if self.popen is None:
+            return False
+        self.popen.poll()
+        try:
+            os.killpg(self.popen.pid, 0)
+            return True
+        except ProcessLookupError:
+            return False
+
+
+def stop_all(procs: list[Proc], grace_s: float = STOP_GRACE_S) -> list[str]:
+    """Stop in reverse start order; returns the names of groups that needed SIGKILL."""
+    for p in reversed(procs):
+        p.signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline and any(p.group_alive() for p in procs):
+        time.sleep(0.1)
+    killed = [p.name for p in procs if p.group_alive()]
+    for p in procs:
+        if p.group_alive():
+            p.signal(signal.SIGKILL)
+    for p in procs:
+        if p.popen is not None:
+            try:
+                p.popen.wait(timeout=5.0)
+            except subprocess.TimeoutExpired:
+                pass
+    return killed
+
+
+def have(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:
+        return False
+
+
+def _attention_args(model: Path) -> list[str]:
+    """vLLM on CPU runs an MLA model in float32 only with the CPU_MLA backend."""
+    try:
+        is_mla = "kv_lora_rank" in json.loads((model / "config.json").read_text())
+    except (OSError, ValueError):
+        is_mla = False
+    return ["--attention-config", json.dumps({"backend": "CPU_MLA"})] if is_mla else []
+
+
+def plan(args: argparse.Namespace, model: Path, nats_url: str, py: str) -> tuple[list[Proc], list[str]]:
+    """The processes to start after nats-server, and the pieces this build lacks."""
+    cli = [py, "-m", "shared.cli"]
+    common = ["--nats-url", nats_url, "--log-format", args.log_format]
+    procs: list[Proc] = []
+    missing: list[str] = []
+    if have("services.coordinator.service"):
+        port = free_port()
+        procs.append(Proc("coordinator", cli + ["coordinator", *common, "--http-port", str(port)],
+                          f"http://127.0.0.1:{port}/health"))
+    else:
+        missing.append("coordinator (services/coordinator/service.py)")
+    if have("services.decode.server"):
+        for i in range(args.decode_nodes):
+            port = free_port()
+            procs.append(Proc(f"decode-{i}", cli + [
+                "decode", *common, "--model", str(model), "--node-id", f"decode-{i}",
+                "--slots", str(args.slots), "--max-seq-len", str(args.max_model_len),
+                "--http-port", str(port)], f"http://127.0.0.1:{port}/health"))
+    else:
+        missing.append("decode node (services/decode/server.py)")
+    prefill_port = args.prefill_port or free_port()
+    vllm_env = {"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+                "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "0-1"),
+                "EXPRESSLANE_NATS_URL": nats_url}
+    if have("services.prefill.launch"):
+        argv = cli + ["prefill", "--nats-url", nats_url, "--model", str(model), "--port",
+                      str(prefill_port), "--dtype", "float32",
+                      "--", "--max-model-len", str(args.max_model_len), "--enforce-eager",
+                      *_attention_args(model)]
+    else:
+        missing.append("prefill connector launcher (services/prefill/launch.py): vLLM runs "
+                       "without the connector, the express lane stays closed")
+        argv = [py, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--host",
+                "127.0.0.1", "--port", str(prefill_port), "--max-model-len", str(args.max_model_len),
+                "--enforce-eager", "--dtype", "float32", *_attention_args(model)]
+    procs.append(Proc("prefill", argv, f"http://127.0.0.1:{prefill_port}/health", env=vllm_env))
+    procs.append(Proc("router", cli + [
+        "router", *common, "--port", str(args.port), "--host", args.host,
+        "--prefill-url", f"http://127.0.0.1:{prefill_port}"],
+        f"http://127.0.0.1:{args.port}/health"))
+    return procs, missing
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="expresslane up",
+        description="Start nats-server, coordinator, decode nodes, vLLM prefill and the router on "
+                    "this machine; Ctrl-C stops everything.")
+    p.add_argument("--model", type=Path, default=None,
+                   help="HF checkpoint directory (default: generate a tiny model)")
+    p.add_argument("--arch", default="llama", help="architecture of the generated tiny model")
+    p.add_argument("--decode-nodes", type=int, default=2, help="decode node processes (default 2)")
+    p.add_argument("--slots", type=int, default=2, help="slots per decode node (default 2)")
+    p.add_argument("--port", type=int, default=8000, help="router port (default 8000)")
+    p.add_argument("--host", default="127.0.0.1", help="router listen address")
+    p.add_argument("--prefill-port", type=int, default=0, help="vLLM port (default: a free one)")
+    p.add_argument("--max-model-len", type=int, default=2048, help="context length, vLLM and slots")
+    p.add_argument("--workdir", type=Path, default=None, help="logs, NATS store, generated model")
+    p.add_argument("--start-timeout-s", type=float, default=600.0, help="per process")
+    p.add_argument("--log-format", default="json", choices=["json", "console"])
+    return p
+
+
+def _banner(args: argparse.Namespace, model: Path, nats_url: str, missing: list[str], log_dir: Path) -> str:
+    url = f"http://{args.host}:{args.port}"
+    body = json.dumps({"model": str(model), "stream": True, "max_tokens": 32, "temperature": 0,
+                       "messages": [{"role": "user", "content": "Tell me about express lanes."}]})
+    lines = [
+        "", f"expresslane is up: OpenAI endpoint {url}/v1  (model {model})", "",
+        "  try:", f"    curl -N {url}/v1/chat/completions -H 'content-type: application/json' \\",
+        f"      -d '{body}'", "",
+        "  standard lane: add -H 'x-expresslane: off'",
+        f"  watch the bus: EXPRESSLANE_NATS_URL={nats_url} {sys.executable} -m shared.cli events",
+        f"  health:        curl {url}/health      metrics: curl {url}/metrics",
+        f"  logs:          {log_dir}/", "",
+    ]
+    if missing:
+        lines += ["  NOT RUNNING (not in this build):"] + [f"    - {m}" for m in missing] + [""]
+    return "\n".join(lines + ["  Ctrl-C stops everything."])
+
+
+def main(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
+    from infra.nats import DEV_CONFIG, NatsServer
+
+    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="expresslane-up-"))
+    log_dir = workdir / "logs"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    stopping = {"signal": None}
+
+    def on_signal(signum, frame):
+        stopping["signal"] = signum
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_signal)
+    nats = NatsServer(workdir / "nats", config_file=DEV_CONFIG, log_path=log_dir / "nats-server.log")
+    procs: list[Proc] = []
+    code = 0
+    try:
+        model = args.model
+        if model is None:
+            from infra.tinymodel import make_model
+
+            model = workdir / f"tiny-{args.arch}"
+            if not (model / "config.json").exists():
+                print(f"generating a tiny {args.arch} model in {model} ...", flush=True)
+                make_model(args.arch, model)
+        model = model.resolve()
+        nats.start(timeout_s=15.0)
+        print(f"nats-server    {nats.url}", flush=True)
+        todo, missing = plan(args, model, nats.url, sys.executable)
+        for proc in todo:
+            proc.start(log_dir)
+            procs.append(proc)
+            print(f"{proc.name:<14} starting (log {proc.log_path})", flush=True)
+            proc.wait_healthy(args.start_timeout_s)
+            print(f"{proc.name:<14} ready", flush=True)
+        print(_banner(args, model, nats.url, missing, log_dir), flush=True)
+        while True:
+            for proc in procs:
+                if not proc.alive:
+                    print(f"\n{proc.name} exited ({proc.popen.returncode}); stopping the stack. "
+                          f"Log {proc.log_path}:\n{_tail(proc.log_path)}", file=sys.stderr)
+                    code = 1
+                    raise KeyboardInterrupt
+            time.sleep(0.5)
+    except KeyboardInterrupt:
+        pass
+    except RuntimeError as exc:
+        print(f"\nexpresslane up failed: {exc}", file=sys.stderr)
+        code = 1
+    finally:
+        print("\nstopping ...", flush=True)
+        killed = stop_all(procs)
+        nats.stop()
+        left = [p.name for p in procs if p.group_alive()]
+        print("stopped" + (f" (needed SIGKILL: {', '.join(killed)})" if killed else "")
+              + (f"; STILL RUNNING: {left}" if left else ""), flush=True)
+    return code
