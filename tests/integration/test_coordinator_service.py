@@ -253,3 +253,108 @@ async def test_queue_full_is_rejected_with_retry_after(stack):
     _, end = await collect(await run_request(stack, first, prompt_len=8, max_tokens=2))
     assert isinstance(end, RequestFinished)
     await stack.assert_no_leak([node])
+
+
+async def test_killing_decode_node_fails_its_leases_within_three_heartbeats(stack):
+    await stack.coordinator()
+    node = await stack.decode("d1", 2)
+    claimed = await stack.claim("r0")
+    ready = await stack.claim("r1")
+    await run_request(stack, ready, prompt_len=8, max_tokens=4, kv_ready=True)
+    await stack.wait_state("r1", "completed")
+    ready = await stack.claim("r2")  # leave this one in kv_ready (no start)
+    await stack.bus.publish(subjects.kv_ready("d1"), KvReady(
+        request_id="r2", lease_id=ready.lease_id, generation=ready.generation, node_id="d1",
+        slot=ready.target.slot.slot, num_tokens=8, layout_version=1, nbytes=0))
+    await stack.wait_state("r2", "kv_ready")
+    node.kill()
+    t0 = time.monotonic()
+    await stack.wait_state("r0", "failed", timeout_s=10)
+    await stack.wait_state("r2", "failed", timeout_s=10)
+    elapsed = time.monotonic() - t0
+    print(f"decode node killed -> leases failed in {elapsed * 1000:.0f} ms "
+          f"(heartbeat {HEARTBEAT_MS} ms)")
+    assert elapsed < 3 * HEARTBEAT_MS / 1000 + 2.0  # 3 missed beats, plus generous slack
+    failed = [e for e in stack.events if e.state == "failed"]
+    assert {(e.request_id, e.reason, e.node_id) for e in failed} == {
+        ("r0", "node_dead", "d1"), ("r2", "node_dead", "d1")}
+    assert stack.states("r0") == ["claimed", "failed"]
+    assert stack.states("r2") == ["claimed", "kv_ready", "failed"]
+    gone = await stack.claim("r3")
+    assert isinstance(gone, ClaimRejected) and gone.reason == "no_compatible_node"
+    await stack.assert_no_leak([])
+
+
+async def test_coordinator_restart_mid_handoff_loses_no_lease(stack):
+    coord = await stack.coordinator()
+    node = await stack.decode("d1", 2)
+    grant = await stack.claim("r0")
+    other = await stack.claim("r1")
+    coord.kill()
+    # While the coordinator is down the transfer completes and the router starts decoding.
+    queue = await run_request(stack, grant, prompt_len=8, max_tokens=6)
+    tokens, end = await collect(queue)
+    assert isinstance(end, RequestFinished) and len(tokens) == 6
+    await stack.coordinator()  # resumes from JetStream: leases from the KV bucket, reports from the stream
+    await stack.wait_state("r0", "completed")
+    assert stack.states("r0") == ["claimed", "kv_ready", "decoding", "completed"]
+    body = await stack.coord.wait_healthy(10, until=lambda h: h["leases"] == 1)
+    assert body["queued"] == 0  # r1's lease survived the restart
+    _, end = await collect(await run_request(stack, other, prompt_len=8, max_tokens=2))
+    assert isinstance(end, RequestFinished)
+    await stack.wait_state("r1", "completed")
+    again = await stack.claim("r2")  # generations keep growing across the restart
+    assert isinstance(again, ClaimGranted) and again.generation > other.generation
+    await run_request(stack, again, prompt_len=8, max_tokens=1)
+    await stack.wait_state("r2", "completed")
+    await stack.assert_no_leak([node])
+
+
+async def test_nats_restart_both_services_reconnect(stack):
+    await stack.coordinator()
+    node = await stack.decode("d1", 1)
+    grant = await stack.claim("r0")
+    _, end = await collect(await run_request(stack, grant, prompt_len=8, max_tokens=2))
+    assert isinstance(end, RequestFinished)
+    await stack.wait_state("r0", "completed")
+    await asyncio.to_thread(stack.nats.restart)
+    t0 = time.monotonic()
+    await stack.coord.wait_healthy(30, until=lambda h: h["connected"] and h["free_slots"] == 1)
+    await node.wait_healthy(30, until=lambda h: h["connected"])
+    print(f"nats-server restarted -> services ready again in {(time.monotonic() - t0) * 1000:.0f} ms")
+    deadline = time.monotonic() + 10
+    while not stack.bus.is_connected:
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.05)
+    grant = await stack.claim("r1")
+    assert isinstance(grant, ClaimGranted)
+    tokens, end = await collect(await run_request(stack, grant, prompt_len=8, max_tokens=3))
+    assert isinstance(end, RequestFinished) and len(tokens) == 3
+    await stack.wait_state("r1", "completed")
+    await stack.assert_no_leak([node])
+
+
+async def test_cancel_frees_the_slot_promptly(stack):
+    await stack.coordinator()
+    node = await stack.decode("d1", 1)
+    grant = await stack.claim("r0")
+    queue = await run_request(stack, grant, prompt_len=8, max_tokens=240)
+    first = await asyncio.wait_for(queue.get(), 30)
+    assert isinstance(first, TokensGenerated)
+    t0 = time.monotonic()
+    await stack.bus.publish(subjects.req_cancel("r0"), CancelRequest(request_id="r0"))
+    end = None
+    while end is None:
+        ev = await asyncio.wait_for(queue.get(), 10)
+        end = ev if not isinstance(ev, TokensGenerated) else None
+    t_end = time.monotonic() - t0
+    assert isinstance(end, RequestFinished) and end.finish_reason == "cancelled"
+    assert end.usage.completion_tokens < 241
+    await stack.wait_state("r0", "cancelled")
+    await stack.coord.wait_healthy(10, until=lambda h: h["leases"] == 0 and h["free_slots"] == 1)
+    t_free = time.monotonic() - t0
+    print(f"cancel -> finished(cancelled) {t_end * 1000:.0f} ms, slot leasable again {t_free * 1000:.0f} ms")
+    assert stack.states("r0") == ["claimed", "kv_ready", "decoding", "cancelled"]
+    assert t_free < 5.0  # generous: the design target is under a second
+    assert queue.empty()  # nothing after the terminal event
+    await stack.assert_no_leak([node])
