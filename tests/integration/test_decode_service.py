@@ -1,0 +1,119 @@
+"""Full handoff without vLLM: the KV that HF transformers computes for a prompt, written in the
+engine's layout into the leased slot over real Mooncake (TCP), then KV-ready and start over NATS;
+the decode node's streamed tokens must equal the engine's own greedy tokens for that prompt.
+Real nats-server, real coordinator and decode processes (see test_coordinator_service)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import torch
+
+from services.decode.engine import Engine
+from shared import subjects
+from shared.events import (
+    ClaimGranted, DecodeStart, KvReady, RequestFinished, SamplingParams, TokenMessage,
+)
+from shared.kvlayout import write_ranges
+from shared.transport import create_transport
+from tests.integration.test_coordinator_service import HEARTBEAT_MS, collect, stack  # noqa: F401
+
+PROMPT = [5, 17, 42, 9, 101, 77, 3, 250, 64, 12, 8, 199]
+NUM_TOKENS = 24
+
+
+def hf_prefill(model_dir, prompt: list[int]):
+    """HF transformers' first greedy token and per-layer (K, V) [T, Hkv, D] after RoPE."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    with torch.inference_mode():
+        out = model(torch.tensor([prompt]), use_cache=True)
+    cache = out.past_key_values
+    kv = [(layer.keys[0].permute(1, 0, 2).contiguous(), layer.values[0].permute(1, 0, 2).contiguous())
+          for layer in cache.layers]
+    return int(out.logits[0, -1].argmax()), kv
+
+
+def pack(layout, kv, num_tokens: int) -> torch.Tensor:
+    """The slot image in the engine layout: for each layer K then V, [max_tokens, Hkv, D]."""
+    buf = torch.zeros(layout.slot_nbytes, dtype=torch.uint8)
+    for seg in layout.segments:
+        k, v = kv[seg.layer]
+        data = (k if seg.name == "k" else v).to(getattr(torch, layout.dtype)).reshape(-1).view(torch.uint8)
+        assert data.numel() == num_tokens * seg.bytes_per_token
+        buf[seg.offset_bytes: seg.offset_bytes + data.numel()] = data
+    return buf
+
+
+def engine_greedy(model_dir, prompt: list[int], num_tokens: int) -> tuple[int, list[int]]:
+    """The engine's own greedy continuation of ``prompt`` (its prefill, not the handoff)."""
+    engine = Engine.load(model_dir, num_slots=1, max_seq_len=256)
+    first = int(engine.prefill(0, prompt).argmax())
+    engine.start(0, first, SamplingParams(max_tokens=num_tokens, ignore_eos=True))
+    tokens: list[int] = []
+    while True:
+        out = engine.step()[0]
+        tokens += out.token_ids
+        if out.finish_reason:
+            return first, tokens
+
+
+async def test_full_handoff_streams_the_engines_greedy_tokens(stack):  # noqa: F811
+    await stack.coordinator()
+    node = await stack.decode("d1", 2, "--transport", "mooncake")
+    first, kv = await asyncio.to_thread(hf_prefill, stack.model_dir, PROMPT)
+    ref_first, ref_tokens = await asyncio.to_thread(engine_greedy, stack.model_dir, PROMPT, NUM_TOKENS)
+    assert first == ref_first  # HF and the engine agree on the prompt's next token
+
+    grant = await stack.claim("r0")
+    assert isinstance(grant, ClaimGranted) and grant.target.transport == "mooncake"
+    layout = grant.target.layout
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def on_token(ev, _msg):
+        queue.put_nowait(ev)
+
+    await stack.bus.subscribe(subjects.req_tokens("r0"), on_token, TokenMessage)
+    # Start first, KV-ready after: the node must wait for both halves.
+    await stack.bus.publish(subjects.decode_start("d1"), DecodeStart(
+        request_id="r0", lease_id=grant.lease_id, generation=grant.generation,
+        slot=grant.target.slot.slot, first_token_id=first, num_prompt_tokens=len(PROMPT),
+        sampling=SamplingParams(max_tokens=NUM_TOKENS, ignore_eos=True)))
+    await asyncio.sleep(2 * HEARTBEAT_MS / 1000)
+    assert queue.empty() and stack.states("r0") == ["claimed"]
+
+    image = pack(layout, kv, len(PROMPT))
+    sender = create_transport("mooncake")
+    try:
+        sender.register(image.data_ptr(), image.numel())
+        base = grant.target.slot.base_addr
+        ops = [(image.data_ptr() + off, base + off, n) for off, n in write_ranges(layout, len(PROMPT))]
+        await asyncio.to_thread(sender.write, grant.target.endpoint, ops)
+    finally:
+        sender.close()
+    await stack.bus.publish(subjects.kv_ready("d1"), KvReady(
+        request_id="r0", lease_id=grant.lease_id, generation=grant.generation, node_id="d1",
+        slot=grant.target.slot.slot, num_tokens=len(PROMPT), layout_version=layout.layout_version,
+        nbytes=sum(n for _, _, n in ops)))
+
+    tokens, end = await collect(queue)
+    assert tokens == ref_tokens
+    assert isinstance(end, RequestFinished) and end.finish_reason == "length"
+    assert (end.usage.prompt_tokens, end.usage.completion_tokens) == (len(PROMPT), NUM_TOKENS + 1)
+    await stack.wait_state("r0", "completed")
+    assert stack.states("r0") == ["claimed", "kv_ready", "decoding", "completed"]
+
+    # Stale halves of the finished lease are ignored and counted, nothing is decoded.
+    before = (await node.wait_healthy(5))["stale_ignored"]
+    await stack.bus.publish(subjects.kv_ready("d1"), KvReady(
+        request_id="r0", lease_id=grant.lease_id, generation=grant.generation, node_id="d1",
+        slot=grant.target.slot.slot, num_tokens=len(PROMPT), layout_version=1, nbytes=0))
+    await stack.bus.publish(subjects.decode_start("d1"), DecodeStart(
+        request_id="r0", lease_id=grant.lease_id, generation=grant.generation,
+        slot=grant.target.slot.slot, first_token_id=first, num_prompt_tokens=len(PROMPT),
+        sampling=SamplingParams(max_tokens=4)))
+    await node.wait_healthy(5, until=lambda h: h["stale_ignored"] == before + 2)
+    await asyncio.sleep(0.2)
+    assert queue.empty()
+    await stack.assert_no_leak([node])
