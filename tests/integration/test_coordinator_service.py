@@ -186,8 +186,10 @@ async def run_request(stack: Stack, grant: ClaimGranted, prompt_len: int, max_to
     return queue
 
 
-async def collect(queue: asyncio.Queue, timeout_s: float = 30.0) -> tuple[list[int], object]:
-    tokens: list[int] = []
+async def collect(queue: asyncio.Queue, timeout_s: float = 30.0,
+                  tokens: list[int] | None = None) -> tuple[list[int], object]:
+    """The request's token ids (after ``tokens`` already taken) and its terminal event."""
+    tokens = list(tokens or [])
     while True:
         ev = await asyncio.wait_for(queue.get(), timeout_s)
         if isinstance(ev, TokensGenerated):
@@ -221,6 +223,8 @@ async def test_last_of_n_plus_one_claims_waits_then_is_granted(stack):
     waiting = asyncio.create_task(stack.claim("r2", wait_ms=20_000, timeout_s=30))
     await stack.wait_state("r2", "queued")
     assert not waiting.done()
+    metrics = httpx.get(f"http://127.0.0.1:{stack.coord.port}/metrics", timeout=5).text
+    assert "xl_coord_queue_depth 1.0" in metrics and "xl_coord_free_slots 0.0" in metrics
     tokens, end = await collect(await run_request(stack, grants[0], prompt_len=8, max_tokens=4))
     assert isinstance(end, RequestFinished) and len(tokens) == 4
     assert (end.finish_reason, end.usage.completion_tokens) == ("length", 5)
@@ -357,4 +361,35 @@ async def test_cancel_frees_the_slot_promptly(stack):
     assert stack.states("r0") == ["claimed", "kv_ready", "decoding", "cancelled"]
     assert t_free < 5.0  # generous: the design target is under a second
     assert queue.empty()  # nothing after the terminal event
+    await stack.assert_no_leak([node])
+
+
+async def test_sigterm_drains_decode_node_and_coordinator(stack):
+    coord = await stack.coordinator()
+    node = await stack.decode("d1", 1)
+    grant = await stack.claim("r0")
+    queue = await run_request(stack, grant, prompt_len=8, max_tokens=200)
+    first = await asyncio.wait_for(queue.get(), 30)
+    assert isinstance(first, TokensGenerated)
+    node.signal(signal.SIGTERM)  # the running request finishes, no new lease lands on the node
+    tokens, end = await collect(queue, tokens=first.token_ids)
+    assert isinstance(end, RequestFinished) and end.finish_reason == "length"
+    assert len(tokens) == 200
+    assert await asyncio.to_thread(node.proc.wait, 30) == 0
+    refused = await stack.claim("r1", wait_ms=0)
+    assert isinstance(refused, ClaimRejected) and refused.reason == "no_compatible_node"
+    await stack.wait_state("r0", "completed")
+    node = await stack.decode("d2", 1)
+    held = await stack.claim("r2")
+    waiting = asyncio.create_task(stack.claim("r3", wait_ms=20_000, timeout_s=30))
+    await stack.wait_state("r3", "queued")
+    coord.signal(signal.SIGTERM)  # waiting claims are turned away, the lease is kept
+    turned_away = await asyncio.wait_for(waiting, 10)
+    assert isinstance(turned_away, ClaimRejected) and turned_away.reason == "coordinator_stopping"
+    assert turned_away.retry_after_ms > 0
+    assert await asyncio.to_thread(coord.proc.wait, 30) == 0
+    await stack.coordinator()
+    await stack.coord.wait_healthy(10, until=lambda h: h["leases"] == 1 and h["queued"] == 0)
+    _, end = await collect(await run_request(stack, held, prompt_len=8, max_tokens=2))
+    assert isinstance(end, RequestFinished)
     await stack.assert_no_leak([node])
