@@ -137,12 +137,12 @@ def kv_bytes(s: dict, ctx: int) -> int:
     return s["layers"] * 2 * ctx * s["hkv"] * s["d"] * 2
 
 
-MICRO_TILES = {
-    "qkv": [(8, 512, 4, 1), (16, 512, 4, 1), (16, 256, 4, 1), (8, 1024, 4, 1), (16, 512, 8, 1), (16, 512, 4, 3)],
-    "o": [(4, 1024, 4, 1), (8, 512, 4, 1), (8, 1024, 4, 1), (16, 512, 4, 1), (16, 256, 4, 1), (8, 512, 4, 3)],
-    "gate_up": [(8, 512, 4, 1), (16, 512, 4, 1), (16, 256, 4, 1), (8, 1024, 4, 1), (32, 256, 8, 1), (16, 512, 4, 3)],
-    "down": [(4, 1024, 4, 1), (8, 1024, 4, 1), (8, 512, 4, 1), (16, 512, 4, 1), (16, 1024, 8, 1), (8, 1024, 4, 3)],
-    "lm_head": [(16, 512, 4, 1), (32, 256, 4, 1), (8, 1024, 4, 1), (32, 512, 8, 1), (16, 512, 4, 3)],
+MICRO_TILES = {  # (block_n, block_k, num_warps, num_stages); run 1: stages 3 beat 1 everywhere
+    "qkv": [(16, 512, 4, 3), (16, 512, 4, 4), (8, 512, 4, 4), (8, 1024, 4, 3), (16, 256, 4, 5), (8, 512, 4, 6)],
+    "o": [(8, 512, 4, 3), (8, 512, 4, 4), (4, 1024, 4, 3), (8, 256, 4, 6), (4, 512, 4, 5), (16, 256, 4, 5)],
+    "gate_up": [(16, 512, 4, 3), (16, 512, 4, 4), (8, 512, 4, 4), (16, 256, 4, 5), (32, 256, 8, 4), (8, 1024, 4, 3)],
+    "down": [(8, 1024, 4, 3), (8, 1024, 4, 4), (4, 1024, 4, 4), (8, 512, 4, 5), (16, 512, 4, 4), (8, 512, 4, 6)],
+    "lm_head": [(16, 512, 4, 3), (16, 512, 4, 4), (32, 256, 4, 4), (16, 256, 4, 5)],
 }
 
 
@@ -163,8 +163,8 @@ def micro_gemv(X, model, s, k_caches, v_caches, cos, sin) -> dict:
     nbytes = {"qkv": L[0].wqkv.numel() * 2, "o": L[0].wo.numel() * 2, "gate_up": L[0].w_gate_up.numel() * 2,
               "down": L[0].w_down.numel() * 2, "lm_head": model.lm_head.numel() * 2}
 
-    def triton_fn(name, t):
-        kw = dict(block_n=t[0], block_k=t[1], num_warps=t[2], stages=t[3])
+    def triton_fn(name, t, pdl=False):
+        kw = dict(block_n=t[0], block_k=t[1], num_warps=t[2], stages=t[3], pdl=pdl)
         if name == "qkv":
             return lambda: [G.gemv_qkv_rope(x, l.wqkv, l.attn_norm, 1e-5, q, k_caches[i], v_caches[i], pos, cos, sin,
                                             num_q_heads=hq, num_kv_heads=hkv, head_dim=d, **kw) for i, l in enumerate(L)]
@@ -197,6 +197,15 @@ def micro_gemv(X, model, s, k_caches, v_caches, cos, sin) -> dict:
             except Exception as e:  # a tile that fails to compile is reported, not fatal
                 res[label] = {"error": repr(e)[:200]}
         best = min((k for k in res if k != "cublas" and "us" in res[k]), key=lambda k: res[k]["us"], default=None)
+        if best:  # the same tile with programmatic dependent launch between the 32 launches
+            try:
+                g = capture(triton_fn(name, tuple(int(v) for v in best.strip("()").split(",")), pdl=True))
+                us = time_graph(g.replay, iters=20) * 1e3 / n_launch
+                res["pdl " + best] = {"us": round(us, 2), "TBps": round(nbytes[name] / (us * 1e-6) / 1e12, 3)}
+                del g
+            except Exception as e:
+                res["pdl " + best] = {"error": repr(e)[:300]}
+            log(f"  micro {name} pdl: {res['pdl ' + best]}")
         out[name] = {"results": res, "best_triton": best}
         log(f"  micro {name:8s} cublas {res['cublas'].get('us')} us; best triton {best} "
             f"{res[best]['us'] if best else None} us ({res[best]['TBps'] if best else None} TB/s)")
@@ -252,6 +261,66 @@ def correctness(X, model, s, ctx, opts, steps=256) -> dict:
             "tokens_identical": mismatches == 0, "logits_ok": max_rel < 2e-2}
 
 
+def _cmp(a: torch.Tensor, b: torch.Tensor) -> dict:
+    a, b = a.float().flatten(), b.float().flatten()
+    return {"rel_l2": ((a - b).norm() / b.norm()).item(), "max_abs": (a - b).abs().max().item(),
+            "frac_diff": (a != b).float().mean().item()}
+
+
+def diagnose(X, model, s, ctx: int = 1024) -> dict:
+    """Kernel-by-kernel and layer-by-layer agreement of the fast path with the torch twins (GPU, full shape)."""
+    G, L = X.gemv, model.layers
+    dev, dt = "cuda", torch.bfloat16
+    out: dict = {}
+    x = torch.randn(s["hidden"], device=dev, dtype=dt)
+    xa = torch.randn(s["hq"] * s["d"], device=dev, dtype=dt)
+    o = torch.empty(s["hidden"], device=dev, dtype=dt)
+    G.gemv(xa, L[0].wo, o, block_n=8, block_k=512, stages=3)
+    out["gemv_o"] = _cmp(o, G.reference_linear(xa, L[0].wo))
+    out["ref_linear_mm_vs_mv"] = _cmp(G.reference_linear(xa, L[0].wo), torch.mv(L[0].wo.float(), xa.float()).to(dt))
+    act = torch.empty(s["inter"], device=dev, dtype=dt)
+    G.gemv_silu(x, L[0].w_gate_up, act, norm_w=L[0].mlp_norm, block_n=16, block_k=512, stages=3)
+    out["gemv_silu"] = _cmp(act, G.reference_silu_mul(G.reference_linear(G.reference_rmsnorm(x, L[0].mlp_norm, 1e-5),
+                                                                          L[0].w_gate_up)))
+    lg = torch.empty(s["vocab"], device=dev, dtype=torch.float32)
+    G.gemv(x, model.lm_head, lg, norm_w=model.final_norm, block_n=16, block_k=512, stages=3)
+    out["gemv_lm_head"] = _cmp(lg, G.reference_rmsnorm(x, model.final_norm, 1e-5).float() @ model.lm_head.float().T)
+    mt = ctx + 8
+    _, kc, vc = make_slot(s, mt, ctx, seed=3)
+    cos, sin = rope_tables(LLAMA_ROPE, s["d"], mt)
+    cb, sb = cos.cuda().to(dt), sin.cuda().to(dt)
+    q = torch.empty(s["hq"] * s["d"], device=dev, dtype=dt)
+    pos = torch.tensor([ctx], dtype=torch.int32, device=dev)
+    G.gemv_qkv_rope(x, L[0].wqkv, L[0].attn_norm, 1e-5, q, kc[0], vc[0], pos, cb, sb, num_q_heads=s["hq"],
+                    num_kv_heads=s["hkv"], head_dim=s["d"], block_n=16, block_k=512, stages=3)
+    qkv = G.reference_linear(G.reference_rmsnorm(x, L[0].attn_norm, 1e-5), L[0].wqkv).view(-1, s["d"])
+    qr = G.reference_rope(qkv[: s["hq"]], cb[ctx], sb[ctx])
+    kr = G.reference_rope(qkv[s["hq"]: s["hq"] + s["hkv"]], cb[ctx], sb[ctx])
+    out["qkv_rope_q"] = _cmp(q, qr)
+    out["qkv_rope_k"] = _cmp(kc[0][ctx], kr)
+    out["qkv_rope_v"] = _cmp(vc[0][ctx], qkv[s["hq"] + s["hkv"]:])
+    attn = X.attention.DecodeAttention(num_q_heads=s["hq"], num_kv_heads=s["hkv"], d_main=s["d"], d_v=s["d"],
+                                       device=dev)
+    ao = torch.empty(s["hq"] * s["d"], device=dev, dtype=dt)
+    attn(qr.reshape(-1).contiguous(), kc[0], vc[0], pos, ao, stride_kt=s["hkv"] * s["d"], stride_vt=s["hkv"] * s["d"])
+    out["attention"] = _cmp(ao, X.attention.reference_attention(qr[None], kc[0], vc[0], ctx, s["d"] ** -0.5))
+    # layer by layer, step 0, eager fast path vs reference
+    _, kc, vc = make_slot(s, mt, ctx, seed=4)
+    kr_, vr_ = [k.clone() for k in kc], [v.clone() for v in vc]
+    dec = X.GqaDecoder(model, kc, vc, cos, sin, X.FastOptions(), max_steps=mt)
+    dec.set_state(5, ctx)
+    dec.h.copy_(model.embed[5])
+    h = model.embed[5]
+    layers = {}
+    for i in range(len(L)):
+        dec.layer(i)
+        h = X.llama.reference_layer(model, i, h, kr_[i], vr_[i], cb[ctx], sb[ctx], ctx)
+        if i in (0, 1, 2, 3, 7, 15, 31):
+            layers[i] = _cmp(dec.h, h)
+    out["layers"] = layers
+    return out
+
+
 def hf_graph(s: dict, ctx: int, steps: int = 30) -> dict:
     """HF transformers Llama with a static cache, one decode step captured in a CUDA graph."""
     from transformers import LlamaConfig, LlamaForCausalLM, StaticCache
@@ -304,6 +373,7 @@ def variants(X, micro: dict | None) -> dict:
         "mixed_qkv_o_triton": X.FastOptions(tiles=best_tiles, backends={
             "qkv": "triton", "o": "triton", "gate_up": "cublas", "down": "cublas", "lm_head": "triton"}),
     }
+    out["triton_all_pdl"] = X.FastOptions(tiles=best_tiles, pdl=True)
     if faster:
         out["per_projection_best"] = X.FastOptions(tiles=best_tiles, backends={p: faster.get(p, "triton") for p in P})
     return out
@@ -348,6 +418,12 @@ def run_llama(X, parts, R: dict) -> None:
     R["llama8b_ctx1k_frac_roofline"] = ok[best]["frac_roofline"]
     R["llama8b_ctx1k_roofline_tok_s"] = 1e3 / roof
     del slot
+    if "diag" in parts:
+        try:
+            R["llama8b_diagnose"] = d = diagnose(X, model, s)
+            log("  diagnose: " + json.dumps(d)[:3000])
+        except Exception:
+            log(traceback.format_exc()[-1500:])
     if "correct" in parts:
         for name in dict.fromkeys([best, "triton_all"]):
             try:
@@ -380,6 +456,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     parts = set(args.parts.split(","))
     torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
+    torch.backends.cuda.matmul.allow_tf32 = False  # the fp32 reference must be fp32
+    torch.backends.cudnn.allow_tf32 = False
     X = load_cuda_pkg()
     R: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
     import triton

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .gemv import INTERPRET
+from .gemv import INTERPRET, gdc_launch_dependents, gdc_wait, launch_opts
 
 
 @triton.jit
@@ -29,9 +29,12 @@ def _attn_split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, part_o_ptr, part_ml_ptr, sm
                        T: tl.constexpr, NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
                        GROUP: tl.constexpr, ROWS: tl.constexpr, D_MAIN: tl.constexpr, D_ROPE: tl.constexpr,
                        D_V: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
-                       DOT_F32: tl.constexpr):
+                       DOT_F32: tl.constexpr, PDL: tl.constexpr):
     kvh = tl.program_id(0)
     split = tl.program_id(1)
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
     pos = tl.load(pos_ptr)
     seq_len = pos + T  # keys valid after this step's writes
     chunk = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_S) * BLOCK_S
@@ -95,8 +98,12 @@ def _attn_split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, part_o_ptr, part_ml_ptr, sm
 
 
 @triton.jit
-def _attn_combine_kernel(part_o_ptr, part_ml_ptr, out_ptr, NUM_SPLITS: tl.constexpr, D_V: tl.constexpr):
+def _attn_combine_kernel(part_o_ptr, part_ml_ptr, out_ptr, NUM_SPLITS: tl.constexpr, D_V: tl.constexpr,
+                         PDL: tl.constexpr):
     row = tl.program_id(0)  # t * Hq + head
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
     sp = tl.arange(0, NUM_SPLITS)
     m = tl.load(part_ml_ptr + (row * NUM_SPLITS + sp) * 2)
     l = tl.load(part_ml_ptr + (row * NUM_SPLITS + sp) * 2 + 1)
@@ -114,12 +121,12 @@ class DecodeAttention:
 
     def __init__(self, *, num_q_heads: int, num_kv_heads: int, d_main: int, d_v: int, d_rope: int = 0,
                  num_tokens: int = 1, num_splits: int = 32, block_s: int = 32, sm_scale: float | None = None,
-                 num_warps: int = 4, device: torch.device | str = "cpu"):
+                 num_warps: int = 4, pdl: bool = False, device: torch.device | str = "cpu"):
         self.hq, self.hkv, self.t = num_q_heads, num_kv_heads, num_tokens
         self.d_main, self.d_v, self.d_rope = d_main, d_v, d_rope
         self.group = num_q_heads // num_kv_heads
         self.rows = max(16, triton.next_power_of_2(self.group * num_tokens))
-        self.num_splits, self.block_s, self.num_warps = num_splits, block_s, num_warps
+        self.num_splits, self.block_s, self.num_warps, self.pdl = num_splits, block_s, num_warps, pdl
         self.sm_scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(d_main + d_rope)
         self.part_o = torch.empty(num_tokens * num_q_heads * num_splits * d_v, dtype=torch.float32, device=device)
         self.part_ml = torch.empty(num_tokens * num_q_heads * num_splits * 2, dtype=torch.float32, device=device)
@@ -131,9 +138,10 @@ class DecodeAttention:
             q, k, v, pos, self.part_o, self.part_ml, self.sm_scale, stride_kt, stride_vt, rope_offset,
             T=self.t, NUM_Q_HEADS=self.hq, NUM_KV_HEADS=self.hkv, GROUP=self.group, ROWS=self.rows,
             D_MAIN=self.d_main, D_ROPE=self.d_rope, D_V=self.d_v, NUM_SPLITS=self.num_splits,
-            BLOCK_S=self.block_s, DOT_F32=INTERPRET, num_warps=self.num_warps)
+            BLOCK_S=self.block_s, DOT_F32=INTERPRET, PDL=self.pdl, num_warps=self.num_warps,
+            **launch_opts(self.pdl))
         _attn_combine_kernel[(self.t * self.hq,)](self.part_o, self.part_ml, out, NUM_SPLITS=self.num_splits,
-                                                  D_V=self.d_v, num_warps=4)
+                                                  D_V=self.d_v, PDL=self.pdl, num_warps=4, **launch_opts(self.pdl))
         return out
 
 

@@ -27,6 +27,16 @@ import triton.language as tl
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
+try:  # programmatic dependent launch (Hopper): start the next kernel's weight loads early
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # pragma: no cover - older Triton
+    gdc_launch_dependents = gdc_wait = None
+
+
+def launch_opts(pdl: bool) -> dict:
+    """Extra launch kwargs: ``launch_pdl`` only when asked (older Triton lacks the option)."""
+    return {"launch_pdl": True} if pdl else {}
+
 
 @triton.jit
 def _rnd(x, dt):
@@ -56,15 +66,23 @@ def _load_x(x_ptr, nw_ptr, k, K, inv_rms, NORM: tl.constexpr, BLOCK_K: tl.conste
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, out_ptr, res_ptr, nw_ptr, N, K, eps,
                  NORM: tl.constexpr, RESIDUAL: tl.constexpr, K_POW2: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr):
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     rmask = rows < N
+    # first weight tile before waiting on the previous kernel: weights are never written
+    k0 = tl.arange(0, BLOCK_K)
+    w0 = tl.load(w_ptr + rows[:, None].to(tl.int64) * K + k0[None, :], mask=rmask[:, None] & (k0 < K)[None, :],
+                 other=0.0)
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
     inv_rms = 1.0
     if NORM:
         inv_rms = _inv_rms(x_ptr, K, eps, K_POW2)
-    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k in tl.range(0, K, BLOCK_K, num_stages=STAGES):
+    x0, _, _ = _load_x(x_ptr, nw_ptr, 0, K, inv_rms, NORM, BLOCK_K)
+    acc = w0.to(tl.float32) * x0[None, :]
+    for k in tl.range(BLOCK_K, K, BLOCK_K, num_stages=STAGES):
         x, offs, kmask = _load_x(x_ptr, nw_ptr, k, K, inv_rms, NORM, BLOCK_K)
         w = tl.load(w_ptr + rows[:, None].to(tl.int64) * K + offs[None, :],
                     mask=rmask[:, None] & kmask[None, :], other=0.0)
@@ -77,11 +95,20 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, res_ptr, nw_ptr, N, K, eps,
 
 
 @triton.jit
-def _gemv_pair_loop(x_ptr, nw_ptr, w_ptr, rows_a, rows_b, K, inv_rms,
+def _pair_first(w_ptr, rows_a, rows_b, K, BLOCK_K: tl.constexpr):
+    k0 = tl.arange(0, BLOCK_K)
+    wa = tl.load(w_ptr + rows_a[:, None].to(tl.int64) * K + k0[None, :], mask=(k0 < K)[None, :], other=0.0)
+    wb = tl.load(w_ptr + rows_b[:, None].to(tl.int64) * K + k0[None, :], mask=(k0 < K)[None, :], other=0.0)
+    return wa, wb
+
+
+@triton.jit
+def _gemv_pair_loop(x_ptr, nw_ptr, w_ptr, rows_a, rows_b, K, inv_rms, wa0, wb0,
                     NORM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
-    acc_a = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    acc_b = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k in tl.range(0, K, BLOCK_K, num_stages=STAGES):
+    x0, _, _ = _load_x(x_ptr, nw_ptr, 0, K, inv_rms, NORM, BLOCK_K)
+    acc_a = wa0.to(tl.float32) * x0[None, :]
+    acc_b = wb0.to(tl.float32) * x0[None, :]
+    for k in tl.range(BLOCK_K, K, BLOCK_K, num_stages=STAGES):
         x, offs, kmask = _load_x(x_ptr, nw_ptr, k, K, inv_rms, NORM, BLOCK_K)
         wa = tl.load(w_ptr + rows_a[:, None].to(tl.int64) * K + offs[None, :], mask=kmask[None, :], other=0.0)
         wb = tl.load(w_ptr + rows_b[:, None].to(tl.int64) * K + offs[None, :], mask=kmask[None, :], other=0.0)
@@ -93,13 +120,17 @@ def _gemv_pair_loop(x_ptr, nw_ptr, w_ptr, rows_a, rows_b, K, inv_rms,
 @triton.jit
 def _gemv_silu_kernel(x_ptr, w_ptr, out_ptr, nw_ptr, I, K, eps,
                       NORM: tl.constexpr, K_POW2: tl.constexpr,
-                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr):
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)  # I % BLOCK_N == 0
+    wa0, wb0 = _pair_first(w_ptr, rows, rows + I, K, BLOCK_K)
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
     inv_rms = 1.0
     if NORM:
         inv_rms = _inv_rms(x_ptr, K, eps, K_POW2)
-    g, u = _gemv_pair_loop(x_ptr, nw_ptr, w_ptr, rows, rows + I, K, inv_rms, NORM, BLOCK_N, BLOCK_K, STAGES)
+    g, u = _gemv_pair_loop(x_ptr, nw_ptr, w_ptr, rows, rows + I, K, inv_rms, wa0, wb0, NORM, BLOCK_N, BLOCK_K, STAGES)
     dt = out_ptr.dtype.element_ty
     g = g.to(dt).to(tl.float32)
     s = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
@@ -111,17 +142,22 @@ def _gemv_qkv_rope_kernel(x_ptr, w_ptr, nw_ptr, q_ptr, k_cache_ptr, v_cache_ptr,
                           cos_ptr, sin_ptr, K, eps,
                           NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                           NORM: tl.constexpr, K_POW2: tl.constexpr,
-                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
+                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr):
     HALF: tl.constexpr = HEAD_DIM // 2
     pid = tl.program_id(0)
     per_head: tl.constexpr = HALF // BLOCK_N
     head = pid // per_head
     j = (pid % per_head) * BLOCK_N + tl.arange(0, BLOCK_N)  # index inside the first half
     rows_a = head * HEAD_DIM + j
+    wa0, wb0 = _pair_first(w_ptr, rows_a, rows_a + HALF, K, BLOCK_K)
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
     inv_rms = 1.0
     if NORM:
         inv_rms = _inv_rms(x_ptr, K, eps, K_POW2)
-    a, b = _gemv_pair_loop(x_ptr, nw_ptr, w_ptr, rows_a, rows_a + HALF, K, inv_rms, NORM, BLOCK_N, BLOCK_K, STAGES)
+    a, b = _gemv_pair_loop(x_ptr, nw_ptr, w_ptr, rows_a, rows_a + HALF, K, inv_rms, wa0, wb0, NORM, BLOCK_N, BLOCK_K,
+                           STAGES)
     dt = q_ptr.dtype.element_ty
     a = _rnd(a, dt)
     b = _rnd(b, dt)
@@ -150,18 +186,19 @@ def _pow2(n: int) -> int:
 
 def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, *, norm_w: torch.Tensor | None = None,
          eps: float = 1e-5, residual: torch.Tensor | None = None, block_n: int = 16, block_k: int = 512,
-         num_warps: int = 4, stages: int = 1) -> torch.Tensor:
+         num_warps: int = 4, stages: int = 1, pdl: bool = False) -> torch.Tensor:
     """out[N] = [residual +] W[N, K] @ [rmsnorm(x) * norm_w | x][K]."""
     n, k = w.shape
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x, w, out, residual if residual is not None else out, norm_w if norm_w is not None else x,
         n, k, eps, NORM=norm_w is not None, RESIDUAL=residual is not None, K_POW2=_pow2(k),
-        BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, num_warps=num_warps)
+        BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, PDL=pdl, num_warps=num_warps, **launch_opts(pdl))
     return out
 
 
 def gemv_silu(x: torch.Tensor, w_gate_up: torch.Tensor, out: torch.Tensor, *, norm_w: torch.Tensor | None = None,
-              eps: float = 1e-5, block_n: int = 16, block_k: int = 512, num_warps: int = 4, stages: int = 1) -> torch.Tensor:
+              eps: float = 1e-5, block_n: int = 16, block_k: int = 512, num_warps: int = 4, stages: int = 1,
+              pdl: bool = False) -> torch.Tensor:
     """out[I] = silu(W[:I] @ x') * (W[I:] @ x'), x' = rmsnorm(x) * norm_w when norm_w is given."""
     two_i, k = w_gate_up.shape
     inter = two_i // 2
@@ -169,14 +206,15 @@ def gemv_silu(x: torch.Tensor, w_gate_up: torch.Tensor, out: torch.Tensor, *, no
         raise ValueError(f"intermediate size {inter} is not a multiple of block_n {block_n}")
     _gemv_silu_kernel[(inter // block_n,)](
         x, w_gate_up, out, norm_w if norm_w is not None else x, inter, k, eps,
-        NORM=norm_w is not None, K_POW2=_pow2(k), BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, num_warps=num_warps)
+        NORM=norm_w is not None, K_POW2=_pow2(k), BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, PDL=pdl, num_warps=num_warps, **launch_opts(pdl))
     return out
 
 
 def gemv_qkv_rope(x: torch.Tensor, wqkv: torch.Tensor, norm_w: torch.Tensor | None, eps: float,
                   q_out: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: torch.Tensor,
                   cos: torch.Tensor, sin: torch.Tensor, *, num_q_heads: int, num_kv_heads: int, head_dim: int,
-                  block_n: int = 16, block_k: int = 512, num_warps: int = 4, stages: int = 1) -> None:
+                  block_n: int = 16, block_k: int = 512, num_warps: int = 4, stages: int = 1,
+                  pdl: bool = False) -> None:
     """Fused norm + QKV projection + rope; q -> q_out[Hq*D], k/v -> caches [max_tokens, Hkv, D] at pos[0]."""
     half = head_dim // 2
     if half % block_n:
@@ -188,8 +226,8 @@ def gemv_qkv_rope(x: torch.Tensor, wqkv: torch.Tensor, norm_w: torch.Tensor | No
     _gemv_qkv_rope_kernel[grid](
         x, wqkv, norm_w if norm_w is not None else x, q_out, k_cache, v_cache, pos, cos, sin,
         wqkv.shape[1], eps, NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
-        NORM=norm_w is not None, K_POW2=_pow2(wqkv.shape[1]), BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages,
-        num_warps=num_warps)
+        NORM=norm_w is not None, K_POW2=_pow2(wqkv.shape[1]), BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, PDL=pdl,
+        num_warps=num_warps, **launch_opts(pdl))
 
 
 # ---- torch twins (same rounding points) ----

@@ -77,6 +77,7 @@ class FastOptions:
     num_splits: int = 32
     block_s: int = 32
     attn_warps: int = 4
+    pdl: bool = False  # programmatic dependent launch between the Triton kernels (Hopper)
 
 
 class GqaDecoder:
@@ -104,7 +105,7 @@ class GqaDecoder:
         self.logits = torch.zeros(vocab, dtype=torch.float32, device=dev)
         self.attn = DecodeAttention(num_q_heads=hq, num_kv_heads=hkv, d_main=d, d_v=d,
                                     num_splits=self.opt.num_splits, block_s=self.opt.block_s,
-                                    num_warps=self.opt.attn_warps, device=dev)
+                                    num_warps=self.opt.attn_warps, pdl=self.opt.pdl, device=dev)
 
     def set_state(self, token_id: int, pos: int) -> None:
         """Host-side (re)start: the token to feed next and its position (= tokens already cached)."""
@@ -114,7 +115,7 @@ class GqaDecoder:
 
     def _tile(self, name: str) -> dict:
         bn, bk, nw, st = self.opt.tiles[name]
-        return dict(block_n=bn, block_k=bk, num_warps=nw, stages=st)
+        return dict(block_n=bn, block_k=bk, num_warps=nw, stages=st, pdl=self.opt.pdl)
 
     def _cublas(self, name: str) -> bool:
         return self.opt.backends.get(name, "triton") == "cublas"
@@ -170,21 +171,27 @@ class GqaDecoder:
         self.pos.add_(1)
 
 
+def reference_layer(model: GqaModel, i: int, h: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    cos_p: torch.Tensor, sin_p: torch.Tensor, pos: int) -> torch.Tensor:
+    """One layer of the torch reference on the residual stream h [H]; writes K/V at pos."""
+    hq, hkv, d, eps, lw = model.num_q_heads, model.num_kv_heads, model.head_dim, model.eps, model.layers[i]
+    qkv = G.reference_linear(G.reference_rmsnorm(h, lw.attn_norm, eps), lw.wqkv).view(hq + 2 * hkv, d)
+    q = G.reference_rope(qkv[:hq], cos_p, sin_p)
+    k_cache[pos] = G.reference_rope(qkv[hq:hq + hkv], cos_p, sin_p)
+    v_cache[pos] = qkv[hq + hkv:]
+    o = reference_attention(q[None], k_cache, v_cache, pos, d ** -0.5)[0].reshape(-1)
+    h = h + G.reference_linear(o, lw.wo)
+    gu = G.reference_linear(G.reference_rmsnorm(h, lw.mlp_norm, eps), lw.w_gate_up)
+    return h + G.reference_linear(G.reference_silu_mul(gu), lw.w_down)
+
+
 def reference_step(model: GqaModel, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor],
                    cos: torch.Tensor, sin: torch.Tensor, token: int, pos: int) -> torch.Tensor:
     """Plain torch decode step (same rounding points as the fast path); writes K/V at pos; fp32 logits."""
-    hq, hkv, d, eps = model.num_q_heads, model.num_kv_heads, model.head_dim, model.eps
     dt = model.embed.dtype
     cos_p, sin_p = cos[pos].to(dt), sin[pos].to(dt)
     h = model.embed[token]
-    for i, lw in enumerate(model.layers):
-        qkv = G.reference_linear(G.reference_rmsnorm(h, lw.attn_norm, eps), lw.wqkv).view(hq + 2 * hkv, d)
-        q = G.reference_rope(qkv[:hq], cos_p, sin_p)
-        k_caches[i][pos] = G.reference_rope(qkv[hq:hq + hkv], cos_p, sin_p)
-        v_caches[i][pos] = qkv[hq + hkv:]
-        o = reference_attention(q[None], k_caches[i], v_caches[i], pos, d ** -0.5)[0].reshape(-1)
-        h = h + G.reference_linear(o, lw.wo)
-        gu = G.reference_linear(G.reference_rmsnorm(h, lw.mlp_norm, eps), lw.w_gate_up)
-        h = h + G.reference_linear(G.reference_silu_mul(gu), lw.w_down)
-    x = G.reference_rmsnorm(h, model.final_norm, eps)
+    for i in range(len(model.layers)):
+        h = reference_layer(model, i, h, k_caches[i], v_caches[i], cos_p, sin_p, pos)
+    x = G.reference_rmsnorm(h, model.final_norm, model.eps)
     return x.float() @ model.lm_head.float().T
