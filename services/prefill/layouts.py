@@ -35,6 +35,7 @@ _AMX_ROW_BYTES = 64
 
 class LayerAdapter(Protocol):
     kind: str  # "gqa" | "mla"
+    block_dim: int  # dimension of the registered tensor that counts tokens within a block
 
     def __call__(self, kv_layer: torch.Tensor, block_ids: torch.Tensor, num_tokens: int,
                  out: list[torch.Tensor]) -> None: ...
@@ -50,6 +51,7 @@ class CpuVec:
     """CPU_ATTN "vec" family: inside each (block, head) K is stored transposed, then V row-major."""
 
     kind = "gqa"
+    block_dim = 2
 
     def __call__(self, kv_layer, block_ids, num_tokens, out):
         num_blocks, num_heads, block_size, two_d = kv_layer.shape
@@ -67,6 +69,7 @@ class CpuAmx:
     and V (pairs of tokens per 32-bit word, 16-dim column groups)."""
 
     kind = "gqa"
+    block_dim = 2
 
     def __call__(self, kv_layer, block_ids, num_tokens, out):
         num_blocks, num_heads, block_size, two_d = kv_layer.shape
@@ -94,6 +97,7 @@ class FlashAttn:
     """FLASH_ATTN-style: logical [2, NB, B, H, D] (K plane, V plane)."""
 
     kind = "gqa"
+    block_dim = 2
 
     def __call__(self, kv_layer, block_ids, num_tokens, out):
         _gather_tokens(kv_layer[0].index_select(0, block_ids), num_tokens, out[0])
@@ -105,6 +109,7 @@ class FlashInfer:
     """FLASHINFER: logical [NB, 2, B, H, D]."""
 
     kind = "gqa"
+    block_dim = 2
 
     def __call__(self, kv_layer, block_ids, num_tokens, out):
         blocks = kv_layer.index_select(0, block_ids)  # [nb, 2, B, H, D]
@@ -124,6 +129,7 @@ class MlaLatent:
     rope_dim: int
     deinterleave_rope: bool = True
     kind = "mla"
+    block_dim = 1
 
     def __call__(self, kv_layer, block_ids, num_tokens, out):
         dst = out[0]
@@ -148,6 +154,19 @@ MLA_BACKENDS = frozenset({
     "FLASH_ATTN_MLA", "ROCM_AITER_MLA",
 })
 ADAPTERS = ("cpu_vec", "cpu_amx", "flash_attn", "flashinfer", "mla")
+
+
+def kernel_block_ids(block_ids: list[int], manager_block_size: int, kernel_block_size: int,
+                     num_tokens: int) -> list[int]:
+    """The cache tensor's block ids holding the first ``num_tokens`` tokens of a request whose
+    scheduler block table is ``block_ids`` (vLLM may split each scheduler block into
+    ``manager_block_size // kernel_block_size`` kernel blocks)."""
+    if manager_block_size % kernel_block_size:
+        raise ValueError(f"scheduler block size {manager_block_size} is not a multiple of the "
+                         f"kernel block size {kernel_block_size}")
+    split = manager_block_size // kernel_block_size
+    ids = [b * split + i for b in block_ids for i in range(split)]
+    return ids[: -(-num_tokens // kernel_block_size)]
 
 
 def adapter_for(backend: str, *, isa: str | None = None, rope_dim: int = 0,

@@ -1,0 +1,73 @@
+"""The connector's configuration: ``kv_connector_extra_config`` of vLLM's ``--kv-transfer-config``.
+
+Keys (all optional):
+
+| key                  | default                      | meaning                                        |
+| -------------------- | ---------------------------- | ---------------------------------------------- |
+| nats_url             | nats://127.0.0.1:4222        | where KV-ready / KV-failed events are published |
+| transports           | ["mooncake"]                 | transports the sender can write with            |
+| mooncake_host        | 127.0.0.1                    | address of this host that decode nodes reach    |
+| mooncake_protocol    | "tcp"                        | "rdma" in production                            |
+| nixl_agent_name      | random                       | NIXL agent name of the sender                   |
+| staging_slots        | 4                            | requests that can be in flight at once          |
+| staging_max_tokens   | vLLM's max_model_len         | longest prompt a staging slot holds             |
+| transfer_timeout_s   | 30                           | a write not done by then: KV-failed             |
+| stats_path           | /dev/shm/expresslane-staging-<engine_id> | staging slot states (see staging.py) |
+
+Pure: no vLLM, no I/O.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from shared.transport import TRANSPORTS
+
+EXTRA_CONFIG_KEYS = ("nats_url", "transports", "mooncake_host", "mooncake_protocol",
+                     "nixl_agent_name", "staging_slots", "staging_max_tokens", "transfer_timeout_s",
+                     "stats_path")
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpressConfig:
+    nats_url: str = "nats://127.0.0.1:4222"
+    transports: tuple[str, ...] = ("mooncake",)
+    mooncake_host: str = "127.0.0.1"
+    mooncake_protocol: str = "tcp"
+    nixl_agent_name: str | None = None
+    staging_slots: int = 4
+    staging_max_tokens: int = 0  # 0: vLLM's max_model_len
+    transfer_timeout_s: float = 30.0
+    stats_path: str = ""  # "": /dev/shm/expresslane-staging-<engine_id>
+
+    @classmethod
+    def from_extra_config(cls, extra: dict[str, Any] | None) -> "ExpressConfig":
+        """Parse and validate; unknown keys are refused (a typo must not silently change nothing)."""
+        extra = dict(extra or {})
+        unknown = sorted(set(extra) - set(EXTRA_CONFIG_KEYS))
+        if unknown:
+            raise ValueError(f"unknown ExpressConnector config keys {unknown}: known are "
+                             f"{', '.join(EXTRA_CONFIG_KEYS)}")
+        if "transports" in extra:
+            t = extra["transports"]
+            extra["transports"] = tuple([t] if isinstance(t, str) else t)
+        config = cls(**extra)
+        config.validate()
+        return config
+
+    def validate(self) -> None:
+        bad = [t for t in self.transports if t not in TRANSPORTS]
+        if not self.transports or bad:
+            raise ValueError(f"transports {list(self.transports)}: use one or more of {TRANSPORTS}")
+        if self.mooncake_protocol not in ("tcp", "rdma"):
+            raise ValueError(f"mooncake_protocol {self.mooncake_protocol!r}: use 'rdma' or 'tcp'")
+        if not 1 <= int(self.staging_slots) <= 1024:
+            raise ValueError(f"staging_slots must be in 1..1024, got {self.staging_slots}")
+        if int(self.staging_max_tokens) < 0:
+            raise ValueError(f"staging_max_tokens must be >= 0, got {self.staging_max_tokens}")
+        if not float(self.transfer_timeout_s) > 0:
+            raise ValueError(f"transfer_timeout_s must be > 0, got {self.transfer_timeout_s}")
+
+    def stats_file(self, engine_id: str) -> str:
+        return self.stats_path or f"/dev/shm/expresslane-staging-{engine_id}"

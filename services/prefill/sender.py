@@ -1,0 +1,136 @@
+"""The background sender: one-sided writes of staged KV into decode slots, then KV-ready.
+
+Runs on its own threads inside vLLM's worker process, so the prefill loop never waits for the
+network. For each job it checks that the decode slot's layout is the one staged, writes every
+segment's first ``num_tokens`` tokens with the transport the target names, marks the staging
+slot free, and publishes ``KvReady`` on ``xl.kv.ready.<node>`` (or ``KvFailed`` with the reason)
+with the request's trace context. Failures are reported as data, never raised into vLLM.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import queue
+import threading
+import time
+
+from opentelemetry import trace
+
+from shared import subjects
+from shared.events import KvFailed, KvLayoutSpec, KvReady
+from shared.tracing import context_from_traceparent, current_traceparent
+from shared.transport import TransferError, Transport
+
+from services.prefill.handoff import Handoff
+from services.prefill.staging import FREE
+
+log = logging.getLogger("expresslane.prefill")
+_tracer = trace.get_tracer("expresslane.prefill")
+
+
+@dataclasses.dataclass
+class SendJob:
+    handoff: Handoff
+    staging_slot: int
+    num_tokens: int
+    extract_ms: float = 0.0
+    fail_reason: str = ""  # set: publish KvFailed only
+
+
+def layout_mismatch(ours: KvLayoutSpec, theirs: KvLayoutSpec, num_tokens: int) -> str:
+    """Why the staged layout cannot be written into the target's ("" when it can)."""
+    for field in ("layout_version", "kind", "dtype", "num_layers"):
+        if getattr(ours, field) != getattr(theirs, field):
+            return (f"layout mismatch: prefill stages {field}={getattr(ours, field)!r}, decode slot "
+                    f"expects {getattr(theirs, field)!r}")
+    if len(ours.segments) != len(theirs.segments) or any(
+            a.bytes_per_token != b.bytes_per_token or a.name != b.name
+            for a, b in zip(ours.segments, theirs.segments)):
+        return "layout mismatch: per-token segment sizes differ (different model?)"
+    if num_tokens > theirs.max_tokens:
+        return f"prompt of {num_tokens} tokens does not fit the decode slot ({theirs.max_tokens})"
+    return ""
+
+
+def write_ops(ours: KvLayoutSpec, staging_addr: int, theirs: KvLayoutSpec, remote_base: int,
+              num_tokens: int) -> list[tuple[int, int, int]]:
+    """(local, remote, nbytes) per segment for the first ``num_tokens`` tokens."""
+    return [(staging_addr + a.offset_bytes, remote_base + b.offset_bytes, num_tokens * a.bytes_per_token)
+            for a, b in zip(ours.segments, theirs.segments)]
+
+
+class Sender:
+    """A small pool of sender threads fed by a queue."""
+
+    def __init__(self, transports: dict[str, Transport], pool, states, publisher, timeout_s: float,
+                 num_threads: int = 2) -> None:
+        self.transports = transports
+        self.pool = pool
+        self.states = states
+        self.publisher = publisher
+        self.timeout_s = timeout_s
+        self._queue: queue.Queue[SendJob | None] = queue.Queue()
+        self._threads = [threading.Thread(target=self._run, name=f"expresslane-sender-{i}", daemon=True)
+                         for i in range(num_threads)]
+        for t in self._threads:
+            t.start()
+
+    def submit(self, job: SendJob) -> None:
+        self._queue.put(job)
+
+    def close(self) -> None:
+        for _ in self._threads:
+            self._queue.put(None)
+        for t in self._threads:
+            t.join(self.timeout_s + 5)
+
+    def _run(self) -> None:
+        while (job := self._queue.get()) is not None:
+            try:
+                self._handle(job)
+            except Exception:  # never let a bad job kill the thread
+                log.exception("expresslane sender: unexpected error")
+                if job.staging_slot >= 0:
+                    self.states.set(job.staging_slot, FREE)
+
+    def _handle(self, job: SendJob) -> None:
+        h = job.handoff
+        parent = context_from_traceparent(h.traceparent)
+        with _tracer.start_as_current_span("prefill.kv_transfer", context=parent) as span:
+            span.set_attribute("expresslane.request_id", h.request_id)
+            span.set_attribute("expresslane.node_id", h.target.node_id)
+            transfer_ms, nbytes, reason = 0.0, 0, job.fail_reason
+            if not reason:
+                t0 = time.perf_counter()
+                nbytes, reason = self._write(job)
+                transfer_ms = (time.perf_counter() - t0) * 1e3
+                self.states.set(job.staging_slot, FREE)
+            base = dict(request_id=h.request_id, lease_id=h.lease_id, generation=h.generation,
+                        node_id=h.target.node_id, slot=h.target.slot.slot)
+            if reason:
+                span.set_attribute("expresslane.failed", reason)
+                event = KvFailed(**base, reason=reason)
+            else:
+                event = KvReady(**base, num_tokens=job.num_tokens,
+                                layout_version=h.target.layout.layout_version, nbytes=nbytes,
+                                extract_ms=job.extract_ms, transfer_ms=transfer_ms)
+            traceparent = current_traceparent() or h.traceparent
+        self.publisher.publish(subjects.kv_ready(h.target.node_id), event, traceparent)
+
+    def _write(self, job: SendJob) -> tuple[int, str]:
+        target = job.handoff.target
+        transport = self.transports.get(target.transport)
+        if transport is None:
+            return 0, (f"transport {target.transport!r} is not enabled on this prefill "
+                       f"(enabled: {', '.join(self.transports)})")
+        reason = layout_mismatch(self.pool.spec, target.layout, job.num_tokens)
+        if reason:
+            return 0, reason
+        ops = write_ops(self.pool.spec, self.pool.slot_addr(job.staging_slot), target.layout,
+                        target.slot.base_addr, job.num_tokens)
+        try:
+            transport.write(target.endpoint, ops, target.nixl_metadata_b64, timeout_s=self.timeout_s)
+        except TransferError as exc:
+            return 0, f"transfer failed: {exc}"
+        return sum(op[2] for op in ops), ""

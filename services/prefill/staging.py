@@ -1,0 +1,101 @@
+"""Staging slots: the pool of registered memory the worker copies claimed KV into.
+
+Two parts:
+- ``SlotStates``: one byte per slot in a small shared file (``stats_path``), so the scheduler side
+  (which hands out slots) and the worker side (which frees them when its write is over) agree
+  without a round trip, and anyone can check for leaks: ``read_stats(path)``. States: FREE (0),
+  RESERVED (1, given to a request by the scheduler), SENDING (2, staged by the worker, write in
+  flight). Only the scheduler moves FREE -> RESERVED; only the worker moves a slot back to FREE.
+- ``StagingPool``: the memory, ``num_slots`` x the native layout (shared.kvlayout) of
+  ``max_tokens`` tokens, with per-slot, per-segment tensor views.
+
+No vLLM imports; torch only for the pool.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+
+FREE, RESERVED, SENDING = 0, 1, 2
+STATE_NAMES = {FREE: "free", RESERVED: "reserved", SENDING: "sending"}
+
+
+class SlotStates:
+    """Slot states in a shared file; ``create=True`` (re)initializes every slot to FREE."""
+
+    def __init__(self, path: str, num_slots: int, create: bool = False) -> None:
+        self.path = path
+        self.num_slots = num_slots
+        flags = os.O_RDWR | os.O_CREAT
+        fd = os.open(path, flags, 0o600)
+        try:
+            if create or os.fstat(fd).st_size != num_slots:
+                os.ftruncate(fd, 0)
+                os.ftruncate(fd, num_slots)
+            self._map = mmap.mmap(fd, num_slots)
+        finally:
+            os.close(fd)
+
+    def reserve(self) -> int | None:
+        """Scheduler: take the first free slot (FREE -> RESERVED), or None when all are busy."""
+        for slot in range(self.num_slots):
+            if self._map[slot] == FREE:
+                self._map[slot] = RESERVED
+                return slot
+        return None
+
+    def set(self, slot: int, state: int) -> None:
+        self._map[slot] = state
+
+    def get(self, slot: int) -> int:
+        return self._map[slot]
+
+    def snapshot(self) -> list[int]:
+        return list(self._map[: self.num_slots])
+
+    def close(self) -> None:
+        try:
+            self._map.close()
+        except (BufferError, ValueError):
+            pass
+
+
+def read_stats(path: str) -> dict:
+    """Counts of a running prefill's staging slots: {"total", "free", "reserved", "sending"}."""
+    with open(path, "rb") as f:
+        states = f.read()
+    stats = {"total": len(states)}
+    for value, name in STATE_NAMES.items():
+        stats[name] = states.count(bytes([value]))
+    return stats
+
+
+class StagingPool:
+    """``num_slots`` slots of ``spec.slot_nbytes`` bytes, each viewed per segment of the layout."""
+
+    def __init__(self, spec, num_slots: int) -> None:
+        import torch
+
+        from shared.kvlayout import DTYPE_SIZES
+
+        self.spec = spec
+        self.num_slots = num_slots
+        self.dtype = getattr(torch, spec.dtype)
+        self.buffer = torch.zeros(num_slots, spec.slot_nbytes, dtype=torch.uint8)
+        self.addr = self.buffer.data_ptr()
+        self.nbytes = self.buffer.numel()
+        self._elt = DTYPE_SIZES[spec.dtype]
+
+    def slot_addr(self, slot: int) -> int:
+        return self.addr + slot * self.spec.slot_nbytes
+
+    def segment_views(self, slot: int, num_tokens: int) -> list:
+        """Per segment, a [num_tokens, elems_per_token] view into the slot."""
+        row = self.buffer[slot]
+        views = []
+        for seg in self.spec.segments:
+            nbytes = num_tokens * seg.bytes_per_token
+            part = row[seg.offset_bytes : seg.offset_bytes + nbytes]
+            views.append(part.view(self.dtype).view(num_tokens, seg.bytes_per_token // self._elt))
+        return views
