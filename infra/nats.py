@@ -9,7 +9,9 @@ Contract:
 
 JetStream is always on, with its files under ``store_dir``. ``port=0`` / ``monitor_port=0`` ask the
 server for free ports (read back from its ports file, so there is no race with other processes); a
-restart keeps the ports it got the first time. Loopback by default. ``config_file`` is passed with
+restart keeps the ports it got the first time. Loopback by default. ``stop_with_parent=True``
+(tests) makes the kernel stop the server when the process that started it dies, even by SIGKILL
+(Linux, via setpriv; the parent is the starting thread, so start it from a long-lived one). ``config_file`` is passed with
 ``-c`` (users, permissions); the command-line options above override what it says. The server's
 log goes to ``log_path`` (default ``store_dir/nats-server.log``). Every server still running when
 the interpreter exits is stopped.
@@ -77,6 +79,7 @@ class NatsServer:
         log_path: str | os.PathLike | None = None,
         binary: str | None = None,
         env: dict[str, str] | None = None,
+        stop_with_parent: bool = False,
     ) -> None:
         self.store_dir = Path(store_dir)
         self.host = host
@@ -86,6 +89,7 @@ class NatsServer:
         self.log_path = Path(log_path) if log_path else self.store_dir / "nats-server.log"
         self.binary = binary
         self.env = env
+        self.stop_with_parent = stop_with_parent
         self._proc: subprocess.Popen | None = None
 
     # ------------------------------------------------------------------ addresses
@@ -114,15 +118,16 @@ class NatsServer:
 
     # ------------------------------------------------------------------ lifecycle
 
-    def command(self) -> list[str]:
+    def command(self, binary: str | None = None) -> list[str]:
         """The nats-server command line this server runs."""
-        cmd = [self.binary or find_binary()]
+        cmd = [binary or self.binary or find_binary()]
         if self.config_file:
             cmd += ["-c", str(self.config_file)]
         cmd += ["-js", "-sd", str(self.store_dir), "-a", self.host]
         cmd += ["-p", str(self.port or -1), "-m", str(self.monitor_port or -1)]
         cmd += ["--ports_file_dir", str(self._ports_dir())]
-        return cmd
+        setpriv = shutil.which("setpriv") if self.stop_with_parent else None
+        return [setpriv, "--pdeathsig", "TERM", "--", *cmd] if setpriv else cmd
 
     def _ports_dir(self) -> Path:
         return self.store_dir / "ports"
@@ -138,7 +143,8 @@ class NatsServer:
         self._ports_dir().mkdir(parents=True)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         env = {**os.environ, **(self.env or {})}
-        cmd = self.command()
+        binary = self.binary or find_binary()
+        cmd = self.command(binary)
         with open(self.log_path, "ab") as log:
             self._proc = subprocess.Popen(
                 cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
@@ -146,7 +152,7 @@ class NatsServer:
             )
         _running.add(self)
         try:
-            self._wait_ready(Path(cmd[0]).name, time.monotonic() + timeout_s)
+            self._wait_ready(Path(binary).name, time.monotonic() + timeout_s)
         except BaseException:
             self.stop()
             raise
@@ -255,6 +261,8 @@ def build_parser() -> argparse.ArgumentParser:
                         f"permissions, {SECURE_CONFIG.name}) or a path to a nats-server config file")
     parser.add_argument("--log-level", default="INFO",
                         type=str.upper, choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    parser.add_argument("--log-format", choices=("json", "console"), default="console",
+                        help="this command's own log lines (the server's go to STORE_DIR)")
     return parser
 
 
@@ -275,7 +283,7 @@ def main(argv: list[str]) -> int:
     from shared.log import get_logger, setup_logging
 
     args = parse_args(build_parser(), argv)
-    setup_logging("nats", level=args.log_level, json=False)
+    setup_logging("nats", level=args.log_level, json=args.log_format == "json")
     log = get_logger("infra.nats")
     server = NatsServer(
         args.nats_store_dir, host=args.nats_host, port=args.nats_port,

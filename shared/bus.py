@@ -7,6 +7,7 @@ Contract:
         # publishes made while disconnected are buffered (nats-py pending buffer).
     await bus.publish(subject, event)              # JSON (shared.events.encode) + traceparent header
     sub = await bus.subscribe(subject, handler, kind, queue="")
+        # returns once nats-server has the subscription: a publish made after it is delivered.
         # handler: async def handler(event, msg) -> None, called in order, with the trace context
         # of the message's headers attached. Undecodable messages are logged and counted
         # (bus.num_undecodable); a handler's exception is logged and counted (bus.num_handler_errors)
@@ -228,7 +229,13 @@ class Bus:
             finally:
                 otel_context.detach(token)
 
-        return await self.nc.subscribe(subject, queue=queue, cb=on_message)
+        sub = await self.nc.subscribe(subject, queue=queue, cb=on_message)
+        if self.nc.is_connected:  # return only once the server routes this subject to us
+            try:
+                await self.flush()
+            except (nats.errors.Error, asyncio.TimeoutError) as exc:
+                _log.warning("bus_subscribe_unconfirmed", subject=subject, error=repr(exc))
+        return sub
 
     async def request(
         self, subject: str, event: events.Event, reply_kind: Any, timeout_s: float
@@ -251,7 +258,10 @@ class Bus:
         await self.nc.publish(msg.reply, events.encode(event), headers=_trace_headers())
 
     async def flush(self, timeout_s: float = 2.0) -> None:
-        """Wait until the server has processed everything published so far."""
+        """Wait until the server has processed everything sent so far (subscriptions included)."""
+        # nats-py writes its PING straight to the socket, ahead of commands still queued for its
+        # flusher task, so its flush() alone can return before a queued SUB reached the server.
+        await asyncio.wait_for(self.nc._flush_pending(force_flush=True), timeout_s)
         await self.nc.flush(timeout=timeout_s)
 
     # ------------------------------------------------------------------ JetStream

@@ -69,6 +69,25 @@ async def test_publish_subscribe_typed(bus, peer):
     assert isinstance(second, ev.RequestFinished) and second.usage.completion_tokens == 3
 
 
+async def test_subscribe_returns_once_the_server_routes_the_subject(nats_url):
+    """A publish right after subscribe() returns is delivered (nats-py's own flush is no barrier:
+    its PING can overtake a queued SUB)."""
+    for _ in range(20):
+        subscriber = await Bus.connect(nats_url, name="barrier-sub")
+        publisher = await Bus.connect(nats_url, name="barrier-pub")
+        request_id = rid()
+        inbox: asyncio.Queue = asyncio.Queue()
+
+        async def handler(event, msg):
+            await inbox.put(event)
+
+        await subscriber.subscribe(subjects.req_cancel(request_id), handler, ev.CancelRequest)
+        await publisher.publish(subjects.req_cancel(request_id), ev.CancelRequest(request_id=request_id))
+        assert await asyncio.wait_for(inbox.get(), WAIT_S) == ev.CancelRequest(request_id=request_id)
+        await subscriber.close()
+        await publisher.close()
+
+
 async def test_undecodable_message_is_counted_and_subscription_lives_on(bus, peer):
     request_id = rid()
     inbox = await collect(peer, subjects.req_cancel(request_id), ev.CancelRequest)
@@ -277,3 +296,74 @@ async def test_spans_and_logs_follow_the_request_across_processes(nats_url, otlp
     assert logged["service"] == "coordinator" and logged["request_id"] == "req-7"
     assert (logged["trace_id"], logged["span_id"]) == (trace_id, coordinator.span_id)
     assert logged["level"] == "info" and logged["reason"] == "test" and "timestamp" in logged
+
+
+# ---------------------------------------------------------------------- the launcher
+
+
+def monitor_is_up(monitor_url: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"{monitor_url}/healthz", timeout=1) as resp:
+            return resp.status == 200
+    except OSError:
+        return False
+
+
+async def wait_down(monitor_url: str) -> bool:
+    for _ in range(100):
+        if not monitor_is_up(monitor_url):
+            return True
+        await asyncio.sleep(0.05)
+    return False
+
+
+async def test_expresslane_nats_serves_until_ctrl_c(tmp_path):
+    import re
+    import signal
+    import sys
+
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "shared.cli", "nats", "--nats-port", "0", "--nats-monitor-port", "0",
+        "--nats-store-dir", str(tmp_path / "store"), "--log-format", "console",
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    try:
+        line = (await asyncio.wait_for(proc.stdout.readline(), 30)).decode()
+        found = re.match(r"nats-server ready at (nats://127\.0\.0\.1:\d+) "
+                         r"\(monitoring (http://127\.0\.0\.1:\d+)\); Ctrl-C stops it", line)
+        assert found, line
+        url, monitor_url = found.groups()
+        client = await Bus.connect(url, name="cli-check")
+        kv = await client.kv("xl_cli_check")  # JetStream is on, under the store dir
+        await kv.put("k", b"v")
+        await client.close()
+        assert (tmp_path / "store" / "jetstream").is_dir()
+        proc.send_signal(signal.SIGINT)
+        assert await asyncio.wait_for(proc.wait(), 30) == 0
+        assert await wait_down(monitor_url)  # the server went with it
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+
+
+STARTER = """
+import sys, time
+from infra.nats import NatsServer
+server = NatsServer(sys.argv[1], stop_with_parent=True).start()
+print(server.monitor_url, flush=True)
+time.sleep(60)
+"""
+
+
+async def test_server_dies_with_a_killed_parent(tmp_path):
+    import sys
+
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", STARTER, str(tmp_path), stdout=asyncio.subprocess.PIPE)
+    try:
+        monitor_url = (await asyncio.wait_for(proc.stdout.readline(), 30)).decode().strip()
+        assert monitor_is_up(monitor_url)
+    finally:
+        proc.kill()  # SIGKILL: no atexit, no cleanup in the parent
+        await proc.wait()
+    assert await wait_down(monitor_url)
