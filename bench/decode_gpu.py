@@ -138,11 +138,11 @@ def kv_bytes(s: dict, ctx: int) -> int:
 
 
 MICRO_TILES = {  # (block_n, block_k, num_warps, num_stages); run 1: stages 3 beat 1 everywhere
-    "qkv": [(16, 512, 4, 3), (16, 512, 4, 4), (8, 512, 4, 4), (8, 1024, 4, 3), (16, 256, 4, 5), (8, 512, 4, 6)],
-    "o": [(8, 512, 4, 3), (8, 512, 4, 4), (4, 1024, 4, 3), (8, 256, 4, 6), (4, 512, 4, 5), (16, 256, 4, 5)],
-    "gate_up": [(16, 512, 4, 3), (16, 512, 4, 4), (8, 512, 4, 4), (16, 256, 4, 5), (32, 256, 8, 4), (8, 1024, 4, 3)],
-    "down": [(8, 1024, 4, 3), (8, 1024, 4, 4), (4, 1024, 4, 4), (8, 512, 4, 5), (16, 512, 4, 4), (8, 512, 4, 6)],
-    "lm_head": [(16, 512, 4, 3), (16, 512, 4, 4), (32, 256, 4, 4), (16, 256, 4, 5)],
+    "qkv": [(8, 512, 4, 4), (8, 256, 4, 6), (4, 512, 4, 6), (8, 1024, 4, 3), (16, 256, 4, 6), (4, 1024, 4, 4)],
+    "o": [(8, 256, 4, 6), (4, 512, 4, 6), (8, 512, 4, 4), (4, 256, 4, 8), (16, 256, 4, 6), (8, 256, 4, 8)],
+    "gate_up": [(8, 1024, 4, 3), (4, 1024, 4, 4), (8, 512, 4, 6), (4, 512, 4, 6), (16, 512, 4, 4), (8, 512, 8, 6)],
+    "down": [(8, 512, 4, 5), (4, 1024, 4, 4), (8, 512, 4, 6), (4, 512, 4, 8), (8, 1024, 4, 4), (16, 512, 4, 5)],
+    "lm_head": [(32, 256, 4, 4), (16, 512, 4, 4), (64, 256, 8, 4), (32, 512, 8, 4)],
 }
 
 
@@ -370,10 +370,10 @@ def variants(X, micro: dict | None) -> dict:
     out = {
         "triton_all": X.FastOptions(tiles=best_tiles),
         "cublas_all": X.FastOptions(backends={p: "cublas" for p in P}),
-        "mixed_qkv_o_triton": X.FastOptions(tiles=best_tiles, backends={
-            "qkv": "triton", "o": "triton", "gate_up": "cublas", "down": "cublas", "lm_head": "triton"}),
     }
-    out["triton_all_pdl"] = X.FastOptions(tiles=best_tiles, pdl=True)
+    out["triton_unfused_combine"] = X.FastOptions(tiles=best_tiles, fuse_combine=False)
+    out["triton_prefetch_o_after_qkv"] = X.FastOptions(tiles=best_tiles, prefetch_o="after_qkv")
+    out["triton_prefetch_o_with_qkv"] = X.FastOptions(tiles=best_tiles, prefetch_o="with_qkv")
     if faster:
         out["per_projection_best"] = X.FastOptions(tiles=best_tiles, backends={p: faster.get(p, "triton") for p in P})
     return out

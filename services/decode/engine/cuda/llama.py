@@ -78,6 +78,8 @@ class FastOptions:
     block_s: int = 32
     attn_warps: int = 4
     pdl: bool = False  # programmatic dependent launch between the Triton kernels (Hopper)
+    fuse_combine: bool = True  # attention splits merged by the last split to finish (one launch)
+    prefetch_o: str = "none"  # "after_qkv" | "with_qkv": read wo into L2 on a side stream during attention
 
 
 class GqaDecoder:
@@ -89,6 +91,8 @@ class GqaDecoder:
         self.m, self.k_caches, self.v_caches = model, k_caches, v_caches
         self.opt = options or FastOptions()
         dev, dt = model.embed.device, model.embed.dtype
+        if dt != torch.bfloat16:
+            raise ValueError(f"the fast CUDA path runs bfloat16 models, got {dt}: use the engine's torch path")
         self.cos, self.sin = cos.to(device=dev, dtype=dt).contiguous(), sin.to(device=dev, dtype=dt).contiguous()
         hq, hkv, d = model.num_q_heads, model.num_kv_heads, model.head_dim
         h, inter, vocab = model.hidden, model.intermediate, model.lm_head.shape[0]
@@ -103,9 +107,14 @@ class GqaDecoder:
         self.act = torch.zeros(inter, dtype=dt, device=dev)
         self.tmp = torch.zeros(max((hq + 2 * hkv) * d, 2 * inter, h), dtype=dt, device=dev)
         self.logits = torch.zeros(vocab, dtype=torch.float32, device=dev)
+        self.side = torch.cuda.Stream(device=dev) if dev.type == "cuda" and self.opt.prefetch_o != "none" else None
+        if self.side is not None:
+            self.sink = torch.zeros(model.layers[0].wo.numel() // 8192 + 1, dtype=torch.float32, device=dev)
+            self.events = [(torch.cuda.Event(), torch.cuda.Event()) for _ in model.layers]
         self.attn = DecodeAttention(num_q_heads=hq, num_kv_heads=hkv, d_main=d, d_v=d,
                                     num_splits=self.opt.num_splits, block_s=self.opt.block_s,
-                                    num_warps=self.opt.attn_warps, pdl=self.opt.pdl, device=dev)
+                                    num_warps=self.opt.attn_warps, pdl=self.opt.pdl,
+                                    fuse_combine=self.opt.fuse_combine, device=dev)
 
     def set_state(self, token_id: int, pos: int) -> None:
         """Host-side (re)start: the token to feed next and its position (= tokens already cached)."""
@@ -129,6 +138,8 @@ class GqaDecoder:
         m, lw, eps = self.m, self.m.layers[i], self.m.eps
         hq, hkv, d = m.num_q_heads, m.num_kv_heads, m.head_dim
         kc, vc = self.k_caches[i], self.v_caches[i]
+        if self.side is not None and self.opt.prefetch_o == "with_qkv":
+            self._fork_prefetch(i)
         if self._cublas("qkv"):
             S.rmsnorm(self.h, lw.attn_norm, self.xn, eps)
             qkv = self._linear_into(self.xn, lw.wqkv, self.tmp[: lw.wqkv.shape[0]])
@@ -137,7 +148,11 @@ class GqaDecoder:
         else:
             G.gemv_qkv_rope(self.h, lw.wqkv, lw.attn_norm, eps, self.q, kc, vc, self.pos, self.cos, self.sin,
                             num_q_heads=hq, num_kv_heads=hkv, head_dim=d, **self._tile("qkv"))
+        if self.side is not None and self.opt.prefetch_o == "after_qkv":
+            self._fork_prefetch(i)
         self.attn(self.q, kc, vc, self.pos, self.attn_out, stride_kt=hkv * d, stride_vt=hkv * d)
+        if self.side is not None:  # join: wo is in L2 now
+            torch.cuda.current_stream().wait_event(self.events[i][1])
         if self._cublas("o"):
             self.h.add_(self._linear_into(self.attn_out, lw.wo, self.tmp[: m.hidden]))
         else:
@@ -152,6 +167,14 @@ class GqaDecoder:
             self.h.add_(self._linear_into(self.act, lw.w_down, self.tmp[: m.hidden]))
         else:
             G.gemv(self.act, lw.w_down, self.h, residual=self.h, **self._tile("down"))
+
+    def _fork_prefetch(self, i: int) -> None:
+        fork, join = self.events[i]
+        fork.record()
+        self.side.wait_event(fork)
+        with torch.cuda.stream(self.side):
+            G.l2_prefetch(self.m.layers[i].wo, self.sink)
+            join.record()
 
     def step(self) -> None:
         """One decode step: token/pos from device, logits + next token on device, pos += 1."""

@@ -10,6 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .gemv import rnd_bf16
+
 
 @triton.jit
 def _rmsnorm_kernel(x_ptr, w_ptr, out_ptr, K, eps, K_POW2: tl.constexpr):
@@ -37,8 +39,8 @@ def _rope_cache_kernel(qkv_ptr, q_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, cos_pt
     if head < NUM_Q_HEADS + NUM_KV_HEADS:
         cos = tl.load(cos_ptr + pos * HALF + j).to(tl.float32)
         sin = tl.load(sin_ptr + pos * HALF + j).to(tl.float32)
-        a1 = ((a * cos).to(dt).to(tl.float32) - (b * sin).to(dt).to(tl.float32)).to(dt)
-        b1 = ((b * cos).to(dt).to(tl.float32) + (a * sin).to(dt).to(tl.float32)).to(dt)
+        a1 = rnd_bf16(rnd_bf16(a * cos) - rnd_bf16(b * sin)).to(dt)
+        b1 = rnd_bf16(rnd_bf16(b * cos) + rnd_bf16(a * sin)).to(dt)
         if head < NUM_Q_HEADS:
             tl.store(q_ptr + head * HEAD_DIM + j, a1.to(dt))
             tl.store(q_ptr + head * HEAD_DIM + HALF + j, b1.to(dt))
