@@ -42,7 +42,6 @@ from shared.events import (
     SlotReleased,
     TransferTarget,
 )
-from shared.kvlayout import LAYOUT_VERSION
 from services.coordinator.model import (
     CoordinatorConfig,
     DeleteLease,
@@ -58,6 +57,7 @@ from services.coordinator.model import (
     QueuedClaim,
     Reply,
 )
+from services.coordinator.registry import NodeRegistry
 
 
 class CoordinatorCore:
@@ -67,7 +67,7 @@ class CoordinatorCore:
         self.config = config or CoordinatorConfig()
         self.config.validate()
         self._new_id = new_id or (lambda: uuid.uuid4().hex[:16])
-        self.nodes: dict[str, Node] = {}
+        self.registry = NodeRegistry(self.config)
         self.leases: dict[str, Lease] = {}  # lease_id -> lease (live or fencing)
         self.queue: list[QueuedClaim] = []  # oldest first
         self.next_generation = 1
@@ -83,10 +83,11 @@ class CoordinatorCore:
         top = max((lease.generation for lease in leases), default=0)
         self.next_generation = max(next_generation, top + 1, 1)
         for lease in leases:
-            if lease.node_id not in self.nodes:
-                self.nodes[lease.node_id] = Node(
-                    lease.node_id, None, now_ms, self.config.default_heartbeat_interval_ms
-                )
+            self.registry.remember(lease.node_id, now_ms)
+
+    @property
+    def nodes(self) -> dict[str, Node]:
+        return self.registry.nodes
 
     def live_lease(self, request_id: str) -> Lease | None:
         """The request's lease that has not ended, if any."""
@@ -97,11 +98,8 @@ class CoordinatorCore:
 
     def free_slots(self, node_id: str) -> list[int]:
         """Slots of the node that could be leased now (heartbeat says free, no lease holds them)."""
-        node = self.nodes.get(node_id)
-        if node is None or node.info is None or node.is_draining:
-            return []
         held = {l.slot for l in self.leases.values() if l.node_id == node_id}
-        return sorted(s for s in node.info.free_slots if s not in held)
+        return self.registry.free_slots(node_id, held)
 
     def num_free_slots(self) -> int:
         return sum(len(self.free_slots(n)) for n in self.nodes)
@@ -110,32 +108,25 @@ class CoordinatorCore:
 
     def on_heartbeat(self, hb: NodeAvailable, now_ms: int) -> list[Effect]:
         effects: list[Effect] = []
-        node = self.nodes.get(hb.node_id)
-        if node is not None and node.info is not None and hb.seq < node.info.seq:
-            effects += self._node_gone(hb.node_id, "node_restarted", now_ms)
-            node = None
-        if node is None:
-            node = self.nodes[hb.node_id] = Node(hb.node_id, hb, now_ms, hb.heartbeat_interval_ms)
+        if hb.node_id not in self.nodes:
             self.counters["nodes_joined"] += 1
-        node.info, node.last_seen_ms = hb, now_ms
-        node.interval_ms, node.is_draining = max(1, hb.heartbeat_interval_ms), False
+        if self.registry.heartbeat(hb, now_ms):
+            effects += self._fail_node_leases(hb.node_id, "node_restarted", now_ms)
         return effects + self._sweep_and_dispatch(now_ms)
 
     def on_draining(self, msg: NodeDraining, now_ms: int) -> list[Effect]:
-        node = self.nodes.get(msg.node_id)
-        if node is not None:
-            node.is_draining, node.last_seen_ms = True, now_ms
+        self.registry.draining(msg, now_ms)
         return []
 
-    def _node_gone(self, node_id: str, reason: str, now_ms: int) -> list[Effect]:
+    def _fail_node_leases(self, node_id: str, reason: str, now_ms: int) -> list[Effect]:
+        """The node's memory is gone: fail its live leases, forget all of them."""
         effects: list[Effect] = []
         for lease in [l for l in self.leases.values() if l.node_id == node_id]:
             if not lease.is_terminal:
                 effects += self._end(lease, "failed", reason, now_ms)
             del self.leases[lease.lease_id]
             effects.append(DeleteLease(lease.lease_id))
-        self.nodes.pop(node_id, None)
-        self.counters["nodes_dead"] += 1
+        self.counters[f"nodes_lost.{reason}"] += 1
         return effects
 
     # ------------------------------------------------------------ claims
@@ -146,7 +137,7 @@ class CoordinatorCore:
             return self._reject(claim, reply_to, "protocol_version", now_ms, retry=False)
         existing = self.live_lease(claim.request_id)
         if existing is not None:  # a retried claim: answer with the same lease
-            if existing.state == "claimed":
+            if existing.state == "claimed" and self.nodes[existing.node_id].info is not None:
                 return [Reply(reply_to, self._granted(existing))]
             return self._reject(claim, reply_to, "already_claimed", now_ms, retry=False)
         for i, entry in enumerate(self.queue):
@@ -155,7 +146,7 @@ class CoordinatorCore:
                                             enqueued_at_ms=entry.enqueued_at_ms,
                                             deadline_ms=entry.deadline_ms)
                 return [PutQueued(self.queue[i])]
-        if not any(self._fits(n, claim) for n in self.nodes.values()):
+        if not any(self.registry.transport_for(n, claim) for n in self.nodes.values()):
             return self._reject(claim, reply_to, "no_compatible_node", now_ms)
         pick = self._pick_slot(claim)
         if pick is not None:
@@ -170,27 +161,11 @@ class CoordinatorCore:
         self.counters["claims_queued"] += 1
         return [PutQueued(entry), self._event(claim.request_id, "queued", now_ms)]
 
-    def _fits(self, node: Node, claim: ClaimRequest) -> str | None:
-        """The transport to use when ``node`` could ever serve ``claim``, else None."""
-        info = node.info
-        if info is None or node.is_draining or info.model != claim.model:
-            return None
-        if info.protocol_version != PROTOCOL_VERSION:
-            return None
-        if info.layout.layout_version != LAYOUT_VERSION:
-            return None
-        if claim.num_prompt_tokens + claim.max_tokens > info.layout.max_tokens:
-            return None
-        for transport in claim.transports:
-            if transport in info.transports and transport in info.endpoints:
-                return transport
-        return None
-
     def _pick_slot(self, claim: ClaimRequest) -> tuple[str, int, str] | None:
         """(node, slot, transport) on the compatible node with the most free slots."""
         best: tuple[int, str, int, str] | None = None
         for node_id, node in sorted(self.nodes.items()):
-            transport = self._fits(node, claim)
+            transport = self.registry.transport_for(node, claim)
             free = self.free_slots(node_id) if transport else []
             if free and (best is None or len(free) > best[0]):
                 best = (len(free), node_id, free[0], transport)
@@ -315,13 +290,9 @@ class CoordinatorCore:
     def tick(self, now_ms: int) -> list[Effect]:
         """Apply every deadline that passed: dead nodes, lease timeouts, queue deadlines."""
         effects: list[Effect] = []
-        for node in list(self.nodes.values()):
-            if now_ms - node.last_seen_ms > self.config.heartbeat_misses * node.interval_ms:
-                has_leases = any(l.node_id == node.node_id for l in self.leases.values())
-                if has_leases or not node.is_draining:
-                    effects += self._node_gone(node.node_id, "node_dead", now_ms)
-                else:
-                    self.nodes.pop(node.node_id)
+        for node in self.registry.expired(now_ms):
+            self.registry.remove(node.node_id)
+            effects += self._fail_node_leases(node.node_id, "node_dead", now_ms)
         for lease in list(self.leases.values()):
             if lease.state == "claimed" and now_ms >= lease.transfer_deadline_ms:
                 effects += self._end(lease, "failed", "transfer_timeout", now_ms)

@@ -30,6 +30,7 @@ import nats.errors
 import nats.js.errors
 from nats.js.api import AckPolicy, ConsumerConfig, RetentionPolicy, StorageType, StreamConfig
 from opentelemetry import context as otel_context
+from opentelemetry import trace
 
 from services.coordinator.core import CoordinatorCore
 from services.coordinator.http_status import serve_status
@@ -52,6 +53,7 @@ INBOX_STREAM = "XL_COORD_INBOX"
 INBOX_SUBJECTS = [subjects.KV_READY_ALL, subjects.COORD_REPORT, subjects.REQ_CANCEL_ALL]
 InboxMessage = KvReady | KvFailed | DecodeStarted | SlotReleased | CancelRequest
 KV_RETRY_S = 30.0
+MAX_DELIVERIES = 5  # a report that fails this often is dropped (logged), not retried forever
 
 
 def now_ms() -> int:
@@ -65,6 +67,7 @@ class CoordinatorService:
         self.bus, self.core, self.args = bus, core, args
         self.metrics = CoordinatorMetrics(core)
         self.log = get_logger("coordinator")
+        self.tracer = trace.get_tracer("expresslane.coordinator")
         self._lock = asyncio.Lock()
         self._subs: list = []
         self._inbox_sub = None
@@ -163,7 +166,9 @@ class CoordinatorService:
         if not msg.reply:
             self.log.warning("claim_without_reply", request_id=claim.request_id)
             return
-        await self._apply(self.core.on_claim, claim, msg.reply)
+        with self.tracer.start_as_current_span("coordinator.claim",
+                                               attributes={"request_id": claim.request_id}):
+            await self._apply(self.core.on_claim, claim, msg.reply)
 
     async def _on_node(self, event: NodeAvailable | NodeDraining, msg) -> None:
         if isinstance(event, NodeAvailable):
@@ -178,6 +183,10 @@ class CoordinatorService:
             self.log.warning("inbox_undecodable", subject=msg.subject, error=str(exc))
             await _quietly(msg.term())
             return
+        if msg.metadata.num_delivered > MAX_DELIVERIES:
+            self.log.error("inbox_poison_message", subject=msg.subject, type=type(event).__name__)
+            await _quietly(msg.term())
+            return
         token = otel_context.attach(extract_context(msg.headers))
         try:
             handler = {
@@ -185,7 +194,10 @@ class CoordinatorService:
                 DecodeStarted: self.core.on_decode_started, SlotReleased: self.core.on_slot_released,
                 CancelRequest: self.core.on_cancel,
             }[type(event)]
-            await self._apply(handler, event)
+            with self.tracer.start_as_current_span(
+                f"coordinator.{type(event).__name__}",
+                attributes={"request_id": event.request_id}):
+                await self._apply(handler, event)
             await _quietly(msg.ack())
         except Exception:
             self.log.exception("inbox_handler_failed", subject=msg.subject)

@@ -170,11 +170,12 @@ class DecodeNode:
                               f"transfer_failed: {msg.reason}")
 
     async def _add_half(self, slot: int, half: DecodeStart | KvReady) -> None:
+        was_free = slot in self.book.free_slots()
         ready, _superseded = self.book.add(slot, half)
         if ready is not None:
             self.to_start.append(slot)
             self.wake.set()
-        elif self.book.slots[slot].pending is not None if 0 <= slot < self.args.slots else False:
+        if was_free and slot not in self.book.free_slots():
             await self._heartbeat()  # the slot just became busy
 
     async def _on_cancel(self, msg: CancelRequest, _) -> None:
@@ -263,6 +264,9 @@ class DecodeNode:
             await self.bus.publish(subjects.COORD_REPORT, DecodeStarted(
                 request_id=lease.request_id, lease_id=lease.lease_id, generation=lease.generation,
                 node_id=self.node_id, slot=slot))
+            self.log.info("decode_started", request_id=lease.request_id, slot=slot,
+                          lease_id=lease.lease_id, generation=lease.generation,
+                          num_tokens=kv.num_tokens, max_tokens=start.sampling.max_tokens)
             if start.sampling.max_tokens <= 0:
                 await self._finish(slot, "completed", "", finish_reason="length")
 
@@ -306,6 +310,9 @@ class DecodeNode:
                     decode_ms=(time.perf_counter() - a.started_at) * 1000))
         self.engine.release(slot)
         self.book.end(slot, lease.lease_id, lease.generation)
+        self.log.info("decode_finished", request_id=rid, slot=slot, outcome=outcome, reason=reason,
+                      finish_reason=finish_reason, completion_tokens=a.num_completion_tokens,
+                      decode_ms=round((time.perf_counter() - a.started_at) * 1000, 2))
         self.counters[f"finished.{finish_reason if outcome == 'completed' else outcome}"] += 1
         await self._released(slot, lease.lease_id, lease.generation, rid, outcome, reason)
 
