@@ -80,7 +80,7 @@ def setup_logging(service: str, level: str = "INFO", json: bool = True) -> None:
             renderer,
         ],
     )
-    handler = logging.StreamHandler(sys.stderr)
+    handler = _StderrHandler()
     handler.setFormatter(formatter)
     root = logging.getLogger()
     for old in list(root.handlers):
@@ -89,6 +89,18 @@ def setup_logging(service: str, level: str = "INFO", json: bool = True) -> None:
     handler._expresslane = True  # type: ignore[attr-defined]
     root.addHandler(handler)
     root.setLevel(level)
+
+
+class _StderrHandler(logging.StreamHandler):
+    """Writes to whatever ``sys.stderr`` is at the time of each record (redirections apply)."""
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value) -> None:
+        pass
 
 
 def _identity(logger, method_name, event_dict):
