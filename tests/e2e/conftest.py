@@ -1,0 +1,151 @@
+"""One real deployment shared by every end-to-end test: nothing faked.
+
+``deployment`` (package scope, so it is gone before other packages' tests run on the same
+nats-server): the session's nats-server, two prefill vLLMs with the express connector
+(``express_vllm``: llama float32, deepseek_v3 bfloat16 with its MTP layer), one coordinator, two
+llama decode nodes and one deepseek_v3 decode node (one slot each), and the router, each a real
+subprocess exporting spans to the session's OTLP receiver. It ends by stopping every process and
+checking that none is left.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import pytest
+
+from infra.up import Proc, free_port, stop_all
+
+PY = sys.executable
+CLI = [PY, "-m", "shared.cli"]
+LLAMA_NODES = ("llama-0", "llama-1")
+DS_NODES = ("ds-0",)
+COORD_MAX_QUEUE = 1
+HEARTBEAT_MS = 300
+
+
+@dataclass
+class Deployment:
+    router_url: str
+    nats_url: str
+    llama: object  # tests.fixtures.prefill.ExpressPrefill
+    deepseek: object
+    log_dir: Path
+    env: dict[str, str]
+    procs: dict[str, Proc] = field(default_factory=dict)
+    health_urls: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def llama_model(self) -> str:
+        return str(self.llama.model_dir)
+
+    @property
+    def deepseek_model(self) -> str:
+        return str(self.deepseek.model_dir)
+
+    def health(self, name: str) -> dict:
+        return httpx.get(self.health_urls[name], timeout=5.0).json()
+
+    def start(self, proc: Proc, timeout_s: float = 300.0) -> None:
+        proc.env = {**self.env, **proc.env}
+        proc.start(self.log_dir)
+        self.procs[proc.name] = proc
+        proc.wait_healthy(timeout_s)
+
+    def decode_proc(self, name: str, model: Path, dtype: str) -> Proc:
+        port = free_port()
+        self.health_urls[name] = f"http://127.0.0.1:{port}/health"
+        return Proc(name, CLI + ["decode", "--nats-url", self.nats_url, "--model", str(model),
+                                 "--node-id", name, "--slots", "1", "--dtype", dtype,
+                                 "--heartbeat-ms", str(HEARTBEAT_MS), "--http-port", str(port)],
+                    self.health_urls[name])
+
+    def restart_node(self, name: str) -> None:
+        """Start a decode node again after a test killed it."""
+        old = self.procs.pop(name)
+        stop_all([old], grace_s=5.0)
+        model, dtype = ((self.llama.model_dir, "float32") if name in LLAMA_NODES
+                        else (self.deepseek.model_dir, "bfloat16"))
+        self.start(self.decode_proc(name, model, dtype))
+        wait_until(lambda: self.express_capacity().get(str(model)), 30.0, f"{name} back in the router")
+
+    def express_capacity(self) -> dict:
+        return httpx.get(f"{self.router_url}/health", timeout=5.0).json()["express_capacity"]
+
+
+def wait_until(cond, timeout_s: float, what: str, interval_s: float = 0.05):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = cond()
+        if value:
+            return value
+        time.sleep(interval_s)
+    raise AssertionError(f"timed out after {timeout_s:g} s waiting for {what}")
+
+
+@pytest.fixture(scope="package")
+def deployment(express_vllm, nats_url, otlp_receiver, tmp_path_factory):
+    log_dir = tmp_path_factory.mktemp("e2e-logs")
+    env = {"OTEL_EXPORTER_OTLP_ENDPOINT": otlp_receiver.url, "OTEL_BSP_SCHEDULE_DELAY": "200",
+           "EXPRESSLANE_NATS_URL": nats_url}
+    # the prefill vLLMs inherit the environment when they start: their connector exports spans too
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        llama = express_vllm("llama")
+        deepseek = express_vllm("deepseek_v3", dtype="bfloat16")
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    dep = Deployment(router_url="", nats_url=nats_url, llama=llama, deepseek=deepseek,
+                     log_dir=log_dir, env=env)
+    try:
+        port = free_port()
+        dep.health_urls["coordinator"] = f"http://127.0.0.1:{port}/health"
+        dep.start(Proc("coordinator", CLI + [
+            "coordinator", "--nats-url", nats_url, "--http-port", str(port), "--tick-ms", "20",
+            "--max-queue", str(COORD_MAX_QUEUE), "--heartbeat-misses", "3",
+            "--default-heartbeat-interval-ms", str(HEARTBEAT_MS)], dep.health_urls["coordinator"]))
+        for name in LLAMA_NODES:
+            dep.start(dep.decode_proc(name, llama.model_dir, "float32"))
+        for name in DS_NODES:
+            dep.start(dep.decode_proc(name, deepseek.model_dir, "bfloat16"))
+        port = free_port()
+        dep.router_url = f"http://127.0.0.1:{port}"
+        dep.health_urls["router"] = f"{dep.router_url}/health"
+        dep.start(Proc("router", CLI + [
+            "router", "--nats-url", nats_url, "--port", str(port),
+            "--prefill-url", f"{llama.url},{deepseek.url}", "--capability-gate", "reject",
+            "--claim-wait-ms", "1000", "--first-decode-timeout-s", "20", "--token-timeout-s", "3"],
+            dep.health_urls["router"]))
+        wait_until(lambda: all(dep.express_capacity().values()), 30.0, "decode nodes seen by the router")
+        yield dep
+    finally:
+        procs = list(dep.procs.values())
+        stop_all(procs, grace_s=15.0)
+        left = [p.name for p in procs if p.group_alive()]
+        for p in procs:
+            if p.popen is not None and p.popen.returncode not in (0, None, -9, -15):
+                print(f"--- {p.name} exited {p.popen.returncode}; log {p.log_path}")
+        assert not left, f"processes left running: {left}"
+
+
+def sse_events(lines) -> list:
+    """Decode the data lines of an SSE body (stops at [DONE])."""
+    out = []
+    for line in lines:
+        if line.startswith("data: "):
+            payload = line[6:]
+            if payload == "[DONE]":
+                break
+            out.append(json.loads(payload))
+    return out

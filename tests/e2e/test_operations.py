@@ -1,0 +1,234 @@
+"""What an operator relies on, every component real: one trace per request, the lifecycle on the
+bus, resources freed on disconnect, back-pressure, clean 4xx errors; nothing leaks."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+
+from tests.e2e.conftest import CLI, LLAMA_NODES, sse_events, wait_until
+
+pytestmark = pytest.mark.e2e
+
+
+def _chat(model: str, **kw) -> dict:
+    return {"model": model, "messages": [{"role": "user", "content": "Tell me a long story."}],
+            "temperature": 0, **kw}
+
+
+def assert_nothing_leaked(dep, timeout_s: float = 10.0) -> None:
+    """No lease, no busy decode slot, no busy staging slot."""
+    def clean():
+        coord = dep.health("coordinator")
+        nodes = [dep.health(n) for n in LLAMA_NODES]
+        stats = [dep.llama.stats(), dep.deepseek.stats()]
+        return (coord["leases"] == 0 and coord["queued"] == 0 and all(not n["active"] for n in nodes)
+                and all(s["free"] == s["total"] for s in stats))
+    wait_until(clean, timeout_s, "leases, decode slots and staging slots to be free")
+
+
+# ---------------------------------------------------------------- traces
+
+
+def _ancestors(span, by_id) -> list:
+    out = []
+    while span.parent_span_id:
+        span = by_id.get(span.parent_span_id)
+        if span is None:
+            return out + [None]
+        out.append(span)
+    return out
+
+
+async def test_one_trace_per_request_across_every_hop(deployment, otlp_receiver):
+    r = httpx.post(f"{deployment.router_url}/v1/chat/completions", timeout=120,
+                   json=_chat(deployment.llama_model, max_tokens=8), headers={"x-expresslane": "on"})
+    assert r.status_code == 200 and r.headers["x-expresslane-lane"] == "express"
+    rid = r.headers["x-request-id"]
+
+    def complete(spans):
+        roots = [s for s in spans if s.name == "router.request" and s.attributes.get("request_id") == rid]
+        if not roots:
+            return False
+        mine = [s for s in spans if s.trace_id == roots[0].trace_id]
+        services = {s.service_name for s in mine}
+        return ({"router", "coordinator", "decode"} <= services
+                and any("prefill" in s.name or "prefill" in s.service_name for s in mine))
+
+    spans = otlp_receiver.wait_for(complete, timeout_s=30.0)
+    root = next(s for s in spans if s.name == "router.request" and s.attributes.get("request_id") == rid)
+    mine = [s for s in spans if s.trace_id == root.trace_id]
+    by_id = {s.span_id: s for s in mine}
+    # one trace: every span of this request in it, one root, every parent present
+    assert [s for s in mine if not s.parent_span_id] == [root]
+    assert all(None not in _ancestors(s, by_id) for s in mine), sorted(
+        f"{s.service_name}:{s.name}" for s in mine if None in _ancestors(s, by_id))
+    assert {s.trace_id for s in spans if s.attributes.get("request_id") == rid} == {root.trace_id}
+    hops = {s.name: s for s in mine if s.service_name == "router"}
+    for name in ("router.claim", "router.prefill", "router.decode"):
+        assert hops[name].parent_span_id == root.span_id, name
+
+    def under(service_or_name, hop):
+        return any(hops[hop] in _ancestors(s, by_id) for s in mine
+                   if service_or_name in (s.service_name, s.name) or s.name.startswith(service_or_name))
+
+    assert under("coordinator", "router.claim")
+    assert under("prefill", "router.prefill")
+    assert under("decode", "router.decode")
+
+
+# ---------------------------------------------------------------- events
+
+
+def test_events_command_shows_the_lifecycle_in_order(deployment):
+    proc = subprocess.Popen(CLI + ["events", "--json", "--nats-url", deployment.nats_url],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
+    try:
+        assert proc.stderr.readline(), "the events command said nothing on stderr"
+        reader.start()
+        time.sleep(0.2)
+        r = httpx.post(f"{deployment.router_url}/v1/chat/completions", timeout=120,
+                       json=_chat(deployment.llama_model, max_tokens=6), headers={"x-expresslane": "on"})
+        assert r.status_code == 200
+        rid = r.headers["x-request-id"]
+        wait_until(lambda: any(f"handoff.{rid}.completed" in ln for ln in list(lines)), 15.0,
+                   "the completed handoff event")
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+        reader.join(timeout=5)
+    assert proc.returncode == 0
+    mine = [json.loads(ln) for ln in lines if rid in ln]
+    kinds = [m["event"]["type"] + (":" + m["event"]["state"] if m["event"]["type"] == "handoff" else "")
+             for m in mine]
+    states = [k.split(":")[1] for k in kinds if k.startswith("handoff:")]
+    order = ["queued", "claimed", "kv_ready", "decoding", "completed"]
+    assert states == [s for s in order if s in states] and {"claimed", "completed"} <= set(states), kinds
+    pos = {k: kinds.index(k) for k in reversed(kinds)}  # first position of each kind
+    assert pos["handoff:claimed"] < pos["kv_ready"] < pos["tokens"]
+    assert pos["decode_start"] < pos["tokens"] < kinds.index("finished")
+    assert kinds.index("finished") > max(i for i, k in enumerate(kinds) if k == "tokens")
+    assert all(m["traceparent"] for m in mine)
+    assert len({m["traceparent"].split("-")[1] for m in mine}) == 1  # one trace
+
+
+# ---------------------------------------------------------------- disconnect
+
+
+async def test_client_disconnect_frees_slot_lease_and_staging(deployment):
+    async with httpx.AsyncClient(timeout=120) as client:
+        async with client.stream("POST", f"{deployment.router_url}/v1/chat/completions",
+                                 json=_chat(deployment.llama_model, max_tokens=1500, ignore_eos=True, stream=True),
+                                 headers={"x-expresslane": "on"}) as r:
+            assert r.headers["x-expresslane-lane"] == "express"
+            num_chunks = 0
+            async for line in r.aiter_lines():
+                num_chunks += line.startswith("data: ")
+                if num_chunks >= 5:
+                    break
+            busy = [n for n in LLAMA_NODES if deployment.health(n)["active"]]
+            assert len(busy) == 1 and deployment.health("coordinator")["leases"] == 1
+        # leaving the block closed the connection mid-stream
+    t0 = time.monotonic()
+    assert_nothing_leaked(deployment, timeout_s=1.0)
+    assert time.monotonic() - t0 <= 1.0
+
+
+# ---------------------------------------------------------------- back-pressure
+
+
+async def test_saturation_gives_429_with_retry_after_and_the_rest_completes(deployment):
+    num_requests, max_tokens = 6, 200  # 2 llama slots + a queue of 1
+
+    async def one(client):
+        body = _chat(deployment.llama_model, max_tokens=max_tokens, ignore_eos=True, stream=True,
+                     stream_options={"include_usage": True})
+        async with client.stream("POST", f"{deployment.router_url}/v1/chat/completions", json=body,
+                                 headers={"x-expresslane": "on"}) as r:
+            if r.status_code != 200:
+                return r.status_code, dict(r.headers), json.loads(await r.aread())
+            return 200, dict(r.headers), sse_events([ln async for ln in r.aiter_lines()])
+
+    async with httpx.AsyncClient(timeout=300) as client:
+        results = await asyncio.gather(*(one(client) for _ in range(num_requests)))
+    ok = [res for res in results if res[0] == 200]
+    rejected = [res for res in results if res[0] == 429]
+    assert len(ok) + len(rejected) == num_requests, [res[0] for res in results]
+    assert len(rejected) >= num_requests - 3 and len(ok) >= 2
+    for _, headers, body in rejected:
+        assert int(headers["retry-after"]) >= 1
+        assert body["error"]["code"] == "rate_limit_exceeded" and body["error"]["message"]
+    for _, headers, events in ok:
+        assert headers["x-expresslane-lane"] == "express"
+        assert events[-1]["usage"]["completion_tokens"] == max_tokens
+        assert [c["finish_reason"] for e in events for c in e["choices"] if c["finish_reason"]] == ["length"]
+    assert_nothing_leaked(deployment)
+
+
+# ---------------------------------------------------------------- bad input
+
+
+def _bad_requests(dep) -> list[tuple[str, object, dict, int]]:
+    m = dep.llama_model
+    chat, comp = "/v1/chat/completions", "/v1/completions"
+    msgs = [{"role": "user", "content": "hi"}]
+    long_prompt = "express lane " * 1500
+    return [
+        (chat, b"{", {}, 400),
+        (chat, b"[1, 2]", {}, 400),
+        (chat, b"", {}, 400),
+        (chat, {"messages": msgs}, {}, 400),
+        (chat, {"model": 7, "messages": msgs}, {}, 400),
+        (chat, {"model": "no-such-model", "messages": msgs}, {}, 404),
+        (chat, {"model": m}, {}, 400),
+        (chat, {"model": m, "messages": []}, {}, 400),
+        (chat, {"model": m, "messages": "hi"}, {}, 400),
+        (chat, {"model": m, "messages": [{"role": "wizard", "content": "hi"}]}, {}, 400),
+        (chat, {"model": m, "messages": [{"role": "user", "content": 5}]}, {}, 400),
+        (chat, {"model": m, "messages": msgs, "max_tokens": 0}, {}, 400),
+        (chat, {"model": m, "messages": msgs, "max_tokens": -1}, {}, 400),
+        (chat, {"model": m, "messages": msgs, "max_tokens": "5"}, {}, 400),
+        (chat, {"model": m, "messages": msgs, "temperature": "hot"}, {}, 400),
+        (chat, {"model": m, "messages": msgs, "temperature": 5}, {}, 400),
+        (chat, {"model": m, "messages": msgs, "top_p": 0}, {}, 400),
+        (chat, {"model": m, "messages": msgs, "n": 2}, {}, 400),
+        (chat, {"model": m, "messages": msgs, "n": 0}, {}, 400),
+        (chat, {"model": m, "messages": msgs, "logprobs": True}, {}, 400),
+        (chat, {"model": m, "messages": msgs, "presence_penalty": 0.5}, {}, 400),
+        (chat, {"model": m, "messages": msgs, "logit_bias": {"5": 10}}, {}, 400),
+        (chat, {"model": m, "messages": msgs, "response_format": {"type": "json_object"}}, {}, 400),
+        (chat, {"model": m, "messages": msgs, "tools": [{"type": "function", "function": {"name": "f"}}]}, {}, 400),
+        (chat, {"model": m, "messages": msgs, "stream": "yes"}, {}, 400),
+        (chat, {"model": m, "messages": msgs, "stop": 5}, {}, 400),
+        (chat, {"model": m, "messages": msgs, "stream_options": {"include_usage": True}}, {}, 400),
+        (chat, {"model": m, "messages": msgs, "kv_transfer_params": {"expresslane": {}}}, {}, 400),
+        (chat, {"model": m, "messages": msgs}, {"x-expresslane": "maybe"}, 400),
+        (comp, {"model": m, "prompt": long_prompt, "max_tokens": 8}, {}, 400),
+        (comp, {"model": m, "prompt": "hi", "max_tokens": 5000}, {}, 400),
+        (comp, {"model": m, "prompt": ""}, {}, 400),
+        (comp, {"model": m, "prompt": [-1]}, {}, 400),
+        (comp, {"model": m, "prompt": "hi", "echo": True}, {}, 400),
+    ]
+
+
+def test_malformed_and_unsupported_requests_are_clean_4xx(deployment):
+    cases = _bad_requests(deployment)
+    assert len(cases) >= 30
+    with httpx.Client(timeout=60) as client:
+        for path, body, headers, status in cases:
+            content = body if isinstance(body, bytes) else json.dumps(body).encode()
+            r = client.post(f"{deployment.router_url}{path}", content=content,
+                            headers={"content-type": "application/json", **headers})
+            assert r.status_code == status, (body, r.status_code, r.text[:300])
+            err = r.json()["error"]
+            assert set(err) >= {"message", "type", "param", "code"} and err["message"], (body, err)
+    assert_nothing_leaked(deployment)

@@ -1,0 +1,52 @@
+"""A decode node killed mid-stream: the client's stream completes with exactly the tokens of an
+uninterrupted run (runs last in the package; the node is started again afterwards)."""
+
+from __future__ import annotations
+
+import re
+import signal
+
+import httpx
+import pytest
+
+from tests.e2e.conftest import LLAMA_NODES, sse_events
+from tests.e2e.test_operations import _chat, assert_nothing_leaked
+from tests.fixtures.vllm import vllm_greedy
+
+pytestmark = pytest.mark.e2e
+MAX_TOKENS = 600
+
+
+def _migrations(dep) -> float:
+    text = httpx.get(f"{dep.router_url}/metrics", timeout=5).text
+    return sum(float(v) for v in re.findall(r"^expresslane_router_migrations_total\{[^}]*\} (\S+)$", text, re.M))
+
+
+async def test_decode_node_killed_mid_stream_the_stream_completes_unchanged(deployment):
+    before = _migrations(deployment)
+    body = _chat(deployment.llama_model, max_tokens=MAX_TOKENS, ignore_eos=True, stream=True,
+                 return_token_ids=True, stream_options={"include_usage": True})
+    lines, killed = [], None
+    try:
+        async with httpx.AsyncClient(timeout=300) as client:
+            async with client.stream("POST", f"{deployment.router_url}/v1/chat/completions", json=body,
+                                     headers={"x-expresslane": "on"}) as r:
+                assert r.headers["x-expresslane-lane"] == "express"
+                async for line in r.aiter_lines():
+                    lines.append(line)
+                    if killed is None and sum(ln.startswith("data: ") for ln in lines) >= 10:
+                        busy = [n for n in LLAMA_NODES if deployment.health(n)["active"]]
+                        assert len(busy) == 1
+                        killed = busy[0]
+                        deployment.procs[killed].signal(signal.SIGKILL)
+        events = sse_events(lines)
+        prompt_ids = events[0]["prompt_token_ids"]
+        ids = [t for e in events for c in e["choices"] for t in c.get("token_ids") or []]
+        assert killed is not None
+        assert ids == vllm_greedy(deployment.llama.server, prompt_ids, MAX_TOKENS, ignore_eos=True)
+        assert events[-1]["usage"]["completion_tokens"] == MAX_TOKENS
+        assert _migrations(deployment) == before + 1
+    finally:
+        if killed is not None:
+            deployment.restart_node(killed)
+    assert_nothing_leaked(deployment, timeout_s=30.0)
