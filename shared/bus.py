@@ -50,6 +50,7 @@ AsyncCallback = Callable[[], Awaitable[None]]
 ErrorCallback = Callable[[Exception], Awaitable[None]]
 
 RECONNECT_WAIT_S = 0.5
+DRAIN_TIMEOUT_S = 5  # close(): how long handlers may take to finish what was delivered
 _log = get_logger("shared.bus")
 
 
@@ -139,7 +140,7 @@ class Bus:
                     connect_timeout=connect_timeout_s, allow_reconnect=True,
                     max_reconnect_attempts=1, reconnect_time_wait=RECONNECT_WAIT_S,
                     error_cb=on_error, disconnected_cb=on_disconnected,
-                    reconnected_cb=on_reconnected,
+                    reconnected_cb=on_reconnected, drain_timeout=DRAIN_TIMEOUT_S,
                 ),
                 timeout=2 * len(servers) * (connect_timeout_s + RECONNECT_WAIT_S) + 1.0,
             )

@@ -196,6 +196,8 @@ async def test_reconnects_after_server_restart(make_nats_server):
         subscriber.add_reconnect_callback(on_reconnect)
         request_id = rid()
         inbox = await collect(subscriber, subjects.req_tokens(request_id), ev.TokenMessage)
+        kv = await publisher.kv("xl_restart")
+        revision = await kv.put("lease.a", b"granted")
         server.restart()  # same port; a new process knows nothing of earlier subscriptions
         await asyncio.wait_for(reconnected.wait(), WAIT_S)
         for _ in range(100):  # the publisher reconnects on its own schedule
@@ -206,6 +208,8 @@ async def test_reconnects_after_server_restart(make_nats_server):
                                 ev.TokensGenerated(request_id=request_id, index=0, token_ids=[7]))
         event, _, _ = await asyncio.wait_for(inbox.get(), WAIT_S)
         assert event == ev.TokensGenerated(request_id=request_id, index=0, token_ids=[7])
+        entry = await kv.get("lease.a")  # JetStream state survived the restart
+        assert (entry.value, entry.revision) == (b"granted", revision)
     finally:
         await subscriber.close()
         await publisher.close()
