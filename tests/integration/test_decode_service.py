@@ -1,12 +1,15 @@
 """Full handoff without vLLM: the KV that HF transformers computes for a prompt, written in the
 engine's layout into the leased slot over real Mooncake (TCP), then KV-ready and start over NATS;
 the decode node's streamed tokens must equal the engine's own greedy tokens for that prompt.
+The same over NIXL (UCX on loopback).
 Real nats-server, real coordinator and decode processes (see test_coordinator_service)."""
 
 from __future__ import annotations
 
 import asyncio
+import uuid
 
+import pytest
 import torch
 
 from services.decode.engine import Engine
@@ -59,15 +62,19 @@ def engine_greedy(model_dir, prompt: list[int], num_tokens: int) -> tuple[int, l
             return first, tokens
 
 
-async def test_full_handoff_streams_the_engines_greedy_tokens(stack):  # noqa: F811
+@pytest.mark.parametrize("transport", ["mooncake", "nixl"])
+async def test_full_handoff_streams_the_engines_greedy_tokens(stack, transport, monkeypatch):  # noqa: F811
+    monkeypatch.setenv("UCX_NET_DEVICES", "lo")  # nixl: loopback only (this process and the node)
+    monkeypatch.setenv("NIXL_LOG_LEVEL", "WARN")
     await stack.coordinator()
-    node = await stack.decode("d1", 2, "--transport", "mooncake")
+    node = await stack.decode("d1", 2, "--transport", transport)
     first, kv = await asyncio.to_thread(hf_prefill, stack.model_dir, PROMPT)
     ref_first, ref_tokens = await asyncio.to_thread(engine_greedy, stack.model_dir, PROMPT, NUM_TOKENS)
     assert first == ref_first  # HF and the engine agree on the prompt's next token
 
     grant = await stack.claim("r0")
-    assert isinstance(grant, ClaimGranted) and grant.target.transport == "mooncake"
+    assert isinstance(grant, ClaimGranted) and grant.target.transport == transport
+    assert bool(grant.target.nixl_metadata_b64) == (transport == "nixl")
     layout = grant.target.layout
     queue: asyncio.Queue = asyncio.Queue()
 
@@ -84,12 +91,13 @@ async def test_full_handoff_streams_the_engines_greedy_tokens(stack):  # noqa: F
     assert queue.empty() and stack.states("r0") == ["claimed"]
 
     image = pack(layout, kv, len(PROMPT))
-    sender = create_transport("mooncake")
+    sender = create_transport(transport, agent_name=f"test-sender-{uuid.uuid4().hex[:8]}")
     try:
         sender.register(image.data_ptr(), image.numel())
         base = grant.target.slot.base_addr
         ops = [(image.data_ptr() + off, base + off, n) for off, n in write_ranges(layout, len(PROMPT))]
-        await asyncio.to_thread(sender.write, grant.target.endpoint, ops)
+        await asyncio.to_thread(sender.write, grant.target.endpoint, ops,
+                                grant.target.nixl_metadata_b64)
     finally:
         sender.close()
     await stack.bus.publish(subjects.kv_ready("d1"), KvReady(
