@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import sys
 import urllib.parse
 from collections.abc import Mapping, Sequence
 
@@ -105,20 +106,34 @@ def parse_args(
     argv: Sequence[str] | None,
     env: Mapping[str, str] = os.environ,
 ) -> argparse.Namespace:
-    """Parse ``argv`` with ``EXPRESSLANE_*`` values from ``env`` as defaults (see module doc)."""
+    """Parse ``argv`` with ``EXPRESSLANE_*`` values from ``env`` as defaults (see module doc).
+
+    The parser is left as it was, so it can be parsed again with another environment."""
     if parser.epilog is None:
         parser.epilog = "Every --foo-bar flag can also be set with the variable EXPRESSLANE_FOO_BAR."
+    args = list(sys.argv[1:] if argv is None else argv)
+    from_env = argparse.Namespace()  # values already set here are kept unless a flag is given
+    relaxed: list[argparse.Action] = []
     for action in parser._actions:
         flag = next((o for o in action.option_strings if o.startswith("--")), None)
-        if flag is None or flag == "--help":
+        if flag is None or flag == "--help" or env_var(flag) not in env:
             continue
-        name = env_var(flag)
-        if name not in env:
-            continue
-        value = _from_env(parser, action, flag, name, env[name])
-        parser.set_defaults(**{action.dest: value})
-        action.required = False
-    return parser.parse_args(list(argv) if argv is not None else None)
+        if isinstance(action, argparse._AppendAction) and _given(action, args):
+            continue  # appending to the variable's values would not be "the flag wins"
+        value = _from_env(parser, action, flag, env_var(flag), env[env_var(flag)])
+        setattr(from_env, action.dest, value)
+        if action.required:
+            action.required = False
+            relaxed.append(action)
+    try:
+        return parser.parse_args(args, namespace=from_env)
+    finally:
+        for action in relaxed:
+            action.required = True
+
+
+def _given(action: argparse.Action, args: list[str]) -> bool:
+    return any(a == o or a.startswith(o + "=") for a in args for o in action.option_strings)
 
 
 def _from_env(parser, action: argparse.Action, flag: str, name: str, raw: str):

@@ -82,6 +82,25 @@ def test_bad_values_exit_2_naming_flag_and_variable(argv, env, message, capsys):
     assert message in capsys.readouterr().err
 
 
+def test_parser_is_reusable_across_environments():
+    parser = make_parser()
+    first = config.parse_args(parser, [], env={"EXPRESSLANE_MODEL_DIR": "/a", "EXPRESSLANE_NUM_SLOTS": "3"})
+    second = config.parse_args(parser, BASE, env={})
+    assert (first.model_dir, first.num_slots) == ("/a", 3)
+    assert (second.model_dir, second.num_slots) == ("/m", 1)
+    with pytest.raises(SystemExit):  # --model-dir is required again without its variable
+        config.parse_args(parser, [], env={})
+
+
+def test_append_flag_replaces_the_variable():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--transport", action="append", choices=["mooncake", "nixl"])
+    env = {"EXPRESSLANE_TRANSPORT": "mooncake,nixl"}
+    assert config.parse_args(parser, [], env=env).transport == ["mooncake", "nixl"]
+    assert config.parse_args(parser, ["--transport", "nixl"], env=env).transport == ["nixl"]
+    assert config.parse_args(parser, [], env={}).transport is None
+
+
 def test_password_in_a_bad_url_is_not_echoed(capsys):
     with pytest.raises(SystemExit):
         config.parse_args(make_parser(), BASE + ["--nats-url", "http://u:s3cret@nats:4222"], env={})
