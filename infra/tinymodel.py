@@ -81,6 +81,12 @@ def tokenizer_files(vocab_size: int) -> dict[str, dict]:
 
 
 # ---------------------------------------------------------------- configs
+# DeepSeek-V3's own rope scaling, shrunk to 2048 positions. It also keeps vLLM's CPU MLA on the
+# PyTorch rope path: vLLM 0.32's fused CPU rotary kernel rotates 3-D MLA q/k views wrongly.
+_DEEPSEEK_YARN = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 512,
+                  "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}
+
+
 def _common(vocab_size: int, dtype: str) -> dict:
     return {"vocab_size": vocab_size, "num_hidden_layers": NUM_LAYERS, "hidden_act": "silu",
             "max_position_embeddings": MAX_POSITION_EMBEDDINGS, "tie_word_embeddings": False,
@@ -116,7 +122,7 @@ def model_config(arch: str, vocab_size: int, dtype: str) -> dict:
                  topk_method="noaux_tc", scoring_func="sigmoid", norm_topk_prob=True,
                  first_k_dense_replace=1, moe_layer_freq=1, ep_size=1,
                  num_nextn_predict_layers=1, rms_norm_eps=1e-6, rope_theta=10000.0,
-                 rope_scaling=None, attention_bias=False, attention_dropout=0.0)
+                 rope_scaling=_DEEPSEEK_YARN, attention_bias=False, attention_dropout=0.0)
     else:
         raise ValueError(f"unknown arch {arch!r}; choose one of {', '.join(ARCHS)}")
     return dict(sorted(c.items()))
