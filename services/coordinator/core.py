@@ -3,7 +3,7 @@
 Contract:
 - Nodes register through ``NodeAvailable`` heartbeats; a node missing ``heartbeat_misses``
   beats is dead, and so is a node whose heartbeat ``seq`` goes backwards (it restarted): every
-  lease on it fails and its slots are forgotten.
+  live lease on it fails; leases whose writer may still be live keep fencing their slot.
 - A claim is granted a lease (lease id, generation, slot, expiry) on a free slot of a compatible
   node: same model, protocol version, layout version, a transport both sides speak, and room for
   prompt + max_tokens. A slot is free when the node's last heartbeat lists it free and no lease
@@ -119,13 +119,18 @@ class CoordinatorCore:
         return []
 
     def _fail_node_leases(self, node_id: str, reason: str, now_ms: int) -> list[Effect]:
-        """The node's memory is gone: fail its live leases, forget all of them."""
+        """The node is gone: fail its live leases. A lease whose writer may still be live keeps
+        fencing its slot (the node may come back, e.g. after a long pause) until the deadline."""
         effects: list[Effect] = []
         for lease in [l for l in self.leases.values() if l.node_id == node_id]:
             if not lease.is_terminal:
                 effects += self._end(lease, "failed", reason, now_ms)
-            del self.leases[lease.lease_id]
-            effects.append(DeleteLease(lease.lease_id))
+            if lease.is_writer_done or now_ms >= lease.fence_until_ms:
+                del self.leases[lease.lease_id]
+                effects.append(DeleteLease(lease.lease_id))
+            else:
+                lease.is_node_released = True
+                effects.append(PutLease(lease))
         self.counters[f"nodes_lost.{reason}"] += 1
         return effects
 

@@ -171,7 +171,9 @@ class DecodeNode:
 
     async def _add_half(self, slot: int, half: DecodeStart | KvReady) -> None:
         was_free = slot in self.book.free_slots()
-        ready, _superseded = self.book.add(slot, half)
+        ready, superseded = self.book.add(slot, half)
+        for old in superseded:
+            self.start_ctx.pop(old.lease_id, None)
         if ready is not None:
             self.to_start.append(slot)
             self.wake.set()

@@ -302,13 +302,22 @@ CASES = {
         (5, "kv_ready", {"rid": "r2"}, {}),
         (6, "started", {"rid": "r2"}, {}),
         (300, "tick", {}, {"events": [], "held": [("n1", 0), ("n1", 1)]}),
-        (301, "tick", {}, {"events": [("r1", "failed"), ("r2", "failed")], "held": [], "free": 0}),
+        # r2's writer is done: its slot is forgotten; r1's writer may be live: slot 0 stays fenced
+        (301, "tick", {}, {"events": [("r1", "failed"), ("r2", "failed")], "held": [("n1", 0)], "free": 0}),
         (302, "claim", {"rid": "r3"}, {"reply": {"r3": ("rejected", "no_compatible_node", 250)}}),
+        (1000, "hb", {"free": (0, 1), "seq": 2}, {"free": 1}),  # it was only paused
+        (1001, "claim", {"rid": "r4"}, {"reply": {"r4": (G, "n1", 1, 3)}}),
+        (1499, "tick", {}, {"held": [("n1", 0), ("n1", 1)]}),
+        (1500, "tick", {}, {"held": [("n1", 1)], "free": 1}),
+        *finish("r4", 1501),
     ],
     "node_restart_fails_leases": [
-        (0, "hb", {"free": (0,), "seq": 5}, {}),
+        (0, "hb", {"free": (0, 1), "seq": 5}, {}),
         (0, "claim", {"rid": "r1"}, {}),
-        (10, "hb", {"free": (0,), "seq": 0}, {"events": [("r1", "failed")], "held": [], "free": 1}),
+        (0, "claim", {"rid": "r2"}, {}),
+        (1, "kv_ready", {"rid": "r2"}, {}),
+        (10, "hb", {"free": (0, 1), "seq": 0}, {"events": [("r1", "failed"), ("r2", "failed")],
+                                                "held": [("n1", 0)], "free": 1}),
     ],
     "draining_node_gets_no_new_lease": [
         (0, "hb", {"free": (0, 1)}, {}),
