@@ -16,6 +16,7 @@ Contract:
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -64,6 +65,7 @@ class Router:
                                                           max_keepalive_connections=100))
         self.tracer = setup_tracing("router")
         self._tasks: set[asyncio.Task] = set()
+        self._next_decode = -1
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -160,8 +162,8 @@ class Router:
         span.set_attribute("lane", lane)
         span.set_attribute("http.status_code", response.status_code)
         self.metrics.requests.labels(endpoint, lane, str(response.status_code)).inc()
-        if not isinstance(response, StreamingResponse) or lane != "express":
-            span.end()  # the express stream ends it when the stream ends
+        if not (isinstance(response, StreamingResponse) and lane == "express"):
+            span.end()  # an express stream ends its span when the stream ends
         structlog.contextvars.unbind_contextvars("request_id")
         return response
 
@@ -199,10 +201,15 @@ class Router:
             except LaneFallback as exc:
                 _log.warning("express_fallback", reason=str(exc))
                 self.metrics.fallbacks.labels("coordinator").inc()
-        url = self.cfg.standard_url or info.url
         headers = inject_headers({})
-        resp = await standard.forward(self.http, url, _PATHS[endpoint], req.body, req.stream,
-                                      headers, self.cfg.standard_timeout_s)
+        if not self.cfg.standard_url and self.cfg.native_decode_urls:
+            self._next_decode = (self._next_decode + 1) % len(self.cfg.native_decode_urls)
+            resp = await standard.forward_native_pool(
+                self.http, info.url, self.cfg.native_decode_urls[self._next_decode], _PATHS[endpoint],
+                req.body, req.stream, headers, self.cfg.standard_timeout_s)
+        else:
+            resp = await standard.forward(self.http, self.cfg.standard_url or info.url, _PATHS[endpoint],
+                                          req.body, req.stream, headers, self.cfg.standard_timeout_s)
         return resp, "standard"
 
     def _deps(self) -> ExpressDeps:
@@ -221,11 +228,8 @@ class Router:
             return StreamingResponse(self._stream_body(es, detok, builder, span),
                                      media_type="text/event-stream")
         text, finish, stop_reason = "", None, None
-        try:
-            async for delta, _, finish, stop_reason in self._run(es, detok):
-                text += delta
-        finally:
-            span.end()
+        async for delta, _, finish, stop_reason in self._run(es, detok):
+            text += delta
         usage = usage_dict(len(es.prompt_ids), detok.num_tokens)
         return JSONResponse(builder.full(text, finish or "length", stop_reason, usage,
                                          detok.token_ids, es.prompt_ids))
@@ -333,6 +337,7 @@ def main(argv: list[str]) -> int:
     except ValueError as exc:
         parser.error(str(exc))
     setup_logging("router", level=args.log_level, json=args.log_format == "json")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     app = create_app(cfg)
     server = uvicorn.Server(uvicorn.Config(app, host=cfg.host, port=cfg.port, log_config=None,
                                            access_log=False, timeout_graceful_shutdown=5))

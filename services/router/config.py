@@ -16,7 +16,8 @@ from shared import config as shared_config
 @dataclass(frozen=True)
 class RouterConfig:
     prefill_urls: tuple[str, ...] = ("http://127.0.0.1:8100",)
-    standard_url: str = ""  # native decode pool; "" -> the model's prefill vLLM
+    standard_url: str = ""  # an OpenAI endpoint for the standard lane; "" -> see below
+    native_decode_urls: tuple[str, ...] = ()  # vLLM decode pool (NixlConnector): proxy protocol
     nats_url: str = "nats://127.0.0.1:4222"
     host: str = "127.0.0.1"
     port: int = 8000
@@ -55,7 +56,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill-url", default=",".join(d.prefill_urls),
                    help="vLLM prefill server(s) with the express connector, comma separated")
     p.add_argument("--standard-url", default="",
-                   help="OpenAI endpoint of the native decode pool (default: the prefill vLLM)")
+                   help="OpenAI endpoint that serves the standard lane (e.g. a P/D proxy); default: "
+                   "the native decode pool below, else the prefill vLLM generates")
+    p.add_argument("--native-decode-url", default="",
+                   help="vLLM decode servers of the native pool (NixlConnector), comma separated: "
+                   "the router runs vLLM's prefill->decode proxy protocol with them")
     p.add_argument("--host", default=d.host, help="listen address")
     p.add_argument("--port", type=int, default=d.port, help="listen port")
     p.add_argument("--api-keys", default="", help="KEY=TENANT,... ; empty: no authentication")
@@ -97,6 +102,8 @@ def from_args(args: argparse.Namespace) -> RouterConfig:
     return RouterConfig(
         prefill_urls=urls,
         standard_url=args.standard_url.rstrip("/"),
+        native_decode_urls=tuple(u.strip().rstrip("/") for u in args.native_decode_url.split(",")
+                                 if u.strip()),
         nats_url=args.nats_url,
         host=args.host,
         port=args.port,

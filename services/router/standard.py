@@ -6,6 +6,10 @@ Contract:
   status and body (never hidden behind a 502); an unreachable server is a 503 with an OpenAI error
   body. A streamed answer is relayed chunk by chunk; a client that goes away closes the upstream
   request, so vLLM aborts it.
+- ``forward_native_pool(...)``: vLLM's disaggregated-serving proxy protocol (NixlConnector): the
+  prefill vLLM computes the prompt with ``kv_transfer_params={"do_remote_decode": true, ...}`` and
+  ``max_tokens=1``; its answer's ``kv_transfer_params`` go with the client's request to a vLLM of
+  the native decode pool, which pulls the KV and generates the answer that is relayed.
 - ``continue_tokens(...)``: the migration path. vLLM continues a completion from token ids
   (``prompt + tokens already sent``) with ``max_tokens`` reduced; yields ``TokenBatch``es with the
   ids vLLM generated and, on the last one, the finish reason.
@@ -82,6 +86,41 @@ async def forward(
 
     return StreamingResponse(relay(), status_code=upstream.status_code, media_type="text/event-stream",
                              background=BackgroundTask(upstream.aclose))
+
+
+NATIVE_PREFILL_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+                         "remote_block_ids": None, "remote_host": None, "remote_port": None}
+
+
+async def forward_native_pool(
+    client: httpx.AsyncClient,
+    prefill_url: str,
+    decode_url: str,
+    path: str,
+    body: dict[str, Any],
+    stream: bool,
+    headers: dict[str, str],
+    timeout_s: float,
+) -> Response:
+    """Prefill on ``prefill_url``, decode on the native pool's ``decode_url`` (vLLM proxy protocol)."""
+    prefill_body = {**body, "max_tokens": 1, "stream": False,
+                    "kv_transfer_params": dict(NATIVE_PREFILL_PARAMS)}
+    for key in ("max_completion_tokens", "stream_options"):
+        prefill_body.pop(key, None)
+    try:
+        resp = await client.post(f"{prefill_url}{path}", json=prefill_body, headers=headers,
+                                 timeout=httpx.Timeout(timeout_s, connect=5.0))
+    except httpx.HTTPError as exc:
+        raise unreachable(prefill_url, exc) from None
+    if resp.status_code >= 400:
+        raise UpstreamError(resp.status_code, resp.content,
+                            resp.headers.get("content-type", "application/json").split(";")[0])
+    params = resp.json().get("kv_transfer_params")
+    if not params:
+        raise ApiError(503, "the prefill vLLM returned no kv_transfer_params: is it started with "
+                            "NixlConnector (expresslane prefill --native-pool)?", code="native_pool_unavailable")
+    return await forward(client, decode_url, path, {**body, "kv_transfer_params": params}, stream,
+                         headers, timeout_s)
 
 
 def continuation_body(

@@ -3,8 +3,9 @@
 ``deployment`` (package scope, so it is gone before other packages' tests run on the same
 nats-server): the session's nats-server, two prefill vLLMs with the express connector
 (``express_vllm``: llama float32, deepseek_v3 bfloat16 with its MTP layer), one coordinator, two
-llama decode nodes and one deepseek_v3 decode node (one slot each), and the router, each a real
-subprocess exporting spans to the session's OTLP receiver. It ends by stopping every process and
+llama decode nodes (one slot each), and the router, each a real subprocess exporting spans to the
+session's OTLP receiver. ``deepseek_node`` adds the deepseek_v3 decode node for the tests that
+use it. It ends by stopping every process and
 checking that none is left.
 """
 
@@ -117,8 +118,6 @@ def deployment(express_vllm, nats_url, otlp_receiver, tmp_path_factory):
             "--default-heartbeat-interval-ms", str(HEARTBEAT_MS)], dep.health_urls["coordinator"]))
         for name in LLAMA_NODES:
             dep.start(dep.decode_proc(name, llama.model_dir, "float32"))
-        for name in DS_NODES:
-            dep.start(dep.decode_proc(name, deepseek.model_dir, "bfloat16"))
         port = free_port()
         dep.router_url = f"http://127.0.0.1:{port}"
         dep.health_urls["router"] = f"{dep.router_url}/health"
@@ -127,7 +126,7 @@ def deployment(express_vllm, nats_url, otlp_receiver, tmp_path_factory):
             "--prefill-url", f"{llama.url},{deepseek.url}", "--capability-gate", "reject",
             "--claim-wait-ms", "1000", "--first-decode-timeout-s", "20", "--token-timeout-s", "3"],
             dep.health_urls["router"]))
-        wait_until(lambda: all(dep.express_capacity().values()), 30.0, "decode nodes seen by the router")
+        wait_until(lambda: dep.express_capacity().get(dep.llama_model), 30.0, "llama nodes seen by the router")
         yield dep
     finally:
         procs = list(dep.procs.values())
@@ -137,6 +136,17 @@ def deployment(express_vllm, nats_url, otlp_receiver, tmp_path_factory):
             if p.popen is not None and p.popen.returncode not in (0, None, -9, -15):
                 print(f"--- {p.name} exited {p.popen.returncode}; log {p.log_path}")
         assert not left, f"processes left running: {left}"
+
+
+@pytest.fixture(scope="package")
+def deepseek_node(deployment):
+    """The deepseek_v3 decode node, started by the tests that need it (stopped with the rest)."""
+    for name in DS_NODES:
+        if name not in deployment.procs or not deployment.procs[name].alive:
+            deployment.start(deployment.decode_proc(name, deployment.deepseek.model_dir, "bfloat16"))
+    wait_until(lambda: deployment.express_capacity().get(deployment.deepseek_model), 30.0,
+               "the deepseek_v3 node seen by the router")
+    return DS_NODES[0]
 
 
 def sse_events(lines) -> list:

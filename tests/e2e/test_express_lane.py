@@ -45,7 +45,9 @@ async def _stream_chat(client, model: str, prompt: str, lane: str):
 
 
 @pytest.mark.parametrize("arch", ["llama", "deepseek_v3"])
-async def test_sdk_streaming_chat_equals_vllm_greedy(deployment, arch):
+async def test_sdk_streaming_chat_equals_vllm_greedy(deployment, arch, request):
+    if arch == "deepseek_v3":
+        request.getfixturevalue("deepseek_node")
     prefill = deployment.llama if arch == "llama" else deployment.deepseek
     model = str(prefill.model_dir)
     client = _client(deployment)

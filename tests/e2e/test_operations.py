@@ -13,7 +13,7 @@ import time
 import httpx
 import pytest
 
-from tests.e2e.conftest import CLI, LLAMA_NODES, sse_events, wait_until
+from tests.e2e.conftest import CLI, DS_NODES, LLAMA_NODES, sse_events, wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -29,6 +29,7 @@ def assert_nothing_leaked(dep, timeout_s: float = 10.0) -> None:
         coord = dep.health("coordinator")
         nodes = [dep.health(n) for n in LLAMA_NODES]
         stats = [dep.llama.stats(), dep.deepseek.stats()]
+        nodes += [dep.health(n) for n in DS_NODES if n in dep.procs and dep.procs[n].alive]
         return (coord["leases"] == 0 and coord["queued"] == 0 and all(not n["active"] for n in nodes)
                 and all(s["free"] == s["total"] for s in stats))
     wait_until(clean, timeout_s, "leases, decode slots and staging slots to be free")
