@@ -146,7 +146,7 @@ class Engine:
         slot_ids = torch.tensor([slot], device=self.device)
         hidden = self.model(tokens, positions, slot_ids)
         if getattr(self.model, "has_mtp", False) and len(token_ids) > 1:
-            self.model.mtp(tokens[:, 1:], positions[:, :-1], hidden[:, :-1], slot_ids)
+            self.model.mtp_forward(tokens[:, 1:], positions[:, :-1], hidden[:, :-1], slot_ids)
         self.prefill_hidden[slot] = hidden[0, -1]
         self.slots[slot] = SlotState(state="ready", seq_len=len(token_ids), has_prefill_hidden=True)
         return self.model.logits(hidden[0, -1])
@@ -173,7 +173,7 @@ class Engine:
             slot_ids = torch.tensor([slot], device=self.device)
             tokens = torch.tensor([[first_token_id]], device=self.device)
             positions = torch.tensor([[s.seq_len - 1]], device=self.device)
-            hidden, logits = self.model.mtp(tokens, positions, self.prefill_hidden[slot][None, None], slot_ids)
+            hidden, logits = self.model.mtp_forward(tokens, positions, self.prefill_hidden[slot][None, None], slot_ids)
             self._draft(slot_ids, [self.generators[slot]], hidden[:, 0], logits[:, 0], torch.tensor([s.seq_len], device=self.device))
             s.num_valid_drafts = k
 
@@ -213,7 +213,7 @@ class Engine:
             probs.append(q)
             if j + 1 < self.k:
                 pos = (next_pos + j)[:, None]
-                h, lg = self.model.mtp(d[:, None], pos, hidden[:, None], slot_ids)
+                h, lg = self.model.mtp_forward(d[:, None], pos, hidden[:, None], slot_ids)
                 hidden, logits = h[:, 0], lg[:, 0]
         self.drafts[slot_ids] = torch.stack(drafts, dim=1)
         self.draft_probs[slot_ids] = torch.stack(probs, dim=1)
@@ -241,7 +241,7 @@ class Engine:
             uniform = uniform_noise(gens, (k,), dev)
             num_accepted, nxt = verify(probs, self.draft_probs[slot_ids], tokens[:, 1:], num_valid, uniform, noise, greedy)
             mtp_tokens = torch.cat([tokens[:, 1:], nxt[:, None]], dim=1).scatter(1, num_accepted[:, None], nxt[:, None])
-            h, lg = self.model.mtp(mtp_tokens, positions, hidden, slot_ids)
+            h, lg = self.model.mtp_forward(mtp_tokens, positions, hidden, slot_ids)
             rows = torch.arange(b, device=dev)
             self._draft(slot_ids, gens, h[rows, num_accepted], lg[rows, num_accepted], seq + num_accepted + 1)
         else:

@@ -19,9 +19,9 @@ def process_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
     sorted_x, order = x.sort(dim=-1, descending=True)
     rank = torch.arange(v, device=logits.device)
     k = torch.where(top_k > 0, top_k, v).clamp(max=v)[:, None, None]
-    remove_sorted = rank >= k
+    remove_sorted = (rank >= k).expand(b, t, v)
     p_sorted = sorted_x.masked_fill(remove_sorted, float("-inf")).softmax(dim=-1)
-    remove_sorted |= (p_sorted.cumsum(dim=-1) - p_sorted) > top_p[:, None, None]
+    remove_sorted = remove_sorted | ((p_sorted.cumsum(dim=-1) - p_sorted) > top_p[:, None, None])
     remove = torch.zeros_like(remove_sorted).scatter(-1, order, remove_sorted)
     probs = x.masked_fill(remove, float("-inf")).softmax(dim=-1)
     one_hot = torch.zeros_like(probs).scatter(-1, logits.argmax(dim=-1, keepdim=True), 1.0)

@@ -57,8 +57,21 @@ def _randomize(model, seed: int) -> None:
                 buf.copy_(torch.randn(buf.shape, generator=gen) * 0.1)
 
 
+def _damp_blocks(model) -> None:
+    """Shrink attention and MLP outputs so the next token leans on the current one (a near-bigram
+    model): then an MTP layer that passes its token embedding through predicts well, and the
+    speculative tests see real acceptances."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("o_proj.weight", "down_proj.weight", "down_proj")):
+                p.mul_(0.25)
+            if name.endswith("embed_tokens.weight"):
+                p.mul_(4.0)
+
+
 def _mtp_tensors(cfg, main: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
-    """An MTP layer: a copy of the last layer's block (perturbed) plus enorm/hnorm/eh_proj/shared_head."""
+    """An MTP layer: a copy of the last layer's block (perturbed) plus enorm/hnorm/eh_proj/shared_head;
+    eh_proj passes the token embedding through (plus noise), so drafts follow the near-bigram model."""
     gen = torch.Generator().manual_seed(seed + 1)
     last, idx = cfg.num_hidden_layers - 1, cfg.num_hidden_layers
     out = {}
@@ -68,9 +81,9 @@ def _mtp_tensors(cfg, main: dict[str, torch.Tensor], seed: int) -> dict[str, tor
             out[name.replace(f"layers.{last}.", f"layers.{idx}.")] = t + noise
     h = cfg.hidden_size
     p = f"model.layers.{idx}."
-    out[p + "enorm.weight"] = 1 + 0.1 * torch.randn(h, generator=gen)
+    out[p + "enorm.weight"] = 1 + 0.01 * torch.randn(h, generator=gen)
     out[p + "hnorm.weight"] = 1 + 0.1 * torch.randn(h, generator=gen)
-    out[p + "eh_proj.weight"] = 0.08 * torch.randn(h, 2 * h, generator=gen)
+    out[p + "eh_proj.weight"] = torch.cat([torch.eye(h), torch.zeros(h, h)], dim=1) + 0.01 * torch.randn(h, 2 * h, generator=gen)
     out[p + "shared_head.norm.weight"] = main["model.norm.weight"].clone()
     out[p + "shared_head.head.weight"] = main["lm_head.weight"].clone()
     out[p + "embed_tokens.weight"] = main["model.embed_tokens.weight"].clone()
@@ -85,6 +98,8 @@ def save_checkpoint(arch: str, path: Path, seed: int = 0):
     cfg = make_config(arch)
     model = tf.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
     _randomize(model, seed)
+    if arch.startswith("deepseek_v3"):
+        _damp_blocks(model)
     if cfg.tie_word_embeddings:
         model.tie_weights()
     model.save_pretrained(path)

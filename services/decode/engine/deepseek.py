@@ -1,0 +1,185 @@
+"""DeepSeek-V3-style decoder: MLA with absorbed projections, sigmoid/noaux_tc MoE with shared experts,
+dense first layers, and MTP layers for speculative drafts.
+
+Attention runs in the latent space for every step (prefill, decode, verify): the cache row of a
+token is ``[c (kv_lora_rank), k_pe (rope)]``; queries are absorbed, ``q_c = q_nope @ W_UK``, so
+scores are ``[q_c, q_pe] . [c, k_pe]`` (one shared KV head) and the latent output is lifted by
+``W_UV``. Same forward contract as llama.py. MoE: static gather of the chosen experts' weights for
+small steps (decode, graph-safe), a per-expert loop for large ones (prefill).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .cache import KvCache
+from .config import ModelConfig
+from .layers import attend, causal_mask, rms_norm, swiglu, write_cache
+from .rope import apply_rope, rope_tables, yarn_mscale
+from .weights import is_moe_layer
+
+GATHER_MAX_TOKENS = 64  # steps with more tokens take the per-expert loop (host syncs allowed there)
+
+
+def _param(*shape: int) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape), requires_grad=False)
+
+
+class MlaBlock(nn.Module):
+    def __init__(self, cfg: ModelConfig, idx: int):
+        super().__init__()
+        h, nh, r = cfg.hidden_size, cfg.num_heads, cfg.kv_lora_rank
+        qk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+        self.attn_norm = _param(h)
+        if cfg.q_lora_rank:
+            self.wq_a, self.q_a_norm, self.wq_b = _param(cfg.q_lora_rank, h), _param(cfg.q_lora_rank), _param(nh * qk, cfg.q_lora_rank)
+        else:
+            self.wq = _param(nh * qk, h)
+        self.wkv_a = _param(r + cfg.qk_rope_head_dim, h)
+        self.kv_a_norm = _param(r)
+        self.w_uk = _param(nh, cfg.qk_nope_head_dim, r)
+        self.w_uv = _param(nh, cfg.v_head_dim, r)
+        self.wo = _param(h, nh * cfg.v_head_dim)
+        self.mlp_norm = _param(h)
+        self.is_moe = is_moe_layer(cfg, idx)
+        if self.is_moe:
+            e, i = cfg.num_experts, cfg.moe_intermediate_size
+            self.router, self.router_bias = _param(e, h), _param(e)
+            self.experts_gate_up, self.experts_down = _param(e, 2 * i, h), _param(e, h, i)
+            if cfg.num_shared_experts:
+                si = i * cfg.num_shared_experts
+                self.shared_gate_up, self.shared_down = _param(2 * si, h), _param(h, si)
+        else:
+            self.w_gate_up, self.w_down = _param(2 * cfg.intermediate_size, h), _param(h, cfg.intermediate_size)
+
+
+class MtpLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, idx: int):
+        super().__init__()
+        h = cfg.hidden_size
+        self.enorm, self.hnorm, self.eh_proj = _param(h), _param(h), _param(h, 2 * h)
+        self.head_norm, self.head, self.embed = _param(h), _param(cfg.vocab_size, h), _param(cfg.vocab_size, h)
+        self.block = MlaBlock(cfg, idx)
+
+
+def route(cfg: ModelConfig, blk: MlaBlock, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """noaux_tc routing of x [N, H]: (expert ids [N, k], weights [N, k] float32)."""
+    scores = F.linear(x.float(), blk.router.float()).sigmoid()
+    choice = scores + blk.router_bias
+    n, e, g = x.shape[0], cfg.num_experts, cfg.n_group
+    group_scores = choice.view(n, g, e // g).topk(2, dim=-1)[0].sum(dim=-1)
+    group_idx = group_scores.topk(cfg.topk_group, dim=-1, sorted=False)[1]
+    group_mask = torch.zeros_like(group_scores).scatter(1, group_idx, 1.0).bool()
+    score_mask = group_mask[:, :, None].expand(n, g, e // g).reshape(n, e)
+    ids = choice.masked_fill(~score_mask, float("-inf")).topk(cfg.num_experts_per_tok, dim=-1, sorted=False)[1]
+    weights = scores.gather(1, ids)
+    if cfg.norm_topk_prob:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return ids, weights * cfg.routed_scaling_factor
+
+
+def moe(cfg: ModelConfig, blk: MlaBlock, x: torch.Tensor) -> torch.Tensor:
+    """Routed experts plus shared experts for x [..., H]."""
+    shape = x.shape
+    x = x.reshape(-1, shape[-1])
+    ids, weights = route(cfg, blk, x)
+    if x.shape[0] <= GATHER_MAX_TOKENS:  # static: gather the chosen experts' weights
+        gate, up = torch.einsum("nh,nkih->nki", x, blk.experts_gate_up[ids]).chunk(2, dim=-1)
+        y = torch.einsum("nki,nkhi->nkh", F.silu(gate) * up, blk.experts_down[ids])
+        out = (y * weights[..., None].to(y.dtype)).sum(dim=1)
+    else:
+        out = torch.zeros_like(x)
+        for e in ids.unique().tolist():
+            tok, pos = torch.where(ids == e)
+            y = swiglu(x[tok], blk.experts_gate_up[e], blk.experts_down[e])
+            out.index_add_(0, tok, (y * weights[tok, pos, None]).to(x.dtype))
+    if cfg.num_shared_experts:
+        out = out + swiglu(x, blk.shared_gate_up, blk.shared_down)
+    return out.view(shape)
+
+
+class DeepseekModel(nn.Module):
+    """Parameters named as in weights.py; call :meth:`bind` with the cache before the first forward."""
+
+    family = "mla"
+
+    def __init__(self, cfg: ModelConfig, with_mtp: bool = False):
+        super().__init__()
+        self.cfg = cfg
+        self.embed = _param(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(MlaBlock(cfg, i) for i in range(cfg.num_layers))
+        self.final_norm = _param(cfg.hidden_size)
+        self.lm_head = _param(cfg.vocab_size, cfg.hidden_size)
+        self.mtp = nn.ModuleList(MtpLayer(cfg, cfg.num_layers + j) for j in range(cfg.num_mtp_layers if with_mtp else 0))
+        self.has_mtp = with_mtp and cfg.num_mtp_layers > 0
+        scale = (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim) ** -0.5
+        if cfg.rope["rope_type"] == "yarn" and cfg.rope.get("mscale_all_dim"):
+            scale *= yarn_mscale(cfg.rope["factor"], cfg.rope["mscale_all_dim"]) ** 2
+        self.scale = scale
+        self.cache: KvCache | None = None
+
+    def bind(self, cache: KvCache) -> None:
+        """Attach the KV cache and build rope tables for its capacity."""
+        self.cache = cache
+        self.cos, self.sin = rope_tables(self.cfg.rope, self.cfg.qk_rope_head_dim, cache.max_tokens, self.embed.device)
+
+    def _attention(self, layer: int, blk: MlaBlock, x, cos, sin, mask, slot_ids, positions) -> torch.Tensor:
+        cfg = self.cfg
+        b, t, _ = x.shape
+        nh, nope, r = cfg.num_heads, cfg.qk_nope_head_dim, cfg.kv_lora_rank
+        if cfg.q_lora_rank:
+            q = F.linear(rms_norm(F.linear(x, blk.wq_a), blk.q_a_norm, cfg.rms_norm_eps), blk.wq_b)
+        else:
+            q = F.linear(x, blk.wq)
+        q_nope, q_pe = q.view(b, t, nh, -1).split([nope, cfg.qk_rope_head_dim], dim=-1)
+        c, k_pe = F.linear(x, blk.wkv_a).split([r, cfg.qk_rope_head_dim], dim=-1)
+        c = rms_norm(c, blk.kv_a_norm, cfg.rms_norm_eps)
+        q_pe = apply_rope(q_pe, cos, sin, cfg.rope_interleave)
+        k_pe = apply_rope(k_pe[:, :, None], cos, sin, cfg.rope_interleave)[:, :, 0]
+        cache = self.cache.kv[layer]
+        write_cache(cache, slot_ids, positions, torch.cat([c, k_pe], dim=-1))
+        q_c = torch.einsum("bthn,hnr->bhtr", q_nope, blk.w_uk)  # absorbed: [B, H, T, r]
+        query = torch.cat([q_c, q_pe.transpose(1, 2)], dim=-1)  # [B, H, T, r + rope]
+        kv = cache[slot_ids][:, None]  # [B, 1, S, r + rope]
+        out = attend(query, kv, kv[..., :r], mask, self.scale)  # [B, T, H, r]
+        out = torch.einsum("bthr,hvr->bthv", out, blk.w_uv)
+        return F.linear(out.reshape(b, t, -1), blk.wo)
+
+    def _block(self, layer: int, blk: MlaBlock, x, cos, sin, mask, slot_ids, positions) -> torch.Tensor:
+        eps = self.cfg.rms_norm_eps
+        x = x + self._attention(layer, blk, rms_norm(x, blk.attn_norm, eps), cos, sin, mask, slot_ids, positions)
+        h = rms_norm(x, blk.mlp_norm, eps)
+        return x + (moe(self.cfg, blk, h) if blk.is_moe else swiglu(h, blk.w_gate_up, blk.w_down))
+
+    def _rope_mask(self, positions):
+        return self.cos[positions], self.sin[positions], causal_mask(positions, self.cache.max_tokens)
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, slot_ids: torch.Tensor) -> torch.Tensor:
+        """Hidden states after the final norm, [B, T, hidden]."""
+        x = F.embedding(tokens, self.embed)
+        cos, sin, mask = self._rope_mask(positions)
+        for i, blk in enumerate(self.layers):
+            x = self._block(i, blk, x, cos, sin, mask, slot_ids, positions)
+        return rms_norm(x, self.final_norm, self.cfg.rms_norm_eps)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[..., hidden] -> float32 logits [..., vocab]."""
+        return F.linear(hidden, self.lm_head).float()
+
+    def mtp_forward(self, tokens, positions, prev_hidden, slot_ids, depth: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """MTP layer at positions [B, T]: token i+1 and hidden i -> (recycled hidden, float32 logits).
+
+        ``prev_hidden`` is the main model's (final-normed) hidden or a recycled MTP hidden; the
+        recycled hidden is the MTP output after its head norm, as vLLM and SGLang feed it back.
+        """
+        j = depth % len(self.mtp)
+        layer, eps = self.mtp[j], self.cfg.rms_norm_eps
+        e = F.embedding(tokens, layer.embed)
+        e = torch.where((positions == 0)[..., None], torch.zeros_like(e), e)  # position 0 carries no token
+        x = F.linear(torch.cat([rms_norm(e, layer.enorm, eps), rms_norm(prev_hidden, layer.hnorm, eps)], dim=-1), layer.eh_proj)
+        cos, sin, mask = self._rope_mask(positions)
+        x = self._block(self.cfg.num_layers + j, layer.block, x, cos, sin, mask, slot_ids, positions)
+        h = rms_norm(x, layer.head_norm, eps)
+        return h, F.linear(h, layer.head).float()

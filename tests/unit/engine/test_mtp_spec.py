@@ -1,0 +1,102 @@
+"""MTP speculative decoding: exact for greedy, consistent counters, slots and injection under speculation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.decode.engine import Engine
+from shared.events import SamplingParams
+from tests.unit.engine.test_engine_behaviour import PROMPTS, run
+
+GREEDY = SamplingParams(max_tokens=128, ignore_eos=True)
+
+
+def run_counted(engine: Engine, slot: int, prompt: list[int], sampling: SamplingParams):
+    first = int(engine.prefill(slot, prompt).argmax())
+    engine.start(slot, first, sampling)
+    tokens, per_step = [first], []
+    while engine.active_slots():
+        out = engine.step()[slot]
+        per_step.append(len(out.token_ids))
+        tokens += out.token_ids
+    stats = engine.spec_stats(slot)
+    engine.release(slot)
+    return tokens, per_step, stats
+
+
+@pytest.fixture(scope="module")
+def plain(hf_checkpoint):
+    path, _ = hf_checkpoint("deepseek_v3")
+    engine = Engine.load(path, num_slots=1, max_seq_len=256, dtype=torch.float32)
+    return {i: run(engine, 0, p, GREEDY) for i, p in enumerate(PROMPTS)}
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_speculative_greedy_equals_plain_greedy_over_128_tokens(hf_checkpoint, plain, k):
+    path, _ = hf_checkpoint("deepseek_v3")
+    engine = Engine.load(path, num_slots=1, max_seq_len=256, dtype=torch.float32, num_speculative_tokens=k)
+    total_accepted = 0
+    for i, prompt in enumerate(PROMPTS):
+        tokens, per_step, stats = run_counted(engine, 0, prompt, GREEDY)
+        assert tokens == plain[i]
+        assert len(tokens) == 129
+        assert stats.num_steps == len(per_step)
+        assert stats.num_accepted_tokens <= stats.num_draft_tokens <= k * stats.num_steps
+        assert sum(per_step) == stats.num_steps + stats.num_accepted_tokens == 128
+        assert all(1 <= n <= k + 1 for n in per_step)
+        total_accepted += stats.num_accepted_tokens
+    assert 0 < total_accepted
+    assert engine.free_slots() == [0]
+
+
+def test_speculative_sampling_is_seeded_and_top_k_1_is_greedy(hf_checkpoint, plain):
+    path, _ = hf_checkpoint("deepseek_v3")
+    engine = Engine.load(path, num_slots=1, max_seq_len=256, dtype=torch.float32, num_speculative_tokens=2)
+    seeded = SamplingParams(max_tokens=60, ignore_eos=True, temperature=0.9, top_p=0.95, seed=5)
+    a, _, sa = run_counted(engine, 0, PROMPTS[0], seeded)
+    b, _, sb = run_counted(engine, 0, PROMPTS[0], seeded)
+    assert a == b and sa == sb and len(a) == 61
+    top1 = SamplingParams(max_tokens=128, ignore_eos=True, temperature=1.3, top_k=1, seed=1)
+    assert run_counted(engine, 0, PROMPTS[0], top1)[0] == plain[0]
+
+
+def test_speculation_per_request_off_and_two_slots(hf_checkpoint, plain):
+    path, _ = hf_checkpoint("deepseek_v3")
+    engine = Engine.load(path, num_slots=2, max_seq_len=256, dtype=torch.float32, num_speculative_tokens=3)
+    params = [GREEDY, SamplingParams(max_tokens=100, ignore_eos=True, num_speculative_tokens=0)]
+    got = {}
+    for slot in (0, 1):
+        first = int(engine.prefill(slot, PROMPTS[slot]).argmax())
+        engine.start(slot, first, params[slot])
+        got[slot] = [first]
+    while engine.active_slots():
+        for slot, out in engine.step().items():
+            got[slot] += out.token_ids
+    assert got[0] == plain[0] and got[1] == plain[1][:101]
+    off = engine.spec_stats(1)
+    assert off.num_draft_tokens == 0 and off.num_accepted_tokens == 0 and off.num_steps == 100
+    for slot in (0, 1):
+        engine.release(slot)
+    assert engine.free_slots() == [0, 1]
+
+
+def test_injected_state_with_mtp_cache_continues_like_own_prefill(hf_checkpoint, plain):
+    """The MTP layer's cache travels in the slot buffer like any layer: a copied buffer decodes the same."""
+    path, _ = hf_checkpoint("deepseek_v3")
+    engine = Engine.load(path, num_slots=2, max_seq_len=256, dtype=torch.float32, num_speculative_tokens=2)
+    prompt = PROMPTS[2]
+    first = int(engine.prefill(0, prompt).argmax())
+    # the writer holds the MTP entry of the last prompt position too (from the first token), as vLLM's
+    engine.start(0, first, GREEDY)
+    engine.slot_buffer(1).copy_(engine.slot_buffer(0))
+    engine.release(0)
+    engine.inject(1, len(prompt))
+    engine.start(1, first, GREEDY)
+    tokens = [first]
+    while engine.active_slots():
+        tokens += engine.step()[1].token_ids
+    assert tokens == plain[2]
+    assert engine.spec_stats(1).num_accepted_tokens > 0
+    engine.release(1)
+    assert engine.free_slots() == [0, 1]
