@@ -20,21 +20,18 @@ import torch
 import triton
 import triton.language as tl
 
-from .gemv import INTERPRET, gdc_launch_dependents, gdc_wait, launch_opts
+from .gemv import INTERPRET
 
 
 @triton.jit
-def _attn_split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, part_o_ptr, part_ml_ptr, counter_ptr, out_ptr, sm_scale,
+def _attn_split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, part_o_ptr, part_ml_ptr, sm_scale,
                        stride_kt, stride_vt, rope_offset,
                        T: tl.constexpr, NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
                        GROUP: tl.constexpr, ROWS: tl.constexpr, D_MAIN: tl.constexpr, D_ROPE: tl.constexpr,
                        D_V: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
-                       DOT_F32: tl.constexpr, PDL: tl.constexpr, FUSE_COMBINE: tl.constexpr):
+                       DOT_F32: tl.constexpr):
     kvh = tl.program_id(0)
     split = tl.program_id(1)
-    if PDL:
-        gdc_launch_dependents()
-        gdc_wait()
     pos = tl.load(pos_ptr)
     seq_len = pos + T  # keys valid after this step's writes
     chunk = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_S) * BLOCK_S
@@ -97,44 +94,11 @@ def _attn_split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, part_o_ptr, part_ml_ptr, co
     tl.store(part_o_ptr + prow[:, None] * D_V + dv[None, :], acc, mask=rvalid[:, None])
     tl.store(part_ml_ptr + prow * 2, m, mask=rvalid)
     tl.store(part_ml_ptr + prow * 2 + 1, l, mask=rvalid)
-    if FUSE_COMBINE:  # the last split of this kv head to finish merges all of them (no second launch)
-        tl.debug_barrier()
-        done = tl.atomic_add(counter_ptr + kvh, 1, sem="acq_rel")
-        if done == NUM_SPLITS - 1:
-            _merge_rows(part_o_ptr, part_ml_ptr, out_ptr, (t_of * NUM_Q_HEADS + head), rvalid, NUM_SPLITS, D_V, ROWS)
-            tl.atomic_xchg(counter_ptr + kvh, 0)
 
 
 @triton.jit
-def _merge_rows(part_o_ptr, part_ml_ptr, out_ptr, row, rvalid, NUM_SPLITS: tl.constexpr, D_V: tl.constexpr,
-                ROWS: tl.constexpr):
-    sp = tl.arange(0, NUM_SPLITS)
-    prow = row[:, None] * NUM_SPLITS + sp[None, :]  # [ROWS, NUM_SPLITS]
-    m = tl.load(part_ml_ptr + prow * 2, mask=rvalid[:, None], other=float("-inf"), cache_modifier=".cg")
-    l = tl.load(part_ml_ptr + prow * 2 + 1, mask=rvalid[:, None], other=0.0, cache_modifier=".cg")
-    m_max = tl.max(m, axis=1)
-    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
-    w = tl.where(m == float("-inf"), 0.0, tl.exp2(m - m_max[:, None]))
-    denom = tl.sum(w * l, axis=1)
-    denom = tl.where(denom == 0.0, 1.0, denom)
-    dv = tl.arange(0, D_V)
-    acc = tl.zeros((ROWS, D_V), tl.float32)
-    for s in range(NUM_SPLITS):
-        w_s = tl.sum(tl.where(sp[None, :] == s, w, 0.0), axis=1)
-        o_s = tl.load(part_o_ptr + (row * NUM_SPLITS + s)[:, None] * D_V + dv[None, :], mask=rvalid[:, None],
-                      other=0.0, cache_modifier=".cg")
-        acc += w_s[:, None] * o_s
-    acc = acc / denom[:, None]
-    tl.store(out_ptr + row[:, None] * D_V + dv[None, :], acc.to(out_ptr.dtype.element_ty), mask=rvalid[:, None])
-
-
-@triton.jit
-def _attn_combine_kernel(part_o_ptr, part_ml_ptr, out_ptr, NUM_SPLITS: tl.constexpr, D_V: tl.constexpr,
-                         PDL: tl.constexpr):
+def _attn_combine_kernel(part_o_ptr, part_ml_ptr, out_ptr, NUM_SPLITS: tl.constexpr, D_V: tl.constexpr):
     row = tl.program_id(0)  # t * Hq + head
-    if PDL:
-        gdc_launch_dependents()
-        gdc_wait()
     sp = tl.arange(0, NUM_SPLITS)
     m = tl.load(part_ml_ptr + (row * NUM_SPLITS + sp) * 2)
     l = tl.load(part_ml_ptr + (row * NUM_SPLITS + sp) * 2 + 1)
@@ -152,33 +116,26 @@ class DecodeAttention:
 
     def __init__(self, *, num_q_heads: int, num_kv_heads: int, d_main: int, d_v: int, d_rope: int = 0,
                  num_tokens: int = 1, num_splits: int = 32, block_s: int = 32, sm_scale: float | None = None,
-                 num_warps: int = 4, pdl: bool = False, fuse_combine: bool = False,
-                 device: torch.device | str = "cpu"):
+                 num_warps: int = 4, device: torch.device | str = "cpu"):
         self.hq, self.hkv, self.t = num_q_heads, num_kv_heads, num_tokens
         self.d_main, self.d_v, self.d_rope = d_main, d_v, d_rope
         self.group = num_q_heads // num_kv_heads
         self.rows = max(16, triton.next_power_of_2(self.group * num_tokens))
-        self.num_splits, self.block_s, self.num_warps, self.pdl = num_splits, block_s, num_warps, pdl
+        self.num_splits, self.block_s, self.num_warps = num_splits, block_s, num_warps
         self.sm_scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(d_main + d_rope)
         self.part_o = torch.empty(num_tokens * num_q_heads * num_splits * d_v, dtype=torch.float32, device=device)
         self.part_ml = torch.empty(num_tokens * num_q_heads * num_splits * 2, dtype=torch.float32, device=device)
-        self.fuse_combine = fuse_combine
-        self.counter = torch.zeros(num_kv_heads, dtype=torch.int32, device=device)  # reset by the merging split
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, out: torch.Tensor,
                  *, stride_kt: int, stride_vt: int, rope_offset: int = 0) -> torch.Tensor:
         """q [T, Hq, D_QK]; k/v cache storage (token strides in elements); out [T, Hq, D_V]."""
         _attn_split_kernel[(self.hkv, self.num_splits)](
-            q, k, v, pos, self.part_o, self.part_ml, self.counter, out, self.sm_scale, stride_kt, stride_vt,
-            rope_offset,
+            q, k, v, pos, self.part_o, self.part_ml, self.sm_scale, stride_kt, stride_vt, rope_offset,
             T=self.t, NUM_Q_HEADS=self.hq, NUM_KV_HEADS=self.hkv, GROUP=self.group, ROWS=self.rows,
             D_MAIN=self.d_main, D_ROPE=self.d_rope, D_V=self.d_v, NUM_SPLITS=self.num_splits,
-            BLOCK_S=self.block_s, DOT_F32=INTERPRET, PDL=self.pdl, FUSE_COMBINE=self.fuse_combine,
-            num_warps=self.num_warps, **launch_opts(self.pdl))
-        if self.fuse_combine:
-            return out
+            BLOCK_S=self.block_s, DOT_F32=INTERPRET, num_warps=self.num_warps)
         _attn_combine_kernel[(self.t * self.hq,)](self.part_o, self.part_ml, out, NUM_SPLITS=self.num_splits,
-                                                  D_V=self.d_v, PDL=self.pdl, num_warps=4, **launch_opts(self.pdl))
+                                                  D_V=self.d_v, num_warps=4)
         return out
 
 

@@ -27,16 +27,6 @@ import triton.language as tl
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
-try:  # programmatic dependent launch (Hopper): start the next kernel's weight loads early
-    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-except ImportError:  # pragma: no cover - older Triton
-    gdc_launch_dependents = gdc_wait = None
-
-
-def launch_opts(pdl: bool) -> dict:
-    """Extra launch kwargs: ``launch_pdl`` only when asked (older Triton lacks the option)."""
-    return {"launch_pdl": True} if pdl else {}
-
 
 @triton.jit
 def _rnd(x, dt):
@@ -73,19 +63,16 @@ def _load_x(x_ptr, nw_ptr, k, K, inv_rms, NORM: tl.constexpr, BLOCK_K: tl.conste
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, out_ptr, res_ptr, nw_ptr, N, K, eps,
-                 NORM: tl.constexpr, RESIDUAL: tl.constexpr, K_POW2: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr):
+def _gemv_kernel(x_ptr, w_ptr, out_ptr, res_ptr, nw_ptr, amax_val_ptr, amax_idx_ptr, N, K, eps,
+                 NORM: tl.constexpr, RESIDUAL: tl.constexpr, ARGMAX: tl.constexpr, K_POW2: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     rmask = rows < N
-    # first weight tile before waiting on the previous kernel: weights are never written
+    # first weight tile issued before the x/norm loads so they overlap
     k0 = tl.arange(0, BLOCK_K)
     w0 = tl.load(w_ptr + rows[:, None].to(tl.int64) * K + k0[None, :], mask=rmask[:, None] & (k0 < K)[None, :],
                  other=0.0, eviction_policy="evict_first")
-    if PDL:
-        gdc_launch_dependents()
-        gdc_wait()
     inv_rms = 1.0
     if NORM:
         inv_rms = _inv_rms(x_ptr, K, eps, K_POW2)
@@ -101,6 +88,40 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, res_ptr, nw_ptr, N, K, eps,
         r = tl.load(res_ptr + rows, mask=rmask, other=0.0)
         y = r.to(tl.float32) + y.to(r.dtype).to(tl.float32)
     tl.store(out_ptr + rows, y.to(out_ptr.dtype.element_ty), mask=rmask)
+    if ARGMAX:  # greedy sampling, stage 1: this block's best row (ties -> lowest index, as torch.argmax)
+        y = tl.where(rmask, y.to(out_ptr.dtype.element_ty).to(tl.float32), float("-inf"))
+        best = tl.argmax(y, axis=0, tie_break_left=True)
+        tl.store(amax_val_ptr + pid, tl.max(y, axis=0))
+        tl.store(amax_idx_ptr + pid, pid * BLOCK_N + best)
+
+
+@triton.jit
+def _greedy_finish_kernel(amax_val_ptr, amax_idx_ptr, num_parts, token_ptr, out_tokens_ptr, step_idx_ptr, pos_ptr,
+                          embed_ptr, h_ptr, H, PARTS_POW2: tl.constexpr, H_POW2: tl.constexpr):
+    # greedy sampling, stage 2: the best of the blocks; record it, advance the position, gather its embedding
+    offs = tl.arange(0, PARTS_POW2)
+    val = tl.load(amax_val_ptr + offs, mask=offs < num_parts, other=float("-inf"))
+    idx = tl.load(amax_idx_ptr + offs, mask=offs < num_parts, other=2147483647)
+    best = tl.max(val, axis=0)
+    tok = tl.min(tl.where(val == best, idx, 2147483647), axis=0)
+    step = tl.load(step_idx_ptr)
+    tl.store(token_ptr, tok.to(tl.int64))
+    tl.store(out_tokens_ptr + step, tok.to(tl.int64))
+    tl.store(step_idx_ptr, step + 1)
+    tl.store(pos_ptr, tl.load(pos_ptr) + 1)
+    hh = tl.arange(0, H_POW2)
+    row = tl.load(embed_ptr + tok.to(tl.int64) * H + hh, mask=hh < H)
+    tl.store(h_ptr + hh, row, mask=hh < H)
+
+
+def greedy_finish(amax_val: torch.Tensor, amax_idx: torch.Tensor, num_parts: int, token: torch.Tensor,
+                  out_tokens: torch.Tensor, step_idx: torch.Tensor, pos: torch.Tensor, embed: torch.Tensor,
+                  h: torch.Tensor) -> None:
+    """token = argmax over the GEMV blocks' partial maxima; out_tokens[step_idx] = token; step_idx, pos += 1;
+    h = embed[token] (the next step's input)."""
+    _greedy_finish_kernel[(1,)](amax_val, amax_idx, num_parts, token, out_tokens, step_idx, pos, embed, h,
+                                embed.shape[1], PARTS_POW2=triton.next_power_of_2(num_parts),
+                                H_POW2=triton.next_power_of_2(embed.shape[1]), num_warps=8)
 
 
 @triton.jit
@@ -133,13 +154,10 @@ def _gemv_pair_loop(x_ptr, nw_ptr, w_ptr, rows_a, rows_b, K, inv_rms, wa0, wb0,
 @triton.jit
 def _gemv_silu_kernel(x_ptr, w_ptr, out_ptr, nw_ptr, I, K, eps,
                       NORM: tl.constexpr, K_POW2: tl.constexpr,
-                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr):
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)  # I % BLOCK_N == 0
     wa0, wb0 = _pair_first(w_ptr, rows, rows + I, K, BLOCK_K)
-    if PDL:
-        gdc_launch_dependents()
-        gdc_wait()
     inv_rms = 1.0
     if NORM:
         inv_rms = _inv_rms(x_ptr, K, eps, K_POW2)
@@ -155,7 +173,7 @@ def _gemv_qkv_rope_kernel(x_ptr, w_ptr, nw_ptr, q_ptr, k_cache_ptr, v_cache_ptr,
                           cos_ptr, sin_ptr, K, eps,
                           NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                           NORM: tl.constexpr, K_POW2: tl.constexpr,
-                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr):
+                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
     HALF: tl.constexpr = HEAD_DIM // 2
     pid = tl.program_id(0)
     per_head: tl.constexpr = HALF // BLOCK_N
@@ -163,9 +181,6 @@ def _gemv_qkv_rope_kernel(x_ptr, w_ptr, nw_ptr, q_ptr, k_cache_ptr, v_cache_ptr,
     j = (pid % per_head) * BLOCK_N + tl.arange(0, BLOCK_N)  # index inside the first half
     rows_a = head * HEAD_DIM + j
     wa0, wb0 = _pair_first(w_ptr, rows_a, rows_a + HALF, K, BLOCK_K)
-    if PDL:
-        gdc_launch_dependents()
-        gdc_wait()
     inv_rms = 1.0
     if NORM:
         inv_rms = _inv_rms(x_ptr, K, eps, K_POW2)
@@ -193,38 +208,28 @@ def _gemv_qkv_rope_kernel(x_ptr, w_ptr, nw_ptr, q_ptr, k_cache_ptr, v_cache_ptr,
         tl.store(base + HALF + j, b.to(dt))
 
 
-@triton.jit
-def _l2_prefetch_kernel(w_ptr, sink_ptr, n, BLOCK: tl.constexpr):
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    w = tl.load(w_ptr + offs, mask=offs < n, other=0, eviction_policy="evict_last")
-    tl.store(sink_ptr + tl.program_id(0), tl.sum(w.to(tl.float32), axis=0))  # keeps the load alive
-
-
-def l2_prefetch(w: torch.Tensor, sink: torch.Tensor, block: int = 8192) -> None:
-    """Read ``w`` once with an evict-last hint so the next GEMV over it hits L2; sink >= cdiv(n, block)."""
-    n = w.numel()
-    _l2_prefetch_kernel[(triton.cdiv(n, block),)](w, sink, n, BLOCK=block, num_warps=8)
-
-
 def _pow2(n: int) -> int:
     return triton.next_power_of_2(n)
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, *, norm_w: torch.Tensor | None = None,
          eps: float = 1e-5, residual: torch.Tensor | None = None, block_n: int = 16, block_k: int = 512,
-         num_warps: int = 4, stages: int = 1, pdl: bool = False) -> torch.Tensor:
-    """out[N] = [residual +] W[N, K] @ [rmsnorm(x) * norm_w | x][K]."""
+         num_warps: int = 4, stages: int = 1,
+         argmax_parts: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """out[N] = [residual +] W[N, K] @ [rmsnorm(x) * norm_w | x][K]; with argmax_parts (val fp32, idx int32,
+    each >= cdiv(N, block_n)) also each block's max and its row, for ``greedy_finish``."""
     n, k = w.shape
+    av, ai = argmax_parts if argmax_parts is not None else (out, out)
     _gemv_kernel[(triton.cdiv(n, block_n),)](
-        x, w, out, residual if residual is not None else out, norm_w if norm_w is not None else x,
-        n, k, eps, NORM=norm_w is not None, RESIDUAL=residual is not None, K_POW2=_pow2(k),
-        BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, PDL=pdl, num_warps=num_warps, **launch_opts(pdl))
+        x, w, out, residual if residual is not None else out, norm_w if norm_w is not None else x, av, ai,
+        n, k, eps, NORM=norm_w is not None, RESIDUAL=residual is not None, ARGMAX=argmax_parts is not None,
+        K_POW2=_pow2(k),
+        BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, num_warps=num_warps)
     return out
 
 
 def gemv_silu(x: torch.Tensor, w_gate_up: torch.Tensor, out: torch.Tensor, *, norm_w: torch.Tensor | None = None,
-              eps: float = 1e-5, block_n: int = 16, block_k: int = 512, num_warps: int = 4, stages: int = 1,
-              pdl: bool = False) -> torch.Tensor:
+              eps: float = 1e-5, block_n: int = 16, block_k: int = 512, num_warps: int = 4, stages: int = 1) -> torch.Tensor:
     """out[I] = silu(W[:I] @ x') * (W[I:] @ x'), x' = rmsnorm(x) * norm_w when norm_w is given."""
     two_i, k = w_gate_up.shape
     inter = two_i // 2
@@ -232,15 +237,14 @@ def gemv_silu(x: torch.Tensor, w_gate_up: torch.Tensor, out: torch.Tensor, *, no
         raise ValueError(f"intermediate size {inter} is not a multiple of block_n {block_n}")
     _gemv_silu_kernel[(inter // block_n,)](
         x, w_gate_up, out, norm_w if norm_w is not None else x, inter, k, eps,
-        NORM=norm_w is not None, K_POW2=_pow2(k), BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, PDL=pdl, num_warps=num_warps, **launch_opts(pdl))
+        NORM=norm_w is not None, K_POW2=_pow2(k), BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, num_warps=num_warps)
     return out
 
 
 def gemv_qkv_rope(x: torch.Tensor, wqkv: torch.Tensor, norm_w: torch.Tensor | None, eps: float,
                   q_out: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: torch.Tensor,
                   cos: torch.Tensor, sin: torch.Tensor, *, num_q_heads: int, num_kv_heads: int, head_dim: int,
-                  block_n: int = 16, block_k: int = 512, num_warps: int = 4, stages: int = 1,
-                  pdl: bool = False) -> None:
+                  block_n: int = 16, block_k: int = 512, num_warps: int = 4, stages: int = 1) -> None:
     """Fused norm + QKV projection + rope; q -> q_out[Hq*D], k/v -> caches [max_tokens, Hkv, D] at pos[0]."""
     half = head_dim // 2
     if half % block_n:
@@ -252,8 +256,8 @@ def gemv_qkv_rope(x: torch.Tensor, wqkv: torch.Tensor, norm_w: torch.Tensor | No
     _gemv_qkv_rope_kernel[grid](
         x, wqkv, norm_w if norm_w is not None else x, q_out, k_cache, v_cache, pos, cos, sin,
         wqkv.shape[1], eps, NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
-        NORM=norm_w is not None, K_POW2=_pow2(wqkv.shape[1]), BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, PDL=pdl,
-        num_warps=num_warps, **launch_opts(pdl))
+        NORM=norm_w is not None, K_POW2=_pow2(wqkv.shape[1]), BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages,
+        num_warps=num_warps)
 
 
 # ---- torch twins (same rounding points) ----

@@ -77,9 +77,6 @@ class FastOptions:
     num_splits: int = 32
     block_s: int = 32
     attn_warps: int = 4
-    pdl: bool = False  # programmatic dependent launch between the Triton kernels (Hopper)
-    fuse_combine: bool = True  # attention splits merged by the last split to finish (one launch)
-    prefetch_o: str = "none"  # "after_qkv" | "with_qkv": read wo into L2 on a side stream during attention
 
 
 class GqaDecoder:
@@ -107,24 +104,23 @@ class GqaDecoder:
         self.act = torch.zeros(inter, dtype=dt, device=dev)
         self.tmp = torch.zeros(max((hq + 2 * hkv) * d, 2 * inter, h), dtype=dt, device=dev)
         self.logits = torch.zeros(vocab, dtype=torch.float32, device=dev)
-        self.side = torch.cuda.Stream(device=dev) if dev.type == "cuda" and self.opt.prefetch_o != "none" else None
-        if self.side is not None:
-            self.sink = torch.zeros(model.layers[0].wo.numel() // 8192 + 1, dtype=torch.float32, device=dev)
-            self.events = [(torch.cuda.Event(), torch.cuda.Event()) for _ in model.layers]
+        self.num_parts = -(-vocab // self.opt.tiles["lm_head"][0])
+        self.amax_val = torch.zeros(self.num_parts, dtype=torch.float32, device=dev)
+        self.amax_idx = torch.zeros(self.num_parts, dtype=torch.int32, device=dev)
         self.attn = DecodeAttention(num_q_heads=hq, num_kv_heads=hkv, d_main=d, d_v=d,
                                     num_splits=self.opt.num_splits, block_s=self.opt.block_s,
-                                    num_warps=self.opt.attn_warps, pdl=self.opt.pdl,
-                                    fuse_combine=self.opt.fuse_combine, device=dev)
+                                    num_warps=self.opt.attn_warps, device=dev)
 
     def set_state(self, token_id: int, pos: int) -> None:
         """Host-side (re)start: the token to feed next and its position (= tokens already cached)."""
         self.token.fill_(token_id)
         self.pos.fill_(pos)
         self.step_idx.zero_()
+        self.h.copy_(self.m.embed[token_id])
 
     def _tile(self, name: str) -> dict:
         bn, bk, nw, st = self.opt.tiles[name]
-        return dict(block_n=bn, block_k=bk, num_warps=nw, stages=st, pdl=self.opt.pdl)
+        return dict(block_n=bn, block_k=bk, num_warps=nw, stages=st)
 
     def _cublas(self, name: str) -> bool:
         return self.opt.backends.get(name, "triton") == "cublas"
@@ -138,8 +134,6 @@ class GqaDecoder:
         m, lw, eps = self.m, self.m.layers[i], self.m.eps
         hq, hkv, d = m.num_q_heads, m.num_kv_heads, m.head_dim
         kc, vc = self.k_caches[i], self.v_caches[i]
-        if self.side is not None and self.opt.prefetch_o == "with_qkv":
-            self._fork_prefetch(i)
         if self._cublas("qkv"):
             S.rmsnorm(self.h, lw.attn_norm, self.xn, eps)
             qkv = self._linear_into(self.xn, lw.wqkv, self.tmp[: lw.wqkv.shape[0]])
@@ -148,11 +142,7 @@ class GqaDecoder:
         else:
             G.gemv_qkv_rope(self.h, lw.wqkv, lw.attn_norm, eps, self.q, kc, vc, self.pos, self.cos, self.sin,
                             num_q_heads=hq, num_kv_heads=hkv, head_dim=d, **self._tile("qkv"))
-        if self.side is not None and self.opt.prefetch_o == "after_qkv":
-            self._fork_prefetch(i)
         self.attn(self.q, kc, vc, self.pos, self.attn_out, stride_kt=hkv * d, stride_vt=hkv * d)
-        if self.side is not None:  # join: wo is in L2 now
-            torch.cuda.current_stream().wait_event(self.events[i][1])
         if self._cublas("o"):
             self.h.add_(self._linear_into(self.attn_out, lw.wo, self.tmp[: m.hidden]))
         else:
@@ -168,30 +158,25 @@ class GqaDecoder:
         else:
             G.gemv(self.act, lw.w_down, self.h, residual=self.h, **self._tile("down"))
 
-    def _fork_prefetch(self, i: int) -> None:
-        fork, join = self.events[i]
-        fork.record()
-        self.side.wait_event(fork)
-        with torch.cuda.stream(self.side):
-            G.l2_prefetch(self.m.layers[i].wo, self.sink)
-            join.record()
-
     def step(self) -> None:
-        """One decode step: token/pos from device, logits + next token on device, pos += 1."""
+        """One decode step from h = embed[token] at pos: logits, next token, its embedding into h, pos += 1."""
         m = self.m
-        torch.index_select(m.embed, 0, self.token, out=self.h.view(1, -1))
         for i in range(len(m.layers)):
             self.layer(i)
         if self._cublas("lm_head"):
             S.rmsnorm(self.h, m.final_norm, self.xn, m.eps)
             # bf16 x bf16 -> bf16 on cuBLAS, widened: logits rounded to bf16 (more argmax ties)
             self.logits.copy_(torch.matmul(self.xn.view(1, -1), m.lm_head.t()).view(-1))
+            self.token.copy_(torch.argmax(self.logits, dim=0, keepdim=True))
+            self.out_tokens.index_copy_(0, self.step_idx, self.token)
+            self.step_idx.add_(1)
+            self.pos.add_(1)
+            torch.index_select(m.embed, 0, self.token, out=self.h.view(1, -1))
         else:
-            G.gemv(self.h, m.lm_head, self.logits, norm_w=m.final_norm, eps=m.eps, **self._tile("lm_head"))
-        self.token.copy_(torch.argmax(self.logits, dim=0, keepdim=True))
-        self.out_tokens.index_copy_(0, self.step_idx, self.token)
-        self.step_idx.add_(1)
-        self.pos.add_(1)
+            G.gemv(self.h, m.lm_head, self.logits, norm_w=m.final_norm, eps=m.eps, **self._tile("lm_head"),
+                   argmax_parts=(self.amax_val, self.amax_idx))
+            G.greedy_finish(self.amax_val, self.amax_idx, self.num_parts, self.token, self.out_tokens,
+                            self.step_idx, self.pos, m.embed, self.h)
 
 
 def reference_layer(model: GqaModel, i: int, h: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
