@@ -18,9 +18,22 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 @pytest.mark.parametrize("arch", ["llama", "llama3_rope", "qwen2", "qwen3", "deepseek_v3", "deepseek_v3_yarn"])
 def test_logits_match_hf_prefill_and_every_decode_step(hf_checkpoint, arch):
+    path, hf = hf_checkpoint(arch)
+    check_against_hf(path, hf)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "deepseek_v3"])
+def test_logits_match_hf_on_the_project_tiny_models(tiny_model, arch):
+    from transformers import AutoModelForCausalLM
+
+    path = tiny_model(arch)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    check_against_hf(path, hf)
+
+
+def check_against_hf(path, hf) -> None:
     from transformers import DynamicCache
 
-    path, hf = hf_checkpoint(arch)
     engine = Engine.load(path, num_slots=1, max_seq_len=128, dtype=torch.float32)
     with torch.no_grad():
         cache = DynamicCache(config=hf.config)
