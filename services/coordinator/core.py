@@ -7,7 +7,8 @@ Contract:
 - A claim is granted a lease (lease id, generation, slot, expiry) on a free slot of a compatible
   node: same model, protocol version, layout version, a transport both sides speak, and room for
   prompt + max_tokens. A slot is free when the node's last heartbeat lists it free and no lease
-  (live or fencing) holds it. Generations grow monotonically across restarts.
+  (live or fencing) holds it. Generations grow monotonically across restarts: they are persisted
+  in blocks of ``generation_block`` (``PutMeta``), so a restart may skip numbers, never reuse one.
 - No free slot: the claim waits in a bounded FIFO queue until its deadline; the next free slot goes
   to the oldest waiting claim it fits (gated dispatch). Queue full, deadline passed, or no node
   that could ever serve it: ``ClaimRejected`` with ``retry_after_ms``.
@@ -71,6 +72,7 @@ class CoordinatorCore:
         self.leases: dict[str, Lease] = {}  # lease_id -> lease (live or fencing)
         self.queue: list[QueuedClaim] = []  # oldest first
         self.next_generation = 1
+        self.reserved_generation = 1  # generations below this are persisted as used (PutMeta)
         self.counters: Counter[str] = Counter()
 
     # ------------------------------------------------------------ restore / inspection
@@ -82,6 +84,7 @@ class CoordinatorCore:
         self.queue = sorted(queued, key=lambda q: q.enqueued_at_ms)
         top = max((lease.generation for lease in leases), default=0)
         self.next_generation = max(next_generation, top + 1, 1)
+        self.reserved_generation = self.next_generation
         for lease in leases:
             self.registry.remember(lease.node_id, now_ms)
 
@@ -190,8 +193,13 @@ class CoordinatorCore:
         self.next_generation += 1
         self.leases[lease.lease_id] = lease
         self.counters["claims_granted"] += 1
-        return [
-            PutMeta(self.next_generation), PutLease(lease),
+        effects: list[Effect] = []
+        if self.next_generation > self.reserved_generation:
+            # Persist a block of generations at once, not one write per grant.
+            self.reserved_generation = self.next_generation + cfg.generation_block
+            effects.append(PutMeta(self.reserved_generation))
+        return effects + [
+            PutLease(lease),
             Reply(reply_to, self._granted(lease)),
             self._event(claim.request_id, "claimed", now_ms, lease),
             Observe("queue_wait", (now_ms - claimed_at_ms) / 1000),

@@ -31,6 +31,7 @@ class CoordinatorConfig:
     max_queue: int = 64  # waiting claims
     max_wait_ms: int = 30_000  # upper bound on a claim's own wait_ms
     retry_after_ms: int = 500  # advice in rejections
+    generation_block: int = 1024  # lease generations reserved per persisted write
 
     def validate(self) -> None:
         """Raise ValueError naming the first bad setting."""

@@ -212,18 +212,24 @@ class CoordinatorService:
             await self._perform(effects)
 
     async def _perform(self, effects: list[Effect]) -> None:
+        """State first (the last write per key, all keys at once), then replies and events."""
+        writes: dict[str, bytes | None] = {}  # key -> value, None: delete
         for e in effects:
             if isinstance(e, PutLease):
-                await self._kv_retry(self.kv.put, f"lease.{e.lease.lease_id}", msgspec.json.encode(e.lease))
+                writes[f"lease.{e.lease.lease_id}"] = msgspec.json.encode(e.lease)
             elif isinstance(e, DeleteLease):
-                await self._kv_retry(self.kv.delete, f"lease.{e.lease_id}")
+                writes[f"lease.{e.lease_id}"] = None
             elif isinstance(e, PutQueued):
-                await self._kv_retry(self.kv.put, f"queue.{e.entry.claim.request_id}", msgspec.json.encode(e.entry))
+                writes[f"queue.{e.entry.claim.request_id}"] = msgspec.json.encode(e.entry)
             elif isinstance(e, DeleteQueued):
-                await self._kv_retry(self.kv.delete, f"queue.{e.request_id}")
+                writes[f"queue.{e.request_id}"] = None
             elif isinstance(e, PutMeta):
-                await self._kv_retry(self.kv.put, "meta", json.dumps({"next_generation": e.next_generation}).encode())
-            elif isinstance(e, Reply):
+                writes["meta"] = json.dumps({"next_generation": e.next_generation}).encode()
+        await asyncio.gather(*(
+            self._kv_retry(self.kv.put, key, value) if value is not None
+            else self._kv_retry(self.kv.delete, key) for key, value in writes.items()))
+        for e in effects:
+            if isinstance(e, Reply):
                 await self.bus.nc.publish(e.reply_to, encode(e.event), headers=inject_headers({}) or None)
             elif isinstance(e, Publish):
                 await self.bus.publish(e.subject, e.event)

@@ -389,7 +389,8 @@ CASES = {
         (20, "restart", {}, {"state": {"r1": "kv_ready"}, "queue": ["r2"], "held": [("n1", 0)], "free": 0}),
         (30, "hb", {"free": (0,)}, {"free": 0}),
         (40, "started", {"rid": "r1"}, {"state": {"r1": "decoding"}}),
-        (50, "released", {"rid": "r1"}, {"reply": {"r2": (G, "n1", 0, 2)}}),  # generation continues
+        # generations never repeat: the restarted core starts past the persisted block
+        (50, "released", {"rid": "r1"}, {"reply": {"r2": (G, "n1", 0, 2 + 1024)}}),
         *finish("r2", 60),
     ],
     "restart_fails_leases_of_node_that_never_returns": [
