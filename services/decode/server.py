@@ -257,6 +257,9 @@ class DecodeNode:
             self.active[slot] = Active(lease, 1 + start.num_tokens_already_sent,
                                        1 + start.num_tokens_already_sent, time.perf_counter(), span)
             try:
+                if start.num_tokens_already_sent == 0 and kv.num_tokens != start.num_prompt_tokens:
+                    raise ValueError(f"the KV holds {kv.num_tokens} tokens but the prompt has "
+                                     f"{start.num_prompt_tokens}")
                 self.engine.inject(slot, kv.num_tokens)
                 self.engine.start(slot, start.first_token_id, start.sampling)
             except Exception as exc:  # bad sizes or params: the request fails, the node lives on

@@ -24,7 +24,7 @@ from shared import subjects
 from shared.bus import Bus
 from shared.events import (
     CancelRequest, ClaimGranted, ClaimRejected, ClaimReply, ClaimRequest, DecodeStart,
-    HandoffEvent, KvReady, RequestFinished, SamplingParams, TokenMessage, TokensGenerated,
+    HandoffEvent, KvReady, RequestFailed, RequestFinished, SamplingParams, TokenMessage, TokensGenerated,
 )
 
 REPO = Path(__file__).resolve().parents[2]
@@ -165,7 +165,8 @@ class Stack:
 
 
 async def run_request(stack: Stack, grant: ClaimGranted, prompt_len: int, max_tokens: int,
-                      first_token_id: int = 1, kv_ready: bool = True) -> asyncio.Queue:
+                      first_token_id: int = 1, kv_ready: bool = True,
+                      kv_tokens: int | None = None) -> asyncio.Queue:
     """Pretend to be prefill + router: KV-ready (no bytes: the test model tolerates any KV) and
     start; returns the queue of the request's token messages."""
     queue: asyncio.Queue = asyncio.Queue()
@@ -177,7 +178,7 @@ async def run_request(stack: Stack, grant: ClaimGranted, prompt_len: int, max_to
     if kv_ready:
         await stack.bus.publish(subjects.kv_ready(grant.node_id), KvReady(
             request_id=grant.request_id, lease_id=grant.lease_id, generation=grant.generation,
-            node_id=grant.node_id, slot=grant.target.slot.slot, num_tokens=prompt_len,
+            node_id=grant.node_id, slot=grant.target.slot.slot, num_tokens=kv_tokens or prompt_len,
             layout_version=grant.target.layout.layout_version, nbytes=0))
     await stack.bus.publish(subjects.decode_start(grant.node_id), DecodeStart(
         request_id=grant.request_id, lease_id=grant.lease_id, generation=grant.generation,
@@ -256,6 +257,13 @@ async def test_queue_full_is_rejected_with_retry_after(stack):
     assert isinstance(late, ClaimRejected) and (late.reason, late.retry_after_ms) == ("deadline", 750)
     _, end = await collect(await run_request(stack, first, prompt_len=8, max_tokens=2))
     assert isinstance(end, RequestFinished)
+    # A start that disagrees with the KV it would decode from fails, never decodes garbage.
+    bad = await stack.claim("r4")
+    queue = await run_request(stack, bad, prompt_len=8, max_tokens=2, kv_tokens=7)
+    tokens, end = await collect(queue)
+    assert tokens == [] and isinstance(end, RequestFailed) and "7 tokens" in end.reason
+    await stack.wait_state("r4", "failed")
+    assert stack.states("r4") == ["claimed", "kv_ready", "failed"]
     await stack.assert_no_leak([node])
 
 
