@@ -11,8 +11,9 @@ Architectures: ``llama`` (Llama-3 GQA, llama3 rope scaling), ``qwen2`` (qkv bias
 it, q_lora, sigmoid/noaux_tc routed experts in groups, one shared expert, a dense first layer and
 one MTP layer stored as ``model.layers.<num_hidden_layers>.*`` the way DeepSeek-V3 ships it).
 
-The tokenizer is a byte-level BPE trained with ``tokenizers`` on ``tinymodel_corpus.txt``; its
-size is the model's ``vocab_size``, so every id a model can emit decodes.
+The tokenizer (``infra.tinymodel_tokenizer``: Llama-3 style, or Qwen style for qwen2/qwen3) is a
+byte-level BPE trained on ``tinymodel_corpus.txt``; its size is the model's ``vocab_size``, so
+every id a model can emit decodes.
 
 Weights: every tensor is drawn from its own generator seeded by (seed, tensor name), so shapes
 and names, not creation order, decide the values. Scales keep activations O(1) through the
@@ -28,56 +29,13 @@ import json
 import math
 from pathlib import Path
 
+from infra.tinymodel_tokenizer import IM_END, TokenizerStyle, style_for, tokenizer_config_files, train_tokenizer
+
 ARCHS = ("llama", "qwen2", "qwen3", "deepseek_v3")
 DTYPES = ("float32", "bfloat16")
-CORPUS = Path(__file__).with_name("tinymodel_corpus.txt")
-SPECIAL_TOKENS = ["<|begin_of_text|>", "<|end_of_text|>", "<|pad|>", "<|im_start|>", "<|im_end|>"]
-BOS_ID, EOS_ID, PAD_ID, IM_START_ID, IM_END_ID = range(len(SPECIAL_TOKENS))
-TARGET_VOCAB_SIZE = 1024
 MAX_POSITION_EMBEDDINGS = 2048
 NUM_LAYERS = 2
 LOGIT_STD = 4.0
-CHAT_TEMPLATE = (
-    "{{ bos_token }}{% for message in messages %}"
-    "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
-    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-
-
-# ---------------------------------------------------------------- tokenizer
-def train_tokenizer():
-    """Train the byte-level BPE on the bundled corpus; deterministic."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=TARGET_VOCAB_SIZE,
-        min_frequency=2,
-        special_tokens=SPECIAL_TOKENS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(CORPUS.read_text(encoding="utf-8").splitlines(keepends=True), trainer)
-    bos = SPECIAL_TOKENS[BOS_ID]
-    tok.post_processor = processors.TemplateProcessing(
-        single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, BOS_ID)]
-    )
-    return tok
-
-
-def tokenizer_files(vocab_size: int) -> dict[str, dict]:
-    """tokenizer_config.json and special_tokens_map.json contents."""
-    names = {"bos_token": SPECIAL_TOKENS[BOS_ID], "eos_token": SPECIAL_TOKENS[EOS_ID],
-             "pad_token": SPECIAL_TOKENS[PAD_ID]}
-    added = {str(i): {"content": t, "lstrip": False, "normalized": False, "rstrip": False,
-                      "single_word": False, "special": True} for i, t in enumerate(SPECIAL_TOKENS)}
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", **names, "added_tokens_decoder": added,
-              "additional_special_tokens": SPECIAL_TOKENS[IM_START_ID:],
-              "chat_template": CHAT_TEMPLATE, "clean_up_tokenization_spaces": False,
-              "model_max_length": MAX_POSITION_EMBEDDINGS, "padding_side": "left"}
-    return {"tokenizer_config.json": config, "special_tokens_map.json": names}
 
 
 # ---------------------------------------------------------------- configs
@@ -87,16 +45,18 @@ _DEEPSEEK_YARN = {"type": "yarn", "factor": 4.0, "original_max_position_embeddin
                   "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}
 
 
-def _common(vocab_size: int, dtype: str) -> dict:
+def _common(vocab_size: int, dtype: str, style: TokenizerStyle) -> dict:
+    # Qwen configs name <|endoftext|> as bos although the tokenizer never prepends it.
     return {"vocab_size": vocab_size, "num_hidden_layers": NUM_LAYERS, "hidden_act": "silu",
             "max_position_embeddings": MAX_POSITION_EMBEDDINGS, "tie_word_embeddings": False,
-            "bos_token_id": BOS_ID, "eos_token_id": EOS_ID, "pad_token_id": PAD_ID,
+            "bos_token_id": style.id_of(style.bos or style.eos), "eos_token_id": style.id_of(style.eos),
+            "pad_token_id": style.id_of(style.pad),
             "initializer_range": 0.02, "use_cache": True, "torch_dtype": dtype}
 
 
 def model_config(arch: str, vocab_size: int, dtype: str) -> dict:
     """Hub-style config.json for ``arch``."""
-    c = _common(vocab_size, dtype)
+    c = _common(vocab_size, dtype, style_for(arch))
     if arch == "llama":
         c.update(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=256,
                  intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
@@ -233,15 +193,17 @@ def make_model(arch: str, out: Path | str, seed: int = 0, dtype: str = "float32"
         raise ValueError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    tok = train_tokenizer()
+    style = style_for(arch)
+    tok = train_tokenizer(style)
     tok.save(str(out / "tokenizer.json"), pretty=True)
     vocab_size = tok.get_vocab_size(with_added_tokens=True)
-    for fname, obj in tokenizer_files(vocab_size).items():
+    for fname, obj in tokenizer_config_files(style).items():
         _write_json(out / fname, obj)
     config = model_config(arch, vocab_size, dtype)
     _write_json(out / "config.json", config)
     _write_json(out / "generation_config.json", {
-        "bos_token_id": BOS_ID, "eos_token_id": [EOS_ID, IM_END_ID], "pad_token_id": PAD_ID})
+        "bos_token_id": config["bos_token_id"], "pad_token_id": config["pad_token_id"],
+        "eos_token_id": [config["eos_token_id"], style.id_of(IM_END)]})
     save_file(make_weights(config, seed, dtype), str(out / "model.safetensors"),
               metadata={"format": "pt"})
     return out
