@@ -29,7 +29,9 @@ from .cache import TORCH_DTYPES, KvCache
 from .sampling import exponential_noise, process_probs, sample, uniform_noise
 from .slots import SlotState, emit
 from .spec import verify
-from .weights import iter_engine_params, read_config
+from .config import parse_config
+from .graphs import GraphedFn
+from .weights import DictReader, hf_to_engine, iter_engine_params, read_config
 
 
 @dataclass
@@ -53,10 +55,10 @@ def _build_model(cfg, params: dict[str, torch.Tensor]) -> torch.nn.Module:
     return model.eval()
 
 
-def _load_params(model_dir, cfg, device, dtype) -> dict[str, torch.Tensor]:
+def _load_params(named_tensors, device, dtype) -> dict[str, torch.Tensor]:
     params: dict[str, torch.Tensor] = {}
     converted: dict[int, torch.Tensor] = {}  # tied weights stay tied
-    for name, t in iter_engine_params(model_dir, cfg):
+    for name, t in named_tensors:
         if id(t) not in converted:
             keep_fp32 = name.endswith("router_bias")
             converted[id(t)] = t.to(device=device, dtype=torch.float32 if keep_fp32 else dtype)
@@ -64,9 +66,13 @@ def _load_params(model_dir, cfg, device, dtype) -> dict[str, torch.Tensor]:
     return params
 
 
+def _with_logits(model, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return hidden, model.logits(hidden)
+
+
 class Engine:
     def __init__(self, model, cfg, *, model_name: str, num_slots: int, max_seq_len: int, num_speculative_tokens: int,
-                 raw_config: dict, eos_token_ids: tuple[int, ...] = ()):
+                 raw_config: dict, eos_token_ids: tuple[int, ...] = (), use_cuda_graphs: bool = True):
         if num_speculative_tokens and not getattr(model, "has_mtp", False):
             raise ValueError(f"{model_name} has no MTP layer weights: run it with num_speculative_tokens=0")
         if not 0 <= num_speculative_tokens <= 3:
@@ -77,6 +83,9 @@ class Engine:
         self.eos_token_ids = eos_token_ids
         self.cache = KvCache(kv_shape_from_hf_config(raw_config), num_slots, max_seq_len + self.k, self.dtype, self.device)
         model.bind(self.cache)
+        on_cuda = self.device.type == "cuda" and use_cuda_graphs
+        self._forward = GraphedFn(lambda t, p, s: _with_logits(model, model(t, p, s)), on_cuda)
+        self._mtp = GraphedFn(model.mtp_forward, on_cuda) if getattr(model, "has_mtp", False) else None
         n, dev, vocab = num_slots + 1, self.device, cfg.vocab_size
         self.temperature = torch.zeros(n, device=dev)
         self.top_k = torch.zeros(n, dtype=torch.long, device=dev)
@@ -90,13 +99,13 @@ class Engine:
     @classmethod
     def load(cls, model_dir: str | Path, *, num_slots: int = 1, max_seq_len: int = 2048, device: str = "cpu",
              dtype: torch.dtype | str | None = None, num_speculative_tokens: int = 0,
-             model_name: str | None = None) -> Engine:
+             model_name: str | None = None, use_cuda_graphs: bool = True) -> Engine:
         """Load an HF safetensors checkpoint or the engine's converted format."""
         raw, cfg = read_config(model_dir)
         if isinstance(dtype, str):
             dtype = TORCH_DTYPES[dtype]
         dtype = dtype or TORCH_DTYPES.get(cfg.torch_dtype, torch.float32)
-        params = _load_params(model_dir, cfg, torch.device(device), dtype)
+        params = _load_params(iter_engine_params(model_dir, cfg), torch.device(device), dtype)
         eos = set(cfg.eos_token_ids)
         gen_cfg = Path(model_dir) / "generation_config.json"
         if gen_cfg.exists():
@@ -106,7 +115,20 @@ class Engine:
             eos |= set(e if isinstance(e, list) else [] if e is None else [e])
         return cls(_build_model(cfg, params), cfg, model_name=model_name or Path(model_dir).name,
                    num_slots=num_slots, max_seq_len=max_seq_len, num_speculative_tokens=num_speculative_tokens,
-                   raw_config=raw, eos_token_ids=tuple(sorted(eos)))
+                   raw_config=raw, eos_token_ids=tuple(sorted(eos)), use_cuda_graphs=use_cuda_graphs)
+
+    @classmethod
+    def from_hf_tensors(cls, raw_config: dict, tensors: dict[str, torch.Tensor], *, num_slots: int = 1,
+                        max_seq_len: int = 2048, device: str = "cpu", dtype: torch.dtype | None = None,
+                        num_speculative_tokens: int = 0, model_name: str = "in-memory",
+                        use_cuda_graphs: bool = True) -> Engine:
+        """Build from HF-named tensors already in memory (an HF model's state_dict: tests, benchmarks)."""
+        cfg = parse_config(raw_config)
+        dtype = dtype or TORCH_DTYPES.get(cfg.torch_dtype, torch.float32)
+        params = _load_params(hf_to_engine(cfg, DictReader(tensors)), torch.device(device), dtype)
+        return cls(_build_model(cfg, params), cfg, model_name=model_name, num_slots=num_slots, max_seq_len=max_seq_len,
+                   num_speculative_tokens=num_speculative_tokens, raw_config=raw_config, eos_token_ids=cfg.eos_token_ids,
+                   use_cuda_graphs=use_cuda_graphs)
 
     # ------------------------------------------------------------------ slots
 
@@ -173,7 +195,7 @@ class Engine:
             slot_ids = torch.tensor([slot], device=self.device)
             tokens = torch.tensor([[first_token_id]], device=self.device)
             positions = torch.tensor([[s.seq_len - 1]], device=self.device)
-            hidden, logits = self.model.mtp_forward(tokens, positions, self.prefill_hidden[slot][None, None], slot_ids)
+            hidden, logits = self._mtp(tokens, positions, self.prefill_hidden[slot][None, None], slot_ids)
             self._draft(slot_ids, [self.generators[slot]], hidden[:, 0], logits[:, 0], torch.tensor([s.seq_len], device=self.device))
             s.num_valid_drafts = k
 
@@ -213,7 +235,7 @@ class Engine:
             probs.append(q)
             if j + 1 < self.k:
                 pos = (next_pos + j)[:, None]
-                h, lg = self.model.mtp_forward(d[:, None], pos, hidden[:, None], slot_ids)
+                h, lg = self._mtp(d[:, None], pos, hidden[:, None], slot_ids)
                 hidden, logits = h[:, 0], lg[:, 0]
         self.drafts[slot_ids] = torch.stack(drafts, dim=1)
         self.draft_probs[slot_ids] = torch.stack(probs, dim=1)
@@ -233,15 +255,14 @@ class Engine:
         greedy = self.temperature[slot_ids] <= 0
         tokens = torch.cat([pending[:, None], self.drafts[slot_ids][:, :k]], dim=1)  # [B, 1+K]
         positions = seq[:, None] + torch.arange(k + 1, device=dev)
-        hidden = self.model(tokens, positions, slot_ids)
-        self.last_logits = self.model.logits(hidden)  # [B, 1+K, V] float32, kept for inspection
+        hidden, self.last_logits = self._forward(tokens, positions, slot_ids)  # last_logits [B, 1+K, V] float32
         probs = self._probs(slot_ids, self.last_logits)
         noise = exponential_noise(gens, (probs.shape[-1],), dev)
         if k:
             uniform = uniform_noise(gens, (k,), dev)
             num_accepted, nxt = verify(probs, self.draft_probs[slot_ids], tokens[:, 1:], num_valid, uniform, noise, greedy)
             mtp_tokens = torch.cat([tokens[:, 1:], nxt[:, None]], dim=1).scatter(1, num_accepted[:, None], nxt[:, None])
-            h, lg = self.model.mtp_forward(mtp_tokens, positions, hidden, slot_ids)
+            h, lg = self._mtp(mtp_tokens, positions, hidden, slot_ids)
             rows = torch.arange(b, device=dev)
             self._draft(slot_ids, gens, h[rows, num_accepted], lg[rows, num_accepted], seq + num_accepted + 1)
         else:

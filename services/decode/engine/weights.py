@@ -54,6 +54,22 @@ class CheckpointReader:
         return list(self._where)
 
 
+class DictReader:
+    """The CheckpointReader interface over in-memory HF tensors (an HF model's state_dict)."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]):
+        self._tensors = tensors
+
+    def has(self, name: str) -> bool:
+        return name in self._tensors
+
+    def get(self, name: str) -> torch.Tensor:
+        return self._tensors[name]
+
+    def names(self) -> list[str]:
+        return list(self._tensors)
+
+
 def read_config(model_dir: str | Path) -> tuple[dict, ModelConfig]:
     """The raw HF config dict and its parsed ModelConfig."""
     raw = json.loads((Path(model_dir) / "config.json").read_text())
@@ -137,7 +153,7 @@ def has_mtp_weights(cfg: ModelConfig, r: CheckpointReader) -> bool:
     return cfg.num_mtp_layers > 0 and r.has(f"model.layers.{cfg.num_layers}.eh_proj.weight")
 
 
-def hf_to_engine(cfg: ModelConfig, r: CheckpointReader) -> Iterator[tuple[str, torch.Tensor]]:
+def hf_to_engine(cfg: ModelConfig, r: CheckpointReader | DictReader) -> Iterator[tuple[str, torch.Tensor]]:
     """Every engine parameter (name, tensor in the checkpoint dtype) of an HF checkpoint, in order."""
     embed = r.get("model.embed_tokens.weight")
     yield "embed", embed

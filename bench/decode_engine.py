@@ -1,0 +1,239 @@
+"""Decode-engine throughput: tokens/s per model family on CPU (the project's tiny models) and, with
+CUDA, a Llama-3-8B-shaped model in bf16 with random weights next to HF transformers (static cache
++ CUDA graph) in the same run, as a fraction of the measured copy-bandwidth roofline.
+
+    .venv/bin/python bench/decode_engine.py [--device auto|cpu|cuda] [--steps 128] [--context 1024] [--out PATH]
+
+Prints a table and writes bench/results/decode_engine.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from services.decode.engine import Engine  # noqa: E402
+from shared.events import SamplingParams  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results" / "decode_engine.json"
+LLAMA3_8B = {
+    "model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 128256, "hidden_size": 4096,
+    "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+    "head_dim": 128, "rms_norm_eps": 1e-5, "max_position_embeddings": 8192, "hidden_act": "silu",
+    "tie_word_embeddings": False, "torch_dtype": "bfloat16", "eos_token_id": 128001, "bos_token_id": 128000,
+    "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                     "original_max_position_embeddings": 8192}, "rope_theta": 500000.0,
+}
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def engine_tokens_per_s(engine: Engine, prompt: list[int], steps: int, num_slots: int = 1, k: int = 0) -> dict:
+    """Decode ``steps`` tokens per slot in ``num_slots`` slots after a warm-up; aggregate tokens/s."""
+    greedy = SamplingParams(max_tokens=steps, ignore_eos=True, num_speculative_tokens=k)
+    for warm in (True, False):
+        for slot in range(num_slots):
+            first = int(engine.prefill(slot, prompt).argmax())
+            engine.start(slot, first, SamplingParams(max_tokens=8 if warm else steps, ignore_eos=True,
+                                                     num_speculative_tokens=k) if warm else greedy)
+        sync(str(engine.device))
+        t0, emitted = time.perf_counter(), 0
+        while engine.active_slots():
+            emitted += sum(len(o.token_ids) for o in engine.step().values())
+        sync(str(engine.device))
+        elapsed = time.perf_counter() - t0
+        stats = [engine.spec_stats(s) for s in range(num_slots)]
+        for slot in range(num_slots):
+            engine.release(slot)
+    drafted = sum(s.num_draft_tokens for s in stats)
+    accepted = sum(s.num_accepted_tokens for s in stats)
+    return {"tokens": emitted, "seconds": elapsed, "tokens_per_s": emitted / elapsed,
+            "acceptance": accepted / drafted if drafted else None}
+
+
+def hf_cpu_tokens_per_s(model_dir: Path, prompt: list[int], steps: int) -> float:
+    """HF transformers eager decode with its dynamic cache (greedy), tokens/s."""
+    from transformers import AutoModelForCausalLM, DynamicCache
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        cache = DynamicCache(config=hf.config)
+        tok = hf(torch.tensor([prompt]), past_key_values=cache, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            tok = hf(tok, past_key_values=cache, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
+        return steps / (time.perf_counter() - t0)
+
+
+def bench_cpu(steps: int) -> list[dict]:
+    from infra.tinymodel import make_model
+
+    rows = []
+    prompt = [1] + list(range(20, 60))
+    with tempfile.TemporaryDirectory() as tmp:
+        for arch in ("llama", "qwen2", "qwen3", "deepseek_v3"):
+            model_dir = make_model(arch, Path(tmp) / arch)
+            hf = hf_cpu_tokens_per_s(model_dir, prompt, steps)
+            spec_options = (0, 1, 2, 3) if arch == "deepseek_v3" else (0,)
+            for k in spec_options:
+                for num_slots in (1, 4) if k == 0 else (1,):
+                    engine = Engine.load(model_dir, num_slots=num_slots, max_seq_len=512, dtype=torch.float32,
+                                         num_speculative_tokens=k)
+                    r = engine_tokens_per_s(engine, prompt, steps, num_slots, k)
+                    rows.append({"device": "cpu", "model": f"tiny-{arch}", "dtype": "float32", "slots": num_slots,
+                                 "spec_k": k, "engine_tok_s": r["tokens_per_s"], "acceptance": r["acceptance"],
+                                 "hf_tok_s": hf if (num_slots == 1 and k == 0) else None,
+                                 "hf_kind": "eager dynamic cache"})
+    return rows
+
+
+def copy_bandwidth_bytes_per_s(device: str, nbytes: int = 1 << 30) -> float:
+    """Device-to-device copy: bytes read + written per second (best of 10)."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(10):
+        sync(device)
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        sync(device)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * nbytes / best
+
+
+def _hf_graph_tokens_per_s(hf, prompt: list[int], steps: int, device: str) -> tuple[float, str]:
+    """HF transformers with its StaticCache, the one-token forward captured in a CUDA graph."""
+    from transformers import StaticCache
+
+    n = len(prompt)
+    try:
+        cache = StaticCache(config=hf.config, max_cache_len=n + steps + 8)
+    except TypeError:  # older transformers
+        cache = StaticCache(config=hf.config, max_batch_size=1, max_cache_len=n + steps + 8, device=device,
+                            dtype=hf.dtype)
+    with torch.no_grad():
+        out = hf(torch.tensor([prompt], device=device), past_key_values=cache, use_cache=True,
+                 cache_position=torch.arange(n, device=device))
+        tok = out.logits[:, -1].argmax(-1, keepdim=True)
+        pos = torch.tensor([n], device=device)
+
+        def one():
+            logits = hf(tok, past_key_values=cache, use_cache=True, cache_position=pos, position_ids=pos[None]).logits
+            return logits[:, -1].argmax(-1, keepdim=True)
+
+        kind = "static cache + CUDA graph"
+        try:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(2):
+                    one()
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                nxt = one()
+
+            def run_step():
+                graph.replay()
+                tok.copy_(nxt)
+                pos.add_(1)
+        except Exception as e:  # noqa: BLE001 - report what ran
+            kind = f"static cache, eager (graph capture failed: {type(e).__name__})"
+
+            def run_step():
+                tok.copy_(one())
+                pos.add_(1)
+
+        for _ in range(3):
+            run_step()
+        sync(device)
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            run_step()
+        sync(device)
+        return steps / (time.perf_counter() - t0), kind
+
+
+def bench_cuda(steps: int, context: int) -> dict:
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    device, dtype = "cuda", torch.bfloat16
+    bandwidth = copy_bandwidth_bytes_per_s(device)
+    config = LlamaConfig(**{k: v for k, v in LLAMA3_8B.items() if k not in ("model_type", "architectures")})
+    torch.manual_seed(0)
+    with torch.device(device):
+        hf = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.normal_(0.0, 0.02) if p.dim() > 1 else p.fill_(1.0)
+    weight_bytes = sum(p.numel() * p.element_size() for p in hf.parameters())
+    kv_bytes_per_token = 2 * 32 * 8 * 128 * 2
+    roofline = bandwidth / (weight_bytes + context * kv_bytes_per_token)
+    prompt = [int(t) for t in torch.randint(0, 128000, (context,), generator=torch.Generator().manual_seed(0))]
+    engine = Engine.from_hf_tensors(LLAMA3_8B, hf.state_dict(), max_seq_len=context + steps + 16, device=device,
+                                    dtype=dtype, model_name="llama3-8b-shape")
+    ours = engine_tokens_per_s(engine, prompt, steps)["tokens_per_s"]
+    eager = Engine.from_hf_tensors(LLAMA3_8B, hf.state_dict(), max_seq_len=context + steps + 16, device=device,
+                                   dtype=dtype, use_cuda_graphs=False)
+    ours_eager = engine_tokens_per_s(eager, prompt, min(steps, 32))["tokens_per_s"]
+    del engine, eager
+    theirs, kind = _hf_graph_tokens_per_s(hf, prompt, steps, device)
+    return {"device": torch.cuda.get_device_name(), "model": "llama3-8b-shape (random)", "dtype": "bfloat16",
+            "context": context, "copy_bandwidth_tb_s": bandwidth / 1e12, "weight_gb": weight_bytes / 1e9,
+            "roofline_tok_s": roofline, "engine_tok_s": ours, "engine_fraction": ours / roofline,
+            "engine_eager_tok_s": ours_eager, "hf_tok_s": theirs, "hf_kind": kind, "hf_fraction": theirs / roofline}
+
+
+def _fmt(x, spec="{:.1f}") -> str:
+    return "-" if x is None else spec.format(x)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=128, help="decode steps per measurement")
+    parser.add_argument("--context", type=int, default=1024, help="prompt length of the CUDA measurement")
+    parser.add_argument("--threads", type=int, default=1, help="CPU threads for torch (default 1)")
+    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                        help="cpu: tiny models only; cuda: the Llama-3-8B shape only; auto: both, CUDA when present")
+    parser.add_argument("--out", type=Path, default=RESULTS, help=f"JSON output (default {RESULTS})")
+    args = parser.parse_args(argv)
+    args.skip_cpu, args.skip_cuda = args.device == "cuda", args.device == "cpu"
+    torch.set_num_threads(args.threads)
+    result = {"machine": platform.platform(), "torch": torch.__version__, "threads": args.threads, "cpu": [], "cuda": None}
+    if not args.skip_cpu:
+        result["cpu"] = bench_cpu(args.steps)
+        print(f"{'model':<18}{'slots':>6}{'spec k':>7}{'engine tok/s':>14}{'accept':>8}{'HF tok/s':>10}")
+        for r in result["cpu"]:
+            print(f"{r['model']:<18}{r['slots']:>6}{r['spec_k']:>7}{_fmt(r['engine_tok_s']):>14}"
+                  f"{_fmt(r['acceptance'], '{:.2f}'):>8}{_fmt(r['hf_tok_s']):>10}")
+    if torch.cuda.is_available() and not args.skip_cuda:
+        c = result["cuda"] = bench_cuda(args.steps, args.context)
+        print(f"\n{c['device']}: {c['model']} {c['dtype']}, context {c['context']}, copy bandwidth "
+              f"{c['copy_bandwidth_tb_s']:.2f} TB/s, roofline {c['roofline_tok_s']:.0f} tok/s (weights + KV)")
+        print(f"{'':<34}{'tok/s':>8}{'of roofline':>13}")
+        print(f"{'engine (CUDA graph)':<34}{c['engine_tok_s']:>8.1f}{c['engine_fraction']:>12.0%}")
+        print(f"{'engine (eager)':<34}{c['engine_eager_tok_s']:>8.1f}{c['engine_eager_tok_s'] / c['roofline_tok_s']:>12.0%}")
+        print(f"{'HF ' + c['hf_kind'][:31]:<34}{c['hf_tok_s']:>8.1f}{c['hf_fraction']:>12.0%}")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"\nwrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
