@@ -23,6 +23,7 @@ import argparse
 import asyncio
 import json
 import signal
+import sys
 import time
 
 import msgspec
@@ -41,7 +42,7 @@ from services.coordinator.model import (
 )
 from shared import config as shared_config
 from shared import subjects
-from shared.bus import Bus
+from shared.bus import Bus, BusUnavailable
 from shared.events import (
     CancelRequest, ClaimRequest, DecodeStarted, HandoffEvent, KvFailed, KvReady, NodeAvailable,
     NodeDraining, NodeMessage, SlotReleased, decoder, encode,
@@ -275,6 +276,21 @@ async def _quietly(coro) -> None:
         pass
 
 
+_HELP = {
+    "heartbeat_misses": "a decode node is dead after this many missed heartbeats",
+    "default_heartbeat_interval_ms": "assumed interval of nodes known only from restored leases",
+    "transfer_timeout_ms": "a lease without KV-ready fails after this (the claim's expires_at_ms)",
+    "fence_grace_ms": "after the transfer timeout a writer may still be live this long: the slot "
+                      "is not leased again before",
+    "start_timeout_ms": "a lease with KV-ready but no decode start fails after this",
+    "release_grace_ms": "after a lease ends, wait this long for the node's release",
+    "max_queue": "claims that may wait for a slot; more are rejected (429)",
+    "max_wait_ms": "upper bound on a claim's own wait_ms",
+    "retry_after_ms": "retry advice in rejections",
+    "generation_block": "lease generations reserved per state write",
+}
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="expresslane coordinator",
                                 description="Run the transfer coordinator: decode-slot leases, "
@@ -288,7 +304,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tick-ms", type=int, default=50, help="how often deadlines are checked")
     for name in CoordinatorConfig.__dataclass_fields__:
         p.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(d, name),
-                       help=f"(default {getattr(d, name)})")
+                       help=f"{_HELP[name]} (default {getattr(d, name)})")
     return p
 
 
@@ -316,4 +332,8 @@ def main(argv: list[str]) -> int:
         parser.error(str(exc))
     setup_logging("coordinator", args.log_level, json=args.log_format == "json")
     setup_tracing("coordinator")
-    return asyncio.run(_run(args))
+    try:
+        return asyncio.run(_run(args))
+    except BusUnavailable as exc:
+        print(f"expresslane coordinator: {exc}", file=sys.stderr)
+        return 1

@@ -29,6 +29,7 @@ import json
 import os
 import signal
 import socket
+import sys
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -41,7 +42,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from services.decode.receiver import Pending, Receiver, SlotBook
 from shared import config as shared_config
 from shared import subjects
-from shared.bus import Bus
+from shared.bus import Bus, BusUnavailable
 from shared.events import (
     PROTOCOL_VERSION, CancelRequest, DecodeStart, DecodeStarted, HandoffEvent, KvFailed, KvMessage,
     KvReady, NodeAvailable, NodeDraining, RequestFailed, RequestFinished, SlotReleased,
@@ -400,29 +401,8 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-async def _run(args: argparse.Namespace, engine, receiver: Receiver) -> int:
-    bus = await Bus.connect(args.nats_url, name=f"decode-{args.node_id}")
-    node = DecodeNode(engine, receiver, bus, args)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    await node.start()
-    await stop.wait()
-    await node.drain()
-    await bus.close()
-    return 0
-
-
-def main(argv: list[str]) -> int:
-    parser = build_parser()
-    args = shared_config.parse_args(parser, argv)
-    if args.slots < 1 or args.max_seq_len < 1 or args.heartbeat_ms < 1:
-        parser.error("--slots, --max-seq-len and --heartbeat-ms must be positive")
-    args.node_id = args.node_id or default_node_id()
-    subjects.node_avail(args.node_id)  # refuse ids that cannot be a subject token, before loading
-    setup_logging("decode", args.log_level, json=args.log_format == "json")
-    setup_tracing("decode")
+def _load(args: argparse.Namespace):
+    """The engine and its registered receive buffers."""
     from services.decode.engine import Engine
     from shared.transport import create_transport
 
@@ -433,8 +413,41 @@ def main(argv: list[str]) -> int:
                                  protocol=args.transport_protocol, agent_name=args.node_id)
     buffers = [(engine.slot_buffer(s).data_ptr(), engine.slot_buffer(s).numel())
                for s in range(args.slots)]
-    receiver = Receiver(transport, buffers)
+    return engine, Receiver(transport, buffers)
+
+
+async def _run(args: argparse.Namespace) -> int:
+    bus = await Bus.connect(args.nats_url, name=f"decode-{args.node_id}")  # fail fast, before loading
+    engine, receiver = await asyncio.to_thread(_load, args)
     try:
-        return asyncio.run(_run(args, engine, receiver))
+        node = DecodeNode(engine, receiver, bus, args)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await node.start()
+        await stop.wait()
+        await node.drain()
+        await bus.close()
     finally:
         receiver.close()
+    return 0
+
+
+def main(argv: list[str]) -> int:
+    parser = build_parser()
+    args = shared_config.parse_args(parser, argv)
+    if args.slots < 1 or args.max_seq_len < 1 or args.heartbeat_ms < 1:
+        parser.error("--slots, --max-seq-len and --heartbeat-ms must be positive")
+    args.node_id = args.node_id or default_node_id()
+    try:
+        subjects.node_avail(args.node_id)
+    except ValueError as exc:
+        parser.error(f"--node-id: {exc}")
+    setup_logging("decode", args.log_level, json=args.log_format == "json")
+    setup_tracing("decode")
+    try:
+        return asyncio.run(_run(args))
+    except BusUnavailable as exc:
+        print(f"expresslane decode: {exc}", file=sys.stderr)
+        return 1
