@@ -304,23 +304,26 @@ async def test_coordinator_restart_mid_handoff_loses_no_lease(stack):
     node = await stack.decode("d1", 2)
     grant = await stack.claim("r0")
     other = await stack.claim("r1")
+    waiting = asyncio.create_task(stack.claim("r2", wait_ms=30_000, timeout_s=60))
+    await stack.wait_state("r2", "queued")
     coord.kill()
     # While the coordinator is down the transfer completes and the router starts decoding.
     queue = await run_request(stack, grant, prompt_len=8, max_tokens=6)
     tokens, end = await collect(queue)
     assert isinstance(end, RequestFinished) and len(tokens) == 6
-    await stack.coordinator()  # resumes from JetStream: leases from the KV bucket, reports from the stream
+    await stack.coordinator()  # resumes: leases and queue from the KV bucket, reports from the stream
     await stack.wait_state("r0", "completed")
     assert stack.states("r0") == ["claimed", "kv_ready", "decoding", "completed"]
-    body = await stack.coord.wait_healthy(10, until=lambda h: h["leases"] == 1)
-    assert body["queued"] == 0  # r1's lease survived the restart
-    _, end = await collect(await run_request(stack, other, prompt_len=8, max_tokens=2))
-    assert isinstance(end, RequestFinished)
-    await stack.wait_state("r1", "completed")
-    again = await stack.claim("r2")  # generations keep growing across the restart
-    assert isinstance(again, ClaimGranted) and again.generation > other.generation
-    await run_request(stack, again, prompt_len=8, max_tokens=1)
-    await stack.wait_state("r2", "completed")
+    # r0's slot went to the claim that was waiting when the coordinator died, on its old inbox.
+    third = await asyncio.wait_for(waiting, 10)
+    assert isinstance(third, ClaimGranted) and third.target.slot.slot == grant.target.slot.slot
+    assert third.generation > other.generation  # generations never repeat across the restart
+    assert stack.states("r2") == ["queued", "claimed"]
+    await stack.coord.wait_healthy(10, until=lambda h: h["leases"] == 2 and h["queued"] == 0)
+    for g in (other, third):  # r1's lease survived the restart too
+        _, end = await collect(await run_request(stack, g, prompt_len=8, max_tokens=2))
+        assert isinstance(end, RequestFinished)
+        await stack.wait_state(g.request_id, "completed")
     await stack.assert_no_leak([node])
 
 
