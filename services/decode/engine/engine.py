@@ -190,13 +190,14 @@ class Engine:
         s.state, s.pending, s.max_tokens, s.stop_token_ids, s.num_spec = "active", first_token_id, sampling.max_tokens, frozenset(stop), k
         self.temperature[slot], self.top_k[slot], self.top_p[slot] = sampling.temperature, sampling.top_k, sampling.top_p
         self.generators[slot].manual_seed(sampling.seed if sampling.seed is not None else random.getrandbits(63))
-        s.num_valid_drafts = 0
+        s.num_valid_drafts, s.is_greedy = 0, sampling.temperature == 0
         if k and s.has_prefill_hidden:
             slot_ids = torch.tensor([slot], device=self.device)
             tokens = torch.tensor([[first_token_id]], device=self.device)
             positions = torch.tensor([[s.seq_len - 1]], device=self.device)
             hidden, logits = self._mtp(tokens, positions, self.prefill_hidden[slot][None, None], slot_ids)
-            self._draft(slot_ids, [self.generators[slot]], hidden[:, 0], logits[:, 0], torch.tensor([s.seq_len], device=self.device))
+            self._draft(slot_ids, [self.generators[slot]], hidden[:, 0], logits[:, 0],
+                        torch.tensor([s.seq_len], device=self.device), s.is_greedy)
             s.num_valid_drafts = k
 
     def cancel(self, slot: int) -> None:
@@ -220,7 +221,7 @@ class Engine:
         return process_probs(logits, self.temperature[slot_ids], self.top_k[slot_ids], self.top_p[slot_ids])
 
     def _draft(self, slot_ids: torch.Tensor, gens: list[torch.Generator], hidden: torch.Tensor, logits: torch.Tensor,
-               next_pos: torch.Tensor) -> None:
+               next_pos: torch.Tensor, all_greedy: bool = False) -> None:
         """Draw K drafts per slot from the MTP head, recycling its hidden for drafts 2..K.
 
         hidden/logits [B, ...] are the MTP outputs at position next_pos - 1 (whose input token is
@@ -229,16 +230,20 @@ class Engine:
         greedy = self.temperature[slot_ids] <= 0
         drafts, probs = [], []
         for j in range(self.k):
-            q = self._probs(slot_ids, logits[:, None])[:, 0]
-            d = sample(q, exponential_noise(gens, (q.shape[-1],), self.device), greedy)
+            if all_greedy:  # greedy acceptance never reads the draft distribution
+                d = logits.argmax(dim=-1)
+            else:
+                q = self._probs(slot_ids, logits[:, None])[:, 0]
+                d = sample(q, exponential_noise(gens, (q.shape[-1],), self.device), greedy)
+                probs.append(q)
             drafts.append(d)
-            probs.append(q)
             if j + 1 < self.k:
                 pos = (next_pos + j)[:, None]
                 h, lg = self._mtp(d[:, None], pos, hidden[:, None], slot_ids)
                 hidden, logits = h[:, 0], lg[:, 0]
         self.drafts[slot_ids] = torch.stack(drafts, dim=1)
-        self.draft_probs[slot_ids] = torch.stack(probs, dim=1)
+        if probs:
+            self.draft_probs[slot_ids] = torch.stack(probs, dim=1)
 
     @torch.inference_mode()
     def step(self) -> dict[int, StepOutput]:
@@ -252,21 +257,30 @@ class Engine:
         pending = torch.tensor([self.slots[i].pending for i in active], device=dev)
         num_valid = torch.tensor([self.slots[i].num_valid_drafts for i in active], device=dev)
         gens = [self.generators[i] for i in active]
-        greedy = self.temperature[slot_ids] <= 0
+        all_greedy = all(self.slots[i].is_greedy for i in active)
         tokens = torch.cat([pending[:, None], self.drafts[slot_ids][:, :k]], dim=1)  # [B, 1+K]
         positions = seq[:, None] + torch.arange(k + 1, device=dev)
         hidden, self.last_logits = self._forward(tokens, positions, slot_ids)  # last_logits [B, 1+K, V] float32
-        probs = self._probs(slot_ids, self.last_logits)
-        noise = exponential_noise(gens, (probs.shape[-1],), dev)
-        if k:
+        rows = torch.arange(b, device=dev)
+        if all_greedy:  # no vocab-sized sampling work: compare drafts with the target argmax
+            target = self.last_logits.argmax(dim=-1)  # [B, 1+K]
+            ok = (tokens[:, 1:] == target[:, :k]) & (torch.arange(k, device=dev)[None] < num_valid[:, None])
+            num_accepted = ok.long().cumprod(dim=-1).sum(dim=-1)
+            nxt = target[rows, num_accepted]
+        elif k:
+            probs = self._probs(slot_ids, self.last_logits)
+            noise = exponential_noise(gens, (probs.shape[-1],), dev)
             uniform = uniform_noise(gens, (k,), dev)
+            greedy = self.temperature[slot_ids] <= 0
             num_accepted, nxt = verify(probs, self.draft_probs[slot_ids], tokens[:, 1:], num_valid, uniform, noise, greedy)
+        else:
+            probs = self._probs(slot_ids, self.last_logits)[:, 0]
+            noise = exponential_noise(gens, (probs.shape[-1],), dev)
+            num_accepted, nxt = torch.zeros(b, dtype=torch.long, device=dev), sample(probs, noise, self.temperature[slot_ids] <= 0)
+        if k:
             mtp_tokens = torch.cat([tokens[:, 1:], nxt[:, None]], dim=1).scatter(1, num_accepted[:, None], nxt[:, None])
             h, lg = self._mtp(mtp_tokens, positions, hidden, slot_ids)
-            rows = torch.arange(b, device=dev)
-            self._draft(slot_ids, gens, h[rows, num_accepted], lg[rows, num_accepted], seq + num_accepted + 1)
-        else:
-            num_accepted, nxt = torch.zeros(b, dtype=torch.long, device=dev), sample(probs[:, 0], noise, greedy)
+            self._draft(slot_ids, gens, h[rows, num_accepted], lg[rows, num_accepted], seq + num_accepted + 1, all_greedy)
         host = torch.cat([num_accepted[:, None], tokens[:, 1:], nxt[:, None]], dim=1).tolist()  # the one sync
         return {slot: self._emit(slot, row) for slot, row in zip(active, host)}
 

@@ -18,6 +18,7 @@ class SlotState:
     num_generated: int = 0
     max_tokens: int = 0
     stop_token_ids: frozenset[int] = frozenset()
+    is_greedy: bool = True
     num_spec: int = 0  # drafts per step for this request
     num_valid_drafts: int = 0  # drafts held for the next step
     has_prefill_hidden: bool = False

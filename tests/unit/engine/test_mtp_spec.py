@@ -61,6 +61,30 @@ def test_speculative_sampling_is_seeded_and_top_k_1_is_greedy(hf_checkpoint, pla
     assert run_counted(engine, 0, PROMPTS[0], top1)[0] == plain[0]
 
 
+def test_two_slots_greedy_and_sampling_under_speculation(hf_checkpoint, plain):
+    """A greedy slot batched with a sampling slot keeps its exact greedy tokens; the sampled one its seeded ones."""
+    path, _ = hf_checkpoint("deepseek_v3")
+    sampled = SamplingParams(max_tokens=50, ignore_eos=True, temperature=0.7, top_k=20, seed=11)
+    alone = Engine.load(path, num_slots=1, max_seq_len=256, dtype=torch.float32, num_speculative_tokens=3)
+    expected = run_counted(alone, 0, PROMPTS[1], sampled)[0]
+    engine = Engine.load(path, num_slots=2, max_seq_len=256, dtype=torch.float32, num_speculative_tokens=3)
+    got = {}
+    for slot, prompt, params in ((0, PROMPTS[0], GREEDY), (1, PROMPTS[1], sampled)):
+        first = int(engine.prefill(slot, prompt).argmax())
+        engine.start(slot, first, params)
+        got[slot] = [first]
+    while engine.active_slots():
+        for slot, out in engine.step().items():
+            got[slot] += out.token_ids
+    assert got[0] == plain[0]
+    assert got[1] == expected and len(expected) == 51
+    stats = engine.spec_stats(1)
+    assert stats.num_accepted_tokens <= stats.num_draft_tokens
+    for slot in (0, 1):
+        engine.release(slot)
+    assert engine.free_slots() == [0, 1]
+
+
 def test_speculation_per_request_off_and_two_slots(hf_checkpoint, plain):
     path, _ = hf_checkpoint("deepseek_v3")
     engine = Engine.load(path, num_slots=2, max_seq_len=256, dtype=torch.float32, num_speculative_tokens=3)

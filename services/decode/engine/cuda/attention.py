@@ -24,8 +24,8 @@ from .gemv import INTERPRET
 
 
 @triton.jit
-def _attn_split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, part_o_ptr, part_ml_ptr, sm_scale,
-                       stride_kt, stride_vt, rope_offset,
+def _attn_split_kernel(q_ptr, q_pe_ptr, k_ptr, v_ptr, pos_ptr, part_o_ptr, part_ml_ptr, sm_scale,
+                       stride_qt, stride_qh, stride_kt, stride_vt, rope_offset,
                        T: tl.constexpr, NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
                        GROUP: tl.constexpr, ROWS: tl.constexpr, D_MAIN: tl.constexpr, D_ROPE: tl.constexpr,
                        D_V: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
@@ -42,13 +42,13 @@ def _attn_split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, part_o_ptr, part_ml_ptr, sm
     t_of = r // GROUP
     head = kvh * GROUP + (r % GROUP)
     rvalid = r < T * GROUP
-    D_QK: tl.constexpr = D_MAIN + D_ROPE
-    q_row = q_ptr + (t_of * NUM_Q_HEADS + head) * D_QK
+    q_row = q_ptr + t_of * stride_qt + head * stride_qh
     dm = tl.arange(0, D_MAIN)
     q = tl.load(q_row[:, None] + dm[None, :], mask=rvalid[:, None], other=0.0)
-    if D_ROPE > 0:
+    if D_ROPE > 0:  # MLA: the rope part of q lives in its own [T, Hq, D_ROPE] buffer
         dr = tl.arange(0, D_ROPE)
-        q_pe = tl.load(q_row[:, None] + D_MAIN + dr[None, :], mask=rvalid[:, None], other=0.0)
+        q_pe = tl.load(q_pe_ptr + ((t_of * NUM_Q_HEADS + head) * D_ROPE)[:, None] + dr[None, :],
+                       mask=rvalid[:, None], other=0.0)
     dv = tl.arange(0, D_V)
     qk_scale = sm_scale * 1.4426950408889634
     m = tl.full((ROWS,), float("-inf"), tl.float32)
@@ -127,10 +127,15 @@ class DecodeAttention:
         self.part_ml = torch.empty(num_tokens * num_q_heads * num_splits * 2, dtype=torch.float32, device=device)
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, out: torch.Tensor,
-                 *, stride_kt: int, stride_vt: int, rope_offset: int = 0) -> torch.Tensor:
-        """q [T, Hq, D_QK]; k/v cache storage (token strides in elements); out [T, Hq, D_V]."""
+                 *, stride_kt: int, stride_vt: int, rope_offset: int = 0, q_pe: torch.Tensor | None = None,
+                 stride_qt: int | None = None, stride_qh: int | None = None) -> torch.Tensor:
+        """q: main part, row (t, head) at t*stride_qt + head*stride_qh (default [T, Hq, D_MAIN] contiguous);
+        q_pe [T, Hq, D_ROPE] (MLA); k/v cache storage (token strides in elements); out [T, Hq, D_V]."""
+        sqh = stride_qh if stride_qh is not None else self.d_main
+        sqt = stride_qt if stride_qt is not None else self.hq * self.d_main
         _attn_split_kernel[(self.hkv, self.num_splits)](
-            q, k, v, pos, self.part_o, self.part_ml, self.sm_scale, stride_kt, stride_vt, rope_offset,
+            q, q_pe if q_pe is not None else q, k, v, pos, self.part_o, self.part_ml, self.sm_scale, sqt, sqh,
+            stride_kt, stride_vt, rope_offset,
             T=self.t, NUM_Q_HEADS=self.hq, NUM_KV_HEADS=self.hkv, GROUP=self.group, ROWS=self.rows,
             D_MAIN=self.d_main, D_ROPE=self.d_rope, D_V=self.d_v, NUM_SPLITS=self.num_splits,
             BLOCK_S=self.block_s, DOT_F32=INTERPRET, num_warps=self.num_warps)

@@ -14,7 +14,10 @@ from .gemv import rnd_bf16
 
 
 @triton.jit
-def _rmsnorm_kernel(x_ptr, w_ptr, out_ptr, K, eps, K_POW2: tl.constexpr):
+def _rmsnorm_kernel(x_ptr, w_ptr, out_ptr, K, eps, stride_x, stride_o, K_POW2: tl.constexpr):
+    row = tl.program_id(0)
+    x_ptr += row * stride_x
+    out_ptr += row * stride_o
     offs = tl.arange(0, K_POW2)
     mask = offs < K
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
@@ -69,7 +72,15 @@ def _silu_mul_kernel(gu_ptr, out_ptr, I, BLOCK: tl.constexpr):
 def rmsnorm(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, eps: float) -> torch.Tensor:
     """out = rmsnorm(x) * w for one vector x [K]."""
     k = x.numel()
-    _rmsnorm_kernel[(1,)](x, w, out, k, eps, K_POW2=triton.next_power_of_2(k), num_warps=8)
+    _rmsnorm_kernel[(1,)](x, w, out, k, eps, 0, 0, K_POW2=triton.next_power_of_2(k), num_warps=8)
+    return out
+
+
+def rmsnorm_rows(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, eps: float) -> torch.Tensor:
+    """out[t] = rmsnorm(x[t]) * w for x [T, K] (rows may be strided views)."""
+    k = x.shape[-1]
+    _rmsnorm_kernel[(x.shape[0],)](x, w, out, k, eps, x.stride(0), out.stride(0),
+                                   K_POW2=triton.next_power_of_2(k), num_warps=8)
     return out
 
 

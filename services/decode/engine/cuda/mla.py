@@ -1,0 +1,174 @@
+"""DeepSeek-V3-family decode on the fast path: absorbed MLA, grouped-expert MoE, MTP draft + verify.
+
+Weights are the engine's (deepseek.py names): per layer attn_norm, wq (no q LoRA), wkv_a, kv_a_norm,
+w_uk [Hq, nope, r], w_uv [Hq, v, r], wo, mlp_norm, and router/router_bias/experts_gate_up/experts_down/
+shared_gate_up/shared_down (MoE) or w_gate_up/w_down (dense). ``prepare_layer`` pre-lays them out
+once: wq and wkv_a fused into one projection, shared experts split into routed-size experts.
+Cache per layer: ``[max_tokens, r + rope]`` (shared.kvlayout MLA), MTP layers after the main ones.
+
+``MlaDecoder.forward(T)`` runs the main model over ``tokens[:T]`` at positions ``pos .. pos+T-1``
+(T = 1: a plain step; T = k+1: the verify of k drafts): logits [T, V] fp32 and final-normed hidden
+[T, H]. ``mtp_draft(j)`` runs the MTP layer for draft j. ``plain_step`` / ``spec_step(k)`` chain them
+with greedy acceptance on device, so each is one CUDA graph with no host sync.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from . import smallops as S
+from .attention import DecodeAttention
+from .gemv import _rnd, rnd_bf16
+from .moe import GroupedMoe, gemv_rows, router
+
+
+@dataclass
+class MlaDims:
+    hidden: int
+    num_heads: int
+    kv_lora_rank: int
+    nope: int
+    rope: int
+    v_dim: int
+    num_experts: int
+    top_k: int
+    moe_inter: int
+    num_shared: int
+    routed_scale: float
+    eps: float
+    sm_scale: float
+
+
+@dataclass
+class MlaLayer:
+    attn_norm: torch.Tensor
+    wqkv_a: torch.Tensor  # [Hq (nope + rope) + r + rope, H]: wq then wkv_a
+    kv_a_norm: torch.Tensor
+    w_uk: torch.Tensor  # [Hq, nope, r]
+    w_uv_t: torch.Tensor  # [Hq, r, v] (w_uv transposed once)
+    wo: torch.Tensor
+    mlp_norm: torch.Tensor
+    gate_up: torch.Tensor  # routed [E, 2I, H], or [1, 2I, H] for a dense layer
+    down: torch.Tensor  # routed [E, H, I], or [1, H, I]
+    shared_gate_up: torch.Tensor | None  # [S, 2I, H]
+    shared_down: torch.Tensor | None  # [S, H, I]
+    router: torch.Tensor | None
+    router_bias: torch.Tensor | None
+
+    @property
+    def is_moe(self) -> bool:
+        return self.router is not None
+
+
+@dataclass
+class MtpWeights:
+    enorm: torch.Tensor
+    hnorm: torch.Tensor
+    eh_proj: torch.Tensor  # [H, 2H]
+    head_norm: torch.Tensor
+    head: torch.Tensor  # [V, H]
+    embed: torch.Tensor  # [V, H]
+    layer: MlaLayer
+
+
+def split_shared(gate_up: torch.Tensor, down: torch.Tensor, inter: int):
+    """A shared MLP [2 S I, H] / [H, S I] as S routed-size experts [S, 2I, H] / [S, H, I]."""
+    s = gate_up.shape[0] // (2 * inter)
+    gate, up = gate_up.view(2, s, inter, -1).unbind(0)
+    return torch.cat([gate, up], dim=1).contiguous(), down.view(down.shape[0], s, inter).permute(1, 0, 2).contiguous()
+
+
+def prepare_layer(p: dict[str, torch.Tensor], moe_inter: int) -> MlaLayer:
+    """Engine per-layer tensors (deepseek.py names) -> the fast path's pre-laid-out MlaLayer."""
+    moe = "router" in p
+    if moe:
+        sg, sd = split_shared(p["shared_gate_up"], p["shared_down"], moe_inter) if "shared_gate_up" in p else (None, None)
+        gate_up, down = p["experts_gate_up"], p["experts_down"]
+    else:
+        sg, sd = p["w_gate_up"][None], p["w_down"][None]  # the dense MLP is the one "shared expert"
+        gate_up, down = sg, sd
+    return MlaLayer(p["attn_norm"], torch.cat([p["wq"], p["wkv_a"]]).contiguous(), p["kv_a_norm"], p["w_uk"],
+                    p["w_uv"].transpose(1, 2).contiguous(), p["wo"], p["mlp_norm"], gate_up, down, sg, sd,
+                    p.get("router"), p.get("router_bias"))
+
+
+@triton.jit
+def _mla_prep_kernel(qkv_ptr, q_pe_ptr, cache_ptr, kv_norm_ptr, pos_ptr, cos_ptr, sin_ptr, stride_qkv, eps,
+                     NUM_HEADS: tl.constexpr, NOPE: tl.constexpr, ROPE: tl.constexpr, R: tl.constexpr):
+    # per token t: rope (interleaved pairs) of each head's q_pe -> q_pe[t]; the latent: RMSNorm(c) and
+    # rope(k_pe) -> cache[pos + t]
+    t = tl.program_id(0)
+    head = tl.program_id(1)
+    HALF: tl.constexpr = ROPE // 2
+    QK: tl.constexpr = NOPE + ROPE
+    p = tl.load(pos_ptr) + t
+    j = tl.arange(0, HALF)
+    cos = tl.load(cos_ptr + p * HALF + j).to(tl.float32)
+    sin = tl.load(sin_ptr + p * HALF + j).to(tl.float32)
+    row = qkv_ptr + t * stride_qkv
+    if head < NUM_HEADS:
+        src = row + head * QK + NOPE
+        dst = q_pe_ptr + (t * NUM_HEADS + head) * ROPE
+    else:
+        src = row + NUM_HEADS * QK + R
+        dst = cache_ptr + p.to(tl.int64) * (R + ROPE) + R
+        r = tl.arange(0, R)
+        c = tl.load(row + NUM_HEADS * QK + r).to(tl.float32)
+        inv = 1.0 / tl.sqrt(tl.sum(c * c, axis=0) / R + eps)
+        nw = tl.load(kv_norm_ptr + r)
+        cn = _rnd(_rnd(c * inv, nw.dtype) * nw.to(tl.float32), nw.dtype)
+        tl.store(cache_ptr + p.to(tl.int64) * (R + ROPE) + r, cn.to(nw.dtype))
+    a = tl.load(src + 2 * j).to(tl.float32)
+    b = tl.load(src + 2 * j + 1).to(tl.float32)
+    dt = q_pe_ptr.dtype.element_ty
+    tl.store(dst + j, rnd_bf16(rnd_bf16(a * cos) - rnd_bf16(b * sin)).to(dt))
+    tl.store(dst + HALF + j, rnd_bf16(rnd_bf16(b * cos) + rnd_bf16(a * sin)).to(dt))
+
+
+class MlaStack:
+    """Buffers and launch plan of one MLA+MoE block stack for T tokens (T fixed per instance)."""
+
+    def __init__(self, dims: MlaDims, num_tokens: int, device, num_splits: int = 16, block_s: int = 32,
+                 dense_inter: int = 0):
+        d, t, dev, bf = dims, num_tokens, device, torch.bfloat16
+        self.d, self.t = d, t
+        nq = d.num_heads * (d.nope + d.rope)
+        self.qkv = torch.zeros(t, nq + d.kv_lora_rank + d.rope, dtype=bf, device=dev)
+        self.q_pe = torch.zeros(t, d.num_heads, d.rope, dtype=bf, device=dev)
+        self.o_lat = torch.zeros(t, d.num_heads, d.kv_lora_rank, dtype=bf, device=dev)
+        self.xn = torch.zeros(t, d.hidden, dtype=bf, device=dev)
+        self.ids = torch.zeros(t, max(d.top_k, 1), dtype=torch.int32, device=dev)
+        self.wts = torch.zeros(t, max(d.top_k, 1), dtype=torch.float32, device=dev)
+        self.attn = DecodeAttention(num_q_heads=d.num_heads, num_kv_heads=1, d_main=d.kv_lora_rank, d_v=d.kv_lora_rank,
+                                    d_rope=d.rope, num_tokens=t, num_splits=num_splits, block_s=block_s,
+                                    sm_scale=d.sm_scale, num_warps=4 * triton.next_power_of_2(t), device=dev)
+        self.moe = GroupedMoe(num_tokens=t, top_k=d.top_k, num_shared=d.num_shared, hidden=d.hidden,
+                              inter=d.moe_inter, device=dev)
+        self.dense = GroupedMoe(num_tokens=t, top_k=0, num_shared=1, hidden=d.hidden, inter=dense_inter,
+                                device=dev) if dense_inter else None
+
+    def block(self, lw: MlaLayer, h: torch.Tensor, cache: torch.Tensor, pos: torch.Tensor,
+              cos: torch.Tensor, sin: torch.Tensor) -> None:
+        """h [T, H] += attention; h += MLP/MoE (in place); writes this block's cache rows at pos.."""
+        d, t = self.d, self.t
+        r, nope = d.kv_lora_rank, d.nope
+        gemv_rows(h, lw.wqkv_a, self.qkv, norm_w=lw.attn_norm, eps=d.eps)
+        _mla_prep_kernel[(t, d.num_heads + 1)](self.qkv, self.q_pe, cache, lw.kv_a_norm, pos, cos, sin,
+                                               self.qkv.stride(0), d.eps, NUM_HEADS=d.num_heads, NOPE=nope,
+                                               ROPE=d.rope, R=r, num_warps=4)
+        q_nope = self.qkv[:, : d.num_heads * (nope + d.rope)].view(t, d.num_heads, nope + d.rope)[..., :nope]
+        q_c = torch.matmul(q_nope.transpose(0, 1), lw.w_uk)  # absorbed: [Hq, T, r]
+        self.attn(q_c, cache, cache, pos, self.o_lat, stride_kt=r + d.rope, stride_vt=r + d.rope, rope_offset=r,
+                  q_pe=self.q_pe, stride_qt=r, stride_qh=t * r)
+        o = torch.matmul(self.o_lat.transpose(0, 1), lw.w_uv_t)  # [Hq, T, v]
+        gemv_rows(o.transpose(0, 1).reshape(t, -1), lw.wo, h, residual=h)
+        S.rmsnorm_rows(h, lw.mlp_norm, self.xn, d.eps)
+        if lw.is_moe:
+            router(self.xn, lw.router, lw.router_bias, self.ids, self.wts, d.top_k, d.routed_scale)
+            self.moe(self.xn, self.ids, self.wts, lw.gate_up, lw.down, lw.shared_gate_up, lw.shared_down, h)
+        else:
+            self.dense(self.xn, self.ids, self.wts, lw.gate_up, lw.down, lw.shared_gate_up, lw.shared_down, h)

@@ -1,0 +1,161 @@
+"""The DeepSeek-V3-family decode loop on device: plain greedy step and MTP draft + verify step.
+
+State lives in device tensors: ``tokens[0]`` (next input token), ``pos`` (its position), ``g`` (the
+hidden the MTP layer pairs with it: the main model's final-normed hidden one position back),
+``out_tokens``/``out_idx`` (emitted tokens) and ``accepted`` (accepted drafts). ``plain_step()`` and
+``spec_step(k)`` only read and advance that state, so each is captured once as one CUDA graph.
+
+spec_step(k): k MTP drafts (draft j: token at pos+j and the previous hidden -> next token; the MTP
+head, a full-vocabulary lm_head, is read once per draft), then one verify forward of the k+1 tokens,
+greedy acceptance of the longest matching prefix, k+1 candidate tokens written, n+1 of them kept.
+Greedy output is exactly the plain steps' output (verify row i is the plain step at pos+i).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from . import smallops as S
+from .gemv import reference_linear, reference_rmsnorm, reference_silu_mul
+from .attention import reference_attention
+from .mla import MlaDims, MlaLayer, MlaStack, MtpWeights
+from .moe import gemv_rows, reference_router
+
+
+@dataclass
+class MlaModel:
+    dims: MlaDims
+    layers: list[MlaLayer]
+    embed: torch.Tensor
+    final_norm: torch.Tensor
+    lm_head: torch.Tensor
+    mtp: MtpWeights | None
+    dense_inter: int
+
+
+class MlaDecoder:
+    """Slot state and step functions over per-layer caches [max_tokens, r + rope] (MTP cache last)."""
+
+    def __init__(self, model: MlaModel, caches: list[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor,
+                 max_draft: int = 3, max_steps: int = 4096, num_splits: int = 16):
+        self.m, self.caches = model, caches
+        d, dev, bf = model.dims, model.embed.device, torch.bfloat16
+        self.cos, self.sin = cos.to(device=dev, dtype=bf).contiguous(), sin.to(device=dev, dtype=bf).contiguous()
+        vocab, hdim = model.lm_head.shape
+        self.stacks = {t: MlaStack(d, t, dev, num_splits=num_splits, dense_inter=model.dense_inter)
+                       for t in range(1, max_draft + 2)}
+        self.h = {t: torch.zeros(t, hdim, dtype=bf, device=dev) for t in self.stacks}
+        self.hid = {t: torch.zeros(t, hdim, dtype=bf, device=dev) for t in self.stacks}
+        self.logits = {t: torch.zeros(t, vocab, dtype=torch.float32, device=dev) for t in self.stacks}
+        self.tokens = torch.zeros(max_draft + 1, dtype=torch.int64, device=dev)
+        self.pos = torch.zeros(1, dtype=torch.int32, device=dev)
+        self.pos_draft = torch.zeros(max_draft, 1, dtype=torch.int32, device=dev)
+        self.g = torch.zeros(1, hdim, dtype=bf, device=dev)
+        self.mtp_cat = torch.zeros(1, 2 * hdim, dtype=bf, device=dev)
+        self.mtp_x = torch.zeros(1, hdim, dtype=bf, device=dev)
+        self.mtp_logits = torch.zeros(1, vocab, dtype=torch.float32, device=dev)
+        self.out_tokens = torch.zeros(max_steps + max_draft + 1, dtype=torch.int64, device=dev)
+        self.out_idx = torch.zeros(1, dtype=torch.int64, device=dev)
+        self.accepted = torch.zeros(1, dtype=torch.int64, device=dev)
+        self.arange = torch.arange(max_draft + 1, device=dev)
+
+    def set_state(self, token_id: int, pos: int, prev_hidden: torch.Tensor | None = None) -> None:
+        """Host-side (re)start: next token, its position, and the hidden one position back (for MTP)."""
+        self.tokens[0] = token_id
+        self.pos.fill_(pos)
+        self.out_idx.zero_()
+        self.accepted.zero_()
+        self.g.copy_(prev_hidden.view(1, -1) if prev_hidden is not None else torch.zeros_like(self.g))
+
+    def forward(self, t: int) -> None:
+        """Main model over tokens[:t] at pos..pos+t-1 -> logits[t] [t, V] fp32, hid[t] (final-normed)."""
+        m, h = self.m, self.h[t]
+        torch.index_select(m.embed, 0, self.tokens[:t], out=h)
+        for i, lw in enumerate(m.layers):
+            self.stacks[t].block(lw, h, self.caches[i], self.pos, self.cos, self.sin)
+        S.rmsnorm_rows(h, m.final_norm, self.hid[t], m.dims.eps)
+        gemv_rows(self.hid[t], m.lm_head, self.logits[t], block_n=16, block_k=256)
+
+    def mtp_draft(self, j: int) -> None:
+        """Draft j: MTP(embed(tokens[j]), g) at pos + j -> tokens[j+1]; g becomes the recycled hidden."""
+        mt, eps, hd = self.m.mtp, self.m.dims.eps, self.g.shape[1]
+        torch.index_select(mt.embed, 0, self.tokens[j:j + 1], out=self.mtp_x)
+        S.rmsnorm_rows(self.mtp_x, mt.enorm, self.mtp_cat[:, :hd], eps)
+        S.rmsnorm_rows(self.g, mt.hnorm, self.mtp_cat[:, hd:], eps)
+        gemv_rows(self.mtp_cat, mt.eh_proj, self.mtp_x)
+        torch.add(self.pos, j, out=self.pos_draft[j])
+        self.stacks[1].block(mt.layer, self.mtp_x, self.caches[len(self.m.layers)], self.pos_draft[j],
+                             self.cos, self.sin)
+        S.rmsnorm_rows(self.mtp_x, mt.head_norm, self.g, eps)
+        gemv_rows(self.g, mt.head, self.mtp_logits, block_n=16, block_k=256)
+        self.tokens[j + 1:j + 2].copy_(torch.argmax(self.mtp_logits, dim=-1))
+
+    def plain_step(self) -> None:
+        """One greedy token: forward(1), emit, advance."""
+        self.forward(1)
+        a = torch.argmax(self.logits[1], dim=-1)  # [1]
+        self.out_tokens.index_copy_(0, self.out_idx, a)
+        self.out_idx.add_(1)
+        self.g.copy_(self.hid[1])
+        self.tokens[:1].copy_(a)
+        self.pos.add_(1)
+
+    def spec_step(self, k: int) -> None:
+        """k drafts + one verify of k+1 tokens; keeps the longest greedy-matching prefix plus one."""
+        for j in range(k):
+            self.mtp_draft(j)
+        self.forward(k + 1)
+        a = torch.argmax(self.logits[k + 1], dim=-1)  # [k+1]: the model's token after each input
+        n = torch.cumprod((a[:k] == self.tokens[1:k + 1]).long(), dim=0).sum().view(1)  # accepted drafts
+        self.out_tokens.index_copy_(0, self.out_idx + self.arange[:k + 1], a)
+        self.out_idx.add_(n + 1)
+        self.accepted.add_(n)
+        self.g.copy_(self.hid[k + 1].index_select(0, n))
+        self.tokens[:1].copy_(a.index_select(0, n))
+        self.pos.add_((n + 1).to(torch.int32))
+
+
+# ---- torch reference of one block and one step (same rounding points) ----
+
+def _rope_interleave(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+def reference_block(d: MlaDims, lw: MlaLayer, h: torch.Tensor, cache: torch.Tensor, pos: int,
+                    cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """One block on h [T, H] at positions pos..; writes cache rows; returns the new h."""
+    t, nh, r, nope = h.shape[0], d.num_heads, d.kv_lora_rank, d.nope
+    nq = nh * (nope + d.rope)
+    qkv = reference_linear(reference_rmsnorm(h, lw.attn_norm, d.eps), lw.wqkv_a)
+    q = qkv[:, :nq].view(t, nh, nope + d.rope)
+    cp, sp = cos[pos:pos + t].to(h.dtype), sin[pos:pos + t].to(h.dtype)
+    q_pe = _rope_interleave(q[..., nope:], cp[:, None], sp[:, None])
+    k_pe = _rope_interleave(qkv[:, nq + r:], cp, sp)
+    cache[pos:pos + t] = torch.cat([reference_rmsnorm(qkv[:, nq:nq + r], lw.kv_a_norm, d.eps), k_pe], dim=-1)
+    q_c = torch.matmul(q[..., :nope].transpose(0, 1), lw.w_uk).transpose(0, 1)  # [T, Hq, r]
+    o_lat = reference_attention(torch.cat([q_c, q_pe], dim=-1), cache[:, None], cache[:, None, :r], pos, d.sm_scale)
+    o = torch.matmul(o_lat.transpose(0, 1), lw.w_uv_t).transpose(0, 1).reshape(t, -1)
+    h = h + reference_linear(o, lw.wo)
+    xn = reference_rmsnorm(h, lw.mlp_norm, d.eps)
+    shared = sum(reference_silu_mul(reference_linear(xn, lw.shared_gate_up[s])).float()
+                 @ lw.shared_down[s].float().T for s in range(lw.shared_gate_up.shape[0])).to(h.dtype)
+    if not lw.is_moe:
+        return h + shared
+    ids, wts = reference_router(xn, lw.router, lw.router_bias, d.top_k, d.routed_scale)
+    y = torch.stack([torch.stack([reference_linear(reference_silu_mul(reference_linear(xn[i], lw.gate_up[e])),
+                                                   lw.down[e]) for e in ids[i].tolist()]) for i in range(t)])
+    routed = (y * wts[..., None].to(y.dtype)).sum(dim=1)
+    return h + (routed + shared)
+
+
+def reference_forward(model: MlaModel, caches: list[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor,
+                      tokens: list[int], pos: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logits [T, V] fp32, final-normed hidden [T, H]) of the main model over tokens at pos.."""
+    h = model.embed[torch.tensor(tokens, device=model.embed.device)]
+    for i, lw in enumerate(model.layers):
+        h = reference_block(model.dims, lw, h, caches[i], pos, cos, sin)
+    hid = reference_rmsnorm(h, model.final_norm, model.dims.eps)
+    return hid.float() @ model.lm_head.float().T, hid

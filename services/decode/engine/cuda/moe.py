@@ -1,0 +1,260 @@
+"""Few-token GEMVs for the DeepSeek-V3-family step: dense rows, router, grouped experts; torch twins.
+
+- ``gemv_rows``: out[T, N] = [res +] W @ [rmsnorm(x) * nw | x] for T <= 4 tokens; every weight tile is
+  loaded once and used for all T rows (a verify step reads each weight once, not T times).
+- ``router``: sigmoid scores, + correction bias (noaux_tc, one group), top-k, normalised weights.
+- ``moe_gate_up`` / ``moe_down``: grouped expert GEMVs over the (token, slot) pairs of the step;
+  slots are the top-k routed experts then the shared experts (pre-laid-out as ``[S, ...]`` experts
+  of the routed size). A pair's program runs only if it is the first pair naming its expert, and
+  then serves every token that chose that expert: each selected expert's weights are read once per
+  step, unselected experts never.
+- ``moe_reduce``: h += round(sum_k round(y_k * w_k)) + shared, with the eager-torch rounding points.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .gemv import _pair_first, _rnd
+
+
+@triton.jit
+def _gemv_rows_kernel(x_ptr, w_ptr, out_ptr, res_ptr, nw_ptr, N, K, eps, stride_x, stride_o,
+                      T: tl.constexpr, T_PAD: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr,
+                      K_POW2: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    rmask = rows < N
+    t = tl.arange(0, T_PAD)
+    tmask = t < T
+    inv = tl.full((T_PAD,), 1.0, tl.float32)
+    if NORM:
+        kk = tl.arange(0, K_POW2)
+        xs = tl.load(x_ptr + t[:, None] * stride_x + kk[None, :], mask=tmask[:, None] & (kk < K)[None, :],
+                     other=0.0).to(tl.float32)
+        inv = 1.0 / tl.sqrt(tl.sum(xs * xs, axis=1) / K + eps)
+    acc = tl.zeros((T_PAD, BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k in tl.range(0, K, BLOCK_K, num_stages=STAGES):
+        offs = k + tl.arange(0, BLOCK_K)
+        kmask = offs < K
+        x = tl.load(x_ptr + t[:, None] * stride_x + offs[None, :], mask=tmask[:, None] & kmask[None, :], other=0.0)
+        if NORM:
+            nw = tl.load(nw_ptr + offs, mask=kmask, other=0.0)
+            x = _rnd(_rnd(x.to(tl.float32) * inv[:, None], nw.dtype) * nw.to(tl.float32)[None, :], nw.dtype)
+        w = tl.load(w_ptr + rows[:, None].to(tl.int64) * K + offs[None, :], mask=rmask[:, None] & kmask[None, :],
+                    other=0.0, eviction_policy="evict_first")
+        acc += w.to(tl.float32)[None, :, :] * x.to(tl.float32)[:, None, :]
+    y = tl.sum(acc, axis=2)  # [T_PAD, BLOCK_N]
+    omask = tmask[:, None] & rmask[None, :]
+    if RESIDUAL:
+        r = tl.load(res_ptr + t[:, None] * stride_o + rows[None, :], mask=omask, other=0.0)
+        y = r.to(tl.float32) + _rnd(y, r.dtype)
+    tl.store(out_ptr + t[:, None] * stride_o + rows[None, :], y.to(out_ptr.dtype.element_ty), mask=omask)
+
+
+def gemv_rows(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, *, norm_w: torch.Tensor | None = None,
+              eps: float = 1e-6, residual: torch.Tensor | None = None, block_n: int = 8, block_k: int = 256,
+              num_warps: int = 4, stages: int = 4) -> torch.Tensor:
+    """out[T, N] = [residual +] x'[T, K] @ W[N, K]^T, x' = rmsnorm(x) * norm_w when given (T <= 4)."""
+    t, k = x.shape
+    n = w.shape[0]
+    _gemv_rows_kernel[(triton.cdiv(n, block_n),)](
+        x, w, out, residual if residual is not None else out, norm_w if norm_w is not None else x, n, k, eps,
+        x.stride(0), out.stride(0), T=t, T_PAD=triton.next_power_of_2(t), NORM=norm_w is not None,
+        RESIDUAL=residual is not None, K_POW2=triton.next_power_of_2(k), BLOCK_N=block_n, BLOCK_K=block_k,
+        STAGES=stages, num_warps=num_warps)
+    return out
+
+
+@triton.jit
+def _router_kernel(x_ptr, w_ptr, bias_ptr, ids_ptr, wts_ptr, K, scale,
+                   E: tl.constexpr, TOPK: tl.constexpr, BLOCK_K: tl.constexpr):
+    t = tl.program_id(0)
+    e = tl.arange(0, E)
+    acc = tl.zeros((E, BLOCK_K), tl.float32)
+    for k in range(0, K, BLOCK_K):
+        offs = k + tl.arange(0, BLOCK_K)
+        x = tl.load(x_ptr + t * K + offs, mask=offs < K, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + e[:, None] * K + offs[None, :], mask=(offs < K)[None, :], other=0.0).to(tl.float32)
+        acc += w * x[None, :]
+    scores = 1.0 / (1.0 + tl.exp(-tl.sum(acc, axis=1)))
+    choice = scores + tl.load(bias_ptr + e).to(tl.float32)
+    total = 0.0
+    c = choice
+    for j in tl.static_range(TOPK):
+        i = tl.argmax(c, axis=0, tie_break_left=True)
+        total += tl.sum(tl.where(e == i, scores, 0.0), axis=0)
+        c = tl.where(e == i, float("-inf"), c)
+    c = choice
+    for j in tl.static_range(TOPK):
+        i = tl.argmax(c, axis=0, tie_break_left=True)
+        tl.store(ids_ptr + t * TOPK + j, i.to(tl.int32))
+        tl.store(wts_ptr + t * TOPK + j, tl.sum(tl.where(e == i, scores, 0.0), axis=0) / (total + 1e-20) * scale)
+        c = tl.where(e == i, float("-inf"), c)
+
+
+def router(xn: torch.Tensor, w: torch.Tensor, bias: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor,
+           top_k: int, scale: float) -> None:
+    """ids [T, k] int32 (best first), wts [T, k] fp32 from normed x [T, H] (noaux_tc, one group)."""
+    _router_kernel[(xn.shape[0],)](xn, w, bias, ids, wts, xn.shape[1], scale, E=w.shape[0], TOPK=top_k,
+                                   BLOCK_K=128, num_warps=4)
+
+
+@triton.jit
+def _owner(ids_ptr, p, T: tl.constexpr, TOPK: tl.constexpr, SLOTS: tl.constexpr, SLOTS_PAD: tl.constexpr,
+           T_PAD: tl.constexpr):
+    """Expert of pair p (routed id, or E + s for shared s), whether p is its first pair, and per token the
+    pair index that names it (-1 if none)."""
+    t0 = p // SLOTS
+    k0 = p % SLOTS
+    tt = tl.arange(0, T_PAD)
+    kk = tl.arange(0, SLOTS_PAD)
+    valid = (tt[:, None] < T) & (kk[None, :] < SLOTS)
+    routed = kk[None, :] < TOPK
+    ids = tl.load(ids_ptr + tt[:, None] * TOPK + kk[None, :], mask=valid & routed, other=-1)
+    ids = tl.where(routed, ids, 100000 + kk[None, :] - TOPK)  # shared experts: distinct pseudo-ids
+    ids = tl.where(valid, ids, -2)
+    flat = tt[:, None] * SLOTS + kk[None, :]
+    mine = tl.sum(tl.sum(tl.where(flat == p, ids, 0), axis=1), axis=0)
+    match = ids == mine
+    is_first = tl.sum(tl.sum((match & (flat < p)).to(tl.int32), axis=1), axis=0) == 0
+    pair_of = tl.max(tl.where(match, flat, -1), axis=1)  # [T_PAD]: a token names an expert at most once
+    return mine, is_first, pair_of, k0 < TOPK
+
+
+@triton.jit
+def _moe_gate_up_kernel(x_ptr, ids_ptr, w_ptr, ws_ptr, act_ptr, I, K, stride_e,
+                        T: tl.constexpr, T_PAD: tl.constexpr, TOPK: tl.constexpr, SLOTS: tl.constexpr,
+                        SLOTS_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
+    p = tl.program_id(0)
+    expert, is_first, pair_of, is_routed = _owner(ids_ptr, p, T, TOPK, SLOTS, SLOTS_PAD, T_PAD)
+    if is_first:
+        if is_routed:
+            base = w_ptr + expert.to(tl.int64) * stride_e
+        else:
+            base = ws_ptr + (expert - 100000).to(tl.int64) * stride_e
+        rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        tt = tl.arange(0, T_PAD)
+        uses = pair_of >= 0
+        acc_a = tl.zeros((T_PAD, BLOCK_N, BLOCK_K), tl.float32)
+        acc_b = tl.zeros((T_PAD, BLOCK_N, BLOCK_K), tl.float32)
+        for k in tl.range(0, K, BLOCK_K, num_stages=STAGES):
+            offs = k + tl.arange(0, BLOCK_K)
+            x = tl.load(x_ptr + tt[:, None] * K + offs[None, :], mask=uses[:, None] & (offs < K)[None, :],
+                        other=0.0).to(tl.float32)
+            wa = tl.load(base + rows[:, None].to(tl.int64) * K + offs[None, :], mask=(offs < K)[None, :], other=0.0)
+            wb = tl.load(base + (rows + I)[:, None].to(tl.int64) * K + offs[None, :], mask=(offs < K)[None, :],
+                         other=0.0)
+            acc_a += wa.to(tl.float32)[None, :, :] * x[:, None, :]
+            acc_b += wb.to(tl.float32)[None, :, :] * x[:, None, :]
+        dt = act_ptr.dtype.element_ty
+        g = _rnd(tl.sum(acc_a, axis=2), dt)
+        u = _rnd(tl.sum(acc_b, axis=2), dt)
+        s = _rnd(g / (1.0 + tl.exp(-g)), dt)
+        tl.store(act_ptr + pair_of[:, None].to(tl.int64) * I + rows[None, :], (s * u).to(dt), mask=uses[:, None])
+
+
+@triton.jit
+def _moe_down_kernel(act_ptr, ids_ptr, w_ptr, ws_ptr, y_ptr, H, I, stride_e,
+                     T: tl.constexpr, T_PAD: tl.constexpr, TOPK: tl.constexpr, SLOTS: tl.constexpr,
+                     SLOTS_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
+    p = tl.program_id(0)
+    expert, is_first, pair_of, is_routed = _owner(ids_ptr, p, T, TOPK, SLOTS, SLOTS_PAD, T_PAD)
+    if is_first:
+        if is_routed:
+            base = w_ptr + expert.to(tl.int64) * stride_e
+        else:
+            base = ws_ptr + (expert - 100000).to(tl.int64) * stride_e
+        rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        uses = pair_of >= 0
+        src = tl.where(uses, pair_of, 0).to(tl.int64) * I
+        acc = tl.zeros((T_PAD, BLOCK_N, BLOCK_K), tl.float32)
+        for k in tl.range(0, I, BLOCK_K, num_stages=STAGES):
+            offs = k + tl.arange(0, BLOCK_K)
+            x = tl.load(act_ptr + src[:, None] + offs[None, :], mask=uses[:, None] & (offs < I)[None, :],
+                        other=0.0).to(tl.float32)
+            w = tl.load(base + rows[:, None].to(tl.int64) * I + offs[None, :], mask=(offs < I)[None, :], other=0.0)
+            acc += w.to(tl.float32)[None, :, :] * x[:, None, :]
+        y = tl.sum(acc, axis=2)  # fp32, unrounded: the shared halves are summed before rounding
+        tl.store(y_ptr + pair_of[:, None].to(tl.int64) * H + rows[None, :], y, mask=uses[:, None])
+
+
+@triton.jit
+def _moe_reduce_kernel(y_ptr, wts_ptr, h_ptr, H, TOPK: tl.constexpr, NUM_SHARED: tl.constexpr,
+                       BLOCK: tl.constexpr):
+    t = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    cmask = cols < H
+    SLOTS: tl.constexpr = TOPK + NUM_SHARED
+    dt = h_ptr.dtype.element_ty
+    routed = tl.zeros((BLOCK,), tl.float32)
+    for k in tl.static_range(TOPK):
+        w = _rnd(tl.load(wts_ptr + t * TOPK + k), dt)
+        yk = _rnd(tl.load(y_ptr + (t * SLOTS + k) * H + cols, mask=cmask, other=0.0), dt)
+        routed += _rnd(yk * w, dt)
+    shared = tl.zeros((BLOCK,), tl.float32)
+    for s in tl.static_range(NUM_SHARED):
+        shared += tl.load(y_ptr + (t * SLOTS + TOPK + s) * H + cols, mask=cmask, other=0.0)
+    out = _rnd(shared, dt)
+    if TOPK > 0:
+        out = _rnd(_rnd(routed, dt) + out, dt)
+    h = tl.load(h_ptr + t * H + cols, mask=cmask, other=0.0).to(tl.float32)
+    tl.store(h_ptr + t * H + cols, (h + out).to(dt), mask=cmask)
+
+
+class GroupedMoe:
+    """Launch plan of one MoE (or dense, TOPK = 0 with the MLP as the one shared expert) for T tokens."""
+
+    def __init__(self, *, num_tokens: int, top_k: int, num_shared: int, hidden: int, inter: int,
+                 device: torch.device | str, tiles: tuple[tuple[int, int, int, int], ...] = ((8, 256, 4, 4), (8, 256, 4, 4))):
+        self.t, self.k, self.s, self.h, self.i = num_tokens, top_k, num_shared, hidden, inter
+        self.slots = top_k + num_shared
+        self.tiles = tiles
+        self.act = torch.zeros(num_tokens * self.slots * inter, dtype=torch.bfloat16, device=device)
+        self.y = torch.zeros(num_tokens * self.slots * hidden, dtype=torch.float32, device=device)
+
+    def __call__(self, xn: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor, w_gate_up: torch.Tensor,
+                 w_down: torch.Tensor, shared_gate_up: torch.Tensor, shared_down: torch.Tensor, h: torch.Tensor) -> None:
+        """h[T, H] += MoE(xn); routed weights [E, 2I, H] / [E, H, I], shared [S, 2I, H] / [S, H, I]."""
+        common = dict(T=self.t, T_PAD=triton.next_power_of_2(self.t), TOPK=self.k, SLOTS=self.slots,
+                      SLOTS_PAD=triton.next_power_of_2(self.slots))
+        (bn, bk, nw, st), (bn2, bk2, nw2, st2) = self.tiles
+        pairs = self.t * self.slots
+        _moe_gate_up_kernel[(pairs, self.i // bn)](
+            xn, ids, w_gate_up, shared_gate_up, self.act, self.i, self.h, 2 * self.i * self.h, **common,
+            BLOCK_N=bn, BLOCK_K=bk, STAGES=st, num_warps=nw)
+        _moe_down_kernel[(pairs, triton.cdiv(self.h, bn2))](
+            self.act, ids, w_down, shared_down, self.y, self.h, self.i, self.h * self.i, **common,
+            BLOCK_N=bn2, BLOCK_K=bk2, STAGES=st2, num_warps=nw2)
+        _moe_reduce_kernel[(self.t, triton.cdiv(self.h, 1024))](self.y, wts, h, self.h, TOPK=self.k,
+                                                              NUM_SHARED=self.s, BLOCK=1024, num_warps=4)
+
+
+# ---- torch twins ----
+
+def reference_router(xn: torch.Tensor, w: torch.Tensor, bias: torch.Tensor, top_k: int, scale: float):
+    """(ids [T, k] best first, weights [T, k] fp32): sigmoid, + bias for the choice, normalised, scaled."""
+    scores = (xn.float() @ w.float().T).sigmoid()
+    ids = (scores + bias.float()).topk(top_k, dim=-1, sorted=True)[1]
+    wts = scores.gather(1, ids)
+    return ids, wts / (wts.sum(-1, keepdim=True) + 1e-20) * scale
+
+
+def reference_moe(xn: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor, w_gate_up: torch.Tensor,
+                  w_down: torch.Tensor, shared_gate_up: torch.Tensor | None, shared_down: torch.Tensor | None):
+    """Routed experts (rounded outputs, bf16-weighted, summed) plus the shared MLP, as eager torch does."""
+    from .gemv import reference_linear, reference_silu_mul
+    out = None
+    if ids.shape[1]:
+        ys = []
+        for t in range(xn.shape[0]):
+            ys.append(torch.stack([reference_linear(reference_silu_mul(reference_linear(xn[t], w_gate_up[e])),
+                                                    w_down[e]) for e in ids[t].tolist()]))
+        y = torch.stack(ys)  # [T, k, H]
+        out = (y * wts[..., None].to(y.dtype)).sum(dim=1)
+    if shared_gate_up is not None:
+        sh = reference_linear(reference_silu_mul(reference_linear(xn, shared_gate_up)), shared_down)
+        out = sh if out is None else out + sh
+    return out
