@@ -112,6 +112,9 @@ class Router:
             except (httpx.HTTPError, ValueError, KeyError) as exc:
                 _log.info("vllm_not_ready", url=url, error=str(exc)[:200])
                 await asyncio.sleep(1.0)
+            except Exception:
+                _log.exception("model_discovery_failed", url=url)
+                await asyncio.sleep(2.0)
 
     @property
     def is_ready(self) -> bool:

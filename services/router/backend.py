@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -66,11 +67,15 @@ def _eos_ids(gen_config: dict[str, Any], tokenizer: Any) -> list[int]:
     return ids
 
 
+_load_lock = threading.Lock()  # transformers' lazy imports are not thread-safe
+
+
 def load_tokenizer(path: str) -> Any:
     """The HF tokenizer of a checkpoint directory (blocking: call it in a thread)."""
-    from transformers import AutoTokenizer
+    with _load_lock:
+        from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(path)
+        return AutoTokenizer.from_pretrained(path)
 
 
 async def discover(
