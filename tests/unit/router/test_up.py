@@ -1,0 +1,50 @@
+"""``expresslane up``: what it plans to start, and that stopping leaves no process behind."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+from infra.up import Proc, build_parser, plan, stop_all
+
+
+def test_plan_starts_every_piece_in_order(tmp_path):
+    args = build_parser().parse_args(["--decode-nodes", "2", "--port", "18123"])
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text('{"model_type": "llama"}')
+    procs, missing = plan(args, model, "nats://127.0.0.1:4999", sys.executable)
+    assert [p.name for p in procs] == ["coordinator", "decode-0", "decode-1", "prefill", "router"]
+    assert missing == []
+    assert all("nats://127.0.0.1:4999" in " ".join(p.argv) + str(p.env) for p in procs)
+    router = procs[-1].argv
+    assert router[router.index("--port") + 1] == "18123"
+    prefill_port = procs[3].health_url.rsplit(":", 1)[1].split("/")[0]
+    assert router[router.index("--prefill-url") + 1] == f"http://127.0.0.1:{prefill_port}"
+    assert all(p.health_url.endswith("/health") for p in procs)
+
+
+def test_mla_model_gets_the_cpu_mla_backend(tmp_path):
+    args = build_parser().parse_args([])
+    (tmp_path / "config.json").write_text('{"model_type": "deepseek_v3", "kv_lora_rank": 512}')
+    procs, _ = plan(args, tmp_path, "nats://x:1", sys.executable)
+    assert "CPU_MLA" in " ".join(procs[-2].argv)
+
+
+def test_stop_all_stops_process_groups(tmp_path: Path):
+    # a parent that ignores SIGTERM with a child: the group is killed after the grace period
+    ready = tmp_path / "ready"
+    script = "import signal,subprocess,sys,time; signal.signal(signal.SIGTERM, signal.SIG_IGN); " \
+             "subprocess.Popen([sys.executable,'-c','import time; time.sleep(60)']); " \
+             f"open({str(ready)!r}, 'w').close(); time.sleep(60)"
+    stubborn = Proc("stubborn", [sys.executable, "-c", script])
+    polite = Proc("polite", [sys.executable, "-c", "import time; time.sleep(60)"])
+    for p in (stubborn, polite):
+        p.start(tmp_path)
+    deadline = time.monotonic() + 20
+    while not ready.exists() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    killed = stop_all([stubborn, polite], grace_s=1.0)
+    assert killed == ["stubborn"]
+    assert not stubborn.group_alive() and not polite.group_alive()
