@@ -53,6 +53,29 @@ def _tail(path: Path, num_lines: int = 30) -> str:
         return ""
 
 
+def group_alive(pgid: int) -> bool:
+    """Whether a live (not zombie) process is in process group ``pgid``."""
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    if not os.path.isdir("/proc"):
+        return True
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":  # fields: state, ppid, pgrp, ...
+            return True
+    return False
+
+
 @dataclass
 class Proc:
     name: str
@@ -97,14 +120,11 @@ class Proc:
                 pass
 
     def group_alive(self) -> bool:
+        """Whether any process of the group still runs (zombies awaiting their reaper do not)."""
         if self.popen is None:
             return False
         self.popen.poll()
-        try:
-            os.killpg(self.popen.pid, 0)
-            return True
-        except ProcessLookupError:
-            return False
+        return group_alive(self.popen.pid)
 
 
 def stop_all(procs: list[Proc], grace_s: float = STOP_GRACE_S) -> list[str]:
