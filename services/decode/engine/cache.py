@@ -8,8 +8,9 @@ The extra last row is a scratch slot that padded batch entries may write without
 Per cache layer (main layers first, then MTP layers):
 - GQA: ``k[layer]``, ``v[layer]``: [num_slots + 1, max_tokens, num_kv_heads, head_dim]
 - MLA: ``kv[layer]``: [num_slots + 1, max_tokens, kv_lora_rank + qk_rope_head_dim], the normalized
-  latent then the roped shared key. The rope part keeps the checkpoint's pair order: with
-  ``rope_interleave`` (DeepSeek-V3) rotated pairs stay adjacent, as vLLM's MLA cache holds them.
+  latent then the roped shared key. With ``rope_interleave`` (DeepSeek-V3) the rope part holds
+  the rotated even elements then the rotated odd ones, as HF transformers' cache does (vLLM keeps
+  the rotated pairs adjacent; the prefill adapter de-interleaves them).
 """
 
 from __future__ import annotations

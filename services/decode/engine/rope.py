@@ -82,9 +82,9 @@ def rope_tables(params: dict[str, Any], dim: int, max_pos: int, device: torch.de
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool = False) -> torch.Tensor:
     """Rotate ``x`` [..., T, H, dim] with cos/sin [..., T, dim/2]; returns x's dtype."""
     cos, sin = cos.unsqueeze(-2).to(x.dtype), sin.unsqueeze(-2).to(x.dtype)
-    if interleave:  # pairs stay in place, as vLLM stores the roped key
+    if interleave:  # rotated evens then rotated odds, as HF transformers returns them
         x1, x2 = x[..., 0::2], x[..., 1::2]
-        return torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
+    else:
+        half = x.shape[-1] // 2
+        x1, x2 = x[..., :half], x[..., half:]
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)

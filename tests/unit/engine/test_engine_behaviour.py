@@ -29,11 +29,8 @@ def hf_cache_to_native(engine: Engine, slot: int, cache, num_tokens: int) -> Non
     for layer in cache.layers:
         if engine.layout.kind == "gqa":
             tensors += [layer.keys[0].transpose(0, 1), layer.values[0].transpose(0, 1)]  # [S, Hkv, D]
-        else:  # HF keeps the normalized latent and the roped key, the latter with rotated pairs split in halves
-            latent, k_pe = layer.keys[0, 0], layer.values[0, 0]
-            half = k_pe.shape[-1] // 2
-            k_pe = torch.stack((k_pe[:, :half], k_pe[:, half:]), dim=-1).flatten(-2)
-            tensors.append(torch.cat([latent, k_pe], dim=-1))
+        else:  # HF caches the normalized latent and the roped shared key, as the native layout does
+            tensors.append(torch.cat([layer.keys[0, 0], layer.values[0, 0]], dim=-1))
     buf = engine.slot_buffer(slot)
     for seg, t in zip(engine.layout.segments, tensors):
         raw = t.to(engine.dtype).contiguous().view(torch.uint8).flatten()
@@ -127,3 +124,30 @@ def test_max_seq_len_finishes_with_length(hf_checkpoint):
     assert len(PROMPTS[0]) + len(tokens) == 16  # the last token is emitted, never cached
     with pytest.raises(ValueError):
         engine.prefill(0, list(range(16)))
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_prefill_writes_hf_kv_into_the_native_layout(hf_checkpoint, arch):
+    """Byte offsets from engine.layout (shared.kvlayout) hold exactly what HF's cache holds."""
+    from transformers import DynamicCache
+
+    path, hf = hf_checkpoint(arch)
+    engine = Engine.load(path, num_slots=2, max_seq_len=64, dtype=torch.float32)
+    prompt = PROMPTS[1]
+    engine.prefill(1, prompt)
+    with torch.no_grad():
+        cache = DynamicCache(config=hf.config)
+        hf(torch.tensor([prompt]), past_key_values=cache, use_cache=True)
+    buf, n = engine.slot_buffer(1), len(prompt)
+    segments = iter(engine.layout.segments)
+    for layer in cache.layers:
+        if engine.layout.kind == "gqa":
+            expected = [layer.keys[0].transpose(0, 1), layer.values[0].transpose(0, 1)]
+        else:
+            expected = [torch.cat([layer.keys[0, 0], layer.values[0, 0]], dim=-1)]
+        for want in expected:
+            seg = next(segments)
+            raw = buf[seg.offset_bytes : seg.offset_bytes + n * seg.bytes_per_token]
+            got = raw.view(torch.float32).view(want.shape)
+            assert torch.allclose(got, want, rtol=1e-4, atol=1e-5), (seg.layer, seg.name)
+    engine.release(1)
