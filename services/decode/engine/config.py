@@ -97,6 +97,8 @@ def parse_config(config: dict[str, Any]) -> ModelConfig:
     )
     if config.get("hidden_act", "silu") != "silu":
         raise ValueError(f"hidden_act {config.get('hidden_act')!r} is not supported: only silu")
+    if config.get("mlp_bias") or config.get("use_sliding_window"):
+        raise ValueError("MLP biases and sliding-window attention are not supported by the decode engine")
     if model_type in GQA_TYPES:
         head_dim = config.get("head_dim") or common["hidden_size"] // num_heads
         return ModelConfig(
@@ -109,6 +111,8 @@ def parse_config(config: dict[str, Any]) -> ModelConfig:
             **common,
         )
     if model_type in MLA_TYPES:
+        if config.get("attention_bias"):
+            raise ValueError("attention biases are not supported for deepseek_v3")
         if config.get("scoring_func", "sigmoid") != "sigmoid" or config.get("topk_method", "noaux_tc") != "noaux_tc":
             raise ValueError("only the noaux_tc top-k method with sigmoid scoring is supported")
         q_lora_rank = config.get("q_lora_rank")

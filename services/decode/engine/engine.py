@@ -8,7 +8,8 @@ active slots and returns the tokens each emitted; ``cancel`` stops a slot, ``rel
 
 After ``inject(slot, n)`` of an MTP model the MTP layer's cache must hold positions ``[0, n)`` as
 vLLM's MTP prefill writes them (entry i from hidden i and token i+1, the last from the first
-generated token); the slot's first step then runs without drafts.
+generated token); the slot's first step then runs without drafts. Exactness never depends on
+that cache (every draft is verified), only the acceptance rate does.
 
 Per step: one model forward over ``[B, 1 + K]`` tokens, sampling, acceptance, the MTP draft pass,
 and a single host sync to emit the tokens.
