@@ -57,6 +57,10 @@ KV_RETRY_S = 30.0
 MAX_DELIVERIES = 5  # a report that fails this often is dropped (logged), not retried forever
 
 
+class CoordinatorBusy(RuntimeError):
+    """Another coordinator holds the report stream."""
+
+
 def now_ms() -> int:
     return int(time.time() * 1000)
 
@@ -76,14 +80,16 @@ class CoordinatorService:
         self._inbox_decoder = decoder(InboxMessage)
         self.http: asyncio.Server | None = None
         self.is_ready = False
+        self._restored = asyncio.Event()  # reports wait until the persisted state is loaded
 
     # ------------------------------------------------------------ lifecycle
 
     async def start(self) -> None:
         self.kv = await self.bus.kv(self.args.kv_bucket)
+        await self._start_inbox()  # first: it fails while another coordinator is running
         await self._restore()
+        self._restored.set()
         self._subs.append(await self.bus.subscribe(subjects.NODE_AVAIL_ALL, self._on_node, NodeMessage))
-        await self._start_inbox()
         self._subs.append(await self.bus.subscribe(subjects.CLAIM, self._on_claim, ClaimRequest))
         self.http = await serve_status(self.args.http_host, self.args.http_port, {
             "/health": self._health, "/metrics": self._metrics})
@@ -141,10 +147,21 @@ class CoordinatorService:
         consumer = ConsumerConfig(durable_name="coordinator", ack_policy=AckPolicy.EXPLICIT,
                                   filter_subjects=INBOX_SUBJECTS, ack_wait=30.0,
                                   max_ack_pending=10_000)
-        self._inbox_sub = await js.subscribe(subjects.COORD_REPORT, durable="coordinator",
-                                             stream=self.args.inbox_stream, config=consumer,
-                                             cb=self._on_inbox, manual_ack=True)
         self._js = js
+        deadline = time.monotonic() + self.args.takeover_wait_s
+        while True:
+            try:
+                self._inbox_sub = await js.subscribe(
+                    subjects.COORD_REPORT, durable="coordinator", stream=self.args.inbox_stream,
+                    config=consumer, cb=self._on_inbox, manual_ack=True)
+                return
+            except nats.js.errors.Error as exc:
+                # One coordinator at a time: the durable consumer is bound to the live one.
+                if "already bound" not in str(exc) or time.monotonic() > deadline:
+                    raise CoordinatorBusy(
+                        "another coordinator is running on this NATS (its report consumer is "
+                        f"bound): stop it first ({exc})") from exc
+                await asyncio.sleep(1.0)
 
     async def _tick_loop(self) -> None:
         # Apply what arrived while we were down before any deadline fires.
@@ -178,6 +195,7 @@ class CoordinatorService:
             await self._apply(self.core.on_draining, event)
 
     async def _on_inbox(self, msg) -> None:
+        await self._restored.wait()
         try:
             event = self._inbox_decoder.decode(msg.data)
         except (msgspec.ValidationError, msgspec.DecodeError) as exc:
@@ -302,6 +320,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-bucket", default=subjects.COORD_KV_BUCKET, help="JetStream KV bucket for state")
     p.add_argument("--inbox-stream", default=INBOX_STREAM, help="JetStream stream for reports")
     p.add_argument("--tick-ms", type=int, default=50, help="how often deadlines are checked")
+    p.add_argument("--takeover-wait-s", type=float, default=30.0,
+                   help="wait this long for a previous coordinator to let go of the report stream")
     for name in CoordinatorConfig.__dataclass_fields__:
         p.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(d, name),
                        help=f"{_HELP[name]} (default {getattr(d, name)})")
@@ -316,7 +336,11 @@ async def _run(args: argparse.Namespace) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    await service.start()
+    try:
+        await service.start()
+    except BaseException:
+        await bus.close()
+        raise
     await stop.wait()
     await service.stop()
     await bus.close()
@@ -334,6 +358,6 @@ def main(argv: list[str]) -> int:
     setup_tracing("coordinator")
     try:
         return asyncio.run(_run(args))
-    except BusUnavailable as exc:
+    except (BusUnavailable, CoordinatorBusy) as exc:
         print(f"expresslane coordinator: {exc}", file=sys.stderr)
         return 1

@@ -379,6 +379,11 @@ async def test_cancel_frees_the_slot_promptly(stack):
 
 async def test_sigterm_drains_decode_node_and_coordinator(stack):
     coord = await stack.coordinator()
+    second = Proc("coordinator-second", ["coordinator", "--nats-url", stack.nats.url,
+                                         "--takeover-wait-s", "1"], stack.log_dir).start()
+    stack.procs.append(second)
+    assert await asyncio.to_thread(second.proc.wait, 60) == 1  # one coordinator at a time
+    assert "another coordinator is running" in second.tail()
     node = await stack.decode("d1", 1)
     grant = await stack.claim("r0")
     queue = await run_request(stack, grant, prompt_len=8, max_tokens=200)
