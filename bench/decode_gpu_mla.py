@@ -1,0 +1,194 @@
+"""DeepSeek-V3-family shape on one GPU (DeepSeek-V2-Lite-like, random bf16 weights), for decode_gpu.py.
+
+Plain greedy step vs MTP spec steps (k = 1, 2, 3 drafts + one verify, each one CUDA graph) at context
+1K; roofline from the bytes a plain step reads (attention weights, the 6 routed experts it picks, the
+shared experts, the dense layer, router, lm_head, KV); the same with every token routed to the same
+experts (the verify reads no extra experts: what correlated routing would give); correctness: plain
+fast path vs the torch reference (teacher-forced) and spec output == plain output.
+"""
+
+from __future__ import annotations
+
+import time
+import traceback
+
+import torch
+
+DSV2_LITE = dict(hidden=2048, layers=27, heads=16, r=512, nope=128, rope=64, v=128, experts=64, top_k=6,
+                 moe_inter=1408, shared=2, dense_inter=10944, vocab=102400, eps=1e-6, scale=1.0)
+
+
+def log(*a):
+    print(*a, flush=True)
+
+
+def build(X, s: dict, seed: int = 0):
+    M = X.mla
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    bf = torch.bfloat16
+    out_scale = (2 * s["layers"]) ** -0.5
+
+    def w(*shape, sc=1.0):
+        return (torch.randn(*shape, device="cuda", dtype=bf, generator=g) * (sc * shape[-1] ** -0.5)).to(bf)
+
+    def nw(n):
+        return (1 + 0.1 * torch.randn(n, device="cuda", generator=g)).to(bf)
+
+    h, nh, r, nope, rope, v = s["hidden"], s["heads"], s["r"], s["nope"], s["rope"], s["v"]
+    e, i, sh = s["experts"], s["moe_inter"], s["shared"]
+
+    def layer(idx):
+        p = dict(attn_norm=nw(h), wq=w(nh * (nope + rope), h), wkv_a=w(r + rope, h), kv_a_norm=nw(r),
+                 w_uk=w(nh, nope, r), w_uv=w(nh, v, r), wo=w(h, nh * v, sc=out_scale), mlp_norm=nw(h))
+        if idx == 0:
+            p.update(w_gate_up=w(2 * s["dense_inter"], h), w_down=w(h, s["dense_inter"], sc=out_scale))
+        else:
+            p.update(router=w(e, h), router_bias=torch.zeros(e, device="cuda"), experts_gate_up=w(e, 2 * i, h),
+                     experts_down=w(e, h, i, sc=out_scale), shared_gate_up=w(2 * sh * i, h),
+                     shared_down=w(h, sh * i, sc=out_scale))
+        return M.prepare_layer(p, i)
+
+    dims = M.MlaDims(h, nh, r, nope, rope, v, e, s["top_k"], i, sh, s["scale"], s["eps"], (nope + rope) ** -0.5)
+    layers = [layer(k) for k in range(s["layers"])]
+    embed = torch.randn(s["vocab"], h, device="cuda", dtype=bf, generator=g)
+    mtp = M.MtpWeights(nw(h), nw(h), w(h, 2 * h), nw(h), w(s["vocab"], h), embed, layer(1))
+    return X.mla_decoder.MlaModel(dims, layers, embed, nw(h), w(s["vocab"], h), mtp, s["dense_inter"])
+
+
+def step_bytes(model, s: dict, ctx: int) -> dict:
+    """Bytes one plain step must read, by part."""
+    L, b = model.layers, 2
+    attn = sum((l.wqkv_a.numel() + l.w_uk.numel() + l.w_uv_t.numel() + l.wo.numel()) * b for l in L)
+    per_expert = 3 * s["hidden"] * s["moe_inter"] * b
+    moe = [l for l in L if l.is_moe]
+    routed = len(moe) * s["top_k"] * per_expert
+    shared = len(moe) * s["shared"] * per_expert
+    dense = sum((l.gate_up.numel() + l.down.numel()) * b for l in L if not l.is_moe)
+    router = sum(l.router.numel() * b for l in moe)
+    lm_head = model.lm_head.numel() * b
+    kv = s["layers"] * ctx * (s["r"] + s["rope"]) * b
+    mt = model.mtp
+    draft = (mt.eh_proj.numel() + mt.layer.wqkv_a.numel() + mt.layer.w_uk.numel() + mt.layer.w_uv_t.numel()
+             + mt.layer.wo.numel() + mt.layer.router.numel()) * b + (s["top_k"] + s["shared"]) * per_expert \
+        + mt.head.numel() * b + ctx * (s["r"] + s["rope"]) * b
+    total = attn + routed + shared + dense + router + lm_head + kv
+    return {"attention": attn, "routed_experts": routed, "shared_experts": shared, "dense_mlp": dense,
+            "router": router, "lm_head": lm_head, "kv": kv, "total": total, "mtp_draft": draft}
+
+
+def time_replays(runner, iters: int) -> float:
+    for _ in range(3):
+        runner.replay()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        runner.replay()
+        b.record()
+        b.synchronize()
+        ts.append(a.elapsed_time(b))
+    ts.sort()
+    return ts[len(ts) // 2]
+
+
+def measure(X, model, caches, cos, sin, ctx: int, tag: str, R: dict) -> None:
+    dec = X.mla_decoder.MlaDecoder(model, caches, cos, sin, max_draft=3, max_steps=4096)
+    plain = X.GraphRunner(dec.plain_step, "cuda", steps_per_replay=4, before_capture=lambda: dec.set_state(1, ctx))
+    dec.set_state(1, ctx)
+    plain_ms = time_replays(plain, 30) / 4
+    R[f"{tag}plain_ms"] = plain_ms
+    R[f"{tag}tok_s"] = 1e3 / plain_ms
+    log(f"  {tag}plain step {plain_ms:.3f} ms ({1e3 / plain_ms:.1f} tok/s)")
+    del plain
+    for k in (1, 2, 3):
+        sp = X.GraphRunner(lambda k=k: dec.spec_step(k), "cuda", before_capture=lambda: dec.set_state(1, ctx))
+        dec.set_state(1, ctx)
+        ms = time_replays(sp, 30)
+        R[f"{tag}mtp_k{k}_step_ms"] = ms
+        R[f"{tag}mtp_k{k}_step_ratio"] = ms / plain_ms
+        log(f"  {tag}MTP k={k}: {ms:.3f} ms = {ms / plain_ms:.2f}x plain; at acceptance length 3.2 (k=3): "
+            f"{3.2 / (ms / plain_ms):.2f}x plain tok/s" if k == 3 else f"  {tag}MTP k={k}: {ms:.3f} ms = {ms / plain_ms:.2f}x plain")
+        del sp
+    del dec
+
+
+def correctness(X, model, caches, cos, sin, ctx: int, steps: int = 48) -> dict:
+    D = X.mla_decoder
+    ref_caches = [c.clone() for c in caches]
+    dec = D.MlaDecoder(model, caches, cos, sin, max_draft=3, max_steps=4096)
+    plain = X.GraphRunner(dec.plain_step, "cuda", before_capture=lambda: dec.set_state(5, ctx))
+    dec.set_state(5, ctx)
+    tok, mism, max_rel, gaps = 5, 0, 0.0, []
+    cb, sb = cos.cuda(), sin.cuda()
+    for i in range(steps):
+        plain.replay()
+        ref, _ = D.reference_forward(model, ref_caches, cb, sb, [tok], ctx + i)
+        max_rel = max(max_rel, ((dec.logits[1][0] - ref[0]).abs().max() / ref.abs().max()).item())
+        ft = int(dec.tokens[0].item())
+        if ft != int(ref[0].argmax().item()):
+            mism += 1
+            top2 = ref[0].topk(2).values
+            gaps.append(float(top2[0] - top2[1]))
+        tok = ft
+    plain_tokens = dec.out_tokens[:steps].tolist()
+    sp = X.GraphRunner(lambda: dec.spec_step(3), "cuda", before_capture=lambda: dec.set_state(5, ctx))
+    dec.set_state(5, ctx)
+    replays = 0
+    while int(dec.out_idx.item()) < steps:
+        sp.replay()
+        replays += 1
+    spec_tokens = dec.out_tokens[:steps].tolist()
+    return {"steps": steps, "plain_vs_reference_mismatches": mism, "mismatch_gaps": gaps[:5],
+            "logits_max_rel_err": max_rel, "spec_equals_plain": spec_tokens == plain_tokens,
+            "spec_replays": replays, "accepted_drafts": int(dec.accepted.item())}
+
+
+def run_mla(X, R: dict, ctx: int = 1024) -> None:
+    s = DSV2_LITE
+    t0 = time.time()
+    model = build(X, s)
+    log(f"deepseek-v2-lite-like model built in {time.time() - t0:.1f} s")
+    mt = ctx + 1024
+    caches = [torch.randn(mt, s["r"] + s["rope"], device="cuda").to(torch.bfloat16) for _ in range(s["layers"] + 1)]
+    inv = 1.0 / (10000.0 ** (torch.arange(0, s["rope"], 2).float() / s["rope"]))
+    fr = torch.arange(mt, dtype=torch.float32)[:, None] * inv[None, :]
+    cos, sin = fr.cos(), fr.sin()
+    by = step_bytes(model, s, ctx)
+    R["dsv2lite_step_bytes"] = by
+    bw = R.get("copy_bw_TBps", 4.2)
+    roof_ms = by["total"] / (bw * 1e12) * 1e3
+    R["dsv2lite_roofline_tok_s"] = 1e3 / roof_ms
+    try:
+        measure(X, model, caches, cos, sin, ctx, "dsv2lite_", R)
+        R["dsv2lite_frac_roofline"] = roof_ms / R["dsv2lite_plain_ms"]
+        R["mtp_k3_step_ratio"] = R["dsv2lite_mtp_k3_step_ratio"]
+        # bytes model of k=3: three drafts + a verify whose 4 tokens route independently (random weights)
+        n_moe, e, k = s["layers"] - 1, s["experts"], s["top_k"]
+        distinct = e * (1 - (1 - k / e) ** 4)
+        verify = by["total"] - by["routed_experts"] + n_moe * distinct * 3 * s["hidden"] * s["moe_inter"] * 2
+        R["mtp_k3_bytes_ratio_random_routing"] = (verify + 3 * by["mtp_draft"]) / by["total"]
+        R["mtp_k3_bytes_ratio_same_routing"] = (by["total"] + 3 * by["mtp_draft"]) / by["total"]
+    except Exception:
+        R["dsv2lite_error"] = traceback.format_exc()[-1500:]
+        log(R["dsv2lite_error"])
+    try:  # every token routed to the same experts: the verify reads no extra experts
+        for l in model.layers + [model.mtp.layer]:
+            if l.is_moe:
+                l.router_bias[: s["top_k"]] += 100.0
+        measure(X, model, caches, cos, sin, ctx, "dsv2lite_samerouting_", R)
+        for l in model.layers + [model.mtp.layer]:
+            if l.is_moe:
+                l.router_bias[: s["top_k"]] -= 100.0
+    except Exception:
+        log(traceback.format_exc()[-1500:])
+    try:
+        R["dsv2lite_correctness"] = c = correctness(X, model, caches, cos, sin, ctx)
+        log(f"  correctness: {c}")
+    except Exception:
+        R["dsv2lite_correctness"] = {"error": traceback.format_exc()[-800:]}
+        log(traceback.format_exc()[-1500:])
+    log(f"  dsv2lite roofline {1e3 / roof_ms:.0f} tok/s ({by['total'] / 1e9:.2f} GB/step; draft "
+        f"{by['mtp_draft'] / 1e9:.3f} GB = {by['mtp_draft'] / by['total']:.1%} of a step)")
+    del model, caches
+    torch.cuda.empty_cache()
