@@ -110,8 +110,15 @@ class DecodeNode:
         """Stop taking leases, let running requests finish (bounded), then stop."""
         self.is_draining = True
         await self._heartbeat()
-        deadline = time.monotonic() + self.args.drain_timeout_s
-        while (self.active or self.to_start) and time.monotonic() < deadline:
+        t0 = time.monotonic()
+        deadline = t0 + self.args.drain_timeout_s
+        # Leases granted just before NodeDraining may still be on their way (prefill running):
+        # give them a moment, then wait for every pending and active request (bounded).
+        settle_s = min(self.args.drain_timeout_s, 2 * self.args.heartbeat_ms / 1000)
+        while time.monotonic() < deadline and (
+            self.active or self.to_start or len(self.book.free_slots()) < self.args.slots
+            or time.monotonic() - t0 < settle_s
+        ):
             await asyncio.sleep(0.05)
         for slot in list(self.active):
             self.to_stop[slot] = ("failed", "node_stopping", True)
@@ -218,7 +225,7 @@ class DecodeNode:
             request_id=request_id, lease_id=lease_id, generation=generation, node_id=self.node_id,
             slot=slot, outcome=outcome, reason=reason))
         self.counters[f"released.{outcome}"] += 1
-        if (ready := self.book.ready_after_release(slot)) is not None:
+        if self.book.ready_after_release(slot) is not None:
             self.to_start.append(slot)
             self.wake.set()
 
