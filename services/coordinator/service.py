@@ -93,7 +93,8 @@ class CoordinatorService:
         self._subs.append(await self.bus.subscribe(subjects.CLAIM, self._on_claim, ClaimRequest))
         self.http = await serve_status(self.args.http_host, self.args.http_port, {
             "/health": self._health, "/metrics": self._metrics})
-        self._tasks.append(asyncio.create_task(self._tick_loop()))
+        self._tasks += [asyncio.create_task(self._tick_loop()),
+                        asyncio.create_task(self._compact_loop())]
         self.is_ready = True
         self.log.info("coordinator_ready", http_port=self.http.sockets[0].getsockname()[1],
                       leases=len(self.core.leases), queued=len(self.core.queue))
@@ -177,6 +178,16 @@ class CoordinatorService:
         while True:
             await self._apply(self.core.tick)
             await asyncio.sleep(self.args.tick_ms / 1000)
+
+    async def _compact_loop(self) -> None:
+        """Every lease leaves a delete marker in the bucket: drop the old ones now and then."""
+        interval_s = self.args.compact_interval_s
+        while True:
+            await asyncio.sleep(interval_s)
+            try:
+                await self.kv.purge_deletes(olderthan=max(1, int(interval_s)))
+            except Exception as exc:
+                self.log.warning("kv_compact_failed", error=str(exc))
 
     # ------------------------------------------------------------ handlers
 
@@ -320,6 +331,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-bucket", default=subjects.COORD_KV_BUCKET, help="JetStream KV bucket for state")
     p.add_argument("--inbox-stream", default=INBOX_STREAM, help="JetStream stream for reports")
     p.add_argument("--tick-ms", type=int, default=50, help="how often deadlines are checked")
+    p.add_argument("--compact-interval-s", type=float, default=60.0,
+                   help="how often delete markers of ended leases are purged from the bucket")
     p.add_argument("--takeover-wait-s", type=float, default=30.0,
                    help="wait this long for a previous coordinator to let go of the report stream")
     for name in CoordinatorConfig.__dataclass_fields__:

@@ -216,7 +216,7 @@ async def stack(make_nats_server, tiny_model, tmp_path):
 
 
 async def test_last_of_n_plus_one_claims_waits_then_is_granted(stack):
-    await stack.coordinator()
+    await stack.coordinator("--compact-interval-s", "1")
     node = await stack.decode("d1", 2)
     grants = [await stack.claim(f"r{i}") for i in range(2)]
     assert all(isinstance(g, ClaimGranted) for g in grants)
@@ -238,6 +238,12 @@ async def test_last_of_n_plus_one_claims_waits_then_is_granted(stack):
         _, end = await collect(await run_request(stack, g, prompt_len=8, max_tokens=3))
         assert isinstance(end, RequestFinished) and end.usage.completion_tokens == 4
     await stack.assert_no_leak([node])
+    # Ended leases leave nothing behind in the state bucket either (delete markers are purged).
+    js = stack.bus.nc.jetstream()
+    deadline = time.monotonic() + 15
+    while (await js.stream_info(f"KV_{subjects.COORD_KV_BUCKET}")).state.messages > 1:  # meta
+        assert time.monotonic() < deadline, "delete markers were not purged"
+        await asyncio.sleep(0.2)
 
 
 async def test_queue_full_is_rejected_with_retry_after(stack):
