@@ -12,6 +12,11 @@ Contract:
 - No free slot: the claim waits in a bounded FIFO queue until its deadline; the next free slot goes
   to the oldest waiting claim it fits (gated dispatch). Queue full, deadline passed, or no node
   that could ever serve it: ``ClaimRejected`` with ``retry_after_ms``.
+- Rejection reasons (``ClaimRejected.reason``): capacity, worth a retry after ``retry_after_ms``:
+  ``no_free_slot`` (wait_ms 0), ``queue_full``, ``deadline``, ``coordinator_stopping``; no express
+  node can serve this claim at all (use the standard lane): ``no_compatible_node``,
+  ``protocol_version``; others: ``already_claimed`` (a live lease has this request id),
+  ``cancelled`` (cancelled while waiting).
 - Handoff states: claimed -> kv_ready -> decoding -> completed | failed | cancelled, each published
   as a ``HandoffEvent`` on ``xl.handoff.<request_id>.<state>``; queued and rejected likewise.
 - Fencing: a lease whose KV-ready has not arrived fails at the transfer deadline but keeps its slot
