@@ -16,7 +16,7 @@ from torch import nn
 
 from .cache import KvCache
 from .config import ModelConfig
-from .layers import attend, causal_mask, rms_norm, swiglu, write_cache
+from .layers import causal_mask, rms_norm, swiglu, write_cache
 from .rope import apply_rope, rope_tables, yarn_mscale
 from .weights import is_moe_layer
 
@@ -142,9 +142,11 @@ class DeepseekModel(nn.Module):
         write_cache(cache, slot_ids, positions, torch.cat([c, k_pe], dim=-1))
         q_c = torch.einsum("bthn,hnr->bhtr", q_nope, blk.w_uk)  # absorbed: [B, H, T, r]
         query = torch.cat([q_c, q_pe.transpose(1, 2)], dim=-1)  # [B, H, T, r + rope]
-        kv = cache[slot_ids][:, None]  # [B, 1, S, r + rope]
-        out = attend(query, kv, kv[..., :r], mask, self.scale)  # [B, T, H, r]
-        out = torch.einsum("bthr,hvr->bthv", out, blk.w_uv)
+        kv = cache[slot_ids]  # [B, S, r + rope]: one KV head shared by all query heads
+        scores = torch.matmul(query.flatten(1, 2), kv.transpose(1, 2)).view(b, nh, t, -1) * self.scale
+        probs = scores.masked_fill(~mask, float("-inf")).softmax(dim=-1, dtype=torch.float32).to(kv.dtype)
+        out = torch.matmul(probs.flatten(1, 2), kv[..., :r]).view(b, nh, t, r)  # [B, H, T, r]
+        out = torch.einsum("bhtr,hvr->bthv", out, blk.w_uv)
         return F.linear(out.reshape(b, t, -1), blk.wo)
 
     def _block(self, layer: int, blk: MlaBlock, x, cos, sin, mask, slot_ids, positions) -> torch.Tensor:

@@ -29,7 +29,7 @@ def _attn_split_kernel(q_ptr, q_pe_ptr, k_ptr, v_ptr, pos_ptr, part_o_ptr, part_
                        T: tl.constexpr, NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
                        GROUP: tl.constexpr, ROWS: tl.constexpr, D_MAIN: tl.constexpr, D_ROPE: tl.constexpr,
                        D_V: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
-                       DOT_F32: tl.constexpr):
+                       DOT_F32: tl.constexpr, V_IS_K: tl.constexpr):
     kvh = tl.program_id(0)
     split = tl.program_id(1)
     pos = tl.load(pos_ptr)
@@ -79,8 +79,11 @@ def _attn_split_kernel(q_ptr, q_pe_ptr, k_ptr, v_ptr, pos_ptr, part_o_ptr, part_
         p = tl.exp2(scores - m_safe[:, None])
         alpha = tl.exp2(m - m_safe)
         l = l * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_ptr + offs[:, None].to(tl.int64) * stride_vt + kvh * D_V + dv[None, :],
-                    mask=smask[:, None], other=0.0)
+        if V_IS_K:  # MLA: the values are the latent itself, already loaded as keys
+            v = k
+        else:
+            v = tl.load(v_ptr + offs[:, None].to(tl.int64) * stride_vt + kvh * D_V + dv[None, :],
+                        mask=smask[:, None], other=0.0)
         if DOT_F32:
             pv = tl.dot(p, v.to(tl.float32))
         else:  # p = hi + lo in bf16: two tensor-core dots give p @ v to ~2^-16, not bf16's 2^-8
@@ -116,12 +119,14 @@ class DecodeAttention:
 
     def __init__(self, *, num_q_heads: int, num_kv_heads: int, d_main: int, d_v: int, d_rope: int = 0,
                  num_tokens: int = 1, num_splits: int = 32, block_s: int = 32, sm_scale: float | None = None,
-                 num_warps: int = 4, device: torch.device | str = "cpu"):
+                 num_warps: int = 4, v_is_k: bool = False, device: torch.device | str = "cpu"):
         self.hq, self.hkv, self.t = num_q_heads, num_kv_heads, num_tokens
         self.d_main, self.d_v, self.d_rope = d_main, d_v, d_rope
         self.group = num_q_heads // num_kv_heads
         self.rows = max(16, triton.next_power_of_2(self.group * num_tokens))
-        self.num_splits, self.block_s, self.num_warps = num_splits, block_s, num_warps
+        self.num_splits, self.block_s, self.num_warps, self.v_is_k = num_splits, block_s, num_warps, v_is_k
+        if v_is_k and d_v != d_main:
+            raise ValueError("v_is_k needs d_v == d_main (MLA: values are the latent)")
         self.sm_scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(d_main + d_rope)
         self.part_o = torch.empty(num_tokens * num_q_heads * num_splits * d_v, dtype=torch.float32, device=device)
         self.part_ml = torch.empty(num_tokens * num_q_heads * num_splits * 2, dtype=torch.float32, device=device)
@@ -138,7 +143,7 @@ class DecodeAttention:
             stride_kt, stride_vt, rope_offset,
             T=self.t, NUM_Q_HEADS=self.hq, NUM_KV_HEADS=self.hkv, GROUP=self.group, ROWS=self.rows,
             D_MAIN=self.d_main, D_ROPE=self.d_rope, D_V=self.d_v, NUM_SPLITS=self.num_splits,
-            BLOCK_S=self.block_s, DOT_F32=INTERPRET, num_warps=self.num_warps)
+            BLOCK_S=self.block_s, DOT_F32=INTERPRET, V_IS_K=self.v_is_k, num_warps=self.num_warps)
         _attn_combine_kernel[(self.t * self.hq,)](self.part_o, self.part_ml, out, NUM_SPLITS=self.num_splits,
                                                   D_V=self.d_v, num_warps=4)
         return out

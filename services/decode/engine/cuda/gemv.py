@@ -19,28 +19,27 @@ run the kernels under ``TRITON_INTERPRET=1`` against them.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-
-
-@triton.jit
-def _rnd(x, dt):
-    # round an fp32 value to the model dtype and back: bf16 arithmetic spelled out in fp32
-    return x.to(dt).to(tl.float32)
+INTERPRET = bool(triton.knobs.runtime.interpret)  # CPU tests: Triton interpreter (no bf16 tl.dot there)
 
 
 @triton.jit
 def rnd_bf16(x):
-    # fp32 -> nearest-even bf16 value, kept in fp32, by integer arithmetic: the compiler cannot fold
-    # it into a fused multiply-add the way it may fold a float round trip (seen on sm_90 in rope)
+    # fp32 -> nearest-even bf16 value, kept in fp32, by integer arithmetic (finite inputs)
     bits = x.to(tl.uint32, bitcast=True)
     bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
     return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _rnd(x, dt):
+    # round an fp32 value to the model dtype (bf16: the fast path's only dtype) and keep it in fp32,
+    # the rounding points of eager bf16 torch spelled out; a float round trip x.to(bf16).to(fp32) is
+    # not used because the compiler may drop it (seen on sm_90)
+    return rnd_bf16(x)
 
 
 @triton.jit
@@ -86,7 +85,7 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, res_ptr, nw_ptr, amax_val_ptr, amax_idx_
     y = tl.sum(acc, axis=1)
     if RESIDUAL:
         r = tl.load(res_ptr + rows, mask=rmask, other=0.0)
-        y = r.to(tl.float32) + y.to(r.dtype).to(tl.float32)
+        y = r.to(tl.float32) + _rnd(y, r.dtype)
     tl.store(out_ptr + rows, y.to(out_ptr.dtype.element_ty), mask=rmask)
     if ARGMAX:  # greedy sampling, stage 1: this block's best row (ties -> lowest index, as torch.argmax)
         y = tl.where(rmask, y.to(out_ptr.dtype.element_ty).to(tl.float32), float("-inf"))
@@ -163,9 +162,9 @@ def _gemv_silu_kernel(x_ptr, w_ptr, out_ptr, nw_ptr, I, K, eps,
         inv_rms = _inv_rms(x_ptr, K, eps, K_POW2)
     g, u = _gemv_pair_loop(x_ptr, nw_ptr, w_ptr, rows, rows + I, K, inv_rms, wa0, wb0, NORM, BLOCK_N, BLOCK_K, STAGES)
     dt = out_ptr.dtype.element_ty
-    g = g.to(dt).to(tl.float32)
-    s = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
-    tl.store(out_ptr + rows, (s * u.to(dt).to(tl.float32)).to(dt))
+    g = _rnd(g, dt)
+    s = _rnd(g / (1.0 + tl.exp(-g)), dt)
+    tl.store(out_ptr + rows, (s * _rnd(u, dt)).to(dt))
 
 
 @triton.jit
