@@ -195,8 +195,8 @@ class CoordinatorService:
         if not msg.reply:
             self.log.warning("claim_without_reply", request_id=claim.request_id)
             return
-        with self.tracer.start_as_current_span("coordinator.claim",
-                                               attributes={"request_id": claim.request_id}):
+        with self.tracer.start_as_current_span(
+                "coordinator.claim", attributes={"expresslane.request_id": claim.request_id}):
             await self._apply(self.core.on_claim, claim, msg.reply)
 
     async def _on_node(self, event: NodeAvailable | NodeDraining, msg) -> None:
@@ -226,7 +226,7 @@ class CoordinatorService:
             }[type(event)]
             with self.tracer.start_as_current_span(
                 f"coordinator.{type(event).__name__}",
-                attributes={"request_id": event.request_id}):
+                attributes={"expresslane.request_id": event.request_id}):
                 await self._apply(handler, event)
             await _quietly(msg.ack())
         except Exception:

@@ -260,8 +260,10 @@ class DecodeNode:
                 continue
             lease = self.book.activate(slot)
             start, kv = lease.start, lease.kv
-            span = self.tracer.start_span("decode", context=self.start_ctx.pop(lease.lease_id, None),
-                                          attributes={"request_id": lease.request_id, "slot": slot})
+            span = self.tracer.start_span(
+                "decode", context=self.start_ctx.pop(lease.lease_id, None),
+                attributes={"expresslane.request_id": lease.request_id, "expresslane.slot": slot,
+                            "expresslane.node_id": self.node_id})
             self.active[slot] = Active(lease, 1 + start.num_tokens_already_sent,
                                        1 + start.num_tokens_already_sent, time.perf_counter(), span)
             try:
@@ -274,9 +276,10 @@ class DecodeNode:
                 self.log.warning("start_failed", request_id=lease.request_id, error=str(exc))
                 await self._finish(slot, "failed", f"start_failed: {exc}", notify=True)
                 continue
-            await self.bus.publish(subjects.COORD_REPORT, DecodeStarted(
-                request_id=lease.request_id, lease_id=lease.lease_id, generation=lease.generation,
-                node_id=self.node_id, slot=slot))
+            with trace.use_span(span, end_on_exit=False):
+                await self.bus.publish(subjects.COORD_REPORT, DecodeStarted(
+                    request_id=lease.request_id, lease_id=lease.lease_id,
+                    generation=lease.generation, node_id=self.node_id, slot=slot))
             self.log.info("decode_started", request_id=lease.request_id, slot=slot,
                           lease_id=lease.lease_id, generation=lease.generation,
                           num_tokens=kv.num_tokens, max_tokens=start.sampling.max_tokens)
@@ -321,13 +324,16 @@ class DecodeNode:
                                 completion_tokens=a.num_completion_tokens),
                     spec=self.engine.spec_stats(slot),
                     decode_ms=(time.perf_counter() - a.started_at) * 1000))
-        self.engine.release(slot)
-        self.book.end(slot, lease.lease_id, lease.generation)
-        self.log.info("decode_finished", request_id=rid, slot=slot, outcome=outcome, reason=reason,
-                      finish_reason=finish_reason, completion_tokens=a.num_completion_tokens,
-                      decode_ms=round((time.perf_counter() - a.started_at) * 1000, 2))
-        self.counters[f"finished.{finish_reason if outcome == 'completed' else outcome}"] += 1
-        await self._released(slot, lease.lease_id, lease.generation, rid, outcome, reason)
+            a.span.set_attribute("expresslane.completion_tokens", a.num_completion_tokens)
+            a.span.set_attribute("expresslane.outcome", outcome)
+            self.engine.release(slot)
+            self.book.end(slot, lease.lease_id, lease.generation)
+            self.log.info("decode_finished", request_id=rid, slot=slot, outcome=outcome,
+                          reason=reason, finish_reason=finish_reason,
+                          completion_tokens=a.num_completion_tokens,
+                          decode_ms=round((time.perf_counter() - a.started_at) * 1000, 2))
+            self.counters[f"finished.{finish_reason if outcome == 'completed' else outcome}"] += 1
+            await self._released(slot, lease.lease_id, lease.generation, rid, outcome, reason)
 
     # ------------------------------------------------------------ http and metrics
 

@@ -417,3 +417,31 @@ async def test_sigterm_drains_decode_node_and_coordinator(stack):
     _, end = await collect(await run_request(stack, held, prompt_len=8, max_tokens=2))
     assert isinstance(end, RequestFinished)
     await stack.assert_no_leak([node])
+
+
+async def test_one_trace_spans_claim_transfer_and_decode(stack, otlp_receiver, monkeypatch):
+    from opentelemetry import trace
+    from opentelemetry.sdk.trace import TracerProvider
+
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", otlp_receiver.url)
+    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "100")  # ms: export promptly
+    await stack.coordinator()
+    node = await stack.decode("d1", 1)
+    tracer = TracerProvider().get_tracer("test")  # the router's part, in this process
+    with tracer.start_as_current_span("router.request") as root:
+        grant = await stack.claim("r0")
+        _, end = await collect(await run_request(stack, grant, prompt_len=8, max_tokens=3))
+    assert isinstance(end, RequestFinished)
+    await stack.wait_state("r0", "completed")
+    trace_id = format(root.get_span_context().trace_id, "032x")
+    want = {"coordinator.claim", "coordinator.KvReady", "decode", "coordinator.DecodeStarted",
+            "coordinator.SlotReleased"}
+    spans = await asyncio.to_thread(otlp_receiver.wait_for, lambda spans: want <= {
+        s.name for s in spans if s.trace_id == trace_id}, 20)
+    mine = {s.name: s for s in spans if s.trace_id == trace_id}
+    assert mine["decode"].service_name == "decode"
+    assert mine["coordinator.claim"].service_name == "coordinator"
+    # the node's reports are children of its decode span
+    assert mine["coordinator.DecodeStarted"].parent_span_id == mine["decode"].span_id
+    assert mine["decode"].attributes["expresslane.request_id"] == "r0"
+    await stack.assert_no_leak([node])
