@@ -16,7 +16,7 @@ One adapter per vLLM layout (the tensor as vLLM registers it with a connector):
 | cpu_amx       | CPU_ATTN, isa amx (bf16)       | [NB, H, B, 2D]; K [B/16, D/2, 16, 2], V [D/16, B/2, 16, 2] |
 | flash_attn    | FLASH_ATTN, TRITON_ATTN, ...   | [2, NB, B, H, D] (NHD; HND is a stride permutation) |
 | flashinfer    | FLASHINFER                     | [NB, 2, B, H, D] (NHD; HND is a stride permutation) |
-| mla           | CPU_MLA, AMX_MLA, FLASHMLA, TRITON_MLA, FLASHINFER_MLA, CUTLASS_MLA | [NB, B, Dl + Dr] |
+| mla           | CPU_MLA, AMX_MLA, FLASHMLA, TRITON_MLA, FLASHINFER_MLA, CUTLASS_MLA | [NB, B, Dl + Dr] or [NB, 1, B, Dl + Dr] |
 
 GPU layouts are indexed through the logical shape, so whether vLLM allocated NHD or HND (a stride
 permutation of the same logical tensor) does not matter. Pure torch, no I/O.
@@ -35,7 +35,10 @@ _AMX_ROW_BYTES = 64
 
 class LayerAdapter(Protocol):
     kind: str  # "gqa" | "mla"
-    block_dim: int  # dimension of the registered tensor that counts tokens within a block
+
+    def block_size(self, kv_layer: torch.Tensor) -> int:
+        """Tokens per block of the registered tensor (the kernel block size)."""
+        ...
 
     def __call__(self, kv_layer: torch.Tensor, block_ids: torch.Tensor, num_tokens: int,
                  out: list[torch.Tensor]) -> None: ...
@@ -51,7 +54,9 @@ class CpuVec:
     """CPU_ATTN "vec" family: inside each (block, head) K is stored transposed, then V row-major."""
 
     kind = "gqa"
-    block_dim = 2
+
+    def block_size(self, kv_layer):
+        return kv_layer.shape[2]
 
     def __call__(self, kv_layer, block_ids, num_tokens, out):
         num_blocks, num_heads, block_size, two_d = kv_layer.shape
@@ -69,7 +74,9 @@ class CpuAmx:
     and V (pairs of tokens per 32-bit word, 16-dim column groups)."""
 
     kind = "gqa"
-    block_dim = 2
+
+    def block_size(self, kv_layer):
+        return kv_layer.shape[2]
 
     def __call__(self, kv_layer, block_ids, num_tokens, out):
         num_blocks, num_heads, block_size, two_d = kv_layer.shape
@@ -97,7 +104,9 @@ class FlashAttn:
     """FLASH_ATTN-style: logical [2, NB, B, H, D] (K plane, V plane)."""
 
     kind = "gqa"
-    block_dim = 2
+
+    def block_size(self, kv_layer):
+        return kv_layer.shape[2]
 
     def __call__(self, kv_layer, block_ids, num_tokens, out):
         _gather_tokens(kv_layer[0].index_select(0, block_ids), num_tokens, out[0])
@@ -109,7 +118,9 @@ class FlashInfer:
     """FLASHINFER: logical [NB, 2, B, H, D]."""
 
     kind = "gqa"
-    block_dim = 2
+
+    def block_size(self, kv_layer):
+        return kv_layer.shape[2]
 
     def __call__(self, kv_layer, block_ids, num_tokens, out):
         blocks = kv_layer.index_select(0, block_ids)  # [nb, 2, B, H, D]
@@ -129,10 +140,18 @@ class MlaLatent:
     rope_dim: int
     deinterleave_rope: bool = True
     kind = "mla"
-    block_dim = 1
+
+    @staticmethod
+    def _blocks(kv_layer: torch.Tensor) -> torch.Tensor:
+        """[NB, B, C]; vLLM may register it as [NB, 1, B, C] (a single latent "head")."""
+        return kv_layer.squeeze(1) if kv_layer.dim() == 4 else kv_layer
+
+    def block_size(self, kv_layer):
+        return self._blocks(kv_layer).shape[1]
 
     def __call__(self, kv_layer, block_ids, num_tokens, out):
         dst = out[0]
+        kv_layer = self._blocks(kv_layer)
         _gather_tokens(kv_layer.index_select(0, block_ids), num_tokens, dst)
         if self.deinterleave_rope and self.rope_dim:
             pe = dst[:, -self.rope_dim:].clone()

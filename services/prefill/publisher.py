@@ -19,7 +19,8 @@ from shared.bus import Bus, BusError
 from shared.events import Event
 from shared.tracing import context_from_traceparent
 
-log = logging.getLogger("expresslane.prefill")
+# A child of vLLM's logger, so lines appear in vLLM's log with its format.
+log = logging.getLogger("vllm.expresslane.prefill")
 CONNECT_RETRY_S = 1.0
 
 

@@ -25,7 +25,8 @@ from shared.transport import TransferError, Transport
 from services.prefill.handoff import Handoff
 from services.prefill.staging import FREE
 
-log = logging.getLogger("expresslane.prefill")
+# A child of vLLM's logger, so lines appear in vLLM's log with its format.
+log = logging.getLogger("vllm.expresslane.prefill")
 _tracer = trace.get_tracer("expresslane.prefill")
 
 

@@ -24,7 +24,8 @@ from services.prefill.scheduler import SaveRequest
 from services.prefill.sender import Sender, SendJob
 from services.prefill.staging import FREE, SENDING, SlotStates, StagingPool
 
-log = logging.getLogger("expresslane.prefill")
+# A child of vLLM's logger, so lines appear in vLLM's log with its format.
+log = logging.getLogger("vllm.expresslane.prefill")
 
 
 def _layer_index(name: str) -> int:
@@ -68,6 +69,7 @@ class ExpressWorker:
             self.transports[name] = t
         self.sender = Sender(self.transports, self.pool, self.states, self.publisher,
                              self.config.transfer_timeout_s)
+        log.info("expresslane: layers %s", [(n, tuple(t.shape), str(t.dtype)) for n, t, _ in self.layers])
         log.info("expresslane: %d layers, staging %d x %d bytes (%d tokens), transports %s, stats %s",
                  len(self.layers), self.config.staging_slots, self.spec.slot_nbytes, self.max_tokens,
                  ",".join(self.transports), self.states.path)
@@ -129,7 +131,7 @@ class ExpressWorker:
         per_layer = 2 if self.shape.kind == "gqa" else 1
         block_tables: dict[tuple[int, int], torch.Tensor] = {}
         for i, ((_, cache, group), adapter) in enumerate(zip(self.layers, self.adapters)):
-            kernel_block_size = cache.shape[adapter.block_dim]
+            kernel_block_size = adapter.block_size(cache)
             key = (group, kernel_block_size)
             if key not in block_tables:
                 manager_block_size = self.kv_cache_config.kv_cache_groups[group].kv_cache_spec.block_size

@@ -117,6 +117,7 @@ MLA_CASES = [
     ("cpu_mla", torch.bfloat16, 16),
     ("amx_mla", torch.bfloat16, 32),
     ("flashmla", torch.bfloat16, 64),
+    ("cpu_mla_4d", torch.bfloat16, 16),
 ]
 
 
@@ -128,6 +129,8 @@ def test_mla_latent_and_rope_order(writer, dtype, block_size):
     k_pe_engine = torch.randn(num_tokens, rope, generator=g).to(dtype)
     k_pe_vllm = _gptj_interleave(k_pe_engine)
     cache = torch.zeros(NUM_BLOCKS, block_size, rank + rope, dtype=dtype)
+    if writer == "cpu_mla_4d":  # registered with a singleton head dimension
+        cache = cache.unsqueeze(1)
     slots = _slots(num_tokens, block_size)
     if writer == "amx_mla":
         import vllm._custom_ops as ops
@@ -136,6 +139,7 @@ def test_mla_latent_and_rope_order(writer, dtype, block_size):
     else:  # CPU_MLA's do_kv_cache_update and the GPU MLA caches: one row per token
         flat = cache.view(-1, rank + rope)
         flat[slots, :rank], flat[slots, rank:] = latent, k_pe_vllm
+    assert MlaLatent(rope_dim=rope).block_size(cache) == block_size
     (got,) = _run(MlaLatent(rope_dim=rope), cache, num_tokens, (rank + rope,), dtype, n_out=1)
     assert torch.equal(got[:, :rank], latent)
     assert torch.equal(got[:, rank:], k_pe_engine)
