@@ -16,7 +16,7 @@ Contract:
   ``no_free_slot`` (wait_ms 0), ``queue_full``, ``deadline``, ``coordinator_stopping``; no express
   node can serve this claim at all (use the standard lane): ``no_compatible_node``,
   ``protocol_version``; others: ``already_claimed`` (a live lease has this request id),
-  ``cancelled`` (cancelled while waiting).
+  ``cancelled`` (cancelled while waiting), ``invalid_request_id`` (not letters, digits, - and _).
 - Handoff states: claimed -> kv_ready -> decoding -> completed | failed | cancelled, each published
   as a ``HandoffEvent`` on ``xl.handoff.<request_id>.<state>``; queued and rejected likewise.
 - Fencing: a lease whose KV-ready has not arrived fails at the transfer deadline but keeps its slot
@@ -146,6 +146,10 @@ class CoordinatorCore:
 
     def on_claim(self, claim: ClaimRequest, reply_to: str, now_ms: int) -> list[Effect]:
         self.counters["claims"] += 1
+        if not _is_token(claim.request_id):  # it names subjects and state keys
+            self.counters["claims_rejected.invalid_request_id"] += 1
+            return [Reply(reply_to, ClaimRejected(request_id=claim.request_id,
+                                                  reason="invalid_request_id"))]
         if claim.protocol_version != PROTOCOL_VERSION:
             return self._reject(claim, reply_to, "protocol_version", now_ms, retry=False)
         existing = self.live_lease(claim.request_id)
@@ -373,3 +377,8 @@ class CoordinatorCore:
             event.lease_id, event.generation = lease.lease_id, lease.generation
             event.node_id, event.slot = lease.node_id, lease.slot
         return Publish(subjects.handoff(request_id, state), event)
+
+
+def _is_token(value: str) -> bool:
+    """Letters, digits, '-' and '_' only (a NATS subject token and a KV key)."""
+    return bool(value) and all(c.isascii() and (c.isalnum() or c in "-_") for c in value)

@@ -245,7 +245,11 @@ class DecodeNode:
                 outputs = await asyncio.to_thread(self.engine.step)
                 self.step_seconds.observe(time.perf_counter() - t0)
                 for slot, out in outputs.items():
-                    await self._emit(slot, out.token_ids, out.finish_reason)
+                    try:
+                        await self._emit(slot, out.token_ids, out.finish_reason)
+                    except Exception:  # one request's trouble stops that request only
+                        self.log.exception("emit_failed", slot=slot)
+                        self.to_stop[slot] = ("failed", "emit_failed", False)
             except Exception:
                 self.log.exception("decode_loop_failed")
                 for slot in list(self.active):
@@ -314,6 +318,10 @@ class DecodeNode:
         lease = a.lease
         rid = lease.request_id
         with trace.use_span(a.span, end_on_exit=True):
+            try:
+                subjects.req_tokens(rid)
+            except ValueError:  # no subject can carry it: nobody to tell
+                notify = False
             if notify and outcome == "failed":
                 await self.bus.publish(subjects.req_tokens(rid), RequestFailed(
                     request_id=rid, reason=reason, retryable=True))

@@ -244,6 +244,7 @@ CASES = {
         (1, "claim", {"rid": "r3", "model": "z"}, {"reply": {"r3": ("rejected", "no_compatible_node", 250)}}),
         (1, "claim", {"rid": "r4", "model": "x", "prompt": 250}, {"reply": {"r4": ("rejected", "no_compatible_node", 250)}}),
         (1, "claim", {"rid": "r5", "model": "x", "proto": 2}, {"reply": {"r5": ("rejected", "protocol_version", 0)}}),
+        (1, "claim", {"rid": "r.7"}, {"reply": {"r.7": ("rejected", "invalid_request_id", 0)}, "events": []}),
         (1, "claim", {"rid": "r6", "model": "y", "transports": ["nixl"]}, {"reply": {"r6": (G, "nixl_only", 0, 1)}}),
         *finish("r6", 2),
     ],
