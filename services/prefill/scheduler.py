@@ -28,6 +28,8 @@ from services.prefill.handoff import Handoff, HandoffStatus, is_marked, parse_ha
 class Slots(Protocol):
     def reserve(self) -> int | None: ...
 
+    def count(self, counter: str, n: int = 1) -> None: ...
+
 
 @dataclasses.dataclass
 class SaveRequest:
@@ -70,6 +72,7 @@ class ExpressScheduler:
         except (msgspec.ValidationError, TypeError) as exc:
             handoff, reason = None, f"invalid expresslane kv_transfer_params: {exc}"
         self.claims[request_id] = Claim(request_id, handoff, num_prompt_tokens, reason=reason)
+        self.slots.count("claimed")
 
     def on_step(
         self,
@@ -126,6 +129,8 @@ class ExpressScheduler:
                 self._pending_failures.append(
                     SaveRequest(request_id, claim.handoff, [], 0, -1, claim.reason))
         handed_off = claim.staging_slot >= 0
+        if not handed_off:
+            self.slots.count("not_handed_off")
         express_id = claim.handoff.request_id if claim.handoff is not None else request_id
         status = HandoffStatus(request_id=express_id, handed_off=handed_off,
                                num_tokens=claim.num_prompt_tokens if handed_off else 0,

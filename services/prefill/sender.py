@@ -112,7 +112,9 @@ class Sender:
             if reason:
                 span.set_attribute("expresslane.failed", reason)
                 event = KvFailed(**base, reason=reason)
+                self.states.count("kv_failed")
             else:
+                self.states.count("kv_ready")
                 event = KvReady(**base, num_tokens=job.num_tokens,
                                 layout_version=h.target.layout.layout_version, nbytes=nbytes,
                                 extract_ms=job.extract_ms, transfer_ms=transfer_ms)

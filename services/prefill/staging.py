@@ -6,6 +6,8 @@ Two parts:
   without a round trip, and anyone can check for leaks: ``read_stats(path)``. States: FREE (0),
   RESERVED (1, given to a request by the scheduler), SENDING (2, staged by the worker, write in
   flight). Only the scheduler moves FREE -> RESERVED; only the worker moves a slot back to FREE.
+  After the slot bytes come 64-bit counters, each written by one side only: ``claimed``,
+  ``not_handed_off`` (scheduler), ``kv_ready``, ``kv_failed`` (worker).
 - ``StagingPool``: the memory, ``num_slots`` x the native layout (shared.kvlayout) of
   ``max_tokens`` tokens, with per-slot, per-segment tensor views.
 
@@ -16,9 +18,15 @@ from __future__ import annotations
 
 import mmap
 import os
+import threading
 
 FREE, RESERVED, SENDING = 0, 1, 2
 STATE_NAMES = {FREE: "free", RESERVED: "reserved", SENDING: "sending"}
+COUNTERS = ("claimed", "not_handed_off", "kv_ready", "kv_failed")
+
+
+def _file_size(num_slots: int) -> int:
+    return num_slots + 8 * len(COUNTERS)
 
 
 class SlotStates:
@@ -30,12 +38,14 @@ class SlotStates:
         flags = os.O_RDWR | os.O_CREAT
         fd = os.open(path, flags, 0o600)
         try:
-            if create or os.fstat(fd).st_size != num_slots:
+            size = _file_size(num_slots)
+            if create or os.fstat(fd).st_size != size:
                 os.ftruncate(fd, 0)
-                os.ftruncate(fd, num_slots)
-            self._map = mmap.mmap(fd, num_slots)
+                os.ftruncate(fd, size)
+            self._map = mmap.mmap(fd, size)
         finally:
             os.close(fd)
+        self._count_lock = threading.Lock()
 
     def reserve(self) -> int | None:
         """Scheduler: take the first free slot (FREE -> RESERVED), or None when all are busy."""
@@ -51,6 +61,13 @@ class SlotStates:
     def get(self, slot: int) -> int:
         return self._map[slot]
 
+    def count(self, counter: str, n: int = 1) -> None:
+        """Add to one counter (each counter has a single writer process)."""
+        off = self.num_slots + 8 * COUNTERS.index(counter)
+        with self._count_lock:
+            value = int.from_bytes(self._map[off : off + 8], "little") + n
+            self._map[off : off + 8] = value.to_bytes(8, "little")
+
     def snapshot(self) -> list[int]:
         return list(self._map[: self.num_slots])
 
@@ -62,12 +79,18 @@ class SlotStates:
 
 
 def read_stats(path: str) -> dict:
-    """Counts of a running prefill's staging slots: {"total", "free", "reserved", "sending"}."""
+    """A running prefill's staging slots and counters: {"total", "free", "reserved", "sending",
+    "claimed", "not_handed_off", "kv_ready", "kv_failed"}."""
     with open(path, "rb") as f:
-        states = f.read()
-    stats = {"total": len(states)}
+        data = f.read()
+    num_slots = len(data) - 8 * len(COUNTERS)
+    states = data[:num_slots]
+    stats = {"total": num_slots}
     for value, name in STATE_NAMES.items():
         stats[name] = states.count(bytes([value]))
+    for i, name in enumerate(COUNTERS):
+        off = num_slots + 8 * i
+        stats[name] = int.from_bytes(data[off : off + 8], "little")
     return stats
 
 

@@ -1,0 +1,125 @@
+"""The scheduler side's bookkeeping: claims, chunked prefill, preemption, slot reservation."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from services.prefill.handoff import Handoff, make_params
+from services.prefill.scheduler import ExpressScheduler
+from shared.events import KvLayoutSpec, SlotTarget, TransferTarget
+
+
+class FakeSlots:
+    def __init__(self, n: int) -> None:
+        self.free = list(range(n))
+        self.counts: dict[str, int] = {}
+
+    def reserve(self):
+        return self.free.pop(0) if self.free else None
+
+    def count(self, counter, n=1):
+        self.counts[counter] = self.counts.get(counter, 0) + n
+
+
+LAYOUT = KvLayoutSpec(layout_version=1, kind="gqa", dtype="float32", num_layers=1, max_tokens=8,
+                      slot_nbytes=64, segments=[])
+TARGET = TransferTarget(node_id="n1", transport="mooncake", endpoint="127.0.0.1:1",
+                        slot=SlotTarget(slot=0, base_addr=4096, nbytes=64), layout=LAYOUT)
+
+
+def params(rid="r") -> dict:
+    return make_params(Handoff(request_id=rid, lease_id="l", generation=1, target=TARGET, traceparent="tp"))
+
+
+def test_unmarked_requests_leave_no_state():
+    sched = ExpressScheduler(FakeSlots(2), max_tokens=100)
+    for p in (None, {}, {"do_remote_decode": True}):
+        sched.on_alloc("x", p, 10)
+    assert sched.on_step([("x", ([1],), 0)], [], {"x": 10}) == []
+    assert sched.on_finished("x") is None
+    assert sched.num_claims == 0 and sched.slots.counts == {}
+
+
+# steps: list of (new or cached, block ids, num_computed, num_scheduled, resumed)
+CHUNK_CASES = [
+    ("one step", 10, [("new", [[1, 2]], 0, 10, False)], 0, [1, 2]),
+    ("chunked", 10, [("new", [[1]], 0, 4, False), ("cached", [[2]], 4, 4, False),
+                     ("cached", None, 8, 2, False)], 2, [1, 2]),
+    ("prefix hit", 10, [("new", [[7, 8]], 8, 2, False)], 0, [7, 8]),
+    ("preempted and resumed", 10, [("new", [[1]], 0, 4, False), ("cached", [[5, 6]], 0, 10, True)],
+     1, [5, 6]),
+]
+
+
+@pytest.mark.parametrize("name,num_prompt,steps,save_step,blocks", CHUNK_CASES, ids=[c[0] for c in CHUNK_CASES])
+def test_save_emitted_once_when_prompt_fully_computed(name, num_prompt, steps, save_step, blocks):
+    sched = ExpressScheduler(FakeSlots(2), max_tokens=100)
+    sched.on_alloc("r", params(), num_prompt)
+    for i, (kind, ids, computed, scheduled, resumed) in enumerate(steps):
+        ids = tuple(ids) if ids is not None else None
+        if kind == "new":
+            saves = sched.on_step([("r", ids, computed)], [], {"r": scheduled})
+        else:
+            saves = sched.on_step([], [("r", ids, computed, resumed)], {"r": scheduled})
+        if i == save_step:
+            assert len(saves) == 1
+            s = saves[0]
+            assert (s.block_ids, s.num_tokens, s.staging_slot, s.fail_reason) == ([blocks], num_prompt, 0, "")
+        else:
+            assert saves == []
+    assert sched.on_step([], [("r", None, num_prompt, False)], {"r": 1}) == []  # decode steps: nothing
+    status = sched.on_finished("r")["expresslane"]
+    assert status == {"request_id": "r", "handed_off": True, "num_tokens": num_prompt, "staging_slot": 0}
+
+
+FAIL_CASES = [
+    # slots, max_tokens, prompt, reason
+    (0, 100, 10, "no free staging slot"),
+    (2, 8, 10, "exceeds the staging slot size"),
+]
+
+
+@pytest.mark.parametrize("num_slots,max_tokens,num_prompt,reason", FAIL_CASES)
+def test_not_handed_off_is_reported_never_blocked(num_slots, max_tokens, num_prompt, reason):
+    slots = FakeSlots(num_slots)
+    sched = ExpressScheduler(slots, max_tokens=max_tokens)
+    sched.on_alloc("r", params(), num_prompt)
+    (save,) = sched.on_step([("r", ([1],), 0)], [], {"r": num_prompt})
+    assert save.staging_slot == -1 and reason in save.fail_reason
+    status = sched.on_finished("r")["expresslane"]
+    assert status["handed_off"] is False and reason in status["reason"]
+    assert slots.counts == {"claimed": 1, "not_handed_off": 1}
+
+
+def test_two_requests_get_two_slots():
+    sched = ExpressScheduler(FakeSlots(2), max_tokens=100)
+    sched.on_alloc("a", params("a"), 5)
+    sched.on_alloc("b", params("b"), 5)
+    saves = sched.on_step([("a", ([1],), 0), ("b", ([2],), 0)], [], {"a": 5, "b": 5})
+    assert sorted(s.staging_slot for s in saves) == [0, 1]
+
+
+def test_finished_before_prompt_computed_reports_failure_next_step():
+    sched = ExpressScheduler(FakeSlots(1), max_tokens=100)
+    sched.on_alloc("r", params(), 50)
+    sched.on_step([("r", ([1],), 0)], [], {"r": 16})
+    status = sched.on_finished("r")["expresslane"]
+    assert status["handed_off"] is False and "before its prompt" in status["reason"]
+    (failure,) = sched.on_step([], [], {})
+    assert failure.fail_reason and failure.handoff.request_id == "r"
+    assert sched.slots.free == [0]
+
+
+def test_invalid_params_are_reported_not_raised():
+    sched = ExpressScheduler(FakeSlots(1), max_tokens=100)
+    sched.on_alloc("r", {"expresslane": {"request_id": "r"}}, 5)
+    assert sched.on_step([("r", ([1],), 0)], [], {"r": 5}) == []  # nothing to stage, nowhere to send
+    status = sched.on_finished("r")["expresslane"]
+    assert status["handed_off"] is False and "invalid expresslane" in status["reason"]
+
+
+def test_params_round_trip_through_json():
+    p = params()
+    again = msgspec.json.decode(msgspec.json.encode(p))
+    assert again == p
