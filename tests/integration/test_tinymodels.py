@@ -127,9 +127,11 @@ def test_vllm_greedy_equals_hf_greedy_float32(vllm_servers, tiny_model, hf_model
         response = httpx.post(f"{server.url}/v1/completions", json=body, timeout=120)
         assert response.status_code == 200, response.text
         choice = response.json()["choices"][0]
-        assert response.json()["prompt_token_ids"] == ids  # vLLM tokenizes exactly as HF does
+        assert choice["prompt_token_ids"] == ids  # vLLM tokenizes exactly as HF does
         assert choice["token_ids"] == hf_greedy(model, ids, NUM_TOKENS), prompt
-        assert choice["text"] == tok.decode(choice["token_ids"], skip_special_tokens=True)
+        # vLLM's detokenizer holds back a trailing incomplete UTF-8 sequence; HF shows U+FFFD.
+        text = tok.decode(choice["token_ids"], skip_special_tokens=True)
+        assert choice["text"].rstrip("\ufffd") == text.rstrip("\ufffd")
     # Token-id prompts through the shared helper give the same answer.
     ids = tok(PROMPTS[0])["input_ids"]
     assert vllm_greedy(server, ids, NUM_TOKENS) == hf_greedy(model, ids, NUM_TOKENS)
