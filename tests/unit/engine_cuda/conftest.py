@@ -1,18 +1,41 @@
-"""Run the Triton kernels on CPU through Triton's interpreter (set before any kernel is defined).
+"""Run the fast path's Triton kernels on CPU through Triton's interpreter.
 
-The interpreter converts float32 to bfloat16 by truncation, where the GPU rounds to nearest even;
-the patch below makes the interpreter round like the GPU so kernels and torch twins agree to fp32
-summation order, not to a systematic one-ulp bias.
+``TRITON_INTERPRET=1`` is set while Triton and the package define their functions, then replaced by
+Triton's in-process knob (processes other tests start do not inherit it). The interpreter converts float32 to bfloat16 by truncation where the GPU rounds to
+nearest even; the patch below makes it round like the GPU, so kernels and their torch twins agree
+up to fp32 summation order.
 """
 
 import os
+import sys
 
-os.environ["TRITON_INTERPRET"] = "1"
-
+_had = os.environ.get("TRITON_INTERPRET")
+_late = "triton" in sys.modules and not _had  # triton.language already defined as compiled functions
+os.environ["TRITON_INTERPRET"] = "1"  # read when triton.language and our kernels are defined
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
+import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 from triton.runtime import interpreter as _interp  # noqa: E402
+
+import services.decode.engine.cuda  # noqa: E402,F401  (kernels defined as interpreted functions)
+
+triton.knobs.runtime.interpret = True  # keep interpreting after the variable is gone
+if _late:  # triton.language was defined compiled (another test imported it first): interpret its helpers
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+
+    _interpreted: dict = {}
+
+    def _call_interpreted(self, *args, **kwargs):
+        fn = _interpreted.setdefault(self.fn, InterpretedFunction(self.fn))
+        return fn(*args, **kwargs)
+
+    JITFunction.__call__ = _call_interpreted
+if _had is None:  # processes other tests start must not inherit it
+    del os.environ["TRITON_INTERPRET"]
+
+torch.set_num_threads(1)
 
 _orig_cast = _interp.InterpreterBuilder.cast_impl
 
@@ -25,3 +48,4 @@ def _cast_rne(self, src, dst_type):
 
 
 _interp.InterpreterBuilder.cast_impl = _cast_rne
+

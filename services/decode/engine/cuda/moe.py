@@ -116,9 +116,9 @@ def _owner(ids_ptr, p, T: tl.constexpr, TOPK: tl.constexpr, SLOTS: tl.constexpr,
     ids = tl.load(ids_ptr + tt[:, None] * TOPK + kk[None, :], mask=valid & routed, other=-1)
     ids = tl.where(routed, ids, 100000 + kk[None, :] - TOPK)  # shared experts: distinct pseudo-ids
     ids = tl.where(valid, ids, -2)
-    flat = tt[:, None] * SLOTS + kk[None, :]
+    flat = tl.where(valid, tt[:, None] * SLOTS + kk[None, :], -1000)  # padding never aliases a real pair
     mine = tl.sum(tl.sum(tl.where(flat == p, ids, 0), axis=1), axis=0)
-    match = ids == mine
+    match = (ids == mine) & valid
     is_first = tl.sum(tl.sum((match & (flat < p)).to(tl.int32), axis=1), axis=0) == 0
     pair_of = tl.max(tl.where(match, flat, -1), axis=1)  # [T_PAD]: a token names an expert at most once
     return mine, is_first, pair_of, k0 < TOPK

@@ -1,0 +1,152 @@
+"""The fast path's Triton kernels (run by Triton's interpreter on CPU) against their torch twins.
+
+Each kernel must compute its twin's function with the same bf16 rounding points: results agree to
+fp32 summation order (bit-equal here, where both sum in the same precision on one CPU).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.decode.engine.cuda import gemv as G
+from services.decode.engine.cuda import moe as M
+from services.decode.engine.cuda import smallops as S
+from services.decode.engine.cuda.attention import DecodeAttention, reference_attention
+
+BF = torch.bfloat16
+
+
+def rand(*shape, std=1.0, seed=0):
+    g = torch.Generator().manual_seed(seed + sum(shape))
+    return (torch.randn(*shape, generator=g) * std).to(BF)
+
+
+def close(a, b, tol=1e-6):
+    a, b = a.float(), b.float()
+    assert torch.isfinite(a).all()
+    assert ((a - b).abs().max() / b.abs().max().clamp_min(1e-12)).item() <= tol
+
+
+@pytest.mark.parametrize("norm,residual,block_n,block_k,stages", [
+    (False, False, 8, 32, 1), (True, False, 16, 64, 3), (False, True, 4, 32, 2), (True, True, 8, 128, 1),
+])
+def test_gemv_matches_twin(norm, residual, block_n, block_k, stages):
+    x, w, nw, res = rand(96), rand(40, 96, std=0.1), 1 + rand(96, std=0.1), rand(40)
+    out = torch.full((40,), float("nan"), dtype=BF)
+    G.gemv(x, w, out, norm_w=nw if norm else None, eps=1e-5, residual=res.clone() if residual else None,
+           block_n=block_n, block_k=block_k, stages=stages)
+    xin = G.reference_rmsnorm(x, nw, 1e-5) if norm else x
+    ref = G.reference_linear(xin, w)
+    close(out, res + ref if residual else ref)
+
+
+def test_gemv_argmax_parts_and_greedy_finish_pick_lowest_tied_row():
+    x, w = rand(64), rand(50, 64, std=0.1)
+    w[11] = w[37] = x * 0.5  # an exact tie for the maximum, in different blocks
+    logits, nparts = torch.empty(50), 7
+    vals, idx = torch.empty(nparts), torch.empty(nparts, dtype=torch.int32)
+    G.gemv(x, w, logits, block_n=8, block_k=32, argmax_parts=(vals, idx))
+    assert int(torch.argmax(logits)) == 11 and logits[11] == logits[37]
+    embed = rand(50, 16)
+    token, out_tokens = torch.zeros(1, dtype=torch.int64), torch.zeros(4, dtype=torch.int64)
+    step, pos, h = torch.tensor([2]), torch.tensor([9], dtype=torch.int32), torch.zeros(16, dtype=BF)
+    G.greedy_finish(vals, idx, nparts, token, out_tokens, step, pos, embed, h)
+    assert int(token) == 11 and out_tokens.tolist() == [0, 0, 11, 0]
+    assert int(step) == 3 and int(pos) == 10 and torch.equal(h, embed[11])
+
+
+def test_gemv_silu_matches_twin():
+    x, w, nw = rand(64), rand(2 * 24, 64, std=0.2), 1 + rand(64, std=0.1)
+    out = torch.empty(24, dtype=BF)
+    G.gemv_silu(x, w, out, norm_w=nw, eps=1e-5, block_n=8, block_k=32, stages=2)
+    close(out, G.reference_silu_mul(G.reference_linear(G.reference_rmsnorm(x, nw, 1e-5), w)))
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_qkv_rope_cache_write_matches_twin(fused):
+    hq, hkv, d, h, pos = 4, 2, 16, 64, 5
+    x, w, nw = rand(h), rand((hq + 2 * hkv) * d, h, std=0.2), 1 + rand(h, std=0.1)
+    cos, sin = rand(12, d // 2), rand(12, d // 2)
+    q = torch.empty(hq * d, dtype=BF)
+    kc, vc = torch.zeros(12, hkv, d, dtype=BF), torch.zeros(12, hkv, d, dtype=BF)
+    p = torch.tensor([pos], dtype=torch.int32)
+    if fused:
+        G.gemv_qkv_rope(x, w, nw, 1e-5, q, kc, vc, p, cos, sin, num_q_heads=hq, num_kv_heads=hkv, head_dim=d,
+                        block_n=4, block_k=32)
+    else:
+        qkv = G.reference_linear(G.reference_rmsnorm(x, nw, 1e-5), w)
+        S.rope_cache_write(qkv, q, kc, vc, p, cos, sin, num_q_heads=hq, num_kv_heads=hkv, head_dim=d)
+    qkv = G.reference_linear(G.reference_rmsnorm(x, nw, 1e-5), w).view(-1, d)
+    close(q.view(hq, d), G.reference_rope(qkv[:hq], cos[pos], sin[pos]))
+    close(kc[pos], G.reference_rope(qkv[hq:hq + hkv], cos[pos], sin[pos]))
+    close(vc[pos], qkv[hq + hkv:])
+    assert kc[pos + 1:].abs().sum() == 0 and kc[:pos].abs().sum() == 0  # only row pos written
+
+
+def test_small_ops_match_twins():
+    x, w = rand(3, 40), 1 + rand(40, std=0.1)
+    out = torch.empty(3, 40, dtype=BF)
+    S.rmsnorm_rows(x, w, out, 1e-6)
+    close(out, G.reference_rmsnorm(x, w, 1e-6))
+    gu, act = rand(2 * 70), torch.empty(70, dtype=BF)
+    S.silu_mul(gu, act, block=32)
+    close(act, G.reference_silu_mul(gu))
+
+
+@pytest.mark.parametrize("hq,hkv,t,pos,splits,block_s", [
+    (8, 2, 1, 50, 4, 16),  # GQA decode
+    (8, 2, 1, 2, 8, 16),  # more splits than tokens: empty splits merge to nothing
+    (4, 4, 2, 30, 4, 16),  # two query tokens, causal between them
+])
+def test_gqa_attention_matches_twin(hq, hkv, t, pos, splits, block_s):
+    d = 32
+    q, k, v = rand(t, hq, d), rand(pos + t + 3, hkv, d, seed=1), rand(pos + t + 3, hkv, d, seed=2)
+    attn = DecodeAttention(num_q_heads=hq, num_kv_heads=hkv, d_main=d, d_v=d, num_tokens=t, num_splits=splits,
+                           block_s=block_s)
+    out = torch.full((t, hq, d), float("nan"), dtype=BF)
+    attn(q, k, v, torch.tensor([pos], dtype=torch.int32), out, stride_kt=hkv * d, stride_vt=hkv * d)
+    close(out, reference_attention(q, k, v, pos, d ** -0.5), tol=1e-5)
+
+
+def test_mla_attention_latent_is_value_and_rope_part_separate():
+    hq, r, rope, t, pos = 8, 32, 16, 3, 21
+    q_c, q_pe, lat = rand(hq, t, r), rand(t, hq, rope, seed=3), rand(pos + t + 2, 1, r + rope, seed=4)
+    attn = DecodeAttention(num_q_heads=hq, num_kv_heads=1, d_main=r, d_v=r, d_rope=rope, num_tokens=t,
+                           num_splits=4, block_s=16, v_is_k=True)
+    out = torch.full((t, hq, r), float("nan"), dtype=BF)
+    attn(q_c, lat, lat, torch.tensor([pos], dtype=torch.int32), out, stride_kt=r + rope, stride_vt=r + rope,
+         rope_offset=r, q_pe=q_pe, stride_qt=r, stride_qh=t * r)
+    ref = reference_attention(torch.cat([q_c.transpose(0, 1), q_pe], -1), lat, lat[..., :r], pos, (r + rope) ** -0.5)
+    close(out, ref, tol=1e-5)
+
+
+@pytest.mark.parametrize("t,norm,residual", [(1, True, False), (3, False, True), (4, True, True)])
+def test_gemv_rows_matches_twin(t, norm, residual):
+    x, w, nw, res = rand(t, 48), rand(20, 48, std=0.2), 1 + rand(48, std=0.1), rand(t, 20)
+    out = res.clone() if residual else torch.empty(t, 20, dtype=BF)
+    M.gemv_rows(x, w, out, norm_w=nw if norm else None, residual=out if residual else None, block_n=8, block_k=16)
+    ref = G.reference_linear(G.reference_rmsnorm(x, nw, 1e-6) if norm else x, w)
+    close(out, res + ref if residual else ref)
+
+
+def test_router_and_grouped_moe_read_each_expert_once_and_match_twin():
+    t, h, e, k, inter, shared = 3, 32, 8, 2, 16, 2
+    xn, router_w, bias = rand(t, h), rand(e, h, std=0.3), torch.zeros(e)
+    bias[5] = 10.0  # every token picks expert 5: three pairs name it, one program computes it
+    ids, wts = torch.zeros(t, k, dtype=torch.int32), torch.zeros(t, k)
+    M.router(xn, router_w, bias, ids, wts, k, 2.5)
+    rid, rw = M.reference_router(xn, router_w, bias, k, 2.5)
+    assert torch.equal(ids.long(), rid) and (ids[:, 0] == 5).all()
+    close(wts, rw)
+    gate_up, down = rand(e, 2 * inter, h, std=0.2), rand(e, h, inter, std=0.2)
+    sg, sd = rand(shared, 2 * inter, h, std=0.2), rand(shared, h, inter, std=0.2)
+    hbuf = rand(t, h, seed=9)
+    moe = M.GroupedMoe(num_tokens=t, top_k=k, num_shared=shared, hidden=h, inter=inter, device="cpu",
+                       tiles=((8, 16, 4, 1), (8, 16, 4, 1)))
+    before = hbuf.clone()
+    moe(xn, ids, wts, gate_up, down, sg, sd, hbuf)
+    full_sg = torch.cat([sg[:, :inter].reshape(-1, h), sg[:, inter:].reshape(-1, h)])
+    full_sd = torch.cat(list(sd), dim=1)
+    ref = M.reference_moe(xn, rid, rw, gate_up, down, full_sg, full_sd)
+    close(hbuf, before + ref, tol=1e-2 / 8)  # shared halves summed in fp32 before rounding: 1 ulp at most

@@ -1,0 +1,172 @@
+"""Whole decode steps of the fast path (kernels interpreted on CPU) against the torch reference steps.
+
+Llama family: GqaDecoder on Triton and on cuBLAS-style backends vs reference_step, token by token.
+DeepSeek family: MlaDecoder plain steps vs reference_forward, a verify forward of 3 tokens vs the
+reference, and MTP speculative output equal to plain greedy output with consistent counters.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.decode.engine.cuda import FastOptions, GqaDecoder, GqaLayer, GqaModel, GraphRunner, reference_step
+from services.decode.engine.cuda.mla import MlaDims, MtpWeights, prepare_layer, split_shared
+from services.decode.engine.cuda.mla_decoder import MlaDecoder, MlaModel, reference_forward
+
+BF = torch.bfloat16
+
+
+def _gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+def _w(g, *shape, scale=1.0):
+    return (torch.randn(*shape, generator=g) * scale * shape[-1] ** -0.5).to(BF)
+
+
+def _nw(g, n):
+    return (1 + 0.1 * torch.randn(n, generator=g)).to(BF)
+
+
+def _tables(n, dim):
+    inv = 1.0 / (10000 ** (torch.arange(0, dim, 2).float() / dim))
+    f = torch.arange(n)[:, None] * inv[None]
+    return f.cos(), f.sin()
+
+
+def tiny_llama():
+    g, h, hq, hkv, d, inter, vocab = _gen(0), 64, 4, 2, 16, 96, 100
+    layers = [GqaLayer(_nw(g, h), _w(g, (hq + 2 * hkv) * d, h), _w(g, h, hq * d), _nw(g, h), _w(g, 2 * inter, h),
+                       _w(g, h, inter)) for _ in range(2)]
+    return GqaModel(layers, torch.randn(vocab, h, generator=g).to(BF), _nw(g, h), _w(g, vocab, h), hq, hkv, d, 1e-5)
+
+
+SMALL_TILES = {"qkv": (8, 32, 4, 2), "o": (8, 32, 4, 1), "gate_up": (16, 32, 4, 3), "down": (8, 32, 4, 1),
+               "lm_head": (16, 32, 4, 1)}
+
+
+@pytest.mark.parametrize("backend", ["triton", "cublas"])
+def test_gqa_decoder_follows_reference_tokens_and_advances_state(backend):
+    m, n, ctx, steps = tiny_llama(), 40, 20, 4
+    g = _gen(1)
+    kc = [torch.randn(n, 2, 16, generator=g).to(BF) for _ in m.layers]
+    vc = [torch.randn(n, 2, 16, generator=g).to(BF) for _ in m.layers]
+    kr, vr = [k.clone() for k in kc], [v.clone() for v in vc]
+    cos, sin = _tables(n, 16)
+    opts = FastOptions(backends={p: backend for p in SMALL_TILES}, tiles=SMALL_TILES, num_splits=4, block_s=16)
+    dec = GqaDecoder(m, kc, vc, cos, sin, opts, max_steps=8)
+    runner = GraphRunner(dec.step, "cpu", steps_per_replay=1)
+    assert not runner.is_graph
+    dec.set_state(3, ctx)
+    tok, expected = 3, []
+    for i in range(steps):
+        ref = reference_step(m, kr, vr, cos, sin, tok, ctx + i)
+        runner.replay()
+        tok = int(ref.argmax())
+        expected.append(tok)
+        tol = 1e-6 if backend == "triton" else 1e-2  # cuBLAS-style lm_head rounds logits to bf16
+        assert ((dec.logits - ref).abs().max() / ref.abs().max()).item() < tol
+        assert torch.equal(kc[1][ctx + i], kr[1][ctx + i]) and torch.equal(vc[0][ctx + i], vr[0][ctx + i])
+    assert dec.out_tokens[:steps].tolist() == expected
+    assert int(dec.pos) == ctx + steps and int(dec.step_idx) == steps
+    assert torch.equal(dec.h, m.embed[expected[-1]])  # the next step's input is already gathered
+
+
+def test_graph_runner_replays_steps_per_replay_calls_on_cpu():
+    calls = []
+    runner = GraphRunner(lambda: calls.append(1), "cpu", steps_per_replay=3)
+    runner.replay()
+    runner.replay()
+    assert len(calls) == 6 and runner.graph is None
+
+
+def test_gqa_decoder_rejects_non_bf16_models():
+    m = tiny_llama()
+    m.embed = m.embed.float()
+    with pytest.raises(ValueError, match="bfloat16"):
+        GqaDecoder(m, [], [], *_tables(8, 16))
+
+
+# ---- DeepSeek-V3 family ----
+
+H, NH, R, NOPE, ROPE, V, E, K, INTER, SHARED, VOCAB, DENSE = 32, 2, 32, 16, 16, 16, 4, 2, 16, 1, 40, 32
+
+
+def _mla_layer(g, dense: bool):
+    p = dict(attn_norm=_nw(g, H), wq=_w(g, NH * (NOPE + ROPE), H), wkv_a=_w(g, R + ROPE, H), kv_a_norm=_nw(g, R),
+             w_uk=_w(g, NH, NOPE, R), w_uv=_w(g, NH, V, R), wo=_w(g, H, NH * V, scale=0.3), mlp_norm=_nw(g, H))
+    if dense:
+        p.update(w_gate_up=_w(g, 2 * DENSE, H), w_down=_w(g, H, DENSE, scale=0.3))
+    else:
+        p.update(router=_w(g, E, H), router_bias=0.1 * torch.randn(E, generator=g), experts_gate_up=_w(g, E, 2 * INTER, H),
+                 experts_down=_w(g, E, H, INTER, scale=0.3), shared_gate_up=_w(g, 2 * SHARED * INTER, H),
+                 shared_down=_w(g, H, SHARED * INTER, scale=0.3))
+    return prepare_layer(p, INTER)
+
+
+@pytest.fixture(scope="module")
+def tiny_mla():
+    g = _gen(5)
+    dims = MlaDims(H, NH, R, NOPE, ROPE, V, E, K, INTER, SHARED, 1.5, 1e-6, (NOPE + ROPE) ** -0.5)
+    layers = [_mla_layer(g, True), _mla_layer(g, False)]
+    embed = torch.randn(VOCAB, H, generator=g).to(BF)
+    mtp = MtpWeights(_nw(g, H), _nw(g, H), _w(g, H, 2 * H), _nw(g, H), _w(g, VOCAB, H), embed, _mla_layer(g, False))
+    return MlaModel(dims, layers, embed, _nw(g, H), _w(g, VOCAB, H), mtp, DENSE)
+
+
+def _mla_caches(n, seed=6):
+    g = _gen(seed)
+    return [torch.randn(n, R + ROPE, generator=g).to(BF) for _ in range(3)]
+
+
+def test_split_shared_is_the_same_mlp():
+    g = _gen(7)
+    gate_up, down, x = _w(g, 2 * 2 * INTER, H), _w(g, H, 2 * INTER), torch.randn(H, generator=g)
+    sg, sd = split_shared(gate_up, down, INTER)
+    full = down.float() @ (torch.nn.functional.silu(gate_up.float()[:2 * INTER] @ x) * (gate_up.float()[2 * INTER:] @ x))
+    parts = sum(sd[s].float() @ (torch.nn.functional.silu(sg[s].float()[:INTER] @ x) * (sg[s].float()[INTER:] @ x))
+                for s in range(2))
+    assert torch.allclose(full, parts, atol=1e-5)
+
+
+def test_mla_plain_steps_and_verify_follow_reference(tiny_mla):
+    n, ctx = 40, 12
+    caches = _mla_caches(n)
+    ref_caches = [c.clone() for c in caches]
+    cos, sin = _tables(n, ROPE)
+    dec = MlaDecoder(tiny_mla, caches, cos, sin, max_draft=2, max_steps=8, num_splits=4)
+    dec.set_state(3, ctx)
+    tok = 3
+    for i in range(2):
+        dec.plain_step()
+        ref, hid = reference_forward(tiny_mla, ref_caches, cos, sin, [tok], ctx + i)
+        assert ((dec.logits[1] - ref).abs().max() / ref.abs().max()).item() < 1e-6
+        assert torch.equal(caches[1][ctx + i], ref_caches[1][ctx + i])
+        tok = int(ref[0].argmax())
+        assert int(dec.tokens[0]) == tok and torch.equal(dec.g, hid)
+    dec.tokens[:3] = torch.tensor([5, 7, 9])
+    dec.pos.fill_(ctx + 5)
+    dec.forward(3)
+    ref, hid = reference_forward(tiny_mla, ref_caches, cos, sin, [5, 7, 9], ctx + 5)
+    assert ((dec.logits[3] - ref).abs().max() / ref.abs().max()).item() < 1e-6
+    assert torch.equal(caches[0][ctx + 5:ctx + 8], ref_caches[0][ctx + 5:ctx + 8])
+
+
+def test_mtp_spec_output_equals_plain_greedy_output(tiny_mla):
+    n, ctx, want = 40, 12, 5
+    cos, sin = _tables(n, ROPE)
+    dec = MlaDecoder(tiny_mla, _mla_caches(n), cos, sin, max_draft=1, max_steps=16, num_splits=4)
+    dec.set_state(3, ctx)
+    for _ in range(want):
+        dec.plain_step()
+    plain = dec.out_tokens[:want].tolist()
+    dec.set_state(3, ctx)
+    replays = 0
+    while int(dec.out_idx) < want:
+        dec.spec_step(1)
+        replays += 1
+    assert dec.out_tokens[:want].tolist() == plain
+    emitted, accepted = int(dec.out_idx), int(dec.accepted)
+    assert emitted == replays + accepted and 0 <= accepted <= replays
+    assert int(dec.pos) == ctx + emitted
