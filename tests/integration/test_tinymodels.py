@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 import subprocess
 import sys
@@ -19,7 +20,7 @@ import torch
 from tokenizers import Tokenizer
 
 from infra import tinymodel
-from tests.fixtures.vllm import vllm_greedy
+from tests.fixtures.vllm import VllmStartError, vllm_greedy
 
 ARCHS = list(tinymodel.ARCHS)
 PROMPTS = ["Hello world", "def fibonacci(n):", "The river ran low that summer, and",
@@ -153,3 +154,16 @@ def test_deepseek_v3_serves_bf16_with_mtp_speculation(vllm_servers, tiny_model):
         assert len(tokens) == NUM_TOKENS and all(0 <= t < vocab_size for t in tokens)
     metrics = httpx.get(f"{server.url}/metrics", timeout=10).text
     assert _metric_total(metrics, "vllm:spec_decode_num_drafts_total") > 0, "MTP drafter never ran"
+
+
+@pytest.mark.vllm
+def test_vllm_that_cannot_start_raises_with_its_log_and_leaves_nothing(vllm_servers, tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "no_such_model"}))
+    num_alive = len(vllm_servers.alive())
+    with pytest.raises(VllmStartError) as failure:
+        vllm_servers.get(tmp_path)
+    assert "exited" in str(failure.value) and "no_such_model" in str(failure.value)
+    assert failure.value.log_path.exists()
+    with pytest.raises(ProcessLookupError):
+        os.killpg(failure.value.pid, 0)  # the whole process group is gone
+    assert len(vllm_servers.alive()) == num_alive
