@@ -142,7 +142,7 @@ class DeepseekModel(nn.Module):
         write_cache(cache, slot_ids, positions, torch.cat([c, k_pe], dim=-1))
         q_c = torch.einsum("bthn,hnr->bhtr", q_nope, blk.w_uk)  # absorbed: [B, H, T, r]
         query = torch.cat([q_c, q_pe.transpose(1, 2)], dim=-1)  # [B, H, T, r + rope]
-        kv = cache[slot_ids]  # [B, S, r + rope]: one KV head shared by all query heads
+        kv = cache[:, : mask.shape[-1]][slot_ids]  # [B, n, r + rope]: one KV head shared by all query heads
         scores = torch.matmul(query.flatten(1, 2), kv.transpose(1, 2)).view(b, nh, t, -1) * self.scale
         probs = scores.masked_fill(~mask, float("-inf")).softmax(dim=-1, dtype=torch.float32).to(kv.dtype)
         out = torch.matmul(probs.flatten(1, 2), kv[..., :r]).view(b, nh, t, r)  # [B, H, T, r]
@@ -155,13 +155,14 @@ class DeepseekModel(nn.Module):
         h = rms_norm(x, blk.mlp_norm, eps)
         return x + (moe(self.cfg, blk, h) if blk.is_moe else swiglu(h, blk.w_gate_up, blk.w_down))
 
-    def _rope_mask(self, positions):
-        return self.cos[positions], self.sin[positions], causal_mask(positions, self.cache.max_tokens)
+    def _rope_mask(self, positions, num_keys: int | None):
+        return self.cos[positions], self.sin[positions], causal_mask(positions, num_keys or self.cache.max_tokens)
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, slot_ids: torch.Tensor) -> torch.Tensor:
-        """Hidden states after the final norm, [B, T, hidden]."""
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, slot_ids: torch.Tensor,
+                num_keys: int | None = None) -> torch.Tensor:
+        """Hidden states after the final norm, [B, T, hidden]; ``num_keys`` > every position (default: all)."""
         x = F.embedding(tokens, self.embed)
-        cos, sin, mask = self._rope_mask(positions)
+        cos, sin, mask = self._rope_mask(positions, num_keys)
         for i, blk in enumerate(self.layers):
             x = self._block(i, blk, x, cos, sin, mask, slot_ids, positions)
         return rms_norm(x, self.final_norm, self.cfg.rms_norm_eps)
@@ -170,7 +171,8 @@ class DeepseekModel(nn.Module):
         """[..., hidden] -> float32 logits [..., vocab]."""
         return F.linear(hidden, self.lm_head).float()
 
-    def mtp_forward(self, tokens, positions, prev_hidden, slot_ids, depth: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    def mtp_forward(self, tokens, positions, prev_hidden, slot_ids, num_keys: int | None = None,
+                    depth: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """MTP layer at positions [B, T]: token i+1 and hidden i -> (recycled hidden, float32 logits).
 
         ``prev_hidden`` is the main model's (final-normed) hidden or a recycled MTP hidden; the
@@ -181,7 +183,7 @@ class DeepseekModel(nn.Module):
         e = F.embedding(tokens, layer.embed)
         e = torch.where((positions == 0)[..., None], torch.zeros_like(e), e)  # position 0 carries no token
         x = F.linear(torch.cat([rms_norm(e, layer.enorm, eps), rms_norm(prev_hidden, layer.hnorm, eps)], dim=-1), layer.eh_proj)
-        cos, sin, mask = self._rope_mask(positions)
+        cos, sin, mask = self._rope_mask(positions, num_keys)
         x = self._block(self.cfg.num_layers + j, layer.block, x, cos, sin, mask, slot_ids, positions)
         h = rms_norm(x, layer.head_norm, eps)
         return h, F.linear(h, layer.head).float()

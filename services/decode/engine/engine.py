@@ -85,7 +85,7 @@ class Engine:
         self.cache = KvCache(kv_shape_from_hf_config(raw_config), num_slots, max_seq_len + self.k, self.dtype, self.device)
         model.bind(self.cache)
         on_cuda = self.device.type == "cuda" and use_cuda_graphs
-        self._forward = GraphedFn(lambda t, p, s: _with_logits(model, model(t, p, s)), on_cuda)
+        self._forward = GraphedFn(lambda t, p, s, n: _with_logits(model, model(t, p, s, n)), on_cuda)
         self._mtp = GraphedFn(model.mtp_forward, on_cuda) if getattr(model, "has_mtp", False) else None
         n, dev, vocab = num_slots + 1, self.device, cfg.vocab_size
         self.temperature = torch.zeros(n, device=dev)
@@ -167,9 +167,10 @@ class Engine:
         tokens = torch.tensor([token_ids], device=self.device)
         positions = torch.arange(len(token_ids), device=self.device)[None]
         slot_ids = torch.tensor([slot], device=self.device)
-        hidden = self.model(tokens, positions, slot_ids)
+        num_keys = self._num_keys(len(token_ids))
+        hidden = self.model(tokens, positions, slot_ids, num_keys)
         if getattr(self.model, "has_mtp", False) and len(token_ids) > 1:
-            self.model.mtp_forward(tokens[:, 1:], positions[:, :-1], hidden[:, :-1], slot_ids)
+            self.model.mtp_forward(tokens[:, 1:], positions[:, :-1], hidden[:, :-1], slot_ids, num_keys)
         self.prefill_hidden[slot] = hidden[0, -1]
         self.slots[slot] = SlotState(state="ready", seq_len=len(token_ids), has_prefill_hidden=True)
         return self.model.logits(hidden[0, -1])
@@ -196,9 +197,10 @@ class Engine:
             slot_ids = torch.tensor([slot], device=self.device)
             tokens = torch.tensor([[first_token_id]], device=self.device)
             positions = torch.tensor([[s.seq_len - 1]], device=self.device)
-            hidden, logits = self._mtp(tokens, positions, self.prefill_hidden[slot][None, None], slot_ids)
+            num_keys = self._num_keys(s.seq_len + self.k)
+            hidden, logits = self._mtp(tokens, positions, self.prefill_hidden[slot][None, None], slot_ids, num_keys)
             self._draft(slot_ids, [self.generators[slot]], hidden[:, 0], logits[:, 0],
-                        torch.tensor([s.seq_len], device=self.device), s.is_greedy)
+                        torch.tensor([s.seq_len], device=self.device), num_keys, s.is_greedy)
             s.num_valid_drafts = k
 
     def cancel(self, slot: int) -> None:
@@ -218,15 +220,21 @@ class Engine:
 
     # ------------------------------------------------------------------ decode
 
+    def _num_keys(self, needed: int) -> int:
+        """Cache prefix a step attends to: a power of two (>= 256) covering ``needed`` positions,
+        so CUDA graphs exist per bucket and short contexts do not read the whole cache."""
+        return min(self.cache.max_tokens, max(256, 1 << (needed - 1).bit_length()))
+
     def _probs(self, slot_ids: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         return process_probs(logits, self.temperature[slot_ids], self.top_k[slot_ids], self.top_p[slot_ids])
 
     def _draft(self, slot_ids: torch.Tensor, gens: list[torch.Generator], hidden: torch.Tensor, logits: torch.Tensor,
-               next_pos: torch.Tensor, all_greedy: bool = False) -> None:
+               next_pos: torch.Tensor, num_keys: int, all_greedy: bool = False) -> None:
         """Draw K drafts per slot from the MTP head, recycling its hidden for drafts 2..K.
 
         hidden/logits [B, ...] are the MTP outputs at position next_pos - 1 (whose input token is
-        the pending token at next_pos); draft j lands at position next_pos + j.
+        the pending token at next_pos); draft j lands at position next_pos + j. Positions past the
+        cache (drafts beyond max_seq_len, never emitted) are clamped to its last row.
         """
         greedy = self.temperature[slot_ids] <= 0
         drafts, probs = [], []
@@ -239,8 +247,8 @@ class Engine:
                 probs.append(q)
             drafts.append(d)
             if j + 1 < self.k:
-                pos = (next_pos + j)[:, None]
-                h, lg = self._mtp(d[:, None], pos, hidden[:, None], slot_ids)
+                pos = (next_pos + j).clamp(max=self.cache.max_tokens - 1)[:, None]
+                h, lg = self._mtp(d[:, None], pos, hidden[:, None], slot_ids, num_keys)
                 hidden, logits = h[:, 0], lg[:, 0]
         self.drafts[slot_ids] = torch.stack(drafts, dim=1)
         if probs:
@@ -261,7 +269,8 @@ class Engine:
         all_greedy = all(self.slots[i].is_greedy for i in active)
         tokens = torch.cat([pending[:, None], self.drafts[slot_ids][:, :k]], dim=1)  # [B, 1+K]
         positions = seq[:, None] + torch.arange(k + 1, device=dev)
-        hidden, self.last_logits = self._forward(tokens, positions, slot_ids)  # last_logits [B, 1+K, V] float32
+        num_keys = self._num_keys(max(self.slots[i].seq_len for i in active) + 2 * k + 1)
+        hidden, self.last_logits = self._forward(tokens, positions, slot_ids, num_keys)  # logits [B, 1+K, V] f32
         rows = torch.arange(b, device=dev)
         if all_greedy:  # no vocab-sized sampling work: compare drafts with the target argmax
             target = self.last_logits.argmax(dim=-1)  # [B, 1+K]
@@ -280,8 +289,9 @@ class Engine:
             num_accepted, nxt = torch.zeros(b, dtype=torch.long, device=dev), sample(probs, noise, self.temperature[slot_ids] <= 0)
         if k:
             mtp_tokens = torch.cat([tokens[:, 1:], nxt[:, None]], dim=1).scatter(1, num_accepted[:, None], nxt[:, None])
-            h, lg = self._mtp(mtp_tokens, positions, hidden, slot_ids)
-            self._draft(slot_ids, gens, h[rows, num_accepted], lg[rows, num_accepted], seq + num_accepted + 1, all_greedy)
+            h, lg = self._mtp(mtp_tokens, positions, hidden, slot_ids, num_keys)
+            self._draft(slot_ids, gens, h[rows, num_accepted], lg[rows, num_accepted], seq + num_accepted + 1, num_keys,
+                        all_greedy)
         host = torch.cat([num_accepted[:, None], tokens[:, 1:], nxt[:, None]], dim=1).tolist()  # the one sync
         return {slot: self._emit(slot, row) for slot, row in zip(active, host)}
 

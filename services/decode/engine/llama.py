@@ -69,16 +69,18 @@ class LlamaModel(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         write_cache(cache.k[i], slot_ids, positions, k)
         write_cache(cache.v[i], slot_ids, positions, v)
-        keys = cache.k[i][slot_ids].transpose(1, 2)  # [B, Hkv, S, D]
-        values = cache.v[i][slot_ids].transpose(1, 2)
+        n = mask.shape[-1]  # keys attended: a prefix of the cache covering every position in the step
+        keys = cache.k[i][:, :n][slot_ids].transpose(1, 2)  # [B, Hkv, n, D]
+        values = cache.v[i][:, :n][slot_ids].transpose(1, 2)
         out = attend(q.transpose(1, 2), keys, values, mask, d**-0.5)  # [B, T, Hq, D]
         return F.linear(out.reshape(b, t, nq * d), blk.wo, blk.bo)
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, slot_ids: torch.Tensor) -> torch.Tensor:
-        """Hidden states after the final norm, [B, T, hidden]."""
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, slot_ids: torch.Tensor,
+                num_keys: int | None = None) -> torch.Tensor:
+        """Hidden states after the final norm, [B, T, hidden]; ``num_keys`` > every position (default: all)."""
         x = F.embedding(tokens, self.embed)
         cos, sin = self.cos[positions], self.sin[positions]  # [B, T, D/2]
-        mask = causal_mask(positions, self.cache.max_tokens)
+        mask = causal_mask(positions, num_keys or self.cache.max_tokens)
         eps = self.cfg.rms_norm_eps
         for i, blk in enumerate(self.layers):
             x = x + self._attention(i, blk, rms_norm(x, blk.attn_norm, eps), cos, sin, mask, slot_ids, positions)

@@ -31,19 +31,27 @@ def test_logits_match_hf_on_the_project_tiny_models(tiny_model, arch):
     check_against_hf(path, hf)
 
 
-def check_against_hf(path, hf) -> None:
+@pytest.mark.parametrize("arch", ["llama", "deepseek_v3"])
+def test_logits_match_hf_across_attended_key_buckets(hf_checkpoint, arch):
+    """A context growing past 256 keys moves the step to the next attended-prefix bucket."""
+    path, hf = hf_checkpoint(arch)
+    prompt = [int(t) for t in torch.randint(0, 256, (250,), generator=torch.Generator().manual_seed(1))]
+    check_against_hf(path, hf, prompt, num_steps=12, max_seq_len=1024)
+
+
+def check_against_hf(path, hf, prompt=PROMPT, num_steps=NUM_STEPS, max_seq_len=600) -> None:
     from transformers import DynamicCache
 
-    engine = Engine.load(path, num_slots=1, max_seq_len=128, dtype=torch.float32)
+    engine = Engine.load(path, num_slots=1, max_seq_len=max_seq_len, dtype=torch.float32)
     with torch.no_grad():
         cache = DynamicCache(config=hf.config)
-        ref = hf(torch.tensor([PROMPT]), past_key_values=cache, use_cache=True).logits[0, -1]
-        ours = engine.prefill(0, PROMPT)
+        ref = hf(torch.tensor([prompt]), past_key_values=cache, use_cache=True).logits[0, -1]
+        ours = engine.prefill(0, prompt)
         assert rel_err(ours, ref) < 1e-4
         first = int(ref.argmax())
-        engine.start(0, first, SamplingParams(max_tokens=NUM_STEPS, ignore_eos=True))
+        engine.start(0, first, SamplingParams(max_tokens=num_steps, ignore_eos=True))
         token = first
-        for i in range(NUM_STEPS):
+        for i in range(num_steps):
             ref = hf(torch.tensor([[token]]), past_key_values=cache, use_cache=True).logits[0, -1]
             out = engine.step()[0]
             assert rel_err(engine.last_logits[0, 0], ref) < 1e-4, f"step {i}"

@@ -28,14 +28,14 @@ def run_counted(engine: Engine, slot: int, prompt: list[int], sampling: Sampling
 @pytest.fixture(scope="module")
 def plain(hf_checkpoint):
     path, _ = hf_checkpoint("deepseek_v3")
-    engine = Engine.load(path, num_slots=1, max_seq_len=256, dtype=torch.float32)
+    engine = Engine.load(path, num_slots=1, max_seq_len=512, dtype=torch.float32)
     return {i: run(engine, 0, p, GREEDY) for i, p in enumerate(PROMPTS)}
 
 
 @pytest.mark.parametrize("k", [1, 2, 3])
 def test_speculative_greedy_equals_plain_greedy_over_128_tokens(hf_checkpoint, plain, k):
     path, _ = hf_checkpoint("deepseek_v3")
-    engine = Engine.load(path, num_slots=1, max_seq_len=256, dtype=torch.float32, num_speculative_tokens=k)
+    engine = Engine.load(path, num_slots=1, max_seq_len=512, dtype=torch.float32, num_speculative_tokens=k)
     total_accepted = 0
     for i, prompt in enumerate(PROMPTS):
         tokens, per_step, stats = run_counted(engine, 0, prompt, GREEDY)
@@ -52,7 +52,7 @@ def test_speculative_greedy_equals_plain_greedy_over_128_tokens(hf_checkpoint, p
 
 def test_speculative_sampling_is_seeded_and_top_k_1_is_greedy(hf_checkpoint, plain):
     path, _ = hf_checkpoint("deepseek_v3")
-    engine = Engine.load(path, num_slots=1, max_seq_len=256, dtype=torch.float32, num_speculative_tokens=2)
+    engine = Engine.load(path, num_slots=1, max_seq_len=512, dtype=torch.float32, num_speculative_tokens=2)
     seeded = SamplingParams(max_tokens=60, ignore_eos=True, temperature=0.9, top_p=0.95, seed=5)
     a, _, sa = run_counted(engine, 0, PROMPTS[0], seeded)
     b, _, sb = run_counted(engine, 0, PROMPTS[0], seeded)
@@ -65,9 +65,9 @@ def test_two_slots_greedy_and_sampling_under_speculation(hf_checkpoint, plain):
     """A greedy slot batched with a sampling slot keeps its exact greedy tokens; the sampled one its seeded ones."""
     path, _ = hf_checkpoint("deepseek_v3")
     sampled = SamplingParams(max_tokens=50, ignore_eos=True, temperature=0.7, top_k=20, seed=11)
-    alone = Engine.load(path, num_slots=1, max_seq_len=256, dtype=torch.float32, num_speculative_tokens=3)
+    alone = Engine.load(path, num_slots=1, max_seq_len=512, dtype=torch.float32, num_speculative_tokens=3)
     expected = run_counted(alone, 0, PROMPTS[1], sampled)[0]
-    engine = Engine.load(path, num_slots=2, max_seq_len=256, dtype=torch.float32, num_speculative_tokens=3)
+    engine = Engine.load(path, num_slots=2, max_seq_len=512, dtype=torch.float32, num_speculative_tokens=3)
     got = {}
     for slot, prompt, params in ((0, PROMPTS[0], GREEDY), (1, PROMPTS[1], sampled)):
         first = int(engine.prefill(slot, prompt).argmax())
@@ -87,7 +87,7 @@ def test_two_slots_greedy_and_sampling_under_speculation(hf_checkpoint, plain):
 
 def test_speculation_per_request_off_and_two_slots(hf_checkpoint, plain):
     path, _ = hf_checkpoint("deepseek_v3")
-    engine = Engine.load(path, num_slots=2, max_seq_len=256, dtype=torch.float32, num_speculative_tokens=3)
+    engine = Engine.load(path, num_slots=2, max_seq_len=512, dtype=torch.float32, num_speculative_tokens=3)
     params = [GREEDY, SamplingParams(max_tokens=100, ignore_eos=True, num_speculative_tokens=0)]
     got = {}
     for slot in (0, 1):
@@ -108,7 +108,7 @@ def test_speculation_per_request_off_and_two_slots(hf_checkpoint, plain):
 def test_injected_state_with_mtp_cache_continues_like_own_prefill(hf_checkpoint, plain):
     """The MTP layer's cache travels in the slot buffer like any layer: a copied buffer decodes the same."""
     path, _ = hf_checkpoint("deepseek_v3")
-    engine = Engine.load(path, num_slots=2, max_seq_len=256, dtype=torch.float32, num_speculative_tokens=2)
+    engine = Engine.load(path, num_slots=2, max_seq_len=512, dtype=torch.float32, num_speculative_tokens=2)
     prompt = PROMPTS[2]
     first = int(engine.prefill(0, prompt).argmax())
     # the writer holds the MTP entry of the last prompt position too (from the first token), as vLLM's
@@ -124,3 +124,14 @@ def test_injected_state_with_mtp_cache_continues_like_own_prefill(hf_checkpoint,
     assert engine.spec_stats(1).num_accepted_tokens > 0
     engine.release(1)
     assert engine.free_slots() == [0, 1]
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_speculation_up_to_max_seq_len(hf_checkpoint, plain, k):
+    """Drafts that would land past the cache at the end of the context never break or change the output."""
+    path, _ = hf_checkpoint("deepseek_v3")
+    engine = Engine.load(path, num_slots=1, max_seq_len=40, dtype=torch.float32, num_speculative_tokens=k)
+    tokens, per_step, stats = run_counted(engine, 0, PROMPTS[0], GREEDY)
+    assert len(PROMPTS[0]) + len(tokens) == 40
+    assert tokens == plain[0][: len(tokens)]
+    assert sum(per_step) == stats.num_steps + stats.num_accepted_tokens
