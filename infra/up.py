@@ -7,8 +7,9 @@ Contract:
 - Without ``--model`` it writes a tiny checkpoint (``infra.tinymodel``, ``--arch``) under WORKDIR.
 - A piece whose module is not in this build is reported as missing and skipped (vLLM then runs
   without the connector and the router serves the standard lane only).
-- Prints the endpoint, an example curl and how to watch events; then supervises: if a process
-  exits, the stack is stopped and its log tail printed (exit 1). Ctrl-C or SIGTERM stops every
+- Prints the endpoint, an example curl and how to watch events; then supervises: a process that
+  exits is reported with its log tail and started again (at most ``MAX_RESTARTS`` times in
+  ``RESTART_WINDOW_S``; beyond that the stack stops with status 1). Ctrl-C or SIGTERM stops every
   process (SIGTERM, then SIGKILL after a grace period) and exits 0 with nothing left running.
 """
 
@@ -30,6 +31,8 @@ from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 STOP_GRACE_S = 15.0
+MAX_RESTARTS = 5
+RESTART_WINDOW_S = 300.0
 
 
 def free_port() -> int:
@@ -207,6 +210,29 @@ def plan(args: argparse.Namespace, model: Path, nats_url: str, py: str) -> tuple
     return procs, missing
 
 
+def supervise(procs: list[Proc], log_dir: Path, start_timeout_s: float) -> None:
+    """Restart processes that exit, until Ctrl-C; RuntimeError when one keeps failing."""
+    restarts: dict[str, list[float]] = {}
+    while True:
+        for proc in procs:
+            if proc.alive:
+                continue
+            now = time.monotonic()
+            recent = [t for t in restarts.get(proc.name, []) if now - t < RESTART_WINDOW_S]
+            print(f"\n{proc.name} exited ({proc.popen.returncode}); log {proc.log_path}:\n"
+                  f"{_tail(proc.log_path, 10)}", file=sys.stderr, flush=True)
+            if len(recent) >= MAX_RESTARTS:
+                raise RuntimeError(f"{proc.name} exited {MAX_RESTARTS} times in "
+                                   f"{RESTART_WINDOW_S:.0f} s; giving up")
+            restarts[proc.name] = recent + [now]
+            stop_all([proc], grace_s=5.0)  # whatever is left of its process group
+            proc.start(log_dir)
+            print(f"{proc.name:<14} restarted", flush=True)
+            proc.wait_healthy(start_timeout_s)
+            print(f"{proc.name:<14} ready", flush=True)
+        time.sleep(0.5)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="expresslane up",
@@ -282,14 +308,7 @@ def main(argv: list[str]) -> int:
             proc.wait_healthy(args.start_timeout_s)
             print(f"{proc.name:<14} ready", flush=True)
         print(_banner(args, model, nats.url, missing, log_dir), flush=True)
-        while True:
-            for proc in procs:
-                if not proc.alive:
-                    print(f"\n{proc.name} exited ({proc.popen.returncode}); stopping the stack. "
-                          f"Log {proc.log_path}:\n{_tail(proc.log_path)}", file=sys.stderr)
-                    code = 1
-                    raise KeyboardInterrupt
-            time.sleep(0.5)
+        supervise(procs, log_dir, args.start_timeout_s)
     except KeyboardInterrupt:
         pass
     except RuntimeError as exc:

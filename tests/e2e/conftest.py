@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -92,7 +93,9 @@ def wait_until(cond, timeout_s: float, what: str, interval_s: float = 0.05):
 
 @pytest.fixture(scope="package")
 def deployment(express_vllm, nats_url, otlp_receiver, tmp_path_factory):
-    log_dir = tmp_path_factory.mktemp("e2e-logs")
+    # outside pytest's rotating temp dirs, so the logs outlive later sessions
+    log_dir = Path(tempfile.mkdtemp(prefix="expresslane-e2e-logs-"))
+    print(f"e2e logs in {log_dir}")
     env = {"OTEL_EXPORTER_OTLP_ENDPOINT": otlp_receiver.url, "OTEL_BSP_SCHEDULE_DELAY": "200",
            "EXPRESSLANE_NATS_URL": nats_url}
     # the prefill vLLMs inherit the environment when they start: their connector exports spans too

@@ -31,7 +31,7 @@ async def _stream_chat(client, model: str, prompt: str, lane: str):
         extra_headers={"x-expresslane": lane})
     served_by = raw.headers["x-expresslane-lane"]
     text, ids, prompt_ids, usage, finish = "", [], None, None, None
-    async for chunk in await raw.parse():
+    async for chunk in raw.parse():
         extra = chunk.model_extra or {}
         if extra.get("prompt_token_ids") is not None:
             prompt_ids = extra["prompt_token_ids"]

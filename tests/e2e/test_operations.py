@@ -38,6 +38,11 @@ def assert_nothing_leaked(dep, timeout_s: float = 10.0) -> None:
 # ---------------------------------------------------------------- traces
 
 
+def _is_prefill(span) -> bool:
+    """A span of the prefill (the connector inside vLLM), not the router's prefill hop."""
+    return span.service_name != "router" and ("prefill" in span.name or "prefill" in span.service_name)
+
+
 def _ancestors(span, by_id) -> list:
     out = []
     while span.parent_span_id:
@@ -61,7 +66,7 @@ async def test_one_trace_per_request_across_every_hop(deployment, otlp_receiver)
         mine = [s for s in spans if s.trace_id == roots[0].trace_id]
         services = {s.service_name for s in mine}
         return ({"router", "coordinator", "decode"} <= services
-                and any("prefill" in s.name or "prefill" in s.service_name for s in mine))
+                and any(_is_prefill(s) for s in mine))
 
     spans = otlp_receiver.wait_for(complete, timeout_s=30.0)
     root = next(s for s in spans if s.name == "router.request" and s.attributes.get("request_id") == rid)
@@ -71,18 +76,19 @@ async def test_one_trace_per_request_across_every_hop(deployment, otlp_receiver)
     assert [s for s in mine if not s.parent_span_id] == [root]
     assert all(None not in _ancestors(s, by_id) for s in mine), sorted(
         f"{s.service_name}:{s.name}" for s in mine if None in _ancestors(s, by_id))
-    assert {s.trace_id for s in spans if s.attributes.get("request_id") == rid} == {root.trace_id}
+    strays = [f"{s.service_name}:{s.name} {s.attributes}" for s in spans
+              if s.attributes.get("request_id") == rid and s.trace_id != root.trace_id]
+    assert not strays, strays
     hops = {s.name: s for s in mine if s.service_name == "router"}
     for name in ("router.claim", "router.prefill", "router.decode"):
         assert hops[name].parent_span_id == root.span_id, name
 
-    def under(service_or_name, hop):
-        return any(hops[hop] in _ancestors(s, by_id) for s in mine
-                   if service_or_name in (s.service_name, s.name) or s.name.startswith(service_or_name))
+    def under(is_service, hop):
+        return any(hops[hop] in _ancestors(s, by_id) for s in mine if is_service(s))
 
-    assert under("coordinator", "router.claim")
-    assert under("prefill", "router.prefill")
-    assert under("decode", "router.decode")
+    assert under(lambda s: s.service_name == "coordinator", "router.claim")
+    assert under(_is_prefill, "router.prefill")
+    assert under(lambda s: s.service_name == "decode", "router.decode")
 
 
 # ---------------------------------------------------------------- events
@@ -118,7 +124,7 @@ def test_events_command_shows_the_lifecycle_in_order(deployment):
     assert pos["handoff:claimed"] < pos["kv_ready"] < pos["tokens"]
     assert pos["decode_start"] < pos["tokens"] < kinds.index("finished")
     assert kinds.index("finished") > max(i for i, k in enumerate(kinds) if k == "tokens")
-    assert all(m["traceparent"] for m in mine)
+    assert [(m["subject"], m["event"]) for m in mine if not m["traceparent"]] == []
     assert len({m["traceparent"].split("-")[1] for m in mine}) == 1  # one trace
 
 
