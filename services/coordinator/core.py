@@ -122,6 +122,12 @@ class CoordinatorCore:
             effects += self._fail_node_leases(hb.node_id, "node_restarted", now_ms)
         return effects + self._sweep_and_dispatch(now_ms)
 
+    def on_reconnected(self, now_ms: int) -> list[Effect]:
+        """The coordinator was cut off from the bus: heartbeats it missed prove nothing, so every
+        node counts as seen now."""
+        self.registry.touch_all(now_ms)
+        return []
+
     def on_draining(self, msg: NodeDraining, now_ms: int) -> list[Effect]:
         self.registry.draining(msg, now_ms)
         return []

@@ -44,6 +44,10 @@ class NodeRegistry:
         if node_id not in self.nodes:
             self.nodes[node_id] = Node(node_id, None, now_ms, self.config.default_heartbeat_interval_ms)
 
+    def touch_all(self, now_ms: int) -> None:
+        for node in self.nodes.values():
+            node.last_seen_ms = max(node.last_seen_ms, now_ms)
+
     def expired(self, now_ms: int) -> list[Node]:
         limit = self.config.heartbeat_misses
         return [n for n in self.nodes.values() if now_ms - n.last_seen_ms > limit * n.interval_ms]

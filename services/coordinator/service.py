@@ -14,7 +14,8 @@ Contract:
 - HTTP: ``/health`` (200 when connected, 503 otherwise) and ``/metrics`` (Prometheus).
 - SIGTERM/SIGINT: stop taking claims, turn waiting claims away with ``retry_after_ms``, flush,
   exit 0; leases stay in the bucket for the next coordinator. NATS restarts: nats-py reconnects,
-  subscriptions and the durable consumer resume.
+  subscriptions and the durable consumer resume; while disconnected no deadline is applied, and
+  after reconnecting every node counts as just seen (missed heartbeats prove nothing then).
 """
 
 from __future__ import annotations
@@ -89,6 +90,7 @@ class CoordinatorService:
         await self._start_inbox()  # first: it fails while another coordinator is running
         await self._restore()
         self._restored.set()
+        self.bus.add_reconnect_callback(self._on_reconnected)
         self._subs.append(await self.bus.subscribe(subjects.NODE_AVAIL_ALL, self._on_node, NodeMessage))
         self._subs.append(await self.bus.subscribe(subjects.CLAIM, self._on_claim, ClaimRequest))
         self.http = await serve_status(self.args.http_host, self.args.http_port, {
@@ -176,8 +178,16 @@ class CoordinatorService:
                 pass
             await asyncio.sleep(0.05)
         while True:
-            await self._apply(self.core.tick)
             await asyncio.sleep(self.args.tick_ms / 1000)
+            if not self.bus.is_connected:
+                continue  # cut off ourselves: no node is judged dead meanwhile
+            try:
+                await self._apply(self.core.tick)
+            except Exception:
+                self.log.exception("tick_failed")
+
+    async def _on_reconnected(self) -> None:
+        await self._apply(self.core.on_reconnected)
 
     async def _compact_loop(self) -> None:
         """Every lease leaves a delete marker in the bucket: drop the old ones now and then."""

@@ -333,14 +333,21 @@ async def test_coordinator_restart_mid_handoff_loses_no_lease(stack):
     await stack.assert_no_leak([node])
 
 
-async def test_nats_restart_both_services_reconnect(stack):
+async def test_nats_restart_both_services_reconnect_and_no_lease_is_lost(stack):
     await stack.coordinator()
-    node = await stack.decode("d1", 1)
+    node = await stack.decode("d1", 2)
     grant = await stack.claim("r0")
     _, end = await collect(await run_request(stack, grant, prompt_len=8, max_tokens=2))
     assert isinstance(end, RequestFinished)
     await stack.wait_state("r0", "completed")
-    await asyncio.to_thread(stack.nats.restart)
+    inflight = await stack.claim("r1")  # a handoff in flight across the restart
+    await stack.bus.publish(subjects.kv_ready("d1"), KvReady(
+        request_id="r1", lease_id=inflight.lease_id, generation=inflight.generation,
+        node_id="d1", slot=inflight.target.slot.slot, num_tokens=8, layout_version=1, nbytes=0))
+    await stack.wait_state("r1", "kv_ready")
+    await asyncio.to_thread(stack.nats.stop)
+    await asyncio.sleep(6 * HEARTBEAT_MS / 1000)  # down for longer than 3 heartbeats
+    await asyncio.to_thread(stack.nats.start, 15.0)
     t0 = time.monotonic()
     await stack.coord.wait_healthy(30, until=lambda h: h["connected"] and h["free_slots"] == 1)
     await node.wait_healthy(30, until=lambda h: h["connected"])
@@ -349,11 +356,17 @@ async def test_nats_restart_both_services_reconnect(stack):
     while not stack.bus.is_connected:
         assert time.monotonic() < deadline
         await asyncio.sleep(0.05)
-    grant = await stack.claim("r1")
+    # The coordinator did not take its own outage for the node's death: r1 goes on.
+    tokens, end = await collect(await run_request(stack, inflight, prompt_len=8, max_tokens=3,
+                                                  kv_ready=False))
+    assert isinstance(end, RequestFinished) and len(tokens) == 3
+    await stack.wait_state("r1", "completed")
+    assert stack.states("r1") == ["claimed", "kv_ready", "decoding", "completed"]
+    grant = await stack.claim("r2")
     assert isinstance(grant, ClaimGranted)
     tokens, end = await collect(await run_request(stack, grant, prompt_len=8, max_tokens=3))
     assert isinstance(end, RequestFinished) and len(tokens) == 3
-    await stack.wait_state("r1", "completed")
+    await stack.wait_state("r2", "completed")
     await stack.assert_no_leak([node])
 
 

@@ -85,6 +85,8 @@ class Harness:
             effects = c.on_slot_released(SlotReleased(**self.report_args(**args), outcome=outcome), t)
         elif op == "cancel":
             effects = c.on_cancel(CancelRequest(request_id=args["rid"]), t)
+        elif op == "reconnected":
+            effects = c.on_reconnected(t)
         elif op == "stop":
             effects = c.reject_queued("coordinator_stopping", t)
         elif op == "tick":
@@ -311,6 +313,14 @@ CASES = {
         (1499, "tick", {}, {"held": [("n1", 0), ("n1", 1)]}),
         (1500, "tick", {}, {"held": [("n1", 1)], "free": 1}),
         *finish("r4", 1501),
+    ],
+    "reconnect_grants_nodes_fresh_heartbeat_grace": [
+        (0, "hb", {"free": (0,), "interval": 100}, {}),
+        (0, "claim", {"rid": "r1"}, {}),
+        (5, "kv_ready", {"rid": "r1"}, {}),
+        (250, "reconnected", {}, {}),  # the coordinator itself was cut off from 0 to 250
+        (550, "tick", {}, {"events": [], "state": {"r1": "kv_ready"}}),
+        (551, "tick", {}, {"events": [("r1", "failed")]}),
     ],
     "node_restart_fails_leases": [
         (0, "hb", {"free": (0, 1), "seq": 5}, {}),
