@@ -59,7 +59,7 @@ MAX_DELIVERIES = 5  # a report that fails this often is dropped (logged), not re
 
 
 class CoordinatorBusy(RuntimeError):
-    """Another coordinator holds the report stream."""
+    """The coordinator cannot run here: another one holds the report stream, or no JetStream."""
 
 
 def now_ms() -> int:
@@ -86,7 +86,12 @@ class CoordinatorService:
     # ------------------------------------------------------------ lifecycle
 
     async def start(self) -> None:
-        self.kv = await self.bus.kv(self.args.kv_bucket)
+        try:
+            self.kv = await self.bus.kv(self.args.kv_bucket)
+        except (nats.js.errors.ServiceUnavailableError, nats.errors.NoRespondersError) as exc:
+            raise CoordinatorBusy(  # not busy, but the same kind of fatal start-up condition
+                "nats-server has no JetStream: the coordinator keeps its state there; start "
+                "nats-server with -js (`expresslane nats` does)") from exc
         await self._start_inbox()  # first: it fails while another coordinator is running
         await self._restore()
         self._restored.set()
