@@ -172,6 +172,7 @@ class Router:
 
     async def _handle(self, request: Request, endpoint: str, request_id: str,
                       span: trace.Span) -> tuple[Response, str]:
+        t_arrival = time.perf_counter()
         tenant = self._tenant(request)
         req = parse_request(endpoint, parse_body(await request.body()))  # type: ignore[arg-type]
         info = self.models.get(req.model)
@@ -200,7 +201,7 @@ class Router:
                 tenant=tenant, parent=span)
             try:
                 await es.open()
-                return await self._express_response(es, req, info, request_id, span), "express"
+                return await self._express_response(es, req, info, request_id, span, t_arrival), "express"
             except LaneFallback as exc:
                 _log.warning("express_fallback", reason=str(exc))
                 self.metrics.fallbacks.labels("coordinator").inc()
@@ -221,14 +222,14 @@ class Router:
                            metrics=self.metrics, tracer=self.tracer, spawn=self.spawn, cfg=self.cfg)
 
     async def _express_response(self, es: ExpressStream, req: ParsedRequest, info: backend.ModelInfo,
-                                request_id: str, span: trace.Span) -> Response:
+                                request_id: str, span: trace.Span, t_arrival: float) -> Response:
         prefix = "chatcmpl-" if req.endpoint == "chat" else "cmpl-"
         builder = ResponseBuilder(req.endpoint, prefix + request_id, req.model,  # type: ignore[arg-type]
                                   include_usage=req.include_usage, return_token_ids=req.return_token_ids)
         detok = Detokenizer(info.tokenizer, es.prompt_ids, skip_special_tokens=req.skip_special_tokens,
                             stop=req.stop, include_stop_str_in_output=req.include_stop_str_in_output)
         if req.stream:
-            return StreamingResponse(self._stream_body(es, detok, builder, span),
+            return StreamingResponse(self._stream_body(es, detok, builder, span, t_arrival),
                                      media_type="text/event-stream")
         text, finish, stop_reason = "", None, None
         async for delta, _, finish, stop_reason in self._run(es, detok):
@@ -257,15 +258,15 @@ class Router:
             await gen.aclose()
 
     async def _stream_body(self, es: ExpressStream, detok: Detokenizer, builder: ResponseBuilder,
-                           span: trace.Span) -> AsyncIterator[bytes]:
-        t0 = time.perf_counter()
+                           span: trace.Span, t_arrival: float) -> AsyncIterator[bytes]:
         first = True
         try:
             async for text, token_ids, finish, stop_reason in self._run(es, detok):
                 chunk = builder.delta(text, token_ids, es.prompt_ids)
                 if chunk:
                     if first:
-                        self.metrics.ttft_ms.labels("express").observe((time.perf_counter() - t0) * 1000)
+                        self.metrics.ttft_ms.labels("express").observe(
+                            (time.perf_counter() - t_arrival) * 1000)
                         first = False
                     yield chunk
                 if finish:
