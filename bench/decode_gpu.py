@@ -304,12 +304,38 @@ def diagnose(X, model, s, ctx: int = 1024) -> dict:
     ao = torch.empty(s["hq"] * s["d"], device=dev, dtype=dt)
     attn(qr.reshape(-1).contiguous(), kc[0], vc[0], pos, ao, stride_kt=s["hkv"] * s["d"], stride_vt=s["hkv"] * s["d"])
     out["attention"] = _cmp(ao, X.attention.reference_attention(qr[None], kc[0], vc[0], ctx, s["d"] ** -0.5))
-    # layer by layer, step 0, eager fast path vs reference
+    # layer 0, op by op on identical inputs (the tuned tiles), then layers chained
+    d, hq, hkv = s["d"], s["hq"], s["hkv"]
+    _, kc, vc = make_slot(s, mt, ctx, seed=4)
+    dec = X.GqaDecoder(model, kc, vc, cos, sin, X.FastOptions(), max_steps=mt)
+    dec.set_state(5, ctx)
+    h0 = dec.h.clone()
+    lw = L[0]
+    G.gemv_qkv_rope(dec.h, lw.wqkv, lw.attn_norm, 1e-5, dec.q, kc[0], vc[0], dec.pos, dec.cos, dec.sin,
+                    num_q_heads=hq, num_kv_heads=hkv, head_dim=d, **dec._tile("qkv"))
+    qkv = G.reference_linear(G.reference_rmsnorm(h0, lw.attn_norm, 1e-5), lw.wqkv).view(-1, d)
+    ops = {"q": _cmp(dec.q, G.reference_rope(qkv[:hq], dec.cos[ctx], dec.sin[ctx])),
+           "k": _cmp(kc[0][ctx], G.reference_rope(qkv[hq:hq + hkv], dec.cos[ctx], dec.sin[ctx])),
+           "v": _cmp(vc[0][ctx], qkv[hq + hkv:])}
+    dec.attn(dec.q, kc[0], vc[0], dec.pos, dec.attn_out, stride_kt=hkv * d, stride_vt=hkv * d)
+    ops["attn"] = _cmp(dec.attn_out, X.attention.reference_attention(dec.q.view(1, hq, d), kc[0], vc[0], ctx, d ** -0.5))
+    h1 = h0.clone()
+    G.gemv(dec.attn_out, lw.wo, h1, residual=h1, **dec._tile("o"))
+    ops["o_residual"] = _cmp(h1, h0 + G.reference_linear(dec.attn_out, lw.wo))
+    G.gemv_silu(h1, lw.w_gate_up, dec.act, norm_w=lw.mlp_norm, eps=1e-5, **dec._tile("gate_up"))
+    ops["gate_up_silu"] = _cmp(dec.act, G.reference_silu_mul(G.reference_linear(G.reference_rmsnorm(h1, lw.mlp_norm, 1e-5),
+                                                                                   lw.w_gate_up)))
+    h2 = h1.clone()
+    G.gemv(dec.act, lw.w_down, h2, residual=h2, **dec._tile("down"))
+    ops["down_residual"] = _cmp(h2, h1 + G.reference_linear(dec.act, lw.w_down))
+    lg = torch.empty(s["vocab"], device=dev)
+    G.gemv(h2, model.lm_head, lg, norm_w=model.final_norm, eps=1e-5, **dec._tile("lm_head"))
+    ops["lm_head"] = _cmp(lg, G.reference_rmsnorm(h2, model.final_norm, 1e-5).float() @ model.lm_head.float().T)
+    out["layer0_ops"] = ops
     _, kc, vc = make_slot(s, mt, ctx, seed=4)
     kr_, vr_ = [k.clone() for k in kc], [v.clone() for v in vc]
     dec = X.GqaDecoder(model, kc, vc, cos, sin, X.FastOptions(), max_steps=mt)
     dec.set_state(5, ctx)
-    dec.h.copy_(model.embed[5])
     h = model.embed[5]
     layers = {}
     for i in range(len(L)):

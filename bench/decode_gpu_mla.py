@@ -139,7 +139,8 @@ def correctness(X, model, caches, cos, sin, ctx: int, steps: int = 48) -> dict:
         sp.replay()
         replays += 1
     spec_tokens = dec.out_tokens[:steps].tolist()
-    return {"steps": steps, "plain_vs_reference_mismatches": mism, "mismatch_gaps": gaps[:5],
+    same = next((i for i, (a, b) in enumerate(zip(spec_tokens, plain_tokens)) if a != b), steps)
+    return {"spec_identical_prefix": same, "steps": steps, "plain_vs_reference_mismatches": mism, "mismatch_gaps": gaps[:5],
             "logits_max_rel_err": max_rel, "spec_equals_plain": spec_tokens == plain_tokens,
             "spec_replays": replays, "accepted_drafts": int(dec.accepted.item())}
 

@@ -60,6 +60,7 @@ def gemv_rows(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, *, norm_w: to
     """out[T, N] = [residual +] x'[T, K] @ W[N, K]^T, x' = rmsnorm(x) * norm_w when given (T <= 4)."""
     t, k = x.shape
     n = w.shape[0]
+    block_k = max(32, block_k // triton.next_power_of_2(t))  # the [T, BLOCK_N, BLOCK_K] accumulator in registers
     _gemv_rows_kernel[(triton.cdiv(n, block_n),)](
         x, w, out, residual if residual is not None else out, norm_w if norm_w is not None else x, n, k, eps,
         x.stride(0), out.stride(0), T=t, T_PAD=triton.next_power_of_2(t), NORM=norm_w is not None,
@@ -208,10 +209,11 @@ class GroupedMoe:
     """Launch plan of one MoE (or dense, TOPK = 0 with the MLP as the one shared expert) for T tokens."""
 
     def __init__(self, *, num_tokens: int, top_k: int, num_shared: int, hidden: int, inter: int,
-                 device: torch.device | str, tiles: tuple[tuple[int, int, int, int], ...] = ((8, 256, 4, 4), (8, 256, 4, 4))):
+                 device: torch.device | str, tiles: tuple[tuple[int, int, int, int], ...] | None = None):
         self.t, self.k, self.s, self.h, self.i = num_tokens, top_k, num_shared, hidden, inter
         self.slots = top_k + num_shared
-        self.tiles = tiles
+        bk = max(32, 256 // triton.next_power_of_2(num_tokens))  # [T, BLOCK_N, BLOCK_K] accumulators
+        self.tiles = tiles or ((8, bk, 4, 4), (8, bk, 4, 4))
         self.act = torch.zeros(num_tokens * self.slots * inter, dtype=torch.bfloat16, device=device)
         self.y = torch.zeros(num_tokens * self.slots * hidden, dtype=torch.float32, device=device)
 
