@@ -177,7 +177,10 @@ def bench_cuda(steps: int, context: int) -> dict:
     config = LlamaConfig(**{k: v for k, v in LLAMA3_8B.items() if k not in ("model_type", "architectures")})
     torch.manual_seed(0)
     with torch.device(device):
-        hf = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+        try:
+            hf = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+        except TypeError:  # older transformers
+            hf = AutoModelForCausalLM.from_config(config, torch_dtype=dtype).eval()
     with torch.no_grad():
         for p in hf.parameters():
             p.normal_(0.0, 0.02) if p.dim() > 1 else p.fill_(1.0)
@@ -221,6 +224,8 @@ def main(argv: list[str] | None = None) -> int:
         for r in result["cpu"]:
             print(f"{r['model']:<18}{r['slots']:>6}{r['spec_k']:>7}{_fmt(r['engine_tok_s']):>14}"
                   f"{_fmt(r['acceptance'], '{:.2f}'):>8}{_fmt(r['hf_tok_s']):>10}")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("no CUDA device: nothing measured")
     if torch.cuda.is_available() and not args.skip_cuda:
         c = result["cuda"] = bench_cuda(args.steps, args.context)
         print(f"\n{c['device']}: {c['model']} {c['dtype']}, context {c['context']}, copy bandwidth "
