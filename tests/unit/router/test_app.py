@@ -272,3 +272,17 @@ async def test_errors(harness, body, status):
     r = await client.post("/v1/chat/completions", content=body, headers={"content-type": "application/json"})
     assert r.status_code == status
     assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+
+
+async def test_api_keys(nats_url):
+    cfg = RouterConfig(prefill_urls=("http://vllm",), nats_url=nats_url, api_keys={"k1": "tenant-a"})
+    app = create_app(cfg)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://router") as client:
+        for headers in ({}, {"authorization": "Bearer nope"}, {"authorization": "Basic k1"}):
+            r = await client.post("/v1/chat/completions", json=_chat(), headers=headers)
+            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+            assert (await client.get("/v1/models", headers=headers)).status_code == 401
+        r = await client.post("/v1/chat/completions", json=_chat(), headers={"authorization": "Bearer k1"})
+        assert r.status_code == 404  # authenticated; no model discovered in this app
+        assert (await client.get("/v1/models", headers={"authorization": "Bearer k1"})).status_code == 200
+    await app.state.router.http.aclose()
