@@ -91,7 +91,9 @@ class MooncakeTransport:
         pending = []
         for local, remote, n in ops:
             batch_id = self._engine.transfer_submit_write(remote_endpoint, local, remote, n)
-            if batch_id is None or batch_id < 0:
+            # Batch ids are pointers: 0 (or negative) means the submit failed, e.g. the peer's
+            # segment could not be opened; polling such an id crashes the engine.
+            if batch_id is None or batch_id <= 0:
                 raise TransferError(
                     f"mooncake could not submit a write to {remote_endpoint} (rc {batch_id}): "
                     "is the receiver running and its memory registered?"

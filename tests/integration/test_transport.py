@@ -74,3 +74,17 @@ def test_write_to_receiver_gone_raises(sender, transport_name):
 def test_unknown_transport_is_refused():
     with pytest.raises(ValueError, match="unknown transport"):
         create_transport("carrier-pigeon")
+
+
+def test_write_to_endpoint_never_reached_raises(sender, transport_name):
+    """No receiver ever listened there: an error, never a hang or a crash."""
+    t, src = sender
+    if transport_name == "mooncake":
+        endpoint, metadata = "127.0.0.1:1", ""
+    else:
+        rx = ReceiverProcess("nixl", NBYTES)
+        endpoint, metadata = rx.endpoint, rx.metadata_b64
+        rx.kill()
+        rx.close()
+    with pytest.raises(TransferError):
+        t.write(endpoint, [(src.ctypes.data, 1 << 30, 4096)], metadata, timeout_s=10)
