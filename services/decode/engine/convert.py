@@ -59,6 +59,7 @@ def convert(src: str | Path, dst: str | Path, dtype: str = "auto", shard_bytes: 
         if pending_bytes >= shard_bytes:
             flush()
     flush()
+    bar.update(max(0, total - bar.n))  # fused and tied tensors do not add up to the source bytes exactly
     bar.close()
     if target is not None:
         raw["torch_dtype"] = raw["dtype"] = dtype
