@@ -230,7 +230,8 @@ class Engine:
 
     def _draft(self, slot_ids: torch.Tensor, gens: list[torch.Generator], hidden: torch.Tensor, logits: torch.Tensor,
                next_pos: torch.Tensor, num_keys: int, all_greedy: bool = False) -> None:
-        """Draw K drafts per slot from the MTP head, recycling its hidden for drafts 2..K.
+        """Draw K drafts per slot from the MTP head, recycling its hidden for drafts 2..K (the first
+        MTP layer serves every draft, as DeepSeek-V3 runs its single one recursively).
 
         hidden/logits [B, ...] are the MTP outputs at position next_pos - 1 (whose input token is
         the pending token at next_pos); draft j lands at position next_pos + j. Positions past the
