@@ -1,0 +1,166 @@
+"""The connector's behaviour inside a real vLLM (CPU): unmarked requests untouched, two requests in
+flight, a receiver that has gone away, no free staging slot, and MultiConnector with NixlConnector.
+Every test ends with every staging slot free."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+import uuid
+
+import httpx
+import pytest
+
+from shared import subjects
+from shared.events import KvFailed, KvMessage, KvReady
+from shared.transport.receiver import ReceiverProcess
+from tests.fixtures.prefill import STAGING_SLOTS, TRANSFER_TIMEOUT_S
+from tests.integration.test_prefill_kv import (
+    KvEvents, decode_layout, handoff_params, hf_gqa_kv, received_segments, wait_all_free,
+)
+
+pytestmark = pytest.mark.vllm
+
+PROMPT_A = [0] + [(13 * i + 3) % 700 + 5 for i in range(90)]
+PROMPT_B = [0] + [(29 * i + 11) % 700 + 5 for i in range(140)]
+
+
+@pytest.fixture
+async def bus(nats_url):
+    from shared.bus import Bus
+
+    b = await Bus.connect(nats_url, name="test-prefill-handoff")
+    yield b
+    await b.close()
+
+
+@pytest.fixture
+async def llama(express_vllm):
+    prefill = express_vllm("llama", "float32")
+    yield prefill
+    stats = await wait_all_free(prefill)
+    assert stats["free"] == stats["total"] == STAGING_SLOTS, stats  # leak check
+
+
+async def test_unmarked_requests_are_untouched(llama, vllm_servers, bus):
+    seen: list = []
+
+    async def on_event(event, msg):
+        seen.append(event)
+
+    sub = await bus.subscribe(subjects.KV_READY_ALL, on_event, KvMessage)
+    before = llama.stats()
+    async with httpx.AsyncClient() as client:
+        express = await llama.complete(client, PROMPT_A, max_tokens=8)
+        native = await llama.complete(client, PROMPT_A, max_tokens=8,
+                                      kv_transfer_params={"do_remote_decode": False})
+        plain_server = vllm_servers.get(llama.model_dir, dtype="float32")
+        body = {"model": plain_server.model_name, "prompt": PROMPT_A, "max_tokens": 8, "temperature": 0.0,
+                "return_token_ids": True, "ignore_eos": True}
+        plain = (await client.post(f"{plain_server.url}/v1/completions", json=body, timeout=120)).json()
+    await asyncio.sleep(1.0)
+    await sub.unsubscribe()
+    want = plain["choices"][0]["token_ids"]
+    assert express["choices"][0]["token_ids"] == want and native["choices"][0]["token_ids"] == want
+    assert "expresslane" not in (express.get("kv_transfer_params") or {})
+    assert seen == []
+    after = llama.stats()
+    for counter in ("claimed", "not_handed_off", "kv_ready", "kv_failed"):
+        assert after[counter] == before[counter], counter
+
+
+async def test_two_claimed_requests_in_flight_land_in_two_receivers(llama, bus, tmp_path):
+    layout = decode_layout(llama.model_dir, "float32", with_mtp=False)
+    node_id = f"node-{uuid.uuid4().hex[:8]}"
+    events = KvEvents()
+    await events.start(bus, node_id)
+    receivers = [ReceiverProcess("mooncake", layout.slot_nbytes) for _ in range(2)]
+    try:
+        (ha, pa), (hb, pb) = (handoff_params(rx, layout, node_id) for rx in receivers)
+        async with httpx.AsyncClient() as client:
+            ra, rb = await asyncio.gather(llama.complete(client, PROMPT_A, kv_transfer_params=pa),
+                                          llama.complete(client, PROMPT_B, kv_transfer_params=pb))
+        assert ra["kv_transfer_params"]["expresslane"]["handed_off"]
+        assert rb["kv_transfer_params"]["expresslane"]["handed_off"]
+        got = {}
+        for _ in range(2):
+            event, _ = await events.next()
+            assert isinstance(event, KvReady), event
+            got[event.request_id] = event
+        assert set(got) == {ha.request_id, hb.request_id}
+        for rx, prompt, name in ((receivers[0], PROMPT_A, "a"), (receivers[1], PROMPT_B, "b")):
+            segs = received_segments(rx.read(str(tmp_path / name)), layout, len(prompt))
+            for g, w in zip(segs, hf_gqa_kv(llama.model_dir, prompt)):
+                assert (g - w.reshape(g.shape)).abs().max().item() < 1e-4
+    finally:
+        for rx in receivers:
+            rx.close()
+        await events.sub.unsubscribe()
+
+
+async def test_receiver_gone_gives_kv_failed_and_frees_the_slot(llama, bus):
+    layout = decode_layout(llama.model_dir, "float32", with_mtp=False)
+    node_id = f"node-{uuid.uuid4().hex[:8]}"
+    events = KvEvents()
+    await events.start(bus, node_id)
+    rx = ReceiverProcess("mooncake", layout.slot_nbytes)
+    h, params = handoff_params(rx, layout, node_id)
+    rx.kill()
+    rx.close()
+    try:
+        before = llama.stats()
+        t0 = time.monotonic()
+        async with httpx.AsyncClient() as client:
+            resp = await llama.complete(client, PROMPT_A, kv_transfer_params=params)
+            assert resp["kv_transfer_params"]["expresslane"]["handed_off"] is True  # staged; then failed
+            event, _ = await events.next(timeout_s=TRANSFER_TIMEOUT_S + 10)
+            assert isinstance(event, KvFailed) and event.request_id == h.request_id, event
+            assert "transfer failed" in event.reason
+            assert time.monotonic() - t0 < TRANSFER_TIMEOUT_S + 10
+            again = await llama.complete(client, PROMPT_A)  # vLLM still serves
+        assert again["choices"][0]["token_ids"] == resp["choices"][0]["token_ids"]
+        assert llama.stats()["kv_failed"] == before["kv_failed"] + 1
+    finally:
+        await events.sub.unsubscribe()
+
+
+async def test_no_free_staging_slot_is_reported_not_blocked(llama, bus):
+    """Both slots held by writes into stopped receivers: the next claim is not handed off, at once."""
+    layout = decode_layout(llama.model_dir, "float32", with_mtp=False)
+    node_id = f"node-{uuid.uuid4().hex[:8]}"
+    events = KvEvents()
+    await events.start(bus, node_id)
+    receivers = [ReceiverProcess("mooncake", layout.slot_nbytes) for _ in range(STAGING_SLOTS + 1)]
+    stopped: list[ReceiverProcess] = []
+    try:
+        async with httpx.AsyncClient() as client:
+            for rx in receivers[:STAGING_SLOTS]:  # connect once while alive, then stop them
+                await llama.complete(client, PROMPT_A, kv_transfer_params=handoff_params(rx, layout, node_id)[1])
+                assert isinstance((await events.next())[0], KvReady)
+                os.kill(rx.proc.pid, signal.SIGSTOP)
+                stopped.append(rx)
+            held = [handoff_params(rx, layout, node_id) for rx in stopped]
+            for _, params in held:
+                await llama.complete(client, PROMPT_B, kv_transfer_params=params)
+            assert llama.stats()["sending"] == STAGING_SLOTS
+            h, params = handoff_params(receivers[-1], layout, node_id)
+            t0 = time.monotonic()
+            resp = await llama.complete(client, PROMPT_A, kv_transfer_params=params)
+            assert time.monotonic() - t0 < TRANSFER_TIMEOUT_S / 2  # not blocked behind the writes
+            status = resp["kv_transfer_params"]["expresslane"]
+            assert status["handed_off"] is False and status["reason"] == "no free staging slot"
+            failed = {}
+            for _ in range(STAGING_SLOTS + 1):
+                event, _ = await events.next(timeout_s=TRANSFER_TIMEOUT_S + 10)
+                assert isinstance(event, KvFailed), event
+                failed[event.request_id] = event.reason
+            assert failed[h.request_id] == "no free staging slot"
+            assert all(rid in failed for rid in (x.request_id for x, _ in held))
+    finally:
+        for rx in stopped:
+            os.kill(rx.proc.pid, signal.SIGCONT)
+        for rx in receivers:
+            rx.close()
+        await events.sub.unsubscribe()
