@@ -109,11 +109,12 @@ def test_gqa_attention_matches_twin(hq, hkv, t, pos, splits, block_s):
     close(out, reference_attention(q, k, v, pos, d ** -0.5), tol=1e-5)
 
 
-def test_mla_attention_latent_is_value_and_rope_part_separate():
+@pytest.mark.parametrize("v_is_k,v_chunks", [(True, 1), (False, 2)])
+def test_mla_attention_latent_is_value_and_rope_part_separate(v_is_k, v_chunks):
     hq, r, rope, t, pos = 8, 32, 16, 3, 21
     q_c, q_pe, lat = rand(hq, t, r), rand(t, hq, rope, seed=3), rand(pos + t + 2, 1, r + rope, seed=4)
     attn = DecodeAttention(num_q_heads=hq, num_kv_heads=1, d_main=r, d_v=r, d_rope=rope, num_tokens=t,
-                           num_splits=4, block_s=16, v_is_k=True)
+                           num_splits=4, block_s=16, v_is_k=v_is_k, v_chunks=v_chunks)
     out = torch.full((t, hq, r), float("nan"), dtype=BF)
     attn(q_c, lat, lat, torch.tensor([pos], dtype=torch.int32), out, stride_kt=r + rope, stride_vt=r + rope,
          rope_offset=r, q_pe=q_pe, stride_qt=r, stride_qh=t * r)

@@ -29,9 +29,12 @@ def _attn_split_kernel(q_ptr, q_pe_ptr, k_ptr, v_ptr, pos_ptr, part_o_ptr, part_
                        T: tl.constexpr, NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
                        GROUP: tl.constexpr, ROWS: tl.constexpr, D_MAIN: tl.constexpr, D_ROPE: tl.constexpr,
                        D_V: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
-                       DOT_F32: tl.constexpr, V_IS_K: tl.constexpr):
+                       DOT_F32: tl.constexpr, V_IS_K: tl.constexpr, V_CHUNKS: tl.constexpr):
+    # D_V is the width of this program's slice of the values: chunk program_id(2) of V_CHUNKS
     kvh = tl.program_id(0)
     split = tl.program_id(1)
+    vchunk = tl.program_id(2)
+    D_V_ALL: tl.constexpr = D_V * V_CHUNKS
     pos = tl.load(pos_ptr)
     seq_len = pos + T  # keys valid after this step's writes
     chunk = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_S) * BLOCK_S
@@ -82,7 +85,7 @@ def _attn_split_kernel(q_ptr, q_pe_ptr, k_ptr, v_ptr, pos_ptr, part_o_ptr, part_
         if V_IS_K:  # MLA: the values are the latent itself, already loaded as keys
             v = k
         else:
-            v = tl.load(v_ptr + offs[:, None].to(tl.int64) * stride_vt + kvh * D_V + dv[None, :],
+            v = tl.load(v_ptr + offs[:, None].to(tl.int64) * stride_vt + kvh * D_V_ALL + vchunk * D_V + dv[None, :],
                         mask=smask[:, None], other=0.0)
         if DOT_F32:
             pv = tl.dot(p, v.to(tl.float32))
@@ -94,9 +97,10 @@ def _attn_split_kernel(q_ptr, q_pe_ptr, k_ptr, v_ptr, pos_ptr, part_o_ptr, part_
         m = m_new
     # partials: [T, Hq, NUM_SPLITS, D_V] and [T, Hq, NUM_SPLITS, 2] (max in log2 units, sum)
     prow = (t_of * NUM_Q_HEADS + head) * NUM_SPLITS + split
-    tl.store(part_o_ptr + prow[:, None] * D_V + dv[None, :], acc, mask=rvalid[:, None])
-    tl.store(part_ml_ptr + prow * 2, m, mask=rvalid)
-    tl.store(part_ml_ptr + prow * 2 + 1, l, mask=rvalid)
+    tl.store(part_o_ptr + prow[:, None] * D_V_ALL + vchunk * D_V + dv[None, :], acc, mask=rvalid[:, None])
+    if vchunk == 0:  # every value chunk computed the same max and sum
+        tl.store(part_ml_ptr + prow * 2, m, mask=rvalid)
+        tl.store(part_ml_ptr + prow * 2 + 1, l, mask=rvalid)
 
 
 @triton.jit
@@ -119,14 +123,18 @@ class DecodeAttention:
 
     def __init__(self, *, num_q_heads: int, num_kv_heads: int, d_main: int, d_v: int, d_rope: int = 0,
                  num_tokens: int = 1, num_splits: int = 32, block_s: int = 32, sm_scale: float | None = None,
-                 num_warps: int = 4, v_is_k: bool = False, device: torch.device | str = "cpu"):
+                 num_warps: int = 4, v_is_k: bool = False, v_chunks: int = 1,
+                 device: torch.device | str = "cpu"):
         self.hq, self.hkv, self.t = num_q_heads, num_kv_heads, num_tokens
         self.d_main, self.d_v, self.d_rope = d_main, d_v, d_rope
         self.group = num_q_heads // num_kv_heads
         self.rows = max(16, triton.next_power_of_2(self.group * num_tokens))
         self.num_splits, self.block_s, self.num_warps, self.v_is_k = num_splits, block_s, num_warps, v_is_k
-        if v_is_k and d_v != d_main:
-            raise ValueError("v_is_k needs d_v == d_main (MLA: values are the latent)")
+        if v_is_k and (d_v != d_main or v_chunks != 1):
+            raise ValueError("v_is_k needs d_v == d_main and one value chunk (MLA: values are the latent)")
+        if d_v % v_chunks:
+            raise ValueError(f"d_v {d_v} is not a multiple of v_chunks {v_chunks}")
+        self.v_chunks = v_chunks  # programs per split, each accumulating d_v / v_chunks value columns
         self.sm_scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(d_main + d_rope)
         self.part_o = torch.empty(num_tokens * num_q_heads * num_splits * d_v, dtype=torch.float32, device=device)
         self.part_ml = torch.empty(num_tokens * num_q_heads * num_splits * 2, dtype=torch.float32, device=device)
@@ -138,12 +146,13 @@ class DecodeAttention:
         q_pe [T, Hq, D_ROPE] (MLA); k/v cache storage (token strides in elements); out [T, Hq, D_V]."""
         sqh = stride_qh if stride_qh is not None else self.d_main
         sqt = stride_qt if stride_qt is not None else self.hq * self.d_main
-        _attn_split_kernel[(self.hkv, self.num_splits)](
+        _attn_split_kernel[(self.hkv, self.num_splits, self.v_chunks)](
             q, q_pe if q_pe is not None else q, k, v, pos, self.part_o, self.part_ml, self.sm_scale, sqt, sqh,
             stride_kt, stride_vt, rope_offset,
             T=self.t, NUM_Q_HEADS=self.hq, NUM_KV_HEADS=self.hkv, GROUP=self.group, ROWS=self.rows,
-            D_MAIN=self.d_main, D_ROPE=self.d_rope, D_V=self.d_v, NUM_SPLITS=self.num_splits,
-            BLOCK_S=self.block_s, DOT_F32=INTERPRET, V_IS_K=self.v_is_k, num_warps=self.num_warps)
+            D_MAIN=self.d_main, D_ROPE=self.d_rope, D_V=self.d_v // self.v_chunks, NUM_SPLITS=self.num_splits,
+            BLOCK_S=self.block_s, DOT_F32=INTERPRET, V_IS_K=self.v_is_k, V_CHUNKS=self.v_chunks,
+            num_warps=self.num_warps)
         _attn_combine_kernel[(self.t * self.hq,)](self.part_o, self.part_ml, out, NUM_SPLITS=self.num_splits,
                                                   D_V=self.d_v, num_warps=4)
         return out

@@ -144,9 +144,9 @@ class MlaStack:
         self.ids = torch.zeros(t, max(d.top_k, 1), dtype=torch.int32, device=dev)
         self.wts = torch.zeros(t, max(d.top_k, 1), dtype=torch.float32, device=dev)
         self.attn = DecodeAttention(num_q_heads=d.num_heads, num_kv_heads=1, d_main=d.kv_lora_rank, d_v=d.kv_lora_rank,
-                                    d_rope=d.rope, num_tokens=t, num_splits=num_splits,
-                                    block_s=block_s if t <= 2 else 16, sm_scale=d.sm_scale,
-                                    num_warps=4 * triton.next_power_of_2(t), v_is_k=True, device=dev)
+                                    d_rope=d.rope, num_tokens=t, num_splits=num_splits, block_s=block_s,
+                                    sm_scale=d.sm_scale, num_warps=4, v_chunks=max(1, d.kv_lora_rank // 128),
+                                    device=dev)  # [rows, 128] value slices: no register spill at 4 tokens x 16 heads
         self.moe = GroupedMoe(num_tokens=t, top_k=d.top_k, num_shared=d.num_shared, hidden=d.hidden,
                               inter=d.moe_inter, device=dev)
         self.dense = GroupedMoe(num_tokens=t, top_k=0, num_shared=1, hidden=d.hidden, inter=dense_inter,
