@@ -78,13 +78,16 @@ class CoordinatorCore:
         self.queue: list[QueuedClaim] = []  # oldest first
         self.next_generation = 1
         self.reserved_generation = 1  # generations below this are persisted as used (PutMeta)
+        self.warmup_until_ms = 0  # see restore()
         self.counters: Counter[str] = Counter()
 
     # ------------------------------------------------------------ restore / inspection
 
     def restore(self, leases: list[Lease], queued: list[QueuedClaim], next_generation: int,
                 now_ms: int) -> None:
-        """Adopt persisted state; nodes named by leases count as seen ``now_ms``."""
+        """Adopt persisted state (at start); nodes named by leases count as seen ``now_ms``."""
+        # Until every live node has had time to beat, "no node" proves nothing: claims wait.
+        self.warmup_until_ms = now_ms + 2 * self.config.default_heartbeat_interval_ms
         self.leases = {lease.lease_id: lease for lease in leases}
         self.queue = sorted(queued, key=lambda q: q.enqueued_at_ms)
         top = max((lease.generation for lease in leases), default=0)
@@ -169,7 +172,10 @@ class CoordinatorCore:
                                             enqueued_at_ms=entry.enqueued_at_ms,
                                             deadline_ms=entry.deadline_ms)
                 return [PutQueued(self.queue[i])]
-        if not any(self.registry.transport_for(n, claim) for n in self.nodes.values()):
+        is_warming_up = now_ms < self.warmup_until_ms
+        if not is_warming_up and not any(
+            self.registry.transport_for(n, claim) for n in self.nodes.values()
+        ):
             return self._reject(claim, reply_to, "no_compatible_node", now_ms)
         pick = self._pick_slot(claim)
         if pick is not None:

@@ -132,12 +132,16 @@ class CoordinatorService:
                 entry = await self.kv.get(key)
             except nats.js.errors.KeyNotFoundError:
                 continue
-            if key.startswith("lease."):
-                leases.append(msgspec.json.decode(entry.value, type=Lease))
-            elif key.startswith("queue."):
-                queued.append(msgspec.json.decode(entry.value, type=QueuedClaim))
-            elif key == "meta":
-                next_generation = json.loads(entry.value)["next_generation"]
+            try:
+                if key.startswith("lease."):
+                    leases.append(msgspec.json.decode(entry.value, type=Lease))
+                elif key.startswith("queue."):
+                    queued.append(msgspec.json.decode(entry.value, type=QueuedClaim))
+                elif key == "meta":
+                    next_generation = json.loads(entry.value)["next_generation"]
+            except (msgspec.DecodeError, msgspec.ValidationError, ValueError, KeyError) as exc:
+                # One unreadable record must not keep the coordinator down; say what was lost.
+                self.log.error("state_record_unreadable", key=key, error=str(exc))
         self.core.restore(leases, queued, next_generation, now_ms())
         if leases or queued:
             self.log.info("coordinator_restored", leases=len(leases), queued=len(queued),

@@ -404,6 +404,14 @@ CASES = {
         (50, "released", {"rid": "r1"}, {"reply": {"r2": (G, "n1", 0, 2 + 1024)}}),
         *finish("r2", 60),
     ],
+    "claims_wait_while_nodes_announce_themselves_after_start": [
+        (0, "restart", {}, {}),
+        (1, "claim", {"rid": "r1"}, {"events": [("r1", "queued")], "queue": ["r1"]}),
+        (500, "hb", {"free": (0,)}, {"reply": {"r1": (G, "n1", 0, 1)}, "queue": []}),
+        *finish("r1", 600),
+        (2001, "claim", {"rid": "r2", "model": "other"},
+         {"reply": {"r2": ("rejected", "no_compatible_node", 250)}}),
+    ],
     "restart_fails_leases_of_node_that_never_returns": [
         (0, "hb", {"free": (0,)}, {}),
         (0, "claim", {"rid": "r1"}, {}),
