@@ -164,3 +164,38 @@ async def test_no_free_staging_slot_is_reported_not_blocked(llama, bus):
         for rx in receivers:
             rx.close()
         await events.sub.unsubscribe()
+
+
+async def test_multiconnector_with_nixl_serves_both_kinds(express_vllm, bus, tmp_path):
+    """``--native-pool``: MultiConnector(NixlConnector, ExpressConnector) starts; a native-pool
+    request (vLLM's P/D protocol) and an express request both succeed on the same vLLM."""
+    prefill = express_vllm("llama", "float32", native_pool=True)
+    assert prefill.kv_transfer_config["kv_connector"] == "MultiConnector"
+    layout = decode_layout(prefill.model_dir, "float32", with_mtp=False)
+    node_id = f"node-{uuid.uuid4().hex[:8]}"
+    events = KvEvents()
+    await events.start(bus, node_id)
+    rx = ReceiverProcess("nixl", layout.slot_nbytes)
+    try:
+        h, params = handoff_params(rx, layout, node_id)
+        native_params = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+                         "remote_block_ids": None, "remote_host": None, "remote_port": None}
+        async with httpx.AsyncClient() as client:
+            express = await prefill.complete(client, PROMPT_B, kv_transfer_params=params)
+            native = await prefill.complete(client, PROMPT_B, kv_transfer_params=native_params)
+            plain = await prefill.complete(client, PROMPT_B)
+        assert express["kv_transfer_params"]["expresslane"]["handed_off"] is True
+        event, _ = await events.next()
+        assert isinstance(event, KvReady) and event.request_id == h.request_id, event
+        segs = received_segments(rx.read(str(tmp_path / "slot")), layout, len(PROMPT_B))
+        for g, w in zip(segs, hf_gqa_kv(prefill.model_dir, PROMPT_B)):
+            assert (g - w.reshape(g.shape)).abs().max().item() < 1e-4
+        native_out = native.get("kv_transfer_params") or {}
+        assert native_out.get("remote_block_ids") and "expresslane" not in native_out  # NIXL's reply
+        first = plain["choices"][0]["token_ids"]
+        assert express["choices"][0]["token_ids"] == first == native["choices"][0]["token_ids"]
+    finally:
+        rx.close()
+        await events.sub.unsubscribe()
+    stats = await wait_all_free(prefill)
+    assert stats["free"] == stats["total"], stats
