@@ -1,8 +1,9 @@
 """The express leg of one request: claim, prefill in vLLM, decode on a node, migrate on failure.
 
 Contract (``ExpressStream``):
-- ``await open()``: claim a decode slot (``ClaimRejected`` -> ``ApiError`` 429 with Retry-After;
-  no coordinator -> ``LaneFallback``: the caller serves the standard lane), then the prefill leg
+- ``await open()``: claim a decode slot (``ClaimRejected`` for capacity -> ``ApiError`` 429 with
+  Retry-After; no coordinator, or a rejection that no express node could ever take ->
+  ``LaneFallback``: the caller serves the standard lane), then the prefill leg
   to vLLM (``max_tokens=1``, ``stream=false``, ``return_token_ids``, ``kv_transfer_params`` with
   the lease and its transfer target). A vLLM error passes through (``UpstreamError``) and the lease
   is cancelled. Returns the prompt's token ids.
@@ -47,6 +48,9 @@ from shared.log import get_logger
 from shared.tracing import current_traceparent, inject_headers
 
 _log = get_logger("services.router.express")
+# Rejections that mean "busy, retry later" (429); any other reason sends the request to the
+# standard lane (no compatible node, protocol mismatch, ...).
+CAPACITY_REASONS = frozenset({"no_free_slot", "queue_full", "deadline", "coordinator_stopping"})
 
 
 class LaneFallback(Exception):
@@ -153,6 +157,8 @@ class ExpressStream:
                 raise LaneFallback(f"coordinator: {exc}") from None
         self.d.metrics.claim_ms.observe((time.perf_counter() - t0) * 1000)
         if isinstance(reply, ClaimRejected):
+            if reply.reason not in CAPACITY_REASONS:  # no express node can take it: not back-pressure
+                raise LaneFallback(f"claim rejected: {reply.reason}")
             self.d.metrics.rejected.inc()
             raise rate_limited(
                 f"the express lane is saturated ({reply.reason}); retry later or send "

@@ -37,7 +37,7 @@ class World:
         self.starts: list[DecodeStart] = []
         self.cancels: list[CancelRequest] = []
         self.prefill_bodies: list[dict] = []
-        self.reject = False
+        self.reject = ""  # a ClaimRejected reason
         self.fail_after: int | None = None  # node goes silent after this many decode tokens
         self.fail_with_event = False
         self.node_delay_s = 0.0
@@ -81,7 +81,7 @@ class World:
         async def on_claim(req: ClaimRequest, msg) -> None:
             self.claims.append(req)
             if self.reject:
-                await bus.respond(msg, ClaimRejected(request_id=req.request_id, reason="queue full",
+                await bus.respond(msg, ClaimRejected(request_id=req.request_id, reason=self.reject,
                                                      retry_after_ms=1500))
                 return
             target = TransferTarget(node_id="n0", transport="mooncake", endpoint="127.0.0.1:1",
@@ -225,11 +225,18 @@ async def test_stop_string_cancels_decode(harness):
 
 async def test_saturation_is_429_with_retry_after(harness):
     world, client, _, _ = harness
-    world.reject = True
+    world.reject = "queue_full"
     r = await client.post("/v1/chat/completions", json=_chat(stream=True, max_tokens=8))
     assert r.status_code == 429
     assert r.headers["retry-after"] == "2"
     assert r.json()["error"]["code"] == "rate_limit_exceeded"
+
+
+async def test_rejection_no_node_could_take_goes_standard(harness):
+    world, client, _, _ = harness
+    world.reject = "no_compatible_node"
+    r = await client.post("/v1/chat/completions", json=_chat(max_tokens=4))
+    assert r.status_code == 200 and r.headers["x-expresslane-lane"] == "standard"
 
 
 @pytest.mark.parametrize("with_event", [False, True])
