@@ -13,8 +13,10 @@ import logging
 import time
 
 import torch
+from opentelemetry import trace
 
 from shared.kvlayout import KvShape, layout_spec
+from shared.tracing import context_from_traceparent, setup_tracing
 from shared.transport import create_transport
 
 from services.prefill.config import ExpressConfig
@@ -26,6 +28,7 @@ from services.prefill.staging import FREE, SENDING, SlotStates, StagingPool
 
 # A child of vLLM's logger, so lines appear in vLLM's log with its format.
 log = logging.getLogger("vllm.expresslane.prefill")
+_tracer = trace.get_tracer("expresslane.prefill")
 
 
 def _layer_index(name: str) -> int:
@@ -46,6 +49,7 @@ class ExpressWorker:
         self.pool: StagingPool | None = None
         self.sender: Sender | None = None
         self.transports: dict = {}
+        setup_tracing("prefill")  # exports only where OTEL_EXPORTER_OTLP_* says so
         self.states = SlotStates(config.stats_file(engine_id), config.staging_slots)
         self.publisher = Publisher(config.nats_url, name=f"prefill-{engine_id[:8]}")
 
@@ -113,7 +117,11 @@ class ExpressWorker:
                 self.sender.submit(SendJob(save.handoff, -1, 0, fail_reason=save.fail_reason))
                 continue
             try:
-                extract_ms = self._stage(save)
+                with _tracer.start_as_current_span(
+                        "prefill.extract", context=context_from_traceparent(save.handoff.traceparent),
+                        attributes={"expresslane.request_id": save.handoff.request_id,
+                                    "expresslane.num_tokens": save.num_tokens}):
+                    extract_ms = self._stage(save)
             except Exception as exc:
                 log.exception("expresslane: extraction failed for %s", save.request_id)
                 self.states.set(save.staging_slot, FREE)

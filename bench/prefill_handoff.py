@@ -1,0 +1,187 @@
+"""Prefill hand-off cost: extraction time per 1K tokens, and transfer time against raw Mooncake.
+
+    python bench/prefill_handoff.py [--arch llama] [--dtype float32] [--lengths 256,512,1024,1900]
+                                    [--repeats 3] [--out bench/results/prefill_handoff.json]
+
+Starts a nats-server, a tiny model's vLLM (CPU) with ExpressConnector as ``expresslane prefill``
+would, and a receiver process (the decode side). For each prompt length it sends claimed and
+unmarked requests alternately and records:
+
+- ``extract_ms``: time spent in ``wait_for_save`` copying the request's blocks into staging, as
+  the connector reports it in KV-ready (this is what the prefill iteration pays);
+- ``prefill_ms`` of claimed vs unmarked requests (HTTP round trip; noisy on small machines);
+- ``transfer_ms``: the sender's one-sided write (KV-ready), against ``raw_ms``: a plain Mooncake
+  write of the same segments and bytes from a registered buffer of this process into the same
+  receiver, in the same run.
+
+Prints a table and writes JSON (machine, model, per-length medians).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from infra.nats import NatsServer  # noqa: E402
+from infra.tinymodel import make_model  # noqa: E402
+from services.prefill.config import ExpressConfig  # noqa: E402
+from services.prefill.handoff import Handoff, make_params  # noqa: E402
+from services.prefill.launch import kv_transfer_config, vllm_command, vllm_env  # noqa: E402
+from services.prefill.sender import write_ops  # noqa: E402
+from shared import subjects  # noqa: E402
+from shared.bus import Bus  # noqa: E402
+from shared.events import KvMessage, KvReady, SlotTarget, TransferTarget  # noqa: E402
+from shared.kvlayout import kv_shape_from_hf_config, layout_spec  # noqa: E402
+from shared.transport import create_transport  # noqa: E402
+from shared.transport.receiver import ReceiverProcess  # noqa: E402
+
+
+def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float = 600) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"vLLM exited with {proc.returncode}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError("vLLM did not become healthy")
+
+
+async def run(args) -> dict:
+    work = Path(tempfile.mkdtemp(prefix="bench-prefill-"))
+    model_dir = make_model(args.arch, work / "model", dtype="float32")
+    hf_config = json.loads((model_dir / "config.json").read_text())
+    vocab = int(hf_config["vocab_size"])
+    has_mtp = bool(hf_config.get("num_nextn_predict_layers"))
+    nats = NatsServer(work / "nats").start()
+    stats_path = str(work / "slots")
+    config = ExpressConfig(nats_url=nats.url, staging_slots=2, stats_path=stats_path)
+    ktc = kv_transfer_config(config, engine_id="bench")
+    port = 18000 + os.getpid() % 1000
+    extra = ["--max-model-len", "2048", "--enforce-eager"]
+    if has_mtp:
+        extra += ["--speculative-config", json.dumps({"method": "mtp", "num_speculative_tokens": 1})]
+    env = vllm_env({**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0-1"})
+    log = open(work / "vllm.log", "wb")
+    proc = subprocess.Popen(vllm_command(str(model_dir), ktc, port=port, dtype=args.dtype, cpu=None,
+                                         extra_args=extra),
+                            env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    layout = layout_spec(kv_shape_from_hf_config(hf_config, include_mtp=has_mtp), args.dtype, 2048)
+    rx = ReceiverProcess("mooncake", layout.slot_nbytes)
+    raw = create_transport("mooncake")
+    src = np.random.default_rng(0).integers(0, 255, layout.slot_nbytes, dtype=np.uint8)
+    raw.register(src.ctypes.data, src.nbytes)
+    bus = await Bus.connect(nats.url, name="bench-prefill")
+    ready: asyncio.Queue = asyncio.Queue()
+
+    async def on_event(event, msg):
+        await ready.put(event)
+
+    await bus.subscribe(subjects.kv_ready("bench"), on_event, KvMessage)
+    rows = []
+    try:
+        wait_healthy(url, proc)
+        target = TransferTarget(node_id="bench", transport="mooncake", endpoint=rx.endpoint,
+                                slot=SlotTarget(slot=0, base_addr=rx.addr, nbytes=rx.nbytes), layout=layout)
+        async with httpx.AsyncClient(timeout=600) as client:
+            async def complete(prompt, params=None):
+                body = {"model": str(model_dir), "prompt": prompt, "max_tokens": 1, "temperature": 0.0}
+                if params:
+                    body["kv_transfer_params"] = params
+                t0 = time.perf_counter()
+                r = await client.post(f"{url}/v1/completions", json=body)
+                r.raise_for_status()
+                return (time.perf_counter() - t0) * 1e3
+
+            await complete([1, 2, 3])  # warm-up
+            for n in args.lengths:
+                m = {"extract_ms": [], "transfer_ms": [], "raw_ms": [], "claimed_ms": [], "plain_ms": []}
+                nbytes = 0
+                for rep in range(args.repeats + 1):  # first round warms up this length
+                    prompt = [int(x) for x in np.random.default_rng(n * 100 + rep).integers(5, vocab, n)]
+                    h = Handoff(request_id=f"b-{uuid.uuid4().hex[:8]}", lease_id="l", generation=1,
+                                target=target)
+                    plain_ms = await complete(prompt)
+                    claimed_ms = await complete(prompt, make_params(h))
+                    event = await asyncio.wait_for(ready.get(), 60)
+                    if not isinstance(event, KvReady):
+                        raise RuntimeError(f"hand-off failed: {event}")
+                    ops = write_ops(layout, src.ctypes.data, layout, rx.addr, n)
+                    t0 = time.perf_counter()
+                    raw.write(rx.endpoint, ops, timeout_s=60)
+                    raw_ms = (time.perf_counter() - t0) * 1e3
+                    nbytes = event.nbytes
+                    if rep:
+                        m["extract_ms"].append(event.extract_ms)
+                        m["transfer_ms"].append(event.transfer_ms)
+                        m["raw_ms"].append(raw_ms)
+                        m["claimed_ms"].append(claimed_ms)
+                        m["plain_ms"].append(plain_ms)
+                med = {k: statistics.median(v) for k, v in m.items()}
+                rows.append({"num_tokens": n, "nbytes": nbytes, **med,
+                             "extract_ms_per_1k_tokens": med["extract_ms"] * 1000 / n,
+                             "prefill_added_ms": med["claimed_ms"] - med["plain_ms"],
+                             "transfer_over_raw": med["transfer_ms"] / med["raw_ms"] if med["raw_ms"] else None})
+    finally:
+        await bus.close()
+        rx.close()
+        raw.close()
+        import signal
+
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(30)
+        except Exception:
+            os.killpg(proc.pid, signal.SIGKILL)
+        nats.stop()
+    return {"bench": "prefill_handoff", "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count()},
+            "model": {"arch": args.arch, "dtype": args.dtype, "bytes_per_token": layout.slot_nbytes // 2048},
+            "transport": "mooncake tcp loopback", "repeats": args.repeats, "rows": rows}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--arch", default="llama")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--lengths", default="256,512,1024,1900")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--out", default=str(ROOT / "bench" / "results" / "prefill_handoff.json"))
+    args = p.parse_args(argv)
+    args.lengths = [int(x) for x in args.lengths.split(",")]
+    result = asyncio.run(run(args))
+    print(f"{'tokens':>7} {'bytes':>10} {'extract ms':>10} {'ms/1K tok':>9} {'+prefill ms':>11} "
+          f"{'xfer ms':>8} {'raw ms':>7} {'xfer/raw':>8}")
+    for r in result["rows"]:
+        print(f"{r['num_tokens']:>7} {r['nbytes']:>10} {r['extract_ms']:>10.3f} "
+              f"{r['extract_ms_per_1k_tokens']:>9.3f} {r['prefill_added_ms']:>11.2f} "
+              f"{r['transfer_ms']:>8.3f} {r['raw_ms']:>7.3f} {r['transfer_over_raw'] or 0:>8.2f}")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

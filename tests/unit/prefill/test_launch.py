@@ -1,0 +1,64 @@
+"""``expresslane prefill``: the kv-transfer config and vLLM command it builds."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from services.prefill import launch
+from services.prefill.config import ExpressConfig
+from services.prefill.staging import SlotStates
+
+
+def test_express_config_round_trips_through_vllm_extra_config():
+    config = ExpressConfig(nats_url="nats://h:1", transports=("mooncake", "nixl"), staging_slots=3,
+                           stats_path="/tmp/s")
+    ktc = launch.kv_transfer_config(config, engine_id="e1")
+    assert ktc["kv_connector"] == "ExpressConnector" and ktc["kv_role"] == "kv_producer"
+    assert ktc["kv_connector_module_path"] == "services.prefill.connector" and ktc["engine_id"] == "e1"
+    assert ExpressConfig.from_extra_config(ktc["kv_connector_extra_config"]) == config
+
+
+def test_native_pool_is_a_multiconnector_of_nixl_and_ours():
+    ktc = launch.kv_transfer_config(ExpressConfig(), native_pool=True)
+    first, second = ktc["kv_connector_extra_config"]["connectors"]
+    assert ktc["kv_connector"] == "MultiConnector"
+    assert first == {"kv_connector": "NixlConnector", "kv_role": "kv_producer"}
+    assert second["kv_connector"] == "ExpressConnector"
+
+
+@pytest.mark.parametrize("cpu,head", [(True, ["-m", "vllm.entrypoints.openai.api_server", "--model", "M"]),
+                                      (False, ["serve", "M"])])
+def test_vllm_command_cpu_and_gpu(cpu, head):
+    cmd = launch.vllm_command("M", {"kv_connector": "X"}, port=9, cpu=cpu, extra_args=["--enforce-eager"])
+    assert cmd[1:1 + len(head)] == head
+    assert json.loads(cmd[cmd.index("--kv-transfer-config") + 1]) == {"kv_connector": "X"}
+    assert cmd[cmd.index("--port") + 1] == "9" and cmd[-1] == "--enforce-eager"
+
+
+def test_print_command_passes_vllm_args_through(capsys):
+    assert launch.main(["--model", "M", "--transport", "nixl", "--print-command", "--", "--max-model-len", "64"]) == 0
+    out = capsys.readouterr().out
+    assert '"transports": ["nixl"]' in out and out.strip().endswith("--max-model-len 64")
+
+
+def test_bad_flag_value_exits_2(capsys):
+    assert launch.main(["--model", "M", "--staging-slots", "0", "--print-command"]) == 2
+    assert "staging_slots" in capsys.readouterr().err
+
+
+def test_stats_prints_slot_states(tmp_path, capsys):
+    path = str(tmp_path / "slots")
+    SlotStates(path, 2, create=True).reserve()
+    assert launch.main(["--stats", path]) == 0
+    stats = json.loads(capsys.readouterr().out)
+    assert (stats["total"], stats["free"], stats["reserved"]) == (2, 1, 1)
+
+
+def test_cli_dispatches_prefill(capsys):
+    from shared.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["prefill", "--help"])
+    assert exc.value.code == 0 and "--native-pool" in capsys.readouterr().out
