@@ -19,7 +19,6 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -32,13 +31,12 @@ from opentelemetry.trace import SpanKind
 
 from services.router import backend, standard
 from services.router.config import RouterConfig
-from services.router.detok import Detokenizer
 from services.router.errors import ApiError
 from services.router.express import Dispatcher, ExpressDeps, ExpressStream, LaneFallback
 from services.router.metrics import RouterMetrics
 from services.router.nodes import NodeTable
 from services.router.policy import HEADER, LaneInputs, choose_lane
-from services.router.stream import ResponseBuilder, sse_error, usage_dict
+from services.router.respond import express_response
 from services.router.validate import ParsedRequest, parse_body, parse_request
 from shared import subjects
 from shared.bus import Bus, BusUnavailable
@@ -160,6 +158,11 @@ class Router:
             response = JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
         except standard.UpstreamError as exc:
             response = exc.response()
+        except Exception as exc:  # a bug: still an OpenAI error body, and the span ends
+            _log.exception("request_failed")
+            span.record_exception(exc)
+            err = ApiError(500, f"internal error in the router: {type(exc).__name__}", code="internal_error")
+            response = JSONResponse(err.body(), status_code=500)
         response.headers["x-request-id"] = request_id
         response.headers["x-expresslane-lane"] = lane
         span.set_attribute("lane", lane)
@@ -201,7 +204,8 @@ class Router:
                 tenant=tenant, parent=span)
             try:
                 await es.open()
-                return await self._express_response(es, req, info, request_id, span, t_arrival), "express"
+                return await express_response(es, req, info, request_id, span, t_arrival,
+                                              self.metrics), "express"
             except LaneFallback as exc:
                 _log.warning("express_fallback", reason=str(exc))
                 self.metrics.fallbacks.labels("coordinator").inc()
@@ -220,65 +224,6 @@ class Router:
         assert self.bus is not None
         return ExpressDeps(bus=self.bus, http=self.http, dispatcher=self.dispatcher, nodes=self.nodes,
                            metrics=self.metrics, tracer=self.tracer, spawn=self.spawn, cfg=self.cfg)
-
-    async def _express_response(self, es: ExpressStream, req: ParsedRequest, info: backend.ModelInfo,
-                                request_id: str, span: trace.Span, t_arrival: float) -> Response:
-        prefix = "chatcmpl-" if req.endpoint == "chat" else "cmpl-"
-        builder = ResponseBuilder(req.endpoint, prefix + request_id, req.model,  # type: ignore[arg-type]
-                                  include_usage=req.include_usage, return_token_ids=req.return_token_ids)
-        detok = Detokenizer(info.tokenizer, es.prompt_ids, skip_special_tokens=req.skip_special_tokens,
-                            stop=req.stop, include_stop_str_in_output=req.include_stop_str_in_output)
-        if req.stream:
-            return StreamingResponse(self._stream_body(es, detok, builder, span, t_arrival),
-                                     media_type="text/event-stream")
-        text, finish, stop_reason = "", None, None
-        async for delta, _, finish, stop_reason in self._run(es, detok):
-            text += delta
-        usage = usage_dict(len(es.prompt_ids), detok.num_tokens)
-        return JSONResponse(builder.full(text, finish or "length", stop_reason, usage,
-                                         detok.token_ids, es.prompt_ids))
-
-    async def _run(self, es: ExpressStream, detok: Detokenizer
-                   ) -> AsyncIterator[tuple[str, list[int], str | None, str | None]]:
-        """(text, token ids, finish_reason, stop_reason) per batch; the source closes on a stop."""
-        gen = es.tokens()
-        self.metrics.active.labels("express").inc()
-        try:
-            async for batch in gen:
-                delta = detok.add(batch.token_ids)
-                self.metrics.completion_tokens.labels("express").inc(len(delta.token_ids))
-                finish = delta.finish_reason or batch.finish_reason
-                if finish:
-                    yield delta.text + detok.flush(), delta.token_ids, finish, delta.stop_reason
-                    return
-                yield delta.text, delta.token_ids, None, None
-            yield detok.flush(), [], "length", None
-        finally:
-            self.metrics.active.labels("express").dec()
-            await gen.aclose()
-
-    async def _stream_body(self, es: ExpressStream, detok: Detokenizer, builder: ResponseBuilder,
-                           span: trace.Span, t_arrival: float) -> AsyncIterator[bytes]:
-        first = True
-        try:
-            async for text, token_ids, finish, stop_reason in self._run(es, detok):
-                chunk = builder.delta(text, token_ids, es.prompt_ids)
-                if chunk:
-                    if first:
-                        self.metrics.ttft_ms.labels("express").observe(
-                            (time.perf_counter() - t_arrival) * 1000)
-                        first = False
-                    yield chunk
-                if finish:
-                    yield builder.finish(finish, stop_reason, usage_dict(len(es.prompt_ids), detok.num_tokens))
-                    return
-        except ApiError as exc:
-            yield sse_error(exc.body())
-        except standard.UpstreamError as exc:
-            yield sse_error(ApiError(exc.status, exc.body.decode(errors="replace")[:500]).body())
-        finally:
-            span.end()
-
 
 def create_app(cfg: RouterConfig) -> FastAPI:
     router = Router(cfg)

@@ -1,0 +1,85 @@
+"""The client's side of an express response: token ids -> detokenized text -> OpenAI body.
+
+Contract: ``express_response(es, req, info, ...)`` returns a streaming SSE response (chunks as
+token batches arrive, usage at the end, an error after the stream began as an SSE error event) or,
+for ``stream=false``, one JSON body once the completion ends. Stop strings are applied here; when
+one matches, the token source is closed, which cancels the decode on the node.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from opentelemetry import trace
+
+from services.router import standard
+from services.router.backend import ModelInfo
+from services.router.detok import Detokenizer
+from services.router.errors import ApiError
+from services.router.express import ExpressStream
+from services.router.metrics import RouterMetrics
+from services.router.stream import ResponseBuilder, sse_error, usage_dict
+from services.router.validate import ParsedRequest
+
+
+async def express_response(es: ExpressStream, req: ParsedRequest, info: ModelInfo, request_id: str,
+                           span: trace.Span, t_arrival: float, metrics: RouterMetrics) -> Response:
+    """The HTTP response of an opened express stream."""
+    prefix = "chatcmpl-" if req.endpoint == "chat" else "cmpl-"
+    builder = ResponseBuilder(req.endpoint, prefix + request_id, req.model,  # type: ignore[arg-type]
+                              include_usage=req.include_usage, return_token_ids=req.return_token_ids)
+    detok = Detokenizer(info.tokenizer, es.prompt_ids, skip_special_tokens=req.skip_special_tokens,
+                        stop=req.stop, include_stop_str_in_output=req.include_stop_str_in_output)
+    if req.stream:
+        return StreamingResponse(_stream_body(es, detok, builder, span, t_arrival, metrics),
+                                 media_type="text/event-stream")
+    text, finish, stop_reason = "", None, None
+    async for delta, _, finish, stop_reason in _run(es, detok, metrics):
+        text += delta
+    usage = usage_dict(len(es.prompt_ids), detok.num_tokens)
+    return JSONResponse(builder.full(text, finish or "length", stop_reason, usage,
+                                     detok.token_ids, es.prompt_ids))
+
+
+async def _run(es: ExpressStream, detok: Detokenizer, metrics: RouterMetrics
+               ) -> AsyncIterator[tuple[str, list[int], str | None, str | None]]:
+    """(text, token ids, finish_reason, stop_reason) per batch; the source closes on a stop."""
+    gen = es.tokens()
+    metrics.active.labels("express").inc()
+    try:
+        async for batch in gen:
+            delta = detok.add(batch.token_ids)
+            metrics.completion_tokens.labels("express").inc(len(delta.token_ids))
+            finish = delta.finish_reason or batch.finish_reason
+            if finish:
+                yield delta.text + detok.flush(), delta.token_ids, finish, delta.stop_reason
+                return
+            yield delta.text, delta.token_ids, None, None
+        yield detok.flush(), [], "length", None
+    finally:
+        metrics.active.labels("express").dec()
+        await gen.aclose()
+
+
+async def _stream_body(es: ExpressStream, detok: Detokenizer, builder: ResponseBuilder, span: trace.Span,
+                       t_arrival: float, metrics: RouterMetrics) -> AsyncIterator[bytes]:
+    first = True
+    try:
+        async for text, token_ids, finish, stop_reason in _run(es, detok, metrics):
+            chunk = builder.delta(text, token_ids, es.prompt_ids)
+            if chunk:
+                if first:
+                    metrics.ttft_ms.labels("express").observe((time.perf_counter() - t_arrival) * 1000)
+                    first = False
+                yield chunk
+            if finish:
+                yield builder.finish(finish, stop_reason, usage_dict(len(es.prompt_ids), detok.num_tokens))
+                return
+    except ApiError as exc:
+        yield sse_error(exc.body())
+    except standard.UpstreamError as exc:
+        yield sse_error(ApiError(exc.status, exc.body.decode(errors="replace")[:500]).body())
+    finally:
+        span.end()
