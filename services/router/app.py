@@ -32,7 +32,8 @@ from opentelemetry.trace import SpanKind
 from services.router import backend, standard
 from services.router.config import RouterConfig
 from services.router.errors import ApiError
-from services.router.express import Dispatcher, ExpressDeps, ExpressStream, LaneFallback
+from services.router.dispatch import Dispatcher
+from services.router.express import ExpressDeps, ExpressStream, LaneFallback
 from services.router.metrics import RouterMetrics
 from services.router.nodes import NodeTable
 from services.router.policy import HEADER, LaneInputs, choose_lane

@@ -34,6 +34,7 @@ from opentelemetry import trace
 from opentelemetry.trace import SpanKind
 
 from services.router.backend import ModelInfo
+from services.router.dispatch import Dispatcher
 from services.router.errors import ApiError, rate_limited
 from services.router.metrics import RouterMetrics
 from services.router.nodes import NodeTable
@@ -42,7 +43,7 @@ from shared import subjects
 from shared.bus import Bus, BusTimeout
 from shared.events import (
     CancelRequest, ClaimGranted, ClaimReply, ClaimRejected, ClaimRequest, DecodeStart, HandoffEvent,
-    RequestFailed, RequestFinished, SamplingParams, TokenMessage, TokensGenerated,
+    RequestFailed, RequestFinished, SamplingParams, TokensGenerated,
 )
 from shared.log import get_logger
 from shared.tracing import current_traceparent, inject_headers
@@ -59,32 +60,6 @@ class LaneFallback(Exception):
 
 class _LegFailed(Exception):
     """The decode side of one leg failed; the request migrates."""
-
-
-class Dispatcher:
-    """One wildcard subscription for all legs' tokens and handoff events, routed by request id."""
-
-    def __init__(self) -> None:
-        self._queues: dict[str, asyncio.Queue] = {}
-
-    async def start(self, bus: Bus) -> None:
-        await bus.subscribe(subjects.REQ_TOKENS_ALL, self._on_event, TokenMessage)
-        await bus.subscribe(subjects.HANDOFF_ALL, self._on_event, HandoffEvent)
-
-    async def _on_event(self, event: Any, msg: Any) -> None:
-        queue = self._queues.get(event.request_id)
-        if queue is not None:
-            queue.put_nowait(event)
-
-    def open(self, leg_id: str) -> asyncio.Queue:
-        return self._queues.setdefault(leg_id, asyncio.Queue())
-
-    def close(self, leg_id: str) -> None:
-        self._queues.pop(leg_id, None)
-
-    @property
-    def num_open(self) -> int:
-        return len(self._queues)
 
 
 @dataclass
