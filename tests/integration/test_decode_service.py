@@ -9,6 +9,8 @@ from __future__ import annotations
 import asyncio
 import uuid
 
+import httpx
+
 import pytest
 import torch
 
@@ -125,3 +127,62 @@ async def test_full_handoff_streams_the_engines_greedy_tokens(stack, transport, 
     await asyncio.sleep(0.2)
     assert queue.empty()
     await stack.assert_no_leak([node])
+
+
+async def write_kv(stack, grant: ClaimGranted, prompt: list[int], kv) -> asyncio.Queue:  # noqa: F811
+    """Be the prefill sender for one granted request: its KV over Mooncake, then KV-ready."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def on_token(ev, _msg):
+        queue.put_nowait(ev)
+
+    await stack.bus.subscribe(subjects.req_tokens(grant.request_id), on_token, TokenMessage)
+    layout = grant.target.layout
+    image = pack(layout, kv, len(prompt))
+    sender = create_transport("mooncake")
+    try:
+        sender.register(image.data_ptr(), image.numel())
+        ops = [(image.data_ptr() + off, grant.target.slot.base_addr + off, n)
+               for off, n in write_ranges(layout, len(prompt))]
+        await asyncio.to_thread(sender.write, grant.target.endpoint, ops)
+    finally:
+        sender.close()
+    await stack.bus.publish(subjects.kv_ready(grant.node_id), KvReady(
+        request_id=grant.request_id, lease_id=grant.lease_id, generation=grant.generation,
+        node_id=grant.node_id, slot=grant.target.slot.slot, num_tokens=len(prompt),
+        layout_version=layout.layout_version, nbytes=sum(n for _, _, n in ops)))
+    return queue
+
+
+async def test_concurrent_handoffs_each_stream_their_own_greedy_tokens(stack):  # noqa: F811
+    """Two requests decoded together in one node's batch: each gets exactly its own tokens."""
+    num_tokens = 96
+    await stack.coordinator()
+    node = await stack.decode("d1", 2)
+    prompts = [PROMPT, [300, 2, 45, 61, 7, 7, 19]]
+    refs = [await asyncio.to_thread(engine_greedy, stack.model_dir, p, num_tokens) for p in prompts]
+    hfs = [await asyncio.to_thread(hf_prefill, stack.model_dir, p) for p in prompts]
+    assert refs[0][1] != refs[1][1]  # different prompts, different continuations
+    grants = [await stack.claim(f"r{i}") for i in range(2)]
+    assert sorted(g.target.slot.slot for g in grants) == [0, 1]
+    queues = [await write_kv(stack, g, p, kv) for g, p, (_, kv) in zip(grants, prompts, hfs)]
+    for g, p, (first, _) in zip(grants, prompts, hfs):  # start both back to back
+        await stack.bus.publish(subjects.decode_start(g.node_id), DecodeStart(
+            request_id=g.request_id, lease_id=g.lease_id, generation=g.generation,
+            slot=g.target.slot.slot, first_token_id=first, num_prompt_tokens=len(p),
+            sampling=SamplingParams(max_tokens=num_tokens, ignore_eos=True)))
+    results = await asyncio.gather(*(collect(q) for q in queues))
+    for (tokens, end), (ref_first, ref_tokens), (first, _) in zip(results, refs, hfs):
+        assert first == ref_first
+        assert tokens == ref_tokens
+        assert isinstance(end, RequestFinished) and end.finish_reason == "length"
+    # They shared engine steps: fewer steps than tokens (one step per token each if they had not).
+    metrics = httpx.get(f"http://127.0.0.1:{node.port}/metrics", timeout=5).text
+    num_steps = _metric(metrics, "xl_decode_step_seconds_count")
+    num_tokens_out = _metric(metrics, 'xl_decode_events_total{event="tokens_generated"}')
+    assert num_tokens_out == 2 * num_tokens and num_steps < 1.5 * num_tokens
+    await stack.assert_no_leak([node])
+
+
+def _metric(text: str, name: str) -> float:
+    return next(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + " "))
