@@ -1,0 +1,69 @@
+"""Build the fast path from the engine's loaded models (services/decode/engine llama.py, deepseek.py).
+
+    dec = gqa_decoder_from_engine(model, slot)        # model: LlamaModel, bound to its KvCache
+    runner = GraphRunner(dec.step, model.embed.device, steps_per_replay=1)
+    dec.set_state(first_token_id, num_cached_tokens)  # host side, once per request
+    runner.replay()                                   # one token; no host sync
+    dec.out_tokens[: dec.step_idx]                    # greedy tokens so far (read when emitting)
+
+    mdec = mla_decoder_from_engine(model, slot)       # model: DeepseekModel (with_mtp for drafts)
+    GraphRunner(mdec.plain_step, ...) / GraphRunner(lambda: mdec.spec_step(k), ...)
+
+Weights are used in place (views of the engine's parameters) except what ``mla.prepare_layer`` lays
+out once (fused wq|wkv_a, w_uv transposed, shared experts split). The slot's cache views are the
+engine's own (``model.cache.k[i][slot]`` ...), so injected KV is read with no copy and the fast path's
+writes are the engine's cache. Greedy only; the fast path needs bf16 and plain Llama blocks (no qkv
+or o bias, no q/k norm) and DeepSeek without q LoRA; anything else raises ValueError (use the
+engine's torch path).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .llama import FastOptions, GqaDecoder, GqaLayer, GqaModel
+from .mla import MlaDims, MtpWeights, prepare_layer
+from .mla_decoder import MlaDecoder, MlaModel
+
+
+def _params(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {name: p.data for name, p in module.named_parameters(recurse=False)}
+
+
+def gqa_decoder_from_engine(model, slot: int, options: FastOptions | None = None, max_steps: int = 4096) -> GqaDecoder:
+    """GqaDecoder over a bound engine LlamaModel's weights and slot ``slot``'s K/V views."""
+    cfg = model.cfg
+    for blk in model.layers:
+        if blk.bqkv is not None or blk.bo is not None or blk.q_norm is not None:
+            raise ValueError(f"{cfg.model_type}: the fast path runs Llama blocks without biases or q/k norm")
+    layers = [GqaLayer(b.attn_norm.data, b.wqkv.data, b.wo.data, b.mlp_norm.data, b.w_gate_up.data, b.w_down.data)
+              for b in model.layers]
+    gm = GqaModel(layers, model.embed.data, model.final_norm.data, model.lm_head.data, cfg.num_heads,
+                  cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps)
+    cache = model.cache
+    return GqaDecoder(gm, [cache.k[i][slot] for i in range(cfg.num_layers)],
+                      [cache.v[i][slot] for i in range(cfg.num_layers)], model.cos, model.sin, options, max_steps)
+
+
+def _mla_layer(block, moe_inter: int):
+    return prepare_layer(_params(block), moe_inter)
+
+
+def mla_decoder_from_engine(model, slot: int, max_draft: int = 3, max_steps: int = 4096) -> MlaDecoder:
+    """MlaDecoder over a bound engine DeepseekModel's weights (and its first MTP layer, if loaded)."""
+    cfg = model.cfg
+    if cfg.q_lora_rank:
+        raise ValueError("the fast path's MLA step has no q LoRA yet: use the engine's torch path")
+    dense_inter = cfg.intermediate_size if any(not b.is_moe for b in model.layers) else 0
+    dims = MlaDims(cfg.hidden_size, cfg.num_heads, cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim,
+                   cfg.v_head_dim, cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size,
+                   cfg.num_shared_experts, cfg.routed_scaling_factor, cfg.rms_norm_eps, model.scale)
+    layers = [_mla_layer(b, cfg.moe_intermediate_size) for b in model.layers]
+    mtp = None
+    if model.has_mtp:
+        m0 = model.mtp[0]
+        mtp = MtpWeights(m0.enorm.data, m0.hnorm.data, m0.eh_proj.data, m0.head_norm.data, m0.head.data,
+                         m0.embed.data, _mla_layer(m0.block, cfg.moe_intermediate_size))
+    mm = MlaModel(dims, layers, model.embed.data, model.final_norm.data, model.lm_head.data, mtp, dense_inter)
+    caches = [model.cache.kv[i][slot] for i in range(len(model.cache.kv))]
+    return MlaDecoder(mm, caches, model.cos, model.sin, max_draft=max_draft if mtp else 0, max_steps=max_steps)
