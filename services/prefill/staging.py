@@ -105,7 +105,9 @@ class StagingPool:
         self.spec = spec
         self.num_slots = num_slots
         self.dtype = getattr(torch, spec.dtype)
-        self.buffer = torch.zeros(num_slots, spec.slot_nbytes, dtype=torch.uint8)
+        # Host memory (pinned where CUDA exists, so GPU -> staging copies are fast DMA).
+        pin = torch.cuda.is_available()
+        self.buffer = torch.zeros(num_slots, spec.slot_nbytes, dtype=torch.uint8, pin_memory=pin)
         self.addr = self.buffer.data_ptr()
         self.nbytes = self.buffer.numel()
         self._elt = DTYPE_SIZES[spec.dtype]

@@ -1,13 +1,16 @@
 """Mooncake Transfer Engine behind the :class:`shared.transport.Transport` interface.
 
 P2P handshake (no metadata server): the engine listens on an RPC port and the session id
-``"host:port"`` is what remote writers address. Writes are coalesced, submitted, and polled to
-completion against the caller's deadline; the engine's own timeout (``MC_TRANSFER_TIMEOUT``, s) still
-bounds each op inside the library.
+``"host:port"`` is what remote writers address. Writes are coalesced; when the caller's
+``timeout_s`` is at least the engine's own transfer timeout (``MC_TRANSFER_TIMEOUT``, s, read at
+start, default 30) they go out as one blocking batch (the GIL is released for the whole
+transfer, which matters inside a busy vLLM process); a shorter deadline is enforced by submitting
+the ops and polling them.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -53,6 +56,7 @@ class MooncakeTransport:
         if rc != 0:
             raise TransferError(f"mooncake initialize({host!r}, P2PHANDSHAKE, {protocol!r}) returned {rc}")
         self.protocol = protocol
+        self.engine_timeout_s = float(os.environ.get("MC_TRANSFER_TIMEOUT", "30") or 30)
         self.endpoint = f"{host}:{self._engine.get_rpc_port()}"
         self._regions: dict[int, int] = {}
         self._lock = threading.Lock()
@@ -87,6 +91,14 @@ class MooncakeTransport:
         if not ops:
             return
         nbytes = sum(op[2] for op in ops)
+        if timeout_s >= self.engine_timeout_s:
+            rc = self._engine.batch_transfer_sync_write(
+                remote_endpoint, [op[0] for op in ops], [op[1] for op in ops], [op[2] for op in ops])
+            if rc != 0:
+                raise TransferError(f"mooncake write of {nbytes} bytes to {remote_endpoint} failed "
+                                    f"(rc {rc}): receiver gone, unreachable or stalled for "
+                                    f"{self.engine_timeout_s:.0f} s")
+            return
         # One single-op batch per (coalesced) op: transfer_check_status reports one task per batch.
         pending = []
         for local, remote, n in ops:

@@ -88,3 +88,22 @@ def test_write_to_endpoint_never_reached_raises(sender, transport_name):
         rx.close()
     with pytest.raises(TransferError):
         t.write(endpoint, [(src.ctypes.data, 1 << 30, 4096)], metadata, timeout_s=10)
+
+
+@pytest.mark.parametrize("timeout_s", [1.0, 60.0])  # polled deadline / one blocking batch
+def test_mooncake_both_write_paths_land(timeout_s, tmp_path):
+    t = create_transport("mooncake")
+    src = np.arange(NBYTES, dtype=np.uint32).view(np.uint8)[:NBYTES].copy()
+    t.register(src.ctypes.data, NBYTES)
+    rx = ReceiverProcess("mooncake", NBYTES)
+    try:
+        base = src.ctypes.data
+        ops = [(base + i * 65536, rx.addr + i * 131072, 65536) for i in range(4)]
+        t.write(rx.endpoint, ops, timeout_s=timeout_s)
+        got = np.frombuffer(rx.read(str(tmp_path / "d")), dtype=np.uint8)
+        for i in range(4):
+            assert np.array_equal(got[i * 131072: i * 131072 + 65536], src[i * 65536: (i + 1) * 65536])
+    finally:
+        rx.close()
+        t.unregister(src.ctypes.data)
+        t.close()
