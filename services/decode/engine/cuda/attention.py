@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .gemv import INTERPRET
+from .gemv import INTERPRET, gdc_launch_dependents, gdc_wait, launch_opts
 
 
 @triton.jit
@@ -29,12 +29,14 @@ def _attn_split_kernel(q_ptr, q_pe_ptr, k_ptr, v_ptr, pos_ptr, part_o_ptr, part_
                        T: tl.constexpr, NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
                        GROUP: tl.constexpr, ROWS: tl.constexpr, D_MAIN: tl.constexpr, D_ROPE: tl.constexpr,
                        D_V: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
-                       DOT_F32: tl.constexpr, V_IS_K: tl.constexpr, V_CHUNKS: tl.constexpr):
+                       DOT_F32: tl.constexpr, V_IS_K: tl.constexpr, V_CHUNKS: tl.constexpr, PDL: tl.constexpr):
     # D_V is the width of this program's slice of the values: chunk program_id(2) of V_CHUNKS
     kvh = tl.program_id(0)
     split = tl.program_id(1)
     vchunk = tl.program_id(2)
     D_V_ALL: tl.constexpr = D_V * V_CHUNKS
+    if PDL:  # q and this step's K/V rows come from the previous kernel
+        gdc_wait()
     pos = tl.load(pos_ptr)
     seq_len = pos + T  # keys valid after this step's writes
     chunk = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_S) * BLOCK_S
@@ -95,6 +97,8 @@ def _attn_split_kernel(q_ptr, q_pe_ptr, k_ptr, v_ptr, pos_ptr, part_o_ptr, part_
             pv = tl.dot((p - p_hi.to(tl.float32)).to(v.dtype), v, pv)
         acc = acc * alpha[:, None] + pv
         m = m_new
+    if PDL:
+        gdc_launch_dependents()
     # partials: [T, Hq, NUM_SPLITS, D_V] and [T, Hq, NUM_SPLITS, 2] (max in log2 units, sum)
     prow = (t_of * NUM_Q_HEADS + head) * NUM_SPLITS + split
     tl.store(part_o_ptr + prow[:, None] * D_V_ALL + vchunk * D_V + dv[None, :], acc, mask=rvalid[:, None])
@@ -104,8 +108,12 @@ def _attn_split_kernel(q_ptr, q_pe_ptr, k_ptr, v_ptr, pos_ptr, part_o_ptr, part_
 
 
 @triton.jit
-def _attn_combine_kernel(part_o_ptr, part_ml_ptr, out_ptr, NUM_SPLITS: tl.constexpr, D_V: tl.constexpr):
+def _attn_combine_kernel(part_o_ptr, part_ml_ptr, out_ptr, NUM_SPLITS: tl.constexpr, D_V: tl.constexpr,
+                         PDL: tl.constexpr):
     row = tl.program_id(0)  # t * Hq + head
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
     sp = tl.arange(0, NUM_SPLITS)
     m = tl.load(part_ml_ptr + (row * NUM_SPLITS + sp) * 2)
     l = tl.load(part_ml_ptr + (row * NUM_SPLITS + sp) * 2 + 1)
@@ -123,7 +131,7 @@ class DecodeAttention:
 
     def __init__(self, *, num_q_heads: int, num_kv_heads: int, d_main: int, d_v: int, d_rope: int = 0,
                  num_tokens: int = 1, num_splits: int = 32, block_s: int = 32, sm_scale: float | None = None,
-                 num_warps: int = 4, v_is_k: bool = False, v_chunks: int = 1,
+                 num_warps: int = 4, v_is_k: bool = False, v_chunks: int = 1, pdl: bool = False,
                  device: torch.device | str = "cpu"):
         self.hq, self.hkv, self.t = num_q_heads, num_kv_heads, num_tokens
         self.d_main, self.d_v, self.d_rope = d_main, d_v, d_rope
@@ -135,6 +143,7 @@ class DecodeAttention:
         if d_v % v_chunks:
             raise ValueError(f"d_v {d_v} is not a multiple of v_chunks {v_chunks}")
         self.v_chunks = v_chunks  # programs per split, each accumulating d_v / v_chunks value columns
+        self.pdl = pdl
         self.sm_scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(d_main + d_rope)
         self.part_o = torch.empty(num_tokens * num_q_heads * num_splits * d_v, dtype=torch.float32, device=device)
         self.part_ml = torch.empty(num_tokens * num_q_heads * num_splits * 2, dtype=torch.float32, device=device)
@@ -151,10 +160,10 @@ class DecodeAttention:
             stride_kt, stride_vt, rope_offset,
             T=self.t, NUM_Q_HEADS=self.hq, NUM_KV_HEADS=self.hkv, GROUP=self.group, ROWS=self.rows,
             D_MAIN=self.d_main, D_ROPE=self.d_rope, D_V=self.d_v // self.v_chunks, NUM_SPLITS=self.num_splits,
-            BLOCK_S=self.block_s, DOT_F32=INTERPRET, V_IS_K=self.v_is_k, V_CHUNKS=self.v_chunks,
-            num_warps=self.num_warps)
+            BLOCK_S=self.block_s, DOT_F32=INTERPRET, V_IS_K=self.v_is_k, V_CHUNKS=self.v_chunks, PDL=self.pdl,
+            num_warps=self.num_warps, **launch_opts(self.pdl))
         _attn_combine_kernel[(self.t * self.hq,)](self.part_o, self.part_ml, out, NUM_SPLITS=self.num_splits,
-                                                  D_V=self.d_v, num_warps=4)
+                                                  D_V=self.d_v, PDL=self.pdl, num_warps=4, **launch_opts(self.pdl))
         return out
 
 

@@ -23,7 +23,17 @@ import torch
 import triton
 import triton.language as tl
 
-INTERPRET = bool(triton.knobs.runtime.interpret)  # CPU tests: Triton interpreter (no bf16 tl.dot there)
+INTERPRET = bool(triton.knobs.runtime.interpret)
+
+try:  # programmatic dependent launch (sm_90): the next kernel starts its weight loads during our tail
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # pragma: no cover - Triton without grid dependency control
+    gdc_launch_dependents = gdc_wait = None
+
+
+def launch_opts(pdl: bool) -> dict:
+    """Launch kwargs for programmatic dependent launch (only when asked: older Triton lacks it)."""
+    return {"launch_pdl": True} if pdl else {}  # CPU tests: Triton interpreter (no bf16 tl.dot there)
 
 
 @triton.jit
@@ -64,7 +74,7 @@ def _load_x(x_ptr, nw_ptr, k, K, inv_rms, NORM: tl.constexpr, BLOCK_K: tl.conste
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, out_ptr, res_ptr, nw_ptr, amax_val_ptr, amax_idx_ptr, N, K, eps,
                  NORM: tl.constexpr, RESIDUAL: tl.constexpr, ARGMAX: tl.constexpr, K_POW2: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr):
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     rmask = rows < N
@@ -72,6 +82,8 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, res_ptr, nw_ptr, amax_val_ptr, amax_idx_
     k0 = tl.arange(0, BLOCK_K)
     w0 = tl.load(w_ptr + rows[:, None].to(tl.int64) * K + k0[None, :], mask=rmask[:, None] & (k0 < K)[None, :],
                  other=0.0, eviction_policy="evict_first")
+    if PDL:  # weights are never written: only x and the outputs wait for the previous kernel
+        gdc_wait()
     inv_rms = 1.0
     if NORM:
         inv_rms = _inv_rms(x_ptr, K, eps, K_POW2)
@@ -82,6 +94,8 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, res_ptr, nw_ptr, amax_val_ptr, amax_idx_
         w = tl.load(w_ptr + rows[:, None].to(tl.int64) * K + offs[None, :],
                     mask=rmask[:, None] & kmask[None, :], other=0.0, eviction_policy="evict_first")
         acc += w.to(tl.float32) * x[None, :]
+    if PDL:  # our weight stream is done: let the next kernel start loading its own
+        gdc_launch_dependents()
     y = tl.sum(acc, axis=1)
     if RESIDUAL:
         r = tl.load(res_ptr + rows, mask=rmask, other=0.0)
@@ -96,8 +110,11 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, res_ptr, nw_ptr, amax_val_ptr, amax_idx_
 
 @triton.jit
 def _greedy_finish_kernel(amax_val_ptr, amax_idx_ptr, num_parts, token_ptr, out_tokens_ptr, step_idx_ptr, pos_ptr,
-                          embed_ptr, h_ptr, H, PARTS_POW2: tl.constexpr, H_POW2: tl.constexpr):
+                          embed_ptr, h_ptr, H, PARTS_POW2: tl.constexpr, H_POW2: tl.constexpr, PDL: tl.constexpr):
     # greedy sampling, stage 2: the best of the blocks; record it, advance the position, gather its embedding
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
     offs = tl.arange(0, PARTS_POW2)
     val = tl.load(amax_val_ptr + offs, mask=offs < num_parts, other=float("-inf"))
     idx = tl.load(amax_idx_ptr + offs, mask=offs < num_parts, other=2147483647)
@@ -115,12 +132,13 @@ def _greedy_finish_kernel(amax_val_ptr, amax_idx_ptr, num_parts, token_ptr, out_
 
 def greedy_finish(amax_val: torch.Tensor, amax_idx: torch.Tensor, num_parts: int, token: torch.Tensor,
                   out_tokens: torch.Tensor, step_idx: torch.Tensor, pos: torch.Tensor, embed: torch.Tensor,
-                  h: torch.Tensor) -> None:
+                  h: torch.Tensor, pdl: bool = False) -> None:
     """token = argmax over the GEMV blocks' partial maxima; out_tokens[step_idx] = token; step_idx, pos += 1;
     h = embed[token] (the next step's input)."""
     _greedy_finish_kernel[(1,)](amax_val, amax_idx, num_parts, token, out_tokens, step_idx, pos, embed, h,
                                 embed.shape[1], PARTS_POW2=triton.next_power_of_2(num_parts),
-                                H_POW2=triton.next_power_of_2(embed.shape[1]), num_warps=8)
+                                H_POW2=triton.next_power_of_2(embed.shape[1]), PDL=pdl, num_warps=8,
+                                **launch_opts(pdl))
 
 
 @triton.jit
@@ -153,14 +171,18 @@ def _gemv_pair_loop(x_ptr, nw_ptr, w_ptr, rows_a, rows_b, K, inv_rms, wa0, wb0,
 @triton.jit
 def _gemv_silu_kernel(x_ptr, w_ptr, out_ptr, nw_ptr, I, K, eps,
                       NORM: tl.constexpr, K_POW2: tl.constexpr,
-                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr):
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)  # I % BLOCK_N == 0
     wa0, wb0 = _pair_first(w_ptr, rows, rows + I, K, BLOCK_K)
+    if PDL:
+        gdc_wait()
     inv_rms = 1.0
     if NORM:
         inv_rms = _inv_rms(x_ptr, K, eps, K_POW2)
     g, u = _gemv_pair_loop(x_ptr, nw_ptr, w_ptr, rows, rows + I, K, inv_rms, wa0, wb0, NORM, BLOCK_N, BLOCK_K, STAGES)
+    if PDL:
+        gdc_launch_dependents()
     dt = out_ptr.dtype.element_ty
     g = _rnd(g, dt)
     s = _rnd(g / (1.0 + tl.exp(-g)), dt)
@@ -172,7 +194,7 @@ def _gemv_qkv_rope_kernel(x_ptr, w_ptr, nw_ptr, q_ptr, k_cache_ptr, v_cache_ptr,
                           cos_ptr, sin_ptr, K, eps,
                           NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                           NORM: tl.constexpr, K_POW2: tl.constexpr,
-                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
+                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr):
     HALF: tl.constexpr = HEAD_DIM // 2
     pid = tl.program_id(0)
     per_head: tl.constexpr = HALF // BLOCK_N
@@ -180,11 +202,15 @@ def _gemv_qkv_rope_kernel(x_ptr, w_ptr, nw_ptr, q_ptr, k_cache_ptr, v_cache_ptr,
     j = (pid % per_head) * BLOCK_N + tl.arange(0, BLOCK_N)  # index inside the first half
     rows_a = head * HEAD_DIM + j
     wa0, wb0 = _pair_first(w_ptr, rows_a, rows_a + HALF, K, BLOCK_K)
+    if PDL:
+        gdc_wait()
     inv_rms = 1.0
     if NORM:
         inv_rms = _inv_rms(x_ptr, K, eps, K_POW2)
     a, b = _gemv_pair_loop(x_ptr, nw_ptr, w_ptr, rows_a, rows_a + HALF, K, inv_rms, wa0, wb0, NORM, BLOCK_N, BLOCK_K,
                            STAGES)
+    if PDL:
+        gdc_launch_dependents()
     dt = q_ptr.dtype.element_ty
     a = _rnd(a, dt)
     b = _rnd(b, dt)
@@ -213,7 +239,7 @@ def _pow2(n: int) -> int:
 
 def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, *, norm_w: torch.Tensor | None = None,
          eps: float = 1e-5, residual: torch.Tensor | None = None, block_n: int = 16, block_k: int = 512,
-         num_warps: int = 4, stages: int = 1,
+         num_warps: int = 4, stages: int = 1, pdl: bool = False,
          argmax_parts: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """out[N] = [residual +] W[N, K] @ [rmsnorm(x) * norm_w | x][K]; with argmax_parts (val fp32, idx int32,
     each >= cdiv(N, block_n)) also each block's max and its row, for ``greedy_finish``."""
@@ -223,12 +249,13 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, *, norm_w: torch.T
         x, w, out, residual if residual is not None else out, norm_w if norm_w is not None else x, av, ai,
         n, k, eps, NORM=norm_w is not None, RESIDUAL=residual is not None, ARGMAX=argmax_parts is not None,
         K_POW2=_pow2(k),
-        BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, num_warps=num_warps)
+        BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, PDL=pdl, num_warps=num_warps, **launch_opts(pdl))
     return out
 
 
 def gemv_silu(x: torch.Tensor, w_gate_up: torch.Tensor, out: torch.Tensor, *, norm_w: torch.Tensor | None = None,
-              eps: float = 1e-5, block_n: int = 16, block_k: int = 512, num_warps: int = 4, stages: int = 1) -> torch.Tensor:
+              eps: float = 1e-5, block_n: int = 16, block_k: int = 512, num_warps: int = 4, stages: int = 1,
+              pdl: bool = False) -> torch.Tensor:
     """out[I] = silu(W[:I] @ x') * (W[I:] @ x'), x' = rmsnorm(x) * norm_w when norm_w is given."""
     two_i, k = w_gate_up.shape
     inter = two_i // 2
@@ -236,14 +263,15 @@ def gemv_silu(x: torch.Tensor, w_gate_up: torch.Tensor, out: torch.Tensor, *, no
         raise ValueError(f"intermediate size {inter} is not a multiple of block_n {block_n}")
     _gemv_silu_kernel[(inter // block_n,)](
         x, w_gate_up, out, norm_w if norm_w is not None else x, inter, k, eps,
-        NORM=norm_w is not None, K_POW2=_pow2(k), BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, num_warps=num_warps)
+        NORM=norm_w is not None, K_POW2=_pow2(k), BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, PDL=pdl, num_warps=num_warps, **launch_opts(pdl))
     return out
 
 
 def gemv_qkv_rope(x: torch.Tensor, wqkv: torch.Tensor, norm_w: torch.Tensor | None, eps: float,
                   q_out: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: torch.Tensor,
                   cos: torch.Tensor, sin: torch.Tensor, *, num_q_heads: int, num_kv_heads: int, head_dim: int,
-                  block_n: int = 16, block_k: int = 512, num_warps: int = 4, stages: int = 1) -> None:
+                  block_n: int = 16, block_k: int = 512, num_warps: int = 4, stages: int = 1,
+                  pdl: bool = False) -> None:
     """Fused norm + QKV projection + rope; q -> q_out[Hq*D], k/v -> caches [max_tokens, Hkv, D] at pos[0]."""
     half = head_dim // 2
     if half % block_n:
@@ -255,8 +283,8 @@ def gemv_qkv_rope(x: torch.Tensor, wqkv: torch.Tensor, norm_w: torch.Tensor | No
     _gemv_qkv_rope_kernel[grid](
         x, wqkv, norm_w if norm_w is not None else x, q_out, k_cache, v_cache, pos, cos, sin,
         wqkv.shape[1], eps, NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
-        NORM=norm_w is not None, K_POW2=_pow2(wqkv.shape[1]), BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages,
-        num_warps=num_warps)
+        NORM=norm_w is not None, K_POW2=_pow2(wqkv.shape[1]), BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, PDL=pdl,
+        num_warps=num_warps, **launch_opts(pdl))
 
 
 # ---- torch twins (same rounding points) ----

@@ -77,6 +77,7 @@ class FastOptions:
     num_splits: int = 32
     block_s: int = 32
     attn_warps: int = 4
+    pdl: bool = False  # programmatic dependent launch: weight loads of kernel i+1 overlap kernel i's tail
 
 
 class GqaDecoder:
@@ -109,7 +110,7 @@ class GqaDecoder:
         self.amax_idx = torch.zeros(self.num_parts, dtype=torch.int32, device=dev)
         self.attn = DecodeAttention(num_q_heads=hq, num_kv_heads=hkv, d_main=d, d_v=d,
                                     num_splits=self.opt.num_splits, block_s=self.opt.block_s,
-                                    num_warps=self.opt.attn_warps, device=dev)
+                                    num_warps=self.opt.attn_warps, pdl=self.opt.pdl, device=dev)
 
     def set_state(self, token_id: int, pos: int) -> None:
         """Host-side (re)start: the token to feed next and its position (= tokens already cached)."""
@@ -120,7 +121,7 @@ class GqaDecoder:
 
     def _tile(self, name: str) -> dict:
         bn, bk, nw, st = self.opt.tiles[name]
-        return dict(block_n=bn, block_k=bk, num_warps=nw, stages=st)
+        return dict(block_n=bn, block_k=bk, num_warps=nw, stages=st, pdl=self.opt.pdl)
 
     def _cublas(self, name: str) -> bool:
         return self.opt.backends.get(name, "triton") == "cublas"
@@ -176,7 +177,7 @@ class GqaDecoder:
             G.gemv(self.h, m.lm_head, self.logits, norm_w=m.final_norm, eps=m.eps, **self._tile("lm_head"),
                    argmax_parts=(self.amax_val, self.amax_idx))
             G.greedy_finish(self.amax_val, self.amax_idx, self.num_parts, self.token, self.out_tokens,
-                            self.step_idx, self.pos, m.embed, self.h)
+                            self.step_idx, self.pos, m.embed, self.h, pdl=self.opt.pdl)
 
 
 def reference_layer(model: GqaModel, i: int, h: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
