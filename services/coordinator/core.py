@@ -23,6 +23,9 @@ Contract:
   until the transfer deadline + grace (a writer may still be live) unless KvReady/KvFailed shows the
   writer stopped. An ended lease also keeps its slot until the node reports ``SlotReleased`` (or
   ``release_grace_ms`` passed and the node's heartbeat lists the slot free).
+- Start and outages: for two default heartbeat intervals after ``restore`` (start), a claim with
+  no compatible node waits instead of being rejected (nodes have not announced themselves yet);
+  ``on_reconnected`` counts every node as seen (beats missed while we were cut off prove nothing).
 - Messages naming an unknown lease, an old generation, or a lease already ended are ignored for
   state and counted in ``counters["stale_ignored"]`` (fencing bookkeeping still learns from them).
 """
