@@ -10,7 +10,8 @@ Contract:
   acknowledged after its effects are persisted (handling is idempotent, redelivery is harmless).
 - Every transition is published as a ``HandoffEvent`` on ``xl.handoff.<request_id>.<state>``.
 - State (leases, waiting claims, next generation) lives in the JetStream KV bucket
-  ``subjects.COORD_KV_BUCKET``: written before a grant is answered, reloaded at start.
+  ``subjects.COORD_KV_BUCKET`` (services.coordinator.store): written before a grant is answered,
+  reloaded at start.
 - HTTP: ``/health`` (200 when connected, 503 otherwise) and ``/metrics`` (Prometheus).
 - SIGTERM/SIGINT: stop taking claims, turn waiting claims away with ``retry_after_ms``, flush,
   exit 0; leases stay in the bucket for the next coordinator. NATS restarts: nats-py reconnects,
@@ -37,10 +38,8 @@ from opentelemetry import trace
 from services.coordinator.core import CoordinatorCore
 from services.coordinator.http_status import serve_status
 from services.coordinator.metrics import CoordinatorMetrics
-from services.coordinator.model import (
-    CoordinatorConfig, DeleteLease, DeleteQueued, Effect, Lease, Observe, Publish, PutLease,
-    PutMeta, PutQueued, QueuedClaim, Reply,
-)
+from services.coordinator.model import CoordinatorConfig, Effect, Observe, Publish, Reply
+from services.coordinator.store import StateStore
 from shared import config as shared_config
 from shared import subjects
 from shared.bus import Bus, BusUnavailable
@@ -54,7 +53,6 @@ from shared.tracing import extract_context, inject_headers, setup_tracing
 INBOX_STREAM = "XL_COORD_INBOX"
 INBOX_SUBJECTS = [subjects.KV_READY_ALL, subjects.COORD_REPORT, subjects.REQ_CANCEL_ALL]
 InboxMessage = KvReady | KvFailed | DecodeStarted | SlotReleased | CancelRequest
-KV_RETRY_S = 30.0
 MAX_DELIVERIES = 5  # a report that fails this often is dropped (logged), not retried forever
 
 
@@ -87,7 +85,7 @@ class CoordinatorService:
 
     async def start(self) -> None:
         try:
-            self.kv = await self.bus.kv(self.args.kv_bucket)
+            self.store = StateStore(await self.bus.kv(self.args.kv_bucket))
         except (nats.js.errors.ServiceUnavailableError, nats.errors.NoRespondersError) as exc:
             raise CoordinatorBusy(  # not busy, but the same kind of fatal start-up condition
                 "nats-server has no JetStream: the coordinator keeps its state there; start "
@@ -122,26 +120,7 @@ class CoordinatorService:
         self.log.info("coordinator_stopped", leases=len(self.core.leases))
 
     async def _restore(self) -> None:
-        leases, queued, next_generation = [], [], 1
-        try:
-            keys = await self._kv_retry(self.kv.keys)
-        except nats.js.errors.NoKeysError:
-            keys = []
-        for key in keys:
-            try:
-                entry = await self.kv.get(key)
-            except nats.js.errors.KeyNotFoundError:
-                continue
-            try:
-                if key.startswith("lease."):
-                    leases.append(msgspec.json.decode(entry.value, type=Lease))
-                elif key.startswith("queue."):
-                    queued.append(msgspec.json.decode(entry.value, type=QueuedClaim))
-                elif key == "meta":
-                    next_generation = json.loads(entry.value)["next_generation"]
-            except (msgspec.DecodeError, msgspec.ValidationError, ValueError, KeyError) as exc:
-                # One unreadable record must not keep the coordinator down; say what was lost.
-                self.log.error("state_record_unreadable", key=key, error=str(exc))
+        leases, queued, next_generation = await self.store.load()
         self.core.restore(leases, queued, next_generation, now_ms())
         if leases or queued:
             self.log.info("coordinator_restored", leases=len(leases), queued=len(queued),
@@ -204,7 +183,7 @@ class CoordinatorService:
         while True:
             await asyncio.sleep(interval_s)
             try:
-                await self.kv.purge_deletes(olderthan=max(1, int(interval_s)))
+                await self.store.compact(int(interval_s))
             except Exception as exc:
                 self.log.warning("kv_compact_failed", error=str(exc))
 
@@ -261,22 +240,8 @@ class CoordinatorService:
             await self._perform(effects)
 
     async def _perform(self, effects: list[Effect]) -> None:
-        """State first (the last write per key, all keys at once), then replies and events."""
-        writes: dict[str, bytes | None] = {}  # key -> value, None: delete
-        for e in effects:
-            if isinstance(e, PutLease):
-                writes[f"lease.{e.lease.lease_id}"] = msgspec.json.encode(e.lease)
-            elif isinstance(e, DeleteLease):
-                writes[f"lease.{e.lease_id}"] = None
-            elif isinstance(e, PutQueued):
-                writes[f"queue.{e.entry.claim.request_id}"] = msgspec.json.encode(e.entry)
-            elif isinstance(e, DeleteQueued):
-                writes[f"queue.{e.request_id}"] = None
-            elif isinstance(e, PutMeta):
-                writes["meta"] = json.dumps({"next_generation": e.next_generation}).encode()
-        await asyncio.gather(*(
-            self._kv_retry(self.kv.put, key, value) if value is not None
-            else self._kv_retry(self.kv.delete, key) for key, value in writes.items()))
+        """State first (see StateStore.write), then replies and events in order."""
+        await self.store.write(effects)
         for e in effects:
             if isinstance(e, Reply):
                 await self.bus.nc.publish(e.reply_to, encode(e.event), headers=inject_headers({}) or None)
@@ -289,20 +254,6 @@ class CoordinatorService:
                                   node_id=ev.node_id, slot=ev.slot, reason=ev.reason)
             elif isinstance(e, Observe):
                 self.metrics.observe(e.metric, e.value_s)
-
-    async def _kv_retry(self, fn, *args):
-        """Run a KV call, retrying while NATS is away (up to KV_RETRY_S)."""
-        deadline = time.monotonic() + KV_RETRY_S
-        while True:
-            try:
-                return await fn(*args)
-            except (nats.js.errors.NoKeysError, nats.js.errors.KeyNotFoundError):
-                raise
-            except (nats.errors.Error, asyncio.TimeoutError, OSError) as exc:
-                if time.monotonic() > deadline:
-                    self.log.error("kv_write_failed", error=str(exc))
-                    raise
-                await asyncio.sleep(0.2)
 
     # ------------------------------------------------------------ http
 
