@@ -135,3 +135,35 @@ def test_speculation_up_to_max_seq_len(hf_checkpoint, plain, k):
     assert len(PROMPTS[0]) + len(tokens) == 40
     assert tokens == plain[0][: len(tokens)]
     assert sum(per_step) == stats.num_steps + stats.num_accepted_tokens
+
+
+def test_speculative_sampling_keeps_the_target_distribution(hf_checkpoint):
+    """The first decoded token under MTP speculation (often an accepted draft, drawn from a flatter
+    draft distribution) follows the target distribution: frequencies over seeded runs match it."""
+    path, _ = hf_checkpoint("deepseek_v3")
+    prompt, first = PROMPTS[2], 7
+    params = dict(max_tokens=2, ignore_eos=True, temperature=1.0, top_k=4)
+    plain = Engine.load(path, num_slots=1, max_seq_len=64, dtype=torch.float32)
+    plain.prefill(0, prompt)
+    plain.start(0, first, SamplingParams(**params, seed=0))
+    plain.step()
+    logits = plain.last_logits[0, 0]
+    top = logits.topk(4)
+    target = dict(zip(top.indices.tolist(), top.values.softmax(-1).tolist()))
+    engine = Engine.load(path, num_slots=4, max_seq_len=64, dtype=torch.float32, num_speculative_tokens=2)
+    engine.model.mtp[0].head.mul_(0.2)  # flatter drafts: the draft distribution differs from the target's
+    counts: dict[int, int] = {}
+    trials, accepted = 1200, 0
+    for seed in range(0, trials, 4):
+        for slot in range(4):
+            engine.prefill(slot, prompt)
+            engine.start(slot, first, SamplingParams(**params, seed=seed + slot))
+        for slot, out in engine.step().items():
+            counts[out.token_ids[0]] = counts.get(out.token_ids[0], 0) + 1
+            accepted += engine.spec_stats(slot).num_accepted_tokens
+            engine.release(slot)
+    assert set(counts) <= set(target)
+    assert accepted > trials // 3  # drafts were accepted often, so the draft path is what is measured
+    tv = 0.5 * sum(abs(counts.get(t, 0) / trials - p) for t, p in target.items())
+    assert tv < 0.05, (counts, target)
+    assert engine.free_slots() == [0, 1, 2, 3]
