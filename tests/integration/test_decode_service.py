@@ -21,7 +21,9 @@ from shared.events import (
 )
 from shared.kvlayout import write_ranges
 from shared.transport import create_transport
-from tests.integration.test_coordinator_service import HEARTBEAT_MS, collect, stack  # noqa: F401
+from tests.integration.test_coordinator_service import (  # noqa: F401
+    HEARTBEAT_MS, Stack, collect, run_request, stack,
+)
 
 PROMPT = [5, 17, 42, 9, 101, 77, 3, 250, 64, 12, 8, 199]
 NUM_TOKENS = 24
@@ -186,3 +188,24 @@ async def test_concurrent_handoffs_each_stream_their_own_greedy_tokens(stack):  
 
 def _metric(text: str, name: str) -> float:
     return next(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + " "))
+
+
+async def test_mla_node_with_mtp_reports_speculation_stats(make_nats_server, tiny_model, tmp_path):
+    """A DeepSeek-V3-family node (MLA layout, MTP drafts): leased, decoded, stats in the end event.
+    (The KV bytes are whatever the slot holds: this checks the service path, not the numbers.)"""
+    stack = await Stack(make_nats_server(), tiny_model("deepseek_v3", "bfloat16"), tmp_path).open()
+    try:
+        await stack.coordinator()
+        node = await stack.decode("ds", 1, "--num-speculative-tokens", "1")
+        grant = await stack.claim("r0")
+        assert isinstance(grant, ClaimGranted) and grant.target.layout.kind == "mla"
+        tokens, end = await collect(await run_request(stack, grant, prompt_len=8, max_tokens=12))
+        assert isinstance(end, RequestFinished) and len(tokens) == 12
+        # one draft per step (K=1), except maybe the first: an injected slot has no hidden state yet
+        assert end.spec.num_steps > 1
+        assert end.spec.num_steps - 1 <= end.spec.num_draft_tokens <= end.spec.num_steps
+        assert 0 <= end.spec.num_accepted_tokens <= end.spec.num_draft_tokens
+        assert end.spec.num_steps + end.spec.num_accepted_tokens == 12  # each step: 1 + accepted
+        await stack.assert_no_leak([node])
+    finally:
+        await stack.close()
