@@ -8,7 +8,10 @@ inject). Its layout, version ``LAYOUT_VERSION``:
   rotary embedding (and after q/k norm where the model has it), exactly what attention consumes.
 - MLA (DeepSeek-V3 family): for each attention layer one region ``[max_tokens, kv_lora_rank +
   qk_rope_head_dim]``: the normalized compressed latent (after ``kv_a_layernorm``) followed by the
-  roped shared key ``k_pe``. MTP layers follow the main layers as further layers.
+  roped shared key ``k_pe``. ``k_pe`` is kept in HF transformers' rope order (the rotated even
+  elements, then the rotated odd ones), not vLLM's interleaved order: prefill adapters permute.
+  MTP layers follow the main layers as further layers.
+- A slot holds ``max_seq_len + num_speculative_tokens`` tokens, so drafts fit at the end.
 
 Regions follow each other in layer order, K before V, with no padding. A writer that holds
 ``n`` tokens of state writes, for every segment, the bytes ``[0, n * bytes_per_token)`` at
