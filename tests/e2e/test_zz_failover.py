@@ -14,7 +14,7 @@ from tests.e2e.test_operations import _chat, assert_nothing_leaked
 from tests.fixtures.vllm import vllm_greedy
 
 pytestmark = pytest.mark.e2e
-MAX_TOKENS = 600
+MAX_TOKENS = 300
 
 
 def _migrations(dep) -> float:
@@ -43,7 +43,8 @@ async def test_decode_node_killed_mid_stream_the_stream_completes_unchanged(depl
         prompt_ids = events[0]["prompt_token_ids"]
         ids = [t for e in events for c in e["choices"] for t in c.get("token_ids") or []]
         assert killed is not None
-        assert ids == vllm_greedy(deployment.llama.server, prompt_ids, MAX_TOKENS, ignore_eos=True)
+        assert ids == vllm_greedy(deployment.llama.server, prompt_ids, MAX_TOKENS, ignore_eos=True,
+                                  timeout_s=600.0)  # a loaded 2-core machine can be slow
         assert events[-1]["usage"]["completion_tokens"] == MAX_TOKENS
         assert _migrations(deployment) == before + 1
     finally:
