@@ -253,6 +253,12 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _cli() -> str:
+    """How to call the expresslane command from a shell."""
+    script = Path(sys.executable).with_name("expresslane")
+    return str(script) if script.exists() else f"{sys.executable} -m shared.cli"
+
+
 def _banner(args: argparse.Namespace, model: Path, nats_url: str, missing: list[str], log_dir: Path) -> str:
     url = f"http://{args.host}:{args.port}"
     body = json.dumps({"model": str(model), "stream": True, "max_tokens": 32, "temperature": 0,
@@ -262,7 +268,7 @@ def _banner(args: argparse.Namespace, model: Path, nats_url: str, missing: list[
         "  try:", f"    curl -N {url}/v1/chat/completions -H 'content-type: application/json' \\",
         f"      -d '{body}'", "",
         "  standard lane: add -H 'x-expresslane: off'",
-        f"  watch the bus: EXPRESSLANE_NATS_URL={nats_url} {sys.executable} -m shared.cli events",
+        f"  watch the bus: {_cli()} events --nats-url {nats_url}",
         f"  health:        curl {url}/health      metrics: curl {url}/metrics",
         f"  logs:          {log_dir}/", "",
     ]
