@@ -394,14 +394,15 @@ def variants(X, micro: dict | None) -> dict:
             c = r["results"].get("cublas", {}).get("us")
             faster[name] = "triton" if (b and (c is None or r["results"][b]["us"] <= c)) else "cublas"
     out = {
-        "triton_all": X.FastOptions(tiles=best_tiles),
-        "cublas_all": X.FastOptions(backends={p: "cublas" for p in P}),
+        "triton_all": X.FastOptions(tiles=best_tiles, num_splits=32, block_s=32, pdl=False),
+        "cublas_all": X.FastOptions(backends={p: "cublas" for p in P}, pdl=False),
     }
-    out["triton_attn_16x64"] = X.FastOptions(tiles=best_tiles, num_splits=16, block_s=64)
+    out["triton_attn_16x64"] = X.FastOptions(tiles=best_tiles, num_splits=16, block_s=64, pdl=False)
     # run 7 notes: PDL with the trigger at kernel entry was slower; this triggers after the weight stream
     out["triton_attn_16x64_pdl"] = X.FastOptions(tiles=best_tiles, num_splits=16, block_s=64, pdl=True)
     if faster:
-        out["per_projection_best"] = X.FastOptions(tiles=best_tiles, backends={p: faster.get(p, "triton") for p in P})
+        out["per_projection_best"] = X.FastOptions(tiles=best_tiles, backends={p: faster.get(p, "triton") for p in P},
+                                                   pdl=False)
     return out
 
 
