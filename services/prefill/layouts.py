@@ -150,14 +150,12 @@ class MlaLatent:
         return self._blocks(kv_layer).shape[1]
 
     def __call__(self, kv_layer, block_ids, num_tokens, out):
-        dst = out[0]
-        kv_layer = self._blocks(kv_layer)
-        _gather_tokens(kv_layer.index_select(0, block_ids), num_tokens, dst)
+        rows = self._blocks(kv_layer).index_select(0, block_ids)
+        rows = rows.reshape(-1, rows.shape[-1])[:num_tokens]  # [n, Dl + Dr] on the cache's device
         if self.deinterleave_rope and self.rope_dim:
-            pe = dst[:, -self.rope_dim:].clone()
-            half = self.rope_dim // 2
-            dst[:, -self.rope_dim:-half] = pe[:, 0::2]
-            dst[:, -half:] = pe[:, 1::2]
+            pe = rows[:, -self.rope_dim:]
+            rows = torch.cat((rows[:, : -self.rope_dim], pe[:, 0::2], pe[:, 1::2]), dim=-1)
+        out[0].copy_(rows)  # one copy into staging (possibly across devices)
 
 
 # vLLM attention backend name -> adapter factory (MLA factories take the rope settings).
