@@ -157,6 +157,14 @@ class NodeAvailable(Event, tag="node_available"):
     seq: int
     sent_at_ms: int
     nixl_metadata_b64: str = ""
+    # Tokens a request may hold (prompt + output); the layout keeps room for drafts beyond it.
+    # 0 from older nodes: the layout's max_tokens.
+    max_seq_len: int = 0
+
+    @property
+    def capacity_tokens(self) -> int:
+        """Prompt + output tokens one slot of this node can hold."""
+        return self.max_seq_len or self.layout.max_tokens
 
 
 class NodeDraining(Event, tag="node_draining"):

@@ -61,7 +61,7 @@ class NodeRegistry:
             return None
         if info.protocol_version != PROTOCOL_VERSION or info.layout.layout_version != LAYOUT_VERSION:
             return None
-        if claim.num_prompt_tokens + claim.max_tokens > info.layout.max_tokens:
+        if claim.num_prompt_tokens + claim.max_tokens > info.capacity_tokens:
             return None
         for transport in claim.transports:
             if transport in info.transports and transport in info.endpoints:

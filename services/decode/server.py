@@ -33,6 +33,7 @@ import sys
 import time
 from collections import Counter
 from dataclasses import dataclass
+from pathlib import Path
 
 from opentelemetry import context as otel_context
 from opentelemetry import trace
@@ -149,7 +150,7 @@ class DecodeNode:
             transports=[self.receiver.name], endpoints={self.receiver.name: self.receiver.endpoint},
             slots=self.receiver.slot_targets(), layout=self.engine.layout,
             heartbeat_interval_ms=self.args.heartbeat_ms, seq=self.seq, sent_at_ms=now,
-            nixl_metadata_b64=self.receiver.metadata_b64))
+            nixl_metadata_b64=self.receiver.metadata_b64, max_seq_len=self.args.max_seq_len))
 
     async def _heartbeat_loop(self) -> None:
         while True:
@@ -414,7 +415,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-seq-len", type=int, default=2048, help="tokens per slot (prompt + output)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default=None, help="model dtype (default: the checkpoint's)")
-    p.add_argument("--num-speculative-tokens", type=int, default=0, help="MTP draft tokens")
+    p.add_argument("--num-speculative-tokens", type=int, default=None,
+                   help="MTP draft tokens per step, 0 to 3 (default: one per MTP layer of the "
+                        "model, 0 for models without MTP layers)")
     p.add_argument("--heartbeat-ms", type=int, default=1000)
     p.add_argument("--http-host", default="127.0.0.1")
     p.add_argument("--http-port", type=int, default=9103, help="/health and /metrics (0: any free)")
@@ -422,14 +425,23 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def default_num_speculative_tokens(model_dir: str) -> int:
+    """One draft per MTP layer of the checkpoint (at most 3), 0 for models without them."""
+    path = Path(model_dir) / "config.json"
+    config = json.loads(path.read_text()) if path.exists() else {}
+    return min(int(config.get("num_nextn_predict_layers") or 0), 3)
+
+
 def _load(args: argparse.Namespace):
     """The engine and its registered receive buffers."""
     from services.decode.engine import Engine
     from shared.transport import create_transport
 
+    num_spec = args.num_speculative_tokens
+    if num_spec is None:
+        num_spec = default_num_speculative_tokens(args.model)
     engine = Engine.load(args.model, num_slots=args.slots, max_seq_len=args.max_seq_len,
-                         device=args.device, dtype=args.dtype,
-                         num_speculative_tokens=args.num_speculative_tokens)
+                         device=args.device, dtype=args.dtype, num_speculative_tokens=num_spec)
     transport = create_transport(args.transport, host=args.transport_host,
                                  protocol=args.transport_protocol, agent_name=args.node_id)
     buffers = [(engine.slot_buffer(s).data_ptr(), engine.slot_buffer(s).numel())

@@ -64,7 +64,7 @@ class NodeTable:
     def slot_capacity(self, aliases: Collection[str], now_s: float) -> int | None:
         """Tokens one slot of a live node serving the model holds; None when none is live."""
         nodes = self.live(now_s, aliases)
-        return max((n.layout.max_tokens for n in nodes), default=None)
+        return max((n.capacity_tokens for n in nodes), default=None)
 
     def models(self, now_s: float) -> set[str]:
         return {n.model for n in self.live(now_s)}
