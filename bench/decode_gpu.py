@@ -295,7 +295,7 @@ def run_llama(X, parts, R: dict) -> None:
     R["llama8b_ctx1k_tok_s"] = ok[best]["tok_s"]
     R["llama8b_ctx1k_frac_roofline"] = ok[best]["frac_roofline"]
     R["llama8b_ctx1k_roofline_tok_s"] = 1e3 / roof
-    # the roofline counts every parameter (the 1.05 GB embedding table too, of which a step reads
+    # the weights+KV roofline counts every parameter (the 1.05 GB embedding table too, of which a step reads
     # one row): 16.06 GB + KV; the fields above count only the bytes a step reads (stricter)
     all_bytes = wbytes - model.embed[0].numel() * 2 + model.embed.numel() * 2
     R["llama8b_all_params_GB"] = all_bytes / 1e9

@@ -36,7 +36,7 @@ from opentelemetry import context as otel_context
 from opentelemetry import trace
 
 from services.coordinator.core import CoordinatorCore
-from services.coordinator.http_status import serve_status
+from shared.http_status import serve_status
 from services.coordinator.metrics import CoordinatorMetrics
 from services.coordinator.model import CoordinatorConfig, Effect, Observe, Publish, Reply
 from services.coordinator.store import StateStore

@@ -44,6 +44,7 @@ from services.decode.receiver import Pending, Receiver, SlotBook
 from shared import config as shared_config
 from shared import subjects
 from shared.bus import Bus, BusUnavailable
+from shared.http_status import serve_status
 from shared.events import (
     PROTOCOL_VERSION, CancelRequest, DecodeStart, DecodeStarted, HandoffEvent, KvFailed, KvMessage,
     KvReady, NodeAvailable, NodeDraining, RequestFailed, RequestFinished, SlotReleased,
@@ -367,27 +368,6 @@ class DecodeNode:
 
     def _metrics(self) -> tuple[int, str, bytes]:
         return 200, "text/plain; version=0.0.4", generate_latest(self.registry)
-
-
-async def serve_status(host: str, port: int, routes: dict) -> asyncio.Server:
-    """A minimal GET-only HTTP server for ``routes`` (path -> fn() -> (status, type, body))."""
-
-    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            parts = (await asyncio.wait_for(reader.readline(), 5.0)).split()
-            path = parts[1].decode(errors="replace").split("?")[0] if len(parts) > 1 else "/"
-            while (await asyncio.wait_for(reader.readline(), 5.0)) not in (b"\r\n", b"\n", b""):
-                pass
-            status, ctype, body = routes[path]() if path in routes else (404, "text/plain", b"not found\n")
-            writer.write(f"HTTP/1.1 {status} {'OK' if status == 200 else 'Error'}\r\nContent-Type: "
-                         f"{ctype}\r\nContent-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode() + body)
-            await writer.drain()
-        except (asyncio.TimeoutError, ConnectionError):
-            pass
-        finally:
-            writer.close()
-
-    return await asyncio.start_server(handle, host, port)
 
 
 async def _quietly(coro) -> None:

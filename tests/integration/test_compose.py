@@ -1,5 +1,5 @@
 """docker-compose.yml validates with the real docker-compose (no engine needed) and wires the
-stack the way DESIGN.md says: health checks, depends_on conditions, one NATS user per service,
+stack as designed: health checks, depends_on conditions, one NATS user per service,
 the nats-box tool under a profile."""
 
 from __future__ import annotations
