@@ -43,6 +43,13 @@ DEV_CONFIG = NATS_DIR / "dev.conf"  # no auth: the embedded default on loopback
 _running: weakref.WeakSet[NatsServer] = weakref.WeakSet()
 
 
+def stopping_with_parent(cmd: list[str]) -> list[str]:
+    """``cmd`` wrapped so the kernel sends it SIGTERM when the starting thread exits (Linux
+    ``setpriv --pdeathsig``; unchanged where setpriv is missing)."""
+    setpriv = shutil.which("setpriv")
+    return [setpriv, "--pdeathsig", "TERM", "--", *cmd] if setpriv else cmd
+
+
 class NatsServerError(RuntimeError):
     """nats-server could not be found, did not start, or died."""
 
@@ -126,8 +133,7 @@ class NatsServer:
         cmd += ["-js", "-sd", str(self.store_dir), "-a", self.host]
         cmd += ["-p", str(self.port or -1), "-m", str(self.monitor_port or -1)]
         cmd += ["--ports_file_dir", str(self._ports_dir())]
-        setpriv = shutil.which("setpriv") if self.stop_with_parent else None
-        return [setpriv, "--pdeathsig", "TERM", "--", *cmd] if setpriv else cmd
+        return stopping_with_parent(cmd) if self.stop_with_parent else cmd
 
     def _ports_dir(self) -> Path:
         return self.store_dir / "ports"
