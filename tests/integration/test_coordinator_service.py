@@ -288,14 +288,14 @@ async def test_killing_decode_node_fails_its_leases_within_three_heartbeats(stac
         slot=ready.target.slot.slot, num_tokens=8, layout_version=1, nbytes=0))
     await stack.wait_state("r2", "kv_ready")
     node.kill()
-    t0 = time.monotonic()
+    killed_at_ms = time.time() * 1000
     await stack.wait_state("r0", "failed", timeout_s=10)
     await stack.wait_state("r2", "failed", timeout_s=10)
-    elapsed = time.monotonic() - t0
-    print(f"decode node killed -> leases failed in {elapsed * 1000:.0f} ms "
-          f"(heartbeat {HEARTBEAT_MS} ms)")
-    assert elapsed < 3 * HEARTBEAT_MS / 1000 + 5.0  # 3 missed beats, plus generous slack
     failed = [e for e in stack.events if e.state == "failed"]
+    elapsed_ms = max(e.at_ms for e in failed) - killed_at_ms
+    print(f"decode node killed -> leases failed in {elapsed_ms:.0f} ms (heartbeat {HEARTBEAT_MS} ms)")
+    # 3 missed beats, plus one coordinator tick and scheduling slack (timed by the coordinator)
+    assert elapsed_ms < 3 * HEARTBEAT_MS + 1500
     assert {(e.request_id, e.reason, e.node_id) for e in failed} == {
         ("r0", "node_dead", "d1"), ("r2", "node_dead", "d1")}
     assert stack.states("r0") == ["claimed", "failed"]
@@ -379,6 +379,7 @@ async def test_cancel_frees_the_slot_promptly(stack):
     first = await asyncio.wait_for(queue.get(), 30)
     assert isinstance(first, TokensGenerated)
     t0 = time.monotonic()
+    cancelled_at_ms = time.time() * 1000
     await stack.bus.publish(subjects.req_cancel("r0"), CancelRequest(request_id="r0"))
     end = None
     while end is None:
@@ -392,7 +393,10 @@ async def test_cancel_frees_the_slot_promptly(stack):
     t_free = time.monotonic() - t0
     print(f"cancel -> finished(cancelled) {t_end * 1000:.0f} ms, slot leasable again {t_free * 1000:.0f} ms")
     assert stack.states("r0") == ["claimed", "kv_ready", "decoding", "cancelled"]
-    assert t_free < 5.0  # generous: the design target is under a second
+    # the lease ends (coordinator's own clock) within a second of the cancel
+    (ended,) = [e for e in stack.events if e.request_id == "r0" and e.state == "cancelled"]
+    assert ended.at_ms - cancelled_at_ms < 1000
+    assert t_free < 5.0  # and the slot is advertised free again soon after
     assert queue.empty()  # nothing after the terminal event
     await stack.assert_no_leak([node])
 
