@@ -13,11 +13,22 @@ that cache (every draft is verified), only the acceptance rate does.
 
 Per step: one model forward over ``[B, 1 + K]`` tokens, sampling, acceptance, the MTP draft pass,
 and a single host sync to emit the tokens.
+
+Fast path (``fast_path="auto"|"on"|"off"``, fastpath.py): a step with exactly one active slot whose
+request is greedy runs that slot's batch-1 CUDA-graph decoder (services/decode/engine/cuda) instead,
+``fast_path_tokens_per_step`` tokens per step with one host sync, cut at stop ids and max_tokens
+exactly as the reference step cuts them. Steps over several slots, sampling or speculative requests
+take the reference step. ``auto`` uses it where the engine supports it (CUDA, bfloat16, plain
+Llama-family blocks, no MTP drafts) and logs why not otherwise (``fast_path_reason``); ``on``
+raises ValueError for an engine it cannot serve. Requests it cannot serve (sampling, drafts) take
+the reference step in either mode, their reason in ``slot_fast_path_reason(slot)``;
+``last_step_path`` says which path the last step took.
 """
 
 from __future__ import annotations
 
 import random
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,6 +43,7 @@ from .slots import SlotState, emit
 from .spec import verify
 from .config import parse_config
 from .graphs import GraphedFn
+from . import fastpath
 from .weights import DictReader, hf_to_engine, iter_engine_params, read_config
 
 
@@ -58,12 +70,15 @@ def _build_model(cfg, params: dict[str, torch.Tensor]) -> torch.nn.Module:
 
 def _load_params(named_tensors, device, dtype) -> dict[str, torch.Tensor]:
     params: dict[str, torch.Tensor] = {}
-    converted: dict[int, torch.Tensor] = {}  # tied weights stay tied
+    # tied weights (the same tensor yielded twice) stay tied; a weak reference tells a tie from a
+    # freed source whose id() the next tensor reuses
+    converted: dict[int, tuple[weakref.ref, torch.Tensor]] = {}
     for name, t in named_tensors:
-        if id(t) not in converted:
+        seen = converted.get(id(t))
+        if seen is None or seen[0]() is not t:
             keep_fp32 = name.endswith("router_bias")
-            converted[id(t)] = t.to(device=device, dtype=torch.float32 if keep_fp32 else dtype)
-        params[name] = converted[id(t)]
+            seen = converted[id(t)] = (weakref.ref(t), t.to(device=device, dtype=torch.float32 if keep_fp32 else dtype))
+        params[name] = seen[1]
     return params
 
 
@@ -73,7 +88,8 @@ def _with_logits(model, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
 
 class Engine:
     def __init__(self, model, cfg, *, model_name: str, num_slots: int, max_seq_len: int, num_speculative_tokens: int,
-                 raw_config: dict, eos_token_ids: tuple[int, ...] = (), use_cuda_graphs: bool = True):
+                 raw_config: dict, eos_token_ids: tuple[int, ...] = (), use_cuda_graphs: bool = True,
+                 fast_path: str = "auto", fast_path_tokens_per_step: int = 1, fast_path_options=None):
         if num_speculative_tokens and not getattr(model, "has_mtp", False):
             raise ValueError(f"{model_name} has no MTP layer weights: run it with num_speculative_tokens=0")
         if not 0 <= num_speculative_tokens <= 3:
@@ -96,11 +112,16 @@ class Engine:
         self.prefill_hidden = torch.zeros(n, cfg.hidden_size, dtype=self.dtype, device=dev)
         self.generators = [torch.Generator(device=dev) for _ in range(n)]
         self.slots = [SlotState() for _ in range(num_slots)]
+        self.fast_path_mode = fast_path
+        self._fast, self.fast_path_reason = fastpath.setup(fast_path, model, self.device, self.dtype, self.k,
+                                                           fast_path_options, fast_path_tokens_per_step)
+        self.last_step_path: str | None = None  # "fast" | "reference" after a step
 
     @classmethod
     def load(cls, model_dir: str | Path, *, num_slots: int = 1, max_seq_len: int = 2048, device: str = "cpu",
              dtype: torch.dtype | str | None = None, num_speculative_tokens: int = 0,
-             model_name: str | None = None, use_cuda_graphs: bool = True) -> Engine:
+             model_name: str | None = None, use_cuda_graphs: bool = True, fast_path: str = "auto",
+             fast_path_tokens_per_step: int = 1, fast_path_options=None) -> Engine:
         """Load an HF safetensors checkpoint or the engine's converted format."""
         raw, cfg = read_config(model_dir)
         if isinstance(dtype, str):
@@ -116,20 +137,24 @@ class Engine:
             eos |= set(e if isinstance(e, list) else [] if e is None else [e])
         return cls(_build_model(cfg, params), cfg, model_name=model_name or Path(model_dir).name,
                    num_slots=num_slots, max_seq_len=max_seq_len, num_speculative_tokens=num_speculative_tokens,
-                   raw_config=raw, eos_token_ids=tuple(sorted(eos)), use_cuda_graphs=use_cuda_graphs)
+                   raw_config=raw, eos_token_ids=tuple(sorted(eos)), use_cuda_graphs=use_cuda_graphs,
+                   fast_path=fast_path, fast_path_tokens_per_step=fast_path_tokens_per_step,
+                   fast_path_options=fast_path_options)
 
     @classmethod
     def from_hf_tensors(cls, raw_config: dict, tensors: dict[str, torch.Tensor], *, num_slots: int = 1,
                         max_seq_len: int = 2048, device: str = "cpu", dtype: torch.dtype | None = None,
                         num_speculative_tokens: int = 0, model_name: str = "in-memory",
-                        use_cuda_graphs: bool = True) -> Engine:
+                        use_cuda_graphs: bool = True, fast_path: str = "auto", fast_path_tokens_per_step: int = 1,
+                        fast_path_options=None) -> Engine:
         """Build from HF-named tensors already in memory (an HF model's state_dict: tests, benchmarks)."""
         cfg = parse_config(raw_config)
         dtype = dtype or TORCH_DTYPES.get(cfg.torch_dtype, torch.float32)
         params = _load_params(hf_to_engine(cfg, DictReader(tensors)), torch.device(device), dtype)
         return cls(_build_model(cfg, params), cfg, model_name=model_name, num_slots=num_slots, max_seq_len=max_seq_len,
                    num_speculative_tokens=num_speculative_tokens, raw_config=raw_config, eos_token_ids=cfg.eos_token_ids,
-                   use_cuda_graphs=use_cuda_graphs)
+                   use_cuda_graphs=use_cuda_graphs, fast_path=fast_path,
+                   fast_path_tokens_per_step=fast_path_tokens_per_step, fast_path_options=fast_path_options)
 
     # ------------------------------------------------------------------ slots
 
@@ -189,6 +214,11 @@ class Engine:
             raise ValueError(f"invalid sampling parameters: {sampling}")
         stop = set(sampling.stop_token_ids) | (set() if sampling.ignore_eos else set(self.eos_token_ids))
         k = self.k if sampling.num_speculative_tokens is None else min(self.k, sampling.num_speculative_tokens)
+        s.extra["fast_path_reason"] = self.fast_path_reason or fastpath.request_reason(sampling.temperature == 0, k)
+        if self._fast is not None and s.extra["fast_path_reason"]:
+            fastpath.log.debug("slot %d decodes on the reference step: %s", slot, s.extra["fast_path_reason"])
+        if self._fast is not None:
+            self._fast.forget(slot)
         s.state, s.pending, s.max_tokens, s.stop_token_ids, s.num_spec = "active", first_token_id, sampling.max_tokens, frozenset(stop), k
         self.temperature[slot], self.top_k[slot], self.top_p[slot] = sampling.temperature, sampling.top_k, sampling.top_p
         self.generators[slot].manual_seed(sampling.seed if sampling.seed is not None else random.getrandbits(63))
@@ -213,6 +243,13 @@ class Engine:
         """Free the slot for the next request."""
         self._slot(slot)
         self.slots[slot] = SlotState()
+        if self._fast is not None:
+            self._fast.forget(slot)
+
+    def slot_fast_path_reason(self, slot: int) -> str | None:
+        """Why the slot's request decodes on the reference step (None: on the fast path when alone)."""
+        s = self._slot(slot, "active", "done")
+        return s.extra.get("fast_path_reason")
 
     def spec_stats(self, slot: int) -> SpecStats:
         s = self._slot(slot)
@@ -261,6 +298,10 @@ class Engine:
         active = self.active_slots()
         if not active:
             return {}
+        if self._fast is not None and len(active) == 1 and self.slots[active[0]].extra.get("fast_path_reason") is None:
+            self.last_step_path = "fast"
+            return {active[0]: self._fast_step(active[0])}
+        self.last_step_path = "reference"
         dev, k, b = self.device, self.k, len(active)
         slot_ids = torch.tensor(active, device=dev)
         seq = torch.tensor([self.slots[i].seq_len for i in active], device=dev)
@@ -304,6 +345,19 @@ class Engine:
         out, reason = emit(s, drafts[:a] + [nxt], self.max_seq_len)
         s.num_accepted_tokens += max(0, len(out) - 1)
         s.num_valid_drafts = s.num_spec
+        if reason is not None:
+            s.state = "done"
+        return StepOutput(token_ids=out, finish_reason=reason)
+
+    def _fast_step(self, slot: int) -> StepOutput:
+        """Up to fast_path_tokens_per_step greedy tokens on the slot's CUDA graph, never past
+        max_tokens or max_seq_len (so its cache writes stay inside the slot); cut like _emit."""
+        s = self.slots[slot]
+        room = min(s.max_tokens - s.num_generated, self.max_seq_len - 1 - s.seq_len)
+        n = min(self._fast.tokens_per_step, room)
+        tokens = self._fast.decode(slot, s.pending, s.seq_len, n) if n > 0 else []
+        s.num_steps += max(n, 1)
+        out, reason = emit(s, tokens, self.max_seq_len)
         if reason is not None:
             s.state = "done"
         return StepOutput(token_ids=out, finish_reason=reason)
