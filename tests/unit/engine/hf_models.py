@@ -90,15 +90,17 @@ def _mtp_tensors(cfg, main: dict[str, torch.Tensor], seed: int) -> dict[str, tor
     return out
 
 
-def save_checkpoint(arch: str, path: Path, seed: int = 0):
-    """Write a random checkpoint of ``arch`` to ``path``; returns the HF model (float32, eval)."""
+def save_checkpoint(arch: str, path: Path, seed: int = 0, damp: bool | None = None):
+    """Write a random checkpoint of ``arch`` to ``path``; returns the HF model (float32, eval).
+
+    ``damp`` (default: DeepSeek-V3 only) makes it a near-bigram model (see _damp_blocks)."""
     import transformers as tf
 
     torch.manual_seed(seed)
     cfg = make_config(arch)
     model = tf.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
     _randomize(model, seed)
-    if arch.startswith("deepseek_v3"):
+    if arch.startswith("deepseek_v3") if damp is None else damp:
         _damp_blocks(model)
     if cfg.tie_word_embeddings:
         model.tie_weights()
