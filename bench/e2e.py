@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import datetime
 import json
 import os
@@ -26,6 +27,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -128,17 +130,25 @@ def start_stack(args: argparse.Namespace) -> tuple[subprocess.Popen, dict]:
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
                             start_new_session=True)
     urls = {"router": f"http://127.0.0.1:{port}", "vllm": f"http://127.0.0.1:{prefill_port}"}
-    deadline = time.monotonic() + 900
-    for line in proc.stdout:
-        print("  up: " + line.rstrip(), flush=True)
-        if line.startswith("nats-server"):
-            urls["nats"] = line.split()[-1]
-        if "expresslane is up" in line:
-            urls["model"] = line.split("(model ")[1].rstrip(")\n")
-            break
-        if proc.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError("expresslane up did not come up")
-    return proc, urls
+    # A stack that stays silent is stopped at the deadline, which also ends the read below.
+    watchdog = threading.Timer(900, lambda: os.killpg(proc.pid, signal.SIGTERM))
+    watchdog.start()
+    try:
+        for line in proc.stdout:
+            print("  up: " + line.rstrip(), flush=True)
+            if line.startswith("nats-server"):
+                urls["nats"] = line.split()[-1]
+            if "expresslane is up" in line:
+                urls["model"] = line.split("(model ")[1].rstrip(")\n")
+                return proc, urls
+        raise RuntimeError("expresslane up exited or did not come up within 900 s")
+    except BaseException:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=60)
+        raise
+    finally:
+        watchdog.cancel()
 
 
 async def run(args: argparse.Namespace, urls: dict) -> dict:
