@@ -2,6 +2,12 @@
 CUDA, a Llama-3-8B-shaped model in bf16 with random weights next to HF transformers (static cache
 + CUDA graph) in the same run, as a fraction of the measured copy-bandwidth roofline.
 
+On CUDA the engine is measured as the product runs it (``fast_path="auto"``: a lone greedy request
+decodes on the fast path's CUDA graph, one token per step), with 8 tokens per step, and on its
+reference step (``fast_path="off"``, CUDA graph and eager); the fast path's greedy tokens are
+compared with the reference step's (``fast_matches_reference_tokens``: identical leading tokens;
+bf16 random weights drift apart at near-ties, see bench/NOTES-gpu.md).
+
     .venv/bin/python bench/decode_engine.py [--device auto|cpu|cuda] [--steps 128] [--context 1024] [--out PATH]
 
 Prints a table and writes bench/results/decode_engine.json.
@@ -10,6 +16,7 @@ Prints a table and writes bench/results/decode_engine.json.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import platform
 import sys
@@ -41,7 +48,8 @@ def sync(device: str) -> None:
 
 
 def engine_tokens_per_s(engine: Engine, prompt: list[int], steps: int, num_slots: int = 1, k: int = 0) -> dict:
-    """Decode ``steps`` tokens per slot in ``num_slots`` slots after a warm-up; aggregate tokens/s."""
+    """Decode ``steps`` tokens per slot in ``num_slots`` slots after a warm-up; aggregate tokens/s,
+    slot 0's tokens and the step paths taken ("fast" | "reference") in the measured pass."""
     greedy = SamplingParams(max_tokens=steps, ignore_eos=True, num_speculative_tokens=k)
     for warm in (True, False):
         for slot in range(num_slots):
@@ -49,9 +57,12 @@ def engine_tokens_per_s(engine: Engine, prompt: list[int], steps: int, num_slots
             engine.start(slot, first, SamplingParams(max_tokens=8 if warm else steps, ignore_eos=True,
                                                      num_speculative_tokens=k) if warm else greedy)
         sync(str(engine.device))
-        t0, emitted = time.perf_counter(), 0
+        t0, emitted, tokens, paths = time.perf_counter(), 0, [], set()
         while engine.active_slots():
-            emitted += sum(len(o.token_ids) for o in engine.step().values())
+            outs = engine.step()
+            emitted += sum(len(o.token_ids) for o in outs.values())
+            tokens += outs[0].token_ids if 0 in outs else []
+            paths.add(engine.last_step_path)
         sync(str(engine.device))
         elapsed = time.perf_counter() - t0
         stats = [engine.spec_stats(s) for s in range(num_slots)]
@@ -60,7 +71,7 @@ def engine_tokens_per_s(engine: Engine, prompt: list[int], steps: int, num_slots
     drafted = sum(s.num_draft_tokens for s in stats)
     accepted = sum(s.num_accepted_tokens for s in stats)
     return {"tokens": emitted, "seconds": elapsed, "tokens_per_s": emitted / elapsed,
-            "acceptance": accepted / drafted if drafted else None}
+            "acceptance": accepted / drafted if drafted else None, "token_ids": tokens, "paths": sorted(paths)}
 
 
 def hf_cpu_tokens_per_s(model_dir: Path, prompt: list[int], steps: int) -> float:
@@ -96,6 +107,7 @@ def bench_cpu(steps: int) -> list[dict]:
                                          num_speculative_tokens=k)
                     r = engine_tokens_per_s(engine, prompt, steps, num_slots, k)
                     rows.append({"device": "cpu", "model": f"tiny-{arch}", "dtype": "float32", "slots": num_slots,
+                                 "fast_path": engine.fast_path_reason or "on",
                                  "spec_k": k, "engine_tok_s": r["tokens_per_s"], "acceptance": r["acceptance"],
                                  "hf_tok_s": hf if (num_slots == 1 and k == 0) else None,
                                  "hf_kind": "eager dynamic cache"})
@@ -188,18 +200,32 @@ def bench_cuda(steps: int, context: int) -> dict:
     kv_bytes_per_token = 2 * 32 * 8 * 128 * 2
     roofline = bandwidth / (weight_bytes + context * kv_bytes_per_token)
     prompt = [int(t) for t in torch.randint(0, 128000, (context,), generator=torch.Generator().manual_seed(0))]
-    engine = Engine.from_hf_tensors(LLAMA3_8B, hf.state_dict(), max_seq_len=context + steps + 16, device=device,
-                                    dtype=dtype, model_name="llama3-8b-shape")
-    ours = engine_tokens_per_s(engine, prompt, steps)["tokens_per_s"]
-    eager = Engine.from_hf_tensors(LLAMA3_8B, hf.state_dict(), max_seq_len=context + steps + 16, device=device,
-                                   dtype=dtype, use_cuda_graphs=False)
-    ours_eager = engine_tokens_per_s(eager, prompt, min(steps, 32))["tokens_per_s"]
-    del engine, eager
+
+    def measure(n: int, **options) -> tuple[dict, str | None]:
+        engine = Engine.from_hf_tensors(LLAMA3_8B, hf.state_dict(), max_seq_len=context + steps + 16, device=device,
+                                        dtype=dtype, model_name="llama3-8b-shape", **options)
+        r, reason = engine_tokens_per_s(engine, prompt, n), engine.fast_path_reason
+        del engine
+        gc.collect()
+        torch.cuda.empty_cache()
+        return r, reason
+
+    fast, reason = measure(steps)  # the product's default: fast_path="auto"
+    fast8, _ = measure(steps, fast_path="auto", fast_path_tokens_per_step=8)
+    graph, _ = measure(steps, fast_path="off")
+    eager, _ = measure(min(steps, 32), fast_path="off", use_cuda_graphs=False)
+    same = next((i for i, (a, b) in enumerate(zip(fast["token_ids"], graph["token_ids"])) if a != b),
+                min(len(fast["token_ids"]), len(graph["token_ids"])))
     theirs, kind = _hf_graph_tokens_per_s(hf, prompt, steps, device)
+    ours = fast["tokens_per_s"]
     return {"device": torch.cuda.get_device_name(), "model": "llama3-8b-shape (random)", "dtype": "bfloat16",
             "context": context, "copy_bandwidth_tb_s": bandwidth / 1e12, "weight_gb": weight_bytes / 1e9,
-            "roofline_tok_s": roofline, "engine_tok_s": ours, "engine_fraction": ours / roofline,
-            "engine_eager_tok_s": ours_eager, "hf_tok_s": theirs, "hf_kind": kind, "hf_fraction": theirs / roofline}
+            "roofline_tok_s": roofline, "fast_path": reason or "on", "engine_paths": fast["paths"],
+            "engine_tok_s": ours, "engine_fraction": ours / roofline,
+            "engine_fast_8_per_step_tok_s": fast8["tokens_per_s"], "engine_fast_8_per_step_paths": fast8["paths"],
+            "engine_reference_graph_tok_s": graph["tokens_per_s"], "engine_eager_tok_s": eager["tokens_per_s"],
+            "fast_matches_reference_tokens": same, "compared_tokens": len(graph["token_ids"]),
+            "hf_tok_s": theirs, "hf_kind": kind, "hf_fraction": theirs / roofline}
 
 
 def _fmt(x, spec="{:.1f}") -> str:
@@ -231,9 +257,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\n{c['device']}: {c['model']} {c['dtype']}, context {c['context']}, copy bandwidth "
               f"{c['copy_bandwidth_tb_s']:.2f} TB/s, roofline {c['roofline_tok_s']:.0f} tok/s (weights + KV)")
         print(f"{'':<34}{'tok/s':>8}{'of roofline':>13}")
-        print(f"{'engine (CUDA graph)':<34}{c['engine_tok_s']:>8.1f}{c['engine_fraction']:>12.0%}")
-        print(f"{'engine (eager)':<34}{c['engine_eager_tok_s']:>8.1f}{c['engine_eager_tok_s'] / c['roofline_tok_s']:>12.0%}")
+        rows = [(f"engine, {'/'.join(c['engine_paths'])} path", c["engine_tok_s"]),
+                ("engine, 8 tokens per step", c["engine_fast_8_per_step_tok_s"]),
+                ("engine reference step (CUDA graph)", c["engine_reference_graph_tok_s"]),
+                ("engine reference step (eager)", c["engine_eager_tok_s"])]
+        for name, tok_s in rows:
+            print(f"{name:<34}{tok_s:>8.1f}{tok_s / c['roofline_tok_s']:>12.0%}")
         print(f"{'HF ' + c['hf_kind'][:31]:<34}{c['hf_tok_s']:>8.1f}{c['hf_fraction']:>12.0%}")
+        print(f"fast path: {c['fast_path']}; greedy tokens equal to the reference step's for the first "
+              f"{c['fast_matches_reference_tokens']} of {c['compared_tokens']}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"\nwrote {args.out}")

@@ -129,3 +129,19 @@ def test_cancel_and_release_on_the_fast_path(checkpoint, reference):
     # the slot's decoder is re-armed for the next request: same tokens as a fresh reference run
     assert run(engine, 0, OTHER, SamplingParams(max_tokens=5, ignore_eos=True)) == (expected, "length", {"fast"})
     assert engine.free_slots() == [0, 1]
+
+
+def test_engine_bench_measures_the_path_it_names(checkpoint):
+    """bench/decode_engine.py's measurement helper: the paths it reports are the ones that ran, and its
+    token ids are what the engine emitted (the CUDA table compares fast and reference with them)."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(
+        "decode_engine_bench", Path(__file__).resolve().parents[3] / "bench" / "decode_engine.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    fast = bench.engine_tokens_per_s(load(checkpoint, "on", tokens_per_step=4, num_slots=1), PROMPT, 6)
+    ref = bench.engine_tokens_per_s(load(checkpoint, "off", num_slots=1), PROMPT, 6)
+    assert (fast["paths"], ref["paths"]) == (["fast"], ["reference"])
+    assert fast["token_ids"] == ref["token_ids"] and fast["tokens"] == 6
