@@ -29,6 +29,8 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from infra.nats import stopping_with_parent
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 STOP_GRACE_S = 15.0
 MAX_RESTARTS = 5
@@ -94,7 +96,9 @@ class Proc:
         log.write(("$ " + " ".join(self.argv) + "\n").encode())
         log.flush()
         pythonpath = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH")) if p)
-        self.popen = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT,
+        # Each child gets SIGTERM from the kernel if `up` itself dies without stopping it.
+        self.popen = subprocess.Popen(stopping_with_parent(self.argv), stdout=log,
+                                      stderr=subprocess.STDOUT, cwd=REPO_ROOT,
                                       env={**os.environ, "PYTHONPATH": pythonpath, **self.env},
                                       start_new_session=True)
         log.close()
@@ -291,7 +295,9 @@ def main(argv: list[str]) -> int:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, on_signal)
-    nats = NatsServer(workdir / "nats", config_file=DEV_CONFIG, log_path=log_dir / "nats-server.log")
+    signal.signal(signal.SIGHUP, on_signal)  # the terminal closed: stop like Ctrl-C
+    nats = NatsServer(workdir / "nats", config_file=DEV_CONFIG, log_path=log_dir / "nats-server.log",
+                      stop_with_parent=True)
     procs: list[Proc] = []
     code = 0
     try:
