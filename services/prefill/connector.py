@@ -115,7 +115,7 @@ class ExpressConnector(KVConnectorBase_V1, SupportsHMA):
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
         sched = self._scheduler
-        if not sched.claims and not sched._pending_failures:
+        if not sched.has_work:
             return ExpressConnectorMetadata(saves=[])
         new = [(r.req_id, r.block_ids, r.num_computed_tokens) for r in scheduler_output.scheduled_new_reqs]
         cached = scheduler_output.scheduled_cached_reqs

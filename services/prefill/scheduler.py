@@ -138,5 +138,10 @@ class ExpressScheduler:
         return status_params(status)
 
     @property
+    def has_work(self) -> bool:
+        """Whether a step may produce metadata (claims in progress or failures to report)."""
+        return bool(self.claims or self._pending_failures)
+
+    @property
     def num_claims(self) -> int:
         return len(self.claims)

@@ -199,3 +199,29 @@ async def test_multiconnector_with_nixl_serves_both_kinds(express_vllm, bus, tmp
         await events.sub.unsubscribe()
     stats = await wait_all_free(prefill)
     assert stats["free"] == stats["total"], stats
+
+
+async def test_chunked_prefill_hands_off_the_whole_prompt(express_vllm, bus, tmp_path):
+    """vLLM computes the prompt in chunks over several steps: the hand-off waits for the last chunk
+    and carries the KV of every chunk."""
+    prefill = express_vllm("llama", "float32", chunk_tokens=64)
+    layout = decode_layout(prefill.model_dir, "float32", with_mtp=False)
+    node_id = f"node-{uuid.uuid4().hex[:8]}"
+    events = KvEvents()
+    await events.start(bus, node_id)
+    rx = ReceiverProcess("mooncake", layout.slot_nbytes)
+    try:
+        h, params = handoff_params(rx, layout, node_id)
+        async with httpx.AsyncClient() as client:
+            resp = await prefill.complete(client, PROMPT_B, kv_transfer_params=params)  # 141 tokens: 3 chunks
+        assert resp["kv_transfer_params"]["expresslane"]["handed_off"] is True
+        event, _ = await events.next()
+        assert isinstance(event, KvReady) and event.num_tokens == len(PROMPT_B), event
+        segs = received_segments(rx.read(str(tmp_path / "slot")), layout, len(PROMPT_B))
+        for g, w in zip(segs, hf_gqa_kv(prefill.model_dir, PROMPT_B)):
+            assert (g - w.reshape(g.shape)).abs().max().item() < 1e-4
+    finally:
+        rx.close()
+        await events.sub.unsubscribe()
+    stats = await wait_all_free(prefill)
+    assert stats["free"] == stats["total"], stats
