@@ -298,7 +298,7 @@ class Engine:
         active = self.active_slots()
         if not active:
             return {}
-        if self._fast is not None and len(active) == 1 and self.slots[active[0]].extra.get("fast_path_reason") is None:
+        if len(active) == 1 and self._fast_ready(active[0]):
             self.last_step_path = "fast"
             return {active[0]: self._fast_step(active[0])}
         self.last_step_path = "reference"
@@ -348,6 +348,25 @@ class Engine:
         if reason is not None:
             s.state = "done"
         return StepOutput(token_ids=out, finish_reason=reason)
+
+    def _fast_ready(self, slot: int) -> bool:
+        """Whether the slot decodes on the fast path now; under "auto" a failure to build or capture
+        its decoder turns the fast path off for the engine (logged, recorded) and the step goes on."""
+        s = self.slots[slot]
+        if self._fast is None or s.extra.get("fast_path_reason") is not None:
+            return False
+        try:
+            self._fast.prepare(slot, s.pending, s.seq_len)
+        except Exception as e:  # noqa: BLE001 - auto promises a working engine, on promises the fast path
+            if self.fast_path_mode == "on":
+                raise
+            self._fast, self.fast_path_reason = None, f"fast path failed to build: {type(e).__name__}: {e}"
+            fastpath.log.warning("decode fast path off, reference step in use: %s", self.fast_path_reason)
+            for other in self.slots:
+                if other.state in ("active", "ready"):
+                    other.extra["fast_path_reason"] = self.fast_path_reason
+            return False
+        return True
 
     def _fast_step(self, slot: int) -> StepOutput:
         """Up to fast_path_tokens_per_step greedy tokens on the slot's CUDA graph, never past

@@ -7,7 +7,9 @@ Contract:
   models with plain blocks (no qkv/o bias, no q/k norm) on CUDA; on CPU only when asked for with
   ``mode="on"`` while Triton's interpreter is active (tests).
 - ``request_reason(greedy, num_spec)``: why a request cannot (``None``: it can).
-- ``FastPath.decode(slot, token, pos, n)``: ``n`` greedy tokens after ``token`` at position ``pos``
+- ``FastPath.prepare(slot, token, pos)`` builds a slot's decoder and graph (the engine calls it first,
+  so that under ``auto`` a build or capture failure turns the fast path off instead of failing the
+  request); ``FastPath.decode(slot, token, pos, n)``: ``n`` greedy tokens after ``token`` at position ``pos``
   (their K/V land in the slot's cache at ``pos .. pos + n - 1``): ``n`` graph replays, then one host
   copy of the ``n`` tokens. The decoder keeps its device state between calls while the caller's
   ``(token, pos)`` continue where it stopped; anything else (a reference step in between, a new
@@ -89,7 +91,8 @@ class FastPath:
         self.decoders: dict[int, tuple] = {}  # slot -> (GqaDecoder, GraphRunner)
         self.held: dict[int, tuple[int, int, int]] = {}  # slot -> (token, pos, step_idx) on device
 
-    def _decoder(self, slot: int, token: int, pos: int):
+    def prepare(self, slot: int, token: int, pos: int):
+        """The slot's (decoder, runner), built and captured on first use (errors propagate)."""
         if slot not in self.decoders:
             from .cuda import GraphRunner
             from .cuda.adapter import gqa_decoder_from_engine
@@ -104,7 +107,7 @@ class FastPath:
 
     def decode(self, slot: int, token: int, pos: int, n: int) -> list[int]:
         """``n`` >= 1 greedy tokens following ``token`` (at ``pos``); one host sync."""
-        dec, runner = self._decoder(slot, token, pos)
+        dec, runner = self.prepare(slot, token, pos)
         held = self.held.get(slot)
         if held is not None and held[:2] == (token, pos) and held[2] + n <= self.max_steps:
             idx = held[2]

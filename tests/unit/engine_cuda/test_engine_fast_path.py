@@ -145,3 +145,26 @@ def test_engine_bench_measures_the_path_it_names(checkpoint):
     ref = bench.engine_tokens_per_s(load(checkpoint, "off", num_slots=1), PROMPT, 6)
     assert (fast["paths"], ref["paths"]) == (["fast"], ["reference"])
     assert fast["token_ids"] == ref["token_ids"] and fast["tokens"] == 6
+
+
+def test_auto_turns_the_fast_path_off_when_a_decoder_fails_to_build(checkpoint, reference, monkeypatch, caplog):
+    """Under "auto" a build or capture failure (e.g. a GPU the kernels do not compile for) costs the
+    request nothing: the engine logs it, records it, and decodes on the reference step."""
+    from services.decode.engine import fastpath
+
+    expected = run(reference, 0, PROMPT, SamplingParams(max_tokens=4, ignore_eos=True))[0]
+    engine = load(checkpoint, "on", tokens_per_step=2)
+    engine.fast_path_mode = "auto"  # as an "auto" engine on CUDA would be (the CPU needs "on" to get here)
+
+    def broken(self, *args):
+        raise RuntimeError("no kernel image for this device")
+
+    monkeypatch.setattr(fastpath.FastPath, "prepare", broken)
+    with caplog.at_level("WARNING", logger="services.decode.engine.fastpath"):
+        assert run(engine, 0, PROMPT, SamplingParams(max_tokens=4, ignore_eos=True)) == (expected, "length", {"reference"})
+    assert "no kernel image" in engine.fast_path_reason and "no kernel image" in caplog.text
+    strict = load(checkpoint, "on")
+    strict.prefill(0, PROMPT)
+    strict.start(0, 5, SamplingParams(max_tokens=4, ignore_eos=True))
+    with pytest.raises(RuntimeError, match="no kernel image"):
+        strict.step()
