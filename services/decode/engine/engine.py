@@ -116,6 +116,10 @@ class Engine:
         self._fast, self.fast_path_reason = fastpath.setup(fast_path, model, self.device, self.dtype, self.k,
                                                            fast_path_options, fast_path_tokens_per_step)
         self.last_step_path: str | None = None  # "fast" | "reference" after a step
+        with torch.inference_mode():  # build, compile and capture every slot's decoder now, not mid-request
+            for slot in range(num_slots if self._fast is not None else 0):
+                if not self._fast_build(slot, 0, 0):  # its CUDA warm-up step writes row 0 of an empty slot
+                    break
 
     @classmethod
     def load(cls, model_dir: str | Path, *, num_slots: int = 1, max_seq_len: int = 2048, device: str = "cpu",
@@ -355,8 +359,11 @@ class Engine:
         s = self.slots[slot]
         if self._fast is None or s.extra.get("fast_path_reason") is not None:
             return False
+        return self._fast_build(slot, s.pending, s.seq_len)
+
+    def _fast_build(self, slot: int, token: int, pos: int) -> bool:
         try:
-            self._fast.prepare(slot, s.pending, s.seq_len)
+            self._fast.prepare(slot, token, pos)
         except Exception as e:  # noqa: BLE001 - auto promises a working engine, on promises the fast path
             if self.fast_path_mode == "on":
                 raise

@@ -15,7 +15,8 @@ Contract:
   ``(token, pos)`` continue where it stopped; anything else (a reference step in between, a new
   request) re-arms it from ``(token, pos)``. The first call for a slot builds its decoder over the
   engine's weights and the slot's cache views (no copies) and captures its graph with one warm-up
-  step at ``pos`` (a position the first real step writes anyway).
+  step at ``pos``: the engine does it for every slot at load with ``pos`` 0 of the still empty
+  slot (later, ``pos`` is the position the first real step writes anyway).
 """
 
 from __future__ import annotations

@@ -149,7 +149,7 @@ def test_engine_bench_measures_the_path_it_names(checkpoint):
 
 def test_auto_turns_the_fast_path_off_when_a_decoder_fails_to_build(checkpoint, reference, monkeypatch, caplog):
     """Under "auto" a build or capture failure (e.g. a GPU the kernels do not compile for) costs the
-    request nothing: the engine logs it, records it, and decodes on the reference step."""
+    request nothing: the engine logs it, records it, and decodes on the reference step; "on" fails."""
     from services.decode.engine import fastpath
 
     expected = run(reference, 0, PROMPT, SamplingParams(max_tokens=4, ignore_eos=True))[0]
@@ -163,8 +163,9 @@ def test_auto_turns_the_fast_path_off_when_a_decoder_fails_to_build(checkpoint, 
     with caplog.at_level("WARNING", logger="services.decode.engine.fastpath"):
         assert run(engine, 0, PROMPT, SamplingParams(max_tokens=4, ignore_eos=True)) == (expected, "length", {"reference"})
     assert "no kernel image" in engine.fast_path_reason and "no kernel image" in caplog.text
-    strict = load(checkpoint, "on")
-    strict.prefill(0, PROMPT)
-    strict.start(0, 5, SamplingParams(max_tokens=4, ignore_eos=True))
-    with pytest.raises(RuntimeError, match="no kernel image"):
-        strict.step()
+    with pytest.raises(RuntimeError, match="no kernel image"):  # "on" builds every slot's decoder at load
+        load(checkpoint, "on")
+    monkeypatch.setattr(fastpath, "engine_reason", lambda *args: None)  # "auto" as on a CUDA device
+    at_load = load(checkpoint, "auto")
+    assert at_load._fast is None and "no kernel image" in at_load.fast_path_reason
+    assert run(at_load, 1, PROMPT, SamplingParams(max_tokens=4, ignore_eos=True)) == (expected, "length", {"reference"})
