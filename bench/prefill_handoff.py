@@ -107,7 +107,10 @@ async def run(args) -> dict:
     rows = []
     try:
         wait_healthy(url, proc)
-        target = TransferTarget(node_id="bench", transport="mooncake", endpoint=rx.endpoint,
+        # --skip-transfer: a transport this prefill does not enable, so the sender fails at once
+        # (KV-failed) and only extraction and the event remain: isolates the transfer's share.
+        target = TransferTarget(node_id="bench", transport="nixl" if args.skip_transfer else "mooncake",
+                                endpoint=rx.endpoint,
                                 slot=SlotTarget(slot=0, base_addr=rx.addr, nbytes=rx.nbytes), layout=layout)
         async with httpx.AsyncClient(timeout=600) as client:
             async def complete(prompt, params=None):
@@ -132,7 +135,10 @@ async def run(args) -> dict:
                     plain_ms = await complete(other)
                     claimed_ms = await complete(prompt, make_params(h))
                     event = await asyncio.wait_for(ready.get(), 60)
-                    if not isinstance(event, KvReady):
+                    if args.skip_transfer:
+                        event = KvReady(request_id="", lease_id="", generation=0, node_id="", slot=0,
+                                        num_tokens=n, layout_version=1, nbytes=0, extract_ms=float("nan"))
+                    elif not isinstance(event, KvReady):
                         raise RuntimeError(f"hand-off failed: {event}")
                     # Raw: the bare engine's synchronous batch write of the same segments.
                     ops = write_ops(layout, src.ctypes.data, layout, rx.addr, n)
@@ -169,7 +175,8 @@ async def run(args) -> dict:
     return {"bench": "prefill_handoff", "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count()},
             "model": {"arch": args.arch, "dtype": args.dtype, "bytes_per_token": layout.slot_nbytes // 2048},
-            "transport": "mooncake tcp loopback", "repeats": args.repeats, "rows": rows}
+            "transport": "none (--skip-transfer)" if args.skip_transfer else "mooncake tcp loopback",
+            "repeats": args.repeats, "rows": rows}
 
 
 # name, adapter, layers, kv heads, head dim (GQA) or latent width (MLA), block size, dtype
@@ -239,6 +246,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lengths", default="256,512,1024,1900")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--out", default="")
+    p.add_argument("--skip-transfer", action="store_true",
+                   help="claimed requests are staged but not sent (isolates the transfer's cost)")
     p.add_argument("--gpu-extract", action="store_true",
                    help="only time the GPU layout adapters on production shapes (needs CUDA, not vLLM)")
     args = p.parse_args(argv)
@@ -261,7 +270,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{r['num_tokens']:>7} {r['nbytes']:>10} {r['extract_ms']:>10.3f} "
               f"{r['extract_ms_per_1k_tokens']:>9.3f} {r['prefill_added_ms']:>11.2f} "
               f"{r['transfer_ms']:>8.3f} {r['raw_ms']:>7.3f} {r['transfer_over_raw'] or 0:>8.2f}")
-    out = Path(args.out or ROOT / "bench" / "results" / "prefill_handoff.json")
+    default = "prefill_handoff_skip_transfer.json" if args.skip_transfer else "prefill_handoff.json"
+    out = Path(args.out or ROOT / "bench" / "results" / default)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
     print(f"wrote {out}")
