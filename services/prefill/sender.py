@@ -27,7 +27,6 @@ from services.prefill.staging import FREE
 
 # A child of vLLM's logger, so lines appear in vLLM's log with its format.
 log = logging.getLogger("vllm.expresslane.prefill")
-_tracer = trace.get_tracer("expresslane.prefill")
 
 
 @dataclasses.dataclass
@@ -65,7 +64,8 @@ class Sender:
     """A small pool of sender threads fed by a queue."""
 
     def __init__(self, transports: dict[str, Transport], pool, states, publisher, timeout_s: float,
-                 num_threads: int = 2) -> None:
+                 num_threads: int = 2, tracer: trace.Tracer | None = None) -> None:
+        self.tracer = tracer or trace.get_tracer("expresslane.prefill")
         self.transports = transports
         self.pool = pool
         self.states = states
@@ -98,7 +98,7 @@ class Sender:
     def _handle(self, job: SendJob) -> None:
         h = job.handoff
         parent = context_from_traceparent(h.traceparent)
-        with _tracer.start_as_current_span("prefill.kv_transfer", context=parent) as span:
+        with self.tracer.start_as_current_span("prefill.kv_transfer", context=parent) as span:
             span.set_attribute("expresslane.request_id", h.request_id)
             span.set_attribute("expresslane.node_id", h.target.node_id)
             transfer_ms, nbytes, reason = 0.0, 0, job.fail_reason

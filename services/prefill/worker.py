@@ -14,10 +14,8 @@ import os
 import time
 
 import torch
-from opentelemetry import trace
-
 from shared.kvlayout import KvShape, layout_spec
-from shared.tracing import context_from_traceparent, setup_tracing
+from shared.tracing import build_tracer_provider, context_from_traceparent
 from shared.transport import create_transport
 
 from services.prefill.config import ExpressConfig
@@ -29,7 +27,6 @@ from services.prefill.staging import FREE, SENDING, SlotStates, StagingPool
 
 # A child of vLLM's logger, so lines appear in vLLM's log with its format.
 log = logging.getLogger("vllm.expresslane.prefill")
-_tracer = trace.get_tracer("expresslane.prefill")
 
 
 def _layer_index(name: str) -> int:
@@ -50,7 +47,9 @@ class ExpressWorker:
         self.pool: StagingPool | None = None
         self.sender: Sender | None = None
         self.transports: dict = {}
-        setup_tracing("prefill")  # exports only where OTEL_EXPORTER_OTLP_* says so
+        # Our own provider (service "prefill"), not vLLM's global one; it exports only where
+        # OTEL_EXPORTER_OTLP_(TRACES_)ENDPOINT says so.
+        self.tracer = build_tracer_provider("prefill").get_tracer("expresslane.prefill")
         self.states = SlotStates(config.stats_file(engine_id), config.staging_slots)
         self.publisher = Publisher(config.nats_url, name=f"prefill-{engine_id[:8]}")
 
@@ -75,7 +74,7 @@ class ExpressWorker:
             t.register(self.pool.addr, self.pool.nbytes)
             self.transports[name] = t
         self.sender = Sender(self.transports, self.pool, self.states, self.publisher,
-                             self.config.transfer_timeout_s)
+                             self.config.transfer_timeout_s, tracer=self.tracer)
         log.info("expresslane: layers %s", [(n, tuple(t.shape), str(t.dtype)) for n, t, _ in self.layers])
         log.info("expresslane: %d layers, staging %d x %d bytes (%d tokens), transports %s, stats %s",
                  len(self.layers), self.config.staging_slots, self.spec.slot_nbytes, self.max_tokens,
@@ -120,7 +119,7 @@ class ExpressWorker:
                 self.sender.submit(SendJob(save.handoff, -1, 0, fail_reason=save.fail_reason))
                 continue
             try:
-                with _tracer.start_as_current_span(
+                with self.tracer.start_as_current_span(
                         "prefill.extract", context=context_from_traceparent(save.handoff.traceparent),
                         attributes={"expresslane.request_id": save.handoff.request_id,
                                     "expresslane.num_tokens": save.num_tokens}):

@@ -225,3 +225,29 @@ async def test_chunked_prefill_hands_off_the_whole_prompt(express_vllm, bus, tmp
         await events.sub.unsubscribe()
     stats = await wait_all_free(prefill)
     assert stats["free"] == stats["total"], stats
+
+
+async def test_handoff_spans_join_the_request_trace(llama, bus, otlp_receiver):
+    """extract and transfer are spans of the router's trace (parent: the traceparent that came in
+    kv_transfer_params), and KV-ready carries the transfer span as its parent."""
+    layout = decode_layout(llama.model_dir, "float32", with_mtp=False)
+    node_id = f"node-{uuid.uuid4().hex[:8]}"
+    events = KvEvents()
+    await events.start(bus, node_id)
+    trace_id, parent_id = uuid.uuid4().hex, uuid.uuid4().hex[:16]
+    rx = ReceiverProcess("mooncake", layout.slot_nbytes)
+    try:
+        _, params = handoff_params(rx, layout, node_id, traceparent=f"00-{trace_id}-{parent_id}-01")
+        async with httpx.AsyncClient() as client:
+            await llama.complete(client, PROMPT_A, kv_transfer_params=params)
+        event, headers = await events.next()
+        assert isinstance(event, KvReady)
+        names = {"prefill.extract", "prefill.kv_transfer"}
+        spans = await asyncio.to_thread(otlp_receiver.wait_for, lambda spans: names <= {
+            s.name for s in spans if s.trace_id == trace_id}, 20)
+        mine = {s.name: s for s in spans if s.trace_id == trace_id}
+        assert all(mine[n].parent_span_id == parent_id and mine[n].service_name == "prefill" for n in names)
+        assert headers["traceparent"].split("-")[2] == mine["prefill.kv_transfer"].span_id
+    finally:
+        rx.close()
+        await events.sub.unsubscribe()
