@@ -19,7 +19,6 @@ import importlib.util
 import json
 import os
 import shutil
-import subprocess
 import sys
 import uuid
 
@@ -142,10 +141,8 @@ def main(argv: list[str]) -> int:
     if args.print_command:
         print(" ".join(cmd))
         return 0
-    print(f"expresslane prefill: staging stats in {config.stats_file(ktc['engine_id'])}", file=sys.stderr)
-    proc = subprocess.Popen(cmd, env=vllm_env())
-    try:
-        return proc.wait()
-    except KeyboardInterrupt:
-        proc.terminate()
-        return proc.wait()
+    print(f"expresslane prefill: staging stats in {config.stats_file(ktc['engine_id'])}", file=sys.stderr,
+          flush=True)
+    # Become vLLM: signals (SIGTERM from a supervisor, Ctrl-C) reach it directly, no orphan.
+    os.execvpe(cmd[0], cmd, vllm_env())
+    return 0  # not reached
