@@ -28,7 +28,6 @@ the reference step in either mode, their reason in ``slot_fast_path_reason(slot)
 from __future__ import annotations
 
 import random
-import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -42,6 +41,7 @@ from .sampling import exponential_noise, process_probs, sample, uniform_noise
 from .slots import SlotState, emit
 from .spec import verify
 from .config import parse_config
+from .build import build_model, load_params
 from .graphs import GraphedFn
 from . import fastpath
 from .weights import DictReader, hf_to_engine, iter_engine_params, read_config
@@ -51,35 +51,6 @@ from .weights import DictReader, hf_to_engine, iter_engine_params, read_config
 class StepOutput:
     token_ids: list[int]
     finish_reason: str | None = None  # "stop" | "length" | None
-
-
-def _build_model(cfg, params: dict[str, torch.Tensor]) -> torch.nn.Module:
-    if cfg.family == "gqa":
-        from .llama import LlamaModel
-
-        with torch.device("meta"):
-            model = LlamaModel(cfg)
-    else:
-        from .deepseek import DeepseekModel
-
-        with torch.device("meta"):
-            model = DeepseekModel(cfg, with_mtp=any(n.startswith("mtp.") for n in params))
-    model.load_state_dict(params, strict=True, assign=True)
-    return model.eval()
-
-
-def _load_params(named_tensors, device, dtype) -> dict[str, torch.Tensor]:
-    params: dict[str, torch.Tensor] = {}
-    # tied weights (the same tensor yielded twice) stay tied; a weak reference tells a tie from a
-    # freed source whose id() the next tensor reuses
-    converted: dict[int, tuple[weakref.ref, torch.Tensor]] = {}
-    for name, t in named_tensors:
-        seen = converted.get(id(t))
-        if seen is None or seen[0]() is not t:
-            keep_fp32 = name.endswith("router_bias")
-            seen = converted[id(t)] = (weakref.ref(t), t.to(device=device, dtype=torch.float32 if keep_fp32 else dtype))
-        params[name] = seen[1]
-    return params
 
 
 def _with_logits(model, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -131,7 +102,7 @@ class Engine:
         if isinstance(dtype, str):
             dtype = TORCH_DTYPES[dtype]
         dtype = dtype or TORCH_DTYPES.get(cfg.torch_dtype, torch.float32)
-        params = _load_params(iter_engine_params(model_dir, cfg), torch.device(device), dtype)
+        params = load_params(iter_engine_params(model_dir, cfg), torch.device(device), dtype)
         eos = set(cfg.eos_token_ids)
         gen_cfg = Path(model_dir) / "generation_config.json"
         if gen_cfg.exists():
@@ -139,7 +110,7 @@ class Engine:
 
             e = json.loads(gen_cfg.read_text()).get("eos_token_id")
             eos |= set(e if isinstance(e, list) else [] if e is None else [e])
-        return cls(_build_model(cfg, params), cfg, model_name=model_name or Path(model_dir).name,
+        return cls(build_model(cfg, params), cfg, model_name=model_name or Path(model_dir).name,
                    num_slots=num_slots, max_seq_len=max_seq_len, num_speculative_tokens=num_speculative_tokens,
                    raw_config=raw, eos_token_ids=tuple(sorted(eos)), use_cuda_graphs=use_cuda_graphs,
                    fast_path=fast_path, fast_path_tokens_per_step=fast_path_tokens_per_step,
@@ -154,8 +125,8 @@ class Engine:
         """Build from HF-named tensors already in memory (an HF model's state_dict: tests, benchmarks)."""
         cfg = parse_config(raw_config)
         dtype = dtype or TORCH_DTYPES.get(cfg.torch_dtype, torch.float32)
-        params = _load_params(hf_to_engine(cfg, DictReader(tensors)), torch.device(device), dtype)
-        return cls(_build_model(cfg, params), cfg, model_name=model_name, num_slots=num_slots, max_seq_len=max_seq_len,
+        params = load_params(hf_to_engine(cfg, DictReader(tensors)), torch.device(device), dtype)
+        return cls(build_model(cfg, params), cfg, model_name=model_name, num_slots=num_slots, max_seq_len=max_seq_len,
                    num_speculative_tokens=num_speculative_tokens, raw_config=raw_config, eos_token_ids=cfg.eos_token_ids,
                    use_cuda_graphs=use_cuda_graphs, fast_path=fast_path,
                    fast_path_tokens_per_step=fast_path_tokens_per_step, fast_path_options=fast_path_options)
@@ -304,7 +275,8 @@ class Engine:
             return {}
         if len(active) == 1 and self._fast_ready(active[0]):
             self.last_step_path = "fast"
-            return {active[0]: self._fast_step(active[0])}
+            out, reason = self._fast.step(active[0], self.slots[active[0]], self.max_seq_len)
+            return {active[0]: StepOutput(token_ids=out, finish_reason=reason)}
         self.last_step_path = "reference"
         dev, k, b = self.device, self.k, len(active)
         slot_ids = torch.tensor(active, device=dev)
@@ -374,16 +346,3 @@ class Engine:
                     other.extra["fast_path_reason"] = self.fast_path_reason
             return False
         return True
-
-    def _fast_step(self, slot: int) -> StepOutput:
-        """Up to fast_path_tokens_per_step greedy tokens on the slot's CUDA graph, never past
-        max_tokens or max_seq_len (so its cache writes stay inside the slot); cut like _emit."""
-        s = self.slots[slot]
-        room = min(s.max_tokens - s.num_generated, self.max_seq_len - 1 - s.seq_len)
-        n = min(self._fast.tokens_per_step, room)
-        tokens = self._fast.decode(slot, s.pending, s.seq_len, n) if n > 0 else []
-        s.num_steps += max(n, 1)
-        out, reason = emit(s, tokens, self.max_seq_len)
-        if reason is not None:
-            s.state = "done"
-        return StepOutput(token_ids=out, finish_reason=reason)

@@ -7,6 +7,7 @@ Contract:
   models with plain blocks (no qkv/o bias, no q/k norm) on CUDA; on CPU only when asked for with
   ``mode="on"`` while Triton's interpreter is active (tests).
 - ``request_reason(greedy, num_spec)``: why a request cannot (``None``: it can).
+- ``FastPath.step(slot, slot_state, max_seq_len)``: one engine step of a lone active greedy slot.
 - ``FastPath.prepare(slot, token, pos)`` builds a slot's decoder and graph (the engine calls it first,
   so that under ``auto`` a build or capture failure turns the fast path off instead of failing the
   request); ``FastPath.decode(slot, token, pos, n)``: ``n`` greedy tokens after ``token`` at position ``pos``
@@ -25,6 +26,8 @@ import logging
 import os
 
 import torch
+
+from .slots import SlotState, emit
 
 log = logging.getLogger(__name__)
 
@@ -120,6 +123,19 @@ class FastPath:
         out = dec.out_tokens[idx : idx + n].tolist()  # the one sync
         self.held[slot] = (out[-1], pos + n, idx + n)
         return out
+
+    def step(self, slot: int, s: SlotState, max_seq_len: int) -> tuple[list[int], str | None]:
+        """One engine step of an active slot: up to tokens_per_step greedy tokens, never past its
+        max_tokens or max_seq_len (so cache writes stay inside the slot), cut at stop ids by
+        slots.emit as the reference step cuts them; (emitted tokens, finish reason)."""
+        room = min(s.max_tokens - s.num_generated, max_seq_len - 1 - s.seq_len)
+        n = min(self.tokens_per_step, room)
+        tokens = self.decode(slot, s.pending, s.seq_len, n) if n > 0 else []
+        s.num_steps += max(n, 1)
+        out, reason = emit(s, tokens, max_seq_len)
+        if reason is not None:
+            s.state = "done"
+        return out, reason
 
     def forget(self, slot: int) -> None:
         """The slot starts another request: re-arm its decoder at the next decode."""
