@@ -169,3 +169,26 @@ def test_auto_turns_the_fast_path_off_when_a_decoder_fails_to_build(checkpoint, 
     at_load = load(checkpoint, "auto")
     assert at_load._fast is None and "no kernel image" in at_load.fast_path_reason
     assert run(at_load, 1, PROMPT, SamplingParams(max_tokens=4, ignore_eos=True)) == (expected, "length", {"reference"})
+
+
+def test_fast_path_continues_injected_kv(checkpoint, reference):
+    """KV written into the slot's receive buffer from outside (here: the reference engine's own
+    prefill bytes) is what the fast path attends to: same tokens as the reference run."""
+    greedy = SamplingParams(max_tokens=6, ignore_eos=True)
+    first = int(reference.prefill(0, PROMPT).argmax())
+    sent = reference.slot_buffer(0).clone()
+    reference.start(0, first, greedy)
+    expected = [first]
+    while reference.active_slots():
+        expected += reference.step()[0].token_ids
+    reference.release(0)
+    engine = load(checkpoint, "on", tokens_per_step=3)
+    engine.slot_buffer(1).copy_(sent)
+    engine.inject(1, len(PROMPT))
+    engine.start(1, first, greedy)
+    tokens = [first]
+    while engine.active_slots():
+        tokens += engine.step()[1].token_ids
+        assert engine.last_step_path == "fast"
+    assert tokens == expected
+    engine.release(1)
