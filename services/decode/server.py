@@ -398,6 +398,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-speculative-tokens", type=int, default=None,
                    help="MTP draft tokens per step, 0 to 3 (default: one per MTP layer of the "
                         "model, 0 for models without MTP layers)")
+    p.add_argument("--fast-path", choices=["auto", "on", "off"], default="auto",
+                   help="batch-1 CUDA-graph decode for a lone greedy request (auto: where the "
+                        "model, dtype and device allow; on: refuse to start otherwise)")
     p.add_argument("--heartbeat-ms", type=int, default=1000)
     p.add_argument("--http-host", default="127.0.0.1")
     p.add_argument("--http-port", type=int, default=9103, help="/health and /metrics (0: any free)")
@@ -421,7 +424,8 @@ def _load(args: argparse.Namespace):
     if num_spec is None:
         num_spec = default_num_speculative_tokens(args.model)
     engine = Engine.load(args.model, num_slots=args.slots, max_seq_len=args.max_seq_len,
-                         device=args.device, dtype=args.dtype, num_speculative_tokens=num_spec)
+                         device=args.device, dtype=args.dtype, num_speculative_tokens=num_spec,
+                         fast_path=args.fast_path)
     transport = create_transport(args.transport, host=args.transport_host,
                                  protocol=args.transport_protocol, agent_name=args.node_id)
     buffers = [(engine.slot_buffer(s).data_ptr(), engine.slot_buffer(s).numel())
