@@ -1,6 +1,6 @@
 """The decode engine: N slots decoding together, one (speculative) step at a time.
 
-Contract (see notes/contracts): ``Engine.load(model_dir, num_slots, max_seq_len, device, dtype,
+Contract: ``Engine.load(model_dir, num_slots, max_seq_len, device, dtype,
 num_speculative_tokens)``; ``slot_buffer(slot)`` is the slot's KV memory in the shared.kvlayout
 layout; ``prefill`` or ``inject`` fill a free slot, ``start`` arms it with its first token (already
 emitted by the prefill side, not counted in ``max_tokens``), ``step`` runs one decode step over all

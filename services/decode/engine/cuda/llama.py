@@ -14,7 +14,7 @@ Per layer, with every GEMV on Triton (``backends`` all "triton"), five launches:
 then final norm + lm_head GEMV (fp32 logits) and on-device greedy argmax. A projection whose backend
 is "cublas" runs torch.matmul instead, with the small fused kernels of ``smallops`` around it.
 
-Weights are the engine's fused per-layer tensors (contracts.md names); KV caches are the slot's views
+Weights are the engine's fused per-layer tensors (names in engine/weights.py); KV caches are the slot's views
 in the shared.kvlayout layout, per layer K and V each ``[max_tokens, num_kv_heads, head_dim]``.
 """
 
