@@ -69,7 +69,12 @@ class Engine:
         self.device, self.dtype = model.embed.device, model.embed.dtype
         self.num_slots, self.max_seq_len, self.k = num_slots, max_seq_len, num_speculative_tokens
         self.eos_token_ids = eos_token_ids
-        self.cache = KvCache(kv_shape_from_hf_config(raw_config), num_slots, max_seq_len + self.k, self.dtype, self.device)
+        # Without drafts the MTP layer is unused: its cache is neither kept nor part of the layout,
+        # which then matches a prefill that runs without the MTP drafter.
+        if not self.k and getattr(model, "has_mtp", False):
+            model.has_mtp = False
+        self.cache = KvCache(kv_shape_from_hf_config(raw_config, include_mtp=self.k > 0), num_slots,
+                             max_seq_len + self.k, self.dtype, self.device)
         model.bind(self.cache)
         on_cuda = self.device.type == "cuda" and use_cuda_graphs
         self._forward = GraphedFn(lambda t, p, s, n: _with_logits(model, model(t, p, s, n)), on_cuda)
