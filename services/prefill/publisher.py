@@ -43,13 +43,16 @@ class Publisher:
         self._loop.run_forever()
 
     async def _connect(self) -> None:
+        num_tries = 0
         while not self._stopping:
             try:
                 self._bus = await Bus.connect(self.nats_url, name=self._name)
                 self._connected.set()
                 return
             except BusError as exc:
-                log.warning("expresslane: NATS not reachable yet (%s); retrying", exc)
+                if num_tries % 30 == 0:  # once, then every ~30 s
+                    log.warning("expresslane: NATS not reachable yet (%s); retrying", exc)
+                num_tries += 1
                 await asyncio.sleep(CONNECT_RETRY_S)
 
     async def _publish(self, subject: str, event: Event, traceparent: str) -> None:
