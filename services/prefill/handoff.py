@@ -26,6 +26,9 @@ class Handoff(msgspec.Struct, kw_only=True):
     generation: int
     target: TransferTarget
     traceparent: str = ""
+    # The lease's expiry (ms since the epoch, ClaimGranted.expires_at_ms); no write starts after
+    # it or runs past it, so a writer never outlives the coordinator's fence. 0: no bound.
+    expires_at_ms: int = 0
 
 
 class HandoffStatus(msgspec.Struct, kw_only=True, omit_defaults=True):

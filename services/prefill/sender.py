@@ -39,12 +39,18 @@ class SendJob:
 
 
 def layout_mismatch(ours: KvLayoutSpec, theirs: KvLayoutSpec, num_tokens: int) -> str:
-    """Why the staged layout cannot be written into the target's ("" when it can)."""
-    for field in ("layout_version", "kind", "dtype", "num_layers"):
+    """Why the staged layout cannot be written into the target's ("" when it can).
+
+    MLA layouts may differ in their trailing MTP layers: a prefill running the MTP drafter stages
+    one layer more than a node that does not speculate keeps (the extra layer is not sent), and a
+    node that speculates behind a prefill without the drafter gets the main layers only (its
+    drafts are still verified, so output is unchanged; only their acceptance suffers)."""
+    fields = ("layout_version", "kind", "dtype") + (() if ours.kind == "mla" else ("num_layers",))
+    for field in fields:
         if getattr(ours, field) != getattr(theirs, field):
             return (f"layout mismatch: prefill stages {field}={getattr(ours, field)!r}, decode slot "
                     f"expects {getattr(theirs, field)!r}")
-    if len(ours.segments) != len(theirs.segments) or any(
+    if ours.kind != "mla" and len(ours.segments) != len(theirs.segments) or any(
             a.bytes_per_token != b.bytes_per_token or a.name != b.name
             for a, b in zip(ours.segments, theirs.segments)):
         return "layout mismatch: per-token segment sizes differ (different model?)"
@@ -55,9 +61,16 @@ def layout_mismatch(ours: KvLayoutSpec, theirs: KvLayoutSpec, num_tokens: int) -
 
 def write_ops(ours: KvLayoutSpec, staging_addr: int, theirs: KvLayoutSpec, remote_base: int,
               num_tokens: int) -> list[tuple[int, int, int]]:
-    """(local, remote, nbytes) per segment for the first ``num_tokens`` tokens."""
+    """(local, remote, nbytes) per segment both layouts have, for the first ``num_tokens`` tokens."""
     return [(staging_addr + a.offset_bytes, remote_base + b.offset_bytes, num_tokens * a.bytes_per_token)
             for a, b in zip(ours.segments, theirs.segments)]
+
+
+def write_timeout_s(timeout_s: float, expires_at_ms: int, now_ms: float) -> float:
+    """The time a write may take: the transfer timeout, cut to what is left of the lease."""
+    if not expires_at_ms:
+        return timeout_s
+    return min(timeout_s, (expires_at_ms - now_ms) / 1000)
 
 
 class Sender:
@@ -130,10 +143,13 @@ class Sender:
         reason = layout_mismatch(self.pool.spec, target.layout, job.num_tokens)
         if reason:
             return 0, reason
+        timeout_s = write_timeout_s(self.timeout_s, job.handoff.expires_at_ms, time.time() * 1000)
+        if timeout_s <= 0:
+            return 0, "lease expired before the write could start"
         ops = write_ops(self.pool.spec, self.pool.slot_addr(job.staging_slot), target.layout,
                         target.slot.base_addr, job.num_tokens)
         try:
-            transport.write(target.endpoint, ops, target.nixl_metadata_b64, timeout_s=self.timeout_s)
+            transport.write(target.endpoint, ops, target.nixl_metadata_b64, timeout_s=timeout_s)
         except TransferError as exc:
             return 0, f"transfer failed: {exc}"
         return sum(op[2] for op in ops), ""

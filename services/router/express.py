@@ -81,6 +81,7 @@ class _Leg:
     queue: asyncio.Queue
     finished: bool = False
     span: trace.Span | None = None  # router.decode: from DecodeStart to the leg's end
+    not_handed_off: str = ""  # why the prefill kept the KV (no staging slot, ...); "" when sent
 
     def end_span(self, status: str) -> None:
         if self.span is not None:
@@ -177,6 +178,7 @@ class ExpressStream:
             params = {"expresslane": {
                 "request_id": leg.id, "lease_id": g.lease_id, "generation": g.generation,
                 "target": msgspec.to_builtins(g.target), "traceparent": current_traceparent(),
+                "expires_at_ms": g.expires_at_ms,
             }}
             body = {**body, "max_tokens": 1, "stream": False, "return_token_ids": True,
                     "kv_transfer_params": params}
@@ -196,8 +198,11 @@ class ExpressStream:
         prompt_ids = data.get("prompt_token_ids") or choice.get("prompt_token_ids") or []
         token_ids = choice.get("token_ids") or []
         if len(token_ids) != 1:
-            raise ApiError(500, f"the prefill server returned {len(token_ids)} token ids, expected 1: "
+            raise ApiError(502, f"the prefill server returned {len(token_ids)} token ids, expected 1: "
                                 "is it vLLM >= 0.32 with return_token_ids?")
+        status = (data.get("kv_transfer_params") or {}).get("expresslane") or {}
+        if status.get("handed_off") is False:
+            leg.not_handed_off = status.get("reason") or "the prefill did not hand the KV off"
         finish = choice.get("finish_reason")
         return TokenBatch(list(token_ids), "stop" if finish == "stop" else None), list(prompt_ids)
 
@@ -272,21 +277,29 @@ class ExpressStream:
                         self._cancel(leg, "finished_at_prefill")
                     yield TokenBatch(batch.token_ids, batch.finish_reason or "length")
                     return
-                await self._start_decode(leg, batch.token_ids[0],
-                                         len(self.prompt_ids) + len(generated) - 1, remaining)
-                yield batch
-                try:
-                    async for item in self._relay(leg):
-                        generated += item.token_ids
-                        yield item
-                        if item.finish_reason:
-                            self.d.dispatcher.close(leg.id)
-                            return
-                    return
-                except _LegFailed as exc:
-                    _log.warning("express_leg_failed", request_id=leg.id, error=str(exc))
-                    self._cancel(leg, "migrating")
+                if leg.not_handed_off:
+                    # No KV is coming: stream the first token and move on at once, rather than
+                    # waiting for the lease to fail.
+                    yield batch
+                    _log.warning("express_not_handed_off", request_id=leg.id, error=leg.not_handed_off)
+                    self._cancel(leg, "not_handed_off")
                     leg = None
+                else:
+                    await self._start_decode(leg, batch.token_ids[0],
+                                             len(self.prompt_ids) + len(generated) - 1, remaining)
+                    yield batch
+                    try:
+                        async for item in self._relay(leg):
+                            generated += item.token_ids
+                            yield item
+                            if item.finish_reason:
+                                self.d.dispatcher.close(leg.id)
+                                return
+                        return
+                    except _LegFailed as exc:
+                        _log.warning("express_leg_failed", request_id=leg.id, error=str(exc))
+                        self._cancel(leg, "migrating")
+                        leg = None
                 if len(generated) >= self.max_tokens:
                     yield TokenBatch([], "length")
                     return

@@ -2,7 +2,7 @@
 
 ``deployment`` (package scope, so it is gone before other packages' tests run on the same
 nats-server): the session's nats-server, two prefill vLLMs with the express connector
-(``express_vllm``: llama float32, deepseek_v3 bfloat16 with its MTP layer), one coordinator, two
+(``express_vllm``: llama float32, deepseek_v3 float32), one coordinator, two
 llama decode nodes (one slot each), and the router, each a real subprocess exporting spans to the
 session's OTLP receiver. ``deepseek_node`` adds the deepseek_v3 decode node for the tests that
 use it. It ends by stopping every process and
@@ -73,7 +73,7 @@ class Deployment:
         old = self.procs.pop(name)
         stop_all([old], grace_s=5.0)
         model, dtype = ((self.llama.model_dir, "float32") if name in LLAMA_NODES
-                        else (self.deepseek.model_dir, "bfloat16"))
+                        else (self.deepseek.model_dir, "float32"))
         self.start(self.decode_proc(name, model, dtype))
         wait_until(lambda: self.express_capacity().get(str(model)), 30.0, f"{name} back in the router")
 
@@ -103,7 +103,9 @@ def deployment(express_vllm, nats_url, otlp_receiver, tmp_path_factory):
     os.environ.update(env)
     try:
         llama = express_vllm("llama")
-        deepseek = express_vllm("deepseek_v3", dtype="bfloat16")
+        # float32, the correctness bar: vLLM on CPU then prefills without its MTP drafter, and
+        # the decode node still speculates with its own MTP layer (exact for greedy).
+        deepseek = express_vllm("deepseek_v3", dtype="float32")
     finally:
         for k, v in saved.items():
             if v is None:
@@ -146,7 +148,7 @@ def deepseek_node(deployment):
     """The deepseek_v3 decode node, started by the tests that need it (stopped with the rest)."""
     for name in DS_NODES:
         if name not in deployment.procs or not deployment.procs[name].alive:
-            deployment.start(deployment.decode_proc(name, deployment.deepseek.model_dir, "bfloat16"))
+            deployment.start(deployment.decode_proc(name, deployment.deepseek.model_dir, "float32"))
     wait_until(lambda: deployment.express_capacity().get(deployment.deepseek_model), 30.0,
                "the deepseek_v3 node seen by the router")
     return DS_NODES[0]

@@ -44,6 +44,15 @@ async def llama(express_vllm):
     assert stats["free"] == stats["total"] == STAGING_SLOTS, stats  # leak check
 
 
+@pytest.fixture
+def fresh_llama_after(express_vllm, vllm_servers):
+    """Stop the llama prefill after a test that leaves Mooncake connections to dead or stopped
+    receivers: the transfer engine keeps a thread spinning on them, which would slow every later
+    test on a small machine. (Requested before ``llama`` so it runs after its leak check.)"""
+    yield
+    vllm_servers.stop(express_vllm("llama", "float32").server)
+
+
 async def test_unmarked_requests_are_untouched(llama, vllm_servers, bus):
     seen: list = []
 
@@ -100,7 +109,7 @@ async def test_two_claimed_requests_in_flight_land_in_two_receivers(llama, bus, 
         await events.sub.unsubscribe()
 
 
-async def test_receiver_gone_gives_kv_failed_and_frees_the_slot(llama, bus):
+async def test_receiver_gone_gives_kv_failed_and_frees_the_slot(fresh_llama_after, llama, bus):
     layout = decode_layout(llama.model_dir, "float32", with_mtp=False)
     node_id = f"node-{uuid.uuid4().hex[:8]}"
     events = KvEvents()
@@ -126,7 +135,7 @@ async def test_receiver_gone_gives_kv_failed_and_frees_the_slot(llama, bus):
         await events.sub.unsubscribe()
 
 
-async def test_no_free_staging_slot_is_reported_not_blocked(llama, bus):
+async def test_no_free_staging_slot_is_reported_not_blocked(fresh_llama_after, llama, bus):
     """Both slots held by writes into stopped receivers: the next claim is not handed off, at once."""
     layout = decode_layout(llama.model_dir, "float32", with_mtp=False)
     node_id = f"node-{uuid.uuid4().hex[:8]}"

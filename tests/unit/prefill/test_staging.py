@@ -7,7 +7,7 @@ import torch
 
 from services.prefill.config import ExpressConfig
 from services.prefill.layouts import kernel_block_ids
-from services.prefill.sender import layout_mismatch, write_ops
+from services.prefill.sender import layout_mismatch, write_ops, write_timeout_s
 from services.prefill.staging import FREE, RESERVED, SENDING, SlotStates, StagingPool, read_stats
 from shared.kvlayout import KvShape, layout_spec
 
@@ -56,6 +56,26 @@ MISMATCH_CASES = [
 ]
 
 
+MLA = KvShape("mla", 2, kv_lora_rank=8, qk_rope_head_dim=8)
+MLA_CASES = [
+    ("same", layout_spec(MLA, "float32", 16), ""),
+    ("node keeps no MTP layer", layout_spec(KvShape("mla", 1, kv_lora_rank=8, qk_rope_head_dim=8), "float32", 16), ""),
+    ("node has an MTP layer more", layout_spec(KvShape("mla", 3, kv_lora_rank=8, qk_rope_head_dim=8), "float32", 16), ""),
+    ("latent size", layout_spec(KvShape("mla", 2, kv_lora_rank=16, qk_rope_head_dim=8), "float32", 16), "segment sizes"),
+    ("dtype", layout_spec(MLA, "bfloat16", 16), "dtype"),
+]
+
+
+@pytest.mark.parametrize("name,theirs,reason", MLA_CASES, ids=[c[0] for c in MLA_CASES])
+def test_mla_layouts_may_differ_in_trailing_mtp_layers(name, theirs, reason):
+    ours = layout_spec(MLA, "float32", 16)
+    got = layout_mismatch(ours, theirs, 10)
+    assert (reason in got) if reason else got == ""
+    if not reason:  # only the layers both have are written
+        ops = write_ops(ours, 0, theirs, 0, 10)
+        assert len(ops) == min(ours.num_layers, theirs.num_layers)
+
+
 @pytest.mark.parametrize("name,theirs,num_tokens,reason", MISMATCH_CASES, ids=[c[0] for c in MISMATCH_CASES])
 def test_layout_mismatch(name, theirs, num_tokens, reason):
     got = layout_mismatch(layout_spec(SHAPE, "float32", 16), theirs, num_tokens)
@@ -102,3 +122,18 @@ def test_config_from_extra_config(extra, error):
     else:
         with pytest.raises(ValueError, match=error):
             ExpressConfig.from_extra_config(extra)
+
+
+WRITE_TIMEOUT_CASES = [
+    # transfer timeout, lease expiry (ms), now (ms), time the write may take
+    (30.0, 0, 5_000, 30.0),          # no expiry known: the transfer timeout
+    (30.0, 10_000, 5_000, 5.0),      # the lease ends first
+    (3.0, 10_000, 5_000, 3.0),       # the transfer timeout ends first
+    (30.0, 10_000, 10_000, 0.0),     # expired: no write starts
+    (30.0, 10_000, 12_000, -2.0),
+]
+
+
+@pytest.mark.parametrize("timeout_s,expires_at_ms,now_ms,want", WRITE_TIMEOUT_CASES)
+def test_writes_never_outlive_the_lease(timeout_s, expires_at_ms, now_ms, want):
+    assert write_timeout_s(timeout_s, expires_at_ms, now_ms) == pytest.approx(want)
