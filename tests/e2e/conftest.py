@@ -92,7 +92,7 @@ def wait_until(cond, timeout_s: float, what: str, interval_s: float = 0.05):
 
 
 @pytest.fixture(scope="package")
-def deployment(express_vllm, nats_url, otlp_receiver, tmp_path_factory):
+def deployment(express_vllm, vllm_servers, nats_url, otlp_receiver, tmp_path_factory):
     # outside pytest's rotating temp dirs, so the logs outlive later sessions
     log_dir = Path(tempfile.mkdtemp(prefix="expresslane-e2e-logs-"))
     print(f"e2e logs in {log_dir}")
@@ -136,6 +136,7 @@ def deployment(express_vllm, nats_url, otlp_receiver, tmp_path_factory):
     finally:
         procs = list(dep.procs.values())
         stop_all(procs, grace_s=15.0)
+        vllm_servers.stop_connector_servers()  # their transfer engines outlive the decode nodes
         left = [p.name for p in procs if p.group_alive()]
         for p in procs:
             if p.popen is not None and p.popen.returncode not in (0, None, -9, -15):
