@@ -45,12 +45,12 @@ async def llama(express_vllm):
 
 
 @pytest.fixture
-def fresh_llama_after(express_vllm, vllm_servers):
-    """Stop the llama prefill after a test that leaves Mooncake connections to dead or stopped
-    receivers: the transfer engine keeps a thread spinning on them, which would slow every later
-    test on a small machine. (Requested before ``llama`` so it runs after its leak check.)"""
+def fresh_connector_vllms_after(vllm_servers):
+    """Stop the connector-loaded vLLMs after a test that leaves transfer connections to dead or
+    stopped receivers: the transfer engines keep threads spinning on them, which would slow every
+    later test on a small machine. (Requested before ``llama`` so it runs after its leak check.)"""
     yield
-    vllm_servers.stop(express_vllm("llama", "float32").server)
+    vllm_servers.stop_connector_servers()
 
 
 async def test_unmarked_requests_are_untouched(llama, vllm_servers, bus):
@@ -109,7 +109,7 @@ async def test_two_claimed_requests_in_flight_land_in_two_receivers(llama, bus, 
         await events.sub.unsubscribe()
 
 
-async def test_receiver_gone_gives_kv_failed_and_frees_the_slot(fresh_llama_after, llama, bus):
+async def test_receiver_gone_gives_kv_failed_and_frees_the_slot(fresh_connector_vllms_after, llama, bus):
     layout = decode_layout(llama.model_dir, "float32", with_mtp=False)
     node_id = f"node-{uuid.uuid4().hex[:8]}"
     events = KvEvents()
@@ -135,7 +135,7 @@ async def test_receiver_gone_gives_kv_failed_and_frees_the_slot(fresh_llama_afte
         await events.sub.unsubscribe()
 
 
-async def test_no_free_staging_slot_is_reported_not_blocked(fresh_llama_after, llama, bus):
+async def test_no_free_staging_slot_is_reported_not_blocked(fresh_connector_vllms_after, llama, bus):
     """Both slots held by writes into stopped receivers: the next claim is not handed off, at once."""
     layout = decode_layout(llama.model_dir, "float32", with_mtp=False)
     node_id = f"node-{uuid.uuid4().hex[:8]}"
@@ -175,7 +175,7 @@ async def test_no_free_staging_slot_is_reported_not_blocked(fresh_llama_after, l
         await events.sub.unsubscribe()
 
 
-async def test_multiconnector_with_nixl_serves_both_kinds(express_vllm, bus, tmp_path):
+async def test_multiconnector_with_nixl_serves_both_kinds(fresh_connector_vllms_after, express_vllm, bus, tmp_path):
     """``--native-pool``: MultiConnector(NixlConnector, ExpressConnector) starts; a native-pool
     request (vLLM's P/D protocol) and an express request both succeed on the same vLLM."""
     prefill = express_vllm("llama", "float32", native_pool=True)
@@ -210,7 +210,7 @@ async def test_multiconnector_with_nixl_serves_both_kinds(express_vllm, bus, tmp
     assert stats["free"] == stats["total"], stats
 
 
-async def test_chunked_prefill_hands_off_the_whole_prompt(express_vllm, bus, tmp_path):
+async def test_chunked_prefill_hands_off_the_whole_prompt(fresh_connector_vllms_after, express_vllm, bus, tmp_path):
     """vLLM computes the prompt in chunks over several steps: the hand-off waits for the last chunk
     and carries the KV of every chunk."""
     prefill = express_vllm("llama", "float32", chunk_tokens=64)
