@@ -92,8 +92,11 @@ def time_replays(runner, iters: int) -> float:
     return ts[len(ts) // 2]
 
 
-def measure(X, model, caches, cos, sin, ctx: int, tag: str, R: dict) -> None:
-    dec = X.mla_decoder.MlaDecoder(model, caches, cos, sin, max_draft=3, max_steps=4096)
+DRAFT_VOCAB = 32768  # reduced draft head: the first 32K ids (a third of the 102K vocabulary)
+
+
+def measure(X, model, caches, cos, sin, ctx: int, tag: str, R: dict, draft_vocab: int | None = None) -> None:
+    dec = X.mla_decoder.MlaDecoder(model, caches, cos, sin, max_draft=3, max_steps=4096, draft_vocab=draft_vocab)
     plain = X.GraphRunner(dec.plain_step, "cuda", steps_per_replay=4, before_capture=lambda: dec.set_state(1, ctx))
     dec.set_state(1, ctx)
     plain_ms = time_replays(plain, 30) / 4
@@ -110,6 +113,56 @@ def measure(X, model, caches, cos, sin, ctx: int, tag: str, R: dict) -> None:
         log(f"  {tag}MTP k={k}: {ms:.3f} ms = {ms / plain_ms:.2f}x plain; at acceptance length 3.2 (k=3): "
             f"{3.2 / (ms / plain_ms):.2f}x plain tok/s" if k == 3 else f"  {tag}MTP k={k}: {ms:.3f} ms = {ms / plain_ms:.2f}x plain")
         del sp
+    del dec
+
+
+def breakdown(X, model, caches, cos, sin, ctx: int, tag: str, R: dict, draft_vocab: int | None = None) -> None:
+    """Graph-timed pieces of a spec step (main forward over 1/2/4 tokens, one block, one draft, the heads)
+    and the per-kernel device time of one eager spec_step(3) (torch profiler)."""
+    D = X.mla_decoder
+    dec = D.MlaDecoder(model, caches, cos, sin, max_draft=3, max_steps=4096, draft_vocab=draft_vocab)
+    st = lambda: dec.set_state(1, ctx)  # noqa: E731
+    pieces = {f"forward{t}": (lambda t=t: dec.forward(t)) for t in (1, 2, 4)}
+    for t in (1, 4):
+        pieces[f"moe_block{t}"] = lambda t=t: dec.stacks[t].block(model.layers[1], dec.h[t], caches[1], dec.pos,
+                                                                  dec.cos, dec.sin)
+        pieces[f"lm_head{t}"] = lambda t=t: X.moe.gemv_rows(dec.hid[t], model.lm_head, dec.logits[t], block_n=16,
+                                                            block_k=256)
+    pieces["mtp_draft"] = lambda: dec.mtp_draft(0)
+    pieces["draft_head"] = lambda: X.moe.gemv_rows(dec.g, dec.draft_head, dec.mtp_logits, block_n=16, block_k=256)
+    out = {}
+    for name, fn in pieces.items():
+        try:
+            r = X.GraphRunner(fn, "cuda", before_capture=st)
+            st()
+            out[name] = round(time_replays(r, 20) * 1e3, 1)
+            del r
+        except Exception:
+            out[name] = traceback.format_exc()[-300:]
+    R[f"{tag}pieces_us"] = out
+    log(f"  {tag}pieces (us): {out}")
+    try:
+        from torch.profiler import ProfilerActivity, profile
+        for name, fn in (("spec3", lambda: dec.spec_step(3)), ("plain", dec.plain_step)):
+            st()
+            fn()
+            torch.cuda.synchronize()
+            st()
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(3):
+                    fn()
+                torch.cuda.synchronize()
+            rows = []
+            for e in prof.key_averages():
+                t = getattr(e, "self_device_time_total", 0) or getattr(e, "self_cuda_time_total", 0)
+                if t > 0:
+                    rows.append((e.key[:70], e.count // 3, round(t / 3, 1)))
+            rows.sort(key=lambda r: -r[2])
+            R[f"{tag}profile_{name}"] = rows[:25]
+            log(f"  {tag}profile {name}: total {sum(r[2] for r in rows):.0f} us in {sum(r[1] for r in rows)} "
+                f"kernels; top: " + "; ".join(f"{n} x{c} {t}us" for n, c, t in rows[:14]))
+    except Exception:
+        log(traceback.format_exc()[-800:])
     del dec
 
 
@@ -173,16 +226,25 @@ def run_mla(X, R: dict, ctx: int = 1024) -> None:
     except Exception:
         R["dsv2lite_error"] = traceback.format_exc()[-1500:]
         log(R["dsv2lite_error"])
+    for tag, fn in (("dsv2lite_draftvocab_", lambda: measure(X, model, caches, cos, sin, ctx, "dsv2lite_draftvocab_", R,
+                                                             draft_vocab=DRAFT_VOCAB)),
+                    ("dsv2lite_", lambda: breakdown(X, model, caches, cos, sin, ctx, "dsv2lite_", R))):
+        try:
+            fn()
+        except Exception:
+            log(traceback.format_exc()[-1500:])
+    moe_layers = [l for l in model.layers + [model.mtp.layer] if l.is_moe]
     try:  # every token routed to the same experts: the verify reads no extra experts
-        for l in model.layers + [model.mtp.layer]:
-            if l.is_moe:
-                l.router_bias[: s["top_k"]] += 100.0
+        for l in moe_layers:
+            l.router_bias[: s["top_k"]] += 100.0
         measure(X, model, caches, cos, sin, ctx, "dsv2lite_samerouting_", R)
-        for l in model.layers + [model.mtp.layer]:
-            if l.is_moe:
-                l.router_bias[: s["top_k"]] -= 100.0
+        measure(X, model, caches, cos, sin, ctx, "dsv2lite_samerouting_draftvocab_", R, draft_vocab=DRAFT_VOCAB)
+        breakdown(X, model, caches, cos, sin, ctx, "dsv2lite_samerouting_", R, draft_vocab=DRAFT_VOCAB)
     except Exception:
         log(traceback.format_exc()[-1500:])
+    finally:
+        for l in moe_layers:
+            l.router_bias[: s["top_k"]] -= 100.0
     try:
         R["dsv2lite_correctness"] = c = correctness(X, model, caches, cos, sin, ctx)
         log(f"  correctness: {c}")

@@ -170,3 +170,33 @@ def test_mtp_spec_output_equals_plain_greedy_output(tiny_mla):
     emitted, accepted = int(dec.out_idx), int(dec.accepted)
     assert emitted == replays + accepted and 0 <= accepted <= replays
     assert int(dec.pos) == ctx + emitted
+
+
+@pytest.mark.parametrize("draft_vocab", [VOCAB // 2, 1])
+def test_reduced_draft_vocab_drafts_from_the_first_ids_and_keeps_the_output(tiny_mla, draft_vocab):
+    n, ctx, want = 40, 12, 5
+    cos, sin = _tables(n, ROPE)
+    full = MlaDecoder(tiny_mla, _mla_caches(n), cos, sin, max_draft=1, max_steps=16, num_splits=4)
+    full.set_state(3, ctx)
+    for _ in range(want):
+        full.plain_step()
+    plain = full.out_tokens[:want].tolist()
+    dec = MlaDecoder(tiny_mla, _mla_caches(n), cos, sin, max_draft=1, max_steps=16, num_splits=4,
+                     draft_vocab=draft_vocab)
+    assert dec.draft_head.shape[0] == draft_vocab and dec.draft_head.data_ptr() == tiny_mla.mtp.head.data_ptr()
+    dec.set_state(3, ctx, full.hid[1][0])
+    dec.mtp_draft(0)  # the draft: argmax over the first draft_vocab rows of the MTP head
+    head_logits = dec.g.float() @ tiny_mla.mtp.head.float().T  # dec.g: the draft's normed hidden
+    assert int(dec.tokens[1]) == int(head_logits[0, :draft_vocab].argmax())
+    assert torch.allclose(dec.mtp_logits[0], head_logits[0, :draft_vocab], rtol=1e-5, atol=1e-5)
+    dec.set_state(3, ctx)
+    while int(dec.out_idx) < want:
+        dec.spec_step(1)
+    assert dec.out_tokens[:want].tolist() == plain
+
+
+def test_draft_vocab_out_of_range_is_refused(tiny_mla):
+    cos, sin = _tables(8, ROPE)
+    for bad in (0, VOCAB + 1):
+        with pytest.raises(ValueError, match="draft_vocab"):
+            MlaDecoder(tiny_mla, _mla_caches(8), cos, sin, max_draft=1, max_steps=4, draft_vocab=bad)

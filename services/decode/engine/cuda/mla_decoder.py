@@ -6,9 +6,14 @@ hidden the MTP layer pairs with it: the main model's final-normed hidden one pos
 ``spec_step(k)`` only read and advance that state, so each is captured once as one CUDA graph.
 
 spec_step(k): k MTP drafts (draft j: token at pos+j and the previous hidden -> next token; the MTP
-head, a full-vocabulary lm_head, is read once per draft), then one verify forward of the k+1 tokens,
-greedy acceptance of the longest matching prefix, k+1 candidate tokens written, n+1 of them kept.
-Greedy output is exactly the plain steps' output (verify row i is the plain step at pos+i).
+head is read once per draft), then one verify forward of the k+1 tokens, greedy acceptance of the
+longest matching prefix, k+1 candidate tokens written, n+1 of them kept. Greedy output is exactly
+the plain steps' output (verify row i is the plain step at pos+i).
+
+``draft_vocab=N`` restricts the drafts to token ids ``< N`` (byte-level BPE ids are in merge order,
+so the first ids are the frequent ones): the draft head reads N rows of the MTP head instead of
+all V. Drafts stay verified by the full-vocabulary main model, so output does not change; only a
+token outside the first N can never be drafted (that draft is rejected like any wrong one).
 """
 
 from __future__ import annotations
@@ -39,7 +44,7 @@ class MlaDecoder:
     """Slot state and step functions over per-layer caches [max_tokens, r + rope] (MTP cache last)."""
 
     def __init__(self, model: MlaModel, caches: list[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor,
-                 max_draft: int = 3, max_steps: int = 4096, num_splits: int = 16):
+                 max_draft: int = 3, max_steps: int = 4096, num_splits: int = 16, draft_vocab: int | None = None):
         self.m, self.caches = model, caches
         d, dev, bf = model.dims, model.embed.device, torch.bfloat16
         self.cos, self.sin = cos.to(device=dev, dtype=bf).contiguous(), sin.to(device=dev, dtype=bf).contiguous()
@@ -55,7 +60,11 @@ class MlaDecoder:
         self.g = torch.zeros(1, hdim, dtype=bf, device=dev)
         self.mtp_cat = torch.zeros(1, 2 * hdim, dtype=bf, device=dev)
         self.mtp_x = torch.zeros(1, hdim, dtype=bf, device=dev)
-        self.mtp_logits = torch.zeros(1, vocab, dtype=torch.float32, device=dev)
+        if draft_vocab is not None and not 0 < draft_vocab <= vocab:
+            raise ValueError(f"draft_vocab must be in 1..{vocab} (the vocabulary size), got {draft_vocab}")
+        self.draft_vocab = draft_vocab or vocab
+        self.draft_head = model.mtp.head[: self.draft_vocab] if model.mtp is not None else None  # a view: no copy
+        self.mtp_logits = torch.zeros(1, self.draft_vocab, dtype=torch.float32, device=dev)
         self.out_tokens = torch.zeros(max_steps + max_draft + 1, dtype=torch.int64, device=dev)
         self.out_idx = torch.zeros(1, dtype=torch.int64, device=dev)
         self.accepted = torch.zeros(1, dtype=torch.int64, device=dev)
@@ -89,7 +98,7 @@ class MlaDecoder:
         self.stacks[1].block(mt.layer, self.mtp_x, self.caches[len(self.m.layers)], self.pos_draft[j],
                              self.cos, self.sin)
         S.rmsnorm_rows(self.mtp_x, mt.head_norm, self.g, eps)
-        gemv_rows(self.g, mt.head, self.mtp_logits, block_n=16, block_k=256)
+        gemv_rows(self.g, self.draft_head, self.mtp_logits, block_n=16, block_k=256)
         self.tokens[j + 1:j + 2].copy_(torch.argmax(self.mtp_logits, dim=-1))
 
     def plain_step(self) -> None:
