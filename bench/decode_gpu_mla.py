@@ -166,6 +166,37 @@ def breakdown(X, model, caches, cos, sin, ctx: int, tag: str, R: dict, draft_voc
     del dec
 
 
+DOT_TILE_CANDIDATES = [((16, 128, 4, 4), (16, 128, 4, 4)), ((16, 256, 4, 4), (16, 256, 4, 4)),
+                       ((32, 128, 4, 4), (32, 128, 4, 4)), ((16, 64, 4, 6), (16, 64, 4, 6)),
+                       ((16, 128, 4, 6), (32, 128, 4, 4)), ((32, 256, 8, 3), (32, 256, 8, 3))]
+
+
+def dot_tile_sweep(X, model, caches, cos, sin, ctx: int, R: dict) -> None:
+    """One 4-token MoE block (random routing) per tensor-core tile candidate; the best becomes the default."""
+    D, M = X.mla_decoder, X.moe
+    dec = D.MlaDecoder(model, caches, cos, sin, max_draft=3, max_steps=4096)
+    st = lambda: dec.set_state(1, ctx)  # noqa: E731
+    res = {}
+    for cand in DOT_TILE_CANDIDATES:
+        try:
+            dec.stacks[4].moe.tiles = cand
+            r = X.GraphRunner(lambda: dec.stacks[4].block(model.layers[1], dec.h[4], caches[1], dec.pos, dec.cos,
+                                                          dec.sin), "cuda", before_capture=st)
+            st()
+            res[str(cand)] = round(time_replays(r, 20) * 1e3, 1)
+            del r
+        except Exception as e:
+            res[str(cand)] = repr(e)[:200]
+    ok = {k: v for k, v in res.items() if isinstance(v, float)}
+    if ok:
+        best = min(ok, key=ok.get)
+        M.GroupedMoe.DOT_TILES = next(c for c in DOT_TILE_CANDIDATES if str(c) == best)
+        R["dsv2lite_dot_tiles_best"] = best
+    R["dsv2lite_dot_tile_sweep_us"] = res
+    log(f"  4-token MoE block per tensor-core tile (us): {res}")
+    del dec
+
+
 def correctness(X, model, caches, cos, sin, ctx: int, steps: int = 48) -> dict:
     D = X.mla_decoder
     ref_caches = [c.clone() for c in caches]
@@ -213,6 +244,10 @@ def run_mla(X, R: dict, ctx: int = 1024) -> None:
     bw = R.get("copy_bw_TBps", 4.2)
     roof_ms = by["total"] / (bw * 1e12) * 1e3
     R["dsv2lite_roofline_tok_s"] = 1e3 / roof_ms
+    try:
+        dot_tile_sweep(X, model, caches, cos, sin, ctx, R)
+    except Exception:
+        log(traceback.format_exc()[-1500:])
     try:
         measure(X, model, caches, cos, sin, ctx, "dsv2lite_", R)
         R["dsv2lite_frac_roofline"] = roof_ms / R["dsv2lite_plain_ms"]

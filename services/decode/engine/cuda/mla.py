@@ -143,6 +143,7 @@ class MlaStack:
         self.xn = torch.zeros(t, d.hidden, dtype=bf, device=dev)
         self.ids = torch.zeros(t, max(d.top_k, 1), dtype=torch.int32, device=dev)
         self.wts = torch.zeros(t, max(d.top_k, 1), dtype=torch.float32, device=dev)
+        self.router_logits = torch.zeros(t, max(d.num_experts, 1), dtype=torch.float32, device=dev)
         self.attn = DecodeAttention(num_q_heads=d.num_heads, num_kv_heads=1, d_main=d.kv_lora_rank, d_v=d.kv_lora_rank,
                                     d_rope=d.rope, num_tokens=t, num_splits=num_splits, block_s=block_s,
                                     sm_scale=d.sm_scale, num_warps=4, v_chunks=max(1, d.kv_lora_rank // 128),
@@ -169,7 +170,7 @@ class MlaStack:
         gemv_rows(o.transpose(0, 1).reshape(t, -1), lw.wo, h, residual=h)
         S.rmsnorm_rows(h, lw.mlp_norm, self.xn, d.eps)
         if lw.is_moe:
-            router(self.xn, lw.router, lw.router_bias, self.ids, self.wts, d.top_k, d.routed_scale)
+            router(self.xn, lw.router, lw.router_bias, self.ids, self.wts, d.top_k, d.routed_scale, self.router_logits)
             self.moe(self.xn, self.ids, self.wts, lw.gate_up, lw.down, lw.shared_gate_up, lw.shared_down, h)
         else:
             self.dense(self.xn, self.ids, self.wts, lw.gate_up, lw.down, lw.shared_gate_up, lw.shared_down, h)

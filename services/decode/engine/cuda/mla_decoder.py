@@ -40,6 +40,18 @@ class MlaModel:
     dense_inter: int
 
 
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """argmax over the last dim of [T, V] fp32 logits in two stages (per-chunk max, then over the chunks):
+    a one-row torch.argmax over 100K logits runs in one thread block (~30 us on an H200)."""
+    t, v = x.shape
+    c = next((c for c in (256, 128, 64) if v % c == 0 and v // c >= 32), None)
+    if c is None:
+        return torch.argmax(x, dim=-1)
+    vals, idx = x.view(t, c, v // c).max(dim=-1)  # [T, C]
+    j = torch.argmax(vals, dim=-1)  # first chunk holding the maximum
+    return j * (v // c) + idx.gather(1, j[:, None])[:, 0]
+
+
 class MlaDecoder:
     """Slot state and step functions over per-layer caches [max_tokens, r + rope] (MTP cache last)."""
 
@@ -99,12 +111,12 @@ class MlaDecoder:
                              self.cos, self.sin)
         S.rmsnorm_rows(self.mtp_x, mt.head_norm, self.g, eps)
         gemv_rows(self.g, self.draft_head, self.mtp_logits, block_n=16, block_k=256)
-        self.tokens[j + 1:j + 2].copy_(torch.argmax(self.mtp_logits, dim=-1))
+        self.tokens[j + 1:j + 2].copy_(argmax_rows(self.mtp_logits))
 
     def plain_step(self) -> None:
         """One greedy token: forward(1), emit, advance."""
         self.forward(1)
-        a = torch.argmax(self.logits[1], dim=-1)  # [1]
+        a = argmax_rows(self.logits[1])  # [1]
         self.out_tokens.index_copy_(0, self.out_idx, a)
         self.out_idx.add_(1)
         self.g.copy_(self.hid[1])
@@ -116,7 +128,7 @@ class MlaDecoder:
         for j in range(k):
             self.mtp_draft(j)
         self.forward(k + 1)
-        a = torch.argmax(self.logits[k + 1], dim=-1)  # [k+1]: the model's token after each input
+        a = argmax_rows(self.logits[k + 1])  # [k+1]: the model's token after each input
         n = torch.cumprod((a[:k] == self.tokens[1:k + 1]).long(), dim=0).sum().view(1)  # accepted drafts
         self.out_tokens.index_copy_(0, self.out_idx + self.arange[:k + 1], a)
         self.out_idx.add_(n + 1)

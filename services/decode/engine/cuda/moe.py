@@ -2,7 +2,8 @@
 
 - ``gemv_rows``: out[T, N] = [res +] W @ [rmsnorm(x) * nw | x] for T <= 4 tokens; every weight tile is
   loaded once and used for all T rows (a verify step reads each weight once, not T times).
-- ``router``: sigmoid scores, + correction bias (noaux_tc, one group), top-k, normalised weights.
+- ``router``: router GEMV over the experts, then sigmoid scores, + correction bias (noaux_tc, one group),
+  top-k, normalised weights.
 - ``moe_gate_up`` / ``moe_down``: grouped expert GEMVs over the (token, slot) pairs of the step;
   slots are the top-k routed experts then the shared experts (pre-laid-out as ``[S, ...]`` experts
   of the routed size). A pair's program runs only if it is the first pair naming its expert, and
@@ -13,6 +14,8 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -21,9 +24,19 @@ from .gemv import _pair_first, _rnd
 
 
 @triton.jit
+def _mma(x, w, acc, UPCAST: tl.constexpr):
+    """acc + x [M, K] @ w[N, K]^T: bf16 tensor-core dot with fp32 sums; fp32 operands (exact products of
+    bf16 values) under Triton's CPU interpreter, whose dot does not take bf16."""
+    if UPCAST:
+        return tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
+    return tl.dot(x.to(w.dtype), tl.trans(w), acc)
+
+
+@triton.jit
 def _gemv_rows_kernel(x_ptr, w_ptr, out_ptr, res_ptr, nw_ptr, N, K, eps, stride_x, stride_o,
                       T: tl.constexpr, T_PAD: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr,
-                      K_POW2: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
+                      K_POW2: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
+                      DOT: tl.constexpr, UPCAST: tl.constexpr):
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     rmask = rows < N
@@ -31,11 +44,23 @@ def _gemv_rows_kernel(x_ptr, w_ptr, out_ptr, res_ptr, nw_ptr, N, K, eps, stride_
     tmask = t < T
     inv = tl.full((T_PAD,), 1.0, tl.float32)
     if NORM:
-        kk = tl.arange(0, K_POW2)
-        xs = tl.load(x_ptr + t[:, None] * stride_x + kk[None, :], mask=tmask[:, None] & (kk < K)[None, :],
-                     other=0.0).to(tl.float32)
-        inv = 1.0 / tl.sqrt(tl.sum(xs * xs, axis=1) / K + eps)
-    acc = tl.zeros((T_PAD, BLOCK_N, BLOCK_K), dtype=tl.float32)
+        if DOT:  # T_PAD = 16 rows: sum the squares tile by tile (a [16, K] tile would not fit in registers)
+            ss = tl.zeros((T_PAD,), tl.float32)
+            for k in range(0, K, BLOCK_K):
+                offs = k + tl.arange(0, BLOCK_K)
+                xs = tl.load(x_ptr + t[:, None] * stride_x + offs[None, :], mask=tmask[:, None] & (offs < K)[None, :],
+                             other=0.0).to(tl.float32)
+                ss += tl.sum(xs * xs, axis=1)
+            inv = 1.0 / tl.sqrt(ss / K + eps)
+        else:
+            kk = tl.arange(0, K_POW2)
+            xs = tl.load(x_ptr + t[:, None] * stride_x + kk[None, :], mask=tmask[:, None] & (kk < K)[None, :],
+                         other=0.0).to(tl.float32)
+            inv = 1.0 / tl.sqrt(tl.sum(xs * xs, axis=1) / K + eps)
+    if DOT:  # several tokens: tensor-core dots [16, BLOCK_K] x [BLOCK_K, BLOCK_N], bf16 in, fp32 sums
+        acc2 = tl.zeros((T_PAD, BLOCK_N), dtype=tl.float32)
+    else:
+        acc = tl.zeros((T_PAD, BLOCK_N, BLOCK_K), dtype=tl.float32)
     for k in tl.range(0, K, BLOCK_K, num_stages=STAGES):
         offs = k + tl.arange(0, BLOCK_K)
         kmask = offs < K
@@ -45,8 +70,14 @@ def _gemv_rows_kernel(x_ptr, w_ptr, out_ptr, res_ptr, nw_ptr, N, K, eps, stride_
             x = _rnd(_rnd(x.to(tl.float32) * inv[:, None], nw.dtype) * nw.to(tl.float32)[None, :], nw.dtype)
         w = tl.load(w_ptr + rows[:, None].to(tl.int64) * K + offs[None, :], mask=rmask[:, None] & kmask[None, :],
                     other=0.0, eviction_policy="evict_first")
-        acc += w.to(tl.float32)[None, :, :] * x.to(tl.float32)[:, None, :]
-    y = tl.sum(acc, axis=2)  # [T_PAD, BLOCK_N]
+        if DOT:
+            acc2 = _mma(x, w, acc2, UPCAST)
+        else:
+            acc += w.to(tl.float32)[None, :, :] * x.to(tl.float32)[:, None, :]
+    if DOT:
+        y = acc2
+    else:
+        y = tl.sum(acc, axis=2)  # [T_PAD, BLOCK_N]
     omask = tmask[:, None] & rmask[None, :]
     if RESIDUAL:
         r = tl.load(res_ptr + t[:, None] * stride_o + rows[None, :], mask=omask, other=0.0)
@@ -54,33 +85,46 @@ def _gemv_rows_kernel(x_ptr, w_ptr, out_ptr, res_ptr, nw_ptr, N, K, eps, stride_
     tl.store(out_ptr + t[:, None] * stride_o + rows[None, :], y.to(out_ptr.dtype.element_ty), mask=omask)
 
 
+DOT_ROWS = 16  # tokens padded to one tensor-core tile when T > 1
+
+
+def _interpreting() -> bool:
+    knobs = getattr(triton, "knobs", None)
+    return bool(knobs is not None and knobs.runtime.interpret) or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _dot(t: int, w: torch.Tensor) -> bool:
+    """Whether T tokens over weights w take the tensor-core path (bf16/fp16 weights, T > 1)."""
+    return t > 1 and w.dtype in (torch.bfloat16, torch.float16)
+
+
 def gemv_rows(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, *, norm_w: torch.Tensor | None = None,
               eps: float = 1e-6, residual: torch.Tensor | None = None, block_n: int = 8, block_k: int = 256,
               num_warps: int = 4, stages: int = 4) -> torch.Tensor:
-    """out[T, N] = [residual +] x'[T, K] @ W[N, K]^T, x' = rmsnorm(x) * norm_w when given (T <= 4)."""
+    """out[T, N] = [residual +] x'[T, K] @ W[N, K]^T, x' = rmsnorm(x) * norm_w when given (T <= 4).
+
+    One token: fp32 FMAs over a [BLOCK_N, BLOCK_K] weight tile. Several: tensor-core dots with the tokens
+    padded to 16 rows (the same bytes as one token; the FMA form was compute-bound at 4 tokens)."""
     t, k = x.shape
     n = w.shape[0]
-    block_k = max(32, block_k // triton.next_power_of_2(t))  # the [T, BLOCK_N, BLOCK_K] accumulator in registers
+    dot = _dot(t, w)
+    if dot:
+        block_n = max(16, block_n)
+    else:
+        block_k = max(32, block_k // triton.next_power_of_2(t))  # the [T, BLOCK_N, BLOCK_K] accumulator in registers
     _gemv_rows_kernel[(triton.cdiv(n, block_n),)](
         x, w, out, residual if residual is not None else out, norm_w if norm_w is not None else x, n, k, eps,
-        x.stride(0), out.stride(0), T=t, T_PAD=triton.next_power_of_2(t), NORM=norm_w is not None,
+        x.stride(0), out.stride(0), T=t, T_PAD=DOT_ROWS if dot else triton.next_power_of_2(t), NORM=norm_w is not None,
         RESIDUAL=residual is not None, K_POW2=triton.next_power_of_2(k), BLOCK_N=block_n, BLOCK_K=block_k,
-        STAGES=stages, num_warps=num_warps)
+        STAGES=stages, num_warps=num_warps, DOT=dot, UPCAST=_interpreting())
     return out
 
 
 @triton.jit
-def _router_kernel(x_ptr, w_ptr, bias_ptr, ids_ptr, wts_ptr, K, scale,
-                   E: tl.constexpr, TOPK: tl.constexpr, BLOCK_K: tl.constexpr):
+def _router_topk_kernel(logits_ptr, bias_ptr, ids_ptr, wts_ptr, scale, E: tl.constexpr, TOPK: tl.constexpr):
     t = tl.program_id(0)
     e = tl.arange(0, E)
-    acc = tl.zeros((E, BLOCK_K), tl.float32)
-    for k in range(0, K, BLOCK_K):
-        offs = k + tl.arange(0, BLOCK_K)
-        x = tl.load(x_ptr + t * K + offs, mask=offs < K, other=0.0).to(tl.float32)
-        w = tl.load(w_ptr + e[:, None] * K + offs[None, :], mask=(offs < K)[None, :], other=0.0).to(tl.float32)
-        acc += w * x[None, :]
-    scores = 1.0 / (1.0 + tl.exp(-tl.sum(acc, axis=1)))
+    scores = 1.0 / (1.0 + tl.exp(-tl.load(logits_ptr + t * E + e)))
     choice = scores + tl.load(bias_ptr + e).to(tl.float32)
     total = 0.0
     c = choice
@@ -97,10 +141,17 @@ def _router_kernel(x_ptr, w_ptr, bias_ptr, ids_ptr, wts_ptr, K, scale,
 
 
 def router(xn: torch.Tensor, w: torch.Tensor, bias: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor,
-           top_k: int, scale: float) -> None:
-    """ids [T, k] int32 (best first), wts [T, k] fp32 from normed x [T, H] (noaux_tc, one group)."""
-    _router_kernel[(xn.shape[0],)](xn, w, bias, ids, wts, xn.shape[1], scale, E=w.shape[0], TOPK=top_k,
-                                   BLOCK_K=128, num_warps=4)
+           top_k: int, scale: float, logits: torch.Tensor | None = None) -> None:
+    """ids [T, k] int32 (best first), wts [T, k] fp32 from normed x [T, H] (noaux_tc, one group).
+
+    Two launches: the router GEMV spread over the experts (one program per 2 experts; a single program
+    per token reading all E x H weights was latency-bound at ~23 us), then top-k per token.
+    ``logits``: an fp32 [T, E] scratch buffer (allocated when not given)."""
+    t, e = xn.shape[0], w.shape[0]
+    if logits is None:
+        logits = torch.empty(t, e, dtype=torch.float32, device=xn.device)
+    gemv_rows(xn, w, logits, block_n=2, block_k=512, stages=2)
+    _router_topk_kernel[(t,)](logits, bias, ids, wts, scale, E=e, TOPK=top_k, num_warps=1)
 
 
 @triton.jit
@@ -128,7 +179,8 @@ def _owner(ids_ptr, p, T: tl.constexpr, TOPK: tl.constexpr, SLOTS: tl.constexpr,
 @triton.jit
 def _moe_gate_up_kernel(x_ptr, ids_ptr, w_ptr, ws_ptr, act_ptr, I, K, stride_e,
                         T: tl.constexpr, T_PAD: tl.constexpr, TOPK: tl.constexpr, SLOTS: tl.constexpr,
-                        SLOTS_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
+                        SLOTS_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
+                        DOT: tl.constexpr, UPCAST: tl.constexpr):
     p = tl.program_id(0)
     expert, is_first, pair_of, is_routed = _owner(ids_ptr, p, T, TOPK, SLOTS, SLOTS_PAD, T_PAD)
     if is_first:
@@ -137,30 +189,44 @@ def _moe_gate_up_kernel(x_ptr, ids_ptr, w_ptr, ws_ptr, act_ptr, I, K, stride_e,
         else:
             base = ws_ptr + (expert - 100000).to(tl.int64) * stride_e
         rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        rmask = rows < I
         tt = tl.arange(0, T_PAD)
         uses = pair_of >= 0
-        acc_a = tl.zeros((T_PAD, BLOCK_N, BLOCK_K), tl.float32)
-        acc_b = tl.zeros((T_PAD, BLOCK_N, BLOCK_K), tl.float32)
+        if DOT:
+            dot_a = tl.zeros((T_PAD, BLOCK_N), tl.float32)
+            dot_b = tl.zeros((T_PAD, BLOCK_N), tl.float32)
+        else:
+            acc_a = tl.zeros((T_PAD, BLOCK_N, BLOCK_K), tl.float32)
+            acc_b = tl.zeros((T_PAD, BLOCK_N, BLOCK_K), tl.float32)
         for k in tl.range(0, K, BLOCK_K, num_stages=STAGES):
             offs = k + tl.arange(0, BLOCK_K)
-            x = tl.load(x_ptr + tt[:, None] * K + offs[None, :], mask=uses[:, None] & (offs < K)[None, :],
-                        other=0.0).to(tl.float32)
-            wa = tl.load(base + rows[:, None].to(tl.int64) * K + offs[None, :], mask=(offs < K)[None, :], other=0.0)
-            wb = tl.load(base + (rows + I)[:, None].to(tl.int64) * K + offs[None, :], mask=(offs < K)[None, :],
-                         other=0.0)
-            acc_a += wa.to(tl.float32)[None, :, :] * x[:, None, :]
-            acc_b += wb.to(tl.float32)[None, :, :] * x[:, None, :]
+            x = tl.load(x_ptr + tt[:, None] * K + offs[None, :], mask=uses[:, None] & (offs < K)[None, :], other=0.0)
+            wmask = rmask[:, None] & (offs < K)[None, :]
+            wa = tl.load(base + rows[:, None].to(tl.int64) * K + offs[None, :], mask=wmask, other=0.0)
+            wb = tl.load(base + (rows + I)[:, None].to(tl.int64) * K + offs[None, :], mask=wmask, other=0.0)
+            if DOT:
+                dot_a = _mma(x, wa, dot_a, UPCAST)
+                dot_b = _mma(x, wb, dot_b, UPCAST)
+            else:
+                acc_a += wa.to(tl.float32)[None, :, :] * x.to(tl.float32)[:, None, :]
+                acc_b += wb.to(tl.float32)[None, :, :] * x.to(tl.float32)[:, None, :]
         dt = act_ptr.dtype.element_ty
-        g = _rnd(tl.sum(acc_a, axis=2), dt)
-        u = _rnd(tl.sum(acc_b, axis=2), dt)
+        if DOT:
+            g = _rnd(dot_a, dt)
+            u = _rnd(dot_b, dt)
+        else:
+            g = _rnd(tl.sum(acc_a, axis=2), dt)
+            u = _rnd(tl.sum(acc_b, axis=2), dt)
         s = _rnd(g / (1.0 + tl.exp(-g)), dt)
-        tl.store(act_ptr + pair_of[:, None].to(tl.int64) * I + rows[None, :], (s * u).to(dt), mask=uses[:, None])
+        tl.store(act_ptr + pair_of[:, None].to(tl.int64) * I + rows[None, :], (s * u).to(dt),
+                 mask=uses[:, None] & rmask[None, :])
 
 
 @triton.jit
 def _moe_down_kernel(act_ptr, ids_ptr, w_ptr, ws_ptr, y_ptr, H, I, stride_e,
                      T: tl.constexpr, T_PAD: tl.constexpr, TOPK: tl.constexpr, SLOTS: tl.constexpr,
-                     SLOTS_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
+                     SLOTS_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
+                     DOT: tl.constexpr, UPCAST: tl.constexpr):
     p = tl.program_id(0)
     expert, is_first, pair_of, is_routed = _owner(ids_ptr, p, T, TOPK, SLOTS, SLOTS_PAD, T_PAD)
     if is_first:
@@ -169,17 +235,27 @@ def _moe_down_kernel(act_ptr, ids_ptr, w_ptr, ws_ptr, y_ptr, H, I, stride_e,
         else:
             base = ws_ptr + (expert - 100000).to(tl.int64) * stride_e
         rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        rmask = rows < H
         uses = pair_of >= 0
         src = tl.where(uses, pair_of, 0).to(tl.int64) * I
-        acc = tl.zeros((T_PAD, BLOCK_N, BLOCK_K), tl.float32)
+        if DOT:
+            acc2 = tl.zeros((T_PAD, BLOCK_N), tl.float32)
+        else:
+            acc = tl.zeros((T_PAD, BLOCK_N, BLOCK_K), tl.float32)
         for k in tl.range(0, I, BLOCK_K, num_stages=STAGES):
             offs = k + tl.arange(0, BLOCK_K)
-            x = tl.load(act_ptr + src[:, None] + offs[None, :], mask=uses[:, None] & (offs < I)[None, :],
-                        other=0.0).to(tl.float32)
-            w = tl.load(base + rows[:, None].to(tl.int64) * I + offs[None, :], mask=(offs < I)[None, :], other=0.0)
-            acc += w.to(tl.float32)[None, :, :] * x[:, None, :]
-        y = tl.sum(acc, axis=2)  # fp32, unrounded: the shared halves are summed before rounding
-        tl.store(y_ptr + pair_of[:, None].to(tl.int64) * H + rows[None, :], y, mask=uses[:, None])
+            x = tl.load(act_ptr + src[:, None] + offs[None, :], mask=uses[:, None] & (offs < I)[None, :], other=0.0)
+            w = tl.load(base + rows[:, None].to(tl.int64) * I + offs[None, :], mask=rmask[:, None] & (offs < I)[None, :],
+                        other=0.0)
+            if DOT:
+                acc2 = _mma(x, w, acc2, UPCAST)
+            else:
+                acc += w.to(tl.float32)[None, :, :] * x.to(tl.float32)[:, None, :]
+        if DOT:
+            y = acc2
+        else:
+            y = tl.sum(acc, axis=2)  # fp32, unrounded: the shared halves are summed before rounding
+        tl.store(y_ptr + pair_of[:, None].to(tl.int64) * H + rows[None, :], y, mask=uses[:, None] & rmask[None, :])
 
 
 @triton.jit
@@ -208,23 +284,33 @@ def _moe_reduce_kernel(y_ptr, wts_ptr, h_ptr, H, TOPK: tl.constexpr, NUM_SHARED:
 class GroupedMoe:
     """Launch plan of one MoE (or dense, TOPK = 0 with the MLP as the one shared expert) for T tokens."""
 
+    # (block_n, block_k, num_warps, num_stages) of gate/up and down on the tensor-core path (T > 1)
+    DOT_TILES: tuple[tuple[int, int, int, int], tuple[int, int, int, int]] = ((16, 128, 4, 4), (16, 128, 4, 4))
+
     def __init__(self, *, num_tokens: int, top_k: int, num_shared: int, hidden: int, inter: int,
                  device: torch.device | str, tiles: tuple[tuple[int, int, int, int], ...] | None = None):
         self.t, self.k, self.s, self.h, self.i = num_tokens, top_k, num_shared, hidden, inter
         self.slots = top_k + num_shared
-        bk = max(32, 256 // triton.next_power_of_2(num_tokens))  # [T, BLOCK_N, BLOCK_K] accumulators
-        self.tiles = tiles or ((8, bk, 4, 4), (8, bk, 4, 4))
+        self.dot = num_tokens > 1  # several tokens: tensor-core dots (bf16 experts), as gemv_rows
+        if self.dot:
+            default = self.DOT_TILES
+        else:
+            bk = max(32, 256 // triton.next_power_of_2(num_tokens))  # [T, BLOCK_N, BLOCK_K] accumulators
+            default = ((8, bk, 4, 4), (8, bk, 4, 4))
+        self.tiles = tiles or default
         self.act = torch.zeros(num_tokens * self.slots * inter, dtype=torch.bfloat16, device=device)
         self.y = torch.zeros(num_tokens * self.slots * hidden, dtype=torch.float32, device=device)
 
     def __call__(self, xn: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor, w_gate_up: torch.Tensor,
                  w_down: torch.Tensor, shared_gate_up: torch.Tensor, shared_down: torch.Tensor, h: torch.Tensor) -> None:
         """h[T, H] += MoE(xn); routed weights [E, 2I, H] / [E, H, I], shared [S, 2I, H] / [S, H, I]."""
-        common = dict(T=self.t, T_PAD=triton.next_power_of_2(self.t), TOPK=self.k, SLOTS=self.slots,
-                      SLOTS_PAD=triton.next_power_of_2(self.slots))
+        dot = self.dot and w_gate_up.dtype in (torch.bfloat16, torch.float16)
+        common = dict(T=self.t, T_PAD=DOT_ROWS if dot else triton.next_power_of_2(self.t), TOPK=self.k,
+                      SLOTS=self.slots, SLOTS_PAD=triton.next_power_of_2(self.slots), DOT=dot,
+                      UPCAST=_interpreting())
         (bn, bk, nw, st), (bn2, bk2, nw2, st2) = self.tiles
         pairs = self.t * self.slots
-        _moe_gate_up_kernel[(pairs, self.i // bn)](
+        _moe_gate_up_kernel[(pairs, triton.cdiv(self.i, bn))](
             xn, ids, w_gate_up, shared_gate_up, self.act, self.i, self.h, 2 * self.i * self.h, **common,
             BLOCK_N=bn, BLOCK_K=bk, STAGES=st, num_warps=nw)
         _moe_down_kernel[(pairs, triton.cdiv(self.h, bn2))](
