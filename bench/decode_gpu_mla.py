@@ -171,6 +171,40 @@ DOT_TILE_CANDIDATES = [((16, 128, 4, 4), (16, 128, 4, 4)), ((16, 256, 4, 4), (16
                        ((16, 128, 4, 6), (32, 128, 4, 4)), ((32, 256, 8, 3), (32, 256, 8, 3))]
 
 
+GEMV_DOT_CANDIDATES = [(16, 256, 4, 4), (16, 128, 4, 4), (32, 128, 4, 4), (16, 512, 4, 3), (32, 256, 8, 3),
+                       (16, 128, 2, 6), (16, 64, 2, 8)]
+
+
+def gemv_dot_sweep(X, model, caches, cos, sin, ctx: int, R: dict) -> None:
+    """The verify's attention projections and lm_head on tensor cores: a 4-token block (wqkv_a, wo) and the
+    4-token lm_head per tile candidate; the best of each becomes the default."""
+    D, M, A = X.mla_decoder, X.moe, X.mla
+    dec = D.MlaDecoder(model, caches, cos, sin, max_draft=3, max_steps=4096)
+    st = lambda: dec.set_state(1, ctx)  # noqa: E731
+    res: dict = {"block4": {}, "lm_head4": {}}
+    for cand in GEMV_DOT_CANDIDATES:
+        for name, fn in (("block4", lambda c=cand: (setattr(A.MlaStack, "DOT_TILE", c),
+                                                     dec.stacks[4].block(model.layers[1], dec.h[4], caches[1], dec.pos,
+                                                                         dec.cos, dec.sin))),
+                         ("lm_head4", lambda c=cand: M.gemv_rows(dec.hid[4], model.lm_head, dec.logits[4], dot_tile=c))):
+            try:
+                r = X.GraphRunner(fn, "cuda", before_capture=st)
+                st()
+                res[name][str(cand)] = round(time_replays(r, 20) * 1e3, 1)
+                del r
+            except Exception as e:
+                res[name][str(cand)] = repr(e)[:200]
+    for name, attr in (("block4", (A.MlaStack, "DOT_TILE")), ("lm_head4", (D.MlaDecoder, "LM_HEAD_DOT_TILE"))):
+        ok = {k: v for k, v in res[name].items() if isinstance(v, float)}
+        if ok:
+            best = min(ok, key=ok.get)
+            setattr(*attr, next(c for c in GEMV_DOT_CANDIDATES if str(c) == best))
+            R[f"dsv2lite_gemv_dot_best_{name}"] = best
+    R["dsv2lite_gemv_dot_sweep_us"] = res
+    log(f"  4-token GEMVs per tensor-core tile (us): {res}")
+    del dec
+
+
 def dot_tile_sweep(X, model, caches, cos, sin, ctx: int, R: dict) -> None:
     """One 4-token MoE block (random routing) per tensor-core tile candidate; the best becomes the default."""
     D, M = X.mla_decoder, X.moe
@@ -244,10 +278,11 @@ def run_mla(X, R: dict, ctx: int = 1024) -> None:
     bw = R.get("copy_bw_TBps", 4.2)
     roof_ms = by["total"] / (bw * 1e12) * 1e3
     R["dsv2lite_roofline_tok_s"] = 1e3 / roof_ms
-    try:
-        dot_tile_sweep(X, model, caches, cos, sin, ctx, R)
-    except Exception:
-        log(traceback.format_exc()[-1500:])
+    for sweep in (gemv_dot_sweep, dot_tile_sweep):
+        try:
+            sweep(X, model, caches, cos, sin, ctx, R)
+        except Exception:
+            log(traceback.format_exc()[-1500:])
     try:
         measure(X, model, caches, cos, sin, ctx, "dsv2lite_", R)
         R["dsv2lite_frac_roofline"] = roof_ms / R["dsv2lite_plain_ms"]

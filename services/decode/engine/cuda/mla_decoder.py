@@ -55,6 +55,8 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
 class MlaDecoder:
     """Slot state and step functions over per-layer caches [max_tokens, r + rope] (MTP cache last)."""
 
+    LM_HEAD_DOT_TILE: tuple[int, int, int, int] = (16, 256, 4, 4)  # the verify's lm_head (T > 1)
+
     def __init__(self, model: MlaModel, caches: list[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor,
                  max_draft: int = 3, max_steps: int = 4096, num_splits: int = 16, draft_vocab: int | None = None):
         self.m, self.caches = model, caches
@@ -97,7 +99,7 @@ class MlaDecoder:
         for i, lw in enumerate(m.layers):
             self.stacks[t].block(lw, h, self.caches[i], self.pos, self.cos, self.sin)
         S.rmsnorm_rows(h, m.final_norm, self.hid[t], m.dims.eps)
-        gemv_rows(self.hid[t], m.lm_head, self.logits[t], block_n=16, block_k=256)
+        gemv_rows(self.hid[t], m.lm_head, self.logits[t], block_n=16, block_k=256, dot_tile=self.LM_HEAD_DOT_TILE)
 
     def mtp_draft(self, j: int) -> None:
         """Draft j: MTP(embed(tokens[j]), g) at pos + j -> tokens[j+1]; g becomes the recycled hidden."""

@@ -100,16 +100,19 @@ def _dot(t: int, w: torch.Tensor) -> bool:
 
 def gemv_rows(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, *, norm_w: torch.Tensor | None = None,
               eps: float = 1e-6, residual: torch.Tensor | None = None, block_n: int = 8, block_k: int = 256,
-              num_warps: int = 4, stages: int = 4) -> torch.Tensor:
+              num_warps: int = 4, stages: int = 4, dot: bool | None = None,
+              dot_tile: tuple[int, int, int, int] | None = None) -> torch.Tensor:
     """out[T, N] = [residual +] x'[T, K] @ W[N, K]^T, x' = rmsnorm(x) * norm_w when given (T <= 4).
 
     One token: fp32 FMAs over a [BLOCK_N, BLOCK_K] weight tile. Several: tensor-core dots with the tokens
-    padded to 16 rows (the same bytes as one token; the FMA form was compute-bound at 4 tokens)."""
+    padded to 16 rows (the same bytes as one token; the FMA form was compute-bound at 4 tokens), with
+    ``dot_tile`` (block_n >= 16, block_k, num_warps, stages) when given; ``dot=False`` keeps FMAs
+    (small matrices such as the router, where 16-row tiles leave too few programs)."""
     t, k = x.shape
     n = w.shape[0]
-    dot = _dot(t, w)
+    dot = _dot(t, w) if dot is None else (dot and _dot(t, w))
     if dot:
-        block_n = max(16, block_n)
+        block_n, block_k, num_warps, stages = dot_tile or (max(16, block_n), block_k, num_warps, stages)
     else:
         block_k = max(32, block_k // triton.next_power_of_2(t))  # the [T, BLOCK_N, BLOCK_K] accumulator in registers
     _gemv_rows_kernel[(triton.cdiv(n, block_n),)](
@@ -150,7 +153,7 @@ def router(xn: torch.Tensor, w: torch.Tensor, bias: torch.Tensor, ids: torch.Ten
     t, e = xn.shape[0], w.shape[0]
     if logits is None:
         logits = torch.empty(t, e, dtype=torch.float32, device=xn.device)
-    gemv_rows(xn, w, logits, block_n=2, block_k=512, stages=2)
+    gemv_rows(xn, w, logits, block_n=2, block_k=512, stages=2, dot=False)
     _router_topk_kernel[(t,)](logits, bias, ids, wts, scale, E=e, TOPK=top_k, num_warps=1)
 
 
