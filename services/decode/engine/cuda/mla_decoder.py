@@ -55,7 +55,7 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
 class MlaDecoder:
     """Slot state and step functions over per-layer caches [max_tokens, r + rope] (MTP cache last)."""
 
-    LM_HEAD_DOT_TILE: tuple[int, int, int, int] = (16, 256, 4, 4)  # the verify's lm_head (T > 1)
+    LM_HEAD_DOT_TILE: tuple[int, int, int, int] = (16, 128, 2, 6)  # the verify's lm_head (T > 1; H200 sweep)
 
     def __init__(self, model: MlaModel, caches: list[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor,
                  max_draft: int = 3, max_steps: int = 4096, num_splits: int = 16, draft_vocab: int | None = None):

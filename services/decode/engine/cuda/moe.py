@@ -44,14 +44,13 @@ def _gemv_rows_kernel(x_ptr, w_ptr, out_ptr, res_ptr, nw_ptr, N, K, eps, stride_
     tmask = t < T
     inv = tl.full((T_PAD,), 1.0, tl.float32)
     if NORM:
-        if DOT:  # T_PAD = 16 rows: sum the squares tile by tile (a [16, K] tile would not fit in registers)
-            ss = tl.zeros((T_PAD,), tl.float32)
-            for k in range(0, K, BLOCK_K):
-                offs = k + tl.arange(0, BLOCK_K)
-                xs = tl.load(x_ptr + t[:, None] * stride_x + offs[None, :], mask=tmask[:, None] & (offs < K)[None, :],
-                             other=0.0).to(tl.float32)
-                ss += tl.sum(xs * xs, axis=1)
-            inv = 1.0 / tl.sqrt(ss / K + eps)
+        if DOT:  # the real rows (T <= 4) in one load, as the FMA path; then spread over the 16 padded rows
+            t4 = tl.arange(0, 4)
+            kk = tl.arange(0, K_POW2)
+            xs = tl.load(x_ptr + t4[:, None] * stride_x + kk[None, :], mask=(t4 < T)[:, None] & (kk < K)[None, :],
+                         other=0.0).to(tl.float32)
+            inv4 = 1.0 / tl.sqrt(tl.sum(xs * xs, axis=1) / K + eps)
+            inv = tl.sum(tl.where(t[:, None] == t4[None, :], inv4[None, :], 0.0), axis=1)
         else:
             kk = tl.arange(0, K_POW2)
             xs = tl.load(x_ptr + t[:, None] * stride_x + kk[None, :], mask=tmask[:, None] & (kk < K)[None, :],
@@ -110,6 +109,8 @@ def gemv_rows(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, *, norm_w: to
     (small matrices such as the router, where 16-row tiles leave too few programs)."""
     t, k = x.shape
     n = w.shape[0]
+    if not 1 <= t <= 4:
+        raise ValueError(f"gemv_rows takes 1..4 tokens (a pending token and up to 3 drafts), got {t}")
     dot = _dot(t, w) if dot is None else (dot and _dot(t, w))
     if dot:
         block_n, block_k, num_warps, stages = dot_tile or (max(16, block_n), block_k, num_warps, stages)
@@ -288,7 +289,7 @@ class GroupedMoe:
     """Launch plan of one MoE (or dense, TOPK = 0 with the MLP as the one shared expert) for T tokens."""
 
     # (block_n, block_k, num_warps, num_stages) of gate/up and down on the tensor-core path (T > 1)
-    DOT_TILES: tuple[tuple[int, int, int, int], tuple[int, int, int, int]] = ((16, 128, 4, 4), (16, 128, 4, 4))
+    DOT_TILES: tuple[tuple[int, int, int, int], tuple[int, int, int, int]] = ((32, 128, 4, 4), (32, 128, 4, 4))  # H200 sweep
 
     def __init__(self, *, num_tokens: int, top_k: int, num_shared: int, hidden: int, inter: int,
                  device: torch.device | str, tiles: tuple[tuple[int, int, int, int], ...] | None = None):
