@@ -129,6 +129,8 @@ def breakdown(X, model, caches, cos, sin, ctx: int, tag: str, R: dict, draft_voc
         pieces[f"lm_head{t}"] = lambda t=t: X.moe.gemv_rows(dec.hid[t], model.lm_head, dec.logits[t], block_n=16,
                                                             block_k=256)
     pieces["mtp_draft"] = lambda: dec.mtp_draft(0)
+    pieces["forward4_fma_projections"] = lambda: (setattr(X.mla.MlaStack, "PROJ_DOT", False), dec.forward(4),
+                                                  setattr(X.mla.MlaStack, "PROJ_DOT", True))
     pieces["draft_head"] = lambda: X.moe.gemv_rows(dec.g, dec.draft_head, dec.mtp_logits, block_n=16, block_k=256)
     out = {}
     for name, fn in pieces.items():
@@ -143,7 +145,9 @@ def breakdown(X, model, caches, cos, sin, ctx: int, tag: str, R: dict, draft_voc
     log(f"  {tag}pieces (us): {out}")
     try:
         from torch.profiler import ProfilerActivity, profile
-        for name, fn in (("spec3", lambda: dec.spec_step(3)), ("plain", dec.plain_step)):
+        for name, fn in (("spec3", lambda: dec.spec_step(3)), ("plain", dec.plain_step),
+                         ("forward4", lambda: dec.forward(4)), ("forward1", lambda: dec.forward(1)),
+                         ("draft", lambda: dec.mtp_draft(0))):
             st()
             fn()
             torch.cuda.synchronize()

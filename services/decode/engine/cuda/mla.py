@@ -134,6 +134,7 @@ class MlaStack:
 
     # (block_n, block_k, num_warps, stages) of the attention projections' tensor-core dots (T > 1)
     DOT_TILE: tuple[int, int, int, int] = (16, 512, 4, 3)  # best of bench/decode_gpu_mla.py's sweep (H200)
+    PROJ_DOT: bool = True  # False: the attention projections of T > 1 tokens on fp32 FMAs (bench comparison)
 
     def __init__(self, dims: MlaDims, num_tokens: int, device, num_splits: int = 16, block_s: int = 32,
                  dense_inter: int = 0):
@@ -161,7 +162,7 @@ class MlaStack:
         """h [T, H] += attention; h += MLP/MoE (in place); writes this block's cache rows at pos.."""
         d, t = self.d, self.t
         r, nope = d.kv_lora_rank, d.nope
-        gemv_rows(h, lw.wqkv_a, self.qkv, norm_w=lw.attn_norm, eps=d.eps, dot_tile=self.DOT_TILE)
+        gemv_rows(h, lw.wqkv_a, self.qkv, norm_w=lw.attn_norm, eps=d.eps, dot=self.PROJ_DOT, dot_tile=self.DOT_TILE)
         _mla_prep_kernel[(t, d.num_heads + 1)](self.qkv, self.q_pe, cache, lw.kv_a_norm, pos, cos, sin,
                                                self.qkv.stride(0), d.eps, NUM_HEADS=d.num_heads, NOPE=nope,
                                                ROPE=d.rope, R=r, num_warps=4)
@@ -170,7 +171,8 @@ class MlaStack:
         self.attn(q_c, cache, cache, pos, self.o_lat, stride_kt=r + d.rope, stride_vt=r + d.rope, rope_offset=r,
                   q_pe=self.q_pe, stride_qt=r, stride_qh=t * r)
         o = torch.matmul(self.o_lat.transpose(0, 1), lw.w_uv_t)  # [Hq, T, v]
-        gemv_rows(o.transpose(0, 1).reshape(t, -1), lw.wo, h, residual=h, dot_tile=self.DOT_TILE)
+        gemv_rows(o.transpose(0, 1).reshape(t, -1), lw.wo, h, residual=h, dot=self.PROJ_DOT,
+                  dot_tile=self.DOT_TILE)
         S.rmsnorm_rows(h, lw.mlp_norm, self.xn, d.eps)
         if lw.is_moe:
             router(self.xn, lw.router, lw.router_bias, self.ids, self.wts, d.top_k, d.routed_scale, self.router_logits)

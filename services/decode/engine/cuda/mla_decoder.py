@@ -21,9 +21,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import triton
+import triton.language as tl
 
 from . import smallops as S
-from .gemv import reference_linear, reference_rmsnorm, reference_silu_mul
+from .gemv import _rnd, gemv, reference_linear, reference_rmsnorm, reference_silu_mul
 from .attention import reference_attention
 from .mla import MlaDims, MlaLayer, MlaStack, MtpWeights
 from .moe import gemv_rows, reference_router
@@ -38,6 +40,50 @@ class MlaModel:
     lm_head: torch.Tensor
     mtp: MtpWeights | None
     dense_inter: int
+
+
+HEAD_TILE = (32, 256, 4, 4)  # (block_n, block_k, num_warps, stages) of the one-token heads (Llama lm_head's best)
+
+
+@triton.jit
+def _pick_kernel(val_ptr, idx_ptr, num_parts, tok_ptr, out_tokens_ptr, out_idx_ptr, pos_ptr, g_ptr, hid_ptr, H,
+                 PARTS_POW2: tl.constexpr, H_POW2: tl.constexpr, EMIT: tl.constexpr):
+    # greedy pick over the head GEMV's per-block maxima (ties -> lowest id, as torch.argmax) -> tok_ptr[0];
+    # EMIT (a plain step): out_tokens[out_idx] = tok, out_idx += 1, pos += 1, g = hid (the MTP's hidden)
+    offs = tl.arange(0, PARTS_POW2)
+    val = tl.load(val_ptr + offs, mask=offs < num_parts, other=float("-inf"))
+    idx = tl.load(idx_ptr + offs, mask=offs < num_parts, other=2147483647)
+    tok = tl.min(tl.where(val == tl.max(val, axis=0), idx, 2147483647), axis=0).to(tl.int64)
+    tl.store(tok_ptr, tok)
+    if EMIT:
+        i = tl.load(out_idx_ptr)
+        tl.store(out_tokens_ptr + i, tok)
+        tl.store(out_idx_ptr, i + 1)
+        tl.store(pos_ptr, tl.load(pos_ptr) + 1)
+        hh = tl.arange(0, H_POW2)
+        tl.store(g_ptr + hh, tl.load(hid_ptr + hh, mask=hh < H), mask=hh < H)
+
+
+@triton.jit
+def _mtp_prologue_kernel(embed_ptr, tokens_ptr, j, g_ptr, enorm_ptr, hnorm_ptr, cat_ptr, pos_ptr, pos_draft_ptr, H,
+                         eps, H_POW2: tl.constexpr):
+    # draft j's input: cat[:H] = rmsnorm(embed[tokens[j]]) * enorm, cat[H:] = rmsnorm(g) * hnorm (program 0 / 1,
+    # the rounding points of smallops.rmsnorm_rows); program 0 also sets pos_draft[j] = pos + j
+    half = tl.program_id(0)
+    hh = tl.arange(0, H_POW2)
+    m = hh < H
+    if half == 0:
+        src = embed_ptr + tl.load(tokens_ptr + j) * H
+        w_ptr = enorm_ptr
+        tl.store(pos_draft_ptr + j, tl.load(pos_ptr) + j)
+    else:
+        src = g_ptr
+        w_ptr = hnorm_ptr
+    x = tl.load(src + hh, mask=m, other=0.0).to(tl.float32)
+    inv = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / H + eps)
+    w = tl.load(w_ptr + hh, mask=m, other=0.0)
+    xr = _rnd(x * inv, w.dtype)
+    tl.store(cat_ptr + half * H + hh, (xr * w.to(tl.float32)).to(w.dtype), mask=m)
 
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
@@ -79,6 +125,11 @@ class MlaDecoder:
         self.draft_vocab = draft_vocab or vocab
         self.draft_head = model.mtp.head[: self.draft_vocab] if model.mtp is not None else None  # a view: no copy
         self.mtp_logits = torch.zeros(1, self.draft_vocab, dtype=torch.float32, device=dev)
+        bn = HEAD_TILE[0]
+        self.parts_main = (torch.zeros(triton.cdiv(vocab, bn), dtype=torch.float32, device=dev),
+                           torch.zeros(triton.cdiv(vocab, bn), dtype=torch.int32, device=dev))
+        self.parts_draft = (torch.zeros(triton.cdiv(self.draft_vocab, bn), dtype=torch.float32, device=dev),
+                            torch.zeros(triton.cdiv(self.draft_vocab, bn), dtype=torch.int32, device=dev))
         self.out_tokens = torch.zeros(max_steps + max_draft + 1, dtype=torch.int64, device=dev)
         self.out_idx = torch.zeros(1, dtype=torch.int64, device=dev)
         self.accepted = torch.zeros(1, dtype=torch.int64, device=dev)
@@ -99,31 +150,38 @@ class MlaDecoder:
         for i, lw in enumerate(m.layers):
             self.stacks[t].block(lw, h, self.caches[i], self.pos, self.cos, self.sin)
         S.rmsnorm_rows(h, m.final_norm, self.hid[t], m.dims.eps)
-        gemv_rows(self.hid[t], m.lm_head, self.logits[t], block_n=16, block_k=256, dot_tile=self.LM_HEAD_DOT_TILE)
+        if t == 1:  # with each block's maximum, for _pick_kernel
+            self._head(self.hid[1][0], m.lm_head, self.logits[1][0], self.parts_main)
+        else:
+            gemv_rows(self.hid[t], m.lm_head, self.logits[t], block_n=16, block_k=256, dot_tile=self.LM_HEAD_DOT_TILE)
+
+    @staticmethod
+    def _head(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, parts) -> None:
+        bn, bk, nw, st = HEAD_TILE
+        gemv(x, w, out, block_n=bn, block_k=bk, num_warps=nw, stages=st, argmax_parts=parts)
+
+    def _pick(self, parts, tok: torch.Tensor, emit: bool) -> None:
+        h = self.g.shape[1]
+        _pick_kernel[(1,)](parts[0], parts[1], parts[0].numel(), tok, self.out_tokens, self.out_idx, self.pos, self.g,
+                           self.hid[1], h, PARTS_POW2=triton.next_power_of_2(parts[0].numel()),
+                           H_POW2=triton.next_power_of_2(h), EMIT=emit, num_warps=4)
 
     def mtp_draft(self, j: int) -> None:
         """Draft j: MTP(embed(tokens[j]), g) at pos + j -> tokens[j+1]; g becomes the recycled hidden."""
         mt, eps, hd = self.m.mtp, self.m.dims.eps, self.g.shape[1]
-        torch.index_select(mt.embed, 0, self.tokens[j:j + 1], out=self.mtp_x)
-        S.rmsnorm_rows(self.mtp_x, mt.enorm, self.mtp_cat[:, :hd], eps)
-        S.rmsnorm_rows(self.g, mt.hnorm, self.mtp_cat[:, hd:], eps)
+        _mtp_prologue_kernel[(2,)](mt.embed, self.tokens, j, self.g, mt.enorm, mt.hnorm, self.mtp_cat, self.pos,
+                                   self.pos_draft, hd, eps, H_POW2=triton.next_power_of_2(hd), num_warps=8)
         gemv_rows(self.mtp_cat, mt.eh_proj, self.mtp_x)
-        torch.add(self.pos, j, out=self.pos_draft[j])
         self.stacks[1].block(mt.layer, self.mtp_x, self.caches[len(self.m.layers)], self.pos_draft[j],
                              self.cos, self.sin)
         S.rmsnorm_rows(self.mtp_x, mt.head_norm, self.g, eps)
-        gemv_rows(self.g, self.draft_head, self.mtp_logits, block_n=16, block_k=256)
-        self.tokens[j + 1:j + 2].copy_(argmax_rows(self.mtp_logits))
+        self._head(self.g[0], self.draft_head, self.mtp_logits[0], self.parts_draft)
+        self._pick(self.parts_draft, self.tokens[j + 1:j + 2], emit=False)
 
     def plain_step(self) -> None:
         """One greedy token: forward(1), emit, advance."""
         self.forward(1)
-        a = argmax_rows(self.logits[1])  # [1]
-        self.out_tokens.index_copy_(0, self.out_idx, a)
-        self.out_idx.add_(1)
-        self.g.copy_(self.hid[1])
-        self.tokens[:1].copy_(a)
-        self.pos.add_(1)
+        self._pick(self.parts_main, self.tokens[:1], emit=True)
 
     def spec_step(self, k: int) -> None:
         """k drafts + one verify of k+1 tokens; keeps the longest greedy-matching prefix plus one."""

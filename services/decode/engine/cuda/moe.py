@@ -44,13 +44,15 @@ def _gemv_rows_kernel(x_ptr, w_ptr, out_ptr, res_ptr, nw_ptr, N, K, eps, stride_
     tmask = t < T
     inv = tl.full((T_PAD,), 1.0, tl.float32)
     if NORM:
-        if DOT:  # the real rows (T <= 4) in one load, as the FMA path; then spread over the 16 padded rows
-            t4 = tl.arange(0, 4)
-            kk = tl.arange(0, K_POW2)
-            xs = tl.load(x_ptr + t4[:, None] * stride_x + kk[None, :], mask=(t4 < T)[:, None] & (kk < K)[None, :],
-                         other=0.0).to(tl.float32)
-            inv4 = 1.0 / tl.sqrt(tl.sum(xs * xs, axis=1) / K + eps)
-            inv = tl.sum(tl.where(t[:, None] == t4[None, :], inv4[None, :], 0.0), axis=1)
+        if DOT:  # T_PAD = 16 rows: sum the squares tile by tile (a [16, K] tile would not fit in registers;
+            # one [4, K] load spread over the 16 rows measured slower on the H200)
+            ss = tl.zeros((T_PAD,), tl.float32)
+            for k in range(0, K, BLOCK_K):
+                offs = k + tl.arange(0, BLOCK_K)
+                xs = tl.load(x_ptr + t[:, None] * stride_x + offs[None, :], mask=tmask[:, None] & (offs < K)[None, :],
+                             other=0.0).to(tl.float32)
+                ss += tl.sum(xs * xs, axis=1)
+            inv = 1.0 / tl.sqrt(ss / K + eps)
         else:
             kk = tl.arange(0, K_POW2)
             xs = tl.load(x_ptr + t[:, None] * stride_x + kk[None, :], mask=tmask[:, None] & (kk < K)[None, :],
