@@ -131,6 +131,16 @@ def test_gemv_rows_matches_twin(t, norm, residual):
     close(out, res + ref if residual else ref)
 
 
+@pytest.mark.parametrize("t", [1, 2, 4])
+def test_gemv_rows_reads_a_per_head_output_in_place(t):
+    x, w, res = rand(3, t, 16), rand(20, 48, std=0.2), rand(t, 20)  # x: [heads, T, D] as a bmm writes it
+    out = res.clone()
+    M.gemv_rows(x, w, out, residual=out, heads=True, block_n=8, block_k=16)
+    close(out, res + G.reference_linear(x.transpose(0, 1).reshape(t, 48), w))
+    with pytest.raises(ValueError, match="norm_w"):
+        M.gemv_rows(x, w, out, norm_w=rand(48), heads=True)
+
+
 def test_router_and_grouped_moe_read_each_expert_once_and_match_twin():
     t, h, e, k, inter, shared = 3, 32, 8, 2, 16, 2
     xn, router_w, bias = rand(t, h), rand(e, h, std=0.3), torch.zeros(e)

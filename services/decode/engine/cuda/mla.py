@@ -162,7 +162,11 @@ class MlaStack:
         """h [T, H] += attention; h += MLP/MoE (in place); writes this block's cache rows at pos.."""
         d, t = self.d, self.t
         r, nope = d.kv_lora_rank, d.nope
-        gemv_rows(h, lw.wqkv_a, self.qkv, norm_w=lw.attn_norm, eps=d.eps, dot=self.PROJ_DOT, dot_tile=self.DOT_TILE)
+        if t == 1:
+            gemv_rows(h, lw.wqkv_a, self.qkv, norm_w=lw.attn_norm, eps=d.eps)
+        else:  # the norm first: a norm prologue in each of the GEMV's programs loops over 16 padded rows
+            S.rmsnorm_rows(h, lw.attn_norm, self.xn, d.eps)
+            gemv_rows(self.xn, lw.wqkv_a, self.qkv, dot=self.PROJ_DOT, dot_tile=self.DOT_TILE)
         _mla_prep_kernel[(t, d.num_heads + 1)](self.qkv, self.q_pe, cache, lw.kv_a_norm, pos, cos, sin,
                                                self.qkv.stride(0), d.eps, NUM_HEADS=d.num_heads, NOPE=nope,
                                                ROPE=d.rope, R=r, num_warps=4)
@@ -171,8 +175,10 @@ class MlaStack:
         self.attn(q_c, cache, cache, pos, self.o_lat, stride_kt=r + d.rope, stride_vt=r + d.rope, rope_offset=r,
                   q_pe=self.q_pe, stride_qt=r, stride_qh=t * r)
         o = torch.matmul(self.o_lat.transpose(0, 1), lw.w_uv_t)  # [Hq, T, v]
-        gemv_rows(o.transpose(0, 1).reshape(t, -1), lw.wo, h, residual=h, dot=self.PROJ_DOT,
-                  dot_tile=self.DOT_TILE)
+        if t == 1:
+            gemv_rows(o.view(1, -1), lw.wo, h, residual=h)
+        else:  # [Hq, T, v] read in place (its [T, Hq * v] transpose would be one more copy kernel)
+            gemv_rows(o, lw.wo, h, residual=h, dot=self.PROJ_DOT, dot_tile=self.DOT_TILE, heads=True)
         S.rmsnorm_rows(h, lw.mlp_norm, self.xn, d.eps)
         if lw.is_moe:
             router(self.xn, lw.router, lw.router_bias, self.ids, self.wts, d.top_k, d.routed_scale, self.router_logits)

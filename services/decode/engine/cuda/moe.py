@@ -33,8 +33,8 @@ def _mma(x, w, acc, UPCAST: tl.constexpr):
 
 
 @triton.jit
-def _gemv_rows_kernel(x_ptr, w_ptr, out_ptr, res_ptr, nw_ptr, N, K, eps, stride_x, stride_o,
-                      T: tl.constexpr, T_PAD: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr,
+def _gemv_rows_kernel(x_ptr, w_ptr, out_ptr, res_ptr, nw_ptr, N, K, eps, stride_x, stride_o, stride_xh,
+                      HEAD_DIM: tl.constexpr, T: tl.constexpr, T_PAD: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr,
                       K_POW2: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
                       DOT: tl.constexpr, UPCAST: tl.constexpr):
     pid = tl.program_id(0)
@@ -65,7 +65,11 @@ def _gemv_rows_kernel(x_ptr, w_ptr, out_ptr, res_ptr, nw_ptr, N, K, eps, stride_
     for k in tl.range(0, K, BLOCK_K, num_stages=STAGES):
         offs = k + tl.arange(0, BLOCK_K)
         kmask = offs < K
-        x = tl.load(x_ptr + t[:, None] * stride_x + offs[None, :], mask=tmask[:, None] & kmask[None, :], other=0.0)
+        if HEAD_DIM:  # x is [heads, T, HEAD_DIM] (a batched matmul's output): column k = head k // HEAD_DIM
+            xcol = (offs // HEAD_DIM) * stride_xh + offs % HEAD_DIM
+        else:
+            xcol = offs
+        x = tl.load(x_ptr + t[:, None] * stride_x + xcol[None, :], mask=tmask[:, None] & kmask[None, :], other=0.0)
         if NORM:
             nw = tl.load(nw_ptr + offs, mask=kmask, other=0.0)
             x = _rnd(_rnd(x.to(tl.float32) * inv[:, None], nw.dtype) * nw.to(tl.float32)[None, :], nw.dtype)
@@ -102,14 +106,23 @@ def _dot(t: int, w: torch.Tensor) -> bool:
 def gemv_rows(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, *, norm_w: torch.Tensor | None = None,
               eps: float = 1e-6, residual: torch.Tensor | None = None, block_n: int = 8, block_k: int = 256,
               num_warps: int = 4, stages: int = 4, dot: bool | None = None,
-              dot_tile: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+              dot_tile: tuple[int, int, int, int] | None = None, heads: bool = False) -> torch.Tensor:
     """out[T, N] = [residual +] x'[T, K] @ W[N, K]^T, x' = rmsnorm(x) * norm_w when given (T <= 4).
 
     One token: fp32 FMAs over a [BLOCK_N, BLOCK_K] weight tile. Several: tensor-core dots with the tokens
     padded to 16 rows (the same bytes as one token; the FMA form was compute-bound at 4 tokens), with
     ``dot_tile`` (block_n >= 16, block_k, num_warps, stages) when given; ``dot=False`` keeps FMAs
-    (small matrices such as the router, where 16-row tiles leave too few programs)."""
-    t, k = x.shape
+    (small matrices such as the router, where 16-row tiles leave too few programs). ``heads=True``: x is
+    [heads, T, D] (the per-head value projection's output), read as [T, heads * D] in place."""
+    if heads:  # x [heads, T, D] read as [T, heads * D] without a copy
+        if norm_w is not None:
+            raise ValueError("gemv_rows: heads=True takes no norm_w")
+        nh, t, hd = x.shape
+        k, stride_t, stride_h = nh * hd, x.stride(1), x.stride(0)
+        if x.stride(2) != 1:
+            raise ValueError("gemv_rows: heads=True needs x's last dim contiguous")
+    else:
+        (t, k), stride_t, stride_h, hd = x.shape, x.stride(0), 0, 0
     n = w.shape[0]
     if not 1 <= t <= 4:
         raise ValueError(f"gemv_rows takes 1..4 tokens (a pending token and up to 3 drafts), got {t}")
@@ -120,7 +133,7 @@ def gemv_rows(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, *, norm_w: to
         block_k = max(32, block_k // triton.next_power_of_2(t))  # the [T, BLOCK_N, BLOCK_K] accumulator in registers
     _gemv_rows_kernel[(triton.cdiv(n, block_n),)](
         x, w, out, residual if residual is not None else out, norm_w if norm_w is not None else x, n, k, eps,
-        x.stride(0), out.stride(0), T=t, T_PAD=DOT_ROWS if dot else triton.next_power_of_2(t), NORM=norm_w is not None,
+        stride_t, out.stride(0), stride_h, HEAD_DIM=hd, T=t, T_PAD=DOT_ROWS if dot else triton.next_power_of_2(t), NORM=norm_w is not None,
         RESIDUAL=residual is not None, K_POW2=triton.next_power_of_2(k), BLOCK_N=block_n, BLOCK_K=block_k,
         STAGES=stages, num_warps=num_warps, DOT=dot, UPCAST=_interpreting())
     return out
