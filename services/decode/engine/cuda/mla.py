@@ -133,7 +133,7 @@ class MlaStack:
     """Buffers and launch plan of one MLA+MoE block stack for T tokens (T fixed per instance)."""
 
     # (block_n, block_k, num_warps, stages) of the attention projections' tensor-core dots (T > 1)
-    DOT_TILE: tuple[int, int, int, int] = (16, 512, 4, 3)  # best of bench/decode_gpu_mla.py's sweep (H200)
+    DOT_TILE: tuple[int, int, int, int] = (16, 256, 4, 4)  # best of bench/decode_gpu_mla.py's sweep (H200)
     PROJ_DOT: bool = True  # False: the attention projections of T > 1 tokens on fp32 FMAs (bench comparison)
 
     def __init__(self, dims: MlaDims, num_tokens: int, device, num_splits: int = 16, block_s: int = 32,

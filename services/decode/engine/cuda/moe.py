@@ -169,7 +169,8 @@ def router(xn: torch.Tensor, w: torch.Tensor, bias: torch.Tensor, ids: torch.Ten
     t, e = xn.shape[0], w.shape[0]
     if logits is None:
         logits = torch.empty(t, e, dtype=torch.float32, device=xn.device)
-    gemv_rows(xn, w, logits, block_n=2, block_k=512, stages=2, dot=False)
+    # 512-wide K tiles for any T (gemv_rows narrows block_k by T): 4 dependent loads, not 16
+    gemv_rows(xn, w, logits, block_n=2, block_k=512 * triton.next_power_of_2(t), stages=2, dot=False)
     _router_topk_kernel[(t,)](logits, bias, ids, wts, scale, E=e, TOPK=top_k, num_warps=1)
 
 
