@@ -1,7 +1,9 @@
 """DeepSeek-V3-family shape on one GPU (DeepSeek-V2-Lite-like, random bf16 weights), for decode_gpu.py.
 
 Plain greedy step vs MTP spec steps (k = 1, 2, 3 drafts + one verify, each one CUDA graph) at context
-1K; roofline from the bytes a plain step reads (attention weights, the 6 routed experts it picks, the
+1K, with the full-vocabulary draft head and with a 32K-id draft vocabulary; tensor-core tile sweeps of
+the 4-token verify GEMVs (the best become the run's defaults); graph-timed pieces and per-kernel
+profiles of a step; roofline from the bytes a plain step reads (attention weights, the 6 routed experts it picks, the
 shared experts, the dense layer, router, lm_head, KV); the same with every token routed to the same
 experts (the verify reads no extra experts: what correlated routing would give); correctness: plain
 fast path vs the torch reference (teacher-forced) and spec output == plain output.
@@ -319,6 +321,9 @@ def run_mla(X, R: dict, ctx: int = 1024) -> None:
     finally:
         for l in moe_layers:
             l.router_bias[: s["top_k"]] -= 100.0
+    key = "dsv2lite_samerouting_draftvocab_mtp_k3_step_ratio"
+    if key in R:  # the correlated-routing case with the reduced draft head (the random-routing one is above)
+        R["mtp_k3_step_ratio_same_routing_draft_vocab_32k"] = R[key]
     try:
         R["dsv2lite_correctness"] = c = correctness(X, model, caches, cos, sin, ctx)
         log(f"  correctness: {c}")
