@@ -228,6 +228,68 @@ def bench_cuda(steps: int, context: int) -> dict:
             "hf_tok_s": theirs, "hf_kind": kind, "hf_fraction": theirs / roofline}
 
 
+DSV2_LITE_8L = {  # DeepSeek-V2-Lite's layer shape (no q LoRA, one routing group), 8 layers + 1 MTP layer
+    "model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"], "vocab_size": 102400,
+    "hidden_size": 2048, "intermediate_size": 10944, "moe_intermediate_size": 1408, "num_hidden_layers": 8,
+    "num_attention_heads": 16, "num_key_value_heads": 16, "n_routed_experts": 64, "n_shared_experts": 2,
+    "num_experts_per_tok": 6, "n_group": 1, "topk_group": 1, "first_k_dense_replace": 1, "kv_lora_rank": 512,
+    "q_lora_rank": None, "qk_rope_head_dim": 64, "qk_nope_head_dim": 128, "v_head_dim": 128,
+    "routed_scaling_factor": 1.0, "norm_topk_prob": True, "num_nextn_predict_layers": 1, "rms_norm_eps": 1e-6,
+    "max_position_embeddings": 8192, "rope_theta": 10000.0, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+    "eos_token_id": 1, "bos_token_id": 0, "hidden_act": "silu",
+}
+
+
+def bench_cuda_mla(steps: int, context: int) -> dict:
+    """The DeepSeek-family fast path through the Engine API: plain and MTP (k = 3) greedy decode on the fast
+    path vs the reference step, random bf16 weights (an MTP layer copied from the last block: random drafts
+    are rarely accepted, so this measures the path, not a speed-up)."""
+    from transformers import AutoModelForCausalLM, DeepseekV3Config
+
+    device, dtype, cfg = "cuda", torch.bfloat16, DSV2_LITE_8L
+    config = DeepseekV3Config(**{k: v for k, v in cfg.items() if k not in ("model_type", "architectures")})
+    torch.manual_seed(0)
+    with torch.device(device):
+        hf = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.normal_(0.0, 0.02) if p.dim() > 1 else p.fill_(1.0)
+    tensors = dict(hf.state_dict())
+    last, idx, h = cfg["num_hidden_layers"] - 1, cfg["num_hidden_layers"], cfg["hidden_size"]
+    for name, t in list(tensors.items()):
+        if name.startswith(f"model.layers.{last}."):
+            tensors[name.replace(f"layers.{last}.", f"layers.{idx}.")] = t
+    p = f"model.layers.{idx}."
+    tensors.update({p + "enorm.weight": torch.ones(h, device=device, dtype=dtype),
+                    p + "hnorm.weight": torch.ones(h, device=device, dtype=dtype),
+                    p + "eh_proj.weight": torch.randn(h, 2 * h, device=device, dtype=dtype) * 0.02,
+                    p + "shared_head.norm.weight": tensors["model.norm.weight"],
+                    p + "shared_head.head.weight": tensors["lm_head.weight"],
+                    p + "embed_tokens.weight": tensors["model.embed_tokens.weight"]})
+    del hf
+    prompt = [int(t) for t in torch.randint(2, 102000, (context,), generator=torch.Generator().manual_seed(0))]
+    out: dict = {"device": torch.cuda.get_device_name(), "model": "deepseek-v2-lite-shape, 8 layers (random)",
+                 "dtype": "bfloat16", "context": context}
+    for name, k, mode in (("fast", 0, "auto"), ("fast_mtp3", 3, "auto"), ("reference_graph", 0, "off"),
+                          ("reference_graph_mtp3", 3, "off")):
+        engine = Engine.from_hf_tensors(cfg, tensors, max_seq_len=context + steps + 16, device=device, dtype=dtype,
+                                        model_name="dsv2-lite-shape", num_speculative_tokens=k, fast_path=mode)
+        r = engine_tokens_per_s(engine, prompt, steps, k=k)
+        out[name] = {"tok_s": r["tokens_per_s"], "paths": r["paths"], "acceptance": r["acceptance"],
+                     "fast_path": engine.fast_path_reason or "on"}
+        out[f"{name}_tokens"] = r["token_ids"]
+        del engine
+        gc.collect()
+        torch.cuda.empty_cache()
+    ref = out["reference_graph_tokens"]
+    for name in ("fast", "fast_mtp3", "reference_graph_mtp3"):
+        toks = out.pop(f"{name}_tokens")
+        out[name]["tokens_equal_reference_prefix"] = next(
+            (i for i, (a, b) in enumerate(zip(toks, ref)) if a != b), min(len(toks), len(ref)))
+    out.pop("reference_graph_tokens")
+    return out
+
+
 def _fmt(x, spec="{:.1f}") -> str:
     return "-" if x is None else spec.format(x)
 
@@ -266,6 +328,18 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{'HF ' + c['hf_kind'][:31]:<34}{c['hf_tok_s']:>8.1f}{c['hf_fraction']:>12.0%}")
         print(f"fast path: {c['fast_path']}; greedy tokens equal to the reference step's for the first "
               f"{c['fast_matches_reference_tokens']} of {c['compared_tokens']}")
+        try:
+            m = result["cuda_mla"] = bench_cuda_mla(args.steps, args.context)
+            print(f"\n{m['device']}: {m['model']} {m['dtype']}, context {m['context']}")
+            for name in ("fast", "fast_mtp3", "reference_graph", "reference_graph_mtp3"):
+                r = m[name]
+                print(f"  engine {name:<22}{r['tok_s']:>8.1f} tok/s  paths {'/'.join(r['paths'])}  acceptance "
+                      f"{_fmt(r['acceptance'], '{:.2f}')}  tokens = reference for "
+                      f"{r.get('tokens_equal_reference_prefix', '-')}")
+        except Exception as e:  # noqa: BLE001 - the Llama numbers above still count
+            import traceback
+            result["cuda_mla_error"] = traceback.format_exc()[-2000:]
+            print(f"DeepSeek-family engine measurement failed: {e!r}\n{result['cuda_mla_error']}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"\nwrote {args.out}")

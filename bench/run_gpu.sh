@@ -9,5 +9,5 @@ python3 -c "import torch, triton, transformers; print(torch.__version__, triton.
 python3 bench/decode_gpu.py --parts "${1:-copy,micro,llama,correct,hf,ctx,mla}" --out "$OUT/decode_gpu.json" 2>&1 | tee "$OUT/decode_gpu.log"
 if [ -f bench/decode_engine.py ] && [ "${2:-}" = engine ]; then
   if [ -d .whl ]; then python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site; fi
-  timeout 240 python3 bench/decode_engine.py --device cuda --out "$OUT/decode_engine.json" 2>&1 | tail -60 | tee "$OUT/decode_engine.log"
+  timeout 420 python3 bench/decode_engine.py --device cuda --out "$OUT/decode_engine.json" 2>&1 | tail -60 | tee "$OUT/decode_engine.log"
 fi

@@ -16,13 +16,14 @@ and a single host sync to emit the tokens.
 
 Fast path (``fast_path="auto"|"on"|"off"``, fastpath.py): a step with exactly one active slot whose
 request is greedy runs that slot's batch-1 CUDA-graph decoder (services/decode/engine/cuda) instead,
-``fast_path_tokens_per_step`` tokens per step with one host sync, cut at stop ids and max_tokens
-exactly as the reference step cuts them. Steps over several slots, sampling or speculative requests
-take the reference step. ``auto`` uses it where the engine supports it (CUDA, bfloat16, plain
-Llama-family blocks, no MTP drafts) and logs why not otherwise (``fast_path_reason``); ``on``
-raises ValueError for an engine it cannot serve. Requests it cannot serve (sampling, drafts) take
-the reference step in either mode, their reason in ``slot_fast_path_reason(slot)``;
-``last_step_path`` says which path the last step took.
+``fast_path_tokens_per_step`` tokens per step with one host sync (DeepSeek family with drafts: one
+graph of k MTP drafts + verify per step), cut at stop ids and max_tokens exactly as the reference
+step cuts them. Steps over several slots and sampling requests take the reference step. ``auto``
+uses it where the engine supports it (CUDA, bfloat16, plain Llama-family blocks without drafts, or
+DeepSeek-V3-family blocks without q LoRA) and logs why not otherwise (``fast_path_reason``); ``on``
+raises ValueError for an engine it cannot serve. Requests it cannot serve (sampling; drafts on a
+Llama-family engine) take the reference step in either mode, their reason in
+``slot_fast_path_reason(slot)``; ``last_step_path`` says which path the last step took.
 """
 
 from __future__ import annotations
@@ -194,7 +195,8 @@ class Engine:
             raise ValueError(f"invalid sampling parameters: {sampling}")
         stop = set(sampling.stop_token_ids) | (set() if sampling.ignore_eos else set(self.eos_token_ids))
         k = self.k if sampling.num_speculative_tokens is None else min(self.k, sampling.num_speculative_tokens)
-        s.extra["fast_path_reason"] = self.fast_path_reason or fastpath.request_reason(sampling.temperature == 0, k)
+        s.extra["fast_path_reason"] = self.fast_path_reason or fastpath.request_reason(
+            sampling.temperature == 0, k, self._fast is not None and self._fast.spec_ok)
         if self._fast is not None and s.extra["fast_path_reason"]:
             fastpath.log.debug("slot %d decodes on the reference step: %s", slot, s.extra["fast_path_reason"])
         if self._fast is not None:
@@ -280,7 +282,9 @@ class Engine:
             return {}
         if len(active) == 1 and self._fast_ready(active[0]):
             self.last_step_path = "fast"
-            out, reason = self._fast.step(active[0], self.slots[active[0]], self.max_seq_len)
+            s = self.slots[active[0]]
+            out, reason = self._fast.step(active[0], s, self.max_seq_len,
+                                          self.prefill_hidden[active[0]] if s.has_prefill_hidden else None)
             return {active[0]: StepOutput(token_ids=out, finish_reason=reason)}
         self.last_step_path = "reference"
         dev, k, b = self.device, self.k, len(active)

@@ -3,12 +3,15 @@ one batch-1 decoder + CUDA graph per slot.
 
 Contract:
 - ``engine_reason(mode, model, device, dtype, num_speculative_tokens)``: why this engine cannot run
-  the fast path (``None``: it can). The fast path runs greedy batch-1 steps of bfloat16 Llama-family
-  models with plain blocks (no qkv/o bias, no q/k norm) on CUDA; on CPU only when asked for with
-  ``mode="on"`` while Triton's interpreter is active (tests).
-- ``request_reason(greedy, num_spec)``: why a request cannot (``None``: it can).
-- ``FastPath.step(slot, slot_state, max_seq_len)``: one engine step of a lone active greedy slot.
-- ``FastPath.prepare(slot, token, pos)`` builds a slot's decoder and graph (the engine calls it first,
+  the fast path (``None``: it can). The fast path runs greedy batch-1 steps of bfloat16 models on
+  CUDA: Llama-family models with plain blocks (no qkv/o bias, no q/k norm), one token per step; and
+  DeepSeek-V3-family models without q LoRA and with one routing group (DeepSeek-V2-Lite-like), with
+  MTP drafts (k drafts + one verify per step, greedy acceptance on device) when the engine has
+  them. On CPU only when asked for with ``mode="on"`` while Triton's interpreter is active (tests).
+- ``request_reason(greedy, num_spec, spec_ok)``: why a request cannot (``None``: it can).
+- ``FastPath.step(slot, slot_state, max_seq_len, prev_hidden)``: one engine step of a lone active
+  greedy slot (``prev_hidden``: the prefill's last final-normed hidden, the first MTP draft's input).
+- ``FastPath.prepare(slot, token, pos)`` builds a slot's decoder and graphs (the engine calls it first,
   so that under ``auto`` a build or capture failure turns the fast path off instead of failing the
   request); ``FastPath.decode(slot, token, pos, n)``: ``n`` greedy tokens after ``token`` at position ``pos``
   (their K/V land in the slot's cache at ``pos .. pos + n - 1``): ``n`` graph replays, then one host
@@ -17,7 +20,10 @@ Contract:
   request) re-arms it from ``(token, pos)``. The first call for a slot builds its decoder over the
   engine's weights and the slot's cache views (no copies) and captures its graph with one warm-up
   step at ``pos``: the engine does it for every slot at load with ``pos`` 0 of the still empty
-  slot (later, ``pos`` is the position the first real step writes anyway).
+  slot (later, ``pos`` is the position the first real step writes anyway). A speculative step
+  (DeepSeek family, ``spec(slot, token, pos, k, prev_hidden)``) replays one graph of k drafts + verify
+  and returns the 1..k+1 tokens it kept; its drafts' cache rows may reach ``pos + k`` (the slot
+  layout keeps room for them past max_seq_len).
 """
 
 from __future__ import annotations
@@ -53,15 +59,24 @@ def engine_reason(mode: str, model, device: torch.device, dtype: torch.dtype, nu
     if mode == "off":
         return "fast_path='off'"
     cfg = model.cfg
-    if getattr(model, "family", "") != "gqa":
-        return f"{cfg.model_type}: the engine drives the fast path for Llama-family (GQA) models only"
-    if num_speculative_tokens:
-        return "speculative decoding: the fast path decodes one token per step"
-    for blk in model.layers:
-        if blk.bqkv is not None or blk.bo is not None:
-            return f"{cfg.model_type}: attention biases (qkv/o) are not on the fast path"
-        if blk.q_norm is not None:
-            return f"{cfg.model_type}: q/k norm is not on the fast path"
+    family = getattr(model, "family", "")
+    if family == "mla":
+        if cfg.q_lora_rank:
+            return f"{cfg.model_type}: q LoRA (q_lora_rank={cfg.q_lora_rank}) is not on the fast path's MLA step"
+        if cfg.n_group > 1 and cfg.topk_group < cfg.n_group:
+            return f"{cfg.model_type}: group-limited routing (n_group={cfg.n_group}) is not on the fast path"
+        if not cfg.norm_topk_prob:
+            return f"{cfg.model_type}: unnormalised top-k weights (norm_topk_prob=false) are not on the fast path"
+    elif family == "gqa":
+        if num_speculative_tokens:
+            return "speculative decoding: the Llama-family fast path decodes one token per step"
+        for blk in model.layers:
+            if blk.bqkv is not None or blk.bo is not None:
+                return f"{cfg.model_type}: attention biases (qkv/o) are not on the fast path"
+            if blk.q_norm is not None:
+                return f"{cfg.model_type}: q/k norm is not on the fast path"
+    else:
+        return f"{cfg.model_type}: the engine drives the fast path for Llama- and DeepSeek-V3-family models only"
     if dtype != torch.bfloat16:
         return f"dtype {str(dtype).removeprefix('torch.')}: the fast path runs bfloat16 only"
     if device.type != "cuda" and not (device.type == "cpu" and mode == "on" and _interpreting()):
@@ -74,65 +89,119 @@ def engine_reason(mode: str, model, device: torch.device, dtype: torch.dtype, nu
     return None
 
 
-def request_reason(greedy: bool, num_spec: int) -> str | None:
+def request_reason(greedy: bool, num_spec: int, spec_ok: bool = False) -> str | None:
     """Why a request decodes on the reference path; None when the fast path can serve it."""
     if not greedy:
         return "sampling (temperature > 0): the fast path decodes greedy requests only"
-    if num_spec:
-        return "speculative decoding requested: the fast path decodes one token per step"
+    if num_spec and not spec_ok:
+        return "speculative decoding requested: the Llama-family fast path decodes one token per step"
     return None
 
 
 class FastPath:
     """Per-slot fast decoders over one engine model, built on first use and kept for the slot."""
 
-    def __init__(self, model, device: torch.device, options=None, tokens_per_step: int = 1, max_steps: int = 256):
+    def __init__(self, model, device: torch.device, options=None, tokens_per_step: int = 1, max_steps: int = 256,
+                 num_speculative_tokens: int = 0):
         if tokens_per_step < 1:
             raise ValueError(f"fast_path_tokens_per_step must be >= 1, got {tokens_per_step}")
         self.model, self.device, self.options = model, device, options
+        self.mla = getattr(model, "family", "") == "mla"
+        self.k = num_speculative_tokens if self.mla else 0
+        self.spec_ok = self.mla  # the DeepSeek-family step drafts with the MTP layer
         self.tokens_per_step = tokens_per_step
-        self.max_steps = max(max_steps, tokens_per_step)  # out_tokens rows; re-armed when full
-        self.decoders: dict[int, tuple] = {}  # slot -> (GqaDecoder, GraphRunner)
-        self.held: dict[int, tuple[int, int, int]] = {}  # slot -> (token, pos, step_idx) on device
+        self.max_steps = max(max_steps, tokens_per_step, 4 * (self.k + 1))  # out_tokens rows; re-armed when full
+        self.decoders: dict[int, tuple] = {}  # slot -> (decoder, {drafts k: GraphRunner})
+        self.held: dict[int, tuple[int, int, int]] = {}  # slot -> (token, pos, out index) on device
+
+    def _runner(self, dec, runners: dict, k: int, token: int, pos: int, prev_hidden=None):
+        if k not in runners:
+            from .cuda import GraphRunner
+
+            fn = dec.step if not self.mla else (dec.plain_step if k == 0 else (lambda: dec.spec_step(k)))
+            runners[k] = GraphRunner(fn, self.device, warmup_calls=1,
+                                     before_capture=lambda: self._arm(dec, token, pos, prev_hidden))
+        return runners[k]
+
+    def _arm(self, dec, token: int, pos: int, prev_hidden=None) -> None:
+        if self.mla:
+            dec.set_state(token, pos, prev_hidden)
+        else:
+            dec.set_state(token, pos)
 
     def prepare(self, slot: int, token: int, pos: int):
-        """The slot's (decoder, runner), built and captured on first use (errors propagate)."""
+        """The slot's (decoder, runners), built and captured on first use (errors propagate): the
+        one-token step, and the k-draft step of a DeepSeek-family engine with drafts."""
         if slot not in self.decoders:
-            from .cuda import GraphRunner
-            from .cuda.adapter import gqa_decoder_from_engine
+            if self.mla:
+                from .cuda.adapter import mla_decoder_from_engine
 
-            dec = gqa_decoder_from_engine(self.model, slot, self.options, self.max_steps)
-            dec.set_state(token, pos)
-            runner = GraphRunner(dec.step, self.device, warmup_calls=1,
-                                 before_capture=lambda: dec.set_state(token, pos))
-            self.decoders[slot] = (dec, runner)
+                dec = mla_decoder_from_engine(self.model, slot, max_draft=max(self.k, 1), max_steps=self.max_steps)
+            else:
+                from .cuda.adapter import gqa_decoder_from_engine
+
+                dec = gqa_decoder_from_engine(self.model, slot, self.options, self.max_steps)
+            self._arm(dec, token, pos)
+            runners: dict = {}
+            self.decoders[slot] = (dec, runners)
+            self._runner(dec, runners, 0, token, pos)
+            if self.k:
+                self._runner(dec, runners, self.k, token, pos)
             self.held[slot] = (token, pos, 0)
         return self.decoders[slot]
 
-    def decode(self, slot: int, token: int, pos: int, n: int) -> list[int]:
-        """``n`` >= 1 greedy tokens following ``token`` (at ``pos``); one host sync."""
-        dec, runner = self.prepare(slot, token, pos)
+    def _start(self, slot: int, dec, token: int, pos: int, need: int, prev_hidden) -> int:
+        """Out index where this call's tokens land; re-arms the decoder unless it continues (token, pos)."""
         held = self.held.get(slot)
-        if held is not None and held[:2] == (token, pos) and held[2] + n <= self.max_steps:
-            idx = held[2]
-        else:
-            dec.set_state(token, pos)
-            idx = 0
+        if held is not None and held[:2] == (token, pos):
+            if held[2] + need <= self.max_steps:
+                return held[2]
+            self._arm(dec, token, pos, dec.g.clone() if self.mla else None)  # out_tokens full: keep the hidden
+            return 0
+        self._arm(dec, token, pos, prev_hidden)
+        return 0
+
+    def decode(self, slot: int, token: int, pos: int, n: int, prev_hidden=None) -> list[int]:
+        """``n`` >= 1 greedy tokens following ``token`` (at ``pos``); one host sync."""
+        dec, runners = self.prepare(slot, token, pos)
+        runner = self._runner(dec, runners, 0, token, pos)
+        idx = self._start(slot, dec, token, pos, n, prev_hidden)
         for _ in range(n):
             runner.replay()
         out = dec.out_tokens[idx : idx + n].tolist()  # the one sync
         self.held[slot] = (out[-1], pos + n, idx + n)
         return out
 
-    def step(self, slot: int, s: SlotState, max_seq_len: int) -> tuple[list[int], str | None]:
-        """One engine step of an active slot: up to tokens_per_step greedy tokens, never past its
-        max_tokens or max_seq_len (so cache writes stay inside the slot), cut at stop ids by
-        slots.emit as the reference step cuts them; (emitted tokens, finish reason)."""
+    def spec(self, slot: int, token: int, pos: int, k: int, prev_hidden=None) -> list[int]:
+        """One k-draft step (DeepSeek family): the 1..k+1 tokens it kept (accepted drafts + one); one sync."""
+        dec, runners = self.prepare(slot, token, pos)
+        runner = self._runner(dec, runners, k, token, pos, prev_hidden)
+        idx = self._start(slot, dec, token, pos, k + 1, prev_hidden)
+        runner.replay()
+        row = torch.cat([dec.out_idx, dec.out_tokens[idx : idx + k + 1]]).tolist()  # the one sync
+        n = row[0] - idx
+        out = row[1 : 1 + n]
+        self.held[slot] = (out[-1], pos + n, row[0])
+        return out
+
+    def step(self, slot: int, s: SlotState, max_seq_len: int, prev_hidden=None) -> tuple[list[int], str | None]:
+        """One engine step of an active slot: up to tokens_per_step greedy tokens (or one k-draft step),
+        never past its max_tokens or max_seq_len, cut at stop ids by slots.emit as the reference step
+        cuts them; (emitted tokens, finish reason)."""
         room = min(s.max_tokens - s.num_generated, max_seq_len - 1 - s.seq_len)
-        n = min(self.tokens_per_step, room)
-        tokens = self.decode(slot, s.pending, s.seq_len, n) if n > 0 else []
-        s.num_steps += max(n, 1)
+        k = min(s.num_spec, self.k)
+        if k and room > 0:
+            tokens = self.spec(slot, s.pending, s.seq_len, k, prev_hidden if s.num_generated == 0 else None)
+            s.num_steps += 1
+            s.num_draft_tokens += k
+        else:
+            n = min(self.tokens_per_step, room)
+            tokens = self.decode(slot, s.pending, s.seq_len, n, prev_hidden) if n > 0 else []
+            s.num_steps += max(n, 1)
+        s.num_valid_drafts = 0  # the reference step's held drafts are stale now: it drafts anew
         out, reason = emit(s, tokens, max_seq_len)
+        if k and room > 0:
+            s.num_accepted_tokens += max(0, len(out) - 1)
         if reason is not None:
             s.state = "done"
         return out, reason
@@ -147,7 +216,7 @@ def setup(mode: str, model, device: torch.device, dtype: torch.dtype, num_specul
     """(FastPath or None, reason it is off). Mode "on" raises ValueError where "auto" logs the reason."""
     reason = engine_reason(mode, model, device, dtype, num_speculative_tokens)
     if reason is None:
-        return FastPath(model, device, options, tokens_per_step), None
+        return FastPath(model, device, options, tokens_per_step, num_speculative_tokens=num_speculative_tokens), None
     if mode == "on":
         raise ValueError(f"fast_path='on' cannot run this engine: {reason}; use fast_path='auto' or 'off'")
     if mode == "auto":

@@ -36,11 +36,13 @@ def make_config(arch: str):
             extra["rope_parameters"] = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
                                         "original_max_position_embeddings": 64, "beta_fast": 32,
                                         "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}
-        return tf.DeepseekV3Config(
-            moe_intermediate_size=32, num_key_value_heads=4, n_routed_experts=8, n_shared_experts=1,
-            num_experts_per_tok=2, n_group=2, topk_group=1, first_k_dense_replace=1, kv_lora_rank=32,
-            q_lora_rank=48, qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=24,
-            routed_scaling_factor=2.5, norm_topk_prob=True, num_nextn_predict_layers=1, **small, **extra)
+        if arch.endswith("lite"):  # DeepSeek-V2-Lite-like: no q LoRA, one routing group
+            extra.update(q_lora_rank=None, n_group=1, topk_group=1)
+        params = dict(moe_intermediate_size=32, num_key_value_heads=4, n_routed_experts=8, n_shared_experts=1,
+                      num_experts_per_tok=2, n_group=2, topk_group=1, first_k_dense_replace=1, kv_lora_rank=32,
+                      q_lora_rank=48, qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=24,
+                      routed_scaling_factor=2.5, norm_topk_prob=True, num_nextn_predict_layers=1)
+        return tf.DeepseekV3Config(**{**params, **small, **extra})
     raise ValueError(arch)
 
 

@@ -17,7 +17,7 @@ from shared.events import SamplingParams
 CASES = [
     ("qwen2", torch.bfloat16, "auto", "attention biases"),
     ("qwen3", torch.bfloat16, "auto", "q/k norm"),
-    ("deepseek_v3", torch.bfloat16, "auto", "Llama-family"),
+    ("deepseek_v3", torch.bfloat16, "auto", "q LoRA"),
     ("llama", torch.float32, "auto", "bfloat16 only"),
     ("llama", torch.bfloat16, "auto", "device cpu"),
     ("llama", torch.bfloat16, "off", "fast_path='off'"),
