@@ -44,7 +44,7 @@ def run(engine: Engine, prompt: list[int], sampling: SamplingParams, slot: int =
     return tokens, reason, paths, per_step, stats
 
 
-@pytest.mark.parametrize("k", [0, 1, 3])
+@pytest.mark.parametrize("k", [0, 3])
 def test_mla_fast_path_greedy_tokens_equal_the_reference_engine(checkpoint, k):
     greedy = SamplingParams(max_tokens=14, ignore_eos=True)
     fast = load(checkpoint, "on", k)

@@ -153,14 +153,18 @@ def test_mla_plain_steps_and_verify_follow_reference(tiny_mla):
     assert torch.equal(caches[0][ctx + 5:ctx + 8], ref_caches[0][ctx + 5:ctx + 8])
 
 
+def _plain_tokens(dec, ctx, want):
+    dec.set_state(3, ctx)
+    for _ in range(want):
+        dec.plain_step()
+    return dec.out_tokens[:want].tolist()
+
+
 def test_mtp_spec_output_equals_plain_greedy_output(tiny_mla):
     n, ctx, want = 40, 12, 5
     cos, sin = _tables(n, ROPE)
     dec = MlaDecoder(tiny_mla, _mla_caches(n), cos, sin, max_draft=1, max_steps=16, num_splits=4)
-    dec.set_state(3, ctx)
-    for _ in range(want):
-        dec.plain_step()
-    plain = dec.out_tokens[:want].tolist()
+    plain = _plain_tokens(dec, ctx, want)
     dec.set_state(3, ctx)
     replays = 0
     while int(dec.out_idx) < want:
@@ -177,10 +181,7 @@ def test_reduced_draft_vocab_drafts_from_the_first_ids_and_keeps_the_output(tiny
     n, ctx, want = 40, 12, 5
     cos, sin = _tables(n, ROPE)
     full = MlaDecoder(tiny_mla, _mla_caches(n), cos, sin, max_draft=1, max_steps=16, num_splits=4)
-    full.set_state(3, ctx)
-    for _ in range(want):
-        full.plain_step()
-    plain = full.out_tokens[:want].tolist()
+    plain = _plain_tokens(full, ctx, want)
     dec = MlaDecoder(tiny_mla, _mla_caches(n), cos, sin, max_draft=1, max_steps=16, num_splits=4,
                      draft_vocab=draft_vocab)
     assert dec.draft_head.shape[0] == draft_vocab and dec.draft_head.data_ptr() == tiny_mla.mtp.head.data_ptr()
