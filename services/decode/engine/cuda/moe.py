@@ -23,6 +23,9 @@ import triton.language as tl
 from .gemv import _pair_first, _rnd
 
 
+# The few-token kernels below spell out their dot-or-FMA accumulation each: a jit helper returning a
+# [T, N] or a [T, N, K] accumulator by a constexpr branch runs under the interpreter but does not compile
+# (Triton 3.6, H200).
 @triton.jit
 def _mma(x, w, acc, UPCAST: tl.constexpr):
     """acc + x [M, K] @ w[N, K]^T: bf16 tensor-core dot with fp32 sums; fp32 operands (exact products of
@@ -30,30 +33,6 @@ def _mma(x, w, acc, UPCAST: tl.constexpr):
     if UPCAST:
         return tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
     return tl.dot(x.to(w.dtype), tl.trans(w), acc)
-
-
-@triton.jit
-def _acc_zeros(T_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT: tl.constexpr):
-    """Accumulator of a few-token GEMV tile: [T_PAD, BLOCK_N] for dots, [T_PAD, BLOCK_N, BLOCK_K] for FMAs."""
-    if DOT:
-        return tl.zeros((T_PAD, BLOCK_N), tl.float32)
-    return tl.zeros((T_PAD, BLOCK_N, BLOCK_K), tl.float32)
-
-
-@triton.jit
-def _acc_add(x, w, acc, DOT: tl.constexpr, UPCAST: tl.constexpr):
-    """acc += the products of x [T_PAD, BLOCK_K] and the weight tile w [BLOCK_N, BLOCK_K]."""
-    if DOT:
-        return _mma(x, w, acc, UPCAST)
-    return acc + w.to(tl.float32)[None, :, :] * x.to(tl.float32)[:, None, :]
-
-
-@triton.jit
-def _acc_sum(acc, DOT: tl.constexpr):
-    """[T_PAD, BLOCK_N] fp32 sums (unrounded)."""
-    if DOT:
-        return acc
-    return tl.sum(acc, axis=2)
 
 
 @triton.jit
@@ -82,7 +61,10 @@ def _gemv_rows_kernel(x_ptr, w_ptr, out_ptr, res_ptr, nw_ptr, N, K, eps, stride_
             xs = tl.load(x_ptr + t[:, None] * stride_x + kk[None, :], mask=tmask[:, None] & (kk < K)[None, :],
                          other=0.0).to(tl.float32)
             inv = 1.0 / tl.sqrt(tl.sum(xs * xs, axis=1) / K + eps)
-    acc = _acc_zeros(T_PAD, BLOCK_N, BLOCK_K, DOT)  # DOT: tensor-core [16, BLOCK_K] x [BLOCK_K, BLOCK_N]
+    if DOT:  # several tokens: tensor-core dots [16, BLOCK_K] x [BLOCK_K, BLOCK_N], bf16 in, fp32 sums
+        acc2 = tl.zeros((T_PAD, BLOCK_N), dtype=tl.float32)
+    else:
+        acc = tl.zeros((T_PAD, BLOCK_N, BLOCK_K), dtype=tl.float32)
     for k in tl.range(0, K, BLOCK_K, num_stages=STAGES):
         offs = k + tl.arange(0, BLOCK_K)
         kmask = offs < K
@@ -96,8 +78,14 @@ def _gemv_rows_kernel(x_ptr, w_ptr, out_ptr, res_ptr, nw_ptr, N, K, eps, stride_
             x = _rnd(_rnd(x.to(tl.float32) * inv[:, None], nw.dtype) * nw.to(tl.float32)[None, :], nw.dtype)
         w = tl.load(w_ptr + rows[:, None].to(tl.int64) * K + offs[None, :], mask=rmask[:, None] & kmask[None, :],
                     other=0.0, eviction_policy="evict_first")
-        acc = _acc_add(x, w, acc, DOT, UPCAST)
-    y = _acc_sum(acc, DOT)  # [T_PAD, BLOCK_N]
+        if DOT:
+            acc2 = _mma(x, w, acc2, UPCAST)
+        else:
+            acc += w.to(tl.float32)[None, :, :] * x.to(tl.float32)[:, None, :]
+    if DOT:
+        y = acc2
+    else:
+        y = tl.sum(acc, axis=2)  # [T_PAD, BLOCK_N]
     omask = tmask[:, None] & rmask[None, :]
     if RESIDUAL:
         r = tl.load(res_ptr + t[:, None] * stride_o + rows[None, :], mask=omask, other=0.0)
@@ -227,19 +215,31 @@ def _moe_gate_up_kernel(x_ptr, ids_ptr, w_ptr, ws_ptr, act_ptr, I, K, stride_e,
         rmask = rows < I
         tt = tl.arange(0, T_PAD)
         uses = pair_of >= 0
-        acc_a = _acc_zeros(T_PAD, BLOCK_N, BLOCK_K, DOT)
-        acc_b = _acc_zeros(T_PAD, BLOCK_N, BLOCK_K, DOT)
+        if DOT:
+            dot_a = tl.zeros((T_PAD, BLOCK_N), tl.float32)
+            dot_b = tl.zeros((T_PAD, BLOCK_N), tl.float32)
+        else:
+            acc_a = tl.zeros((T_PAD, BLOCK_N, BLOCK_K), tl.float32)
+            acc_b = tl.zeros((T_PAD, BLOCK_N, BLOCK_K), tl.float32)
         for k in tl.range(0, K, BLOCK_K, num_stages=STAGES):
             offs = k + tl.arange(0, BLOCK_K)
             x = tl.load(x_ptr + tt[:, None] * K + offs[None, :], mask=uses[:, None] & (offs < K)[None, :], other=0.0)
             wmask = rmask[:, None] & (offs < K)[None, :]
             wa = tl.load(base + rows[:, None].to(tl.int64) * K + offs[None, :], mask=wmask, other=0.0)
             wb = tl.load(base + (rows + I)[:, None].to(tl.int64) * K + offs[None, :], mask=wmask, other=0.0)
-            acc_a = _acc_add(x, wa, acc_a, DOT, UPCAST)
-            acc_b = _acc_add(x, wb, acc_b, DOT, UPCAST)
+            if DOT:
+                dot_a = _mma(x, wa, dot_a, UPCAST)
+                dot_b = _mma(x, wb, dot_b, UPCAST)
+            else:
+                acc_a += wa.to(tl.float32)[None, :, :] * x.to(tl.float32)[:, None, :]
+                acc_b += wb.to(tl.float32)[None, :, :] * x.to(tl.float32)[:, None, :]
         dt = act_ptr.dtype.element_ty
-        g = _rnd(_acc_sum(acc_a, DOT), dt)
-        u = _rnd(_acc_sum(acc_b, DOT), dt)
+        if DOT:
+            g = _rnd(dot_a, dt)
+            u = _rnd(dot_b, dt)
+        else:
+            g = _rnd(tl.sum(acc_a, axis=2), dt)
+            u = _rnd(tl.sum(acc_b, axis=2), dt)
         s = _rnd(g / (1.0 + tl.exp(-g)), dt)
         tl.store(act_ptr + pair_of[:, None].to(tl.int64) * I + rows[None, :], (s * u).to(dt),
                  mask=uses[:, None] & rmask[None, :])
@@ -261,14 +261,23 @@ def _moe_down_kernel(act_ptr, ids_ptr, w_ptr, ws_ptr, y_ptr, H, I, stride_e,
         rmask = rows < H
         uses = pair_of >= 0
         src = tl.where(uses, pair_of, 0).to(tl.int64) * I
-        acc = _acc_zeros(T_PAD, BLOCK_N, BLOCK_K, DOT)
+        if DOT:
+            acc2 = tl.zeros((T_PAD, BLOCK_N), tl.float32)
+        else:
+            acc = tl.zeros((T_PAD, BLOCK_N, BLOCK_K), tl.float32)
         for k in tl.range(0, I, BLOCK_K, num_stages=STAGES):
             offs = k + tl.arange(0, BLOCK_K)
             x = tl.load(act_ptr + src[:, None] + offs[None, :], mask=uses[:, None] & (offs < I)[None, :], other=0.0)
             w = tl.load(base + rows[:, None].to(tl.int64) * I + offs[None, :], mask=rmask[:, None] & (offs < I)[None, :],
                         other=0.0)
-            acc = _acc_add(x, w, acc, DOT, UPCAST)
-        y = _acc_sum(acc, DOT)  # fp32, unrounded: the shared halves are summed before rounding
+            if DOT:
+                acc2 = _mma(x, w, acc2, UPCAST)
+            else:
+                acc += w.to(tl.float32)[None, :, :] * x.to(tl.float32)[:, None, :]
+        if DOT:
+            y = acc2
+        else:
+            y = tl.sum(acc, axis=2)  # fp32, unrounded: the shared halves are summed before rounding
         tl.store(y_ptr + pair_of[:, None].to(tl.int64) * H + rows[None, :], y, mask=uses[:, None] & rmask[None, :])
 
 
