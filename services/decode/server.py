@@ -398,6 +398,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-speculative-tokens", type=int, default=None,
                    help="MTP draft tokens per step, 0 to 3 (default: one per MTP layer of the "
                         "model, 0 for models without MTP layers)")
+    p.add_argument("--mtp-draft-vocab", type=int, default=None, metavar="N",
+                   help="on the fast path, MTP drafts propose only token ids < N: a draft head of N rows "
+                        "instead of the whole vocabulary (BPE ids run from frequent to rare); output is "
+                        "unchanged, acceptance may drop (default: the whole vocabulary)")
     p.add_argument("--fast-path", choices=["auto", "on", "off"], default="auto",
                    help="batch-1 CUDA-graph decode for a lone greedy request (auto: where the "
                         "model, dtype and device allow; on: refuse to start otherwise)")
@@ -425,7 +429,7 @@ def _load(args: argparse.Namespace):
         num_spec = default_num_speculative_tokens(args.model)
     engine = Engine.load(args.model, num_slots=args.slots, max_seq_len=args.max_seq_len,
                          device=args.device, dtype=args.dtype, num_speculative_tokens=num_spec,
-                         fast_path=args.fast_path)
+                         fast_path=args.fast_path, mtp_draft_vocab=args.mtp_draft_vocab)
     transport = create_transport(args.transport, host=args.transport_host,
                                  protocol=args.transport_protocol, agent_name=args.node_id)
     buffers = [(engine.slot_buffer(s).data_ptr(), engine.slot_buffer(s).numel())

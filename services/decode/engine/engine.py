@@ -24,6 +24,9 @@ DeepSeek-V3-family blocks without q LoRA) and logs why not otherwise (``fast_pat
 raises ValueError for an engine it cannot serve. Requests it cannot serve (sampling; drafts on a
 Llama-family engine) take the reference step in either mode, their reason in
 ``slot_fast_path_reason(slot)``; ``last_step_path`` says which path the last step took.
+``mtp_draft_vocab=N``: the fast path's MTP drafts propose token ids < N only (its draft head reads N
+rows, not the whole vocabulary); output is unchanged, acceptance may drop. The reference step
+drafts over the whole vocabulary.
 """
 
 from __future__ import annotations
@@ -61,7 +64,10 @@ def _with_logits(model, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
 class Engine:
     def __init__(self, model, cfg, *, model_name: str, num_slots: int, max_seq_len: int, num_speculative_tokens: int,
                  raw_config: dict, eos_token_ids: tuple[int, ...] = (), use_cuda_graphs: bool = True,
-                 fast_path: str = "auto", fast_path_tokens_per_step: int = 1, fast_path_options=None):
+                 fast_path: str = "auto", fast_path_tokens_per_step: int = 1, fast_path_options=None,
+                 mtp_draft_vocab: int | None = None):
+        if mtp_draft_vocab is not None and not 0 < mtp_draft_vocab <= cfg.vocab_size:
+            raise ValueError(f"mtp_draft_vocab must be 1..{cfg.vocab_size} (the vocabulary size), got {mtp_draft_vocab}")
         if num_speculative_tokens and not getattr(model, "has_mtp", False):
             raise ValueError(f"{model_name} has no MTP layer weights: run it with num_speculative_tokens=0")
         if not 0 <= num_speculative_tokens <= 3:
@@ -91,7 +97,8 @@ class Engine:
         self.slots = [SlotState() for _ in range(num_slots)]
         self.fast_path_mode = fast_path
         self._fast, self.fast_path_reason = fastpath.setup(fast_path, model, self.device, self.dtype, self.k,
-                                                           fast_path_options, fast_path_tokens_per_step)
+                                                           fast_path_options, fast_path_tokens_per_step,
+                                                           draft_vocab=mtp_draft_vocab)
         self.last_step_path: str | None = None  # "fast" | "reference" after a step
         with torch.inference_mode():  # build, compile and capture every slot's decoder now, not mid-request
             for slot in range(num_slots if self._fast is not None else 0):
@@ -102,7 +109,7 @@ class Engine:
     def load(cls, model_dir: str | Path, *, num_slots: int = 1, max_seq_len: int = 2048, device: str = "cpu",
              dtype: torch.dtype | str | None = None, num_speculative_tokens: int = 0,
              model_name: str | None = None, use_cuda_graphs: bool = True, fast_path: str = "auto",
-             fast_path_tokens_per_step: int = 1, fast_path_options=None) -> Engine:
+             fast_path_tokens_per_step: int = 1, fast_path_options=None, mtp_draft_vocab: int | None = None) -> Engine:
         """Load an HF safetensors checkpoint or the engine's converted format."""
         raw, cfg = read_config(model_dir)
         if isinstance(dtype, str):
@@ -120,14 +127,14 @@ class Engine:
                    num_slots=num_slots, max_seq_len=max_seq_len, num_speculative_tokens=num_speculative_tokens,
                    raw_config=raw, eos_token_ids=tuple(sorted(eos)), use_cuda_graphs=use_cuda_graphs,
                    fast_path=fast_path, fast_path_tokens_per_step=fast_path_tokens_per_step,
-                   fast_path_options=fast_path_options)
+                   fast_path_options=fast_path_options, mtp_draft_vocab=mtp_draft_vocab)
 
     @classmethod
     def from_hf_tensors(cls, raw_config: dict, tensors: dict[str, torch.Tensor], *, num_slots: int = 1,
                         max_seq_len: int = 2048, device: str = "cpu", dtype: torch.dtype | None = None,
                         num_speculative_tokens: int = 0, model_name: str = "in-memory",
                         use_cuda_graphs: bool = True, fast_path: str = "auto", fast_path_tokens_per_step: int = 1,
-                        fast_path_options=None) -> Engine:
+                        fast_path_options=None, mtp_draft_vocab: int | None = None) -> Engine:
         """Build from HF-named tensors already in memory (an HF model's state_dict: tests, benchmarks)."""
         cfg = parse_config(raw_config)
         dtype = dtype or TORCH_DTYPES.get(cfg.torch_dtype, torch.float32)
@@ -135,7 +142,8 @@ class Engine:
         return cls(build_model(cfg, params), cfg, model_name=model_name, num_slots=num_slots, max_seq_len=max_seq_len,
                    num_speculative_tokens=num_speculative_tokens, raw_config=raw_config, eos_token_ids=cfg.eos_token_ids,
                    use_cuda_graphs=use_cuda_graphs, fast_path=fast_path,
-                   fast_path_tokens_per_step=fast_path_tokens_per_step, fast_path_options=fast_path_options)
+                   fast_path_tokens_per_step=fast_path_tokens_per_step, fast_path_options=fast_path_options,
+                   mtp_draft_vocab=mtp_draft_vocab)
 
     # ------------------------------------------------------------------ slots
 

@@ -102,13 +102,14 @@ class FastPath:
     """Per-slot fast decoders over one engine model, built on first use and kept for the slot."""
 
     def __init__(self, model, device: torch.device, options=None, tokens_per_step: int = 1, max_steps: int = 256,
-                 num_speculative_tokens: int = 0):
+                 num_speculative_tokens: int = 0, draft_vocab: int | None = None):
         if tokens_per_step < 1:
             raise ValueError(f"fast_path_tokens_per_step must be >= 1, got {tokens_per_step}")
         self.model, self.device, self.options = model, device, options
         self.mla = getattr(model, "family", "") == "mla"
         self.k = num_speculative_tokens if self.mla else 0
         self.spec_ok = self.mla  # the DeepSeek-family step drafts with the MTP layer
+        self.draft_vocab = draft_vocab
         self.tokens_per_step = tokens_per_step
         self.max_steps = max(max_steps, tokens_per_step, 4 * (self.k + 1))  # out_tokens rows; re-armed when full
         self.decoders: dict[int, tuple] = {}  # slot -> (decoder, {drafts k: GraphRunner})
@@ -136,7 +137,8 @@ class FastPath:
             if self.mla:
                 from .cuda.adapter import mla_decoder_from_engine
 
-                dec = mla_decoder_from_engine(self.model, slot, max_draft=max(self.k, 1), max_steps=self.max_steps)
+                dec = mla_decoder_from_engine(self.model, slot, max_draft=max(self.k, 1), max_steps=self.max_steps,
+                                              draft_vocab=self.draft_vocab)
             else:
                 from .cuda.adapter import gqa_decoder_from_engine
 
@@ -212,11 +214,12 @@ class FastPath:
 
 
 def setup(mode: str, model, device: torch.device, dtype: torch.dtype, num_speculative_tokens: int,
-          options=None, tokens_per_step: int = 1) -> tuple[FastPath | None, str | None]:
+          options=None, tokens_per_step: int = 1, draft_vocab: int | None = None) -> tuple[FastPath | None, str | None]:
     """(FastPath or None, reason it is off). Mode "on" raises ValueError where "auto" logs the reason."""
     reason = engine_reason(mode, model, device, dtype, num_speculative_tokens)
     if reason is None:
-        return FastPath(model, device, options, tokens_per_step, num_speculative_tokens=num_speculative_tokens), None
+        return FastPath(model, device, options, tokens_per_step, num_speculative_tokens=num_speculative_tokens,
+                        draft_vocab=draft_vocab), None
     if mode == "on":
         raise ValueError(f"fast_path='on' cannot run this engine: {reason}; use fast_path='auto' or 'off'")
     if mode == "auto":

@@ -80,3 +80,17 @@ def test_mla_fast_path_refusals_say_why(checkpoint, tmp_path):
     fast.prefill(0, PROMPT)
     fast.start(0, 5, SamplingParams(max_tokens=3, temperature=0.8, seed=1))
     assert "sampling" in fast.slot_fast_path_reason(0)
+
+
+def test_mla_fast_path_with_a_reduced_draft_vocabulary_keeps_the_output(checkpoint):
+    greedy = SamplingParams(max_tokens=10, ignore_eos=True)
+    fast = Engine.load(checkpoint, num_slots=1, max_seq_len=40, dtype="bfloat16", fast_path="on",
+                       num_speculative_tokens=2, mtp_draft_vocab=128)
+    assert fast._fast.decoders[0][0].draft_head.shape[0] == 128
+    got = run(fast, PROMPT, greedy)
+    want = run(load(checkpoint, "off", 2), PROMPT, greedy)
+    assert got[0] == want[0] and got[2] == {"fast"}
+    for bad in (0, 257):
+        with pytest.raises(ValueError, match="mtp_draft_vocab must be 1..256"):
+            Engine.load(checkpoint, num_slots=1, max_seq_len=40, dtype="bfloat16", num_speculative_tokens=2,
+                        mtp_draft_vocab=bad)

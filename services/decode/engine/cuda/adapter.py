@@ -49,7 +49,8 @@ def _mla_layer(block, moe_inter: int):
     return prepare_layer(_params(block), moe_inter)
 
 
-def mla_decoder_from_engine(model, slot: int, max_draft: int = 3, max_steps: int = 4096) -> MlaDecoder:
+def mla_decoder_from_engine(model, slot: int, max_draft: int = 3, max_steps: int = 4096,
+                            draft_vocab: int | None = None) -> MlaDecoder:
     """MlaDecoder over a bound engine DeepseekModel's weights (and its first MTP layer, if loaded)."""
     cfg = model.cfg
     if cfg.q_lora_rank:
@@ -66,4 +67,5 @@ def mla_decoder_from_engine(model, slot: int, max_draft: int = 3, max_steps: int
                          m0.embed.data, _mla_layer(m0.block, cfg.moe_intermediate_size))
     mm = MlaModel(dims, layers, model.embed.data, model.final_norm.data, model.lm_head.data, mtp, dense_inter)
     caches = [model.cache.kv[i][slot] for i in range(len(model.cache.kv))]
-    return MlaDecoder(mm, caches, model.cos, model.sin, max_draft=max_draft if mtp else 0, max_steps=max_steps)
+    return MlaDecoder(mm, caches, model.cos, model.sin, max_draft=max_draft if mtp else 0, max_steps=max_steps,
+                      draft_vocab=draft_vocab if mtp else None)
