@@ -177,6 +177,8 @@ class FastPath:
     def spec(self, slot: int, token: int, pos: int, k: int, prev_hidden=None) -> list[int]:
         """One k-draft step (DeepSeek family): the 1..k+1 tokens it kept (accepted drafts + one); one sync."""
         dec, runners = self.prepare(slot, token, pos)
+        if k not in runners:  # a request with fewer drafts than the engine: captured now, which re-arms
+            self.held.pop(slot, None)
         runner = self._runner(dec, runners, k, token, pos, prev_hidden)
         idx = self._start(slot, dec, token, pos, k + 1, prev_hidden)
         runner.replay()

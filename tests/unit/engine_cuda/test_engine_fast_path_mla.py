@@ -90,6 +90,8 @@ def test_mla_fast_path_with_a_reduced_draft_vocabulary_keeps_the_output(checkpoi
     got = run(fast, PROMPT, greedy)
     want = run(load(checkpoint, "off", 2), PROMPT, greedy)
     assert got[0] == want[0] and got[2] == {"fast"}
+    one = run(fast, PROMPT, SamplingParams(max_tokens=10, ignore_eos=True, num_speculative_tokens=1))
+    assert one[0] == want[0] and max(one[3]) <= 2 and one[4].num_draft_tokens == one[4].num_steps
     for bad in (0, 257):
         with pytest.raises(ValueError, match="mtp_draft_vocab must be 1..256"):
             Engine.load(checkpoint, num_slots=1, max_seq_len=40, dtype="bfloat16", num_speculative_tokens=2,
