@@ -6,7 +6,9 @@ On CUDA the engine is measured as the product runs it (``fast_path="auto"``: a l
 decodes on the fast path's CUDA graph, one token per step), with 8 tokens per step, and on its
 reference step (``fast_path="off"``, CUDA graph and eager); the fast path's greedy tokens are
 compared with the reference step's (``fast_matches_reference_tokens``: identical leading tokens;
-bf16 random weights drift apart at near-ties, see bench/NOTES-gpu.md).
+bf16 random weights drift apart at near-ties, see bench/NOTES-gpu.md). Then a DeepSeek-V2-Lite-shaped
+model cut to 8 layers (+ one MTP layer) the same way, without drafts and with 3 MTP drafts per step,
+on the fast path and on the reference step (``cuda_mla``).
 
     .venv/bin/python bench/decode_engine.py [--device auto|cpu|cuda] [--steps 128] [--context 1024] [--out PATH]
 
