@@ -46,19 +46,19 @@ def run(engine: Engine, prompt: list[int], sampling: SamplingParams, slot: int =
 
 @pytest.mark.parametrize("k", [0, 3])
 def test_mla_fast_path_greedy_tokens_equal_the_reference_engine(checkpoint, k):
-    greedy = SamplingParams(max_tokens=14, ignore_eos=True)
+    greedy = SamplingParams(max_tokens=9, ignore_eos=True)
     fast = load(checkpoint, "on", k)
     assert fast.fast_path_reason is None
     got, reason, paths, per_step, stats = run(fast, PROMPT, greedy)
     want, want_reason, ref_paths, _, _ = run(load(checkpoint, "off", k), PROMPT, greedy)
     assert paths == {"fast"} and ref_paths == {"reference"}
-    assert got == want and reason == want_reason == "length" and len(got) == 15
+    assert got == want and reason == want_reason == "length" and len(got) == 10
     assert max(per_step) <= k + 1
     if k:
         assert stats.num_draft_tokens == k * stats.num_steps
         assert stats.num_accepted_tokens == len(got) - 1 - stats.num_steps > 0  # drafts were kept
     else:
-        assert stats.num_draft_tokens == 0 and len(per_step) == 14
+        assert stats.num_draft_tokens == 0 and len(per_step) == 9
 
 
 def test_mla_fast_path_cuts_a_speculative_step_at_max_tokens_and_max_seq_len(checkpoint):
@@ -83,14 +83,14 @@ def test_mla_fast_path_refusals_say_why(checkpoint, tmp_path):
 
 
 def test_mla_fast_path_with_a_reduced_draft_vocabulary_keeps_the_output(checkpoint):
-    greedy = SamplingParams(max_tokens=10, ignore_eos=True)
+    greedy = SamplingParams(max_tokens=7, ignore_eos=True)
     fast = Engine.load(checkpoint, num_slots=1, max_seq_len=40, dtype="bfloat16", fast_path="on",
                        num_speculative_tokens=2, mtp_draft_vocab=128)
     assert fast._fast.decoders[0][0].draft_head.shape[0] == 128
     got = run(fast, PROMPT, greedy)
     want = run(load(checkpoint, "off", 2), PROMPT, greedy)
     assert got[0] == want[0] and got[2] == {"fast"}
-    one = run(fast, PROMPT, SamplingParams(max_tokens=10, ignore_eos=True, num_speculative_tokens=1))
+    one = run(fast, PROMPT, SamplingParams(max_tokens=7, ignore_eos=True, num_speculative_tokens=1))
     assert one[0] == want[0] and max(one[3]) <= 2 and one[4].num_draft_tokens == one[4].num_steps
     for bad in (0, 257):
         with pytest.raises(ValueError, match="mtp_draft_vocab must be 1..256"):

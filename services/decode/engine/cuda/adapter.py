@@ -67,5 +67,6 @@ def mla_decoder_from_engine(model, slot: int, max_draft: int = 3, max_steps: int
                          m0.embed.data, _mla_layer(m0.block, cfg.moe_intermediate_size))
     mm = MlaModel(dims, layers, model.embed.data, model.final_norm.data, model.lm_head.data, mtp, dense_inter)
     caches = [model.cache.kv[i][slot] for i in range(len(model.cache.kv))]
+    splits = max(1, min(16, -(-caches[0].shape[0] // 64)))  # 16 (best at 1K on the H200); fewer for short slots
     return MlaDecoder(mm, caches, model.cos, model.sin, max_draft=max_draft if mtp else 0, max_steps=max_steps,
-                      draft_vocab=draft_vocab if mtp else None)
+                      num_splits=splits, draft_vocab=draft_vocab if mtp else None)
