@@ -29,7 +29,6 @@ Contract:
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 
@@ -41,15 +40,12 @@ MODES = ("auto", "on", "off")
 
 
 def _interpreting() -> bool:
-    """Whether Triton kernels run in Triton's CPU interpreter (tests)."""
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        return True
+    """Whether Triton kernels run in Triton's CPU interpreter (tests); False without Triton."""
     try:
-        import triton
+        from .cuda.gemv import interpreting
     except ImportError:
         return False
-    knobs = getattr(triton, "knobs", None)
-    return bool(knobs is not None and knobs.runtime.interpret)
+    return interpreting()
 
 
 def engine_reason(mode: str, model, device: torch.device, dtype: torch.dtype, num_speculative_tokens: int) -> str | None:

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .gemv import INTERPRET, gdc_launch_dependents, gdc_wait, launch_opts
+from .gemv import gdc_launch_dependents, gdc_wait, interpreting, launch_opts
 
 
 @triton.jit
@@ -160,7 +160,7 @@ class DecodeAttention:
             stride_kt, stride_vt, rope_offset,
             T=self.t, NUM_Q_HEADS=self.hq, NUM_KV_HEADS=self.hkv, GROUP=self.group, ROWS=self.rows,
             D_MAIN=self.d_main, D_ROPE=self.d_rope, D_V=self.d_v // self.v_chunks, NUM_SPLITS=self.num_splits,
-            BLOCK_S=self.block_s, DOT_F32=INTERPRET, V_IS_K=self.v_is_k, V_CHUNKS=self.v_chunks, PDL=self.pdl,
+            BLOCK_S=self.block_s, DOT_F32=interpreting(), V_IS_K=self.v_is_k, V_CHUNKS=self.v_chunks, PDL=self.pdl,
             num_warps=self.num_warps, **launch_opts(self.pdl))
         _attn_combine_kernel[(self.t * self.hq,)](self.part_o, self.part_ml, out, NUM_SPLITS=self.num_splits,
                                                   D_V=self.d_v, PDL=self.pdl, num_warps=4, **launch_opts(self.pdl))

@@ -19,16 +19,22 @@ run the kernels under ``TRITON_INTERPRET=1`` against them.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
-
-INTERPRET = bool(triton.knobs.runtime.interpret)
 
 try:  # programmatic dependent launch (sm_90): the next kernel starts its weight loads during our tail
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 except ImportError:  # pragma: no cover - Triton without grid dependency control
     gdc_launch_dependents = gdc_wait = None
+
+
+def interpreting() -> bool:
+    """Whether Triton kernels run in Triton's CPU interpreter (tests)."""
+    knobs = getattr(triton, "knobs", None)
+    return bool(knobs is not None and knobs.runtime.interpret) or os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def launch_opts(pdl: bool) -> dict:

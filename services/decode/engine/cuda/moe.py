@@ -14,13 +14,11 @@
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-from .gemv import _pair_first, _rnd
+from .gemv import _pair_first, _rnd, interpreting
 
 
 # The few-token kernels below spell out their dot-or-FMA accumulation each: a jit helper returning a
@@ -96,11 +94,6 @@ def _gemv_rows_kernel(x_ptr, w_ptr, out_ptr, res_ptr, nw_ptr, N, K, eps, stride_
 DOT_ROWS = 16  # tokens padded to one tensor-core tile when T > 1
 
 
-def _interpreting() -> bool:
-    knobs = getattr(triton, "knobs", None)
-    return bool(knobs is not None and knobs.runtime.interpret) or os.environ.get("TRITON_INTERPRET") == "1"
-
-
 def _dot(t: int, w: torch.Tensor) -> bool:
     """Whether T tokens over weights w take the tensor-core path (bf16/fp16 weights, T > 1)."""
     return t > 1 and w.dtype in (torch.bfloat16, torch.float16)
@@ -138,7 +131,7 @@ def gemv_rows(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, *, norm_w: to
         x, w, out, residual if residual is not None else out, norm_w if norm_w is not None else x, n, k, eps,
         stride_t, out.stride(0), stride_h, HEAD_DIM=hd, T=t, T_PAD=DOT_ROWS if dot else triton.next_power_of_2(t), NORM=norm_w is not None,
         RESIDUAL=residual is not None, K_POW2=triton.next_power_of_2(k), BLOCK_N=block_n, BLOCK_K=block_k,
-        STAGES=stages, num_warps=num_warps, DOT=dot, UPCAST=_interpreting())
+        STAGES=stages, num_warps=num_warps, DOT=dot, UPCAST=interpreting())
     return out
 
 
@@ -330,7 +323,7 @@ class GroupedMoe:
         dot = self.dot and w_gate_up.dtype in (torch.bfloat16, torch.float16)
         common = dict(T=self.t, T_PAD=DOT_ROWS if dot else triton.next_power_of_2(self.t), TOPK=self.k,
                       SLOTS=self.slots, SLOTS_PAD=triton.next_power_of_2(self.slots), DOT=dot,
-                      UPCAST=_interpreting())
+                      UPCAST=interpreting())
         (bn, bk, nw, st), (bn2, bk2, nw2, st2) = self.tiles
         pairs = self.t * self.slots
         _moe_gate_up_kernel[(pairs, triton.cdiv(self.i, bn))](
