@@ -25,6 +25,8 @@ Contract:
   ``release_grace_ms`` passed and the node's heartbeat lists the slot free).
 - Start and outages: for two default heartbeat intervals after ``restore`` (start), a claim with
   no compatible node waits instead of being rejected (nodes have not announced themselves yet);
+  if none has appeared when the warm-up ends (or the claim's deadline comes first), it is rejected
+  ``no_compatible_node``, as is a waiting claim whose last compatible node died or drained;
   ``on_reconnected`` counts every node as seen (beats missed while we were cut off prove nothing).
 - Messages naming an unknown lease, an old generation, or a lease already ended are ignored for
   state and counted in ``counters["stale_ignored"]`` (fencing bookkeeping still learns from them).
@@ -175,10 +177,7 @@ class CoordinatorCore:
                                             enqueued_at_ms=entry.enqueued_at_ms,
                                             deadline_ms=entry.deadline_ms)
                 return [PutQueued(self.queue[i])]
-        is_warming_up = now_ms < self.warmup_until_ms
-        if not is_warming_up and not any(
-            self.registry.transport_for(n, claim) for n in self.nodes.values()
-        ):
+        if not self._is_warming_up(now_ms) and not self._has_compatible_node(claim):
             return self._reject(claim, reply_to, "no_compatible_node", now_ms)
         pick = self._pick_slot(claim)
         if pick is not None:
@@ -192,6 +191,13 @@ class CoordinatorCore:
         self.queue.append(entry)
         self.counters["claims_queued"] += 1
         return [PutQueued(entry), self._event(claim.request_id, "queued", now_ms)]
+
+    def _is_warming_up(self, now_ms: int) -> bool:
+        """Just started: nodes that are alive may not have beaten yet, so "no node" proves nothing."""
+        return now_ms < self.warmup_until_ms
+
+    def _has_compatible_node(self, claim: ClaimRequest) -> bool:
+        return any(self.registry.transport_for(n, claim) for n in self.nodes.values())
 
     def _pick_slot(self, claim: ClaimRequest) -> tuple[str, int, str] | None:
         """(node, slot, transport) on the compatible node with the most free slots."""
@@ -339,10 +345,17 @@ class CoordinatorCore:
             ):
                 effects += self._end(lease, "failed", "start_timeout", now_ms)
                 effects.append(PutLease(lease))
-        for entry in [q for q in self.queue if now_ms >= q.deadline_ms]:
+        # A waiting claim ends at its deadline, or as soon as no node could ever serve it (once
+        # the start-up warm-up is over): the caller falls back at once instead of waiting in vain.
+        is_warming_up = self._is_warming_up(now_ms)
+        for entry in list(self.queue):
+            has_node = self._has_compatible_node(entry.claim)
+            if now_ms < entry.deadline_ms and (has_node or is_warming_up):
+                continue
             self.queue.remove(entry)
             effects.append(DeleteQueued(entry.claim.request_id))
-            effects += self._reject(entry.claim, entry.reply_to, "deadline", now_ms)
+            reason = "deadline" if has_node else "no_compatible_node"
+            effects += self._reject(entry.claim, entry.reply_to, reason, now_ms)
         return effects + self._sweep_and_dispatch(now_ms)
 
     def reject_queued(self, reason: str, now_ms: int) -> list[Effect]:

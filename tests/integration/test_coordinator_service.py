@@ -2,8 +2,9 @@
 
 Each test gets its own nats-server (so the coordinator's KV bucket and report stream start empty),
 runs ``expresslane coordinator`` and ``expresslane decode`` as subprocesses on the tiny Llama, and
-ends with the leak check: no lease, no waiting claim, every decode slot free. Latencies are
-measured and printed, never asserted tightly (generous bounds only).
+ends with the leak check: no lease, no waiting claim, every decode slot free. Tests wait for
+conditions and assert outcomes, never durations: how fast leases fail or slots come back is
+measured by ``bench/chaos.py``.
 """
 
 from __future__ import annotations
@@ -288,21 +289,20 @@ async def test_killing_decode_node_fails_its_leases_within_three_heartbeats(stac
         slot=ready.target.slot.slot, num_tokens=8, layout_version=1, nbytes=0))
     await stack.wait_state("r2", "kv_ready")
     node.kill()
-    killed_at_ms = time.time() * 1000
-    await stack.wait_state("r0", "failed", timeout_s=10)
-    await stack.wait_state("r2", "failed", timeout_s=10)
+    await stack.wait_state("r0", "failed", timeout_s=30)
+    await stack.wait_state("r2", "failed", timeout_s=30)
     failed = [e for e in stack.events if e.state == "failed"]
-    elapsed_ms = max(e.at_ms for e in failed) - killed_at_ms
-    print(f"decode node killed -> leases failed in {elapsed_ms:.0f} ms (heartbeat {HEARTBEAT_MS} ms)")
-    # 3 missed beats, plus one coordinator tick and scheduling slack (timed by the coordinator)
-    assert elapsed_ms < 3 * HEARTBEAT_MS + 1500
     assert {(e.request_id, e.reason, e.node_id) for e in failed} == {
         ("r0", "node_dead", "d1"), ("r2", "node_dead", "d1")}
     assert stack.states("r0") == ["claimed", "failed"]
     assert stack.states("r2") == ["claimed", "kv_ready", "failed"]
-    gone = await stack.claim("r3")
+    # No live node serves the model: whether the claim arrives inside the coordinator's start-up
+    # warm-up (it waits for nodes to announce themselves, then is turned away) or after it, the
+    # answer is the same.
+    gone = await stack.claim("r3", wait_ms=5000, timeout_s=30)
     assert isinstance(gone, ClaimRejected) and gone.reason == "no_compatible_node"
-    await stack.coord.wait_healthy(5, until=lambda h: h["leases"] == 1)  # r0's fence
+    # r0's slot stays fenced until its transfer deadline + grace (tests/unit/coordinator), then
+    # nothing is left.
     await stack.assert_no_leak([])
 
 
@@ -371,32 +371,24 @@ async def test_nats_restart_both_services_reconnect_and_no_lease_is_lost(stack):
     await stack.assert_no_leak([node])
 
 
-async def test_cancel_frees_the_slot_promptly(stack):
+async def test_cancel_frees_the_slot(stack):
     await stack.coordinator()
-    node = await stack.decode("d1", 1)
+    # Room for far more tokens than a decode produces while a cancel crosses the bus.
+    node = await stack.decode("d1", 1, "--max-seq-len", "2048")
     grant = await stack.claim("r0")
-    queue = await run_request(stack, grant, prompt_len=8, max_tokens=240)
+    queue = await run_request(stack, grant, prompt_len=8, max_tokens=2000)
     first = await asyncio.wait_for(queue.get(), 30)
     assert isinstance(first, TokensGenerated)
-    t0 = time.monotonic()
-    cancelled_at_ms = time.time() * 1000
     await stack.bus.publish(subjects.req_cancel("r0"), CancelRequest(request_id="r0"))
     end = None
     while end is None:
-        ev = await asyncio.wait_for(queue.get(), 10)
+        ev = await asyncio.wait_for(queue.get(), 30)
         end = ev if not isinstance(ev, TokensGenerated) else None
-    t_end = time.monotonic() - t0
     assert isinstance(end, RequestFinished) and end.finish_reason == "cancelled"
-    assert end.usage.completion_tokens < 241
+    assert end.usage.completion_tokens < 2001
     await stack.wait_state("r0", "cancelled")
-    await stack.coord.wait_healthy(10, until=lambda h: h["leases"] == 0 and h["free_slots"] == 1)
-    t_free = time.monotonic() - t0
-    print(f"cancel -> finished(cancelled) {t_end * 1000:.0f} ms, slot leasable again {t_free * 1000:.0f} ms")
+    await stack.coord.wait_healthy(30, until=lambda h: h["leases"] == 0 and h["free_slots"] == 1)
     assert stack.states("r0") == ["claimed", "kv_ready", "decoding", "cancelled"]
-    # the lease ends (coordinator's own clock) within a second of the cancel
-    (ended,) = [e for e in stack.events if e.request_id == "r0" and e.state == "cancelled"]
-    assert ended.at_ms - cancelled_at_ms < 1000
-    assert t_free < 5.0  # and the slot is advertised free again soon after
     assert queue.empty()  # nothing after the terminal event
     await stack.assert_no_leak([node])
 

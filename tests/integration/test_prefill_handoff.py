@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import time
 import uuid
 
 import httpx
@@ -120,14 +119,12 @@ async def test_receiver_gone_gives_kv_failed_and_frees_the_slot(fresh_connector_
     rx.close()
     try:
         before = llama.stats()
-        t0 = time.monotonic()
         async with httpx.AsyncClient() as client:
             resp = await llama.complete(client, PROMPT_A, kv_transfer_params=params)
             assert resp["kv_transfer_params"]["expresslane"]["handed_off"] is True  # staged; then failed
             event, _ = await events.next(timeout_s=TRANSFER_TIMEOUT_S + 10)
             assert isinstance(event, KvFailed) and event.request_id == h.request_id, event
             assert "transfer failed" in event.reason
-            assert time.monotonic() - t0 < TRANSFER_TIMEOUT_S + 10
             again = await llama.complete(client, PROMPT_A)  # vLLM still serves
         assert again["choices"][0]["token_ids"] == resp["choices"][0]["token_ids"]
         assert llama.stats()["kv_failed"] == before["kv_failed"] + 1
@@ -155,9 +152,9 @@ async def test_no_free_staging_slot_is_reported_not_blocked(fresh_connector_vllm
                 await llama.complete(client, PROMPT_B, kv_transfer_params=params)
             assert llama.stats()["sending"] == STAGING_SLOTS
             h, params = handoff_params(receivers[-1], layout, node_id)
-            t0 = time.monotonic()
+            # Not blocked behind the writes: had the response waited for one of them to end,
+            # its staging slot would have been free again.
             resp = await llama.complete(client, PROMPT_A, kv_transfer_params=params)
-            assert time.monotonic() - t0 < TRANSFER_TIMEOUT_S / 2  # not blocked behind the writes
             status = resp["kv_transfer_params"]["expresslane"]
             assert status["handed_off"] is False and status["reason"] == "no free staging slot"
             failed = {}

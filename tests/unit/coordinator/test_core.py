@@ -412,6 +412,36 @@ CASES = {
         (2001, "claim", {"rid": "r2", "model": "other"},
          {"reply": {"r2": ("rejected", "no_compatible_node", 250)}}),
     ],
+    # A claim for a model no node serves, arriving while a new coordinator waits for nodes to
+    # announce themselves, waits out the warm-up and then gets the answer it would have got later.
+    "claim_for_unserved_model_during_warmup_is_rejected_when_warmup_ends": [
+        (0, "restart", {}, {}),
+        (1, "claim", {"rid": "r1", "model": "other", "wait": 5000},
+         {"events": [("r1", "queued")], "queue": ["r1"]}),
+        (500, "hb", {"free": (0,)}, {"reply": {"r1": None}, "queue": ["r1"]}),
+        (1999, "tick", {}, {"reply": {"r1": None}, "queue": ["r1"]}),
+        (2000, "tick", {}, {"reply": {"r1": ("rejected", "no_compatible_node", 250)}, "queue": [],
+                            "events": [("r1", "rejected")]}),
+    ],
+    "claim_during_warmup_whose_deadline_comes_first_says_no_compatible_node": [
+        (0, "restart", {}, {}),
+        (1, "claim", {"rid": "r1", "wait": 300}, {"queue": ["r1"]}),
+        (300, "tick", {}, {"reply": {"r1": None}}),
+        (301, "tick", {}, {"reply": {"r1": ("rejected", "no_compatible_node", 250)}, "queue": []}),
+    ],
+    "claim_during_warmup_for_a_busy_node_times_out_as_deadline": [
+        (0, "restart", {}, {}),
+        (1, "hb", {"free": ()}, {}),
+        (2, "claim", {"rid": "r1", "wait": 300}, {"queue": ["r1"]}),
+        (302, "tick", {}, {"reply": {"r1": ("rejected", "deadline", 250)}, "queue": []}),
+    ],
+    "waiting_claim_whose_last_node_dies_is_rejected_at_once": [
+        (0, "hb", {"free": (0,), "interval": 100}, {}),
+        (0, "claim", {"rid": "r1"}, {}),
+        (0, "claim", {"rid": "r2", "wait": 5000}, {"queue": ["r2"]}),
+        (301, "tick", {}, {"events": [("r1", "failed"), ("r2", "rejected")], "queue": [],
+                           "reply": {"r2": ("rejected", "no_compatible_node", 250)}}),
+    ],
     "restart_fails_leases_of_node_that_never_returns": [
         (0, "hb", {"free": (0,)}, {}),
         (0, "claim", {"rid": "r1"}, {}),

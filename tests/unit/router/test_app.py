@@ -136,8 +136,7 @@ async def harness(nats_url, model_dir):
     tok = AutoTokenizer.from_pretrained(model_dir)
     world = World(tok, model_dir)
     cfg = RouterConfig(prefill_urls=("http://vllm",), nats_url=nats_url,
-                       policy=PolicyConfig(capability_gate="reject"),
-                       first_decode_timeout_s=1.0, token_timeout_s=0.5)
+                       policy=PolicyConfig(capability_gate="reject"))
     app = create_app(cfg)
     router: Router = app.state.router
     await router.http.aclose()
@@ -145,9 +144,9 @@ async def harness(nats_url, model_dir):
     bus = await Bus.connect(nats_url, name="fakes")
     await world.attach(bus)
     await router.start()
-    for _ in range(100):
-        if router.is_ready and router.bus and router.express_capacity().get(MODEL):
-            break
+    deadline = time.monotonic() + 60
+    while not (router.is_ready and router.bus and router.express_capacity().get(MODEL)):
+        assert time.monotonic() < deadline, "the router never saw the node's heartbeat"
         await asyncio.sleep(0.05)
         await bus.publish(subjects.node_avail("n0"), world.heartbeat)
     client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://router")
@@ -158,6 +157,13 @@ async def harness(nats_url, model_dir):
         await router.stop()
         await bus.close()
     assert router.dispatcher.num_open == 0  # no leg left registered
+
+
+def with_silence_timeout(router: Router, **overrides) -> None:
+    """A node that goes silent is noticed after 1 s (the default is long enough that a busy
+    machine never takes a slow healthy stream for a lost node)."""
+    router.cfg = RouterConfig(**{**router.cfg.__dict__, "token_timeout_s": 1.0,
+                                 "first_decode_timeout_s": 1.0, **overrides})
 
 
 def _sse(raw: str) -> list:
@@ -243,6 +249,7 @@ async def test_rejection_no_node_could_take_goes_standard(harness):
 async def test_node_failure_migrates_without_loss(harness, with_event):
     world, client, router, _ = harness
     world.fail_after, world.fail_with_event = 3, with_event
+    with_silence_timeout(router)
     r = await client.post("/v1/chat/completions", json=_chat(stream=True, max_tokens=10, return_token_ids=True))
     events = _sse(r.text)
     ids = [t for e in events[:-1] for c in e["choices"] for t in c.get("token_ids") or []]
@@ -254,7 +261,7 @@ async def test_node_failure_migrates_without_loss(harness, with_event):
 async def test_migration_to_standard_lane(harness):
     world, client, router, _ = harness
     world.fail_after = 2
-    router.cfg = RouterConfig(**{**router.cfg.__dict__, "migrate_to": "standard"})
+    with_silence_timeout(router, migrate_to="standard")
     r = await client.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 9,
                                                   "temperature": 0, "return_token_ids": True})
     assert r.json()["choices"][0]["token_ids"] == world.answer[:9]
