@@ -61,7 +61,7 @@ async def run(args) -> dict:
     from infra.nats import NatsServer
     from infra.tinymodel import make_model
     from services.prefill.config import ExpressConfig
-    from services.prefill.handoff import Handoff, make_params
+    from shared.handoff import Handoff, request_params
     from services.prefill.launch import kv_transfer_config, vllm_command, vllm_env
     from services.prefill.sender import write_ops
     from shared import subjects
@@ -133,7 +133,7 @@ async def run(args) -> dict:
                     h = Handoff(request_id=f"b-{uuid.uuid4().hex[:8]}", lease_id="l", generation=1,
                                 target=target)
                     plain_ms = await complete(other)
-                    claimed_ms = await complete(prompt, make_params(h))
+                    claimed_ms = await complete(prompt, request_params(h))
                     event = await asyncio.wait_for(ready.get(), 60)
                     if args.skip_transfer:
                         event = KvReady(request_id="", lease_id="", generation=0, node_id="", slot=0,

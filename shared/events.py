@@ -113,13 +113,15 @@ class SpecStats(msgspec.Struct, kw_only=True):
 
 class ClaimRequest(Event, tag="claim"):
     request_id: str
-    model: str
+    model: str  # the served name
     num_prompt_tokens: int
     max_tokens: int
     protocol_version: int = PROTOCOL_VERSION
     transports: list[str] = msgspec.field(default_factory=lambda: ["mooncake", "nixl"])
     wait_ms: int = 2000  # how long the claim may wait in the queue for a free slot
     tenant: str = ""
+    # The model's other names (checkpoint path, its directory); matched with shared.models.serves.
+    model_aliases: list[str] = []
 
 
 class ClaimGranted(Event, tag="claim_granted"):

@@ -7,7 +7,8 @@ Contract:
   no new lease; a node known only from restored leases (``info`` None) gets none either until it
   beats again.
 - ``transport_for(node, claim)``: the transport to use when the node could ever serve the claim
-  (model, protocol version, layout version, room for prompt + max_tokens, a shared transport).
+  (the model by any of its names, matched as the router matches it: shared.models; protocol
+  version, layout version, room for prompt + max_tokens, a shared transport).
 - ``free_slots(node_id, held)``: slots the node's last heartbeat lists free, that it advertises a
   buffer for, minus ``held`` (slots under a lease).
 """
@@ -17,6 +18,7 @@ from __future__ import annotations
 from services.coordinator.model import CoordinatorConfig, Node
 from shared.events import PROTOCOL_VERSION, ClaimRequest, NodeAvailable, NodeDraining
 from shared.kvlayout import LAYOUT_VERSION
+from shared.models import serves
 
 
 class NodeRegistry:
@@ -57,7 +59,9 @@ class NodeRegistry:
 
     def transport_for(self, node: Node, claim: ClaimRequest) -> str | None:
         info = node.info
-        if info is None or node.is_draining or info.model != claim.model:
+        if info is None or node.is_draining:
+            return None
+        if not serves(info.model, {claim.model, *claim.model_aliases}):
             return None
         if info.protocol_version != PROTOCOL_VERSION or info.layout.layout_version != LAYOUT_VERSION:
             return None

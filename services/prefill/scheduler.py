@@ -2,8 +2,8 @@
 staging slot they get. Pure bookkeeping (no torch, no vLLM, no I/O).
 
 - A request is claimed at its first allocation when its ``kv_transfer_params`` carry the
-  express-lane key; every other request is ignored entirely (no state, no metadata), so the
-  connector composes under MultiConnector.
+  express-lane key (the contract: shared.handoff); every other request is ignored entirely (no
+  state, no metadata), so the connector composes under MultiConnector.
 - Block ids are followed step by step (chunked prefill appends blocks; a request resumed after
   preemption gets its whole block table again).
 - The step in which ``num_computed + num_scheduled`` reaches the prompt length is the step whose
@@ -22,7 +22,7 @@ from typing import Iterable, Protocol
 
 import msgspec
 
-from services.prefill.handoff import Handoff, HandoffStatus, is_marked, parse_handoff, status_params
+from shared.handoff import Handoff, HandoffStatus, is_marked, parse_request, status_params
 
 
 class Slots(Protocol):
@@ -68,7 +68,7 @@ class ExpressScheduler:
         if request_id in self.claims or not is_marked(kv_transfer_params):
             return
         try:
-            handoff, reason = parse_handoff(kv_transfer_params), ""
+            handoff, reason = parse_request(kv_transfer_params), ""
         except (msgspec.ValidationError, TypeError) as exc:
             handoff, reason = None, f"invalid expresslane kv_transfer_params: {exc}"
         self.claims[request_id] = Claim(request_id, handoff, num_prompt_tokens, reason=reason)

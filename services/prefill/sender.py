@@ -19,10 +19,10 @@ from opentelemetry import trace
 
 from shared import subjects
 from shared.events import KvFailed, KvLayoutSpec, KvReady
+from shared.handoff import Handoff
 from shared.tracing import context_from_traceparent, current_traceparent
 from shared.transport import TransferError, Transport
 
-from services.prefill.handoff import Handoff
 from services.prefill.staging import FREE
 
 # A child of vLLM's logger, so lines appear in vLLM's log with its format.

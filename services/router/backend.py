@@ -14,7 +14,6 @@ Contract:
 from __future__ import annotations
 
 import json
-import os
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,6 +22,7 @@ from typing import Any
 import httpx
 
 from services.router.validate import ParsedRequest
+from shared.models import model_aliases
 
 
 @dataclass
@@ -36,9 +36,9 @@ class ModelInfo:
     defaults: dict[str, Any] = field(default_factory=dict)
 
     @property
-    def aliases(self) -> set[str]:
-        root = self.root.rstrip("/")
-        return {self.name, root, os.path.basename(root)}
+    def aliases(self) -> frozenset[str]:
+        """Every name of the model (shared.models: the coordinator matches nodes by the same)."""
+        return model_aliases(self.name, self.root)
 
 
 def _generation_config(root: str) -> dict[str, Any]:

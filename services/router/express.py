@@ -5,7 +5,7 @@ Contract (``ExpressStream``):
   Retry-After; no coordinator, or a rejection that no express node could ever take ->
   ``LaneFallback``: the caller serves the standard lane), then the prefill leg
   to vLLM (``max_tokens=1``, ``stream=false``, ``return_token_ids``, ``kv_transfer_params`` with
-  the lease and its transfer target). A vLLM error passes through (``UpstreamError``) and the lease
+  the lease and its transfer target: shared.handoff). A vLLM error passes through (``UpstreamError``) and the lease
   is cancelled. Returns the prompt's token ids.
 - ``tokens()``: the completion's token ids as ``TokenBatch``es: the first token (from the prefill)
   at once, then ``DecodeStart`` to the node and its ``TokensGenerated`` relayed in order, ending
@@ -45,6 +45,7 @@ from shared.events import (
     CancelRequest, ClaimGranted, ClaimReply, ClaimRejected, ClaimRequest, DecodeStart, HandoffEvent,
     RequestFailed, RequestFinished, SamplingParams, TokensGenerated,
 )
+from shared.handoff import Handoff, parse_status, request_params
 from shared.log import get_logger
 from shared.tracing import current_traceparent, inject_headers
 
@@ -52,6 +53,31 @@ _log = get_logger("services.router.express")
 # Rejections that mean "busy, retry later" (429); any other reason sends the request to the
 # standard lane (no compatible node, protocol mismatch, ...).
 CAPACITY_REASONS = frozenset({"no_free_slot", "queue_full", "deadline", "coordinator_stopping"})
+
+
+def claim_request(info: ModelInfo, request_id: str, *, num_prompt_tokens: int, max_tokens: int,
+                  wait_ms: int, tenant: str = "") -> ClaimRequest:
+    """The claim for one leg: the served name and the model's other names (shared.models)."""
+    return ClaimRequest(request_id=request_id, model=info.name,
+                        model_aliases=sorted(info.aliases - {info.name}),
+                        num_prompt_tokens=num_prompt_tokens, max_tokens=max_tokens, wait_ms=wait_ms,
+                        tenant=tenant)
+
+
+def handoff_params(grant: ClaimGranted, traceparent: str = "") -> dict[str, Any]:
+    """The prefill request's ``kv_transfer_params`` for a granted claim (shared.handoff)."""
+    return request_params(Handoff.from_grant(grant, traceparent=traceparent))
+
+
+def not_handed_off_reason(kv_transfer_params: Any) -> str:
+    """Why the prefill kept the KV, from its response ("" when it handed it off or said nothing)."""
+    try:
+        status = parse_status(kv_transfer_params)
+    except msgspec.ValidationError as exc:
+        return f"unreadable hand-off status from the prefill: {exc}"
+    if status is None or status.handed_off:
+        return ""
+    return status.reason or "the prefill did not hand the KV off"
 
 
 class LaneFallback(Exception):
@@ -116,13 +142,9 @@ class ExpressStream:
 
     # ---------------------------------------------------------------- one leg
 
-    def _node_model(self) -> str:
-        live = self.d.nodes.live(time.monotonic(), self.info.aliases)
-        return live[0].model if live else self.info.name
-
     async def _claim(self, leg_id: str, num_prompt: int, max_tokens: int, wait_ms: int) -> ClaimGranted:
-        req = ClaimRequest(request_id=leg_id, model=self._node_model(), num_prompt_tokens=num_prompt,
-                           max_tokens=max_tokens, wait_ms=wait_ms, tenant=self._tenant)
+        req = claim_request(self.info, leg_id, num_prompt_tokens=num_prompt, max_tokens=max_tokens,
+                            wait_ms=wait_ms, tenant=self._tenant)
         t0 = time.perf_counter()
         with self.d.tracer.start_as_current_span("router.claim", context=self._ctx,
                                                  attributes={"request_id": leg_id}):
@@ -175,13 +197,8 @@ class ExpressStream:
         t0 = time.perf_counter()
         with self.d.tracer.start_as_current_span("router.prefill", context=self._ctx, kind=SpanKind.CLIENT,
                                                  attributes={"request_id": leg.id, "node_id": g.node_id}):
-            params = {"expresslane": {
-                "request_id": leg.id, "lease_id": g.lease_id, "generation": g.generation,
-                "target": msgspec.to_builtins(g.target), "traceparent": current_traceparent(),
-                "expires_at_ms": g.expires_at_ms,
-            }}
             body = {**body, "max_tokens": 1, "stream": False, "return_token_ids": True,
-                    "kv_transfer_params": params}
+                    "kv_transfer_params": handoff_params(g, current_traceparent())}
             for key in ("max_completion_tokens", "stream_options", "stop"):
                 body.pop(key, None)
             try:
@@ -200,9 +217,7 @@ class ExpressStream:
         if len(token_ids) != 1:
             raise ApiError(502, f"the prefill server returned {len(token_ids)} token ids, expected 1: "
                                 "is it vLLM >= 0.32 with return_token_ids?")
-        status = (data.get("kv_transfer_params") or {}).get("expresslane") or {}
-        if status.get("handed_off") is False:
-            leg.not_handed_off = status.get("reason") or "the prefill did not hand the KV off"
+        leg.not_handed_off = not_handed_off_reason(data.get("kv_transfer_params"))
         finish = choice.get("finish_reason")
         return TokenBatch(list(token_ids), "stop" if finish == "stop" else None), list(prompt_ids)
 

@@ -7,17 +7,19 @@ Contract (``NodeTable``):
 - ``slot_capacity(aliases, now_s)``: the most tokens one slot of a live node serving the model holds
   (``None`` when no live node serves it): the policy's availability input. The coordinator, not the
   router, picks the node; the router only needs to know whether the express lane is open.
+- A node serves a model when ``shared.models.serves`` says so: the coordinator matches claims the
+  same way.
 
 Pure: time is passed in.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Collection
 from dataclasses import dataclass
 
 from shared.events import NodeAvailable, NodeDraining
+from shared.models import serves
 
 
 @dataclass
@@ -25,12 +27,6 @@ class _Node:
     last: NodeAvailable
     seen_s: float
     draining: bool = False
-
-
-def serves(node_model: str, aliases: Collection[str]) -> bool:
-    """Whether a node advertising ``node_model`` serves the model known by ``aliases`` (served
-    name, checkpoint path, checkpoint directory name)."""
-    return node_model in aliases or os.path.basename(node_model.rstrip("/")) in aliases
 
 
 class NodeTable:

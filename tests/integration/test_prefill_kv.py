@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from services.prefill.handoff import Handoff, make_params
+from shared.handoff import Handoff, request_params
 from shared import subjects
 from shared.bus import Bus
 from shared.events import KvFailed, KvMessage, KvReady, SlotTarget, TransferTarget
@@ -156,7 +156,7 @@ def handoff_params(rx, layout, node_id: str, traceparent: str = "") -> tuple[Han
     rid = f"req-{uuid.uuid4().hex[:10]}"
     h = Handoff(request_id=rid, lease_id=f"lease-{rid}", generation=3,
                 target=target_for(rx, layout, node_id), traceparent=traceparent)
-    return h, make_params(h)
+    return h, request_params(h)
 
 
 @pytest.fixture

@@ -24,7 +24,7 @@ LEASE = dict(lease_id="lease-1", generation=4)
 # where it has one. The test below fails if a type of shared.events.AnyEvent is missing here.
 SAMPLES: list[ev.Event] = [
     ev.ClaimRequest(request_id="r1", model="tiny-llama", num_prompt_tokens=17, max_tokens=32,
-                    transports=["nixl"], wait_ms=500, tenant="t"),
+                    transports=["nixl"], wait_ms=500, tenant="t", model_aliases=["/m/tiny-llama"]),
     ev.ClaimGranted(request_id="r1", node_id="decode-0", expires_at_ms=1_764_400_000_000,
                     target=TARGET, **LEASE),
     ev.ClaimRejected(request_id="r1", reason="queue_full", retry_after_ms=250),

@@ -5,7 +5,7 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from services.prefill.handoff import Handoff, make_params
+from shared.handoff import Handoff, HandoffStatus, parse_status, request_params
 from services.prefill.scheduler import ExpressScheduler
 from shared.events import KvLayoutSpec, SlotTarget, TransferTarget
 
@@ -29,7 +29,7 @@ TARGET = TransferTarget(node_id="n1", transport="mooncake", endpoint="127.0.0.1:
 
 
 def params(rid="r") -> dict:
-    return make_params(Handoff(request_id=rid, lease_id="l", generation=1, target=TARGET, traceparent="tp"))
+    return request_params(Handoff(request_id=rid, lease_id="l", generation=1, target=TARGET, traceparent="tp"))
 
 
 def test_unmarked_requests_leave_no_state():
@@ -69,8 +69,8 @@ def test_save_emitted_once_when_prompt_fully_computed(name, num_prompt, steps, s
         else:
             assert saves == []
     assert sched.on_step([], [("r", None, num_prompt, False)], {"r": 1}) == []  # decode steps: nothing
-    status = sched.on_finished("r")["expresslane"]
-    assert status == {"request_id": "r", "handed_off": True, "num_tokens": num_prompt, "staging_slot": 0}
+    status = parse_status(sched.on_finished("r"))
+    assert status == HandoffStatus(request_id="r", handed_off=True, num_tokens=num_prompt, staging_slot=0)
 
 
 FAIL_CASES = [
@@ -87,8 +87,8 @@ def test_not_handed_off_is_reported_never_blocked(num_slots, max_tokens, num_pro
     sched.on_alloc("r", params(), num_prompt)
     (save,) = sched.on_step([("r", ([1],), 0)], [], {"r": num_prompt})
     assert save.staging_slot == -1 and reason in save.fail_reason
-    status = sched.on_finished("r")["expresslane"]
-    assert status["handed_off"] is False and reason in status["reason"]
+    status = parse_status(sched.on_finished("r"))
+    assert status.handed_off is False and reason in status.reason
     assert slots.counts == {"claimed": 1, "not_handed_off": 1}
 
 
@@ -104,8 +104,8 @@ def test_finished_before_prompt_computed_reports_failure_next_step():
     sched = ExpressScheduler(FakeSlots(1), max_tokens=100)
     sched.on_alloc("r", params(), 50)
     sched.on_step([("r", ([1],), 0)], [], {"r": 16})
-    status = sched.on_finished("r")["expresslane"]
-    assert status["handed_off"] is False and "before its prompt" in status["reason"]
+    status = parse_status(sched.on_finished("r"))
+    assert status.handed_off is False and "before its prompt" in status.reason
     (failure,) = sched.on_step([], [], {})
     assert failure.fail_reason and failure.handoff.request_id == "r"
     assert sched.slots.free == [0]
@@ -113,10 +113,10 @@ def test_finished_before_prompt_computed_reports_failure_next_step():
 
 def test_invalid_params_are_reported_not_raised():
     sched = ExpressScheduler(FakeSlots(1), max_tokens=100)
-    sched.on_alloc("r", {"expresslane": {"request_id": "r"}}, 5)
+    sched.on_alloc("r", {"expresslane": {"request_id": "r"}}, 5)  # malformed on purpose
     assert sched.on_step([("r", ([1],), 0)], [], {"r": 5}) == []  # nothing to stage, nowhere to send
-    status = sched.on_finished("r")["expresslane"]
-    assert status["handed_off"] is False and "invalid expresslane" in status["reason"]
+    status = parse_status(sched.on_finished("r"))
+    assert status.handed_off is False and "invalid expresslane" in status.reason
 
 
 def test_params_round_trip_through_json():

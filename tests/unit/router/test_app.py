@@ -9,7 +9,6 @@ import json
 import time
 
 import httpx
-import msgspec
 import pytest
 
 from services.router.app import Router, create_app
@@ -17,6 +16,7 @@ from services.router.config import RouterConfig
 from services.router.policy import PolicyConfig
 from shared import subjects
 from shared.bus import Bus
+from shared.handoff import parse_request
 from shared.events import (
     CancelRequest, ClaimGranted, ClaimRejected, ClaimRequest, DecodeStart, KvLayoutSpec, NodeAvailable,
     RequestFailed, RequestFinished, SlotTarget, TokensGenerated, TransferTarget, Usage,
@@ -192,13 +192,13 @@ async def test_express_stream_relays_every_token(harness):
     assert events[-2]["usage"] == {"prompt_tokens": 5, "completion_tokens": 8, "total_tokens": 13}
     # the protocol with the neighbours
     (claim,) = world.claims
-    assert (claim.model, claim.max_tokens) == (world.model_dir, 8)
+    assert (claim.model, claim.max_tokens) == (MODEL, 8) and world.model_dir in claim.model_aliases
     body = world.prefill_bodies[0]
     assert body["max_tokens"] == 1 and body["stream"] is False and body["return_token_ids"] is True
-    xl = body["kv_transfer_params"]["expresslane"]
-    assert xl["lease_id"] == "L" + claim.request_id and xl["generation"] == 1
-    assert msgspec.convert(xl["target"], TransferTarget).node_id == "n0"
-    assert xl["traceparent"].startswith("00-")
+    handoff = parse_request(body["kv_transfer_params"])
+    assert (handoff.request_id, handoff.lease_id, handoff.generation) == (claim.request_id,
+                                                                          "L" + claim.request_id, 1)
+    assert handoff.target.node_id == "n0" and handoff.traceparent.startswith("00-")
     (start,) = world.starts
     assert (start.first_token_id, start.sampling.max_tokens, start.num_prompt_tokens) == (world.answer[0], 7, 5)
     assert start.sampling.temperature == 0.0

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from shared.events import KvLayoutSpec, NodeAvailable, NodeDraining
-from services.router.nodes import NodeTable, serves
+from services.router.nodes import NodeTable
+from shared.models import serves
 
 
 def hb(node="n0", model="/m/tiny-llama", seq=1, max_tokens=512, interval_ms=500, sent=0):
