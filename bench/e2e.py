@@ -119,11 +119,11 @@ class BusWatch:
 
 def start_stack(args: argparse.Namespace) -> tuple[subprocess.Popen, dict]:
     """``expresslane up`` in the background; returns it and the urls it printed."""
-    from infra.up import free_port
+    from infra.processes import free_port
 
     port, prefill_port = free_port(), free_port()
     workdir = Path(tempfile.mkdtemp(prefix="expresslane-bench-"))
-    cmd = [sys.executable, "-m", "shared.cli", "up", "--port", str(port), "--prefill-port", str(prefill_port),
+    cmd = [sys.executable, "-m", "infra.cli", "up", "--port", str(port), "--prefill-port", str(prefill_port),
            "--decode-nodes", "1", "--slots", "1", "--arch", args.arch, "--workdir", str(workdir)]
     if args.model_dir:
         cmd += ["--model", args.model_dir]

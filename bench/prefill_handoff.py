@@ -69,7 +69,7 @@ async def run(args) -> dict:
     from shared.events import KvMessage, KvReady, SlotTarget, TransferTarget
     from shared.kvlayout import kv_shape_from_hf_config, layout_spec
     from shared.transport import create_transport
-    from shared.transport.receiver import ReceiverProcess
+    from infra.receiver import ReceiverProcess
 
     import httpx
 

@@ -20,7 +20,6 @@ import importlib.util
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -30,17 +29,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from infra.nats import stopping_with_parent
+from infra.processes import free_port, group_alive, signal_group, stop_process_groups
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 STOP_GRACE_S = 15.0
 MAX_RESTARTS = 5
 RESTART_WINDOW_S = 300.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _healthy(url: str) -> bool:
@@ -56,29 +50,6 @@ def _tail(path: Path, num_lines: int = 30) -> str:
         return "\n".join(path.read_text(errors="replace").splitlines()[-num_lines:])
     except OSError:
         return ""
-
-
-def group_alive(pgid: int) -> bool:
-    """Whether a live (not zombie) process is in process group ``pgid``."""
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    if not os.path.isdir("/proc"):
-        return True
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[2]) == pgid and fields[0] != "Z":  # fields: state, ppid, pgrp, ...
-            return True
-    return False
 
 
 @dataclass
@@ -121,10 +92,7 @@ class Proc:
 
     def signal(self, sig: int) -> None:
         if self.popen is not None:
-            try:
-                os.killpg(self.popen.pid, sig)
-            except ProcessLookupError:
-                pass
+            signal_group(self.popen, sig)
 
     def group_alive(self) -> bool:
         """Whether any process of the group still runs (zombies awaiting their reaper do not)."""
@@ -136,22 +104,9 @@ class Proc:
 
 def stop_all(procs: list[Proc], grace_s: float = STOP_GRACE_S) -> list[str]:
     """Stop in reverse start order; returns the names of groups that needed SIGKILL."""
-    for p in reversed(procs):
-        p.signal(signal.SIGTERM)
-    deadline = time.monotonic() + grace_s
-    while time.monotonic() < deadline and any(p.group_alive() for p in procs):
-        time.sleep(0.1)
-    killed = [p.name for p in procs if p.group_alive()]
-    for p in procs:
-        if p.group_alive():
-            p.signal(signal.SIGKILL)
-    for p in procs:
-        if p.popen is not None:
-            try:
-                p.popen.wait(timeout=5.0)
-            except subprocess.TimeoutExpired:
-                pass
-    return killed
+    started = [p for p in procs if p.popen is not None]
+    killed = stop_process_groups([p.popen for p in started], grace_s)
+    return [p.name for p in started if p.popen in killed]
 
 
 def have(module: str) -> bool:
@@ -172,7 +127,7 @@ def _attention_args(model: Path) -> list[str]:
 
 def plan(args: argparse.Namespace, model: Path, nats_url: str, py: str) -> tuple[list[Proc], list[str]]:
     """The processes to start after nats-server, and the pieces this build lacks."""
-    cli = [py, "-m", "shared.cli"]
+    cli = [py, "-m", "infra.cli"]
     common = ["--nats-url", nats_url, "--log-format", args.log_format]
     procs: list[Proc] = []
     missing: list[str] = []
@@ -260,7 +215,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _cli() -> str:
     """How to call the expresslane command from a shell."""
     script = Path(sys.executable).with_name("expresslane")
-    return str(script) if script.exists() else f"{sys.executable} -m shared.cli"
+    return str(script) if script.exists() else f"{sys.executable} -m infra.cli"
 
 
 def _banner(args: argparse.Namespace, model: Path, nats_url: str, missing: list[str], log_dir: Path) -> str:

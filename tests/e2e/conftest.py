@@ -22,10 +22,11 @@ from pathlib import Path
 import httpx
 import pytest
 
-from infra.up import Proc, free_port, stop_all
+from infra.processes import free_port
+from infra.up import Proc, stop_all
 
 PY = sys.executable
-CLI = [PY, "-m", "shared.cli"]
+CLI = [PY, "-m", "infra.cli"]
 LLAMA_NODES = ("llama-0", "llama-1")
 DS_NODES = ("ds-0",)
 COORD_MAX_QUEUE = 1
@@ -153,6 +154,24 @@ def deepseek_node(deployment):
     wait_until(lambda: deployment.express_capacity().get(deployment.deepseek_model), 30.0,
                "the deepseek_v3 node seen by the router")
     return DS_NODES[0]
+
+
+def chat_request(model: str, **kw) -> dict:
+    """A greedy chat completion body for ``model``; ``kw`` adds or overrides fields."""
+    return {"model": model, "messages": [{"role": "user", "content": "Tell me a long story."}],
+            "temperature": 0, **kw}
+
+
+def assert_nothing_leaked(dep, timeout_s: float = 10.0) -> None:
+    """No lease, no busy decode slot, no busy staging slot."""
+    def clean():
+        coord = dep.health("coordinator")
+        nodes = [dep.health(n) for n in LLAMA_NODES]
+        stats = [dep.llama.stats(), dep.deepseek.stats()]
+        nodes += [dep.health(n) for n in DS_NODES if n in dep.procs and dep.procs[n].alive]
+        return (coord["leases"] == 0 and coord["queued"] == 0 and all(not n["active"] for n in nodes)
+                and all(s["free"] == s["total"] for s in stats))
+    wait_until(clean, timeout_s, "leases, decode slots and staging slots to be free")
 
 
 def sse_events(lines) -> list:

@@ -13,26 +13,11 @@ import time
 import httpx
 import pytest
 
-from tests.e2e.conftest import CLI, DS_NODES, LLAMA_NODES, sse_events, wait_until
+from tests.e2e.conftest import (
+    CLI, DS_NODES, LLAMA_NODES, assert_nothing_leaked, chat_request, sse_events, wait_until,
+)
 
 pytestmark = pytest.mark.e2e
-
-
-def _chat(model: str, **kw) -> dict:
-    return {"model": model, "messages": [{"role": "user", "content": "Tell me a long story."}],
-            "temperature": 0, **kw}
-
-
-def assert_nothing_leaked(dep, timeout_s: float = 10.0) -> None:
-    """No lease, no busy decode slot, no busy staging slot."""
-    def clean():
-        coord = dep.health("coordinator")
-        nodes = [dep.health(n) for n in LLAMA_NODES]
-        stats = [dep.llama.stats(), dep.deepseek.stats()]
-        nodes += [dep.health(n) for n in DS_NODES if n in dep.procs and dep.procs[n].alive]
-        return (coord["leases"] == 0 and coord["queued"] == 0 and all(not n["active"] for n in nodes)
-                and all(s["free"] == s["total"] for s in stats))
-    wait_until(clean, timeout_s, "leases, decode slots and staging slots to be free")
 
 
 # ---------------------------------------------------------------- traces
@@ -55,7 +40,7 @@ def _ancestors(span, by_id) -> list:
 
 async def test_one_trace_per_request_across_every_hop(deployment, otlp_receiver):
     r = httpx.post(f"{deployment.router_url}/v1/chat/completions", timeout=120,
-                   json=_chat(deployment.llama_model, max_tokens=8), headers={"x-expresslane": "on"})
+                   json=chat_request(deployment.llama_model, max_tokens=8), headers={"x-expresslane": "on"})
     assert r.status_code == 200 and r.headers["x-expresslane-lane"] == "express"
     rid = r.headers["x-request-id"]
 
@@ -104,7 +89,8 @@ def test_events_command_shows_the_lifecycle_in_order(deployment):
         reader.start()
         time.sleep(0.2)
         r = httpx.post(f"{deployment.router_url}/v1/chat/completions", timeout=120,
-                       json=_chat(deployment.llama_model, max_tokens=6), headers={"x-expresslane": "on"})
+                       json=chat_request(deployment.llama_model, max_tokens=6),
+                       headers={"x-expresslane": "on"})
         assert r.status_code == 200
         rid = r.headers["x-request-id"]
         wait_until(lambda: any(f"handoff.{rid}.completed" in ln for ln in list(lines)), 15.0,
@@ -134,7 +120,8 @@ def test_events_command_shows_the_lifecycle_in_order(deployment):
 async def test_client_disconnect_frees_slot_lease_and_staging(deployment):
     async with httpx.AsyncClient(timeout=120) as client:
         async with client.stream("POST", f"{deployment.router_url}/v1/chat/completions",
-                                 json=_chat(deployment.llama_model, max_tokens=1500, ignore_eos=True, stream=True),
+                                 json=chat_request(deployment.llama_model, max_tokens=1500,
+                                                   ignore_eos=True, stream=True),
                                  headers={"x-expresslane": "on"}) as r:
             assert r.headers["x-expresslane-lane"] == "express"
             num_chunks = 0
@@ -155,8 +142,8 @@ async def test_saturation_gives_429_with_retry_after_and_the_rest_completes(depl
     num_requests, max_tokens = 6, 200  # 2 llama slots + a queue of 1
 
     async def one(client):
-        body = _chat(deployment.llama_model, max_tokens=max_tokens, ignore_eos=True, stream=True,
-                     stream_options={"include_usage": True})
+        body = chat_request(deployment.llama_model, max_tokens=max_tokens, ignore_eos=True, stream=True,
+                            stream_options={"include_usage": True})
         async with client.stream("POST", f"{deployment.router_url}/v1/chat/completions", json=body,
                                  headers={"x-expresslane": "on"}) as r:
             if r.status_code != 200:

@@ -9,8 +9,7 @@ import signal
 import httpx
 import pytest
 
-from tests.e2e.conftest import LLAMA_NODES, sse_events
-from tests.e2e.test_operations import _chat, assert_nothing_leaked
+from tests.e2e.conftest import LLAMA_NODES, assert_nothing_leaked, chat_request, sse_events
 from tests.fixtures.vllm import vllm_greedy
 
 pytestmark = pytest.mark.e2e
@@ -24,8 +23,8 @@ def _migrations(dep) -> float:
 
 async def test_decode_node_killed_mid_stream_the_stream_completes_unchanged(deployment):
     before = _migrations(deployment)
-    body = _chat(deployment.llama_model, max_tokens=MAX_TOKENS, ignore_eos=True, stream=True,
-                 return_token_ids=True, stream_options={"include_usage": True})
+    body = chat_request(deployment.llama_model, max_tokens=MAX_TOKENS, ignore_eos=True, stream=True,
+                        return_token_ids=True, stream_options={"include_usage": True})
     lines, killed = [], None
     try:
         async with httpx.AsyncClient(timeout=300) as client:

@@ -327,7 +327,7 @@ async def test_expresslane_nats_serves_until_ctrl_c(tmp_path):
     import sys
 
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "shared.cli", "nats", "--nats-port", "0", "--nats-monitor-port", "0",
+        sys.executable, "-m", "infra.cli", "nats", "--nats-port", "0", "--nats-monitor-port", "0",
         "--nats-store-dir", str(tmp_path / "store"), "--log-format", "console",
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
     try:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,6 +20,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from infra.processes import free_port
 from shared import subjects
 from shared.bus import Bus
 from shared.events import (
@@ -30,12 +30,6 @@ from shared.events import (
 
 REPO = Path(__file__).resolve().parents[2]
 HEARTBEAT_MS = 200
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Proc:
@@ -49,7 +43,7 @@ class Proc:
     def start(self) -> Proc:
         env = dict(os.environ, PYTHONPATH=str(REPO), VLLM_CPU_OMP_THREADS_BIND="0-1")
         self.log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen([sys.executable, "-m", "shared.cli", *self.args,
+        self.proc = subprocess.Popen([sys.executable, "-m", "infra.cli", *self.args,
                                       "--http-port", str(self.port)],
                                      cwd=REPO, env=env, stdout=self.log, stderr=subprocess.STDOUT)
         return self

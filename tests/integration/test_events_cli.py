@@ -13,7 +13,7 @@ import pytest
 from shared import events as ev
 from shared import subjects
 from shared.bus import Bus
-from shared.events_cli import format_line
+from infra.events import format_line
 from shared.tracing import build_tracer_provider
 
 WAIT_S = 20.0
@@ -21,7 +21,7 @@ WAIT_S = 20.0
 
 async def start_cli(*args: str) -> asyncio.subprocess.Process:
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "shared.cli", "events", *args,
+        sys.executable, "-m", "infra.cli", "events", *args,
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
     )
     return proc

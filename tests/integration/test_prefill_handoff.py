@@ -14,7 +14,7 @@ import pytest
 
 from shared import subjects
 from shared.events import KvFailed, KvMessage, KvReady
-from shared.transport.receiver import ReceiverProcess
+from infra.receiver import ReceiverProcess
 from tests.fixtures.prefill import STAGING_SLOTS, TRANSFER_TIMEOUT_S
 from tests.integration.test_prefill_kv import (
     KvEvents, decode_layout, handoff_params, hf_gqa_kv, received_segments, wait_all_free,

@@ -18,7 +18,7 @@ from shared import subjects
 from shared.bus import Bus
 from shared.events import KvFailed, KvMessage, KvReady, SlotTarget, TransferTarget
 from shared.kvlayout import kv_shape_from_hf_config, layout_spec
-from shared.transport.receiver import ReceiverProcess
+from infra.receiver import ReceiverProcess
 
 pytestmark = pytest.mark.vllm
 

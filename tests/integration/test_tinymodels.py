@@ -61,7 +61,7 @@ def _sha256_files(directory: Path) -> dict[str, str]:
 
 def test_make_model_help_lists_arches_and_options():
     exe = Path(sys.executable).with_name("expresslane")
-    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "shared.cli"]
+    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "infra.cli"]
     done = subprocess.run([*cmd, "make-model", "--help"], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     for word in ("--arch", "--out", "--seed", "--dtype", *ARCHS):

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from shared.transport import TransferError, Transport, create_transport
-from shared.transport.receiver import ReceiverProcess
+from infra.receiver import ReceiverProcess
 
 os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
 os.environ.setdefault("UCX_NET_DEVICES", "lo")

@@ -9,7 +9,7 @@ import torch
 
 from services.decode.engine import Engine
 from services.decode.engine.weights import ENGINE_MARKER
-from shared.cli import main as cli
+from infra.cli import main as cli
 from shared.events import SamplingParams
 from tests.unit.engine.test_engine_behaviour import PROMPTS, run
 

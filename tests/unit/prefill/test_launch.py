@@ -57,7 +57,7 @@ def test_stats_prints_slot_states(tmp_path, capsys):
 
 
 def test_cli_dispatches_prefill(capsys):
-    from shared.cli import main
+    from infra.cli import main
 
     with pytest.raises(SystemExit) as exc:
         main(["prefill", "--help"])

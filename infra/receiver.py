@@ -1,8 +1,8 @@
 """A standalone receive buffer: registers memory with a transport and waits for one-sided writes.
 
 Used by tests and benchmarks as "the decode side" in a separate process, and by operators to check
-that a prefill host can reach a decode host (``python -m shared.transport.receiver --transport
-mooncake --nbytes 1048576``). Protocol over stdin/stdout, one line each:
+that a prefill host can reach a decode host (``python -m infra.receiver --transport mooncake
+--nbytes 1048576`` on the decode host). Protocol over stdin/stdout, one line each:
 
 - on start it prints one JSON line: ``{"endpoint", "addr", "nbytes", "metadata_b64", "pid"}``;
 - ``dump PATH``  writes the whole buffer to PATH, answers ``ok``;
@@ -31,7 +31,7 @@ class ReceiverProcess:
 
     def __init__(self, transport: str, nbytes: int, *, fill: int = 0, agent_name: str | None = None,
                  start_timeout_s: float = 30.0, env: dict[str, str] | None = None) -> None:
-        cmd = [sys.executable, "-m", "shared.transport.receiver", "--transport", transport,
+        cmd = [sys.executable, "-m", "infra.receiver", "--transport", transport,
                "--nbytes", str(nbytes), "--fill", str(fill)]
         if agent_name:
             cmd += ["--agent-name", agent_name]
@@ -117,7 +117,7 @@ def _serve(buf: np.ndarray, out) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m shared.transport.receiver", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m infra.receiver", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--transport", choices=TRANSPORTS, default="mooncake")
     parser.add_argument("--nbytes", type=int, required=True, help="size of the receive buffer")

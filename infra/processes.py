@@ -1,0 +1,83 @@
+"""Child processes in their own process groups: a free port to give them, and one way to stop them.
+
+Contract:
+- ``free_port()``: a TCP port on 127.0.0.1 that was free a moment ago.
+- ``group_alive(pgid)``: whether a live (not zombie) process is in the group.
+- ``stop_process_groups(popens, grace_s)``: SIGTERM every group (started with
+  ``start_new_session=True``, so pgid == pid) in reverse order, SIGKILL the groups still alive after
+  ``grace_s``, wait up to ``kill_wait_s`` for them to go; returns the processes whose group needed
+  SIGKILL. A group alive even then is the caller's to report (``group_alive``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Sequence
+
+POLL_S = 0.1
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing was bound to when asked."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def group_alive(pgid: int) -> bool:
+    """Whether a live (not zombie) process is in process group ``pgid``."""
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    if not os.path.isdir("/proc"):
+        return True
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":  # fields: state, ppid, pgrp, ...
+            return True
+    return False
+
+
+def signal_group(popen: subprocess.Popen, sig: int) -> None:
+    """Send ``sig`` to the process group led by ``popen`` (gone already: nothing to do)."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(popen.pid, sig)
+
+
+def _any_alive(popens: Sequence[subprocess.Popen]) -> bool:
+    for p in popens:
+        p.poll()  # reap the leader, so it does not count as alive
+    return any(group_alive(p.pid) for p in popens)
+
+
+def _wait_gone(popens: Sequence[subprocess.Popen], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and _any_alive(popens):
+        time.sleep(POLL_S)
+
+
+def stop_process_groups(popens: Sequence[subprocess.Popen], grace_s: float,
+                        kill_wait_s: float = 10.0) -> list[subprocess.Popen]:
+    """SIGTERM each group, SIGKILL what is left after ``grace_s``; returns those that needed SIGKILL."""
+    for p in reversed(popens):
+        signal_group(p, signal.SIGTERM)
+    _wait_gone(popens, grace_s)
+    killed = [p for p in popens if _any_alive([p])]
+    for p in killed:
+        signal_group(p, signal.SIGKILL)
+    _wait_gone(killed, kill_wait_s)
+    return killed
