@@ -10,6 +10,8 @@ services build them with the functions below and subscribe with the wildcards be
 | xl.node.<node>.avail                 | decode -> all (heartbeat)     | NodeAvailable, NodeDraining        |
 | xl.kv.ready.<node>                   | prefill sender -> decode/coord| KvReady, KvFailed                  |
 | xl.decode.<node>.start               | router -> decode              | DecodeStart                        |
+| xl.decode.<node>.ended               | coordinator -> decode         | HandoffEvent (a lease of that node |
+|                                      |                               | ended: failed/cancelled/completed) |
 | xl.req.<request_id>.tokens           | decode -> router              | TokensGenerated, RequestFinished,  |
 |                                      |                               | RequestFailed                      |
 | xl.req.<request_id>.cancel           | router -> decode/coordinator  | CancelRequest                      |
@@ -27,6 +29,7 @@ COORD_REPORT = f"{ROOT}.coord.report"
 NODE_AVAIL_ALL = f"{ROOT}.node.*.avail"
 KV_READY_ALL = f"{ROOT}.kv.ready.*"
 DECODE_START_ALL = f"{ROOT}.decode.*.start"
+DECODE_LEASE_ENDED_ALL = f"{ROOT}.decode.*.ended"
 REQ_TOKENS_ALL = f"{ROOT}.req.*.tokens"
 REQ_CANCEL_ALL = f"{ROOT}.req.*.cancel"
 HANDOFF_ALL = f"{ROOT}.handoff.>"
@@ -55,6 +58,11 @@ def kv_ready(node_id: str) -> str:
 
 def decode_start(node_id: str) -> str:
     return f"{ROOT}.decode.{_token(node_id, 'node id')}.start"
+
+
+def decode_lease_ended(node_id: str) -> str:
+    """Where the coordinator tells one decode node that a lease of its ended."""
+    return f"{ROOT}.decode.{_token(node_id, 'node id')}.ended"
 
 
 def req_tokens(request_id: str) -> str:

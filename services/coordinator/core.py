@@ -18,7 +18,8 @@ Contract:
   ``protocol_version``; others: ``already_claimed`` (a live lease has this request id),
   ``cancelled`` (cancelled while waiting), ``invalid_request_id`` (not letters, digits, - and _).
 - Handoff states: claimed -> kv_ready -> decoding -> completed | failed | cancelled, each published
-  as a ``HandoffEvent`` on ``xl.handoff.<request_id>.<state>``; queued and rejected likewise.
+  as a ``HandoffEvent`` on ``xl.handoff.<request_id>.<state>``; queued and rejected likewise. A
+  lease's terminal event also goes to its node, on ``xl.decode.<node>.ended``.
 - Fencing: a lease whose KV-ready has not arrived fails at the transfer deadline but keeps its slot
   until the transfer deadline + grace (a writer may still be live) unless KvReady/KvFailed shows the
   writer stopped. An ended lease also keeps its slot until the node reports ``SlotReleased`` (or
@@ -370,7 +371,9 @@ class CoordinatorCore:
     def _end(self, lease: Lease, state: str, reason: str, now_ms: int) -> list[Effect]:
         lease.state, lease.reason, lease.ended_at_ms = state, reason, now_ms  # type: ignore[assignment]
         self.counters[f"lease_outcome.{state}"] += 1
-        return [self._event(lease.request_id, state, now_ms, lease, reason)]
+        event = self._event(lease.request_id, state, now_ms, lease, reason)
+        # The node holding the slot hears of it on its own subject (it frees or stops the slot).
+        return [event, Publish(subjects.decode_lease_ended(lease.node_id), event.event)]
 
     def _is_reclaimable(self, lease: Lease, now_ms: int) -> bool:
         """No writer may be live and the node let go of the slot (or should have, long ago)."""

@@ -18,6 +18,7 @@ from services.coordinator.model import (
     CoordinatorConfig, DeleteLease, Lease, PutLease, PutMeta, PutQueued, DeleteQueued,
     Publish, QueuedClaim, Reply,
 )
+from shared import subjects
 from shared.events import (
     CancelRequest, ClaimGranted, ClaimRejected, ClaimRequest, DecodeStarted, KvFailed, KvReady,
     NodeAvailable, NodeDraining, SlotReleased, SlotTarget,
@@ -97,11 +98,14 @@ class Harness:
             effects = []
         else:
             raise AssertionError(op)
-        step_events = []
+        step_events, step_ended = [], []
         for e in effects:
             if isinstance(e, Reply):
                 self.replies[e.reply_to.removeprefix("inbox.")] = e.event
+            elif isinstance(e, Publish) and e.subject.startswith("xl.decode."):
+                step_ended.append((e.subject, e.event))
             elif isinstance(e, Publish):
+                assert e.subject == subjects.handoff(e.event.request_id, e.event.state), e
                 step_events.append((e.event.request_id, e.event.state))
             elif isinstance(e, PutLease):
                 self.last_lease[e.lease.request_id] = e.lease
@@ -115,7 +119,16 @@ class Harness:
             elif isinstance(e, PutMeta):
                 self.meta = e.next_generation
         self.events += step_events
+        self.check_node_told(effects, step_ended)
         return step_events
+
+    @staticmethod
+    def check_node_told(effects, step_ended):
+        """Every terminal event of a lease also goes to the lease's node, on its own subject."""
+        terminal = [e.event for e in effects if isinstance(e, Publish) and e.event.lease_id
+                    and e.event.state in ("completed", "failed", "cancelled")
+                    and not e.subject.startswith("xl.decode.")]
+        assert step_ended == [(subjects.decode_lease_ended(ev.node_id), ev) for ev in terminal]
 
     def check(self, expect, step_events):
         c = self.core
@@ -466,3 +479,13 @@ def test_core(name):
 def test_config_validation_names_the_setting():
     with pytest.raises(ValueError, match="transfer_timeout_ms"):
         CoordinatorConfig(transfer_timeout_ms=0).validate()
+
+
+def test_terminal_event_of_a_lease_goes_to_its_node():
+    h = Harness()
+    h.run(0, "hb", {"free": (0,)})
+    h.run(1, "claim", {"rid": "r1"})
+    effects = h.core.on_cancel(CancelRequest(request_id="r1", reason="client"), 2)
+    ended = [e for e in effects if isinstance(e, Publish) and e.subject == "xl.decode.n1.ended"]
+    assert [(e.event.request_id, e.event.state, e.event.slot, e.event.reason) for e in ended] == [
+        ("r1", "cancelled", 0, "client")]
