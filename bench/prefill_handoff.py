@@ -86,7 +86,7 @@ async def run(args) -> dict:
     extra = ["--max-model-len", "2048", "--enforce-eager"]
     if has_mtp:
         extra += ["--speculative-config", json.dumps({"method": "mtp", "num_speculative_tokens": 1})]
-    env = vllm_env({**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0-1"})
+    env = vllm_env({**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0-1"}, config)
     log = open(work / "vllm.log", "wb")
     proc = subprocess.Popen(vllm_command(str(model_dir), ktc, port=port, dtype=args.dtype, cpu=None,
                                          extra_args=extra),

@@ -14,6 +14,10 @@ Keys (all optional):
 | transfer_timeout_s   | 30                           | a write not done by then: KV-failed             |
 | stats_path           | /dev/shm/expresslane-staging-<engine_id> | staging slot states (see staging.py) |
 
+``expresslane prefill`` also starts vLLM with Mooncake's own per-transfer timeout
+(``MC_TRANSFER_TIMEOUT``) at ``transfer_timeout_s`` unless the environment sets it
+(``launch.mooncake_env``); a write is bounded by ``transfer_timeout_s`` either way.
+
 Pure: no vLLM, no I/O.
 """
 

@@ -78,13 +78,23 @@ def vllm_command(model: str, ktc: dict, *, host: str = "127.0.0.1", port: int = 
                    "--kv-transfer-config", json.dumps(ktc), *extra_args]
 
 
-def vllm_env(env: dict | None = None) -> dict:
-    """The environment: this package importable in vLLM's spawned engine processes."""
+def mooncake_env(config: ExpressConfig) -> dict[str, str]:
+    """Mooncake's own per-transfer timeout, following ``transfer_timeout_s`` (whole seconds).
+    Mooncake reads it only from its environment (``MC_TRANSFER_TIMEOUT``) when its engine starts,
+    so it is set for vLLM's processes at launch, never written by the connector."""
+    return {"MC_TRANSFER_TIMEOUT": str(max(1, int(config.transfer_timeout_s)))}
+
+
+def vllm_env(env: dict | None = None, config: ExpressConfig | None = None) -> dict:
+    """The environment: this package importable in vLLM's spawned engine processes; with
+    ``config``, Mooncake's settings from it (what the operator set already wins)."""
     env = dict(os.environ if env is None else env)
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     if importlib.util.find_spec("services") is None or root not in env.get("PYTHONPATH", ""):
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
     env.setdefault("NIXL_LOG_LEVEL", "WARN")
+    for key, value in (mooncake_env(config) if config is not None else {}).items():
+        env.setdefault(key, value)
     return env
 
 
@@ -144,5 +154,5 @@ def main(argv: list[str]) -> int:
     print(f"expresslane prefill: staging stats in {config.stats_file(ktc['engine_id'])}", file=sys.stderr,
           flush=True)
     # Become vLLM: signals (SIGTERM from a supervisor, Ctrl-C) reach it directly, no orphan.
-    os.execvpe(cmd[0], cmd, vllm_env())
+    os.execvpe(cmd[0], cmd, vllm_env(config=config))
     return 0  # not reached

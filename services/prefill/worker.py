@@ -10,7 +10,6 @@ it never touches the network and never blocks on it.
 from __future__ import annotations
 
 import logging
-import os
 import time
 
 import torch
@@ -65,8 +64,6 @@ class ExpressWorker:
         dtype = str(self.layers[0][1].dtype).removeprefix("torch.")
         self.spec = layout_spec(self.shape, dtype, self.max_tokens)
         self.pool = StagingPool(self.spec, self.config.staging_slots)
-        # Mooncake's own per-transfer timeout follows ours unless the operator set it.
-        os.environ.setdefault("MC_TRANSFER_TIMEOUT", str(max(1, int(self.config.transfer_timeout_s))))
         for name in self.config.transports:
             t = create_transport(name, host=self.config.mooncake_host,
                                  protocol=self.config.mooncake_protocol,

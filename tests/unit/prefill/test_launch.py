@@ -62,3 +62,21 @@ def test_cli_dispatches_prefill(capsys):
     with pytest.raises(SystemExit) as exc:
         main(["prefill", "--help"])
     assert exc.value.code == 0 and "--native-pool" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("env,timeout_s,want", [
+    ({}, 7.5, "7"), ({}, 0.5, "1"), ({"MC_TRANSFER_TIMEOUT": "3"}, 7.5, "3"),  # the operator's wins
+])
+def test_mooncake_timeout_follows_the_config(env, timeout_s, want):
+    config = ExpressConfig(transfer_timeout_s=timeout_s)
+    assert launch.vllm_env(env, config)["MC_TRANSFER_TIMEOUT"] == want
+    assert "MC_TRANSFER_TIMEOUT" not in launch.vllm_env({})  # no config: Mooncake's own default
+
+
+def test_launch_starts_vllm_with_the_mooncake_timeout(monkeypatch):
+    started = {}
+    monkeypatch.delenv("MC_TRANSFER_TIMEOUT", raising=False)
+    monkeypatch.setattr(launch.os, "execvpe", lambda file, args, env: started.update(env=env, args=args))
+    launch.main(["--model", "M", "--transfer-timeout-s", "12"])
+    assert started["env"]["MC_TRANSFER_TIMEOUT"] == "12" and "M" in started["args"]
+    assert "MC_TRANSFER_TIMEOUT" not in launch.os.environ  # set for vLLM, not in this process
