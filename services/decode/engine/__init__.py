@@ -2,5 +2,6 @@
 the shared.kvlayout layout, sampling and exact MTP speculative decoding."""
 
 from .engine import Engine, StepOutput
+from .options import EngineConfig
 
-__all__ = ["Engine", "StepOutput"]
+__all__ = ["Engine", "EngineConfig", "StepOutput"]

@@ -1,7 +1,7 @@
 """The decode engine: N slots decoding together, one (speculative) step at a time.
 
-Contract: ``Engine.load(model_dir, num_slots, max_seq_len, device, dtype,
-num_speculative_tokens)``; ``slot_buffer(slot)`` is the slot's KV memory in the shared.kvlayout
+Contract: ``Engine.load(model_dir, EngineConfig(num_slots=..., max_seq_len=..., ...))`` (options.py;
+keyword arguments override single settings); ``slot_buffer(slot)`` is the slot's KV memory in the shared.kvlayout
 layout; ``prefill`` or ``inject`` fill a free slot, ``start`` arms it with its first token (already
 emitted by the prefill side, not counted in ``max_tokens``), ``step`` runs one decode step over all
 active slots and returns the tokens each emitted; ``cancel`` stops a slot, ``release`` frees it.
@@ -31,8 +31,9 @@ drafts over the whole vocabulary.
 
 from __future__ import annotations
 
+import json
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -48,6 +49,7 @@ from .config import parse_config
 from .build import build_model, load_params
 from .graphs import GraphedFn
 from . import fastpath
+from .options import EngineConfig
 from .weights import DictReader, hf_to_engine, iter_engine_params, read_config
 
 
@@ -61,20 +63,31 @@ def _with_logits(model, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     return hidden, model.logits(hidden)
 
 
+def _config(config: EngineConfig | None, overrides: dict) -> EngineConfig:
+    return replace(config or EngineConfig(), **overrides).validate()
+
+
+def _torch_dtype(dtype, checkpoint_dtype: str) -> torch.dtype:
+    if isinstance(dtype, str):
+        return TORCH_DTYPES[dtype]
+    return dtype or TORCH_DTYPES.get(checkpoint_dtype, torch.float32)
+
+
 class Engine:
-    def __init__(self, model, cfg, *, model_name: str, num_slots: int, max_seq_len: int, num_speculative_tokens: int,
-                 raw_config: dict, eos_token_ids: tuple[int, ...] = (), use_cuda_graphs: bool = True,
-                 fast_path: str = "auto", fast_path_tokens_per_step: int = 1, fast_path_options=None,
-                 mtp_draft_vocab: int | None = None):
-        if mtp_draft_vocab is not None and not 0 < mtp_draft_vocab <= cfg.vocab_size:
-            raise ValueError(f"mtp_draft_vocab must be 1..{cfg.vocab_size} (the vocabulary size), got {mtp_draft_vocab}")
-        if num_speculative_tokens and not getattr(model, "has_mtp", False):
+    def __init__(self, model, cfg, config: EngineConfig, *, model_name: str, raw_config: dict,
+                 eos_token_ids: tuple[int, ...] = ()):
+        config.validate()
+        num_spec = config.resolved_num_speculative_tokens(raw_config)
+        draft_vocab = config.mtp_draft_vocab
+        if draft_vocab is not None and not 0 < draft_vocab <= cfg.vocab_size:
+            raise ValueError(f"mtp_draft_vocab must be 1..{cfg.vocab_size} (the vocabulary size), got {draft_vocab}")
+        if num_spec and not getattr(model, "has_mtp", False):
             raise ValueError(f"{model_name} has no MTP layer weights: run it with num_speculative_tokens=0")
-        if not 0 <= num_speculative_tokens <= 3:
-            raise ValueError(f"num_speculative_tokens must be 0..3, got {num_speculative_tokens}")
+        num_slots, max_seq_len, fast_path = config.num_slots, config.max_seq_len, config.fast_path
+        self.config = config
         self.model, self.cfg, self.model_name = model, cfg, model_name
         self.device, self.dtype = model.embed.device, model.embed.dtype
-        self.num_slots, self.max_seq_len, self.k = num_slots, max_seq_len, num_speculative_tokens
+        self.num_slots, self.max_seq_len, self.k = num_slots, max_seq_len, num_spec
         self.eos_token_ids = eos_token_ids
         # Without drafts the MTP layer is unused: its cache is neither kept nor part of the layout,
         # which then matches a prefill that runs without the MTP drafter.
@@ -83,7 +96,7 @@ class Engine:
         self.cache = KvCache(kv_shape_from_hf_config(raw_config, include_mtp=self.k > 0), num_slots,
                              max_seq_len + self.k, self.dtype, self.device)
         model.bind(self.cache)
-        on_cuda = self.device.type == "cuda" and use_cuda_graphs
+        on_cuda = self.device.type == "cuda" and config.use_cuda_graphs
         self._forward = GraphedFn(lambda t, p, s, n: _with_logits(model, model(t, p, s, n)), on_cuda)
         self._mtp = GraphedFn(model.mtp_forward, on_cuda) if getattr(model, "has_mtp", False) else None
         n, dev, vocab = num_slots + 1, self.device, cfg.vocab_size
@@ -97,8 +110,9 @@ class Engine:
         self.slots = [SlotState() for _ in range(num_slots)]
         self.fast_path_mode = fast_path
         self._fast, self.fast_path_reason = fastpath.setup(fast_path, model, self.device, self.dtype, self.k,
-                                                           fast_path_options, fast_path_tokens_per_step,
-                                                           draft_vocab=mtp_draft_vocab)
+                                                           config.fast_path_options,
+                                                           config.fast_path_tokens_per_step,
+                                                           draft_vocab=draft_vocab)
         self.last_step_path: str | None = None  # "fast" | "reference" after a step
         with torch.inference_mode():  # build, compile and capture every slot's decoder now, not mid-request
             for slot in range(num_slots if self._fast is not None else 0):
@@ -106,44 +120,31 @@ class Engine:
                     break
 
     @classmethod
-    def load(cls, model_dir: str | Path, *, num_slots: int = 1, max_seq_len: int = 2048, device: str = "cpu",
-             dtype: torch.dtype | str | None = None, num_speculative_tokens: int = 0,
-             model_name: str | None = None, use_cuda_graphs: bool = True, fast_path: str = "auto",
-             fast_path_tokens_per_step: int = 1, fast_path_options=None, mtp_draft_vocab: int | None = None) -> Engine:
-        """Load an HF safetensors checkpoint or the engine's converted format."""
+    def load(cls, model_dir: str | Path, config: EngineConfig | None = None, **overrides) -> Engine:
+        """Load an HF safetensors checkpoint or the engine's converted format; keyword arguments
+        replace single settings of ``config`` (EngineConfig fields)."""
+        config = _config(config, overrides)
         raw, cfg = read_config(model_dir)
-        if isinstance(dtype, str):
-            dtype = TORCH_DTYPES[dtype]
-        dtype = dtype or TORCH_DTYPES.get(cfg.torch_dtype, torch.float32)
-        params = load_params(iter_engine_params(model_dir, cfg), torch.device(device), dtype)
+        dtype = _torch_dtype(config.dtype, cfg.torch_dtype)
+        params = load_params(iter_engine_params(model_dir, cfg), torch.device(config.device), dtype)
         eos = set(cfg.eos_token_ids)
         gen_cfg = Path(model_dir) / "generation_config.json"
         if gen_cfg.exists():
-            import json
-
             e = json.loads(gen_cfg.read_text()).get("eos_token_id")
             eos |= set(e if isinstance(e, list) else [] if e is None else [e])
-        return cls(build_model(cfg, params), cfg, model_name=model_name or Path(model_dir).name,
-                   num_slots=num_slots, max_seq_len=max_seq_len, num_speculative_tokens=num_speculative_tokens,
-                   raw_config=raw, eos_token_ids=tuple(sorted(eos)), use_cuda_graphs=use_cuda_graphs,
-                   fast_path=fast_path, fast_path_tokens_per_step=fast_path_tokens_per_step,
-                   fast_path_options=fast_path_options, mtp_draft_vocab=mtp_draft_vocab)
+        return cls(build_model(cfg, params), cfg, config, model_name=config.model_name or Path(model_dir).name,
+                   raw_config=raw, eos_token_ids=tuple(sorted(eos)))
 
     @classmethod
-    def from_hf_tensors(cls, raw_config: dict, tensors: dict[str, torch.Tensor], *, num_slots: int = 1,
-                        max_seq_len: int = 2048, device: str = "cpu", dtype: torch.dtype | None = None,
-                        num_speculative_tokens: int = 0, model_name: str = "in-memory",
-                        use_cuda_graphs: bool = True, fast_path: str = "auto", fast_path_tokens_per_step: int = 1,
-                        fast_path_options=None, mtp_draft_vocab: int | None = None) -> Engine:
+    def from_hf_tensors(cls, raw_config: dict, tensors: dict[str, torch.Tensor], config: EngineConfig | None = None,
+                        **overrides) -> Engine:
         """Build from HF-named tensors already in memory (an HF model's state_dict: tests, benchmarks)."""
+        config = _config(config, overrides)
         cfg = parse_config(raw_config)
-        dtype = dtype or TORCH_DTYPES.get(cfg.torch_dtype, torch.float32)
-        params = load_params(hf_to_engine(cfg, DictReader(tensors)), torch.device(device), dtype)
-        return cls(build_model(cfg, params), cfg, model_name=model_name, num_slots=num_slots, max_seq_len=max_seq_len,
-                   num_speculative_tokens=num_speculative_tokens, raw_config=raw_config, eos_token_ids=cfg.eos_token_ids,
-                   use_cuda_graphs=use_cuda_graphs, fast_path=fast_path,
-                   fast_path_tokens_per_step=fast_path_tokens_per_step, fast_path_options=fast_path_options,
-                   mtp_draft_vocab=mtp_draft_vocab)
+        dtype = _torch_dtype(config.dtype, cfg.torch_dtype)
+        params = load_params(hf_to_engine(cfg, DictReader(tensors)), torch.device(config.device), dtype)
+        return cls(build_model(cfg, params), cfg, config, model_name=config.model_name or "in-memory",
+                   raw_config=raw_config, eos_token_ids=cfg.eos_token_ids)
 
     # ------------------------------------------------------------------ slots
 

@@ -1,0 +1,52 @@
+"""The engine's own settings, one typed object passed to ``Engine.load`` / ``Engine.from_hf_tensors``.
+
+Pure: no torch. ``validate()`` names the setting that is wrong. ``num_speculative_tokens=None``
+means one MTP draft per MTP layer of the checkpoint (at most 3), 0 for models without them: the
+engine resolves it from the checkpoint's config (``resolved_num_speculative_tokens``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+FAST_PATH_MODES = ("auto", "on", "off")
+MAX_SPECULATIVE_TOKENS = 3
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    num_slots: int = 1
+    max_seq_len: int = 2048  # tokens per slot (prompt + output)
+    device: str = "cpu"
+    dtype: Any = None  # torch.dtype or its name; None: the checkpoint's
+    num_speculative_tokens: int | None = 0  # MTP drafts per step; None: one per MTP layer
+    model_name: str | None = None  # None: the checkpoint directory's name
+    use_cuda_graphs: bool = True
+    fast_path: str = "auto"  # auto | on | off (engine.py)
+    fast_path_tokens_per_step: int = 1
+    fast_path_options: Any = None
+    mtp_draft_vocab: int | None = None  # fast-path MTP drafts propose ids < N only
+
+    def validate(self) -> EngineConfig:
+        """Raise ValueError naming the first setting that is out of range; return self."""
+        if self.num_slots < 1:
+            raise ValueError(f"num_slots must be 1 or more, got {self.num_slots}")
+        if self.max_seq_len < 1:
+            raise ValueError(f"max_seq_len must be 1 or more, got {self.max_seq_len}")
+        if self.fast_path not in FAST_PATH_MODES:
+            raise ValueError(f"fast_path must be one of {', '.join(FAST_PATH_MODES)}, got {self.fast_path!r}")
+        k = self.num_speculative_tokens
+        if k is not None and not 0 <= k <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"num_speculative_tokens must be 0..{MAX_SPECULATIVE_TOKENS}, got {k}")
+        if self.mtp_draft_vocab is not None and self.mtp_draft_vocab < 1:
+            raise ValueError(f"mtp_draft_vocab must be 1 or more, got {self.mtp_draft_vocab}")
+        if self.fast_path_tokens_per_step < 1:
+            raise ValueError(f"fast_path_tokens_per_step must be 1 or more, got {self.fast_path_tokens_per_step}")
+        return self
+
+    def resolved_num_speculative_tokens(self, raw_config: dict) -> int:
+        """Drafts per step: as set, or one per MTP layer of the checkpoint (at most 3)."""
+        if self.num_speculative_tokens is not None:
+            return self.num_speculative_tokens
+        return min(int(raw_config.get("num_nextn_predict_layers") or 0), MAX_SPECULATIVE_TOKENS)
