@@ -13,6 +13,8 @@ Contract:
   ``subjects.COORD_KV_BUCKET`` (services.coordinator.store): written before a grant is answered,
   reloaded at start.
 - HTTP: ``/health`` (200 when connected, 503 otherwise) and ``/metrics`` (Prometheus).
+- Configuration: one ``CoordinatorServiceConfig`` (services.coordinator.config), built and checked
+  once in ``main`` from flags and ``EXPRESSLANE_*`` variables, passed to the service and the core.
 - SIGTERM/SIGINT: stop taking claims, turn waiting claims away with ``retry_after_ms``, flush,
   exit 0; leases stay in the bucket for the next coordinator. NATS restarts: nats-py reconnects,
   subscriptions and the durable consumer resume; while disconnected no deadline is applied, and
@@ -21,7 +23,6 @@ Contract:
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import signal
@@ -35,10 +36,10 @@ from nats.js.api import AckPolicy, ConsumerConfig, RetentionPolicy, StorageType,
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 
+from services.coordinator.config import CoordinatorServiceConfig, build_parser, from_args
 from services.coordinator.core import CoordinatorCore
-from shared.http_status import serve_status
 from services.coordinator.metrics import CoordinatorMetrics
-from services.coordinator.model import CoordinatorConfig, Effect, Observe, Publish, Reply
+from services.coordinator.model import Effect, Observe, Publish, Reply
 from services.coordinator.store import StateStore
 from shared import config as shared_config
 from shared import subjects
@@ -47,10 +48,10 @@ from shared.events import (
     CancelRequest, ClaimRequest, DecodeStarted, HandoffEvent, KvFailed, KvReady, NodeAvailable,
     NodeDraining, NodeMessage, SlotReleased, decoder, encode,
 )
+from shared.http_status import serve_status
 from shared.log import get_logger, setup_logging
 from shared.tracing import extract_context, inject_headers, setup_tracing
 
-INBOX_STREAM = "XL_COORD_INBOX"
 INBOX_SUBJECTS = [subjects.KV_READY_ALL, subjects.COORD_REPORT, subjects.REQ_CANCEL_ALL]
 InboxMessage = KvReady | KvFailed | DecodeStarted | SlotReleased | CancelRequest
 MAX_DELIVERIES = 5  # a report that fails this often is dropped (logged), not retried forever
@@ -67,8 +68,8 @@ def now_ms() -> int:
 class CoordinatorService:
     """Feeds bus messages and time to the core; performs its effects in order."""
 
-    def __init__(self, bus: Bus, core: CoordinatorCore, args: argparse.Namespace) -> None:
-        self.bus, self.core, self.args = bus, core, args
+    def __init__(self, bus: Bus, core: CoordinatorCore, config: CoordinatorServiceConfig) -> None:
+        self.bus, self.core, self.config = bus, core, config
         self.metrics = CoordinatorMetrics(core)
         self.log = get_logger("coordinator")
         self.tracer = trace.get_tracer("expresslane.coordinator")
@@ -85,7 +86,7 @@ class CoordinatorService:
 
     async def start(self) -> None:
         try:
-            self.store = StateStore(await self.bus.kv(self.args.kv_bucket))
+            self.store = StateStore(await self.bus.kv(self.config.kv_bucket))
         except (nats.js.errors.ServiceUnavailableError, nats.errors.NoRespondersError) as exc:
             raise CoordinatorBusy(  # not busy, but the same kind of fatal start-up condition
                 "nats-server has no JetStream: the coordinator keeps its state there; start "
@@ -96,7 +97,7 @@ class CoordinatorService:
         self.bus.add_reconnect_callback(self._on_reconnected)
         self._subs.append(await self.bus.subscribe(subjects.NODE_AVAIL_ALL, self._on_node, NodeMessage))
         self._subs.append(await self.bus.subscribe(subjects.CLAIM, self._on_claim, ClaimRequest))
-        self.http = await serve_status(self.args.http_host, self.args.http_port, {
+        self.http = await serve_status(self.config.http_host, self.config.http_port, {
             "/health": self._health, "/metrics": self._metrics})
         self._tasks += [asyncio.create_task(self._tick_loop()),
                         asyncio.create_task(self._compact_loop())]
@@ -128,7 +129,7 @@ class CoordinatorService:
 
     async def _start_inbox(self) -> None:
         js = self.bus.nc.jetstream()
-        stream = StreamConfig(name=self.args.inbox_stream, subjects=INBOX_SUBJECTS,
+        stream = StreamConfig(name=self.config.inbox_stream, subjects=INBOX_SUBJECTS,
                               retention=RetentionPolicy.WORK_QUEUE, storage=StorageType.FILE,
                               max_age=3600.0)
         try:
@@ -139,11 +140,11 @@ class CoordinatorService:
                                   filter_subjects=INBOX_SUBJECTS, ack_wait=30.0,
                                   max_ack_pending=10_000)
         self._js = js
-        deadline = time.monotonic() + self.args.takeover_wait_s
+        deadline = time.monotonic() + self.config.takeover_wait_s
         while True:
             try:
                 self._inbox_sub = await js.subscribe(
-                    subjects.COORD_REPORT, durable="coordinator", stream=self.args.inbox_stream,
+                    subjects.COORD_REPORT, durable="coordinator", stream=self.config.inbox_stream,
                     config=consumer, cb=self._on_inbox, manual_ack=True)
                 return
             except nats.js.errors.Error as exc:
@@ -159,14 +160,14 @@ class CoordinatorService:
         deadline = time.monotonic() + 3.0
         while time.monotonic() < deadline:
             try:
-                info = await self._js.consumer_info(self.args.inbox_stream, "coordinator")
+                info = await self._js.consumer_info(self.config.inbox_stream, "coordinator")
                 if info.num_pending == 0 and info.num_ack_pending == 0:
                     break
             except Exception:
                 pass
             await asyncio.sleep(0.05)
         while True:
-            await asyncio.sleep(self.args.tick_ms / 1000)
+            await asyncio.sleep(self.config.tick_ms / 1000)
             if not self.bus.is_connected:
                 continue  # cut off ourselves: no node is judged dead meanwhile
             try:
@@ -179,7 +180,7 @@ class CoordinatorService:
 
     async def _compact_loop(self) -> None:
         """Every lease leaves a delete marker in the bucket: drop the old ones now and then."""
-        interval_s = self.args.compact_interval_s
+        interval_s = self.config.compact_interval_s
         while True:
             await asyncio.sleep(interval_s)
             try:
@@ -275,46 +276,9 @@ async def _quietly(coro) -> None:
         pass
 
 
-_HELP = {
-    "heartbeat_misses": "a decode node is dead after this many missed heartbeats",
-    "default_heartbeat_interval_ms": "assumed interval of nodes known only from restored leases",
-    "transfer_timeout_ms": "a lease without KV-ready fails after this (the claim's expires_at_ms)",
-    "fence_grace_ms": "after the transfer timeout a writer may still be live this long: the slot "
-                      "is not leased again before",
-    "start_timeout_ms": "a lease with KV-ready but no decode start fails after this",
-    "release_grace_ms": "after a lease ends, wait this long for the node's release",
-    "max_queue": "claims that may wait for a slot; more are rejected (429)",
-    "max_wait_ms": "upper bound on a claim's own wait_ms",
-    "retry_after_ms": "retry advice in rejections",
-    "generation_block": "lease generations reserved per state write",
-}
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="expresslane coordinator",
-                                description="Run the transfer coordinator: decode-slot leases, "
-                                "gated dispatch, handoff lifecycle events.")
-    shared_config.add_common_args(p)
-    d = CoordinatorConfig()
-    p.add_argument("--http-host", default="127.0.0.1", help="address of /health and /metrics")
-    p.add_argument("--http-port", type=int, default=9102, help="port of /health and /metrics (0: any free)")
-    p.add_argument("--kv-bucket", default=subjects.COORD_KV_BUCKET, help="JetStream KV bucket for state")
-    p.add_argument("--inbox-stream", default=INBOX_STREAM, help="JetStream stream for reports")
-    p.add_argument("--tick-ms", type=int, default=50, help="how often deadlines are checked")
-    p.add_argument("--compact-interval-s", type=float, default=60.0,
-                   help="how often delete markers of ended leases are purged from the bucket")
-    p.add_argument("--takeover-wait-s", type=float, default=30.0,
-                   help="wait this long for a previous coordinator to let go of the report stream")
-    for name in CoordinatorConfig.__dataclass_fields__:
-        p.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(d, name),
-                       help=f"{_HELP[name]} (default {getattr(d, name)})")
-    return p
-
-
-async def _run(args: argparse.Namespace) -> int:
-    config = CoordinatorConfig(**{n: getattr(args, n) for n in CoordinatorConfig.__dataclass_fields__})
-    bus = await Bus.connect(args.nats_url, name="coordinator")
-    service = CoordinatorService(bus, CoordinatorCore(config), args)
+async def _run(config: CoordinatorServiceConfig) -> int:
+    bus = await Bus.connect(config.nats_url, name="coordinator")
+    service = CoordinatorService(bus, CoordinatorCore(config.core), config)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -332,15 +296,14 @@ async def _run(args: argparse.Namespace) -> int:
 
 def main(argv: list[str]) -> int:
     parser = build_parser()
-    args = shared_config.parse_args(parser, argv)
     try:
-        CoordinatorConfig(**{n: getattr(args, n) for n in CoordinatorConfig.__dataclass_fields__}).validate()
+        config = from_args(shared_config.parse_args(parser, argv))
     except ValueError as exc:
         parser.error(str(exc))
-    setup_logging("coordinator", args.log_level, json=args.log_format == "json")
+    setup_logging("coordinator", config.log_level, json=config.log_format == "json")
     setup_tracing("coordinator")
     try:
-        return asyncio.run(_run(args))
+        return asyncio.run(_run(config))
     except (BusUnavailable, CoordinatorBusy) as exc:
         print(f"expresslane coordinator: {exc}", file=sys.stderr)
         return 1
