@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import datetime
 import json
 import os
@@ -35,6 +34,8 @@ import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from infra.processes import free_port, stop_process_groups  # noqa: E402
 
 PROMPTS = [
     "Tell me about express lanes on a highway.",
@@ -119,8 +120,6 @@ class BusWatch:
 
 def start_stack(args: argparse.Namespace) -> tuple[subprocess.Popen, dict]:
     """``expresslane up`` in the background; returns it and the urls it printed."""
-    from infra.processes import free_port
-
     port, prefill_port = free_port(), free_port()
     workdir = Path(tempfile.mkdtemp(prefix="expresslane-bench-"))
     cmd = [sys.executable, "-m", "infra.cli", "up", "--port", str(port), "--prefill-port", str(prefill_port),
@@ -143,9 +142,7 @@ def start_stack(args: argparse.Namespace) -> tuple[subprocess.Popen, dict]:
                 return proc, urls
         raise RuntimeError("expresslane up exited or did not come up within 900 s")
     except BaseException:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=60)
+        stop_process_groups([proc], grace_s=60.0)
         raise
     finally:
         watchdog.cancel()
@@ -210,8 +207,7 @@ def main() -> int:
         result = asyncio.run(run(args, urls))
     finally:
         if proc is not None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(timeout=60)
+            stop_process_groups([proc], grace_s=60.0)
     result["config"] = {"model": urls["model"], "requests": args.requests, "max_tokens": args.max_tokens,
                         "concurrency": 1, "machine": f"{platform.machine()} {os.cpu_count()} cpus",
                         "utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}

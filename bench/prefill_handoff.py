@@ -69,6 +69,7 @@ async def run(args) -> dict:
     from shared.events import KvMessage, KvReady, SlotTarget, TransferTarget
     from shared.kvlayout import kv_shape_from_hf_config, layout_spec
     from shared.transport import create_transport
+    from infra.processes import stop_process_groups
     from infra.receiver import ReceiverProcess
 
     import httpx
@@ -164,13 +165,7 @@ async def run(args) -> dict:
         await bus.close()
         rx.close()
         raw.close()
-        import signal
-
-        try:
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(30)
-        except Exception:
-            os.killpg(proc.pid, signal.SIGKILL)
+        stop_process_groups([proc], grace_s=30.0)
         nats.stop()
     return {"bench": "prefill_handoff", "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count()},
