@@ -14,6 +14,7 @@ import pytest
 
 from shared import subjects
 from shared.events import KvFailed, KvMessage, KvReady
+from shared.handoff import parse_status
 from infra.receiver import ReceiverProcess
 from tests.fixtures.prefill import STAGING_SLOTS, TRANSFER_TIMEOUT_S
 from tests.integration.test_prefill_kv import (
@@ -72,7 +73,7 @@ async def test_unmarked_requests_are_untouched(llama, vllm_servers, bus):
     await sub.unsubscribe()
     want = plain["choices"][0]["token_ids"]
     assert express["choices"][0]["token_ids"] == want and native["choices"][0]["token_ids"] == want
-    assert "expresslane" not in (express.get("kv_transfer_params") or {})
+    assert parse_status(express.get("kv_transfer_params")) is None
     assert seen == []
     after = llama.stats()
     for counter in ("claimed", "not_handed_off", "kv_ready", "kv_failed"):
@@ -90,8 +91,8 @@ async def test_two_claimed_requests_in_flight_land_in_two_receivers(llama, bus, 
         async with httpx.AsyncClient() as client:
             ra, rb = await asyncio.gather(llama.complete(client, PROMPT_A, kv_transfer_params=pa),
                                           llama.complete(client, PROMPT_B, kv_transfer_params=pb))
-        assert ra["kv_transfer_params"]["expresslane"]["handed_off"]
-        assert rb["kv_transfer_params"]["expresslane"]["handed_off"]
+        assert parse_status(ra["kv_transfer_params"]).handed_off
+        assert parse_status(rb["kv_transfer_params"]).handed_off
         got = {}
         for _ in range(2):
             event, _ = await events.next()
@@ -121,7 +122,7 @@ async def test_receiver_gone_gives_kv_failed_and_frees_the_slot(fresh_connector_
         before = llama.stats()
         async with httpx.AsyncClient() as client:
             resp = await llama.complete(client, PROMPT_A, kv_transfer_params=params)
-            assert resp["kv_transfer_params"]["expresslane"]["handed_off"] is True  # staged; then failed
+            assert parse_status(resp["kv_transfer_params"]).handed_off is True  # staged; then failed
             event, _ = await events.next(timeout_s=TRANSFER_TIMEOUT_S + 10)
             assert isinstance(event, KvFailed) and event.request_id == h.request_id, event
             assert "transfer failed" in event.reason
@@ -155,8 +156,8 @@ async def test_no_free_staging_slot_is_reported_not_blocked(fresh_connector_vllm
             # Not blocked behind the writes: had the response waited for one of them to end,
             # its staging slot would have been free again.
             resp = await llama.complete(client, PROMPT_A, kv_transfer_params=params)
-            status = resp["kv_transfer_params"]["expresslane"]
-            assert status["handed_off"] is False and status["reason"] == "no free staging slot"
+            status = parse_status(resp["kv_transfer_params"])
+            assert status.handed_off is False and status.reason == "no free staging slot"
             failed = {}
             for _ in range(STAGING_SLOTS + 1):
                 event, _ = await events.next(timeout_s=TRANSFER_TIMEOUT_S + 10)
@@ -192,7 +193,7 @@ async def test_multiconnector_with_nixl_serves_both_kinds(fresh_connector_vllms_
             express = await prefill.complete(client, PROMPT_B, kv_transfer_params=params)
             native = await prefill.complete(client, PROMPT_B, kv_transfer_params=native_params)
             plain = await prefill.complete(client, PROMPT_B)
-        assert express["kv_transfer_params"]["expresslane"]["handed_off"] is True
+        assert parse_status(express["kv_transfer_params"]).handed_off is True
         event, _ = await events.next()
         assert isinstance(event, KvReady) and event.request_id == h.request_id, event
         segs = received_segments(rx.read(str(tmp_path / "slot")), layout, len(PROMPT_B))
@@ -201,7 +202,7 @@ async def test_multiconnector_with_nixl_serves_both_kinds(fresh_connector_vllms_
         for g, w in zip(segs, want):
             assert (g - w.reshape(g.shape)).abs().max().item() < 1e-4
         native_out = native.get("kv_transfer_params") or {}
-        assert native_out.get("remote_block_ids") and "expresslane" not in native_out  # NIXL's reply
+        assert native_out.get("remote_block_ids") and parse_status(native_out) is None  # NIXL's reply
         first = plain["choices"][0]["token_ids"]
         assert express["choices"][0]["token_ids"] == first == native["choices"][0]["token_ids"]
     finally:
@@ -224,7 +225,7 @@ async def test_chunked_prefill_hands_off_the_whole_prompt(fresh_connector_vllms_
         h, params = handoff_params(rx, layout, node_id)
         async with httpx.AsyncClient() as client:
             resp = await prefill.complete(client, PROMPT_B, kv_transfer_params=params)  # 141 tokens: 3 chunks
-        assert resp["kv_transfer_params"]["expresslane"]["handed_off"] is True
+        assert parse_status(resp["kv_transfer_params"]).handed_off is True
         event, _ = await events.next()
         assert isinstance(event, KvReady) and event.num_tokens == len(PROMPT_B), event
         segs = received_segments(rx.read(str(tmp_path / "slot")), layout, len(PROMPT_B))

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from shared.handoff import Handoff, request_params
+from shared.handoff import Handoff, parse_status, request_params
 from shared import subjects
 from shared.bus import Bus
 from shared.events import KvFailed, KvMessage, KvReady, SlotTarget, TransferTarget
@@ -191,8 +191,8 @@ async def test_claimed_kv_lands_in_engine_layout(express_vllm, bus, tmp_path, ar
         h, params = handoff_params(rx, layout, node_id, traceparent=tp)
         async with httpx.AsyncClient() as client:
             resp = await prefill.complete(client, PROMPT, kv_transfer_params=params)
-        status = resp["kv_transfer_params"]["expresslane"]
-        assert status["handed_off"] is True and status["request_id"] == h.request_id
+        status = parse_status(resp["kv_transfer_params"])
+        assert status.handed_off is True and status.request_id == h.request_id
         event, headers = await events.next()
         assert isinstance(event, KvReady), event
         assert (event.request_id, event.lease_id, event.generation, event.num_tokens) == (
