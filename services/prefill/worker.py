@@ -67,7 +67,7 @@ class ExpressWorker:
         for name in self.config.transports:
             t = create_transport(name, host=self.config.mooncake_host,
                                  protocol=self.config.mooncake_protocol,
-                                 agent_name=self.config.nixl_agent_name)
+                                 agent_name=self.config.nixl_agent_name, receives=False)
             t.register(self.pool.addr, self.pool.nbytes)
             self.transports[name] = t
         self.sender = Sender(self.transports, self.pool, self.states, self.publisher,

@@ -71,8 +71,12 @@ def create_transport(
     host: str = "127.0.0.1",
     protocol: str = "tcp",
     agent_name: str | None = None,
+    receives: bool = True,
 ) -> Transport:
-    """Build a transport by name: "mooncake" (``host``, ``protocol``) or "nixl" (``agent_name``)."""
+    """Build a transport by name: "mooncake" (``host``, ``protocol``) or "nixl" (``agent_name``).
+
+    ``receives=False`` for a transport that only writes (the prefill's sender): it then keeps no
+    background progress thread (NIXL's polls without pause and would hold a core while idle)."""
     if name == "mooncake":
         from shared.transport.mooncake import MooncakeTransport
 
@@ -80,5 +84,5 @@ def create_transport(
     if name == "nixl":
         from shared.transport.nixl import NixlTransport
 
-        return NixlTransport(agent_name=agent_name)
+        return NixlTransport(agent_name=agent_name, receives=receives)
     raise ValueError(f"unknown transport {name!r}: use one of {', '.join(TRANSPORTS)}")

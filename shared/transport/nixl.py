@@ -22,14 +22,19 @@ class NixlTransport:
 
     name = "nixl"
 
-    def __init__(self, agent_name: str | None = None, mem_type: str = "DRAM", device_id: int = 0) -> None:
+    def __init__(self, agent_name: str | None = None, mem_type: str = "DRAM", device_id: int = 0,
+                 receives: bool = True) -> None:
         os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")  # it logs to stdout otherwise
         try:
             from nixl._api import nixl_agent, nixl_agent_config
         except ImportError as exc:  # pragma: no cover - depends on the machine
             raise TransferError(f"nixl is not importable ({exc}): pip install nixl") from exc
         self.endpoint = agent_name or f"xl-{uuid.uuid4().hex[:12]}"
-        self._agent = nixl_agent(self.endpoint, nixl_agent_config(backends=["UCX"]))
+        # NIXL's progress thread polls UCX with a zero timeout: it holds a core even when idle.
+        # Only a receiver needs it (UCX over TCP lands remote writes when the target progresses);
+        # a writer progresses UCX itself while it waits for its transfer (check_xfer_state).
+        self._agent = nixl_agent(self.endpoint, nixl_agent_config(enable_prog_thread=receives,
+                                                                  backends=["UCX"]))
         self._mem_type = mem_type
         self._device_id = device_id
         self._regions: dict[int, object] = {}  # addr -> reg descs

@@ -24,7 +24,7 @@ def transport_name(request) -> str:
 
 @pytest.fixture
 def sender(transport_name):
-    t = create_transport(transport_name)
+    t = create_transport(transport_name, receives=False)  # as the prefill's sender runs it
     src = np.random.default_rng(0).integers(0, 256, NBYTES, dtype=np.uint8)
     t.register(src.ctypes.data, NBYTES)
     yield t, src
