@@ -1,0 +1,119 @@
+"""The decode node's settings: its command-line flags (each also ``EXPRESSLANE_<FLAG>``, see
+shared/config.py), parsed once into a typed ``DecodeConfig`` whose ``validate()`` names the flag
+that is wrong, then passed down; the engine's own settings ride in ``DecodeConfig.engine``."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from services.decode.engine.options import MAX_SPECULATIVE_TOKENS, EngineConfig
+from shared import config as shared_config
+from shared import subjects
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    model: str  # HF checkpoint directory
+    node_id: str
+    engine: EngineConfig  # slots, max_seq_len, device, dtype, drafts, fast path
+    nats_url: str = shared_config.DEFAULT_NATS_URL
+    log_level: str = "INFO"
+    log_format: str = "json"
+    transport: str = "mooncake"
+    transport_host: str = "127.0.0.1"
+    transport_protocol: str = "tcp"
+    heartbeat_ms: int = 1000
+    http_host: str = "127.0.0.1"
+    http_port: int = 9103
+    drain_timeout_s: float = 30.0
+
+    @property
+    def num_slots(self) -> int:
+        return self.engine.num_slots
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.engine.max_seq_len
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> DecodeConfig:
+        """The parsed flags as a config (an empty --node-id becomes decode-HOST-PID)."""
+        engine = EngineConfig(
+            num_slots=args.slots, max_seq_len=args.max_seq_len, device=args.device, dtype=args.dtype,
+            num_speculative_tokens=args.num_speculative_tokens, fast_path=args.fast_path,
+            mtp_draft_vocab=args.mtp_draft_vocab)
+        return cls(
+            model=args.model, node_id=args.node_id or default_node_id(), engine=engine,
+            nats_url=args.nats_url, log_level=args.log_level, log_format=args.log_format,
+            transport=args.transport, transport_host=args.transport_host,
+            transport_protocol=args.transport_protocol, heartbeat_ms=args.heartbeat_ms,
+            http_host=args.http_host, http_port=args.http_port, drain_timeout_s=args.drain_timeout_s)
+
+    def validate(self) -> DecodeConfig:
+        """Raise ValueError naming the flag whose value cannot work; return self."""
+        for flag, value in (("--slots", self.num_slots), ("--max-seq-len", self.max_seq_len),
+                            ("--heartbeat-ms", self.heartbeat_ms)):
+            if value < 1:
+                raise ValueError(f"{flag} must be 1 or more, got {value}")
+        k = self.engine.num_speculative_tokens
+        if k is not None and not 0 <= k <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"--num-speculative-tokens must be 0 to {MAX_SPECULATIVE_TOKENS}, got {k}")
+        if self.engine.mtp_draft_vocab is not None and self.engine.mtp_draft_vocab < 1:
+            raise ValueError(f"--mtp-draft-vocab must be 1 or more, got {self.engine.mtp_draft_vocab}")
+        if self.drain_timeout_s < 0:
+            raise ValueError(f"--drain-timeout-s must be 0 or more, got {self.drain_timeout_s}")
+        try:
+            subjects.node_avail(self.node_id)
+        except ValueError as exc:
+            raise ValueError(f"--node-id: {exc}") from None
+        self.engine.validate()
+        return self
+
+
+def default_node_id() -> str:
+    host = "".join(c if c.isalnum() or c in "-_" else "-" for c in socket.gethostname())
+    return f"decode-{host}-{os.getpid()}"
+
+
+def parse(argv: Sequence[str] | None) -> DecodeConfig:
+    """Flags and EXPRESSLANE_* variables -> a validated config (exit status 2 with a message if not)."""
+    parser = build_parser()
+    args = shared_config.parse_args(parser, argv)
+    try:
+        return DecodeConfig.from_args(args).validate()
+    except ValueError as exc:
+        parser.error(str(exc))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="expresslane decode", description="Run a decode node: the "
+                                "express-lane engine with pre-registered KV receive buffers.")
+    shared_config.add_common_args(p)
+    p.add_argument("--model", required=True, help="HF checkpoint directory")
+    p.add_argument("--slots", type=int, default=1, help="concurrent requests (receive buffers)")
+    p.add_argument("--node-id", default="", help="name on the bus (default decode-HOST-PID)")
+    p.add_argument("--transport", choices=["mooncake", "nixl"], default="mooncake")
+    p.add_argument("--transport-host", default="127.0.0.1", help="address senders reach us on")
+    p.add_argument("--transport-protocol", default="tcp", choices=["tcp", "rdma"], help="mooncake")
+    p.add_argument("--max-seq-len", type=int, default=2048, help="tokens per slot (prompt + output)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default=None, help="model dtype (default: the checkpoint's)")
+    p.add_argument("--num-speculative-tokens", type=int, default=None,
+                   help="MTP draft tokens per step, 0 to 3 (default: one per MTP layer of the "
+                        "model, 0 for models without MTP layers)")
+    p.add_argument("--mtp-draft-vocab", type=int, default=None, metavar="N",
+                   help="on the fast path, MTP drafts propose only token ids < N: a draft head of N rows "
+                        "instead of the whole vocabulary (BPE ids run from frequent to rare); output is "
+                        "unchanged, acceptance may drop (default: the whole vocabulary)")
+    p.add_argument("--fast-path", choices=["auto", "on", "off"], default="auto",
+                   help="batch-1 CUDA-graph decode for a lone greedy request (auto: where the "
+                        "model, dtype and device allow; on: refuse to start otherwise)")
+    p.add_argument("--heartbeat-ms", type=int, default=1000)
+    p.add_argument("--http-host", default="127.0.0.1")
+    p.add_argument("--http-port", type=int, default=9103, help="/health and /metrics (0: any free)")
+    p.add_argument("--drain-timeout-s", type=float, default=30.0)
+    return p
