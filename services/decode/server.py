@@ -196,6 +196,7 @@ class DecodeNode:
     def _start(self, work: StartEngine) -> list[Effect]:
         """Inject the slot's KV and arm the engine; the core hears how it went."""
         self.traces.start(work)
+        started_at_s = time.perf_counter()
         try:
             self.engine.inject(work.slot, work.num_kv_tokens)
             self.engine.start(work.slot, work.first_token_id, work.sampling)
@@ -205,7 +206,7 @@ class DecodeNode:
         self.log.info("decode_started", request_id=work.request_id, slot=work.slot,
                       lease_id=work.lease_id, num_tokens=work.num_kv_tokens,
                       max_tokens=work.sampling.max_tokens)
-        return self.core.on_engine_started(work.slot, work.lease_id, time.perf_counter())
+        return self.core.on_engine_started(work.slot, work.lease_id, started_at_s)
 
 
 def _load(config: DecodeConfig):
