@@ -65,19 +65,11 @@ def time_graph(fn, iters: int = 50, warmup: int = 5) -> float:
     return ts[len(ts) // 2]
 
 
-def capture(fn) -> torch.cuda.CUDAGraph:
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    torch.cuda.synchronize()
-    return g
+def capture(fn, steps_per_replay: int = 1, before_capture=None):
+    """fn captured now in one CUDA graph by the engine's runner (errors propagate); call it to replay."""
+    runner = load_cuda_pkg().GraphedFn(fn, True, steps_per_replay=steps_per_replay, before_capture=before_capture)
+    runner.capture()
+    return runner
 
 
 def copy_bandwidth() -> float:
@@ -162,11 +154,10 @@ def step_timing(X, model, s, ctx, opts, steps_per_replay=8, max_tokens=None, slo
     _, kc, vc = slot
     cos, sin = rope_tables(LLAMA_ROPE, s["d"], max_tokens)
     dec = X.GqaDecoder(model, kc, vc, cos, sin, opts, max_steps=max_tokens)
-    runner = X.GraphRunner(dec.step, "cuda", steps_per_replay=steps_per_replay,
-                           before_capture=lambda: dec.set_state(1, ctx))
+    runner = capture(dec.step, steps_per_replay, before_capture=lambda: dec.set_state(1, ctx))
     dec.set_state(1, ctx)
     iters = max(1, min(40, (max_tokens - ctx - 16) // steps_per_replay - 6))
-    ms = time_graph(runner.replay, iters=iters, warmup=3) / steps_per_replay
+    ms = time_graph(runner, iters=iters, warmup=3) / steps_per_replay
     del runner, dec
     return ms
 
@@ -178,13 +169,13 @@ def correctness(X, model, s, ctx, opts, steps=256) -> dict:
     kr, vr = [k.clone() for k in kc], [v.clone() for v in vc]
     cos, sin = rope_tables(LLAMA_ROPE, s["d"], max_tokens)
     dec = X.GqaDecoder(model, kc, vc, cos, sin, opts, max_steps=max_tokens)
-    runner = X.GraphRunner(dec.step, "cuda", steps_per_replay=1, before_capture=lambda: dec.set_state(5, ctx))
+    runner = capture(dec.step, before_capture=lambda: dec.set_state(5, ctx))
     dec.set_state(5, ctx)
     tok, identical, first_diff, max_rel, mismatches, gaps = 5, 0, None, 0.0, 0, []
     rel_first, all_gaps = [], []
     cos_b, sin_b = cos.cuda(), sin.cuda()
     for i in range(steps):
-        runner.replay()
+        runner()
         ref = X.reference_step(model, kr, vr, cos_b, sin_b, tok, ctx + i)
         fast = dec.logits
         rel = ((fast - ref).abs().max() / ref.abs().max()).item()
@@ -236,7 +227,7 @@ def hf_graph(s: dict, ctx: int, steps: int = 30) -> dict:
                          use_cache=True).logits
         eager_ms = time_graph(fn, iters=5, warmup=2)
         g = capture(fn)
-        ms = time_graph(g.replay, iters=steps, warmup=3)
+        ms = time_graph(g, iters=steps, warmup=3)
     del g, model, cache
     torch.cuda.empty_cache()
     return {"hf_eager_ms": eager_ms, "hf_graph_ms": ms, "hf_graph_tok_s": 1e3 / ms}

@@ -65,7 +65,7 @@ def micro_gemv(X, model, s, k_caches, v_caches, cos, sin) -> dict:
         for label, fn in [("cublas", cublas_fn(name))] + [(str(t), triton_fn(name, t)) for t in tiles]:
             try:
                 g = capture(fn)
-                ms = time_graph(g.replay, iters=20)
+                ms = time_graph(g, iters=20)
                 us = ms * 1e3 / n_launch
                 res[label] = {"us": round(us, 2), "TBps": round(nbytes[name] / (us * 1e-6) / 1e12, 3)}
                 del g
@@ -94,15 +94,15 @@ def diagnose(X, model, s, ctx: int = 1024) -> dict:
     xa = torch.randn(s["hq"] * s["d"], device=dev, dtype=dt)
     o = torch.empty(s["hidden"], device=dev, dtype=dt)
     G.gemv(xa, L[0].wo, o, block_n=8, block_k=512, stages=3)
-    out["gemv_o"] = _cmp(o, G.reference_linear(xa, L[0].wo))
-    out["ref_linear_mm_vs_mv"] = _cmp(G.reference_linear(xa, L[0].wo), torch.mv(L[0].wo.float(), xa.float()).to(dt))
+    out["gemv_o"] = _cmp(o, X.reference.linear(xa, L[0].wo))
+    out["ref_linear_mm_vs_mv"] = _cmp(X.reference.linear(xa, L[0].wo), torch.mv(L[0].wo.float(), xa.float()).to(dt))
     act = torch.empty(s["inter"], device=dev, dtype=dt)
     G.gemv_silu(x, L[0].w_gate_up, act, norm_w=L[0].mlp_norm, block_n=16, block_k=512, stages=3)
-    out["gemv_silu"] = _cmp(act, G.reference_silu_mul(G.reference_linear(G.reference_rmsnorm(x, L[0].mlp_norm, 1e-5),
+    out["gemv_silu"] = _cmp(act, X.reference.silu_mul(X.reference.linear(X.reference.rms_norm(x, L[0].mlp_norm, 1e-5),
                                                                           L[0].w_gate_up)))
     lg = torch.empty(s["vocab"], device=dev, dtype=torch.float32)
     G.gemv(x, model.lm_head, lg, norm_w=model.final_norm, block_n=16, block_k=512, stages=3)
-    out["gemv_lm_head"] = _cmp(lg, G.reference_rmsnorm(x, model.final_norm, 1e-5).float() @ model.lm_head.float().T)
+    out["gemv_lm_head"] = _cmp(lg, X.reference.rms_norm(x, model.final_norm, 1e-5).float() @ model.lm_head.float().T)
     mt = ctx + 8
     _, kc, vc = make_slot(s, mt, ctx, seed=3)
     cos, sin = rope_tables(LLAMA_ROPE, s["d"], mt)
@@ -111,9 +111,9 @@ def diagnose(X, model, s, ctx: int = 1024) -> dict:
     pos = torch.tensor([ctx], dtype=torch.int32, device=dev)
     G.gemv_qkv_rope(x, L[0].wqkv, L[0].attn_norm, 1e-5, q, kc[0], vc[0], pos, cb, sb, num_q_heads=s["hq"],
                     num_kv_heads=s["hkv"], head_dim=s["d"], block_n=16, block_k=512, stages=3)
-    qkv = G.reference_linear(G.reference_rmsnorm(x, L[0].attn_norm, 1e-5), L[0].wqkv).view(-1, s["d"])
-    qr = G.reference_rope(qkv[: s["hq"]], cb[ctx], sb[ctx])
-    kr = G.reference_rope(qkv[s["hq"]: s["hq"] + s["hkv"]], cb[ctx], sb[ctx])
+    qkv = X.reference.linear(X.reference.rms_norm(x, L[0].attn_norm, 1e-5), L[0].wqkv).view(-1, s["d"])
+    qr = X.reference.rope(qkv[: s["hq"]], cb[ctx], sb[ctx])
+    kr = X.reference.rope(qkv[s["hq"]: s["hq"] + s["hkv"]], cb[ctx], sb[ctx])
     out["qkv_rope_q"] = _cmp(q, qr)
     out["qkv_rope_k"] = _cmp(kc[0][ctx], kr)
     out["qkv_rope_v"] = _cmp(vc[0][ctx], qkv[s["hq"] + s["hkv"]:])
@@ -121,7 +121,7 @@ def diagnose(X, model, s, ctx: int = 1024) -> dict:
                                        device=dev)
     ao = torch.empty(s["hq"] * s["d"], device=dev, dtype=dt)
     attn(qr.reshape(-1).contiguous(), kc[0], vc[0], pos, ao, stride_kt=s["hkv"] * s["d"], stride_vt=s["hkv"] * s["d"])
-    out["attention"] = _cmp(ao, X.attention.reference_attention(qr[None], kc[0], vc[0], ctx, s["d"] ** -0.5))
+    out["attention"] = _cmp(ao, X.reference.attention(qr[None], kc[0], vc[0], ctx, s["d"] ** -0.5))
     # layer 0, op by op on identical inputs (the tuned tiles), then layers chained
     d, hq, hkv = s["d"], s["hq"], s["hkv"]
     _, kc, vc = make_slot(s, mt, ctx, seed=4)
@@ -131,24 +131,24 @@ def diagnose(X, model, s, ctx: int = 1024) -> dict:
     lw = L[0]
     G.gemv_qkv_rope(dec.h, lw.wqkv, lw.attn_norm, 1e-5, dec.q, kc[0], vc[0], dec.pos, dec.cos, dec.sin,
                     num_q_heads=hq, num_kv_heads=hkv, head_dim=d, **dec._tile("qkv"))
-    qkv = G.reference_linear(G.reference_rmsnorm(h0, lw.attn_norm, 1e-5), lw.wqkv).view(-1, d)
-    ops = {"q": _cmp(dec.q, G.reference_rope(qkv[:hq], dec.cos[ctx], dec.sin[ctx])),
-           "k": _cmp(kc[0][ctx], G.reference_rope(qkv[hq:hq + hkv], dec.cos[ctx], dec.sin[ctx])),
+    qkv = X.reference.linear(X.reference.rms_norm(h0, lw.attn_norm, 1e-5), lw.wqkv).view(-1, d)
+    ops = {"q": _cmp(dec.q, X.reference.rope(qkv[:hq], dec.cos[ctx], dec.sin[ctx])),
+           "k": _cmp(kc[0][ctx], X.reference.rope(qkv[hq:hq + hkv], dec.cos[ctx], dec.sin[ctx])),
            "v": _cmp(vc[0][ctx], qkv[hq + hkv:])}
     dec.attn(dec.q, kc[0], vc[0], dec.pos, dec.attn_out, stride_kt=hkv * d, stride_vt=hkv * d)
-    ops["attn"] = _cmp(dec.attn_out, X.attention.reference_attention(dec.q.view(1, hq, d), kc[0], vc[0], ctx, d ** -0.5))
+    ops["attn"] = _cmp(dec.attn_out, X.reference.attention(dec.q.view(1, hq, d), kc[0], vc[0], ctx, d ** -0.5))
     h1 = h0.clone()
     G.gemv(dec.attn_out, lw.wo, h1, residual=h1, **dec._tile("o"))
-    ops["o_residual"] = _cmp(h1, h0 + G.reference_linear(dec.attn_out, lw.wo))
+    ops["o_residual"] = _cmp(h1, h0 + X.reference.linear(dec.attn_out, lw.wo))
     G.gemv_silu(h1, lw.w_gate_up, dec.act, norm_w=lw.mlp_norm, eps=1e-5, **dec._tile("gate_up"))
-    ops["gate_up_silu"] = _cmp(dec.act, G.reference_silu_mul(G.reference_linear(G.reference_rmsnorm(h1, lw.mlp_norm, 1e-5),
+    ops["gate_up_silu"] = _cmp(dec.act, X.reference.silu_mul(X.reference.linear(X.reference.rms_norm(h1, lw.mlp_norm, 1e-5),
                                                                                    lw.w_gate_up)))
     h2 = h1.clone()
     G.gemv(dec.act, lw.w_down, h2, residual=h2, **dec._tile("down"))
-    ops["down_residual"] = _cmp(h2, h1 + G.reference_linear(dec.act, lw.w_down))
+    ops["down_residual"] = _cmp(h2, h1 + X.reference.linear(dec.act, lw.w_down))
     lg = torch.empty(s["vocab"], device=dev)
     G.gemv(h2, model.lm_head, lg, norm_w=model.final_norm, eps=1e-5, **dec._tile("lm_head"))
-    ops["lm_head"] = _cmp(lg, G.reference_rmsnorm(h2, model.final_norm, 1e-5).float() @ model.lm_head.float().T)
+    ops["lm_head"] = _cmp(lg, X.reference.rms_norm(h2, model.final_norm, 1e-5).float() @ model.lm_head.float().T)
     out["layer0_ops"] = ops
     _, kc, vc = make_slot(s, mt, ctx, seed=4)
     kr_, vr_ = [k.clone() for k in kc], [v.clone() for v in vc]

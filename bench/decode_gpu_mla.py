@@ -16,6 +16,8 @@ import traceback
 
 import torch
 
+from decode_gpu import capture  # bench/ is on sys.path when run as a script
+
 DSV2_LITE = dict(hidden=2048, layers=27, heads=16, r=512, nope=128, rope=64, v=128, experts=64, top_k=6,
                  moe_inter=1408, shared=2, dense_inter=10944, vocab=102400, eps=1e-6, scale=1.0)
 
@@ -80,13 +82,13 @@ def step_bytes(model, s: dict, ctx: int) -> dict:
 
 def time_replays(runner, iters: int) -> float:
     for _ in range(3):
-        runner.replay()
+        runner()
     torch.cuda.synchronize()
     ts = []
     for _ in range(iters):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
-        runner.replay()
+        runner()
         b.record()
         b.synchronize()
         ts.append(a.elapsed_time(b))
@@ -99,7 +101,7 @@ DRAFT_VOCAB = 32768  # reduced draft head: the first 32K ids (a third of the 102
 
 def measure(X, model, caches, cos, sin, ctx: int, tag: str, R: dict, draft_vocab: int | None = None) -> None:
     dec = X.mla_decoder.MlaDecoder(model, caches, cos, sin, max_draft=3, max_steps=4096, draft_vocab=draft_vocab)
-    plain = X.GraphRunner(dec.plain_step, "cuda", steps_per_replay=4, before_capture=lambda: dec.set_state(1, ctx))
+    plain = capture(dec.plain_step, steps_per_replay=4, before_capture=lambda: dec.set_state(1, ctx))
     dec.set_state(1, ctx)
     plain_ms = time_replays(plain, 30) / 4
     R[f"{tag}plain_ms"] = plain_ms
@@ -107,7 +109,7 @@ def measure(X, model, caches, cos, sin, ctx: int, tag: str, R: dict, draft_vocab
     log(f"  {tag}plain step {plain_ms:.3f} ms ({1e3 / plain_ms:.1f} tok/s)")
     del plain
     for k in (1, 2, 3):
-        sp = X.GraphRunner(lambda k=k: dec.spec_step(k), "cuda", before_capture=lambda: dec.set_state(1, ctx))
+        sp = capture(lambda k=k: dec.spec_step(k), before_capture=lambda: dec.set_state(1, ctx))
         dec.set_state(1, ctx)
         ms = time_replays(sp, 30)
         R[f"{tag}mtp_k{k}_step_ms"] = ms
@@ -137,7 +139,7 @@ def breakdown(X, model, caches, cos, sin, ctx: int, tag: str, R: dict, draft_voc
     out = {}
     for name, fn in pieces.items():
         try:
-            r = X.GraphRunner(fn, "cuda", before_capture=st)
+            r = capture(fn, before_capture=st)
             st()
             out[name] = round(time_replays(r, 20) * 1e3, 1)
             del r
@@ -194,7 +196,7 @@ def gemv_dot_sweep(X, model, caches, cos, sin, ctx: int, R: dict) -> None:
                                                                          dec.cos, dec.sin))),
                          ("lm_head4", lambda c=cand: M.gemv_rows(dec.hid[4], model.lm_head, dec.logits[4], dot_tile=c))):
             try:
-                r = X.GraphRunner(fn, "cuda", before_capture=st)
+                r = capture(fn, before_capture=st)
                 st()
                 res[name][str(cand)] = round(time_replays(r, 20) * 1e3, 1)
                 del r
@@ -220,8 +222,8 @@ def dot_tile_sweep(X, model, caches, cos, sin, ctx: int, R: dict) -> None:
     for cand in DOT_TILE_CANDIDATES:
         try:
             dec.stacks[4].moe.tiles = cand
-            r = X.GraphRunner(lambda: dec.stacks[4].block(model.layers[1], dec.h[4], caches[1], dec.pos, dec.cos,
-                                                          dec.sin), "cuda", before_capture=st)
+            r = capture(lambda: dec.stacks[4].block(model.layers[1], dec.h[4], caches[1], dec.pos, dec.cos, dec.sin),
+                        before_capture=st)
             st()
             res[str(cand)] = round(time_replays(r, 20) * 1e3, 1)
             del r
@@ -241,12 +243,12 @@ def correctness(X, model, caches, cos, sin, ctx: int, steps: int = 48) -> dict:
     D = X.mla_decoder
     ref_caches = [c.clone() for c in caches]
     dec = D.MlaDecoder(model, caches, cos, sin, max_draft=3, max_steps=4096)
-    plain = X.GraphRunner(dec.plain_step, "cuda", before_capture=lambda: dec.set_state(5, ctx))
+    plain = capture(dec.plain_step, before_capture=lambda: dec.set_state(5, ctx))
     dec.set_state(5, ctx)
     tok, mism, max_rel, gaps = 5, 0, 0.0, []
     cb, sb = cos.cuda(), sin.cuda()
     for i in range(steps):
-        plain.replay()
+        plain()
         ref, _ = D.reference_forward(model, ref_caches, cb, sb, [tok], ctx + i)
         max_rel = max(max_rel, ((dec.logits[1][0] - ref[0]).abs().max() / ref.abs().max()).item())
         ft = int(dec.tokens[0].item())
@@ -256,11 +258,11 @@ def correctness(X, model, caches, cos, sin, ctx: int, steps: int = 48) -> dict:
             gaps.append(float(top2[0] - top2[1]))
         tok = ft
     plain_tokens = dec.out_tokens[:steps].tolist()
-    sp = X.GraphRunner(lambda: dec.spec_step(3), "cuda", before_capture=lambda: dec.set_state(5, ctx))
+    sp = capture(lambda: dec.spec_step(3), before_capture=lambda: dec.set_state(5, ctx))
     dec.set_state(5, ctx)
     replays = 0
     while int(dec.out_idx.item()) < steps:
-        sp.replay()
+        sp()
         replays += 1
     spec_tokens = dec.out_tokens[:steps].tolist()
     same = next((i for i, (a, b) in enumerate(zip(spec_tokens, plain_tokens)) if a != b), steps)

@@ -47,7 +47,7 @@ from .slots import SlotState, emit
 from .spec import verify
 from .config import parse_config
 from .build import build_model, load_params
-from .graphs import GraphedFn
+from .cuda.graph import GraphedFn
 from . import fastpath
 from .options import EngineConfig
 from .weights import DictReader, hf_to_engine, iter_engine_params, read_config

@@ -108,16 +108,18 @@ class FastPath:
         self.draft_vocab = draft_vocab
         self.tokens_per_step = tokens_per_step
         self.max_steps = max(max_steps, tokens_per_step, 4 * (self.k + 1))  # out_tokens rows; re-armed when full
-        self.decoders: dict[int, tuple] = {}  # slot -> (decoder, {drafts k: GraphRunner})
+        self.decoders: dict[int, tuple] = {}  # slot -> (decoder, {drafts k: GraphedFn})
         self.held: dict[int, tuple[int, int, int]] = {}  # slot -> (token, pos, out index) on device
 
     def _runner(self, dec, runners: dict, k: int, token: int, pos: int, prev_hidden=None):
         if k not in runners:
-            from .cuda import GraphRunner
+            from .cuda.graph import GraphedFn
 
             fn = dec.step if not self.mla else (dec.plain_step if k == 0 else (lambda: dec.spec_step(k)))
-            runners[k] = GraphRunner(fn, self.device, warmup_calls=1,
-                                     before_capture=lambda: self._arm(dec, token, pos, prev_hidden))
+            runner = GraphedFn(fn, self.device.type == "cuda", warmup_calls=1, device=self.device,
+                               before_capture=lambda: self._arm(dec, token, pos, prev_hidden))
+            runner.capture()
+            runners[k] = runner
         return runners[k]
 
     def _arm(self, dec, token: int, pos: int, prev_hidden=None) -> None:
@@ -165,7 +167,7 @@ class FastPath:
         runner = self._runner(dec, runners, 0, token, pos)
         idx = self._start(slot, dec, token, pos, n, prev_hidden)
         for _ in range(n):
-            runner.replay()
+            runner()
         out = dec.out_tokens[idx : idx + n].tolist()  # the one sync
         self.held[slot] = (out[-1], pos + n, idx + n)
         return out
@@ -177,7 +179,7 @@ class FastPath:
             self.held.pop(slot, None)
         runner = self._runner(dec, runners, k, token, pos, prev_hidden)
         idx = self._start(slot, dec, token, pos, k + 1, prev_hidden)
-        runner.replay()
+        runner()
         row = torch.cat([dec.out_idx, dec.out_tokens[idx : idx + k + 1]]).tolist()  # the one sync
         n = row[0] - idx
         out = row[1 : 1 + n]

@@ -1,7 +1,8 @@
 """Building blocks shared by the model families: RMSNorm, SwiGLU MLP, cache write, masked attention.
 
 Shapes: B slots in the step, T query tokens per slot, S cache capacity (tokens), H heads.
-Everything here is static-shaped and free of host syncs.
+Everything here is static-shaped and free of host syncs. RMSNorm and the SwiGLU activation are the
+fast path's torch twins (cuda/reference.py): one definition of the math both paths round alike.
 """
 
 from __future__ import annotations
@@ -9,18 +10,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .cuda.reference import rms_norm, silu_mul
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm computed in float32, scaled in the input dtype (as HF transformers does)."""
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
+__all__ = ["attend", "causal_mask", "rms_norm", "swiglu", "write_cache"]
 
 
 def swiglu(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
     """down(silu(gate(x)) * up(x)) with gate and up fused in one [2*I, H] weight."""
-    gate, up = F.linear(x, w_gate_up).chunk(2, dim=-1)
-    return F.linear(F.silu(gate) * up, w_down)
+    return F.linear(silu_mul(F.linear(x, w_gate_up)), w_down)
 
 
 def write_cache(cache: torch.Tensor, slot_ids: torch.Tensor, positions: torch.Tensor, values: torch.Tensor) -> None:

@@ -18,7 +18,8 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 from triton.runtime import interpreter as _interp  # noqa: E402
 
-import services.decode.engine.cuda  # noqa: E402,F401  (kernels defined as interpreted functions)
+# the kernel modules, defined now as interpreted functions (the package loads its modules on first use)
+from services.decode.engine.cuda import attention, gemv, kernel_helpers, llama, mla, mla_decoder, moe, smallops  # noqa: E402,F401
 
 triton.knobs.runtime.interpret = True  # keep interpreting after the variable is gone
 if _late:  # triton.language was defined compiled (another test imported it first): interpret its helpers

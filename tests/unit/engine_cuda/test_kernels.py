@@ -12,7 +12,8 @@ import torch
 from services.decode.engine.cuda import gemv as G
 from services.decode.engine.cuda import moe as M
 from services.decode.engine.cuda import smallops as S
-from services.decode.engine.cuda.attention import DecodeAttention, reference_attention
+from services.decode.engine.cuda import reference
+from services.decode.engine.cuda.attention import DecodeAttention
 
 BF = torch.bfloat16
 
@@ -36,8 +37,8 @@ def test_gemv_matches_twin(norm, residual, block_n, block_k, stages):
     out = torch.full((40,), float("nan"), dtype=BF)
     G.gemv(x, w, out, norm_w=nw if norm else None, eps=1e-5, residual=res.clone() if residual else None,
            block_n=block_n, block_k=block_k, stages=stages)
-    xin = G.reference_rmsnorm(x, nw, 1e-5) if norm else x
-    ref = G.reference_linear(xin, w)
+    xin = reference.rms_norm(x, nw, 1e-5) if norm else x
+    ref = reference.linear(xin, w)
     close(out, res + ref if residual else ref)
 
 
@@ -60,7 +61,7 @@ def test_gemv_silu_matches_twin():
     x, w, nw = rand(64), rand(2 * 24, 64, std=0.2), 1 + rand(64, std=0.1)
     out = torch.empty(24, dtype=BF)
     G.gemv_silu(x, w, out, norm_w=nw, eps=1e-5, block_n=8, block_k=32, stages=2)
-    close(out, G.reference_silu_mul(G.reference_linear(G.reference_rmsnorm(x, nw, 1e-5), w)))
+    close(out, reference.silu_mul(reference.linear(reference.rms_norm(x, nw, 1e-5), w)))
 
 
 @pytest.mark.parametrize("fused", [True, False])
@@ -75,11 +76,11 @@ def test_qkv_rope_cache_write_matches_twin(fused):
         G.gemv_qkv_rope(x, w, nw, 1e-5, q, kc, vc, p, cos, sin, num_q_heads=hq, num_kv_heads=hkv, head_dim=d,
                         block_n=4, block_k=32)
     else:
-        qkv = G.reference_linear(G.reference_rmsnorm(x, nw, 1e-5), w)
+        qkv = reference.linear(reference.rms_norm(x, nw, 1e-5), w)
         S.rope_cache_write(qkv, q, kc, vc, p, cos, sin, num_q_heads=hq, num_kv_heads=hkv, head_dim=d)
-    qkv = G.reference_linear(G.reference_rmsnorm(x, nw, 1e-5), w).view(-1, d)
-    close(q.view(hq, d), G.reference_rope(qkv[:hq], cos[pos], sin[pos]))
-    close(kc[pos], G.reference_rope(qkv[hq:hq + hkv], cos[pos], sin[pos]))
+    qkv = reference.linear(reference.rms_norm(x, nw, 1e-5), w).view(-1, d)
+    close(q.view(hq, d), reference.rope(qkv[:hq], cos[pos], sin[pos]))
+    close(kc[pos], reference.rope(qkv[hq:hq + hkv], cos[pos], sin[pos]))
     close(vc[pos], qkv[hq + hkv:])
     assert kc[pos + 1:].abs().sum() == 0 and kc[:pos].abs().sum() == 0  # only row pos written
 
@@ -88,10 +89,10 @@ def test_small_ops_match_twins():
     x, w = rand(3, 40), 1 + rand(40, std=0.1)
     out = torch.empty(3, 40, dtype=BF)
     S.rmsnorm_rows(x, w, out, 1e-6)
-    close(out, G.reference_rmsnorm(x, w, 1e-6))
+    close(out, reference.rms_norm(x, w, 1e-6))
     gu, act = rand(2 * 70), torch.empty(70, dtype=BF)
     S.silu_mul(gu, act, block=32)
-    close(act, G.reference_silu_mul(gu))
+    close(act, reference.silu_mul(gu))
 
 
 @pytest.mark.parametrize("hq,hkv,t,pos,splits,block_s", [
@@ -106,7 +107,7 @@ def test_gqa_attention_matches_twin(hq, hkv, t, pos, splits, block_s):
                            block_s=block_s)
     out = torch.full((t, hq, d), float("nan"), dtype=BF)
     attn(q, k, v, torch.tensor([pos], dtype=torch.int32), out, stride_kt=hkv * d, stride_vt=hkv * d)
-    close(out, reference_attention(q, k, v, pos, d ** -0.5), tol=1e-5)
+    close(out, reference.attention(q, k, v, pos, d ** -0.5), tol=1e-5)
 
 
 @pytest.mark.parametrize("v_is_k,v_chunks", [(True, 1), (False, 2)])
@@ -118,7 +119,7 @@ def test_mla_attention_latent_is_value_and_rope_part_separate(v_is_k, v_chunks):
     out = torch.full((t, hq, r), float("nan"), dtype=BF)
     attn(q_c, lat, lat, torch.tensor([pos], dtype=torch.int32), out, stride_kt=r + rope, stride_vt=r + rope,
          rope_offset=r, q_pe=q_pe, stride_qt=r, stride_qh=t * r)
-    ref = reference_attention(torch.cat([q_c.transpose(0, 1), q_pe], -1), lat, lat[..., :r], pos, (r + rope) ** -0.5)
+    ref = reference.attention(torch.cat([q_c.transpose(0, 1), q_pe], -1), lat, lat[..., :r], pos, (r + rope) ** -0.5)
     close(out, ref, tol=1e-5)
 
 
@@ -127,7 +128,7 @@ def test_gemv_rows_matches_twin(t, norm, residual):
     x, w, nw, res = rand(t, 48), rand(20, 48, std=0.2), 1 + rand(48, std=0.1), rand(t, 20)
     out = res.clone() if residual else torch.empty(t, 20, dtype=BF)
     M.gemv_rows(x, w, out, norm_w=nw if norm else None, residual=out if residual else None, block_n=8, block_k=16)
-    ref = G.reference_linear(G.reference_rmsnorm(x, nw, 1e-6) if norm else x, w)
+    ref = reference.linear(reference.rms_norm(x, nw, 1e-6) if norm else x, w)
     close(out, res + ref if residual else ref)
 
 
@@ -136,7 +137,7 @@ def test_gemv_rows_reads_a_per_head_output_in_place(t):
     x, w, res = rand(3, t, 16), rand(20, 48, std=0.2), rand(t, 20)  # x: [heads, T, D] as a bmm writes it
     out = res.clone()
     M.gemv_rows(x, w, out, residual=out, heads=True, block_n=8, block_k=16)
-    close(out, res + G.reference_linear(x.transpose(0, 1).reshape(t, 48), w))
+    close(out, res + reference.linear(x.transpose(0, 1).reshape(t, 48), w))
     with pytest.raises(ValueError, match="norm_w"):
         M.gemv_rows(x, w, out, norm_w=rand(48), heads=True)
 
@@ -147,7 +148,7 @@ def test_router_and_grouped_moe_read_each_expert_once_and_match_twin():
     bias[5] = 10.0  # every token picks expert 5: three pairs name it, one program computes it
     ids, wts = torch.zeros(t, k, dtype=torch.int32), torch.zeros(t, k)
     M.router(xn, router_w, bias, ids, wts, k, 2.5)
-    rid, rw = M.reference_router(xn, router_w, bias, k, 2.5)
+    rid, rw = reference.router(xn, router_w, bias, k, 2.5)
     assert torch.equal(ids.long(), rid) and (ids[:, 0] == 5).all()
     close(wts, rw)
     gate_up, down = rand(e, 2 * inter, h, std=0.2), rand(e, h, inter, std=0.2)
@@ -159,5 +160,5 @@ def test_router_and_grouped_moe_read_each_expert_once_and_match_twin():
     moe(xn, ids, wts, gate_up, down, sg, sd, hbuf)
     full_sg = torch.cat([sg[:, :inter].reshape(-1, h), sg[:, inter:].reshape(-1, h)])
     full_sd = torch.cat(list(sd), dim=1)
-    ref = M.reference_moe(xn, rid, rw, gate_up, down, full_sg, full_sd)
+    ref = reference.moe(xn, rid, rw, gate_up, down, full_sg, full_sd)
     close(hbuf, before + ref, tol=1e-2 / 8)  # shared halves summed in fp32 before rounding: 1 ulp at most

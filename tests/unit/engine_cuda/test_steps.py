@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.decode.engine.cuda import FastOptions, GqaDecoder, GqaLayer, GqaModel, GraphRunner, reference_step
+from services.decode.engine.cuda import FastOptions, GqaDecoder, GqaLayer, GqaModel, GraphedFn, reference_step
 from services.decode.engine.cuda.mla import MlaDims, MtpWeights, prepare_layer, split_shared
 from services.decode.engine.cuda.mla_decoder import MlaDecoder, MlaModel, reference_forward
 
@@ -56,13 +56,12 @@ def test_gqa_decoder_follows_reference_tokens_and_advances_state(backend):
     cos, sin = _tables(n, 16)
     opts = FastOptions(backends={p: backend for p in SMALL_TILES}, tiles=SMALL_TILES, num_splits=4, block_s=16)
     dec = GqaDecoder(m, kc, vc, cos, sin, opts, max_steps=8)
-    runner = GraphRunner(dec.step, "cpu", steps_per_replay=1)
-    assert not runner.is_graph
+    step = GraphedFn(dec.step, use_graph=False)
     dec.set_state(3, ctx)
     tok, expected = 3, []
     for i in range(steps):
         ref = reference_step(m, kr, vr, cos, sin, tok, ctx + i)
-        runner.replay()
+        step()
         tok = int(ref.argmax())
         expected.append(tok)
         tol = 1e-6 if backend == "triton" else 1e-2  # cuBLAS-style lm_head rounds logits to bf16
@@ -73,12 +72,12 @@ def test_gqa_decoder_follows_reference_tokens_and_advances_state(backend):
     assert torch.equal(dec.h, m.embed[expected[-1]])  # the next step's input is already gathered
 
 
-def test_graph_runner_replays_steps_per_replay_calls_on_cpu():
+def test_graphed_fn_runs_steps_per_replay_calls_eagerly_without_graphs():
     calls = []
-    runner = GraphRunner(lambda: calls.append(1), "cpu", steps_per_replay=3)
-    runner.replay()
-    runner.replay()
-    assert len(calls) == 6 and runner.graph is None
+    step = GraphedFn(lambda: calls.append(1) or len(calls), use_graph=False, steps_per_replay=3)
+    step.capture()  # nothing to capture off CUDA
+    assert step() == 3 and step() == 6  # the last call's output
+    assert len(calls) == 6 and step.graphs == {}
 
 
 def test_gqa_decoder_rejects_non_bf16_models():

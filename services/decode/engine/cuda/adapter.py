@@ -1,13 +1,13 @@
 """Build the fast path from the engine's loaded models (services/decode/engine llama.py, deepseek.py).
 
     dec = gqa_decoder_from_engine(model, slot)        # model: LlamaModel, bound to its KvCache
-    runner = GraphRunner(dec.step, model.embed.device, steps_per_replay=1)
+    step = GraphedFn(dec.step, use_graph=True)        # captured on first call
     dec.set_state(first_token_id, num_cached_tokens)  # host side, once per request
-    runner.replay()                                   # one token; no host sync
+    step()                                            # one token; no host sync
     dec.out_tokens[: dec.step_idx]                    # greedy tokens so far (read when emitting)
 
     mdec = mla_decoder_from_engine(model, slot)       # model: DeepseekModel (with_mtp for drafts)
-    GraphRunner(mdec.plain_step, ...) / GraphRunner(lambda: mdec.spec_step(k), ...)
+    GraphedFn(mdec.plain_step, ...) / GraphedFn(lambda: mdec.spec_step(k), ...)
 
 Weights are used in place (views of the engine's parameters) except what ``mla.prepare_layer`` lays
 out once (fused wq|wkv_a, w_uv transposed, shared experts split). The slot's cache views are the

@@ -1,4 +1,4 @@
-"""Split-K decode attention (flash-decoding) in Triton, for GQA and for absorbed MLA, and its torch twin.
+"""Split-K decode attention (flash-decoding) in Triton, for GQA and for absorbed MLA (torch twin: reference.attention).
 
 One program per (kv head, split): it loads every query head of the group (GQA: Hq/Hkv heads; MLA:
 all heads over the one shared latent) and walks its slice of the sequence once, so each KV byte is
@@ -165,17 +165,3 @@ class DecodeAttention:
         _attn_combine_kernel[(self.t * self.hq,)](self.part_o, self.part_ml, out, NUM_SPLITS=self.num_splits,
                                                   D_V=self.d_v, PDL=self.pdl, num_warps=4, **launch_opts(self.pdl))
         return out
-
-
-def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: int, sm_scale: float) -> torch.Tensor:
-    """q [T, Hq, Dqk], k [S, Hkv, Dqk], v [S, Hkv, Dv] (S >= pos + T); causal from pos; fp32 math."""
-    t, hq, _ = q.shape
-    hkv = k.shape[1]
-    n = pos + t
-    kf = k[:n].float().repeat_interleave(hq // hkv, dim=1)  # [n, Hq, D]
-    vf = v[:n].float().repeat_interleave(hq // hkv, dim=1)
-    scores = torch.einsum("thd,shd->hts", q.float(), kf) * sm_scale
-    mask = torch.arange(n)[None, :] <= (pos + torch.arange(t))[:, None]
-    scores = scores.masked_fill(~mask.to(scores.device)[None], float("-inf"))
-    p = scores.softmax(-1)
-    return torch.einsum("hts,shd->thd", p, vf).to(q.dtype)

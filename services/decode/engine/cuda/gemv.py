@@ -1,4 +1,4 @@
-"""Batch-1 GEMV kernels (Triton) with the decode step's small ops fused in, and their torch twins.
+"""Batch-1 GEMV kernels (Triton) with the decode step's small ops fused in.
 
 Every kernel reads each weight element exactly once: program ``p`` owns ``BLOCK_N`` output rows and
 walks the full K dimension in ``BLOCK_K`` chunks (16-byte row loads, fp32 accumulation).
@@ -13,8 +13,8 @@ Fusions (all optional, compile-time flags):
   rotary embedding (neox pairing) to q and k heads and writes q to a buffer, k and v straight into
   the KV cache at the position held in a device tensor (no host sync).
 
-``reference_*`` functions compute the same thing with torch ops in the same rounding order; CPU tests
-run the kernels under ``TRITON_INTERPRET=1`` against them.
+Their torch twins (same rounding order) are in reference.py; CPU tests run the kernels under
+``TRITON_INTERPRET=1`` against them.
 """
 
 from __future__ import annotations
@@ -24,6 +24,8 @@ import os
 import torch
 import triton
 import triton.language as tl
+
+from .kernel_helpers import load_first_pair_tile, rnd_bf16, round_to_dtype
 
 try:  # programmatic dependent launch (sm_90): the next kernel starts its weight loads during our tail
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
@@ -43,22 +45,6 @@ def launch_opts(pdl: bool) -> dict:
 
 
 @triton.jit
-def rnd_bf16(x):
-    # fp32 -> nearest-even bf16 value, kept in fp32, by integer arithmetic (finite inputs)
-    bits = x.to(tl.uint32, bitcast=True)
-    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-    return bits.to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _rnd(x, dt):
-    # round an fp32 value to the model dtype (bf16: the fast path's only dtype) and keep it in fp32,
-    # the rounding points of eager bf16 torch spelled out; a float round trip x.to(bf16).to(fp32) is
-    # not used because the compiler may drop it (seen on sm_90)
-    return rnd_bf16(x)
-
-
-@triton.jit
 def _inv_rms(x_ptr, K, eps, K_POW2: tl.constexpr):
     offs = tl.arange(0, K_POW2)
     x = tl.load(x_ptr + offs, mask=offs < K, other=0.0).to(tl.float32)
@@ -72,8 +58,8 @@ def _load_x(x_ptr, nw_ptr, k, K, inv_rms, NORM: tl.constexpr, BLOCK_K: tl.conste
     x = tl.load(x_ptr + offs, mask=kmask, other=0.0)
     if NORM:
         nw = tl.load(nw_ptr + offs, mask=kmask, other=0.0)
-        xr = _rnd(x.to(tl.float32) * inv_rms, nw.dtype)
-        x = _rnd(xr * nw.to(tl.float32), nw.dtype)
+        xr = round_to_dtype(x.to(tl.float32) * inv_rms, nw.dtype)
+        x = round_to_dtype(xr * nw.to(tl.float32), nw.dtype)
     return x.to(tl.float32), offs, kmask
 
 
@@ -105,7 +91,7 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, res_ptr, nw_ptr, amax_val_ptr, amax_idx_
     y = tl.sum(acc, axis=1)
     if RESIDUAL:
         r = tl.load(res_ptr + rows, mask=rmask, other=0.0)
-        y = r.to(tl.float32) + _rnd(y, r.dtype)
+        y = r.to(tl.float32) + round_to_dtype(y, r.dtype)
     tl.store(out_ptr + rows, y.to(out_ptr.dtype.element_ty), mask=rmask)
     if ARGMAX:  # greedy sampling, stage 1: this block's best row (ties -> lowest index, as torch.argmax)
         y = tl.where(rmask, y.to(out_ptr.dtype.element_ty).to(tl.float32), float("-inf"))
@@ -148,16 +134,6 @@ def greedy_finish(amax_val: torch.Tensor, amax_idx: torch.Tensor, num_parts: int
 
 
 @triton.jit
-def _pair_first(w_ptr, rows_a, rows_b, K, BLOCK_K: tl.constexpr):
-    k0 = tl.arange(0, BLOCK_K)
-    wa = tl.load(w_ptr + rows_a[:, None].to(tl.int64) * K + k0[None, :], mask=(k0 < K)[None, :], other=0.0,
-                 eviction_policy="evict_first")
-    wb = tl.load(w_ptr + rows_b[:, None].to(tl.int64) * K + k0[None, :], mask=(k0 < K)[None, :], other=0.0,
-                 eviction_policy="evict_first")
-    return wa, wb
-
-
-@triton.jit
 def _gemv_pair_loop(x_ptr, nw_ptr, w_ptr, rows_a, rows_b, K, inv_rms, wa0, wb0,
                     NORM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
     x0, _, _ = _load_x(x_ptr, nw_ptr, 0, K, inv_rms, NORM, BLOCK_K)
@@ -180,7 +156,7 @@ def _gemv_silu_kernel(x_ptr, w_ptr, out_ptr, nw_ptr, I, K, eps,
                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr):
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)  # I % BLOCK_N == 0
-    wa0, wb0 = _pair_first(w_ptr, rows, rows + I, K, BLOCK_K)
+    wa0, wb0 = load_first_pair_tile(w_ptr, rows, rows + I, K, BLOCK_K)
     if PDL:
         gdc_wait()
     inv_rms = 1.0
@@ -190,9 +166,9 @@ def _gemv_silu_kernel(x_ptr, w_ptr, out_ptr, nw_ptr, I, K, eps,
     if PDL:
         gdc_launch_dependents()
     dt = out_ptr.dtype.element_ty
-    g = _rnd(g, dt)
-    s = _rnd(g / (1.0 + tl.exp(-g)), dt)
-    tl.store(out_ptr + rows, (s * _rnd(u, dt)).to(dt))
+    g = round_to_dtype(g, dt)
+    s = round_to_dtype(g / (1.0 + tl.exp(-g)), dt)
+    tl.store(out_ptr + rows, (s * round_to_dtype(u, dt)).to(dt))
 
 
 @triton.jit
@@ -207,7 +183,7 @@ def _gemv_qkv_rope_kernel(x_ptr, w_ptr, nw_ptr, q_ptr, k_cache_ptr, v_cache_ptr,
     head = pid // per_head
     j = (pid % per_head) * BLOCK_N + tl.arange(0, BLOCK_N)  # index inside the first half
     rows_a = head * HEAD_DIM + j
-    wa0, wb0 = _pair_first(w_ptr, rows_a, rows_a + HALF, K, BLOCK_K)
+    wa0, wb0 = load_first_pair_tile(w_ptr, rows_a, rows_a + HALF, K, BLOCK_K)
     if PDL:
         gdc_wait()
     inv_rms = 1.0
@@ -218,8 +194,8 @@ def _gemv_qkv_rope_kernel(x_ptr, w_ptr, nw_ptr, q_ptr, k_cache_ptr, v_cache_ptr,
     if PDL:
         gdc_launch_dependents()
     dt = q_ptr.dtype.element_ty
-    a = _rnd(a, dt)
-    b = _rnd(b, dt)
+    a = round_to_dtype(a, dt)
+    b = round_to_dtype(b, dt)
     pos = tl.load(pos_ptr)
     if head < NUM_Q_HEADS + NUM_KV_HEADS:
         cos = tl.load(cos_ptr + pos * HALF + j).to(tl.float32)
@@ -291,31 +267,3 @@ def gemv_qkv_rope(x: torch.Tensor, wqkv: torch.Tensor, norm_w: torch.Tensor | No
         wqkv.shape[1], eps, NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
         NORM=norm_w is not None, K_POW2=_pow2(wqkv.shape[1]), BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, PDL=pdl,
         num_warps=num_warps, **launch_opts(pdl))
-
-
-# ---- torch twins (same rounding points) ----
-
-def reference_rmsnorm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    """HF RMSNorm: fp32 statistics, rounded to the input dtype, times the weight."""
-    xf = x.float()
-    inv = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return w * (xf * inv).to(x.dtype)
-
-
-def reference_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x @ W^T with fp32 accumulation, rounded to the input dtype."""
-    return (x.float() @ w.float().T).to(x.dtype)
-
-
-def reference_silu_mul(gu: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up on the rounded projections, each op rounded like eager bf16 torch."""
-    g, u = gu.chunk(2, dim=-1)
-    return torch.nn.functional.silu(g) * u
-
-
-def reference_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Neox rope on x [..., H, D] with cos/sin [..., D/2] already in x's dtype."""
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)

@@ -1,4 +1,5 @@
-"""The GQA (Llama-family) batch-1 decode step on the fast path, and its torch reference.
+"""The GQA (Llama-family) batch-1 decode step on the fast path, and its torch reference (built from
+reference.py, the kernels' torch twins).
 
 ``GqaDecoder`` owns the step's device buffers (token, position, residual stream, q, attention output,
 MLP activation, logits) and runs one decode step as a fixed sequence of launches that reads the token
@@ -26,7 +27,8 @@ import torch
 
 from . import gemv as G
 from . import smallops as S
-from .attention import DecodeAttention, reference_attention
+from . import reference
+from .attention import DecodeAttention
 
 PROJECTIONS = ("qkv", "o", "gate_up", "down", "lm_head")
 
@@ -188,14 +190,14 @@ def reference_layer(model: GqaModel, i: int, h: torch.Tensor, k_cache: torch.Ten
                     cos_p: torch.Tensor, sin_p: torch.Tensor, pos: int) -> torch.Tensor:
     """One layer of the torch reference on the residual stream h [H]; writes K/V at pos."""
     hq, hkv, d, eps, lw = model.num_q_heads, model.num_kv_heads, model.head_dim, model.eps, model.layers[i]
-    qkv = G.reference_linear(G.reference_rmsnorm(h, lw.attn_norm, eps), lw.wqkv).view(hq + 2 * hkv, d)
-    q = G.reference_rope(qkv[:hq], cos_p, sin_p)
-    k_cache[pos] = G.reference_rope(qkv[hq:hq + hkv], cos_p, sin_p)
+    qkv = reference.linear(reference.rms_norm(h, lw.attn_norm, eps), lw.wqkv).view(hq + 2 * hkv, d)
+    q = reference.rope(qkv[:hq], cos_p, sin_p)
+    k_cache[pos] = reference.rope(qkv[hq:hq + hkv], cos_p, sin_p)
     v_cache[pos] = qkv[hq + hkv:]
-    o = reference_attention(q[None], k_cache, v_cache, pos, d ** -0.5)[0].reshape(-1)
-    h = h + G.reference_linear(o, lw.wo)
-    gu = G.reference_linear(G.reference_rmsnorm(h, lw.mlp_norm, eps), lw.w_gate_up)
-    return h + G.reference_linear(G.reference_silu_mul(gu), lw.w_down)
+    o = reference.attention(q[None], k_cache, v_cache, pos, d ** -0.5)[0].reshape(-1)
+    h = h + reference.linear(o, lw.wo)
+    gu = reference.linear(reference.rms_norm(h, lw.mlp_norm, eps), lw.w_gate_up)
+    return h + reference.linear(reference.silu_mul(gu), lw.w_down)
 
 
 def reference_step(model: GqaModel, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor],
@@ -206,5 +208,5 @@ def reference_step(model: GqaModel, k_caches: list[torch.Tensor], v_caches: list
     h = model.embed[token]
     for i in range(len(model.layers)):
         h = reference_layer(model, i, h, k_caches[i], v_caches[i], cos_p, sin_p, pos)
-    x = G.reference_rmsnorm(h, model.final_norm, model.eps)
+    x = reference.rms_norm(h, model.final_norm, model.eps)
     return x.float() @ model.lm_head.float().T

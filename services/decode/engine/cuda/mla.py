@@ -22,7 +22,7 @@ import triton.language as tl
 
 from . import smallops as S
 from .attention import DecodeAttention
-from .gemv import _rnd, rnd_bf16
+from .kernel_helpers import rnd_bf16, round_to_dtype
 from .moe import GroupedMoe, gemv_rows, router
 
 
@@ -120,7 +120,7 @@ def _mla_prep_kernel(qkv_ptr, q_pe_ptr, cache_ptr, kv_norm_ptr, pos_ptr, cos_ptr
         c = tl.load(row + NUM_HEADS * QK + r).to(tl.float32)
         inv = 1.0 / tl.sqrt(tl.sum(c * c, axis=0) / R + eps)
         nw = tl.load(kv_norm_ptr + r)
-        cn = _rnd(_rnd(c * inv, nw.dtype) * nw.to(tl.float32), nw.dtype)
+        cn = round_to_dtype(round_to_dtype(c * inv, nw.dtype) * nw.to(tl.float32), nw.dtype)
         tl.store(cache_ptr + p.to(tl.int64) * (R + ROPE) + r, cn.to(nw.dtype))
     a = tl.load(src + 2 * j).to(tl.float32)
     b = tl.load(src + 2 * j + 1).to(tl.float32)

@@ -25,10 +25,11 @@ import triton
 import triton.language as tl
 
 from . import smallops as S
-from .gemv import _rnd, gemv, reference_linear, reference_rmsnorm, reference_silu_mul
-from .attention import reference_attention
+from . import reference
+from .gemv import gemv
+from .kernel_helpers import round_to_dtype
 from .mla import MlaDims, MlaLayer, MlaStack, MtpWeights
-from .moe import gemv_rows, reference_router
+from .moe import gemv_rows
 
 
 @dataclass
@@ -82,7 +83,7 @@ def _mtp_prologue_kernel(embed_ptr, tokens_ptr, j, g_ptr, enorm_ptr, hnorm_ptr, 
     x = tl.load(src + hh, mask=m, other=0.0).to(tl.float32)
     inv = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / H + eps)
     w = tl.load(w_ptr + hh, mask=m, other=0.0)
-    xr = _rnd(x * inv, w.dtype)
+    xr = round_to_dtype(x * inv, w.dtype)
     tl.store(cat_ptr + half * H + hh, (xr * w.to(tl.float32)).to(w.dtype), mask=m)
 
 
@@ -198,38 +199,31 @@ class MlaDecoder:
         self.pos.add_((n + 1).to(torch.int32))
 
 
-# ---- torch reference of one block and one step (same rounding points) ----
-
-def _rope_interleave(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x[..., 0::2], x[..., 1::2]
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-
+# ---- torch reference of one block and one step (the kernels' twins, same rounding points) ----
 
 def reference_block(d: MlaDims, lw: MlaLayer, h: torch.Tensor, cache: torch.Tensor, pos: int,
                     cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """One block on h [T, H] at positions pos..; writes cache rows; returns the new h."""
     t, nh, r, nope = h.shape[0], d.num_heads, d.kv_lora_rank, d.nope
     nq = nh * (nope + d.rope)
-    qkv = reference_linear(reference_rmsnorm(h, lw.attn_norm, d.eps), lw.wqkv_a)
+    qkv = reference.linear(reference.rms_norm(h, lw.attn_norm, d.eps), lw.wqkv_a)
     q = qkv[:, :nq].view(t, nh, nope + d.rope)
     cp, sp = cos[pos:pos + t].to(h.dtype), sin[pos:pos + t].to(h.dtype)
-    q_pe = _rope_interleave(q[..., nope:], cp[:, None], sp[:, None])
-    k_pe = _rope_interleave(qkv[:, nq + r:], cp, sp)
-    cache[pos:pos + t] = torch.cat([reference_rmsnorm(qkv[:, nq:nq + r], lw.kv_a_norm, d.eps), k_pe], dim=-1)
+    q_pe = reference.rope_interleave(q[..., nope:], cp[:, None], sp[:, None])
+    k_pe = reference.rope_interleave(qkv[:, nq + r:], cp, sp)
+    cache[pos:pos + t] = torch.cat([reference.rms_norm(qkv[:, nq:nq + r], lw.kv_a_norm, d.eps), k_pe], dim=-1)
     q_c = torch.matmul(q[..., :nope].transpose(0, 1), lw.w_uk).transpose(0, 1)  # [T, Hq, r]
-    o_lat = reference_attention(torch.cat([q_c, q_pe], dim=-1), cache[:, None], cache[:, None, :r], pos, d.sm_scale)
+    o_lat = reference.attention(torch.cat([q_c, q_pe], dim=-1), cache[:, None], cache[:, None, :r], pos, d.sm_scale)
     o = torch.matmul(o_lat.transpose(0, 1), lw.w_uv_t).transpose(0, 1).reshape(t, -1)
-    h = h + reference_linear(o, lw.wo)
-    xn = reference_rmsnorm(h, lw.mlp_norm, d.eps)
-    shared = sum(reference_silu_mul(reference_linear(xn, lw.shared_gate_up[s])).float()
+    h = h + reference.linear(o, lw.wo)
+    xn = reference.rms_norm(h, lw.mlp_norm, d.eps)
+    # the shared MLP split in experts of the routed size (as laid out for the kernel), summed in fp32
+    shared = sum(reference.silu_mul(reference.linear(xn, lw.shared_gate_up[s])).float()
                  @ lw.shared_down[s].float().T for s in range(lw.shared_gate_up.shape[0])).to(h.dtype)
     if not lw.is_moe:
         return h + shared
-    ids, wts = reference_router(xn, lw.router, lw.router_bias, d.top_k, d.routed_scale)
-    y = torch.stack([torch.stack([reference_linear(reference_silu_mul(reference_linear(xn[i], lw.gate_up[e])),
-                                                   lw.down[e]) for e in ids[i].tolist()]) for i in range(t)])
-    routed = (y * wts[..., None].to(y.dtype)).sum(dim=1)
-    return h + (routed + shared)
+    ids, wts = reference.router(xn, lw.router, lw.router_bias, d.top_k, d.routed_scale)
+    return h + (reference.moe(xn, ids, wts, lw.gate_up, lw.down) + shared)
 
 
 def reference_forward(model: MlaModel, caches: list[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor,
@@ -238,5 +232,5 @@ def reference_forward(model: MlaModel, caches: list[torch.Tensor], cos: torch.Te
     h = model.embed[torch.tensor(tokens, device=model.embed.device)]
     for i, lw in enumerate(model.layers):
         h = reference_block(model.dims, lw, h, caches[i], pos, cos, sin)
-    hid = reference_rmsnorm(h, model.final_norm, model.dims.eps)
+    hid = reference.rms_norm(h, model.final_norm, model.dims.eps)
     return hid.float() @ model.lm_head.float().T, hid

@@ -1,4 +1,5 @@
-"""Few-token GEMVs for the DeepSeek-V3-family step: dense rows, router, grouped experts; torch twins.
+"""Few-token GEMVs for the DeepSeek-V3-family step: dense rows, router, grouped experts (torch
+twins: reference.router, reference.moe).
 
 - ``gemv_rows``: out[T, N] = [res +] W @ [rmsnorm(x) * nw | x] for T <= 4 tokens; every weight tile is
   loaded once and used for all T rows (a verify step reads each weight once, not T times).
@@ -18,7 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .gemv import _pair_first, _rnd, interpreting
+from .gemv import interpreting
+from .kernel_helpers import load_first_pair_tile, round_to_dtype
 
 
 # The few-token kernels below spell out their dot-or-FMA accumulation each: a jit helper returning a
@@ -73,7 +75,7 @@ def _gemv_rows_kernel(x_ptr, w_ptr, out_ptr, res_ptr, nw_ptr, N, K, eps, stride_
         x = tl.load(x_ptr + t[:, None] * stride_x + xcol[None, :], mask=tmask[:, None] & kmask[None, :], other=0.0)
         if NORM:
             nw = tl.load(nw_ptr + offs, mask=kmask, other=0.0)
-            x = _rnd(_rnd(x.to(tl.float32) * inv[:, None], nw.dtype) * nw.to(tl.float32)[None, :], nw.dtype)
+            x = round_to_dtype(round_to_dtype(x.to(tl.float32) * inv[:, None], nw.dtype) * nw.to(tl.float32)[None, :], nw.dtype)
         w = tl.load(w_ptr + rows[:, None].to(tl.int64) * K + offs[None, :], mask=rmask[:, None] & kmask[None, :],
                     other=0.0, eviction_policy="evict_first")
         if DOT:
@@ -87,7 +89,7 @@ def _gemv_rows_kernel(x_ptr, w_ptr, out_ptr, res_ptr, nw_ptr, N, K, eps, stride_
     omask = tmask[:, None] & rmask[None, :]
     if RESIDUAL:
         r = tl.load(res_ptr + t[:, None] * stride_o + rows[None, :], mask=omask, other=0.0)
-        y = r.to(tl.float32) + _rnd(y, r.dtype)
+        y = r.to(tl.float32) + round_to_dtype(y, r.dtype)
     tl.store(out_ptr + t[:, None] * stride_o + rows[None, :], y.to(out_ptr.dtype.element_ty), mask=omask)
 
 
@@ -228,12 +230,12 @@ def _moe_gate_up_kernel(x_ptr, ids_ptr, w_ptr, ws_ptr, act_ptr, I, K, stride_e,
                 acc_b += wb.to(tl.float32)[None, :, :] * x.to(tl.float32)[:, None, :]
         dt = act_ptr.dtype.element_ty
         if DOT:
-            g = _rnd(dot_a, dt)
-            u = _rnd(dot_b, dt)
+            g = round_to_dtype(dot_a, dt)
+            u = round_to_dtype(dot_b, dt)
         else:
-            g = _rnd(tl.sum(acc_a, axis=2), dt)
-            u = _rnd(tl.sum(acc_b, axis=2), dt)
-        s = _rnd(g / (1.0 + tl.exp(-g)), dt)
+            g = round_to_dtype(tl.sum(acc_a, axis=2), dt)
+            u = round_to_dtype(tl.sum(acc_b, axis=2), dt)
+        s = round_to_dtype(g / (1.0 + tl.exp(-g)), dt)
         tl.store(act_ptr + pair_of[:, None].to(tl.int64) * I + rows[None, :], (s * u).to(dt),
                  mask=uses[:, None] & rmask[None, :])
 
@@ -284,15 +286,15 @@ def _moe_reduce_kernel(y_ptr, wts_ptr, h_ptr, H, TOPK: tl.constexpr, NUM_SHARED:
     dt = h_ptr.dtype.element_ty
     routed = tl.zeros((BLOCK,), tl.float32)
     for k in tl.static_range(TOPK):
-        w = _rnd(tl.load(wts_ptr + t * TOPK + k), dt)
-        yk = _rnd(tl.load(y_ptr + (t * SLOTS + k) * H + cols, mask=cmask, other=0.0), dt)
-        routed += _rnd(yk * w, dt)
+        w = round_to_dtype(tl.load(wts_ptr + t * TOPK + k), dt)
+        yk = round_to_dtype(tl.load(y_ptr + (t * SLOTS + k) * H + cols, mask=cmask, other=0.0), dt)
+        routed += round_to_dtype(yk * w, dt)
     shared = tl.zeros((BLOCK,), tl.float32)
     for s in tl.static_range(NUM_SHARED):
         shared += tl.load(y_ptr + (t * SLOTS + TOPK + s) * H + cols, mask=cmask, other=0.0)
-    out = _rnd(shared, dt)
+    out = round_to_dtype(shared, dt)
     if TOPK > 0:
-        out = _rnd(_rnd(routed, dt) + out, dt)
+        out = round_to_dtype(round_to_dtype(routed, dt) + out, dt)
     h = tl.load(h_ptr + t * H + cols, mask=cmask, other=0.0).to(tl.float32)
     tl.store(h_ptr + t * H + cols, (h + out).to(dt), mask=cmask)
 
@@ -334,31 +336,3 @@ class GroupedMoe:
             BLOCK_N=bn2, BLOCK_K=bk2, STAGES=st2, num_warps=nw2)
         _moe_reduce_kernel[(self.t, triton.cdiv(self.h, 1024))](self.y, wts, h, self.h, TOPK=self.k,
                                                               NUM_SHARED=self.s, BLOCK=1024, num_warps=4)
-
-
-# ---- torch twins ----
-
-def reference_router(xn: torch.Tensor, w: torch.Tensor, bias: torch.Tensor, top_k: int, scale: float):
-    """(ids [T, k] best first, weights [T, k] fp32): sigmoid, + bias for the choice, normalised, scaled."""
-    scores = (xn.float() @ w.float().T).sigmoid()
-    ids = (scores + bias.float()).topk(top_k, dim=-1, sorted=True)[1]
-    wts = scores.gather(1, ids)
-    return ids, wts / (wts.sum(-1, keepdim=True) + 1e-20) * scale
-
-
-def reference_moe(xn: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor, w_gate_up: torch.Tensor,
-                  w_down: torch.Tensor, shared_gate_up: torch.Tensor | None, shared_down: torch.Tensor | None):
-    """Routed experts (rounded outputs, bf16-weighted, summed) plus the shared MLP, as eager torch does."""
-    from .gemv import reference_linear, reference_silu_mul
-    out = None
-    if ids.shape[1]:
-        ys = []
-        for t in range(xn.shape[0]):
-            ys.append(torch.stack([reference_linear(reference_silu_mul(reference_linear(xn[t], w_gate_up[e])),
-                                                    w_down[e]) for e in ids[t].tolist()]))
-        y = torch.stack(ys)  # [T, k, H]
-        out = (y * wts[..., None].to(y.dtype)).sum(dim=1)
-    if shared_gate_up is not None:
-        sh = reference_linear(reference_silu_mul(reference_linear(xn, shared_gate_up)), shared_down)
-        out = sh if out is None else out + sh
-    return out

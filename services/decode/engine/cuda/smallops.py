@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .gemv import _rnd, rnd_bf16
+from .kernel_helpers import rnd_bf16, round_to_dtype
 
 
 @triton.jit
@@ -23,7 +23,7 @@ def _rmsnorm_kernel(x_ptr, w_ptr, out_ptr, K, eps, stride_x, stride_o, K_POW2: t
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     inv = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / K + eps)
     w = tl.load(w_ptr + offs, mask=mask, other=0.0)
-    xr = _rnd(x * inv, w.dtype)
+    xr = round_to_dtype(x * inv, w.dtype)
     tl.store(out_ptr + offs, (xr * w.to(tl.float32)).to(w.dtype), mask=mask)
 
 
@@ -65,7 +65,7 @@ def _silu_mul_kernel(gu_ptr, out_ptr, I, BLOCK: tl.constexpr):
     u = tl.load(gu_ptr + I + offs, mask=mask, other=0.0)
     dt = g.dtype
     gf = g.to(tl.float32)
-    s = _rnd(gf / (1.0 + tl.exp(-gf)), dt)
+    s = round_to_dtype(gf / (1.0 + tl.exp(-gf)), dt)
     tl.store(out_ptr + offs, (s * u.to(tl.float32)).to(dt), mask=mask)
 
 

@@ -1,0 +1,33 @@
+"""Triton helpers shared by the fast path's kernels: bf16 rounding points and paired-row weight loads."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def rnd_bf16(x):
+    # fp32 -> nearest-even bf16 value, kept in fp32, by integer arithmetic (finite inputs)
+    bits = x.to(tl.uint32, bitcast=True)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def round_to_dtype(x, dt):
+    # round an fp32 value to the model dtype (bf16: the fast path's only dtype) and keep it in fp32,
+    # the rounding points of eager bf16 torch spelled out; a float round trip x.to(bf16).to(fp32) is
+    # not used because the compiler may drop it (seen on sm_90)
+    return rnd_bf16(x)
+
+
+@triton.jit
+def load_first_pair_tile(w_ptr, rows_a, rows_b, K, BLOCK_K: tl.constexpr):
+    # the first BLOCK_K columns of two row sets of W [N, K] (gate/up or rope halves), streamed once
+    k0 = tl.arange(0, BLOCK_K)
+    wa = tl.load(w_ptr + rows_a[:, None].to(tl.int64) * K + k0[None, :], mask=(k0 < K)[None, :], other=0.0,
+                 eviction_policy="evict_first")
+    wb = tl.load(w_ptr + rows_b[:, None].to(tl.int64) * K + k0[None, :], mask=(k0 < K)[None, :], other=0.0,
+                 eviction_policy="evict_first")
+    return wa, wb

@@ -1,0 +1,81 @@
+"""Torch twins of the fast path's kernels: the same math with the same rounding points, in plain torch.
+
+CPU tests run the kernels under Triton's interpreter against these, the GPU benchmark checks the
+compiled kernels with them, and the whole-step references (``llama.reference_step``,
+``mla_decoder.reference_forward``) are built from them. The engine's reference step (layers.py)
+uses ``rms_norm`` and ``silu_mul`` from here: one definition of each. Shapes: single vectors or
+rows ``[..., K]``; weights ``[N, K]``. Needs torch only.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm with fp32 statistics, rounded to the input dtype, times the weight (as HF transformers)."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x @ W^T with fp32 accumulation, rounded to the input dtype."""
+    return (x.float() @ w.float().T).to(x.dtype)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of a fused [..., 2*I] projection, each op rounded like eager torch."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Neox rope on x [..., H, D] with cos/sin [..., D/2] already in x's dtype."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+def rope_interleave(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rope on interleaved pairs (DeepSeek's k_pe / q_pe), de-interleaved on output, as the MLA kernel writes it."""
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: int, sm_scale: float) -> torch.Tensor:
+    """q [T, Hq, Dqk], k [S, Hkv, Dqk], v [S, Hkv, Dv] (S >= pos + T); causal from pos; fp32 math."""
+    t, hq, _ = q.shape
+    hkv = k.shape[1]
+    n = pos + t
+    kf = k[:n].float().repeat_interleave(hq // hkv, dim=1)  # [n, Hq, D]
+    vf = v[:n].float().repeat_interleave(hq // hkv, dim=1)
+    scores = torch.einsum("thd,shd->hts", q.float(), kf) * sm_scale
+    mask = torch.arange(n)[None, :] <= (pos + torch.arange(t))[:, None]
+    scores = scores.masked_fill(~mask.to(scores.device)[None], float("-inf"))
+    p = scores.softmax(-1)
+    return torch.einsum("hts,shd->thd", p, vf).to(q.dtype)
+
+
+def router(xn: torch.Tensor, w: torch.Tensor, bias: torch.Tensor, top_k: int, scale: float):
+    """(ids [T, k] best first, weights [T, k] fp32): sigmoid, + bias for the choice, normalised, scaled."""
+    scores = (xn.float() @ w.float().T).sigmoid()
+    ids = (scores + bias.float()).topk(top_k, dim=-1, sorted=True)[1]
+    wts = scores.gather(1, ids)
+    return ids, wts / (wts.sum(-1, keepdim=True) + 1e-20) * scale
+
+
+def moe(xn: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
+        shared_gate_up: torch.Tensor | None = None, shared_down: torch.Tensor | None = None):
+    """Routed experts (rounded outputs, bf16-weighted, summed) plus the shared MLP, as eager torch does."""
+    out = None
+    if ids.shape[1]:
+        y = torch.stack([torch.stack([linear(silu_mul(linear(xn[t], w_gate_up[e])), w_down[e])
+                                      for e in ids[t].tolist()]) for t in range(xn.shape[0])])  # [T, k, H]
+        out = (y * wts[..., None].to(y.dtype)).sum(dim=1)
+    if shared_gate_up is not None:
+        shared = linear(silu_mul(linear(xn, shared_gate_up)), shared_down)
+        out = shared if out is None else out + shared
+    return out
