@@ -130,7 +130,7 @@ def diagnose(X, model, s, ctx: int = 1024) -> dict:
     h0 = dec.h.clone()
     lw = L[0]
     G.gemv_qkv_rope(dec.h, lw.wqkv, lw.attn_norm, 1e-5, dec.q, kc[0], vc[0], dec.pos, dec.cos, dec.sin,
-                    num_q_heads=hq, num_kv_heads=hkv, head_dim=d, **dec._tile("qkv"))
+                    num_q_heads=hq, num_kv_heads=hkv, head_dim=d, **dec.tile_kwargs("qkv"))
     qkv = X.reference.linear(X.reference.rms_norm(h0, lw.attn_norm, 1e-5), lw.wqkv).view(-1, d)
     ops = {"q": _cmp(dec.q, X.reference.rope(qkv[:hq], dec.cos[ctx], dec.sin[ctx])),
            "k": _cmp(kc[0][ctx], X.reference.rope(qkv[hq:hq + hkv], dec.cos[ctx], dec.sin[ctx])),
@@ -138,16 +138,16 @@ def diagnose(X, model, s, ctx: int = 1024) -> dict:
     dec.attn(dec.q, kc[0], vc[0], dec.pos, dec.attn_out, stride_kt=hkv * d, stride_vt=hkv * d)
     ops["attn"] = _cmp(dec.attn_out, X.reference.attention(dec.q.view(1, hq, d), kc[0], vc[0], ctx, d ** -0.5))
     h1 = h0.clone()
-    G.gemv(dec.attn_out, lw.wo, h1, residual=h1, **dec._tile("o"))
+    G.gemv(dec.attn_out, lw.wo, h1, residual=h1, **dec.tile_kwargs("o"))
     ops["o_residual"] = _cmp(h1, h0 + X.reference.linear(dec.attn_out, lw.wo))
-    G.gemv_silu(h1, lw.w_gate_up, dec.act, norm_w=lw.mlp_norm, eps=1e-5, **dec._tile("gate_up"))
+    G.gemv_silu(h1, lw.w_gate_up, dec.act, norm_w=lw.mlp_norm, eps=1e-5, **dec.tile_kwargs("gate_up"))
     ops["gate_up_silu"] = _cmp(dec.act, X.reference.silu_mul(X.reference.linear(X.reference.rms_norm(h1, lw.mlp_norm, 1e-5),
                                                                                    lw.w_gate_up)))
     h2 = h1.clone()
-    G.gemv(dec.act, lw.w_down, h2, residual=h2, **dec._tile("down"))
+    G.gemv(dec.act, lw.w_down, h2, residual=h2, **dec.tile_kwargs("down"))
     ops["down_residual"] = _cmp(h2, h1 + X.reference.linear(dec.act, lw.w_down))
     lg = torch.empty(s["vocab"], device=dev)
-    G.gemv(h2, model.lm_head, lg, norm_w=model.final_norm, eps=1e-5, **dec._tile("lm_head"))
+    G.gemv(h2, model.lm_head, lg, norm_w=model.final_norm, eps=1e-5, **dec.tile_kwargs("lm_head"))
     ops["lm_head"] = _cmp(lg, X.reference.rms_norm(h2, model.final_norm, 1e-5).float() @ model.lm_head.float().T)
     out["layer0_ops"] = ops
     _, kc, vc = make_slot(s, mt, ctx, seed=4)

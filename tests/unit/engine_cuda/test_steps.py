@@ -152,18 +152,26 @@ def test_mla_plain_steps_and_verify_follow_reference(tiny_mla):
     assert torch.equal(caches[0][ctx + 5:ctx + 8], ref_caches[0][ctx + 5:ctx + 8])
 
 
-def _plain_tokens(dec, ctx, want):
-    dec.set_state(3, ctx)
-    for _ in range(want):
+SPEC_N, SPEC_CTX, SPEC_WANT = 40, 12, 5  # the speculative tests: slot size, context, tokens compared
+
+
+@pytest.fixture(scope="module")
+def plain_greedy(tiny_mla):
+    """(SPEC_WANT plain greedy tokens after token 3 at SPEC_CTX, the last step's final-normed hidden): the
+    output every speculative variant must reproduce, decoded once for all of them."""
+    cos, sin = _tables(SPEC_N, ROPE)
+    dec = MlaDecoder(tiny_mla, _mla_caches(SPEC_N), cos, sin, max_draft=1, max_steps=16, num_splits=4)
+    dec.set_state(3, SPEC_CTX)
+    for _ in range(SPEC_WANT):
         dec.plain_step()
-    return dec.out_tokens[:want].tolist()
+    return dec.out_tokens[:SPEC_WANT].tolist(), dec.hid[1][0].clone()
 
 
-def test_mtp_spec_output_equals_plain_greedy_output(tiny_mla):
-    n, ctx, want = 40, 12, 5
+def test_mtp_spec_output_equals_plain_greedy_output(tiny_mla, plain_greedy):
+    n, ctx, want = SPEC_N, SPEC_CTX, SPEC_WANT
     cos, sin = _tables(n, ROPE)
     dec = MlaDecoder(tiny_mla, _mla_caches(n), cos, sin, max_draft=1, max_steps=16, num_splits=4)
-    plain = _plain_tokens(dec, ctx, want)
+    plain = plain_greedy[0]
     dec.set_state(3, ctx)
     replays = 0
     while int(dec.out_idx) < want:
@@ -176,15 +184,14 @@ def test_mtp_spec_output_equals_plain_greedy_output(tiny_mla):
 
 
 @pytest.mark.parametrize("draft_vocab", [VOCAB // 2, 1])
-def test_reduced_draft_vocab_drafts_from_the_first_ids_and_keeps_the_output(tiny_mla, draft_vocab):
-    n, ctx, want = 40, 12, 5
+def test_reduced_draft_vocab_drafts_from_the_first_ids_and_keeps_the_output(tiny_mla, plain_greedy, draft_vocab):
+    n, ctx, want = SPEC_N, SPEC_CTX, SPEC_WANT
     cos, sin = _tables(n, ROPE)
-    full = MlaDecoder(tiny_mla, _mla_caches(n), cos, sin, max_draft=1, max_steps=16, num_splits=4)
-    plain = _plain_tokens(full, ctx, want)
+    plain, last_hidden = plain_greedy
     dec = MlaDecoder(tiny_mla, _mla_caches(n), cos, sin, max_draft=1, max_steps=16, num_splits=4,
                      draft_vocab=draft_vocab)
     assert dec.draft_head.shape[0] == draft_vocab and dec.draft_head.data_ptr() == tiny_mla.mtp.head.data_ptr()
-    dec.set_state(3, ctx, full.hid[1][0])
+    dec.set_state(3, ctx, last_hidden)
     dec.mtp_draft(0)  # the draft: argmax over the first draft_vocab rows of the MTP head
     head_logits = dec.g.float() @ tiny_mla.mtp.head.float().T  # dec.g: the draft's normed hidden
     assert int(dec.tokens[1]) == int(head_logits[0, :draft_vocab].argmax())

@@ -125,7 +125,8 @@ class GqaDecoder:
         self.step_idx.zero_()
         self.h.copy_(self.m.embed[token_id])
 
-    def _tile(self, name: str) -> dict:
+    def tile_kwargs(self, name: str) -> dict:
+        """Launch kwargs of projection `name`: its (block_n, block_k, num_warps, stages) tile and PDL."""
         bn, bk, nw, st = self.opt.tiles[name]
         return dict(block_n=bn, block_k=bk, num_warps=nw, stages=st, pdl=self.opt.pdl)
 
@@ -148,22 +149,22 @@ class GqaDecoder:
                                num_q_heads=hq, num_kv_heads=hkv, head_dim=d)
         else:
             G.gemv_qkv_rope(self.h, lw.wqkv, lw.attn_norm, eps, self.q, kc, vc, self.pos, self.cos, self.sin,
-                            num_q_heads=hq, num_kv_heads=hkv, head_dim=d, **self._tile("qkv"))
+                            num_q_heads=hq, num_kv_heads=hkv, head_dim=d, **self.tile_kwargs("qkv"))
         self.attn(self.q, kc, vc, self.pos, self.attn_out, stride_kt=hkv * d, stride_vt=hkv * d)
         if self._cublas("o"):
             self.h.add_(self._linear_into(self.attn_out, lw.wo, self.tmp[: m.hidden]))
         else:
-            G.gemv(self.attn_out, lw.wo, self.h, residual=self.h, **self._tile("o"))
+            G.gemv(self.attn_out, lw.wo, self.h, residual=self.h, **self.tile_kwargs("o"))
         if self._cublas("gate_up"):
             S.rmsnorm(self.h, lw.mlp_norm, self.xn, eps)
             gu = self._linear_into(self.xn, lw.w_gate_up, self.tmp[: lw.w_gate_up.shape[0]])
             S.silu_mul(gu, self.act)
         else:
-            G.gemv_silu(self.h, lw.w_gate_up, self.act, norm_w=lw.mlp_norm, eps=eps, **self._tile("gate_up"))
+            G.gemv_silu(self.h, lw.w_gate_up, self.act, norm_w=lw.mlp_norm, eps=eps, **self.tile_kwargs("gate_up"))
         if self._cublas("down"):
             self.h.add_(self._linear_into(self.act, lw.w_down, self.tmp[: m.hidden]))
         else:
-            G.gemv(self.act, lw.w_down, self.h, residual=self.h, **self._tile("down"))
+            G.gemv(self.act, lw.w_down, self.h, residual=self.h, **self.tile_kwargs("down"))
 
     def step(self) -> None:
         """One decode step from h = embed[token] at pos: logits, next token, its embedding into h, pos += 1."""
@@ -180,7 +181,7 @@ class GqaDecoder:
             self.pos.add_(1)
             torch.index_select(m.embed, 0, self.token, out=self.h.view(1, -1))
         else:
-            G.gemv(self.h, m.lm_head, self.logits, norm_w=m.final_norm, eps=m.eps, **self._tile("lm_head"),
+            G.gemv(self.h, m.lm_head, self.logits, norm_w=m.final_norm, eps=m.eps, **self.tile_kwargs("lm_head"),
                    argmax_parts=(self.amax_val, self.amax_idx))
             G.greedy_finish(self.amax_val, self.amax_idx, self.num_parts, self.token, self.out_tokens,
                             self.step_idx, self.pos, m.embed, self.h, pdl=self.opt.pdl)

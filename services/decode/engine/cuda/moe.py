@@ -75,7 +75,8 @@ def _gemv_rows_kernel(x_ptr, w_ptr, out_ptr, res_ptr, nw_ptr, N, K, eps, stride_
         x = tl.load(x_ptr + t[:, None] * stride_x + xcol[None, :], mask=tmask[:, None] & kmask[None, :], other=0.0)
         if NORM:
             nw = tl.load(nw_ptr + offs, mask=kmask, other=0.0)
-            x = round_to_dtype(round_to_dtype(x.to(tl.float32) * inv[:, None], nw.dtype) * nw.to(tl.float32)[None, :], nw.dtype)
+            xr = round_to_dtype(x.to(tl.float32) * inv[:, None], nw.dtype)
+            x = round_to_dtype(xr * nw.to(tl.float32)[None, :], nw.dtype)
         w = tl.load(w_ptr + rows[:, None].to(tl.int64) * K + offs[None, :], mask=rmask[:, None] & kmask[None, :],
                     other=0.0, eviction_policy="evict_first")
         if DOT:
