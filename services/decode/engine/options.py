@@ -26,7 +26,7 @@ class EngineConfig:
     fast_path: str = "auto"  # auto | on | off (engine.py)
     fast_path_tokens_per_step: int = 1
     fast_path_options: Any = None
-    mtp_draft_vocab: int | None = None  # fast-path MTP drafts propose ids < N only
+    mtp_draft_vocab: int | None = None  # fast-path MTP drafts propose ids < N (checked: 1..vocab)
 
     def validate(self) -> EngineConfig:
         """Raise ValueError naming the first setting that is out of range; return self."""
@@ -39,8 +39,6 @@ class EngineConfig:
         k = self.num_speculative_tokens
         if k is not None and not 0 <= k <= MAX_SPECULATIVE_TOKENS:
             raise ValueError(f"num_speculative_tokens must be 0..{MAX_SPECULATIVE_TOKENS}, got {k}")
-        if self.mtp_draft_vocab is not None and self.mtp_draft_vocab < 1:
-            raise ValueError(f"mtp_draft_vocab must be 1 or more, got {self.mtp_draft_vocab}")
         if self.fast_path_tokens_per_step < 1:
             raise ValueError(f"fast_path_tokens_per_step must be 1 or more, got {self.fast_path_tokens_per_step}")
         return self

@@ -13,7 +13,6 @@ from services.decode.engine import EngineConfig
     ({"fast_path": "maybe"}, "fast_path must be one of auto, on, off"),
     ({"num_speculative_tokens": 4}, "num_speculative_tokens must be 0..3, got 4"),
     ({"num_speculative_tokens": -1}, "num_speculative_tokens must be 0..3"),
-    ({"mtp_draft_vocab": 0}, "mtp_draft_vocab must be 1 or more"),
     ({"fast_path_tokens_per_step": 0}, "fast_path_tokens_per_step must be 1 or more"),
 ])
 def test_validate_names_the_setting(settings, message):
