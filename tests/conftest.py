@@ -6,4 +6,11 @@ pytest_plugins = [
     "tests.fixtures.vllm",
     "tests.fixtures.prefill",
     "tests.fixtures.otlp",
+    "tests.fixtures.vllm_plan",
 ]
+
+
+def pytest_collection_modifyitems(session, config, items):
+    from tests.fixtures.vllm_plan import order_items
+
+    order_items(items)

@@ -12,7 +12,6 @@ checking that none is left.
 from __future__ import annotations
 
 import json
-import os
 import sys
 import tempfile
 import time
@@ -24,6 +23,7 @@ import pytest
 
 from infra.processes import free_port
 from infra.up import Proc, stop_all
+from tests.fixtures.prefill import Express
 
 PY = sys.executable
 CLI = [PY, "-m", "infra.cli"]
@@ -31,6 +31,7 @@ LLAMA_NODES = ("llama-0", "llama-1")
 DS_NODES = ("ds-0",)
 COORD_MAX_QUEUE = 1
 HEARTBEAT_MS = 300
+E2E_VLLM_SERVERS = [Express("llama"), Express("deepseek_v3")]  # each e2e module's VLLM_SERVERS
 
 
 @dataclass
@@ -99,20 +100,11 @@ def deployment(express_vllm, vllm_servers, nats_url, otlp_receiver, tmp_path_fac
     print(f"e2e logs in {log_dir}")
     env = {"OTEL_EXPORTER_OTLP_ENDPOINT": otlp_receiver.url, "OTEL_BSP_SCHEDULE_DELAY": "200",
            "EXPRESSLANE_NATS_URL": nats_url}
-    # the prefill vLLMs inherit the environment when they start: their connector exports spans too
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        llama = express_vllm("llama")
-        # float32, the correctness bar: vLLM on CPU then prefills without its MTP drafter, and
-        # the decode node still speculates with its own MTP layer (exact for greedy).
-        deepseek = express_vllm("deepseek_v3", dtype="float32")
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    # The prefill vLLMs export their spans to the same receiver (express_vllm sets it).
+    llama = express_vllm("llama")
+    # float32, the correctness bar: vLLM on CPU then prefills without its MTP drafter, and the
+    # decode node still speculates with its own MTP layer (exact for greedy).
+    deepseek = express_vllm("deepseek_v3", dtype="float32")
     dep = Deployment(router_url="", nats_url=nats_url, llama=llama, deepseek=deepseek,
                      log_dir=log_dir, env=env)
     try:

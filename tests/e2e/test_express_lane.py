@@ -7,9 +7,11 @@ import httpx
 import openai
 import pytest
 
+from tests.e2e.conftest import E2E_VLLM_SERVERS
 from tests.fixtures.vllm import vllm_greedy
 
 pytestmark = pytest.mark.e2e
+VLLM_SERVERS = E2E_VLLM_SERVERS
 
 PROMPTS = [
     "Tell me about express lanes on a highway.",

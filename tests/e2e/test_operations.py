@@ -14,10 +14,12 @@ import httpx
 import pytest
 
 from tests.e2e.conftest import (
+    E2E_VLLM_SERVERS,
     CLI, DS_NODES, LLAMA_NODES, assert_nothing_leaked, chat_request, sse_events, wait_until,
 )
 
 pytestmark = pytest.mark.e2e
+VLLM_SERVERS = E2E_VLLM_SERVERS
 
 
 # ---------------------------------------------------------------- traces

@@ -9,10 +9,11 @@ import signal
 import httpx
 import pytest
 
-from tests.e2e.conftest import LLAMA_NODES, assert_nothing_leaked, chat_request, sse_events
+from tests.e2e.conftest import E2E_VLLM_SERVERS, LLAMA_NODES, assert_nothing_leaked, chat_request, sse_events
 from tests.fixtures.vllm import vllm_greedy
 
 pytestmark = pytest.mark.e2e
+VLLM_SERVERS = E2E_VLLM_SERVERS
 MAX_TOKENS = 300
 
 

@@ -11,12 +11,14 @@ import torch
 
 from services.decode.engine import Engine
 from shared.events import SamplingParams
-from tests.fixtures.vllm import vllm_greedy
+from tests.fixtures.vllm import Plain, vllm_greedy
 
 PROMPTS = [[1, 17, 42, 99, 3, 250, 7, 8], [1, 200, 201, 9, 77, 31, 12, 4, 66, 150, 151, 152, 5], [1, 88, 121, 150]]
 NUM_TOKENS = 24
 
 pytestmark = pytest.mark.vllm
+ARCHS = ["llama", "qwen2", "qwen3", "deepseek_v3"]
+VLLM_SERVERS = [Plain(arch) for arch in ARCHS]
 
 
 def engine_greedy(engine: Engine, prompt: list[int], num_tokens: int) -> list[int]:
@@ -29,7 +31,7 @@ def engine_greedy(engine: Engine, prompt: list[int], num_tokens: int) -> list[in
     return tokens
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "deepseek_v3"])
+@pytest.mark.parametrize("arch", ARCHS)
 def test_greedy_tokens_equal_vllm(tiny_model, vllm_servers, arch):
     torch.set_num_threads(1)
     model_dir = tiny_model(arch)

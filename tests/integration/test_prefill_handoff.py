@@ -16,12 +16,15 @@ from shared import subjects
 from shared.events import KvFailed, KvMessage, KvReady
 from shared.handoff import parse_status
 from infra.receiver import ReceiverProcess
-from tests.fixtures.prefill import STAGING_SLOTS, TRANSFER_TIMEOUT_S
+from tests.fixtures.prefill import STAGING_SLOTS, TRANSFER_TIMEOUT_S, Express
+from tests.fixtures.vllm import Plain
 from tests.integration.test_prefill_kv import (
     KvEvents, decode_layout, handoff_params, hf_gqa_kv, received_segments, wait_all_free,
 )
 
 pytestmark = pytest.mark.vllm
+VLLM_SERVERS = [Express("llama"), Plain("llama"), Express("llama", native_pool=True),
+                Express("llama", chunk_tokens=64)]
 
 PROMPT_A = [0] + [(13 * i + 3) % 700 + 5 for i in range(90)]
 PROMPT_B = [0] + [(29 * i + 11) % 700 + 5 for i in range(140)]
@@ -42,15 +45,6 @@ async def llama(express_vllm):
     yield prefill
     stats = await wait_all_free(prefill)
     assert stats["free"] == stats["total"] == STAGING_SLOTS, stats  # leak check
-
-
-@pytest.fixture
-def fresh_connector_vllms_after(vllm_servers):
-    """Stop the connector-loaded vLLMs after a test that leaves transfer connections to dead or
-    stopped receivers: the transfer engines keep threads spinning on them, which would slow every
-    later test on a small machine. (Requested before ``llama`` so it runs after its leak check.)"""
-    yield
-    vllm_servers.stop_connector_servers()
 
 
 async def test_unmarked_requests_are_untouched(llama, vllm_servers, bus):
@@ -109,7 +103,7 @@ async def test_two_claimed_requests_in_flight_land_in_two_receivers(llama, bus, 
         await events.sub.unsubscribe()
 
 
-async def test_receiver_gone_gives_kv_failed_and_frees_the_slot(fresh_connector_vllms_after, llama, bus):
+async def test_receiver_gone_gives_kv_failed_and_frees_the_slot(llama, bus):
     layout = decode_layout(llama.model_dir, "float32", with_mtp=False)
     node_id = f"node-{uuid.uuid4().hex[:8]}"
     events = KvEvents()
@@ -133,7 +127,7 @@ async def test_receiver_gone_gives_kv_failed_and_frees_the_slot(fresh_connector_
         await events.sub.unsubscribe()
 
 
-async def test_no_free_staging_slot_is_reported_not_blocked(fresh_connector_vllms_after, llama, bus):
+async def test_no_free_staging_slot_is_reported_not_blocked(llama, bus):
     """Both slots held by writes into stopped receivers: the next claim is not handed off, at once."""
     layout = decode_layout(llama.model_dir, "float32", with_mtp=False)
     node_id = f"node-{uuid.uuid4().hex[:8]}"
@@ -173,7 +167,7 @@ async def test_no_free_staging_slot_is_reported_not_blocked(fresh_connector_vllm
         await events.sub.unsubscribe()
 
 
-async def test_multiconnector_with_nixl_serves_both_kinds(fresh_connector_vllms_after, express_vllm, bus, tmp_path):
+async def test_multiconnector_with_nixl_serves_both_kinds(express_vllm, bus, tmp_path):
     """``--native-pool``: MultiConnector(NixlConnector, ExpressConnector) starts; a native-pool
     request (vLLM's P/D protocol) and an express request both succeed on the same vLLM."""
     prefill = express_vllm("llama", "float32", native_pool=True)
@@ -212,7 +206,7 @@ async def test_multiconnector_with_nixl_serves_both_kinds(fresh_connector_vllms_
     assert stats["free"] == stats["total"], stats
 
 
-async def test_chunked_prefill_hands_off_the_whole_prompt(fresh_connector_vllms_after, express_vllm, bus, tmp_path):
+async def test_chunked_prefill_hands_off_the_whole_prompt(express_vllm, bus, tmp_path):
     """vLLM computes the prompt in chunks over several steps: the hand-off waits for the last chunk
     and carries the KV of every chunk."""
     prefill = express_vllm("llama", "float32", chunk_tokens=64)

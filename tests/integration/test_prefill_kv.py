@@ -19,8 +19,10 @@ from shared.bus import Bus
 from shared.events import KvFailed, KvMessage, KvReady, SlotTarget, TransferTarget
 from shared.kvlayout import kv_shape_from_hf_config, layout_spec
 from infra.receiver import ReceiverProcess
+from tests.fixtures.prefill import Express
 
 pytestmark = pytest.mark.vllm
+VLLM_SERVERS = [Express("llama"), Express("llama", "bfloat16"), Express("deepseek_v3", "bfloat16")]
 
 MAX_TOKENS = 256  # the receiving slot's capacity
 PROMPT = [0] + [(17 * i + 5) % 700 + 5 for i in range(150)]  # 151 tokens: two CPU blocks of 128

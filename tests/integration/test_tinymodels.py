@@ -20,9 +20,11 @@ import torch
 from tokenizers import Tokenizer
 
 from infra import tinymodel
-from tests.fixtures.vllm import VllmStartError, vllm_greedy
+from tests.fixtures.vllm import MTP_SPECULATIVE_CONFIG, Plain, VllmStartError, vllm_greedy
 
 ARCHS = list(tinymodel.ARCHS)
+VLLM_SERVERS = [*(Plain(arch) for arch in tinymodel.ARCHS),
+                Plain("deepseek_v3", "bfloat16", "bfloat16", ("--speculative-config", MTP_SPECULATIVE_CONFIG))]
 PROMPTS = ["Hello world", "def fibonacci(n):", "The river ran low that summer, and",
            "Q: What is the capital of France? A:"]
 NUM_TOKENS = 16
@@ -146,8 +148,7 @@ def _metric_total(metrics_text: str, name: str) -> float:
 @pytest.mark.vllm
 def test_deepseek_v3_serves_bf16_with_mtp_speculation(vllm_servers, tiny_model):
     path = tiny_model("deepseek_v3", "bfloat16")
-    spec = json.dumps({"method": "mtp", "num_speculative_tokens": 1})
-    server = vllm_servers.get(path, dtype="bfloat16", extra_args=("--speculative-config", spec))
+    server = vllm_servers.get(path, dtype="bfloat16", extra_args=("--speculative-config", MTP_SPECULATIVE_CONFIG))
     vocab_size = json.loads((path / "config.json").read_text())["vocab_size"]
     for prompt in PROMPTS:
         tokens = vllm_greedy(server, prompt, NUM_TOKENS)
