@@ -125,6 +125,23 @@ def _attention_args(model: Path) -> list[str]:
     return ["--attention-config", json.dumps({"backend": "CPU_MLA"})] if is_mla else []
 
 
+def staging_stats_path(args: argparse.Namespace) -> Path:
+    """Where the prefill's connector keeps its staging slot states (``expresslane prefill --stats``)."""
+    return Path(args.workdir) / "prefill-staging.slots"
+
+
+def write_stack_file(args: argparse.Namespace, model: Path, nats_url: str, procs: list[Proc]) -> Path:
+    """``<workdir>/stack.json``: every endpoint of the running stack, for tools and benchmarks."""
+    path = Path(args.workdir) / "stack.json"
+    path.write_text(json.dumps({
+        "router_url": f"http://{args.host}:{args.port}", "nats_url": nats_url, "model": str(model),
+        "staging_stats_path": str(staging_stats_path(args)),
+        "processes": {p.name: {"pid": p.popen.pid if p.popen else None, "health_url": p.health_url,
+                               "log": str(p.log_path)} for p in procs},
+    }, indent=2))
+    return path
+
+
 def plan(args: argparse.Namespace, model: Path, nats_url: str, py: str) -> tuple[list[Proc], list[str]]:
     """The processes to start after nats-server, and the pieces this build lacks."""
     cli = [py, "-m", "infra.cli"]
@@ -153,6 +170,7 @@ def plan(args: argparse.Namespace, model: Path, nats_url: str, py: str) -> tuple
     if have("services.prefill.launch"):
         argv = cli + ["prefill", "--nats-url", nats_url, "--model", str(model), "--port",
                       str(prefill_port), "--dtype", "float32",
+                      *(["--stats-path", str(staging_stats_path(args))] if args.workdir else []),
                       "--", "--max-model-len", str(args.max_model_len), "--enforce-eager",
                       *_attention_args(model)]
     else:
@@ -240,7 +258,7 @@ def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     from infra.nats import DEV_CONFIG, NatsServer
 
-    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="expresslane-up-"))
+    workdir = args.workdir = args.workdir or Path(tempfile.mkdtemp(prefix="expresslane-up-"))
     log_dir = workdir / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
     stopping = {"signal": None}
@@ -275,6 +293,7 @@ def main(argv: list[str]) -> int:
             proc.wait_healthy(args.start_timeout_s)
             print(f"{proc.name:<14} ready", flush=True)
         print(_banner(args, model, nats.url, missing, log_dir), flush=True)
+        print(f"  endpoints:     {write_stack_file(args, model, nats.url, procs)}", flush=True)
         supervise(procs, log_dir, args.start_timeout_s)
     except KeyboardInterrupt:
         pass
