@@ -248,8 +248,9 @@ class CoordinatorService:
                 await self.bus.nc.publish(e.reply_to, encode(e.event), headers=inject_headers({}) or None)
             elif isinstance(e, Publish):
                 await self.bus.publish(e.subject, e.event)
-                if isinstance(e.event, HandoffEvent):
-                    ev = e.event
+                # a terminal event goes out twice (xl.handoff.* and the node's .ended): log it once
+                ev = e.event
+                if isinstance(ev, HandoffEvent) and e.subject == subjects.handoff(ev.request_id, ev.state):
                     self.log.info("handoff", request_id=ev.request_id, state=ev.state,
                                   lease_id=ev.lease_id, generation=ev.generation,
                                   node_id=ev.node_id, slot=ev.slot, reason=ev.reason)

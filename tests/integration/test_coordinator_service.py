@@ -10,6 +10,7 @@ measured by ``bench/chaos.py``.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import subprocess
@@ -385,6 +386,10 @@ async def test_cancel_frees_the_slot(stack):
     assert stack.states("r0") == ["claimed", "kv_ready", "decoding", "cancelled"]
     assert queue.empty()  # nothing after the terminal event
     await stack.assert_no_leak([node])
+    stack.coord.stop()  # every line written; the cancel also went to the node's .ended subject, logged once
+    lines = [json.loads(line) for line in stack.coord.log_path.read_text().splitlines() if line.startswith("{")]
+    assert [line["state"] for line in lines if line["event"] == "handoff" and line["request_id"] == "r0"] == [
+        "claimed", "kv_ready", "decoding", "cancelled"]
 
 
 async def test_sigterm_drains_decode_node_and_coordinator(stack):
