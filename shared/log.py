@@ -84,9 +84,8 @@ def setup_logging(service: str, level: str = "INFO", json: bool = True) -> None:
     handler.setFormatter(formatter)
     root = logging.getLogger()
     for old in list(root.handlers):
-        if getattr(old, "_expresslane", False):
+        if isinstance(old, _StderrHandler):  # set up before: replaced, never doubled
             root.removeHandler(old)
-    handler._expresslane = True  # type: ignore[attr-defined]
     root.addHandler(handler)
     root.setLevel(level)
 

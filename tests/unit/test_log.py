@@ -14,16 +14,17 @@ from shared.tracing import build_tracer_provider
 
 @pytest.fixture
 def json_lines(capsys):
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
     setup_logging("router", level="INFO", json=True)
 
     def read() -> list[dict]:
         return [json.loads(line) for line in capsys.readouterr().err.splitlines()]
 
     yield read
-    root = logging.getLogger()
-    for handler in [h for h in root.handlers if getattr(h, "_expresslane", False)]:
+    for handler in [h for h in root.handlers if h not in handlers]:
         root.removeHandler(handler)
-    root.setLevel(logging.WARNING)
+    root.setLevel(level)
     structlog.reset_defaults()
     structlog.contextvars.clear_contextvars()
 
@@ -58,6 +59,12 @@ def test_stdlib_records_and_exceptions_are_json_too(json_lines):
     assert (stdlib["service"], stdlib["level"], stdlib["logger"]) == (
         "router", "warning", "nats.aio.client")
     assert failure["level"] == "error" and "RuntimeError: boom" in failure["exception"]
+
+
+def test_setting_up_again_replaces_the_handler(json_lines):
+    setup_logging("router", level="INFO", json=True)
+    get_logger("t").info("once")
+    assert [line["event"] for line in json_lines()] == ["once"]
 
 
 def test_bad_level_is_refused():
