@@ -137,7 +137,7 @@ async def test_kv_put_get_update_with_revision(bus, peer):
         await kv.update("lease.a", b'{"generation": 3}', last=rev1)  # a stale writer loses
     same = await peer.kv(bucket)  # opens the existing bucket, sees the same state
     assert (await same.get("lease.a")).value == b'{"generation": 2}'
-    await bus._js.delete_key_value(bucket)
+    await bus.nc.jetstream().delete_key_value(bucket)  # tidy up through the client the bus wraps
 
 
 async def test_traceparent_crosses_the_hop(bus, peer):

@@ -45,7 +45,8 @@ def hb(node="n1", free=(0,), total=None, seq=1, model="m", interval=10_000, layo
 class Harness:
     def __init__(self, config=CFG):
         ids = itertools.count(1)
-        self.core = CoordinatorCore(config, new_id=lambda: f"L{next(ids)}")
+        self.config, self.new_id = config, lambda: f"L{next(ids)}"  # a restarted core keeps numbering
+        self.core = CoordinatorCore(config, new_id=self.new_id)
         self.replies: dict[str, object] = {}
         self.events: list[tuple[str, str]] = []
         self.store: dict[str, Lease] = {}
@@ -93,7 +94,7 @@ class Harness:
         elif op == "tick":
             effects = c.tick(t)
         elif op == "restart":  # a new core adopting what the shell persisted
-            self.core = CoordinatorCore(CFG, new_id=c._new_id)
+            self.core = CoordinatorCore(self.config, new_id=self.new_id)
             self.core.restore(list(self.store.values()), list(self.queued.values()), self.meta, t)
             effects = []
         else:
