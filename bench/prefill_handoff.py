@@ -144,7 +144,7 @@ async def run(args) -> dict:
                     # Raw: the bare engine's synchronous batch write of the same segments.
                     ops = write_ops(layout, src.ctypes.data, layout, rx.addr, n)
                     t0 = time.perf_counter()
-                    rc = raw._engine.batch_transfer_sync_write(
+                    rc = raw.transfer_engine.batch_transfer_sync_write(
                         rx.endpoint, [o[0] for o in ops], [o[1] for o in ops], [o[2] for o in ops])
                     raw_ms = (time.perf_counter() - t0) * 1e3
                     if rc != 0:

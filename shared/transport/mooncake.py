@@ -62,6 +62,11 @@ class MooncakeTransport:
         self._lock = threading.Lock()
         self._closed = False
 
+    @property
+    def transfer_engine(self):
+        """The bare mooncake TransferEngine (a benchmark's baseline); transfers go through ``write``."""
+        return self._engine
+
     def register(self, addr: int, nbytes: int) -> None:
         """Register a buffer with the engine (local source or target of remote writes)."""
         with self._lock:
