@@ -17,6 +17,8 @@ from typing import Literal
 import msgspec
 
 # 1: first version.
+#    Later, same version (defaults, so older peers keep decoding): KvReady.kv_checksums,
+#    kv_checksum_algo, checksum_ms (opt-in KV integrity, shared.kvchecksum).
 PROTOCOL_VERSION = 1
 
 
@@ -191,6 +193,11 @@ class KvReady(Event, tag="kv_ready"):
     nbytes: int
     extract_ms: float = 0.0
     transfer_ms: float = 0.0
+    # Opt-in integrity (shared.kvchecksum): one sum per written segment, in segment order, of the
+    # bytes written; empty: unchecked (older prefills, or the option off).
+    kv_checksums: list[int] = []
+    kv_checksum_algo: str = ""
+    checksum_ms: float = 0.0
 
 
 class KvFailed(Event, tag="kv_failed"):

@@ -8,11 +8,12 @@ import argparse
 import os
 import socket
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from services.decode.engine.options import MAX_SPECULATIVE_TOKENS, EngineConfig
 from shared import config as shared_config
 from shared import subjects
+from shared.bus_auth import BusAuth
 
 
 @dataclass(frozen=True)
@@ -21,6 +22,7 @@ class DecodeConfig:
     node_id: str
     engine: EngineConfig  # slots, max_seq_len, device, dtype, drafts, fast path
     nats_url: str = shared_config.DEFAULT_NATS_URL
+    bus_auth: BusAuth = field(default_factory=BusAuth)  # NATS credential and TLS files
     log_level: str = "INFO"
     log_format: str = "json"
     transport: str = "mooncake"
@@ -30,6 +32,8 @@ class DecodeConfig:
     http_host: str = "127.0.0.1"
     http_port: int = 9103
     drain_timeout_s: float = 30.0
+    require_kv_checksum: bool = False  # a KvReady without checksums fails the lease
+    num_checksum_threads: int = 4  # threads that verify one KvReady's segment sums
 
     @property
     def num_slots(self) -> int:
@@ -48,15 +52,17 @@ class DecodeConfig:
             mtp_draft_vocab=args.mtp_draft_vocab)
         return cls(
             model=args.model, node_id=args.node_id or default_node_id(), engine=engine,
-            nats_url=args.nats_url, log_level=args.log_level, log_format=args.log_format,
+            nats_url=args.nats_url, bus_auth=shared_config.bus_auth(args), log_level=args.log_level, log_format=args.log_format,
             transport=args.transport, transport_host=args.transport_host,
             transport_protocol=args.transport_protocol, heartbeat_ms=args.heartbeat_ms,
-            http_host=args.http_host, http_port=args.http_port, drain_timeout_s=args.drain_timeout_s)
+            http_host=args.http_host, http_port=args.http_port, drain_timeout_s=args.drain_timeout_s,
+            require_kv_checksum=args.require_kv_checksum, num_checksum_threads=args.checksum_threads)
 
     def validate(self) -> DecodeConfig:
         """Raise ValueError naming the flag whose value cannot work; return self."""
         for flag, value in (("--slots", self.num_slots), ("--max-seq-len", self.max_seq_len),
-                            ("--heartbeat-ms", self.heartbeat_ms)):
+                            ("--heartbeat-ms", self.heartbeat_ms),
+                            ("--checksum-threads", self.num_checksum_threads)):
             if value < 1:
                 raise ValueError(f"{flag} must be 1 or more, got {value}")
         k = self.engine.num_speculative_tokens
@@ -116,4 +122,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--http-host", default="127.0.0.1")
     p.add_argument("--http-port", type=int, default=9103, help="/health and /metrics (0: any free)")
     p.add_argument("--drain-timeout-s", type=float, default=30.0)
+    p.add_argument("--require-kv-checksum", action="store_true",
+                   help="fail a handoff whose KV-ready carries no segment checksums (start the prefill "
+                        "with --kv-checksum); checksums that come are verified either way")
+    p.add_argument("--checksum-threads", type=int, default=4,
+                   help="threads that verify a KV-ready's segment checksums")
     return p

@@ -4,7 +4,8 @@ and each lease's trace span.
 ``/health``: 200 with ``status: ok`` while connected and not draining, else 503 (``draining`` or
 ``unavailable``); the body lists total and free slots, the slots the engine holds (``active``) and
 the stale halves ignored. ``/metrics`` (Prometheus): active and free slots, stale halves, one
-counter per node event (``xl_decode_events{event=...}``) and the engine step time histogram.
+counter per node event (``xl_decode_events{event=...}``), the engine step time histogram and the
+KV checksum verification time histogram (``xl_decode_kv_verify_seconds``, opt-in checksums).
 Traces: a lease's ``decode`` span is a child of the context its ``DecodeStart`` came with; the
 node's messages for the lease are sent inside it; it ends when the lease leaves the node.
 """
@@ -37,6 +38,9 @@ class NodeStatus:
         self.registry.register(self)
         self.step_seconds = Histogram("xl_decode_step_seconds", "One engine step over all slots",
                                       registry=self.registry, buckets=STEP_BUCKETS_S)
+        self.kv_verify_seconds = Histogram("xl_decode_kv_verify_seconds",
+                                           "Verifying one KV-ready's segment checksums",
+                                           registry=self.registry, buckets=STEP_BUCKETS_S)
 
     @property
     def routes(self) -> dict[str, Callable[[], tuple[int, str, bytes]]]:

@@ -7,6 +7,9 @@ Contract:
 - ``DecodeStart`` (``xl.decode.<node>.start``), ``KvReady``/``KvFailed`` (``xl.kv.ready.<node>``),
   ``CancelRequest`` (``xl.req.*.cancel``) and lease ends (``xl.decode.<node>.ended``) go to the
   core; its effects are performed here, in order (slots.py says which, when).
+- A ``KvReady`` with segment checksums (shared.kvchecksum) is verified against the slot's receive
+  buffer, in worker threads, before the core sees it, so before injection; a mismatch (or none
+  where ``--require-kv-checksum`` asks for them) goes to the core as a rejected KV instead.
 - One decode loop performs the core's engine work (inject + start, cancel) between steps and runs
   ``engine.step()`` in a worker thread (the event loop stays responsive); tokens go out as
   ``TokensGenerated`` on ``xl.req.<id>.tokens`` (``index`` counts the completion, the prefill's
@@ -21,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import signal
+from concurrent.futures import ThreadPoolExecutor
 import sys
 import time
 
@@ -34,8 +38,11 @@ from services.decode.slots import SlotCore
 from shared import subjects
 from shared.bus import Bus, BusUnavailable
 from shared.events import (
-    PROTOCOL_VERSION, CancelRequest, DecodeStart, HandoffEvent, KvMessage, NodeAvailable, NodeDraining,
+    PROTOCOL_VERSION, CancelRequest, DecodeStart, HandoffEvent, KvMessage, KvReady, NodeAvailable,
+    NodeDraining,
 )
+from shared.kvchecksum import CHECKSUM_FAILED, CHECKSUM_MISSING, verify
+from shared.kvlayout import write_ranges
 from shared.http_status import serve_status
 from shared.log import get_logger, setup_logging
 from shared.tracing import setup_tracing
@@ -54,11 +61,12 @@ class DecodeNode:
         self.log = get_logger("decode", node_id=self.node_id)
         self._subs: list = []
         self._tasks: list[asyncio.Task] = []
+        self._checksum_pool = ThreadPoolExecutor(config.num_checksum_threads, "kv-checksum")
 
     async def start(self) -> None:
         sub, core, feed = self.bus.subscribe, self.core, self._feed
         self._subs += [
-            await sub(subjects.kv_ready(self.node_id), feed(core.on_kv), KvMessage),
+            await sub(subjects.kv_ready(self.node_id), self._on_kv, KvMessage),
             await sub(subjects.decode_start(self.node_id), self._on_start, DecodeStart),
             await sub(subjects.REQ_CANCEL_ALL, feed(core.on_cancel), CancelRequest),
             await sub(subjects.decode_lease_ended(self.node_id), feed(core.on_lease_ended), HandoffEvent),
@@ -94,6 +102,7 @@ class DecodeNode:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self._heartbeat()
         self.http.close()
+        self._checksum_pool.shutdown(wait=False)
         self.log.info("decode_stopped", stale_ignored=self.core.num_stale)
 
     async def _heartbeat(self) -> None:
@@ -122,6 +131,30 @@ class DecodeNode:
         if self.core.lease(msg.lease_id) is not None:  # kept (not stale, not failed at once)
             self.traces.remember(msg.lease_id)
         await self._apply(effects)
+
+    async def _on_kv(self, msg, _) -> None:
+        reason = await self._check_kv(msg) if isinstance(msg, KvReady) else ""
+        await self._apply(self.core.on_kv_rejected(msg, reason) if reason else self.core.on_kv(msg))
+
+    async def _check_kv(self, msg: KvReady) -> str:
+        """Why the KV this KvReady announces must not be injected ("" when it may, or when the
+        core will refuse it anyway: another node, another layout, a slot or size out of range)."""
+        layout = self.engine.layout
+        if (msg.node_id != self.node_id or msg.layout_version != layout.layout_version
+                or not 0 <= msg.slot < self.config.num_slots or not 0 < msg.num_tokens <= layout.max_tokens):
+            return ""
+        if not msg.kv_checksums:
+            return CHECKSUM_MISSING if self.config.require_kv_checksum else ""
+        t0 = time.perf_counter()
+        detail = await asyncio.to_thread(
+            verify, self.receiver.slot_reader(msg.slot), write_ranges(layout, msg.num_tokens),
+            msg.kv_checksums, msg.kv_checksum_algo, self._checksum_pool)
+        self.status.kv_verify_seconds.observe(time.perf_counter() - t0)
+        if not detail:
+            return ""
+        self.log.warning("kv_checksum_failed", request_id=msg.request_id, slot=msg.slot,
+                         lease_id=msg.lease_id, detail=detail)
+        return CHECKSUM_FAILED
 
     def _feed(self, core_input):
         """A bus handler that gives each message to the core and performs its effects."""
@@ -221,7 +254,8 @@ def _load(config: DecodeConfig):
 
 
 async def _run(config: DecodeConfig) -> int:
-    bus = await Bus.connect(config.nats_url, name=f"decode-{config.node_id}")  # fail fast, before loading
+    # fail fast, before loading
+    bus = await Bus.connect(config.nats_url, name=f"decode-{config.node_id}", auth=config.bus_auth)
     engine, receiver = await asyncio.to_thread(_load, config)
     try:
         node = DecodeNode(engine, receiver, bus, config)

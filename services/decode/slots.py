@@ -17,6 +17,9 @@ Contract:
   terminal event on ``xl.req.<id>.tokens`` when the end is to be told (``notify``: cancels,
   start failures, node stopping, engine errors). Every end republishes availability, then
   reports ``SlotReleased`` to the coordinator; a lease unknown here is reported released too.
+- A KvReady the shell found wrong (``on_kv_rejected``: its segment checksums do not match the
+  receive buffer, or the node requires checksums and it has none) ends its lease as failed with
+  that reason, as a KvFailed would; the router migrates the request.
 - Coordinator lease ends (``HandoffEvent`` on ``xl.decode.<node>.ended``): failed and cancelled
   end the lease here (only a cancel is told to the router: it migrates failures itself);
   completed, or a lease already ended, changes nothing.
@@ -144,6 +147,14 @@ class SlotCore:
             return []
         return self._end_lease(msg.slot, msg.lease_id, msg.generation, msg.request_id,
                                Stop("failed", f"transfer_failed: {msg.reason}", False))
+
+    def on_kv_rejected(self, msg: KvReady, reason: str) -> list[Effect]:
+        """The shell checked the KV this KvReady announces and found it wrong (``reason``)."""
+        if msg.node_id != self.node_id:
+            return []
+        self.counters[f"kv_rejected.{reason}"] += 1
+        return self._end_lease(msg.slot, msg.lease_id, msg.generation, msg.request_id,
+                               Stop("failed", reason, False))
 
     def on_cancel(self, msg: CancelRequest) -> list[Effect]:
         for lease in self._leases():

@@ -13,6 +13,8 @@ Keys (all optional):
 | staging_max_tokens   | vLLM's max_model_len         | longest prompt a staging slot holds             |
 | transfer_timeout_s   | 30                           | a write not done by then: KV-failed             |
 | stats_path           | /dev/shm/expresslane-staging-<engine_id> | staging slot states (see staging.py) |
+| kv_checksum          | false                        | a CRC-32 per written segment in KvReady (shared.kvchecksum) |
+| fault_flip_kv_byte_every | 0                        | FAULT INJECTION, tests and bench/chaos.py only: flip one byte of every Nth checksummed transfer's staging copy after summing (0: off) |
 
 ``expresslane prefill`` also starts vLLM with Mooncake's own per-transfer timeout
 (``MC_TRANSFER_TIMEOUT``) at ``transfer_timeout_s`` unless the environment sets it
@@ -30,7 +32,7 @@ from shared.transport import TRANSPORTS
 
 EXTRA_CONFIG_KEYS = ("nats_url", "transports", "mooncake_host", "mooncake_protocol",
                      "nixl_agent_name", "staging_slots", "staging_max_tokens", "transfer_timeout_s",
-                     "stats_path")
+                     "stats_path", "kv_checksum", "fault_flip_kv_byte_every")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,6 +46,8 @@ class ExpressConfig:
     staging_max_tokens: int = 0  # 0: vLLM's max_model_len
     transfer_timeout_s: float = 30.0
     stats_path: str = ""  # "": /dev/shm/expresslane-staging-<engine_id>
+    kv_checksum: bool = False
+    fault_flip_kv_byte_every: int = 0  # fault injection only (needs kv_checksum); 0: off
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any] | None) -> "ExpressConfig":
@@ -72,6 +76,12 @@ class ExpressConfig:
             raise ValueError(f"staging_max_tokens must be >= 0, got {self.staging_max_tokens}")
         if not float(self.transfer_timeout_s) > 0:
             raise ValueError(f"transfer_timeout_s must be > 0, got {self.transfer_timeout_s}")
+        if not isinstance(self.kv_checksum, bool):
+            raise ValueError(f"kv_checksum must be true or false, got {self.kv_checksum!r}")
+        if int(self.fault_flip_kv_byte_every) < 0:
+            raise ValueError(f"fault_flip_kv_byte_every must be >= 0, got {self.fault_flip_kv_byte_every}")
+        if self.fault_flip_kv_byte_every and not self.kv_checksum:
+            raise ValueError("fault_flip_kv_byte_every corrupts checksummed transfers: set kv_checksum too")
 
     def stats_file(self, engine_id: str) -> str:
         return self.stats_path or f"/dev/shm/expresslane-staging-{engine_id}"

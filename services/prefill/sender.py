@@ -5,6 +5,11 @@ network. For each job it checks that the decode slot's layout is the one staged,
 segment's first ``num_tokens`` tokens with the transport the target names, marks the staging
 slot free, and publishes ``KvReady`` on ``xl.kv.ready.<node>`` (or ``KvFailed`` with the reason)
 with the request's trace context. Failures are reported as data, never raised into vLLM.
+
+With ``checksum`` on, each written segment's CRC-32 is computed on the staging copy just before
+the write and carried in ``KvReady.kv_checksums`` (shared.kvchecksum). ``fault_flip_every=N``
+(fault injection for tests and bench/chaos.py, never in production) then flips the first written
+byte of every Nth such transfer's staging copy, so the decode node must catch it.
 """
 
 from __future__ import annotations
@@ -14,12 +19,14 @@ import logging
 import queue
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 from opentelemetry import trace
 
 from shared import subjects
 from shared.events import KvFailed, KvLayoutSpec, KvReady
 from shared.handoff import Handoff
+from shared.kvchecksum import CHECKSUM_ALGO, checksums, host_reader
 from shared.tracing import context_from_traceparent, current_traceparent
 from shared.transport import TransferError, Transport
 
@@ -36,6 +43,8 @@ class SendJob:
     num_tokens: int
     extract_ms: float = 0.0
     fail_reason: str = ""  # set: publish KvFailed only
+    kv_checksums: list[int] = dataclasses.field(default_factory=list)  # set by the sender
+    checksum_ms: float = 0.0
 
 
 def layout_mismatch(ours: KvLayoutSpec, theirs: KvLayoutSpec, num_tokens: int) -> str:
@@ -77,8 +86,15 @@ class Sender:
     """A small pool of sender threads fed by a queue."""
 
     def __init__(self, transports: dict[str, Transport], pool, states, publisher, timeout_s: float,
-                 num_threads: int = 2, tracer: trace.Tracer | None = None) -> None:
+                 num_threads: int = 2, tracer: trace.Tracer | None = None, checksum: bool = False,
+                 num_checksum_threads: int = 4, fault_flip_every: int = 0) -> None:
         self.tracer = tracer or trace.get_tracer("expresslane.prefill")
+        self.checksum = checksum
+        self.fault_flip_every = fault_flip_every
+        self._num_checksummed = 0
+        self._checksum_lock = threading.Lock()
+        self._checksum_pool = (ThreadPoolExecutor(num_checksum_threads, "expresslane-checksum")
+                               if checksum and num_checksum_threads > 1 else None)
         self.transports = transports
         self.pool = pool
         self.states = states
@@ -98,6 +114,8 @@ class Sender:
             self._queue.put(None)
         for t in self._threads:
             t.join(self.timeout_s + 5)
+        if self._checksum_pool is not None:
+            self._checksum_pool.shutdown(wait=False)
 
     def _run(self) -> None:
         while (job := self._queue.get()) is not None:
@@ -118,7 +136,7 @@ class Sender:
             if not reason:
                 t0 = time.perf_counter()
                 nbytes, reason = self._write(job)
-                transfer_ms = (time.perf_counter() - t0) * 1e3
+                transfer_ms = (time.perf_counter() - t0) * 1e3 - job.checksum_ms  # the write alone
                 self.states.set(job.staging_slot, FREE)
             base = dict(request_id=h.request_id, lease_id=h.lease_id, generation=h.generation,
                         node_id=h.target.node_id, slot=h.target.slot.slot)
@@ -130,7 +148,10 @@ class Sender:
                 self.states.count("kv_ready")
                 event = KvReady(**base, num_tokens=job.num_tokens,
                                 layout_version=h.target.layout.layout_version, nbytes=nbytes,
-                                extract_ms=job.extract_ms, transfer_ms=transfer_ms)
+                                extract_ms=job.extract_ms, transfer_ms=transfer_ms,
+                                kv_checksums=job.kv_checksums,
+                                kv_checksum_algo=CHECKSUM_ALGO if job.kv_checksums else "",
+                                checksum_ms=job.checksum_ms)
             traceparent = current_traceparent() or h.traceparent
         self.publisher.publish(subjects.kv_ready(h.target.node_id), event, traceparent)
 
@@ -146,10 +167,27 @@ class Sender:
         timeout_s = write_timeout_s(self.timeout_s, job.handoff.expires_at_ms, time.time() * 1000)
         if timeout_s <= 0:
             return 0, "lease expired before the write could start"
-        ops = write_ops(self.pool.spec, self.pool.slot_addr(job.staging_slot), target.layout,
-                        target.slot.base_addr, job.num_tokens)
+        slot_addr = self.pool.slot_addr(job.staging_slot)
+        ops = write_ops(self.pool.spec, slot_addr, target.layout, target.slot.base_addr, job.num_tokens)
+        if self.checksum:
+            self._checksum(job, [(local - slot_addr, nbytes) for local, _, nbytes in ops])
         try:
             transport.write(target.endpoint, ops, target.nixl_metadata_b64, timeout_s=timeout_s)
         except TransferError as exc:
             return 0, f"transfer failed: {exc}"
         return sum(op[2] for op in ops), ""
+
+    def _checksum(self, job: SendJob, ranges: list[tuple[int, int]]) -> None:
+        """Sum what is about to be written (ranges within the staging slot); fault injection after."""
+        t0 = time.perf_counter()
+        data = self.pool.slot_bytes(job.staging_slot)
+        job.kv_checksums = checksums(host_reader(data), ranges, self._checksum_pool)
+        job.checksum_ms = (time.perf_counter() - t0) * 1e3
+        if self.fault_flip_every:
+            with self._checksum_lock:
+                self._num_checksummed += 1
+                is_flipped = self._num_checksummed % self.fault_flip_every == 0
+            if is_flipped:
+                data[ranges[0][0]] ^= 0xFF
+                log.warning("expresslane: fault injection: flipped a KV byte of %s after its checksum",
+                            job.handoff.request_id)

@@ -115,6 +115,10 @@ class StagingPool:
     def slot_addr(self, slot: int) -> int:
         return self.addr + slot * self.spec.slot_nbytes
 
+    def slot_bytes(self, slot: int):
+        """The slot's bytes as a numpy uint8 array (a view, no copy)."""
+        return self.buffer[slot].numpy()
+
     def segment_views(self, slot: int, num_tokens: int) -> list:
         """Per segment, a [num_tokens, elems_per_token] view into the slot."""
         row = self.buffer[slot]

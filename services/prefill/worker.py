@@ -71,11 +71,17 @@ class ExpressWorker:
             t.register(self.pool.addr, self.pool.nbytes)
             self.transports[name] = t
         self.sender = Sender(self.transports, self.pool, self.states, self.publisher,
-                             self.config.transfer_timeout_s, tracer=self.tracer)
+                             self.config.transfer_timeout_s, tracer=self.tracer,
+                             checksum=self.config.kv_checksum,
+                             fault_flip_every=self.config.fault_flip_kv_byte_every)
         log.info("expresslane: layers %s", [(n, tuple(t.shape), str(t.dtype)) for n, t, _ in self.layers])
-        log.info("expresslane: %d layers, staging %d x %d bytes (%d tokens), transports %s, stats %s",
-                 len(self.layers), self.config.staging_slots, self.spec.slot_nbytes, self.max_tokens,
-                 ",".join(self.transports), self.states.path)
+        log.info("expresslane: %d layers, staging %d x %d bytes (%d tokens), transports %s, stats %s, "
+                 "kv checksum %s", len(self.layers), self.config.staging_slots, self.spec.slot_nbytes,
+                 self.max_tokens, ",".join(self.transports), self.states.path,
+                 "on" if self.config.kv_checksum else "off")
+        if self.config.fault_flip_kv_byte_every:
+            log.warning("expresslane: FAULT INJECTION on: every %d-th transfer's KV is corrupted after "
+                        "its checksum", self.config.fault_flip_kv_byte_every)
 
     def _kv_shape(self) -> KvShape:
         hf = self.vllm_config.model_config.hf_text_config

@@ -31,6 +31,14 @@ def test_defaults_and_environment():
     assert config_of(["--slots", "4"], env={"EXPRESSLANE_MODEL": "/m", "EXPRESSLANE_SLOTS": "2"}).num_slots == 4
 
 
+def test_kv_checksum_settings():
+    assert not config_of(["--model", "/m"]).require_kv_checksum
+    config = config_of(["--model", "/m", "--checksum-threads", "2"],
+                       env={"EXPRESSLANE_REQUIRE_KV_CHECKSUM": "1"})
+    assert config.require_kv_checksum and config.num_checksum_threads == 2
+    assert config_of(["--model", "/m", "--require-kv-checksum"]).require_kv_checksum
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--slots", "0"], "--slots must be 1 or more, got 0"),
     (["--max-seq-len", "0"], "--max-seq-len must be 1 or more"),
@@ -38,6 +46,7 @@ def test_defaults_and_environment():
     (["--num-speculative-tokens", "4"], "--num-speculative-tokens must be 0 to 3, got 4"),
     (["--mtp-draft-vocab", "0"], "--mtp-draft-vocab must be 1 or more"),
     (["--drain-timeout-s", "-1"], "--drain-timeout-s must be 0 or more"),
+    (["--checksum-threads", "0"], "--checksum-threads must be 1 or more"),
     (["--node-id", "a.b"], "--node-id: node id 'a.b' cannot be used in a NATS subject"),
 ])
 def test_validate_names_the_flag(argv, message):

@@ -82,8 +82,9 @@ class Harness:
         self.now_s += 1.0
         if op in ("started", "start_failed") and arg in self.starting:
             self.starting.remove(arg)
-        if op in ("start", "kv", "kv_failed", "cancel", "ended", "stop_all"):
+        if op in ("start", "kv", "kv_failed", "kv_rejected", "cancel", "ended", "stop_all"):
             effects = {"start": c.on_start, "kv": c.on_kv_ready, "kv_failed": c.on_kv_failed,
+                       "kv_rejected": lambda msg: c.on_kv_rejected(msg, "checksum"),
                        "cancel": lambda rid: c.on_cancel(CancelRequest(request_id=rid, reason="client")),
                        "ended": c.on_lease_ended,
                        "stop_all": lambda why: c.stop_all("failed", why)}[op](arg)
@@ -257,6 +258,28 @@ CASES = {
     "kv_failed_before_start_releases_and_makes_start_stale": [
         ("kv_failed", kv_failed(1), {"effects": released(1, "failed", "transfer_failed: boom")}),
         ("start", start(1), {"stale": 1, "free": [0, 1]}),
+    ],
+    # ---- KV integrity: the shell found the KV's checksums wrong (server.py verifies)
+    "checksum_mismatch_after_start_fails_the_waiting_lease_and_frees_the_slot": [
+        ("start", start(1), {"free": [1]}),
+        ("kv_rejected", kv(1), {"effects": released(1, "failed", "checksum"), "free": [0, 1],
+                                "counter": {"kv_rejected.checksum": 1}}),
+        ("take", None, {"work": []}),
+        ("kv", kv(1), {"stale": 1, "free": [0, 1]}),  # a late duplicate is never injected
+    ],
+    "checksum_mismatch_before_start_makes_start_stale": [
+        ("kv_rejected", kv(1), {"effects": released(1, "failed", "checksum"), "free": [0, 1]}),
+        ("start", start(1), {"stale": 1, "free": [0, 1]}),
+        ("take", None, {"work": []}),
+    ],
+    "checksum_mismatch_leaves_the_decoding_lease_of_another_slot_alone": [
+        ("start", start(1), {}), ("kv", kv(1), {}), ("take", None, {}), ("started", (0, "L1"), {}),
+        ("start", start(2, slot=1), {}),
+        ("kv_rejected", kv(2, slot=1), {"effects": released(2, "failed", "checksum"),
+                                        "free": [1], "engine": [0]}),
+    ],
+    "checksum_mismatch_for_another_node_is_not_ours": [
+        ("kv_rejected", kv(1, node="n2"), {"effects": [], "free": [0, 1]}),
     ],
     "max_tokens_zero_finishes_at_start": [
         ("start", start(1, max_tokens=0), {}), ("kv", kv(1), {}), ("take", None, {}),

@@ -43,6 +43,16 @@ def test_print_command_passes_vllm_args_through(capsys):
     assert '"transports": ["nixl"]' in out and out.strip().endswith("--max-model-len 64")
 
 
+def test_kv_checksum_flag_reaches_the_connector(capsys):
+    assert launch.main(["--model", "M", "--kv-checksum", "--print-command"]) == 0
+    assert '"kv_checksum": true' in capsys.readouterr().out
+    config = ExpressConfig(kv_checksum=True, fault_flip_kv_byte_every=2)
+    extra = launch.kv_transfer_config(config)["kv_connector_extra_config"]
+    assert ExpressConfig.from_extra_config(extra) == config
+    default = launch.kv_transfer_config(ExpressConfig())["kv_connector_extra_config"]
+    assert "kv_checksum" not in default and "fault_flip_kv_byte_every" not in default
+
+
 def test_bad_flag_value_exits_2(capsys):
     assert launch.main(["--model", "M", "--staging-slots", "0", "--print-command"]) == 2
     assert "staging_slots" in capsys.readouterr().err

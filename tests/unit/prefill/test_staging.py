@@ -111,6 +111,10 @@ CONFIG_CASES = [
     ({"mooncake_protocol": "udp"}, "mooncake_protocol"),
     ({"transfer_timeout_s": 0}, "transfer_timeout_s"),
     ({"nats": "x"}, "unknown"),
+    ({"kv_checksum": True, "fault_flip_kv_byte_every": 3}, None),
+    ({"kv_checksum": "yes"}, "kv_checksum"),
+    ({"fault_flip_kv_byte_every": 1}, "set kv_checksum too"),
+    ({"kv_checksum": True, "fault_flip_kv_byte_every": -1}, "fault_flip_kv_byte_every"),
 ]
 
 

@@ -1,0 +1,90 @@
+"""The background sender with checksums on: the sums in KvReady are those of the bytes that landed
+in the decode slot; with fault injection, the landed bytes no longer match them (the decode node's
+check, shared.kvchecksum.verify, catches it). A memory-copy transport stands in for Mooncake."""
+
+from __future__ import annotations
+
+import ctypes
+import time
+
+import numpy as np
+import pytest
+
+from services.prefill.sender import Sender, SendJob
+from services.prefill.staging import FREE, SENDING, SlotStates, StagingPool
+from shared.events import KvReady, SlotTarget, TransferTarget
+from shared.handoff import Handoff
+from shared.kvchecksum import CHECKSUM_ALGO, host_reader, verify
+from shared.kvlayout import KvShape, layout_spec, write_ranges
+
+SPEC = layout_spec(KvShape(kind="gqa", num_layers=2, num_kv_heads=2, head_dim=4), "float32", 16)
+NUM_TOKENS = 6
+
+
+class MemcpyTransport:
+    name = "mooncake"
+
+    def write(self, endpoint, ops, nixl_metadata_b64="", timeout_s=None) -> None:
+        for local, remote, nbytes in ops:
+            ctypes.memmove(remote, local, nbytes)
+
+
+class Publisher:
+    def __init__(self) -> None:
+        self.events = []
+
+    def publish(self, subject, event, traceparent="") -> bool:
+        self.events.append(event)
+        return True
+
+
+def send(tmp_path, num_requests: int, **sender_kw) -> tuple[list[KvReady], list[np.ndarray]]:
+    """Stage random KV and send it into fresh decode slots; the KvReady events and the slots."""
+    states = SlotStates(str(tmp_path / "states"), 1, create=True)
+    pool = StagingPool(SPEC, 1)
+    publisher = Publisher()
+    sender = Sender({"mooncake": MemcpyTransport()}, pool, states, publisher, 5.0, num_threads=1,
+                    **sender_kw)
+    slots = []
+    rng = np.random.default_rng(0)
+    try:
+        for i in range(num_requests):
+            pool.slot_bytes(0)[:] = rng.integers(0, 256, SPEC.slot_nbytes, dtype=np.uint8)
+            slots.append(np.zeros(SPEC.slot_nbytes, dtype=np.uint8))
+            target = TransferTarget(node_id="d1", transport="mooncake", endpoint="e", layout=SPEC,
+                                    slot=SlotTarget(slot=0, base_addr=slots[-1].ctypes.data,
+                                                    nbytes=SPEC.slot_nbytes))
+            states.set(0, SENDING)
+            sender.submit(SendJob(Handoff(request_id=f"r{i}", lease_id=f"L{i}", generation=1,
+                                          target=target), 0, NUM_TOKENS))
+            deadline = time.monotonic() + 30
+            while len(publisher.events) <= i:  # one staging slot: each job ends before the next
+                assert time.monotonic() < deadline, "the sender never published"
+                time.sleep(0.001)
+    finally:
+        sender.close()
+    assert states.snapshot() == [FREE]  # no staging slot left behind
+    return publisher.events, slots
+
+
+def landed_ok(event: KvReady, slot: np.ndarray) -> bool:
+    return verify(host_reader(slot), write_ranges(SPEC, event.num_tokens), event.kv_checksums,
+                  event.kv_checksum_algo) == ""
+
+
+def test_checksums_are_off_by_default(tmp_path):
+    (event,), _ = send(tmp_path, 1)
+    assert isinstance(event, KvReady) and event.kv_checksums == [] and event.kv_checksum_algo == ""
+
+
+@pytest.mark.parametrize("num_checksum_threads", [1, 3])
+def test_sums_match_the_bytes_that_landed(tmp_path, num_checksum_threads):
+    (event,), (slot,) = send(tmp_path, 1, checksum=True, num_checksum_threads=num_checksum_threads)
+    assert isinstance(event, KvReady) and event.kv_checksum_algo == CHECKSUM_ALGO
+    assert len(event.kv_checksums) == len(SPEC.segments) and event.checksum_ms >= 0
+    assert landed_ok(event, slot)
+
+
+def test_fault_injection_corrupts_every_nth_transfer_after_summing(tmp_path):
+    events, slots = send(tmp_path, 4, checksum=True, fault_flip_every=2)
+    assert [landed_ok(e, s) for e, s in zip(events, slots)] == [True, False, True, False]
