@@ -121,7 +121,7 @@ class ExpressStream:
                  body: dict[str, Any], sampling: dict[str, Any], stop_token_ids: list[int],
                  ignore_eos: bool, max_tokens: int, num_prompt_tokens: int, tenant: str,
                  parent: trace.Span) -> None:
-        self.d = deps
+        self.deps = deps
         self.info = info
         self.request_id = request_id
         self._path = path
@@ -146,18 +146,18 @@ class ExpressStream:
         req = claim_request(self.info, leg_id, num_prompt_tokens=num_prompt, max_tokens=max_tokens,
                             wait_ms=wait_ms, tenant=self._tenant)
         t0 = time.perf_counter()
-        with self.d.tracer.start_as_current_span("router.claim", context=self._ctx,
-                                                 attributes={"request_id": leg_id}):
+        with self.deps.tracer.start_as_current_span("router.claim", context=self._ctx,
+                                                    attributes={"request_id": leg_id}):
             try:
-                reply = await self.d.bus.request(subjects.CLAIM, req, ClaimReply,
-                                                 timeout_s=wait_ms / 1000 + self.d.cfg.claim_margin_s)
+                reply = await self.deps.bus.request(subjects.CLAIM, req, ClaimReply,
+                                                    timeout_s=wait_ms / 1000 + self.deps.cfg.claim_margin_s)
             except BusTimeout as exc:
                 raise LaneFallback(f"coordinator: {exc}") from None
-        self.d.metrics.claim_ms.observe((time.perf_counter() - t0) * 1000)
+        self.deps.metrics.claim_ms.observe((time.perf_counter() - t0) * 1000)
         if isinstance(reply, ClaimRejected):
             if reply.reason not in CAPACITY_REASONS:  # no express node can take it: not back-pressure
                 raise LaneFallback(f"claim rejected: {reply.reason}")
-            self.d.metrics.rejected.inc()
+            self.deps.metrics.rejected.inc()
             raise rate_limited(
                 f"the express lane is saturated ({reply.reason}); retry later or send "
                 "'x-expresslane: off'", max(1, -(-reply.retry_after_ms // 1000)))
@@ -165,23 +165,23 @@ class ExpressStream:
 
     def _cancel(self, leg: _Leg, reason: str) -> None:
         """Tell node and coordinator to drop the leg (fire and forget)."""
-        self.d.dispatcher.close(leg.id)
+        self.deps.dispatcher.close(leg.id)
         leg.end_span(reason)
         if leg.finished:
             return
         leg.finished = True
-        self.d.metrics.cancels.labels(reason).inc()
-        self.d.spawn(self.d.bus.publish(subjects.req_cancel(leg.id),
-                                        CancelRequest(request_id=leg.id, reason=reason)))
+        self.deps.metrics.cancels.labels(reason).inc()
+        self.deps.spawn(self.deps.bus.publish(subjects.req_cancel(leg.id),
+                                              CancelRequest(request_id=leg.id, reason=reason)))
 
     async def _open_leg(self, leg_id: str, path: str, body: dict[str, Any], num_prompt: int,
                         max_tokens: int, wait_ms: int) -> tuple[_Leg, TokenBatch, list[int]]:
         """Claim, prefill; return the leg, its first token and the prompt ids vLLM saw."""
-        queue = self.d.dispatcher.open(leg_id)
+        queue = self.deps.dispatcher.open(leg_id)
         try:
             grant = await self._claim(leg_id, num_prompt, max_tokens, wait_ms)
         except BaseException:
-            self.d.dispatcher.close(leg_id)
+            self.deps.dispatcher.close(leg_id)
             raise
         leg = _Leg(id=leg_id, grant=grant, queue=queue)
         try:
@@ -195,18 +195,18 @@ class ExpressStream:
         g = leg.grant
         url = f"{self.info.url}{path}"
         t0 = time.perf_counter()
-        with self.d.tracer.start_as_current_span("router.prefill", context=self._ctx, kind=SpanKind.CLIENT,
-                                                 attributes={"request_id": leg.id, "node_id": g.node_id}):
+        with self.deps.tracer.start_as_current_span("router.prefill", context=self._ctx, kind=SpanKind.CLIENT,
+                                                    attributes={"request_id": leg.id, "node_id": g.node_id}):
             body = {**body, "max_tokens": 1, "stream": False, "return_token_ids": True,
                     "kv_transfer_params": handoff_params(g, current_traceparent())}
             for key in ("max_completion_tokens", "stream_options", "stop"):
                 body.pop(key, None)
             try:
-                resp = await self.d.http.post(url, json=body, headers=inject_headers({}),
-                                              timeout=self.d.cfg.prefill_timeout_s)
+                resp = await self.deps.http.post(url, json=body, headers=inject_headers({}),
+                                                 timeout=self.deps.cfg.prefill_timeout_s)
             except httpx.HTTPError as exc:
                 raise unreachable(self.info.url, exc) from None
-        self.d.metrics.prefill_ms.observe((time.perf_counter() - t0) * 1000)
+        self.deps.metrics.prefill_ms.observe((time.perf_counter() - t0) * 1000)
         if resp.status_code >= 400:
             raise UpstreamError(resp.status_code, resp.content,
                                 resp.headers.get("content-type", "application/json").split(";")[0])
@@ -231,15 +231,15 @@ class ExpressStream:
         start = DecodeStart(request_id=leg.id, lease_id=g.lease_id, generation=g.generation,
                             slot=g.target.slot.slot, first_token_id=first_id,
                             num_prompt_tokens=num_prompt, sampling=sampling)
-        leg.span = self.d.tracer.start_span("router.decode", context=self._ctx, attributes={
+        leg.span = self.deps.tracer.start_span("router.decode", context=self._ctx, attributes={
             "request_id": leg.id, "node_id": g.node_id, "slot": g.target.slot.slot})
         with trace.use_span(leg.span, end_on_exit=False):
-            await self.d.bus.publish(subjects.decode_start(g.node_id), start)
+            await self.deps.bus.publish(subjects.decode_start(g.node_id), start)
 
     async def _relay(self, leg: _Leg) -> AsyncIterator[TokenBatch]:
         """The decode node's tokens for one leg (leg-local index 1 onwards), in order."""
         expected = 1
-        timeout_s = self.d.cfg.first_decode_timeout_s
+        timeout_s = self.deps.cfg.first_decode_timeout_s
         while True:
             try:
                 event = await asyncio.wait_for(leg.queue.get(), timeout_s)
@@ -250,7 +250,7 @@ class ExpressStream:
                 if event.index > expected:
                     raise _LegFailed(f"tokens {expected}..{event.index - 1} never arrived")
                 expected += len(ids)
-                timeout_s = self.d.cfg.token_timeout_s
+                timeout_s = self.deps.cfg.token_timeout_s
                 if ids:
                     yield TokenBatch(list(ids))
             elif isinstance(event, RequestFinished):
@@ -272,7 +272,7 @@ class ExpressStream:
         t0 = time.perf_counter()
         self._leg, self._first, self.prompt_ids = await self._open_leg(
             self.request_id, self._path, self._body, self._num_prompt_tokens, self.max_tokens,
-            self.d.cfg.claim_wait_ms)
+            self.deps.cfg.claim_wait_ms)
         self.timings["open_ms"] = (time.perf_counter() - t0) * 1000
         return self.prompt_ids
 
@@ -308,7 +308,7 @@ class ExpressStream:
                             generated += item.token_ids
                             yield item
                             if item.finish_reason:
-                                self.d.dispatcher.close(leg.id)
+                                self.deps.dispatcher.close(leg.id)
                                 return
                         return
                     except _LegFailed as exc:
@@ -331,22 +331,22 @@ class ExpressStream:
     async def _migrate(self, generated: list[int]) -> tuple[_Leg | None, TokenBatch | None]:
         """Another express node for the rest of the request, or (None, None): the standard lane."""
         self.num_migrations += 1
-        if self.num_migrations > self.d.cfg.max_migrations:
-            raise ApiError(503, f"request failed after {self.d.cfg.max_migrations} migrations")
+        if self.num_migrations > self.deps.cfg.max_migrations:
+            raise ApiError(503, f"request failed after {self.deps.cfg.max_migrations} migrations")
         ids = self.prompt_ids + generated
         remaining = self.max_tokens - len(generated)
-        if self.d.cfg.migrate_to == "express" and self.d.nodes.live(time.monotonic(), self.info.aliases):
+        if self.deps.cfg.migrate_to == "express" and self.deps.nodes.live(time.monotonic(), self.info.aliases):
             body = continuation_body(self.info.name, ids, 1, self._vllm_sampling())
             body["stream"] = False
             try:
                 leg, first, _ = await self._open_leg(
                     f"{self.request_id}-m{self.num_migrations}", "/v1/completions", body, len(ids),
-                    remaining, self.d.cfg.migrate_wait_ms)
-                self.d.metrics.migrations.labels("express").inc()
+                    remaining, self.deps.cfg.migrate_wait_ms)
+                self.deps.metrics.migrations.labels("express").inc()
                 return leg, first
             except (LaneFallback, ApiError, UpstreamError) as exc:
                 _log.warning("express_migration_fell_back", request_id=self.request_id, error=str(exc))
-        self.d.metrics.migrations.labels("standard").inc()
+        self.deps.metrics.migrations.labels("standard").inc()
         return None, None
 
     def _vllm_sampling(self) -> dict[str, Any]:
@@ -361,9 +361,9 @@ class ExpressStream:
         ids = self.prompt_ids + generated
         body = continuation_body(self.info.name, ids, self.max_tokens - len(generated),
                                  self._vllm_sampling())
-        url = self.d.cfg.standard_url or self.info.url
-        with self.d.tracer.start_as_current_span("router.continue_standard", context=self._ctx,
-                                                 kind=SpanKind.CLIENT):
+        url = self.deps.cfg.standard_url or self.info.url
+        with self.deps.tracer.start_as_current_span("router.continue_standard", context=self._ctx,
+                                                    kind=SpanKind.CLIENT):
             headers = inject_headers({})
-        async for batch in continue_tokens(self.d.http, url, body, headers, self.d.cfg.standard_timeout_s):
+        async for batch in continue_tokens(self.deps.http, url, body, headers, self.deps.cfg.standard_timeout_s):
             yield batch
