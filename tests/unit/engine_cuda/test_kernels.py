@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.decode.engine.cuda import gemv as G
-from services.decode.engine.cuda import moe as M
-from services.decode.engine.cuda import smallops as S
+from services.decode.engine.cuda import gemv
+from services.decode.engine.cuda import moe
+from services.decode.engine.cuda import smallops
 from services.decode.engine.cuda import reference
 from services.decode.engine.cuda.attention import DecodeAttention
 
@@ -35,8 +35,8 @@ def close(a, b, tol=1e-6):
 def test_gemv_matches_twin(norm, residual, block_n, block_k, stages):
     x, w, nw, res = rand(96), rand(40, 96, std=0.1), 1 + rand(96, std=0.1), rand(40)
     out = torch.full((40,), float("nan"), dtype=BF)
-    G.gemv(x, w, out, norm_w=nw if norm else None, eps=1e-5, residual=res.clone() if residual else None,
-           block_n=block_n, block_k=block_k, stages=stages)
+    gemv.gemv(x, w, out, norm_w=nw if norm else None, eps=1e-5, residual=res.clone() if residual else None,
+              block_n=block_n, block_k=block_k, stages=stages)
     xin = reference.rms_norm(x, nw, 1e-5) if norm else x
     ref = reference.linear(xin, w)
     close(out, res + ref if residual else ref)
@@ -47,12 +47,12 @@ def test_gemv_argmax_parts_and_greedy_finish_pick_lowest_tied_row():
     w[11] = w[37] = x * 0.5  # an exact tie for the maximum, in different blocks
     logits, nparts = torch.empty(50), 7
     vals, idx = torch.empty(nparts), torch.empty(nparts, dtype=torch.int32)
-    G.gemv(x, w, logits, block_n=8, block_k=32, argmax_parts=(vals, idx))
+    gemv.gemv(x, w, logits, block_n=8, block_k=32, argmax_parts=(vals, idx))
     assert int(torch.argmax(logits)) == 11 and logits[11] == logits[37]
     embed = rand(50, 16)
     token, out_tokens = torch.zeros(1, dtype=torch.int64), torch.zeros(4, dtype=torch.int64)
     step, pos, h = torch.tensor([2]), torch.tensor([9], dtype=torch.int32), torch.zeros(16, dtype=BF)
-    G.greedy_finish(vals, idx, nparts, token, out_tokens, step, pos, embed, h)
+    gemv.greedy_finish(vals, idx, nparts, token, out_tokens, step, pos, embed, h)
     assert int(token) == 11 and out_tokens.tolist() == [0, 0, 11, 0]
     assert int(step) == 3 and int(pos) == 10 and torch.equal(h, embed[11])
 
@@ -60,7 +60,7 @@ def test_gemv_argmax_parts_and_greedy_finish_pick_lowest_tied_row():
 def test_gemv_silu_matches_twin():
     x, w, nw = rand(64), rand(2 * 24, 64, std=0.2), 1 + rand(64, std=0.1)
     out = torch.empty(24, dtype=BF)
-    G.gemv_silu(x, w, out, norm_w=nw, eps=1e-5, block_n=8, block_k=32, stages=2)
+    gemv.gemv_silu(x, w, out, norm_w=nw, eps=1e-5, block_n=8, block_k=32, stages=2)
     close(out, reference.silu_mul(reference.linear(reference.rms_norm(x, nw, 1e-5), w)))
 
 
@@ -73,11 +73,11 @@ def test_qkv_rope_cache_write_matches_twin(fused):
     kc, vc = torch.zeros(12, hkv, d, dtype=BF), torch.zeros(12, hkv, d, dtype=BF)
     p = torch.tensor([pos], dtype=torch.int32)
     if fused:
-        G.gemv_qkv_rope(x, w, nw, 1e-5, q, kc, vc, p, cos, sin, num_q_heads=hq, num_kv_heads=hkv, head_dim=d,
-                        block_n=4, block_k=32)
+        gemv.gemv_qkv_rope(x, w, nw, 1e-5, q, kc, vc, p, cos, sin, num_q_heads=hq, num_kv_heads=hkv, head_dim=d,
+                           block_n=4, block_k=32)
     else:
         qkv = reference.linear(reference.rms_norm(x, nw, 1e-5), w)
-        S.rope_cache_write(qkv, q, kc, vc, p, cos, sin, num_q_heads=hq, num_kv_heads=hkv, head_dim=d)
+        smallops.rope_cache_write(qkv, q, kc, vc, p, cos, sin, num_q_heads=hq, num_kv_heads=hkv, head_dim=d)
     qkv = reference.linear(reference.rms_norm(x, nw, 1e-5), w).view(-1, d)
     close(q.view(hq, d), reference.rope(qkv[:hq], cos[pos], sin[pos]))
     close(kc[pos], reference.rope(qkv[hq:hq + hkv], cos[pos], sin[pos]))
@@ -88,10 +88,10 @@ def test_qkv_rope_cache_write_matches_twin(fused):
 def test_small_ops_match_twins():
     x, w = rand(3, 40), 1 + rand(40, std=0.1)
     out = torch.empty(3, 40, dtype=BF)
-    S.rmsnorm_rows(x, w, out, 1e-6)
+    smallops.rmsnorm_rows(x, w, out, 1e-6)
     close(out, reference.rms_norm(x, w, 1e-6))
     gu, act = rand(2 * 70), torch.empty(70, dtype=BF)
-    S.silu_mul(gu, act, block=32)
+    smallops.silu_mul(gu, act, block=32)
     close(act, reference.silu_mul(gu))
 
 
@@ -127,7 +127,7 @@ def test_mla_attention_latent_is_value_and_rope_part_separate(v_is_k, v_chunks):
 def test_gemv_rows_matches_twin(t, norm, residual):
     x, w, nw, res = rand(t, 48), rand(20, 48, std=0.2), 1 + rand(48, std=0.1), rand(t, 20)
     out = res.clone() if residual else torch.empty(t, 20, dtype=BF)
-    M.gemv_rows(x, w, out, norm_w=nw if norm else None, residual=out if residual else None, block_n=8, block_k=16)
+    moe.gemv_rows(x, w, out, norm_w=nw if norm else None, residual=out if residual else None, block_n=8, block_k=16)
     ref = reference.linear(reference.rms_norm(x, nw, 1e-6) if norm else x, w)
     close(out, res + ref if residual else ref)
 
@@ -136,10 +136,10 @@ def test_gemv_rows_matches_twin(t, norm, residual):
 def test_gemv_rows_reads_a_per_head_output_in_place(t):
     x, w, res = rand(3, t, 16), rand(20, 48, std=0.2), rand(t, 20)  # x: [heads, T, D] as a bmm writes it
     out = res.clone()
-    M.gemv_rows(x, w, out, residual=out, heads=True, block_n=8, block_k=16)
+    moe.gemv_rows(x, w, out, residual=out, heads=True, block_n=8, block_k=16)
     close(out, res + reference.linear(x.transpose(0, 1).reshape(t, 48), w))
     with pytest.raises(ValueError, match="norm_w"):
-        M.gemv_rows(x, w, out, norm_w=rand(48), heads=True)
+        moe.gemv_rows(x, w, out, norm_w=rand(48), heads=True)
 
 
 def test_router_and_grouped_moe_read_each_expert_once_and_match_twin():
@@ -147,17 +147,17 @@ def test_router_and_grouped_moe_read_each_expert_once_and_match_twin():
     xn, router_w, bias = rand(t, h), rand(e, h, std=0.3), torch.zeros(e)
     bias[5] = 10.0  # every token picks expert 5: three pairs name it, one program computes it
     ids, wts = torch.zeros(t, k, dtype=torch.int32), torch.zeros(t, k)
-    M.router(xn, router_w, bias, ids, wts, k, 2.5)
+    moe.router(xn, router_w, bias, ids, wts, k, 2.5)
     rid, rw = reference.router(xn, router_w, bias, k, 2.5)
     assert torch.equal(ids.long(), rid) and (ids[:, 0] == 5).all()
     close(wts, rw)
     gate_up, down = rand(e, 2 * inter, h, std=0.2), rand(e, h, inter, std=0.2)
     sg, sd = rand(shared, 2 * inter, h, std=0.2), rand(shared, h, inter, std=0.2)
     hbuf = rand(t, h, seed=9)
-    moe = M.GroupedMoe(num_tokens=t, top_k=k, num_shared=shared, hidden=h, inter=inter, device="cpu",
-                       tiles=((8, 16, 4, 1), (8, 16, 4, 1)))
+    grouped = moe.GroupedMoe(num_tokens=t, top_k=k, num_shared=shared, hidden=h, inter=inter, device="cpu",
+                             tiles=((8, 16, 4, 1), (8, 16, 4, 1)))
     before = hbuf.clone()
-    moe(xn, ids, wts, gate_up, down, sg, sd, hbuf)
+    grouped(xn, ids, wts, gate_up, down, sg, sd, hbuf)
     full_sg = torch.cat([sg[:, :inter].reshape(-1, h), sg[:, inter:].reshape(-1, h)])
     full_sd = torch.cat(list(sd), dim=1)
     ref = reference.moe(xn, rid, rw, gate_up, down, full_sg, full_sd)

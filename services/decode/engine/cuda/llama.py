@@ -25,8 +25,8 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from . import gemv as G
-from . import smallops as S
+from . import gemv
+from . import smallops
 from . import reference
 from .attention import DecodeAttention
 
@@ -143,28 +143,28 @@ class GqaDecoder:
         hq, hkv, d = m.num_q_heads, m.num_kv_heads, m.head_dim
         kc, vc = self.k_caches[i], self.v_caches[i]
         if self._cublas("qkv"):
-            S.rmsnorm(self.h, lw.attn_norm, self.xn, eps)
+            smallops.rmsnorm(self.h, lw.attn_norm, self.xn, eps)
             qkv = self._linear_into(self.xn, lw.wqkv, self.tmp[: lw.wqkv.shape[0]])
-            S.rope_cache_write(qkv, self.q, kc, vc, self.pos, self.cos, self.sin,
-                               num_q_heads=hq, num_kv_heads=hkv, head_dim=d)
+            smallops.rope_cache_write(qkv, self.q, kc, vc, self.pos, self.cos, self.sin,
+                                      num_q_heads=hq, num_kv_heads=hkv, head_dim=d)
         else:
-            G.gemv_qkv_rope(self.h, lw.wqkv, lw.attn_norm, eps, self.q, kc, vc, self.pos, self.cos, self.sin,
-                            num_q_heads=hq, num_kv_heads=hkv, head_dim=d, **self.tile_kwargs("qkv"))
+            gemv.gemv_qkv_rope(self.h, lw.wqkv, lw.attn_norm, eps, self.q, kc, vc, self.pos, self.cos, self.sin,
+                               num_q_heads=hq, num_kv_heads=hkv, head_dim=d, **self.tile_kwargs("qkv"))
         self.attn(self.q, kc, vc, self.pos, self.attn_out, stride_kt=hkv * d, stride_vt=hkv * d)
         if self._cublas("o"):
             self.h.add_(self._linear_into(self.attn_out, lw.wo, self.tmp[: m.hidden]))
         else:
-            G.gemv(self.attn_out, lw.wo, self.h, residual=self.h, **self.tile_kwargs("o"))
+            gemv.gemv(self.attn_out, lw.wo, self.h, residual=self.h, **self.tile_kwargs("o"))
         if self._cublas("gate_up"):
-            S.rmsnorm(self.h, lw.mlp_norm, self.xn, eps)
+            smallops.rmsnorm(self.h, lw.mlp_norm, self.xn, eps)
             gu = self._linear_into(self.xn, lw.w_gate_up, self.tmp[: lw.w_gate_up.shape[0]])
-            S.silu_mul(gu, self.act)
+            smallops.silu_mul(gu, self.act)
         else:
-            G.gemv_silu(self.h, lw.w_gate_up, self.act, norm_w=lw.mlp_norm, eps=eps, **self.tile_kwargs("gate_up"))
+            gemv.gemv_silu(self.h, lw.w_gate_up, self.act, norm_w=lw.mlp_norm, eps=eps, **self.tile_kwargs("gate_up"))
         if self._cublas("down"):
             self.h.add_(self._linear_into(self.act, lw.w_down, self.tmp[: m.hidden]))
         else:
-            G.gemv(self.act, lw.w_down, self.h, residual=self.h, **self.tile_kwargs("down"))
+            gemv.gemv(self.act, lw.w_down, self.h, residual=self.h, **self.tile_kwargs("down"))
 
     def step(self) -> None:
         """One decode step from h = embed[token] at pos: logits, next token, its embedding into h, pos += 1."""
@@ -172,7 +172,7 @@ class GqaDecoder:
         for i in range(len(m.layers)):
             self.layer(i)
         if self._cublas("lm_head"):
-            S.rmsnorm(self.h, m.final_norm, self.xn, m.eps)
+            smallops.rmsnorm(self.h, m.final_norm, self.xn, m.eps)
             # bf16 x bf16 -> bf16 on cuBLAS, widened: logits rounded to bf16 (more argmax ties)
             self.logits.copy_(torch.matmul(self.xn.view(1, -1), m.lm_head.t()).view(-1))
             self.token.copy_(torch.argmax(self.logits, dim=0, keepdim=True))
@@ -181,10 +181,10 @@ class GqaDecoder:
             self.pos.add_(1)
             torch.index_select(m.embed, 0, self.token, out=self.h.view(1, -1))
         else:
-            G.gemv(self.h, m.lm_head, self.logits, norm_w=m.final_norm, eps=m.eps, **self.tile_kwargs("lm_head"),
-                   argmax_parts=(self.amax_val, self.amax_idx))
-            G.greedy_finish(self.amax_val, self.amax_idx, self.num_parts, self.token, self.out_tokens,
-                            self.step_idx, self.pos, m.embed, self.h, pdl=self.opt.pdl)
+            gemv.gemv(self.h, m.lm_head, self.logits, norm_w=m.final_norm, eps=m.eps, **self.tile_kwargs("lm_head"),
+                      argmax_parts=(self.amax_val, self.amax_idx))
+            gemv.greedy_finish(self.amax_val, self.amax_idx, self.num_parts, self.token, self.out_tokens,
+                               self.step_idx, self.pos, m.embed, self.h, pdl=self.opt.pdl)
 
 
 def reference_layer(model: GqaModel, i: int, h: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import smallops as S
+from . import smallops
 from .attention import DecodeAttention
 from .kernel_helpers import rnd_bf16, round_to_dtype
 from .moe import GroupedMoe, gemv_rows, router
@@ -165,7 +165,7 @@ class MlaStack:
         if t == 1:
             gemv_rows(h, lw.wqkv_a, self.qkv, norm_w=lw.attn_norm, eps=d.eps)
         else:  # the norm first: a norm prologue in each of the GEMV's programs loops over 16 padded rows
-            S.rmsnorm_rows(h, lw.attn_norm, self.xn, d.eps)
+            smallops.rmsnorm_rows(h, lw.attn_norm, self.xn, d.eps)
             gemv_rows(self.xn, lw.wqkv_a, self.qkv, dot=self.PROJ_DOT, dot_tile=self.DOT_TILE)
         _mla_prep_kernel[(t, d.num_heads + 1)](self.qkv, self.q_pe, cache, lw.kv_a_norm, pos, cos, sin,
                                                self.qkv.stride(0), d.eps, NUM_HEADS=d.num_heads, NOPE=nope,
@@ -179,7 +179,7 @@ class MlaStack:
             gemv_rows(o.view(1, -1), lw.wo, h, residual=h)
         else:  # [Hq, T, v] read in place (its [T, Hq * v] transpose would be one more copy kernel)
             gemv_rows(o, lw.wo, h, residual=h, dot=self.PROJ_DOT, dot_tile=self.DOT_TILE, heads=True)
-        S.rmsnorm_rows(h, lw.mlp_norm, self.xn, d.eps)
+        smallops.rmsnorm_rows(h, lw.mlp_norm, self.xn, d.eps)
         if lw.is_moe:
             router(self.xn, lw.router, lw.router_bias, self.ids, self.wts, d.top_k, d.routed_scale, self.router_logits)
             self.moe(self.xn, self.ids, self.wts, lw.gate_up, lw.down, lw.shared_gate_up, lw.shared_down, h)

@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import smallops as S
+from . import smallops
 from . import reference
 from .gemv import gemv
 from .kernel_helpers import round_to_dtype
@@ -150,7 +150,7 @@ class MlaDecoder:
         torch.index_select(m.embed, 0, self.tokens[:t], out=h)
         for i, lw in enumerate(m.layers):
             self.stacks[t].block(lw, h, self.caches[i], self.pos, self.cos, self.sin)
-        S.rmsnorm_rows(h, m.final_norm, self.hid[t], m.dims.eps)
+        smallops.rmsnorm_rows(h, m.final_norm, self.hid[t], m.dims.eps)
         if t == 1:  # with each block's maximum, for _pick_kernel
             self._head(self.hid[1][0], m.lm_head, self.logits[1][0], self.parts_main)
         else:
@@ -175,7 +175,7 @@ class MlaDecoder:
         gemv_rows(self.mtp_cat, mt.eh_proj, self.mtp_x)
         self.stacks[1].block(mt.layer, self.mtp_x, self.caches[len(self.m.layers)], self.pos_draft[j],
                              self.cos, self.sin)
-        S.rmsnorm_rows(self.mtp_x, mt.head_norm, self.g, eps)
+        smallops.rmsnorm_rows(self.mtp_x, mt.head_norm, self.g, eps)
         self._head(self.g[0], self.draft_head, self.mtp_logits[0], self.parts_draft)
         self._pick(self.parts_draft, self.tokens[j + 1:j + 2], emit=False)
 
