@@ -254,8 +254,7 @@ def _load(config: DecodeConfig):
 
 
 async def _run(config: DecodeConfig) -> int:
-    # fail fast, before loading
-    bus = await Bus.connect(config.nats_url, name=f"decode-{config.node_id}", auth=config.bus_auth)
+    bus = await Bus.connect(config.nats_url, name=f"decode-{config.node_id}")  # fail fast, before loading
     engine, receiver = await asyncio.to_thread(_load, config)
     try:
         node = DecodeNode(engine, receiver, bus, config)
