@@ -27,7 +27,7 @@ import time
 import msgspec
 
 from shared import events, subjects
-from shared.config import add_common_args, parse_args, positive_float, positive_int
+from shared.config import add_common_args, bus_auth, parse_args, positive_float, positive_int
 
 MAX_VALUE_CHARS = 160
 
@@ -114,8 +114,8 @@ async def watch(args: argparse.Namespace) -> int:
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, stop.set)
     try:
-        bus = await Bus.connect(args.nats_url, name="expresslane-events")
-    except BusUnavailable as exc:
+        bus = await Bus.connect(args.nats_url, name="expresslane-events", auth=bus_auth(args))
+    except (BusUnavailable, ValueError) as exc:
         print(f"expresslane events: {exc}", file=sys.stderr)
         return 1
     render = format_json if args.json else format_line

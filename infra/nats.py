@@ -16,6 +16,10 @@ restart keeps the ports it got the first time. Loopback by default. ``stop_with_
 log goes to ``log_path`` (default ``store_dir/nats-server.log``). Every server still running when
 the interpreter exits is stopped.
 
+``tls=ServerTls(cert, key, ca="", verify=False)`` makes clients speak TLS (nats-server's
+``--tls*`` flags: file paths only); with ``verify`` a client must also present a certificate signed by
+``ca``. Passwords stay out of the command line: the secure config reads them from ``env``.
+
 ``expresslane nats`` runs one in the foreground until Ctrl-C or SIGTERM.
 """
 
@@ -34,6 +38,7 @@ import time
 import urllib.error
 import urllib.request
 import weakref
+from dataclasses import dataclass
 from pathlib import Path
 
 NATS_DIR = Path(__file__).resolve().parent / "nats"
@@ -48,6 +53,21 @@ def stopping_with_parent(cmd: list[str]) -> list[str]:
     ``setpriv --pdeathsig``; unchanged where setpriv is missing)."""
     setpriv = shutil.which("setpriv")
     return [setpriv, "--pdeathsig", "TERM", "--", *cmd] if setpriv else cmd
+
+
+@dataclass(frozen=True)
+class ServerTls:
+    """The server's TLS files; ``verify``: clients must present a certificate signed by ``ca``."""
+
+    cert: str
+    key: str
+    ca: str = ""
+    verify: bool = False
+
+    def flags(self) -> list[str]:
+        out = ["--tls", "--tlscert", self.cert, "--tlskey", self.key]
+        out += ["--tlscacert", self.ca] if self.ca else []
+        return out + (["--tlsverify"] if self.verify else [])
 
 
 class NatsServerError(RuntimeError):
@@ -87,6 +107,7 @@ class NatsServer:
         binary: str | None = None,
         env: dict[str, str] | None = None,
         stop_with_parent: bool = False,
+        tls: ServerTls | None = None,
     ) -> None:
         self.store_dir = Path(store_dir)
         self.host = host
@@ -97,6 +118,7 @@ class NatsServer:
         self.binary = binary
         self.env = env
         self.stop_with_parent = stop_with_parent
+        self.tls = tls
         self._proc: subprocess.Popen | None = None
 
     # ------------------------------------------------------------------ addresses
@@ -133,6 +155,7 @@ class NatsServer:
         cmd += ["-js", "-sd", str(self.store_dir), "-a", self.host]
         cmd += ["-p", str(self.port or -1), "-m", str(self.monitor_port or -1)]
         cmd += ["--ports_file_dir", str(self._ports_dir())]
+        cmd += self.tls.flags() if self.tls else []
         return stopping_with_parent(cmd) if self.stop_with_parent else cmd
 
     def _ports_dir(self) -> Path:

@@ -1,9 +1,11 @@
 """The bus: typed publish/subscribe/request over NATS, with trace context in the headers.
 
 Contract:
-    bus = await Bus.connect(url, name="router", user=None, password=None, connect_timeout_s=2.0)
+    bus = await Bus.connect(url, name="router", user=None, password=None, connect_timeout_s=2.0,
+                            auth=BusAuth())
         # BusUnavailable when nats-server cannot be reached at first connect (BusAuthError when it
-        # refuses the credentials); after that the client reconnects forever by itself and
+        # refuses the credentials, BusTlsError when the TLS handshake fails or a TLS client meets
+        # a server without TLS); after that the client reconnects forever by itself and
         # publishes made while disconnected are buffered (nats-py pending buffer).
     await bus.publish(subject, event)              # JSON (shared.events.encode) + traceparent header
     sub = await bus.subscribe(subject, handler, kind, queue="")
@@ -21,12 +23,16 @@ Contract:
         # error callbacks see asynchronous server errors, e.g. "Permissions Violation for Publish".
     await bus.close()
 
-Credentials may also ride in the URL (nats://user:password@host:port); they are never logged.
+Credentials and TLS material come from files named by ``auth`` (shared.bus_auth: --nats-user with
+--nats-password-file, --nats-creds-file, --nats-tls-ca/-cert/-key); with TLS configured, a password
+is sent only over TLS. Credentials may also ride in the URL (nats://user:password@host:port, from
+EXPRESSLANE_NATS_URL rather than a flag, which `ps` shows); they are never logged.
 """
 
 from __future__ import annotations
 
 import asyncio
+import ssl
 import urllib.parse
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -42,6 +48,7 @@ from nats.js.kv import KeyValue
 from opentelemetry import context as otel_context
 
 from shared import events
+from shared.bus_auth import BusAuth
 from shared.log import get_logger
 from shared.tracing import extract_context, inject_headers
 
@@ -64,6 +71,10 @@ class BusUnavailable(BusError):
 
 class BusAuthError(BusUnavailable):
     """nats-server refused this client's credentials."""
+
+
+class BusTlsError(BusUnavailable):
+    """The TLS handshake with nats-server failed, or a TLS client met a server without TLS."""
 
 
 class BusTimeout(BusError, TimeoutError):
@@ -111,11 +122,19 @@ class Bus:
         user: str | None = None,
         password: str | None = None,
         connect_timeout_s: float = 2.0,
+        auth: BusAuth | None = None,
     ) -> Bus:
         """Connect to nats-server at ``url`` (see the module docstring)."""
         bus: Bus | None = None
         first_errors: list[Exception] = []
         nc = nats.NATS()
+        auth = auth or BusAuth()
+        try:
+            creds = {"user": user, "password": password, **auth.connect_kwargs()}
+        except (OSError, ssl.SSLError) as exc:
+            raise BusAuthError(f"cannot read the NATS credentials or TLS files: {exc}") from exc
+        if auth.is_tls and creds["password"] is not None:
+            creds["password"] = _only_over_tls(nc, creds["password"])
 
         async def on_error(exc: Exception) -> None:
             if bus is None:
@@ -136,7 +155,7 @@ class Bus:
             # Two attempts per server at first; once connected, reconnect forever.
             await asyncio.wait_for(
                 nc.connect(
-                    servers=servers, name=name, user=user, password=password,
+                    servers=servers, name=name, **creds,
                     connect_timeout=connect_timeout_s, allow_reconnect=True,
                     max_reconnect_attempts=1, reconnect_time_wait=RECONNECT_WAIT_S,
                     error_cb=on_error, disconnected_cb=on_disconnected,
@@ -146,13 +165,24 @@ class Bus:
             )
         except (nats.errors.Error, OSError, asyncio.TimeoutError) as exc:
             await _close_quietly(nc)
+            seen = [exc, *first_errors]
             if any(isinstance(e, nats.errors.AuthorizationError)
-                   or "authorization" in str(e).lower() for e in [exc, *first_errors]):
-                who = user or urllib.parse.urlsplit(servers[0]).username or "an anonymous client"
+                   or "authorization" in str(e).lower() for e in seen):
+                who = (auth.who or user or urllib.parse.urlsplit(servers[0]).username
+                       or "an anonymous client")
+                hint = ("check --nats-user and --nats-password-file" if auth.user else
+                        "check --nats-creds-file" if auth.creds_file else
+                        "check the user and password in EXPRESSLANE_NATS_URL")
                 raise BusAuthError(
-                    f"nats-server at {redact_url(url)} refused the credentials of {who}: "
-                    "check the user and password in EXPRESSLANE_NATS_URL"
+                    f"nats-server at {redact_url(url)} refused the credentials of {who}: {hint}"
                 ) from exc
+            tls_failure = next((e for e in seen if isinstance(e, (ssl.SSLError, BusTlsError))), None)
+            if tls_failure is not None:
+                raise BusTlsError(
+                    f"TLS with nats-server at {redact_url(url)} failed ({tls_failure}): check "
+                    "--nats-tls-ca (the CA that signed the server's certificate) and the server's "
+                    "TLS settings"
+                ) from tls_failure
             raise BusUnavailable(
                 f"nats-server at {redact_url(url)} is not reachable: start it with "
                 "`expresslane nats` or set EXPRESSLANE_NATS_URL"
@@ -278,6 +308,18 @@ class Bus:
                 )
             except nats.js.errors.BadRequestError:
                 return await self._js.key_value(bucket)  # created meanwhile by another client
+
+
+def _only_over_tls(nc: nats.NATS, password: str) -> Callable[[], str]:
+    """The password as nats-py's lazy value: refused when the server did not ask for TLS (a
+    client configured for TLS never sends its password in the clear)."""
+
+    def value() -> str:
+        if not nc._server_info.get("tls_required"):
+            raise BusTlsError("the server does not use TLS; the password was not sent")
+        return password
+
+    return value
 
 
 def _trace_headers() -> dict[str, str] | None:

@@ -2,15 +2,17 @@
 
 Contract:
     parser = argparse.ArgumentParser(prog="expresslane router")
-    add_common_args(parser)      # --nats-url, --log-level, --log-format
+    add_common_args(parser)      # --nats-url, the --nats-* credential and TLS files, --log-*
     parser.add_argument("--max-queue", type=positive_int, default=64)
     args = parse_args(parser, argv, env=os.environ)
+    auth = bus_auth(args)        # shared.bus_auth.BusAuth, validated (ValueError names the flag)
 
 Every long flag ``--foo-bar`` also reads ``EXPRESSLANE_FOO_BAR``; a flag on the command line wins
 over the variable, the variable over the default. Values from the environment go through the
 flag's ``type`` and ``choices`` like typed ones; a bad value exits with status 2 and a message
 naming both the flag and the variable. Boolean flags (store_true/store_false) read 1/true/yes/on
-and 0/false/no/off; list flags (nargs / append) read comma-separated values.
+and 0/false/no/off; list flags (nargs / append) read comma-separated values. A password in a
+--nats-url given on the command line (which `ps` shows) draws a warning on stderr.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ import re
 import sys
 import urllib.parse
 from collections.abc import Mapping, Sequence
+
+from shared.bus_auth import BusAuth
 
 ENV_PREFIX = "EXPRESSLANE_"
 DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
@@ -92,8 +96,23 @@ def add_common_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the flags every service has: --nats-url, --log-level, --log-format."""
     group = parser.add_argument_group("common")
     group.add_argument("--nats-url", type=nats_url, default=DEFAULT_NATS_URL,
-                       help="NATS server(s), comma-separated; credentials may ride in the URL "
-                       f"(nats://user:password@host:4222) (default {DEFAULT_NATS_URL})")
+                       help="NATS server(s), comma-separated (default "
+                       f"{DEFAULT_NATS_URL}). A password in the URL (nats://user:password@host:4222) "
+                       "is visible to every local user in `ps` when given as a flag: set it in "
+                       f"{env_var('--nats-url')} instead, or use --nats-user with "
+                       "--nats-password-file")
+    group.add_argument("--nats-user", default="", help="NATS user (with --nats-password-file)")
+    group.add_argument("--nats-password-file", default="",
+                       help="file holding the NATS user's password")
+    group.add_argument("--nats-creds-file", default="",
+                       help="NATS .creds file (user JWT + nkey seed) or nkey seed file")
+    group.add_argument("--nats-tls-ca", default="",
+                       help="CA certificate(s) that signed nats-server's certificate: connect with "
+                       "TLS and verify the server")
+    group.add_argument("--nats-tls-cert", default="",
+                       help="client certificate, for a server that verifies clients (with "
+                       "--nats-tls-key)")
+    group.add_argument("--nats-tls-key", default="", help="the client certificate's private key")
     group.add_argument("--log-level", type=str.upper, choices=LOG_LEVELS, default="INFO",
                        help="log level (default INFO)")
     group.add_argument("--log-format", choices=("json", "console"), default="json",
@@ -126,10 +145,28 @@ def parse_args(
             action.required = False
             relaxed.append(action)
     try:
-        return parser.parse_args(args, namespace=from_env)
+        parsed = parser.parse_args(args, namespace=from_env)
     finally:
         for action in relaxed:
             action.required = True
+    url_flags = [a for a in parser._actions if "--nats-url" in a.option_strings]
+    if url_flags and _given(url_flags[0], args) and _has_password(getattr(parsed, "nats_url", "")):
+        print(f"{parser.prog}: warning: --nats-url carries a password, which other local users can "
+              f"read in `ps`; set {env_var('--nats-url')} or use --nats-password-file instead",
+              file=sys.stderr)
+    return parsed
+
+
+def bus_auth(args: argparse.Namespace) -> BusAuth:
+    """The --nats-* credential and TLS files of ``args``, checked; ValueError names the flag."""
+    return BusAuth(
+        user=args.nats_user, password_file=args.nats_password_file, creds_file=args.nats_creds_file,
+        tls_ca=args.nats_tls_ca, tls_cert=args.nats_tls_cert, tls_key=args.nats_tls_key,
+    ).validate()
+
+
+def _has_password(url: str) -> bool:
+    return any(urllib.parse.urlsplit(u.strip()).password for u in url.split(",") if u.strip())
 
 
 def _given(action: argparse.Action, args: list[str]) -> bool:

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field, fields
 from services.coordinator.model import CoordinatorConfig
 from shared import config as shared_config
 from shared import subjects
+from shared.bus_auth import BusAuth
 
 INBOX_STREAM = "XL_COORD_INBOX"
 _JETSTREAM_NAME = re.compile(r"^[A-Za-z0-9_-]+$")  # no spaces, dots or wildcards
@@ -43,6 +44,7 @@ class CoordinatorServiceConfig:
     """Everything ``expresslane coordinator`` runs with."""
 
     nats_url: str = shared_config.DEFAULT_NATS_URL
+    bus_auth: BusAuth = field(default_factory=BusAuth)  # NATS credential and TLS files
     http_host: str = "127.0.0.1"  # /health and /metrics
     http_port: int = 9102  # 0: any free port
     kv_bucket: str = subjects.COORD_KV_BUCKET  # JetStream KV bucket of the state
@@ -104,6 +106,7 @@ def from_args(args: argparse.Namespace) -> CoordinatorServiceConfig:
     core = CoordinatorConfig(**{f.name: getattr(args, f.name) for f in fields(CoordinatorConfig)})
     return CoordinatorServiceConfig(
         nats_url=args.nats_url,
+        bus_auth=shared_config.bus_auth(args),
         http_host=args.http_host,
         http_port=args.http_port,
         kv_bucket=args.kv_bucket,

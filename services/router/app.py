@@ -8,7 +8,10 @@ Contract:
 - Express lane: services.router.express, detokenized here with the model's tokenizer and the
   request's stop strings. Standard lane: forwarded to the native pool or the prefill vLLM.
 - ``GET /v1/models`` (models of the configured vLLM servers), ``GET /health`` (200 once every
-  vLLM server answered; lists the express capacity per model), ``GET /metrics`` (Prometheus).
+  vLLM server answered; lists the express capacity per model), ``GET /metrics`` (Prometheus;
+  with ``metrics_require_api_key``, only for a Bearer key of ``api_keys``).
+- Every error is an OpenAI error body, including unknown routes (404), wrong methods (405, with
+  ``Allow``), framework validation (400) and bugs (500).
 - One span per request (``router.request``, parent: the client's ``traceparent`` if any) with child
   spans per hop (claim, prefill, decode); logs carry request_id and trace_id.
 """
@@ -25,13 +28,15 @@ from typing import Any
 import httpx
 import structlog
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from services.router import backend, standard
 from services.router.config import RouterConfig
-from services.router.errors import ApiError
+from services.router.errors import ApiError, http_error, invalid_fields
 from services.router.dispatch import Dispatcher
 from services.router.express import ExpressDeps, ExpressStream, LaneFallback
 from services.router.metrics import RouterMetrics
@@ -89,7 +94,7 @@ class Router:
     async def _connect_bus(self) -> None:
         while True:
             try:
-                bus = await Bus.connect(self.cfg.nats_url, name="router")
+                bus = await Bus.connect(self.cfg.nats_url, name="router", auth=self.cfg.bus_auth)
                 break
             except BusUnavailable as exc:
                 _log.warning("bus_unavailable_retrying", error=str(exc))
@@ -267,10 +272,39 @@ def create_app(cfg: RouterConfig) -> FastAPI:
         return JSONResponse(body, status_code=200 if router.is_ready else 503)
 
     @app.get("/metrics")
-    async def metrics() -> Response:
+    async def metrics(request: Request) -> Response:
+        if cfg.metrics_require_api_key:
+            try:
+                router._tenant(request)
+            except ApiError as exc:
+                return JSONResponse(exc.body(), status_code=exc.status)
         return Response(router.metrics.render(), media_type="text/plain; version=0.0.4")
 
+    _add_error_handlers(app)
     return app
+
+
+def _error_response(err: ApiError) -> JSONResponse:
+    return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    """OpenAI error bodies for what no handler answers: FastAPI's own {"detail": ...} never shows."""
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        allow = (exc.headers or {}).get("Allow", "")
+        return _error_response(http_error(exc.status_code, request.method, request.url.path, allow))
+
+    @app.exception_handler(RequestValidationError)
+    async def on_invalid(request: Request, exc: RequestValidationError) -> Response:
+        return _error_response(invalid_fields(list(exc.errors())))
+
+    @app.exception_handler(Exception)
+    async def on_bug(request: Request, exc: Exception) -> Response:
+        _log.exception("unhandled_error", path=request.url.path)
+        return _error_response(ApiError(500, f"internal error in the router: {type(exc).__name__}",
+                                        code="internal_error"))
 
 
 def main(argv: list[str]) -> int:

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from services.router.policy import PolicyConfig, parse_lane_table
 from shared import config as shared_config
+from shared.bus_auth import BusAuth
 
 
 @dataclass(frozen=True)
@@ -19,9 +20,11 @@ class RouterConfig:
     standard_url: str = ""  # an OpenAI endpoint for the standard lane; "" -> see below
     native_decode_urls: tuple[str, ...] = ()  # vLLM decode pool (NixlConnector): proxy protocol
     nats_url: str = "nats://127.0.0.1:4222"
+    bus_auth: BusAuth = field(default_factory=BusAuth)  # NATS credential and TLS files
     host: str = "127.0.0.1"
     port: int = 8000
     api_keys: dict[str, str] = field(default_factory=dict)  # key -> tenant; empty: no auth
+    metrics_require_api_key: bool = False  # /metrics answers only with one of api_keys
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     tokenizers: dict[str, str] = field(default_factory=dict)  # model -> tokenizer path override
     claim_wait_ms: int = 2000
@@ -64,6 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default=d.host, help="listen address")
     p.add_argument("--port", type=int, default=d.port, help="listen port")
     p.add_argument("--api-keys", default="", help="KEY=TENANT,... ; empty: no authentication")
+    p.add_argument("--metrics-require-api-key", action="store_true",
+                   help="/metrics also needs 'Authorization: Bearer KEY' with one of --api-keys")
     p.add_argument("--default-lane", default="express", choices=["express", "standard"])
     p.add_argument("--tenant-lanes", default="", help="TENANT=express|standard,...")
     p.add_argument("--model-lanes", default="", help="MODEL=express|standard,...")
@@ -96,6 +101,10 @@ def from_args(args: argparse.Namespace) -> RouterConfig:
     urls = tuple(u.strip().rstrip("/") for u in args.prefill_url.split(",") if u.strip())
     if not urls:
         raise ValueError("--prefill-url: at least one vLLM URL is needed")
+    api_keys = _pairs(args.api_keys, "api-keys")
+    if args.metrics_require_api_key and not api_keys:
+        raise ValueError("--metrics-require-api-key needs --api-keys (the keys that may read "
+                         "/metrics)")
     for name in ("claim_wait_ms", "max_migrations"):
         if getattr(args, name) < 0:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 0")
@@ -105,9 +114,11 @@ def from_args(args: argparse.Namespace) -> RouterConfig:
         native_decode_urls=tuple(u.strip().rstrip("/") for u in args.native_decode_url.split(",")
                                  if u.strip()),
         nats_url=args.nats_url,
+        bus_auth=shared_config.bus_auth(args),
         host=args.host,
         port=args.port,
-        api_keys=_pairs(args.api_keys, "api-keys"),
+        api_keys=api_keys,
+        metrics_require_api_key=args.metrics_require_api_key,
         policy=policy,
         tokenizers=_pairs(args.tokenizers, "tokenizers"),
         claim_wait_ms=args.claim_wait_ms,

@@ -300,3 +300,94 @@ async def test_api_keys(nats_url):
         assert r.status_code == 404  # authenticated; no model discovered in this app
         assert (await client.get("/v1/models", headers={"authorization": "Bearer k1"})).status_code == 200
     await app.state.router.http.aclose()
+
+
+ERROR_FIELDS = {"message", "type", "param", "code"}
+
+
+@pytest.mark.parametrize("method,path,status,allow", [
+    ("GET", "/v1/nope", 404, None), ("POST", "/", 404, None), ("GET", "/v1/chat/completions", 405, "POST"),
+    ("PUT", "/v1/completions", 405, "POST"), ("DELETE", "/metrics", 405, "GET"),
+    ("POST", "/v1/models", 405, "GET"),
+])
+async def test_unknown_routes_and_wrong_methods_answer_openai_errors(nats_url, method, path, status, allow):
+    app = create_app(RouterConfig(prefill_urls=("http://vllm",), nats_url=nats_url))
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://router") as client:
+        r = await client.request(method, path, json={})
+    await app.state.router.http.aclose()
+    assert r.status_code == status
+    error = r.json()["error"]
+    assert set(error) == ERROR_FIELDS and error["type"] == "invalid_request_error"
+    assert error["code"] == {404: "unknown_url", 405: "method_not_allowed"}[status]
+    assert path in error["message"] and "detail" not in r.json()
+    assert r.headers.get("allow") == allow
+
+
+async def test_metrics_can_require_an_api_key(nats_url):
+    cfg = RouterConfig(prefill_urls=("http://vllm",), nats_url=nats_url, api_keys={"k1": "tenant-a"},
+                       metrics_require_api_key=True)
+    app = create_app(cfg)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://router") as client:
+        for headers in ({}, {"authorization": "Bearer nope"}):
+            r = await client.get("/metrics", headers=headers)
+            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+            assert "expresslane_" not in r.text
+        r = await client.get("/metrics", headers={"authorization": "Bearer k1"})
+        assert r.status_code == 200 and "expresslane_" in r.text
+        assert (await client.get("/health")).status_code == 503  # health stays open to probes
+    await app.state.router.http.aclose()
+    # without the flag, /metrics stays open even when the API needs keys
+    app = create_app(RouterConfig(prefill_urls=("http://vllm",), nats_url=nats_url, api_keys={"k1": "a"}))
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://router") as client:
+        assert (await client.get("/metrics")).status_code == 200
+    await app.state.router.http.aclose()
+
+
+def _malformed(i: int) -> tuple[str, str, bytes, int, str | None]:
+    """The i-th of several kinds of bad request: method, path, body, status, error code."""
+    chat = "/v1/chat/completions"
+    kinds = [
+        ("POST", chat, b'{"model": "tiny", "messages": [', 400, "invalid_json"),
+        ("POST", chat, json.dumps(_chat(max_tokens="ten")).encode(), 400, None),
+        ("POST", chat, json.dumps({"model": MODEL, "messages": "hi"}).encode(), 400, None),
+        ("POST", "/v1/completions", json.dumps({"model": 5, "prompt": "x"}).encode(), 400, None),
+        ("POST", chat, json.dumps(_chat(model=f"nope-{i}")).encode(), 404, "model_not_found"),
+        ("POST", chat, json.dumps(_chat(max_tokens=10**9)).encode(), 400, "context_length_exceeded"),
+        ("POST", f"/v1/nope/{i}", b"{}", 404, "unknown_url"),
+        ("GET", chat, b"", 405, "method_not_allowed"),
+        ("POST", chat, b"\xff\xfe\x00", 400, "invalid_json"),
+        ("POST", chat, b"[]", 400, None),
+    ]
+    return kinds[i % len(kinds)]
+
+
+async def test_burst_of_malformed_requests_gets_clean_4xx_and_leaks_nothing(harness):
+    world, client, router, _ = harness
+    cases = [_malformed(i) for i in range(200)]
+
+    async def send(method, path, body, status, code):
+        r = await client.request(method, path, content=body, headers={"content-type": "application/json"})
+        return r, status, code
+
+    results = await asyncio.gather(*(send(*case) for case in cases))
+    for (r, status, code), case in zip(results, cases):
+        assert r.status_code == status, (case, r.text)
+        body = r.json()
+        assert set(body) == {"error"} and set(body["error"]) == ERROR_FIELDS, case
+        assert body["error"]["code"] == code, case
+    # nothing leaked: no claim reached the coordinator, no leg is registered, and it still serves
+    assert world.claims == [] and world.starts == []
+    assert router.dispatcher.num_open == 0
+    r = await client.post("/v1/chat/completions", json=_chat(max_tokens=3))
+    assert r.status_code == 200 and r.headers["x-expresslane-lane"] == "express"
+    assert len(world.claims) == 1
+
+
+def test_metrics_key_flag_needs_api_keys():
+    from services.router.config import build_parser, from_args
+
+    args = build_parser().parse_args(["--metrics-require-api-key"])
+    with pytest.raises(ValueError, match="--metrics-require-api-key needs --api-keys"):
+        from_args(args)
+    cfg = from_args(build_parser().parse_args(["--metrics-require-api-key", "--api-keys", "k=t"]))
+    assert cfg.metrics_require_api_key and cfg.api_keys == {"k": "t"}

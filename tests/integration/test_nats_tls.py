@@ -1,0 +1,163 @@
+"""The secure bus on a real nats-server: TLS with a generated CA, one user per service whose
+password comes from a file (infra/nats_secrets.py, infra/nats/nats.conf). The right files connect
+and speak their subjects; a wrong password, a client that does not trust the CA, a plaintext
+client and (with client verification) a client without a certificate are all refused."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from infra.nats import SECURE_CONFIG, ServerTls
+from infra.nats_secrets import USERS, make_client_cert, make_secrets
+from shared import events as ev
+from shared import subjects
+from shared.bus import Bus, BusAuthError, BusTlsError
+from shared.bus_auth import BusAuth
+
+WAIT_S = 5.0
+RID = "r1"
+
+
+def auth_for(secrets, user: str, **overrides) -> BusAuth:
+    fields = {"user": user, "password_file": str(secrets.password_file(user)),
+              "tls_ca": str(secrets.ca), **overrides}
+    return BusAuth(**fields).validate()
+
+
+@pytest.fixture
+def secrets(tmp_path):
+    return make_secrets(tmp_path / "secrets")
+
+
+@pytest.fixture
+def tls_server(make_nats_server, secrets):
+    tls = ServerTls(cert=str(secrets.server_cert), key=str(secrets.server_key))
+    return make_nats_server(config_file=SECURE_CONFIG, env=secrets.server_env(), tls=tls)
+
+
+async def test_secrets_are_files_readable_only_by_their_owner(secrets):
+    for user in USERS:
+        assert secrets.password_file(user).stat().st_mode & 0o077 == 0
+    assert secrets.server_key.stat().st_mode & 0o077 == 0
+    before = {user: secrets.password_file(user).read_text() for user in USERS}
+    make_secrets(secrets.out_dir)  # a second run keeps what is there
+    assert {user: secrets.password_file(user).read_text() for user in USERS} == before
+    assert len(set(before.values())) == len(USERS)
+
+
+async def test_each_service_connects_over_tls_and_speaks_its_subjects(tls_server, secrets):
+    buses = {user: await Bus.connect(tls_server.url, name=user, auth=auth_for(secrets, user))
+             for user in USERS}
+    errors: list[str] = []
+
+    async def on_error(exc):
+        errors.append(str(exc))
+
+    buses["router"].add_error_callback(on_error)
+    try:
+        seen: asyncio.Queue = asyncio.Queue()
+
+        async def watch(msg):
+            await seen.put(msg.subject)
+
+        await buses["tools"].nc.subscribe(subjects.ALL, cb=watch)
+        await buses["tools"].flush()
+
+        async def coordinator(event: ev.ClaimRequest, msg):
+            await buses["coordinator"].respond(
+                msg, ev.ClaimRejected(request_id=event.request_id, reason="no_free_slot"))
+
+        await buses["coordinator"].subscribe(subjects.CLAIM, coordinator, ev.ClaimRequest)
+        claim = ev.ClaimRequest(request_id=RID, model="m", num_prompt_tokens=1, max_tokens=1)
+        reply = await buses["router"].request(subjects.CLAIM, claim, ev.ClaimReply, timeout_s=WAIT_S)
+        assert reply == ev.ClaimRejected(request_id=RID, reason="no_free_slot")
+        assert await asyncio.wait_for(seen.get(), WAIT_S) == subjects.CLAIM
+
+        await buses["decode"].publish(subjects.req_tokens(RID), ev.CancelRequest(request_id=RID))
+        assert await asyncio.wait_for(seen.get(), WAIT_S) == subjects.req_tokens(RID)
+
+        # per-service permissions hold over TLS too
+        await buses["router"].publish(subjects.req_tokens(RID), ev.CancelRequest(request_id=RID))
+        await buses["router"].flush()
+        for _ in range(100):
+            if errors:
+                break
+            await asyncio.sleep(0.02)
+        assert [e.lower() for e in errors] == [
+            f'nats: permissions violation for publish to "{subjects.req_tokens(RID)}"']
+        assert all(bus.is_connected for bus in buses.values())
+    finally:
+        for bus in buses.values():
+            await bus.close()
+    assert all(bus.nc.is_closed for bus in buses.values())
+
+
+async def test_wrong_password_file_is_refused_with_a_clear_error(tls_server, secrets, tmp_path):
+    wrong = tmp_path / "wrong.password"
+    wrong.write_text("not-the-password\n")
+    with pytest.raises(BusAuthError) as info:
+        await Bus.connect(tls_server.url, auth=auth_for(secrets, "router", password_file=str(wrong)),
+                          connect_timeout_s=1.0)
+    assert str(info.value) == (f"nats-server at {tls_server.url} refused the credentials of router: "
+                               "check --nats-user and --nats-password-file")
+    # another service's password does not open the router's account either
+    with pytest.raises(BusAuthError):
+        await Bus.connect(tls_server.url, connect_timeout_s=1.0, auth=auth_for(
+            secrets, "router", password_file=str(secrets.password_file("decode"))))
+
+
+async def test_client_that_does_not_trust_the_ca_is_refused(tls_server, secrets, tmp_path):
+    other = make_secrets(tmp_path / "other")  # a CA of its own
+    for auth in (auth_for(secrets, "router", tls_ca=str(other.ca)),
+                 BusAuth(user="router", password_file=str(secrets.password_file("router")))):
+        with pytest.raises(BusTlsError, match="--nats-tls-ca"):
+            await Bus.connect(tls_server.url, auth=auth, connect_timeout_s=1.0)
+
+
+async def test_plaintext_client_is_refused(tls_server, secrets):
+    """A client that speaks plain NATS, with the right password, gets no session."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", tls_server.port)
+    try:
+        info = json.loads((await asyncio.wait_for(reader.readline(), WAIT_S)).split(b" ", 1)[1])
+        assert info["tls_required"] is True
+        password = secrets.password_file("router").read_text().strip()
+        connect = {"user": "router", "pass": password, "verbose": False, "pedantic": False}
+        writer.write(f"CONNECT {json.dumps(connect)}\r\nPING\r\n".encode())
+        await writer.drain()
+        answer = await asyncio.wait_for(reader.read(4096), WAIT_S)
+    finally:
+        writer.close()
+    assert b"PONG" not in answer and b"+OK" not in answer
+    assert b"-ERR" in answer or answer == b""  # refused, then the server hangs up
+
+
+async def test_tls_client_never_sends_its_password_to_a_plaintext_server(make_nats_server, secrets):
+    server = make_nats_server(config_file=SECURE_CONFIG, env=secrets.server_env())  # no TLS
+    with pytest.raises(BusTlsError, match="does not use TLS"):
+        await Bus.connect(server.url, auth=auth_for(secrets, "router"), connect_timeout_s=1.0)
+
+
+async def test_server_that_verifies_clients_wants_a_certificate_from_its_ca(make_nats_server, secrets,
+                                                                            tmp_path):
+    tls = ServerTls(cert=str(secrets.server_cert), key=str(secrets.server_key), ca=str(secrets.ca),
+                    verify=True)
+    server = make_nats_server(config_file=SECURE_CONFIG, env=secrets.server_env(), tls=tls)
+    with pytest.raises(BusTlsError):
+        await Bus.connect(server.url, auth=auth_for(secrets, "decode"), connect_timeout_s=1.0)
+    other = make_secrets(tmp_path / "other")
+    stranger_cert, stranger_key = make_client_cert(other.out_dir, "decode")
+    with pytest.raises(BusTlsError):
+        await Bus.connect(server.url, connect_timeout_s=1.0, auth=auth_for(
+            secrets, "decode", tls_cert=str(stranger_cert), tls_key=str(stranger_key)))
+    cert, key = make_client_cert(secrets.out_dir, "decode")
+    bus = await Bus.connect(server.url, auth=auth_for(secrets, "decode", tls_cert=str(cert),
+                                                      tls_key=str(key)))
+    try:
+        await bus.publish(subjects.COORD_REPORT, ev.CancelRequest(request_id=RID))
+        await bus.flush()
+        assert bus.is_connected
+    finally:
+        await bus.close()
