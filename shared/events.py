@@ -256,6 +256,9 @@ TokenMessage = TokensGenerated | RequestFinished | RequestFailed
 class CancelRequest(Event, tag="cancel"):
     request_id: str
     reason: str = "client_disconnected"
+    # The sender never asked a prefill to write this request's KV (it gave up while claiming):
+    # a lease granted meanwhile has no writer to fence against and frees its slot at once.
+    is_before_prefill: bool = False
 
 
 # ---------------------------------------------------------------- decode -> coordinator

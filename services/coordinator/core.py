@@ -326,6 +326,8 @@ class CoordinatorCore:
         lease = self.live_lease(msg.request_id)
         if lease is None:
             return []
+        if msg.is_before_prefill and lease.state == "claimed":
+            lease.is_writer_done = True  # no prefill was ever asked to write into the slot
         effects = self._end(lease, "cancelled", msg.reason, now_ms)
         return effects + [PutLease(lease)] + self._sweep_and_dispatch(now_ms)
 

@@ -86,7 +86,8 @@ class Harness:
             outcome = args.pop("outcome", "completed")
             effects = c.on_slot_released(SlotReleased(**self.report_args(**args), outcome=outcome), t)
         elif op == "cancel":
-            effects = c.on_cancel(CancelRequest(request_id=args["rid"]), t)
+            effects = c.on_cancel(CancelRequest(request_id=args["rid"],
+                                                is_before_prefill=args.get("before_prefill", False)), t)
         elif op == "reconnected":
             effects = c.on_reconnected(t)
         elif op == "stop":
@@ -366,6 +367,18 @@ CASES = {
         (1, "cancel", {"rid": "r1"}, {"events": [("r1", "cancelled")], "held": [("n1", 0)]}),
         (2, "released", {"rid": "r1", "outcome": "cancelled"}, {"held": [("n1", 0)]}),
         (3, "kv_ready", {"rid": "r1"}, {"events": [], "held": [], "stale": 1}),
+    ],
+    # The router gave up while claiming (its client left): no prefill will ever write into the
+    # slot, so once the node lets go of it the slot is free again, no fence to wait out.
+    "cancel_before_prefill_frees_slot_without_fence": [
+        (0, "hb", {"free": (0,)}, {}),
+        (0, "claim", {"rid": "r1"}, {}),
+        (0, "claim", {"rid": "r2", "wait": 5000}, {"queue": ["r2"]}),
+        (1, "cancel", {"rid": "r1", "before_prefill": True},
+         {"events": [("r1", "cancelled")], "held": [("n1", 0)]}),
+        (2, "released", {"rid": "r1", "outcome": "cancelled"},
+         {"held": [("n1", 0)], "reply": {"r2": (G, "n1", 0, 2)}, "queue": []}),
+        *finish("r2", 3),
     ],
     "cancel_claimed_without_writer_news_waits_out_fence": [
         (0, "hb", {"free": (0,)}, {}),
