@@ -15,6 +15,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "up": ("infra.up", "start the whole stack on this machine (nats, coordinator, decode, prefill, router)"),
     "make-model": ("infra.tinymodel", "write a tiny HF checkpoint with seeded random weights and a tokenizer"),
     "nats": ("infra.nats", "run an embedded nats-server with JetStream"),
+    "nats-secrets": ("infra.nats_secrets", "write a NATS TLS CA, server certificate and per-service passwords"),
     "events": ("infra.events", "watch the bus: one decoded event per line"),
     "router": ("services.router.app", "run the OpenAI-compatible router"),
     "coordinator": ("services.coordinator.service", "run the transfer coordinator"),

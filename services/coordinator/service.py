@@ -278,7 +278,7 @@ async def _quietly(coro) -> None:
 
 
 async def _run(config: CoordinatorServiceConfig) -> int:
-    bus = await Bus.connect(config.nats_url, name="coordinator")
+    bus = await Bus.connect(config.nats_url, name="coordinator", auth=config.bus_auth)
     service = CoordinatorService(bus, CoordinatorCore(config.core), config)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -8,11 +8,12 @@ import argparse
 import os
 import socket
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from services.decode.engine.options import MAX_SPECULATIVE_TOKENS, EngineConfig
 from shared import config as shared_config
 from shared import subjects
+from shared.bus_auth import BusAuth
 
 
 @dataclass(frozen=True)
@@ -21,6 +22,7 @@ class DecodeConfig:
     node_id: str
     engine: EngineConfig  # slots, max_seq_len, device, dtype, drafts, fast path
     nats_url: str = shared_config.DEFAULT_NATS_URL
+    bus_auth: BusAuth = field(default_factory=BusAuth)  # NATS credential and TLS files
     log_level: str = "INFO"
     log_format: str = "json"
     transport: str = "mooncake"
@@ -50,7 +52,8 @@ class DecodeConfig:
             mtp_draft_vocab=args.mtp_draft_vocab)
         return cls(
             model=args.model, node_id=args.node_id or default_node_id(), engine=engine,
-            nats_url=args.nats_url, log_level=args.log_level, log_format=args.log_format,
+            nats_url=args.nats_url, bus_auth=shared_config.bus_auth(args),
+            log_level=args.log_level, log_format=args.log_format,
             transport=args.transport, transport_host=args.transport_host,
             transport_protocol=args.transport_protocol, heartbeat_ms=args.heartbeat_ms,
             http_host=args.http_host, http_port=args.http_port, drain_timeout_s=args.drain_timeout_s,

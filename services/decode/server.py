@@ -254,7 +254,8 @@ def _load(config: DecodeConfig):
 
 
 async def _run(config: DecodeConfig) -> int:
-    bus = await Bus.connect(config.nats_url, name=f"decode-{config.node_id}")  # fail fast, before loading
+    # fail fast, before loading
+    bus = await Bus.connect(config.nats_url, name=f"decode-{config.node_id}", auth=config.bus_auth)
     engine, receiver = await asyncio.to_thread(_load, config)
     try:
         node = DecodeNode(engine, receiver, bus, config)
