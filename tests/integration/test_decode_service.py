@@ -19,6 +19,7 @@ from shared import subjects
 from shared.events import (
     ClaimGranted, DecodeStart, KvReady, RequestFinished, SamplingParams, TokenMessage,
 )
+from shared.kvchecksum import CHECKSUM_ALGO, checksums, host_reader
 from shared.kvlayout import write_ranges
 from shared.transport import create_transport
 from tests.integration.test_coordinator_service import (  # noqa: F401
@@ -131,8 +132,11 @@ async def test_full_handoff_streams_the_engines_greedy_tokens(stack, transport, 
     await stack.assert_no_leak([node])
 
 
-async def write_kv(stack, grant: ClaimGranted, prompt: list[int], kv) -> asyncio.Queue:  # noqa: F811
-    """Be the prefill sender for one granted request: its KV over Mooncake, then KV-ready."""
+async def write_kv(stack, grant: ClaimGranted, prompt: list[int], kv, with_checksums: bool = False,
+                   flip_segment: int | None = None) -> asyncio.Queue:  # noqa: F811
+    """Be the prefill sender for one granted request: its KV over Mooncake, then KV-ready; with
+    checksums, the segment sums of the staged image, and ``flip_segment``: one byte of that
+    segment flipped after summing (what the decode node receives is not what was summed)."""
     queue: asyncio.Queue = asyncio.Queue()
 
     async def on_token(ev, _msg):
@@ -141,18 +145,22 @@ async def write_kv(stack, grant: ClaimGranted, prompt: list[int], kv) -> asyncio
     await stack.bus.subscribe(subjects.req_tokens(grant.request_id), on_token, TokenMessage)
     layout = grant.target.layout
     image = pack(layout, kv, len(prompt))
+    ranges = write_ranges(layout, len(prompt))
+    sums = checksums(host_reader(image.numpy()), ranges) if with_checksums else []
+    if flip_segment is not None:
+        image[ranges[flip_segment][0] + ranges[flip_segment][1] - 1] ^= 0x01  # its last written byte
     sender = create_transport("mooncake")
     try:
         sender.register(image.data_ptr(), image.numel())
-        ops = [(image.data_ptr() + off, grant.target.slot.base_addr + off, n)
-               for off, n in write_ranges(layout, len(prompt))]
+        ops = [(image.data_ptr() + off, grant.target.slot.base_addr + off, n) for off, n in ranges]
         await asyncio.to_thread(sender.write, grant.target.endpoint, ops)
     finally:
         sender.close()
     await stack.bus.publish(subjects.kv_ready(grant.node_id), KvReady(
         request_id=grant.request_id, lease_id=grant.lease_id, generation=grant.generation,
         node_id=grant.node_id, slot=grant.target.slot.slot, num_tokens=len(prompt),
-        layout_version=layout.layout_version, nbytes=sum(n for _, _, n in ops)))
+        layout_version=layout.layout_version, nbytes=sum(n for _, _, n in ops),
+        kv_checksums=sums, kv_checksum_algo=CHECKSUM_ALGO if sums else ""))
     return queue
 
 
@@ -183,6 +191,43 @@ async def test_concurrent_handoffs_each_stream_their_own_greedy_tokens(stack):  
     num_steps = _metric(metrics, "xl_decode_step_seconds_count")
     num_tokens_out = _metric(metrics, 'xl_decode_events_total{event="tokens_generated"}')
     assert num_tokens_out == 2 * num_tokens and num_steps < 1.5 * num_tokens
+    await stack.assert_no_leak([node])
+
+
+async def test_kv_checksum_mismatch_fails_the_lease_frees_the_slot_and_spares_the_good_one(stack):  # noqa: F811
+    """Two handoffs with segment checksums: the one whose bytes match decodes to the end, the one
+    with a byte flipped after summing ends failed with reason checksum, before injection (its
+    start is stale), its slot free again; a node that requires checksums fails a KV-ready without
+    them."""
+    await stack.coordinator()
+    node = await stack.decode("d1", 2, "--require-kv-checksum")
+    first, kv = await asyncio.to_thread(hf_prefill, stack.model_dir, PROMPT)
+    good, bad = [await stack.claim(rid) for rid in ("good", "bad")]
+    queues = [await write_kv(stack, good, PROMPT, kv, with_checksums=True),
+              await write_kv(stack, bad, PROMPT, kv, with_checksums=True, flip_segment=3)]
+    await stack.wait_state("bad", "failed")
+    for g in (good, bad):
+        await stack.bus.publish(subjects.decode_start(g.node_id), DecodeStart(
+            request_id=g.request_id, lease_id=g.lease_id, generation=g.generation,
+            slot=g.target.slot.slot, first_token_id=first, num_prompt_tokens=len(PROMPT),
+            sampling=SamplingParams(max_tokens=8, ignore_eos=True)))
+    tokens, end = await collect(queues[0])
+    assert isinstance(end, RequestFinished) and end.finish_reason == "length" and len(tokens) == 8
+    await stack.wait_state("good", "completed")
+    failed = [e for e in stack.events if e.request_id == "bad" and e.state == "failed"]
+    assert [e.reason for e in failed] == ["checksum"]
+    assert stack.states("bad") == ["claimed", "kv_ready", "failed"]
+    await node.wait_healthy(5, until=lambda h: h["stale_ignored"] == 1)  # the bad one's start
+    assert queues[1].empty()  # nothing decoded from the corrupted KV
+
+    missing = await stack.claim("missing")
+    await write_kv(stack, missing, PROMPT, kv)
+    await stack.wait_state("missing", "failed")
+    assert [e.reason for e in stack.events if e.request_id == "missing"][-1] == "checksum_missing"
+    metrics = httpx.get(f"http://127.0.0.1:{node.port}/metrics", timeout=5).text
+    assert _metric(metrics, 'xl_decode_events_total{event="kv_rejected.checksum"}') == 1
+    assert _metric(metrics, 'xl_decode_events_total{event="kv_rejected.checksum_missing"}') == 1
+    assert _metric(metrics, "xl_decode_kv_verify_seconds_count") == 2
     await stack.assert_no_leak([node])
 
 
