@@ -180,6 +180,11 @@ class ExpressStream:
         queue = self.deps.dispatcher.open(leg_id)
         try:
             grant = await self._claim(leg_id, num_prompt, max_tokens, wait_ms)
+        except asyncio.CancelledError:  # the client left while the claim waited for a slot
+            self.deps.dispatcher.close(leg_id)
+            self.deps.spawn(self.deps.bus.publish(subjects.req_cancel(leg_id), CancelRequest(
+                request_id=leg_id, reason="client_disconnected", is_before_prefill=True)))
+            raise
         except BaseException:
             self.deps.dispatcher.close(leg_id)
             raise

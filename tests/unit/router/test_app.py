@@ -5,6 +5,7 @@ prefill body, DecodeStart, relay), back-pressure, stop strings, migration and ca
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 
@@ -41,6 +42,7 @@ class World:
         self.fail_after: int | None = None  # node goes silent after this many decode tokens
         self.fail_with_event = False
         self.node_delay_s = 0.0
+        self.hold_claims = False  # leave claims unanswered (waiting for a slot)
 
     # ------------------------------------------------------------------ fake vLLM
     def handler(self, request: httpx.Request) -> httpx.Response:
@@ -80,6 +82,8 @@ class World:
 
         async def on_claim(req: ClaimRequest, msg) -> None:
             self.claims.append(req)
+            if self.hold_claims:
+                return
             if self.reject:
                 await bus.respond(msg, ClaimRejected(request_id=req.request_id, reason=self.reject,
                                                      retry_after_ms=1500))
@@ -256,6 +260,26 @@ async def test_node_failure_migrates_without_loss(harness, with_event):
     assert ids == world.answer[:10]
     assert [c.request_id.endswith("-m1") for c in world.claims] == [False, True]
     assert world.starts[1].num_prompt_tokens == len(PROMPT_IDS) + 4
+
+
+async def test_client_leaving_while_its_claim_waits_cancels_the_claim_before_prefill(harness):
+    world, client, router, _ = harness
+    world.hold_claims = True
+    request = asyncio.create_task(client.post("/v1/chat/completions", json=_chat(stream=True, max_tokens=4)))
+    deadline = time.monotonic() + 30
+    while not world.claims:
+        assert time.monotonic() < deadline, "no claim reached the coordinator"
+        await asyncio.sleep(0.01)
+    request.cancel()  # the client goes away
+    with contextlib.suppress(asyncio.CancelledError):
+        await request
+    while not world.cancels:
+        assert time.monotonic() < deadline, "the waiting claim was never cancelled"
+        await asyncio.sleep(0.01)
+    (cancel,) = world.cancels
+    assert (cancel.request_id, cancel.reason, cancel.is_before_prefill) == (
+        world.claims[0].request_id, "client_disconnected", True)
+    assert world.prefill_bodies == [] and router.dispatcher.num_open == 0
 
 
 async def test_migration_to_standard_lane(harness):
