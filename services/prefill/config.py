@@ -5,6 +5,7 @@ Keys (all optional):
 | key                  | default                      | meaning                                        |
 | -------------------- | ---------------------------- | ---------------------------------------------- |
 | nats_url             | nats://127.0.0.1:4222        | where KV-ready / KV-failed events are published |
+| nats_user, nats_password_file, nats_creds_file, nats_tls_ca, nats_tls_cert, nats_tls_key | "" | the bus's credential and TLS files (shared.bus_auth) |
 | transports           | ["mooncake"]                 | transports the sender can write with            |
 | mooncake_host        | 127.0.0.1                    | address of this host that decode nodes reach    |
 | mooncake_protocol    | "tcp"                        | "rdma" in production                            |
@@ -28,11 +29,14 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from shared.bus_auth import BusAuth
 from shared.transport import TRANSPORTS
 
+NATS_AUTH_KEYS = ("nats_user", "nats_password_file", "nats_creds_file", "nats_tls_ca", "nats_tls_cert",
+                  "nats_tls_key")
 EXTRA_CONFIG_KEYS = ("nats_url", "transports", "mooncake_host", "mooncake_protocol",
                      "nixl_agent_name", "staging_slots", "staging_max_tokens", "transfer_timeout_s",
-                     "stats_path", "kv_checksum", "fault_flip_kv_byte_every")
+                     "stats_path", "kv_checksum", "fault_flip_kv_byte_every", *NATS_AUTH_KEYS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,6 +52,17 @@ class ExpressConfig:
     stats_path: str = ""  # "": /dev/shm/expresslane-staging-<engine_id>
     kv_checksum: bool = False
     fault_flip_kv_byte_every: int = 0  # fault injection only (needs kv_checksum); 0: off
+    nats_user: str = ""  # the bus's credential and TLS files: file paths, never secrets
+    nats_password_file: str = ""
+    nats_creds_file: str = ""
+    nats_tls_ca: str = ""
+    nats_tls_cert: str = ""
+    nats_tls_key: str = ""
+
+    def bus_auth(self) -> BusAuth:
+        return BusAuth(user=self.nats_user, password_file=self.nats_password_file,
+                       creds_file=self.nats_creds_file, tls_ca=self.nats_tls_ca,
+                       tls_cert=self.nats_tls_cert, tls_key=self.nats_tls_key)
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any] | None) -> "ExpressConfig":
@@ -65,6 +80,7 @@ class ExpressConfig:
         return config
 
     def validate(self) -> None:
+        self.bus_auth().validate()
         bad = [t for t in self.transports if t not in TRANSPORTS]
         if not self.transports or bad:
             raise ValueError(f"transports {list(self.transports)}: use one or more of {TRANSPORTS}")

@@ -21,9 +21,10 @@ import json
 import os
 import shutil
 import sys
+import urllib.parse
 import uuid
 
-from services.prefill.config import ExpressConfig
+from services.prefill.config import NATS_AUTH_KEYS, ExpressConfig
 
 CONNECTOR_MODULE = "services.prefill.connector"
 
@@ -38,6 +39,7 @@ def express_connector_config(config: ExpressConfig) -> dict:
         extra["stats_path"] = config.stats_path
     if config.nixl_agent_name:
         extra["nixl_agent_name"] = config.nixl_agent_name
+    extra.update({key: getattr(config, key) for key in NATS_AUTH_KEYS if getattr(config, key)})
     if config.kv_checksum:
         extra["kv_checksum"] = True
     if config.fault_flip_kv_byte_every:
@@ -103,6 +105,10 @@ def vllm_env(env: dict | None = None, config: ExpressConfig | None = None) -> di
     return env
 
 
+def _has_password(url: str) -> bool:
+    return any(urllib.parse.urlsplit(u.strip()).password for u in url.split(",") if u.strip())
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="expresslane prefill", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -111,7 +117,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default=env("EXPRESSLANE_HOST", "127.0.0.1"))
     p.add_argument("--port", type=int, default=int(env("EXPRESSLANE_PORT", "8100")))
     p.add_argument("--dtype", default=env("EXPRESSLANE_DTYPE", "auto"))
-    p.add_argument("--nats-url", default=env("EXPRESSLANE_NATS_URL", "nats://127.0.0.1:4222"))
+    p.add_argument("--nats-url", default=env("EXPRESSLANE_NATS_URL", "nats://127.0.0.1:4222"),
+                   help="NATS server(s). It ends up in vLLM's --kv-transfer-config, which `ps` "
+                   "shows: keep passwords out of it and use --nats-user with --nats-password-file")
+    for key in NATS_AUTH_KEYS:
+        flag = "--" + key.replace("_", "-")
+        p.add_argument(flag, default=env("EXPRESSLANE_" + key.upper(), ""),
+                       help=f"as {flag} of the other services: a name or a file path")
     p.add_argument("--transport", action="append", choices=("mooncake", "nixl"),
                    help="transports decode nodes may ask for (repeat; default mooncake)")
     p.add_argument("--mooncake-host", default=env("EXPRESSLANE_MOONCAKE_HOST", "127.0.0.1"),
@@ -149,11 +161,16 @@ def main(argv: list[str]) -> int:
                                mooncake_host=args.mooncake_host, mooncake_protocol=args.mooncake_protocol,
                                staging_slots=args.staging_slots, staging_max_tokens=args.staging_max_tokens,
                                transfer_timeout_s=args.transfer_timeout_s, stats_path=args.stats_path,
-                               kv_checksum=args.kv_checksum)
+                               kv_checksum=args.kv_checksum,
+                               **{key: getattr(args, key) for key in NATS_AUTH_KEYS})
         config.validate()
     except ValueError as exc:
         print(f"expresslane prefill: {exc}", file=sys.stderr)
         return 2
+    if _has_password(config.nats_url):
+        print("expresslane prefill: warning: the password in the NATS URL is visible in vLLM's "
+              "command line (--kv-transfer-config); use --nats-user with --nats-password-file",
+              file=sys.stderr)
     ktc = kv_transfer_config(config, native_pool=args.native_pool)
     cmd = vllm_command(args.model, ktc, host=args.host, port=args.port, dtype=args.dtype,
                        cpu=False if args.gpu else None, extra_args=vllm_args)

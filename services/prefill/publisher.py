@@ -15,7 +15,8 @@ import threading
 
 from opentelemetry import context as otel_context
 
-from shared.bus import Bus, BusError
+from shared.bus import Bus, BusError, redact_url
+from shared.bus_auth import BusAuth
 from shared.events import Event
 from shared.tracing import context_from_traceparent
 
@@ -27,9 +28,10 @@ CONNECT_RETRY_S = 1.0
 class Publisher:
     """Owns a daemon thread running an asyncio loop and one Bus connection."""
 
-    def __init__(self, nats_url: str, name: str = "prefill") -> None:
+    def __init__(self, nats_url: str, name: str = "prefill", auth: BusAuth | None = None) -> None:
         self.nats_url = nats_url
         self._name = name
+        self._auth = auth or BusAuth()
         self._loop = asyncio.new_event_loop()
         self._bus: Bus | None = None
         self._connected = threading.Event()
@@ -46,7 +48,7 @@ class Publisher:
         num_tries = 0
         while not self._stopping:
             try:
-                self._bus = await Bus.connect(self.nats_url, name=self._name)
+                self._bus = await Bus.connect(self.nats_url, name=self._name, auth=self._auth)
                 self._connected.set()
                 return
             except BusError as exc:
@@ -58,7 +60,7 @@ class Publisher:
     async def _publish(self, subject: str, event: Event, traceparent: str) -> None:
         token = otel_context.attach(context_from_traceparent(traceparent)) if traceparent else None
         try:
-            await self._bus.publish(subject, event)
+            await self._bus.publish(subject, event, replay=True)  # readers drop duplicates
             await self._bus.flush(timeout_s=2.0)
         finally:
             if token is not None:
@@ -68,7 +70,7 @@ class Publisher:
         """Publish with ``traceparent`` as the parent context; False when it could not be sent."""
         if not self._connected.wait(timeout_s):
             log.error("expresslane: dropped %s for %s: NATS at %s not reachable",
-                      type(event).__name__, subject, self.nats_url)
+                      type(event).__name__, subject, redact_url(self.nats_url))
             return False
         future = asyncio.run_coroutine_threadsafe(self._publish(subject, event, traceparent), self._loop)
         try:

@@ -50,7 +50,8 @@ class ExpressWorker:
         # OTEL_EXPORTER_OTLP_(TRACES_)ENDPOINT says so.
         self.tracer = build_tracer_provider("prefill").get_tracer("expresslane.prefill")
         self.states = SlotStates(config.stats_file(engine_id), config.staging_slots)
-        self.publisher = Publisher(config.nats_url, name=f"prefill-{engine_id[:8]}")
+        self.publisher = Publisher(config.nats_url, name=f"prefill-{engine_id[:8]}",
+                                   auth=config.bus_auth())
 
     # ---------------------------------------------------------------- start-up
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:

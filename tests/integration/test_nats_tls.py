@@ -161,3 +161,30 @@ async def test_server_that_verifies_clients_wants_a_certificate_from_its_ca(make
         assert bus.is_connected
     finally:
         await bus.close()
+
+
+async def test_prefill_publisher_speaks_over_tls_with_its_files(tls_server, secrets):
+    """The vLLM-side publisher (its own thread and loop) connects with the prefill user's files."""
+    from services.prefill.config import ExpressConfig
+    from services.prefill.publisher import Publisher
+
+    tools = await Bus.connect(tls_server.url, name="tools", auth=auth_for(secrets, "tools"))
+    seen: asyncio.Queue = asyncio.Queue()
+
+    async def watch(msg):
+        await seen.put(msg.subject)
+
+    await tools.nc.subscribe(subjects.ALL, cb=watch)
+    await tools.flush()
+    config = ExpressConfig(nats_url=tls_server.url, nats_user="prefill",
+                           nats_password_file=str(secrets.password_file("prefill")),
+                           nats_tls_ca=str(secrets.ca))
+    config.validate()
+    publisher = Publisher(config.nats_url, auth=config.bus_auth())
+    try:
+        event = ev.CancelRequest(request_id=RID)  # the payload does not matter to the server
+        assert await asyncio.to_thread(publisher.publish, subjects.kv_ready("decode-0"), event)
+        assert await asyncio.wait_for(seen.get(), WAIT_S) == subjects.kv_ready("decode-0")
+    finally:
+        await asyncio.to_thread(publisher.close)
+        await tools.close()

@@ -90,3 +90,29 @@ def test_launch_starts_vllm_with_the_mooncake_timeout(monkeypatch):
     launch.main(["--model", "M", "--transfer-timeout-s", "12"])
     assert started["env"]["MC_TRANSFER_TIMEOUT"] == "12" and "M" in started["args"]
     assert "MC_TRANSFER_TIMEOUT" not in launch.os.environ  # set for vLLM, not in this process
+
+
+def test_nats_credential_files_reach_the_connector_but_no_secret_does(tmp_path, capsys):
+    from infra.nats_secrets import make_secrets
+
+    secrets = make_secrets(tmp_path)
+    password, ca = secrets.password_file("prefill"), secrets.ca
+    password.write_text("s3cret\n")
+    assert launch.main(["--model", "M", "--nats-user", "prefill", "--nats-password-file", str(password),
+                        "--nats-tls-ca", str(ca), "--print-command"]) == 0
+    cmd = capsys.readouterr().out
+    extra = json.loads(cmd.split("--kv-transfer-config ", 1)[1].split(" --", 1)[0].strip("'"))
+    extra = extra["kv_connector_extra_config"]
+    assert (extra["nats_user"], extra["nats_password_file"], extra["nats_tls_ca"]) == (
+        "prefill", str(password), str(ca))
+    assert "s3cret" not in cmd and "nats_creds_file" not in extra
+    auth = ExpressConfig.from_extra_config(extra).bus_auth()
+    assert auth.connect_kwargs()["password"] == "s3cret" and auth.is_tls
+
+
+def test_missing_credential_file_and_url_password_are_flagged(tmp_path, capsys):
+    assert launch.main(["--model", "M", "--nats-user", "prefill", "--nats-password-file",
+                        str(tmp_path / "nope"), "--print-command"]) == 2
+    assert "--nats-password-file" in capsys.readouterr().err
+    assert launch.main(["--model", "M", "--nats-url", "nats://prefill:pw@h:4222", "--print-command"]) == 0
+    assert "warning: the password in the NATS URL" in capsys.readouterr().err
