@@ -11,6 +11,9 @@ Contract:
   exits is reported with its log tail and started again (at most ``MAX_RESTARTS`` times in
   ``RESTART_WINDOW_S``; beyond that the stack stops with status 1). Ctrl-C or SIGTERM stops every
   process (SIGTERM, then SIGKILL after a grace period) and exits 0 with nothing left running.
+- ``--secure``: nats-server with TLS (a CA and certificate generated under ``WORKDIR/secrets``) and
+  one user per service (infra/nats/nats.conf) whose random password is a file there; each service
+  gets only file paths (--nats-user, --nats-password-file, --nats-tls-ca), never a secret.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -142,15 +146,25 @@ def write_stack_file(args: argparse.Namespace, model: Path, nats_url: str, procs
     return path
 
 
-def plan(args: argparse.Namespace, model: Path, nats_url: str, py: str) -> tuple[list[Proc], list[str]]:
-    """The processes to start after nats-server, and the pieces this build lacks."""
+def _no_bus_args(user: str) -> list[str]:
+    return []
+
+
+def plan(args: argparse.Namespace, model: Path, nats_url: str, py: str,
+         bus_args: Callable[[str], list[str]] = _no_bus_args) -> tuple[list[Proc], list[str]]:
+    """The processes to start after nats-server, and the pieces this build lacks; ``bus_args(user)``
+    are a service's NATS credential flags (file paths)."""
     cli = [py, "-m", "infra.cli"]
-    common = ["--nats-url", nats_url, "--log-format", args.log_format]
+
+    def common(user: str) -> list[str]:
+        return ["--nats-url", nats_url, *bus_args(user), "--log-format", args.log_format]
+
     procs: list[Proc] = []
     missing: list[str] = []
     if have("services.coordinator.service"):
         port = free_port()
-        procs.append(Proc("coordinator", cli + ["coordinator", *common, "--http-port", str(port)],
+        procs.append(Proc("coordinator", cli + ["coordinator", *common("coordinator"),
+                                                "--http-port", str(port)],
                           f"http://127.0.0.1:{port}/health"))
     else:
         missing.append("coordinator (services/coordinator/service.py)")
@@ -158,7 +172,7 @@ def plan(args: argparse.Namespace, model: Path, nats_url: str, py: str) -> tuple
         for i in range(args.decode_nodes):
             port = free_port()
             procs.append(Proc(f"decode-{i}", cli + [
-                "decode", *common, "--model", str(model), "--node-id", f"decode-{i}",
+                "decode", *common("decode"), "--model", str(model), "--node-id", f"decode-{i}",
                 "--slots", str(args.slots), "--max-seq-len", str(args.max_model_len),
                 "--http-port", str(port)], f"http://127.0.0.1:{port}/health"))
     else:
@@ -168,8 +182,8 @@ def plan(args: argparse.Namespace, model: Path, nats_url: str, py: str) -> tuple
                 "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "0-1"),
                 "EXPRESSLANE_NATS_URL": nats_url}
     if have("services.prefill.launch"):
-        argv = cli + ["prefill", "--nats-url", nats_url, "--model", str(model), "--port",
-                      str(prefill_port), "--dtype", "float32",
+        argv = cli + ["prefill", "--nats-url", nats_url, *bus_args("prefill"), "--model", str(model),
+                      "--port", str(prefill_port), "--dtype", "float32",
                       *(["--stats-path", str(staging_stats_path(args))] if args.workdir else []),
                       "--", "--max-model-len", str(args.max_model_len), "--enforce-eager",
                       *_attention_args(model)]
@@ -181,7 +195,7 @@ def plan(args: argparse.Namespace, model: Path, nats_url: str, py: str) -> tuple
                 "--enforce-eager", "--dtype", "float32", *_attention_args(model)]
     procs.append(Proc("prefill", argv, f"http://127.0.0.1:{prefill_port}/health", env=vllm_env))
     procs.append(Proc("router", cli + [
-        "router", *common, "--port", str(args.port), "--host", args.host,
+        "router", *common("router"), "--port", str(args.port), "--host", args.host,
         "--prefill-url", f"http://127.0.0.1:{prefill_port}"],
         f"http://127.0.0.1:{args.port}/health"))
     return procs, missing
@@ -227,6 +241,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workdir", type=Path, default=None, help="logs, NATS store, generated model")
     p.add_argument("--start-timeout-s", type=float, default=600.0, help="per process")
     p.add_argument("--log-format", default="json", choices=["json", "console"])
+    p.add_argument("--secure", action="store_true",
+                   help="NATS with TLS and one user per service, passwords in files under "
+                   "WORKDIR/secrets (generated once, kept)")
     return p
 
 
@@ -236,7 +253,8 @@ def _cli() -> str:
     return str(script) if script.exists() else f"{sys.executable} -m infra.cli"
 
 
-def _banner(args: argparse.Namespace, model: Path, nats_url: str, missing: list[str], log_dir: Path) -> str:
+def _banner(args: argparse.Namespace, model: Path, nats_url: str, missing: list[str], log_dir: Path,
+            bus_args: Callable[[str], list[str]] = _no_bus_args) -> str:
     url = f"http://{args.host}:{args.port}"
     body = json.dumps({"model": str(model), "stream": True, "max_tokens": 32, "temperature": 0,
                        "messages": [{"role": "user", "content": "Tell me about express lanes."}]})
@@ -245,7 +263,7 @@ def _banner(args: argparse.Namespace, model: Path, nats_url: str, missing: list[
         "  try:", f"    curl -N {url}/v1/chat/completions -H 'content-type: application/json' \\",
         f"      -d '{body}'", "",
         "  standard lane: add -H 'x-expresslane: off'",
-        f"  watch the bus: {_cli()} events --nats-url {nats_url}",
+        f"  watch the bus: {' '.join([_cli(), 'events', '--nats-url', nats_url, *bus_args('tools')])}",
         f"  health:        curl {url}/health      metrics: curl {url}/metrics",
         f"  logs:          {log_dir}/", "",
     ]
@@ -256,7 +274,7 @@ def _banner(args: argparse.Namespace, model: Path, nats_url: str, missing: list[
 
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
-    from infra.nats import DEV_CONFIG, NatsServer
+    from infra.nats import DEV_CONFIG, SECURE_CONFIG, NatsServer, ServerTls
 
     workdir = args.workdir = args.workdir or Path(tempfile.mkdtemp(prefix="expresslane-up-"))
     log_dir = workdir / "logs"
@@ -269,8 +287,16 @@ def main(argv: list[str]) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGHUP, on_signal)  # the terminal closed: stop like Ctrl-C
-    nats = NatsServer(workdir / "nats", config_file=DEV_CONFIG, log_path=log_dir / "nats-server.log",
-                      stop_with_parent=True)
+    bus_args, nats_options = _no_bus_args, {"config_file": DEV_CONFIG}
+    if args.secure:
+        from infra.nats_secrets import make_secrets
+
+        secrets = make_secrets(workdir / "secrets")
+        bus_args = secrets.client_args
+        nats_options = {"config_file": SECURE_CONFIG, "env": secrets.server_env(),
+                        "tls": ServerTls(cert=str(secrets.server_cert), key=str(secrets.server_key))}
+    nats = NatsServer(workdir / "nats", log_path=log_dir / "nats-server.log", stop_with_parent=True,
+                      **nats_options)
     procs: list[Proc] = []
     code = 0
     try:
@@ -285,14 +311,14 @@ def main(argv: list[str]) -> int:
         model = model.resolve()
         nats.start(timeout_s=15.0)
         print(f"nats-server    {nats.url}", flush=True)
-        todo, missing = plan(args, model, nats.url, sys.executable)
+        todo, missing = plan(args, model, nats.url, sys.executable, bus_args)
         for proc in todo:
             proc.start(log_dir)
             procs.append(proc)
             print(f"{proc.name:<14} starting (log {proc.log_path})", flush=True)
             proc.wait_healthy(args.start_timeout_s)
             print(f"{proc.name:<14} ready", flush=True)
-        print(_banner(args, model, nats.url, missing, log_dir), flush=True)
+        print(_banner(args, model, nats.url, missing, log_dir, bus_args), flush=True)
         print(f"  endpoints:     {write_stack_file(args, model, nats.url, procs)}", flush=True)
         supervise(procs, log_dir, args.start_timeout_s)
     except KeyboardInterrupt:

@@ -48,3 +48,39 @@ def test_stop_all_stops_process_groups(tmp_path: Path):
     killed = stop_all([stubborn, polite], grace_s=1.0)
     assert killed == ["stubborn"]
     assert not stubborn.group_alive() and not polite.group_alive()
+
+
+def test_secure_plan_gives_each_service_its_own_credential_files_and_no_secret(tmp_path):
+    from infra.nats_secrets import make_secrets
+    from services.coordinator.config import build_parser as coordinator_parser
+    from services.coordinator.config import from_args as coordinator_config
+    from services.decode.config import parse as decode_config
+    from services.prefill import launch
+    from services.router.config import build_parser as router_parser
+    from services.router.config import from_args as router_config
+    from shared.config import parse_args
+
+    secrets = make_secrets(tmp_path / "secrets")
+    args = build_parser().parse_args(["--secure", "--decode-nodes", "1"])
+    assert args.secure
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text('{"model_type": "llama"}')
+    procs, _ = plan(args, model, "nats://127.0.0.1:4999", sys.executable, secrets.client_args)
+    passwords = [secrets.password_file(u).read_text().strip() for u in ("router", "coordinator",
+                                                                         "decode", "prefill")]
+    for proc in procs:
+        shown = " ".join(proc.argv) + str(proc.env)
+        assert not any(pw in shown for pw in passwords), proc.name
+    argv = {p.name: p.argv[p.argv.index(p.name.split("-")[0]) + 1:] for p in procs}
+    router = router_config(parse_args(router_parser(), argv["router"], env={}))
+    coordinator = coordinator_config(parse_args(coordinator_parser(), argv["coordinator"], env={}))
+    decode = decode_config(argv["decode-0"])
+    prefill_args = launch.build_parser().parse_args(argv["prefill"][:argv["prefill"].index("--")])
+    for user, auth in (("router", router.bus_auth), ("coordinator", coordinator.bus_auth),
+                       ("decode", decode.bus_auth)):
+        assert (auth.user, auth.password_file, auth.tls_ca) == (
+            user, str(secrets.password_file(user)), str(secrets.ca)), user
+        assert auth.connect_kwargs()["password"] == secrets.password_file(user).read_text().strip()
+    assert (prefill_args.nats_user, prefill_args.nats_password_file) == (
+        "prefill", str(secrets.password_file("prefill")))
