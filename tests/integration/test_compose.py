@@ -4,6 +4,7 @@ the nats-box tool under a profile."""
 
 from __future__ import annotations
 
+import asyncio
 import re
 import shutil
 import subprocess
@@ -107,3 +108,92 @@ def test_dockerfiles_exist_and_copy_what_exists(stack):
     assert "vllm/vllm-openai:v0.32.0" in (ROOT / "infra/docker/prefill.Dockerfile").read_text()
     assert "torch" not in (ROOT / "infra/docker/service.Dockerfile").read_text().replace(
         "no torch", "")
+
+
+# ---------------------------------------------------------------- docker-compose.secure.yml
+
+SECURE = ROOT / "docker-compose.secure.yml"
+SECURE_USERS = {"router": "router", "coordinator": "coordinator", "decode-0": "decode",
+                "decode-1": "decode", "prefill": "prefill", "events": "tools"}
+
+
+@pytest.fixture(scope="module")
+def nats_secrets(tmp_path_factory):
+    from infra.nats_secrets import make_secrets
+
+    return make_secrets(tmp_path_factory.mktemp("nats-secrets"), hosts=("nats", "127.0.0.1"))
+
+
+@pytest.fixture(scope="module")
+def secure_stack(nats_secrets) -> dict:
+    binary = shutil.which("docker-compose")
+    assert binary
+    result = subprocess.run(
+        [binary, "-f", str(COMPOSE), "-f", str(SECURE), "--profile", "tools", "config"],
+        capture_output=True, text=True, timeout=60, cwd=ROOT,
+        env={"PATH": "/usr/bin:/bin", "XL_NATS_SECRETS_DIR": str(nats_secrets.out_dir)})
+    assert result.returncode == 0, result.stderr
+    return yaml.safe_load(result.stdout)
+
+
+def test_secure_override_gives_each_service_only_its_own_files(secure_stack, nats_secrets):
+    services = secure_stack["services"]
+    assert set(services) == LONG_RUNNING | {"jaeger", "model", "nats-box", "events"}
+    for name, user in SECURE_USERS.items():
+        env = services[name]["environment"]
+        assert env["EXPRESSLANE_NATS_URL"] == "nats://nats:4222", name  # no password in a URL
+        assert (env["EXPRESSLANE_NATS_USER"], env["EXPRESSLANE_NATS_PASSWORD_FILE"],
+                env["EXPRESSLANE_NATS_TLS_CA"]) == (
+            user, f"/run/secrets/nats_{user}_password", "/run/secrets/nats_ca"), name
+        names = {s["source"] if isinstance(s, dict) else s for s in services[name]["secrets"]}
+        assert names == {"nats_ca", f"nats_{user}_password"}, name
+    assert not any(services["nats"]["environment"].values())  # no laptop password left
+    sources = {name: Path(s["file"]) for name, s in secure_stack["secrets"].items()}
+    assert sources["nats_ca"] == nats_secrets.ca
+    assert sources["nats_router_password"] == nats_secrets.password_file("router")
+    assert all(path.is_file() for path in sources.values())
+
+
+async def test_secure_nats_command_runs_on_the_real_server(secure_stack, nats_secrets, tmp_path):
+    """The override's nats command, with its paths mapped onto this machine: TLS and the file
+    passwords work; a client without the CA is refused."""
+    from infra.nats import SECURE_CONFIG, find_binary
+    from infra.processes import free_port
+    from shared.bus import Bus, BusTlsError
+    from shared.bus_auth import BusAuth
+
+    secrets_dir = tmp_path / "run-secrets"
+    secrets_dir.mkdir()
+    for name, secret in secure_stack["secrets"].items():
+        (secrets_dir / name).write_bytes(Path(secret["file"]).read_bytes())
+    command = secure_stack["services"]["nats"]["command"][0].replace("$$", "$")
+    port = free_port()
+    command = (command.replace("/run/secrets/", f"{secrets_dir}/")
+               .replace("/etc/nats/nats.conf", str(SECURE_CONFIG))
+               .replace("-sd /data", f"-sd {tmp_path / 'data'}")
+               .replace("exec nats-server", f"exec {find_binary()} -a 127.0.0.1 -p {port}")
+               .replace("-m 8222", "-m -1"))
+    proc = subprocess.Popen(["sh", "-c", command], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            env={"PATH": "/usr/bin:/bin"})
+    try:
+        url = f"nats://127.0.0.1:{port}"
+        auth = BusAuth(user="router", password_file=str(secrets_dir / "nats_router_password"),
+                       tls_ca=str(secrets_dir / "nats_ca")).validate()
+        for _ in range(100):
+            try:
+                bus = await Bus.connect(url, name="router", auth=auth, connect_timeout_s=1.0)
+                break
+            except BusTlsError:
+                raise
+            except Exception:
+                assert proc.poll() is None, "nats-server exited"
+                await asyncio.sleep(0.1)
+        else:
+            raise AssertionError("nats-server never accepted the router")
+        await bus.close()
+        with pytest.raises(BusTlsError):
+            await Bus.connect(url, connect_timeout_s=1.0, auth=BusAuth(
+                user="router", password_file=str(secrets_dir / "nats_router_password")))
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
