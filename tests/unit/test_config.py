@@ -142,3 +142,37 @@ def test_env_var_name(flag, name):
 )
 def test_otel_endpoint_from_standard_variables(env, endpoint):
     assert otlp_traces_endpoint(env) == endpoint
+
+
+def test_bus_auth_files_come_from_flags_or_variables(tmp_path):
+    password = tmp_path / "router.password"
+    password.write_text("s3cret\n")
+    env = {"EXPRESSLANE_NATS_USER": "router", "EXPRESSLANE_NATS_PASSWORD_FILE": str(password)}
+    auth = config.bus_auth(config.parse_args(make_parser(), BASE, env=env))
+    assert (auth.user, auth.password_file, auth.is_tls) == ("router", str(password), False)
+    assert auth.connect_kwargs() == {"user": "router", "password": "s3cret"}
+    assert config.bus_auth(config.parse_args(make_parser(), BASE, env={})).connect_kwargs() == {}
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--nats-user", "router"], "--nats-user router needs --nats-password-file"),
+    (["--nats-password-file", "PW"], "--nats-password-file needs --nats-user"),
+    (["--nats-user", "router", "--nats-password-file", "/nope"], "--nats-password-file /nope: no such"),
+    (["--nats-user", "r", "--nats-password-file", "PW", "--nats-creds-file", "PW"], "give one"),
+    (["--nats-tls-cert", "PW"], "--nats-tls-cert and --nats-tls-key go together"),
+    (["--nats-tls-ca", "/nope/ca.pem"], "--nats-tls-ca /nope/ca.pem: no such readable file"),
+])
+def test_bus_auth_errors_name_the_flag(tmp_path, argv, message):
+    (tmp_path / "pw").write_text("x")
+    argv = [str(tmp_path / "pw") if a == "PW" else a for a in argv]
+    with pytest.raises(ValueError, match=message.replace("PW", str(tmp_path / "pw"))):
+        config.bus_auth(config.parse_args(make_parser(), BASE + argv, env={}))
+
+
+def test_password_in_a_nats_url_flag_is_warned_about(capsys):
+    config.parse_args(make_parser(), BASE + ["--nats-url", "nats://router:pw@h:4222"], env={})
+    err = capsys.readouterr().err
+    assert "warning: --nats-url carries a password" in err and "pw@" not in err
+    config.parse_args(make_parser(), BASE, env={"EXPRESSLANE_NATS_URL": "nats://router:pw@h:4222"})
+    config.parse_args(make_parser(), BASE + ["--nats-url", "nats://h:4222"], env={})
+    assert capsys.readouterr().err == ""  # the variable is the place for it
