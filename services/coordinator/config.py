@@ -7,7 +7,8 @@ Contract:
 Every flag ``--foo-bar`` also reads ``EXPRESSLANE_FOO_BAR`` (shared.config). The service settings
 (NATS, HTTP, JetStream names, loop periods, logging) live in ``CoordinatorServiceConfig``; the
 timeouts and bounds of the pure core stay in ``CoordinatorConfig`` (services.coordinator.model) and
-ride along as ``config.core``.
+ride along as ``config.core``; the leader lease's timing is ``config.leader``
+(services.coordinator.leadership).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import argparse
 import re
 from dataclasses import dataclass, field, fields
 
+from services.coordinator.leadership import LeadershipConfig
 from services.coordinator.model import CoordinatorConfig
 from shared import config as shared_config
 from shared import subjects
@@ -51,10 +53,11 @@ class CoordinatorServiceConfig:
     inbox_stream: str = INBOX_STREAM  # JetStream stream of reports
     tick_ms: int = 50  # how often deadlines are checked
     compact_interval_s: float = 60.0  # how often delete markers of ended leases are purged
-    takeover_wait_s: float = 30.0  # wait for a previous coordinator to let go of the report stream
+    coordinator_id: str = ""  # names the leader in the leader key and logs ("": host-pid-random)
     log_level: str = "INFO"
     log_format: str = "json"  # "json" | "console"
     core: CoordinatorConfig = field(default_factory=CoordinatorConfig)
+    leader: LeadershipConfig = field(default_factory=LeadershipConfig)
 
     def validate(self) -> CoordinatorServiceConfig:
         """Raise ValueError naming the first bad setting; return self."""
@@ -68,11 +71,10 @@ class CoordinatorServiceConfig:
             raise ValueError(f"--tick-ms must be >= 1, got {self.tick_ms}")
         if not self.compact_interval_s > 0:
             raise ValueError(f"--compact-interval-s must be > 0, got {self.compact_interval_s}")
-        if self.takeover_wait_s < 0:
-            raise ValueError(f"--takeover-wait-s must be >= 0, got {self.takeover_wait_s}")
         if self.log_format not in ("json", "console"):
             raise ValueError(f"--log-format must be json or console, got {self.log_format!r}")
         self.core.validate()
+        self.leader.validate()
         return self
 
 
@@ -92,8 +94,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compact-interval-s", type=shared_config.positive_float,
                    default=d.compact_interval_s,
                    help="how often delete markers of ended leases are purged from the bucket")
-    p.add_argument("--takeover-wait-s", type=float, default=d.takeover_wait_s,
-                   help="wait this long for a previous coordinator to let go of the report stream")
+    p.add_argument("--coordinator-id", default=d.coordinator_id,
+                   help="this coordinator's name in the leader key and logs (default: host-pid-random)")
+    p.add_argument("--leader-ttl-ms", type=int, default=d.leader.ttl_ms,
+                   help="a standby takes over when the leader has not renewed for this long "
+                   f"(default {d.leader.ttl_ms})")
+    p.add_argument("--leader-renew-ms", type=int, default=d.leader.renew_ms,
+                   help=f"how often the leader renews its lease (default {d.leader.renew_ms})")
+    p.add_argument("--leader-margin-ms", type=int, default=d.leader.margin_ms,
+                   help="the leader stops serving this long before a standby may take over "
+                   f"(default {d.leader.margin_ms})")
     for f in fields(CoordinatorConfig):
         default = getattr(d.core, f.name)
         p.add_argument("--" + f.name.replace("_", "-"), type=int, default=default,
@@ -113,8 +123,10 @@ def from_args(args: argparse.Namespace) -> CoordinatorServiceConfig:
         inbox_stream=args.inbox_stream,
         tick_ms=args.tick_ms,
         compact_interval_s=args.compact_interval_s,
-        takeover_wait_s=args.takeover_wait_s,
+        coordinator_id=args.coordinator_id,
         log_level=args.log_level,
         log_format=args.log_format,
         core=core,
+        leader=LeadershipConfig(ttl_ms=args.leader_ttl_ms, renew_ms=args.leader_renew_ms,
+                                margin_ms=args.leader_margin_ms),
     ).validate()

@@ -29,6 +29,9 @@ Contract:
   if none has appeared when the warm-up ends (or the claim's deadline comes first), it is rejected
   ``no_compatible_node``, as is a waiting claim whose last compatible node died or drained;
   ``on_reconnected`` counts every node as seen (beats missed while we were cut off prove nothing).
+- Standby (services.coordinator.leadership): ``observe_node`` keeps the node registry warm while
+  another coordinator leads; ``drop_state`` forgets everything but the nodes when leadership ends,
+  and ``restore`` adopts the bucket's state when it begins.
 - Messages naming an unknown lease, an old generation, or a lease already ended are ignored for
   state and counted in ``counters["stale_ignored"]`` (fencing bookkeeping still learns from them).
 """
@@ -101,6 +104,21 @@ class CoordinatorCore:
         self.reserved_generation = self.next_generation
         for lease in leases:
             self.registry.remember(lease.node_id, now_ms)
+
+    def drop_state(self) -> None:
+        """Leadership lost: forget leases, waiting claims and generations (the bucket and the next
+        leader own them); keep what heartbeats taught about nodes."""
+        self.leases, self.queue = {}, []
+        self.next_generation = self.reserved_generation = 1
+        self.warmup_until_ms = 0
+
+    def observe_node(self, msg: NodeAvailable | NodeDraining, now_ms: int) -> None:
+        """A standby learns the nodes from their heartbeats (so it can grant as soon as it leads),
+        and acts on nothing: it holds no lease to fail."""
+        if isinstance(msg, NodeAvailable):
+            self.registry.heartbeat(msg, now_ms)
+        else:
+            self.registry.draining(msg, now_ms)
 
     @property
     def nodes(self) -> dict[str, Node]:

@@ -1,7 +1,9 @@
 """Prometheus metrics of the coordinator, read from the core at scrape time.
 
-Gauges: queue depth, free slots, held leases, live nodes. Counters: every core counter
-(claims, grants, rejections by reason, lease outcomes, stale messages, dead nodes). Histograms:
+Gauges: queue depth, free slots, held leases, live nodes, whether this coordinator leads
+(``xl_coord_is_leader``). Counters: every core counter (claims, grants, rejections by reason, lease
+outcomes, stale messages, dead nodes), leadership won and lost by reason
+(``xl_coord_leadership{change}``). Histograms:
 queue wait, transfer (claimed -> kv_ready) and handoff (claim -> decoding) latency.
 """
 
@@ -11,13 +13,14 @@ from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from services.coordinator.core import CoordinatorCore
+from services.coordinator.leadership import Leadership
 
 _BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 
 
 class _CoreCollector:
-    def __init__(self, core: CoordinatorCore) -> None:
-        self.core = core
+    def __init__(self, core: CoordinatorCore, leadership: Leadership | None) -> None:
+        self.core, self.leadership = core, leadership
 
     def collect(self):
         core = self.core
@@ -37,12 +40,21 @@ class _CoreCollector:
                 events.add_metric([key], value)
         yield outcomes
         yield events
+        if self.leadership is not None:
+            is_leader = self.leadership.role == "leader"
+            yield GaugeMetricFamily("xl_coord_is_leader", "1 while this coordinator leads",
+                                    value=int(is_leader))
+            changes = CounterMetricFamily("xl_coord_leadership", "Leadership won and lost",
+                                          labels=["change"])
+            for key, value in sorted(self.leadership.counters.items()):
+                changes.add_metric([key], value)
+            yield changes
 
 
 class CoordinatorMetrics:
-    def __init__(self, core: CoordinatorCore) -> None:
+    def __init__(self, core: CoordinatorCore, leadership: Leadership | None = None) -> None:
         self.registry = CollectorRegistry()
-        self.registry.register(_CoreCollector(core))
+        self.registry.register(_CoreCollector(core, leadership))
         self.histograms = {
             name: Histogram(f"xl_coord_{name}_seconds", doc, buckets=_BUCKETS_S, registry=self.registry)
             for name, doc in (

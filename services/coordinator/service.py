@@ -5,18 +5,27 @@ Contract:
   a queued claim is answered later on its reply subject.
 - Heartbeats: ``NodeAvailable`` / ``NodeDraining`` on ``subjects.NODE_AVAIL_ALL`` (live only).
 - KV-ready/failed (``xl.kv.ready.*``), decode reports (``xl.coord.report``) and cancels
-  (``xl.req.*.cancel``) are read through a JetStream work-queue stream with a durable consumer, so
-  what arrives while the coordinator is down is applied when it comes back; each message is
-  acknowledged after its effects are persisted (handling is idempotent, redelivery is harmless).
+  (``xl.req.*.cancel``) are read through a JetStream work-queue stream with a durable pull
+  consumer, fetched by the leader only, so what arrives while no coordinator leads is applied when
+  one does; each message is acknowledged after its effects are persisted (handling is idempotent,
+  redelivery is harmless), and handed back (nak) when leadership ends before that.
 - Every transition is published as a ``HandoffEvent`` on ``xl.handoff.<request_id>.<state>``.
 - State (leases, waiting claims, next generation) lives in the JetStream KV bucket
   ``subjects.COORD_KV_BUCKET`` (services.coordinator.store): written before a grant is answered,
   reloaded at start.
-- HTTP: ``/health`` (200 when connected, 503 otherwise) and ``/metrics`` (Prometheus).
+- Leader and standby (services.coordinator.leadership): any number of coordinators may run on one
+  NATS; the one holding the leader key in the bucket leads: it restores the state, then fetches
+  reports and answers claims; the others only learn the nodes from heartbeats and watch the key,
+  and one of them takes over when the leader stops renewing it. A leader that cannot renew in time
+  stops answering, drops its state and becomes a standby; every state write of a leader is
+  conditional on the key's revision, so one that lost it writes nothing.
+- HTTP: ``/health`` (200 when connected, 503 otherwise; ``role``: leader or standby) and
+  ``/metrics`` (Prometheus, ``xl_coord_is_leader``).
 - Configuration: one ``CoordinatorServiceConfig`` (services.coordinator.config), built and checked
   once in ``main`` from flags and ``EXPRESSLANE_*`` variables, passed to the service and the core.
 - SIGTERM/SIGINT: stop taking claims, turn waiting claims away with ``retry_after_ms``, flush,
-  exit 0; leases stay in the bucket for the next coordinator. NATS restarts: nats-py reconnects,
+  delete the leader key (a standby takes over at once), exit 0; leases stay in the bucket for the
+  next coordinator. NATS restarts: nats-py reconnects,
   subscriptions and the durable consumer resume; while disconnected no deadline is applied, and
   after reconnecting every node counts as just seen (missed heartbeats prove nothing then).
 """
@@ -25,9 +34,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import signal
+import socket
 import sys
 import time
+import uuid
 
 import msgspec
 import nats.errors
@@ -38,14 +50,15 @@ from opentelemetry import trace
 
 from services.coordinator.config import CoordinatorServiceConfig, build_parser, from_args
 from services.coordinator.core import CoordinatorCore
+from services.coordinator.leadership import Leadership, NotLeading
 from services.coordinator.metrics import CoordinatorMetrics
 from services.coordinator.model import Effect, Observe, Publish, Reply
-from services.coordinator.store import StateStore
+from services.coordinator.store import LeaderKeyTaken, StateStore
 from shared import config as shared_config
 from shared import subjects
 from shared.bus import Bus, BusUnavailable
 from shared.events import (
-    CancelRequest, ClaimRequest, DecodeStarted, HandoffEvent, KvFailed, KvReady, NodeAvailable,
+    CancelRequest, ClaimRejected, ClaimRequest, DecodeStarted, HandoffEvent, KvFailed, KvReady, NodeAvailable,
     NodeDraining, NodeMessage, SlotReleased, decoder, encode,
 )
 from shared.http_status import serve_status
@@ -54,15 +67,28 @@ from shared.tracing import extract_context, inject_headers, setup_tracing
 
 INBOX_SUBJECTS = [subjects.KV_READY_ALL, subjects.COORD_REPORT, subjects.REQ_CANCEL_ALL]
 InboxMessage = KvReady | KvFailed | DecodeStarted | SlotReleased | CancelRequest
+INBOX_CONSUMER = "coordinator"  # the durable pull consumer the leader fetches from
+INBOX_ACK_WAIT_S = 5.0  # a report fetched by a leader that died is redelivered after this
+INBOX_BATCH = 64
 MAX_DELIVERIES = 5  # a report that fails this often is dropped (logged), not retried forever
 
 
 class CoordinatorBusy(RuntimeError):
-    """The coordinator cannot run here: another one holds the report stream, or no JetStream."""
+    """The coordinator cannot run here: nats-server has no JetStream."""
 
 
 def now_ms() -> int:
+    """Wall clock: lease times are persisted and compared across coordinators."""
     return int(time.time() * 1000)
+
+
+def mono_ms() -> int:
+    """Local monotonic clock: the leader lease is timed on it (never persisted)."""
+    return int(time.monotonic() * 1000)
+
+
+def default_coordinator_id() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
 
 
 class CoordinatorService:
@@ -70,55 +96,163 @@ class CoordinatorService:
 
     def __init__(self, bus: Bus, core: CoordinatorCore, config: CoordinatorServiceConfig) -> None:
         self.bus, self.core, self.config = bus, core, config
-        self.metrics = CoordinatorMetrics(core)
+        self.coordinator_id = config.coordinator_id or default_coordinator_id()
+        self.leadership = Leadership(config.leader)
+        self.metrics = CoordinatorMetrics(core, self.leadership)
         self.log = get_logger("coordinator")
         self.tracer = trace.get_tracer("expresslane.coordinator")
-        self._lock = asyncio.Lock()
-        self._subs: list = []
+        self._lock = asyncio.Lock()  # one batch of effects at a time; leader key writes too
+        self._subs: list = []  # heartbeats: leader and standby
+        self._leader_subs: list = []  # claims: the leader only
         self._inbox_sub = None
-        self._tasks: list[asyncio.Task] = []
+        self._tasks: list[asyncio.Task] = []  # the leader's loops
+        self._leadership_task: asyncio.Task | None = None
+        self._wake = asyncio.Event()  # leadership loop: look now (a write was fenced)
         self._inbox_decoder = decoder(InboxMessage)
         self.http: asyncio.Server | None = None
         self.is_ready = False
-        self._restored = asyncio.Event()  # reports wait until the persisted state is loaded
+        self.is_serving = False  # leading: state restored, claims and reports handled
 
     # ------------------------------------------------------------ lifecycle
 
     async def start(self) -> None:
+        self._js = self.bus.nc.jetstream()
         try:
-            self.store = StateStore(await self.bus.kv(self.config.kv_bucket))
+            kv = await self.bus.kv(self.config.kv_bucket)
         except (nats.js.errors.ServiceUnavailableError, nats.errors.NoRespondersError) as exc:
-            raise CoordinatorBusy(  # not busy, but the same kind of fatal start-up condition
+            raise CoordinatorBusy(
                 "nats-server has no JetStream: the coordinator keeps its state there; start "
                 "nats-server with -js (`expresslane nats` does)") from exc
-        await self._start_inbox()  # first: it fails while another coordinator is running
-        await self._restore()
-        self._restored.set()
+        self.store = StateStore(kv, self._js, self.config.kv_bucket)
         self.bus.add_reconnect_callback(self._on_reconnected)
         self._subs.append(await self.bus.subscribe(subjects.NODE_AVAIL_ALL, self._on_node, NodeMessage))
-        self._subs.append(await self.bus.subscribe(subjects.CLAIM, self._on_claim, ClaimRequest))
         self.http = await serve_status(self.config.http_host, self.config.http_port, {
             "/health": self._health, "/metrics": self._metrics})
-        self._tasks += [asyncio.create_task(self._tick_loop()),
-                        asyncio.create_task(self._compact_loop())]
+        await self._leadership_step()  # lead at once when no coordinator does
+        self._leadership_task = asyncio.create_task(self._leadership_loop())
         self.is_ready = True
         self.log.info("coordinator_ready", http_port=self.http.sockets[0].getsockname()[1],
+                      coordinator_id=self.coordinator_id, role=self._role(),
                       leases=len(self.core.leases), queued=len(self.core.queue))
 
     async def stop(self) -> None:
-        """Drain: no new claims, waiting claims turned away, state flushed."""
+        """Drain: no new claims, waiting claims turned away, state flushed, leader key let go."""
         self.is_ready = False
+        if self._leadership_task is not None:
+            self._leadership_task.cancel()
+            await asyncio.gather(self._leadership_task, return_exceptions=True)
         for sub in self._subs:
             await _quietly(sub.unsubscribe())
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        await self._apply(self.core.reject_queued, "coordinator_stopping")
-        if self._inbox_sub is not None:
-            await _quietly(self._inbox_sub.unsubscribe())
+        if self.is_serving:
+            await self._stop_leader_work()
+            await self._apply(self.core.reject_queued, "coordinator_stopping")
+            await _quietly(self.store.release_leader())
+            self.is_serving = False
         if self.http is not None:
             self.http.close()
         self.log.info("coordinator_stopped", leases=len(self.core.leases))
+
+    # ------------------------------------------------------------ leadership
+
+    def _role(self) -> str:
+        return "leader" if self.is_serving else "standby"
+
+    async def _leadership_loop(self) -> None:
+        while True:
+            is_leader = self.leadership.role == "leader"
+            period_ms = self.config.leader.renew_ms if is_leader else self.config.leader.poll_ms
+            try:
+                await asyncio.wait_for(self._wake.wait(), period_ms / 1000)
+            except asyncio.TimeoutError:
+                pass
+            self._wake.clear()
+            try:
+                await self._leadership_step()
+            except Exception:
+                self.log.exception("leadership_step_failed", role=self._role())
+
+    async def _leadership_step(self) -> None:
+        """Leader: renew, or step down when the lease ran out. Standby: watch the key, take it."""
+        if self.is_serving:
+            await self._renew()
+            if not self.leadership.is_leading(mono_ms()):
+                await self._step_down()
+            return
+        try:
+            revision, is_held = await asyncio.wait_for(self.store.read_leader(),
+                                                       self.config.leader.ttl_ms / 1000)
+        except (nats.errors.Error, asyncio.TimeoutError, OSError) as exc:
+            self.log.debug("leader_key_unreadable", error=str(exc))
+            return
+        if self.leadership.observe(revision, is_held, mono_ms()):
+            await self._take_over(revision)
+
+    async def _renew(self) -> None:
+        async with self._lock:
+            if not self.leadership.is_leading(mono_ms()):
+                return
+            sent_ms = mono_ms()
+            try:
+                revision = await asyncio.wait_for(self.store.renew_leader(self.coordinator_id),
+                                                  self.config.leader.ttl_ms / 1000)
+                self.leadership.renewed(revision, sent_ms)
+            except NotLeading:
+                self.leadership.step_down("key_taken")
+            except (nats.errors.Error, asyncio.TimeoutError, OSError) as exc:
+                self.log.warning("leader_renew_failed", error=str(exc) or type(exc).__name__)
+
+    async def _take_over(self, revision: int) -> None:
+        """Take the key by compare-and-set, restore the state, then serve claims and reports."""
+        async with self._lock:
+            sent_ms = mono_ms()
+            try:
+                won = await asyncio.wait_for(self.store.take_leader(self.coordinator_id, revision),
+                                             self.config.leader.ttl_ms / 1000)
+            except NotLeading:
+                self.leadership.lost_race()
+                return
+            self.leadership.won(won, sent_ms)
+            try:
+                await self._start_inbox()
+                await self._restore()
+                self._leader_subs.append(
+                    await self.bus.subscribe(subjects.CLAIM, self._on_claim, ClaimRequest))
+            except BaseException:
+                self.leadership.step_down("start_failed")
+                await self._stop_leader_work()
+                self.store.forget_leader()
+                self.core.drop_state()
+                raise
+            self._tasks += [asyncio.create_task(self._inbox_loop()),
+                            asyncio.create_task(self._tick_loop()),
+                            asyncio.create_task(self._compact_loop())]
+            self.is_serving = True
+        self.log.info("leader_elected", coordinator_id=self.coordinator_id, revision=won,
+                      leases=len(self.core.leases), queued=len(self.core.queue),
+                      took_ms=mono_ms() - sent_ms)
+
+    async def _step_down(self) -> None:
+        """The lease is gone: stop serving, nak what was fetched, forget the state."""
+        async with self._lock:
+            self.leadership.step_down("lease_expired")  # counted once, whatever ended it
+            self.is_serving = False
+            await self._stop_leader_work()
+            self.store.forget_leader()
+            self.core.drop_state()
+        self.log.warning("leader_stepped_down", coordinator_id=self.coordinator_id,
+                         lost=dict(self.leadership.counters))
+
+    async def _stop_leader_work(self) -> None:
+        for sub in self._leader_subs:
+            await _quietly(sub.unsubscribe())
+        self._leader_subs = []
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks = []
+        if self._inbox_sub is not None:
+            await _quietly(self._inbox_sub.unsubscribe())
+            self._inbox_sub = None
 
     async def _restore(self) -> None:
         leases, queued, next_generation = await self.store.load()
@@ -128,7 +262,7 @@ class CoordinatorService:
                           next_generation=self.core.next_generation)
 
     async def _start_inbox(self) -> None:
-        js = self.bus.nc.jetstream()
+        js = self._js
         stream = StreamConfig(name=self.config.inbox_stream, subjects=INBOX_SUBJECTS,
                               retention=RetentionPolicy.WORK_QUEUE, storage=StorageType.FILE,
                               max_age=3600.0)
@@ -136,31 +270,41 @@ class CoordinatorService:
             await js.add_stream(stream)
         except nats.js.errors.BadRequestError:
             await js.update_stream(stream)
-        consumer = ConsumerConfig(durable_name="coordinator", ack_policy=AckPolicy.EXPLICIT,
-                                  filter_subjects=INBOX_SUBJECTS, ack_wait=30.0,
-                                  max_ack_pending=10_000)
-        self._js = js
-        deadline = time.monotonic() + self.config.takeover_wait_s
+        try:
+            info = await js.consumer_info(self.config.inbox_stream, INBOX_CONSUMER)
+            if info.config.deliver_subject:  # a push consumer of an older coordinator
+                await js.delete_consumer(self.config.inbox_stream, INBOX_CONSUMER)
+        except nats.js.errors.NotFoundError:
+            pass
+        await js.add_consumer(self.config.inbox_stream, ConsumerConfig(
+            durable_name=INBOX_CONSUMER, ack_policy=AckPolicy.EXPLICIT,
+            filter_subjects=INBOX_SUBJECTS, ack_wait=INBOX_ACK_WAIT_S, max_ack_pending=10_000))
+        self._inbox_sub = await js.pull_subscribe_bind(durable=INBOX_CONSUMER,
+                                                       stream=self.config.inbox_stream)
+
+    async def _inbox_loop(self) -> None:
+        """Fetch reports while leading; hand back (nak) what we can no longer apply."""
         while True:
             try:
-                self._inbox_sub = await js.subscribe(
-                    subjects.COORD_REPORT, durable="coordinator", stream=self.config.inbox_stream,
-                    config=consumer, cb=self._on_inbox, manual_ack=True)
-                return
-            except nats.js.errors.Error as exc:
-                # One coordinator at a time: the durable consumer is bound to the live one.
-                if "already bound" not in str(exc) or time.monotonic() > deadline:
-                    raise CoordinatorBusy(
-                        "another coordinator is running on this NATS (its report consumer is "
-                        f"bound): stop it first ({exc})") from exc
-                await asyncio.sleep(1.0)
+                msgs = await self._inbox_sub.fetch(INBOX_BATCH, timeout=1.0)
+            except nats.errors.TimeoutError:
+                continue
+            except (nats.errors.Error, asyncio.TimeoutError, OSError) as exc:
+                self.log.debug("inbox_fetch_failed", error=str(exc))
+                await asyncio.sleep(0.1)
+                continue
+            for msg in msgs:
+                if self.leadership.is_leading(mono_ms()):
+                    await self._on_inbox(msg)
+                else:
+                    await _quietly(msg.nak())
 
     async def _tick_loop(self) -> None:
         # Apply what arrived while we were down before any deadline fires.
         deadline = time.monotonic() + 3.0
         while time.monotonic() < deadline:
             try:
-                info = await self._js.consumer_info(self.config.inbox_stream, "coordinator")
+                info = await self._js.consumer_info(self.config.inbox_stream, INBOX_CONSUMER)
                 if info.num_pending == 0 and info.num_ack_pending == 0:
                     break
             except Exception:
@@ -176,7 +320,10 @@ class CoordinatorService:
                 self.log.exception("tick_failed")
 
     async def _on_reconnected(self) -> None:
-        await self._apply(self.core.on_reconnected)
+        if self.is_serving:
+            await self._apply(self.core.on_reconnected)
+        else:
+            self.core.on_reconnected(now_ms())  # a standby's nodes: beats missed prove nothing
 
     async def _compact_loop(self) -> None:
         """Every lease leaves a delete marker in the bucket: drop the old ones now and then."""
@@ -196,16 +343,21 @@ class CoordinatorService:
             return
         with self.tracer.start_as_current_span(
                 "coordinator.claim", attributes={"expresslane.request_id": claim.request_id}):
-            await self._apply(self.core.on_claim, claim, msg.reply)
+            if not await self._apply(self.core.on_claim, claim, msg.reply):
+                # Leadership ended under this claim: the caller retries (the next leader answers).
+                await self.bus.nc.publish(msg.reply, encode(ClaimRejected(
+                    request_id=claim.request_id, reason="coordinator_stopping",
+                    retry_after_ms=self.config.core.retry_after_ms)))
 
     async def _on_node(self, event: NodeAvailable | NodeDraining, msg) -> None:
-        if isinstance(event, NodeAvailable):
+        if not self.is_serving:
+            self.core.observe_node(event, now_ms())
+        elif isinstance(event, NodeAvailable):
             await self._apply(self.core.on_heartbeat, event)
         else:
             await self._apply(self.core.on_draining, event)
 
     async def _on_inbox(self, msg) -> None:
-        await self._restored.wait()
         try:
             event = self._inbox_decoder.decode(msg.data)
         except (msgspec.ValidationError, msgspec.DecodeError) as exc:
@@ -226,8 +378,8 @@ class CoordinatorService:
             with self.tracer.start_as_current_span(
                 f"coordinator.{type(event).__name__}",
                 attributes={"expresslane.request_id": event.request_id}):
-                await self._apply(handler, event)
-            await _quietly(msg.ack())
+                is_applied = await self._apply(handler, event)
+            await _quietly(msg.ack() if is_applied else msg.nak())  # nak: the next leader's
         except Exception:
             self.log.exception("inbox_handler_failed", subject=msg.subject)
         finally:
@@ -235,13 +387,26 @@ class CoordinatorService:
 
     # ------------------------------------------------------------ effects
 
-    async def _apply(self, fn, *args) -> None:
+    async def _apply(self, fn, *args) -> bool:
+        """Feed the core and perform its effects; False when this coordinator no longer leads
+        (nothing was written or sent; the state is dropped when it steps down)."""
         async with self._lock:
             effects = fn(*args, now_ms())
-            await self._perform(effects)
+            try:
+                await self._perform(effects)
+            except NotLeading as exc:
+                self.leadership.step_down(
+                    "key_taken" if isinstance(exc, LeaderKeyTaken) else "lease_expired")
+                self._wake.set()
+                self.log.warning("not_leading", error=str(exc))
+                return False
+            return True
 
     async def _perform(self, effects: list[Effect]) -> None:
-        """State first (see StateStore.write), then replies and events in order."""
+        """State first (see StateStore.write), then replies and events in order; only while
+        leading (checked here, and by the store's conditional writes)."""
+        if effects and not self.leadership.is_leading(mono_ms()):
+            raise NotLeading("the leader lease ran out")
         await self.store.write(effects)
         for e in effects:
             if isinstance(e, Reply):
@@ -262,6 +427,7 @@ class CoordinatorService:
     def _health(self) -> tuple[int, str, bytes]:
         is_ok = self.is_ready and self.bus.is_connected
         body = {"status": "ok" if is_ok else "unavailable", "connected": self.bus.is_connected,
+                "role": self._role(), "coordinator_id": self.coordinator_id,
                 "leases": len(self.core.leases), "queued": len(self.core.queue),
                 "nodes": sorted(self.core.nodes), "free_slots": self.core.num_free_slots()}
         return (200 if is_ok else 503), "application/json", json.dumps(body).encode()

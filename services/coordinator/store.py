@@ -9,6 +9,12 @@ Contract:
   write per key wins, and all keys are written at once; returns when every write is acknowledged.
 - Every call retries while NATS is away, for up to ``retry_s``, then raises.
 - ``await store.compact(older_than_s)``: drop the delete markers ended leases leave behind.
+- Leader key (services.coordinator.leadership): ``read_leader() -> (revision, is_held)``,
+  ``take_leader(holder, revision, is_held)``, ``renew_leader(holder)`` and ``release_leader()``
+  are compare-and-set writes on its revision (``LeaderKeyTaken`` when another writer came first).
+  Once taken, every ``write`` is conditional on the key still being at the revision this store
+  last wrote (``Nats-Expected-Last-Subject-Sequence`` for the key's subject): a coordinator that
+  lost the key gets ``LeaderKeyTaken`` and writes nothing.
 """
 
 from __future__ import annotations
@@ -20,17 +26,30 @@ import time
 import msgspec
 import nats.errors
 import nats.js.errors
+from nats.js.client import JetStreamContext
 from nats.js.kv import KeyValue
 
+from services.coordinator.leadership import LEADER_KEY, NotLeading
 from services.coordinator.model import (
     DeleteLease, DeleteQueued, Effect, Lease, PutLease, PutMeta, PutQueued, QueuedClaim,
 )
 from shared.log import get_logger
 
+KV_OPERATION = "KV-Operation"  # the KV protocol's delete marker header
+EXPECTED_SEQ = "Nats-Expected-Last-Subject-Sequence"
+EXPECTED_SEQ_SUBJECT = "Nats-Expected-Last-Subject-Sequence-Subject"  # nats-server >= 2.11
+WRONG_LAST_SEQUENCE = (10071, 10164)  # JetStream error codes of a failed expected sequence
+
+
+class LeaderKeyTaken(NotLeading):
+    """The leader key is not at the revision this coordinator expected: another one leads."""
+
 
 class StateStore:
-    def __init__(self, kv: KeyValue, retry_s: float = 30.0) -> None:
-        self.kv, self.retry_s = kv, retry_s
+    def __init__(self, kv: KeyValue, js: JetStreamContext, bucket: str, retry_s: float = 30.0) -> None:
+        self.kv, self.js, self.retry_s = kv, js, retry_s
+        self.prefix, self.stream = f"$KV.{bucket}.", f"KV_{bucket}"
+        self.leader_revision = 0  # 0: writes are not fenced (not leading through this store)
         self.log = get_logger("coordinator.store")
 
     async def load(self) -> tuple[list[Lease], list[QueuedClaim], int]:
@@ -40,17 +59,16 @@ class StateStore:
         except nats.js.errors.NoKeysError:
             keys = []
         for key in keys:
-            try:
-                entry = await self._retry(self.kv.get, key)
-            except nats.js.errors.KeyNotFoundError:
+            _, value = await self._retry(self._read, key)
+            if value is None:
                 continue
             try:
                 if key.startswith("lease."):
-                    leases.append(msgspec.json.decode(entry.value, type=Lease))
+                    leases.append(msgspec.json.decode(value, type=Lease))
                 elif key.startswith("queue."):
-                    queued.append(msgspec.json.decode(entry.value, type=QueuedClaim))
+                    queued.append(msgspec.json.decode(value, type=QueuedClaim))
                 elif key == "meta":
-                    next_generation = int(json.loads(entry.value)["next_generation"])
+                    next_generation = int(json.loads(value)["next_generation"])
             except (msgspec.DecodeError, msgspec.ValidationError, ValueError, KeyError) as exc:
                 self.log.error("state_record_unreadable", key=key, error=str(exc))
         return leases, queued, next_generation
@@ -68,9 +86,78 @@ class StateStore:
                 writes[f"queue.{e.request_id}"] = None
             elif isinstance(e, PutMeta):
                 writes["meta"] = json.dumps({"next_generation": e.next_generation}).encode()
-        await asyncio.gather(*(
-            self._retry(self.kv.put, key, value) if value is not None
-            else self._retry(self.kv.delete, key) for key, value in writes.items()))
+        if not self.leader_revision:
+            await asyncio.gather(*(self._retry(self._put, key, value) for key, value in writes.items()))
+            return
+        # Fenced writes one at a time: a replicated bucket (NATS cluster) refuses a write that
+        # expects the leader key's sequence while another write is in flight ("wrong last
+        # sequence", 10164), which would read as a lost leadership.
+        for key, value in writes.items():
+            await self._retry(self._put, key, value)
+
+    async def _put(self, key: str, value: bytes | None) -> None:
+        """One write (``None``: delete), fenced by the leader key's revision when leading."""
+        headers = {KV_OPERATION: "DEL"} if value is None else {}
+        if self.leader_revision:
+            headers[EXPECTED_SEQ] = str(self.leader_revision)
+            headers[EXPECTED_SEQ_SUBJECT] = self.prefix + LEADER_KEY
+        try:
+            await self.js.publish(self.prefix + key, value or b"", headers=headers or None)
+        except nats.js.errors.APIError as exc:
+            if exc.err_code in WRONG_LAST_SEQUENCE:
+                raise LeaderKeyTaken(f"leader key moved past revision {self.leader_revision}") from exc
+            raise
+
+    # ------------------------------------------------------------ leader key
+
+    async def read_leader(self) -> tuple[int, bool]:
+        """(revision, is_held): revision 0 when the key never existed (or was purged); not held
+        when deleted (a leader let go)."""
+        revision, value = await self._retry(self._read, LEADER_KEY)
+        return revision, value is not None
+
+    async def _read(self, key: str) -> tuple[int, bytes | None]:
+        """(revision, value; None: absent or deleted), from the stream's leader: a direct get may
+        be answered by a replica that has not caught up, and a new leader must read what the old
+        one wrote last."""
+        try:
+            msg = await self.js.get_msg(self.stream, subject=self.prefix + key, direct=False)
+        except nats.js.errors.NotFoundError:
+            return 0, None
+        if msg.headers and msg.headers.get(KV_OPERATION) in ("DEL", "PURGE"):
+            return msg.seq, None
+        return msg.seq, msg.data or b""
+
+    async def take_leader(self, holder: str, revision: int) -> int:
+        """Compare-and-set the key from ``revision`` to ``holder``; fence writes by the result."""
+        self.leader_revision = await self._cas(holder, revision)
+        return self.leader_revision
+
+    async def renew_leader(self, holder: str) -> int:
+        """Rewrite the key (compare-and-set on our last revision): the leader is alive."""
+        self.leader_revision = await self._cas(holder, self.leader_revision)
+        return self.leader_revision
+
+    async def release_leader(self) -> None:
+        """Delete the key if it is still ours (a standby takes over at once); stop fencing."""
+        revision, self.leader_revision = self.leader_revision, 0
+        if revision:
+            try:
+                await self.kv.delete(LEADER_KEY, last=revision)
+            except nats.js.errors.APIError as exc:
+                if exc.err_code not in WRONG_LAST_SEQUENCE:
+                    raise
+
+    def forget_leader(self) -> None:
+        """Leadership ended without a release: stop fencing (writes are not ours to make)."""
+        self.leader_revision = 0
+
+    async def _cas(self, holder: str, revision: int) -> int:
+        value = json.dumps({"holder": holder, "at_ms": int(time.time() * 1000)}).encode()
+        try:
+            return await self.kv.update(LEADER_KEY, value, last=revision)
+        except nats.js.errors.KeyWrongLastSequenceError as exc:
+            raise LeaderKeyTaken(f"leader key is past revision {revision}") from exc
 
     async def compact(self, older_than_s: int) -> None:
         await self.kv.purge_deletes(olderthan=max(1, older_than_s))

@@ -112,13 +112,15 @@ class Stack:
         await self.bus.subscribe(subjects.HANDOFF_ALL, on_event, HandoffEvent)
         return self
 
-    async def coordinator(self, *extra: str) -> Proc:
+    async def coordinator(self, *extra: str, role: str = "leader") -> Proc:
+        """Start a coordinator and wait until it has its ``role``; the leader is ``self.coord``."""
         p = Proc(f"coordinator-{len(self.procs)}", ["coordinator", "--nats-url", self.nats.url,
                                                      "--log-format", "json", "--tick-ms", "20", *extra],
                  self.log_dir).start()
         self.procs.append(p)
-        await p.wait_healthy(30)
-        self.coord = p
+        await p.wait_healthy(30, until=lambda h: h["role"] == role)
+        if role == "leader":
+            self.coord = p
         return p
 
     async def decode(self, node_id: str, slots: int = 1, *extra: str) -> Proc:
@@ -237,7 +239,7 @@ async def test_last_of_n_plus_one_claims_waits_then_is_granted(stack):
     # Ended leases leave nothing behind in the state bucket either (delete markers are purged).
     js = stack.bus.nc.jetstream()
     deadline = time.monotonic() + 15
-    while (await js.stream_info(f"KV_{subjects.COORD_KV_BUCKET}")).state.messages > 1:  # meta
+    while (await js.stream_info(f"KV_{subjects.COORD_KV_BUCKET}")).state.messages > 2:  # meta, leader
         assert time.monotonic() < deadline, "delete markers were not purged"
         await asyncio.sleep(0.2)
 
@@ -394,12 +396,10 @@ async def test_cancel_frees_the_slot(stack):
 
 async def test_sigterm_drains_decode_node_and_coordinator(stack):
     coord = await stack.coordinator()
-    second = Proc("coordinator-second", ["coordinator", "--nats-url", stack.nats.url,
-                                         "--takeover-wait-s", "1"], stack.log_dir).start()
-    stack.procs.append(second)
-    assert await asyncio.to_thread(second.proc.wait, 60) == 1  # one coordinator at a time
-    assert "another coordinator is running" in second.tail()
+    second = await stack.coordinator(role="standby")  # one leader at a time: the other waits
     node = await stack.decode("d1", 1)
+    await second.wait_healthy(10, until=lambda h: "d1" in h["nodes"] and h["leases"] == 0)
+    second.stop()
     grant = await stack.claim("r0")
     queue = await run_request(stack, grant, prompt_len=8, max_tokens=200)
     first = await asyncio.wait_for(queue.get(), 30)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from services.coordinator.config import CoordinatorServiceConfig, build_parser, from_args
+from services.coordinator.leadership import LeadershipConfig
 from services.coordinator.model import CoordinatorConfig
 from shared import config as shared_config
 
@@ -26,8 +27,10 @@ def test_defaults_are_the_dataclass_defaults():
          dict(nats_url="nats://coordinator:pw@nats:4222", log_format="console", log_level="DEBUG")),
         (["--kv-bucket", "b1", "--inbox-stream", "S1"], {}, dict(kv_bucket="b1", inbox_stream="S1")),
         (["--compact-interval-s", "1"], {"EXPRESSLANE_COMPACT_INTERVAL_S": "5",
-                                         "EXPRESSLANE_TAKEOVER_WAIT_S": "0"},
-         dict(compact_interval_s=1.0, takeover_wait_s=0.0)),
+                                         "EXPRESSLANE_COORDINATOR_ID": "coord-b"},
+         dict(compact_interval_s=1.0, coordinator_id="coord-b")),
+        (["--leader-ttl-ms", "3000"], {"EXPRESSLANE_LEADER_RENEW_MS": "500"},
+         dict(leader=LeadershipConfig(ttl_ms=3000, renew_ms=500))),
     ],
 )
 def test_service_settings_from_flags_and_env(argv, env, expected):
@@ -46,7 +49,9 @@ def test_core_settings_ride_along():
         (["--tick-ms", "0"], {}, "argument --tick-ms: 0 must be a whole number above 0"),
         ([], {"EXPRESSLANE_HTTP_PORT": "70000"}, "(the variable for --http-port): 70000 is not a port"),
         (["--compact-interval-s", "0"], {}, "argument --compact-interval-s: 0 must be a number above 0"),
-        (["--takeover-wait-s", "-1"], {}, "--takeover-wait-s must be >= 0, got -1.0"),
+        (["--leader-ttl-ms", "500"], {}, "--leader-ttl-ms (500) minus --leader-margin-ms (300) "
+         "must leave room for two renewals"),
+        (["--leader-margin-ms", "-1"], {}, "--leader-margin-ms must be >= 0, got -1"),
         (["--kv-bucket", "xl.coord"], {}, "--kv-bucket 'xl.coord' is not a JetStream name"),
         (["--inbox-stream", "a b"], {}, "--inbox-stream 'a b' is not a JetStream name"),
         (["--heartbeat-misses", "0"], {}, "heartbeat_misses must be >= 1, got 0"),
@@ -69,6 +74,7 @@ def test_help_lists_every_setting(capsys):
         build_parser().parse_args(["--help"])
     text = capsys.readouterr().out
     flags = ["--nats-url", "--log-level", "--log-format", "--http-host", "--http-port", "--kv-bucket",
-             "--inbox-stream", "--tick-ms", "--compact-interval-s", "--takeover-wait-s"]
+             "--inbox-stream", "--tick-ms", "--compact-interval-s", "--coordinator-id",
+             "--leader-ttl-ms", "--leader-renew-ms", "--leader-margin-ms"]
     flags += ["--" + name.replace("_", "-") for name in CoordinatorConfig.__dataclass_fields__]
     assert all(flag in text for flag in flags)
