@@ -137,6 +137,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-checksum", action="store_true",
                    default=env("EXPRESSLANE_KV_CHECKSUM", "") not in ("", "0", "false"),
                    help="send a CRC-32 per written KV segment, checked by the decode node")
+    p.add_argument("--fault-flip-kv-byte-every", type=int, metavar="N",
+                   default=int(env("EXPRESSLANE_FAULT_FLIP_KV_BYTE_EVERY", "0")),
+                   help="FAULT INJECTION, for tests and bench/chaos.py only: flip one byte of every "
+                        "Nth transfer's KV after its checksum (needs --kv-checksum; 0: off)")
     p.add_argument("--native-pool", action="store_true",
                    help="also load vLLM's NixlConnector (MultiConnector) for a native decode pool")
     p.add_argument("--gpu", action="store_true", help="start with `vllm serve` even on a CPU build")
@@ -162,6 +166,7 @@ def main(argv: list[str]) -> int:
                                staging_slots=args.staging_slots, staging_max_tokens=args.staging_max_tokens,
                                transfer_timeout_s=args.transfer_timeout_s, stats_path=args.stats_path,
                                kv_checksum=args.kv_checksum,
+                               fault_flip_kv_byte_every=args.fault_flip_kv_byte_every,
                                **{key: getattr(args, key) for key in NATS_AUTH_KEYS})
         config.validate()
     except ValueError as exc:

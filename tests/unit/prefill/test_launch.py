@@ -49,6 +49,11 @@ def test_kv_checksum_flag_reaches_the_connector(capsys):
     config = ExpressConfig(kv_checksum=True, fault_flip_kv_byte_every=2)
     extra = launch.kv_transfer_config(config)["kv_connector_extra_config"]
     assert ExpressConfig.from_extra_config(extra) == config
+    assert launch.main(["--model", "M", "--kv-checksum", "--fault-flip-kv-byte-every", "2",
+                        "--print-command"]) == 0
+    assert '"fault_flip_kv_byte_every": 2' in capsys.readouterr().out
+    assert launch.main(["--model", "M", "--fault-flip-kv-byte-every", "2", "--print-command"]) == 2
+    assert "set kv_checksum too" in capsys.readouterr().err
     default = launch.kv_transfer_config(ExpressConfig())["kv_connector_extra_config"]
     assert "kv_checksum" not in default and "fault_flip_kv_byte_every" not in default
 
