@@ -2,8 +2,9 @@
 
 Contract:
 - Starts, in order, each as its own process group with its log under ``WORKDIR/logs``: an embedded
-  nats-server (JetStream), the coordinator, ``--decode-nodes`` decode nodes, the vLLM prefill with
-  the express connector, and the router; waits for each one's health before the next.
+  nats-server (JetStream), ``--coordinators`` coordinators (the first leads, the others stand by
+  to take over: services.coordinator.leadership), ``--decode-nodes`` decode nodes, the vLLM prefill
+  with the express connector, and the router; waits for each one's health before the next.
 - Without ``--model`` it writes a tiny checkpoint (``infra.tinymodel``, ``--arch``) under WORKDIR.
 - A piece whose module is not in this build is reported as missing and skipped (vLLM then runs
   without the connector and the router serves the standard lane only).
@@ -162,10 +163,11 @@ def plan(args: argparse.Namespace, model: Path, nats_url: str, py: str,
     procs: list[Proc] = []
     missing: list[str] = []
     if have("services.coordinator.service"):
-        port = free_port()
-        procs.append(Proc("coordinator", cli + ["coordinator", *common("coordinator"),
-                                                "--http-port", str(port)],
-                          f"http://127.0.0.1:{port}/health"))
+        for i in range(args.coordinators):
+            port = free_port()
+            procs.append(Proc("coordinator" + (f"-{i}" if i else ""), cli + [
+                "coordinator", *common("coordinator"), "--http-port", str(port)],
+                f"http://127.0.0.1:{port}/health"))
     else:
         missing.append("coordinator (services/coordinator/service.py)")
     if have("services.decode.server"):
@@ -232,6 +234,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", type=Path, default=None,
                    help="HF checkpoint directory (default: generate a tiny model)")
     p.add_argument("--arch", default="llama", help="architecture of the generated tiny model")
+    p.add_argument("--coordinators", type=int, choices=range(1, 10), default=1, metavar="N",
+                   help="coordinator processes: one leads, the others take over when it dies "
+                   "(default 1)")
     p.add_argument("--decode-nodes", type=int, default=2, help="decode node processes (default 2)")
     p.add_argument("--slots", type=int, default=2, help="slots per decode node (default 2)")
     p.add_argument("--port", type=int, default=8000, help="router port (default 8000)")

@@ -25,6 +25,18 @@ def test_plan_starts_every_piece_in_order(tmp_path):
     assert all(p.health_url.endswith("/health") for p in procs)
 
 
+def test_coordinators_flag_starts_a_leader_and_standbys_first(tmp_path):
+    args = build_parser().parse_args(["--coordinators", "2", "--decode-nodes", "1"])
+    (tmp_path / "config.json").write_text('{"model_type": "llama"}')
+    procs, _ = plan(args, tmp_path, "nats://127.0.0.1:4999", sys.executable)
+    assert [p.name for p in procs] == ["coordinator", "coordinator-1", "decode-0", "prefill", "router"]
+    coordinators = procs[:2]
+    assert all(p.argv[p.argv.index("infra.cli") + 1] == "coordinator" for p in coordinators)
+    assert coordinators[0].health_url != coordinators[1].health_url  # each its own HTTP port
+    assert [p.name for p in plan(build_parser().parse_args([]), tmp_path, "nats://x:1",
+                                 sys.executable)[0]][:2] == ["coordinator", "decode-0"]
+
+
 def test_mla_model_gets_the_cpu_mla_backend(tmp_path):
     args = build_parser().parse_args([])
     (tmp_path / "config.json").write_text('{"model_type": "deepseek_v3", "kv_lora_rank": 512}')
