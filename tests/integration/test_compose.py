@@ -16,7 +16,7 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "docker-compose.yml"
-LONG_RUNNING = {"nats", "prefill", "coordinator", "decode-0", "decode-1", "router"}
+LONG_RUNNING = {"nats", "prefill", "coordinator", "coordinator-1", "decode-0", "decode-1", "router"}
 
 
 def docker_compose(*args: str) -> subprocess.CompletedProcess:
@@ -70,7 +70,8 @@ def test_health_checks_and_start_order(stack):
 def test_each_service_uses_its_own_nats_user(stack):
     users = re.findall(r"^\s*user: (\w+)$", (ROOT / "infra/nats/nats.conf").read_text(), re.M)
     assert sorted(users) == ["coordinator", "decode", "prefill", "router", "tools"]
-    expected = {"router": "router", "coordinator": "coordinator", "decode-0": "decode",
+    expected = {"router": "router", "coordinator": "coordinator", "coordinator-1": "coordinator",
+                "decode-0": "decode",
                 "decode-1": "decode", "prefill": "prefill", "events": "tools"}
     nats_env = stack["nats"]["environment"]
     for name, user in expected.items():
@@ -83,7 +84,7 @@ def test_each_service_uses_its_own_nats_user(stack):
 
 
 def test_tracing_and_ports(stack):
-    for name in ("router", "coordinator", "prefill", "decode-0", "decode-1"):
+    for name in ("router", "coordinator", "coordinator-1", "prefill", "decode-0", "decode-1"):
         assert stack[name]["environment"]["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://jaeger:4318"
         assert "OTEL_SERVICE_NAME" not in stack[name]["environment"]
     assert container_ports(stack["jaeger"]) == {4317, 4318, 16686}
@@ -92,6 +93,13 @@ def test_tracing_and_ports(stack):
     node_ids = [next(a for a in stack[n]["command"] if a.startswith("--node-id="))
                 for n in ("decode-0", "decode-1")]
     assert node_ids == ["--node-id=decode-0", "--node-id=decode-1"]
+
+
+def test_two_coordinators_one_leads_one_stands_by(stack):
+    leader, standby = stack["coordinator"], stack["coordinator-1"]
+    assert standby["command"] == leader["command"] and standby["image"] == leader["image"]
+    assert standby["restart"] == "unless-stopped" and "ports" not in standby
+    assert standby["depends_on"]["nats"]["condition"] == "service_healthy"
 
 
 def test_dockerfiles_exist_and_copy_what_exists(stack):
