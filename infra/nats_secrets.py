@@ -66,13 +66,19 @@ def make_secrets(out_dir: str | os.PathLike, hosts: tuple[str, ...] = DEFAULT_HO
     out.out_dir.mkdir(parents=True, exist_ok=True)
     for user in users:
         if not out.password_file(user).exists():
-            _write(out.password_file(user), token_source.token_urlsafe(24).encode() + b"\n", 0o600)
+            _write(out.password_file(user), new_password().encode() + b"\n", 0o600)
     if not (out.ca.exists() and out.server_cert.exists() and out.server_key.exists()):
         ca_key, ca_cert = _make_ca(out.out_dir)
         key, cert = _sign(ca_key, ca_cert, "expresslane nats-server", hosts, is_server=True)
         _write(out.server_key, _key_pem(key), 0o600)
         _write(out.server_cert, _cert_pem(cert), 0o644)
     return out
+
+
+def new_password() -> str:
+    """192 random bits as a letter and hex digits: nats-server parses an environment variable's value
+    as a config value, so a password starting with a digit or holding punctuation breaks it."""
+    return "xl" + token_source.token_hex(24)
 
 
 def make_client_cert(out_dir: str | os.PathLike, name: str) -> tuple[Path, Path]:

@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 
 import pytest
 
 from infra.nats import SECURE_CONFIG, ServerTls
-from infra.nats_secrets import USERS, make_client_cert, make_secrets
+from infra.nats_secrets import USERS, make_client_cert, make_secrets, new_password
 from shared import events as ev
 from shared import subjects
 from shared.bus import Bus, BusAuthError, BusTlsError
@@ -46,6 +47,13 @@ async def test_secrets_are_files_readable_only_by_their_owner(secrets):
     make_secrets(secrets.out_dir)  # a second run keeps what is there
     assert {user: secrets.password_file(user).read_text() for user in USERS} == before
     assert len(set(before.values())) == len(USERS)
+    # nats-server parses the variables as config values: a letter first, then letters and digits
+    assert all(re.fullmatch(r"xl[0-9a-f]{48}\n", pw) for pw in before.values())
+
+
+async def test_every_generated_password_is_one_nats_server_accepts(make_nats_server, tmp_path):
+    env = {f"XL_NATS_{user.upper()}_PASSWORD": new_password() for user in USERS}
+    make_nats_server(config_file=SECURE_CONFIG, env=env)  # raises when one cannot be parsed
 
 
 async def test_each_service_connects_over_tls_and_speaks_its_subjects(tls_server, secrets):
