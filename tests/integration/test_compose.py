@@ -16,7 +16,8 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "docker-compose.yml"
-LONG_RUNNING = {"nats", "prefill", "coordinator", "coordinator-1", "decode-0", "decode-1", "router"}
+NATS_MEMBERS = ("nats", "nats-1", "nats-2")  # one JetStream cluster
+LONG_RUNNING = {*NATS_MEMBERS, "prefill", "coordinator", "coordinator-1", "decode-0", "decode-1", "router"}
 
 
 def docker_compose(*args: str) -> subprocess.CompletedProcess:
@@ -74,13 +75,23 @@ def test_each_service_uses_its_own_nats_user(stack):
                 "decode-0": "decode",
                 "decode-1": "decode", "prefill": "prefill", "events": "tools"}
     nats_env = stack["nats"]["environment"]
-    for name, user in expected.items():
-        url = urllib.parse.urlsplit(stack[name]["environment"]["EXPRESSLANE_NATS_URL"])
-        assert (url.hostname, url.port, url.username) == ("nats", 4222, user), name
-        assert url.password == nats_env[f"XL_NATS_{user.upper()}_PASSWORD"], name
-    box = urllib.parse.urlsplit(stack["nats-box"]["environment"]["NATS_URL"])
+    for name, user in expected.items():  # every member of the cluster, the same user
+        urls = [urllib.parse.urlsplit(u) for u in
+                stack[name]["environment"]["EXPRESSLANE_NATS_URL"].split(",")]
+        assert [(u.hostname, u.port, u.username) for u in urls] == [
+            (member, 4222, user) for member in NATS_MEMBERS], name
+        assert {u.password for u in urls} == {nats_env[f"XL_NATS_{user.upper()}_PASSWORD"]}, name
+    box = urllib.parse.urlsplit(stack["nats-box"]["environment"]["NATS_URL"].split(",")[0])
     assert (box.username, box.password) == ("tools", nats_env["XL_NATS_TOOLS_PASSWORD"])
-    assert "-js" in stack["nats"]["command"] and "-m" in stack["nats"]["command"]
+    for member in NATS_MEMBERS:
+        command = stack[member]["command"]
+        assert "-js" in command and "-m" in command, member
+        assert command[command.index("--cluster_name") + 1] == "expresslane", member
+        assert command[command.index("--routes") + 1] == ",".join(
+            f"nats://{m}:6222" for m in NATS_MEMBERS), member
+    # the coordinator's state survives losing a member: three replicas, all members up first
+    assert stack["coordinator"]["environment"]["EXPRESSLANE_JS_REPLICAS"] == "3"
+    assert {m for m in NATS_MEMBERS if m in stack["coordinator"]["depends_on"]} == set(NATS_MEMBERS)
 
 
 def test_tracing_and_ports(stack):
