@@ -87,14 +87,14 @@ class Engine:
         self.config = config
         self.model, self.cfg, self.model_name = model, cfg, model_name
         self.device, self.dtype = model.embed.device, model.embed.dtype
-        self.num_slots, self.max_seq_len, self.k = num_slots, max_seq_len, num_spec
+        self.num_slots, self.max_seq_len, self.num_spec = num_slots, max_seq_len, num_spec
         self.eos_token_ids = eos_token_ids
         # Without drafts the MTP layer is unused: its cache is neither kept nor part of the layout,
         # which then matches a prefill that runs without the MTP drafter.
-        if not self.k and getattr(model, "has_mtp", False):
+        if not self.num_spec and getattr(model, "has_mtp", False):
             model.has_mtp = False
-        self.cache = KvCache(kv_shape_from_hf_config(raw_config, include_mtp=self.k > 0), num_slots,
-                             max_seq_len + self.k, self.dtype, self.device)
+        self.cache = KvCache(kv_shape_from_hf_config(raw_config, include_mtp=self.num_spec > 0), num_slots,
+                             max_seq_len + self.num_spec, self.dtype, self.device)
         model.bind(self.cache)
         on_cuda = self.device.type == "cuda" and config.use_cuda_graphs
         self._forward = GraphedFn(lambda t, p, s, n: _with_logits(model, model(t, p, s, n)), on_cuda)
@@ -103,14 +103,14 @@ class Engine:
         self.temperature = torch.zeros(n, device=dev)
         self.top_k = torch.zeros(n, dtype=torch.long, device=dev)
         self.top_p = torch.ones(n, device=dev)
-        self.drafts = torch.zeros(n, max(self.k, 1), dtype=torch.long, device=dev)
-        self.draft_probs = torch.zeros(n, max(self.k, 1), vocab, device=dev) if self.k else None
+        self.drafts = torch.zeros(n, max(self.num_spec, 1), dtype=torch.long, device=dev)
+        self.draft_probs = torch.zeros(n, max(self.num_spec, 1), vocab, device=dev) if self.num_spec else None
         self.prefill_hidden = torch.zeros(n, cfg.hidden_size, dtype=self.dtype, device=dev)
         self.generators = [torch.Generator(device=dev) for _ in range(n)]
         self.slots = [SlotState() for _ in range(num_slots)]
         self.fast_path_mode = fast_path
-        self._fast, self.fast_path_reason = fastpath.setup(fast_path, model, self.device, self.dtype, self.k,
-                                                           config.fast_path_options,
+        self._fast, self.fast_path_reason = fastpath.setup(fast_path, model, self.device, self.dtype,
+                                                           self.num_spec, config.fast_path_options,
                                                            config.fast_path_tokens_per_step,
                                                            draft_vocab=draft_vocab)
         self.last_step_path: str | None = None  # "fast" | "reference" after a step
@@ -151,6 +151,12 @@ class Engine:
     @property
     def layout(self) -> KvLayoutSpec:
         return self.cache.layout
+
+    @property
+    def fast_path(self) -> fastpath.FastPath | None:
+        """The batch-1 fast path, to read (``tokens_per_step``, its decoders); None where the engine
+        runs the reference step only (``fast_path_reason`` says why)."""
+        return self._fast
 
     def slot_buffer(self, slot: int) -> torch.Tensor:
         """uint8 [layout.slot_nbytes]: the slot's KV cache memory (register it with a Transport)."""
@@ -203,7 +209,8 @@ class Engine:
         if sampling.temperature < 0 or not 0 < sampling.top_p <= 1 or sampling.top_k < 0 or sampling.max_tokens < 0:
             raise ValueError(f"invalid sampling parameters: {sampling}")
         stop = set(sampling.stop_token_ids) | (set() if sampling.ignore_eos else set(self.eos_token_ids))
-        k = self.k if sampling.num_speculative_tokens is None else min(self.k, sampling.num_speculative_tokens)
+        asked = sampling.num_speculative_tokens
+        k = self.num_spec if asked is None else min(self.num_spec, asked)
         s.extra["fast_path_reason"] = self.fast_path_reason or fastpath.request_reason(
             sampling.temperature == 0, k, self._fast is not None and self._fast.spec_ok)
         if self._fast is not None and s.extra["fast_path_reason"]:
@@ -218,7 +225,7 @@ class Engine:
             slot_ids = torch.tensor([slot], device=self.device)
             tokens = torch.tensor([[first_token_id]], device=self.device)
             positions = torch.tensor([[s.seq_len - 1]], device=self.device)
-            num_keys = self._num_keys(s.seq_len + self.k)
+            num_keys = self._num_keys(s.seq_len + self.num_spec)
             hidden, logits = self._mtp(tokens, positions, self.prefill_hidden[slot][None, None], slot_ids, num_keys)
             self._draft(slot_ids, [self.generators[slot]], hidden[:, 0], logits[:, 0],
                         torch.tensor([s.seq_len], device=self.device), num_keys, s.is_greedy)
@@ -267,7 +274,7 @@ class Engine:
         """
         greedy = self.temperature[slot_ids] <= 0
         drafts, probs = [], []
-        for j in range(self.k):
+        for j in range(self.num_spec):
             if all_greedy:  # greedy acceptance never reads the draft distribution
                 d = logits.argmax(dim=-1)
             else:
@@ -275,7 +282,7 @@ class Engine:
                 d = sample(q, exponential_noise(gens, (q.shape[-1],), self.device), greedy)
                 probs.append(q)
             drafts.append(d)
-            if j + 1 < self.k:
+            if j + 1 < self.num_spec:
                 pos = (next_pos + j).clamp(max=self.cache.max_tokens - 1)[:, None]
                 h, lg = self._mtp(d[:, None], pos, hidden[:, None], slot_ids, num_keys)
                 hidden, logits = h[:, 0], lg[:, 0]
@@ -296,7 +303,7 @@ class Engine:
                                           self.prefill_hidden[active[0]] if s.has_prefill_hidden else None)
             return {active[0]: StepOutput(token_ids=out, finish_reason=reason)}
         self.last_step_path = "reference"
-        dev, k, b = self.device, self.k, len(active)
+        dev, k, b = self.device, self.num_spec, len(active)
         slot_ids = torch.tensor(active, device=dev)
         seq = torch.tensor([self.slots[i].seq_len for i in active], device=dev)
         pending = torch.tensor([self.slots[i].pending for i in active], device=dev)

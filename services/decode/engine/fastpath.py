@@ -103,11 +103,11 @@ class FastPath:
             raise ValueError(f"fast_path_tokens_per_step must be >= 1, got {tokens_per_step}")
         self.model, self.device, self.options = model, device, options
         self.mla = getattr(model, "family", "") == "mla"
-        self.k = num_speculative_tokens if self.mla else 0
+        self.num_spec = num_speculative_tokens if self.mla else 0
         self.spec_ok = self.mla  # the DeepSeek-family step drafts with the MTP layer
         self.draft_vocab = draft_vocab
         self.tokens_per_step = tokens_per_step
-        self.max_steps = max(max_steps, tokens_per_step, 4 * (self.k + 1))  # out_tokens rows; re-armed when full
+        self.max_steps = max(max_steps, tokens_per_step, 4 * (self.num_spec + 1))  # out_tokens rows; re-armed when full
         self.decoders: dict[int, tuple] = {}  # slot -> (decoder, {drafts k: GraphedFn})
         self.held: dict[int, tuple[int, int, int]] = {}  # slot -> (token, pos, out index) on device
 
@@ -135,8 +135,8 @@ class FastPath:
             if self.mla:
                 from .cuda.adapter import mla_decoder_from_engine
 
-                dec = mla_decoder_from_engine(self.model, slot, max_draft=max(self.k, 1), max_steps=self.max_steps,
-                                              draft_vocab=self.draft_vocab)
+                dec = mla_decoder_from_engine(self.model, slot, max_draft=max(self.num_spec, 1),
+                                              max_steps=self.max_steps, draft_vocab=self.draft_vocab)
             else:
                 from .cuda.adapter import gqa_decoder_from_engine
 
@@ -145,8 +145,8 @@ class FastPath:
             runners: dict = {}
             self.decoders[slot] = (dec, runners)
             self._runner(dec, runners, 0, token, pos)
-            if self.k:
-                self._runner(dec, runners, self.k, token, pos)
+            if self.num_spec:
+                self._runner(dec, runners, self.num_spec, token, pos)
             self.held[slot] = (token, pos, 0)
         return self.decoders[slot]
 
@@ -156,7 +156,7 @@ class FastPath:
         if held is not None and held[:2] == (token, pos):
             if held[2] + need <= self.max_steps:
                 return held[2]
-            self._arm(dec, token, pos, dec.g.clone() if self.mla else None)  # out_tokens full: keep the hidden
+            self._arm(dec, token, pos, dec.mtp_hidden.clone() if self.mla else None)  # out_tokens full: keep the hidden
             return 0
         self._arm(dec, token, pos, prev_hidden)
         return 0
@@ -191,7 +191,7 @@ class FastPath:
         never past its max_tokens or max_seq_len, cut at stop ids by slots.emit as the reference step
         cuts them; (emitted tokens, finish reason)."""
         room = min(s.max_tokens - s.num_generated, max_seq_len - 1 - s.seq_len)
-        k = min(s.num_spec, self.k)
+        k = min(s.num_spec, self.num_spec)
         if k and room > 0:
             tokens = self.spec(slot, s.pending, s.seq_len, k, prev_hidden if s.num_generated == 0 else None)
             s.num_steps += 1

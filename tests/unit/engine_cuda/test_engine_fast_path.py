@@ -44,7 +44,7 @@ def run(engine: Engine, slot: int, prompt: list[int], sampling: SamplingParams) 
     tokens, reason, paths = [first], None, set()
     while engine.active_slots():
         out = engine.step()[slot]
-        assert len(out.token_ids) <= (engine._fast.tokens_per_step if engine._fast else 1)
+        assert len(out.token_ids) <= (engine.fast_path.tokens_per_step if engine.fast_path else 1)
         tokens, reason = tokens + out.token_ids, out.finish_reason
         paths.add(engine.last_step_path)
     engine.release(slot)
@@ -167,7 +167,7 @@ def test_auto_turns_the_fast_path_off_when_a_decoder_fails_to_build(checkpoint, 
         load(checkpoint, "on")
     monkeypatch.setattr(fastpath, "engine_reason", lambda *args: None)  # "auto" as on a CUDA device
     at_load = load(checkpoint, "auto")
-    assert at_load._fast is None and "no kernel image" in at_load.fast_path_reason
+    assert at_load.fast_path is None and "no kernel image" in at_load.fast_path_reason
     assert run(at_load, 1, PROMPT, SamplingParams(max_tokens=4, ignore_eos=True)) == (expected, "length", {"reference"})
 
 

@@ -73,7 +73,7 @@ def test_mla_fast_path_cuts_a_speculative_step_at_max_tokens_and_max_seq_len(che
 def test_mla_fast_path_refusals_say_why(checkpoint, tmp_path):
     save_checkpoint("deepseek_v3", tmp_path)  # q LoRA and group-limited routing
     engine = Engine.load(tmp_path, num_slots=1, max_seq_len=32, dtype="bfloat16", fast_path="auto")
-    assert engine._fast is None and "q LoRA" in engine.fast_path_reason
+    assert engine.fast_path is None and "q LoRA" in engine.fast_path_reason
     with pytest.raises(ValueError, match="q LoRA"):
         Engine.load(tmp_path, num_slots=1, max_seq_len=32, dtype="bfloat16", fast_path="on")
     fast = load(checkpoint, "on", 1)
@@ -86,7 +86,7 @@ def test_mla_fast_path_with_a_reduced_draft_vocabulary_keeps_the_output(checkpoi
     greedy = SamplingParams(max_tokens=7, ignore_eos=True)
     fast = Engine.load(checkpoint, num_slots=1, max_seq_len=40, dtype="bfloat16", fast_path="on",
                        num_speculative_tokens=2, mtp_draft_vocab=128)
-    assert fast._fast.decoders[0][0].draft_head.shape[0] == 128
+    assert fast.fast_path.decoders[0][0].draft_head.shape[0] == 128
     got = run(fast, PROMPT, greedy)
     want = run(load(checkpoint, "off", 2), PROMPT, greedy)
     assert got[0] == want[0] and got[2] == {"fast"}
