@@ -127,16 +127,16 @@ def diagnose(X, model, s, ctx: int = 1024) -> dict:
     _, kc, vc = make_slot(s, mt, ctx, seed=4)
     dec = X.GqaDecoder(model, kc, vc, cos, sin, X.FastOptions(), max_steps=mt)
     dec.set_state(5, ctx)
-    h0 = dec.h.clone()
+    h0 = dec.residual.clone()
     lw = L[0]
-    G.gemv_qkv_rope(dec.h, lw.wqkv, lw.attn_norm, 1e-5, dec.q, kc[0], vc[0], dec.pos, dec.cos, dec.sin,
+    G.gemv_qkv_rope(dec.residual, lw.wqkv, lw.attn_norm, 1e-5, dec.query, kc[0], vc[0], dec.pos, dec.cos, dec.sin,
                     num_q_heads=hq, num_kv_heads=hkv, head_dim=d, **dec.tile_kwargs("qkv"))
     qkv = X.reference.linear(X.reference.rms_norm(h0, lw.attn_norm, 1e-5), lw.wqkv).view(-1, d)
-    ops = {"q": _cmp(dec.q, X.reference.rope(qkv[:hq], dec.cos[ctx], dec.sin[ctx])),
+    ops = {"q": _cmp(dec.query, X.reference.rope(qkv[:hq], dec.cos[ctx], dec.sin[ctx])),
            "k": _cmp(kc[0][ctx], X.reference.rope(qkv[hq:hq + hkv], dec.cos[ctx], dec.sin[ctx])),
            "v": _cmp(vc[0][ctx], qkv[hq + hkv:])}
-    dec.attn(dec.q, kc[0], vc[0], dec.pos, dec.attn_out, stride_kt=hkv * d, stride_vt=hkv * d)
-    ops["attn"] = _cmp(dec.attn_out, X.reference.attention(dec.q.view(1, hq, d), kc[0], vc[0], ctx, d ** -0.5))
+    dec.attn(dec.query, kc[0], vc[0], dec.pos, dec.attn_out, stride_kt=hkv * d, stride_vt=hkv * d)
+    ops["attn"] = _cmp(dec.attn_out, X.reference.attention(dec.query.view(1, hq, d), kc[0], vc[0], ctx, d ** -0.5))
     h1 = h0.clone()
     G.gemv(dec.attn_out, lw.wo, h1, residual=h1, **dec.tile_kwargs("o"))
     ops["o_residual"] = _cmp(h1, h0 + X.reference.linear(dec.attn_out, lw.wo))
@@ -160,6 +160,6 @@ def diagnose(X, model, s, ctx: int = 1024) -> dict:
         dec.layer(i)
         h = X.llama.reference_layer(model, i, h, kr_[i], vr_[i], cb[ctx], sb[ctx], ctx)
         if i in (0, 1, 2, 3, 7, 15, 31):
-            layers[i] = _cmp(dec.h, h)
+            layers[i] = _cmp(dec.residual, h)
     out["layers"] = layers
     return out

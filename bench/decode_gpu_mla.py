@@ -128,14 +128,15 @@ def breakdown(X, model, caches, cos, sin, ctx: int, tag: str, R: dict, draft_voc
     st = lambda: dec.set_state(1, ctx)  # noqa: E731
     pieces = {f"forward{t}": (lambda t=t: dec.forward(t)) for t in (1, 2, 4)}
     for t in (1, 4):
-        pieces[f"moe_block{t}"] = lambda t=t: dec.stacks[t].block(model.layers[1], dec.h[t], caches[1], dec.pos,
-                                                                  dec.cos, dec.sin)
+        pieces[f"moe_block{t}"] = lambda t=t: dec.stacks[t].block(model.layers[1], dec.residual[t], caches[1],
+                                                                  dec.pos, dec.cos, dec.sin)
         pieces[f"lm_head{t}"] = lambda t=t: X.moe.gemv_rows(dec.hid[t], model.lm_head, dec.logits[t], block_n=16,
                                                             block_k=256)
     pieces["mtp_draft"] = lambda: dec.mtp_draft(0)
     pieces["forward4_fma_projections"] = lambda: (setattr(X.mla.MlaStack, "PROJ_DOT", False), dec.forward(4),
                                                   setattr(X.mla.MlaStack, "PROJ_DOT", True))
-    pieces["draft_head"] = lambda: X.moe.gemv_rows(dec.g, dec.draft_head, dec.mtp_logits, block_n=16, block_k=256)
+    pieces["draft_head"] = lambda: X.moe.gemv_rows(dec.mtp_hidden, dec.draft_head, dec.mtp_logits, block_n=16,
+                                                   block_k=256)
     out = {}
     for name, fn in pieces.items():
         try:
@@ -192,8 +193,8 @@ def gemv_dot_sweep(X, model, caches, cos, sin, ctx: int, R: dict) -> None:
     res: dict = {"block4": {}, "lm_head4": {}}
     for cand in GEMV_DOT_CANDIDATES:
         for name, fn in (("block4", lambda c=cand: (setattr(A.MlaStack, "DOT_TILE", c),
-                                                     dec.stacks[4].block(model.layers[1], dec.h[4], caches[1], dec.pos,
-                                                                         dec.cos, dec.sin))),
+                                                     dec.stacks[4].block(model.layers[1], dec.residual[4], caches[1],
+                                                                         dec.pos, dec.cos, dec.sin))),
                          ("lm_head4", lambda c=cand: M.gemv_rows(dec.hid[4], model.lm_head, dec.logits[4], dot_tile=c))):
             try:
                 r = capture(fn, before_capture=st)
@@ -222,8 +223,8 @@ def dot_tile_sweep(X, model, caches, cos, sin, ctx: int, R: dict) -> None:
     for cand in DOT_TILE_CANDIDATES:
         try:
             dec.stacks[4].moe.tiles = cand
-            r = capture(lambda: dec.stacks[4].block(model.layers[1], dec.h[4], caches[1], dec.pos, dec.cos, dec.sin),
-                        before_capture=st)
+            r = capture(lambda: dec.stacks[4].block(model.layers[1], dec.residual[4], caches[1], dec.pos, dec.cos,
+                                                    dec.sin), before_capture=st)
             st()
             res[str(cand)] = round(time_replays(r, 20) * 1e3, 1)
             del r

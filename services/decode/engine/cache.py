@@ -41,15 +41,15 @@ class KvCache:
         typed = self.buffer.view(dtype)
         elt = typed.element_size()
         rows = num_slots + 1
-        self.k: list[torch.Tensor] = []
-        self.v: list[torch.Tensor] = []
+        self.k_caches: list[torch.Tensor] = []
+        self.v_caches: list[torch.Tensor] = []
         self.kv: list[torch.Tensor] = []
         for seg in self.layout.segments:
             start = seg.offset_bytes // elt
             region = typed[:, start : start + max_tokens * seg.bytes_per_token // elt]
             if shape.kind == "gqa":
                 view = region.view(rows, max_tokens, shape.num_kv_heads, shape.head_dim)
-                (self.k if seg.name == "k" else self.v).append(view)
+                (self.k_caches if seg.name == "k" else self.v_caches).append(view)
             else:
                 self.kv.append(region.view(rows, max_tokens, shape.kv_lora_rank + shape.qk_rope_head_dim))
 

@@ -67,11 +67,11 @@ class LlamaModel(nn.Module):
         if blk.q_norm is not None:
             q, k = rms_norm(q, blk.q_norm, cfg.rms_norm_eps), rms_norm(k, blk.k_norm, cfg.rms_norm_eps)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        write_cache(cache.k[i], slot_ids, positions, k)
-        write_cache(cache.v[i], slot_ids, positions, v)
+        write_cache(cache.k_caches[i], slot_ids, positions, k)
+        write_cache(cache.v_caches[i], slot_ids, positions, v)
         n = mask.shape[-1]  # keys attended: a prefix of the cache covering every position in the step
-        keys = cache.k[i][:, :n][slot_ids].transpose(1, 2)  # [B, Hkv, n, D]
-        values = cache.v[i][:, :n][slot_ids].transpose(1, 2)
+        keys = cache.k_caches[i][:, :n][slot_ids].transpose(1, 2)  # [B, Hkv, n, D]
+        values = cache.v_caches[i][:, :n][slot_ids].transpose(1, 2)
         out = attend(q.transpose(1, 2), keys, values, mask, d**-0.5)  # [B, T, Hq, D]
         return F.linear(out.reshape(b, t, nq * d), blk.wo, blk.bo)
 

@@ -33,9 +33,9 @@ def test_gqa_fast_path_continues_an_engine_prefill_in_its_own_slot(checkpoint):
     engine = Engine.load(checkpoint("llama"), num_slots=2, max_seq_len=48, device="cpu", dtype="bfloat16")
     prompt = [5, 9, 17, 33, 2, 71, 8]
     first = int(engine.prefill(1, prompt).argmax())
-    other_slot = engine.cache.k[0][0].clone()
+    other_slot = engine.cache.k_caches[0][0].clone()
     dec = gqa_decoder_from_engine(engine.model, 1, FastOptions(tiles=TILES, num_splits=4, block_s=16), max_steps=4)
-    assert dec.k_caches[0].data_ptr() == engine.cache.k[0][1].data_ptr()  # the engine's cache, no copy
+    assert dec.k_caches[0].data_ptr() == engine.cache.k_caches[0][1].data_ptr()  # the engine's cache, no copy
     m, n = engine.model, len(prompt)
     ref = m.logits(m(torch.tensor([[first]]), torch.tensor([[n]]), torch.tensor([1])))[0, 0].float()
     dec.set_state(first, n)
@@ -44,7 +44,7 @@ def test_gqa_fast_path_continues_an_engine_prefill_in_its_own_slot(checkpoint):
     picked = int(dec.token)
     assert ref[picked] >= ref.max() - 3e-2 * ref.abs().max()  # the engine's choice or a near-tie of it
     assert int(dec.pos) == n + 1 and dec.out_tokens[:1].tolist() == [picked]
-    assert torch.equal(engine.cache.k[0][0], other_slot)  # slot 0 untouched
+    assert torch.equal(engine.cache.k_caches[0][0], other_slot)  # slot 0 untouched
 
 
 def test_mla_fast_path_refuses_q_lora_models():

@@ -69,7 +69,7 @@ def test_gqa_decoder_follows_reference_tokens_and_advances_state(backend):
         assert torch.equal(kc[1][ctx + i], kr[1][ctx + i]) and torch.equal(vc[0][ctx + i], vr[0][ctx + i])
     assert dec.out_tokens[:steps].tolist() == expected
     assert int(dec.pos) == ctx + steps and int(dec.step_idx) == steps
-    assert torch.equal(dec.h, m.embed[expected[-1]])  # the next step's input is already gathered
+    assert torch.equal(dec.residual, m.embed[expected[-1]])  # the next step's input is already gathered
 
 
 def test_graphed_fn_runs_steps_per_replay_calls_eagerly_without_graphs():
@@ -143,7 +143,7 @@ def test_mla_plain_steps_and_verify_follow_reference(tiny_mla):
         assert ((dec.logits[1] - ref).abs().max() / ref.abs().max()).item() < 1e-6
         assert torch.equal(caches[1][ctx + i], ref_caches[1][ctx + i])
         tok = int(ref[0].argmax())
-        assert int(dec.tokens[0]) == tok and torch.equal(dec.g, hid)
+        assert int(dec.tokens[0]) == tok and torch.equal(dec.mtp_hidden, hid)
     dec.tokens[:3] = torch.tensor([5, 7, 9])
     dec.pos.fill_(ctx + 5)
     dec.forward(3)
@@ -193,7 +193,7 @@ def test_reduced_draft_vocab_drafts_from_the_first_ids_and_keeps_the_output(tiny
     assert dec.draft_head.shape[0] == draft_vocab and dec.draft_head.data_ptr() == tiny_mla.mtp.head.data_ptr()
     dec.set_state(3, ctx, last_hidden)
     dec.mtp_draft(0)  # the draft: argmax over the first draft_vocab rows of the MTP head
-    head_logits = dec.g.float() @ tiny_mla.mtp.head.float().T  # dec.g: the draft's normed hidden
+    head_logits = dec.mtp_hidden.float() @ tiny_mla.mtp.head.float().T  # dec.mtp_hidden: the draft's normed hidden
     assert int(dec.tokens[1]) == int(head_logits[0, :draft_vocab].argmax())
     assert torch.allclose(dec.mtp_logits[0], head_logits[0, :draft_vocab], rtol=1e-5, atol=1e-5)
     dec.set_state(3, ctx)

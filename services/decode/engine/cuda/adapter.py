@@ -11,7 +11,7 @@
 
 Weights are used in place (views of the engine's parameters) except what ``mla.prepare_layer`` lays
 out once (fused wq|wkv_a, w_uv transposed, shared experts split). The slot's cache views are the
-engine's own (``model.cache.k[i][slot]`` ...), so injected KV is read with no copy and the fast path's
+engine's own (``model.cache.k_caches[i][slot]`` ...), so injected KV is read with no copy and the fast path's
 writes are the engine's cache. Greedy only; the fast path needs bf16 and plain Llama blocks (no qkv
 or o bias, no q/k norm) and DeepSeek without q LoRA; anything else raises ValueError (use the
 engine's torch path).
@@ -41,8 +41,8 @@ def gqa_decoder_from_engine(model, slot: int, options: FastOptions | None = None
     gm = GqaModel(layers, model.embed.data, model.final_norm.data, model.lm_head.data, cfg.num_heads,
                   cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps)
     cache = model.cache
-    return GqaDecoder(gm, [cache.k[i][slot] for i in range(cfg.num_layers)],
-                      [cache.v[i][slot] for i in range(cfg.num_layers)], model.cos, model.sin, options, max_steps)
+    return GqaDecoder(gm, [cache.k_caches[i][slot] for i in range(cfg.num_layers)],
+                      [cache.v_caches[i][slot] for i in range(cfg.num_layers)], model.cos, model.sin, options, max_steps)
 
 
 def _mla_layer(block, moe_inter: int):

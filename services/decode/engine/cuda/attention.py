@@ -133,7 +133,7 @@ class DecodeAttention:
                  num_tokens: int = 1, num_splits: int = 32, block_s: int = 32, sm_scale: float | None = None,
                  num_warps: int = 4, v_is_k: bool = False, v_chunks: int = 1, pdl: bool = False,
                  device: torch.device | str = "cpu"):
-        self.hq, self.hkv, self.t = num_q_heads, num_kv_heads, num_tokens
+        self.hq, self.hkv, self.num_tokens = num_q_heads, num_kv_heads, num_tokens
         self.d_main, self.d_v, self.d_rope = d_main, d_v, d_rope
         self.group = num_q_heads // num_kv_heads
         self.rows = max(16, triton.next_power_of_2(self.group * num_tokens))
@@ -158,10 +158,11 @@ class DecodeAttention:
         _attn_split_kernel[(self.hkv, self.num_splits, self.v_chunks)](
             q, q_pe if q_pe is not None else q, k, v, pos, self.part_o, self.part_ml, self.sm_scale, sqt, sqh,
             stride_kt, stride_vt, rope_offset,
-            T=self.t, NUM_Q_HEADS=self.hq, NUM_KV_HEADS=self.hkv, GROUP=self.group, ROWS=self.rows,
+            T=self.num_tokens, NUM_Q_HEADS=self.hq, NUM_KV_HEADS=self.hkv, GROUP=self.group, ROWS=self.rows,
             D_MAIN=self.d_main, D_ROPE=self.d_rope, D_V=self.d_v // self.v_chunks, NUM_SPLITS=self.num_splits,
             BLOCK_S=self.block_s, DOT_F32=interpreting(), V_IS_K=self.v_is_k, V_CHUNKS=self.v_chunks, PDL=self.pdl,
             num_warps=self.num_warps, **launch_opts(self.pdl))
-        _attn_combine_kernel[(self.t * self.hq,)](self.part_o, self.part_ml, out, NUM_SPLITS=self.num_splits,
-                                                  D_V=self.d_v, PDL=self.pdl, num_warps=4, **launch_opts(self.pdl))
+        _attn_combine_kernel[(self.num_tokens * self.hq,)](
+            self.part_o, self.part_ml, out, NUM_SPLITS=self.num_splits,
+            D_V=self.d_v, PDL=self.pdl, num_warps=4, **launch_opts(self.pdl))
         return out

@@ -90,7 +90,7 @@ class GqaDecoder:
     def __init__(self, model: GqaModel, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor],
                  cos: torch.Tensor, sin: torch.Tensor, options: FastOptions | None = None,
                  max_steps: int = 4096):
-        self.m, self.k_caches, self.v_caches = model, k_caches, v_caches
+        self.model, self.k_caches, self.v_caches = model, k_caches, v_caches
         self.opt = options or FastOptions()
         dev, dt = model.embed.device, model.embed.dtype
         if self.opt.pdl is None:
@@ -104,9 +104,9 @@ class GqaDecoder:
         self.pos = torch.zeros(1, dtype=torch.int32, device=dev)
         self.step_idx = torch.zeros(1, dtype=torch.int64, device=dev)
         self.out_tokens = torch.zeros(max_steps, dtype=torch.int64, device=dev)
-        self.h = torch.zeros(h, dtype=dt, device=dev)
+        self.residual = torch.zeros(h, dtype=dt, device=dev)
         self.xn = torch.zeros(h, dtype=dt, device=dev)
-        self.q = torch.zeros(hq * d, dtype=dt, device=dev)
+        self.query = torch.zeros(hq * d, dtype=dt, device=dev)
         self.attn_out = torch.zeros(hq * d, dtype=dt, device=dev)
         self.act = torch.zeros(inter, dtype=dt, device=dev)
         self.tmp = torch.zeros(max((hq + 2 * hkv) * d, 2 * inter, h), dtype=dt, device=dev)
@@ -123,7 +123,7 @@ class GqaDecoder:
         self.token.fill_(token_id)
         self.pos.fill_(pos)
         self.step_idx.zero_()
-        self.h.copy_(self.m.embed[token_id])
+        self.residual.copy_(self.model.embed[token_id])
 
     def tile_kwargs(self, name: str) -> dict:
         """Launch kwargs of projection `name`: its (block_n, block_k, num_warps, stages) tile and PDL."""
@@ -138,53 +138,56 @@ class GqaDecoder:
         return out
 
     def layer(self, i: int) -> None:
-        """One transformer layer on the residual stream ``self.h`` (in place)."""
-        m, lw, eps = self.m, self.m.layers[i], self.m.eps
+        """One transformer layer on the residual stream ``self.residual`` (in place)."""
+        m, lw, eps = self.model, self.model.layers[i], self.model.eps
         hq, hkv, d = m.num_q_heads, m.num_kv_heads, m.head_dim
         kc, vc = self.k_caches[i], self.v_caches[i]
         if self._cublas("qkv"):
-            smallops.rmsnorm(self.h, lw.attn_norm, self.xn, eps)
+            smallops.rmsnorm(self.residual, lw.attn_norm, self.xn, eps)
             qkv = self._linear_into(self.xn, lw.wqkv, self.tmp[: lw.wqkv.shape[0]])
-            smallops.rope_cache_write(qkv, self.q, kc, vc, self.pos, self.cos, self.sin,
+            smallops.rope_cache_write(qkv, self.query, kc, vc, self.pos, self.cos, self.sin,
                                       num_q_heads=hq, num_kv_heads=hkv, head_dim=d)
         else:
-            gemv.gemv_qkv_rope(self.h, lw.wqkv, lw.attn_norm, eps, self.q, kc, vc, self.pos, self.cos, self.sin,
-                               num_q_heads=hq, num_kv_heads=hkv, head_dim=d, **self.tile_kwargs("qkv"))
-        self.attn(self.q, kc, vc, self.pos, self.attn_out, stride_kt=hkv * d, stride_vt=hkv * d)
+            gemv.gemv_qkv_rope(self.residual, lw.wqkv, lw.attn_norm, eps, self.query, kc, vc, self.pos,
+                               self.cos, self.sin, num_q_heads=hq, num_kv_heads=hkv, head_dim=d,
+                               **self.tile_kwargs("qkv"))
+        self.attn(self.query, kc, vc, self.pos, self.attn_out, stride_kt=hkv * d, stride_vt=hkv * d)
         if self._cublas("o"):
-            self.h.add_(self._linear_into(self.attn_out, lw.wo, self.tmp[: m.hidden]))
+            self.residual.add_(self._linear_into(self.attn_out, lw.wo, self.tmp[: m.hidden]))
         else:
-            gemv.gemv(self.attn_out, lw.wo, self.h, residual=self.h, **self.tile_kwargs("o"))
+            gemv.gemv(self.attn_out, lw.wo, self.residual, residual=self.residual, **self.tile_kwargs("o"))
         if self._cublas("gate_up"):
-            smallops.rmsnorm(self.h, lw.mlp_norm, self.xn, eps)
+            smallops.rmsnorm(self.residual, lw.mlp_norm, self.xn, eps)
             gu = self._linear_into(self.xn, lw.w_gate_up, self.tmp[: lw.w_gate_up.shape[0]])
             smallops.silu_mul(gu, self.act)
         else:
-            gemv.gemv_silu(self.h, lw.w_gate_up, self.act, norm_w=lw.mlp_norm, eps=eps, **self.tile_kwargs("gate_up"))
+            gemv.gemv_silu(self.residual, lw.w_gate_up, self.act, norm_w=lw.mlp_norm, eps=eps,
+                           **self.tile_kwargs("gate_up"))
         if self._cublas("down"):
-            self.h.add_(self._linear_into(self.act, lw.w_down, self.tmp[: m.hidden]))
+            self.residual.add_(self._linear_into(self.act, lw.w_down, self.tmp[: m.hidden]))
         else:
-            gemv.gemv(self.act, lw.w_down, self.h, residual=self.h, **self.tile_kwargs("down"))
+            gemv.gemv(self.act, lw.w_down, self.residual, residual=self.residual, **self.tile_kwargs("down"))
 
     def step(self) -> None:
-        """One decode step from h = embed[token] at pos: logits, next token, its embedding into h, pos += 1."""
-        m = self.m
+        """One decode step from residual = embed[token] at pos: logits, next token, its embedding into
+        residual, pos += 1."""
+        m = self.model
         for i in range(len(m.layers)):
             self.layer(i)
         if self._cublas("lm_head"):
-            smallops.rmsnorm(self.h, m.final_norm, self.xn, m.eps)
+            smallops.rmsnorm(self.residual, m.final_norm, self.xn, m.eps)
             # bf16 x bf16 -> bf16 on cuBLAS, widened: logits rounded to bf16 (more argmax ties)
             self.logits.copy_(torch.matmul(self.xn.view(1, -1), m.lm_head.t()).view(-1))
             self.token.copy_(torch.argmax(self.logits, dim=0, keepdim=True))
             self.out_tokens.index_copy_(0, self.step_idx, self.token)
             self.step_idx.add_(1)
             self.pos.add_(1)
-            torch.index_select(m.embed, 0, self.token, out=self.h.view(1, -1))
+            torch.index_select(m.embed, 0, self.token, out=self.residual.view(1, -1))
         else:
-            gemv.gemv(self.h, m.lm_head, self.logits, norm_w=m.final_norm, eps=m.eps, **self.tile_kwargs("lm_head"),
-                      argmax_parts=(self.amax_val, self.amax_idx))
+            gemv.gemv(self.residual, m.lm_head, self.logits, norm_w=m.final_norm, eps=m.eps,
+                      argmax_parts=(self.amax_val, self.amax_idx), **self.tile_kwargs("lm_head"))
             gemv.greedy_finish(self.amax_val, self.amax_idx, self.num_parts, self.token, self.out_tokens,
-                               self.step_idx, self.pos, m.embed, self.h, pdl=self.opt.pdl)
+                               self.step_idx, self.pos, m.embed, self.residual, pdl=self.opt.pdl)
 
 
 def reference_layer(model: GqaModel, i: int, h: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -139,7 +139,7 @@ class MlaStack:
     def __init__(self, dims: MlaDims, num_tokens: int, device, num_splits: int = 16, block_s: int = 32,
                  dense_inter: int = 0):
         d, t, dev, bf = dims, num_tokens, device, torch.bfloat16
-        self.d, self.t = d, t
+        self.dims, self.num_tokens = d, t
         nq = d.num_heads * (d.nope + d.rope)
         self.qkv = torch.zeros(t, nq + d.kv_lora_rank + d.rope, dtype=bf, device=dev)
         self.q_pe = torch.zeros(t, d.num_heads, d.rope, dtype=bf, device=dev)
@@ -160,7 +160,7 @@ class MlaStack:
     def block(self, lw: MlaLayer, h: torch.Tensor, cache: torch.Tensor, pos: torch.Tensor,
               cos: torch.Tensor, sin: torch.Tensor) -> None:
         """h [T, H] += attention; h += MLP/MoE (in place); writes this block's cache rows at pos.."""
-        d, t = self.d, self.t
+        d, t = self.dims, self.num_tokens
         r, nope = d.kv_lora_rank, d.nope
         if t == 1:
             gemv_rows(h, lw.wqkv_a, self.qkv, norm_w=lw.attn_norm, eps=d.eps)

@@ -1,7 +1,7 @@
 """The DeepSeek-V3-family decode loop on device: plain greedy step and MTP draft + verify step.
 
-State lives in device tensors: ``tokens[0]`` (next input token), ``pos`` (its position), ``g`` (the
-hidden the MTP layer pairs with it: the main model's final-normed hidden one position back),
+State lives in device tensors: ``tokens[0]`` (next input token), ``pos`` (its position), ``mtp_hidden``
+(the hidden the MTP layer pairs with it: the main model's final-normed hidden one position back),
 ``out_tokens``/``out_idx`` (emitted tokens) and ``accepted`` (accepted drafts). ``plain_step()`` and
 ``spec_step(k)`` only read and advance that state, so each is captured once as one CUDA graph.
 
@@ -106,19 +106,19 @@ class MlaDecoder:
 
     def __init__(self, model: MlaModel, caches: list[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor,
                  max_draft: int = 3, max_steps: int = 4096, num_splits: int = 16, draft_vocab: int | None = None):
-        self.m, self.caches = model, caches
+        self.model, self.caches = model, caches
         d, dev, bf = model.dims, model.embed.device, torch.bfloat16
         self.cos, self.sin = cos.to(device=dev, dtype=bf).contiguous(), sin.to(device=dev, dtype=bf).contiguous()
         vocab, hdim = model.lm_head.shape
         self.stacks = {t: MlaStack(d, t, dev, num_splits=num_splits, dense_inter=model.dense_inter)
                        for t in range(1, max_draft + 2)}
-        self.h = {t: torch.zeros(t, hdim, dtype=bf, device=dev) for t in self.stacks}
+        self.residual = {t: torch.zeros(t, hdim, dtype=bf, device=dev) for t in self.stacks}
         self.hid = {t: torch.zeros(t, hdim, dtype=bf, device=dev) for t in self.stacks}
         self.logits = {t: torch.zeros(t, vocab, dtype=torch.float32, device=dev) for t in self.stacks}
         self.tokens = torch.zeros(max_draft + 1, dtype=torch.int64, device=dev)
         self.pos = torch.zeros(1, dtype=torch.int32, device=dev)
         self.pos_draft = torch.zeros(max_draft, 1, dtype=torch.int32, device=dev)
-        self.g = torch.zeros(1, hdim, dtype=bf, device=dev)
+        self.mtp_hidden = torch.zeros(1, hdim, dtype=bf, device=dev)
         self.mtp_cat = torch.zeros(1, 2 * hdim, dtype=bf, device=dev)
         self.mtp_x = torch.zeros(1, hdim, dtype=bf, device=dev)
         if draft_vocab is not None and not 0 < draft_vocab <= vocab:
@@ -142,11 +142,11 @@ class MlaDecoder:
         self.pos.fill_(pos)
         self.out_idx.zero_()
         self.accepted.zero_()
-        self.g.copy_(prev_hidden.view(1, -1) if prev_hidden is not None else torch.zeros_like(self.g))
+        self.mtp_hidden.copy_(prev_hidden.view(1, -1) if prev_hidden is not None else torch.zeros_like(self.mtp_hidden))
 
     def forward(self, t: int) -> None:
         """Main model over tokens[:t] at pos..pos+t-1 -> logits[t] [t, V] fp32, hid[t] (final-normed)."""
-        m, h = self.m, self.h[t]
+        m, h = self.model, self.residual[t]
         torch.index_select(m.embed, 0, self.tokens[:t], out=h)
         for i, lw in enumerate(m.layers):
             self.stacks[t].block(lw, h, self.caches[i], self.pos, self.cos, self.sin)
@@ -162,21 +162,22 @@ class MlaDecoder:
         gemv(x, w, out, block_n=bn, block_k=bk, num_warps=nw, stages=st, argmax_parts=parts)
 
     def _pick(self, parts, tok: torch.Tensor, emit: bool) -> None:
-        h = self.g.shape[1]
-        _pick_kernel[(1,)](parts[0], parts[1], parts[0].numel(), tok, self.out_tokens, self.out_idx, self.pos, self.g,
-                           self.hid[1], h, PARTS_POW2=triton.next_power_of_2(parts[0].numel()),
+        h = self.mtp_hidden.shape[1]
+        _pick_kernel[(1,)](parts[0], parts[1], parts[0].numel(), tok, self.out_tokens, self.out_idx, self.pos,
+                           self.mtp_hidden, self.hid[1], h, PARTS_POW2=triton.next_power_of_2(parts[0].numel()),
                            H_POW2=triton.next_power_of_2(h), EMIT=emit, num_warps=4)
 
     def mtp_draft(self, j: int) -> None:
-        """Draft j: MTP(embed(tokens[j]), g) at pos + j -> tokens[j+1]; g becomes the recycled hidden."""
-        mt, eps, hd = self.m.mtp, self.m.dims.eps, self.g.shape[1]
-        _mtp_prologue_kernel[(2,)](mt.embed, self.tokens, j, self.g, mt.enorm, mt.hnorm, self.mtp_cat, self.pos,
-                                   self.pos_draft, hd, eps, H_POW2=triton.next_power_of_2(hd), num_warps=8)
+        """Draft j: MTP(embed(tokens[j]), mtp_hidden) at pos + j -> tokens[j+1]; mtp_hidden becomes the
+        recycled hidden."""
+        mt, eps, hd = self.model.mtp, self.model.dims.eps, self.mtp_hidden.shape[1]
+        _mtp_prologue_kernel[(2,)](mt.embed, self.tokens, j, self.mtp_hidden, mt.enorm, mt.hnorm, self.mtp_cat,
+                                   self.pos, self.pos_draft, hd, eps, H_POW2=triton.next_power_of_2(hd), num_warps=8)
         gemv_rows(self.mtp_cat, mt.eh_proj, self.mtp_x)
-        self.stacks[1].block(mt.layer, self.mtp_x, self.caches[len(self.m.layers)], self.pos_draft[j],
+        self.stacks[1].block(mt.layer, self.mtp_x, self.caches[len(self.model.layers)], self.pos_draft[j],
                              self.cos, self.sin)
-        smallops.rmsnorm_rows(self.mtp_x, mt.head_norm, self.g, eps)
-        self._head(self.g[0], self.draft_head, self.mtp_logits[0], self.parts_draft)
+        smallops.rmsnorm_rows(self.mtp_x, mt.head_norm, self.mtp_hidden, eps)
+        self._head(self.mtp_hidden[0], self.draft_head, self.mtp_logits[0], self.parts_draft)
         self._pick(self.parts_draft, self.tokens[j + 1:j + 2], emit=False)
 
     def plain_step(self) -> None:
@@ -194,7 +195,7 @@ class MlaDecoder:
         self.out_tokens.index_copy_(0, self.out_idx + self.arange[:k + 1], a)
         self.out_idx.add_(n + 1)
         self.accepted.add_(n)
-        self.g.copy_(self.hid[k + 1].index_select(0, n))
+        self.mtp_hidden.copy_(self.hid[k + 1].index_select(0, n))
         self.tokens[:1].copy_(a.index_select(0, n))
         self.pos.add_((n + 1).to(torch.int32))
 

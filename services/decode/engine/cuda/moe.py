@@ -308,7 +308,8 @@ class GroupedMoe:
 
     def __init__(self, *, num_tokens: int, top_k: int, num_shared: int, hidden: int, inter: int,
                  device: torch.device | str, tiles: tuple[tuple[int, int, int, int], ...] | None = None):
-        self.t, self.k, self.s, self.h, self.i = num_tokens, top_k, num_shared, hidden, inter
+        self.num_tokens, self.top_k, self.num_shared = num_tokens, top_k, num_shared
+        self.hidden, self.inter = hidden, inter
         self.slots = top_k + num_shared
         self.dot = num_tokens > 1  # several tokens: tensor-core dots (bf16 experts), as gemv_rows
         if self.dot:
@@ -318,22 +319,23 @@ class GroupedMoe:
             default = ((8, bk, 4, 4), (8, bk, 4, 4))
         self.tiles = tiles or default
         self.act = torch.zeros(num_tokens * self.slots * inter, dtype=torch.bfloat16, device=device)
-        self.y = torch.zeros(num_tokens * self.slots * hidden, dtype=torch.float32, device=device)
+        self.out_rows = torch.zeros(num_tokens * self.slots * hidden, dtype=torch.float32, device=device)
 
     def __call__(self, xn: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor, w_gate_up: torch.Tensor,
                  w_down: torch.Tensor, shared_gate_up: torch.Tensor, shared_down: torch.Tensor, h: torch.Tensor) -> None:
         """h[T, H] += MoE(xn); routed weights [E, 2I, H] / [E, H, I], shared [S, 2I, H] / [S, H, I]."""
+        t, hid, inter = self.num_tokens, self.hidden, self.inter
         dot = self.dot and w_gate_up.dtype in (torch.bfloat16, torch.float16)
-        common = dict(T=self.t, T_PAD=DOT_ROWS if dot else triton.next_power_of_2(self.t), TOPK=self.k,
+        common = dict(T=t, T_PAD=DOT_ROWS if dot else triton.next_power_of_2(t), TOPK=self.top_k,
                       SLOTS=self.slots, SLOTS_PAD=triton.next_power_of_2(self.slots), DOT=dot,
                       UPCAST=interpreting())
         (bn, bk, nw, st), (bn2, bk2, nw2, st2) = self.tiles
-        pairs = self.t * self.slots
-        _moe_gate_up_kernel[(pairs, triton.cdiv(self.i, bn))](
-            xn, ids, w_gate_up, shared_gate_up, self.act, self.i, self.h, 2 * self.i * self.h, **common,
+        pairs = t * self.slots
+        _moe_gate_up_kernel[(pairs, triton.cdiv(inter, bn))](
+            xn, ids, w_gate_up, shared_gate_up, self.act, inter, hid, 2 * inter * hid, **common,
             BLOCK_N=bn, BLOCK_K=bk, STAGES=st, num_warps=nw)
-        _moe_down_kernel[(pairs, triton.cdiv(self.h, bn2))](
-            self.act, ids, w_down, shared_down, self.y, self.h, self.i, self.h * self.i, **common,
+        _moe_down_kernel[(pairs, triton.cdiv(hid, bn2))](
+            self.act, ids, w_down, shared_down, self.out_rows, hid, inter, hid * inter, **common,
             BLOCK_N=bn2, BLOCK_K=bk2, STAGES=st2, num_warps=nw2)
-        _moe_reduce_kernel[(self.t, triton.cdiv(self.h, 1024))](self.y, wts, h, self.h, TOPK=self.k,
-                                                              NUM_SHARED=self.s, BLOCK=1024, num_warps=4)
+        _moe_reduce_kernel[(t, triton.cdiv(hid, 1024))](self.out_rows, wts, h, hid, TOPK=self.top_k,
+                                                        NUM_SHARED=self.num_shared, BLOCK=1024, num_warps=4)
