@@ -132,7 +132,8 @@ def test_dockerfiles_exist_and_copy_what_exists(stack):
 # ---------------------------------------------------------------- docker-compose.secure.yml
 
 SECURE = ROOT / "docker-compose.secure.yml"
-SECURE_USERS = {"router": "router", "coordinator": "coordinator", "decode-0": "decode",
+SECURE_USERS = {"router": "router", "coordinator": "coordinator", "coordinator-1": "coordinator",
+                "decode-0": "decode",
                 "decode-1": "decode", "prefill": "prefill", "events": "tools"}
 
 
