@@ -5,6 +5,7 @@ Every test ends with every staging slot free."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import uuid
@@ -128,7 +129,8 @@ async def test_receiver_gone_gives_kv_failed_and_frees_the_slot(llama, bus):
 
 
 async def test_no_free_staging_slot_is_reported_not_blocked(llama, bus):
-    """Both slots held by writes into stopped receivers: the next claim is not handed off, at once."""
+    """Both slots held by writes into stopped receivers: the next claim is not handed off, at once;
+    when the stopped receivers die, their writes fail and every staging slot comes back."""
     layout = decode_layout(llama.model_dir, "float32", with_mtp=False)
     node_id = f"node-{uuid.uuid4().hex[:8]}"
     events = KvEvents()
@@ -152,6 +154,8 @@ async def test_no_free_staging_slot_is_reported_not_blocked(llama, bus):
             resp = await llama.complete(client, PROMPT_A, kv_transfer_params=params)
             status = parse_status(resp["kv_transfer_params"])
             assert status.handed_off is False and status.reason == "no free staging slot"
+            for rx in stopped:  # the held writes end now, not at their deadline
+                rx.kill()
             failed = {}
             for _ in range(STAGING_SLOTS + 1):
                 event, _ = await events.next(timeout_s=TRANSFER_TIMEOUT_S + 10)
@@ -161,7 +165,8 @@ async def test_no_free_staging_slot_is_reported_not_blocked(llama, bus):
             assert all(rid in failed for rid in (x.request_id for x, _ in held))
     finally:
         for rx in stopped:
-            os.kill(rx.proc.pid, signal.SIGCONT)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(rx.proc.pid, signal.SIGCONT)
         for rx in receivers:
             rx.close()
         await events.sub.unsubscribe()
