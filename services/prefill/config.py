@@ -14,7 +14,7 @@ Keys (all optional):
 | staging_max_tokens   | vLLM's max_model_len         | longest prompt a staging slot holds             |
 | transfer_timeout_s   | 30                           | a write not done by then: KV-failed             |
 | stats_path           | /dev/shm/expresslane-staging-<engine_id> | staging slot states (see staging.py) |
-| kv_checksum          | false                        | a CRC-32 per written segment in KvReady (shared.kvchecksum) |
+| kv_checksum          | false                        | a checksum per written segment in KvReady (shared.kvchecksum) |
 | fault_flip_kv_byte_every | 0                        | FAULT INJECTION, tests and bench/chaos.py only: flip one byte of every Nth checksummed transfer's staging copy after summing (0: off) |
 
 ``expresslane prefill`` also starts vLLM with Mooncake's own per-transfer timeout

@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 
-from shared.kvchecksum import CHECKSUM_ALGO, checksums, host_reader, verify
+from shared.kvchecksum import ALGOS, CHECKSUM_ALGO, checksums, host_reader, verify
 from shared.kvlayout import KvShape, layout_spec, write_ranges
 
 GQA = layout_spec(KvShape(kind="gqa", num_layers=3, num_kv_heads=2, head_dim=8), "bfloat16", 32)
@@ -53,13 +53,25 @@ def test_one_flipped_byte_in_any_segment(spec, where, is_detected):
     ("matches", "all", CHECKSUM_ALGO, ""),
     ("fewer sums than segments: the written prefix", "first_two", CHECKSUM_ALGO, ""),
     ("more sums than segments", "too_many", CHECKSUM_ALGO, "7 segment sums for 6 segments"),
-    ("unknown algorithm", "all", "md5", "algorithm 'md5' unknown (this node checks crc32)"),
+    ("unknown algorithm", "all", "md5", "algorithm 'md5' unknown (this node checks crc32, xxh3_64)"),
 ])
 def test_verify(case, expected, algo, detail):
     image = slot_image(GQA)
     good = sums(GQA, image)
     expected = {"all": good, "first_two": good[:2], "too_many": good + [0]}[expected]
     assert verify(host_reader(image), write_ranges(GQA, NUM_TOKENS), expected, algo) == detail
+
+
+@pytest.mark.parametrize("algo", ["crc32", "xxh3_64"])
+def test_every_algorithm_catches_a_flipped_byte_and_names_its_sums(algo):
+    assert CHECKSUM_ALGO == "xxh3_64" and set(ALGOS) == {"crc32", "xxh3_64"}  # xxhash is installed
+    image = slot_image(GQA)
+    ranges = write_ranges(GQA, NUM_TOKENS)
+    expected = checksums(host_reader(image), ranges, algo=algo)
+    assert verify(host_reader(image), ranges, expected, algo) == ""
+    assert verify(host_reader(image), ranges, expected, "crc32" if algo != "crc32" else "xxh3_64") != ""
+    image[ranges[-1][0]] ^= 0x80
+    assert verify(host_reader(image), ranges, expected, algo).startswith("1 of ")
 
 
 def test_sums_are_of_the_prompt_rows_only_and_the_same_in_parallel():
