@@ -69,7 +69,6 @@ INBOX_SUBJECTS = [subjects.KV_READY_ALL, subjects.COORD_REPORT, subjects.REQ_CAN
 InboxMessage = KvReady | KvFailed | DecodeStarted | SlotReleased | CancelRequest
 INBOX_CONSUMER = "coordinator"  # the durable pull consumer the leader fetches from
 INBOX_ACK_WAIT_S = 5.0  # a report fetched by a leader that died is redelivered after this
-INBOX_BATCH = 64
 MAX_DELIVERIES = 5  # a report that fails this often is dropped (logged), not retried forever
 
 
@@ -286,7 +285,9 @@ class CoordinatorService:
         """Fetch reports while leading; hand back (nak) what we can no longer apply."""
         while True:
             try:
-                msgs = await self._inbox_sub.fetch(INBOX_BATCH, timeout=1.0)
+                # One at a time: nats-py's fetch of a batch waits for the whole batch (or the
+                # timeout) once nothing was ready, which would hold a report back.
+                msgs = await self._inbox_sub.fetch(1, timeout=1.0)
             except nats.errors.TimeoutError:
                 continue
             except (nats.errors.Error, asyncio.TimeoutError, OSError) as exc:
