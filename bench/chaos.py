@@ -15,8 +15,11 @@ and runs, in order:
 - ``prefill_cpu``: the prefill vLLM's CPU (all its processes, % of one core, a 10 s window) while
   idle after serving express requests, the same for a plain vLLM without the connector, and 10 s
   after a receiver died in the middle of a write (``dead_receiver_prefill_cpu_pct``).
-- ``coordinator_failover`` / ``nats_node_kill`` / ``checksum``: their own processes
-  (bench/chaos_coordinator.py, bench/chaos_nats.py, bench/kv_checksum.py) when present.
+- ``checksum``: a second stack whose prefill sums every segment (XXH3) and corrupts every second
+  transfer on purpose after summing: each must be caught before injection and its request
+  migrated with unchanged output; the sums' cost comes from bench/kv_checksum.py's results.
+- ``coordinator_failover`` / ``nats_node_kill``: their own processes (bench/chaos_coordinator.py,
+  bench/chaos_nats.py).
 
 Throughout, every handoff event on the bus is watched: a slot granted while another live lease
 holds it counts in ``slots_double_granted``. Prints a table and writes ``bench/results/chaos.json``.
@@ -59,13 +62,13 @@ TERMINAL = {"completed", "failed", "cancelled"}
 class Stack:
     """``expresslane up`` in the background and what its stack.json says."""
 
-    def __init__(self, decode_nodes: int, slots: int) -> None:
+    def __init__(self, decode_nodes: int, slots: int, env: dict[str, str] | None = None) -> None:
         self.workdir = Path(tempfile.mkdtemp(prefix="expresslane-chaos-"))
         self.port = free_port()
         cmd = [sys.executable, "-m", "infra.cli", "up", "--port", str(self.port), "--decode-nodes",
                str(decode_nodes), "--slots", str(slots), "--workdir", str(self.workdir)]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                     cwd=ROOT, start_new_session=True)
+                                     cwd=ROOT, start_new_session=True, env={**os.environ, **(env or {})})
         watchdog = threading.Timer(900, lambda: os.killpg(self.proc.pid, signal.SIGTERM))
         watchdog.start()
         try:
@@ -130,6 +133,7 @@ class GrantWatch:
         self.holder: dict[tuple[str, int], str] = {}
         self.double_granted: list[tuple] = []
         self.num_claimed = 0
+        self.failed: dict[str, str] = {}  # leg id -> reason
 
     async def start(self, nats_url: str) -> None:
         from shared import subjects
@@ -145,7 +149,9 @@ class GrantWatch:
                 if key in self.holder:
                     self.double_granted.append((key, self.holder[key], ev.request_id))
                 self.holder[key] = ev.request_id
-            elif ev.state in TERMINAL and self.holder.get(key) == ev.request_id:
+            if ev.state == "failed":
+                self.failed[ev.request_id] = ev.reason
+            if ev.state in TERMINAL and self.holder.get(key) == ev.request_id:
                 del self.holder[key]
 
         await self.bus.subscribe(subjects.HANDOFF_ALL, on_event, HandoffEvent)
@@ -166,6 +172,7 @@ async def stream_one(client: httpx.AsyncClient, stack: Stack, body: dict, on_tok
     async with client.stream("POST", f"{stack.router}/v1/chat/completions", json=body,
                              headers={"x-expresslane": "on"}) as r:
         out["status"], out["retry_after"] = r.status_code, r.headers.get("retry-after")
+        out["request_id"] = r.headers.get("x-request-id", "")
         if r.status_code != 200:
             await r.aread()
             return out
@@ -355,6 +362,50 @@ async def prefill_cpu(stack: Stack) -> dict:
             "dead_receiver_prefill_cpu_pct": dead}
 
 
+async def checksum(num_requests: int = 4, max_tokens: int = 16) -> dict:
+    """A stack whose prefill sums every segment and, on purpose, corrupts every second transfer
+    after summing: each corrupted hand-off must be caught at the decode node and its request
+    migrated, with output equal to an uninterrupted greedy run."""
+    env = {"EXPRESSLANE_KV_CHECKSUM": "1", "EXPRESSLANE_FAULT_FLIP_KV_BYTE_EVERY": "2"}
+    stack = await asyncio.to_thread(Stack, 2, 1, env)
+    watch = GrantWatch()
+    try:
+        await watch.start(stack.nats_url)
+        detected_and_migrated = correct = 0
+        async with httpx.AsyncClient(timeout=600) as client:
+            for i in range(num_requests):
+                body = chat(stack.model, PROMPTS[i % len(PROMPTS)], max_tokens)
+                body["messages"][0]["content"] += f" ({i})"
+                out = await stream_one(client, stack, body)
+                want = await asyncio.to_thread(vllm_greedy, stack, out["prompt_token_ids"], max_tokens)
+                correct += out["token_ids"] == want
+                rid = out.get("request_id", "")
+                legs = {leg: reason for leg, reason in watch.failed.items() if leg.startswith(rid)}
+                detected_and_migrated += (out["token_ids"] == want and "checksum" in legs.values())
+        await asyncio.sleep(0.5)
+        failures = list(watch.failed.values())
+        await watch.close()
+        return {"checksum_requests": num_requests, "checksum_requests_correct": correct,
+                "checksum_failures_seen": failures.count("checksum"),
+                "checksum_detected_and_migrated": detected_and_migrated,
+                **checksum_overhead()}
+    finally:
+        await asyncio.to_thread(stack.stop)
+
+
+def checksum_overhead() -> dict:
+    """From bench/kv_checksum.py's last results: the sums' cost against the transfer they guard."""
+    path = ROOT / "bench" / "results" / "kv_checksum.json"
+    if not path.exists():
+        return {"checksum_overhead_frac": None}
+    rows = json.loads(path.read_text())["rows"]
+    tiny = [r for r in rows if r["transfer_basis"].startswith("measured") and r["threads"] == 1]
+    big = [r for r in rows if r["shape"] == "llama-3-8b" and r["num_tokens"] == 8192
+           and r["transfer_basis"] == "25GB/s" and r["threads"] == 1]
+    return {"checksum_overhead_frac": round(max(r["checksum_overhead_frac"] for r in tiny), 3) if tiny else None,
+            "checksum_overhead_frac_llama3_8b_8k_25gbps": round(big[0]["checksum_overhead_frac"], 2) if big else None}
+
+
 async def optional(module: str, func: str) -> dict:
     """A scenario that brings its own processes, from its own module (skipped when absent)."""
     try:
@@ -397,7 +448,7 @@ async def run(args: argparse.Namespace) -> dict:
     if "nats_node_kill" in only:
         out.update(await optional("bench.chaos_nats", "measure_nats_node_kill"))
     if "checksum" in only:
-        out.update(await optional("bench.kv_checksum", "measure_detection"))
+        out.update(await checksum())
     return out
 
 
