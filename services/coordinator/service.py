@@ -5,10 +5,11 @@ Contract:
   a queued claim is answered later on its reply subject.
 - Heartbeats: ``NodeAvailable`` / ``NodeDraining`` on ``subjects.NODE_AVAIL_ALL`` (live only).
 - KV-ready/failed (``xl.kv.ready.*``), decode reports (``xl.coord.report``) and cancels
-  (``xl.req.*.cancel``) are read through a JetStream work-queue stream with a durable pull
-  consumer, fetched by the leader only, so what arrives while no coordinator leads is applied when
-  one does; each message is acknowledged after its effects are persisted (handling is idempotent,
-  redelivery is harmless), and handed back (nak) when leadership ends before that.
+  (``xl.req.*.cancel``) are read through a JetStream work-queue stream with a durable consumer that
+  each new leader creates anew for itself (what the last one had not acknowledged comes again at
+  once, and a paused old leader receives nothing more), so what arrives while no coordinator leads
+  is applied when one does; each message is acknowledged after its effects are persisted (handling
+  is idempotent, redelivery is harmless), or left for the next leader when leadership ended first.
 - Every transition is published as a ``HandoffEvent`` on ``xl.handoff.<request_id>.<state>``.
 - State (leases, waiting claims, next generation) lives in the JetStream KV bucket
   ``subjects.COORD_KV_BUCKET`` (services.coordinator.store): written before a grant is answered,
@@ -67,8 +68,7 @@ from shared.tracing import extract_context, inject_headers, setup_tracing
 
 INBOX_SUBJECTS = [subjects.KV_READY_ALL, subjects.COORD_REPORT, subjects.REQ_CANCEL_ALL]
 InboxMessage = KvReady | KvFailed | DecodeStarted | SlotReleased | CancelRequest
-INBOX_CONSUMER = "coordinator"  # the durable pull consumer the leader fetches from
-INBOX_ACK_WAIT_S = 5.0  # a report fetched by a leader that died is redelivered after this
+INBOX_CONSUMER = "coordinator"  # the report stream's durable consumer, the leader's alone
 MAX_DELIVERIES = 5  # a report that fails this often is dropped (logged), not retried forever
 
 
@@ -222,8 +222,7 @@ class CoordinatorService:
                 self.store.forget_leader()
                 self.core.drop_state()
                 raise
-            self._tasks += [asyncio.create_task(self._inbox_loop()),
-                            asyncio.create_task(self._tick_loop()),
+            self._tasks += [asyncio.create_task(self._tick_loop()),
                             asyncio.create_task(self._compact_loop())]
             self.is_serving = True
         self.log.info("leader_elected", coordinator_id=self.coordinator_id, revision=won,
@@ -269,36 +268,19 @@ class CoordinatorService:
             await js.add_stream(stream)
         except nats.js.errors.BadRequestError:
             await js.update_stream(stream)
+        # Ours alone from now on: a consumer still bound to an old leader (dead, or paused with
+        # its connection open) is deleted; its unacknowledged reports stay in the stream and come
+        # to the new consumer at once.
         try:
-            info = await js.consumer_info(self.config.inbox_stream, INBOX_CONSUMER)
-            if info.config.deliver_subject:  # a push consumer of an older coordinator
-                await js.delete_consumer(self.config.inbox_stream, INBOX_CONSUMER)
+            await js.delete_consumer(self.config.inbox_stream, INBOX_CONSUMER)
         except nats.js.errors.NotFoundError:
             pass
-        await js.add_consumer(self.config.inbox_stream, ConsumerConfig(
-            durable_name=INBOX_CONSUMER, ack_policy=AckPolicy.EXPLICIT,
-            filter_subjects=INBOX_SUBJECTS, ack_wait=INBOX_ACK_WAIT_S, max_ack_pending=10_000))
-        self._inbox_sub = await js.pull_subscribe_bind(durable=INBOX_CONSUMER,
-                                                       stream=self.config.inbox_stream)
-
-    async def _inbox_loop(self) -> None:
-        """Fetch reports while leading; hand back (nak) what we can no longer apply."""
-        while True:
-            try:
-                # One at a time: nats-py's fetch of a batch waits for the whole batch (or the
-                # timeout) once nothing was ready, which would hold a report back.
-                msgs = await self._inbox_sub.fetch(1, timeout=1.0)
-            except nats.errors.TimeoutError:
-                continue
-            except (nats.errors.Error, asyncio.TimeoutError, OSError) as exc:
-                self.log.debug("inbox_fetch_failed", error=str(exc))
-                await asyncio.sleep(0.1)
-                continue
-            for msg in msgs:
-                if self.leadership.is_leading(mono_ms()):
-                    await self._on_inbox(msg)
-                else:
-                    await _quietly(msg.nak())
+        consumer = ConsumerConfig(durable_name=INBOX_CONSUMER, ack_policy=AckPolicy.EXPLICIT,
+                                  filter_subjects=INBOX_SUBJECTS, ack_wait=30.0,
+                                  max_ack_pending=10_000)
+        self._inbox_sub = await js.subscribe(
+            subjects.COORD_REPORT, durable=INBOX_CONSUMER, stream=self.config.inbox_stream,
+            config=consumer, cb=self._on_inbox, manual_ack=True)
 
     async def _tick_loop(self) -> None:
         # Apply what arrived while we were down before any deadline fires.
@@ -380,7 +362,8 @@ class CoordinatorService:
                 f"coordinator.{type(event).__name__}",
                 attributes={"expresslane.request_id": event.request_id}):
                 is_applied = await self._apply(handler, event)
-            await _quietly(msg.ack() if is_applied else msg.nak())  # nak: the next leader's
+            if is_applied:  # else left unacknowledged: the next leader's consumer gets it
+                await _quietly(msg.ack())
         except Exception:
             self.log.exception("inbox_handler_failed", subject=msg.subject)
         finally:
