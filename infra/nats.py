@@ -6,6 +6,10 @@ Contract:
     server.url, server.monitor_url # nats://host:port, http://host:monport
     server.restart()               # same ports, same store: JetStream state survives
     server.stop()                  # SIGTERM, then SIGKILL after a grace period
+    server.kill()                  # SIGKILL: a crash
+    server.launch(); server.wait_ready(timeout_s)   # start() in two halves (cluster members)
+
+A three-node cluster on this host: infra.nats_cluster.NatsCluster (``expresslane nats --cluster 3``).
 
 JetStream is always on, with its files under ``store_dir``. ``port=0`` / ``monitor_port=0`` ask the
 server for free ports (read back from its ports file, so there is no race with other processes); a
@@ -108,6 +112,7 @@ class NatsServer:
         env: dict[str, str] | None = None,
         stop_with_parent: bool = False,
         tls: ServerTls | None = None,
+        extra_args: list[str] | None = None,
     ) -> None:
         self.store_dir = Path(store_dir)
         self.host = host
@@ -119,6 +124,7 @@ class NatsServer:
         self.env = env
         self.stop_with_parent = stop_with_parent
         self.tls = tls
+        self.extra_args = list(extra_args or [])  # e.g. a cluster member's name and routes
         self._proc: subprocess.Popen | None = None
 
     # ------------------------------------------------------------------ addresses
@@ -156,6 +162,7 @@ class NatsServer:
         cmd += ["-p", str(self.port or -1), "-m", str(self.monitor_port or -1)]
         cmd += ["--ports_file_dir", str(self._ports_dir())]
         cmd += self.tls.flags() if self.tls else []
+        cmd += self.extra_args
         return stopping_with_parent(cmd) if self.stop_with_parent else cmd
 
     def _ports_dir(self) -> Path:
@@ -163,6 +170,13 @@ class NatsServer:
 
     def start(self, timeout_s: float = 10.0) -> NatsServer:
         """Start the server; return when it reports healthy, raise NatsServerError otherwise."""
+        self.launch()
+        self.wait_ready(timeout_s)
+        return self
+
+    def launch(self) -> NatsServer:
+        """Start the process without waiting for it (cluster members start together, then
+        ``wait_ready``: none is healthy before its peers are up)."""
         if self.is_running:
             return self
         if self.config_file and not self.config_file.is_file():
@@ -180,8 +194,13 @@ class NatsServer:
                 env=env, start_new_session=True,
             )
         _running.add(self)
+        self._binary_name = Path(binary).name
+        return self
+
+    def wait_ready(self, timeout_s: float = 10.0) -> NatsServer:
+        """Return once /healthz says ready; stop the server and raise NatsServerError if not."""
         try:
-            self._wait_ready(Path(binary).name, time.monotonic() + timeout_s)
+            self._wait_ready(self._binary_name, time.monotonic() + timeout_s)
         except BaseException:
             self.stop()
             raise
@@ -232,6 +251,14 @@ class NatsServer:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(timeout=timeout_s)
+
+    def kill(self) -> None:
+        """SIGKILL the server (a crash: no goodbye to clients or cluster peers)."""
+        proc, self._proc = self._proc, None
+        _running.discard(self)
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
 
     def restart(self, timeout_s: float = 10.0) -> NatsServer:
         """Stop and start again on the same ports and store."""
@@ -288,6 +315,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--nats-config", default="dev",
                         help="'dev' (no auth), 'secure' (one user per service, subject "
                         f"permissions, {SECURE_CONFIG.name}) or a path to a nats-server config file")
+    parser.add_argument("--cluster", type=int, default=1, metavar="N",
+                        help="run N clustered servers (JetStream replicas up to N; 3 survives losing "
+                        "one): client, monitoring and cluster ports count up from the given ones, "
+                        "stores in STORE_DIR/node-<i> (default 1: one server)")
+    parser.add_argument("--nats-cluster-port", type=_port, default=6222,
+                        help="first member's cluster (route) port with --cluster; 0 picks free "
+                        "ones (default 6222)")
     parser.add_argument("--log-level", default="INFO",
                         type=str.upper, choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     parser.add_argument("--log-format", choices=("json", "console"), default="console",
@@ -314,6 +348,10 @@ def main(argv: list[str]) -> int:
     args = parse_args(build_parser(), argv)
     setup_logging("nats", level=args.log_level, json=args.log_format == "json")
     log = get_logger("infra.nats")
+    if args.cluster != 1:
+        from infra.nats_cluster import run_cluster
+
+        return run_cluster(args, log)
     server = NatsServer(
         args.nats_store_dir, host=args.nats_host, port=args.nats_port,
         monitor_port=args.nats_monitor_port, config_file=resolve_config(args.nats_config),

@@ -166,7 +166,7 @@ def plan(args: argparse.Namespace, model: Path, nats_url: str, py: str,
         for i in range(args.coordinators):
             port = free_port()
             procs.append(Proc("coordinator" + (f"-{i}" if i else ""), cli + [
-                "coordinator", *common("coordinator"), "--http-port", str(port)],
+                "coordinator", *common("coordinator"), *_js_replicas(args), "--http-port", str(port)],
                 f"http://127.0.0.1:{port}/health"))
     else:
         missing.append("coordinator (services/coordinator/service.py)")
@@ -226,6 +226,11 @@ def supervise(procs: list[Proc], log_dir: Path, start_timeout_s: float) -> None:
         time.sleep(0.5)
 
 
+def _js_replicas(args: argparse.Namespace) -> list[str]:
+    """The coordinator's JetStream replicas: 3 on a cluster of 3 or more (survives losing one)."""
+    return ["--js-replicas", str(min(3, args.nats_cluster))] if args.nats_cluster > 1 else []
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="expresslane up",
@@ -244,6 +249,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill-port", type=int, default=0, help="vLLM port (default: a free one)")
     p.add_argument("--max-model-len", type=int, default=2048, help="context length, vLLM and slots")
     p.add_argument("--workdir", type=Path, default=None, help="logs, NATS store, generated model")
+    p.add_argument("--nats-cluster", type=int, default=1, metavar="N",
+                   help="N clustered nats-servers instead of one (3: losing one loses nothing, the "
+                   "coordinator keeps 3 replicas of its state)")
     p.add_argument("--start-timeout-s", type=float, default=600.0, help="per process")
     p.add_argument("--log-format", default="json", choices=["json", "console"])
     p.add_argument("--secure", action="store_true",
@@ -300,8 +308,14 @@ def main(argv: list[str]) -> int:
         bus_args = secrets.client_args
         nats_options = {"config_file": SECURE_CONFIG, "env": secrets.server_env(),
                         "tls": ServerTls(cert=str(secrets.server_cert), key=str(secrets.server_key))}
-    nats = NatsServer(workdir / "nats", log_path=log_dir / "nats-server.log", stop_with_parent=True,
-                      **nats_options)
+    if args.nats_cluster > 1:
+        from infra.nats_cluster import NatsCluster
+
+        nats = NatsCluster(workdir / "nats", args.nats_cluster, log_dir=log_dir,
+                           stop_with_parent=True, **nats_options)
+    else:
+        nats = NatsServer(workdir / "nats", log_path=log_dir / "nats-server.log",
+                          stop_with_parent=True, **nats_options)
     procs: list[Proc] = []
     code = 0
     try:

@@ -8,6 +8,13 @@ Contract:
         # a server without TLS); after that the client reconnects forever by itself and
         # publishes made while disconnected are buffered (nats-py pending buffer).
     await bus.publish(subject, event)              # JSON (shared.events.encode) + traceparent header
+    await bus.publish(subject, event, replay=True)
+        # for events their readers take twice without harm (tokens by index, reports, lease
+        # ends): when the connection drops, what was published this way in the last
+        # REPLAY_WINDOW_S is sent again on the next server first, ahead of anything newer, as
+        # a server that dies (a cluster member killed) takes what it had not yet passed on.
+    await bus.publish_stored(subject, event)  # returns once a JetStream stream acknowledged it
+        # (retrying while the stream elects a leader); BusTimeout after retry_s.
     sub = await bus.subscribe(subject, handler, kind, queue="")
         # returns once nats-server has the subscription: a publish made after it is delivered.
         # handler: async def handler(event, msg) -> None, called in order, with the trace context
@@ -32,7 +39,9 @@ EXPRESSLANE_NATS_URL rather than a flag, which `ps` shows); they are never logge
 from __future__ import annotations
 
 import asyncio
+import collections
 import ssl
+import time
 import urllib.parse
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -57,6 +66,9 @@ AsyncCallback = Callable[[], Awaitable[None]]
 ErrorCallback = Callable[[Exception], Awaitable[None]]
 
 RECONNECT_WAIT_S = 0.5
+PING_INTERVAL_S = 5.0  # with MAX_OUTSTANDING_PINGS: a silent server is left within ~15-20 s
+MAX_OUTSTANDING_PINGS = 3
+REPLAY_WINDOW_S = 2.0  # publish(replay=True) this recent is sent again after a reconnect
 DRAIN_TIMEOUT_S = 5  # close(): how long handlers may take to finish what was delivered
 _log = get_logger("shared.bus")
 
@@ -111,6 +123,7 @@ class Bus:
         self._error_cbs: list[ErrorCallback] = []
         self._js = nc.jetstream()
         self._closing = False
+        self._recent: collections.deque[tuple[float, str, bytes, dict | None]] = collections.deque()
 
     # ------------------------------------------------------------------ connection
 
@@ -145,6 +158,7 @@ class Bus:
         async def on_disconnected() -> None:
             if bus is not None and not bus._closing:
                 _log.warning("bus_disconnected", url=redact_url(url), client=name)
+                await bus._requeue_recent()
 
         async def on_reconnected() -> None:
             if bus is not None:
@@ -158,6 +172,7 @@ class Bus:
                     servers=servers, name=name, **creds,
                     connect_timeout=connect_timeout_s, allow_reconnect=True,
                     max_reconnect_attempts=1, reconnect_time_wait=RECONNECT_WAIT_S,
+                    ping_interval=PING_INTERVAL_S, max_outstanding_pings=MAX_OUTSTANDING_PINGS,
                     error_cb=on_error, disconnected_cb=on_disconnected,
                     reconnected_cb=on_reconnected, drain_timeout=DRAIN_TIMEOUT_S,
                 ),
@@ -232,9 +247,56 @@ class Bus:
 
     # ------------------------------------------------------------------ messages
 
-    async def publish(self, subject: str, event: events.Event) -> None:
-        """Publish ``event`` as JSON on ``subject`` with the current trace context."""
-        await self.nc.publish(subject, events.encode(event), headers=_trace_headers())
+    async def publish(self, subject: str, event: events.Event, *, replay: bool = False) -> None:
+        """Publish ``event`` as JSON on ``subject`` with the current trace context; ``replay``:
+        the event is idempotent for its readers, send it again if the server may have lost it."""
+        data, headers = events.encode(event), _trace_headers()
+        if replay and self.nc.is_connected:
+            now = time.monotonic()
+            while self._recent and self._recent[0][0] < now - REPLAY_WINDOW_S:
+                self._recent.popleft()
+            self._recent.append((now, subject, data, headers))
+        await self.nc.publish(subject, data, headers=headers)
+
+    async def publish_stored(self, subject: str, event: events.Event, retry_s: float = 10.0) -> None:
+        """Publish ``event`` to the JetStream stream that captures ``subject`` and return once the
+        stream acknowledged it, retrying while the stream has no leader (a cluster member died,
+        a new one is being elected); BusTimeout after ``retry_s``."""
+        data, headers = events.encode(event), _trace_headers()
+        deadline = time.monotonic() + retry_s
+        while True:
+            try:
+                await self._js.publish(subject, data, timeout=2.0, headers=headers)
+                return
+            except (nats.errors.Error, asyncio.TimeoutError) as exc:
+                if time.monotonic() > deadline:
+                    raise BusTimeout(f"no stream stored {subject} within {retry_s:g} s") from exc
+                await asyncio.sleep(0.1)
+
+    async def _requeue_recent(self) -> None:
+        """The connection dropped (nats-py calls this before it reconnects): what was published
+        with ``replay=True`` in the last REPLAY_WINDOW_S may have died with the server (written to
+        its socket, or not yet routed on). Queue it again at the head of nats-py's pending buffer,
+        in its order, so it goes out first on the next server, ahead of what was published since
+        (readers see old messages again, never a newer one before an older one)."""
+        recent, self._recent = list(self._recent), collections.deque()
+        cutoff = time.monotonic() - REPLAY_WINDOW_S
+        nc = self.nc
+        later, later_size = nc._pending, nc._pending_data_size  # nats-py has no API for this
+        nc._pending, nc._pending_data_size = [], 0
+        num_queued = 0
+        try:
+            for sent_at, subject, data, headers in recent:
+                if sent_at >= cutoff:
+                    await nc.publish(subject, data, headers=headers)
+                    num_queued += 1
+        except nats.errors.Error as exc:
+            _log.warning("bus_replay_failed", error=repr(exc), client=self.name)
+        finally:
+            nc._pending += later
+            nc._pending_data_size += later_size
+        if num_queued:
+            _log.info("bus_replay_queued", messages=num_queued, client=self.name)
 
     async def subscribe(
         self, subject: str, handler: Handler, kind: Any, queue: str = ""
@@ -297,14 +359,15 @@ class Bus:
 
     # ------------------------------------------------------------------ JetStream
 
-    async def kv(self, bucket: str, history: int = 1) -> KeyValue:
-        """The JetStream key-value bucket ``bucket``, created (file storage) if missing."""
+    async def kv(self, bucket: str, history: int = 1, replicas: int = 1) -> KeyValue:
+        """The JetStream key-value bucket ``bucket``, created (file storage, ``replicas`` copies
+        on a cluster) if missing; an existing bucket keeps its own settings."""
         try:
             return await self._js.key_value(bucket)
         except nats.js.errors.BucketNotFoundError:
             try:
                 return await self._js.create_key_value(
-                    KeyValueConfig(bucket=bucket, history=history)
+                    KeyValueConfig(bucket=bucket, history=history, replicas=replicas)
                 )
             except nats.js.errors.BadRequestError:
                 return await self._js.key_value(bucket)  # created meanwhile by another client

@@ -51,6 +51,7 @@ class CoordinatorServiceConfig:
     http_port: int = 9102  # 0: any free port
     kv_bucket: str = subjects.COORD_KV_BUCKET  # JetStream KV bucket of the state
     inbox_stream: str = INBOX_STREAM  # JetStream stream of reports
+    js_replicas: int = 1  # copies of the bucket and the stream: 3 on a 3-node NATS cluster
     tick_ms: int = 50  # how often deadlines are checked
     compact_interval_s: float = 60.0  # how often delete markers of ended leases are purged
     coordinator_id: str = ""  # names the leader in the leader key and logs ("": host-pid-random)
@@ -67,6 +68,8 @@ class CoordinatorServiceConfig:
             if not _JETSTREAM_NAME.match(name):
                 raise ValueError(f"{flag} {name!r} is not a JetStream name: use letters, digits, "
                                  "'-' and '_' only")
+        if not 1 <= self.js_replicas <= 5:
+            raise ValueError(f"--js-replicas must be 1-5 (JetStream's limit), got {self.js_replicas}")
         if self.tick_ms < 1:
             raise ValueError(f"--tick-ms must be >= 1, got {self.tick_ms}")
         if not self.compact_interval_s > 0:
@@ -89,6 +92,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="port of /health and /metrics (0: any free)")
     p.add_argument("--kv-bucket", default=d.kv_bucket, help="JetStream KV bucket for state")
     p.add_argument("--inbox-stream", default=d.inbox_stream, help="JetStream stream for reports")
+    p.add_argument("--js-replicas", type=int, default=d.js_replicas,
+                   help="copies of the state bucket and the report stream on a NATS cluster: 3 "
+                   "survives losing one server (default 1: one server); applied when they are "
+                   "created, and to the report stream at every start")
     p.add_argument("--tick-ms", type=shared_config.positive_int, default=d.tick_ms,
                    help="how often deadlines are checked")
     p.add_argument("--compact-interval-s", type=shared_config.positive_float,
@@ -121,6 +128,7 @@ def from_args(args: argparse.Namespace) -> CoordinatorServiceConfig:
         http_port=args.http_port,
         kv_bucket=args.kv_bucket,
         inbox_stream=args.inbox_stream,
+        js_replicas=args.js_replicas,
         tick_ms=args.tick_ms,
         compact_interval_s=args.compact_interval_s,
         coordinator_id=args.coordinator_id,

@@ -64,7 +64,7 @@ from shared.events import (
 )
 from shared.http_status import serve_status
 from shared.log import get_logger, setup_logging
-from shared.tracing import extract_context, inject_headers, setup_tracing
+from shared.tracing import extract_context, setup_tracing
 
 INBOX_SUBJECTS = [subjects.KV_READY_ALL, subjects.COORD_REPORT, subjects.REQ_CANCEL_ALL]
 InboxMessage = KvReady | KvFailed | DecodeStarted | SlotReleased | CancelRequest
@@ -117,7 +117,7 @@ class CoordinatorService:
     async def start(self) -> None:
         self._js = self.bus.nc.jetstream()
         try:
-            kv = await self.bus.kv(self.config.kv_bucket)
+            kv = await self.bus.kv(self.config.kv_bucket, replicas=self.config.js_replicas)
         except (nats.js.errors.ServiceUnavailableError, nats.errors.NoRespondersError) as exc:
             raise CoordinatorBusy(
                 "nats-server has no JetStream: the coordinator keeps its state there; start "
@@ -263,7 +263,7 @@ class CoordinatorService:
         js = self._js
         stream = StreamConfig(name=self.config.inbox_stream, subjects=INBOX_SUBJECTS,
                               retention=RetentionPolicy.WORK_QUEUE, storage=StorageType.FILE,
-                              max_age=3600.0)
+                              max_age=3600.0, num_replicas=self.config.js_replicas)
         try:
             await js.add_stream(stream)
         except nats.js.errors.BadRequestError:
@@ -394,12 +394,16 @@ class CoordinatorService:
         await self.store.write(effects)
         for e in effects:
             if isinstance(e, Reply):
-                await self.bus.nc.publish(e.reply_to, encode(e.event), headers=inject_headers({}) or None)
+                await self.bus.publish(e.reply_to, e.event, replay=True)
             elif isinstance(e, Publish):
-                await self.bus.publish(e.subject, e.event)
-                # a terminal event goes out twice (xl.handoff.* and the node's .ended): log it once
+                # a terminal event goes out twice (xl.handoff.* and the node's .ended): log it once;
+                # only the node's copy is replayed after a reconnect (watchers of the fan-out
+                # see each event once)
                 ev = e.event
-                if isinstance(ev, HandoffEvent) and e.subject == subjects.handoff(ev.request_id, ev.state):
+                is_fanout = isinstance(ev, HandoffEvent) and e.subject == subjects.handoff(
+                    ev.request_id, ev.state)
+                await self.bus.publish(e.subject, e.event, replay=not is_fanout)
+                if is_fanout:
                     self.log.info("handoff", request_id=ev.request_id, state=ev.state,
                                   lease_id=ev.lease_id, generation=ev.generation,
                                   node_id=ev.node_id, slot=ev.slot, reason=ev.reason)

@@ -16,7 +16,8 @@ Contract:
   first token is 0), then ``RequestFinished`` (usage, speculation stats).
 - HTTP ``/health`` and ``/metrics`` (metrics.py). SIGTERM: publish ``NodeDraining``, finish running
   requests (up to ``--drain-timeout-s``, then fail them as retryable), unregister, exit 0. NATS
-  restarts: nats-py reconnects and resubscribes; availability is republished then.
+  restarts: nats-py reconnects and resubscribes; availability is republished then, and what the
+  node published just before the drop (tokens, ends, reports) is sent again (shared.bus replay).
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ from concurrent.futures import ThreadPoolExecutor
 import sys
 import time
 
+from opentelemetry import context as otel_context
+
 from services.decode.config import DecodeConfig, parse
 from services.decode.metrics import LeaseTraces, NodeStatus
 from services.decode.receiver import Receiver
@@ -36,7 +39,7 @@ from services.decode.effects import (
 )
 from services.decode.slots import SlotCore
 from shared import subjects
-from shared.bus import Bus, BusUnavailable
+from shared.bus import Bus, BusError, BusUnavailable
 from shared.events import (
     PROTOCOL_VERSION, CancelRequest, DecodeStart, HandoffEvent, KvMessage, KvReady, NodeAvailable,
     NodeDraining,
@@ -61,6 +64,8 @@ class DecodeNode:
         self.log = get_logger("decode", node_id=self.node_id)
         self._subs: list = []
         self._tasks: list[asyncio.Task] = []
+        self._reports: asyncio.Queue = asyncio.Queue()  # to the coordinator, in order
+        self._num_reports_waiting = 0  # queued or being retried: later reports queue behind
         self._checksum_pool = ThreadPoolExecutor(config.num_checksum_threads, "kv-checksum")
 
     async def start(self) -> None:
@@ -75,6 +80,7 @@ class DecodeNode:
         await self._heartbeat()
         self.http = await serve_status(self.config.http_host, self.config.http_port, self.status.routes)
         self._tasks += [asyncio.create_task(self._heartbeat_loop()),
+                        asyncio.create_task(self._report_loop()),
                         asyncio.create_task(self._decode_loop())]
         self.log.info("decode_ready", http_port=self.http.sockets[0].getsockname()[1],
                       model=self.engine.model_name, slots=self.config.num_slots,
@@ -97,6 +103,8 @@ class DecodeNode:
         for sub in self._subs:
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
+        with contextlib.suppress(asyncio.TimeoutError):  # the last SlotReleased reports
+            await asyncio.wait_for(self._reports.join(), 15)
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -117,6 +125,22 @@ class DecodeNode:
             slots=self.receiver.slot_targets(), layout=self.engine.layout,
             heartbeat_interval_ms=c.heartbeat_ms, seq=self.seq, sent_at_ms=now,
             nixl_metadata_b64=self.receiver.metadata_b64, max_seq_len=c.max_seq_len))
+
+    async def _report_loop(self) -> None:
+        """Reports (DecodeStarted, SlotReleased) one at a time, each until the coordinator's
+        report stream stored it: a NATS member dying while the stream elects a new leader loses
+        none, and token streams never wait for it."""
+        while True:
+            e, trace_context = await self._reports.get()
+            token = otel_context.attach(trace_context)  # the lease's span, as when it was queued
+            try:
+                await self.bus.publish_stored(e.subject, e.event)
+            except Exception:
+                self.log.exception("report_failed", event=type(e.event).__name__)
+            finally:
+                otel_context.detach(token)
+                self._num_reports_waiting -= 1
+                self._reports.task_done()
 
     async def _heartbeat_loop(self) -> None:
         while True:
@@ -177,9 +201,18 @@ class DecodeNode:
 
     async def _perform(self, e: Effect) -> None:
         match e:
-            case Publish():
+            case Publish() if e.subject == subjects.COORD_REPORT:
+                # stored by the coordinator's stream (acknowledged): at once, in order; while the
+                # stream has no leader (a NATS member died) the rest waits in _report_loop
                 with self.traces.use(e.lease_id):
-                    await self.bus.publish(e.subject, e.event)
+                    if self._num_reports_waiting == 0:
+                        with contextlib.suppress(BusError):
+                            return await self.bus.publish_stored(e.subject, e.event, retry_s=0)
+                    self._num_reports_waiting += 1
+                    self._reports.put_nowait((e, otel_context.get_current()))
+            case Publish():
+                with self.traces.use(e.lease_id):  # tokens (by index), ends: replayable
+                    await self.bus.publish(e.subject, e.event, replay=True)
             case Heartbeat():
                 await self._heartbeat()
             case ReleaseEngine():

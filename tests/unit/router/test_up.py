@@ -96,3 +96,13 @@ def test_secure_plan_gives_each_service_its_own_credential_files_and_no_secret(t
         assert auth.connect_kwargs()["password"] == secrets.password_file(user).read_text().strip()
     assert (prefill_args.nats_user, prefill_args.nats_password_file) == (
         "prefill", str(secrets.password_file("prefill")))
+
+
+def test_nats_cluster_gives_the_coordinator_three_replicas(tmp_path):
+    (tmp_path / "config.json").write_text('{"model_type": "llama"}')
+    for flags, replicas in (([], None), (["--nats-cluster", "3"], "3")):
+        procs, _ = plan(build_parser().parse_args(flags), tmp_path, "nats://a:1,nats://b:2",
+                        sys.executable)
+        argv = procs[0].argv
+        assert (argv[argv.index("--js-replicas") + 1] if "--js-replicas" in argv else None) == replicas
+        assert "nats://a:1,nats://b:2" in argv
