@@ -16,7 +16,8 @@ server name ``<name>-<i>``, cluster name ``name`` and routes to every member (Je
 wants configured routes). The cluster ports are fixed before the start (``cluster_port`` +i, or
 free ones picked then: a port taken in between fails the start); client and monitoring ports follow
 ``port``/``monitor_port`` (+i each) or are free ones read back from each server, as for one server.
-Clients given one member's URL learn the others from the server (nats-py's server discovery).
+``tls`` (infra.nats.ServerTls) is for the client port of every member; routes stay on loopback
+without it. Clients given one member's URL learn the others from the server (nats-py's server discovery).
 With three members a stream or KV bucket with three replicas survives losing any one.
 """
 
@@ -28,7 +29,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from infra.nats import NatsServer, NatsServerError
+from infra.nats import NatsServer, NatsServerError, ServerTls
 from infra.processes import free_port
 
 CLUSTER_NAME = "expresslane"
@@ -51,6 +52,7 @@ class NatsCluster:
         log_dir: str | os.PathLike | None = None,
         env: dict[str, str] | None = None,
         stop_with_parent: bool = False,
+        tls: ServerTls | None = None,
     ) -> None:
         if num_nodes < 1:
             raise ValueError(f"a cluster needs at least one member, got {num_nodes}")
@@ -63,7 +65,7 @@ class NatsCluster:
                 self.store_dir / f"node-{i}", host=host, port=port + i if port else 0,
                 monitor_port=monitor_port + i if monitor_port else 0, config_file=config_file,
                 log_path=Path(log_dir) / f"nats-server-{i}.log" if log_dir else None, env=env,
-                stop_with_parent=stop_with_parent,
+                stop_with_parent=stop_with_parent, tls=tls,
                 extra_args=["--name", f"{name}-{i}", "--cluster_name", name,
                             "--cluster", f"nats://{host}:{cluster_ports[i]}", "--routes", routes],
             )
