@@ -239,7 +239,7 @@ class ExpressStream:
         leg.span = self.deps.tracer.start_span("router.decode", context=self._ctx, attributes={
             "request_id": leg.id, "node_id": g.node_id, "slot": g.target.slot.slot})
         with trace.use_span(leg.span, end_on_exit=False):
-            await self.deps.bus.publish(subjects.decode_start(g.node_id), start)
+            await self.deps.bus.publish(subjects.decode_start(g.node_id), start, replay=True)
 
     async def _relay(self, leg: _Leg) -> AsyncIterator[TokenBatch]:
         """The decode node's tokens for one leg (leg-local index 1 onwards), in order."""
