@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from shared import subjects
-from shared.bus import BusTimeout
+from shared.bus import Bus, BusTimeout
 from shared.events import ClaimGranted, ClaimRejected, HandoffEvent, KvReady, RequestFinished
 from tests.integration.test_coordinator_service import Stack, collect, run_request
 
@@ -190,3 +190,34 @@ async def test_paused_leader_steps_down_and_cannot_write(stack):
     assert stack.ledger.double_granted == []
     await first.wait_healthy(10, until=lambda h: h["leases"] == 0 and h["queued"] == 0)
     await stack.assert_no_leak([node])
+
+
+async def test_a_leader_that_lost_the_key_cannot_write(make_nats_server):
+    """The fencing of last resort: a leader paused between its lease check and its write finds the
+    write refused once another coordinator took the key (conditional on the key's revision)."""
+    from services.coordinator.leadership import NotLeading
+    from services.coordinator.model import DeleteLease, PutMeta
+    from services.coordinator.store import StateStore
+
+    bus = await Bus.connect(make_nats_server().url, name="test")
+    try:
+        kv = await bus.kv("xl_fence_test")
+        old, new = (StateStore(kv, bus.nc.jetstream(), "xl_fence_test", retry_s=1.0) for _ in "ab")
+        assert await old.read_leader() == (0, False)
+        revision = await old.take_leader("old", 0)
+        await old.write([PutMeta(100)])  # leading: the write is accepted
+        with pytest.raises(NotLeading):  # a second taker must compare-and-set the same revision
+            await new.take_leader("new", 0)
+        assert await new.read_leader() == (revision, True)
+        await new.take_leader("new", revision)  # the standby's takeover after the TTL
+        with pytest.raises(NotLeading):
+            await old.write([PutMeta(200)])
+        with pytest.raises(NotLeading):
+            await old.renew_leader("old")
+        assert (await new.load())[2] == 100  # nothing of the old leader's landed after the takeover
+        await new.write([PutMeta(300), DeleteLease("x")])
+        await new.release_leader()  # SIGTERM: the key is deleted, a standby may take it at once
+        revision, is_held = await old.read_leader()
+        assert not is_held and await old.take_leader("old", revision) > revision
+    finally:
+        await bus.close()
