@@ -40,7 +40,7 @@ from services.router.metrics import RouterMetrics
 from services.router.nodes import NodeTable
 from services.router.standard import TokenBatch, UpstreamError, continuation_body, continue_tokens, unreachable
 from shared import subjects
-from shared.bus import Bus, BusTimeout
+from shared.bus import Bus, BusNoResponders, BusTimeout
 from shared.events import (
     CancelRequest, ClaimGranted, ClaimReply, ClaimRejected, ClaimRequest, DecodeStart, HandoffEvent,
     RequestFailed, RequestFinished, SamplingParams, TokensGenerated,
@@ -53,6 +53,7 @@ _log = get_logger("services.router.express")
 # Rejections that mean "busy, retry later" (429); any other reason sends the request to the
 # standard lane (no compatible node, protocol mismatch, ...).
 CAPACITY_REASONS = frozenset({"no_free_slot", "queue_full", "deadline", "coordinator_stopping"})
+CLAIM_RETRY_S = 0.05  # between claims while no coordinator answers
 
 
 def claim_request(info: ModelInfo, request_id: str, *, num_prompt_tokens: int, max_tokens: int,
@@ -143,16 +144,26 @@ class ExpressStream:
     # ---------------------------------------------------------------- one leg
 
     async def _claim(self, leg_id: str, num_prompt: int, max_tokens: int, wait_ms: int) -> ClaimGranted:
-        req = claim_request(self.info, leg_id, num_prompt_tokens=num_prompt, max_tokens=max_tokens,
-                            wait_ms=wait_ms, tenant=self._tenant)
         t0 = time.perf_counter()
         with self.deps.tracer.start_as_current_span("router.claim", context=self._ctx,
                                                     attributes={"request_id": leg_id}):
-            try:
-                reply = await self.deps.bus.request(subjects.CLAIM, req, ClaimReply,
-                                                    timeout_s=wait_ms / 1000 + self.deps.cfg.claim_margin_s)
-            except BusTimeout as exc:
-                raise LaneFallback(f"coordinator: {exc}") from None
+            while True:
+                # No coordinator listens while a standby takes over (about a second): ask again
+                # within the claim's own wait rather than leave the lane. A retried claim is
+                # answered with the same lease.
+                left_ms = max(0, wait_ms - int((time.perf_counter() - t0) * 1000))
+                req = claim_request(self.info, leg_id, num_prompt_tokens=num_prompt,
+                                    max_tokens=max_tokens, wait_ms=left_ms, tenant=self._tenant)
+                try:
+                    reply = await self.deps.bus.request(
+                        subjects.CLAIM, req, ClaimReply, timeout_s=left_ms / 1000 + self.deps.cfg.claim_margin_s)
+                    break
+                except BusNoResponders as exc:
+                    if left_ms < CLAIM_RETRY_S * 1000:
+                        raise LaneFallback(f"coordinator: {exc}") from None
+                    await asyncio.sleep(CLAIM_RETRY_S)
+                except BusTimeout as exc:
+                    raise LaneFallback(f"coordinator: {exc}") from None
         self.deps.metrics.claim_ms.observe((time.perf_counter() - t0) * 1000)
         if isinstance(reply, ClaimRejected):
             if reply.reason not in CAPACITY_REASONS:  # no express node can take it: not back-pressure

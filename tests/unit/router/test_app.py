@@ -100,7 +100,8 @@ class World:
         async def on_cancel(c: CancelRequest, msg) -> None:
             self.cancels.append(c)
 
-        await bus.subscribe(subjects.CLAIM, on_claim, ClaimRequest)
+        self.bus, self.on_claim = bus, on_claim
+        self.claim_sub = await bus.subscribe(subjects.CLAIM, on_claim, ClaimRequest)
         await bus.subscribe(subjects.DECODE_START_ALL, on_start, DecodeStart)
         await bus.subscribe(subjects.REQ_CANCEL_ALL, on_cancel, CancelRequest)
         await bus.publish(subjects.node_avail("n0"), self.heartbeat)
@@ -280,6 +281,21 @@ async def test_client_leaving_while_its_claim_waits_cancels_the_claim_before_pre
     assert (cancel.request_id, cancel.reason, cancel.is_before_prefill) == (
         world.claims[0].request_id, "client_disconnected", True)
     assert world.prefill_bodies == [] and router.dispatcher.num_open == 0
+
+
+async def test_claim_outlasts_a_coordinator_failover_and_stays_express(harness):
+    world, client, router, _ = harness
+    router.cfg = RouterConfig(**{**router.cfg.__dict__, "claim_wait_ms": 60_000})
+    await world.claim_sub.unsubscribe()  # the leader died, no standby leads yet
+    request = asyncio.create_task(client.post("/v1/chat/completions",
+                                              json=_chat(max_tokens=4, return_token_ids=True)))
+    await asyncio.sleep(0.3)  # the router asks while nobody answers
+    assert not request.done() and world.claims == []
+    world.claim_sub = await world.bus.subscribe(subjects.CLAIM, world.on_claim, ClaimRequest)
+    r = await request
+    assert r.status_code == 200 and r.headers["x-expresslane-lane"] == "express"
+    assert r.json()["choices"][0]["token_ids"] == world.answer[:4]
+    assert len(world.claims) == 1
 
 
 async def test_migration_to_standard_lane(harness):
