@@ -11,8 +11,9 @@ Contract:
 - ``LEADER_KEY`` holds the leader's id. Every write to it is a compare-and-set on the revision
   last seen (revision 0: the key never existed), so each revision has one writer.
 - A leader renews every ``renew_ms``. It leads while ``now < sent_at + ttl_ms - margin_ms``, with
-  ``sent_at`` the time it *sent* its last renewal that succeeded; past that it steps down, even
-  when it cannot tell whether anyone took over (paused, cut off from NATS).
+  ``sent_at`` the time it *sent* its last renewal that succeeded; past that it neither grants nor
+  writes. It tries one more renewal (compare-and-set on its revision): if that succeeds nobody took
+  over, and it leads on with its state; if not, or if it cannot reach NATS, it steps down.
 - A standby polls the key every ``poll_ms``. It takes the lease (compare-and-set on the revision it
   saw) at once when the key is absent or deleted (a leader let go), or when the same revision has
   stood for ``ttl_ms`` of its own clock. It first saw that revision after the leader sent it, so the
@@ -91,7 +92,8 @@ class Leadership:
         self.counters["won"] += 1
 
     def renewed(self, revision: int, sent_at_ms: int) -> None:
-        """A renewal sent at ``sent_at_ms`` succeeded."""
+        """A renewal sent at ``sent_at_ms`` succeeded; also one sent late (past ``valid_until``):
+        the key still had our revision, so nobody took over, and we lead on from there."""
         if self.role == "leader":
             self.revision = revision
             self.valid_until_ms = max(self.valid_until_ms,

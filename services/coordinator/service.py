@@ -187,8 +187,11 @@ class CoordinatorService:
             await self._take_over(revision)
 
     async def _renew(self) -> None:
+        # Also when late (this process or NATS stalled past the lease): a renewal that still
+        # finds our revision proves nobody took over (a takeover changes it), so we lead on with
+        # our state instead of dropping it and taking over from ourselves a second later.
         async with self._lock:
-            if not self.leadership.is_leading(mono_ms()):
+            if self.leadership.role != "leader":
                 return
             sent_ms = mono_ms()
             try:

@@ -37,6 +37,16 @@ CASES = {
         (100, "renewed", (3,), None),  # sent earlier, acknowledged later
         (1199, "check", (), True),
     ],
+    # The leader stalled past its lease; nobody took the key (the late renewal's compare-and-set
+    # found our revision): it leads on from the late renewal.
+    "a late renewal that still finds our revision leads on": [
+        (0, "won", (1,), None),
+        (800, "check", (), False),
+        (800, "renewed", (2,), None),
+        (800, "check", (), True),
+        (1499, "check", (), True),
+        (1500, "check", (), False),
+    ],
     "standby waits ttl of its own clock on one revision": [
         (0, "observe", (7, True), False),
         (400, "observe", (7, True), False),
