@@ -19,7 +19,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "events": ("infra.events", "watch the bus: one decoded event per line"),
     "router": ("services.router.app", "run the OpenAI-compatible router"),
     "coordinator": ("services.coordinator.service", "run the transfer coordinator"),
-    "decode": ("services.decode.server", "run a decode node (engine + receive buffers)"),
+    "decode": ("services.decode.main", "run a decode node (engine + receive buffers)"),
     "prefill": ("services.prefill.launch", "run a stock vLLM prefill server with the express connector"),
     "convert-weights": ("services.decode.engine.convert", "convert an HF checkpoint to the engine's format"),
 }

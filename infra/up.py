@@ -170,7 +170,7 @@ def plan(args: argparse.Namespace, model: Path, nats_url: str, py: str,
                 f"http://127.0.0.1:{port}/health"))
     else:
         missing.append("coordinator (services/coordinator/service.py)")
-    if have("services.decode.server"):
+    if have("services.decode.main"):
         for i in range(args.decode_nodes):
             port = free_port()
             procs.append(Proc(f"decode-{i}", cli + [
@@ -178,7 +178,7 @@ def plan(args: argparse.Namespace, model: Path, nats_url: str, py: str,
                 "--slots", str(args.slots), "--max-seq-len", str(args.max_model_len),
                 "--http-port", str(port)], f"http://127.0.0.1:{port}/health"))
     else:
-        missing.append("decode node (services/decode/server.py)")
+        missing.append("decode node (services/decode/main.py)")
     prefill_port = args.prefill_port or free_port()
     vllm_env = {"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
                 "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "0-1"),

@@ -1,4 +1,5 @@
-"""``expresslane decode``: a decode node, the I/O shell around its slot core (slots.py).
+"""A decode node: the I/O shell around its slot core (slots.py); ``expresslane decode`` starts one
+(main.py).
 
 Contract:
 - At start: load the engine, register every slot's buffer with the transport once (receiver.py),
@@ -7,48 +8,42 @@ Contract:
 - ``DecodeStart`` (``xl.decode.<node>.start``), ``KvReady``/``KvFailed`` (``xl.kv.ready.<node>``),
   ``CancelRequest`` (``xl.req.*.cancel``) and lease ends (``xl.decode.<node>.ended``) go to the
   core; its effects are performed here, in order (slots.py says which, when).
-- A ``KvReady`` with segment checksums (shared.kvchecksum) is verified against the slot's receive
-  buffer, in worker threads, before the core sees it, so before injection; a mismatch (or none
-  where ``--require-kv-checksum`` asks for them) goes to the core as a rejected KV instead.
+- A ``KvReady`` is checked against the slot's receive buffer (receiver.check_kv: segment
+  checksums) before the core sees it, so before injection; a mismatch (or no checksums where
+  ``--require-kv-checksum`` asks for them) goes to the core as a rejected KV instead.
 - One decode loop performs the core's engine work (inject + start, cancel) between steps and runs
   ``engine.step()`` in a worker thread (the event loop stays responsive); tokens go out as
   ``TokensGenerated`` on ``xl.req.<id>.tokens`` (``index`` counts the completion, the prefill's
   first token is 0), then ``RequestFinished`` (usage, speculation stats).
 - HTTP ``/health`` and ``/metrics`` (metrics.py). SIGTERM: publish ``NodeDraining``, finish running
   requests (up to ``--drain-timeout-s``, then fail them as retryable), unregister, exit 0. NATS
-  restarts: nats-py reconnects and resubscribes; availability is republished then, and what the
-  node published just before the drop (tokens, ends, reports) is sent again (shared.bus replay).
+  restarts: nats-py reconnects and resubscribes; availability is republished then, what the node
+  published just before the drop (tokens, ends) is sent again (shared.bus replay), and reports to
+  the coordinator are stored in order (reports.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import signal
-from concurrent.futures import ThreadPoolExecutor
-import sys
 import time
 
-from opentelemetry import context as otel_context
-
-from services.decode.config import DecodeConfig, parse
-from services.decode.metrics import LeaseTraces, NodeStatus
-from services.decode.receiver import Receiver
+from services.decode.config import DecodeConfig
 from services.decode.effects import (
     Effect, Finished, Forget, Heartbeat, Publish, ReleaseEngine, StartEngine, StopEngine,
 )
+from services.decode.metrics import LeaseTraces, NodeStatus
+from services.decode.receiver import Receiver
+from services.decode.reports import Reports
 from services.decode.slots import SlotCore
 from shared import subjects
-from shared.bus import Bus, BusError, BusUnavailable
+from shared.bus import Bus
 from shared.events import (
     PROTOCOL_VERSION, CancelRequest, DecodeStart, HandoffEvent, KvMessage, KvReady, NodeAvailable,
     NodeDraining,
 )
-from shared.kvchecksum import CHECKSUM_FAILED, CHECKSUM_MISSING, verify
-from shared.kvlayout import write_ranges
 from shared.http_status import serve_status
-from shared.log import get_logger, setup_logging
-from shared.tracing import setup_tracing
+from shared.log import get_logger
 
 
 class DecodeNode:
@@ -64,9 +59,7 @@ class DecodeNode:
         self.log = get_logger("decode", node_id=self.node_id)
         self._subs: list = []
         self._tasks: list[asyncio.Task] = []
-        self._reports: asyncio.Queue = asyncio.Queue()  # to the coordinator, in order
-        self._num_reports_waiting = 0  # queued or being retried: later reports queue behind
-        self._checksum_pool = ThreadPoolExecutor(config.num_checksum_threads, "kv-checksum")
+        self.reports = Reports(bus, self.log)
 
     async def start(self) -> None:
         sub, core, feed = self.bus.subscribe, self.core, self._feed
@@ -80,7 +73,7 @@ class DecodeNode:
         await self._heartbeat()
         self.http = await serve_status(self.config.http_host, self.config.http_port, self.status.routes)
         self._tasks += [asyncio.create_task(self._heartbeat_loop()),
-                        asyncio.create_task(self._report_loop()),
+                        asyncio.create_task(self.reports.run()),
                         asyncio.create_task(self._decode_loop())]
         self.log.info("decode_ready", http_port=self.http.sockets[0].getsockname()[1],
                       model=self.engine.model_name, slots=self.config.num_slots,
@@ -103,14 +96,12 @@ class DecodeNode:
         for sub in self._subs:
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
-        with contextlib.suppress(asyncio.TimeoutError):  # the last SlotReleased reports
-            await asyncio.wait_for(self._reports.join(), 15)
+        await self.reports.flush(15)  # the last SlotReleased reports
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self._heartbeat()
         self.http.close()
-        self._checksum_pool.shutdown(wait=False)
         self.log.info("decode_stopped", stale_ignored=self.core.num_stale)
 
     async def _heartbeat(self) -> None:
@@ -125,22 +116,6 @@ class DecodeNode:
             slots=self.receiver.slot_targets(), layout=self.engine.layout,
             heartbeat_interval_ms=c.heartbeat_ms, seq=self.seq, sent_at_ms=now,
             nixl_metadata_b64=self.receiver.metadata_b64, max_seq_len=c.max_seq_len))
-
-    async def _report_loop(self) -> None:
-        """Reports (DecodeStarted, SlotReleased) one at a time, each until the coordinator's
-        report stream stored it: a NATS member dying while the stream elects a new leader loses
-        none, and token streams never wait for it."""
-        while True:
-            e, trace_context = await self._reports.get()
-            token = otel_context.attach(trace_context)  # the lease's span, as when it was queued
-            try:
-                await self.bus.publish_stored(e.subject, e.event)
-            except Exception:
-                self.log.exception("report_failed", event=type(e.event).__name__)
-            finally:
-                otel_context.detach(token)
-                self._num_reports_waiting -= 1
-                self._reports.task_done()
 
     async def _heartbeat_loop(self) -> None:
         while True:
@@ -161,24 +136,18 @@ class DecodeNode:
         await self._apply(self.core.on_kv_rejected(msg, reason) if reason else self.core.on_kv(msg))
 
     async def _check_kv(self, msg: KvReady) -> str:
-        """Why the KV this KvReady announces must not be injected ("" when it may, or when the
-        core will refuse it anyway: another node, another layout, a slot or size out of range)."""
-        layout = self.engine.layout
-        if (msg.node_id != self.node_id or msg.layout_version != layout.layout_version
-                or not 0 <= msg.slot < self.config.num_slots or not 0 < msg.num_tokens <= layout.max_tokens):
-            return ""
-        if not msg.kv_checksums:
-            return CHECKSUM_MISSING if self.config.require_kv_checksum else ""
+        """Why the KV this KvReady announces must not be injected ("" when it may)."""
+        if msg.node_id != self.node_id or msg.layout_version != self.engine.layout.layout_version:
+            return ""  # the core refuses it anyway
         t0 = time.perf_counter()
-        detail = await asyncio.to_thread(
-            verify, self.receiver.slot_reader(msg.slot), write_ranges(layout, msg.num_tokens),
-            msg.kv_checksums, msg.kv_checksum_algo, self._checksum_pool)
-        self.status.kv_verify_seconds.observe(time.perf_counter() - t0)
-        if not detail:
-            return ""
-        self.log.warning("kv_checksum_failed", request_id=msg.request_id, slot=msg.slot,
-                         lease_id=msg.lease_id, detail=detail)
-        return CHECKSUM_FAILED
+        reason, detail = await asyncio.to_thread(self.receiver.check_kv, msg, self.engine.layout,
+                                                 self.config.require_kv_checksum)
+        if msg.kv_checksums:
+            self.status.kv_verify_seconds.observe(time.perf_counter() - t0)
+        if reason:
+            self.log.warning("kv_rejected", request_id=msg.request_id, slot=msg.slot,
+                             lease_id=msg.lease_id, reason=reason, detail=detail)
+        return reason
 
     def _feed(self, core_input):
         """A bus handler that gives each message to the core and performs its effects."""
@@ -202,14 +171,8 @@ class DecodeNode:
     async def _perform(self, e: Effect) -> None:
         match e:
             case Publish() if e.subject == subjects.COORD_REPORT:
-                # stored by the coordinator's stream (acknowledged): at once, in order; while the
-                # stream has no leader (a NATS member died) the rest waits in _report_loop
-                with self.traces.use(e.lease_id):
-                    if self._num_reports_waiting == 0:
-                        with contextlib.suppress(BusError):
-                            return await self.bus.publish_stored(e.subject, e.event, retry_s=0)
-                    self._num_reports_waiting += 1
-                    self._reports.put_nowait((e, otel_context.get_current()))
+                with self.traces.use(e.lease_id):  # stored by the coordinator's stream, in order
+                    await self.reports.send(e)
             case Publish():
                 with self.traces.use(e.lease_id):  # tokens (by index), ends: replayable
                     await self.bus.publish(e.subject, e.event, replay=True)
@@ -273,43 +236,3 @@ class DecodeNode:
                       lease_id=work.lease_id, num_tokens=work.num_kv_tokens,
                       max_tokens=work.sampling.max_tokens)
         return self.core.on_engine_started(work.slot, work.lease_id, started_at_s)
-
-
-def _load(config: DecodeConfig):
-    """The engine and its registered receive buffers."""
-    from services.decode.engine import Engine
-    from shared.transport import create_transport
-
-    engine = Engine.load(config.model, config.engine)
-    transport = create_transport(config.transport, host=config.transport_host,
-                                 protocol=config.transport_protocol, agent_name=config.node_id)
-    return engine, Receiver(transport, [engine.slot_buffer(s) for s in range(config.num_slots)])
-
-
-async def _run(config: DecodeConfig) -> int:
-    # fail fast, before loading
-    bus = await Bus.connect(config.nats_url, name=f"decode-{config.node_id}", auth=config.bus_auth)
-    engine, receiver = await asyncio.to_thread(_load, config)
-    try:
-        node = DecodeNode(engine, receiver, bus, config)
-        stop = asyncio.Event()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            asyncio.get_running_loop().add_signal_handler(sig, stop.set)
-        await node.start()
-        await stop.wait()
-        await node.drain()
-        await bus.close()
-    finally:
-        receiver.close()
-    return 0
-
-
-def main(argv: list[str]) -> int:
-    config = parse(argv)
-    setup_logging("decode", config.log_level, json=config.log_format == "json")
-    setup_tracing("decode")
-    try:
-        return asyncio.run(_run(config))
-    except BusUnavailable as exc:
-        print(f"expresslane decode: {exc}", file=sys.stderr)
-        return 1

@@ -1,0 +1,52 @@
+"""The decode node's reports to the coordinator (``DecodeStarted``, ``SlotReleased``), in order,
+each until the coordinator's report stream has stored it.
+
+Contract: ``send(effect)`` publishes at once and waits for the stream's acknowledgement; when that
+fails (the stream elects a new leader after a NATS member died), the report and every later one
+wait in a queue that ``run()`` drains one at a time, retrying each (``Bus.publish_stored``), so no
+report is lost and none overtakes another. Token streams never wait for it. ``flush(timeout_s)``
+waits for the queue to empty (at shutdown). Each queued report keeps its lease's trace context.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+from opentelemetry import context as otel_context
+
+from services.decode.effects import Publish
+from shared.bus import Bus, BusError
+from shared.log import get_logger
+
+
+class Reports:
+    def __init__(self, bus: Bus, log=None) -> None:
+        self.bus = bus
+        self.log = log or get_logger("decode")
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._num_waiting = 0  # queued or being retried: later reports queue behind
+
+    async def send(self, e: Publish) -> None:
+        if self._num_waiting == 0:
+            with contextlib.suppress(BusError):
+                return await self.bus.publish_stored(e.subject, e.event, retry_s=0)
+        self._num_waiting += 1
+        self._queue.put_nowait((e, otel_context.get_current()))
+
+    async def run(self) -> None:
+        while True:
+            e, trace_context = await self._queue.get()
+            token = otel_context.attach(trace_context)  # the lease's span, as when it was queued
+            try:
+                await self.bus.publish_stored(e.subject, e.event)
+            except Exception:
+                self.log.exception("report_failed", event=type(e.event).__name__)
+            finally:
+                otel_context.detach(token)
+                self._num_waiting -= 1
+                self._queue.task_done()
+
+    async def flush(self, timeout_s: float) -> None:
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self._queue.join(), timeout_s)
