@@ -85,6 +85,10 @@ class LaneFallback(Exception):
     """The express lane cannot take the request; nothing was sent yet: use the standard lane."""
 
 
+class ClaimUnanswered(LaneFallback):
+    """No coordinator answered the claim in time (it may still grant it later)."""
+
+
 class _LegFailed(Exception):
     """The decode side of one leg failed; the request migrates."""
 
@@ -160,10 +164,10 @@ class ExpressStream:
                     break
                 except BusNoResponders as exc:
                     if left_ms < CLAIM_RETRY_S * 1000:
-                        raise LaneFallback(f"coordinator: {exc}") from None
+                        raise ClaimUnanswered(f"coordinator: {exc}") from None
                     await asyncio.sleep(CLAIM_RETRY_S)
                 except BusTimeout as exc:
-                    raise LaneFallback(f"coordinator: {exc}") from None
+                    raise ClaimUnanswered(f"coordinator: {exc}") from None
         self.deps.metrics.claim_ms.observe((time.perf_counter() - t0) * 1000)
         if isinstance(reply, ClaimRejected):
             if reply.reason not in CAPACITY_REASONS:  # no express node can take it: not back-pressure
@@ -191,10 +195,14 @@ class ExpressStream:
         queue = self.deps.dispatcher.open(leg_id)
         try:
             grant = await self._claim(leg_id, num_prompt, max_tokens, wait_ms)
-        except asyncio.CancelledError:  # the client left while the claim waited for a slot
+        except (asyncio.CancelledError, ClaimUnanswered) as exc:
+            # The client left while the claim waited, or no coordinator answered in time: a lease
+            # granted after all (a late answer, a standby restoring the queue) must not hold a slot
+            # for a prefill that will never write.
             self.deps.dispatcher.close(leg_id)
+            reason = "client_disconnected" if isinstance(exc, asyncio.CancelledError) else "claim_abandoned"
             self.deps.spawn(self.deps.bus.publish(subjects.req_cancel(leg_id), CancelRequest(
-                request_id=leg_id, reason="client_disconnected", is_before_prefill=True)))
+                request_id=leg_id, reason=reason, is_before_prefill=True)))
             raise
         except BaseException:
             self.deps.dispatcher.close(leg_id)

@@ -283,6 +283,21 @@ async def test_client_leaving_while_its_claim_waits_cancels_the_claim_before_pre
     assert world.prefill_bodies == [] and router.dispatcher.num_open == 0
 
 
+async def test_unanswered_claim_goes_standard_and_is_cancelled_before_prefill(harness):
+    world, client, router, _ = harness
+    router.cfg = RouterConfig(**{**router.cfg.__dict__, "claim_wait_ms": 100, "claim_margin_s": 0.1})
+    world.hold_claims = True  # a coordinator that never answers in time
+    r = await client.post("/v1/chat/completions", json=_chat(max_tokens=4, return_token_ids=True))
+    assert r.status_code == 200 and r.headers["x-expresslane-lane"] == "standard"
+    deadline = time.monotonic() + 30
+    while not world.cancels:
+        assert time.monotonic() < deadline, "the abandoned claim was never cancelled"
+        await asyncio.sleep(0.01)
+    (cancel,) = world.cancels
+    assert (cancel.request_id, cancel.reason, cancel.is_before_prefill) == (
+        world.claims[0].request_id, "claim_abandoned", True)
+
+
 async def test_claim_outlasts_a_coordinator_failover_and_stays_express(harness):
     world, client, router, _ = harness
     router.cfg = RouterConfig(**{**router.cfg.__dict__, "claim_wait_ms": 60_000})
