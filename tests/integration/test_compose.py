@@ -212,7 +212,7 @@ async def test_secure_nats_command_runs_on_the_real_server(secure_stack, nats_se
             raise AssertionError("nats-server never accepted the router")
         await bus.close()
         with pytest.raises(BusTlsError):
-            await Bus.connect(url, connect_timeout_s=1.0, auth=BusAuth(
+            await Bus.connect(url, connect_timeout_s=10.0, auth=BusAuth(
                 user="router", password_file=str(secrets_dir / "nats_router_password")))
     finally:
         proc.terminate()
