@@ -105,9 +105,12 @@ def test_events_command_shows_the_lifecycle_in_order(deployment):
     mine = [json.loads(ln) for ln in lines if rid in ln]
     kinds = [m["event"]["type"] + (":" + m["event"]["state"] if m["event"]["type"] == "handoff" else "")
              for m in mine]
-    states = [k.split(":")[1] for k in kinds if k.startswith("handoff:")]
+    states = [m["event"]["state"] for m in mine if m["subject"].startswith("xl.handoff.")]
     order = ["queued", "claimed", "kv_ready", "decoding", "completed"]
     assert states == [s for s in order if s in states] and {"claimed", "completed"} <= set(states), kinds
+    # the lease's end also went to its decode node, on the node's own subject
+    ended = [m for m in mine if m["subject"].startswith("xl.decode.") and m["subject"].endswith(".ended")]
+    assert [m["event"]["state"] for m in ended] == ["completed"], kinds
     pos = {k: kinds.index(k) for k in reversed(kinds)}  # first position of each kind
     assert pos["handoff:claimed"] < pos["kv_ready"] < pos["tokens"]
     assert pos["decode_start"] < pos["tokens"] < kinds.index("finished")

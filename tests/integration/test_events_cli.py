@@ -84,7 +84,7 @@ async def test_json_output_and_count(nats_url, bus, procs):
     first, second = [json.loads(line) for line in out.decode().splitlines()]
     assert first["subject"] == f"xl.req.{request_id}.cancel" and first["traceparent"] == ""
     assert first["event"] == {"type": "cancel", "request_id": request_id,
-                              "reason": "client_disconnected"}
+                              "reason": "client_disconnected", "is_before_prefill": False}
     assert second["event"] == "not json"
 
 
