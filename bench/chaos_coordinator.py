@@ -158,7 +158,11 @@ class Load:
             sampling=SamplingParams(max_tokens=2, ignore_eos=True)))
         try:
             while True:
-                ev = await asyncio.wait_for(queue.get(), 60)
+                try:
+                    ev = await asyncio.wait_for(queue.get(), 60)
+                except asyncio.TimeoutError:  # counted (its lease ends failed), the load goes on
+                    self.errors.append(f"{grant.request_id}: no end within 60 s")
+                    return
                 if isinstance(ev, (RequestFinished, RequestFailed)):
                     if isinstance(ev, RequestFailed):
                         self.errors.append(f"{grant.request_id}: {ev.reason}")
@@ -225,6 +229,9 @@ async def measure_failover(kills: int = 3, workers: int = 3, slots: int = 4,
             load.kill_at = time.monotonic()
             leader.kill()
             while load.first_grant_after_kill is None:
+                if time.monotonic() - load.kill_at > 60:
+                    raise RuntimeError(f"no claim granted within 60 s of killing {leader.name}; "
+                                       f"logs in {log_dir}")
                 await asyncio.sleep(0.005)
             failover_ms.append((load.first_grant_after_kill - load.kill_at) * 1000)
             load.kill_at = None

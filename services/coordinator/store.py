@@ -54,11 +54,7 @@ class StateStore:
 
     async def load(self) -> tuple[list[Lease], list[QueuedClaim], int]:
         leases, queued, next_generation = [], [], 1
-        try:
-            keys = await self._retry(self.kv.keys)
-        except nats.js.errors.NoKeysError:
-            keys = []
-        for key in keys:
+        for key in await self._retry(self._keys):
             _, value = await self._retry(self._read, key)
             if value is None:
                 continue
@@ -72,6 +68,14 @@ class StateStore:
             except (msgspec.DecodeError, msgspec.ValidationError, ValueError, KeyError) as exc:
                 self.log.error("state_record_unreadable", key=key, error=str(exc))
         return leases, queued, next_generation
+
+    async def _keys(self) -> list[str]:
+        """Every key with a record in the bucket (deleted ones too, until purged), from the
+        stream's own per-subject counts. Not ``kv.keys()``: its watcher can report an empty bucket
+        when the server has sent every entry but none has reached the watcher yet, and a new
+        leader that restored nothing would hand out slots and generations already in use."""
+        info = await self.js.stream_info(self.stream, subjects_filter=self.prefix + ">")
+        return sorted(s[len(self.prefix):] for s in (info.state.subjects or {}))
 
     async def write(self, effects: list[Effect]) -> None:
         writes: dict[str, bytes | None] = {}  # key -> value, None: delete
