@@ -236,6 +236,7 @@ async def abort_storm(stack: Stack, num_clients: int, timeout_s: float = 120) ->
     recovery_s, left = await stack.wait_clean(30.0)
     return {"abort_storm_clients": num_clients, "abort_storm_open_at_burst": num_open,
             "abort_storm_recovery_ms": None if left else round((closed_s + recovery_s) * 1000, 1),
+            "abort_storm_clients_closed_ms": round(closed_s * 1000, 1),
             "abort_storm_leaked": sum(left.values()), "abort_storm_left": left}
 
 
