@@ -59,9 +59,6 @@ async def stack(make_nats_server, tiny_model, tmp_path):
         yield s
     finally:
         await s.close()
-        for p in s.procs:
-            if p.proc is not None and p.proc.returncode not in (0, None, -9):
-                print(f"--- {p.name} exited {p.proc.returncode}\n{p.tail()}")
 
 
 async def claim_until_answered(stack: Stack, rid: str, wait_ms: int = 20_000):

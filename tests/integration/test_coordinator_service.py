@@ -156,10 +156,14 @@ class Stack:
                                  len(h["free_slots"]) == h["total_slots"])
 
     async def close(self) -> None:
+        """Stop everything; print the log tail of any process that exited badly (not killed)."""
         if self.bus is not None:
             await self.bus.close()
         for p in reversed(self.procs):
             p.stop()
+        for p in self.procs:
+            if p.proc is not None and p.proc.returncode not in (0, None, -9):
+                print(f"--- {p.name} exited {p.proc.returncode}\n{p.tail()}")
 
 
 async def run_request(stack: Stack, grant: ClaimGranted, prompt_len: int, max_tokens: int,
@@ -205,9 +209,6 @@ async def stack(make_nats_server, tiny_model, tmp_path):
         yield s
     finally:
         await s.close()
-        for p in s.procs:
-            if p.proc is not None and p.proc.returncode not in (0, None, -9):
-                print(f"--- {p.name} exited {p.proc.returncode}\n{p.tail()}")
 
 
 # ---------------------------------------------------------------- tests
