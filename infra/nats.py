@@ -356,6 +356,19 @@ def main(argv: list[str]) -> int:
         args.nats_store_dir, host=args.nats_host, port=args.nats_port,
         monitor_port=args.nats_monitor_port, config_file=resolve_config(args.nats_config),
     )
+
+    def announce() -> None:
+        log.info("nats_ready", url=server.url, monitor_url=server.monitor_url,
+                 store_dir=str(server.store_dir), config=str(server.config_file), log=str(server.log_path))
+        print(f"nats-server ready at {server.url} (monitoring {server.monitor_url}); Ctrl-C stops it",
+              flush=True)
+
+    return serve_until_stopped([server], server.start, server.stop, announce, log)
+
+
+def serve_until_stopped(servers: list[NatsServer], start, stop, announce, log) -> int:
+    """``expresslane nats`` in the foreground: ``start()``, ``announce()``, then watch ``servers``
+    until SIGINT or SIGTERM (0) or one of them dies (1, with its log's tail); ``stop()`` at the end."""
     stopping = False
 
     def _stop(signum, frame):
@@ -365,21 +378,20 @@ def main(argv: list[str]) -> int:
     signal.signal(signal.SIGINT, _stop)
     signal.signal(signal.SIGTERM, _stop)
     try:
-        server.start()
+        start()
     except NatsServerError as exc:
         print(f"expresslane nats: {exc}", file=sys.stderr)
         return 1
-    log.info("nats_ready", url=server.url, monitor_url=server.monitor_url,
-             store_dir=str(server.store_dir), config=str(server.config_file), log=str(server.log_path))
-    print(f"nats-server ready at {server.url} (monitoring {server.monitor_url}); Ctrl-C stops it",
-          flush=True)
+    announce()
     try:
         while not stopping:
-            if not server.is_running:
-                print(f"nats-server died:\n{server.log_tail()}", file=sys.stderr)
+            dead = [i for i, s in enumerate(servers) if not s.is_running]
+            if dead:
+                name = "nats-server" if len(servers) == 1 else f"nats-server {dead[0]}"
+                print(f"{name} died:\n{servers[dead[0]].log_tail()}", file=sys.stderr)
                 return 1
             time.sleep(0.2)
     finally:
-        server.stop()
+        stop()
     log.info("nats_stopped")
     return 0

@@ -140,11 +140,9 @@ def _connection_names(monitor_url: str) -> set[str]:
 
 def run_cluster(args, log) -> int:
     """``expresslane nats --cluster N``: the cluster in the foreground until Ctrl-C or SIGTERM."""
-    import signal
     import sys
-    import time
 
-    from infra.nats import resolve_config
+    from infra.nats import resolve_config, serve_until_stopped
 
     if args.cluster < 1:
         print(f"expresslane nats: --cluster must be 1 or more, got {args.cluster}", file=sys.stderr)
@@ -154,32 +152,11 @@ def run_cluster(args, log) -> int:
         config_file=resolve_config(args.nats_config), port=args.nats_port,
         monitor_port=args.nats_monitor_port, cluster_port=args.nats_cluster_port,
     )
-    stopping = False
 
-    def _stop(signum, frame):
-        nonlocal stopping
-        stopping = True
+    def announce() -> None:
+        log.info("nats_cluster_ready", urls=cluster.urls, monitor_urls=cluster.monitor_urls,
+                 store_dir=str(cluster.store_dir))
+        print(f"nats cluster of {args.cluster} ready: --nats-url {cluster.url} (monitoring "
+              f"{', '.join(cluster.monitor_urls)}); Ctrl-C stops it", flush=True)
 
-    signal.signal(signal.SIGINT, _stop)
-    signal.signal(signal.SIGTERM, _stop)
-    try:
-        cluster.start()
-    except NatsServerError as exc:
-        print(f"expresslane nats: {exc}", file=sys.stderr)
-        return 1
-    log.info("nats_cluster_ready", urls=cluster.urls, monitor_urls=cluster.monitor_urls,
-             store_dir=str(cluster.store_dir))
-    print(f"nats cluster of {args.cluster} ready: --nats-url {cluster.url} (monitoring "
-          f"{', '.join(cluster.monitor_urls)}); Ctrl-C stops it", flush=True)
-    try:
-        while not stopping:
-            dead = [i for i, s in enumerate(cluster.servers) if not s.is_running]
-            if dead:
-                print(f"nats-server {dead[0]} died:\n{cluster.servers[dead[0]].log_tail()}",
-                      file=sys.stderr)
-                return 1
-            time.sleep(0.2)
-    finally:
-        cluster.stop()
-    log.info("nats_stopped")
-    return 0
+    return serve_until_stopped(cluster.servers, cluster.start, cluster.stop, announce, log)
