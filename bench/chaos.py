@@ -49,11 +49,11 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.chaos_coordinator import Ledger  # noqa: E402
 from infra.processes import free_port, stop_process_groups  # noqa: E402
 
 PROMPTS = ["Tell me about express lanes on a highway.", "Write a short poem about the sea.",
            "Explain what a KV cache is.", "List three reasons to measure latency."]
-TERMINAL = {"completed", "failed", "cancelled"}
 
 
 # ---------------------------------------------------------------- the stack
@@ -126,12 +126,11 @@ class Stack:
 
 
 class GrantWatch:
-    """Every handoff event on the bus: a claim granted on a slot another live lease holds counts as
-    a double grant."""
+    """Every handoff event on the bus: double grants (a slot granted while another live lease holds
+    it: bench.chaos_coordinator.Ledger), grants, and why legs failed."""
 
     def __init__(self) -> None:
-        self.holder: dict[tuple[str, int], str] = {}
-        self.double_granted: list[tuple] = []
+        self.ledger = Ledger()
         self.num_claimed = 0
         self.failed: dict[str, str] = {}  # leg id -> reason
 
@@ -143,16 +142,10 @@ class GrantWatch:
         self.bus = await Bus.connect(nats_url, name="bench-chaos")
 
         async def on_event(ev, _msg) -> None:
-            key = (ev.node_id, ev.slot)
-            if ev.state == "claimed":
-                self.num_claimed += 1
-                if key in self.holder:
-                    self.double_granted.append((key, self.holder[key], ev.request_id))
-                self.holder[key] = ev.request_id
+            self.ledger.on_event(ev)
+            self.num_claimed += ev.state == "claimed"
             if ev.state == "failed":
                 self.failed[ev.request_id] = ev.reason
-            if ev.state in TERMINAL and self.holder.get(key) == ev.request_id:
-                del self.holder[key]
 
         await self.bus.subscribe(subjects.HANDOFF_ALL, on_event, HandoffEvent)
 
@@ -439,7 +432,7 @@ async def run(args: argparse.Namespace) -> dict:
                 out.update(await prefill_cpu(stack))
             if "decode_kill" in only:  # last: the killed node restarts under `up`'s supervision
                 out.update(await decode_kill(stack))
-            out["slots_double_granted"] = len(watch.double_granted)
+            out["slots_double_granted"] = watch.ledger.double_grants
             out["stack_claims_granted"] = watch.num_claimed
             await watch.close()
         finally:
