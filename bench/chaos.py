@@ -50,7 +50,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.chaos_coordinator import Ledger  # noqa: E402
-from infra.processes import free_port, stop_process_groups  # noqa: E402
+from infra.processes import free_port, group_cpu_s, stop_process_groups  # noqa: E402
 
 PROMPTS = ["Tell me about express lanes on a highway.", "Write a short poem about the sea.",
            "Explain what a KV cache is.", "List three reasons to measure latency."]
@@ -270,19 +270,6 @@ async def decode_kill(stack: Stack, num_streams: int = 4, max_tokens: int = 200)
         completed += got == want
     return {"decode_kill_streams_total": num_streams, "decode_kill_streams_completed": completed,
             "decode_kill_tokens_lost": lost, "decode_kill_tokens_repeated": repeated}
-
-
-def group_cpu_s(pgid: int) -> float:
-    """CPU seconds (user + system) of every live process in the group."""
-    total = 0
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
-        with contextlib.suppress(OSError, IndexError, ValueError):
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-            if int(fields[2]) == pgid:
-                total += int(fields[11]) + int(fields[12])
-    return total / os.sysconf("SC_CLK_TCK")
 
 
 def cpu_pct(pgid: int, settle_s: float = 10.0, window_s: float = 10.0) -> float:

@@ -3,6 +3,7 @@
 Contract:
 - ``free_port()``: a TCP port on 127.0.0.1 that was free a moment ago.
 - ``group_alive(pgid)``: whether a live (not zombie) process is in the group.
+- ``group_cpu_s(pgid)``: CPU seconds (user + system) of the group's live processes.
 - ``stop_process_groups(popens, grace_s)``: SIGTERM every group (started with
   ``start_new_session=True``, so pgid == pid) in reverse order, SIGKILL the groups still alive after
   ``grace_s``, wait up to ``kill_wait_s`` for them to go; returns the processes whose group needed
@@ -50,6 +51,22 @@ def group_alive(pgid: int) -> bool:
         if int(fields[2]) == pgid and fields[0] != "Z":  # fields: state, ppid, pgrp, ...
             return True
     return False
+
+
+def group_cpu_s(pgid: int) -> float:
+    """CPU seconds (user + system) used so far by every live process in group ``pgid``."""
+    ticks = 0
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid:  # fields: state, ppid, pgrp, ..., utime (11), stime (12)
+            ticks += int(fields[11]) + int(fields[12])
+    return ticks / os.sysconf("SC_CLK_TCK")
 
 
 def signal_group(popen: subprocess.Popen, sig: int) -> None:

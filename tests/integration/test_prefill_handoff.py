@@ -16,6 +16,7 @@ import pytest
 from shared import subjects
 from shared.events import KvFailed, KvMessage, KvReady
 from shared.handoff import parse_status
+from infra.processes import group_cpu_s
 from infra.receiver import ReceiverProcess
 from tests.fixtures.prefill import STAGING_SLOTS, TRANSFER_TIMEOUT_S, Express
 from tests.fixtures.vllm import Plain
@@ -173,17 +174,6 @@ async def test_no_free_staging_slot_is_reported_not_blocked(llama, bus):
         await events.sub.unsubscribe()
 
 
-def _group_cpu_s(pgid: int) -> float:
-    """CPU seconds (user + system) of every live process in the group."""
-    total = 0
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        with contextlib.suppress(OSError, IndexError, ValueError):
-            fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
-            if int(fields[2]) == pgid:
-                total += int(fields[11]) + int(fields[12])
-    return total / os.sysconf("SC_CLK_TCK")
-
-
 async def test_idle_connector_vllm_keeps_no_thread_busy(llama, bus):
     """After hand-offs, including to receivers that died and stalled, a connector-loaded vLLM that
     serves nothing uses next to no CPU: no transfer-engine thread polls or retries in a loop (one
@@ -191,9 +181,9 @@ async def test_idle_connector_vllm_keeps_no_thread_busy(llama, bus):
     async with httpx.AsyncClient() as client:
         await llama.complete(client, PROMPT_A)
     window_s = 5.0
-    before = _group_cpu_s(llama.server.pid)
+    before = group_cpu_s(llama.server.pid)
     await asyncio.sleep(window_s)
-    used = _group_cpu_s(llama.server.pid) - before
+    used = group_cpu_s(llama.server.pid) - before
     assert used < 0.3 * window_s, f"idle vLLM used {used / window_s:.0%} of a core"  # measured ~1%
 
 
