@@ -13,9 +13,9 @@ Contract:
 
 Each member is an infra.nats.NatsServer with its own store directory (``store_dir/node-<i>``),
 server name ``<name>-<i>``, cluster name ``name`` and routes to every member (JetStream clustering
-wants configured routes). The cluster ports are fixed before the start (``cluster_port`` +i, or
-free ones picked then: a port taken in between fails the start); client and monitoring ports follow
-``port``/``monitor_port`` (+i each) or are free ones read back from each server, as for one server.
+wants configured routes). The cluster, client and monitoring ports are fixed before the start
+(``cluster_port``/``port``/``monitor_port`` +i each, or distinct free ones picked then: a port
+another process takes in between fails the start).
 ``tls`` (infra.nats.ServerTls) is for the client port of every member; routes stay on loopback
 without it. Clients given one member's URL learn the others from the server (nats-py's server discovery).
 With three members a stream or KV bucket with three replicas survives losing any one.
@@ -30,7 +30,7 @@ import urllib.request
 from pathlib import Path
 
 from infra.nats import NatsServer, NatsServerError, ServerTls
-from infra.processes import free_port
+from infra.processes import free_ports
 
 CLUSTER_NAME = "expresslane"
 
@@ -57,13 +57,18 @@ class NatsCluster:
         if num_nodes < 1:
             raise ValueError(f"a cluster needs at least one member, got {num_nodes}")
         self.store_dir, self.name = Path(store_dir), name
-        cluster_ports = [cluster_port + i if cluster_port else free_port() for i in range(num_nodes)]
+        # Every port fixed up front, all distinct: a member asked for a random client or
+        # monitoring port could otherwise be given a route port picked for the cluster.
+        free = iter(free_ports(3 * num_nodes))
+        cluster_ports = [cluster_port + i if cluster_port else next(free) for i in range(num_nodes)]
+        client_ports = [port + i if port else next(free) for i in range(num_nodes)]
+        monitor_ports = [monitor_port + i if monitor_port else next(free) for i in range(num_nodes)]
         route_host = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
         routes = ",".join(f"nats://{route_host}:{p}" for p in cluster_ports)
         self.servers = [
             NatsServer(
-                self.store_dir / f"node-{i}", host=host, port=port + i if port else 0,
-                monitor_port=monitor_port + i if monitor_port else 0, config_file=config_file,
+                self.store_dir / f"node-{i}", host=host, port=client_ports[i],
+                monitor_port=monitor_ports[i], config_file=config_file,
                 log_path=Path(log_dir) / f"nats-server-{i}.log" if log_dir else None, env=env,
                 stop_with_parent=stop_with_parent, tls=tls,
                 extra_args=["--name", f"{name}-{i}", "--cluster_name", name,

@@ -1,7 +1,7 @@
 """Child processes in their own process groups: a free port to give them, and one way to stop them.
 
 Contract:
-- ``free_port()``: a TCP port on 127.0.0.1 that was free a moment ago.
+- ``free_port()``: a TCP port on 127.0.0.1 that was free a moment ago; ``free_ports(n)``: n distinct ones.
 - ``group_alive(pgid)``: whether a live (not zombie) process is in the group.
 - ``group_cpu_s(pgid)``: CPU seconds (user + system) of the group's live processes.
 - ``stop_process_groups(popens, grace_s)``: SIGTERM every group (started with
@@ -25,9 +25,17 @@ POLL_S = 0.1
 
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that nothing was bound to when asked."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]
+
+
+def free_ports(num: int) -> list[int]:
+    """``num`` distinct TCP ports on 127.0.0.1 that nothing was bound to when asked (all held at
+    once while picking, so none is handed out twice)."""
+    with contextlib.ExitStack() as stack:
+        sockets = [stack.enter_context(socket.socket()) for _ in range(num)]
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
 
 
 def group_alive(pgid: int) -> bool:
