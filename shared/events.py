@@ -225,6 +225,8 @@ class DecodeStart(Event, tag="decode_start"):
     sampling: SamplingParams
     # Tokens already streamed to the client beyond the first (migration); 0 for a fresh request.
     num_tokens_already_sent: int = 0
+    # How many times the request moved to another node before this leg (0: its first leg).
+    migration: int = 0
 
 
 # ---------------------------------------------------------------- decode -> router: tokens

@@ -34,6 +34,7 @@ class DecodeConfig:
     drain_timeout_s: float = 30.0
     require_kv_checksum: bool = False  # a KvReady without checksums fails the lease
     num_checksum_threads: int = 4  # threads that verify one KvReady's segment sums
+    fault_stall_after_tokens: int = 0  # FAULT INJECTION: the engine hangs (tests, bench only)
 
     @property
     def num_slots(self) -> int:
@@ -57,7 +58,8 @@ class DecodeConfig:
             transport=args.transport, transport_host=args.transport_host,
             transport_protocol=args.transport_protocol, heartbeat_ms=args.heartbeat_ms,
             http_host=args.http_host, http_port=args.http_port, drain_timeout_s=args.drain_timeout_s,
-            require_kv_checksum=args.require_kv_checksum, num_checksum_threads=args.checksum_threads)
+            require_kv_checksum=args.require_kv_checksum, num_checksum_threads=args.checksum_threads,
+            fault_stall_after_tokens=args.fault_stall_after_tokens)
 
     def validate(self) -> DecodeConfig:
         """Raise ValueError naming the flag whose value cannot work; return self."""
@@ -71,6 +73,8 @@ class DecodeConfig:
             raise ValueError(f"--num-speculative-tokens must be 0 to {MAX_SPECULATIVE_TOKENS}, got {k}")
         if self.engine.mtp_draft_vocab is not None and self.engine.mtp_draft_vocab < 1:
             raise ValueError(f"--mtp-draft-vocab must be 1 or more, got {self.engine.mtp_draft_vocab}")
+        if self.fault_stall_after_tokens < 0:
+            raise ValueError(f"--fault-stall-after-tokens must be 0 or more, got {self.fault_stall_after_tokens}")
         if self.drain_timeout_s < 0:
             raise ValueError(f"--drain-timeout-s must be 0 or more, got {self.drain_timeout_s}")
         try:
@@ -128,4 +132,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "with --kv-checksum); checksums that come are verified either way")
     p.add_argument("--checksum-threads", type=int, default=4,
                    help="threads that verify a KV-ready's segment checksums")
+    p.add_argument("--fault-stall-after-tokens", type=int, default=0, metavar="N",
+                   help="FAULT INJECTION, for tests and bench only: once a request on its first leg "
+                        "(not one migrated here) has N completion tokens, the engine stops stepping "
+                        "for good while the node keeps its heartbeats and /health: a hung engine "
+                        "(0: off)")
     return p

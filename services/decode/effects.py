@@ -62,6 +62,7 @@ class StartEngine:
     num_kv_tokens: int
     first_token_id: int
     sampling: SamplingParams
+    migration: int = 0  # DecodeStart.migration: 0 on a request's first leg
 
 
 @dataclass(frozen=True)

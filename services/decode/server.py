@@ -200,6 +200,9 @@ class DecodeNode:
                                           else self._stop(work))
                 if not self.core.is_decoding:
                     continue
+                if self._fault_stall_due():
+                    self.log.warning("fault_stall", after_tokens=self.config.fault_stall_after_tokens)
+                    await asyncio.Event().wait()  # FAULT INJECTION: hung for good; the node stays up
                 t0 = time.perf_counter()
                 outputs = await asyncio.to_thread(self.engine.step)
                 self.status.step_seconds.observe(time.perf_counter() - t0)
@@ -209,6 +212,13 @@ class DecodeNode:
                 self.log.exception("decode_loop_failed")
                 await self._apply(self.core.stop_all("failed", "engine_error"))
                 await asyncio.sleep(0.1)
+
+    def _fault_stall_due(self) -> bool:
+        n = self.config.fault_stall_after_tokens
+        return n > 0 and any(
+            s.current is not None and s.current.start is not None
+            and s.current.start.migration == 0 and s.current.num_completion_tokens >= n
+            for s in self.core.slots)
 
     async def _emit(self, slot: int, out) -> None:
         current = self.core.slots[slot].current
@@ -234,5 +244,5 @@ class DecodeNode:
                                               time.perf_counter())
         self.log.info("decode_started", request_id=work.request_id, slot=work.slot,
                       lease_id=work.lease_id, num_tokens=work.num_kv_tokens,
-                      max_tokens=work.sampling.max_tokens)
+                      max_tokens=work.sampling.max_tokens, migration=work.migration)
         return self.core.on_engine_started(work.slot, work.lease_id, started_at_s)

@@ -188,7 +188,8 @@ class SlotCore:
             if kind == "start":
                 lease.phase = "starting"
                 work.append(StartEngine(i, lease.lease_id, lease.request_id, lease.kv.num_tokens,
-                                        lease.start.first_token_id, lease.start.sampling))
+                                        lease.start.first_token_id, lease.start.sampling,
+                                        lease.start.migration))
             elif kind == "stop":
                 lease.phase = "stopping"
                 work.append(StopEngine(i, lease.lease_id))

@@ -254,7 +254,8 @@ class ExpressStream:
         )
         start = DecodeStart(request_id=leg.id, lease_id=g.lease_id, generation=g.generation,
                             slot=g.target.slot.slot, first_token_id=first_id,
-                            num_prompt_tokens=num_prompt, sampling=sampling)
+                            num_prompt_tokens=num_prompt, sampling=sampling,
+                            migration=self.num_migrations)
         leg.span = self.deps.tracer.start_span("router.decode", context=self._ctx, attributes={
             "request_id": leg.id, "node_id": g.node_id, "slot": g.target.slot.slot})
         with trace.use_span(leg.span, end_on_exit=False):

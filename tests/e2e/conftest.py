@@ -70,13 +70,15 @@ class Deployment:
                                  "--heartbeat-ms", str(HEARTBEAT_MS), "--http-port", str(port)],
                     self.health_urls[name])
 
-    def restart_node(self, name: str) -> None:
-        """Start a decode node again after a test killed it."""
+    def restart_node(self, name: str, env: dict[str, str] | None = None) -> None:
+        """Start a decode node again (after a test killed it, or with extra ``env``)."""
         old = self.procs.pop(name)
         stop_all([old], grace_s=5.0)
         model, dtype = ((self.llama.model_dir, "float32") if name in LLAMA_NODES
                         else (self.deepseek.model_dir, "float32"))
-        self.start(self.decode_proc(name, model, dtype))
+        proc = self.decode_proc(name, model, dtype)
+        proc.env = {**proc.env, **(env or {})}
+        self.start(proc)
         wait_until(lambda: self.express_capacity().get(str(model)), 30.0, f"{name} back in the router")
 
     def express_capacity(self) -> dict:

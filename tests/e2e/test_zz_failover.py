@@ -1,5 +1,8 @@
 """A decode node killed mid-stream: the client's stream completes with exactly the tokens of an
-uninterrupted run (runs last in the package; the node is started again afterwards)."""
+uninterrupted run (runs last in the package; the nodes are started again afterwards).
+
+The nodes run with ``--fault-stall-after-tokens``: the engine hangs after a few tokens of a request
+that started there, so the kill always lands mid-stream however fast the machine decodes."""
 
 from __future__ import annotations
 
@@ -15,6 +18,7 @@ from tests.fixtures.vllm import vllm_greedy
 pytestmark = pytest.mark.e2e
 VLLM_SERVERS = E2E_VLLM_SERVERS
 MAX_TOKENS = 300
+STALL_AFTER = 10  # completion tokens before the engine of the first node hangs
 
 
 def _migrations(dep) -> float:
@@ -23,6 +27,8 @@ def _migrations(dep) -> float:
 
 
 async def test_decode_node_killed_mid_stream_the_stream_completes_unchanged(deployment):
+    for name in LLAMA_NODES:
+        deployment.restart_node(name, env={"EXPRESSLANE_FAULT_STALL_AFTER_TOKENS": str(STALL_AFTER)})
     before = _migrations(deployment)
     body = chat_request(deployment.llama_model, max_tokens=MAX_TOKENS, ignore_eos=True, stream=True,
                         return_token_ids=True, stream_options={"include_usage": True})
@@ -34,7 +40,7 @@ async def test_decode_node_killed_mid_stream_the_stream_completes_unchanged(depl
                 assert r.headers["x-expresslane-lane"] == "express"
                 async for line in r.aiter_lines():
                     lines.append(line)
-                    if killed is None and sum(ln.startswith("data: ") for ln in lines) >= 10:
+                    if killed is None and sum(ln.startswith("data: ") for ln in lines) >= STALL_AFTER // 2:
                         busy = [n for n in LLAMA_NODES if deployment.health(n)["active"]]
                         assert len(busy) == 1
                         killed = busy[0]
@@ -48,6 +54,6 @@ async def test_decode_node_killed_mid_stream_the_stream_completes_unchanged(depl
         assert events[-1]["usage"]["completion_tokens"] == MAX_TOKENS
         assert _migrations(deployment) == before + 1
     finally:
-        if killed is not None:
-            deployment.restart_node(killed)
+        for name in LLAMA_NODES:  # without the fault
+            deployment.restart_node(name)
     assert_nothing_leaked(deployment, timeout_s=30.0)

@@ -269,7 +269,8 @@ async def test_queue_full_is_rejected_with_retry_after(stack):
     tokens, end = await collect(queue)
     assert tokens == [] and isinstance(end, RequestFailed) and "7 tokens" in end.reason
     await stack.wait_state("r4", "failed")
-    assert stack.states("r4") == ["claimed", "kv_ready", "failed"]
+    # r4 may wait in the queue until the coordinator has heard that r0's lease ended
+    assert [s for s in stack.states("r4") if s != "queued"] == ["claimed", "kv_ready", "failed"]
     await stack.assert_no_leak([node])
 
 
