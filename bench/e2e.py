@@ -533,6 +533,17 @@ def report(result: dict) -> None:
                   + f"{r['completed']!s:>6}   {r['router_lanes_served'] or ''}")
 
 
+def source_state() -> dict:
+    """The commit measured, and the files of the stack that differ from it (git status)."""
+    def git(*argv: str) -> str:
+        try:
+            return subprocess.run(["git", *argv], cwd=ROOT, capture_output=True, text=True, timeout=30).stdout
+        except (OSError, subprocess.SubprocessError):
+            return ""
+    changed = [ln[3:] for ln in git("status", "--porcelain", "--", "services", "shared", "infra").splitlines()]
+    return {"commit": git("rev-parse", "HEAD").strip(), "uncommitted_changes": changed}
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--router-url", default="")
@@ -574,7 +585,7 @@ def main() -> int:
         cpu = next(ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name"))
     except (OSError, StopIteration):
         cpu = platform.processor()
-    config = {"model": urls["model"], "requests": args.requests, "warmup": args.warmup,
+    config = {"model": urls["model"], **source_state(), "requests": args.requests, "warmup": args.warmup,
               "max_tokens": args.max_tokens, "concurrency": args.concurrency,
               "stack": (f"{args.decode_nodes} decode nodes x {args.slots} slots (started by the bench), "
                         "all concurrencies on it") if proc else "a running stack",
