@@ -80,3 +80,14 @@ def parse_status(kv_transfer_params: Any) -> HandoffStatus | None:
     if not is_marked(kv_transfer_params):
         return None
     return msgspec.convert(kv_transfer_params[KEY], HandoffStatus, strict=False)
+
+
+def not_handed_off_reason(kv_transfer_params: Any) -> str:
+    """Why the prefill kept the KV, from its response ("" when it handed it off or said nothing)."""
+    try:
+        status = parse_status(kv_transfer_params)
+    except msgspec.ValidationError as exc:
+        return f"unreadable hand-off status from the prefill: {exc}"
+    if status is None or status.handed_off:
+        return ""
+    return status.reason or "the prefill did not hand the KV off"

@@ -4,9 +4,11 @@ Contract (``ExpressStream``):
 - ``await open()``: claim a decode slot (``ClaimRejected`` for capacity -> ``ApiError`` 429 with
   Retry-After; no coordinator, or a rejection that no express node could ever take ->
   ``LaneFallback``: the caller serves the standard lane), then the prefill leg
-  to vLLM (``max_tokens=1``, ``stream=false``, ``return_token_ids``, ``kv_transfer_params`` with
-  the lease and its transfer target: shared.handoff). A vLLM error passes through (``UpstreamError``) and the lease
-  is cancelled. Returns the prompt's token ids.
+  to vLLM (``max_tokens=1``, streamed, ``return_token_ids``, ``kv_transfer_params`` with the lease
+  and its transfer target: shared.handoff), answered the moment vLLM streams the first token. A
+  vLLM error passes through (``UpstreamError``) and the lease is cancelled. Returns the prompt's
+  token ids. A prefill that could not hand the KV off (no staging slot, ...) says so on the bus
+  (``KvFailed``): the lease fails and the request migrates like any failed leg.
 - ``tokens()``: the completion's token ids as ``TokenBatch``es: the first token (from the prefill)
   at once, then ``DecodeStart`` to the node and its ``TokensGenerated`` relayed in order, ending
   with the node's finish reason. When the node fails (``RequestFailed``, a ``failed`` handoff, or
@@ -45,7 +47,7 @@ from shared.events import (
     CancelRequest, ClaimGranted, ClaimReply, ClaimRejected, ClaimRequest, DecodeStart, HandoffEvent,
     RequestFailed, RequestFinished, SamplingParams, TokensGenerated,
 )
-from shared.handoff import Handoff, parse_status, request_params
+from shared.handoff import Handoff, request_params
 from shared.log import get_logger
 from shared.tracing import current_traceparent, inject_headers
 
@@ -70,15 +72,38 @@ def handoff_params(grant: ClaimGranted, traceparent: str = "") -> dict[str, Any]
     return request_params(Handoff.from_grant(grant, traceparent=traceparent))
 
 
-def not_handed_off_reason(kv_transfer_params: Any) -> str:
-    """Why the prefill kept the KV, from its response ("" when it handed it off or said nothing)."""
+async def _first_token(lines: AsyncIterator[str]) -> tuple[TokenBatch, list[int]]:
+    """From a streamed prefill (``max_tokens=1``, ``return_token_ids``): its one token (finish
+    reason "stop" when vLLM stopped on it) and the prompt's token ids."""
+    prompt_ids: list[int] = []
+    async for line in lines:
+        if not line.startswith("data: ") or line == "data: [DONE]":
+            continue
+        chunk = msgspec.json.decode(line[6:])
+        if "error" in chunk:
+            raise UpstreamError(502, msgspec.json.encode(chunk))
+        prompt_ids = chunk.get("prompt_token_ids") or prompt_ids
+        for choice in chunk.get("choices") or []:
+            prompt_ids = choice.get("prompt_token_ids") or prompt_ids
+            token_ids = choice.get("token_ids") or []
+            if token_ids:
+                if len(token_ids) != 1:
+                    break
+                finish = "stop" if choice.get("finish_reason") == "stop" else None
+                return TokenBatch(list(token_ids), finish), list(prompt_ids)
+    raise ApiError(502, "the prefill server's stream ended without exactly 1 token id: is it vLLM "
+                        ">= 0.32 with return_token_ids?")
+
+
+async def _drain(upstream: httpx.Response, lines: AsyncIterator[str]) -> None:
+    """Read a prefill stream to its end (vLLM would take an early close for a client gone)."""
     try:
-        status = parse_status(kv_transfer_params)
-    except msgspec.ValidationError as exc:
-        return f"unreadable hand-off status from the prefill: {exc}"
-    if status is None or status.handed_off:
-        return ""
-    return status.reason or "the prefill did not hand the KV off"
+        async for _ in lines:
+            pass
+    except httpx.HTTPError:
+        pass
+    finally:
+        await upstream.aclose()
 
 
 class LaneFallback(Exception):
@@ -112,7 +137,6 @@ class _Leg:
     queue: asyncio.Queue
     finished: bool = False
     span: trace.Span | None = None  # router.decode: from DecodeStart to the leg's end
-    not_handed_off: str = ""  # why the prefill kept the KV (no staging slot, ...); "" when sent
 
     def end_span(self, status: str) -> None:
         if self.span is not None:
@@ -216,34 +240,39 @@ class ExpressStream:
         return leg, first, prompt_ids
 
     async def _prefill(self, leg: _Leg, path: str, body: dict[str, Any]) -> tuple[TokenBatch, list[int]]:
+        """The leg's prefill, streamed: returns as soon as vLLM streams the first token (the rest of
+        the stream, its end, is read in the background). Whether the KV was handed off is not in a
+        streamed answer: a prefill that kept it reports ``KvFailed`` on the bus and the lease fails."""
         g = leg.grant
         url = f"{self.info.url}{path}"
         t0 = time.perf_counter()
         with self.deps.tracer.start_as_current_span("router.prefill", context=self._ctx, kind=SpanKind.CLIENT,
                                                     attributes={"request_id": leg.id, "node_id": g.node_id}):
-            body = {**body, "max_tokens": 1, "stream": False, "return_token_ids": True,
+            body = {**body, "max_tokens": 1, "stream": True, "return_token_ids": True,
                     "kv_transfer_params": handoff_params(g, current_traceparent())}
             for key in ("max_completion_tokens", "stream_options", "stop"):
                 body.pop(key, None)
+            request = self.deps.http.build_request("POST", url, json=body, headers=inject_headers({}),
+                                                   timeout=self.deps.cfg.prefill_timeout_s)
             try:
-                resp = await self.deps.http.post(url, json=body, headers=inject_headers({}),
-                                                 timeout=self.deps.cfg.prefill_timeout_s)
+                upstream = await self.deps.http.send(request, stream=True)
             except httpx.HTTPError as exc:
                 raise unreachable(self.info.url, exc) from None
+            try:
+                if upstream.status_code >= 400:
+                    raise UpstreamError(upstream.status_code, await upstream.aread(),
+                                        upstream.headers.get("content-type", "application/json").split(";")[0])
+                lines = upstream.aiter_lines()
+                first = await _first_token(lines)
+            except httpx.HTTPError as exc:
+                await upstream.aclose()
+                raise unreachable(self.info.url, exc) from None
+            except BaseException:
+                await upstream.aclose()
+                raise
+        self.deps.spawn(_drain(upstream, lines))
         self.deps.metrics.prefill_ms.observe((time.perf_counter() - t0) * 1000)
-        if resp.status_code >= 400:
-            raise UpstreamError(resp.status_code, resp.content,
-                                resp.headers.get("content-type", "application/json").split(";")[0])
-        data = resp.json()
-        choice = data["choices"][0]
-        prompt_ids = data.get("prompt_token_ids") or choice.get("prompt_token_ids") or []
-        token_ids = choice.get("token_ids") or []
-        if len(token_ids) != 1:
-            raise ApiError(502, f"the prefill server returned {len(token_ids)} token ids, expected 1: "
-                                "is it vLLM >= 0.32 with return_token_ids?")
-        leg.not_handed_off = not_handed_off_reason(data.get("kv_transfer_params"))
-        finish = choice.get("finish_reason")
-        return TokenBatch(list(token_ids), "stop" if finish == "stop" else None), list(prompt_ids)
+        return first
 
     async def _start_decode(self, leg: _Leg, first_id: int, num_prompt: int, remaining: int) -> None:
         g = leg.grant
@@ -317,29 +346,21 @@ class ExpressStream:
                         self._cancel(leg, "finished_at_prefill")
                     yield TokenBatch(batch.token_ids, batch.finish_reason or "length")
                     return
-                if leg.not_handed_off:
-                    # No KV is coming: stream the first token and move on at once, rather than
-                    # waiting for the lease to fail.
-                    yield batch
-                    _log.warning("express_not_handed_off", request_id=leg.id, error=leg.not_handed_off)
-                    self._cancel(leg, "not_handed_off")
+                await self._start_decode(leg, batch.token_ids[0],
+                                         len(self.prompt_ids) + len(generated) - 1, remaining)
+                yield batch
+                try:
+                    async for item in self._relay(leg):
+                        generated += item.token_ids
+                        yield item
+                        if item.finish_reason:
+                            self.deps.dispatcher.close(leg.id)
+                            return
+                    return
+                except _LegFailed as exc:
+                    _log.warning("express_leg_failed", request_id=leg.id, error=str(exc))
+                    self._cancel(leg, "migrating")
                     leg = None
-                else:
-                    await self._start_decode(leg, batch.token_ids[0],
-                                             len(self.prompt_ids) + len(generated) - 1, remaining)
-                    yield batch
-                    try:
-                        async for item in self._relay(leg):
-                            generated += item.token_ids
-                            yield item
-                            if item.finish_reason:
-                                self.deps.dispatcher.close(leg.id)
-                                return
-                        return
-                    except _LegFailed as exc:
-                        _log.warning("express_leg_failed", request_id=leg.id, error=str(exc))
-                        self._cancel(leg, "migrating")
-                        leg = None
                 if len(generated) >= self.max_tokens:
                     yield TokenBatch([], "length")
                     return

@@ -14,10 +14,10 @@ from services.coordinator.model import CoordinatorConfig
 from services.coordinator.registry import NodeRegistry
 from services.prefill.scheduler import ExpressScheduler
 from services.router.backend import ModelInfo
-from services.router.express import claim_request, handoff_params, not_handed_off_reason
+from services.router.express import claim_request, handoff_params
 from services.router.nodes import NodeTable
 from shared import events as ev
-from shared.handoff import KEY, Handoff, HandoffStatus, parse_status, status_params
+from shared.handoff import KEY, Handoff, HandoffStatus, not_handed_off_reason, parse_status, status_params
 from shared.kvlayout import KvShape, layout_spec
 
 REPO = Path(__file__).resolve().parents[2]

@@ -19,7 +19,8 @@ from shared import subjects
 from shared.bus import Bus
 from shared.handoff import parse_request
 from shared.events import (
-    CancelRequest, ClaimGranted, ClaimRejected, ClaimRequest, DecodeStart, KvLayoutSpec, NodeAvailable,
+    CancelRequest, ClaimGranted, ClaimRejected, ClaimRequest, DecodeStart, HandoffEvent, KvLayoutSpec,
+    NodeAvailable,
     RequestFailed, RequestFinished, SlotTarget, TokensGenerated, TransferTarget, Usage,
 )
 
@@ -43,6 +44,7 @@ class World:
         self.fail_with_event = False
         self.node_delay_s = 0.0
         self.hold_claims = False  # leave claims unanswered (waiting for a slot)
+        self.kv_failed = ""  # the first leg's prefill keeps its KV: the lease fails with this reason
 
     # ------------------------------------------------------------------ fake vLLM
     def handler(self, request: httpx.Request) -> httpx.Response:
@@ -60,10 +62,14 @@ class World:
         finish = "length" if done + n < len(self.answer) else "stop"
         if "kv_transfer_params" in body:
             self.prefill_bodies.append(body)
-        if body.get("stream"):
-            lines = [f"data: {json.dumps({'choices': [{'index': 0, 'text': '', 'token_ids': [t], 'finish_reason': None}]})}\n\n" for t in ids]
-            lines.append(f"data: {json.dumps({'choices': [{'index': 0, 'text': '', 'token_ids': [], 'finish_reason': finish}]})}\n\n")
-            lines.append("data: [DONE]\n\n")
+        if body.get("stream"):  # as vLLM streams: prompt ids first, the finish with the last token
+            chunks = [{"choices": [{"index": 0, "text": "", "token_ids": [t],
+                                    "finish_reason": finish if i == len(ids) - 1 else None}]}
+                      for i, t in enumerate(ids)]
+            if body.get("return_token_ids"):
+                chunks.insert(0, {"prompt_token_ids": prompt, "choices": [{"index": 0, "text": "",
+                                                                            "finish_reason": None}]})
+            lines = [f"data: {json.dumps(c)}\n\n" for c in chunks] + ["data: [DONE]\n\n"]
             return httpx.Response(200, content="".join(lines).encode(),
                                   headers={"content-type": "text/event-stream"})
         choice = {"index": 0, "token_ids": ids, "finish_reason": finish, "text": "",
@@ -107,6 +113,11 @@ class World:
         await bus.publish(subjects.node_avail("n0"), self.heartbeat)
 
     async def _decode(self, bus: Bus, start: DecodeStart) -> None:
+        if self.kv_failed and "-m" not in start.request_id:  # as the coordinator tells a KvFailed
+            await bus.publish(subjects.handoff(start.request_id, "failed"), HandoffEvent(
+                request_id=start.request_id, state="failed", at_ms=0, lease_id=start.lease_id,
+                generation=start.generation, node_id="n0", slot=start.slot, reason=self.kv_failed))
+            return
         done = start.num_prompt_tokens - len(PROMPT_IDS) + 1  # answer tokens before this leg's decode
         rest = self.answer[done : done + start.sampling.max_tokens]
         for i, t in enumerate(rest):
@@ -199,7 +210,7 @@ async def test_express_stream_relays_every_token(harness):
     (claim,) = world.claims
     assert (claim.model, claim.max_tokens) == (MODEL, 8) and world.model_dir in claim.model_aliases
     body = world.prefill_bodies[0]
-    assert body["max_tokens"] == 1 and body["stream"] is False and body["return_token_ids"] is True
+    assert body["max_tokens"] == 1 and body["stream"] is True and body["return_token_ids"] is True
     handoff = parse_request(body["kv_transfer_params"])
     assert (handoff.request_id, handoff.lease_id, handoff.generation) == (claim.request_id,
                                                                           "L" + claim.request_id, 1)
@@ -263,6 +274,18 @@ async def test_node_failure_migrates_without_loss(harness, with_event):
     assert world.starts[1].num_prompt_tokens == len(PROMPT_IDS) + 4
 
 
+async def test_kv_the_prefill_kept_migrates_the_request_at_once(harness):
+    """A streamed prefill does not say whether it handed the KV off; its KvFailed fails the lease,
+    and the request continues on another leg, long before any silence timeout."""
+    world, client, router, _ = harness
+    world.kv_failed = "no free staging slot"
+    router.cfg = RouterConfig(**{**router.cfg.__dict__, "first_decode_timeout_s": 60.0})
+    r = await client.post("/v1/chat/completions", json=_chat(stream=True, max_tokens=10, return_token_ids=True))
+    ids = [t for e in _sse(r.text)[:-1] for c in e["choices"] for t in c.get("token_ids") or []]
+    assert ids == world.answer[:10]
+    assert [c.request_id.endswith("-m1") for c in world.claims] == [False, True]
+
+
 async def test_client_leaving_while_its_claim_waits_cancels_the_claim_before_prefill(harness):
     world, client, router, _ = harness
     world.hold_claims = True
@@ -302,6 +325,7 @@ async def test_claim_outlasts_a_coordinator_failover_and_stays_express(harness):
     world, client, router, _ = harness
     router.cfg = RouterConfig(**{**router.cfg.__dict__, "claim_wait_ms": 60_000})
     await world.claim_sub.unsubscribe()  # the leader died, no standby leads yet
+    await world.bus.flush()  # the server has dropped the interest: a claim now meets no responders
     request = asyncio.create_task(client.post("/v1/chat/completions",
                                               json=_chat(max_tokens=4, return_token_ids=True)))
     await asyncio.sleep(0.3)  # the router asks while nobody answers
