@@ -8,9 +8,14 @@ reference step (``fast_path="off"``, CUDA graph and eager); the fast path's gree
 compared with the reference step's (``fast_matches_reference_tokens``: identical leading tokens;
 bf16 random weights drift apart at near-ties, see bench/NOTES-gpu.md). Then a DeepSeek-V2-Lite-shaped
 model cut to 8 layers (+ one MTP layer) the same way, without drafts and with 3 MTP drafts per step,
-on the fast path and on the reference step (``cuda_mla``).
+on the fast path and on the reference step (``cuda_mla``). Then Qwen2.5-7B and Qwen3-8B shapes
+(bench/decode_engine_qwen.py: q/k/v bias, q/k norm) the same way, median of three passes, as a fraction
+of the bytes-a-step-reads roofline, tokens compared with the reference step's on a model with trained-like
+greedy margins (``cuda_qwen``; headline keys ``qwen25_7b_ctx1k_tok_s``, ``..._frac_roofline``,
+``..._tokens_identical``, ``..._path``, and the same for ``qwen3_8b``).
 
-    .venv/bin/python bench/decode_engine.py [--device auto|cpu|cuda] [--steps 128] [--context 1024] [--out PATH]
+    .venv/bin/python bench/decode_engine.py [--device auto|cpu|cuda] [--cuda-parts llama,mla,qwen] [--steps 128]
+                                            [--context 1024] [--out PATH]
 
 Prints a table and writes bench/results/decode_engine.json.
 """
@@ -304,6 +309,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
                         help="cpu: tiny models only; cuda: the Llama-3-8B shape only; auto: both, CUDA when present")
     parser.add_argument("--out", type=Path, default=RESULTS, help=f"JSON output (default {RESULTS})")
+    parser.add_argument("--cuda-parts", default="llama,mla,qwen",
+                        help="CUDA measurements: llama (Llama-3-8B shape + HF), mla (DeepSeek shape), qwen (Qwen shapes)")
     args = parser.parse_args(argv)
     args.skip_cpu, args.skip_cuda = args.device == "cuda", args.device == "cpu"
     torch.set_num_threads(args.threads)
@@ -316,7 +323,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"{_fmt(r['acceptance'], '{:.2f}'):>8}{_fmt(r['hf_tok_s']):>10}")
     if args.device == "cuda" and not torch.cuda.is_available():
         print("no CUDA device: nothing measured")
-    if torch.cuda.is_available() and not args.skip_cuda:
+    cuda_parts = set(args.cuda_parts.split(","))
+    if torch.cuda.is_available() and not args.skip_cuda and "llama" in cuda_parts:
         c = result["cuda"] = bench_cuda(args.steps, args.context)
         print(f"\n{c['device']}: {c['model']} {c['dtype']}, context {c['context']}, copy bandwidth "
               f"{c['copy_bandwidth_tb_s']:.2f} TB/s, roofline {c['roofline_tok_s']:.0f} tok/s (weights + KV)")
@@ -330,6 +338,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{'HF ' + c['hf_kind'][:31]:<34}{c['hf_tok_s']:>8.1f}{c['hf_fraction']:>12.0%}")
         print(f"fast path: {c['fast_path']}; greedy tokens equal to the reference step's for the first "
               f"{c['fast_matches_reference_tokens']} of {c['compared_tokens']}")
+    if torch.cuda.is_available() and not args.skip_cuda and "mla" in cuda_parts:
         try:
             m = result["cuda_mla"] = bench_cuda_mla(args.steps, args.context)
             print(f"\n{m['device']}: {m['model']} {m['dtype']}, context {m['context']}")
@@ -342,6 +351,18 @@ def main(argv: list[str] | None = None) -> int:
             import traceback
             result["cuda_mla_error"] = traceback.format_exc()[-2000:]
             print(f"DeepSeek-family engine measurement failed: {e!r}\n{result['cuda_mla_error']}")
+    if torch.cuda.is_available() and not args.skip_cuda and "qwen" in cuda_parts:
+        from decode_engine_qwen import bench_cuda_qwen  # bench/ is on sys.path when run as a script
+
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        bench_cuda_qwen(args.steps, args.context, result,
+                        save=lambda: args.out.write_text(json.dumps(result, indent=2) + "\n"))
+        for key in ("qwen25_7b", "qwen3_8b", "llama3_8b"):
+            ctx = f"{key}_ctx{args.context // 1024}k"
+            if f"{ctx}_tok_s" in result:
+                print(f"  {key:<10} {result[f'{ctx}_tok_s']:7.1f} tok/s  {result[f'{ctx}_frac_roofline']:.1%} of the "
+                      f"bytes-read roofline  path {result[f'{key}_path']}  tokens identical to the reference step: "
+                      f"{result[f'{key}_tokens_identical']}  (reference step {result[f'{key}_reference_tok_s']:.1f} tok/s)")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"\nwrote {args.out}")

@@ -4,7 +4,8 @@ one batch-1 decoder + CUDA graph per slot.
 Contract:
 - ``engine_reason(mode, model, device, dtype, num_speculative_tokens)``: why this engine cannot run
   the fast path (``None``: it can). The fast path runs greedy batch-1 steps of bfloat16 models on
-  CUDA: Llama-family models with plain blocks (no qkv/o bias, no q/k norm), one token per step; and
+  CUDA: Llama-family models (Llama, Mistral, Qwen2/2.5 with qkv bias, Qwen3 with q/k norm; any rope
+  scaling the engine reads, tied embeddings; head_dim a power of two), one token per step; and
   DeepSeek-V3-family models without q LoRA and with one routing group (DeepSeek-V2-Lite-like), with
   MTP drafts (k drafts + one verify per step, greedy acceptance on device) when the engine has
   them. On CPU only when asked for with ``mode="on"`` while Triton's interpreter is active (tests).
@@ -66,11 +67,9 @@ def engine_reason(mode: str, model, device: torch.device, dtype: torch.dtype, nu
     elif family == "gqa":
         if num_speculative_tokens:
             return "speculative decoding: the Llama-family fast path decodes one token per step"
-        for blk in model.layers:
-            if blk.bqkv is not None or blk.bo is not None:
-                return f"{cfg.model_type}: attention biases (qkv/o) are not on the fast path"
-            if blk.q_norm is not None:
-                return f"{cfg.model_type}: q/k norm is not on the fast path"
+        if cfg.head_dim & (cfg.head_dim - 1) or cfg.head_dim < 16:
+            return (f"{cfg.model_type}: head_dim {cfg.head_dim} is not on the fast path "
+                    "(its kernels need a power of two >= 16)")
     else:
         return f"{cfg.model_type}: the engine drives the fast path for Llama- and DeepSeek-V3-family models only"
     if dtype != torch.bfloat16:

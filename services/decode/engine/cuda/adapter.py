@@ -12,9 +12,9 @@
 Weights are used in place (views of the engine's parameters) except what ``mla.prepare_layer`` lays
 out once (fused wq|wkv_a, w_uv transposed, shared experts split). The slot's cache views are the
 engine's own (``model.cache.k_caches[i][slot]`` ...), so injected KV is read with no copy and the fast path's
-writes are the engine's cache. Greedy only; the fast path needs bf16 and plain Llama blocks (no qkv
-or o bias, no q/k norm) and DeepSeek without q LoRA; anything else raises ValueError (use the
-engine's torch path).
+writes are the engine's cache. Greedy only; the fast path needs bf16, Llama-family blocks (Llama,
+Mistral, Qwen2 with its q/k/v bias, Qwen3 with its q/k norm, an o_proj bias; head_dim a power of two)
+and DeepSeek without q LoRA; anything else raises ValueError (use the engine's torch path).
 """
 
 from __future__ import annotations
@@ -33,10 +33,12 @@ def _params(module: torch.nn.Module) -> dict[str, torch.Tensor]:
 def gqa_decoder_from_engine(model, slot: int, options: FastOptions | None = None, max_steps: int = 4096) -> GqaDecoder:
     """GqaDecoder over a bound engine LlamaModel's weights and slot ``slot``'s K/V views."""
     cfg = model.cfg
-    for blk in model.layers:
-        if blk.bqkv is not None or blk.bo is not None or blk.q_norm is not None:
-            raise ValueError(f"{cfg.model_type}: the fast path runs Llama blocks without biases or q/k norm")
-    layers = [GqaLayer(b.attn_norm.data, b.wqkv.data, b.wo.data, b.mlp_norm.data, b.w_gate_up.data, b.w_down.data)
+
+    def data(p):
+        return None if p is None else p.data
+
+    layers = [GqaLayer(b.attn_norm.data, b.wqkv.data, b.wo.data, b.mlp_norm.data, b.w_gate_up.data, b.w_down.data,
+                       bqkv=data(b.bqkv), bo=data(b.bo), q_norm=data(b.q_norm), k_norm=data(b.k_norm))
               for b in model.layers]
     gm = GqaModel(layers, model.embed.data, model.final_norm.data, model.lm_head.data, cfg.num_heads,
                   cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps)

@@ -10,6 +10,12 @@ Queries may span ``T`` consecutive new tokens (speculative verify): query row ``
 ``<= pos + t``. Layouts: q ``[T, Hq, D_QK]``; keys ``[max_tokens, Hkv, key_stride]`` of which the
 first ``D_MAIN`` elements are dotted with q's first ``D_MAIN`` and, for MLA, the ``D_ROPE`` elements
 at ``rope_offset`` with q's last ``D_ROPE``; values are the first ``D_V`` elements at ``v_ptr``.
+
+Qwen3 (``qk_norm``, one token per step): q and this step's K row arrive as projected; every program
+applies the per-head q RMSNorm + rope to its query rows on load (smallops.norm_rope_rows). The split
+that holds row ``pos`` normalises + rotates that K row in registers, writes it back to the cache for
+later steps, and adds that one key (with its V row) to its softmax after its loop, which stops before
+``pos``: the loop is the plain one, and no program reads a cache row written in the same step.
 """
 
 from __future__ import annotations
@@ -21,11 +27,13 @@ import triton
 import triton.language as tl
 
 from .gemv import gdc_launch_dependents, gdc_wait, interpreting, launch_opts
+from .smallops import norm_rope_rows
 
 
 @triton.jit
 def _attn_split_kernel(q_ptr, q_pe_ptr, k_ptr, v_ptr, pos_ptr, part_o_ptr, part_ml_ptr, sm_scale,
                        stride_qt, stride_qh, stride_kt, stride_vt, rope_offset,
+                       qn_ptr, kn_ptr, cos_ptr, sin_ptr, qk_eps, QK_NORM: tl.constexpr,
                        T: tl.constexpr, NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
                        GROUP: tl.constexpr, ROWS: tl.constexpr, D_MAIN: tl.constexpr, D_ROPE: tl.constexpr,
                        D_V: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
@@ -50,6 +58,19 @@ def _attn_split_kernel(q_ptr, q_pe_ptr, k_ptr, v_ptr, pos_ptr, part_o_ptr, part_
     q_row = q_ptr + t_of * stride_qt + head * stride_qh
     dm = tl.arange(0, D_MAIN)
     q = tl.load(q_row[:, None] + dm[None, :], mask=rvalid[:, None], other=0.0)
+    if QK_NORM:  # Qwen3, T == 1: q rows and this step's K row (pos) normalised + rotated here
+        HALF: tl.constexpr = D_MAIN // 2
+        swapped = ((dm + HALF) % D_MAIN)[None, :]
+        qp = tl.load(q_row[:, None] + swapped, mask=rvalid[:, None], other=0.0)
+        q = norm_rope_rows(q, qp, qn_ptr, cos_ptr, sin_ptr, pos, qk_eps, D_MAIN).to(q.dtype)
+        k_row = k_ptr + pos.to(tl.int64) * stride_kt + kvh * D_MAIN
+        k_raw = tl.load(k_row + dm[None, :])  # [1, D]
+        k_new = norm_rope_rows(k_raw, tl.load(k_row + swapped), kn_ptr, cos_ptr, sin_ptr, pos, qk_eps,
+                               D_MAIN).to(k_raw.dtype)
+        holds_pos = (start <= pos) & (pos < end)
+        if holds_pos:  # stored for later steps; this step takes row pos from registers, after the loop
+            tl.store(k_row + dm[None, :], k_new)
+        end = tl.minimum(end, pos)
     if D_ROPE > 0:  # MLA: the rope part of q lives in its own [T, Hq, D_ROPE] buffer
         dr = tl.arange(0, D_ROPE)
         q_pe = tl.load(q_pe_ptr + ((t_of * NUM_Q_HEADS + head) * D_ROPE)[:, None] + dr[None, :],
@@ -97,6 +118,16 @@ def _attn_split_kernel(q_ptr, q_pe_ptr, k_ptr, v_ptr, pos_ptr, part_o_ptr, part_
             pv = tl.dot((p - p_hi.to(tl.float32)).to(v.dtype), v, pv)
         acc = acc * alpha[:, None] + pv
         m = m_new
+    if QK_NORM:
+        if holds_pos:  # the key at pos (every query row sees it: T == 1), one online-softmax update
+            s_pos = tl.sum(q.to(tl.float32) * k_new.to(tl.float32), axis=1) * qk_scale
+            m_new = tl.maximum(m, s_pos)
+            alpha = tl.exp2(m - m_new)
+            p_pos = tl.exp2(s_pos - m_new)
+            v_pos = tl.load(v_ptr + pos.to(tl.int64) * stride_vt + kvh * D_V_ALL + dv).to(tl.float32)
+            acc = acc * alpha[:, None] + p_pos[:, None] * v_pos[None, :]
+            l = l * alpha + p_pos
+            m = m_new
     if PDL:
         gdc_launch_dependents()
     # partials: [T, Hq, NUM_SPLITS, D_V] and [T, Hq, NUM_SPLITS, 2] (max in log2 units, sum)
@@ -150,14 +181,19 @@ class DecodeAttention:
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, out: torch.Tensor,
                  *, stride_kt: int, stride_vt: int, rope_offset: int = 0, q_pe: torch.Tensor | None = None,
-                 stride_qt: int | None = None, stride_qh: int | None = None) -> torch.Tensor:
+                 stride_qt: int | None = None, stride_qh: int | None = None,
+                 qk_norm: tuple | None = None) -> torch.Tensor:
         """q: main part, row (t, head) at t*stride_qt + head*stride_qh (default [T, Hq, D_MAIN] contiguous);
-        q_pe [T, Hq, D_ROPE] (MLA); k/v cache storage (token strides in elements); out [T, Hq, D_V]."""
+        q_pe [T, Hq, D_ROPE] (MLA); k/v cache storage (token strides in elements); out [T, Hq, D_V].
+        ``qk_norm=(q_norm [D], k_norm [D], eps, cos, sin)``: q and K row pos as projected (Qwen3, T == 1)."""
         sqh = stride_qh if stride_qh is not None else self.d_main
         sqt = stride_qt if stride_qt is not None else self.hq * self.d_main
+        if qk_norm is not None and (self.num_tokens != 1 or self.d_rope or self.v_is_k or self.v_chunks != 1):
+            raise ValueError("qk_norm runs with one query token, no rope part, separate values and one value chunk")
+        qn, kn, qk_eps, cos, sin = qk_norm if qk_norm is not None else (q, q, 0.0, q, q)
         _attn_split_kernel[(self.hkv, self.num_splits, self.v_chunks)](
             q, q_pe if q_pe is not None else q, k, v, pos, self.part_o, self.part_ml, self.sm_scale, sqt, sqh,
-            stride_kt, stride_vt, rope_offset,
+            stride_kt, stride_vt, rope_offset, qn, kn, cos, sin, qk_eps, QK_NORM=qk_norm is not None,
             T=self.num_tokens, NUM_Q_HEADS=self.hq, NUM_KV_HEADS=self.hkv, GROUP=self.group, ROWS=self.rows,
             D_MAIN=self.d_main, D_ROPE=self.d_rope, D_V=self.d_v // self.v_chunks, NUM_SPLITS=self.num_splits,
             BLOCK_S=self.block_s, DOT_F32=interpreting(), V_IS_K=self.v_is_k, V_CHUNKS=self.v_chunks, PDL=self.pdl,

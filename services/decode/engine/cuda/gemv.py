@@ -6,12 +6,16 @@ walks the full K dimension in ``BLOCK_K`` chunks (16-byte row loads, fp32 accumu
 Fusions (all optional, compile-time flags):
 - prologue ``NORM``: RMSNorm of the input vector (fp32 statistics, rounded to the model dtype, times
   the norm weight; HF's rounding points), recomputed per program from L2 (the vector is 4-8 KB);
-- epilogue ``RESIDUAL``: ``out = res + round(W @ x)`` (the residual add of o_proj and down_proj);
+- epilogue ``BIAS``: ``round(W @ x + b)``, the bias added to the fp32 sum before the one rounding
+  (as a bf16 ``F.linear`` with bias rounds; Qwen2's q/k/v bias, an o_proj bias);
+- epilogue ``RESIDUAL``: ``out = res + round(W @ x [+ b])`` (the residual add of o_proj and down_proj);
 - paired rows (``gemv_silu``): rows ``n`` and ``n + I`` of ``w_gate_up`` in one program, writes
   ``round(silu(round(g)) * round(u))``;
 - paired rows (``gemv_qkv_rope``): rows ``d`` and ``d + D/2`` of one head of ``wqkv``, applies
   rotary embedding (neox pairing) to q and k heads and writes q to a buffer, k and v straight into
-  the KV cache at the position held in a device tensor (no host sync).
+  the KV cache at the position held in a device tensor (no host sync). Without ``ROPE`` (Qwen3: its
+  per-head q/k RMSNorm needs the whole head, which the attention kernel holds) q and k are written
+  as projected (+ bias) and the attention kernel normalises and rotates them.
 
 Their torch twins (same rounding order) are in reference.py; CPU tests run the kernels under
 ``TRITON_INTERPRET=1`` against them.
@@ -64,8 +68,9 @@ def _load_x(x_ptr, nw_ptr, k, K, inv_rms, NORM: tl.constexpr, BLOCK_K: tl.conste
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, out_ptr, res_ptr, nw_ptr, amax_val_ptr, amax_idx_ptr, N, K, eps,
-                 NORM: tl.constexpr, RESIDUAL: tl.constexpr, ARGMAX: tl.constexpr, K_POW2: tl.constexpr,
+def _gemv_kernel(x_ptr, w_ptr, out_ptr, res_ptr, nw_ptr, bias_ptr, amax_val_ptr, amax_idx_ptr, N, K, eps,
+                 NORM: tl.constexpr, RESIDUAL: tl.constexpr, BIAS: tl.constexpr, ARGMAX: tl.constexpr,
+                 K_POW2: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr):
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -74,6 +79,8 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, res_ptr, nw_ptr, amax_val_ptr, amax_idx_
     k0 = tl.arange(0, BLOCK_K)
     w0 = tl.load(w_ptr + rows[:, None].to(tl.int64) * K + k0[None, :], mask=rmask[:, None] & (k0 < K)[None, :],
                  other=0.0, eviction_policy="evict_first")
+    if BIAS:  # a weight too: loaded now, not after the weight stream
+        bias = tl.load(bias_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
     if PDL:  # weights are never written: only x and the outputs wait for the previous kernel
         gdc_wait()
     inv_rms = 1.0
@@ -89,6 +96,8 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, res_ptr, nw_ptr, amax_val_ptr, amax_idx_
     if PDL:  # our weight stream is done: let the next kernel start loading its own
         gdc_launch_dependents()
     y = tl.sum(acc, axis=1)
+    if BIAS:
+        y += bias
     if RESIDUAL:
         r = tl.load(res_ptr + rows, mask=rmask, other=0.0)
         y = r.to(tl.float32) + round_to_dtype(y, r.dtype)
@@ -172,10 +181,10 @@ def _gemv_silu_kernel(x_ptr, w_ptr, out_ptr, nw_ptr, I, K, eps,
 
 
 @triton.jit
-def _gemv_qkv_rope_kernel(x_ptr, w_ptr, nw_ptr, q_ptr, k_cache_ptr, v_cache_ptr, pos_ptr,
+def _gemv_qkv_rope_kernel(x_ptr, w_ptr, nw_ptr, bias_ptr, q_ptr, k_cache_ptr, v_cache_ptr, pos_ptr,
                           cos_ptr, sin_ptr, K, eps,
                           NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                          NORM: tl.constexpr, K_POW2: tl.constexpr,
+                          NORM: tl.constexpr, BIAS: tl.constexpr, ROPE: tl.constexpr, K_POW2: tl.constexpr,
                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr):
     HALF: tl.constexpr = HEAD_DIM // 2
     pid = tl.program_id(0)
@@ -184,6 +193,9 @@ def _gemv_qkv_rope_kernel(x_ptr, w_ptr, nw_ptr, q_ptr, k_cache_ptr, v_cache_ptr,
     j = (pid % per_head) * BLOCK_N + tl.arange(0, BLOCK_N)  # index inside the first half
     rows_a = head * HEAD_DIM + j
     wa0, wb0 = load_first_pair_tile(w_ptr, rows_a, rows_a + HALF, K, BLOCK_K)
+    if BIAS:  # a weight: loaded with the first tile, not after the weight stream
+        bias_a = tl.load(bias_ptr + rows_a).to(tl.float32)
+        bias_b = tl.load(bias_ptr + rows_a + HALF).to(tl.float32)
     if PDL:
         gdc_wait()
     inv_rms = 1.0
@@ -194,25 +206,27 @@ def _gemv_qkv_rope_kernel(x_ptr, w_ptr, nw_ptr, q_ptr, k_cache_ptr, v_cache_ptr,
     if PDL:
         gdc_launch_dependents()
     dt = q_ptr.dtype.element_ty
+    if BIAS:
+        a += bias_a
+        b += bias_b
     a = round_to_dtype(a, dt)
     b = round_to_dtype(b, dt)
     pos = tl.load(pos_ptr)
-    if head < NUM_Q_HEADS + NUM_KV_HEADS:
-        cos = tl.load(cos_ptr + pos * HALF + j).to(tl.float32)
-        sin = tl.load(sin_ptr + pos * HALF + j).to(tl.float32)
-        a1 = rnd_bf16(rnd_bf16(a * cos) - rnd_bf16(b * sin))  # bf16 rope, rounded like eager torch
-        b1 = rnd_bf16(rnd_bf16(b * cos) + rnd_bf16(a * sin))
-        if head < NUM_Q_HEADS:
-            tl.store(q_ptr + head * HEAD_DIM + j, a1.to(dt))
-            tl.store(q_ptr + head * HEAD_DIM + HALF + j, b1.to(dt))
-        else:
-            base = k_cache_ptr + pos.to(tl.int64) * (NUM_KV_HEADS * HEAD_DIM) + (head - NUM_Q_HEADS) * HEAD_DIM
-            tl.store(base + j, a1.to(dt))
-            tl.store(base + HALF + j, b1.to(dt))
+    if head < NUM_Q_HEADS:
+        base = q_ptr + head * HEAD_DIM
+    elif head < NUM_Q_HEADS + NUM_KV_HEADS:
+        base = k_cache_ptr + pos.to(tl.int64) * (NUM_KV_HEADS * HEAD_DIM) + (head - NUM_Q_HEADS) * HEAD_DIM
     else:
         base = v_cache_ptr + pos.to(tl.int64) * (NUM_KV_HEADS * HEAD_DIM) + (head - NUM_Q_HEADS - NUM_KV_HEADS) * HEAD_DIM
-        tl.store(base + j, a.to(dt))
-        tl.store(base + HALF + j, b.to(dt))
+    if ROPE:  # q and k heads rotated; v heads (and q/k without ROPE) stored as projected
+        if head < NUM_Q_HEADS + NUM_KV_HEADS:
+            cos = tl.load(cos_ptr + pos * HALF + j).to(tl.float32)
+            sin = tl.load(sin_ptr + pos * HALF + j).to(tl.float32)
+            a1 = rnd_bf16(rnd_bf16(a * cos) - rnd_bf16(b * sin))  # bf16 rope, rounded like eager torch
+            b1 = rnd_bf16(rnd_bf16(b * cos) + rnd_bf16(a * sin))
+            a, b = a1, b1
+    tl.store(base + j, a.to(dt))
+    tl.store(base + HALF + j, b.to(dt))
 
 
 def _pow2(n: int) -> int:
@@ -220,17 +234,17 @@ def _pow2(n: int) -> int:
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, *, norm_w: torch.Tensor | None = None,
-         eps: float = 1e-5, residual: torch.Tensor | None = None, block_n: int = 16, block_k: int = 512,
-         num_warps: int = 4, stages: int = 1, pdl: bool = False,
+         eps: float = 1e-5, residual: torch.Tensor | None = None, bias: torch.Tensor | None = None,
+         block_n: int = 16, block_k: int = 512, num_warps: int = 4, stages: int = 1, pdl: bool = False,
          argmax_parts: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-    """out[N] = [residual +] W[N, K] @ [rmsnorm(x) * norm_w | x][K]; with argmax_parts (val fp32, idx int32,
-    each >= cdiv(N, block_n)) also each block's max and its row, for ``greedy_finish``."""
+    """out[N] = [residual +] round(W[N, K] @ [rmsnorm(x) * norm_w | x][K] [+ bias]); with argmax_parts (val
+    fp32, idx int32, each >= cdiv(N, block_n)) also each block's max and its row, for ``greedy_finish``."""
     n, k = w.shape
     av, ai = argmax_parts if argmax_parts is not None else (out, out)
     _gemv_kernel[(triton.cdiv(n, block_n),)](
-        x, w, out, residual if residual is not None else out, norm_w if norm_w is not None else x, av, ai,
-        n, k, eps, NORM=norm_w is not None, RESIDUAL=residual is not None, ARGMAX=argmax_parts is not None,
-        K_POW2=_pow2(k),
+        x, w, out, residual if residual is not None else out, norm_w if norm_w is not None else x,
+        bias if bias is not None else x, av, ai, n, k, eps, NORM=norm_w is not None, RESIDUAL=residual is not None,
+        BIAS=bias is not None, ARGMAX=argmax_parts is not None, K_POW2=_pow2(k),
         BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, PDL=pdl, num_warps=num_warps, **launch_opts(pdl))
     return out
 
@@ -252,9 +266,10 @@ def gemv_silu(x: torch.Tensor, w_gate_up: torch.Tensor, out: torch.Tensor, *, no
 def gemv_qkv_rope(x: torch.Tensor, wqkv: torch.Tensor, norm_w: torch.Tensor | None, eps: float,
                   q_out: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: torch.Tensor,
                   cos: torch.Tensor, sin: torch.Tensor, *, num_q_heads: int, num_kv_heads: int, head_dim: int,
-                  block_n: int = 16, block_k: int = 512, num_warps: int = 4, stages: int = 1,
-                  pdl: bool = False) -> None:
-    """Fused norm + QKV projection + rope; q -> q_out[Hq*D], k/v -> caches [max_tokens, Hkv, D] at pos[0]."""
+                  bias: torch.Tensor | None = None, rope: bool = True, block_n: int = 16, block_k: int = 512,
+                  num_warps: int = 4, stages: int = 1, pdl: bool = False) -> None:
+    """Fused norm + QKV projection (+ bias) + rope; q -> q_out[Hq*D], k/v -> caches [max_tokens, Hkv, D] at
+    pos[0]. ``rope=False``: q and k unrotated (the attention kernel normalises and rotates them)."""
     half = head_dim // 2
     if half % block_n:
         raise ValueError(f"head_dim/2 = {half} is not a multiple of block_n {block_n}")
@@ -263,7 +278,7 @@ def gemv_qkv_rope(x: torch.Tensor, wqkv: torch.Tensor, norm_w: torch.Tensor | No
         raise ValueError(f"wqkv has {wqkv.shape[0]} rows, expected (Hq + 2*Hkv) * D = {num_heads * head_dim}")
     grid = (num_heads * (half // block_n),)
     _gemv_qkv_rope_kernel[grid](
-        x, wqkv, norm_w if norm_w is not None else x, q_out, k_cache, v_cache, pos, cos, sin,
-        wqkv.shape[1], eps, NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
-        NORM=norm_w is not None, K_POW2=_pow2(wqkv.shape[1]), BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, PDL=pdl,
+        x, wqkv, norm_w if norm_w is not None else x, bias if bias is not None else x, q_out, k_cache, v_cache,
+        pos, cos, sin, wqkv.shape[1], eps, NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
+        NORM=norm_w is not None, BIAS=bias is not None, ROPE=rope, K_POW2=_pow2(wqkv.shape[1]), BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, PDL=pdl,
         num_warps=num_warps, **launch_opts(pdl))

@@ -6,14 +6,24 @@ MLP activation, logits) and runs one decode step as a fixed sequence of launches
 and position from device tensors and advances them on device, so the whole step (or several steps)
 can be captured in one CUDA graph and replayed with no host sync per token.
 
-Per layer, with every GEMV on Triton (``backends`` all "triton"), five launches:
-  1. norm + QKV GEMV + rope + K/V cache write      (gemv_qkv_rope)
-  2-3. split-K attention over the slot's KV, merge  (DecodeAttention)
-  4. o_proj GEMV + residual add                     (gemv, RESIDUAL)
-  5. norm + gate/up GEMV + SiLU-mul                 (gemv_silu)
-  6. down GEMV + residual add                       (gemv, RESIDUAL)
+Per layer, with every GEMV on Triton (``backends`` all "triton"), six launches:
+  1. norm + QKV GEMV (+ bias) + rope + K/V cache write  (gemv_qkv_rope)
+  2-3. split-K attention over the slot's KV, merge      (DecodeAttention)
+  4. o_proj GEMV (+ bias) + residual add                (gemv, BIAS, RESIDUAL)
+  5. norm + gate/up GEMV + SiLU-mul                     (gemv_silu)
+  6. down GEMV + residual add                           (gemv, RESIDUAL)
 then final norm + lm_head GEMV (fp32 logits) and on-device greedy argmax. A projection whose backend
-is "cublas" runs torch.matmul instead, with the small fused kernels of ``smallops`` around it.
+is "cublas" runs torch.matmul (torch.addmm with a bias) instead, with the small fused kernels of
+``smallops`` around it.
+
+Model variants (the engine's reference step accepts them all): Qwen2's q/k/v bias (and an o_proj
+bias) is added to the fp32 sum in the GEMV's epilogue, before its one rounding. Qwen3's per-head q/k
+RMSNorm needs a whole head, which a QKV GEMV program (2 x block_n rows of one head) does not hold:
+with ``FastOptions.qk_norm_in`` "attention" (default) launch 1 writes q and K as projected and the
+attention kernel normalises + rotates them as it loads them (no extra launch); "kernel" runs a plain
+QKV GEMV and one small norm + rope + cache-write kernel (smallops.rope_cache_write), one launch more.
+Rope scaling (linear, llama3, yarn incl. its attention factor) lives in the cos/sin tables; tied
+embeddings are the same tensor as embed and lm_head.
 
 Weights are the engine's fused per-layer tensors (names in engine/weights.py); KV caches are the slot's views
 in the shared.kvlayout layout, per layer K and V each ``[max_tokens, num_kv_heads, head_dim]``.
@@ -41,6 +51,10 @@ class GqaLayer:
     mlp_norm: torch.Tensor  # [H]
     w_gate_up: torch.Tensor  # [2 I, H]
     w_down: torch.Tensor  # [H, I]
+    bqkv: torch.Tensor | None = None  # [(Hq + 2 Hkv) D] (Qwen2)
+    bo: torch.Tensor | None = None  # [H]
+    q_norm: torch.Tensor | None = None  # [D] (Qwen3)
+    k_norm: torch.Tensor | None = None  # [D]
 
 
 @dataclass
@@ -64,7 +78,7 @@ class GqaModel:
 
     def weight_bytes(self) -> int:
         """Bytes a batch-1 step reads from weights (one embedding row, not the table)."""
-        per_layer = sum(t.numel() * t.element_size() for l in self.layers for t in vars(l).values())
+        per_layer = sum(t.numel() * t.element_size() for l in self.layers for t in vars(l).values() if t is not None)
         return per_layer + self.lm_head.numel() * self.lm_head.element_size() + self.embed[0].numel() * 2
 
 
@@ -82,6 +96,8 @@ class FastOptions:
     # programmatic dependent launch (the next kernel's first weight tile overlaps our tail; -2.8% per step
     # on H200): None = on for sm_90+ CUDA devices
     pdl: bool | None = None
+    # where Qwen3's q/k RMSNorm + rope run next to a Triton QKV GEMV: "attention" (its prologue) | "kernel"
+    qk_norm_in: str = "attention"
 
 
 class GqaDecoder:
@@ -97,6 +113,10 @@ class GqaDecoder:
             self.opt = replace(self.opt, pdl=dev.type == "cuda" and torch.cuda.get_device_capability(dev)[0] >= 9)
         if dt != torch.bfloat16:
             raise ValueError(f"the fast CUDA path runs bfloat16 models, got {dt}: use the engine's torch path")
+        if model.head_dim & (model.head_dim - 1) or model.head_dim < 16:
+            raise ValueError(f"head_dim {model.head_dim}: the fast path's kernels need a power of two >= 16")
+        if self.opt.qk_norm_in not in ("attention", "kernel"):
+            raise ValueError(f"qk_norm_in must be 'attention' or 'kernel', got {self.opt.qk_norm_in!r}")
         self.cos, self.sin = cos.to(device=dev, dtype=dt).contiguous(), sin.to(device=dev, dtype=dt).contiguous()
         hq, hkv, d = model.num_q_heads, model.num_kv_heads, model.head_dim
         h, inter, vocab = model.hidden, model.intermediate, model.lm_head.shape[0]
@@ -133,29 +153,50 @@ class GqaDecoder:
     def _cublas(self, name: str) -> bool:
         return self.opt.backends.get(name, "triton") == "cublas"
 
-    def _linear_into(self, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        torch.matmul(x.view(1, -1), w.t(), out=out.view(1, -1))
+    def _linear_into(self, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor,
+                     bias: torch.Tensor | None = None) -> torch.Tensor:
+        if bias is None:
+            torch.matmul(x.view(1, -1), w.t(), out=out.view(1, -1))
+        else:  # the bias joins the fp32 sum before the one rounding, as in the Triton epilogue
+            torch.addmm(bias.view(1, -1), x.view(1, -1), w.t(), out=out.view(1, -1))
         return out
+
+    def _qkv(self, i: int) -> tuple | None:
+        """Launch 1: q -> self.query, K/V -> the caches at pos; the attention's qk_norm argument (or None)."""
+        m, lw, eps = self.model, self.model.layers[i], self.model.eps
+        hq, hkv, d = m.num_q_heads, m.num_kv_heads, m.head_dim
+        kc, vc = self.k_caches[i], self.v_caches[i]
+        heads = dict(num_q_heads=hq, num_kv_heads=hkv, head_dim=d)
+        norms = dict(q_norm=lw.q_norm, k_norm=lw.k_norm, eps=eps)
+        if self._cublas("qkv"):
+            smallops.rmsnorm(self.residual, lw.attn_norm, self.xn, eps)
+            qkv = self._linear_into(self.xn, lw.wqkv, self.tmp[: lw.wqkv.shape[0]], lw.bqkv)
+            smallops.rope_cache_write(qkv, self.query, kc, vc, self.pos, self.cos, self.sin, **heads, **norms)
+        elif lw.q_norm is not None and self.opt.qk_norm_in == "kernel":
+            qkv = gemv.gemv(self.residual, lw.wqkv, self.tmp[: lw.wqkv.shape[0]], norm_w=lw.attn_norm, eps=eps,
+                            bias=lw.bqkv, **self.tile_kwargs("qkv"))
+            smallops.rope_cache_write(qkv, self.query, kc, vc, self.pos, self.cos, self.sin, **heads, **norms,
+                                      pdl=self.opt.pdl)
+        else:  # q/k norm (Qwen3): q and K as projected, normalised + rotated by the attention kernel
+            gemv.gemv_qkv_rope(self.residual, lw.wqkv, lw.attn_norm, eps, self.query, kc, vc, self.pos,
+                               self.cos, self.sin, **heads, bias=lw.bqkv, rope=lw.q_norm is None,
+                               **self.tile_kwargs("qkv"))
+            if lw.q_norm is not None:
+                return (lw.q_norm, lw.k_norm, eps, self.cos, self.sin)
+        return None
 
     def layer(self, i: int) -> None:
         """One transformer layer on the residual stream ``self.residual`` (in place)."""
         m, lw, eps = self.model, self.model.layers[i], self.model.eps
-        hq, hkv, d = m.num_q_heads, m.num_kv_heads, m.head_dim
+        hkv, d = m.num_kv_heads, m.head_dim
         kc, vc = self.k_caches[i], self.v_caches[i]
-        if self._cublas("qkv"):
-            smallops.rmsnorm(self.residual, lw.attn_norm, self.xn, eps)
-            qkv = self._linear_into(self.xn, lw.wqkv, self.tmp[: lw.wqkv.shape[0]])
-            smallops.rope_cache_write(qkv, self.query, kc, vc, self.pos, self.cos, self.sin,
-                                      num_q_heads=hq, num_kv_heads=hkv, head_dim=d)
-        else:
-            gemv.gemv_qkv_rope(self.residual, lw.wqkv, lw.attn_norm, eps, self.query, kc, vc, self.pos,
-                               self.cos, self.sin, num_q_heads=hq, num_kv_heads=hkv, head_dim=d,
-                               **self.tile_kwargs("qkv"))
-        self.attn(self.query, kc, vc, self.pos, self.attn_out, stride_kt=hkv * d, stride_vt=hkv * d)
+        qk_norm = self._qkv(i)
+        self.attn(self.query, kc, vc, self.pos, self.attn_out, stride_kt=hkv * d, stride_vt=hkv * d, qk_norm=qk_norm)
         if self._cublas("o"):
-            self.residual.add_(self._linear_into(self.attn_out, lw.wo, self.tmp[: m.hidden]))
+            self.residual.add_(self._linear_into(self.attn_out, lw.wo, self.tmp[: m.hidden], lw.bo))
         else:
-            gemv.gemv(self.attn_out, lw.wo, self.residual, residual=self.residual, **self.tile_kwargs("o"))
+            gemv.gemv(self.attn_out, lw.wo, self.residual, residual=self.residual, bias=lw.bo,
+                      **self.tile_kwargs("o"))
         if self._cublas("gate_up"):
             smallops.rmsnorm(self.residual, lw.mlp_norm, self.xn, eps)
             gu = self._linear_into(self.xn, lw.w_gate_up, self.tmp[: lw.w_gate_up.shape[0]])
@@ -190,16 +231,26 @@ class GqaDecoder:
                                self.step_idx, self.pos, m.embed, self.residual, pdl=self.opt.pdl)
 
 
+def _linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    """reference.linear with an optional bias added to the fp32 sum before the one rounding (bf16 F.linear)."""
+    if b is None:
+        return reference.linear(x, w)
+    return (x.float() @ w.float().T + b.float()).to(x.dtype)
+
+
 def reference_layer(model: GqaModel, i: int, h: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     cos_p: torch.Tensor, sin_p: torch.Tensor, pos: int) -> torch.Tensor:
     """One layer of the torch reference on the residual stream h [H]; writes K/V at pos."""
     hq, hkv, d, eps, lw = model.num_q_heads, model.num_kv_heads, model.head_dim, model.eps, model.layers[i]
-    qkv = reference.linear(reference.rms_norm(h, lw.attn_norm, eps), lw.wqkv).view(hq + 2 * hkv, d)
-    q = reference.rope(qkv[:hq], cos_p, sin_p)
-    k_cache[pos] = reference.rope(qkv[hq:hq + hkv], cos_p, sin_p)
+    qkv = _linear(reference.rms_norm(h, lw.attn_norm, eps), lw.wqkv, lw.bqkv).view(hq + 2 * hkv, d)
+    q, k = qkv[:hq], qkv[hq:hq + hkv]
+    if lw.q_norm is not None:  # Qwen3: per-head RMSNorm before rope
+        q, k = reference.rms_norm(q, lw.q_norm, eps), reference.rms_norm(k, lw.k_norm, eps)
+    q = reference.rope(q, cos_p, sin_p)
+    k_cache[pos] = reference.rope(k, cos_p, sin_p)
     v_cache[pos] = qkv[hq + hkv:]
     o = reference.attention(q[None], k_cache, v_cache, pos, d ** -0.5)[0].reshape(-1)
-    h = h + reference.linear(o, lw.wo)
+    h = h + _linear(o, lw.wo, lw.bo)
     gu = reference.linear(reference.rms_norm(h, lw.mlp_norm, eps), lw.w_gate_up)
     return h + reference.linear(reference.silu_mul(gu), lw.w_down)
 

@@ -1,7 +1,9 @@
 """Small fused Triton ops for the steps whose GEMVs run on cuBLAS: RMSNorm, rope + cache write, SiLU-mul.
 
 Each has the same rounding points as the fused GEMV epilogues in ``gemv.py`` (and their torch twins),
-so every backend mix computes the same numbers up to fp32 summation order.
+so every backend mix computes the same numbers up to fp32 summation order. ``norm_rope_rows`` is
+Qwen3's per-head q/k RMSNorm + rope on whole heads, shared by the rope + cache write here and by the
+attention kernel's prologue (attention.py).
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .gemv import gdc_launch_dependents, gdc_wait, launch_opts
 from .kernel_helpers import rnd_bf16, round_to_dtype
 
 
@@ -28,33 +31,82 @@ def _rmsnorm_kernel(x_ptr, w_ptr, out_ptr, K, eps, stride_x, stride_o, K_POW2: t
 
 
 @triton.jit
-def _rope_cache_kernel(qkv_ptr, q_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, cos_ptr, sin_ptr,
-                       NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr):
+def norm_rope_rows(x, xp, w_ptr, cos_ptr, sin_ptr, pos, eps, HEAD_DIM: tl.constexpr):
+    # x [R, D]: rows of whole heads as projected (bf16); xp: the same rows with their halves swapped
+    # (column d holds x[(d + D/2) % D]), the rope partners, loaded so instead of shuffled in registers.
+    # RMSNorm per row (fp32 statistics, rounded, times w: reference.rms_norm), then neox rope, each op
+    # rounded like eager bf16 torch; returns fp32 values of bf16 numbers.
+    HALF: tl.constexpr = HEAD_DIM // 2
+    d = tl.arange(0, HEAD_DIM)
+    xf = x.to(tl.float32)
+    inv = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=1) / HEAD_DIM + eps)
+    w = tl.load(w_ptr + d).to(tl.float32)
+    wp = tl.load(w_ptr + (d + HALF) % HEAD_DIM).to(tl.float32)
+    xn = rnd_bf16(rnd_bf16(xf * inv[:, None]) * w[None, :])
+    pn = rnd_bf16(rnd_bf16(xp.to(tl.float32) * inv[:, None]) * wp[None, :])
+    cos = tl.load(cos_ptr + pos * HALF + d % HALF).to(tl.float32)
+    sin = tl.load(sin_ptr + pos * HALF + d % HALF).to(tl.float32)
+    rot = rnd_bf16(pn * sin[None, :])
+    return rnd_bf16(rnd_bf16(xn * cos[None, :]) + tl.where(d < HALF, -rot, rot))  # x1 cos - x2 sin | x2 cos + x1 sin
+
+
+@triton.jit
+def _rope_cache_kernel(qkv_ptr, q_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, cos_ptr, sin_ptr, qn_ptr, kn_ptr, eps,
+                       NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                       QK_NORM: tl.constexpr, PDL: tl.constexpr):
     HALF: tl.constexpr = HEAD_DIM // 2
     head = tl.program_id(0)
-    j = tl.arange(0, HALF)
-    a_raw = tl.load(qkv_ptr + head * HEAD_DIM + j)
-    b_raw = tl.load(qkv_ptr + head * HEAD_DIM + HALF + j)
-    dt = a_raw.dtype
-    a = a_raw.to(tl.float32)
-    b = b_raw.to(tl.float32)
-    pos = tl.load(pos_ptr)
-    if head < NUM_Q_HEADS + NUM_KV_HEADS:
-        cos = tl.load(cos_ptr + pos * HALF + j).to(tl.float32)
-        sin = tl.load(sin_ptr + pos * HALF + j).to(tl.float32)
-        a1 = rnd_bf16(rnd_bf16(a * cos) - rnd_bf16(b * sin)).to(dt)
-        b1 = rnd_bf16(rnd_bf16(b * cos) + rnd_bf16(a * sin)).to(dt)
-        if head < NUM_Q_HEADS:
-            tl.store(q_ptr + head * HEAD_DIM + j, a1.to(dt))
-            tl.store(q_ptr + head * HEAD_DIM + HALF + j, b1.to(dt))
-        else:
-            base = k_cache_ptr + pos.to(tl.int64) * (NUM_KV_HEADS * HEAD_DIM) + (head - NUM_Q_HEADS) * HEAD_DIM
-            tl.store(base + j, a1.to(dt))
-            tl.store(base + HALF + j, b1.to(dt))
+    if PDL:  # qkv comes from the previous kernel; the next one (attention) may start its prologue
+        gdc_wait()
+        gdc_launch_dependents()
+    if QK_NORM:  # Qwen3: whole heads, normalised then rotated
+        _norm_rope_cache_head(qkv_ptr, q_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, cos_ptr, sin_ptr, qn_ptr, kn_ptr,
+                              eps, head, NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM)
     else:
-        base = v_cache_ptr + pos.to(tl.int64) * (NUM_KV_HEADS * HEAD_DIM) + (head - NUM_Q_HEADS - NUM_KV_HEADS) * HEAD_DIM
-        tl.store(base + j, a_raw)
-        tl.store(base + HALF + j, b_raw)
+        j = tl.arange(0, HALF)
+        a_raw = tl.load(qkv_ptr + head * HEAD_DIM + j)
+        b_raw = tl.load(qkv_ptr + head * HEAD_DIM + HALF + j)
+        dt = a_raw.dtype
+        a = a_raw.to(tl.float32)
+        b = b_raw.to(tl.float32)
+        pos = tl.load(pos_ptr)
+        if head < NUM_Q_HEADS + NUM_KV_HEADS:
+            cos = tl.load(cos_ptr + pos * HALF + j).to(tl.float32)
+            sin = tl.load(sin_ptr + pos * HALF + j).to(tl.float32)
+            a1 = rnd_bf16(rnd_bf16(a * cos) - rnd_bf16(b * sin)).to(dt)
+            b1 = rnd_bf16(rnd_bf16(b * cos) + rnd_bf16(a * sin)).to(dt)
+            if head < NUM_Q_HEADS:
+                tl.store(q_ptr + head * HEAD_DIM + j, a1.to(dt))
+                tl.store(q_ptr + head * HEAD_DIM + HALF + j, b1.to(dt))
+            else:
+                base = k_cache_ptr + pos.to(tl.int64) * (NUM_KV_HEADS * HEAD_DIM) + (head - NUM_Q_HEADS) * HEAD_DIM
+                tl.store(base + j, a1.to(dt))
+                tl.store(base + HALF + j, b1.to(dt))
+        else:
+            base = v_cache_ptr + pos.to(tl.int64) * (NUM_KV_HEADS * HEAD_DIM) + (head - NUM_Q_HEADS - NUM_KV_HEADS) * HEAD_DIM
+            tl.store(base + j, a_raw)
+            tl.store(base + HALF + j, b_raw)
+
+
+@triton.jit
+def _norm_rope_cache_head(qkv_ptr, q_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, cos_ptr, sin_ptr, qn_ptr, kn_ptr, eps,
+                          head, NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr):
+    HALF: tl.constexpr = HEAD_DIM // 2
+    d = tl.arange(0, HEAD_DIM)[None, :]  # [1, D]: one row
+    pos = tl.load(pos_ptr)
+    row = (pos.to(tl.int64) * NUM_KV_HEADS + (head - NUM_Q_HEADS) % NUM_KV_HEADS) * HEAD_DIM
+    x = tl.load(qkv_ptr + head * HEAD_DIM + d)
+    dt = x.dtype
+    if head < NUM_Q_HEADS + NUM_KV_HEADS:
+        xp = tl.load(qkv_ptr + head * HEAD_DIM + (d + HALF) % HEAD_DIM)
+        if head < NUM_Q_HEADS:
+            y = norm_rope_rows(x, xp, qn_ptr, cos_ptr, sin_ptr, pos, eps, HEAD_DIM)
+            tl.store(q_ptr + head * HEAD_DIM + d, y.to(dt))
+        else:
+            y = norm_rope_rows(x, xp, kn_ptr, cos_ptr, sin_ptr, pos, eps, HEAD_DIM)
+            tl.store(k_cache_ptr + row + d, y.to(dt))
+    else:
+        tl.store(v_cache_ptr + row + d, x)
 
 
 @triton.jit
@@ -86,11 +138,15 @@ def rmsnorm_rows(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, eps: float
 
 def rope_cache_write(qkv: torch.Tensor, q_out: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, num_q_heads: int,
-                     num_kv_heads: int, head_dim: int) -> None:
-    """Split qkv [(Hq+2Hkv)*D], rope q and k, write q to q_out and k/v into the caches at pos[0]."""
+                     num_kv_heads: int, head_dim: int, q_norm: torch.Tensor | None = None,
+                     k_norm: torch.Tensor | None = None, eps: float = 1e-6, pdl: bool = False) -> None:
+    """Split qkv [(Hq+2Hkv)*D], [per-head RMSNorm q and k with q_norm/k_norm [D] (Qwen3), then] rope q and k,
+    write q to q_out and k/v into the caches at pos[0]."""
+    qk_norm = q_norm is not None
     _rope_cache_kernel[(num_q_heads + 2 * num_kv_heads,)](
-        qkv, q_out, k_cache, v_cache, pos, cos, sin, NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads,
-        HEAD_DIM=head_dim, num_warps=1)
+        qkv, q_out, k_cache, v_cache, pos, cos, sin, q_norm if qk_norm else qkv, k_norm if qk_norm else qkv, eps,
+        NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, QK_NORM=qk_norm, PDL=pdl,
+        num_warps=1, **launch_opts(pdl))
 
 
 def silu_mul(gu: torch.Tensor, out: torch.Tensor, block: int = 1024) -> torch.Tensor:
