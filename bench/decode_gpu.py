@@ -4,10 +4,14 @@ One self-contained run (random bf16 weights, no checkpoint): copy bandwidth firs
 GEMV micro-benchmarks (Triton tiles vs cuBLAS, each projection over all layers' distinct weights in
 one CUDA graph), whole-step variants in one CUDA graph, correctness against the torch reference
 (greedy tokens over 256 steps, logits tolerance), HF transformers static cache + CUDA graph, and
-contexts 1K / 8K / 32K; the DeepSeek-V3-family shape (bench/decode_gpu_mla.py) when asked.
+contexts 1K / 8K / 32K; the DeepSeek-V3-family shape (bench/decode_gpu_mla.py) when asked; sampling on
+the fast path (part "sampled", bench/decode_gpu_sampling.py: the sampling kernels against the reference
+sampler, then greedy vs sampled decode, temperature 0.7 / top_p 0.9 / top_k 50 / min_p 0.05 /
+repetition_penalty 1.1, through the Engine API where it imports, else on the decoder's graphs:
+``llama8b_sampled_tok_s``, ``llama8b_sampled_over_greedy``, ``llama8b_sampled_path``).
 Prints a table; writes --out (default bench/results/decode_gpu.json).
 
-    python bench/decode_gpu.py [--parts copy,micro,llama,correct,hf,ctx,mla] [--out PATH]
+    python bench/decode_gpu.py [--parts copy,micro,llama,correct,hf,ctx,mla,sampled] [--out PATH]
 """
 
 from __future__ import annotations
@@ -357,7 +361,7 @@ def run_llama(X, parts, R: dict) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--parts", default="copy,micro,llama,correct,hf,ctx,mla")
+    ap.add_argument("--parts", default="copy,micro,llama,correct,hf,ctx,mla,sampled")
     ap.add_argument("--out", default=str(ROOT / "bench/results/decode_gpu.json"))
     args = ap.parse_args(argv)
     parts = set(args.parts.split(","))
@@ -395,6 +399,14 @@ def main(argv: list[str] | None = None) -> int:
         except Exception:
             R["mla_error"] = traceback.format_exc()[-1500:]
             log(R["mla_error"])
+        save()
+    if "sampled" in parts:
+        try:
+            from decode_gpu_sampling import run_sampled  # bench/ is on sys.path when run as a script
+            run_sampled(X, R)
+        except Exception:
+            R["sampled_error"] = traceback.format_exc()[-1500:]
+            log(R["sampled_error"])
         save()
     if "hf_graph_tok_s" in R and "llama8b_ctx1k_tok_s" in R:
         R["speedup_vs_hf_graph"] = R["llama8b_ctx1k_tok_s"] / R["hf_graph_tok_s"]

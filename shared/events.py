@@ -43,16 +43,37 @@ class Event(msgspec.Struct, tag_field="type", kw_only=True, omit_defaults=False)
 
 
 class SamplingParams(msgspec.Struct, kw_only=True):
-    """What the decode engine needs to sample; ``max_tokens`` counts tokens still to generate."""
+    """What the decode engine needs to sample, with vLLM's meaning and order (every default is off).
+
+    ``max_tokens`` and ``min_tokens`` count tokens still to generate on this node (the first token,
+    sampled by the prefill, and tokens of earlier legs are not counted). Temperature below 1e-5 is
+    greedy (the argmax of the processed logits). Penalties follow vLLM: ``repetition_penalty`` over
+    the prompt's and the output's tokens, ``presence_penalty``/``frequency_penalty`` over the
+    output's; the output is ``output_token_ids`` (earlier legs), then the first token, then this
+    node's tokens. ``prompt_token_ids`` is needed for ``repetition_penalty`` != 1 when the node did
+    not prefill the prompt itself. ``bad_words_token_ids``: token-id sequences (vLLM's tokenized
+    ``bad_words``); ``min_tokens`` suppresses ``stop_token_ids`` and the model's EOS ids.
+    ``seed`` keys the counter-based random numbers (None: a random seed per request).
+    """
 
     max_tokens: int
     temperature: float = 0.0
     top_p: float = 1.0
-    top_k: int = 0  # 0: off
+    top_k: int = 0  # 0 (or -1): off
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] = {}
+    allowed_token_ids: list[int] | None = None
+    bad_words_token_ids: list[list[int]] = []
+    min_tokens: int = 0
     seed: int | None = None
     stop_token_ids: list[int] = []
     ignore_eos: bool = False
     num_speculative_tokens: int | None = None  # None: the node's default; 0: off
+    prompt_token_ids: list[int] | None = None  # the request's prompt (for repetition_penalty)
+    output_token_ids: list[int] = []  # completion tokens before this leg's first token (migration)
 
 
 class KvSegment(msgspec.Struct, kw_only=True):

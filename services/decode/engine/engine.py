@@ -14,15 +14,26 @@ that cache (every draft is verified), only the acceptance rate does.
 Per step: one model forward over ``[B, 1 + K]`` tokens, sampling, acceptance, the MTP draft pass,
 and a single host sync to emit the tokens.
 
-Fast path (``fast_path="auto"|"on"|"off"``, fastpath.py): a step with exactly one active slot whose
-request is greedy runs that slot's batch-1 CUDA-graph decoder (services/decode/engine/cuda) instead,
+Sampling (sampling.py): every SamplingParams field with vLLM's semantics and order (temperature,
+top_k, top_p, min_p, repetition / presence / frequency penalties, logit_bias, allowed_token_ids,
+bad words as token-id sequences, min_tokens, seed). Each slot's parameters and state (output counts,
+bad-word state) live in ``SamplingBuffers`` on the device, shared with the fast path; the random
+numbers are Philox keyed by (seed, position), so a seeded request samples the same tokens alone or
+batched, on either path (unseeded requests draw a random seed). Requests whose processors read the
+output (penalties, bad words) do not speculate. ``repetition_penalty`` needs the prompt's ids: the
+engine keeps those it prefilled itself; after ``inject`` they come in ``prompt_token_ids``.
+
+Fast path (``fast_path="auto"|"on"|"off"``, fastpath.py): a step with exactly one active slot runs
+that slot's batch-1 CUDA-graph decoder (services/decode/engine/cuda) instead,
 ``fast_path_tokens_per_step`` tokens per step with one host sync (DeepSeek family with drafts: one
 graph of k MTP drafts + verify per step), cut at stop ids and max_tokens exactly as the reference
-step cuts them. Steps over several slots and sampling requests take the reference step. ``auto``
+step cuts them; a Llama-family engine samples there too (cuda/sampling.py, the reference step's
+tokens), the DeepSeek family decodes plain greedy requests only. Steps over several slots take the
+reference step. ``auto``
 uses it where the engine supports it (CUDA, bfloat16, plain Llama-family blocks without drafts, or
 DeepSeek-V3-family blocks without q LoRA) and logs why not otherwise (``fast_path_reason``); ``on``
-raises ValueError for an engine it cannot serve. Requests it cannot serve (sampling; drafts on a
-Llama-family engine) take the reference step in either mode, their reason in
+raises ValueError for an engine it cannot serve. Requests it cannot serve (sampling or logits processors
+on the DeepSeek family, drafts on a Llama-family engine, bad words beyond its buffers) take the reference step in either mode, their reason in
 ``slot_fast_path_reason(slot)``; ``last_step_path`` says which path the last step took.
 ``mtp_draft_vocab=N``: the fast path's MTP drafts propose token ids < N only (its draft head reads N
 rows, not the whole vocabulary); output is unchanged, acceptance may drop. The reference step
@@ -32,7 +43,6 @@ drafts over the whole vocabulary.
 from __future__ import annotations
 
 import json
-import random
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -42,7 +52,9 @@ from shared.events import KvLayoutSpec, SamplingParams, SpecStats
 from shared.kvlayout import kv_shape_from_hf_config
 
 from .cache import TORCH_DTYPES, KvCache
-from .sampling import exponential_noise, process_probs, sample, uniform_noise
+from .sampling import ReferenceSampler, SamplingBuffers, banned_ids, exponential, resolve, sample
+from .cuda.sampling_state import BAD_WORDS, FREQ_PRES, GREEDY, I_FLAGS, I_SEED, REP, STREAM_ACCEPT, STREAM_DRAFT, \
+    TRACK_COUNTS, uniform
 from .slots import SlotState, emit
 from .spec import verify
 from .config import parse_config
@@ -100,19 +112,19 @@ class Engine:
         self._forward = GraphedFn(lambda t, p, s, n: _with_logits(model, model(t, p, s, n)), on_cuda)
         self._mtp = GraphedFn(model.mtp_forward, on_cuda) if getattr(model, "has_mtp", False) else None
         n, dev, vocab = num_slots + 1, self.device, cfg.vocab_size
-        self.temperature = torch.zeros(n, device=dev)
-        self.top_k = torch.zeros(n, dtype=torch.long, device=dev)
-        self.top_p = torch.ones(n, device=dev)
+        self.sampling = SamplingBuffers(n, vocab, dev)  # every slot's sampling parameters and state
+        self.sampler = ReferenceSampler(self.sampling)
+        # the reference step's sampling tail in one CUDA graph per (batch size, flags): ~300 small kernels
+        self._sample = GraphedFn(self.sampler.tokens, on_cuda)
         self.drafts = torch.zeros(n, max(self.num_spec, 1), dtype=torch.long, device=dev)
         self.draft_probs = torch.zeros(n, max(self.num_spec, 1), vocab, device=dev) if self.num_spec else None
         self.prefill_hidden = torch.zeros(n, cfg.hidden_size, dtype=self.dtype, device=dev)
-        self.generators = [torch.Generator(device=dev) for _ in range(n)]
         self.slots = [SlotState() for _ in range(num_slots)]
         self.fast_path_mode = fast_path
         self._fast, self.fast_path_reason = fastpath.setup(fast_path, model, self.device, self.dtype,
                                                            self.num_spec, config.fast_path_options,
                                                            config.fast_path_tokens_per_step,
-                                                           draft_vocab=draft_vocab)
+                                                           draft_vocab=draft_vocab, sampling=self.sampling)
         self.last_step_path: str | None = None  # "fast" | "reference" after a step
         with torch.inference_mode():  # build, compile and capture every slot's decoder now, not mid-request
             for slot in range(num_slots if self._fast is not None else 0):
@@ -193,7 +205,8 @@ class Engine:
         if getattr(self.model, "has_mtp", False) and len(token_ids) > 1:
             self.model.mtp_forward(tokens[:, 1:], positions[:, :-1], hidden[:, :-1], slot_ids, num_keys)
         self.prefill_hidden[slot] = hidden[0, -1]
-        self.slots[slot] = SlotState(state="ready", seq_len=len(token_ids), has_prefill_hidden=True)
+        self.slots[slot] = SlotState(state="ready", seq_len=len(token_ids), has_prefill_hidden=True,
+                                     prompt_ids=list(token_ids))
         return self.model.logits(hidden[0, -1])
 
     def inject(self, slot: int, num_tokens: int) -> None:
@@ -206,29 +219,34 @@ class Engine:
     def start(self, slot: int, first_token_id: int, sampling: SamplingParams) -> None:
         """Arm a ready slot: it decodes from ``first_token_id`` at the next step."""
         s = self._slot(slot, "ready")
-        if sampling.temperature < 0 or not 0 < sampling.top_p <= 1 or sampling.top_k < 0 or sampling.max_tokens < 0:
-            raise ValueError(f"invalid sampling parameters: {sampling}")
+        req = resolve(sampling, vocab=self.cfg.vocab_size, eos_token_ids=self.eos_token_ids, seq_len=s.seq_len,
+                      prompt_ids=s.prompt_ids)
+        if not 0 <= first_token_id < self.cfg.vocab_size:
+            raise ValueError(f"first_token_id {first_token_id} is outside the vocabulary")
         stop = set(sampling.stop_token_ids) | (set() if sampling.ignore_eos else set(self.eos_token_ids))
         asked = sampling.num_speculative_tokens
         k = self.num_spec if asked is None else min(self.num_spec, asked)
+        if req.flags & (REP | FREQ_PRES | BAD_WORDS):  # they read the output, drafts included: no drafts
+            k = 0
         s.extra["fast_path_reason"] = self.fast_path_reason or fastpath.request_reason(
-            sampling.temperature == 0, k, self._fast is not None and self._fast.spec_ok)
+            req.plain_greedy, k, self._fast is not None and self._fast.spec_ok,
+            self._fast is not None and self._fast.sample_ok, req.fast_path_limit())
         if self._fast is not None and s.extra["fast_path_reason"]:
             fastpath.log.debug("slot %d decodes on the reference step: %s", slot, s.extra["fast_path_reason"])
         if self._fast is not None:
             self._fast.forget(slot)
         s.state, s.pending, s.max_tokens, s.stop_token_ids, s.num_spec = "active", first_token_id, sampling.max_tokens, frozenset(stop), k
-        self.temperature[slot], self.top_k[slot], self.top_p[slot] = sampling.temperature, sampling.top_k, sampling.top_p
-        self.generators[slot].manual_seed(sampling.seed if sampling.seed is not None else random.getrandbits(63))
-        s.num_valid_drafts, s.is_greedy = 0, sampling.temperature == 0
+        s.sampling, s.output_ids = req, list(sampling.output_token_ids) + [first_token_id]
+        self.sampling.arm(slot, req, s.output_ids, s.seq_len + 1)
+        s.num_valid_drafts, s.is_greedy = 0, req.plain_greedy
         if k and s.has_prefill_hidden:
             slot_ids = torch.tensor([slot], device=self.device)
             tokens = torch.tensor([[first_token_id]], device=self.device)
             positions = torch.tensor([[s.seq_len - 1]], device=self.device)
             num_keys = self._num_keys(s.seq_len + self.num_spec)
             hidden, logits = self._mtp(tokens, positions, self.prefill_hidden[slot][None, None], slot_ids, num_keys)
-            self._draft(slot_ids, [self.generators[slot]], hidden[:, 0], logits[:, 0],
-                        torch.tensor([s.seq_len], device=self.device), num_keys, s.is_greedy)
+            self._draft(slot_ids, hidden[:, 0], logits[:, 0], torch.tensor([s.seq_len], device=self.device),
+                        num_keys, s.is_greedy, req.flags)
             s.num_valid_drafts = k
 
     def cancel(self, slot: int) -> None:
@@ -260,11 +278,30 @@ class Engine:
         so CUDA graphs exist per bucket and short contexts do not read the whole cache."""
         return min(self.cache.max_tokens, max(256, 1 << (needed - 1).bit_length()))
 
-    def _probs(self, slot_ids: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
-        return process_probs(logits, self.temperature[slot_ids], self.top_k[slot_ids], self.top_p[slot_ids])
+    def _flags(self, slot_ids: list[int]) -> int:
+        """The OR of these slots' sampling flags (host side: which sampling work any row needs)."""
+        f = 0
+        for i in slot_ids:
+            f |= self.slots[i].sampling.flags if self.slots[i].sampling is not None else GREEDY
+        return f
 
-    def _draft(self, slot_ids: torch.Tensor, gens: list[torch.Generator], hidden: torch.Tensor, logits: torch.Tensor,
-               next_pos: torch.Tensor, num_keys: int, all_greedy: bool = False) -> None:
+    def _banned(self, slot_ids: list[int], flags: int) -> list[list[int]] | None:
+        """The ids each slot's bad words ban at its next position (None: no slot has bad words)."""
+        if not flags & BAD_WORDS:
+            return None
+        return [banned_ids(self.slots[i].sampling.bad_words, self.slots[i].output_ids)
+                if self.slots[i].sampling is not None else [] for i in slot_ids]
+
+    def _probs(self, slot_ids: torch.Tensor, logits: torch.Tensor, positions: torch.Tensor, flags: int,
+               banned: list[list[int]] | None = None) -> torch.Tensor:
+        """Processed distributions [B, T, V] of logits [B, T, V] whose sampled tokens take positions [B, T]."""
+        b, t, v = logits.shape
+        rows = slot_ids[:, None].expand(b, t).reshape(-1)
+        per_row = [ids for ids in banned for _ in range(t)] if banned is not None else None
+        return self.sampler.probs(logits.reshape(b * t, v), rows, positions.reshape(-1), flags, per_row).view(b, t, v)
+
+    def _draft(self, slot_ids: torch.Tensor, hidden: torch.Tensor, logits: torch.Tensor,
+               next_pos: torch.Tensor, num_keys: int, all_greedy: bool = False, flags: int = 0) -> None:
         """Draw K drafts per slot from the MTP head, recycling its hidden for drafts 2..K (the first
         MTP layer serves every draft, as DeepSeek-V3 runs its single one recursively).
 
@@ -272,14 +309,16 @@ class Engine:
         the pending token at next_pos); draft j lands at position next_pos + j. Positions past the
         cache (drafts beyond max_seq_len, never emitted) are clamped to its last row.
         """
-        greedy = self.temperature[slot_ids] <= 0
+        greedy = (self.sampling.iparams[slot_ids, I_FLAGS] & GREEDY) != 0
+        seeds = self.sampling.iparams[slot_ids, I_SEED]
         drafts, probs = [], []
         for j in range(self.num_spec):
             if all_greedy:  # greedy acceptance never reads the draft distribution
                 d = logits.argmax(dim=-1)
             else:
-                q = self._probs(slot_ids, logits[:, None])[:, 0]
-                d = sample(q, exponential_noise(gens, (q.shape[-1],), self.device), greedy)
+                position = next_pos + 1 + j  # of draft j (the pending token is at next_pos)
+                q = self._probs(slot_ids, logits[:, None], position[:, None], flags)[:, 0]
+                d = sample(q, exponential(seeds, position, q.shape[-1], STREAM_DRAFT), greedy)
                 probs.append(q)
             drafts.append(d)
             if j + 1 < self.num_spec:
@@ -308,7 +347,6 @@ class Engine:
         seq = torch.tensor([self.slots[i].seq_len for i in active], device=dev)
         pending = torch.tensor([self.slots[i].pending for i in active], device=dev)
         num_valid = torch.tensor([self.slots[i].num_valid_drafts for i in active], device=dev)
-        gens = [self.generators[i] for i in active]
         all_greedy = all(self.slots[i].is_greedy for i in active)
         tokens = torch.cat([pending[:, None], self.drafts[slot_ids][:, :k]], dim=1)  # [B, 1+K]
         positions = seq[:, None] + torch.arange(k + 1, device=dev)
@@ -320,21 +358,28 @@ class Engine:
             ok = (tokens[:, 1:] == target[:, :k]) & (torch.arange(k, device=dev)[None] < num_valid[:, None])
             num_accepted = ok.long().cumprod(dim=-1).sum(dim=-1)
             nxt = target[rows, num_accepted]
-        elif k:
-            probs = self._probs(slot_ids, self.last_logits)
-            noise = exponential_noise(gens, (probs.shape[-1],), dev)
-            uniform = uniform_noise(gens, (k,), dev)
-            greedy = self.temperature[slot_ids] <= 0
-            num_accepted, nxt = verify(probs, self.draft_probs[slot_ids], tokens[:, 1:], num_valid, uniform, noise, greedy)
         else:
-            probs = self._probs(slot_ids, self.last_logits)[:, 0]
-            noise = exponential_noise(gens, (probs.shape[-1],), dev)
-            num_accepted, nxt = torch.zeros(b, dtype=torch.long, device=dev), sample(probs, noise, self.temperature[slot_ids] <= 0)
+            flags, seeds = self._flags(active), self.sampling.iparams[slot_ids, I_SEED]
+            banned = self._banned(active, flags)
+            if k:
+                probs = self._probs(slot_ids, self.last_logits, positions + 1, flags, banned)
+                noise = exponential(seeds, seq + 1, probs.shape[-1])
+                accept = uniform(seeds[:, None], torch.zeros_like(positions[:, :k]), positions[:, :k] + 1, STREAM_ACCEPT)
+                greedy = (self.sampling.iparams[slot_ids, I_FLAGS] & GREEDY) != 0
+                num_accepted, nxt = verify(probs, self.draft_probs[slot_ids], tokens[:, 1:], num_valid, accept, noise,
+                                           greedy)
+            else:
+                num_accepted = torch.zeros(b, dtype=torch.long, device=dev)
+                sample_fn = self._sample if banned is None else self.sampler.tokens  # bad words: host lists
+                nxt = sample_fn(self.last_logits[:, 0], slot_ids, seq + 1, flags, *([banned] if banned else []))
+            if flags & TRACK_COUNTS:  # the penalties' output counts (rows with penalties have no drafts)
+                track = torch.tensor([bool(self.slots[i].sampling.flags & TRACK_COUNTS) for i in active], device=dev)
+                self.sampling.add_tokens(slot_ids, nxt, track)
         if k:
             mtp_tokens = torch.cat([tokens[:, 1:], nxt[:, None]], dim=1).scatter(1, num_accepted[:, None], nxt[:, None])
             h, lg = self._mtp(mtp_tokens, positions, hidden, slot_ids, num_keys)
-            self._draft(slot_ids, gens, h[rows, num_accepted], lg[rows, num_accepted], seq + num_accepted + 1, num_keys,
-                        all_greedy)
+            self._draft(slot_ids, h[rows, num_accepted], lg[rows, num_accepted], seq + num_accepted + 1, num_keys,
+                        all_greedy, self._flags(active))
         host = torch.cat([num_accepted[:, None], tokens[:, 1:], nxt[:, None]], dim=1).tolist()  # the one sync
         return {slot: self._emit(slot, row) for slot, row in zip(active, host)}
 

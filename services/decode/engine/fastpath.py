@@ -9,16 +9,22 @@ Contract:
   DeepSeek-V3-family models without q LoRA and with one routing group (DeepSeek-V2-Lite-like), with
   MTP drafts (k drafts + one verify per step, greedy acceptance on device) when the engine has
   them. On CPU only when asked for with ``mode="on"`` while Triton's interpreter is active (tests).
-- ``request_reason(greedy, num_spec, spec_ok)``: why a request cannot (``None``: it can).
+- ``request_reason(greedy, num_spec, spec_ok, sample_ok, sample_limit)``: why a request cannot
+  (``None``: it can). Llama-family engines also sample on the fast path (``sample_ok``): every
+  sampling parameter and logits processor, by the kernels of cuda/sampling.py after the lm_head
+  GEMV, inside a second graph per slot that reads the request's parameters from the engine's
+  ``SamplingBuffers`` (so a new request needs no re-capture); plain greedy requests (no logits
+  processor) keep the argmax graph. The DeepSeek-family step decodes plain greedy requests only.
 - ``FastPath.step(slot, slot_state, max_seq_len, prev_hidden)``: one engine step of a lone active
-  greedy slot (``prev_hidden``: the prefill's last final-normed hidden, the first MTP draft's input).
+  slot (``prev_hidden``: the prefill's last final-normed hidden, the first MTP draft's input).
 - ``FastPath.prepare(slot, token, pos)`` builds a slot's decoder and graphs (the engine calls it first,
   so that under ``auto`` a build or capture failure turns the fast path off instead of failing the
   request); ``FastPath.decode(slot, token, pos, n)``: ``n`` greedy tokens after ``token`` at position ``pos``
   (their K/V land in the slot's cache at ``pos .. pos + n - 1``): ``n`` graph replays, then one host
   copy of the ``n`` tokens. The decoder keeps its device state between calls while the caller's
   ``(token, pos)`` continue where it stopped; anything else (a reference step in between, a new
-  request) re-arms it from ``(token, pos)``. The first call for a slot builds its decoder over the
+  request) re-arms it from ``(token, pos)`` (and brings the slot's bad-word state to the output so
+  far). The first call for a slot builds its decoder over the
   engine's weights and the slot's cache views (no copies) and captures its graph with one warm-up
   step at ``pos``: the engine does it for every slot at load with ``pos`` 0 of the still empty
   slot (later, ``pos`` is the position the first real step writes anyway). A speculative step
@@ -38,6 +44,7 @@ from .slots import SlotState, emit
 log = logging.getLogger(__name__)
 
 MODES = ("auto", "on", "off")
+SAMPLED = "sampled"  # the runner key of a Llama-family slot's sampling graph
 
 
 def _interpreting() -> bool:
@@ -84,10 +91,18 @@ def engine_reason(mode: str, model, device: torch.device, dtype: torch.dtype, nu
     return None
 
 
-def request_reason(greedy: bool, num_spec: int, spec_ok: bool = False) -> str | None:
-    """Why a request decodes on the reference path; None when the fast path can serve it."""
-    if not greedy:
-        return "sampling (temperature > 0): the fast path decodes greedy requests only"
+def request_reason(greedy: bool, num_spec: int, spec_ok: bool = False, sample_ok: bool = False,
+                   sample_limit: str | None = None) -> str | None:
+    """Why a request decodes on the reference path; None when the fast path can serve it.
+
+    ``greedy``: greedy without logits processors (the argmax of the raw logits); ``sample_ok``: the
+    engine's fast path samples (Llama family); ``sample_limit``: why the request's parameters do not
+    fit the fast path's sampling buffers (bad words beyond its capacity), if they do not."""
+    if not greedy and not sample_ok:
+        return ("sampling or logits processors: the DeepSeek-family fast path decodes plain greedy requests only "
+                "(temperature 0, no penalties, bias or bad words)")
+    if not greedy and sample_limit:
+        return f"sampling parameters beyond the fast path's buffers: {sample_limit}"
     if num_spec and not spec_ok:
         return "speculative decoding requested: the Llama-family fast path decodes one token per step"
     return None
@@ -97,13 +112,15 @@ class FastPath:
     """Per-slot fast decoders over one engine model, built on first use and kept for the slot."""
 
     def __init__(self, model, device: torch.device, options=None, tokens_per_step: int = 1, max_steps: int = 256,
-                 num_speculative_tokens: int = 0, draft_vocab: int | None = None):
+                 num_speculative_tokens: int = 0, draft_vocab: int | None = None, sampling=None):
         if tokens_per_step < 1:
             raise ValueError(f"fast_path_tokens_per_step must be >= 1, got {tokens_per_step}")
         self.model, self.device, self.options = model, device, options
         self.mla = getattr(model, "family", "") == "mla"
         self.num_spec = num_speculative_tokens if self.mla else 0
         self.spec_ok = self.mla  # the DeepSeek-family step drafts with the MTP layer
+        self.sampling = sampling  # the engine's SamplingBuffers: the sampled graph reads slot rows of it
+        self.sample_ok = not self.mla and sampling is not None
         self.draft_vocab = draft_vocab
         self.tokens_per_step = tokens_per_step
         self.max_steps = max(max_steps, tokens_per_step, 4 * (self.num_spec + 1))  # out_tokens rows; re-armed when full
@@ -114,7 +131,10 @@ class FastPath:
         if k not in runners:
             from .cuda.graph import GraphedFn
 
-            fn = dec.step if not self.mla else (dec.plain_step if k == 0 else (lambda: dec.spec_step(k)))
+            if k == SAMPLED:
+                fn = lambda: dec.step(sample=True)  # noqa: E731
+            else:
+                fn = dec.step if not self.mla else (dec.plain_step if k == 0 else (lambda: dec.spec_step(k)))
             runner = GraphedFn(fn, self.device.type == "cuda", warmup_calls=1, device=self.device,
                                before_capture=lambda: self._arm(dec, token, pos, prev_hidden))
             runner.capture()
@@ -140,16 +160,20 @@ class FastPath:
                 from .cuda.adapter import gqa_decoder_from_engine
 
                 dec = gqa_decoder_from_engine(self.model, slot, self.options, self.max_steps)
+                if self.sample_ok:
+                    dec.attach_sampler(self.sampling.row(slot))
             self._arm(dec, token, pos)
             runners: dict = {}
             self.decoders[slot] = (dec, runners)
             self._runner(dec, runners, 0, token, pos)
+            if self.sample_ok:
+                self._runner(dec, runners, SAMPLED, token, pos)
             if self.num_spec:
                 self._runner(dec, runners, self.num_spec, token, pos)
             self.held[slot] = (token, pos, 0)
         return self.decoders[slot]
 
-    def _start(self, slot: int, dec, token: int, pos: int, need: int, prev_hidden) -> int:
+    def _start(self, slot: int, dec, token: int, pos: int, need: int, prev_hidden, s: SlotState | None = None) -> int:
         """Out index where this call's tokens land; re-arms the decoder unless it continues (token, pos)."""
         held = self.held.get(slot)
         if held is not None and held[:2] == (token, pos):
@@ -158,13 +182,19 @@ class FastPath:
             self._arm(dec, token, pos, dec.mtp_hidden.clone() if self.mla else None)  # out_tokens full: keep the hidden
             return 0
         self._arm(dec, token, pos, prev_hidden)
+        if s is not None and s.sampling is not None and self.sampling is not None:  # steps ran elsewhere since
+            self.sampling.sync_history(slot, s.sampling, s.output_ids, pos + 1)
         return 0
 
-    def decode(self, slot: int, token: int, pos: int, n: int, prev_hidden=None) -> list[int]:
-        """``n`` >= 1 greedy tokens following ``token`` (at ``pos``); one host sync."""
+    def decode(self, slot: int, token: int, pos: int, n: int, prev_hidden=None, s: SlotState | None = None) -> list[int]:
+        """``n`` >= 1 tokens following ``token`` (at ``pos``): greedy, or sampled by the slot's sampling row
+        when ``s`` (the slot's state) is a request that samples or has logits processors; one host sync."""
+        sampled = s is not None and not s.is_greedy
+        if sampled and not self.sample_ok:
+            raise ValueError("this fast path decodes plain greedy requests only")
         dec, runners = self.prepare(slot, token, pos)
-        runner = self._runner(dec, runners, 0, token, pos)
-        idx = self._start(slot, dec, token, pos, n, prev_hidden)
+        runner = self._runner(dec, runners, SAMPLED if sampled else 0, token, pos)
+        idx = self._start(slot, dec, token, pos, n, prev_hidden, s)
         for _ in range(n):
             runner()
         out = dec.out_tokens[idx : idx + n].tolist()  # the one sync
@@ -186,7 +216,7 @@ class FastPath:
         return out
 
     def step(self, slot: int, s: SlotState, max_seq_len: int, prev_hidden=None) -> tuple[list[int], str | None]:
-        """One engine step of an active slot: up to tokens_per_step greedy tokens (or one k-draft step),
+        """One engine step of an active slot: up to tokens_per_step tokens (or one k-draft step),
         never past its max_tokens or max_seq_len, cut at stop ids by slots.emit as the reference step
         cuts them; (emitted tokens, finish reason)."""
         room = min(s.max_tokens - s.num_generated, max_seq_len - 1 - s.seq_len)
@@ -197,7 +227,7 @@ class FastPath:
             s.num_draft_tokens += k
         else:
             n = min(self.tokens_per_step, room)
-            tokens = self.decode(slot, s.pending, s.seq_len, n, prev_hidden) if n > 0 else []
+            tokens = self.decode(slot, s.pending, s.seq_len, n, prev_hidden, s) if n > 0 else []
             s.num_steps += max(n, 1)
         s.num_valid_drafts = 0  # the reference step's held drafts are stale now: it drafts anew
         out, reason = emit(s, tokens, max_seq_len)
@@ -213,12 +243,13 @@ class FastPath:
 
 
 def setup(mode: str, model, device: torch.device, dtype: torch.dtype, num_speculative_tokens: int,
-          options=None, tokens_per_step: int = 1, draft_vocab: int | None = None) -> tuple[FastPath | None, str | None]:
+          options=None, tokens_per_step: int = 1, draft_vocab: int | None = None,
+          sampling=None) -> tuple[FastPath | None, str | None]:
     """(FastPath or None, reason it is off). Mode "on" raises ValueError where "auto" logs the reason."""
     reason = engine_reason(mode, model, device, dtype, num_speculative_tokens)
     if reason is None:
         return FastPath(model, device, options, tokens_per_step, num_speculative_tokens=num_speculative_tokens,
-                        draft_vocab=draft_vocab), None
+                        draft_vocab=draft_vocab, sampling=sampling), None
     if mode == "on":
         raise ValueError(f"fast_path='on' cannot run this engine: {reason}; use fast_path='auto' or 'off'")
     if mode == "auto":

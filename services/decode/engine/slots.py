@@ -8,6 +8,7 @@ then ``done`` (finished or cancelled) until released.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -18,7 +19,10 @@ class SlotState:
     num_generated: int = 0
     max_tokens: int = 0
     stop_token_ids: frozenset[int] = frozenset()
-    is_greedy: bool = True
+    is_greedy: bool = True  # greedy without logits processors: the argmax of the raw logits
+    sampling: Any = None  # the request's sampling.RequestSampling
+    output_ids: list[int] = field(default_factory=list)  # the output so far (earlier legs', then ours), pending last
+    prompt_ids: list[int] | None = None  # the prompt, when the engine prefilled it itself
     num_spec: int = 0  # drafts per step for this request
     num_valid_drafts: int = 0  # drafts held for the next step
     has_prefill_hidden: bool = False
@@ -45,6 +49,7 @@ def emit(state: SlotState, tokens: list[int], max_seq_len: int) -> tuple[list[in
             break
     state.num_generated += len(out)
     state.seq_len += len(out)
+    state.output_ids += out
     if out:
         state.pending = out[-1]
     if reason is None and state.num_generated >= state.max_tokens:

@@ -31,15 +31,30 @@ def test_decode_forward_and_mtp_trace_as_one_graph(hf_checkpoint, arch):
 
 
 def test_sampling_and_acceptance_trace_as_one_graph():
-    from services.decode.engine.sampling import process_probs, sample
+    from services.decode.engine.cuda.sampling_state import RequestSampling, SamplingBuffers
+    from services.decode.engine.sampling import ReferenceSampler, sample
     from services.decode.engine.spec import verify
 
     torch._dynamo.reset()
     b, k, v = 3, 2, 50
-    logits = torch.randn(b, k + 1, v)
-    params = (torch.tensor([0.0, 0.7, 1.0]), torch.tensor([0, 5, 0]), torch.tensor([1.0, 1.0, 0.9]))
-    probs = torch.compile(process_probs, fullgraph=True, backend="eager")(logits, *params)
-    assert torch.allclose(probs, process_probs(logits, *params))
+    bufs = SamplingBuffers(4, v, "cpu")
+    reqs = [RequestSampling(temperature=0.0, repetition_penalty=1.3, frequency_penalty=0.2, prompt_ids=[1, 2]),
+            RequestSampling(temperature=0.7, top_k=5, min_p=0.05, logit_bias={3: 2.0}, seed=1),
+            RequestSampling(temperature=1.0, top_p=0.9, presence_penalty=0.5, stop_ids=[4], min_pos=30, seed=2)]
+    flags = 0
+    for r, req in enumerate(reqs, start=1):
+        bufs.arm(r, req, [r, 7, 7], 20)
+        flags |= req.flags
+    sampler = ReferenceSampler(bufs)
+    logits = torch.randn(b * (k + 1), v)
+    rows = torch.tensor([1, 2, 3]).repeat_interleave(k + 1)
+    positions = torch.arange(20, 20 + k + 1).repeat(b)
+    eager = sampler.tokens(logits, rows, positions, flags)
+    traced = torch.compile(lambda l, r, p: sampler.tokens(l, r, p, flags), fullgraph=True, backend="eager")
+    assert torch.equal(traced(logits, rows, positions), eager)
+    probs = torch.compile(lambda l, r, p: sampler.probs(l, r, p, flags), fullgraph=True, backend="eager")(
+        logits, rows, positions).view(b, k + 1, v)
+    assert torch.allclose(probs, sampler.probs(logits, rows, positions, flags).view(b, k + 1, v))
     drafts = torch.randint(0, v, (b, k))
     args = (probs, probs[:, :k], drafts, torch.tensor([2, 1, 0]), torch.rand(b, k), torch.rand(b, v) + 0.1,
             torch.tensor([True, False, False]))

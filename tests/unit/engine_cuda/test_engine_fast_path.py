@@ -3,8 +3,9 @@
 A bfloat16 near-bigram Llama (wide argmax margins, so the fast path's fp32 logits and the reference
 step's bf16-rounded logits pick the same tokens): greedy tokens through ``Engine(fast_path="on")``
 equal ``Engine(fast_path="off")``'s, also with several tokens per step, at stop ids, max_tokens and
-max_seq_len; mixed batches and sampling requests take the reference step (reason recorded) and a
-request moves between the paths without losing a token; cancel and release behave as on the
+max_seq_len; mixed batches take the reference step and a request (greedy or sampled) moves between
+the paths without losing a token; seeded sampled requests decode on the fast path with the reference
+step's tokens (test_fast_path_sampling.py covers the parameters); cancel and release behave as on the
 reference path and other slots' caches are untouched.
 """
 
@@ -85,7 +86,7 @@ def test_fast_path_stops_at_stop_ids_and_max_seq_len_like_the_reference(checkpoi
     assert run(short, 0, PROMPT, long_request) == (expected[0], "length", {"fast"})
 
 
-def test_mixed_batches_and_sampling_take_the_reference_step_and_requests_move_between_paths(checkpoint, reference):
+def test_mixed_batches_take_the_reference_step_and_requests_move_between_paths(checkpoint, reference):
     alone = run(reference, 1, OTHER, SamplingParams(max_tokens=10, ignore_eos=True))[0]
     sampled = SamplingParams(max_tokens=6, temperature=0.8, seed=7, ignore_eos=True)
     expected_sampled = run(reference, 0, PROMPT, sampled)[0]
@@ -104,15 +105,19 @@ def test_mixed_batches_and_sampling_take_the_reference_step_and_requests_move_be
     assert got[1] == alone
     engine.release(0)
     engine.release(1)
-    tokens, reason, paths = run(engine, 0, PROMPT, sampled)
-    assert (tokens, reason, paths) == (expected_sampled, "length", {"reference"})
+    tokens, reason, paths = run(engine, 0, PROMPT, sampled)  # alone: the fast path samples it, same tokens
+    assert (tokens, reason, paths) == (expected_sampled, "length", {"fast"})
 
 
-def test_sampling_request_records_its_reason(checkpoint):
+def test_sampling_requests_take_the_fast_path_unless_they_overflow_its_buffers(checkpoint):
     engine = load(checkpoint, "on")
     engine.prefill(0, PROMPT)
-    engine.start(0, 5, SamplingParams(max_tokens=2, temperature=1.0, seed=1))
-    assert "greedy requests only" in engine.slot_fast_path_reason(0)
+    engine.start(0, 5, SamplingParams(max_tokens=2, temperature=1.0, seed=1, repetition_penalty=1.2))
+    assert engine.slot_fast_path_reason(0) is None
+    engine.release(0)
+    engine.prefill(0, PROMPT)
+    engine.start(0, 5, SamplingParams(max_tokens=2, temperature=1.0, bad_words_token_ids=[[3] * 17]))
+    assert "bad word of 17 tokens" in engine.slot_fast_path_reason(0)
     engine.release(0)
 
 

@@ -8,6 +8,9 @@ Entry points (see each module's docstring for the contract):
   step); eager on CPU.
 - ``gemv``/``attention``/``smallops``/``moe``: the kernels; ``reference``: their torch twins (same
   rounding points), which the engine's reference step shares where the math is the same.
+- ``sampling.py``: vLLM's sampling parameters as kernels after the lm_head GEMV (``FastSampler``;
+  ``GqaDecoder.attach_sampler``), reading a slot's row of ``sampling_state.SamplingBuffers`` (torch only:
+  the layout shared with the engine's reference sampler, and the Philox twin).
 - ``mla.py`` / ``mla_decoder.py``: the DeepSeek-V3-family step (absorbed MLA, grouped-expert MoE, MTP
   draft + verify in one graph) over the engine's deepseek.py weights (``prepare_layer``).
 
@@ -18,7 +21,8 @@ load it on a machine that has nothing else of the project installed. Submodules 
 
 import importlib
 
-_MODULES = ("adapter", "attention", "gemv", "graph", "llama", "mla", "mla_decoder", "moe", "reference", "smallops")
+_MODULES = ("adapter", "attention", "gemv", "graph", "llama", "mla", "mla_decoder", "moe", "reference", "sampling",
+            "sampling_state", "smallops")
 _NAMES = {"FastOptions": "llama", "GqaDecoder": "llama", "GqaLayer": "llama", "GqaModel": "llama",
           "reference_step": "llama", "GraphedFn": "graph"}
 

@@ -137,6 +137,17 @@ class GqaDecoder:
         self.attn = DecodeAttention(num_q_heads=hq, num_kv_heads=hkv, d_main=d, d_v=d,
                                     num_splits=self.opt.num_splits, block_s=self.opt.block_s,
                                     num_warps=self.opt.attn_warps, pdl=self.opt.pdl, device=dev)
+        self.sampler = None  # sampling.FastSampler over the slot's sampling row (attach_sampler)
+
+    def attach_sampler(self, state, **kwargs) -> None:
+        """Sample in ``step(sample=True)``: vLLM's sampling parameters and logits processors on device
+        (sampling.py) with the request parameters held in ``state`` (a sampling_state.SlotSampling, the
+        slot's row of the engine's SamplingBuffers, read at every replay); kwargs: FastSampler's sizes."""
+        from .sampling import FastSampler
+
+        vocab = self.model.lm_head.shape[0]
+        kwargs.setdefault("cap", min(16384, max(64, 1 << (vocab - 1).bit_length())))
+        self.sampler = FastSampler(state, vocab, self.logits.device, pdl=self.opt.pdl, **kwargs)
 
     def set_state(self, token_id: int, pos: int) -> None:
         """Host-side (re)start: the token to feed next and its position (= tokens already cached)."""
@@ -209,13 +220,24 @@ class GqaDecoder:
         else:
             gemv.gemv(self.act, lw.w_down, self.residual, residual=self.residual, **self.tile_kwargs("down"))
 
-    def step(self) -> None:
-        """One decode step from residual = embed[token] at pos: logits, next token, its embedding into
-        residual, pos += 1."""
+    def step(self, sample: bool = False) -> None:
+        """One decode step from residual = embed[token] at pos: logits, next token (the greedy argmax,
+        or with ``sample`` the attached sampler's token), its embedding into residual, pos += 1."""
         m = self.model
+        if sample and self.sampler is None:
+            raise ValueError("step(sample=True) needs attach_sampler first")
         for i in range(len(m.layers)):
             self.layer(i)
-        if self._cublas("lm_head"):
+        if sample:
+            if self._cublas("lm_head"):
+                smallops.rmsnorm(self.residual, m.final_norm, self.xn, m.eps)
+                self.logits.copy_(torch.matmul(self.xn.view(1, -1), m.lm_head.t()).view(-1))
+            else:
+                gemv.gemv(self.residual, m.lm_head, self.logits, norm_w=m.final_norm, eps=m.eps,
+                          **self.tile_kwargs("lm_head"))
+            self.sampler.finish(self.logits, self.token, self.out_tokens, self.step_idx, self.pos, m.embed,
+                                self.residual)
+        elif self._cublas("lm_head"):
             smallops.rmsnorm(self.residual, m.final_norm, self.xn, m.eps)
             # bf16 x bf16 -> bf16 on cuBLAS, widened: logits rounded to bf16 (more argmax ties)
             self.logits.copy_(torch.matmul(self.xn.view(1, -1), m.lm_head.t()).view(-1))
