@@ -101,7 +101,8 @@ class Stack:
         from services.prefill.staging import read_stats
 
         coord = self.health("coordinator")
-        out = {"leases": coord["leases"], "queued": coord["queued"]}
+        warm = len(self.health("router").get("warm_leases", []))  # held ready on purpose
+        out = {"leases": coord["leases"] - warm, "queued": coord["queued"]}
         for name in self.decode_nodes():
             with contextlib.suppress(httpx.HTTPError):
                 h = self.health(name)

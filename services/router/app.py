@@ -38,20 +38,22 @@ from services.router import backend, standard
 from services.router.config import RouterConfig
 from services.router.errors import ApiError, http_error, invalid_fields
 from services.router.dispatch import Dispatcher
-from services.router.express import ExpressDeps, ExpressStream, LaneFallback
+from services.router.express import ExpressDeps, ExpressStream, LaneFallback, claim_request
 from services.router.metrics import RouterMetrics
 from services.router.nodes import NodeTable
 from services.router.policy import HEADER, LaneInputs, choose_lane
 from services.router.respond import express_response
 from services.router.validate import ParsedRequest, parse_body, parse_request
+from services.router.warm import WarmLeases
 from shared import subjects
-from shared.bus import Bus, BusUnavailable
-from shared.events import NodeMessage
+from shared.bus import Bus, BusError, BusUnavailable
+from shared.events import CancelRequest, ClaimGranted, ClaimReply, NodeMessage
 from shared.log import get_logger
 from shared.tracing import extract_context, inject_headers, setup_tracing
 
 _log = get_logger("services.router")
 _PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
+WARM_INTERVAL_S = 0.1  # how often warm leases are topped up and aged ones released
 
 
 class Router:
@@ -70,6 +72,7 @@ class Router:
         self.tracer = setup_tracing("router")
         self._tasks: set[asyncio.Task] = set()
         self._next_decode = -1
+        self.warm = WarmLeases(cfg.warm_leases)
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -84,6 +87,9 @@ class Router:
             self.spawn(self._discover(url))
 
     async def stop(self) -> None:
+        if self.bus is not None:
+            for grant in self.warm.drain():
+                await self._release(grant, "router_stopping")
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -102,6 +108,59 @@ class Router:
         await self.dispatcher.start(bus)
         await bus.subscribe(subjects.NODE_AVAIL_ALL, self._on_node, NodeMessage)
         self.bus = bus
+        if self.warm.size:
+            self.spawn(self._warm_loop())
+
+    # ---------------------------------------------------------------- warm leases
+
+    async def _warm_loop(self) -> None:
+        """Keep each model's warm leases claimed (services.router.warm); release aged ones."""
+        while True:
+            try:
+                now_ms = int(time.time() * 1000)
+                now_s = time.monotonic()
+                for grant in self.warm.aged(now_ms):
+                    await self._release(grant, "warm_lease_aged")
+                for grant in self.warm.stale(lambda g: self.nodes.serves_target(g.target, now_s)):
+                    await self._release(grant, "warm_lease_node_changed")
+                for info in list(self.models.values()):
+                    capacity = self.nodes.slot_capacity(info.aliases, now_s)
+                    if not capacity:
+                        continue
+                    free = self.nodes.free_slots(info.aliases, now_s)
+                    for _ in range(self.warm.wanted(info.name, free, now_ms)):
+                        self.warm.claiming(info.name)
+                        self.spawn(self._warm_claim(info, capacity))
+            except Exception:
+                _log.exception("warm_lease_loop_failed")
+            await asyncio.sleep(WARM_INTERVAL_S)
+
+    async def _warm_claim(self, info: backend.ModelInfo, capacity: int) -> None:
+        request_id = uuid.uuid4().hex
+        # the largest request a slot holds: the grant is good for any request the lane takes
+        claim = claim_request(info, request_id, num_prompt_tokens=1, max_tokens=max(capacity - 1, 1),
+                              wait_ms=0)
+        try:
+            reply = await self.bus.request(subjects.CLAIM, claim, ClaimReply,
+                                           timeout_s=self.cfg.claim_margin_s)
+        except BusError:  # unanswered: a late grant must not hold a slot
+            await self._release_id(request_id, "claim_abandoned")
+            return
+        finally:
+            self.warm.claimed(info.name)
+        if isinstance(reply, ClaimGranted):
+            self.warm.add(info.name, reply, int(time.time() * 1000))
+
+    async def _release(self, grant: ClaimGranted, reason: str) -> None:
+        await self._release_id(grant.request_id, reason)
+
+    async def _release_id(self, request_id: str, reason: str) -> None:
+        """Cancel a claim no prefill ever used (its slot comes back at once)."""
+        try:
+            await self.bus.publish(subjects.req_cancel(request_id), CancelRequest(
+                request_id=request_id, reason=reason, is_before_prefill=True))
+        except BusError as exc:
+            _log.warning("warm_lease_release_failed", error=str(exc))
 
     async def _on_node(self, event: Any, msg: Any) -> None:
         self.nodes.observe(event, time.monotonic())
@@ -210,8 +269,9 @@ class Router:
                 tenant=tenant, parent=span)
             try:
                 await es.open()
-                return await express_response(es, req, info, request_id, span, t_arrival,
-                                              self.metrics), "express"
+                response = await express_response(es, req, info, request_id, span, t_arrival, self.metrics)
+                response.headers["x-expresslane-leg"] = es.first_leg_id
+                return response, "express"
             except LaneFallback as exc:
                 _log.warning("express_fallback", reason=str(exc))
                 self.metrics.fallbacks.labels("coordinator").inc()
@@ -229,7 +289,8 @@ class Router:
     def _deps(self) -> ExpressDeps:
         assert self.bus is not None
         return ExpressDeps(bus=self.bus, http=self.http, dispatcher=self.dispatcher, nodes=self.nodes,
-                           metrics=self.metrics, tracer=self.tracer, spawn=self.spawn, cfg=self.cfg)
+                           metrics=self.metrics, tracer=self.tracer, spawn=self.spawn, cfg=self.cfg,
+                           warm=self.warm)
 
 def create_app(cfg: RouterConfig) -> FastAPI:
     router = Router(cfg)
@@ -268,6 +329,7 @@ def create_app(cfg: RouterConfig) -> FastAPI:
     async def health() -> Response:
         body = {"status": "ok" if router.is_ready else "starting", "bus": router.bus is not None,
                 "models": sorted(router.models), "express_capacity": router.express_capacity(),
+                "warm_leases": router.warm.held_ids(),
                 "missing": sorted(set(cfg.prefill_urls) - router.discovered)}
         return JSONResponse(body, status_code=200 if router.is_ready else 503)
 

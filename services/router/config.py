@@ -36,6 +36,7 @@ class RouterConfig:
     max_migrations: int = 2
     migrate_to: str = "express"  # "express": another node first, then standard; "standard"
     migrate_wait_ms: int = 500
+    warm_leases: int = 1  # granted claims held ready per model (services.router.warm); 0: off
 
 
 def _pairs(text: str, what: str) -> dict[str, str]:
@@ -77,6 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--capability-gate", default="standard", choices=["standard", "reject"],
                    help="a parameter the express lane cannot honour: standard lane, or 400")
     p.add_argument("--tokenizers", default="", help="MODEL=PATH,... tokenizer overrides")
+    p.add_argument("--warm-leases", type=int, default=d.warm_leases, metavar="N",
+                   help="granted claims kept ready per model, so an express request skips the claim's "
+                        "round trip; one is held only while it leaves a free slot unheld (0: off)")
     p.add_argument("--claim-wait-ms", type=int, default=d.claim_wait_ms,
                    help="how long a claim may queue for a free decode slot")
     p.add_argument("--prefill-timeout-s", type=float, default=d.prefill_timeout_s)
@@ -105,7 +109,7 @@ def from_args(args: argparse.Namespace) -> RouterConfig:
     if args.metrics_require_api_key and not api_keys:
         raise ValueError("--metrics-require-api-key needs --api-keys (the keys that may read "
                          "/metrics)")
-    for name in ("claim_wait_ms", "max_migrations"):
+    for name in ("claim_wait_ms", "max_migrations", "warm_leases"):
         if getattr(args, name) < 0:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 0")
     return RouterConfig(
@@ -127,4 +131,5 @@ def from_args(args: argparse.Namespace) -> RouterConfig:
         token_timeout_s=args.token_timeout_s,
         max_migrations=args.max_migrations,
         migrate_to=args.migrate_to,
+        warm_leases=args.warm_leases,
     )

@@ -128,6 +128,7 @@ class ExpressDeps:
     tracer: trace.Tracer
     spawn: Callable[[Any], None]  # run a coroutine in the background, safe under cancellation
     cfg: Any  # RouterConfig
+    warm: Any = None  # services.router.warm.WarmLeases: grants held ready, or None
 
 
 @dataclass
@@ -168,6 +169,7 @@ class ExpressStream:
         self._first: TokenBatch | None = None
         self.num_migrations = 0
         self.timings: dict[str, float] = {}
+        self.first_leg_id = request_id  # a warm lease's own request id when one served
 
     # ---------------------------------------------------------------- one leg
 
@@ -214,11 +216,14 @@ class ExpressStream:
                                               CancelRequest(request_id=leg.id, reason=reason)))
 
     async def _open_leg(self, leg_id: str, path: str, body: dict[str, Any], num_prompt: int,
-                        max_tokens: int, wait_ms: int) -> tuple[_Leg, TokenBatch, list[int]]:
-        """Claim, prefill; return the leg, its first token and the prompt ids vLLM saw."""
+                        max_tokens: int, wait_ms: int, grant: ClaimGranted | None = None,
+                        ) -> tuple[_Leg, TokenBatch, list[int]]:
+        """Claim (unless ``grant``: a warm lease), prefill; return the leg, its first token and the
+        prompt ids vLLM saw."""
         queue = self.deps.dispatcher.open(leg_id)
         try:
-            grant = await self._claim(leg_id, num_prompt, max_tokens, wait_ms)
+            if grant is None:
+                grant = await self._claim(leg_id, num_prompt, max_tokens, wait_ms)
         except (asyncio.CancelledError, ClaimUnanswered) as exc:
             # The client left while the claim waited, or no coordinator answered in time: a lease
             # granted after all (a late answer, a standby restoring the queue) must not hold a slot
@@ -324,9 +329,21 @@ class ExpressStream:
     async def open(self) -> list[int]:
         """Claim and prefill the first leg; returns the prompt's token ids."""
         t0 = time.perf_counter()
+        warm = self.deps.warm
+        quiet_ms = int(1.5 * self.deps.nodes.heartbeat_interval_ms(self.info.aliases, time.monotonic()))
+        grant = (warm.take(self.info.name, self._num_prompt_tokens + self.max_tokens, int(time.time() * 1000),
+                           quiet_ms) if warm is not None else None)
+        self.first_leg_id = grant.request_id if grant is not None else self.request_id
+        if grant is not None:  # the trace still shows where the lease came from
+            self.deps.metrics.warm_leases_used.inc()
+            self.deps.tracer.start_span("router.claim", context=self._ctx, attributes={
+                "request_id": self.first_leg_id, "warm_lease": True, "lease_id": grant.lease_id,
+                "node_id": grant.node_id}).end()
+            _log.info("express_warm_lease", leg_id=self.first_leg_id, lease_id=grant.lease_id,
+                      node_id=grant.node_id)
         self._leg, self._first, self.prompt_ids = await self._open_leg(
-            self.request_id, self._path, self._body, self._num_prompt_tokens, self.max_tokens,
-            self.deps.cfg.claim_wait_ms)
+            self.first_leg_id, self._path, self._body, self._num_prompt_tokens, self.max_tokens,
+            self.deps.cfg.claim_wait_ms, grant)
         self.timings["open_ms"] = (time.perf_counter() - t0) * 1000
         return self.prompt_ids
 

@@ -23,6 +23,9 @@ class RouterMetrics:
         self.migrations = Counter("expresslane_router_migrations", "Mid-stream migrations by target",
                                   ["target"], registry=r)
         self.cancels = Counter("expresslane_router_cancels", "Cancels published", ["reason"], registry=r)
+        self.warm_leases_used = Counter("expresslane_router_warm_leases_used",
+                                        "Express requests that took a warm lease (no claim round trip)",
+                                        registry=r)
         self.active = Gauge("expresslane_router_active_streams", "Responses in progress", ["lane"],
                             registry=r)
         self.ttft_ms = Histogram("expresslane_router_ttft_ms", "Time to first token (ms)", ["lane"],

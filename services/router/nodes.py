@@ -7,6 +7,7 @@ Contract (``NodeTable``):
 - ``slot_capacity(aliases, now_s)``: the most tokens one slot of a live node serving the model holds
   (``None`` when no live node serves it): the policy's availability input. The coordinator, not the
   router, picks the node; the router only needs to know whether the express lane is open.
+  ``free_slots(aliases, now_s)``: their free slots by the last heartbeats (warm leases' input).
 - A node serves a model when ``shared.models.serves`` says so: the coordinator matches claims the
   same way.
 
@@ -18,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Collection
 from dataclasses import dataclass
 
-from shared.events import NodeAvailable, NodeDraining
+from shared.events import NodeAvailable, NodeDraining, TransferTarget
 from shared.models import serves
 
 
@@ -61,6 +62,22 @@ class NodeTable:
         """Tokens one slot of a live node serving the model holds; None when none is live."""
         nodes = self.live(now_s, aliases)
         return max((n.capacity_tokens for n in nodes), default=None)
+
+    def serves_target(self, target: TransferTarget, now_s: float) -> bool:
+        """Whether the target's node is live and still receives there (endpoint and slot buffer):
+        a restarted node process registers other ones."""
+        node = self._nodes.get(target.node_id)
+        return (node is not None and self._is_live(node, now_s)
+                and node.last.endpoints.get(target.transport) == target.endpoint
+                and target.slot in node.last.slots)
+
+    def free_slots(self, aliases: Collection[str], now_s: float) -> int:
+        """Free slots of the live nodes serving the model, as their last heartbeats say."""
+        return sum(len(n.free_slots) for n in self.live(now_s, aliases))
+
+    def heartbeat_interval_ms(self, aliases: Collection[str], now_s: float) -> int:
+        """The longest heartbeat interval of the live nodes serving the model (0: none live)."""
+        return max((n.heartbeat_interval_ms for n in self.live(now_s, aliases)), default=0)
 
     def models(self, now_s: float) -> set[str]:
         return {n.model for n in self.live(now_s)}

@@ -10,6 +10,7 @@ import json
 import time
 
 import httpx
+import msgspec
 import pytest
 
 from services.router.app import Router, create_app
@@ -97,7 +98,8 @@ class World:
             target = TransferTarget(node_id="n0", transport="mooncake", endpoint="127.0.0.1:1",
                                     slot=SlotTarget(slot=0, base_addr=0, nbytes=1), layout=self.layout)
             await bus.respond(msg, ClaimGranted(request_id=req.request_id, lease_id="L" + req.request_id,
-                                                generation=1, node_id="n0", expires_at_ms=0, target=target))
+                                                generation=1, node_id="n0", target=target,
+                                                expires_at_ms=int(time.time() * 1000) + 30_000))
 
         async def on_start(start: DecodeStart, msg) -> None:
             self.starts.append(start)
@@ -284,6 +286,26 @@ async def test_kv_the_prefill_kept_migrates_the_request_at_once(harness):
     ids = [t for e in _sse(r.text)[:-1] for c in e["choices"] for t in c.get("token_ids") or []]
     assert ids == world.answer[:10]
     assert [c.request_id.endswith("-m1") for c in world.claims] == [False, True]
+
+
+async def test_a_warm_lease_serves_a_request_without_a_claim_round_trip(harness):
+    world, client, router, _ = harness
+    assert router.warm.held_ids() == []  # one free slot: never held
+    await world.bus.publish(subjects.node_avail("n0"), msgspec.structs.replace(
+        world.heartbeat, total_slots=2, free_slots=[0, 1], seq=2))
+    deadline = time.monotonic() + 30
+    while not router.warm.held_ids():
+        assert time.monotonic() < deadline, "no warm lease was claimed"
+        await asyncio.sleep(0.01)
+    (warm,) = world.claims
+    assert warm.wait_ms == 0 and router.warm.held_ids() == [warm.request_id]
+    r = await client.post("/v1/chat/completions", json=_chat(max_tokens=4, return_token_ids=True))
+    assert r.headers["x-expresslane-lane"] == "express" and r.headers["x-expresslane-leg"] == warm.request_id
+    assert r.json()["choices"][0]["token_ids"] == world.answer[:4]
+    assert world.starts[0].request_id == warm.request_id  # the request's leg is the warm lease
+    handoff = world.prefill_bodies[0]["kv_transfer_params"]["expresslane"]
+    assert (handoff["request_id"], handoff["lease_id"]) == (warm.request_id, "L" + warm.request_id)
+    assert all(c.request_id != r.headers["x-request-id"] for c in world.claims)  # never claimed itself
 
 
 async def test_client_leaving_while_its_claim_waits_cancels_the_claim_before_prefill(harness):

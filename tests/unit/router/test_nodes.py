@@ -53,3 +53,36 @@ def test_forget_stale():
     table.observe(hb(), 0.0)
     table.forget_stale(now_s=1000.0)
     assert table.live(1000.0) == []
+
+
+def _target(endpoint="127.0.0.1:1", base_addr=4096, node="n0"):
+    from shared.events import SlotTarget, TransferTarget
+    return TransferTarget(node_id=node, transport="mooncake", endpoint=endpoint,
+                          slot=SlotTarget(slot=1, base_addr=base_addr, nbytes=8), layout=hb().layout)
+
+
+def _beat(endpoint="127.0.0.1:1", base_addr=4096, seq=1):
+    import msgspec
+
+    from shared.events import SlotTarget
+    return msgspec.structs.replace(hb(seq=seq), endpoints={"mooncake": endpoint}, slots=[
+        SlotTarget(slot=0, base_addr=0, nbytes=8), SlotTarget(slot=1, base_addr=base_addr, nbytes=8)])
+
+
+# (heartbeat or None, now_s, target) -> still served there
+SERVES_CASES = [
+    (_beat(), 0.1, _target(), True),
+    (None, 0.1, _target(), False),                                   # never heard of
+    (_beat(), 10.0, _target(), False),                               # no longer live
+    (_beat(endpoint="127.0.0.1:2", seq=2), 0.1, _target(), False),   # restarted: new endpoint
+    (_beat(base_addr=8192, seq=2), 0.1, _target(), False),           # restarted: new buffer
+    (_beat(), 0.1, _target(node="n1"), False),
+]
+
+
+@pytest.mark.parametrize("beat,now_s,target,served", SERVES_CASES)
+def test_serves_target(beat, now_s, target, served):
+    t = NodeTable()
+    if beat is not None:
+        t.observe(beat, 0.0)
+    assert t.serves_target(target, now_s) is served
