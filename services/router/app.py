@@ -45,6 +45,7 @@ from services.router.policy import HEADER, LaneInputs, choose_lane
 from services.router.respond import express_response
 from services.router.validate import ParsedRequest, parse_body, parse_request
 from services.router.warm import WarmLeases
+from services.router.sampling import bad_words_token_ids
 from shared import subjects
 from shared.bus import Bus, BusError, BusUnavailable
 from shared.events import CancelRequest, ClaimGranted, ClaimReply, NodeMessage
@@ -201,13 +202,15 @@ class Router:
         return tenant
 
     def _sampling(self, info: backend.ModelInfo, req: ParsedRequest) -> dict[str, Any]:
+        """The request's sampling as vLLM would apply it (the model's defaults where unset)."""
         d = info.defaults
-        return {
-            "temperature": d["temperature"] if req.temperature is None else req.temperature,
-            "top_p": d["top_p"] if req.top_p is None else req.top_p,
-            "top_k": d["top_k"] if req.top_k is None else req.top_k,
-            "seed": req.seed,
-        }
+        out: dict[str, Any] = {name: d.get(name) if getattr(req, name) is None else getattr(req, name)
+                               for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
+                                            "presence_penalty", "frequency_penalty")}
+        out.update(seed=req.seed, min_tokens=req.min_tokens, logit_bias=req.logit_bias,
+                   allowed_token_ids=req.allowed_token_ids, bad_words=req.bad_words,
+                   bad_words_token_ids=bad_words_token_ids(info.tokenizer, req.bad_words))
+        return out
 
     async def handle(self, request: Request, endpoint: str) -> Response:
         request_id = uuid.uuid4().hex

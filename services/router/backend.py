@@ -51,8 +51,9 @@ def _generation_config(root: str) -> dict[str, Any]:
 
 def sampling_defaults(gen_config: dict[str, Any]) -> dict[str, Any]:
     """The defaults vLLM takes from ``generation_config.json`` (only the keys it uses)."""
-    out = {"temperature": 1.0, "top_p": 1.0, "top_k": 0}
-    for key in ("temperature", "top_p", "top_k"):
+    out = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0,
+           "presence_penalty": 0.0, "frequency_penalty": 0.0}
+    for key in out:
         if gen_config.get(key) is not None:
             out[key] = gen_config[key]
     return out

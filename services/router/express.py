@@ -255,6 +255,8 @@ class ExpressStream:
                                                     attributes={"request_id": leg.id, "node_id": g.node_id}):
             body = {**body, "max_tokens": 1, "stream": True, "return_token_ids": True,
                     "kv_transfer_params": handoff_params(g, current_traceparent())}
+            if body.get("min_tokens"):
+                body["min_tokens"] = 1  # vLLM: at most max_tokens; the node holds back stops after
             for key in ("max_completion_tokens", "stream_options", "stop"):
                 body.pop(key, None)
             request = self.deps.http.build_request("POST", url, json=body, headers=inject_headers({}),
@@ -279,13 +281,25 @@ class ExpressStream:
         self.deps.metrics.prefill_ms.observe((time.perf_counter() - t0) * 1000)
         return first
 
-    async def _start_decode(self, leg: _Leg, first_id: int, num_prompt: int, remaining: int) -> None:
+    def _engine_sampling(self, remaining: int, generated: list[int]) -> SamplingParams:
+        """The decode node's share of the request's sampling; ``generated`` ends with this leg's
+        first token (min_tokens and penalties count what came before it, see SamplingParams)."""
+        s = self._sampling
+        repetition = float(s["repetition_penalty"])
+        return SamplingParams(
+            max_tokens=remaining, temperature=float(s["temperature"]), top_p=float(s["top_p"]),
+            top_k=max(0, int(s["top_k"])), min_p=float(s["min_p"]), repetition_penalty=repetition,
+            presence_penalty=float(s["presence_penalty"]), frequency_penalty=float(s["frequency_penalty"]),
+            logit_bias=dict(s["logit_bias"]), allowed_token_ids=s["allowed_token_ids"],
+            bad_words_token_ids=s["bad_words_token_ids"], min_tokens=max(0, s["min_tokens"] - len(generated)),
+            seed=s.get("seed"), stop_token_ids=self._stop_ids, ignore_eos=self._ignore_eos,
+            prompt_token_ids=list(self.prompt_ids) if repetition != 1.0 else None,
+            output_token_ids=list(generated[:-1]))
+
+    async def _start_decode(self, leg: _Leg, first_id: int, num_prompt: int, remaining: int,
+                            generated: list[int]) -> None:
         g = leg.grant
-        sampling = SamplingParams(
-            max_tokens=remaining, temperature=float(self._sampling["temperature"]),
-            top_p=float(self._sampling["top_p"]), top_k=max(0, int(self._sampling["top_k"])),
-            seed=self._sampling.get("seed"), stop_token_ids=self._stop_ids, ignore_eos=self._ignore_eos,
-        )
+        sampling = self._engine_sampling(remaining, generated)
         start = DecodeStart(request_id=leg.id, lease_id=g.lease_id, generation=g.generation,
                             slot=g.target.slot.slot, first_token_id=first_id,
                             num_prompt_tokens=num_prompt, sampling=sampling,
@@ -364,7 +378,7 @@ class ExpressStream:
                     yield TokenBatch(batch.token_ids, batch.finish_reason or "length")
                     return
                 await self._start_decode(leg, batch.token_ids[0],
-                                         len(self.prompt_ids) + len(generated) - 1, remaining)
+                                         len(self.prompt_ids) + len(generated) - 1, remaining, generated)
                 yield batch
                 try:
                     async for item in self._relay(leg):
@@ -399,7 +413,7 @@ class ExpressStream:
         ids = self.prompt_ids + generated
         remaining = self.max_tokens - len(generated)
         if self.deps.cfg.migrate_to == "express" and self.deps.nodes.live(time.monotonic(), self.info.aliases):
-            body = continuation_body(self.info.name, ids, 1, self._vllm_sampling())
+            body = continuation_body(self.info.name, ids, 1, self._vllm_sampling(generated, 1))
             body["stream"] = False
             try:
                 leg, first, _ = await self._open_leg(
@@ -412,10 +426,17 @@ class ExpressStream:
         self.deps.metrics.migrations.labels("standard").inc()
         return None, None
 
-    def _vllm_sampling(self) -> dict[str, Any]:
+    def _vllm_sampling(self, generated: list[int], max_tokens: int) -> dict[str, Any]:
+        """The request's sampling for a vLLM continuation of ``generated`` (``max_tokens`` more);
+        presence/frequency penalties there see ``generated`` as prompt, not output."""
         s = self._sampling
         out = {"temperature": s["temperature"], "top_p": s["top_p"], "seed": s.get("seed"),
-               "ignore_eos": self._ignore_eos, "stop_token_ids": self._stop_ids or None}
+               "ignore_eos": self._ignore_eos, "stop_token_ids": self._stop_ids or None,
+               "min_p": s["min_p"], "repetition_penalty": s["repetition_penalty"],
+               "presence_penalty": s["presence_penalty"], "frequency_penalty": s["frequency_penalty"],
+               "logit_bias": {str(k): v for k, v in s["logit_bias"].items()} or None,
+               "allowed_token_ids": s["allowed_token_ids"], "bad_words": s["bad_words"] or None,
+               "min_tokens": min(max(0, s["min_tokens"] - len(generated)), max_tokens) or None}
         if s["top_k"]:
             out["top_k"] = s["top_k"]
         return out
@@ -423,7 +444,7 @@ class ExpressStream:
     async def _continue_standard(self, generated: list[int]) -> AsyncIterator[TokenBatch]:
         ids = self.prompt_ids + generated
         body = continuation_body(self.info.name, ids, self.max_tokens - len(generated),
-                                 self._vllm_sampling())
+                                 self._vllm_sampling(generated, self.max_tokens - len(generated)))
         url = self.deps.cfg.standard_url or self.info.url
         with self.deps.tracer.start_as_current_span("router.continue_standard", context=self._ctx,
                                                     kind=SpanKind.CLIENT):

@@ -33,6 +33,8 @@ _HONOURED = frozenset({
     "add_generation_prompt", "continue_final_message", "chat_template", "chat_template_kwargs",
     "add_special_tokens", "documents", "metadata", "store", "service_tier", "request_id",
     "reasoning_effort", "include_reasoning", "parallel_tool_calls",
+    "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "min_tokens",
+    "logit_bias", "allowed_token_ids", "bad_words",
 })
 
 # Fields the express lane honours only at their neutral value: name -> predicate "is neutral".
@@ -42,14 +44,6 @@ _NEUTRAL = {
     "logprobs": lambda v: v in (None, False, 0) and v is not True,
     "top_logprobs": lambda v: v in (None, 0),
     "prompt_logprobs": lambda v: v is None,
-    "presence_penalty": lambda v: v in (None, 0),
-    "frequency_penalty": lambda v: v in (None, 0),
-    "repetition_penalty": lambda v: v in (None, 1),
-    "min_p": lambda v: v in (None, 0),
-    "min_tokens": lambda v: v in (None, 0),
-    "logit_bias": lambda v: not v,
-    "allowed_token_ids": lambda v: not v,
-    "bad_words": lambda v: not v,
     "response_format": lambda v: v is None or (isinstance(v, dict) and v.get("type") == "text"),
     "structured_outputs": lambda v: v is None,
     "guided_json": lambda v: v is None,
@@ -86,6 +80,14 @@ class ParsedRequest:
     top_p: float | None = None
     top_k: int | None = None
     seed: int | None = None
+    min_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int = 0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] = field(default_factory=list)
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
@@ -248,11 +250,25 @@ def _sampling(body: dict, req: ParsedRequest) -> None:
         if val is not None:
             setattr(req, name, val)
     for name in ("presence_penalty", "frequency_penalty"):
-        _get(body, name, lambda v: _is_num(v) and -2 <= v <= 2, "a number between -2 and 2")
-    _get(body, "repetition_penalty", lambda v: _is_num(v) and v > 0, "a number > 0")
-    _get(body, "min_p", lambda v: _is_num(v) and 0 <= v <= 1, "a number between 0 and 1")
-    _get(body, "min_tokens", lambda v: _is_int(v) and v >= 0, "an integer >= 0")
-    _get(body, "logit_bias", lambda v: isinstance(v, dict), "an object")
+        setattr(req, name, _get(body, name, lambda v: _is_num(v) and -2 <= v <= 2, "a number between -2 and 2"))
+    req.repetition_penalty = _get(body, "repetition_penalty", lambda v: _is_num(v) and v > 0, "a number > 0")
+    req.min_p = _get(body, "min_p", lambda v: _is_num(v) and 0 <= v <= 1, "a number between 0 and 1")
+    req.min_tokens = _get(body, "min_tokens", lambda v: _is_int(v) and v >= 0, "an integer >= 0", 0)
+    if req.max_tokens is not None and req.min_tokens > req.max_tokens:
+        raise bad_request(f"'min_tokens' ({req.min_tokens}) must be at most 'max_tokens' ({req.max_tokens})",
+                          param="min_tokens")
+    bias = _get(body, "logit_bias", lambda v: isinstance(v, dict), "an object", {})
+    for key, value in bias.items():
+        if not (isinstance(key, str) and key.lstrip("-").isdigit() and int(key) >= 0) or not (
+                _is_num(value) and -100 <= value <= 100):
+            raise bad_request("'logit_bias' maps token ids to numbers between -100 and 100, got "
+                              f"{json.dumps({key: value})[:80]}", param="logit_bias")
+    req.logit_bias = {int(k): float(v) for k, v in bias.items()}
+    allowed = _get(body, "allowed_token_ids", lambda v: isinstance(v, list) and v and all(
+        _is_int(t) and t >= 0 for t in v), "a non-empty array of token ids")
+    req.allowed_token_ids = list(allowed) if allowed is not None else None
+    req.bad_words = list(_get(body, "bad_words", lambda v: isinstance(v, list) and all(
+        isinstance(w, str) and w.strip() for w in v), "an array of non-empty strings", []))
     _get(body, "tools", lambda v: isinstance(v, list), "an array")
     _get(body, "response_format", lambda v: isinstance(v, dict) and isinstance(v.get("type"), str),
          "an object with a 'type'")

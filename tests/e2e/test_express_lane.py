@@ -118,3 +118,33 @@ async def test_stop_strings_and_eos_end_the_express_stream(deployment):
     assert results["on"][1] == "stop" and stop not in results["on"][0]
     assert results["on"][0] == text[: text.index(stop)]
     await client.close()
+
+
+SAMPLING_CASES = [
+    {"repetition_penalty": 1.6},
+    {"presence_penalty": 1.5, "frequency_penalty": 1.0},
+    {"logit_bias": "ban the plain run's 2nd and 5th tokens, favour one", "bad_words": ["the", " and"]},
+    {"allowed_token_ids": list(range(40, 400)), "min_tokens": 20, "repetition_penalty": 1.2},
+]
+
+
+@pytest.mark.parametrize("fields", SAMPLING_CASES)
+async def test_sampling_fields_ride_the_express_lane_with_vllms_tokens(deployment, fields):
+    """Penalties, logit_bias, allowed_token_ids, bad_words and min_tokens: the decode node samples
+    with them as vLLM does (greedy, so the tokens are comparable)."""
+    # the tiny model's plain greedy run first repeats a token at about 40: penalties then matter
+    model, prompt, n = deployment.llama_model, "The express lane carries", 48
+    body = {"model": model, "prompt": prompt, "max_tokens": n, "temperature": 0, "return_token_ids": True}
+    plain = vllm_greedy(deployment.llama.server, prompt, n, ignore_eos=False)
+    if isinstance(fields.get("logit_bias"), str):  # relative to the run without it
+        fields = {**fields, "logit_bias": {str(plain[1]): -100, str(plain[4]): -100, "123": 3.0}}
+    body.update(fields)
+    async with httpx.AsyncClient(timeout=180) as client:
+        express = await client.post(f"{deployment.router_url}/v1/completions", json=body,
+                                    headers={"x-expresslane": "on"})
+        alone = await client.post(f"{deployment.llama.url}/v1/completions", json=body)
+    assert express.status_code == 200 and express.headers["x-expresslane-lane"] == "express", express.text
+    assert alone.status_code == 200, alone.text
+    ids = express.json()["choices"][0]["token_ids"]
+    assert ids == alone.json()["choices"][0]["token_ids"]
+    assert ids != plain  # the fields mattered

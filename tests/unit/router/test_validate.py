@@ -43,6 +43,11 @@ BAD = [
     ("chat", {"presence_penalty": 5}, "presence_penalty"),
     ("chat", {"logprobs": 3}, "logprobs"),
     ("chat", {"logit_bias": [1]}, "logit_bias"),
+    ("chat", {"logit_bias": {"x": 1}}, "logit_bias"),
+    ("chat", {"logit_bias": {"5": 101}}, "logit_bias"),
+    ("chat", {"allowed_token_ids": []}, "allowed_token_ids"),
+    ("chat", {"bad_words": ["ok", ""]}, "bad_words"),
+    ("chat", {"min_tokens": 5, "max_tokens": 4}, "min_tokens"),
     ("chat", {"kv_transfer_params": {}}, "kv_transfer_params"),
     ("chat", {"prompt": "x"}, "prompt"),
     ("completions", {"prompt": ""}, "prompt"),
@@ -89,8 +94,9 @@ BLOCKERS = [
     ("chat", {"n": 1, "logprobs": False, "presence_penalty": 0, "tool_choice": "none"}, []),
     ("chat", {"n": 2}, ["n"]),
     ("chat", {"logprobs": True, "top_logprobs": 2}, ["logprobs", "top_logprobs"]),
-    ("chat", {"presence_penalty": 0.5, "frequency_penalty": -1}, ["presence_penalty", "frequency_penalty"]),
-    ("chat", {"logit_bias": {"5": 10}}, ["logit_bias"]),
+    # the remaining sampling fields ride the express lane (the decode node samples with them)
+    ("chat", {"presence_penalty": 0.5, "frequency_penalty": -1, "repetition_penalty": 1.2, "min_p": 0.1}, []),
+    ("chat", {"logit_bias": {"5": 10}, "allowed_token_ids": [1, 2], "bad_words": ["x"]}, []),
     ("chat", {"response_format": {"type": "json_object"}}, ["response_format"]),
     ("chat", {"response_format": {"type": "text"}}, []),
     ("chat", {"tools": [{"type": "function", "function": {"name": "f"}}]}, ["tools"]),
@@ -100,7 +106,7 @@ BLOCKERS = [
     ("completions", {"prompt": ["a", "b"]}, ["prompt (batch)"]),
     ("completions", {"echo": True, "logprobs": 2}, ["echo", "logprobs"]),
     ("completions", {"suffix": "x"}, ["suffix"]),
-    ("completions", {"min_tokens": 3}, ["min_tokens"]),
+    ("completions", {"min_tokens": 3}, []),
 ]
 
 
@@ -108,6 +114,17 @@ BLOCKERS = [
 def test_express_blockers(endpoint, overrides, blockers):
     req = parse_request(endpoint, _body(endpoint, overrides))
     assert sorted(req.express_blockers) == sorted(blockers)
+
+
+def test_sampling_fields_parsed():
+    body = {"model": "m", "prompt": "x", "max_tokens": 9, "min_p": 0.1, "presence_penalty": 0.5,
+            "frequency_penalty": -0.5, "repetition_penalty": 1.3, "min_tokens": 4,
+            "logit_bias": {"7": -100, "9": 2.5}, "allowed_token_ids": [7, 9, 11], "bad_words": ["no"]}
+    req = parse_request("completions", parse_body(json.dumps(body).encode()))
+    assert (req.min_p, req.presence_penalty, req.frequency_penalty, req.repetition_penalty) == (0.1, 0.5, -0.5, 1.3)
+    assert (req.min_tokens, req.logit_bias, req.allowed_token_ids, req.bad_words) == (
+        4, {7: -100.0, 9: 2.5}, [7, 9, 11], ["no"])
+    assert req.express_blockers == []
 
 
 def test_fields_parsed():
