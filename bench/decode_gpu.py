@@ -8,10 +8,13 @@ contexts 1K / 8K / 32K; the DeepSeek-V3-family shape (bench/decode_gpu_mla.py) w
 the fast path (part "sampled", bench/decode_gpu_sampling.py: the sampling kernels against the reference
 sampler, then greedy vs sampled decode, temperature 0.7 / top_p 0.9 / top_k 50 / min_p 0.05 /
 repetition_penalty 1.1, through the Engine API where it imports, else on the decoder's graphs:
-``llama8b_sampled_tok_s``, ``llama8b_sampled_over_greedy``, ``llama8b_sampled_path``).
+``llama8b_sampled_tok_s``, ``llama8b_sampled_over_greedy``, ``llama8b_sampled_path``); several slots in one
+step (part "batch", bench/decode_gpu_batch.py: the batched decoder's graphs at 2 / 4 / 8 rows, then engine
+step time with 4 / 8 active slots at 1K context each over one slot's: ``llama8b_batch4_step_ratio``,
+``llama8b_batch8_step_ratio``, ``llama8b_batch_path``; not in the default parts).
 Prints a table; writes --out (default bench/results/decode_gpu.json).
 
-    python bench/decode_gpu.py [--parts copy,micro,llama,correct,hf,ctx,mla,sampled] [--out PATH]
+    python bench/decode_gpu.py [--parts copy,micro,llama,correct,hf,ctx,mla,sampled,batch] [--out PATH]
 """
 
 from __future__ import annotations
@@ -407,6 +410,14 @@ def main(argv: list[str] | None = None) -> int:
         except Exception:
             R["sampled_error"] = traceback.format_exc()[-1500:]
             log(R["sampled_error"])
+        save()
+    if "batch" in parts:
+        try:
+            from decode_gpu_batch import run_batch  # bench/ is on sys.path when run as a script
+            run_batch(X, R)
+        except Exception:
+            R["batch_error"] = traceback.format_exc()[-1500:]
+            log(R["batch_error"])
         save()
     if "hf_graph_tok_s" in R and "llama8b_ctx1k_tok_s" in R:
         R["speedup_vs_hf_graph"] = R["llama8b_ctx1k_tok_s"] / R["hf_graph_tok_s"]

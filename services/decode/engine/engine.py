@@ -28,13 +28,17 @@ that slot's batch-1 CUDA-graph decoder (services/decode/engine/cuda) instead,
 ``fast_path_tokens_per_step`` tokens per step with one host sync (DeepSeek family with drafts: one
 graph of k MTP drafts + verify per step), cut at stop ids and max_tokens exactly as the reference
 step cuts them; a Llama-family engine samples there too (cuda/sampling.py, the reference step's
-tokens), the DeepSeek family decodes plain greedy requests only. Steps over several slots take the
-reference step. ``auto``
+tokens), the DeepSeek family decodes plain greedy requests only. A Llama-family step over 2..8
+active slots that all decode on the fast path runs them together in one batched CUDA-graph decoder
+(weights read once per step for every slot; each slot its own cache, length and sampling parameters)
+with each slot's tokens as alone; other steps over several slots (more than 8, a slot the fast path
+cannot serve, the DeepSeek family) take the reference step. ``auto``
 uses it where the engine supports it (CUDA, bfloat16, plain Llama-family blocks without drafts, or
 DeepSeek-V3-family blocks without q LoRA) and logs why not otherwise (``fast_path_reason``); ``on``
 raises ValueError for an engine it cannot serve. Requests it cannot serve (sampling or logits processors
 on the DeepSeek family, drafts on a Llama-family engine, bad words beyond its buffers) take the reference step in either mode, their reason in
-``slot_fast_path_reason(slot)``; ``last_step_path`` says which path the last step took.
+``slot_fast_path_reason(slot)``; ``last_step_path`` says which path the last step took ("fast" |
+"reference", for every slot it served) and ``last_step_slots`` how many slots it served.
 ``mtp_draft_vocab=N``: the fast path's MTP drafts propose token ids < N only (its draft head reads N
 rows, not the whole vocabulary); output is unchanged, acceptance may drop. The reference step
 drafts over the whole vocabulary.
@@ -126,9 +130,13 @@ class Engine:
                                                            config.fast_path_tokens_per_step,
                                                            draft_vocab=draft_vocab, sampling=self.sampling)
         self.last_step_path: str | None = None  # "fast" | "reference" after a step
+        self.last_step_slots = 0  # how many slots the last step served
         with torch.inference_mode():  # build, compile and capture every slot's decoder now, not mid-request
             for slot in range(num_slots if self._fast is not None else 0):
                 if not self._fast_build(slot, 0, 0):  # its CUDA warm-up step writes row 0 of an empty slot
+                    break
+            for size in fastpath.batch_sizes(num_slots) if self._fast is not None and self._fast.batch_ok else ():
+                if not self._fast_build_batch(size):  # captured on the scratch slot
                     break
 
     @classmethod
@@ -263,7 +271,8 @@ class Engine:
             self._fast.forget(slot)
 
     def slot_fast_path_reason(self, slot: int) -> str | None:
-        """Why the slot's request decodes on the reference step (None: on the fast path when alone)."""
+        """Why the slot's request decodes on the reference step (None: on the fast path, alone or in a
+        batched fast step with up to 7 other such slots)."""
         s = self._slot(slot, "active", "done")
         return s.extra.get("fast_path_reason")
 
@@ -335,6 +344,11 @@ class Engine:
         active = self.active_slots()
         if not active:
             return {}
+        self.last_step_slots = len(active)
+        if len(active) > 1 and self._fast_batch_ready(active):
+            self.last_step_path = "fast"
+            results = self._fast.step_batch([(i, self.slots[i]) for i in active], self.max_seq_len)
+            return {i: StepOutput(token_ids=out, finish_reason=reason) for i, (out, reason) in zip(active, results)}
         if len(active) == 1 and self._fast_ready(active[0]):
             self.last_step_path = "fast"
             s = self.slots[active[0]]
@@ -403,9 +417,23 @@ class Engine:
             return False
         return self._fast_build(slot, s.pending, s.seq_len)
 
-    def _fast_build(self, slot: int, token: int, pos: int) -> bool:
+    def _fast_batch_ready(self, active: list[int]) -> bool:
+        """Whether these slots decode together on the fast path now (each one can, and the batch fits)."""
+        if self._fast is None or not self._fast.batch_ok or len(active) > self._fast.max_batch:
+            return False
+        if not all(self._fast_ready(i) for i in active):
+            return False
+        return self._fast_build_batch(fastpath.padded_batch(len(active)))
+
+    def _fast_build_batch(self, size: int) -> bool:
+        return self._fast_build(None, 0, 0, batch=size)
+
+    def _fast_build(self, slot: int | None, token: int, pos: int, batch: int = 0) -> bool:
         try:
-            self._fast.prepare(slot, token, pos)
+            if batch:
+                self._fast.prepare_batch(batch)
+            else:
+                self._fast.prepare(slot, token, pos)
         except Exception as e:  # noqa: BLE001 - auto promises a working engine, on promises the fast path
             if self.fast_path_mode == "on":
                 raise

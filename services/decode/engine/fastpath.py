@@ -1,10 +1,10 @@
-"""The engine's side of the fast CUDA decode path (services/decode/engine/cuda): when it applies, and
-one batch-1 decoder + CUDA graph per slot.
+"""The engine's side of the fast CUDA decode path (services/decode/engine/cuda): when it applies,
+one batch-1 decoder + CUDA graph per slot, and (Llama family) batched decoders that step several
+slots in one graph replay.
 
 Contract:
 - ``engine_reason(mode, model, device, dtype, num_speculative_tokens)``: why this engine cannot run
-  the fast path (``None``: it can). The fast path runs greedy batch-1 steps of bfloat16 models on
-  CUDA: Llama-family models (Llama, Mistral, Qwen2/2.5 with qkv bias, Qwen3 with q/k norm; any rope
+  the fast path (``None``: it can). The fast path runs decode steps of bfloat16 models on CUDA: Llama-family models (Llama, Mistral, Qwen2/2.5 with qkv bias, Qwen3 with q/k norm; any rope
   scaling the engine reads, tied embeddings; head_dim a power of two), one token per step; and
   DeepSeek-V3-family models without q LoRA and with one routing group (DeepSeek-V2-Lite-like), with
   MTP drafts (k drafts + one verify per step, greedy acceptance on device) when the engine has
@@ -17,6 +17,15 @@ Contract:
   processor) keep the argmax graph. The DeepSeek-family step decodes plain greedy requests only.
 - ``FastPath.step(slot, slot_state, max_seq_len, prev_hidden)``: one engine step of a lone active
   slot (``prev_hidden``: the prefill's last final-normed hidden, the first MTP draft's input).
+- ``FastPath.step_batch([(slot, slot_state), ...], max_seq_len)`` (Llama family, ``batch_ok``): one
+  engine step of 2..``max_batch`` (8) active slots in one batched decoder (cuda/batch.py): each replay
+  decodes one token of every slot, the weights read once for all, each slot attending to its own cache
+  at its own length and sampling with its own parameters (greedy and sampled slots mix: any sampled
+  slot takes the batch's sampling graph, where greedy rows take the argmax). One graph (greedy,
+  sampled) per padded size 2, 4, 8, captured by ``prepare_batch(size)`` (the engine does it at load);
+  the rows' tokens, positions and slots are written to device tensors before each step, so a slot
+  joining or leaving changes no graph. ``tokens_per_step`` tokens per step as alone (fewer when a
+  slot's max_tokens or max_seq_len leaves less room), one host sync; results cut per slot by slots.emit.
 - ``FastPath.prepare(slot, token, pos)`` builds a slot's decoder and graphs (the engine calls it first,
   so that under ``auto`` a build or capture failure turns the fast path off instead of failing the
   request); ``FastPath.decode(slot, token, pos, n)``: ``n`` greedy tokens after ``token`` at position ``pos``
@@ -44,6 +53,21 @@ from .slots import SlotState, emit
 log = logging.getLogger(__name__)
 
 MODES = ("auto", "on", "off")
+MAX_BATCH = 8  # slots of one batched step (cuda/batch.py)
+BATCH_SIZES = (2, 4, 8)  # its padded sizes, one graph (greedy, sampled) each
+
+
+def padded_batch(n: int) -> int:
+    """The batched graph's size serving n active slots."""
+    for b in BATCH_SIZES:
+        if n <= b:
+            return b
+    raise ValueError(f"{n} slots: a batched step takes at most {MAX_BATCH}")
+
+
+def batch_sizes(num_slots: int) -> list[int]:
+    """The padded sizes an engine of num_slots slots can need."""
+    return sorted({padded_batch(n) for n in range(2, min(num_slots, MAX_BATCH) + 1)})
 SAMPLED = "sampled"  # the runner key of a Llama-family slot's sampling graph
 
 
@@ -126,6 +150,10 @@ class FastPath:
         self.max_steps = max(max_steps, tokens_per_step, 4 * (self.num_spec + 1))  # out_tokens rows; re-armed when full
         self.decoders: dict[int, tuple] = {}  # slot -> (decoder, {drafts k: GraphedFn})
         self.held: dict[int, tuple[int, int, int]] = {}  # slot -> (token, pos, out index) on device
+        self.batch_ok = not self.mla  # several Llama-family slots in one step (step_batch)
+        self.max_batch = MAX_BATCH if self.batch_ok else 1
+        self.batches: dict[int, tuple] = {}  # padded size -> (batch decoder, {graph key: GraphedFn})
+        self.synced: dict[int, tuple[int, int]] = {}  # slot -> (token, pos) its bad-word state follows
 
     def _runner(self, dec, runners: dict, k: int, token: int, pos: int, prev_hidden=None):
         if k not in runners:
@@ -199,7 +227,67 @@ class FastPath:
             runner()
         out = dec.out_tokens[idx : idx + n].tolist()  # the one sync
         self.held[slot] = (out[-1], pos + n, idx + n)
+        self.synced[slot] = (out[-1], pos + n)
         return out
+
+    def prepare_batch(self, size: int):
+        """The batched decoder of ``size`` rows and its graphs (greedy; sampled where the engine samples),
+        built and captured on first use (errors propagate); capture decodes on the scratch slot only."""
+        if not self.batch_ok:
+            raise ValueError("the DeepSeek-family fast path decodes one slot per step")
+        if size not in self.batches:
+            from .cuda.adapter import gqa_batch_decoder_from_engine
+            from .cuda.graph import GraphedFn
+
+            dec = gqa_batch_decoder_from_engine(self.model, size, self.options, self.max_steps)
+            keys = [0]
+            if self.sample_ok:
+                from .cuda.sampling_state import GREEDY, I_FLAGS
+
+                self.sampling.iparams[dec.scratch_slot, I_FLAGS] = GREEDY  # what padded rows sample: the argmax
+                dec.attach_samplers(self.sampling)
+                keys.append(SAMPLED)
+            runners: dict = {}
+            for key in keys:
+                fn = dec.step if key == 0 else (lambda: dec.step(sample=True))
+                runner = GraphedFn(fn, self.device.type == "cuda", warmup_calls=1, device=self.device,
+                                   before_capture=lambda: dec.set_rows([], [], []))
+                runner.capture()
+                runners[key] = runner
+            self.batches[size] = (dec, runners)
+        return self.batches[size]
+
+    def step_batch(self, items: list[tuple[int, SlotState]], max_seq_len: int) -> list[tuple[list[int], str | None]]:
+        """One engine step of 2..max_batch active slots ``[(slot, state)]`` in one batched decoder: per slot
+        (emitted tokens, finish reason), cut as ``step`` cuts them (module docstring)."""
+        rooms = [min(s.max_tokens - s.num_generated, max_seq_len - 1 - s.seq_len) for _, s in items]
+        n = max(0, min(self.tokens_per_step, *rooms))
+        rows: list[list[int]] = [[] for _ in items]
+        if n > 0:
+            dec, runners = self.prepare_batch(padded_batch(len(items)))
+            sampled = any(not s.is_greedy for _, s in items)
+            if sampled and not self.sample_ok:
+                raise ValueError("this fast path decodes plain greedy requests only")
+            for slot, s in items:  # bad-word state behind (steps ran on the reference path): bring it up
+                if not s.is_greedy and s.sampling is not None and self.synced.get(slot) != (s.pending, s.seq_len):
+                    self.sampling.sync_history(slot, s.sampling, s.output_ids, s.seq_len + 1)
+            dec.set_rows([s.pending for _, s in items], [s.seq_len for _, s in items], [slot for slot, _ in items])
+            runner = runners[SAMPLED if sampled else 0]
+            for _ in range(n):
+                runner()
+            rows = dec.out_tokens[: len(items), :n].tolist()  # the one sync
+        results = []
+        for (slot, s), tokens in zip(items, rows):
+            self.held.pop(slot, None)  # the slot's own decoder did not see these steps: re-armed at its next decode
+            if tokens:
+                self.synced[slot] = (tokens[-1], s.seq_len + n)
+            s.num_steps += max(n, 1)
+            s.num_valid_drafts = 0
+            out, reason = emit(s, tokens, max_seq_len)
+            if reason is not None:
+                s.state = "done"
+            results.append((out, reason))
+        return results
 
     def spec(self, slot: int, token: int, pos: int, k: int, prev_hidden=None) -> list[int]:
         """One k-draft step (DeepSeek family): the 1..k+1 tokens it kept (accepted drafts + one); one sync."""
@@ -240,6 +328,7 @@ class FastPath:
     def forget(self, slot: int) -> None:
         """The slot starts another request: re-arm its decoder at the next decode."""
         self.held.pop(slot, None)
+        self.synced.pop(slot, None)
 
 
 def setup(mode: str, model, device: torch.device, dtype: torch.dtype, num_speculative_tokens: int,

@@ -3,8 +3,9 @@
 A bfloat16 near-bigram Llama (wide argmax margins, so the fast path's fp32 logits and the reference
 step's bf16-rounded logits pick the same tokens): greedy tokens through ``Engine(fast_path="on")``
 equal ``Engine(fast_path="off")``'s, also with several tokens per step, at stop ids, max_tokens and
-max_seq_len; mixed batches take the reference step and a request (greedy or sampled) moves between
-the paths without losing a token; seeded sampled requests decode on the fast path with the reference
+max_seq_len; a batch with a request the fast path cannot serve takes the reference step and a request
+(greedy or sampled) moves between the paths without losing a token (test_fast_path_batch.py: batches
+the fast path serves); seeded sampled requests decode on the fast path with the reference
 step's tokens (test_fast_path_sampling.py covers the parameters); cancel and release behave as on the
 reference path and other slots' caches are untouched.
 """
@@ -92,10 +93,10 @@ def test_mixed_batches_take_the_reference_step_and_requests_move_between_paths(c
     expected_sampled = run(reference, 0, PROMPT, sampled)[0]
     engine = load(checkpoint, "on", tokens_per_step=4)
     first = int(engine.prefill(0, PROMPT).argmax())
-    engine.start(0, first, SamplingParams(max_tokens=3, ignore_eos=True))
+    engine.start(0, first, SamplingParams(max_tokens=3, ignore_eos=True, bad_words_token_ids=[[3] * 17]))
     engine.prefill(1, OTHER)
     engine.start(1, alone[0], SamplingParams(max_tokens=10, ignore_eos=True))
-    assert engine.slot_fast_path_reason(0) is None and engine.slot_fast_path_reason(1) is None
+    assert engine.slot_fast_path_reason(0) is not None and engine.slot_fast_path_reason(1) is None
     got, paths = {0: [first], 1: [alone[0]]}, []
     while engine.active_slots():
         for slot, out in engine.step().items():

@@ -163,7 +163,8 @@ def test_a_sampled_request_moves_between_the_paths_with_the_same_tokens(checkpoi
     first = int(engine.prefill(0, PROMPT).argmax())
     engine.start(0, first, sampled)
     engine.prefill(1, OTHER)
-    engine.start(1, 9, SamplingParams(max_tokens=3, temperature=0.5, seed=1, ignore_eos=True))
+    engine.start(1, 9, SamplingParams(max_tokens=3, temperature=0.5, seed=1, ignore_eos=True,
+                                      bad_words_token_ids=[[3] * 17]))  # beyond the fast path: reference steps
     got, paths = [first], []
     while engine.active_slots():
         outs = engine.step()

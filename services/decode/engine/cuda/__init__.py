@@ -4,6 +4,8 @@ Entry points (see each module's docstring for the contract):
 - ``GqaModel`` / ``GqaLayer`` / ``GqaDecoder`` (llama.py): batch-1 Llama-family step over the engine's
   fused weights (attn_norm, wqkv, wo, mlp_norm, w_gate_up, w_down; embed, final_norm, lm_head) and a
   slot's K/V views ``[max_tokens, num_kv_heads, head_dim]`` per layer (shared.kvlayout).
+- ``GqaBatchDecoder`` (batch.py): the same step for 2..8 slots in one launch sequence (weights read once
+  for every row), slots and positions in device tensors.
 - ``GraphedFn`` (graph.py): the one CUDA-graph runner (the fast path's steps, the engine's reference
   step); eager on CPU.
 - ``gemv``/``attention``/``smallops``/``moe``: the kernels; ``reference``: their torch twins (same
@@ -21,9 +23,9 @@ load it on a machine that has nothing else of the project installed. Submodules 
 
 import importlib
 
-_MODULES = ("adapter", "attention", "gemv", "graph", "llama", "mla", "mla_decoder", "moe", "reference", "sampling",
+_MODULES = ("adapter", "attention", "batch", "gemv", "graph", "llama", "mla", "mla_decoder", "moe", "reference", "sampling",
             "sampling_state", "smallops")
-_NAMES = {"FastOptions": "llama", "GqaDecoder": "llama", "GqaLayer": "llama", "GqaModel": "llama",
+_NAMES = {"FastOptions": "llama", "GqaBatchDecoder": "batch", "GqaDecoder": "llama", "GqaLayer": "llama", "GqaModel": "llama",
           "reference_step": "llama", "GraphedFn": "graph"}
 
 __all__ = sorted(_NAMES)

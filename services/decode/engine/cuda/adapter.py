@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import torch
 
+from .batch import GqaBatchDecoder
 from .llama import FastOptions, GqaDecoder, GqaLayer, GqaModel
 from .mla import MlaDims, MtpWeights, prepare_layer
 from .mla_decoder import MlaDecoder, MlaModel
@@ -30,8 +31,7 @@ def _params(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {name: p.data for name, p in module.named_parameters(recurse=False)}
 
 
-def gqa_decoder_from_engine(model, slot: int, options: FastOptions | None = None, max_steps: int = 4096) -> GqaDecoder:
-    """GqaDecoder over a bound engine LlamaModel's weights and slot ``slot``'s K/V views."""
+def _gqa_model(model) -> GqaModel:
     cfg = model.cfg
 
     def data(p):
@@ -40,11 +40,24 @@ def gqa_decoder_from_engine(model, slot: int, options: FastOptions | None = None
     layers = [GqaLayer(b.attn_norm.data, b.wqkv.data, b.wo.data, b.mlp_norm.data, b.w_gate_up.data, b.w_down.data,
                        bqkv=data(b.bqkv), bo=data(b.bo), q_norm=data(b.q_norm), k_norm=data(b.k_norm))
               for b in model.layers]
-    gm = GqaModel(layers, model.embed.data, model.final_norm.data, model.lm_head.data, cfg.num_heads,
-                  cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps)
-    cache = model.cache
-    return GqaDecoder(gm, [cache.k_caches[i][slot] for i in range(cfg.num_layers)],
+    return GqaModel(layers, model.embed.data, model.final_norm.data, model.lm_head.data, cfg.num_heads,
+                    cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps)
+
+
+def gqa_decoder_from_engine(model, slot: int, options: FastOptions | None = None, max_steps: int = 4096) -> GqaDecoder:
+    """GqaDecoder over a bound engine LlamaModel's weights and slot ``slot``'s K/V views."""
+    cfg, cache = model.cfg, model.cache
+    return GqaDecoder(_gqa_model(model), [cache.k_caches[i][slot] for i in range(cfg.num_layers)],
                       [cache.v_caches[i][slot] for i in range(cfg.num_layers)], model.cos, model.sin, options, max_steps)
+
+
+def gqa_batch_decoder_from_engine(model, batch: int, options: FastOptions | None = None,
+                                  max_steps: int = 256) -> GqaBatchDecoder:
+    """GqaBatchDecoder of ``batch`` rows over a bound engine LlamaModel's weights and every slot's K/V
+    (the whole per-layer cache tensors; padded rows decode on the cache's scratch slot)."""
+    cache = model.cache
+    return GqaBatchDecoder(_gqa_model(model), cache.k_caches, cache.v_caches, model.cos, model.sin, batch, options,
+                           max_steps, scratch_slot=cache.scratch_slot)
 
 
 def _mla_layer(block, moe_inter: int):

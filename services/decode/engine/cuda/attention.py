@@ -33,7 +33,8 @@ from .smallops import norm_rope_rows
 @triton.jit
 def _attn_split_kernel(q_ptr, q_pe_ptr, k_ptr, v_ptr, pos_ptr, part_o_ptr, part_ml_ptr, sm_scale,
                        stride_qt, stride_qh, stride_kt, stride_vt, rope_offset,
-                       qn_ptr, kn_ptr, cos_ptr, sin_ptr, qk_eps, QK_NORM: tl.constexpr,
+                       qn_ptr, kn_ptr, cos_ptr, sin_ptr, qk_eps, slot_ptr, stride_ks, stride_vs, stride_qb,
+                       QK_NORM: tl.constexpr, BATCH: tl.constexpr,
                        T: tl.constexpr, NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
                        GROUP: tl.constexpr, ROWS: tl.constexpr, D_MAIN: tl.constexpr, D_ROPE: tl.constexpr,
                        D_V: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
@@ -41,10 +42,19 @@ def _attn_split_kernel(q_ptr, q_pe_ptr, k_ptr, v_ptr, pos_ptr, part_o_ptr, part_
     # D_V is the width of this program's slice of the values: chunk program_id(2) of V_CHUNKS
     kvh = tl.program_id(0)
     split = tl.program_id(1)
-    vchunk = tl.program_id(2)
+    vchunk = tl.program_id(2) % V_CHUNKS
     D_V_ALL: tl.constexpr = D_V * V_CHUNKS
     if PDL:  # q and this step's K/V rows come from the previous kernel
         gdc_wait()
+    if BATCH:  # batch row b: its query, position and partials; the K/V of its slot (slot_ptr[b])
+        b = tl.program_id(2) // V_CHUNKS
+        slot = tl.load(slot_ptr + b).to(tl.int64)
+        k_ptr += slot * stride_ks
+        v_ptr += slot * stride_vs
+        q_ptr += b * stride_qb
+        pos_ptr += b
+        part_o_ptr += b * (T * NUM_Q_HEADS * NUM_SPLITS * D_V_ALL)
+        part_ml_ptr += b * (T * NUM_Q_HEADS * NUM_SPLITS * 2)
     pos = tl.load(pos_ptr)
     seq_len = pos + T  # keys valid after this step's writes
     chunk = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_S) * BLOCK_S
@@ -141,7 +151,7 @@ def _attn_split_kernel(q_ptr, q_pe_ptr, k_ptr, v_ptr, pos_ptr, part_o_ptr, part_
 @triton.jit
 def _attn_combine_kernel(part_o_ptr, part_ml_ptr, out_ptr, NUM_SPLITS: tl.constexpr, D_V: tl.constexpr,
                          PDL: tl.constexpr):
-    row = tl.program_id(0)  # t * Hq + head
+    row = tl.program_id(0)  # (b * T + t) * Hq + head
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
@@ -163,7 +173,7 @@ class DecodeAttention:
     def __init__(self, *, num_q_heads: int, num_kv_heads: int, d_main: int, d_v: int, d_rope: int = 0,
                  num_tokens: int = 1, num_splits: int = 32, block_s: int = 32, sm_scale: float | None = None,
                  num_warps: int = 4, v_is_k: bool = False, v_chunks: int = 1, pdl: bool = False,
-                 device: torch.device | str = "cpu"):
+                 device: torch.device | str = "cpu", max_batch: int = 1):
         self.hq, self.hkv, self.num_tokens = num_q_heads, num_kv_heads, num_tokens
         self.d_main, self.d_v, self.d_rope = d_main, d_v, d_rope
         self.group = num_q_heads // num_kv_heads
@@ -176,29 +186,38 @@ class DecodeAttention:
         self.v_chunks = v_chunks  # programs per split, each accumulating d_v / v_chunks value columns
         self.pdl = pdl
         self.sm_scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(d_main + d_rope)
-        self.part_o = torch.empty(num_tokens * num_q_heads * num_splits * d_v, dtype=torch.float32, device=device)
-        self.part_ml = torch.empty(num_tokens * num_q_heads * num_splits * 2, dtype=torch.float32, device=device)
+        self.max_batch = max_batch  # rows of a batched call (each its own slot's cache and position)
+        rows = max_batch * num_tokens * num_q_heads * num_splits
+        self.part_o = torch.empty(rows * d_v, dtype=torch.float32, device=device)
+        self.part_ml = torch.empty(rows * 2, dtype=torch.float32, device=device)
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, out: torch.Tensor,
                  *, stride_kt: int, stride_vt: int, rope_offset: int = 0, q_pe: torch.Tensor | None = None,
                  stride_qt: int | None = None, stride_qh: int | None = None,
-                 qk_norm: tuple | None = None) -> torch.Tensor:
+                 qk_norm: tuple | None = None, slot_ids: torch.Tensor | None = None, stride_ks: int = 0,
+                 stride_vs: int = 0) -> torch.Tensor:
         """q: main part, row (t, head) at t*stride_qt + head*stride_qh (default [T, Hq, D_MAIN] contiguous);
         q_pe [T, Hq, D_ROPE] (MLA); k/v cache storage (token strides in elements); out [T, Hq, D_V].
-        ``qk_norm=(q_norm [D], k_norm [D], eps, cos, sin)``: q and K row pos as projected (Qwen3, T == 1)."""
+        ``qk_norm=(q_norm [D], k_norm [D], eps, cos, sin)``: q and K row pos as projected (Qwen3, T == 1).
+        ``slot_ids`` (int32 [B]): a batch of B rows, row b's query at q[b], its position pos[b], its keys and
+        values in slot slot_ids[b] of k / v (slot strides stride_ks / stride_vs elements), out [B, T, Hq, D_V]."""
         sqh = stride_qh if stride_qh is not None else self.d_main
         sqt = stride_qt if stride_qt is not None else self.hq * self.d_main
         if qk_norm is not None and (self.num_tokens != 1 or self.d_rope or self.v_is_k or self.v_chunks != 1):
             raise ValueError("qk_norm runs with one query token, no rope part, separate values and one value chunk")
         qn, kn, qk_eps, cos, sin = qk_norm if qk_norm is not None else (q, q, 0.0, q, q)
-        _attn_split_kernel[(self.hkv, self.num_splits, self.v_chunks)](
+        batch = 1 if slot_ids is None else slot_ids.shape[0]
+        if batch > self.max_batch:
+            raise ValueError(f"a batch of {batch} rows: this attention holds partials for {self.max_batch}")
+        _attn_split_kernel[(self.hkv, self.num_splits, self.v_chunks * batch)](
             q, q_pe if q_pe is not None else q, k, v, pos, self.part_o, self.part_ml, self.sm_scale, sqt, sqh,
-            stride_kt, stride_vt, rope_offset, qn, kn, cos, sin, qk_eps, QK_NORM=qk_norm is not None,
+            stride_kt, stride_vt, rope_offset, qn, kn, cos, sin, qk_eps, slot_ids if slot_ids is not None else pos,
+            stride_ks, stride_vs, self.num_tokens * sqt, QK_NORM=qk_norm is not None, BATCH=slot_ids is not None,
             T=self.num_tokens, NUM_Q_HEADS=self.hq, NUM_KV_HEADS=self.hkv, GROUP=self.group, ROWS=self.rows,
             D_MAIN=self.d_main, D_ROPE=self.d_rope, D_V=self.d_v // self.v_chunks, NUM_SPLITS=self.num_splits,
             BLOCK_S=self.block_s, DOT_F32=interpreting(), V_IS_K=self.v_is_k, V_CHUNKS=self.v_chunks, PDL=self.pdl,
             num_warps=self.num_warps, **launch_opts(self.pdl))
-        _attn_combine_kernel[(self.num_tokens * self.hq,)](
+        _attn_combine_kernel[(batch * self.num_tokens * self.hq,)](
             self.part_o, self.part_ml, out, NUM_SPLITS=self.num_splits,
             D_V=self.d_v, PDL=self.pdl, num_warps=4, **launch_opts(self.pdl))
         return out

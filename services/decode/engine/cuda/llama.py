@@ -90,6 +90,13 @@ class FastOptions:
     tiles: dict[str, tuple[int, int, int]] = field(default_factory=lambda: {
         "qkv": (8, 256, 4, 6), "o": (16, 256, 4, 6), "gate_up": (4, 512, 4, 6), "down": (16, 512, 4, 5),
         "lm_head": (32, 256, 4, 4)})  # (block_n, block_k, num_warps, num_stages): best on H200, bench run 3
+    # the batched step's GEMVs (cuda/batch.py rows_gemv: mode 1 = W @ x^T on tensor cores over the rows
+    # padded to 16, block_n >= 16): per projection the best of bench/decode_gpu_batch.py's sweep at 2 and 8
+    # rows on H200 (run B3; the run's end-to-end numbers took (32, 128, 4, 6) everywhere)
+    batch_tiles: dict[str, tuple[int, int, int, int]] = field(default_factory=lambda: {
+        "qkv": (64, 64, 4, 8), "o": (32, 256, 4, 4), "gate_up": (64, 64, 4, 8), "down": (32, 256, 4, 4),
+        "lm_head": (32, 128, 4, 6)})
+    batch_mode: int = 1
     num_splits: int = 16  # attention: 16 splits of 64-token blocks: best at 1K on H200
     block_s: int = 64
     attn_warps: int = 4

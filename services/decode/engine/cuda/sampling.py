@@ -65,6 +65,8 @@ _STREAM_SAMPLE = tl.constexpr(S.STREAM_SAMPLE)
 _RING = tl.constexpr(S.RING)
 _MAX_BW = tl.constexpr(S.MAX_BAD_WORDS)
 _BW_LEN = tl.constexpr(S.MAX_BAD_WORD_LEN)
+_NUM_F = tl.constexpr(S.NUM_F)
+_NUM_I = tl.constexpr(S.NUM_I)
 
 MODE_ALL, MODE_CAND, MODE_OVER = 0, 1, 2
 _ALL = tl.constexpr(MODE_ALL)
@@ -121,13 +123,27 @@ def _key(x):
     return tl.where(b >= 0, b + 2147483648, 2147483647 - (b & 2147483647))
 
 
+@triton.jit
+def _row(row_ptr):
+    # the buffers' row this launch reads: row_ptr[0] (a batched decoder's slot; 0 over one row's views)
+    return tl.load(row_ptr).to(tl.int64)
+
+
 # ---------------------------------------------------------------- 1. processors, temperature, block max
 
 @triton.jit
 def _process_kernel(logits_ptr, x_ptr, part_max_ptr, part_arg_ptr, scratch_ptr, fp_ptr, ip_ptr, bias_ptr,
-                    prompt_ptr, counts_ptr, stop_ptr, ban_ptr, pos_ptr, V,
+                    prompt_ptr, counts_ptr, stop_ptr, ban_ptr, pos_ptr, row_ptr, V,
                     BLOCK: tl.constexpr, NSCRATCH: tl.constexpr):
     pid = tl.program_id(0)
+    r = _row(row_ptr)
+    fp_ptr += r * _NUM_F
+    ip_ptr += r * _NUM_I
+    bias_ptr += r * V
+    prompt_ptr += r * V
+    counts_ptr += r * V
+    stop_ptr += r * V
+    ban_ptr += r * V
     offs = pid * BLOCK + tl.arange(0, BLOCK)
     vm = offs < V
     l = tl.load(logits_ptr + offs, mask=vm, other=float("-inf"))
@@ -179,9 +195,12 @@ def _global_max(part_max_ptr, NP, NP_POW2: tl.constexpr):
 
 
 @triton.jit
-def _hist_kernel(x_ptr, part_max_ptr, part_z_ptr, scratch_ptr, fp_ptr, ip_ptr, V, NP,
+def _hist_kernel(x_ptr, part_max_ptr, part_z_ptr, scratch_ptr, fp_ptr, ip_ptr, row_ptr, V, NP,
                  BLOCK: tl.constexpr, NP_POW2: tl.constexpr, NB: tl.constexpr, INV_W: tl.constexpr):
     pid = tl.program_id(0)
+    r = _row(row_ptr)
+    fp_ptr += r * _NUM_F
+    ip_ptr += r * _NUM_I
     flags = tl.load(ip_ptr + _I_FLAGS)
     if (flags & _GREEDY) == 0:
         m = _global_max(part_max_ptr, NP, NP_POW2)
@@ -223,9 +242,12 @@ def _plan(scratch_ptr, part_max_ptr, part_z_ptr, fp_ptr, ip_ptr, NP, NP_POW2: tl
 
 @triton.jit
 def _collect_kernel(x_ptr, part_max_ptr, part_z_ptr, scratch_ptr, cand_x_ptr, cand_i_ptr, plan_i_ptr, plan_f_ptr,
-                    fp_ptr, ip_ptr, V, NP, BLOCK: tl.constexpr, NP_POW2: tl.constexpr, NB: tl.constexpr,
+                    fp_ptr, ip_ptr, row_ptr, V, NP, BLOCK: tl.constexpr, NP_POW2: tl.constexpr, NB: tl.constexpr,
                     INV_W: tl.constexpr, CAP: tl.constexpr):
     pid = tl.program_id(0)
+    r = _row(row_ptr)
+    fp_ptr += r * _NUM_F
+    ip_ptr += r * _NUM_I
     flags = tl.load(ip_ptr + _I_FLAGS)
     if (flags & _GREEDY) == 0:
         mode, cut, n_c, k_active, p_active, m, z0 = _plan(scratch_ptr, part_max_ptr, part_z_ptr, fp_ptr, ip_ptr,
@@ -328,9 +350,12 @@ def _exact_threshold(x_ptr, scratch_ptr, V, m, log_min_p, k, k_active, p_active,
 
 @triton.jit
 def _rank_kernel(x_ptr, cand_x_ptr, keptk_ptr, part_z1_ptr, plan_i_ptr, plan_f_ptr, tau_ptr, scratch_ptr, fp_ptr,
-                 ip_ptr, V, BLOCK_C: tl.constexpr, BLOCK_J: tl.constexpr, SLOW_BLOCK: tl.constexpr,
+                 ip_ptr, row_ptr, V, BLOCK_C: tl.constexpr, BLOCK_J: tl.constexpr, SLOW_BLOCK: tl.constexpr,
                  NB: tl.constexpr, INV_W: tl.constexpr):
     pid = tl.program_id(0)
+    r = _row(row_ptr)
+    fp_ptr += r * _NUM_F
+    ip_ptr += r * _NUM_I
     flags = tl.load(ip_ptr + _I_FLAGS)
     if (flags & _GREEDY) == 0:
         mode = tl.load(plan_i_ptr + 0)
@@ -363,9 +388,12 @@ def _rank_kernel(x_ptr, cand_x_ptr, keptk_ptr, part_z1_ptr, plan_i_ptr, plan_f_p
 
 @triton.jit
 def _select_kernel(x_ptr, cand_x_ptr, cand_i_ptr, keptk_ptr, part_z1_ptr, part_score_ptr, part_tok_ptr,
-                   plan_i_ptr, plan_f_ptr, tau_ptr, fp_ptr, ip_ptr, pos_ptr, V, NP, G,
+                   plan_i_ptr, plan_f_ptr, tau_ptr, fp_ptr, ip_ptr, pos_ptr, row_ptr, V, NP, G,
                    BLOCK_C: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK: tl.constexpr, G_POW2: tl.constexpr):
     pid = tl.program_id(0)
+    r = _row(row_ptr)
+    fp_ptr += r * _NUM_F
+    ip_ptr += r * _NUM_I
     flags = tl.load(ip_ptr + _I_FLAGS)
     if (flags & _GREEDY) == 0:
         mode = tl.load(plan_i_ptr + 0)
@@ -427,11 +455,18 @@ def _store_best(x, idx, kept, seed, position, part_score_ptr, part_tok_ptr, pid)
 @triton.jit
 def _finish_kernel(part_max_ptr, part_arg_ptr, part_score_ptr, part_tok_ptr, NP, G, token_ptr, out_tokens_ptr,
                    step_idx_ptr, pos_ptr, embed_ptr, h_ptr, H, ip_ptr, counts_ptr, ring_ptr, ban_ptr, banned_ptr,
-                   table_ptr, NP_POW2: tl.constexpr, G_POW2: tl.constexpr, H_POW2: tl.constexpr,
+                   table_ptr, row_ptr, V, NP_POW2: tl.constexpr, G_POW2: tl.constexpr, H_POW2: tl.constexpr,
                    EMBED: tl.constexpr, PDL: tl.constexpr):
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
+    r = _row(row_ptr)
+    ip_ptr += r * _NUM_I
+    counts_ptr += r * V
+    ring_ptr += r * _RING
+    ban_ptr += r * V
+    banned_ptr += r * _MAX_BW
+    table_ptr += r * (_MAX_BW * _BW_LEN)
     flags = tl.load(ip_ptr + _I_FLAGS)
     p = tl.arange(0, NP_POW2)
     gv = tl.load(part_max_ptr + p, mask=p < NP, other=float("-inf"))
@@ -478,13 +513,17 @@ def _finish_kernel(part_max_ptr, part_arg_ptr, part_score_ptr, part_tok_ptr, NP,
 class FastSampler:
     """The sampling tail of one batch-1 decoder: its scratch buffers and launches (module docstring).
 
-    ``state``: the slot's row of SamplingBuffers. ``finish(logits, token, out_tokens, step_idx, pos,
+    ``state``: the slot's row of SamplingBuffers; or, with ``row`` (int32 [1] on the device), row 0's views
+    (the buffers' bases) and the kernels read row ``row[0]`` (a batched decoder's slot, set between
+    replays). ``finish(logits, token, out_tokens, step_idx, pos,
     embed, h)`` is capturable (no host sync, no allocation) and writes like ``gemv.greedy_finish``;
     ``embed``/``h`` None: no next-embedding gather (a decoder that feeds the token itself)."""
 
     def __init__(self, state: S.SlotSampling, vocab: int, device: torch.device | str, *, block_v: int = 2048,
-                 cap: int = 16384, block_c: int = 64, block_j: int = 64, num_warps: int = 4, pdl: bool = False):
+                 cap: int = 16384, block_c: int = 64, block_j: int = 64, num_warps: int = 4, pdl: bool = False,
+                 row: torch.Tensor | None = None):
         dev = torch.device(device)
+        self.row = row if row is not None else torch.zeros(1, dtype=torch.int32, device=dev)
         self.state, self.vocab, self.pdl = state, vocab, pdl
         self.block_v, self.cap, self.block_c, self.block_j, self.num_warps = block_v, cap, block_c, block_j, num_warps
         self.slow_block = min(4096, triton.next_power_of_2(vocab))  # the exact search's loads per iteration
@@ -517,25 +556,29 @@ class FastSampler:
         np_pow2, g_pow2 = triton.next_power_of_2(self.np), triton.next_power_of_2(self.g)
         common = dict(BLOCK=self.block_v, num_warps=nw)
         _process_kernel[(self.np,)](logits, self.x, self.part_max, self.part_arg, self.scratch, s.fparams, s.iparams,
-                                    s.bias, s.prompt_mask, s.counts, s.stop_mask, s.ban, pos, v,
+                                    s.bias, s.prompt_mask, s.counts, s.stop_mask, s.ban, pos, self.row, v,
                                     NSCRATCH=self.nscratch, **common)
-        _hist_kernel[(self.np,)](self.x, self.part_max, self.part_z, self.scratch, s.fparams, s.iparams, v, self.np,
+        _hist_kernel[(self.np,)](self.x, self.part_max, self.part_z, self.scratch, s.fparams, s.iparams, self.row, v,
+                                 self.np,
                                  NP_POW2=np_pow2, NB=NUM_BUCKETS, INV_W=INV_BUCKET_WIDTH, **common)
         _collect_kernel[(self.np,)](self.x, self.part_max, self.part_z, self.scratch, self.cand_x, self.cand_i,
-                                    self.plan_i, self.plan_f, s.fparams, s.iparams, v, self.np, NP_POW2=np_pow2,
+                                    self.plan_i, self.plan_f, s.fparams, s.iparams, self.row, v, self.np,
+                                    NP_POW2=np_pow2,
                                     NB=NUM_BUCKETS, INV_W=INV_BUCKET_WIDTH, CAP=self.cap, **common)
         _rank_kernel[(self.g,)](self.x, self.cand_x, self.keptk, self.part_z1, self.plan_i, self.plan_f, self.tau,
-                                self.scratch, s.fparams, s.iparams, v, BLOCK_C=self.block_c, BLOCK_J=self.block_j,
+                                self.scratch, s.fparams, s.iparams, self.row, v, BLOCK_C=self.block_c,
+                                BLOCK_J=self.block_j,
                                 SLOW_BLOCK=self.slow_block, NB=NUM_BUCKETS, INV_W=INV_BUCKET_WIDTH,
                                 num_warps=2 * nw)
         _select_kernel[(self.g,)](self.x, self.cand_x, self.cand_i, self.keptk, self.part_z1, self.part_score,
-                                  self.part_tok, self.plan_i, self.plan_f, self.tau, s.fparams, s.iparams, pos, v,
+                                  self.part_tok, self.plan_i, self.plan_f, self.tau, s.fparams, s.iparams, pos,
+                                  self.row, v,
                                   self.np, self.g, BLOCK_C=self.block_c, BLOCK_J=self.block_j, G_POW2=g_pow2,
                                   **common)
         hidden = embed.shape[1] if embed is not None else 1
         _finish_kernel[(1,)](self.part_max, self.part_arg, self.part_score, self.part_tok, self.np, self.g, token,
                              out_tokens, step_idx, pos, embed if embed is not None else logits,
                              h if h is not None else logits, hidden, s.iparams, s.counts, s.ring, s.ban, s.banned,
-                             s.bad_table, NP_POW2=np_pow2, G_POW2=g_pow2,
+                             s.bad_table, self.row, v, NP_POW2=np_pow2, G_POW2=g_pow2,
                              H_POW2=triton.next_power_of_2(hidden), EMBED=embed is not None, PDL=self.pdl,
                              num_warps=nw, **launch_opts(self.pdl))

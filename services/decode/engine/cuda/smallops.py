@@ -17,8 +17,12 @@ from .kernel_helpers import rnd_bf16, round_to_dtype
 
 
 @triton.jit
-def _rmsnorm_kernel(x_ptr, w_ptr, out_ptr, K, eps, stride_x, stride_o, K_POW2: tl.constexpr):
+def _rmsnorm_kernel(x_ptr, w_ptr, out_ptr, K, eps, stride_x, stride_o, K_POW2: tl.constexpr,
+                    PDL: tl.constexpr = False):
     row = tl.program_id(0)
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
     x_ptr += row * stride_x
     out_ptr += row * stride_o
     offs = tl.arange(0, K_POW2)
@@ -60,36 +64,45 @@ def _rope_cache_kernel(qkv_ptr, q_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, cos_pt
         gdc_wait()
         gdc_launch_dependents()
     if QK_NORM:  # Qwen3: whole heads, normalised then rotated
-        _norm_rope_cache_head(qkv_ptr, q_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, cos_ptr, sin_ptr, qn_ptr, kn_ptr,
+        norm_rope_cache_head(qkv_ptr, q_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, cos_ptr, sin_ptr, qn_ptr, kn_ptr,
                               eps, head, NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM)
     else:
-        j = tl.arange(0, HALF)
-        a_raw = tl.load(qkv_ptr + head * HEAD_DIM + j)
-        b_raw = tl.load(qkv_ptr + head * HEAD_DIM + HALF + j)
-        dt = a_raw.dtype
-        a = a_raw.to(tl.float32)
-        b = b_raw.to(tl.float32)
-        pos = tl.load(pos_ptr)
-        if head < NUM_Q_HEADS + NUM_KV_HEADS:
-            cos = tl.load(cos_ptr + pos * HALF + j).to(tl.float32)
-            sin = tl.load(sin_ptr + pos * HALF + j).to(tl.float32)
-            a1 = rnd_bf16(rnd_bf16(a * cos) - rnd_bf16(b * sin)).to(dt)
-            b1 = rnd_bf16(rnd_bf16(b * cos) + rnd_bf16(a * sin)).to(dt)
-            if head < NUM_Q_HEADS:
-                tl.store(q_ptr + head * HEAD_DIM + j, a1.to(dt))
-                tl.store(q_ptr + head * HEAD_DIM + HALF + j, b1.to(dt))
-            else:
-                base = k_cache_ptr + pos.to(tl.int64) * (NUM_KV_HEADS * HEAD_DIM) + (head - NUM_Q_HEADS) * HEAD_DIM
-                tl.store(base + j, a1.to(dt))
-                tl.store(base + HALF + j, b1.to(dt))
-        else:
-            base = v_cache_ptr + pos.to(tl.int64) * (NUM_KV_HEADS * HEAD_DIM) + (head - NUM_Q_HEADS - NUM_KV_HEADS) * HEAD_DIM
-            tl.store(base + j, a_raw)
-            tl.store(base + HALF + j, b_raw)
+        rope_cache_head(qkv_ptr, q_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, cos_ptr, sin_ptr, head, NUM_Q_HEADS,
+                        NUM_KV_HEADS, HEAD_DIM)
 
 
 @triton.jit
-def _norm_rope_cache_head(qkv_ptr, q_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, cos_ptr, sin_ptr, qn_ptr, kn_ptr, eps,
+def rope_cache_head(qkv_ptr, q_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, cos_ptr, sin_ptr, head,
+                    NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr):
+    # one head of qkv: q rotated into q_ptr, k rotated and v as projected into the caches at pos
+    HALF: tl.constexpr = HEAD_DIM // 2
+    j = tl.arange(0, HALF)
+    a_raw = tl.load(qkv_ptr + head * HEAD_DIM + j)
+    b_raw = tl.load(qkv_ptr + head * HEAD_DIM + HALF + j)
+    dt = a_raw.dtype
+    a = a_raw.to(tl.float32)
+    b = b_raw.to(tl.float32)
+    pos = tl.load(pos_ptr)
+    if head < NUM_Q_HEADS + NUM_KV_HEADS:
+        cos = tl.load(cos_ptr + pos * HALF + j).to(tl.float32)
+        sin = tl.load(sin_ptr + pos * HALF + j).to(tl.float32)
+        a1 = rnd_bf16(rnd_bf16(a * cos) - rnd_bf16(b * sin)).to(dt)
+        b1 = rnd_bf16(rnd_bf16(b * cos) + rnd_bf16(a * sin)).to(dt)
+        if head < NUM_Q_HEADS:
+            tl.store(q_ptr + head * HEAD_DIM + j, a1.to(dt))
+            tl.store(q_ptr + head * HEAD_DIM + HALF + j, b1.to(dt))
+        else:
+            base = k_cache_ptr + pos.to(tl.int64) * (NUM_KV_HEADS * HEAD_DIM) + (head - NUM_Q_HEADS) * HEAD_DIM
+            tl.store(base + j, a1.to(dt))
+            tl.store(base + HALF + j, b1.to(dt))
+    else:
+        base = v_cache_ptr + pos.to(tl.int64) * (NUM_KV_HEADS * HEAD_DIM) + (head - NUM_Q_HEADS - NUM_KV_HEADS) * HEAD_DIM
+        tl.store(base + j, a_raw)
+        tl.store(base + HALF + j, b_raw)
+
+
+@triton.jit
+def norm_rope_cache_head(qkv_ptr, q_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, cos_ptr, sin_ptr, qn_ptr, kn_ptr, eps,
                           head, NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr):
     HALF: tl.constexpr = HEAD_DIM // 2
     d = tl.arange(0, HEAD_DIM)[None, :]  # [1, D]: one row
@@ -128,11 +141,11 @@ def rmsnorm(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, eps: float) -> 
     return out
 
 
-def rmsnorm_rows(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, eps: float) -> torch.Tensor:
+def rmsnorm_rows(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, eps: float, pdl: bool = False) -> torch.Tensor:
     """out[t] = rmsnorm(x[t]) * w for x [T, K] (rows may be strided views)."""
     k = x.shape[-1]
     _rmsnorm_kernel[(x.shape[0],)](x, w, out, k, eps, x.stride(0), out.stride(0),
-                                   K_POW2=triton.next_power_of_2(k), num_warps=8)
+                                   K_POW2=triton.next_power_of_2(k), PDL=pdl, num_warps=8, **launch_opts(pdl))
     return out
 
 

@@ -1,0 +1,339 @@
+"""The GQA (Llama-family) decode step of several slots at once: one CUDA graph per padded batch size.
+
+``GqaBatchDecoder(model, k_caches, v_caches, cos, sin, batch)`` decodes ``batch`` rows per step; row
+``b`` decodes slot ``slots[b]`` from token ``token[b]`` at position ``pos[b]``, all three device
+tensors, so the rows' slots and positions change between replays with no re-capture. The caches are
+the engine's whole per-layer tensors ``[num_slots + 1, max_tokens, Hkv, D]``; a padded row decodes on
+the scratch slot (the last), where its writes are harmless.
+
+Per layer, nine launches whatever the batch (weights read once per step for every row):
+  1-2. RMSNorm of the rows; QKV GEMV over B rows (+ bias)                (rmsnorm_rows; rows_gemv, BIAS)
+  3. rope (Qwen3: q/k RMSNorm + rope) + K/V write into each row's slot   (rope_rows)
+  4-5. split-K attention over each row's own cache and length, merge     (DecodeAttention, slot_ids)
+  6. o_proj GEMV (+ bias) + residual add                                 (rows_gemv, RESIDUAL)
+  7-8. RMSNorm; gate/up GEMV + SiLU-mul                                  (rows_gemv, SILU)
+  9. down GEMV + residual add                                            (rows_gemv, RESIDUAL)
+then final norm + lm_head GEMV with per-row block maxima, and the per-row greedy finish (token,
+``out_tokens[b, step]``, position + 1, next embedding); or, with ``step(sample=True)``, each row's
+sampling kernels (cuda/sampling.py) over its slot's row of the engine's SamplingBuffers (the row
+index read from ``slots`` on device).
+
+The GEMVs (``rows_gemv``) load every weight tile once and multiply it with all B rows: tensor-core
+dots ``W @ x^T`` with the rows padded to 16 (bf16 in, fp32 sums; fp32 operands under Triton's
+interpreter; ``FastOptions.batch_mode``), the same rounding points as the batch-1 kernels of gemv.py
+(their torch twins in reference.py). The norms run as their own small launch: a norm prologue in every
+GEMV program (each re-reading all B rows before its weight stream) measured 2x slower on the H200.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+import triton
+import triton.language as tl
+
+from .attention import DecodeAttention
+from .gemv import gdc_launch_dependents, gdc_wait, interpreting, launch_opts
+from .kernel_helpers import round_to_dtype
+from .llama import FastOptions, GqaModel
+from .moe import _mma
+from .smallops import norm_rope_cache_head, rmsnorm_rows, rope_cache_head
+
+MAX_BATCH = 8
+BATCH_SIZES = (2, 4, 8)  # padded batch sizes, one graph each
+DOT_ROWS = 16  # rows padded to one tensor-core tile
+
+
+def padded_batch(n: int) -> int:
+    """The graph size serving n active rows (2, 4 or 8)."""
+    for b in BATCH_SIZES:
+        if n <= b:
+            return b
+    raise ValueError(f"{n} rows: the batched step takes at most {MAX_BATCH}")
+
+
+@triton.jit
+def _mma_t(w, x, acc, UPCAST: tl.constexpr):
+    """acc + w [N, K] @ x[M, K]^T (the weights as the A operand), as moe._mma."""
+    if UPCAST:
+        return tl.dot(w.to(tl.float32), tl.trans(x.to(tl.float32)), acc, input_precision="ieee")
+    return tl.dot(w, tl.trans(x.to(w.dtype)), acc)
+
+
+@triton.jit
+def _rows_gemv_kernel(x_ptr, w_ptr, out_ptr, res_ptr, nw_ptr, bias_ptr, amax_val_ptr, amax_idx_ptr, N, K, eps,
+                      stride_x, stride_o, stride_a,
+                      T: tl.constexpr, T_PAD: tl.constexpr, NORM: tl.constexpr, BIAS: tl.constexpr,
+                      RESIDUAL: tl.constexpr, ARGMAX: tl.constexpr, SILU: tl.constexpr, MODE: tl.constexpr,
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, UPCAST: tl.constexpr,
+                      PDL: tl.constexpr):
+    # MODE 0: acc[T, N] = dot(x, w^T); 1: acc^T[N, T] = dot(w, x^T) (the weights as the A operand);
+    # 2: fp32 FMAs into [T, BLOCK_N, BLOCK_K] (T_PAD = next power of two of T, no padding to 16)
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)  # SILU: gate rows; the up rows are rows + N
+    rmask = rows < N
+    t = tl.arange(0, T_PAD)
+    tmask = t < T
+    if BIAS:  # a weight: loaded before waiting on the previous kernel
+        bias = tl.load(bias_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
+    if PDL:
+        gdc_wait()
+    inv = tl.full((T_PAD,), 1.0, tl.float32)
+    if NORM:  # RMSNorm statistics per row, tile by tile
+        ss = tl.zeros((T_PAD,), tl.float32)
+        for k in range(0, K, BLOCK_K):
+            offs = k + tl.arange(0, BLOCK_K)
+            xs = tl.load(x_ptr + t[:, None] * stride_x + offs[None, :], mask=tmask[:, None] & (offs < K)[None, :],
+                         other=0.0).to(tl.float32)
+            ss += tl.sum(xs * xs, axis=1)
+        inv = 1.0 / tl.sqrt(ss / K + eps)
+    acc = tl.zeros((T_PAD, BLOCK_N), dtype=tl.float32)
+    acc_u = tl.zeros((T_PAD, BLOCK_N), dtype=tl.float32)
+    acc_t = tl.zeros((BLOCK_N, T_PAD), dtype=tl.float32)
+    acc_tu = tl.zeros((BLOCK_N, T_PAD), dtype=tl.float32)
+    acc3 = tl.zeros((T_PAD, BLOCK_N, BLOCK_K), dtype=tl.float32)
+    acc3_u = tl.zeros((T_PAD, BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k in tl.range(0, K, BLOCK_K, num_stages=STAGES):
+        offs = k + tl.arange(0, BLOCK_K)
+        kmask = offs < K
+        x = tl.load(x_ptr + t[:, None] * stride_x + offs[None, :], mask=tmask[:, None] & kmask[None, :], other=0.0)
+        if NORM:
+            nw = tl.load(nw_ptr + offs, mask=kmask, other=0.0)
+            xr = round_to_dtype(x.to(tl.float32) * inv[:, None], nw.dtype)
+            x = round_to_dtype(xr * nw.to(tl.float32)[None, :], nw.dtype)
+        w = tl.load(w_ptr + rows[:, None].to(tl.int64) * K + offs[None, :], mask=rmask[:, None] & kmask[None, :],
+                    other=0.0, eviction_policy="evict_first")
+        if MODE == 0:
+            acc = _mma(x, w, acc, UPCAST)
+        elif MODE == 1:
+            acc_t = _mma_t(w, x, acc_t, UPCAST)
+        else:
+            acc3 += w.to(tl.float32)[None, :, :] * x.to(tl.float32)[:, None, :]
+        if SILU:
+            wu = tl.load(w_ptr + (rows + N)[:, None].to(tl.int64) * K + offs[None, :],
+                         mask=rmask[:, None] & kmask[None, :], other=0.0, eviction_policy="evict_first")
+            if MODE == 0:
+                acc_u = _mma(x, wu, acc_u, UPCAST)
+            elif MODE == 1:
+                acc_tu = _mma_t(wu, x, acc_tu, UPCAST)
+            else:
+                acc3_u += wu.to(tl.float32)[None, :, :] * x.to(tl.float32)[:, None, :]
+    if PDL:
+        gdc_launch_dependents()
+    if MODE == 1:
+        acc = tl.trans(acc_t)
+        acc_u = tl.trans(acc_tu)
+    elif MODE == 2:
+        acc = tl.sum(acc3, axis=2)
+        acc_u = tl.sum(acc3_u, axis=2)
+    dt = out_ptr.dtype.element_ty
+    omask = tmask[:, None] & rmask[None, :]
+    if SILU:
+        g = round_to_dtype(acc, dt)
+        s = round_to_dtype(g / (1.0 + tl.exp(-g)), dt)
+        y = s * round_to_dtype(acc_u, dt)
+    else:
+        y = acc
+        if BIAS:
+            y += bias[None, :]
+        if RESIDUAL:
+            r = tl.load(res_ptr + t[:, None] * stride_o + rows[None, :], mask=omask, other=0.0)
+            y = r.to(tl.float32) + round_to_dtype(y, r.dtype)
+    tl.store(out_ptr + t[:, None] * stride_o + rows[None, :], y.to(dt), mask=omask)
+    if ARGMAX:  # greedy, stage 1: each row's best id in this block (ties -> lowest, as torch.argmax)
+        yv = tl.where(omask, y.to(dt).to(tl.float32), float("-inf"))
+        best = tl.argmax(yv, axis=1, tie_break_left=True)
+        tl.store(amax_val_ptr + t * stride_a + pid, tl.max(yv, axis=1), mask=tmask)
+        tl.store(amax_idx_ptr + t * stride_a + pid, pid * BLOCK_N + best, mask=tmask)
+
+
+def rows_gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, *, norm_w: torch.Tensor | None = None,
+              eps: float = 1e-5, residual: torch.Tensor | None = None, bias: torch.Tensor | None = None,
+              silu: bool = False, argmax_parts: tuple[torch.Tensor, torch.Tensor] | None = None,
+              block_n: int = 16, block_k: int = 256, num_warps: int = 4, stages: int = 4,
+              pdl: bool = False, mode: int = 0) -> torch.Tensor:
+    """out[B, N] = [residual +] round(x'[B, K] @ W[N, K]^T [+ bias]), x' = rmsnorm(x) * norm_w when given;
+    ``silu``: W is [2I, K] (gate | up), out[B, I] = silu(gate) * up; ``argmax_parts`` (val fp32, idx int32,
+    each [B, >= cdiv(N, block_n)]): every block's max per row, for ``finish_rows``. B <= 16. ``mode``: the
+    kernel's accumulation (0: x @ W^T on tensor cores, rows padded to 16; 1: W @ x^T likewise; 2: fp32 FMAs)."""
+    b, k = x.shape
+    n = w.shape[0] // 2 if silu else w.shape[0]
+    if b > DOT_ROWS:
+        raise ValueError(f"rows_gemv takes at most {DOT_ROWS} rows, got {b}")
+    av, ai = argmax_parts if argmax_parts is not None else (out, out)
+    _rows_gemv_kernel[(triton.cdiv(n, block_n),)](
+        x, w, out, residual if residual is not None else out, norm_w if norm_w is not None else x,
+        bias if bias is not None else x, av, ai, n, k, eps, x.stride(0), out.stride(0),
+        av.stride(0) if argmax_parts is not None else 0, T=b, T_PAD=DOT_ROWS if mode < 2 else triton.next_power_of_2(b),
+        NORM=norm_w is not None, BIAS=bias is not None, RESIDUAL=residual is not None,
+        ARGMAX=argmax_parts is not None, SILU=silu, MODE=mode,
+        BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, UPCAST=interpreting(), PDL=pdl, num_warps=num_warps,
+        **launch_opts(pdl))
+    return out
+
+
+@triton.jit
+def _rope_rows_kernel(qkv_ptr, q_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, slot_ptr, cos_ptr, sin_ptr, qn_ptr, kn_ptr,
+                      eps, stride_qkv, stride_q, stride_slot, NUM_Q_HEADS: tl.constexpr,
+                      NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, QK_NORM: tl.constexpr, PDL: tl.constexpr):
+    head = tl.program_id(0)
+    b = tl.program_id(1)
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+    slot = tl.load(slot_ptr + b).to(tl.int64)
+    qkv_ptr += b * stride_qkv
+    q_ptr += b * stride_q
+    k_cache_ptr += slot * stride_slot
+    v_cache_ptr += slot * stride_slot
+    pos_ptr += b
+    if QK_NORM:
+        norm_rope_cache_head(qkv_ptr, q_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, cos_ptr, sin_ptr, qn_ptr, kn_ptr,
+                             eps, head, NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM)
+    else:
+        rope_cache_head(qkv_ptr, q_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, cos_ptr, sin_ptr, head, NUM_Q_HEADS,
+                        NUM_KV_HEADS, HEAD_DIM)
+
+
+def rope_rows(qkv: torch.Tensor, q_out: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+              pos: torch.Tensor, slots: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, num_q_heads: int,
+              num_kv_heads: int, head_dim: int, q_norm: torch.Tensor | None = None,
+              k_norm: torch.Tensor | None = None, eps: float = 1e-6, pdl: bool = False) -> None:
+    """Per row b of qkv [B, (Hq+2Hkv)*D]: [q/k RMSNorm (Qwen3),] rope of q and k, q -> q_out[b], K/V into
+    slot slots[b] of the caches [slots, max_tokens, Hkv, D] at pos[b]."""
+    qk_norm = q_norm is not None
+    _rope_rows_kernel[(num_q_heads + 2 * num_kv_heads, qkv.shape[0])](
+        qkv, q_out, k_cache, v_cache, pos, slots, cos, sin, q_norm if qk_norm else qkv, k_norm if qk_norm else qkv,
+        eps, qkv.stride(0), q_out.stride(0), k_cache.stride(0), NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads,
+        HEAD_DIM=head_dim, QK_NORM=qk_norm, PDL=pdl, num_warps=1, **launch_opts(pdl))
+
+
+@triton.jit
+def _finish_rows_kernel(amax_val_ptr, amax_idx_ptr, num_parts, stride_a, token_ptr, out_tokens_ptr, stride_out,
+                        step_idx_ptr, pos_ptr, embed_ptr, h_ptr, stride_h, H, PARTS_POW2: tl.constexpr,
+                        H_POW2: tl.constexpr, PDL: tl.constexpr):
+    # greedy, stage 2 for row b: the best of its blocks; record it, advance its position, gather its embedding
+    b = tl.program_id(0)
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+    offs = tl.arange(0, PARTS_POW2)
+    val = tl.load(amax_val_ptr + b * stride_a + offs, mask=offs < num_parts, other=float("-inf"))
+    idx = tl.load(amax_idx_ptr + b * stride_a + offs, mask=offs < num_parts, other=2147483647)
+    tok = tl.min(tl.where(val == tl.max(val, axis=0), idx, 2147483647), axis=0)
+    step = tl.load(step_idx_ptr + b)
+    tl.store(token_ptr + b, tok.to(tl.int64))
+    tl.store(out_tokens_ptr + b * stride_out + step, tok.to(tl.int64))
+    tl.store(step_idx_ptr + b, step + 1)
+    tl.store(pos_ptr + b, tl.load(pos_ptr + b) + 1)
+    hh = tl.arange(0, H_POW2)
+    row = tl.load(embed_ptr + tok.to(tl.int64) * H + hh, mask=hh < H)
+    tl.store(h_ptr + b * stride_h + hh, row, mask=hh < H)
+
+
+class GqaBatchDecoder:
+    """``batch`` rows decoding together; ``step()`` is capturable (no host sync, no allocation by us)."""
+
+    def __init__(self, model: GqaModel, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor],
+                 cos: torch.Tensor, sin: torch.Tensor, batch: int, options: FastOptions | None = None,
+                 max_steps: int = 256, scratch_slot: int | None = None):
+        if not 1 <= batch <= MAX_BATCH:
+            raise ValueError(f"batch must be 1..{MAX_BATCH}, got {batch}")
+        self.model, self.k_caches, self.v_caches, self.batch = model, k_caches, v_caches, batch
+        self.opt = options or FastOptions()
+        dev, dt = model.embed.device, model.embed.dtype
+        if self.opt.pdl is None:
+            self.opt = replace(self.opt, pdl=dev.type == "cuda" and torch.cuda.get_device_capability(dev)[0] >= 9)
+        if dt != torch.bfloat16:
+            raise ValueError(f"the fast CUDA path runs bfloat16 models, got {dt}")
+        self.scratch_slot = k_caches[0].shape[0] - 1 if scratch_slot is None else scratch_slot
+        self.cos, self.sin = cos.to(device=dev, dtype=dt).contiguous(), sin.to(device=dev, dtype=dt).contiguous()
+        hq, hkv, d = model.num_q_heads, model.num_kv_heads, model.head_dim
+        h, inter, vocab = model.hidden, model.intermediate, model.lm_head.shape[0]
+        b = batch
+        self.token = torch.zeros(b, dtype=torch.int64, device=dev)
+        self.pos = torch.zeros(b, dtype=torch.int32, device=dev)
+        self.slots = torch.full((b,), self.scratch_slot, dtype=torch.int32, device=dev)
+        self.step_idx = torch.zeros(b, dtype=torch.int64, device=dev)
+        self.out_tokens = torch.zeros(b, max_steps, dtype=torch.int64, device=dev)
+        self.residual = torch.zeros(b, h, dtype=dt, device=dev)
+        self.qkv = torch.zeros(b, (hq + 2 * hkv) * d, dtype=dt, device=dev)
+        self.query = torch.zeros(b, hq * d, dtype=dt, device=dev)
+        self.attn_out = torch.zeros(b, hq * d, dtype=dt, device=dev)
+        self.act = torch.zeros(b, inter, dtype=dt, device=dev)
+        self.xn = torch.zeros(b, h, dtype=dt, device=dev)
+        self.logits = torch.zeros(b, vocab, dtype=torch.float32, device=dev)
+        self.num_parts = -(-vocab // self.opt.batch_tiles["lm_head"][0])
+        self.amax_val = torch.zeros(b, self.num_parts, dtype=torch.float32, device=dev)
+        self.amax_idx = torch.zeros(b, self.num_parts, dtype=torch.int32, device=dev)
+        self.attn = DecodeAttention(num_q_heads=hq, num_kv_heads=hkv, d_main=d, d_v=d, num_splits=self.opt.num_splits,
+                                    block_s=self.opt.block_s, num_warps=self.opt.attn_warps, pdl=self.opt.pdl,
+                                    device=dev, max_batch=b)
+        self.samplers: list | None = None
+
+    def attach_samplers(self, buffers, **kwargs) -> None:
+        """Sample in ``step(sample=True)``: row b by the sampling kernels over row ``slots[b]`` of
+        ``buffers`` (the engine's SamplingBuffers, read at every replay); kwargs: FastSampler's sizes."""
+        from .sampling import FastSampler
+
+        vocab = self.model.lm_head.shape[0]
+        kwargs.setdefault("cap", min(16384, max(64, 1 << (vocab - 1).bit_length())))
+        base = buffers.row(0)  # row 0's views start at the buffers' bases; the kernels add slots[b] rows
+        self.samplers = [FastSampler(base, vocab, self.logits.device, pdl=self.opt.pdl, row=self.slots[r : r + 1],
+                                     **kwargs) for r in range(self.batch)]
+
+    def set_rows(self, tokens: list[int], positions: list[int], slots: list[int]) -> None:
+        """Host-side (re)start of every row: its next input token, position and slot; rows past the
+        lists decode token 0 at position 0 of the scratch slot."""
+        pad = self.batch - len(tokens)
+        ctrl = torch.tensor([list(tokens) + [0] * pad, list(positions) + [0] * pad,
+                             list(slots) + [self.scratch_slot] * pad], dtype=torch.int64)
+        ctrl = ctrl.to(self.token.device, non_blocking=True)
+        self.token.copy_(ctrl[0])
+        self.pos.copy_(ctrl[1])
+        self.slots.copy_(ctrl[2])
+        self.step_idx.zero_()
+        torch.index_select(self.model.embed, 0, self.token, out=self.residual)
+
+    def tile_kwargs(self, name: str) -> dict:
+        bn, bk, nw, st = self.opt.batch_tiles[name]
+        return dict(block_n=bn, block_k=bk, num_warps=nw, stages=st, pdl=self.opt.pdl, mode=self.opt.batch_mode)
+
+    def layer(self, i: int) -> None:
+        m, lw, eps = self.model, self.model.layers[i], self.model.eps
+        hq, hkv, d = m.num_q_heads, m.num_kv_heads, m.head_dim
+        kc, vc = self.k_caches[i], self.v_caches[i]
+        rmsnorm_rows(self.residual, lw.attn_norm, self.xn, eps, pdl=self.opt.pdl)
+        rows_gemv(self.xn, lw.wqkv, self.qkv, bias=lw.bqkv, **self.tile_kwargs("qkv"))
+        rope_rows(self.qkv, self.query, kc, vc, self.pos, self.slots, self.cos, self.sin, num_q_heads=hq,
+                  num_kv_heads=hkv, head_dim=d, q_norm=lw.q_norm, k_norm=lw.k_norm, eps=eps, pdl=self.opt.pdl)
+        self.attn(self.query, kc, vc, self.pos, self.attn_out, stride_kt=hkv * d, stride_vt=hkv * d,
+                  slot_ids=self.slots, stride_ks=kc.stride(0), stride_vs=vc.stride(0))
+        rows_gemv(self.attn_out, lw.wo, self.residual, residual=self.residual, bias=lw.bo, **self.tile_kwargs("o"))
+        rmsnorm_rows(self.residual, lw.mlp_norm, self.xn, eps, pdl=self.opt.pdl)
+        rows_gemv(self.xn, lw.w_gate_up, self.act, silu=True, **self.tile_kwargs("gate_up"))
+        rows_gemv(self.act, lw.w_down, self.residual, residual=self.residual, **self.tile_kwargs("down"))
+
+    def step(self, sample: bool = False) -> None:
+        """One decode step of every row: logits, next token (greedy argmax, or with ``sample`` the row's
+        sampling kernels), out_tokens[b, step_idx[b]], its embedding into residual[b], pos[b] += 1."""
+        m = self.model
+        if sample and self.samplers is None:
+            raise ValueError("step(sample=True) needs attach_samplers first")
+        for i in range(len(m.layers)):
+            self.layer(i)
+        rmsnorm_rows(self.residual, m.final_norm, self.xn, m.eps, pdl=self.opt.pdl)
+        if sample:
+            rows_gemv(self.xn, m.lm_head, self.logits, **self.tile_kwargs("lm_head"))
+            for r, sampler in enumerate(self.samplers):
+                sampler.finish(self.logits[r], self.token[r : r + 1], self.out_tokens[r], self.step_idx[r : r + 1],
+                               self.pos[r : r + 1], m.embed, self.residual[r])
+            return
+        rows_gemv(self.xn, m.lm_head, self.logits, argmax_parts=(self.amax_val, self.amax_idx),
+                  **self.tile_kwargs("lm_head"))
+        _finish_rows_kernel[(self.batch,)](
+            self.amax_val, self.amax_idx, self.num_parts, self.amax_val.stride(0), self.token, self.out_tokens,
+            self.out_tokens.stride(0), self.step_idx, self.pos, m.embed, self.residual, self.residual.stride(0),
+            m.hidden, PARTS_POW2=triton.next_power_of_2(self.num_parts), H_POW2=triton.next_power_of_2(m.hidden),
+            PDL=self.opt.pdl, num_warps=8, **launch_opts(self.opt.pdl))

@@ -1,0 +1,187 @@
+"""Several slots in one fast-path step (cuda/batch.py, Triton interpreted on CPU, conftest.py).
+
+Decoder: ``GqaBatchDecoder`` rows at different context lengths in different slots (Llama, Qwen2's
+biases, Qwen3's q/k norm; a padded row) against ``cuda.llama.reference_step`` per row: logits, the
+K/V rows each step writes into its own slot (and nowhere else), greedy tokens.
+Engine: greedy and seeded sampled requests decoding together through ``Engine(fast_path="on")`` take
+the batched step and emit, per slot, the tokens that slot gets decoding alone; slots join and leave
+mid-run without changing anyone's tokens.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.decode.engine import Engine
+from services.decode.engine.cuda import FastOptions, reference_step
+from services.decode.engine.cuda.batch import GqaBatchDecoder, padded_batch
+from shared.events import SamplingParams
+from tests.unit.engine.hf_models import save_checkpoint
+from tests.unit.engine_cuda.test_fast_path_families import _close, _gen, _rand, _tables, tiny_model
+
+BATCH_TILES = {"qkv": (16, 32, 4, 1), "o": (16, 32, 4, 1), "gate_up": (16, 32, 4, 1), "down": (16, 32, 4, 1),
+               "lm_head": (16, 32, 4, 1)}
+
+
+@pytest.mark.parametrize("bias, o_bias, qk_norm", [(False, False, False), (True, True, False), (False, False, True)],
+                         ids=["llama", "qkv + o bias", "qwen3 q/k norm"])
+def test_batch_decoder_rows_follow_the_reference_step_each_in_its_own_slot(bias, o_bias, qk_norm):
+    m, n, steps, d, num_slots = tiny_model(bias, o_bias, qk_norm), 40, 3, 16, 3
+    g = _gen(1)
+    kc = [_rand(g, num_slots + 1, n, 2, d) for _ in m.layers]
+    vc = [_rand(g, num_slots + 1, n, 2, d) for _ in m.layers]
+    kr, vr = [k.clone() for k in kc], [v.clone() for v in vc]
+    cos, sin = _tables(n, d)
+    opts = FastOptions(batch_tiles=BATCH_TILES, num_splits=4, block_s=16)
+    dec = GqaBatchDecoder(m, kc, vc, cos, sin, batch=4, options=opts, max_steps=8)
+    rows = [(2, 3, 20), (0, 7, 5), (1, 11, 33)]  # (slot, token, context length); row 3 is padding
+    dec.set_rows([t for _, t, _ in rows], [c for _, _, c in rows], [s for s, _, _ in rows])
+    toks = [t for _, t, _ in rows]
+    expected = [[] for _ in rows]
+    for i in range(steps):
+        dec.step()
+        for r, (slot, _, ctx) in enumerate(rows):
+            ref = reference_step(m, [k[slot] for k in kr], [v[slot] for v in vr], cos, sin, toks[r], ctx + i)
+            _close(dec.logits[r], ref, 1e-5)
+            toks[r] = int(ref.argmax())
+            expected[r].append(toks[r])
+    for layer in range(2):  # every slot's cache as the reference wrote it; the scratch slot aside
+        assert torch.equal(kc[layer][:num_slots], kr[layer][:num_slots])
+        assert torch.equal(vc[layer][:num_slots], vr[layer][:num_slots])
+    assert dec.out_tokens[:3, :steps].tolist() == expected
+    assert dec.pos[:3].tolist() == [c + steps for _, _, c in rows]
+    assert torch.equal(dec.residual[:3], m.embed[[e[-1] for e in expected]])
+
+
+def test_padded_batch_sizes():
+    assert [padded_batch(n) for n in range(1, 9)] == [2, 2, 4, 4, 8, 8, 8, 8]
+    with pytest.raises(ValueError):
+        padded_batch(9)
+
+
+# ---------------------------------------------------------------- through the Engine API
+
+OPTIONS = FastOptions(tiles={"qkv": (8, 64, 4, 1), "o": (64, 64, 4, 1), "gate_up": (128, 64, 4, 1),
+                             "down": (64, 128, 4, 1), "lm_head": (256, 64, 4, 1)},
+                      batch_tiles={"qkv": (32, 64, 4, 1), "o": (64, 64, 4, 1), "gate_up": (128, 64, 4, 1),
+                                   "down": (64, 128, 4, 1), "lm_head": (256, 64, 4, 1)}, num_splits=2, block_s=32)
+PROMPTS = {0: [0, 17, 42, 99, 3, 250, 7], 1: [0, 88, 2, 150], 2: [0, 5, 9, 33, 61, 200, 11, 14, 90, 3, 8, 60, 2],
+           3: [0, 31, 4]}
+REQUESTS = {
+    0: SamplingParams(max_tokens=9, ignore_eos=True),
+    1: SamplingParams(max_tokens=7, temperature=0.9, top_k=50, top_p=0.9, seed=11, ignore_eos=True),
+    2: SamplingParams(max_tokens=8, temperature=1.2, presence_penalty=1.0, repetition_penalty=1.3,
+                      bad_words_token_ids=[[200], [42, 43]], seed=5, ignore_eos=True),
+    3: SamplingParams(max_tokens=6, temperature=0.0, repetition_penalty=1.8, ignore_eos=True),
+}
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    path = tmp_path_factory.mktemp("fast-batch-llama")
+    save_checkpoint("llama", path, damp=True)
+    return path
+
+
+def load(path, tokens_per_step: int = 1, mode: str = "on") -> Engine:
+    return Engine.load(path, num_slots=4, max_seq_len=48, dtype="bfloat16", fast_path=mode,
+                       fast_path_options=OPTIONS, fast_path_tokens_per_step=tokens_per_step)
+
+
+@pytest.fixture(scope="module")
+def alone(checkpoint):
+    """Each request's tokens decoding alone (the batch-1 fast path)."""
+    engine, out = load(checkpoint), {}
+    for slot in REQUESTS:
+        out[slot] = [start(engine, slot)]
+        while engine.active_slots():
+            out[slot] += engine.step()[slot].token_ids
+            assert (engine.last_step_path, engine.last_step_slots) == ("fast", 1)
+        engine.release(slot)
+    return out
+
+
+def start(engine: Engine, slot: int) -> int:
+    first = int(engine.prefill(slot, PROMPTS[slot]).argmax())
+    engine.start(slot, first, REQUESTS[slot])
+    return first
+
+
+@pytest.mark.parametrize("tokens_per_step", [1, 3])
+def test_slots_decode_together_in_one_fast_step_with_their_tokens_alone(checkpoint, alone, tokens_per_step):
+    engine = load(checkpoint, tokens_per_step)
+    got = {slot: [start(engine, slot)] for slot in REQUESTS}
+    assert all(engine.slot_fast_path_reason(slot) is None for slot in REQUESTS)
+    served = []
+    while engine.active_slots():
+        for slot, out in engine.step().items():
+            assert len(out.token_ids) <= tokens_per_step
+            got[slot] += out.token_ids
+        assert engine.last_step_path == "fast"
+        served.append(engine.last_step_slots)
+    assert got == alone
+    assert served[0] == 4 and sorted(served, reverse=True) == served
+    assert set(engine.fast_path.batches) == {2, 4}
+
+
+def test_slots_join_and_leave_mid_run_without_changing_anyone_s_tokens(checkpoint, alone):
+    engine = load(checkpoint, tokens_per_step=2)
+    got = {0: [start(engine, 0)]}
+    schedule = {1: [1], 2: [2, 3]}  # step index -> slots joining before it
+    served, step = [], 0
+    while engine.active_slots() or step <= max(schedule):
+        for slot in schedule.get(step, []):
+            got[slot] = [start(engine, slot)]
+        for slot, out in engine.step().items():
+            got[slot] += out.token_ids
+            if out.finish_reason is not None:
+                engine.release(slot)  # leaves; the others keep decoding in the same graphs
+        served.append((engine.last_step_path, engine.last_step_slots))
+        step += 1
+    assert got == alone
+    assert served[:3] == [("fast", 1), ("fast", 2), ("fast", 4)]
+    assert {n for _, n in served} >= {1, 2, 4} and {p for p, _ in served} == {"fast"}
+
+
+def test_a_batch_with_a_request_the_fast_path_cannot_serve_takes_the_reference_step(checkpoint, alone):
+    engine = load(checkpoint)
+    got = {0: [start(engine, 0)], 1: [int(engine.prefill(1, PROMPTS[1]).argmax())]}
+    engine.start(1, got[1][0], SamplingParams(max_tokens=2, ignore_eos=True, bad_words_token_ids=[[3] * 17]))
+    paths = []
+    while engine.active_slots():
+        for slot, out in engine.step().items():
+            got[slot] += out.token_ids
+        paths.append(engine.last_step_path)
+    assert paths[:2] == ["reference"] * 2 and set(paths[2:]) == {"fast"}
+    assert got[0] == alone[0]
+
+
+@pytest.mark.parametrize("mode", [0, 1, 2])
+@pytest.mark.parametrize("rows", [1, 3, 8])
+def test_rows_gemv_modes_equal_the_one_token_gemv_per_row(mode, rows):
+    from services.decode.engine.cuda import gemv
+    from services.decode.engine.cuda.batch import rows_gemv
+
+    g = _gen(4)
+    x, w, nw, res = _rand(g, rows, 96), _rand(g, 2 * 40, 96, std=0.1), (1 + 0.1 * _rand(g, 96)), _rand(g, rows, 40)
+    kw = dict(block_n=16, block_k=32, stages=1, mode=mode)
+    for silu in (False, True):
+        out = torch.full((rows, 40 if silu else 80), float("nan"), dtype=torch.bfloat16)
+        if silu:
+            rows_gemv(x, w, out, norm_w=nw, eps=1e-5, silu=True, **kw)
+        else:
+            rows_gemv(x, w, out, norm_w=nw, eps=1e-5, **kw)
+        for r in range(rows):
+            one = torch.empty(out.shape[1], dtype=torch.bfloat16)
+            if silu:
+                gemv.gemv_silu(x[r], w, one, norm_w=nw, eps=1e-5, block_n=8, block_k=32)
+            else:
+                gemv.gemv(x[r], w, one, norm_w=nw, eps=1e-5, block_n=8, block_k=32)
+            _close(out[r], one, 1e-2)
+    out = res.clone()
+    rows_gemv(x, w[:40], out, residual=out, **kw)
+    for r in range(rows):
+        one = torch.empty(40, dtype=torch.bfloat16)
+        gemv.gemv(x[r], w[:40], one, residual=res[r], block_n=8, block_k=32)
+        _close(out[r], one, 1e-2)
