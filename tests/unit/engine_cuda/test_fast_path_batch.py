@@ -5,7 +5,9 @@ biases, Qwen3's q/k norm; a padded row) against ``cuda.llama.reference_step`` pe
 K/V rows each step writes into its own slot (and nowhere else), greedy tokens.
 Engine: greedy and seeded sampled requests decoding together through ``Engine(fast_path="on")`` take
 the batched step and emit, per slot, the tokens that slot gets decoding alone; slots join and leave
-mid-run without changing anyone's tokens.
+mid-run without changing anyone's tokens; Qwen2 and Qwen3 checkpoints likewise; a batch with a request
+the fast path cannot serve takes the reference step. Kernel: ``rows_gemv``'s accumulation modes against
+the one-token GEMV per row.
 """
 
 from __future__ import annotations
@@ -185,3 +187,27 @@ def test_rows_gemv_modes_equal_the_one_token_gemv_per_row(mode, rows):
         one = torch.empty(40, dtype=torch.bfloat16)
         gemv.gemv(x[r], w[:40], one, residual=res[r], block_n=8, block_k=32)
         _close(out[r], one, 1e-2)
+
+
+@pytest.mark.parametrize("variant", ["qwen2", "qwen3"])
+def test_qwen_slots_decode_together_with_their_tokens_alone(tmp_path, variant):
+    save_checkpoint(variant, tmp_path, damp=True)
+    engine = Engine.load(tmp_path, num_slots=2, max_seq_len=32, dtype="bfloat16", fast_path="on",
+                         fast_path_options=OPTIONS)
+    greedy = SamplingParams(max_tokens=5, ignore_eos=True)
+    alone = {}
+    for slot in (0, 1):
+        alone[slot] = [int(engine.prefill(slot, PROMPTS[slot]).argmax())]
+        engine.start(slot, alone[slot][0], greedy)
+        while engine.active_slots():
+            alone[slot] += engine.step()[slot].token_ids
+        engine.release(slot)
+    got = {}
+    for slot in (0, 1):
+        got[slot] = [int(engine.prefill(slot, PROMPTS[slot]).argmax())]
+        engine.start(slot, got[slot][0], greedy)
+    while engine.active_slots():
+        for slot, out in engine.step().items():
+            got[slot] += out.token_ids
+        assert (engine.last_step_path, engine.last_step_slots) == ("fast", 2)
+    assert got == alone
