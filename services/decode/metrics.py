@@ -19,7 +19,7 @@ from collections.abc import Callable
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 
-from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from services.decode.effects import Finished, StartEngine
@@ -38,6 +38,11 @@ class NodeStatus:
         self.registry.register(self)
         self.step_seconds = Histogram("xl_decode_step_seconds", "One engine step over all slots",
                                       registry=self.registry, buckets=STEP_BUCKETS_S)
+        self.requests = Counter("xl_decode_requests", "Requests ended, by the path that decoded them "
+                                "(fast, reference, mixed: some steps each; none: no step)",
+                                ["path"], registry=self.registry)
+        self.steps = Counter("xl_decode_steps", "Engine steps by path (a batched step counts once)",
+                             ["path"], registry=self.registry)
         self.kv_verify_seconds = Histogram("xl_decode_kv_verify_seconds",
                                            "Verifying one KV-ready's segment checksums",
                                            registry=self.registry, buckets=STEP_BUCKETS_S)
@@ -70,6 +75,29 @@ class NodeStatus:
         return 200, "text/plain; version=0.0.4", generate_latest(self.registry)
 
 
+class DecodePaths:
+    """Per lease: why it could not take the fast path (from its start) and how many of its steps
+    each path served, so the node can say which path decoded each request."""
+
+    def __init__(self) -> None:
+        self.reasons: dict[str, str | None] = {}
+        self.counts: dict[str, dict[str, int]] = {}
+
+    def start(self, lease_id: str, fast_path_reason: str | None) -> None:
+        self.reasons[lease_id], self.counts[lease_id] = fast_path_reason, {}
+
+    def step(self, lease_id: str, path: str) -> None:
+        counts = self.counts.get(lease_id)
+        if counts is not None:
+            counts[path] = counts.get(path, 0) + 1
+
+    def end(self, lease_id: str) -> tuple[str, str | None]:
+        """(fast | reference | mixed | none, the fast path's refusal or None); forgets the lease."""
+        counts, reason = self.counts.pop(lease_id, {}), self.reasons.pop(lease_id, None)
+        paths = sorted(p for p, n in counts.items() if n)
+        return (paths[0] if len(paths) == 1 else "mixed" if paths else "none"), reason
+
+
 class LeaseTraces:
     """Per lease: the trace context its DecodeStart came with, then its ``decode`` span."""
 
@@ -94,11 +122,14 @@ class LeaseTraces:
         span = self.spans.get(lease_id)
         return contextlib.nullcontext() if span is None else trace.use_span(span, end_on_exit=False)
 
-    def finished(self, e: Finished) -> None:
+    def finished(self, e: Finished, path: str = "", fast_path_reason: str | None = None) -> None:
         span = self.spans.get(e.lease_id)
         if span is not None:
             span.set_attribute("expresslane.completion_tokens", e.num_completion_tokens)
             span.set_attribute("expresslane.outcome", e.outcome)
+            span.set_attribute("expresslane.decode_path", path)
+            if fast_path_reason:
+                span.set_attribute("expresslane.fast_path_reason", fast_path_reason)
 
     def forget(self, lease_id: str) -> None:
         self.contexts.pop(lease_id, None)

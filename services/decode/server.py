@@ -32,7 +32,7 @@ from services.decode.config import DecodeConfig
 from services.decode.effects import (
     Effect, Finished, Forget, Heartbeat, Publish, ReleaseEngine, StartEngine, StopEngine,
 )
-from services.decode.metrics import LeaseTraces, NodeStatus
+from services.decode.metrics import DecodePaths, LeaseTraces, NodeStatus
 from services.decode.receiver import Receiver
 from services.decode.reports import Reports
 from services.decode.slots import SlotCore
@@ -53,6 +53,7 @@ class DecodeNode:
         self.core = SlotCore(config.node_id, config.num_slots, engine.layout.layout_version)
         self.status = NodeStatus(self.core, lambda: self.bus.is_connected, lambda: self.is_draining)
         self.traces = LeaseTraces(config.node_id)
+        self.paths = DecodePaths()
         self.wake = asyncio.Event()
         self.seq = 0
         self.is_draining = False
@@ -181,10 +182,13 @@ class DecodeNode:
             case ReleaseEngine():
                 self.engine.release(e.slot)
             case Finished():
-                self.traces.finished(e)
+                path, fast_path_reason = self.paths.end(e.lease_id)
+                self.status.requests.labels(path).inc()
+                self.traces.finished(e, path, fast_path_reason)
                 self.log.info("decode_finished", request_id=e.request_id, slot=e.slot,
                               outcome=e.outcome, reason=e.reason, finish_reason=e.finish_reason,
-                              completion_tokens=e.num_completion_tokens, decode_ms=round(e.decode_ms, 2))
+                              completion_tokens=e.num_completion_tokens, decode_ms=round(e.decode_ms, 2),
+                              path=path, fast_path_reason=fast_path_reason)
             case Forget():
                 self.traces.forget(e.lease_id)
 
@@ -206,6 +210,11 @@ class DecodeNode:
                 t0 = time.perf_counter()
                 outputs = await asyncio.to_thread(self.engine.step)
                 self.status.step_seconds.observe(time.perf_counter() - t0)
+                path = self.engine.last_step_path or "reference"
+                self.status.steps.labels(path).inc()
+                for slot in outputs:
+                    if (lease := self.core.slots[slot].current) is not None:
+                        self.paths.step(lease.lease_id, path)
                 for slot, out in outputs.items():
                     await self._emit(slot, out)
             except Exception:
@@ -242,7 +251,10 @@ class DecodeNode:
         except Exception as exc:  # bad sizes or params: the request fails, the node lives on
             return self.core.on_engine_failed(work.slot, work.lease_id, f"start_failed: {exc}",
                                               time.perf_counter())
+        fast_path_reason = self.engine.slot_fast_path_reason(work.slot)
+        self.paths.start(work.lease_id, fast_path_reason)
         self.log.info("decode_started", request_id=work.request_id, slot=work.slot,
                       lease_id=work.lease_id, num_tokens=work.num_kv_tokens,
-                      max_tokens=work.sampling.max_tokens, migration=work.migration)
+                      max_tokens=work.sampling.max_tokens, migration=work.migration,
+                      fast_path_reason=fast_path_reason)
         return self.core.on_engine_started(work.slot, work.lease_id, started_at_s)

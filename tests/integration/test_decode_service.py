@@ -116,6 +116,10 @@ async def test_full_handoff_streams_the_engines_greedy_tokens(stack, transport, 
     assert (end.usage.prompt_tokens, end.usage.completion_tokens) == (len(PROMPT), NUM_TOKENS + 1)
     await stack.wait_state("r0", "completed")
     assert stack.states("r0") == ["claimed", "kv_ready", "decoding", "completed"]
+    # the node says which path decoded it: the reference step (float32 on a CPU: no fast path)
+    metrics = httpx.get(f"http://127.0.0.1:{node.port}/metrics", timeout=5).text
+    assert 'xl_decode_requests_total{path="reference"} 1.0' in metrics
+    assert f'xl_decode_steps_total{{path="reference"}} {float(NUM_TOKENS)}' in metrics
 
     # Stale halves of the finished lease are ignored and counted, nothing is decoded.
     before = (await node.wait_healthy(5))["stale_ignored"]

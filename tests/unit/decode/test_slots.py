@@ -418,3 +418,23 @@ def test_a_started_lease_is_finished_once_with_its_numbers():
         ("L1", "completed", "length", 3)]
     assert h.finished[0].decode_ms == 1000.0  # started at t=4 s, finished at t=5 s
     h.end_everything()
+
+
+# ---------------------------------------------------------------- which path decoded a request
+
+@pytest.mark.parametrize("steps,reason,want", [
+    (["fast", "fast"], None, ("fast", None)),
+    (["reference"], "sampling: 17-token bad word", ("reference", "sampling: 17-token bad word")),
+    (["fast", "reference", "fast"], None, ("mixed", None)),  # a slot joined that the fast path refused
+    ([], None, ("none", None)),  # cancelled before its first step
+])
+def test_decode_paths(steps, reason, want):
+    from services.decode.metrics import DecodePaths
+
+    paths = DecodePaths()
+    paths.start("L1", reason)
+    for p in steps:
+        paths.step("L1", p)
+    paths.step("unknown", "fast")  # a lease that never started here: ignored
+    assert paths.end("L1") == want
+    assert paths.end("L1") == ("none", None) and not paths.counts and not paths.reasons
