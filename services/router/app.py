@@ -128,8 +128,9 @@ class Router:
                     capacity = self.nodes.slot_capacity(info.aliases, now_s)
                     if not capacity:
                         continue
-                    free = self.nodes.free_slots(info.aliases, now_s)
-                    for _ in range(self.warm.wanted(info.name, free, now_ms)):
+                    # a slot an open leg holds is busy, whatever its node's last beat says
+                    free = self.nodes.free_slots(info.aliases, now_s) - self.dispatcher.slots_in_use()
+                    for _ in range(self.warm.wanted(info.name, len(free))):
                         self.warm.claiming(info.name)
                         self.spawn(self._warm_claim(info, capacity))
             except Exception:

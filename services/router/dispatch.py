@@ -21,6 +21,7 @@ class Dispatcher:
 
     def __init__(self) -> None:
         self._queues: dict[str, asyncio.Queue] = {}
+        self._slots: dict[str, tuple[str, int]] = {}  # leg -> (node, slot) its lease holds
 
     async def start(self, bus: Bus) -> None:
         await bus.subscribe(subjects.REQ_TOKENS_ALL, self._on_event, TokenMessage)
@@ -36,6 +37,16 @@ class Dispatcher:
 
     def close(self, leg_id: str) -> None:
         self._queues.pop(leg_id, None)
+        self._slots.pop(leg_id, None)
+
+    def hold(self, leg_id: str, node_id: str, slot: int) -> None:
+        """The open leg's lease holds this decode slot (until ``close``)."""
+        if leg_id in self._queues:
+            self._slots[leg_id] = (node_id, slot)
+
+    def slots_in_use(self) -> set[tuple[str, int]]:
+        """(node, slot) of every open leg's lease: busy even where a heartbeat still says free."""
+        return set(self._slots.values())
 
     @property
     def num_open(self) -> int:

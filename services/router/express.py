@@ -224,6 +224,7 @@ class ExpressStream:
         try:
             if grant is None:
                 grant = await self._claim(leg_id, num_prompt, max_tokens, wait_ms)
+            self.deps.dispatcher.hold(leg_id, grant.node_id, grant.target.slot.slot)
         except (asyncio.CancelledError, ClaimUnanswered) as exc:
             # The client left while the claim waited, or no coordinator answered in time: a lease
             # granted after all (a late answer, a standby restoring the queue) must not hold a slot
@@ -344,9 +345,8 @@ class ExpressStream:
         """Claim and prefill the first leg; returns the prompt's token ids."""
         t0 = time.perf_counter()
         warm = self.deps.warm
-        quiet_ms = int(1.5 * self.deps.nodes.heartbeat_interval_ms(self.info.aliases, time.monotonic()))
-        grant = (warm.take(self.info.name, self._num_prompt_tokens + self.max_tokens, int(time.time() * 1000),
-                           quiet_ms) if warm is not None else None)
+        grant = (warm.take(self.info.name, self._num_prompt_tokens + self.max_tokens, int(time.time() * 1000))
+                 if warm is not None else None)
         self.first_leg_id = grant.request_id if grant is not None else self.request_id
         if grant is not None:  # the trace still shows where the lease came from
             self.deps.metrics.warm_leases_used.inc()

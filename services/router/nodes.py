@@ -7,7 +7,8 @@ Contract (``NodeTable``):
 - ``slot_capacity(aliases, now_s)``: the most tokens one slot of a live node serving the model holds
   (``None`` when no live node serves it): the policy's availability input. The coordinator, not the
   router, picks the node; the router only needs to know whether the express lane is open.
-  ``free_slots(aliases, now_s)``: their free slots by the last heartbeats (warm leases' input).
+  ``free_slots(aliases, now_s)``: their free (node, slot) pairs by the last heartbeats (warm
+  leases' input).
 - A node serves a model when ``shared.models.serves`` says so: the coordinator matches claims the
   same way.
 
@@ -71,13 +72,10 @@ class NodeTable:
                 and node.last.endpoints.get(target.transport) == target.endpoint
                 and target.slot in node.last.slots)
 
-    def free_slots(self, aliases: Collection[str], now_s: float) -> int:
-        """Free slots of the live nodes serving the model, as their last heartbeats say."""
-        return sum(len(n.free_slots) for n in self.live(now_s, aliases))
-
-    def heartbeat_interval_ms(self, aliases: Collection[str], now_s: float) -> int:
-        """The longest heartbeat interval of the live nodes serving the model (0: none live)."""
-        return max((n.heartbeat_interval_ms for n in self.live(now_s, aliases)), default=0)
+    def free_slots(self, aliases: Collection[str], now_s: float) -> set[tuple[str, int]]:
+        """(node, slot) of the free slots of the live nodes serving the model, as their last
+        heartbeats say."""
+        return {(n.node_id, i) for n in self.live(now_s, aliases) for i in n.free_slots}
 
     def models(self, now_s: float) -> set[str]:
         return {n.model for n in self.live(now_s)}

@@ -2,14 +2,14 @@
 round trip to the coordinator (docs/design/warm-leases.md says why this and not another way).
 
 Contract (``WarmLeases``):
-- ``take(model, num_tokens, now_ms, quiet_ms)``: a held grant for ``model`` whose slot holds
-  ``num_tokens`` (prompt + output) and whose transfer deadline is at least half its lifetime away,
-  or None. The grant's request id becomes the id of the request's first leg. After a take, no warm
-  claim goes out for ``quiet_ms`` (the router passes 1.5 heartbeat intervals): until the nodes
-  beat again, the node table still counts the taken slot as free.
-- ``wanted(model, free_slots, now_ms)``: how many warm claims to send now: up to ``size`` held (or in
-  flight) per model, and only while each leaves ``RESERVE`` free slots of the node table's count
-  unheld, so that a warm lease does not take the last free slot a claim would have queued for.
+- ``take(model, num_tokens, now_ms)``: a held grant for ``model`` whose slot holds ``num_tokens``
+  (prompt + output) and whose transfer deadline is at least half its lifetime away, or None. The
+  grant's request id becomes the id of the request's first leg.
+- ``wanted(model, free_slots)``: how many warm claims to send now: up to ``size`` held (or in
+  flight) per model, and only while each leaves ``RESERVE`` of ``free_slots`` unheld, so that a
+  warm lease does not take the last free slot a claim would have queued for. ``free_slots``: the
+  nodes' free slots by their heartbeats, less the slots the router's open legs hold (a node beats
+  only every so often); held warm leases still count in it (their nodes have not heard of them).
 - ``add(model, grant, now_ms)``: a warm claim was granted; ``aged(now_ms)``: held grants past half
   their lifetime, removed (the caller cancels them before any prefill: they hold no KV);
   ``stale(is_current)``: held grants whose node is gone or came back as a new process (another
@@ -44,18 +44,14 @@ class WarmLeases:
     size: int = 1  # held grants per model; 0: off
     held: dict[str, list[_Held]] = field(default_factory=dict)
     pending: dict[str, int] = field(default_factory=dict)  # claims in flight per model
-    quiet_until_ms: dict[str, int] = field(default_factory=dict)  # no warm claim before (per model)
 
-    def take(self, model: str, num_tokens: int, now_ms: int, quiet_ms: int = 0) -> ClaimGranted | None:
+    def take(self, model: str, num_tokens: int, now_ms: int) -> ClaimGranted | None:
         for i, h in enumerate(self.held.get(model, [])):
             if h.fresh(now_ms) and num_tokens <= h.grant.target.layout.max_tokens:
-                self.quiet_until_ms[model] = now_ms + quiet_ms
                 return self.held[model].pop(i).grant
         return None
 
-    def wanted(self, model: str, free_slots: int, now_ms: int) -> int:
-        if now_ms < self.quiet_until_ms.get(model, 0):
-            return 0
+    def wanted(self, model: str, free_slots: int) -> int:
         have = len(self.held.get(model, [])) + self.pending.get(model, 0)
         # the node table counts held slots as free: their nodes have not heard of them yet
         return max(0, min(self.size - have, free_slots - have - RESERVE))
