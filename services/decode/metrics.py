@@ -25,7 +25,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from services.decode.effects import Finished, StartEngine
 from services.decode.slots import SlotCore
 
-STEP_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1)
+STEP_BUCKETS_S = (0.0005, 0.001, 0.0015, 0.002, 0.0025, 0.003, 0.004, 0.005, 0.0075, 0.01, 0.025, 0.05, 0.1,
+                  0.25, 1)  # fine from 1 to 5 ms: where a step of a small model or one GPU lands
 
 
 class NodeStatus:
