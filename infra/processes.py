@@ -48,33 +48,27 @@ def group_alive(pgid: int) -> bool:
         return True
     if not os.path.isdir("/proc"):
         return True
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[2]) == pgid and fields[0] != "Z":  # fields: state, ppid, pgrp, ...
-            return True
-    return False
+    # fields: state, ppid, pgrp, ...
+    return any(int(f[2]) == pgid and f[0] != "Z" for f in _proc_stats())
 
 
 def group_cpu_s(pgid: int) -> float:
     """CPU seconds (user + system) used so far by every live process in group ``pgid``."""
-    ticks = 0
+    # fields: state, ppid, pgrp, ..., utime (11), stime (12)
+    ticks = sum(int(f[11]) + int(f[12]) for f in _proc_stats() if int(f[2]) == pgid)
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+def _proc_stats():
+    """The fields after the command name of /proc/<pid>/stat, for every process still there."""
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
         try:
             with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
+                yield f.read().rsplit(")", 1)[1].split()
         except OSError:
             continue
-        if int(fields[2]) == pgid:  # fields: state, ppid, pgrp, ..., utime (11), stime (12)
-            ticks += int(fields[11]) + int(fields[12])
-    return ticks / os.sysconf("SC_CLK_TCK")
 
 
 def signal_group(popen: subprocess.Popen, sig: int) -> None:

@@ -90,7 +90,7 @@ class Router:
     async def stop(self) -> None:
         if self.bus is not None:
             for grant in self.warm.drain():
-                await self._release(grant, "router_stopping")
+                await self._release(grant.request_id, "router_stopping")
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -121,9 +121,9 @@ class Router:
                 now_ms = int(time.time() * 1000)
                 now_s = time.monotonic()
                 for grant in self.warm.aged(now_ms):
-                    await self._release(grant, "warm_lease_aged")
+                    await self._release(grant.request_id, "warm_lease_aged")
                 for grant in self.warm.stale(lambda g: self.nodes.serves_target(g.target, now_s)):
-                    await self._release(grant, "warm_lease_node_changed")
+                    await self._release(grant.request_id, "warm_lease_node_changed")
                 for info in list(self.models.values()):
                     capacity = self.nodes.slot_capacity(info.aliases, now_s)
                     if not capacity:
@@ -146,17 +146,14 @@ class Router:
             reply = await self.bus.request(subjects.CLAIM, claim, ClaimReply,
                                            timeout_s=self.cfg.claim_margin_s)
         except BusError:  # unanswered: a late grant must not hold a slot
-            await self._release_id(request_id, "claim_abandoned")
+            await self._release(request_id, "claim_abandoned")
             return
         finally:
             self.warm.claimed(info.name)
         if isinstance(reply, ClaimGranted):
             self.warm.add(info.name, reply, int(time.time() * 1000))
 
-    async def _release(self, grant: ClaimGranted, reason: str) -> None:
-        await self._release_id(grant.request_id, reason)
-
-    async def _release_id(self, request_id: str, reason: str) -> None:
+    async def _release(self, request_id: str, reason: str) -> None:
         """Cancel a claim no prefill ever used (its slot comes back at once)."""
         try:
             await self.bus.publish(subjects.req_cancel(request_id), CancelRequest(

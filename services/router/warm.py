@@ -66,17 +66,17 @@ class WarmLeases:
         self.held.setdefault(model, []).append(_Held(grant, now_ms))
 
     def aged(self, now_ms: int) -> list[ClaimGranted]:
-        out = []
-        for model, held in self.held.items():
-            out += [h.grant for h in held if not h.fresh(now_ms)]
-            self.held[model] = [h for h in held if h.fresh(now_ms)]
-        return out
+        return self._remove(lambda h: not h.fresh(now_ms))
 
     def stale(self, is_current: Callable[[ClaimGranted], bool]) -> list[ClaimGranted]:
+        return self._remove(lambda h: not is_current(h.grant))
+
+    def _remove(self, doomed: Callable[[_Held], bool]) -> list[ClaimGranted]:
+        """The held grants ``doomed`` picks, removed."""
         out = []
         for model, held in self.held.items():
-            out += [h.grant for h in held if not is_current(h.grant)]
-            self.held[model] = [h for h in held if is_current(h.grant)]
+            out += [h.grant for h in held if doomed(h)]
+            self.held[model] = [h for h in held if not doomed(h)]
         return out
 
     def drain(self) -> list[ClaimGranted]:
