@@ -19,6 +19,8 @@ import msgspec
 # 1: first version.
 #    Later, same version (defaults, so older peers keep decoding): KvReady.kv_checksums,
 #    kv_checksum_algo, checksum_ms (opt-in KV integrity, shared.kvchecksum).
+#    SamplingParams.logprobs, .structured (StructuredOutput); TokensGenerated.logprobs
+#    (TokenLogprobs): logprobs and grammars on the express lane.
 PROTOCOL_VERSION = 1
 
 
@@ -40,6 +42,26 @@ class Event(msgspec.Struct, tag_field="type", kw_only=True, omit_defaults=False)
 
 
 # ---------------------------------------------------------------- shared pieces (untagged)
+
+
+class StructuredOutput(msgspec.Struct, kw_only=True):
+    """A grammar that constrains every token the decode node samples, built with xgrammar exactly as
+    vLLM's xgrammar backend builds it from the same request (so both lanes allow the same tokens).
+
+    ``kind`` says which one field holds the grammar: ``json`` (``json_schema``: the schema as JSON
+    text; also tool_choice required/named, whose schema the router derives as vLLM does),
+    ``json_object`` (any JSON object), ``regex``, ``choice`` (``choices``: one of these strings),
+    ``grammar`` (EBNF, as vLLM passes it to xgrammar). ``any_whitespace`` is vLLM's
+    ``not disable_any_whitespace``. The matcher first accepts ``SamplingParams.output_token_ids``
+    then ``DecodeStart.first_token_id`` (the prefill sampled it under the same grammar).
+    """
+
+    kind: Literal["json", "json_object", "regex", "choice", "grammar"]
+    json_schema: str = ""
+    regex: str = ""
+    choices: list[str] = []
+    grammar: str = ""
+    any_whitespace: bool = True
 
 
 class SamplingParams(msgspec.Struct, kw_only=True):
@@ -74,6 +96,11 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     num_speculative_tokens: int | None = None  # None: the node's default; 0: off
     prompt_token_ids: list[int] | None = None  # the request's prompt (for repetition_penalty)
     output_token_ids: list[int] = []  # completion tokens before this leg's first token (migration)
+    # Log-probabilities (vLLM's ``logprobs``): None off; n >= 0: each generated token's logprob and
+    # rank, plus the n most likely tokens, of the model's raw distribution (vLLM's default
+    # ``logprobs_mode=raw_logprobs``: before penalties, temperature and masks), in float32.
+    logprobs: int | None = None
+    structured: StructuredOutput | None = None
 
 
 class KvSegment(msgspec.Struct, kw_only=True):
@@ -253,10 +280,22 @@ class DecodeStart(Event, tag="decode_start"):
 # ---------------------------------------------------------------- decode -> router: tokens
 
 
+class TokenLogprobs(msgspec.Struct, array_like=True):
+    """One generated token's log-probability, its rank (1: the most likely) and the ``n`` most
+    likely tokens with theirs, most likely first (``SamplingParams.logprobs``)."""
+
+    logprob: float
+    rank: int
+    top_ids: list[int] = []
+    top_logprobs: list[float] = []
+
+
 class TokensGenerated(Event, tag="tokens"):
     request_id: str
     index: int  # position of token_ids[0] among the completion's tokens (the first token is 0)
     token_ids: list[int]
+    # Parallel to token_ids when the request asked for logprobs, else empty.
+    logprobs: list[TokenLogprobs] = []
 
 
 class RequestFinished(Event, tag="finished"):
