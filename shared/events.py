@@ -282,7 +282,9 @@ class DecodeStart(Event, tag="decode_start"):
 
 class TokenLogprobs(msgspec.Struct, array_like=True):
     """One generated token's log-probability, its rank (1: the most likely) and the ``n`` most
-    likely tokens with theirs, most likely first (``SamplingParams.logprobs``)."""
+    likely tokens with theirs, most likely first (``SamplingParams.logprobs``). JSON has no -inf: a
+    token a grammar forbids travels with -9999.0 (what vLLM's OpenAI server renders for it). ``rank``
+    as vLLM counts it: the tokens with a logprob >= this one's (ties included)."""
 
     logprob: float
     rank: int
