@@ -220,7 +220,14 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--seed", type=int, default=0, help="weight seed (default 0)")
     parser.add_argument("--dtype", choices=DTYPES, default="float32",
                         help="stored weight dtype and config torch_dtype (default float32)")
+    parser.add_argument("--quantize", choices=("fp8-channel", "fp8-tensor", "fp8-block"), default=None,
+                        help="write FP8 weights (infra.tinymodel_fp8): compressed-tensors per channel or per "
+                             "tensor, or the fp8 method with 128x128 block scales")
     args = parser.parse_args(argv)
     out = make_model(args.arch, args.out, seed=args.seed, dtype=args.dtype)
+    if args.quantize:
+        from infra.tinymodel_fp8 import quantize_checkpoint
+
+        quantize_checkpoint(out, args.quantize)
     print(out)
     return 0
