@@ -23,7 +23,8 @@ def _load(config: DecodeConfig):
 
     engine = Engine.load(config.model, config.engine)
     transport = create_transport(config.transport, host=config.transport_host,
-                                 protocol=config.transport_protocol, agent_name=config.node_id)
+                                 protocol=config.transport_protocol, agent_name=config.node_id,
+                                 device=str(engine.device))  # the slot buffers are the engine's cache
     buffers = [engine.slot_buffer(s) for s in range(config.num_slots)]
     return engine, Receiver(transport, buffers, config.num_checksum_threads)
 

@@ -26,7 +26,7 @@ from opentelemetry import trace
 from shared import subjects
 from shared.events import KvFailed, KvLayoutSpec, KvReady
 from shared.handoff import Handoff
-from shared.kvchecksum import CHECKSUM_ALGO, checksums, host_reader
+from shared.kvchecksum import CHECKSUM_ALGO, checksums
 from shared.tracing import context_from_traceparent, current_traceparent
 from shared.transport import TransferError, Transport
 
@@ -107,6 +107,9 @@ class Sender:
             t.start()
 
     def submit(self, job: SendJob) -> None:
+        """Queue a job; call it on the thread that staged it (its CUDA stream holds the copies)."""
+        if job.staging_slot >= 0 and not job.fail_reason:
+            self.pool.fence(job.staging_slot)
         self._queue.put(job)
 
     def close(self) -> None:
@@ -167,6 +170,7 @@ class Sender:
         timeout_s = write_timeout_s(self.timeout_s, job.handoff.expires_at_ms, time.time() * 1000)
         if timeout_s <= 0:
             return 0, "lease expired before the write could start"
+        self.pool.wait_staged(job.staging_slot)  # GPU staging: its copies have landed
         slot_addr = self.pool.slot_addr(job.staging_slot)
         ops = write_ops(self.pool.spec, slot_addr, target.layout, target.slot.base_addr, job.num_tokens)
         if self.checksum:
@@ -180,14 +184,13 @@ class Sender:
     def _checksum(self, job: SendJob, ranges: list[tuple[int, int]]) -> None:
         """Sum what is about to be written (ranges within the staging slot); fault injection after."""
         t0 = time.perf_counter()
-        data = self.pool.slot_bytes(job.staging_slot)
-        job.kv_checksums = checksums(host_reader(data), ranges, self._checksum_pool)
+        job.kv_checksums = checksums(self.pool.slot_reader(job.staging_slot), ranges, self._checksum_pool)
         job.checksum_ms = (time.perf_counter() - t0) * 1e3
         if self.fault_flip_every:
             with self._checksum_lock:
                 self._num_checksummed += 1
                 is_flipped = self._num_checksummed % self.fault_flip_every == 0
             if is_flipped:
-                data[ranges[0][0]] ^= 0xFF
+                self.pool.flip_byte(job.staging_slot, ranges[0][0])
                 log.warning("expresslane: fault injection: flipped a KV byte of %s after its checksum",
                             job.handoff.request_id)

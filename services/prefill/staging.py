@@ -9,7 +9,12 @@ Two parts:
   After the slot bytes come 64-bit counters, each written by one side only: ``claimed``,
   ``not_handed_off`` (scheduler), ``kv_ready``, ``kv_failed`` (worker).
 - ``StagingPool``: the memory, ``num_slots`` x the native layout (shared.kvlayout) of
-  ``max_tokens`` tokens, with per-slot, per-segment tensor views.
+  ``max_tokens`` tokens, with per-slot, per-segment tensor views. On the KV cache's GPU
+  (``device="cuda:N"``: extraction is a device-to-device gather, the transport writes GPU to GPU)
+  or in pinned host memory (``device="cpu"``). Copies into a GPU slot are queued on the
+  extracting thread's CUDA stream: ``fence(slot)`` (that thread, after staging) marks them, and
+  ``wait_staged(slot)`` (the sender's thread, before writing) blocks until they are done, so a
+  write never reads a slot still being filled.
 
 No vLLM imports; torch only for the pool.
 """
@@ -97,7 +102,7 @@ def read_stats(path: str) -> dict:
 class StagingPool:
     """``num_slots`` slots of ``spec.slot_nbytes`` bytes, each viewed per segment of the layout."""
 
-    def __init__(self, spec, num_slots: int) -> None:
+    def __init__(self, spec, num_slots: int, device: str = "cpu") -> None:
         import torch
 
         from shared.kvlayout import DTYPE_SIZES
@@ -105,19 +110,57 @@ class StagingPool:
         self.spec = spec
         self.num_slots = num_slots
         self.dtype = getattr(torch, spec.dtype)
-        # Host memory (pinned where CUDA exists, so GPU -> staging copies are fast DMA).
-        pin = torch.cuda.is_available()
-        self.buffer = torch.zeros(num_slots, spec.slot_nbytes, dtype=torch.uint8, pin_memory=pin)
+        self.device = torch.device(device)
+        if self.device.type == "cuda":
+            self.buffer = torch.zeros(num_slots, spec.slot_nbytes, dtype=torch.uint8, device=self.device)
+        else:  # host memory, pinned where CUDA exists (GPU -> staging copies are DMA)
+            self.buffer = torch.zeros(num_slots, spec.slot_nbytes, dtype=torch.uint8,
+                                      pin_memory=torch.cuda.is_available())
         self.addr = self.buffer.data_ptr()
         self.nbytes = self.buffer.numel()
         self._elt = DTYPE_SIZES[spec.dtype]
+        self._staged: dict[int, object] = {}  # slot -> CUDA event after its staging copies
+
+    @property
+    def on_gpu(self) -> bool:
+        return self.device.type == "cuda"
+
+    def fence(self, slot: int) -> None:
+        """Mark the end of the staging copies queued so far on this thread's CUDA stream (no-op
+        for host staging, where the copies are done when they return)."""
+        if self.on_gpu:
+            import torch
+
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(self.device))
+            self._staged[slot] = event
+
+    def wait_staged(self, slot: int) -> None:
+        """Block until the copies ``fence(slot)`` marked have finished."""
+        event = self._staged.pop(slot, None)
+        if event is not None:
+            event.synchronize()
 
     def slot_addr(self, slot: int) -> int:
         return self.addr + slot * self.spec.slot_nbytes
 
     def slot_bytes(self, slot: int):
-        """The slot's bytes as a numpy uint8 array (a view, no copy)."""
+        """A host slot's bytes as a numpy uint8 array (a view, no copy)."""
         return self.buffer[slot].numpy()
+
+    def slot_reader(self, slot: int):
+        """``read(offset, nbytes)`` of one slot (shared.kvchecksum): host staging without copies,
+        GPU staging one range at a time."""
+        from shared.kvchecksum import host_reader
+
+        row = self.buffer[slot]
+        if not self.on_gpu:
+            return host_reader(row.numpy())
+        return lambda offset, nbytes: row[offset : offset + nbytes].cpu().numpy()
+
+    def flip_byte(self, slot: int, offset: int) -> None:
+        """Invert one byte of a slot (fault injection)."""
+        self.buffer[slot][offset] ^= 0xFF
 
     def segment_views(self, slot: int, num_tokens: int) -> list:
         """Per segment, a [num_tokens, elems_per_token] view into the slot."""

@@ -4,7 +4,8 @@
 request whose prompt completed this step hold its whole prompt KV. For each ``SaveRequest`` it
 converts every layer (main layers, then MTP layers, by layer index) with that layer's layout
 adapter into the reserved staging slot, marks the slot SENDING and queues it for the sender;
-it never touches the network and never blocks on it.
+it never touches the network and never blocks on it. On a GPU the staging slots are GPU memory
+and the copies are queued on the step's stream; the sender waits for them before it writes.
 """
 
 from __future__ import annotations
@@ -64,11 +65,14 @@ class ExpressWorker:
         self.shape = self._kv_shape()
         dtype = str(self.layers[0][1].dtype).removeprefix("torch.")
         self.spec = layout_spec(self.shape, dtype, self.max_tokens)
-        self.pool = StagingPool(self.spec, self.config.staging_slots)
+        # Staging on the KV cache's device: on a GPU the extraction is a device-to-device gather
+        # and the transport writes GPU memory into the decode node's GPU memory.
+        device = str(self.layers[0][1].device)
+        self.pool = StagingPool(self.spec, self.config.staging_slots, device=device)
         for name in self.config.transports:
             t = create_transport(name, host=self.config.mooncake_host,
                                  protocol=self.config.mooncake_protocol,
-                                 agent_name=self.config.nixl_agent_name, receives=False)
+                                 agent_name=self.config.nixl_agent_name, receives=False, device=device)
             t.register(self.pool.addr, self.pool.nbytes)
             self.transports[name] = t
         self.sender = Sender(self.transports, self.pool, self.states, self.publisher,

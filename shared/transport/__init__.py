@@ -4,6 +4,7 @@ Contract (the prefill sender writes, the decode node only registers and advertis
 
     t = create_transport("mooncake", host="10.0.0.5", protocol="rdma")   # or "nixl"
     t.register(addr, nbytes)          # once, at start, for every buffer written from or into
+                                      # (device="cuda[:i]" at creation: the buffers are GPU memory)
     t.endpoint, t.metadata_b64        # what the receiver advertises (NodeAvailable / TransferTarget)
     t.write(remote_endpoint, [(local_addr, remote_addr, nbytes), ...], remote_metadata_b64, timeout_s)
     t.close()
@@ -16,7 +17,11 @@ The receiver learns of completion only from the KV-ready event the writer publis
   there is no RDMA NIC (the same API; "rdma" without HCAs silently falls back to TCP). The endpoint
   is the session id ``"host:rpc_port"``; ``metadata_b64`` is "".
 - NIXL (UCX backend): the endpoint is the agent name; ``metadata_b64`` is the agent metadata, taken
-  after registration; a writer loads it once per remote agent (again when it changes).
+  after registration; a writer loads it once per remote agent (again when it changes). GPU memory
+  is registered as VRAM of the process's CUDA device (``device``); a remote slot is addressed as
+  device 0 of its node, the one GPU a decode node sees. Between two GPUs of one host UCX writes
+  over CUDA IPC (NVLink where the GPUs have it).
+- Mooncake tells host from GPU memory itself at registration (its CUDA build).
 
 Both are imported lazily, so importing this package needs neither library.
 """
@@ -72,11 +77,13 @@ def create_transport(
     protocol: str = "tcp",
     agent_name: str | None = None,
     receives: bool = True,
+    device: str = "cpu",
 ) -> Transport:
     """Build a transport by name: "mooncake" (``host``, ``protocol``) or "nixl" (``agent_name``).
 
     ``receives=False`` for a transport that only writes (the prefill's sender): it then keeps no
-    background progress thread (NIXL's polls without pause and would hold a core while idle)."""
+    background progress thread (NIXL's polls without pause and would hold a core while idle).
+    ``device``: where the buffers it registers live ("cpu", "cuda", "cuda:1")."""
     if name == "mooncake":
         from shared.transport.mooncake import MooncakeTransport
 
@@ -84,5 +91,10 @@ def create_transport(
     if name == "nixl":
         from shared.transport.nixl import NixlTransport
 
-        return NixlTransport(agent_name=agent_name, receives=receives)
+        kind, _, index = str(device).partition(":")
+        if kind not in ("cpu", "cuda"):
+            raise ValueError(f"transport device {device!r}: use 'cpu', 'cuda' or 'cuda:N'")
+        return NixlTransport(agent_name=agent_name, receives=receives,
+                             mem_type="VRAM" if kind == "cuda" else "DRAM",
+                             device_id=int(index) if index else 0)
     raise ValueError(f"unknown transport {name!r}: use one of {', '.join(TRANSPORTS)}")

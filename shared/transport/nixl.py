@@ -16,6 +16,8 @@ import uuid
 
 from shared.transport import TransferError
 
+POLL_MAX_S = 50e-6  # the longest sleep between two polls of a transfer in flight
+
 
 class NixlTransport:
     """One NIXL agent with the UCX backend."""
@@ -94,7 +96,7 @@ class NixlTransport:
             with self._lock:
                 self._ensure_remote(remote_endpoint, remote_metadata_b64)
             local = self._agent.get_xfer_descs([(a, n, self._device_id) for a, _, n in ops], self._mem_type)
-            remote = self._agent.get_xfer_descs([(r, n, 0) for _, r, n in ops], self._mem_type)
+            remote = self._agent.get_xfer_descs([(r, n, 0) for _, r, n in ops], self._mem_type)  # device 0 there
             handle = self._agent.initialize_xfer("WRITE", local, remote, remote_endpoint)
             state = self._agent.transfer(handle)
             deadline = time.monotonic() + timeout_s
@@ -106,7 +108,7 @@ class NixlTransport:
                         f"within {timeout_s:.1f} s"
                     )
                 time.sleep(delay_s)
-                delay_s = min(delay_s * 2, 1e-3)
+                delay_s = min(delay_s * 2, POLL_MAX_S)
                 state = self._agent.check_xfer_state(handle)
             if state != "DONE":
                 raise TransferError(f"nixl write of {nbytes} bytes to {remote_endpoint} failed ({state})")

@@ -5,6 +5,7 @@ check, shared.kvchecksum.verify, catches it). A memory-copy transport stands in 
 from __future__ import annotations
 
 import ctypes
+import threading
 import time
 
 import numpy as np
@@ -38,13 +39,38 @@ class Publisher:
         return True
 
 
-def send(tmp_path, num_requests: int, **sender_kw) -> tuple[list[KvReady], list[np.ndarray]]:
+class CopiesInFlight(StagingPool):
+    """Staging whose copies (queued on a GPU stream in production) finish only when ``done`` is set."""
+
+    def __init__(self) -> None:
+        super().__init__(SPEC, 1)
+        self.done = threading.Event()
+        self.fenced: list[int] = []
+
+    def fence(self, slot: int) -> None:
+        self.fenced.append(slot)
+
+    def wait_staged(self, slot: int) -> None:
+        assert self.done.wait(30), "the staging copies never finished"
+
+
+class RecordingTransport(MemcpyTransport):
+    def __init__(self) -> None:
+        self.writes = []
+
+    def write(self, endpoint, ops, nixl_metadata_b64="", timeout_s=None) -> None:
+        self.writes.append(ops)
+        super().write(endpoint, ops, nixl_metadata_b64, timeout_s)
+
+
+def send(tmp_path, num_requests: int, pool=None, transport=None, on_submit=None,
+         **sender_kw) -> tuple[list[KvReady], list[np.ndarray]]:
     """Stage random KV and send it into fresh decode slots; the KvReady events and the slots."""
     states = SlotStates(str(tmp_path / "states"), 1, create=True)
-    pool = StagingPool(SPEC, 1)
+    pool = pool or StagingPool(SPEC, 1)
     publisher = Publisher()
-    sender = Sender({"mooncake": MemcpyTransport()}, pool, states, publisher, 5.0, num_threads=1,
-                    **sender_kw)
+    sender = Sender({"mooncake": transport or MemcpyTransport()}, pool, states, publisher, 5.0,
+                    num_threads=1, **sender_kw)
     slots = []
     rng = np.random.default_rng(0)
     try:
@@ -57,6 +83,8 @@ def send(tmp_path, num_requests: int, **sender_kw) -> tuple[list[KvReady], list[
             states.set(0, SENDING)
             sender.submit(SendJob(Handoff(request_id=f"r{i}", lease_id=f"L{i}", generation=1,
                                           target=target), 0, NUM_TOKENS))
+            if on_submit is not None:
+                on_submit()
             deadline = time.monotonic() + 30
             while len(publisher.events) <= i:  # one staging slot: each job ends before the next
                 assert time.monotonic() < deadline, "the sender never published"
@@ -88,3 +116,17 @@ def test_sums_match_the_bytes_that_landed(tmp_path, num_checksum_threads):
 def test_fault_injection_corrupts_every_nth_transfer_after_summing(tmp_path):
     events, slots = send(tmp_path, 4, checksum=True, fault_flip_every=2)
     assert [landed_ok(e, s) for e, s in zip(events, slots)] == [True, False, True, False]
+
+
+def test_a_slot_is_written_only_after_its_staging_copies_finish(tmp_path):
+    pool, transport = CopiesInFlight(), RecordingTransport()
+
+    def copies_land() -> None:
+        assert pool.fenced == [0]  # marked on the submitting (extracting) thread
+        assert transport.writes == []  # the sender waits for the copies
+        pool.done.set()
+
+    (event,), (slot,) = send(tmp_path, 1, pool=pool, transport=transport, on_submit=copies_land)
+    assert isinstance(event, KvReady) and len(transport.writes) == 1
+    assert np.array_equal(slot[: SPEC.segments[0].bytes_per_token * NUM_TOKENS],
+                          pool.slot_bytes(0)[: SPEC.segments[0].bytes_per_token * NUM_TOKENS])
