@@ -41,9 +41,11 @@ from services.router.dispatch import Dispatcher
 from services.router.express import ExpressDeps, ExpressStream, LaneFallback, claim_request
 from services.router.metrics import RouterMetrics
 from services.router.nodes import NodeTable
-from services.router.policy import HEADER, LaneInputs, choose_lane
+from services.router import vllm_surface
+from services.router.policy import HEADER, LaneDecision, LaneInputs, choose_lane
 from services.router.respond import express_response
 from services.router.validate import ParsedRequest, parse_body, parse_request
+from services.router.vllm_surface import Surface
 from services.router.warm import WarmLeases
 from services.router.sampling import bad_words_token_ids
 from shared import subjects
@@ -74,6 +76,7 @@ class Router:
         self._tasks: set[asyncio.Task] = set()
         self._next_decode = -1
         self.warm = WarmLeases(cfg.warm_leases)
+        self.surface = Surface(cfg.tool_call_parser, cfg.reasoning_parser, cfg.enable_auto_tool_choice)
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -82,7 +85,13 @@ class Router:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
+    @property
+    def _surface_wanted(self) -> bool:
+        return self.cfg.vllm_surface == "on" or (self.cfg.vllm_surface == "auto" and vllm_surface.available())
+
     async def start(self) -> None:
+        if self._surface_wanted:
+            self.spawn(asyncio.to_thread(self.surface.load))
         self.spawn(self._connect_bus())
         for url in self.cfg.prefill_urls:
             self.spawn(self._discover(url))
@@ -180,7 +189,10 @@ class Router:
 
     @property
     def is_ready(self) -> bool:
-        return self.discovered == set(self.cfg.prefill_urls)
+        # parsers configured: vLLM's serving code must be loaded before the lane answers
+        surface_ok = self.surface.ready or not (self.cfg.tool_call_parser or self.cfg.reasoning_parser
+                                                or self.cfg.vllm_surface == "on")
+        return self.discovered == set(self.cfg.prefill_urls) and surface_ok
 
     def express_capacity(self) -> dict[str, int | None]:
         now = time.monotonic()
@@ -216,10 +228,10 @@ class Router:
         span = self.tracer.start_span("router.request", context=extract_context(dict(request.headers)),
                                       kind=SpanKind.SERVER,
                                       attributes={"request_id": request_id, "endpoint": endpoint})
-        lane = "none"
+        lane, reason = "none", ""
         try:
             with trace.use_span(span, end_on_exit=False):
-                response, lane = await self._handle(request, endpoint, request_id, span)
+                response, lane, reason = await self._handle(request, endpoint, request_id, span)
         except ApiError as exc:
             response = JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
         except standard.UpstreamError as exc:
@@ -231,6 +243,8 @@ class Router:
             response = JSONResponse(err.body(), status_code=500)
         response.headers["x-request-id"] = request_id
         response.headers["x-expresslane-lane"] = lane
+        if reason:
+            response.headers["x-expresslane-reason"] = _header_text(reason)
         span.set_attribute("lane", lane)
         span.set_attribute("http.status_code", response.status_code)
         self.metrics.requests.labels(endpoint, lane, str(response.status_code)).inc()
@@ -240,7 +254,7 @@ class Router:
         return response
 
     async def _handle(self, request: Request, endpoint: str, request_id: str,
-                      span: trace.Span) -> tuple[Response, str]:
+                      span: trace.Span) -> tuple[Response, str, str]:
         t_arrival = time.perf_counter()
         tenant = self._tenant(request)
         req = parse_request(endpoint, parse_body(await request.body()))  # type: ignore[arg-type]
@@ -256,10 +270,12 @@ class Router:
                 f"This model's maximum context length is {info.max_model_len} tokens. However, "
                 f"you requested {num_prompt + max_tokens} tokens ({num_prompt} in the prompt, "
                 f"{max_tokens} in the completion)."), param="max_tokens", code="context_length_exceeded")
+        prepared, refused = self._prepare(info, req)
         decision = choose_lane(self.cfg.policy, LaneInputs(
             model=req.model, tenant=tenant, header=request.headers.get(HEADER),
             blockers=tuple(req.express_blockers), max_tokens=max_tokens,
-            num_prompt_tokens=num_prompt, slot_capacity=capacity))
+            num_prompt_tokens=num_prompt, slot_capacity=capacity)) if not refused else LaneDecision(
+            "standard", f"vLLM answers it: {refused}")
         self.metrics.lane_reasons.labels(decision.lane, decision.reason.split(":")[0]).inc()
         span.set_attribute("lane_reason", decision.reason)
         if decision.lane == "express":
@@ -267,15 +283,19 @@ class Router:
                 self._deps(), info, request_id=request_id, path=_PATHS[endpoint], body=req.body,
                 sampling=self._sampling(info, req), stop_token_ids=req.stop_token_ids,
                 ignore_eos=req.ignore_eos, max_tokens=max_tokens, num_prompt_tokens=num_prompt,
-                tenant=tenant, parent=span)
+                tenant=tenant, parent=span,
+                logprobs=prepared.logprobs if prepared is not None else None,
+                structured=prepared.structured if prepared is not None else None)
             try:
                 await es.open()
-                response = await express_response(es, req, info, request_id, span, t_arrival, self.metrics)
+                response = await express_response(es, req, info, request_id, span, t_arrival, self.metrics,
+                                                  self.surface, prepared)
                 response.headers["x-expresslane-leg"] = es.first_leg_id
-                return response, "express"
+                return response, "express", decision.reason
             except LaneFallback as exc:
                 _log.warning("express_fallback", reason=str(exc))
                 self.metrics.fallbacks.labels("coordinator").inc()
+                decision = LaneDecision("standard", f"fallback: {exc}")
         headers = inject_headers({})
         if not self.cfg.standard_url and self.cfg.native_decode_urls:
             self._next_decode = (self._next_decode + 1) % len(self.cfg.native_decode_urls)
@@ -285,13 +305,38 @@ class Router:
         else:
             resp = await standard.forward(self.http, self.cfg.standard_url or info.url, _PATHS[endpoint],
                                           req.body, req.stream, headers, self.cfg.standard_timeout_s)
-        return resp, "standard"
+        return resp, "standard", decision.reason
+
+    def _prepare(self, info: backend.ModelInfo, req: ParsedRequest) -> tuple[Any, str]:
+        """vLLM's reading of a request that needs its serving code (services.router.vllm_surface):
+        (prepared or None, why vLLM refuses it or ""). What the lane cannot honour is added to the
+        request's blockers."""
+        reasoning = req.endpoint == "chat" and bool(self.cfg.reasoning_parser)
+        if not (req.vllm_fields or reasoning):
+            return None, ""
+        if not self.surface.ready:
+            why = self.surface.error or "loading" if self._surface_wanted else "off"
+            req.express_blockers.extend(f"{name} (vLLM's serving code in the router: {why})"
+                                        for name in (req.vllm_fields or ["reasoning"]))
+            return None, ""
+        try:
+            prepared = self.surface.prepare(req.endpoint, req.body, info)
+        except ValueError as exc:  # vLLM answers with its own 400 on the standard lane
+            return None, str(exc).splitlines()[0][:200]
+        if prepared.blocker:
+            req.express_blockers.append(prepared.blocker)
+        return prepared, ""
 
     def _deps(self) -> ExpressDeps:
         assert self.bus is not None
         return ExpressDeps(bus=self.bus, http=self.http, dispatcher=self.dispatcher, nodes=self.nodes,
                            metrics=self.metrics, tracer=self.tracer, spawn=self.spawn, cfg=self.cfg,
                            warm=self.warm)
+
+def _header_text(text: str) -> str:
+    """A header-safe (latin-1, one line) version of ``text``."""
+    return " ".join(text.encode("latin-1", "replace").decode("latin-1").split())[:300]
+
 
 def create_app(cfg: RouterConfig) -> FastAPI:
     router = Router(cfg)
@@ -330,7 +375,7 @@ def create_app(cfg: RouterConfig) -> FastAPI:
     async def health() -> Response:
         body = {"status": "ok" if router.is_ready else "starting", "bus": router.bus is not None,
                 "models": sorted(router.models), "express_capacity": router.express_capacity(),
-                "warm_leases": router.warm.held_ids(),
+                "warm_leases": router.warm.held_ids(), "vllm_surface": router.surface.ready,
                 "missing": sorted(set(cfg.prefill_urls) - router.discovered)}
         return JSONResponse(body, status_code=200 if router.is_ready else 503)
 

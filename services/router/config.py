@@ -37,6 +37,12 @@ class RouterConfig:
     migrate_to: str = "express"  # "express": another node first, then standard; "standard"
     migrate_wait_ms: int = 500
     warm_leases: int = 1  # granted claims held ready per model (services.router.warm); 0: off
+    # vLLM's serving code for tools, structured output, logprobs and reasoning
+    # (services.router.vllm_surface): the prefill vLLM's own parser flags
+    tool_call_parser: str = ""
+    reasoning_parser: str = ""
+    enable_auto_tool_choice: bool = False
+    vllm_surface: str = "auto"  # auto: when vLLM is installed; on: required; off: never
 
 
 def _pairs(text: str, what: str) -> dict[str, str]:
@@ -81,6 +87,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warm-leases", type=int, default=d.warm_leases, metavar="N",
                    help="granted claims kept ready per model, so an express request skips the claim's "
                         "round trip; one is held only while it leaves a free slot unheld (0: off)")
+    p.add_argument("--tool-call-parser", default="", metavar="NAME",
+                   help="the tool-call parser the prefill vLLM runs (vLLM's --tool-call-parser: "
+                        "hermes, llama3_json, qwen3_xml, deepseek_v3, ...): the router parses the "
+                        "express lane's tool calls with vLLM's own parser of that name")
+    p.add_argument("--reasoning-parser", default="", metavar="NAME",
+                   help="the reasoning parser the prefill vLLM runs (vLLM's --reasoning-parser: "
+                        "deepseek_r1, qwen3, ...): the express lane's reasoning_content is split "
+                        "with vLLM's own parser of that name")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="as vLLM's flag: tool_choice=auto is parsed (needs --tool-call-parser)")
+    p.add_argument("--vllm-surface", default=d.vllm_surface, choices=["auto", "on", "off"],
+                   help="render tools, structured output, logprobs and reasoning of express "
+                        "requests with vLLM's serving code, imported in the router: auto (when "
+                        "vLLM is installed), on (required), off (such requests use the standard lane)")
     p.add_argument("--claim-wait-ms", type=int, default=d.claim_wait_ms,
                    help="how long a claim may queue for a free decode slot")
     p.add_argument("--prefill-timeout-s", type=float, default=d.prefill_timeout_s)
@@ -112,6 +132,15 @@ def from_args(args: argparse.Namespace) -> RouterConfig:
     for name in ("claim_wait_ms", "max_migrations", "warm_leases"):
         if getattr(args, name) < 0:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 0")
+    if args.enable_auto_tool_choice and not args.tool_call_parser:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (as in vLLM)")
+    if args.vllm_surface == "off" and (args.tool_call_parser or args.reasoning_parser):
+        raise ValueError("--tool-call-parser/--reasoning-parser need --vllm-surface auto or on")
+    from services.router import vllm_surface
+
+    vllm_surface.check_parsers(args.tool_call_parser, args.reasoning_parser)
+    if args.vllm_surface == "on" and not vllm_surface.available():
+        raise ValueError("--vllm-surface on: vLLM is not installed in this environment")
     return RouterConfig(
         prefill_urls=urls,
         standard_url=args.standard_url.rstrip("/"),
@@ -132,4 +161,8 @@ def from_args(args: argparse.Namespace) -> RouterConfig:
         max_migrations=args.max_migrations,
         migrate_to=args.migrate_to,
         warm_leases=args.warm_leases,
+        tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
+        enable_auto_tool_choice=args.enable_auto_tool_choice,
+        vllm_surface=args.vllm_surface,
     )

@@ -45,7 +45,7 @@ from shared import subjects
 from shared.bus import Bus, BusNoResponders, BusTimeout
 from shared.events import (
     CancelRequest, ClaimGranted, ClaimReply, ClaimRejected, ClaimRequest, DecodeStart, HandoffEvent,
-    RequestFailed, RequestFinished, SamplingParams, TokensGenerated,
+    RequestFailed, RequestFinished, SamplingParams, StructuredOutput, TokenLogprobs, TokensGenerated,
 )
 from shared.handoff import Handoff, request_params
 from shared.log import get_logger
@@ -72,9 +72,42 @@ def handoff_params(grant: ClaimGranted, traceparent: str = "") -> dict[str, Any]
     return request_params(Handoff.from_grant(grant, traceparent=traceparent))
 
 
+def _token_id(text: str) -> int:
+    """vLLM's ``return_tokens_as_token_ids`` spelling of a token: ``token_id:123``."""
+    return int(text.rpartition(":")[2])
+
+
+def chunk_logprobs(choice: dict[str, Any]) -> TokenLogprobs | None:
+    """The first token's logprobs from a prefill chunk rendered with ``return_tokens_as_token_ids``
+    (chat: ``logprobs.content[0]``; completions: ``tokens``/``token_logprobs``/``top_logprobs``).
+    vLLM lists the sampled token first, then the most likely others: ``top_ids`` keeps that order,
+    so the router renders the same entries again."""
+    lp = choice.get("logprobs")
+    if not lp:
+        return None
+    if "content" in lp:
+        if not lp["content"]:
+            return None
+        entry = lp["content"][0]
+        sampled = _token_id(entry["token"])
+        tops = [(_token_id(t["token"]), float(t["logprob"])) for t in entry.get("top_logprobs") or []]
+        logprob = float(entry["logprob"])
+    else:
+        if not lp.get("tokens"):
+            return None
+        sampled = _token_id(lp["tokens"][0])
+        logprob = float(lp["token_logprobs"][0])
+        tops = [(_token_id(t), float(v)) for t, v in ((lp.get("top_logprobs") or [None])[0] or {}).items()]
+    if tops and tops[0][0] == sampled:
+        tops = tops[1:]
+    rank = 1 + sum(1 for _, v in tops if v > logprob)  # not rendered by vLLM: as far as it shows
+    return TokenLogprobs(logprob=logprob, rank=rank, top_ids=[t for t, _ in tops],
+                         top_logprobs=[v for _, v in tops])
+
+
 async def _first_token(lines: AsyncIterator[str]) -> tuple[TokenBatch, list[int]]:
     """From a streamed prefill (``max_tokens=1``, ``return_token_ids``): its one token (finish
-    reason "stop" when vLLM stopped on it) and the prompt's token ids."""
+    reason "stop" when vLLM stopped on it, its logprobs when asked) and the prompt's token ids."""
     prompt_ids: list[int] = []
     async for line in lines:
         if not line.startswith("data: ") or line == "data: [DONE]":
@@ -90,7 +123,8 @@ async def _first_token(lines: AsyncIterator[str]) -> tuple[TokenBatch, list[int]
                 if len(token_ids) != 1:
                     break
                 finish = "stop" if choice.get("finish_reason") == "stop" else None
-                return TokenBatch(list(token_ids), finish), list(prompt_ids)
+                lp = chunk_logprobs(choice)
+                return TokenBatch(list(token_ids), finish, [lp] if lp is not None else None), list(prompt_ids)
     raise ApiError(502, "the prefill server's stream ended without exactly 1 token id: is it vLLM "
                         ">= 0.32 with return_token_ids?")
 
@@ -150,7 +184,8 @@ class ExpressStream:
     def __init__(self, deps: ExpressDeps, info: ModelInfo, *, request_id: str, path: str,
                  body: dict[str, Any], sampling: dict[str, Any], stop_token_ids: list[int],
                  ignore_eos: bool, max_tokens: int, num_prompt_tokens: int, tenant: str,
-                 parent: trace.Span) -> None:
+                 parent: trace.Span, logprobs: int | None = None,
+                 structured: StructuredOutput | None = None) -> None:
         self.deps = deps
         self.info = info
         self.request_id = request_id
@@ -163,6 +198,8 @@ class ExpressStream:
         self.max_tokens = max_tokens
         self._num_prompt_tokens = num_prompt_tokens
         self._tenant = tenant
+        self._logprobs = logprobs
+        self._structured = structured
         self._ctx = trace.set_span_in_context(parent)
         self.prompt_ids: list[int] = []
         self._leg: _Leg | None = None
@@ -260,6 +297,8 @@ class ExpressStream:
                 body["min_tokens"] = 1  # vLLM: at most max_tokens; the node holds back stops after
             for key in ("max_completion_tokens", "stream_options", "stop"):
                 body.pop(key, None)
+            if self._logprobs is not None:  # ids, not text: the router renders them again
+                body["return_tokens_as_token_ids"] = True
             request = self.deps.http.build_request("POST", url, json=body, headers=inject_headers({}),
                                                    timeout=self.deps.cfg.prefill_timeout_s)
             try:
@@ -295,7 +334,7 @@ class ExpressStream:
             bad_words_token_ids=s["bad_words_token_ids"], min_tokens=max(0, s["min_tokens"] - len(generated)),
             seed=s.get("seed"), stop_token_ids=self._stop_ids, ignore_eos=self._ignore_eos,
             prompt_token_ids=list(self.prompt_ids) if repetition != 1.0 else None,
-            output_token_ids=list(generated[:-1]))
+            output_token_ids=list(generated[:-1]), logprobs=self._logprobs, structured=self._structured)
 
     async def _start_decode(self, leg: _Leg, first_id: int, num_prompt: int, remaining: int,
                             generated: list[int]) -> None:
@@ -320,13 +359,15 @@ class ExpressStream:
             except asyncio.TimeoutError:
                 raise _LegFailed(f"decode node {leg.grant.node_id} silent for {timeout_s:g} s") from None
             if isinstance(event, TokensGenerated):
-                ids = event.token_ids[max(0, expected - event.index):]
+                skip = max(0, expected - event.index)
+                ids = event.token_ids[skip:]
                 if event.index > expected:
                     raise _LegFailed(f"tokens {expected}..{event.index - 1} never arrived")
                 expected += len(ids)
                 timeout_s = self.deps.cfg.token_timeout_s
                 if ids:
-                    yield TokenBatch(list(ids))
+                    lps = list(event.logprobs[skip:]) if self._logprobs is not None else None
+                    yield TokenBatch(list(ids), logprobs=lps)
             elif isinstance(event, RequestFinished):
                 if event.finish_reason == "cancelled":
                     raise _LegFailed("the decode node cancelled the request")
@@ -375,7 +416,7 @@ class ExpressStream:
                 if batch.finish_reason or remaining <= 0:
                     if leg is not None:
                         self._cancel(leg, "finished_at_prefill")
-                    yield TokenBatch(batch.token_ids, batch.finish_reason or "length")
+                    yield TokenBatch(batch.token_ids, batch.finish_reason or "length", batch.logprobs)
                     return
                 await self._start_decode(leg, batch.token_ids[0],
                                          len(self.prompt_ids) + len(generated) - 1, remaining, generated)
@@ -437,6 +478,8 @@ class ExpressStream:
                "logit_bias": {str(k): v for k, v in s["logit_bias"].items()} or None,
                "allowed_token_ids": s["allowed_token_ids"], "bad_words": s["bad_words"] or None,
                "min_tokens": min(max(0, s["min_tokens"] - len(generated)), max_tokens) or None}
+        if self._logprobs is not None:
+            out.update(logprobs=self._logprobs, return_tokens_as_token_ids=True)
         if s["top_k"]:
             out["top_k"] = s["top_k"]
         return out

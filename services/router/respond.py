@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
+from typing import Any
 
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from opentelemetry import trace
@@ -25,9 +26,14 @@ from services.router.validate import ParsedRequest
 
 
 async def express_response(es: ExpressStream, req: ParsedRequest, info: ModelInfo, request_id: str,
-                           span: trace.Span, t_arrival: float, metrics: RouterMetrics) -> Response:
-    """The HTTP response of an opened express stream."""
+                           span: trace.Span, t_arrival: float, metrics: RouterMetrics,
+                           surface: Any = None, prepared: Any = None) -> Response:
+    """The HTTP response of an opened express stream (rendered by vLLM's serving code when the
+    request was ``prepared`` by services.router.vllm_surface)."""
     prefix = "chatcmpl-" if req.endpoint == "chat" else "cmpl-"
+    if prepared is not None:
+        return await _vllm_response(es, req, info, prefix + request_id, span, t_arrival, metrics,
+                                    surface, prepared)
     builder = ResponseBuilder(req.endpoint, prefix + request_id, req.model,  # type: ignore[arg-type]
                               include_usage=req.include_usage, return_token_ids=req.return_token_ids)
     detok = Detokenizer(info.tokenizer, es.prompt_ids, skip_special_tokens=req.skip_special_tokens,
@@ -36,7 +42,7 @@ async def express_response(es: ExpressStream, req: ParsedRequest, info: ModelInf
         return StreamingResponse(_stream_body(es, detok, builder, span, t_arrival, metrics),
                                  media_type="text/event-stream")
     text, finish, stop_reason = "", None, None
-    async for delta, _, finish, stop_reason in _run(es, detok, metrics):
+    async for delta, _, _, finish, stop_reason in _run(es, detok, metrics):
         text += delta
     usage = usage_dict(len(es.prompt_ids), detok.num_tokens)
     return JSONResponse(builder.full(text, finish or "length", stop_reason, usage,
@@ -44,8 +50,9 @@ async def express_response(es: ExpressStream, req: ParsedRequest, info: ModelInf
 
 
 async def _run(es: ExpressStream, detok: Detokenizer, metrics: RouterMetrics
-               ) -> AsyncIterator[tuple[str, list[int], str | None, str | None]]:
-    """(text, token ids, finish_reason, stop_reason) per batch; the source closes on a stop."""
+               ) -> AsyncIterator[tuple[str, list[int], list[Any] | None, str | None, str | None]]:
+    """(text, token ids, their logprobs, finish_reason, stop_reason) per batch; the source closes
+    on a stop."""
     gen = es.tokens()
     metrics.active.labels("express").inc()
     try:
@@ -53,11 +60,12 @@ async def _run(es: ExpressStream, detok: Detokenizer, metrics: RouterMetrics
             delta = detok.add(batch.token_ids)
             metrics.completion_tokens.labels("express").inc(len(delta.token_ids))
             finish = delta.finish_reason or batch.finish_reason
+            lps = batch.logprobs[:len(delta.token_ids)] if batch.logprobs is not None else None
             if finish:
-                yield delta.text + detok.flush(), delta.token_ids, finish, delta.stop_reason
+                yield delta.text + detok.flush(), delta.token_ids, lps, finish, delta.stop_reason
                 return
-            yield delta.text, delta.token_ids, None, None
-        yield detok.flush(), [], "length", None
+            yield delta.text, delta.token_ids, lps, None, None
+        yield detok.flush(), [], None, "length", None
     finally:
         metrics.active.labels("express").dec()
         await gen.aclose()
@@ -67,7 +75,7 @@ async def _stream_body(es: ExpressStream, detok: Detokenizer, builder: ResponseB
                        t_arrival: float, metrics: RouterMetrics) -> AsyncIterator[bytes]:
     first = True
     try:
-        async for text, token_ids, finish, stop_reason in _run(es, detok, metrics):
+        async for text, token_ids, _, finish, stop_reason in _run(es, detok, metrics):
             chunk = builder.delta(text, token_ids, es.prompt_ids)
             if chunk:
                 if first:
@@ -83,3 +91,43 @@ async def _stream_body(es: ExpressStream, detok: Detokenizer, builder: ResponseB
         yield sse_error(ApiError(exc.status, exc.body.decode(errors="replace")[:500]).body())
     finally:
         span.end()
+
+
+async def _vllm_response(es: ExpressStream, req: ParsedRequest, info: ModelInfo, response_id: str,
+                         span: trace.Span, t_arrival: float, metrics: RouterMetrics, surface: Any,
+                         prepared: Any) -> Response:
+    """vLLM's own response (logprobs, tool calls, reasoning) for the express lane's tokens."""
+    from services.router.vllm_surface import OutputBuilder
+
+    vreq = prepared.request
+    detok = Detokenizer(info.tokenizer, es.prompt_ids, skip_special_tokens=vreq.skip_special_tokens,
+                        stop=req.stop, include_stop_str_in_output=req.include_stop_str_in_output)
+    builder = OutputBuilder(info.tokenizer, response_id, es.prompt_ids, prepared.logprobs, req.stream)
+
+    async def outputs() -> AsyncIterator[Any]:
+        first = True
+        async for text, token_ids, lps, finish, stop_reason in _run(es, detok, metrics):
+            if prepared.logprobs is not None:
+                builder.add_logprobs(token_ids, lps)
+            if first and req.stream:
+                metrics.ttft_ms.labels("express").observe((time.perf_counter() - t_arrival) * 1000)
+                first = False
+            yield builder.output(text, token_ids, finish, stop_reason)
+            if finish:
+                return
+
+    rendered = surface.render(prepared, info, response_id, es.prompt_ids, outputs())
+    if req.stream:
+        async def body() -> AsyncIterator[bytes]:
+            try:
+                async for line in rendered:
+                    yield line.encode()
+            finally:
+                span.end()
+        return StreamingResponse(body(), media_type="text/event-stream")
+    result = await rendered
+    data = result.model_dump()
+    if "error" in data and "choices" not in data:
+        status = int((data.get("error") or {}).get("code") or 500)
+        return JSONResponse(data, status_code=status)
+    return JSONResponse(data)

@@ -34,6 +34,8 @@ class TokenBatch:
 
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
+    # parallel to token_ids when the request asked for logprobs (a None entry: not known)
+    logprobs: list[Any] | None = None
 
 
 class UpstreamError(Exception):
@@ -123,6 +125,18 @@ async def forward_native_pool(
                          headers, timeout_s)
 
 
+def _completion_logprobs(lp: dict[str, Any], n: int) -> list[Any]:
+    """Per-token logprobs of a completions chunk rendered with ``return_tokens_as_token_ids``."""
+    from services.router.express import chunk_logprobs
+
+    out = []
+    for i in range(n):
+        one = {"tokens": lp.get("tokens", [])[i:i + 1], "token_logprobs": lp.get("token_logprobs", [])[i:i + 1],
+               "top_logprobs": lp.get("top_logprobs", [])[i:i + 1]}
+        out.append(chunk_logprobs({"logprobs": one}) if one["tokens"] else None)
+    return out
+
+
 def continuation_body(
     model: str, token_ids: list[int], max_tokens: int, sampling: dict[str, Any]
 ) -> dict[str, Any]:
@@ -163,6 +177,10 @@ async def continue_tokens(
             if "error" in chunk:
                 raise UpstreamError(500, json.dumps(chunk).encode())
             for choice in chunk.get("choices", []):
-                yield TokenBatch(list(choice.get("token_ids") or []), choice.get("finish_reason"))
+                ids = list(choice.get("token_ids") or [])
+                lps = None
+                if body.get("logprobs") is not None and ids:
+                    lps = _completion_logprobs(choice.get("logprobs") or {}, len(ids))
+                yield TokenBatch(ids, choice.get("finish_reason"), lps)
     finally:
         await upstream.aclose()

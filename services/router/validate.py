@@ -5,8 +5,12 @@ Contract:
   fields, empty prompt) raises ``ApiError`` 400 naming the parameter; a client-supplied
   ``kv_transfer_params`` is refused (the router owns that field).
 - Nothing is dropped silently: every parameter the express lane cannot honour with its value is
-  listed in ``ParsedRequest.express_blockers`` (``"n"``, ``"logprobs"``, ...), so the lane policy
-  sends the request to the standard lane or refuses it. Unknown fields are blockers too: the router
+  listed in ``ParsedRequest.express_blockers`` (``"n"``, ``"echo"``, ...), so the lane policy
+  sends the request to the standard lane or refuses it.
+- What agents send (``tools``, ``tool_choice``, ``response_format``, ``structured_outputs``,
+  ``logprobs``/``top_logprobs``) is listed in ``ParsedRequest.vllm_fields`` instead: the express
+  lane honours it through vLLM's own serving code (services.router.vllm_surface), which also
+  judges its values; a router without vLLM turns them into blockers. Unknown fields are blockers too: the router
   cannot know that the express lane honours them; vLLM will judge them on the standard lane.
 - Whether the model exists, the prompt fits and the lane is open is decided later (needs state).
 
@@ -41,18 +45,12 @@ _HONOURED = frozenset({
 _NEUTRAL = {
     "n": lambda v: v in (None, 1),
     "best_of": lambda v: v in (None, 1),
-    "logprobs": lambda v: v in (None, False, 0) and v is not True,
-    "top_logprobs": lambda v: v in (None, 0),
     "prompt_logprobs": lambda v: v is None,
-    "response_format": lambda v: v is None or (isinstance(v, dict) and v.get("type") == "text"),
-    "structured_outputs": lambda v: v is None,
     "guided_json": lambda v: v is None,
     "guided_regex": lambda v: v is None,
     "guided_choice": lambda v: v is None,
     "guided_grammar": lambda v: v is None,
-    "tools": lambda v: not v,
     "functions": lambda v: not v,
-    "tool_choice": lambda v: v in (None, "none", "auto"),
     "echo": lambda v: not v,
     "suffix": lambda v: not v,
     "use_beam_search": lambda v: not v,
@@ -61,6 +59,17 @@ _NEUTRAL = {
     "truncate_prompt_tokens": lambda v: v is None,
     "priority": lambda v: v in (None, 0),
     "return_tokens_as_token_ids": lambda v: not v,
+}
+
+# Fields the express lane honours through vLLM's serving code (services.router.vllm_surface):
+# name -> predicate "is neutral" (a neutral value needs nothing).
+_VLLM_FIELDS = {
+    "tools": lambda v: not v,
+    "tool_choice": lambda v: v in (None, "none"),
+    "response_format": lambda v: v is None or (isinstance(v, dict) and v.get("type") == "text"),
+    "structured_outputs": lambda v: v is None,
+    "logprobs": lambda v: v is None or v is False,
+    "top_logprobs": lambda v: v in (None, 0),
 }
 
 _NUMBER = (int, float)
@@ -97,6 +106,7 @@ class ParsedRequest:
     messages: list[dict[str, Any]] | None = None
     prompt: str | list[int] | None = None  # completions: one text or one token-id list
     express_blockers: list[str] = field(default_factory=list)
+    vllm_fields: list[str] = field(default_factory=list)  # honoured through vLLM's serving code
 
 
 def _is_int(v: Any) -> bool:
@@ -285,6 +295,11 @@ def _sampling(body: dict, req: ParsedRequest) -> None:
 def _neutral_checks(body: dict, req: ParsedRequest) -> None:
     for name, value in body.items():
         if name in _HONOURED:
+            continue
+        surface = _VLLM_FIELDS.get(name)
+        if surface is not None:
+            if not surface(value):
+                req.vllm_fields.append(name)
             continue
         check = _NEUTRAL.get(name)
         if check is None or not check(value):

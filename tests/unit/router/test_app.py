@@ -153,7 +153,7 @@ async def harness(nats_url, model_dir):
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     world = World(tok, model_dir)
-    cfg = RouterConfig(prefill_urls=("http://vllm",), nats_url=nats_url,
+    cfg = RouterConfig(prefill_urls=("http://vllm",), nats_url=nats_url, vllm_surface="off",
                        policy=PolicyConfig(capability_gate="reject"))
     app = create_app(cfg)
     router: Router = app.state.router
@@ -390,7 +390,7 @@ async def test_errors(harness, body, status):
 
 
 async def test_api_keys(nats_url):
-    cfg = RouterConfig(prefill_urls=("http://vllm",), nats_url=nats_url, api_keys={"k1": "tenant-a"})
+    cfg = RouterConfig(prefill_urls=("http://vllm",), nats_url=nats_url, vllm_surface="off", api_keys={"k1": "tenant-a"})
     app = create_app(cfg)
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://router") as client:
         for headers in ({}, {"authorization": "Bearer nope"}, {"authorization": "Basic k1"}):
@@ -412,7 +412,7 @@ ERROR_FIELDS = {"message", "type", "param", "code"}
     ("POST", "/v1/models", 405, "GET"),
 ])
 async def test_unknown_routes_and_wrong_methods_answer_openai_errors(nats_url, method, path, status, allow):
-    app = create_app(RouterConfig(prefill_urls=("http://vllm",), nats_url=nats_url))
+    app = create_app(RouterConfig(prefill_urls=("http://vllm",), nats_url=nats_url, vllm_surface="off"))
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://router") as client:
         r = await client.request(method, path, json={})
     await app.state.router.http.aclose()
@@ -425,7 +425,7 @@ async def test_unknown_routes_and_wrong_methods_answer_openai_errors(nats_url, m
 
 
 async def test_metrics_can_require_an_api_key(nats_url):
-    cfg = RouterConfig(prefill_urls=("http://vllm",), nats_url=nats_url, api_keys={"k1": "tenant-a"},
+    cfg = RouterConfig(prefill_urls=("http://vllm",), nats_url=nats_url, vllm_surface="off", api_keys={"k1": "tenant-a"},
                        metrics_require_api_key=True)
     app = create_app(cfg)
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://router") as client:
@@ -438,7 +438,7 @@ async def test_metrics_can_require_an_api_key(nats_url):
         assert (await client.get("/health")).status_code == 503  # health stays open to probes
     await app.state.router.http.aclose()
     # without the flag, /metrics stays open even when the API needs keys
-    app = create_app(RouterConfig(prefill_urls=("http://vllm",), nats_url=nats_url, api_keys={"k1": "a"}))
+    app = create_app(RouterConfig(prefill_urls=("http://vllm",), nats_url=nats_url, vllm_surface="off", api_keys={"k1": "a"}))
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://router") as client:
         assert (await client.get("/metrics")).status_code == 200
     await app.state.router.http.aclose()

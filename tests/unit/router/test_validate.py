@@ -90,30 +90,39 @@ def test_bad_json(raw):
 
 
 BLOCKERS = [
-    ("chat", {}, []),
-    ("chat", {"n": 1, "logprobs": False, "presence_penalty": 0, "tool_choice": "none"}, []),
-    ("chat", {"n": 2}, ["n"]),
-    ("chat", {"logprobs": True, "top_logprobs": 2}, ["logprobs", "top_logprobs"]),
+    # (endpoint, body overrides, blockers, fields honoured through vLLM's serving code)
+    ("chat", {}, [], []),
+    ("chat", {"n": 1, "logprobs": False, "presence_penalty": 0, "tool_choice": "none"}, [], []),
+    ("chat", {"n": 2}, ["n"], []),
+    ("chat", {"logprobs": True, "top_logprobs": 2}, [], ["logprobs", "top_logprobs"]),
     # the remaining sampling fields ride the express lane (the decode node samples with them)
-    ("chat", {"presence_penalty": 0.5, "frequency_penalty": -1, "repetition_penalty": 1.2, "min_p": 0.1}, []),
-    ("chat", {"logit_bias": {"5": 10}, "allowed_token_ids": [1, 2], "bad_words": ["x"]}, []),
-    ("chat", {"response_format": {"type": "json_object"}}, ["response_format"]),
-    ("chat", {"response_format": {"type": "text"}}, []),
-    ("chat", {"tools": [{"type": "function", "function": {"name": "f"}}]}, ["tools"]),
-    ("chat", {"some_new_param": 1}, ["some_new_param"]),
+    ("chat", {"presence_penalty": 0.5, "frequency_penalty": -1, "repetition_penalty": 1.2, "min_p": 0.1}, [], []),
+    ("chat", {"logit_bias": {"5": 10}, "allowed_token_ids": [1, 2], "bad_words": ["x"]}, [], []),
+    ("chat", {"response_format": {"type": "json_object"}}, [], ["response_format"]),
+    ("chat", {"response_format": {"type": "text"}}, [], []),
+    ("chat", {"structured_outputs": {"regex": "a+"}}, [], ["structured_outputs"]),
+    ("chat", {"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required"},
+     [], ["tools", "tool_choice"]),
+    ("chat", {"tools": [], "tool_choice": "none"}, [], []),
+    ("chat", {"guided_json": {"type": "object"}}, ["guided_json"], []),  # not a vLLM 0.32 field
+    ("chat", {"prompt_logprobs": 1}, ["prompt_logprobs"], []),
+    ("chat", {"use_beam_search": True}, ["use_beam_search"], []),
+    ("chat", {"some_new_param": 1}, ["some_new_param"], []),
     ("chat", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
-     ["multimodal content"]),
-    ("completions", {"prompt": ["a", "b"]}, ["prompt (batch)"]),
-    ("completions", {"echo": True, "logprobs": 2}, ["echo", "logprobs"]),
-    ("completions", {"suffix": "x"}, ["suffix"]),
-    ("completions", {"min_tokens": 3}, []),
+     ["multimodal content"], []),
+    ("completions", {"prompt": ["a", "b"]}, ["prompt (batch)"], []),
+    ("completions", {"echo": True, "logprobs": 2}, ["echo"], ["logprobs"]),
+    ("completions", {"logprobs": 0}, [], ["logprobs"]),
+    ("completions", {"suffix": "x"}, ["suffix"], []),
+    ("completions", {"min_tokens": 3}, [], []),
 ]
 
 
-@pytest.mark.parametrize("endpoint,overrides,blockers", BLOCKERS)
-def test_express_blockers(endpoint, overrides, blockers):
+@pytest.mark.parametrize("endpoint,overrides,blockers,vllm_fields", BLOCKERS)
+def test_express_blockers(endpoint, overrides, blockers, vllm_fields):
     req = parse_request(endpoint, _body(endpoint, overrides))
     assert sorted(req.express_blockers) == sorted(blockers)
+    assert sorted(req.vllm_fields) == sorted(vllm_fields)
 
 
 def test_sampling_fields_parsed():
