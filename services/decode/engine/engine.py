@@ -39,6 +39,16 @@ raises ValueError for an engine it cannot serve. Requests it cannot serve (sampl
 on the DeepSeek family, drafts on a Llama-family engine, bad words beyond its buffers) take the reference step in either mode, their reason in
 ``slot_fast_path_reason(slot)``; ``last_step_path`` says which path the last step took ("fast" |
 "reference", for every slot it served) and ``last_step_slots`` how many slots it served.
+Logprobs (``SamplingParams.logprobs``, logprobs.py): each emitted token's logprob, rank and top n of
+the raw logits (vLLM's raw_logprobs: after a grammar's mask, before every other processor), in
+``StepOutput.logprobs``; with drafts, each accepted token scored by the target model at its
+position. Grammars (``SamplingParams.structured``, grammar.py): compiled at ``start`` (or ahead by
+``prepare_grammar``; a bad one raises GrammarError, a ValueError), one xgrammar matcher per slot
+advanced through the output so far; each step fills the next-token bitmask and applies it to the
+logits before sampling (``xgr.apply_token_bitmask_inplace``); with drafts, one mask per position
+after each grammar-valid draft prefix, drafts past it cut before verification (the matcher rolled
+back), as vLLM's scheduler does. The grammar lets EOS (or a stop id) through only once complete, so a
+constrained request ends with "stop" as in vLLM; once terminated it masks nothing.
 ``mtp_draft_vocab=N``: the fast path's MTP drafts propose token ids < N only (its draft head reads N
 rows, not the whole vocabulary); output is unchanged, acceptance may drop. The reference step
 drafts over the whole vocabulary.
@@ -60,6 +70,8 @@ from .sampling import ReferenceSampler, SamplingBuffers, banned_ids, exponential
 from .cuda.sampling_state import BAD_WORDS, FREQ_PRES, GREEDY, I_FLAGS, I_SEED, REP, STREAM_ACCEPT, STREAM_DRAFT, \
     TRACK_COUNTS, uniform
 from .slots import SlotState, emit
+from . import logprobs as lpmod
+from .grammar import GrammarError, Grammars
 from .spec import verify
 from .config import parse_config
 from .build import build_model, load_params
@@ -73,6 +85,7 @@ from .weights import DictReader, hf_to_engine, iter_engine_params, read_config
 class StepOutput:
     token_ids: list[int]
     finish_reason: str | None = None  # "stop" | "length" | None
+    logprobs: list | None = None  # shared.events.TokenLogprobs per token when the request asked for them
 
 
 def _with_logits(model, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -91,7 +104,7 @@ def _torch_dtype(dtype, checkpoint_dtype: str) -> torch.dtype:
 
 class Engine:
     def __init__(self, model, cfg, config: EngineConfig, *, model_name: str, raw_config: dict,
-                 eos_token_ids: tuple[int, ...] = ()):
+                 eos_token_ids: tuple[int, ...] = (), tokenizer_dir: str | Path | None = None):
         config.validate()
         num_spec = config.resolved_num_speculative_tokens(raw_config)
         draft_vocab = config.mtp_draft_vocab
@@ -105,6 +118,7 @@ class Engine:
         self.device, self.dtype = model.embed.device, model.embed.dtype
         self.num_slots, self.max_seq_len, self.num_spec = num_slots, max_seq_len, num_spec
         self.eos_token_ids = eos_token_ids
+        self.grammars = Grammars(config.tokenizer or tokenizer_dir, cfg.vocab_size)
         # Without drafts the MTP layer is unused: its cache is neither kept nor part of the layout,
         # which then matches a prefill that runs without the MTP drafter.
         if not self.num_spec and getattr(model, "has_mtp", False):
@@ -153,7 +167,7 @@ class Engine:
             e = json.loads(gen_cfg.read_text()).get("eos_token_id")
             eos |= set(e if isinstance(e, list) else [] if e is None else [e])
         return cls(build_model(cfg, params), cfg, config, model_name=config.model_name or Path(model_dir).name,
-                   raw_config=raw, eos_token_ids=tuple(sorted(eos)))
+                   raw_config=raw, eos_token_ids=tuple(sorted(eos)), tokenizer_dir=model_dir)
 
     @classmethod
     def from_hf_tensors(cls, raw_config: dict, tensors: dict[str, torch.Tensor], config: EngineConfig | None = None,
@@ -236,9 +250,15 @@ class Engine:
         k = self.num_spec if asked is None else min(self.num_spec, asked)
         if req.flags & (REP | FREQ_PRES | BAD_WORDS):  # they read the output, drafts included: no drafts
             k = 0
+        if sampling.logprobs is not None and not 0 <= sampling.logprobs <= self.cfg.vocab_size:
+            raise ValueError(f"invalid sampling parameters: logprobs must be 0..{self.cfg.vocab_size} or absent, "
+                             f"got {sampling.logprobs}")
+        grammar = self._grammar(sampling, first_token_id, k) if sampling.structured is not None else None
         s.extra["fast_path_reason"] = self.fast_path_reason or fastpath.request_reason(
             req.plain_greedy, k, self._fast is not None and self._fast.spec_ok,
-            self._fast is not None and self._fast.sample_ok, req.fast_path_limit())
+            self._fast is not None and self._fast.sample_ok, req.fast_path_limit(),
+            logprobs=sampling.logprobs is not None, grammar=grammar is not None,
+            extras_ok=self._fast is not None and self._fast.extras_ok)
         if self._fast is not None and s.extra["fast_path_reason"]:
             fastpath.log.debug("slot %d decodes on the reference step: %s", slot, s.extra["fast_path_reason"])
         if self._fast is not None:
@@ -247,6 +267,7 @@ class Engine:
         s.sampling, s.output_ids = req, list(sampling.output_token_ids) + [first_token_id]
         self.sampling.arm(slot, req, s.output_ids, s.seq_len + 1)
         s.num_valid_drafts, s.is_greedy = 0, req.plain_greedy
+        s.num_logprobs, s.grammar = sampling.logprobs, grammar
         if k and s.has_prefill_hidden:
             slot_ids = torch.tensor([slot], device=self.device)
             tokens = torch.tensor([[first_token_id]], device=self.device)
@@ -256,6 +277,25 @@ class Engine:
             self._draft(slot_ids, hidden[:, 0], logits[:, 0], torch.tensor([s.seq_len], device=self.device),
                         num_keys, s.is_greedy, req.flags)
             s.num_valid_drafts = k
+
+    def _grammar(self, sampling: SamplingParams, first_token_id: int, num_spec: int):
+        """The request's matcher, advanced through the output so far (raises GrammarError)."""
+        compiled = self.grammars.compile(sampling.structured)
+        g = self.grammars.matcher(compiled, set(sampling.stop_token_ids) | set(self.eos_token_ids), num_spec)
+        so_far = list(sampling.output_token_ids) + [first_token_id]
+        if not g.accept(so_far):
+            raise GrammarError(f"the output so far (token ids {so_far[-8:]} last) does not match the "
+                               f"{sampling.structured.kind} grammar: the prefill must sample under the same grammar")
+        return g
+
+    def prepare_grammar(self, sampling: SamplingParams) -> None:
+        """Compile the request's grammar into the compiler's cache ahead of ``start`` (off the step's
+        path; any error is raised again by ``start``)."""
+        if sampling.structured is not None:
+            try:
+                self.grammars.compile(sampling.structured)
+            except GrammarError:
+                pass
 
     def cancel(self, slot: int) -> None:
         """Stop decoding the slot (its tokens so far stand); the slot stays taken until release."""
@@ -360,12 +400,20 @@ class Engine:
         slot_ids = torch.tensor(active, device=dev)
         seq = torch.tensor([self.slots[i].seq_len for i in active], device=dev)
         pending = torch.tensor([self.slots[i].pending for i in active], device=dev)
+        bitmask = self._grammar_masks(active, slot_ids) if any(self.slots[i].grammar for i in active) else None
         num_valid = torch.tensor([self.slots[i].num_valid_drafts for i in active], device=dev)
         all_greedy = all(self.slots[i].is_greedy for i in active)
         tokens = torch.cat([pending[:, None], self.drafts[slot_ids][:, :k]], dim=1)  # [B, 1+K]
         positions = seq[:, None] + torch.arange(k + 1, device=dev)
         num_keys = self._num_keys(max(self.slots[i].seq_len for i in active) + 2 * k + 1)
         hidden, self.last_logits = self._forward(tokens, positions, slot_ids, num_keys)  # logits [B, 1+K, V] f32
+        if bitmask is not None:  # forbidden tokens -inf before sampling and logprobs, as vLLM
+            import xgrammar as xgr
+
+            masked = [r for r, i in enumerate(active) if self.slots[i].grammar is not None]
+            rows_k = [r * (k + 1) + j for r in masked for j in range(k + 1)]
+            xgr.apply_token_bitmask_inplace(self.last_logits.view(b * (k + 1), -1), bitmask.to(dev, non_blocking=True),
+                                            indices=rows_k)
         rows = torch.arange(b, device=dev)
         if all_greedy:  # no vocab-sized sampling work: compare drafts with the target argmax
             target = self.last_logits.argmax(dim=-1)  # [B, 1+K]
@@ -394,10 +442,48 @@ class Engine:
             h, lg = self._mtp(mtp_tokens, positions, hidden, slot_ids, num_keys)
             self._draft(slot_ids, h[rows, num_accepted], lg[rows, num_accepted], seq + num_accepted + 1, num_keys,
                         all_greedy, self._flags(active))
+        lps = self._logprobs(active, tokens, num_accepted, nxt)
         host = torch.cat([num_accepted[:, None], tokens[:, 1:], nxt[:, None]], dim=1).tolist()  # the one sync
-        return {slot: self._emit(slot, row) for slot, row in zip(active, host)}
+        return {slot: self._emit(slot, row, lps.get(slot)) for slot, row in zip(active, host)}
 
-    def _emit(self, slot: int, row: list[int]) -> StepOutput:
+    def _grammar_masks(self, active: list[int], slot_ids: torch.Tensor) -> torch.Tensor:
+        """int32 bitmask [B * (1 + K), ceil(V / 32)] (host) of the step's positions: each grammar
+        slot's next-token mask after the pending token and after each grammar-valid prefix of its
+        drafts (the drafts past it are not verified: num_valid_drafts is cut, as vLLM's scheduler
+        cuts them); rows of other slots allow everything."""
+        import xgrammar as xgr
+
+        k = self.num_spec
+        bitmask = xgr.allocate_token_bitmask(len(active) * (k + 1), self.cfg.vocab_size)
+        drafts = self.drafts[slot_ids][:, :k].tolist() if k else [[] for _ in active]
+        for r, i in enumerate(active):
+            s = self.slots[i]
+            if s.grammar is not None:
+                s.num_valid_drafts = s.grammar.fill_through(drafts[r][:s.num_valid_drafts], bitmask, r * (k + 1))
+        return bitmask
+
+    def _logprobs(self, active: list[int], tokens: torch.Tensor, num_accepted: torch.Tensor,
+                  nxt: torch.Tensor) -> dict[int, list]:
+        """{slot: [TokenLogprobs per candidate token]} of the slots that asked: position j's token is
+        draft j for j < accepted, then the next token, each scored under the target logits there."""
+        want = [(r, i) for r, i in enumerate(active) if self.slots[i].num_logprobs is not None]
+        if not want:
+            return {}
+        k = self.num_spec
+        rows = torch.tensor([r for r, _ in want], device=self.device)
+        cand = torch.cat([tokens[:, 1:], nxt[:, None]], dim=1).scatter(1, num_accepted[:, None], nxt[:, None])
+        n = max(self.slots[i].num_logprobs for _, i in want)
+        logits = self.last_logits[rows]  # [W, 1+K, V]
+        lp, rank, top_lp, top_ids = lpmod.compute(logits.reshape(-1, logits.shape[-1]), cand[rows].reshape(-1), n)
+        lp, rank = lp.view(len(want), k + 1).tolist(), rank.view(len(want), k + 1).tolist()
+        top_lp, top_ids = top_lp.view(len(want), k + 1, n).tolist(), top_ids.view(len(want), k + 1, n).tolist()
+        out = {}
+        for w, (_, i) in enumerate(want):
+            m = self.slots[i].num_logprobs
+            out[i] = lpmod.to_wire(lp[w], rank[w], [t[:m] for t in top_lp[w]], [t[:m] for t in top_ids[w]])
+        return out
+
+    def _emit(self, slot: int, row: list[int], logprobs: list | None = None) -> StepOutput:
         s = self.slots[slot]
         a, drafts, nxt = row[0], row[1:-1], row[-1]
         s.num_steps += 1
@@ -405,9 +491,13 @@ class Engine:
         out, reason = emit(s, drafts[:a] + [nxt], self.max_seq_len)
         s.num_accepted_tokens += max(0, len(out) - 1)
         s.num_valid_drafts = s.num_spec
+        if s.grammar is not None and not s.grammar.accept(out):
+            fastpath.log.warning("slot %d: token ids %s left the grammar; it stops constraining", slot, out)
+            s.grammar.is_terminated = True
         if reason is not None:
             s.state = "done"
-        return StepOutput(token_ids=out, finish_reason=reason)
+        return StepOutput(token_ids=out, finish_reason=reason,
+                          logprobs=logprobs[:len(out)] if logprobs is not None else None)
 
     def _fast_ready(self, slot: int) -> bool:
         """Whether the slot decodes on the fast path now; under "auto" a failure to build or capture

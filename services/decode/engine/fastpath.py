@@ -103,6 +103,8 @@ def engine_reason(mode: str, model, device: torch.device, dtype: torch.dtype, nu
                     "(its kernels need a power of two >= 16)")
     else:
         return f"{cfg.model_type}: the engine drives the fast path for Llama- and DeepSeek-V3-family models only"
+    if cfg.quant is not None:
+        return f"{cfg.quant.method} FP8 weights ({cfg.quant.strategy} scales): the fast path reads bfloat16 weights only"
     if dtype != torch.bfloat16:
         return f"dtype {str(dtype).removeprefix('torch.')}: the fast path runs bfloat16 only"
     if device.type != "cuda" and not (device.type == "cpu" and mode == "on" and _interpreting()):
@@ -116,12 +118,18 @@ def engine_reason(mode: str, model, device: torch.device, dtype: torch.dtype, nu
 
 
 def request_reason(greedy: bool, num_spec: int, spec_ok: bool = False, sample_ok: bool = False,
-                   sample_limit: str | None = None) -> str | None:
+                   sample_limit: str | None = None, *, logprobs: bool = False, grammar: bool = False,
+                   extras_ok: bool = False) -> str | None:
     """Why a request decodes on the reference path; None when the fast path can serve it.
 
     ``greedy``: greedy without logits processors (the argmax of the raw logits); ``sample_ok``: the
     engine's fast path samples (Llama family); ``sample_limit``: why the request's parameters do not
-    fit the fast path's sampling buffers (bad words beyond its capacity), if they do not."""
+    fit the fast path's sampling buffers (bad words beyond its capacity), if they do not;
+    ``logprobs`` / ``grammar``: the request asks for logprobs / a grammar, which the fast path serves
+    where ``extras_ok``."""
+    if (logprobs or grammar) and not extras_ok:
+        what = " and ".join(w for w, on in (("logprobs", logprobs), ("a grammar", grammar)) if on)
+        return f"{what}: this engine's fast path does not compute logprobs or apply grammar masks"
     if not greedy and not sample_ok:
         return ("sampling or logits processors: the DeepSeek-family fast path decodes plain greedy requests only "
                 "(temperature 0, no penalties, bias or bad words)")
@@ -145,6 +153,7 @@ class FastPath:
         self.spec_ok = self.mla  # the DeepSeek-family step drafts with the MTP layer
         self.sampling = sampling  # the engine's SamplingBuffers: the sampled graph reads slot rows of it
         self.sample_ok = not self.mla and sampling is not None
+        self.extras_ok = False  # logprobs and grammar masks on the fast path
         self.draft_vocab = draft_vocab
         self.tokens_per_step = tokens_per_step
         self.max_steps = max(max_steps, tokens_per_step, 4 * (self.num_spec + 1))  # out_tokens rows; re-armed when full

@@ -27,6 +27,7 @@ class EngineConfig:
     fast_path_tokens_per_step: int = 1
     fast_path_options: Any = None
     mtp_draft_vocab: int | None = None  # fast-path MTP drafts propose ids < N (checked: 1..vocab)
+    tokenizer: str | None = None  # the tokenizer's directory for grammars; None: the checkpoint's
 
     def validate(self) -> EngineConfig:
         """Raise ValueError naming the first setting that is out of range; return self."""

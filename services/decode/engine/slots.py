@@ -26,6 +26,8 @@ class SlotState:
     num_spec: int = 0  # drafts per step for this request
     num_valid_drafts: int = 0  # drafts held for the next step
     has_prefill_hidden: bool = False
+    num_logprobs: int | None = None  # SamplingParams.logprobs: None off, n: logprob, rank and top n per token
+    grammar: Any = None  # grammar.SlotGrammar of a structured-output request
     num_steps: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
