@@ -12,6 +12,10 @@ Contract:
   exits is reported with its log tail and started again (at most ``MAX_RESTARTS`` times in
   ``RESTART_WINDOW_S``; beyond that the stack stops with status 1). Ctrl-C or SIGTERM stops every
   process (SIGTERM, then SIGKILL after a grace period) and exits 0 with nothing left running.
+- ``expresslane up [options] -- VLLM ARGS``: the arguments after ``--`` go to the prefill vLLM
+  unchanged (as with ``expresslane prefill``); its ``--tool-call-parser``, ``--reasoning-parser``
+  and ``--enable-auto-tool-choice`` also configure the router (infra.vllm_flags), and an unknown
+  parser name stops ``up`` before anything starts.
 - ``--secure``: nats-server with TLS (a CA and certificate generated under ``WORKDIR/secrets``) and
   one user per service (infra/nats/nats.conf) whose random password is a file there; each service
   gets only file paths (--nats-user, --nats-password-file, --nats-tls-ca), never a secret.
@@ -35,6 +39,7 @@ from pathlib import Path
 
 from infra.nats import stopping_with_parent
 from infra.processes import free_port, group_alive, signal_group, stop_process_groups
+from infra.vllm_flags import check_vllm_args, parser_flags, split_args
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 STOP_GRACE_S = 15.0
@@ -162,6 +167,7 @@ def plan(args: argparse.Namespace, model: Path, nats_url: str, py: str,
 
     procs: list[Proc] = []
     missing: list[str] = []
+    vllm_args = list(getattr(args, "vllm_args", []))
     if have("services.coordinator.service"):
         for i in range(args.coordinators):
             port = free_port()
@@ -188,17 +194,17 @@ def plan(args: argparse.Namespace, model: Path, nats_url: str, py: str,
                       "--port", str(prefill_port), "--dtype", "float32",
                       *(["--stats-path", str(staging_stats_path(args))] if args.workdir else []),
                       "--", "--max-model-len", str(args.max_model_len), "--enforce-eager",
-                      *_attention_args(model)]
+                      *_attention_args(model), *vllm_args]
     else:
         missing.append("prefill connector launcher (services/prefill/launch.py): vLLM runs "
                        "without the connector, the express lane stays closed")
         argv = [py, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--host",
                 "127.0.0.1", "--port", str(prefill_port), "--max-model-len", str(args.max_model_len),
-                "--enforce-eager", "--dtype", "float32", *_attention_args(model)]
+                "--enforce-eager", "--dtype", "float32", *_attention_args(model), *vllm_args]
     procs.append(Proc("prefill", argv, f"http://127.0.0.1:{prefill_port}/health", env=vllm_env))
     procs.append(Proc("router", cli + [
         "router", *common("router"), "--port", str(args.port), "--host", args.host,
-        "--prefill-url", f"http://127.0.0.1:{prefill_port}"],
+        "--prefill-url", f"http://127.0.0.1:{prefill_port}", *parser_flags(vllm_args)],
         f"http://127.0.0.1:{args.port}/health"))
     return procs, missing
 
@@ -233,9 +239,14 @@ def _js_replicas(args: argparse.Namespace) -> list[str]:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="expresslane up",
+        prog="expresslane up", usage="expresslane up [options] [-- VLLM ARGS]",
         description="Start nats-server, coordinator, decode nodes, vLLM prefill and the router on "
-                    "this machine; Ctrl-C stops everything.")
+                    "this machine; Ctrl-C stops everything.",
+        epilog="Arguments after '--' go to the prefill vLLM unchanged, e.g. "
+               "'-- --tool-call-parser hermes --enable-auto-tool-choice --reasoning-parser qwen3'. "
+               "The router reads the same --tool-call-parser, --reasoning-parser and "
+               "--enable-auto-tool-choice, so express-lane tool calls and reasoning are parsed by the "
+               "vLLM parsers the prefill runs; an unknown parser name stops 'up' at start.")
     p.add_argument("--model", type=Path, default=None,
                    help="HF checkpoint directory (default: generate a tiny model)")
     p.add_argument("--arch", default="llama", help="architecture of the generated tiny model")
@@ -285,8 +296,21 @@ def _banner(args: argparse.Namespace, model: Path, nats_url: str, missing: list[
     return "\n".join(lines + ["  Ctrl-C stops everything."])
 
 
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """``up``'s own options, and the vLLM arguments after ``--`` as ``vllm_args``."""
+    own, vllm_args = split_args(list(argv))
+    parser = build_parser()
+    args = parser.parse_args(own)
+    args.vllm_args = vllm_args
+    try:
+        check_vllm_args(vllm_args)
+    except ValueError as exc:
+        parser.error(str(exc))
+    return args
+
+
 def main(argv: list[str]) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
     from infra.nats import DEV_CONFIG, SECURE_CONFIG, NatsServer, ServerTls
 
     workdir = args.workdir = args.workdir or Path(tempfile.mkdtemp(prefix="expresslane-up-"))

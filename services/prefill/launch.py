@@ -19,6 +19,7 @@ import argparse
 import importlib.util
 import json
 import os
+import shlex
 import shutil
 import sys
 import urllib.parse
@@ -152,6 +153,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str]) -> int:
     argv = list(argv)
     vllm_args = argv[argv.index("--") + 1:] if "--" in argv else []
+    # compose hands the same EXPRESSLANE_VLLM_ARGS to the router (its parsers must match vLLM's)
+    vllm_args = shlex.split(os.environ.get("EXPRESSLANE_VLLM_ARGS", "")) + vllm_args
     args = build_parser().parse_args(argv[: argv.index("--")] if "--" in argv else argv)
     if args.stats:
         from services.prefill.staging import read_stats
@@ -160,6 +163,13 @@ def main(argv: list[str]) -> int:
         return 0
     if not args.model:
         build_parser().error("--model is required")
+    try:  # vLLM's parser names, checked before vLLM starts (the router uses the same: infra.vllm_flags)
+        from infra.vllm_flags import check_vllm_args
+
+        check_vllm_args(vllm_args)
+    except ValueError as exc:
+        print(f"expresslane prefill: {exc}", file=sys.stderr)
+        return 2
     try:
         config = ExpressConfig(nats_url=args.nats_url, transports=tuple(args.transport or ["mooncake"]),
                                mooncake_host=args.mooncake_host, mooncake_protocol=args.mooncake_protocol,

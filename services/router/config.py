@@ -97,6 +97,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "with vLLM's own parser of that name")
     p.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="as vLLM's flag: tool_choice=auto is parsed (needs --tool-call-parser)")
+    p.add_argument("--vllm-args", default="", metavar="'VLLM ARGS'",
+                   help="the prefill vLLM's own arguments as one string (compose passes the same "
+                        "EXPRESSLANE_VLLM_ARGS to both): its --tool-call-parser, --reasoning-parser "
+                        "and --enable-auto-tool-choice configure the router too")
     p.add_argument("--vllm-surface", default=d.vllm_surface, choices=["auto", "on", "off"],
                    help="render tools, structured output, logprobs and reasoning of express "
                         "requests with vLLM's serving code, imported in the router: auto (when "
@@ -132,6 +136,19 @@ def from_args(args: argparse.Namespace) -> RouterConfig:
     for name in ("claim_wait_ms", "max_migrations", "warm_leases"):
         if getattr(args, name) < 0:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 0")
+    if args.vllm_args:
+        import shlex
+
+        from infra.vllm_flags import value
+
+        vllm = shlex.split(args.vllm_args)
+        for flag in ("tool_call_parser", "reasoning_parser"):
+            theirs = value(vllm, "--" + flag.replace("_", "-"))
+            if theirs and getattr(args, flag) and getattr(args, flag) != theirs:
+                raise ValueError(f"--{flag.replace('_', '-')} {getattr(args, flag)!r} differs from the "
+                                 f"prefill's ({theirs!r} in --vllm-args): set it in one place")
+            setattr(args, flag, getattr(args, flag) or theirs)
+        args.enable_auto_tool_choice = args.enable_auto_tool_choice or "--enable-auto-tool-choice" in vllm
     if args.enable_auto_tool_choice and not args.tool_call_parser:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (as in vLLM)")
     if args.vllm_surface == "off" and (args.tool_call_parser or args.reasoning_parser):

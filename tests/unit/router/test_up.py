@@ -6,7 +6,13 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from infra.up import Proc, build_parser, plan, stop_all
+from services.prefill import launch
+from services.router.config import build_parser as router_parser
+from services.router.config import from_args as router_config
+from shared.config import parse_args
 
 
 def test_plan_starts_every_piece_in_order(tmp_path):
@@ -106,3 +112,34 @@ def test_nats_cluster_gives_the_coordinator_three_replicas(tmp_path):
         argv = procs[0].argv
         assert (argv[argv.index("--js-replicas") + 1] if "--js-replicas" in argv else None) == replicas
         assert "nats://a:1,nats://b:2" in argv
+
+
+def test_vllm_args_reach_the_prefill_and_their_parsers_the_router(tmp_path):
+    from infra.up import parse_args as up_args
+
+    (tmp_path / "config.json").write_text('{"model_type": "llama"}')
+    vllm = ["--tool-call-parser", "hermes", "--enable-auto-tool-choice", "--reasoning-parser=qwen3",
+            "--max-num-seqs", "4"]
+    procs, _ = plan(up_args(["--decode-nodes", "1", "--", *vllm]), tmp_path, "nats://x:1", sys.executable)
+    argv = {p.name: p.argv for p in procs}
+    prefill = argv["prefill"]
+    assert prefill[-len(vllm):] == vllm  # after expresslane's own vLLM flags, so the operator's win
+    router = router_config(parse_args(router_parser(), argv["router"][argv["router"].index("router") + 1:],
+                                      env={}))
+    assert (router.tool_call_parser, router.reasoning_parser, router.enable_auto_tool_choice) == (
+        "hermes", "qwen3", True)
+
+
+@pytest.mark.parametrize("vllm,message", [
+    (["--tool-call-parser", "hermes2000"], "--tool-call-parser 'hermes2000' is not one of vLLM's"),
+    (["--reasoning-parser=nope"], "--reasoning-parser 'nope' is not one of vLLM's"),
+    (["--enable-auto-tool-choice"], "needs --tool-call-parser"),
+])
+def test_unknown_parser_stops_up_and_prefill(vllm, message, capsys):
+    from infra.up import parse_args as up_args
+
+    with pytest.raises(SystemExit) as info:
+        up_args(["--", *vllm])
+    assert info.value.code == 2 and message in capsys.readouterr().err
+    assert launch.main(["--model", "m", "--print-command", "--", *vllm]) == 2
+    assert message in capsys.readouterr().err
