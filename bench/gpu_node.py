@@ -778,8 +778,11 @@ async def orchestrate(args) -> int:
         for fam in args.families:
             try:
                 await run_family(fam, args, procs, nats.url, res, flags)
-            except Exception as exc:
+            except (Exception, KeyboardInterrupt) as exc:
                 log(fam, "FAILED", repr(exc))
+                if isinstance(exc, KeyboardInterrupt):
+                    res.put(**{f"{fam}_error": repr(exc)})
+                    raise
                 res.put(**{f"{fam}_error": repr(exc)[:4000]})
     finally:
         procs.stop()
@@ -829,6 +832,11 @@ def main(argv: list[str] | None = None) -> int:
     args.families = [f for f in args.families.split(",") if f]
     args.contexts = [int(x) for x in args.contexts.split(",")]
     args.gen_device = args.gen_device or args.device
+
+    def interrupted(signum, frame):  # a `timeout` around the run: stop what it started, keep the JSON
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, interrupted)
     return asyncio.run(orchestrate(args))
 
 
