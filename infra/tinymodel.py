@@ -15,6 +15,17 @@ The tokenizer (``infra.tinymodel_tokenizer``: Llama-3 style, or Qwen style for q
 byte-level BPE trained on ``tinymodel_corpus.txt``; its size is the model's ``vocab_size``, so
 every id a model can emit decodes.
 
+Planted continuations (``--plant NAME``, a new model variant; the default models are untouched):
+the model greedily emits a fixed text after the chat template's assistant header, e.g. a Hermes
+tool call or a ``<think>`` block then an answer, so tool and reasoning parsers have something to
+parse. The text is cut into pieces (``PLANTS``), each a dedicated added token (so no token of the
+chain repeats), plus ``assistant\n`` as the trigger. The last ``len(chain)`` hidden dimensions are
+reserved: a chain token's embedding is ``PLANT_SCALE`` on its own reserved dimension (zero
+elsewhere), every other embedding and every layer output (o_proj, down_proj rows) is zero there,
+and the lm_head row of its successor is ``PLANT_LOGIT`` on that dimension; after the final RMSNorm
+the reserved dimension dominates the hidden state whatever the layers add, so the successor wins
+the argmax by a wide margin. The chain ends with ``<|im_end|>``.
+
 Weights: every tensor is drawn from its own generator seeded by (seed, tensor name), so shapes
 and names, not creation order, decide the values. Scales keep activations O(1) through the
 layers (linear std 1/sqrt(fan_in), embeddings std 1, norm weights 1 + N(0, 0.1)) and give logits
@@ -29,13 +40,29 @@ import json
 import math
 from pathlib import Path
 
-from infra.tinymodel_tokenizer import IM_END, TokenizerStyle, style_for, tokenizer_config_files, train_tokenizer
+from infra.tinymodel_tokenizer import (
+    IM_END, TokenizerStyle, add_planted_tokens, style_for, tokenizer_config_files, train_tokenizer,
+)
 
 ARCHS = ("llama", "qwen2", "qwen3", "deepseek_v3")
 DTYPES = ("float32", "bfloat16")
 MAX_POSITION_EMBEDDINGS = 2048
 NUM_LAYERS = 2
 LOGIT_STD = 4.0
+PLANT_SCALE = 1000.0  # a chain token's embedding on its reserved dimension
+PLANT_LOGIT = 8.0  # lm_head weight of a successor on its predecessor's dimension
+PLANT_TRIGGER = "assistant\n"  # the end of the chat template's generation prompt
+_TOOL_CALL = ["<tool_call>", '\n{"name": "', "get_weather", '", "arguments": {"city": "', "Paris",
+              '"}}\n', "</tool_call>"]
+_THINK = ["<think>", "\nThe user wants the weather", " in Paris", ".\n", "</think>", "\n\n"]
+# name -> the planted continuation's pieces (each one added token); tokens the parsers look up
+# (<think>, </think>, <tool_call>, </tool_call>) are pieces too
+PLANTS: dict[str, list[str]] = {
+    "tool-call": _TOOL_CALL,
+    "reasoning": [*_THINK, "It is sunny", " today."],
+    "reasoning-tool-call": [*_THINK, *_TOOL_CALL],
+}
+PLANT_ARCHS = ("llama", "qwen2", "qwen3")
 
 
 # ---------------------------------------------------------------- configs
@@ -183,29 +210,65 @@ def _write_json(path: Path, obj: dict) -> None:
     path.write_text(json.dumps(obj, indent=2, sort_keys=True, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
-def make_model(arch: str, out: Path | str, seed: int = 0, dtype: str = "float32") -> Path:
-    """Write the checkpoint of ``arch`` into ``out``; returns ``out``."""
+def plant_weights(w: dict, c: dict, chain: list[int], successors: list[int]) -> None:
+    """Make ``successors[k]`` the greedy next token after ``chain[k]`` (float32 tensors, in place;
+    see the module docstring)."""
+    h = c["hidden_size"]
+    dims = list(range(h - len(chain), h))
+    emb, head = w["model.embed_tokens.weight"], w["lm_head.weight"]
+    emb[:, dims] = 0.0
+    head[:, dims] = 0.0
+    w["model.norm.weight"][dims] = 1.0
+    for layer in range(c["num_hidden_layers"]):
+        p = f"model.layers.{layer}"
+        w[f"{p}.self_attn.o_proj.weight"][dims, :] = 0.0
+        w[f"{p}.mlp.down_proj.weight"][dims, :] = 0.0
+    for k, (token, succ) in enumerate(zip(chain, successors)):
+        emb[token] = 0.0
+        emb[token, dims[k]] = PLANT_SCALE
+        if k + 1 < len(chain):  # a planted piece: only ever the chain's successor
+            head[succ] = 0.0
+        head[succ, dims[k]] = PLANT_LOGIT
+
+
+def make_model(arch: str, out: Path | str, seed: int = 0, dtype: str = "float32",
+               plant: str | None = None) -> Path:
+    """Write the checkpoint of ``arch`` into ``out`` (with ``plant``: the planted variant);
+    returns ``out``."""
     from safetensors.torch import save_file
 
     if arch not in ARCHS:
         raise ValueError(f"unknown arch {arch!r}; choose one of {', '.join(ARCHS)}")
     if dtype not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+    if plant is not None and (plant not in PLANTS or arch not in PLANT_ARCHS):
+        raise ValueError(f"--plant {plant!r} for {arch!r}: choose one of {', '.join(PLANTS)} with "
+                         f"one of {', '.join(PLANT_ARCHS)}")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     style = style_for(arch)
     tok = train_tokenizer(style)
+    planted: dict[int, str] = {}
+    if plant is not None:
+        pieces = [PLANT_TRIGGER, *PLANTS[plant]]
+        planted = dict(zip(add_planted_tokens(tok, pieces), pieces))
     tok.save(str(out / "tokenizer.json"), pretty=True)
     vocab_size = tok.get_vocab_size(with_added_tokens=True)
-    for fname, obj in tokenizer_config_files(style).items():
+    for fname, obj in tokenizer_config_files(style, planted).items():
         _write_json(out / fname, obj)
     config = model_config(arch, vocab_size, dtype)
     _write_json(out / "config.json", config)
     _write_json(out / "generation_config.json", {
         "bos_token_id": config["bos_token_id"], "pad_token_id": config["pad_token_id"],
         "eos_token_id": [config["eos_token_id"], style.id_of(IM_END)]})
-    save_file(make_weights(config, seed, dtype), str(out / "model.safetensors"),
-              metadata={"format": "pt"})
+    weights = make_weights(config, seed, "float32")
+    if planted:
+        chain = list(planted)
+        plant_weights(weights, config, chain, chain[1:] + [style.id_of(IM_END)])
+    import torch
+
+    weights = {k: t.to(getattr(torch, dtype)).contiguous() for k, t in weights.items()}
+    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
     return out
 
 
@@ -223,8 +286,16 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--quantize", choices=("fp8-channel", "fp8-tensor", "fp8-block"), default=None,
                         help="write FP8 weights (infra.tinymodel_fp8): compressed-tensors per channel or per "
                              "tensor, or the fp8 method with 128x128 block scales")
+    parser.add_argument("--plant", choices=tuple(PLANTS), default=None,
+                        help="a variant that greedily emits a fixed continuation after the chat "
+                             "template's assistant header: a Hermes <tool_call> (tool-call), a <think> "
+                             "block then an answer (reasoning), or both (reasoning-tool-call); for "
+                             f"{', '.join(PLANT_ARCHS)}")
     args = parser.parse_args(argv)
-    out = make_model(args.arch, args.out, seed=args.seed, dtype=args.dtype)
+    try:
+        out = make_model(args.arch, args.out, seed=args.seed, dtype=args.dtype, plant=args.plant)
+    except ValueError as exc:
+        parser.error(str(exc))
     if args.quantize:
         from infra.tinymodel_fp8 import quantize_checkpoint
 

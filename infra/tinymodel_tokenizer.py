@@ -11,7 +11,13 @@ ids for the same text:
   ``Qwen2Tokenizer``, which builds exactly this pipeline).
 
 Both have ``<|im_start|>``/``<|im_end|>`` and the same ChatML chat template; special tokens take
-the first ids. Training is deterministic.
+the first ids. Training is deterministic. The template renders ``tools`` the way Hermes/Qwen2.5
+models see them (a system block with the functions as JSON, calls as
+``<tool_call>\n{"name": ..., "arguments": ...}\n</tool_call>``, which vLLM's ``hermes`` parser
+reads); without tools and tool calls it renders exactly what it always did.
+
+``add_planted_tokens(tok, pieces)`` appends non-special added tokens (a planted model's pieces,
+infra.tinymodel ``--plant``) after the trained vocabulary, so the base ids do not move.
 """
 
 from __future__ import annotations
@@ -25,8 +31,17 @@ MODEL_MAX_LENGTH = 2048
 QWEN_SPLIT_REGEX = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}|"""
                     r""" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""")
 CHAT_TEMPLATE = (
-    "{% if bos_token %}{{ bos_token }}{% endif %}{% for message in messages %}"
-    "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% if bos_token %}{{ bos_token }}{% endif %}"
+    "{% if tools %}<|im_start|>system\n# Tools\n<tools>{% for tool in tools %}\n{{ tool | tojson }}"
+    "{% endfor %}\n</tools>\nCall a function as <tool_call>\n"
+    "{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call><|im_end|>\n{% endif %}"
+    "{% for message in messages %}"
+    "<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is not none or not message.get('tool_calls') %}{{ message['content'] }}{% endif %}"
+    "{% for call in message.get('tool_calls') or [] %}<tool_call>\n{\"name\": \"{{ call['function']['name'] }}\", "
+    "\"arguments\": {% if call['function']['arguments'] is string %}{{ call['function']['arguments'] }}"
+    "{% else %}{{ call['function']['arguments'] | tojson }}{% endif %}}\n</tool_call>{% endfor %}"
+    "<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
@@ -81,13 +96,24 @@ def train_tokenizer(style: TokenizerStyle):
     return tok
 
 
-def tokenizer_config_files(style: TokenizerStyle) -> dict[str, dict]:
+def add_planted_tokens(tok, pieces: list[str]) -> list[int]:
+    """Append ``pieces`` as plain (non-special, not normalized) added tokens; returns their ids."""
+    from tokenizers import AddedToken
+
+    tok.add_tokens([AddedToken(p, normalized=False, special=False, single_word=False, lstrip=False,
+                               rstrip=False) for p in pieces])
+    return [tok.token_to_id(p) for p in pieces]
+
+
+def tokenizer_config_files(style: TokenizerStyle, planted: dict[int, str] | None = None) -> dict[str, dict]:
     """tokenizer_config.json and special_tokens_map.json contents."""
     names = {"bos_token": style.bos, "eos_token": style.eos, "pad_token": style.pad}
     if style.unk is not None:
         names["unk_token"] = style.unk
     added = {str(i): {"content": t, "lstrip": False, "normalized": False, "rstrip": False,
                       "single_word": False, "special": True} for i, t in enumerate(style.specials)}
+    added |= {str(i): {"content": t, "lstrip": False, "normalized": False, "rstrip": False,
+                       "single_word": False, "special": False} for i, t in (planted or {}).items()}
     config = {"tokenizer_class": "Qwen2Tokenizer" if style is QWEN_STYLE else "PreTrainedTokenizerFast",
               **names, "added_tokens_decoder": added,
               "additional_special_tokens": [t for t in style.specials if t not in names.values()],
