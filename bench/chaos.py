@@ -112,11 +112,15 @@ class Stack:
         return {k: v for k, v in out.items() if v}
 
     async def wait_clean(self, timeout_s: float) -> tuple[float, dict]:
-        """Seconds until nothing is held (polled every 10 ms), and what was left if it timed out."""
+        """Seconds until nothing is held (polled every 10 ms), and what was left if it timed out.
+        ``self.last_held_s``: per kind of thing held, when it was last seen held (seconds)."""
         t0 = time.monotonic()
         left: dict = {}
+        self.last_held_s = {}
         while time.monotonic() - t0 < timeout_s:
             left = await asyncio.to_thread(self.leftovers)
+            for kind in left:
+                self.last_held_s[kind] = round(time.monotonic() - t0, 3)
             if not left:
                 return time.monotonic() - t0, {}
             await asyncio.sleep(0.01)
@@ -231,6 +235,8 @@ async def abort_storm(stack: Stack, num_clients: int, timeout_s: float = 120) ->
     return {"abort_storm_clients": num_clients, "abort_storm_open_at_burst": num_open,
             "abort_storm_recovery_ms": None if left else round((closed_s + recovery_s) * 1000, 1),
             "abort_storm_clients_closed_ms": round(closed_s * 1000, 1),
+            "abort_storm_last_held_ms": {k: round((closed_s + v) * 1000, 1)
+                                         for k, v in stack.last_held_s.items()},
             "abort_storm_leaked": sum(left.values()), "abort_storm_left": left}
 
 

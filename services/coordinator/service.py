@@ -70,6 +70,7 @@ INBOX_SUBJECTS = [subjects.KV_READY_ALL, subjects.COORD_REPORT, subjects.REQ_CAN
 InboxMessage = KvReady | KvFailed | DecodeStarted | SlotReleased | CancelRequest
 INBOX_CONSUMER = "coordinator"  # the report stream's durable consumer, the leader's alone
 MAX_DELIVERIES = 5  # a report that fails this often is dropped (logged), not retried forever
+INBOX_BATCH = 256  # reports applied as one batch of core inputs: one state write, then the acks
 
 
 class CoordinatorBusy(RuntimeError):
@@ -104,6 +105,8 @@ class CoordinatorService:
         self._subs: list = []  # heartbeats: leader and standby
         self._leader_subs: list = []  # claims: the leader only
         self._inbox_sub = None
+        # reports received, waiting for the inbox task: (event, message, trace context)
+        self._inbox_q: asyncio.Queue = asyncio.Queue()
         self._tasks: list[asyncio.Task] = []  # the leader's loops
         self._leadership_task: asyncio.Task | None = None
         self._wake = asyncio.Event()  # leadership loop: look now (a write was fenced)
@@ -122,7 +125,8 @@ class CoordinatorService:
             raise CoordinatorBusy(
                 "nats-server has no JetStream: the coordinator keeps its state there; start "
                 "nats-server with -js (`expresslane nats` does)") from exc
-        self.store = StateStore(kv, self._js, self.config.kv_bucket)
+        self.store = StateStore(kv, self._js, self.config.kv_bucket, nc=self.bus.nc)
+        await self.store.enable_atomic()
         self.bus.add_reconnect_callback(self._on_reconnected)
         self._subs.append(await self.bus.subscribe(subjects.NODE_AVAIL_ALL, self._on_node, NodeMessage))
         self.http = await serve_status(self.config.http_host, self.config.http_port, {
@@ -226,7 +230,8 @@ class CoordinatorService:
                 self.core.drop_state()
                 raise
             self._tasks += [asyncio.create_task(self._tick_loop()),
-                            asyncio.create_task(self._compact_loop())]
+                            asyncio.create_task(self._compact_loop()),
+                            asyncio.create_task(self._inbox_loop())]
             self.is_serving = True
         self.log.info("leader_elected", coordinator_id=self.coordinator_id, revision=won,
                       leases=len(self.core.leases), queued=len(self.core.queue),
@@ -254,6 +259,8 @@ class CoordinatorService:
         if self._inbox_sub is not None:
             await _quietly(self._inbox_sub.unsubscribe())
             self._inbox_sub = None
+        # Reports received but not applied stay unacknowledged: the next leader gets them.
+        self._inbox_q = asyncio.Queue()
 
     async def _restore(self) -> None:
         leases, queued, next_generation = await self.store.load()
@@ -344,6 +351,7 @@ class CoordinatorService:
             await self._apply(self.core.on_draining, event)
 
     async def _on_inbox(self, msg) -> None:
+        """Decode and queue a report; the inbox task applies what is waiting in one batch."""
         try:
             event = self._inbox_decoder.decode(msg.data)
         except (msgspec.ValidationError, msgspec.DecodeError) as exc:
@@ -354,23 +362,35 @@ class CoordinatorService:
             self.log.error("inbox_poison_message", subject=msg.subject, type=type(event).__name__)
             await _quietly(msg.term())
             return
-        token = otel_context.attach(extract_context(msg.headers))
-        try:
-            handler = {
+        self._inbox_q.put_nowait((event, msg, extract_context(msg.headers)))
+
+    async def _inbox_loop(self) -> None:
+        """Apply reports in batches: all that arrived while the last batch was written go through
+        the core one by one (each in its own span, under its sender's trace), then one state write
+        and the replies, then the acks. A burst of 500 cancels costs a few writes, not 500."""
+        while True:
+            batch = [await self._inbox_q.get()]
+            while len(batch) < INBOX_BATCH and not self._inbox_q.empty():
+                batch.append(self._inbox_q.get_nowait())
+            handlers = {
                 KvReady: self.core.on_kv_ready, KvFailed: self.core.on_kv_failed,
                 DecodeStarted: self.core.on_decode_started, SlotReleased: self.core.on_slot_released,
                 CancelRequest: self.core.on_cancel,
-            }[type(event)]
-            with self.tracer.start_as_current_span(
-                f"coordinator.{type(event).__name__}",
-                attributes={"expresslane.request_id": event.request_id}):
-                is_applied = await self._apply(handler, event)
-            if is_applied:  # else left unacknowledged: the next leader's consumer gets it
-                await _quietly(msg.ack())
-        except Exception:
-            self.log.exception("inbox_handler_failed", subject=msg.subject)
-        finally:
-            otel_context.detach(token)
+            }
+            calls = []
+            for event, _, ctx in batch:
+                calls.append((handlers[type(event)], (event,), ctx,
+                              f"coordinator.{type(event).__name__}", event.request_id))
+            try:
+                applied = await self._apply_many(calls)
+            except Exception:
+                self.log.exception("inbox_batch_failed", reports=len(batch))
+                continue  # unacknowledged: delivered again after ack_wait
+            # Not leading: nothing acknowledged, the next leader's consumer gets them. A report
+            # whose handler failed is not acknowledged either: it comes again (MAX_DELIVERIES).
+            for (_, msg, _), ok in zip(batch, applied or []):
+                if ok:
+                    await _quietly(msg.ack())
 
     # ------------------------------------------------------------ effects
 
@@ -379,15 +399,40 @@ class CoordinatorService:
         (nothing was written or sent; the state is dropped when it steps down)."""
         async with self._lock:
             effects = fn(*args, now_ms())
-            try:
-                await self._perform(effects)
-            except NotLeading as exc:
-                self.leadership.step_down(
-                    "key_taken" if isinstance(exc, LeaderKeyTaken) else "lease_expired")
-                self._wake.set()
-                self.log.warning("not_leading", error=str(exc))
-                return False
-            return True
+            return await self._perform_leading(effects)
+
+    async def _apply_many(self, calls: list) -> list[bool] | None:
+        """Feed the core several inputs ``(fn, args, trace context, span name, request id)`` in
+        order, then perform all their effects at once (the store keeps the last write per key).
+        Per input: applied, or its handler raised (logged; its effects, if any, are not made).
+        None when this coordinator no longer leads (as for :meth:`_apply`)."""
+        async with self._lock:
+            effects: list[Effect] = []
+            applied = []
+            for fn, args, ctx, span, request_id in calls:
+                token = otel_context.attach(ctx)
+                try:
+                    with self.tracer.start_as_current_span(
+                            span, attributes={"expresslane.request_id": request_id}):
+                        effects += fn(*args, now_ms())
+                    applied.append(True)
+                except Exception:
+                    self.log.exception("inbox_handler_failed", request_id=request_id, span=span)
+                    applied.append(False)
+                finally:
+                    otel_context.detach(token)
+            return applied if await self._perform_leading(effects) else None
+
+    async def _perform_leading(self, effects: list[Effect]) -> bool:
+        try:
+            await self._perform(effects)
+        except NotLeading as exc:
+            self.leadership.step_down(
+                "key_taken" if isinstance(exc, LeaderKeyTaken) else "lease_expired")
+            self._wake.set()
+            self.log.warning("not_leading", error=str(exc))
+            return False
+        return True
 
     async def _perform(self, effects: list[Effect]) -> None:
         """State first (see StateStore.write), then replies and events in order; only while

@@ -7,6 +7,9 @@ Contract:
   cannot be decoded is logged and skipped (it must not keep the coordinator down).
 - ``await store.write(effects)``: the persistence part of one batch of core effects: the last
   write per key wins, and all keys are written at once; returns when every write is acknowledged.
+  While leading, the writes go as JetStream atomic batches (``allow_atomic`` on the bucket's
+  stream, nats-server >= 2.12; :meth:`enable_atomic`): one round trip for a whole batch, all of it
+  stored or none, each write fenced; without atomic batches they go one at a time.
 - Every call retries while NATS is away, for up to ``retry_s``, then raises.
 - ``await store.compact(older_than_s)``: drop the delete markers ended leases leave behind.
 - Leader key (services.coordinator.leadership): ``read_leader() -> (revision, is_held)``,
@@ -22,8 +25,10 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+import uuid
 
 import msgspec
+import nats
 import nats.errors
 import nats.js.errors
 from nats.js.client import JetStreamContext
@@ -39,6 +44,8 @@ KV_OPERATION = "KV-Operation"  # the KV protocol's delete marker header
 EXPECTED_SEQ = "Nats-Expected-Last-Subject-Sequence"
 EXPECTED_SEQ_SUBJECT = "Nats-Expected-Last-Subject-Sequence-Subject"  # nats-server >= 2.11
 WRONG_LAST_SEQUENCE = (10071, 10164)  # JetStream error codes of a failed expected sequence
+BATCH_ID, BATCH_SEQ, BATCH_COMMIT = "Nats-Batch-Id", "Nats-Batch-Sequence", "Nats-Batch-Commit"
+MAX_ATOMIC_BATCH = 500  # the server takes up to 1000 messages in one atomic batch
 
 
 class LeaderKeyTaken(NotLeading):
@@ -46,11 +53,31 @@ class LeaderKeyTaken(NotLeading):
 
 
 class StateStore:
-    def __init__(self, kv: KeyValue, js: JetStreamContext, bucket: str, retry_s: float = 30.0) -> None:
-        self.kv, self.js, self.retry_s = kv, js, retry_s
+    def __init__(self, kv: KeyValue, js: JetStreamContext, bucket: str, retry_s: float = 30.0,
+                 nc: nats.NATS | None = None) -> None:
+        self.kv, self.js, self.retry_s, self.nc = kv, js, retry_s, nc
         self.prefix, self.stream = f"$KV.{bucket}.", f"KV_{bucket}"
         self.leader_revision = 0  # 0: writes are not fenced (not leading through this store)
+        self.is_atomic = False  # the bucket's stream takes atomic batches (enable_atomic)
         self.log = get_logger("coordinator.store")
+
+    async def enable_atomic(self) -> bool:
+        """Let the bucket's stream take atomic batches (an idempotent stream update); False on a
+        server that cannot (older than 2.12): writes then go one at a time. Needs the store's
+        ``nc`` (the batch's uncommitted messages are plain publishes)."""
+        if self.nc is None:
+            return False
+        try:
+            info = await self._retry(self.js.stream_info, self.stream)
+            if not info.config.allow_atomic:
+                info.config.allow_atomic = True
+                info = await self._retry(self.js.update_stream, info.config)
+            self.is_atomic = bool(info.config.allow_atomic)
+        except nats.js.errors.APIError as exc:
+            self.log.warning("atomic_batches_unavailable", error=str(exc),
+                             hint="run nats-server >= 2.12 for one round trip per state write")
+            self.is_atomic = False
+        return self.is_atomic
 
     async def load(self) -> tuple[list[Lease], list[QueuedClaim], int]:
         leases, queued, next_generation = [], [], 1
@@ -93,18 +120,44 @@ class StateStore:
         if not self.leader_revision:
             await asyncio.gather(*(self._retry(self._put, key, value) for key, value in writes.items()))
             return
-        # Fenced writes one at a time: a replicated bucket (NATS cluster) refuses a write that
+        # Fenced writes never overlap: a replicated bucket (NATS cluster) refuses a write that
         # expects the leader key's sequence while another write is in flight ("wrong last
-        # sequence", 10164), which would read as a lost leadership.
-        for key, value in writes.items():
+        # sequence", 10164), which would read as a lost leadership. An atomic batch is one write.
+        items = list(writes.items())
+        if self.is_atomic and len(items) > 1:
+            for i in range(0, len(items), MAX_ATOMIC_BATCH):
+                await self._retry(self._put_batch, items[i:i + MAX_ATOMIC_BATCH])
+            return
+        for key, value in items:
             await self._retry(self._put, key, value)
 
-    async def _put(self, key: str, value: bytes | None) -> None:
-        """One write (``None``: delete), fenced by the leader key's revision when leading."""
+    def _headers(self, value: bytes | None) -> dict[str, str]:
         headers = {KV_OPERATION: "DEL"} if value is None else {}
         if self.leader_revision:
             headers[EXPECTED_SEQ] = str(self.leader_revision)
             headers[EXPECTED_SEQ_SUBJECT] = self.prefix + LEADER_KEY
+        return headers
+
+    async def _put_batch(self, items: list[tuple[str, bytes | None]]) -> None:
+        """Writes as one atomic batch: every message but the last is a plain publish, the last
+        commits and is acknowledged; a failed check anywhere stores nothing and fails the commit."""
+        batch_id = uuid.uuid4().hex
+        for seq, (key, value) in enumerate(items, start=1):
+            headers = {**self._headers(value), BATCH_ID: batch_id, BATCH_SEQ: str(seq)}
+            if seq < len(items):
+                await self.nc.publish(self.prefix + key, value or b"", headers=headers)
+                continue
+            headers[BATCH_COMMIT] = "1"
+            try:
+                await self.js.publish(self.prefix + key, value or b"", headers=headers)
+            except nats.js.errors.APIError as exc:
+                if exc.err_code in WRONG_LAST_SEQUENCE:
+                    raise LeaderKeyTaken(f"leader key moved past revision {self.leader_revision}") from exc
+                raise
+
+    async def _put(self, key: str, value: bytes | None) -> None:
+        """One write (``None``: delete), fenced by the leader key's revision when leading."""
+        headers = self._headers(value)
         try:
             await self.js.publish(self.prefix + key, value or b"", headers=headers or None)
         except nats.js.errors.APIError as exc:

@@ -189,17 +189,21 @@ async def test_paused_leader_steps_down_and_cannot_write(stack):
     await stack.assert_no_leak([node])
 
 
-async def test_a_leader_that_lost_the_key_cannot_write(make_nats_server):
+@pytest.mark.parametrize("atomic", [True, False], ids=["atomic_batches", "one_at_a_time"])
+async def test_a_leader_that_lost_the_key_cannot_write(make_nats_server, atomic):
     """The fencing of last resort: a leader paused between its lease check and its write finds the
-    write refused once another coordinator took the key (conditional on the key's revision)."""
+    write refused once another coordinator took the key (conditional on the key's revision), with
+    a batch of writes stored whole or not at all."""
     from services.coordinator.leadership import NotLeading
-    from services.coordinator.model import DeleteLease, PutMeta
+    from services.coordinator.model import DeleteLease, DeleteQueued, PutMeta
     from services.coordinator.store import StateStore
 
     bus = await Bus.connect(make_nats_server().url, name="test")
     try:
         kv = await bus.kv("xl_fence_test")
-        old, new = (StateStore(kv, bus.nc.jetstream(), "xl_fence_test", retry_s=1.0) for _ in "ab")
+        old, new = (StateStore(kv, bus.nc.jetstream(), "xl_fence_test", retry_s=1.0,
+                               nc=bus.nc if atomic else None) for _ in "ab")
+        assert [await old.enable_atomic(), await new.enable_atomic()] == [atomic, atomic]
         assert await old.read_leader() == (0, False)
         revision = await old.take_leader("old", 0)
         await old.write([PutMeta(100)])  # leading: the write is accepted
@@ -209,6 +213,8 @@ async def test_a_leader_that_lost_the_key_cannot_write(make_nats_server):
         await new.take_leader("new", revision)  # the standby's takeover after the TTL
         with pytest.raises(NotLeading):
             await old.write([PutMeta(200)])
+        with pytest.raises(NotLeading):
+            await old.write([DeleteQueued("q"), PutMeta(250), DeleteLease("y")])
         with pytest.raises(NotLeading):
             await old.renew_leader("old")
         assert (await new.load())[2] == 100  # nothing of the old leader's landed after the takeover
