@@ -1,8 +1,8 @@
 """Model construction for the engine: HF-named or converted tensors -> the family's module.
 
-``load_params(named_tensors, device, dtype)`` converts tensors (router biases stay float32; tied
-weights stay one tensor); ``build_model(cfg, params)`` builds the family's model on the meta device
-and assigns them.
+``load_params(named_tensors, device, dtype)`` converts tensors (router biases and FP8 scales stay
+float32, FP8 weights stay FP8; tied weights stay one tensor); ``build_model(cfg, params)`` builds the
+family's model on the meta device and assigns them, FP8 scales next to their weights (fp8.attach).
 """
 
 from __future__ import annotations
@@ -10,6 +10,8 @@ from __future__ import annotations
 import weakref
 
 import torch
+
+from .fp8 import SCALE_SUFFIX, attach, is_fp8
 
 
 def build_model(cfg, params: dict[str, torch.Tensor]) -> torch.nn.Module:
@@ -23,7 +25,9 @@ def build_model(cfg, params: dict[str, torch.Tensor]) -> torch.nn.Module:
 
         with torch.device("meta"):
             model = DeepseekModel(cfg, with_mtp=any(n.startswith("mtp.") for n in params))
-    model.load_state_dict(params, strict=True, assign=True)
+    scales = {n: t for n, t in params.items() if n.endswith(SCALE_SUFFIX)}
+    model.load_state_dict({n: t for n, t in params.items() if n not in scales}, strict=True, assign=True)
+    attach(model, scales, cfg.quant.block if cfg.quant is not None else None)
     return model.eval()
 
 
@@ -35,7 +39,8 @@ def load_params(named_tensors, device, dtype) -> dict[str, torch.Tensor]:
     for name, t in named_tensors:
         seen = converted.get(id(t))
         if seen is None or seen[0]() is not t:
-            keep_fp32 = name.endswith("router_bias")
-            seen = converted[id(t)] = (weakref.ref(t), t.to(device=device, dtype=torch.float32 if keep_fp32 else dtype))
+            keep_fp32 = name.endswith(("router_bias", SCALE_SUFFIX))
+            to = t.dtype if is_fp8(t) else torch.float32 if keep_fp32 else dtype
+            seen = converted[id(t)] = (weakref.ref(t), t.to(device=device, dtype=to))
         params[name] = seen[1]
     return params

@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from .quant import QuantSpec, parse_quant
+
 GQA_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 MLA_TYPES = ("deepseek_v3",)
 
@@ -52,6 +54,7 @@ class ModelConfig:
     routed_scaling_factor: float = 1.0
     first_k_dense_replace: int = 0
     num_mtp_layers: int = 0
+    quant: QuantSpec | None = None  # FP8 weights (quant.py); None: the checkpoint's dtype throughout
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -94,6 +97,7 @@ def parse_config(config: dict[str, Any]) -> ModelConfig:
         tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
         torch_dtype=str(config.get("dtype") or config.get("torch_dtype") or "float32"),
         eos_token_ids=_eos(config),
+        quant=parse_quant(config),
     )
     if config.get("hidden_act", "silu") != "silu":
         raise ValueError(f"hidden_act {config.get('hidden_act')!r} is not supported: only silu")

@@ -2,7 +2,8 @@
 
 The output (see weights.py) holds the engine's parameters fused and laid out as the engine and
 its CUDA step consume them (wqkv, w_gate_up, stacked experts, kv_b split into W_UK/W_UV), in
-safetensors shards next to the HF config, so ``Engine.load(DST)`` skips all remapping. Tensors are
+safetensors shards next to the HF config, so ``Engine.load(DST)`` skips all remapping. FP8 weights
+stay FP8 with their float32 ``*_scale`` tensors (``--dtype`` converts the other weights only). Tensors are
 streamed shard by shard: memory holds at most one shard.
 """
 
@@ -18,6 +19,7 @@ import torch
 from safetensors.torch import save_file
 
 from .cache import TORCH_DTYPES
+from .fp8 import SCALE_SUFFIX, is_fp8
 from .weights import ENGINE_MARKER, FORMAT_VERSION, hf_to_engine, is_engine_format, read_config, CheckpointReader
 
 COPIED_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
@@ -49,7 +51,7 @@ def convert(src: str | Path, dst: str | Path, dtype: str = "auto", shard_bytes: 
             pending, pending_bytes = {}, 0
 
     for name, t in hf_to_engine(cfg, CheckpointReader(src)):
-        if target is not None and t.is_floating_point() and not name.endswith("router_bias"):
+        if target is not None and t.is_floating_point() and not is_fp8(t) and not name.endswith(("router_bias", SCALE_SUFFIX)):
             t = t.to(target)
         t = t.contiguous().clone() if id(t) in seen else t.contiguous()  # tied weights get their own copy
         seen.add(id(t))

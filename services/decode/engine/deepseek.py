@@ -16,6 +16,7 @@ from torch import nn
 
 from .cache import KvCache
 from .config import ModelConfig
+from .fp8 import expert, gather_experts, linear
 from .layers import causal_mask, rms_norm, swiglu, write_cache
 from .rope import apply_rope, rope_tables, yarn_mscale
 from .weights import is_moe_layer
@@ -86,14 +87,14 @@ def moe(cfg: ModelConfig, blk: MlaBlock, x: torch.Tensor) -> torch.Tensor:
     x = x.reshape(-1, shape[-1])
     ids, weights = route(cfg, blk, x)
     if x.shape[0] <= GATHER_MAX_TOKENS:  # static: gather the chosen experts' weights
-        gate, up = torch.einsum("nh,nkih->nki", x, blk.experts_gate_up[ids]).chunk(2, dim=-1)
-        y = torch.einsum("nki,nkhi->nkh", F.silu(gate) * up, blk.experts_down[ids])
+        gate, up = torch.einsum("nh,nkih->nki", x, gather_experts(blk.experts_gate_up, ids, x.dtype)).chunk(2, dim=-1)
+        y = torch.einsum("nki,nkhi->nkh", F.silu(gate) * up, gather_experts(blk.experts_down, ids, x.dtype))
         out = (y * weights[..., None].to(y.dtype)).sum(dim=1)
     else:
         out = torch.zeros_like(x)
         for e in ids.unique().tolist():
             tok, pos = torch.where(ids == e)
-            y = swiglu(x[tok], blk.experts_gate_up[e], blk.experts_down[e])
+            y = swiglu(x[tok], expert(blk.experts_gate_up, e, x.dtype), expert(blk.experts_down, e, x.dtype))
             out.index_add_(0, tok, (y * weights[tok, pos, None]).to(x.dtype))
     if cfg.num_shared_experts:
         out = out + swiglu(x, blk.shared_gate_up, blk.shared_down)
@@ -130,11 +131,11 @@ class DeepseekModel(nn.Module):
         b, t, _ = x.shape
         nh, nope, r = cfg.num_heads, cfg.qk_nope_head_dim, cfg.kv_lora_rank
         if cfg.q_lora_rank:
-            q = F.linear(rms_norm(F.linear(x, blk.wq_a), blk.q_a_norm, cfg.rms_norm_eps), blk.wq_b)
+            q = linear(rms_norm(linear(x, blk.wq_a), blk.q_a_norm, cfg.rms_norm_eps), blk.wq_b)
         else:
-            q = F.linear(x, blk.wq)
+            q = linear(x, blk.wq)
         q_nope, q_pe = q.view(b, t, nh, -1).split([nope, cfg.qk_rope_head_dim], dim=-1)
-        c, k_pe = F.linear(x, blk.wkv_a).split([r, cfg.qk_rope_head_dim], dim=-1)
+        c, k_pe = linear(x, blk.wkv_a).split([r, cfg.qk_rope_head_dim], dim=-1)
         c = rms_norm(c, blk.kv_a_norm, cfg.rms_norm_eps)
         q_pe = apply_rope(q_pe, cos, sin, cfg.rope_interleave)
         k_pe = apply_rope(k_pe[:, :, None], cos, sin, cfg.rope_interleave)[:, :, 0]
@@ -147,7 +148,7 @@ class DeepseekModel(nn.Module):
         probs = scores.masked_fill(~mask, float("-inf")).softmax(dim=-1, dtype=torch.float32).to(kv.dtype)
         out = torch.matmul(probs.flatten(1, 2), kv[..., :r]).view(b, nh, t, r)  # [B, H, T, r]
         out = torch.einsum("bhtr,hvr->bthv", out, blk.w_uv)
-        return F.linear(out.reshape(b, t, -1), blk.wo)
+        return linear(out.reshape(b, t, -1), blk.wo)
 
     def _block(self, layer: int, blk: MlaBlock, x, cos, sin, mask, slot_ids, positions) -> torch.Tensor:
         eps = self.cfg.rms_norm_eps
@@ -169,7 +170,7 @@ class DeepseekModel(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[..., hidden] -> float32 logits [..., vocab]."""
-        return F.linear(hidden, self.lm_head).float()
+        return linear(hidden, self.lm_head).float()
 
     def mtp_forward(self, tokens, positions, prev_hidden, slot_ids, num_keys: int | None = None,
                     depth: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -182,8 +183,8 @@ class DeepseekModel(nn.Module):
         layer, eps = self.mtp[j], self.cfg.rms_norm_eps
         e = F.embedding(tokens, layer.embed)
         e = torch.where((positions == 0)[..., None], torch.zeros_like(e), e)  # position 0 carries no token
-        x = F.linear(torch.cat([rms_norm(e, layer.enorm, eps), rms_norm(prev_hidden, layer.hnorm, eps)], dim=-1), layer.eh_proj)
+        x = linear(torch.cat([rms_norm(e, layer.enorm, eps), rms_norm(prev_hidden, layer.hnorm, eps)], dim=-1), layer.eh_proj)
         cos, sin, mask = self._rope_mask(positions, num_keys)
         x = self._block(self.cfg.num_layers + j, layer.block, x, cos, sin, mask, slot_ids, positions)
         h = rms_norm(x, layer.head_norm, eps)
-        return h, F.linear(h, layer.head).float()
+        return h, linear(h, layer.head).float()

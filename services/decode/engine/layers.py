@@ -11,13 +11,14 @@ import torch
 import torch.nn.functional as F
 
 from .cuda.reference import rms_norm, silu_mul
+from .fp8 import linear
 
 __all__ = ["attend", "causal_mask", "rms_norm", "swiglu", "write_cache"]
 
 
 def swiglu(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
-    """down(silu(gate(x)) * up(x)) with gate and up fused in one [2*I, H] weight."""
-    return F.linear(silu_mul(F.linear(x, w_gate_up)), w_down)
+    """down(silu(gate(x)) * up(x)) with gate and up fused in one [2*I, H] weight (FP8 or not)."""
+    return linear(silu_mul(linear(x, w_gate_up)), w_down)
 
 
 def write_cache(cache: torch.Tensor, slot_ids: torch.Tensor, positions: torch.Tensor, values: torch.Tensor) -> None:

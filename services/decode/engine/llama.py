@@ -13,6 +13,7 @@ from torch import nn
 
 from .cache import KvCache
 from .config import ModelConfig
+from .fp8 import linear
 from .layers import attend, causal_mask, rms_norm, swiglu, write_cache
 from .rope import apply_rope, rope_tables
 
@@ -61,7 +62,7 @@ class LlamaModel(nn.Module):
         cfg, cache = self.cfg, self.cache
         b, t, _ = x.shape
         d, nq, nkv = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
-        qkv = F.linear(x, blk.wqkv, blk.bqkv)
+        qkv = linear(x, blk.wqkv, blk.bqkv)
         q, k, v = qkv.split([nq * d, nkv * d, nkv * d], dim=-1)
         q, k, v = q.view(b, t, nq, d), k.view(b, t, nkv, d), v.view(b, t, nkv, d)
         if blk.q_norm is not None:
@@ -73,7 +74,7 @@ class LlamaModel(nn.Module):
         keys = cache.k_caches[i][:, :n][slot_ids].transpose(1, 2)  # [B, Hkv, n, D]
         values = cache.v_caches[i][:, :n][slot_ids].transpose(1, 2)
         out = attend(q.transpose(1, 2), keys, values, mask, d**-0.5)  # [B, T, Hq, D]
-        return F.linear(out.reshape(b, t, nq * d), blk.wo, blk.bo)
+        return linear(out.reshape(b, t, nq * d), blk.wo, blk.bo)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, slot_ids: torch.Tensor,
                 num_keys: int | None = None) -> torch.Tensor:
@@ -89,4 +90,4 @@ class LlamaModel(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[..., hidden] -> float32 logits [..., vocab]."""
-        return F.linear(hidden, self.lm_head).float()
+        return linear(hidden, self.lm_head).float()
