@@ -76,6 +76,11 @@ during the run (its requests' send times are not known here: no claim or prefill
 TTFT ends at the first chunk with choices (vLLM's first carries only the role) and its ITL is
 the gap per chunk, undivided.
 
+Structured output (skip with ``--no-json-schema``): after the lanes at concurrency 1, the express
+run again with a ``json_schema`` response format (a free-text field, not ``ignore_eos``: the
+grammar ends the completion), so the decode node samples under an xgrammar bitmask;
+``express_json_schema_tpot_ratio`` = its TPOT p50 over the plain express run's (the bar: 1.10).
+
 Prints a table and writes ``bench/results/e2e-<utc time>.json``: per-request samples under
 ``runs``, and flat keys such as ``express_ttft_p50_ms``, ``standard_c4_ttft_p99_ms``,
 ``vllm_alone_itl_p50_ms`` (lane, ``_c4`` for concurrency 4, metric, quantile). The machine's load
@@ -114,6 +119,11 @@ PROMPTS = [
     "List three reasons to measure latency at the client.",
 ]
 LANES = ("express", "standard", "vllm_alone")
+# express_json_schema_tpot_ratio: the express run again with this grammar (a long free-text field,
+# so the constrained completion is as long as the free one), TPOT p50 over the free run's
+JSON_SCHEMA_FORMAT = {"type": "json_schema", "json_schema": {"name": "story", "schema": {
+    "type": "object", "properties": {"title": {"type": "string"}, "story": {"type": "string"}},
+    "required": ["title", "story"]}}}
 HANDOFF_PARTS = ("claim_ms", "prefill_ms", "extract_ms", "transfer_ms", "kv_wait_ms", "inject_ms", "start_ms")
 VLLM_BENCH_INPUT_LEN, VLLM_BENCH_OUTPUT_LEN = 256, 64
 # `vllm bench serve` without the `vllm` script (see the module docstring).
@@ -350,7 +360,7 @@ def read_stack_file(path: Path) -> dict:
 # ------------------------------------------------------------------------------ our client
 
 async def run_lane(client: httpx.AsyncClient, args: argparse.Namespace, model: str, lane: str, url: str,
-                   headers: dict, concurrency: int, num: int) -> dict:
+                   headers: dict, concurrency: int, num: int, extra: dict | None = None) -> dict:
     """``num`` requests, ``concurrency`` in flight; samples, errors and lane mismatches."""
     todo: asyncio.Queue[int] = asyncio.Queue()
     for i in range(num):
@@ -365,7 +375,7 @@ async def run_lane(client: httpx.AsyncClient, args: argparse.Namespace, model: s
             i = todo.get_nowait()
             body = {"model": model, "stream": True, "max_tokens": args.max_tokens, "temperature": 0,
                     "ignore_eos": True, "return_token_ids": True,
-                    "messages": [{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}]}
+                    "messages": [{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}], **(extra or {})}
             try:
                 res = await one_stream(client, url, body, headers)
             except (RuntimeError, httpx.HTTPError) as exc:
@@ -446,6 +456,14 @@ async def run(args: argparse.Namespace, urls: dict) -> dict:
                     router = delta(router0, await scrape(client, router_metrics))
                     legs = [(s["leg_id"], s["sent_at_ms"]) for s in r["samples"]]
                     out["handoff"][f"c{c}"] = handoff_stats(watch, legs, router)
+        if 1 in args.concurrency and not args.no_json_schema:
+            # the same express run with a grammar: TPOT with the decode node's bitmask over without
+            url, headers = lanes["express"]
+            print("  express with a json_schema at concurrency 1 ...", flush=True)
+            extra = {"response_format": JSON_SCHEMA_FORMAT, "ignore_eos": False}
+            await run_lane(client, args, urls["model"], "express", url, headers, 1, args.warmup, extra)
+            r = await run_lane(client, args, urls["model"], "express", url, headers, 1, args.requests, extra)
+            out["runs"]["c1"]["express_json_schema"] = lane_stats(r)
         if not args.no_vllm_bench:
             out["vllm_bench_serve"] = await vllm_bench(client, args, urls, router_metrics, watch)
     await watch.close()
@@ -516,6 +534,10 @@ def flatten(result: dict) -> dict:
                 for q in ("p50", "p99"):
                     flat[f"{lane}{suffix(c)}_{m}_{q}_ms"] = r[f"{m}_{q}_ms"]
             flat[f"{lane}{suffix(c)}_num_requests"] = r["num_requests"]
+    c1 = result["runs"].get("c1", {})
+    if "express_json_schema" in c1:
+        flat["express_json_schema_tpot_ratio"] = (c1["express_json_schema"]["tpot_p50_ms"]
+                                                  / c1["express"]["tpot_p50_ms"])
     steps = result["engine_step"]
     if "c1" in steps:
         flat["engine_step_ms"] = steps["c1"]["mean_ms"]
@@ -547,6 +569,8 @@ def report(result: dict) -> None:
             print(f"{lane:<12}{ckey[1:]:>5}{r['ttft_p50_ms']:>10.1f}{r['ttft_p99_ms']:>10.1f}"
                   f"{r['tpot_p50_ms']:>10.2f}{r['tpot_p99_ms']:>10.2f}{r['itl_p50_ms']:>10.2f}"
                   f"{r['itl_p99_ms']:>10.2f}{r['num_requests']:>5}{bad}")
+    if "express_json_schema_tpot_ratio" in result:
+        print(f"express TPOT p50 with a json_schema over without: {result['express_json_schema_tpot_ratio']:.3f}")
     for ckey, s in result["engine_step"].items():
         itl = result["runs"][ckey]["express"]["itl_p50_ms"]
         itl_mean = result["runs"][ckey]["express"]["itl_mean_ms"]
@@ -603,6 +627,8 @@ def main() -> int:
     p.add_argument("--warmup", type=int, default=2, help="per lane and concurrency, not counted")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--no-vllm-bench", action="store_true", help="skip vllm bench serve")
+    p.add_argument("--no-json-schema", action="store_true",
+                   help="skip the express run with a json_schema (express_json_schema_tpot_ratio)")
     p.add_argument("--vllm-bench-prompts", type=int, default=100, help="per lane and concurrency")
     args = p.parse_args()
     args.concurrency = [int(c) for c in args.concurrency.split(",") if c.strip()]

@@ -126,6 +126,7 @@ def count_prompt_tokens(info: ModelInfo, req: ParsedRequest) -> int:
             _text_messages(req.messages or []),
             add_generation_prompt=body.get("add_generation_prompt", True),
             continue_final_message=body.get("continue_final_message", False),
+            tools=body.get("tools") or None,
             tokenize=True,
             **(body.get("chat_template_kwargs") or {}),
         )
