@@ -9,6 +9,8 @@ Contract (``Detokenizer``):
 - Text is decoded against a few prompt tokens of context (as vLLM does), so leading spaces and
   multi-token UTF-8 characters come out right: a piece that still ends in an incomplete character
   (U+FFFD) waits for the next id.
+- ``stop_token_ids``: ids that end the completion (EOS, the request's stop_token_ids); as in
+  vLLM, such an id is consumed but its text is not shown unless ``include_stop_str_in_output``.
 - While stop strings are set, the last ``len(longest stop) - 1`` characters are held back (they may
   start a stop string); ``flush()`` releases them at the end.
 
@@ -45,8 +47,10 @@ class Detokenizer:
         skip_special_tokens: bool = True,
         stop: Sequence[str] = (),
         include_stop_str_in_output: bool = False,
+        stop_token_ids: Sequence[int] = (),
     ) -> None:
         self._tok = tokenizer
+        self._stop_ids = frozenset() if include_stop_str_in_output else frozenset(stop_token_ids)
         self._skip = skip_special_tokens
         self._ids: list[int] = list(prompt_ids[-CONTEXT_TOKENS:]) if prompt_ids else []
         self._prefix_offset = 0
@@ -94,7 +98,8 @@ class Detokenizer:
             if self.finished:
                 break
             start = len(self.text)
-            self.text += self._step(int(token_id))
+            if int(token_id) not in self._stop_ids:
+                self.text += self._step(int(token_id))
             self.num_tokens += 1
             self.token_ids.append(int(token_id))
             delta.token_ids.append(int(token_id))

@@ -208,6 +208,11 @@ class ExpressStream:
         self.timings: dict[str, float] = {}
         self.first_leg_id = request_id  # a warm lease's own request id when one served
 
+    @property
+    def stop_ids(self) -> list[int]:
+        """Ids that end the completion (the request's stop_token_ids, EOS unless ignore_eos)."""
+        return list(self._stop_ids)
+
     # ---------------------------------------------------------------- one leg
 
     async def _claim(self, leg_id: str, num_prompt: int, max_tokens: int, wait_ms: int) -> ClaimGranted:
@@ -299,6 +304,8 @@ class ExpressStream:
                 body.pop(key, None)
             if self._logprobs is not None:  # ids, not text: the router renders them again
                 body["return_tokens_as_token_ids"] = True
+            if body.get("include_reasoning") is False:  # else vLLM streams no token ids
+                body["include_reasoning"] = True
             request = self.deps.http.build_request("POST", url, json=body, headers=inject_headers({}),
                                                    timeout=self.deps.cfg.prefill_timeout_s)
             try:

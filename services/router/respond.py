@@ -37,7 +37,8 @@ async def express_response(es: ExpressStream, req: ParsedRequest, info: ModelInf
     builder = ResponseBuilder(req.endpoint, prefix + request_id, req.model,  # type: ignore[arg-type]
                               include_usage=req.include_usage, return_token_ids=req.return_token_ids)
     detok = Detokenizer(info.tokenizer, es.prompt_ids, skip_special_tokens=req.skip_special_tokens,
-                        stop=req.stop, include_stop_str_in_output=req.include_stop_str_in_output)
+                        stop=req.stop, include_stop_str_in_output=req.include_stop_str_in_output,
+                        stop_token_ids=es.stop_ids)
     if req.stream:
         return StreamingResponse(_stream_body(es, detok, builder, span, t_arrival, metrics),
                                  media_type="text/event-stream")
@@ -101,7 +102,8 @@ async def _vllm_response(es: ExpressStream, req: ParsedRequest, info: ModelInfo,
 
     vreq = prepared.request
     detok = Detokenizer(info.tokenizer, es.prompt_ids, skip_special_tokens=vreq.skip_special_tokens,
-                        stop=req.stop, include_stop_str_in_output=req.include_stop_str_in_output)
+                        stop=req.stop, include_stop_str_in_output=req.include_stop_str_in_output,
+                        stop_token_ids=es.stop_ids)
     builder = OutputBuilder(info.tokenizer, response_id, es.prompt_ids, prepared.logprobs, req.stream)
 
     async def outputs() -> AsyncIterator[Any]:

@@ -128,3 +128,14 @@ def test_special_tokens_skipped_or_kept():
     keep = Detokenizer(tok, [], skip_special_tokens=False)
     assert (skip.add(ids).text + skip.flush()) == tok.decode(ids, skip_special_tokens=True)
     assert (keep.add(ids).text + keep.flush()).endswith("</s>")
+
+
+def test_a_stop_token_is_consumed_without_its_text_as_vllm_does():
+    tok = TOKENIZERS["byte_level"]
+    eos = tok.token_to_id("</s>")
+    ids = tok.encode(" lazy dog").ids + [eos]
+    for include, text in ((False, " lazy dog"), (True, " lazy dog</s>")):
+        d = Detokenizer(tok, [], skip_special_tokens=False, stop_token_ids=[eos],
+                        include_stop_str_in_output=include)
+        delta = d.add(ids)
+        assert (delta.text + d.flush(), d.num_tokens, delta.token_ids) == (text, len(ids), ids)
