@@ -14,7 +14,11 @@ Contract:
 - One decode loop performs the core's engine work (inject + start, cancel) between steps and runs
   ``engine.step()`` in a worker thread (the event loop stays responsive); tokens go out as
   ``TokensGenerated`` on ``xl.req.<id>.tokens`` (``index`` counts the completion, the prefill's
-  first token is 0), then ``RequestFinished`` (usage, speculation stats).
+  first token is 0; ``logprobs`` per token when the request asked), then ``RequestFinished`` (usage,
+  speculation stats). A start the engine refuses fails the request (``RequestFailed``), retryable
+  unless the engine's error says no node can serve it (a grammar that does not compile:
+  ``invalid_grammar: <why>``, retryable False). A request's grammar compiles in a worker thread as
+  soon as its ``DecodeStart`` arrives, so the start finds it in the compiler's cache.
 - HTTP ``/health`` and ``/metrics`` (metrics.py). SIGTERM: publish ``NodeDraining``, finish running
   requests (up to ``--drain-timeout-s``, then fail them as retryable), unregister, exit 0. NATS
   restarts: nats-py reconnects and resubscribes; availability is republished then, what the node
@@ -60,6 +64,7 @@ class DecodeNode:
         self.log = get_logger("decode", node_id=self.node_id)
         self._subs: list = []
         self._tasks: list[asyncio.Task] = []
+        self._compiles: set[asyncio.Task] = set()  # grammars compiling ahead of their start
         self.reports = Reports(bus, self.log)
 
     async def start(self) -> None:
@@ -73,12 +78,22 @@ class DecodeNode:
         self.bus.add_reconnect_callback(self._heartbeat)
         await self._heartbeat()
         self.http = await serve_status(self.config.http_host, self.config.http_port, self.status.routes)
+        grammars = getattr(self.engine, "grammars", None)
+        if grammars is not None:  # the grammar compiler (the tokenizer's vocabulary), ready before a request needs it
+            self._compiles.add(asyncio.create_task(asyncio.to_thread(self._warm_grammars, grammars)))
         self._tasks += [asyncio.create_task(self._heartbeat_loop()),
                         asyncio.create_task(self.reports.run()),
                         asyncio.create_task(self._decode_loop())]
         self.log.info("decode_ready", http_port=self.http.sockets[0].getsockname()[1],
                       model=self.engine.model_name, slots=self.config.num_slots,
                       transport=self.receiver.name, endpoint=self.receiver.endpoint)
+
+    def _warm_grammars(self, grammars) -> None:
+        try:
+            grammars.compiler()
+        except Exception as exc:  # noqa: BLE001 - no tokenizer: structured requests fail with the reason
+            self.log.warning("grammar_compiler_unavailable", reason=str(exc),
+                             hint="structured output needs the model's tokenizer files next to its weights")
 
     async def drain(self) -> None:
         """Stop taking leases, let running requests finish (bounded), then stop."""
@@ -130,6 +145,12 @@ class DecodeNode:
         effects = self.core.on_start(msg)
         if self.core.lease(msg.lease_id) is not None:  # kept (not stale, not failed at once)
             self.traces.remember(msg.lease_id)
+            prepare = getattr(self.engine, "prepare_grammar", None)
+            if msg.sampling.structured is not None and prepare is not None:
+                # compile while the KV travels, off the decode loop (start finds it in the cache)
+                task = asyncio.create_task(asyncio.to_thread(prepare, msg.sampling))
+                self._compiles.add(task)
+                task.add_done_callback(self._compiles.discard)
         await self._apply(effects)
 
     async def _on_kv(self, msg, _) -> None:
@@ -200,7 +221,7 @@ class DecodeNode:
             try:
                 while self.core.has_engine_work:
                     for work in self.core.take_engine_work():
-                        await self._apply(self._start(work) if isinstance(work, StartEngine)
+                        await self._apply(await self._start(work) if isinstance(work, StartEngine)
                                           else self._stop(work))
                 if not self.core.is_decoding:
                     continue
@@ -232,7 +253,8 @@ class DecodeNode:
     async def _emit(self, slot: int, out) -> None:
         current = self.core.slots[slot].current
         spec = self.engine.spec_stats(slot) if out.finish_reason is not None else None
-        effects = self.core.on_output(slot, out.token_ids, out.finish_reason, spec, time.perf_counter())
+        effects = self.core.on_output(slot, out.token_ids, out.finish_reason, spec, time.perf_counter(),
+                                      getattr(out, "logprobs", None))
         if not await self._apply(effects) and current is not None:  # that request stops, no other
             await self._apply(self.core.on_emit_failed(slot, current.lease_id))
 
@@ -241,16 +263,26 @@ class DecodeNode:
         spec = self.engine.spec_stats(work.slot)
         return self.core.on_engine_stopped(work.slot, work.lease_id, spec, time.perf_counter())
 
-    def _start(self, work: StartEngine) -> list[Effect]:
-        """Inject the slot's KV and arm the engine; the core hears how it went."""
+    def _engine_start(self, work: StartEngine) -> None:
+        self.engine.inject(work.slot, work.num_kv_tokens)
+        self.engine.start(work.slot, work.first_token_id, work.sampling)
+
+    async def _start(self, work: StartEngine) -> list[Effect]:
+        """Inject the slot's KV and arm the engine (in a worker thread: a grammar may still be
+        compiling); the core hears how it went."""
         self.traces.start(work)
         started_at_s = time.perf_counter()
         try:
-            self.engine.inject(work.slot, work.num_kv_tokens)
-            self.engine.start(work.slot, work.first_token_id, work.sampling)
+            await asyncio.to_thread(self._engine_start, work)
         except Exception as exc:  # bad sizes or params: the request fails, the node lives on
-            return self.core.on_engine_failed(work.slot, work.lease_id, f"start_failed: {exc}",
-                                              time.perf_counter())
+            # An engine error that no node gets past (a grammar that does not compile: GrammarError)
+            # says so (``retryable`` False, its ``code``): the router must not migrate the request.
+            retryable, code = getattr(exc, "retryable", True), getattr(exc, "code", "start_failed")
+            if not retryable:
+                self.log.warning("start_refused", request_id=work.request_id, slot=work.slot, code=code,
+                                 reason=str(exc))
+            return self.core.on_engine_failed(work.slot, work.lease_id, f"{code}: {exc}",
+                                              time.perf_counter(), retryable=retryable)
         fast_path_reason = self.engine.slot_fast_path_reason(work.slot)
         self.paths.start(work.lease_id, fast_path_reason)
         self.log.info("decode_started", request_id=work.request_id, slot=work.slot,

@@ -44,11 +44,13 @@ NUM_ENDED_REMEMBERED = 4096  # lease ids kept to recognise late halves and dupli
 
 @dataclass(frozen=True)
 class Stop:
-    """Why a lease ends: outcome (completed | failed | cancelled), reason, whether to tell the router."""
+    """Why a lease ends: outcome (completed | failed | cancelled), reason, whether to tell the router,
+    and (failed) whether another node may succeed (``RequestFailed.retryable``)."""
 
     outcome: str
     reason: str
     notify: bool
+    retryable: bool = True
 
 
 @dataclass
@@ -210,13 +212,15 @@ class SlotCore:
             effects += self._finish(lease, Stop("completed", "", True), "length", SpecStats(), now_s)
         return effects
 
-    def on_engine_failed(self, slot: int, lease_id: str, reason: str, now_s: float) -> list[Effect]:
-        """The engine could not start the lease (bad sizes or parameters): the request fails."""
+    def on_engine_failed(self, slot: int, lease_id: str, reason: str, now_s: float,
+                         retryable: bool = True) -> list[Effect]:
+        """The engine could not start the lease (bad sizes or parameters): the request fails;
+        ``retryable=False`` when no node can serve it (a grammar that does not compile)."""
         lease = self._engine_lease(slot, lease_id, "starting")
         if lease is None:
             return []
         lease.started_at_s = now_s
-        return self._finish(lease, Stop("failed", reason, True), "cancelled", SpecStats(), now_s)
+        return self._finish(lease, Stop("failed", reason, True, retryable), "cancelled", SpecStats(), now_s)
 
     def on_engine_stopped(self, slot: int, lease_id: str, spec: SpecStats, now_s: float) -> list[Effect]:
         lease = self._engine_lease(slot, lease_id, "stopping")
@@ -225,16 +229,17 @@ class SlotCore:
         return self._finish(lease, lease.stop, "cancelled", spec, now_s)
 
     def on_output(self, slot: int, token_ids: list[int], finish_reason: str | None,
-                  spec: SpecStats | None, now_s: float) -> list[Effect]:
-        """One engine step's tokens for a slot; ``spec`` is needed when it finished."""
+                  spec: SpecStats | None, now_s: float, logprobs: list | None = None) -> list[Effect]:
+        """One engine step's tokens for a slot; ``spec`` is needed when it finished; ``logprobs``:
+        one TokenLogprobs per token when the request asked for them."""
         lease = self.slots[slot].current if 0 <= slot < self.num_slots else None
         if lease is None or lease.phase != "decoding":
             return []
         effects: list[Effect] = []
         if token_ids:
             effects.append(Publish(subjects.req_tokens(lease.request_id), TokensGenerated(
-                request_id=lease.request_id, index=lease.next_index, token_ids=list(token_ids)),
-                lease.lease_id))
+                request_id=lease.request_id, index=lease.next_index, token_ids=list(token_ids),
+                logprobs=list(logprobs or [])), lease.lease_id))
             lease.next_index += len(token_ids)
             lease.num_completion_tokens += len(token_ids)
             self.counters["tokens_generated"] += len(token_ids)
@@ -346,7 +351,7 @@ class SlotCore:
         decode_ms = (now_s - lease.started_at_s) * 1000 if lease.phase != "ready" else 0.0
         if subject is not None and stop.outcome == "failed":
             effects.append(Publish(subject, RequestFailed(
-                request_id=lease.request_id, reason=stop.reason, retryable=True), lease.lease_id))
+                request_id=lease.request_id, reason=stop.reason, retryable=stop.retryable), lease.lease_id))
         elif subject is not None:
             effects.append(Publish(subject, RequestFinished(
                 request_id=lease.request_id, finish_reason=finish_reason,

@@ -17,7 +17,8 @@ import torch
 from services.decode.engine import Engine
 from shared import subjects
 from shared.events import (
-    ClaimGranted, DecodeStart, KvReady, RequestFinished, SamplingParams, TokenMessage,
+    ClaimGranted, DecodeStart, KvReady, RequestFailed, RequestFinished, SamplingParams, StructuredOutput,
+    TokenMessage, TokensGenerated,
 )
 from shared.kvchecksum import CHECKSUM_ALGO, checksums, host_reader
 from shared.kvlayout import write_ranges
@@ -232,6 +233,61 @@ async def test_kv_checksum_mismatch_fails_the_lease_frees_the_slot_and_spares_th
     assert _metric(metrics, 'xl_decode_events_total{event="kv_rejected.checksum"}') == 1
     assert _metric(metrics, 'xl_decode_events_total{event="kv_rejected.checksum_missing"}') == 1
     assert _metric(metrics, "xl_decode_kv_verify_seconds_count") == 2
+    await stack.assert_no_leak([node])
+
+
+def engine_under_grammar(model_dir, prompt: list[int], sampling: SamplingParams):
+    """The engine's own first token (sampled under the grammar, as the prefill does), tokens and logprobs."""
+    import xgrammar as xgr
+
+    engine = Engine.load(model_dir, num_slots=1, max_seq_len=256)
+    matcher = xgr.GrammarMatcher(engine.grammars.compile(sampling.structured))
+    mask = xgr.allocate_token_bitmask(1, engine.cfg.vocab_size)
+    matcher.fill_next_token_bitmask(mask)
+    logits = engine.prefill(0, prompt)[None].clone()
+    xgr.apply_token_bitmask_inplace(logits, mask)
+    first = int(logits.argmax())
+    engine.start(0, first, sampling)
+    tokens, lps = [], []
+    while engine.active_slots():
+        out = engine.step()[0]
+        tokens, lps = tokens + out.token_ids, lps + out.logprobs
+    return first, tokens, lps, out.finish_reason
+
+
+async def test_logprobs_and_grammars_through_the_node(stack):  # noqa: F811
+    """A choice-constrained request with logprobs streams the engine's own tokens, each with its
+    logprobs, and ends with "stop" once the grammar is complete; a grammar that does not compile
+    fails its request for good (retryable False) with the reason, and the slot frees."""
+    await stack.coordinator()
+    node = await stack.decode("d1", 2)
+    _, kv = await asyncio.to_thread(hf_prefill, stack.model_dir, PROMPT)
+    sampling = SamplingParams(max_tokens=20, logprobs=3,
+                              structured=StructuredOutput(kind="choice", choices=["yes", "no", "maybe not"]))
+    first, ref_tokens, ref_lps, ref_reason = await asyncio.to_thread(
+        engine_under_grammar, stack.model_dir, PROMPT, sampling)
+    good, bad = [await stack.claim(rid) for rid in ("good", "bad")]
+    queues = [await write_kv(stack, g, PROMPT, kv) for g in (good, bad)]
+    bad_sampling = SamplingParams(max_tokens=4, structured=StructuredOutput(kind="json", json_schema='{"type": '))
+    for g, sp in ((good, sampling), (bad, bad_sampling)):
+        await stack.bus.publish(subjects.decode_start(g.node_id), DecodeStart(
+            request_id=g.request_id, lease_id=g.lease_id, generation=g.generation, slot=g.target.slot.slot,
+            first_token_id=first, num_prompt_tokens=len(PROMPT), sampling=sp))
+    events = []
+    while not events or isinstance(events[-1], TokensGenerated):
+        events.append(await asyncio.wait_for(queues[0].get(), 30))
+    tokens = [t for ev in events[:-1] for t in ev.token_ids]
+    lps = [lp for ev in events[:-1] for lp in ev.logprobs]
+    assert all(len(ev.logprobs) == len(ev.token_ids) for ev in events[:-1])
+    assert tokens == ref_tokens and ref_reason == "stop", events[-1]
+    assert isinstance(events[-1], RequestFinished) and events[-1].finish_reason == "stop"
+    assert [(a.rank, a.top_ids) for a in lps] == [(b.rank, b.top_ids) for b in ref_lps]
+    assert max(abs(a.logprob - b.logprob) for a, b in zip(lps, ref_lps)) < 1e-5
+    failed = await asyncio.wait_for(queues[1].get(), 30)
+    assert isinstance(failed, RequestFailed) and not failed.retryable
+    assert failed.reason.startswith("invalid_grammar: json_schema is not valid JSON")
+    await stack.wait_state("bad", "failed")
+    await stack.wait_state("good", "completed")
     await stack.assert_no_leak([node])
 
 

@@ -7,7 +7,7 @@
   (any_whitespace, separators ``(",", ":")`` without any whitespace, as vLLM), ``json_object`` ->
   the schema ``{"type": "object"}``, ``regex`` -> compile_regex, ``choice`` -> vLLM's
   ``choice_as_grammar`` EBNF, ``grammar`` -> compile_lark when the text looks like Lark, else
-  compile_grammar (EBNF). Raises ``GrammarError`` saying what is wrong (also after
+  compile_grammar (EBNF). Raises ``GrammarError`` saying what is wrong (a regex also after
   ``COMPILE_TIMEOUT_S``, vLLM's regex compilation timeout).
 - ``matcher(compiled, stop_token_ids, max_rollback)``: a ``GrammarMatcher`` with vLLM's
   ``override_stop_tokens`` (the request's stop ids and the model's EOS ids); rollback for drafts
@@ -32,7 +32,11 @@ COMPILE_TIMEOUT_S = 5.0  # vLLM's VLLM_REGEX_COMPILATION_TIMEOUT_S default
 
 
 class GrammarError(ValueError):
-    """A request's grammar does not compile (or its tokens so far do not match it)."""
+    """A request's grammar does not compile (or its tokens so far do not match it): no node can
+    serve it (the decode node fails the request with ``retryable`` False and this ``code``)."""
+
+    retryable = False
+    code = "invalid_grammar"
 
 
 def choice_as_grammar(choice: list[str]) -> str:
@@ -117,13 +121,16 @@ class Grammars:
         raise GrammarError(f"unknown structured output kind {spec.kind!r}")
 
     def compile(self, spec: StructuredOutput):
-        """The compiled grammar (xgrammar's cache answers a grammar seen before at once)."""
-        future = self._pool.submit(self._compile_now, spec)
+        """The compiled grammar (xgrammar's cache answers a grammar seen before at once); a regex
+        gets vLLM's compilation timeout (a pathological pattern must not hang the node)."""
+        self.compiler()  # built once (the tokenizer's vocabulary), outside the timeout
         try:
+            if spec.kind != "regex":
+                return self._compile_now(spec)
+            future = self._pool.submit(self._compile_now, spec)
             return future.result(timeout=COMPILE_TIMEOUT_S)
         except concurrent.futures.TimeoutError:
-            raise GrammarError(f"{spec.kind} grammar did not compile within {COMPILE_TIMEOUT_S:g} s: "
-                               "simplify it") from None
+            raise GrammarError(f"regex did not compile within {COMPILE_TIMEOUT_S:g} s: simplify it") from None
         except GrammarError:
             raise
         except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError / ValueError with its reason

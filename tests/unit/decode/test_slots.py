@@ -18,7 +18,7 @@ from services.decode.slots import SlotCore
 from shared import subjects
 from shared.events import (
     CancelRequest, DecodeStart, DecodeStarted, HandoffEvent, KvFailed, KvReady, RequestFailed,
-    RequestFinished, SamplingParams, SlotReleased, SpecStats, TokensGenerated,
+    RequestFinished, SamplingParams, SlotReleased, SpecStats, TokenLogprobs, TokensGenerated,
 )
 
 NODE = "n1"
@@ -60,11 +60,14 @@ def show(e):
         return ("released", ev.lease_id, ev.outcome, ev.reason)
     assert e.subject == subjects.req_tokens(ev.request_id)
     if isinstance(ev, TokensGenerated):
+        if ev.logprobs:
+            assert len(ev.logprobs) == len(ev.token_ids)
+            return ("tokens", ev.index, ev.token_ids, [(lp.logprob, lp.rank, lp.top_ids) for lp in ev.logprobs])
         return ("tokens", ev.index, ev.token_ids)
     if isinstance(ev, RequestFinished):
         return ("finished", ev.finish_reason, ev.usage.completion_tokens, ev.spec.num_steps)
-    assert isinstance(ev, RequestFailed) and ev.retryable
-    return ("failed", ev.reason)
+    assert isinstance(ev, RequestFailed)
+    return ("failed", ev.reason) if ev.retryable else ("failed_for_good", ev.reason)
 
 
 class Harness:
@@ -80,7 +83,7 @@ class Harness:
     def run(self, op, arg):
         c = self.core
         self.now_s += 1.0
-        if op in ("started", "start_failed") and arg in self.starting:
+        if op in ("started", "start_failed", "start_refused") and arg in self.starting:
             self.starting.remove(arg)
         if op in ("start", "kv", "kv_failed", "kv_rejected", "cancel", "ended", "stop_all"):
             effects = {"start": c.on_start, "kv": c.on_kv_ready, "kv_failed": c.on_kv_failed,
@@ -95,11 +98,13 @@ class Harness:
             effects = c.on_engine_started(arg[0], arg[1], self.now_s)
         elif op == "start_failed":
             effects = c.on_engine_failed(arg[0], arg[1], "start_failed: bad", self.now_s)
+        elif op == "start_refused":  # an engine error no node gets past (a grammar that does not compile)
+            effects = c.on_engine_failed(arg[0], arg[1], "invalid_grammar: bad", self.now_s, retryable=False)
         elif op == "stopped":
             effects = c.on_engine_stopped(arg[0], arg[1], SpecStats(num_steps=7), self.now_s)
-        elif op == "output":  # (slot, token ids, finish reason)
+        elif op == "output":  # (slot, token ids, finish reason[, logprobs])
             spec = SpecStats(num_steps=5) if arg[2] else None
-            effects = c.on_output(arg[0], arg[1], arg[2], spec, self.now_s)
+            effects = c.on_output(arg[0], arg[1], arg[2], spec, self.now_s, *arg[3:])
         elif op == "emit_failed":
             effects = c.on_emit_failed(*arg)
         else:
@@ -194,6 +199,20 @@ CASES = {
         ("output", (0, [9], "length"), {"effects": [
             ("tokens", 3, [9]), ("finished", "length", 4, 5), ("release_engine", 0), *released(1)],
             "free": [0, 1], "engine": [], "counter": {"tokens_generated": 3, "finished.length": 1}}),
+    ],
+    "logprobs_ride_with_their_tokens": [
+        *decoding(1),
+        ("output", (0, [7, 8], None, [TokenLogprobs(-0.5, 1, [7], [-0.5]), TokenLogprobs(-2.0, 3, [9], [-0.1])]),
+         {"effects": [("tokens", 1, [7, 8], [(-0.5, 1, [7]), (-2.0, 3, [9])])]}),
+        ("output", (0, [9], "stop", []), {"effects": [
+            ("tokens", 3, [9]), ("finished", "stop", 4, 5), ("release_engine", 0), *released(1)]}),
+    ],
+    "a_grammar_that_does_not_compile_fails_for_good": [
+        ("start", start(1), {}), ("kv", kv(1), {}),
+        ("take", None, {"work": [("start", 0, "L1")]}),
+        ("start_refused", (0, "L1"), {"effects": [
+            ("failed_for_good", "invalid_grammar: bad"), ("release_engine", 0),
+            *released(1, "failed", "invalid_grammar: bad")], "free": [0, 1], "engine": []}),
     ],
     "kv_before_start": [
         ("kv", kv(1), {"effects": ["hb"], "free": [1]}),
