@@ -4,6 +4,8 @@
 #   docker build -f infra/docker/prefill.Dockerfile -t expresslane/prefill .
 #   docker run --gpus all expresslane/prefill prefill --model /models/m --host 0.0.0.0
 # The vLLM version must be the one of the `gpu` extra in pyproject.toml (one connector API).
+# compose also runs the router from this image: vLLM's tool/reasoning parsers and response
+# rendering for tools, structured output and logprobs (docs/design/vllm-surface.md).
 ARG VLLM_IMAGE=vllm/vllm-openai:v0.32.0
 FROM ${VLLM_IMAGE}
 
@@ -25,7 +27,7 @@ RUN mkdir -p shared services infra && touch shared/__init__.py services/__init__
 COPY shared ./shared
 COPY services ./services
 COPY infra ./infra
-RUN pip install --no-deps . && python3 -c "import services.prefill.connector, vllm"
+RUN pip install --no-deps . && python3 -c "import services.prefill.connector, services.router.app, vllm"
 
 ENTRYPOINT ["expresslane"]
 CMD ["prefill", "--help"]

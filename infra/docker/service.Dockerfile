@@ -1,7 +1,9 @@
 # expresslane router and coordinator: Python only, no torch, no CUDA.
 #   docker build -f infra/docker/service.Dockerfile -t expresslane/service .
 #   docker run expresslane/service coordinator --nats-url nats://nats:4222
-# The router loads tokenizers (transformers + tokenizers, which need no torch).
+# The router loads tokenizers (transformers + tokenizers, which need no torch). A router from this
+# image has no vLLM: tools, structured output and logprobs take the standard lane (compose runs
+# the router from the prefill image instead, docs/design/vllm-surface.md).
 FROM python:3.11-slim
 
 ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
