@@ -11,7 +11,7 @@ import weakref
 
 import torch
 
-from .fp8 import SCALE_SUFFIX, attach, is_fp8
+from .fp8 import SCALE_SUFFIX, activation_group, attach, is_fp8
 
 
 def build_model(cfg, params: dict[str, torch.Tensor]) -> torch.nn.Module:
@@ -27,7 +27,7 @@ def build_model(cfg, params: dict[str, torch.Tensor]) -> torch.nn.Module:
             model = DeepseekModel(cfg, with_mtp=any(n.startswith("mtp.") for n in params))
     scales = {n: t for n, t in params.items() if n.endswith(SCALE_SUFFIX)}
     model.load_state_dict({n: t for n, t in params.items() if n not in scales}, strict=True, assign=True)
-    attach(model, scales, cfg.quant.block if cfg.quant is not None else None)
+    attach(model, scales, cfg.quant.block if cfg.quant is not None else None, activation_group(cfg.quant))
     return model.eval()
 
 

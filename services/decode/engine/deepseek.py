@@ -16,7 +16,7 @@ from torch import nn
 
 from .cache import KvCache
 from .config import ModelConfig
-from .fp8 import expert, gather_experts, linear
+from .fp8 import expert, expert_matmul, linear
 from .layers import causal_mask, rms_norm, swiglu, write_cache
 from .rope import apply_rope, rope_tables, yarn_mscale
 from .weights import is_moe_layer
@@ -87,14 +87,14 @@ def moe(cfg: ModelConfig, blk: MlaBlock, x: torch.Tensor) -> torch.Tensor:
     x = x.reshape(-1, shape[-1])
     ids, weights = route(cfg, blk, x)
     if x.shape[0] <= GATHER_MAX_TOKENS:  # static: gather the chosen experts' weights
-        gate, up = torch.einsum("nh,nkih->nki", x, gather_experts(blk.experts_gate_up, ids, x.dtype)).chunk(2, dim=-1)
-        y = torch.einsum("nki,nkhi->nkh", F.silu(gate) * up, gather_experts(blk.experts_down, ids, x.dtype))
+        gate, up = expert_matmul("nh,nkih->nki", x, blk.experts_gate_up, ids).chunk(2, dim=-1)
+        y = expert_matmul("nki,nkhi->nkh", F.silu(gate) * up, blk.experts_down, ids)
         out = (y * weights[..., None].to(y.dtype)).sum(dim=1)
     else:
         out = torch.zeros_like(x)
         for e in ids.unique().tolist():
             tok, pos = torch.where(ids == e)
-            y = swiglu(x[tok], expert(blk.experts_gate_up, e, x.dtype), expert(blk.experts_down, e, x.dtype))
+            y = swiglu(x[tok], expert(blk.experts_gate_up, e), expert(blk.experts_down, e))
             out.index_add_(0, tok, (y * weights[tok, pos, None]).to(x.dtype))
     if cfg.num_shared_experts:
         out = out + swiglu(x, blk.shared_gate_up, blk.shared_down)

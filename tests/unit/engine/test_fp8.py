@@ -2,10 +2,14 @@
 method with 128x128 block scales, for both families (DeepSeek-V3 with its MTP layer).
 
 The engine keeps the weights in float8 with their scales and dequantizes in torch just before each
-matmul; its logits must stay within 2% (max-abs relative) of an engine loaded from the same
-checkpoint multiplied out in float32 by the writer (``dequantize_checkpoint``: independent code),
-and its greedy tokens must equal the reference's on near-bigram models (wide argmax margins, as a
-trained model has). ``quant.parse_quant`` is table-tested; the loader's refusals say what is wrong.
+matmul, and quantizes activations dynamically as vLLM does for these checkpoints (per token, or
+per 128 features for block scales); its logits must stay within 2% (max-abs relative) of an
+engine loaded from the same checkpoint multiplied out in float32 by the writer
+(``dequantize_checkpoint``: independent code), and its greedy tokens must equal the reference's on
+near-bigram models (wide argmax margins, as a trained model has) up to a near tie: where the
+reference's own top two logits lie within 1% of its logit scale, FP8 activations may pick the other
+one, and the sequences part there. ``quant.parse_quant`` is table-tested; the loader's refusals say
+what is wrong.
 """
 
 from __future__ import annotations
@@ -60,6 +64,17 @@ def greedy(engine: Engine, prompt=PROMPT) -> tuple[torch.Tensor, list[int]]:
     return logits.float(), tokens
 
 
+def assert_same_greedy(tokens: list[int], ref_tokens: list[int], ref: Engine, prompt=PROMPT) -> None:
+    """Equal, or equal up to a position where the reference's choice was a near tie (see above)."""
+    i = next((i for i, (a, b) in enumerate(zip(tokens, ref_tokens)) if a != b), None)
+    if i is None:
+        return
+    logits = ref.prefill(0, prompt + ref_tokens[:i]).float()
+    ref.release(0)
+    gap = float(logits[ref_tokens[i]] - logits[tokens[i]])
+    assert 0 <= gap < 0.01 * float(logits.abs().max()), f"token {i}: {tokens[i]} != {ref_tokens[i]}, reference gap {gap}"
+
+
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max())
 
@@ -101,9 +116,10 @@ def test_fp8_engine_matches_its_dequantized_reference(tmp_path, arch, scheme, dt
     logits, tokens = greedy(engine)
     ref_logits, ref_tokens = greedy(ref)
     assert rel(logits, ref_logits) < 0.02
-    assert tokens == ref_tokens
+    assert_same_greedy(tokens, ref_tokens, ref)
     if dtype == "float32" and not k:  # and FP8 keeps the unquantized model's greedy choices
-        assert greedy(load(orig_dir, dtype))[1] == tokens
+        orig = load(orig_dir, dtype)
+        assert_same_greedy(tokens, greedy(orig)[1], orig)
 
 
 def test_ignored_modules_stay_unquantized_and_a_converted_checkpoint_loads_alike(tmp_path):
