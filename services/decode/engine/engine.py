@@ -49,6 +49,11 @@ logits before sampling (``xgr.apply_token_bitmask_inplace``); with drafts, one m
 after each grammar-valid draft prefix, drafts past it cut before verification (the matcher rolled
 back), as vLLM's scheduler does. The grammar lets EOS (or a stop id) through only once complete, so a
 constrained request ends with "stop" as in vLLM; once terminated it masks nothing.
+On the fast path (Llama family, one active slot) a request with logprobs (top 20 at most) and/or a
+grammar takes the slot's third graph (fastpath.EXTRAS): the host writes the grammar's mask into the
+slot's ``gmask`` row before each replay (one token per step for a grammar), the graph applies it
+before the sampling kernels and computes the logprobs after them; a batched step holding such a slot
+takes the reference step.
 ``mtp_draft_vocab=N``: the fast path's MTP drafts propose token ids < N only (its draft head reads N
 rows, not the whole vocabulary); output is unchanged, acceptance may drop. The reference step
 drafts over the whole vocabulary.
@@ -257,7 +262,7 @@ class Engine:
         s.extra["fast_path_reason"] = self.fast_path_reason or fastpath.request_reason(
             req.plain_greedy, k, self._fast is not None and self._fast.spec_ok,
             self._fast is not None and self._fast.sample_ok, req.fast_path_limit(),
-            logprobs=sampling.logprobs is not None, grammar=grammar is not None,
+            logprobs=sampling.logprobs, grammar=grammar is not None,
             extras_ok=self._fast is not None and self._fast.extras_ok)
         if self._fast is not None and s.extra["fast_path_reason"]:
             fastpath.log.debug("slot %d decodes on the reference step: %s", slot, s.extra["fast_path_reason"])
@@ -394,7 +399,9 @@ class Engine:
             s = self.slots[active[0]]
             out, reason = self._fast.step(active[0], s, self.max_seq_len,
                                           self.prefill_hidden[active[0]] if s.has_prefill_hidden else None)
-            return {active[0]: StepOutput(token_ids=out, finish_reason=reason)}
+            lps = s.extra.pop("fast_logprobs", None)
+            return {active[0]: StepOutput(token_ids=out, finish_reason=reason,
+                                          logprobs=lps[:len(out)] if lps is not None else None)}
         self.last_step_path = "reference"
         dev, k, b = self.device, self.num_spec, len(active)
         slot_ids = torch.tensor(active, device=dev)
@@ -511,6 +518,8 @@ class Engine:
         """Whether these slots decode together on the fast path now (each one can, and the batch fits)."""
         if self._fast is None or not self._fast.batch_ok or len(active) > self._fast.max_batch:
             return False
+        if any(self.slots[i].num_logprobs is not None or self.slots[i].grammar is not None for i in active):
+            return False  # logprobs and grammars: the batch-1 graphs only
         if not all(self._fast_ready(i) for i in active):
             return False
         return self._fast_build_batch(fastpath.padded_batch(len(active)))

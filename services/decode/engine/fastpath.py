@@ -53,6 +53,7 @@ from .slots import SlotState, emit
 log = logging.getLogger(__name__)
 
 MODES = ("auto", "on", "off")
+MAX_LOGPROBS = 20  # cuda/sampling_state.MAX_LOGPROBS (torch-only import kept out of this module's top)
 MAX_BATCH = 8  # slots of one batched step (cuda/batch.py)
 BATCH_SIZES = (2, 4, 8)  # its padded sizes, one graph (greedy, sampled) each
 
@@ -69,6 +70,7 @@ def batch_sizes(num_slots: int) -> list[int]:
     """The padded sizes an engine of num_slots slots can need."""
     return sorted({padded_batch(n) for n in range(2, min(num_slots, MAX_BATCH) + 1)})
 SAMPLED = "sampled"  # the runner key of a Llama-family slot's sampling graph
+EXTRAS = "extras"  # ... and of its graph that also applies a grammar mask and computes logprobs
 
 
 def _interpreting() -> bool:
@@ -118,18 +120,20 @@ def engine_reason(mode: str, model, device: torch.device, dtype: torch.dtype, nu
 
 
 def request_reason(greedy: bool, num_spec: int, spec_ok: bool = False, sample_ok: bool = False,
-                   sample_limit: str | None = None, *, logprobs: bool = False, grammar: bool = False,
+                   sample_limit: str | None = None, *, logprobs: int | None = None, grammar: bool = False,
                    extras_ok: bool = False) -> str | None:
     """Why a request decodes on the reference path; None when the fast path can serve it.
 
     ``greedy``: greedy without logits processors (the argmax of the raw logits); ``sample_ok``: the
     engine's fast path samples (Llama family); ``sample_limit``: why the request's parameters do not
     fit the fast path's sampling buffers (bad words beyond its capacity), if they do not;
-    ``logprobs`` / ``grammar``: the request asks for logprobs / a grammar, which the fast path serves
-    where ``extras_ok``."""
-    if (logprobs or grammar) and not extras_ok:
-        what = " and ".join(w for w, on in (("logprobs", logprobs), ("a grammar", grammar)) if on)
+    ``logprobs`` (SamplingParams.logprobs: None off) / ``grammar``: the request asks for logprobs
+    / a grammar, which the fast path serves where ``extras_ok`` (the top MAX_LOGPROBS at most)."""
+    if (logprobs is not None or grammar) and not extras_ok:
+        what = " and ".join(w for w, on in (("logprobs", logprobs is not None), ("a grammar", grammar)) if on)
         return f"{what}: this engine's fast path does not compute logprobs or apply grammar masks"
+    if logprobs is not None and logprobs > MAX_LOGPROBS:
+        return f"logprobs={logprobs}: the fast path computes the top {MAX_LOGPROBS}"
     if not greedy and not sample_ok:
         return ("sampling or logits processors: the DeepSeek-family fast path decodes plain greedy requests only "
                 "(temperature 0, no penalties, bias or bad words)")
@@ -153,7 +157,10 @@ class FastPath:
         self.spec_ok = self.mla  # the DeepSeek-family step drafts with the MTP layer
         self.sampling = sampling  # the engine's SamplingBuffers: the sampled graph reads slot rows of it
         self.sample_ok = not self.mla and sampling is not None
-        self.extras_ok = False  # logprobs and grammar masks on the fast path
+        # logprobs and grammar masks on the batch-1 Llama-family path (a third graph per slot, captured
+        # on a slot's first such request); a batched step holding such a slot takes the reference step
+        self.extras_ok = self.sample_ok
+        self._host_masks: dict[int, torch.Tensor] = {}  # slot -> its grammar bitmask on the host (pinned)
         self.draft_vocab = draft_vocab
         self.tokens_per_step = tokens_per_step
         self.max_steps = max(max_steps, tokens_per_step, 4 * (self.num_spec + 1))  # out_tokens rows; re-armed when full
@@ -170,6 +177,13 @@ class FastPath:
 
             if k == SAMPLED:
                 fn = lambda: dec.step(sample=True)  # noqa: E731
+            elif k == EXTRAS:
+                def fn():
+                    dec.sampler.extras = True  # what the capture records: mask, sampling, logprobs
+                    try:
+                        dec.step(sample=True)
+                    finally:
+                        dec.sampler.extras = False
             else:
                 fn = dec.step if not self.mla else (dec.plain_step if k == 0 else (lambda: dec.spec_step(k)))
             runner = GraphedFn(fn, self.device.type == "cuda", warmup_calls=1, device=self.device,
@@ -225,19 +239,44 @@ class FastPath:
 
     def decode(self, slot: int, token: int, pos: int, n: int, prev_hidden=None, s: SlotState | None = None) -> list[int]:
         """``n`` >= 1 tokens following ``token`` (at ``pos``): greedy, or sampled by the slot's sampling row
-        when ``s`` (the slot's state) is a request that samples or has logits processors; one host sync."""
+        when ``s`` (the slot's state) is a request that samples or has logits processors; one host sync.
+        A request with logprobs or a grammar takes the slot's extras graph: its grammar's mask is filled
+        on the host and copied to the slot's ``gmask`` row before the replay (so ``n`` is 1 for it), the
+        tokens' logprobs land in ``s.extra["fast_logprobs"]``."""
+        extras = s is not None and (s.num_logprobs is not None or s.grammar is not None)
         sampled = s is not None and not s.is_greedy
-        if sampled and not self.sample_ok:
+        if (sampled or extras) and not self.sample_ok:
             raise ValueError("this fast path decodes plain greedy requests only")
         dec, runners = self.prepare(slot, token, pos)
-        runner = self._runner(dec, runners, SAMPLED if sampled else 0, token, pos)
+        if extras and EXTRAS not in runners:  # captured now, which re-arms the decoder
+            self.held.pop(slot, None)
+        runner = self._runner(dec, runners, EXTRAS if extras else SAMPLED if sampled else 0, token, pos)
         idx = self._start(slot, dec, token, pos, n, prev_hidden, s)
+        if extras and s.grammar is not None:
+            self._write_mask(slot, s.grammar)
         for _ in range(n):
             runner()
         out = dec.out_tokens[idx : idx + n].tolist()  # the one sync
+        if extras and s.num_logprobs is not None:
+            from . import logprobs as lpmod
+
+            val, ids = dec.sampler.lp_val[idx : idx + n].tolist(), dec.sampler.lp_ids[idx : idx + n].tolist()
+            m = s.num_logprobs
+            s.extra["fast_logprobs"] = lpmod.to_wire([v[0] for v in val], [i[0] for i in ids],
+                                                     [v[1 : 1 + m] for v in val], [i[1 : 1 + m] for i in ids])
         self.held[slot] = (out[-1], pos + n, idx + n)
         self.synced[slot] = (out[-1], pos + n)
         return out
+
+    def _write_mask(self, slot: int, grammar) -> None:
+        """The grammar's next-token mask into the slot's gmask row (host fill, one copy)."""
+        row = self.sampling.gmask[slot]
+        host = self._host_masks.get(slot)
+        if host is None:
+            host = torch.empty((1, row.shape[0]), dtype=torch.int32, pin_memory=self.device.type == "cuda")
+            self._host_masks[slot] = host
+        grammar.fill(host, 0)
+        row.copy_(host[0], non_blocking=True)
 
     def prepare_batch(self, size: int):
         """The batched decoder of ``size`` rows and its graphs (greedy; sampled where the engine samples),
@@ -323,11 +362,14 @@ class FastPath:
             s.num_steps += 1
             s.num_draft_tokens += k
         else:
-            n = min(self.tokens_per_step, room)
+            n = min(self.tokens_per_step if s.grammar is None else 1, room)  # a grammar's mask needs each token
             tokens = self.decode(slot, s.pending, s.seq_len, n, prev_hidden, s) if n > 0 else []
             s.num_steps += max(n, 1)
         s.num_valid_drafts = 0  # the reference step's held drafts are stale now: it drafts anew
         out, reason = emit(s, tokens, max_seq_len)
+        if s.grammar is not None and not s.grammar.accept(out):
+            log.warning("slot %d: token ids %s left the grammar; it stops constraining", slot, out)
+            s.grammar.is_terminated = True
         if k and room > 0:
             s.num_accepted_tokens += max(0, len(out) - 1)
         if reason is not None:

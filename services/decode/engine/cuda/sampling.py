@@ -30,6 +30,14 @@ decoder's plain argmax and never run these):
   6. finish (one program): the best of the programs (ties: lowest id), the writes above.
 Every sum runs in a fixed order (no float atomics): a seeded request samples the same tokens on
 every run.
+
+Logprobs and grammars (``FastSampler.extras`` set while a graph is captured: the engine keeps one
+such graph per slot for requests that ask for them): before step 1, the row's grammar bitmask
+(``gmask``, written by the host before the replay) sets every forbidden logit to -inf (one launch,
+a no-op for an all-ones mask); after step 6, torch ops on the same logits (capturable):
+log_softmax, the sampled token's logprob and rank (tokens with logprob >= its own, as vLLM counts),
+the top MAX_LOGPROBS ids and logprobs, into ``lp_val`` / ``lp_ids`` at row ``step_idx - 1`` (the
+row ``out_tokens`` got): vLLM's raw logprobs (after the grammar's mask, before every processor).
 """
 
 from __future__ import annotations
@@ -510,6 +518,18 @@ def _finish_kernel(part_max_ptr, part_arg_ptr, part_score_ptr, part_tok_ptr, NP,
         tl.store(ban_ptr + new, tl.full((_MAX_BW,), 1, dtype=tl.uint8), mask=new >= 0)
 
 
+@triton.jit
+def _grammar_mask_kernel(logits_ptr, gmask_ptr, row_ptr, V, W, BLOCK: tl.constexpr):
+    """logits[i] = -inf where bit i % 32 of word i // 32 of the row's bitmask is 0."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < V
+    r = tl.load(row_ptr).to(tl.int64)
+    words = tl.load(gmask_ptr + r * W + offs // 32, mask=ok, other=-1)
+    bit = (words >> (offs % 32)) & 1
+    logits = tl.load(logits_ptr + offs, mask=ok, other=0.0)
+    tl.store(logits_ptr + offs, tl.where(bit != 0, logits, float("-inf")), mask=ok)
+
+
 class FastSampler:
     """The sampling tail of one batch-1 decoder: its scratch buffers and launches (module docstring).
 
@@ -544,6 +564,30 @@ class FastSampler:
         self.part_z1 = torch.zeros(self.g, dtype=torch.float32, device=dev)
         self.part_score = torch.zeros(self.g, dtype=torch.float32, device=dev)
         self.part_tok = torch.zeros(self.g, dtype=torch.int32, device=dev)
+        self.extras = False  # grammar mask and logprobs in the graph being captured (module docstring)
+        self.lp_val: torch.Tensor | None = None  # [out rows, 1 + MAX_LOGPROBS]: token's logprob, then the top
+        self.lp_ids: torch.Tensor | None = None  # [out rows, 1 + MAX_LOGPROBS]: token's rank, then the top ids
+
+    def apply_grammar_mask(self, logits: torch.Tensor) -> None:
+        s = self.state
+        if s.gmask is None:
+            raise ValueError("grammar masks need SamplingBuffers with a gmask buffer")
+        block = 1024
+        _grammar_mask_kernel[(triton.cdiv(self.vocab, block),)](logits, s.gmask, self.row, self.vocab,
+                                                               s.gmask.shape[-1], BLOCK=block, num_warps=4)
+
+    def logprobs(self, logits: torch.Tensor, token: torch.Tensor, step_idx: torch.Tensor, num_rows: int) -> None:
+        """The sampled token's logprob and rank and the top MAX_LOGPROBS into row step_idx - 1 (capturable)."""
+        if self.lp_val is None or self.lp_val.shape[0] != num_rows:
+            self.lp_val = torch.zeros(num_rows, 1 + S.MAX_LOGPROBS, dtype=torch.float32, device=logits.device)
+            self.lp_ids = torch.zeros(num_rows, 1 + S.MAX_LOGPROBS, dtype=torch.int64, device=logits.device)
+        lp = torch.log_softmax(logits.view(1, -1), dim=-1, dtype=torch.float32)
+        tok_lp = lp.gather(1, token.view(1, 1).long())
+        rank = (lp >= tok_lp).sum(dim=-1, keepdim=True)
+        top_lp, top_ids = torch.topk(lp, min(S.MAX_LOGPROBS, self.vocab), dim=-1)
+        at = (step_idx.view(1).long() - 1).clamp(min=0)
+        self.lp_val.index_copy_(0, at, torch.cat([tok_lp, top_lp], dim=1))
+        self.lp_ids.index_copy_(0, at, torch.cat([rank, top_ids], dim=1))
 
     @property
     def mode(self) -> int:
@@ -554,6 +598,8 @@ class FastSampler:
                pos: torch.Tensor, embed: torch.Tensor | None = None, h: torch.Tensor | None = None) -> None:
         s, v, nw = self.state, self.vocab, self.num_warps
         np_pow2, g_pow2 = triton.next_power_of_2(self.np), triton.next_power_of_2(self.g)
+        if self.extras:
+            self.apply_grammar_mask(logits)
         common = dict(BLOCK=self.block_v, num_warps=nw)
         _process_kernel[(self.np,)](logits, self.x, self.part_max, self.part_arg, self.scratch, s.fparams, s.iparams,
                                     s.bias, s.prompt_mask, s.counts, s.stop_mask, s.ban, pos, self.row, v,
@@ -582,3 +628,5 @@ class FastSampler:
                              s.bad_table, self.row, v, NP_POW2=np_pow2, G_POW2=g_pow2,
                              H_POW2=triton.next_power_of_2(hidden), EMBED=embed is not None, PDL=self.pdl,
                              num_warps=nw, **launch_opts(self.pdl))
+        if self.extras:
+            self.logprobs(logits, token, step_idx, out_tokens.shape[0])

@@ -17,7 +17,10 @@ serves a new request's parameters without re-capture. Per row:
   min_tokens suppresses), ``ban`` (the ids the bad words ban at the next position; fast path);
 - bad words for the fast path: ``bad_table`` [MAX_BAD_WORDS, MAX_BAD_WORD_LEN] int32, each word
   right-aligned and padded with -1, ``ring`` [RING] the last output tokens by position (p % RING),
-  ``banned`` the ids ``ban`` holds now.
+  ``banned`` the ids ``ban`` holds now;
+- ``gmask`` int32 [ceil(V / 32)]: the grammar's next-token bitmask (xgrammar's layout: bit i % 32
+  of word i // 32 set = token i allowed), written by the host before each fast-path replay of a
+  structured request; all ones (-1) otherwise (``arm`` resets it).
 
 Random numbers: Philox4x32-10 keyed by the request's 64-bit seed (low word, high word), counter
 (vocabulary index, position of the sampled token, stream, 0); its first output word r gives
@@ -61,6 +64,7 @@ TRACK_COUNTS = REP | FREQ_PRES  # penalties read ``counts``
 STREAM_SAMPLE, STREAM_ACCEPT, STREAM_DRAFT = 0, 1, 2
 
 # fast-path capacities (the reference step has none)
+MAX_LOGPROBS = 20  # top logprobs the fast path computes per token (vLLM's default max_logprobs)
 MAX_BAD_WORDS = 128
 MAX_BAD_WORD_LEN = 16
 RING = 16  # >= MAX_BAD_WORD_LEN - 1 prefix tokens
@@ -207,6 +211,7 @@ class SlotSampling:
     banned: torch.Tensor
     ring: torch.Tensor
     bad_table: torch.Tensor
+    gmask: torch.Tensor | None = None
 
 
 class SamplingBuffers:
@@ -225,10 +230,12 @@ class SamplingBuffers:
         self.banned = torch.full((n, MAX_BAD_WORDS), -1, dtype=torch.int32, device=dev)
         self.ring = torch.zeros(n, RING, dtype=torch.int64, device=dev)
         self.bad_table = torch.full((n, MAX_BAD_WORDS, MAX_BAD_WORD_LEN), -1, dtype=torch.int32, device=dev)
+        self.gmask = torch.full((n, (v + 31) // 32), -1, dtype=torch.int32, device=dev)
 
     def row(self, r: int) -> SlotSampling:
         return SlotSampling(self.fparams[r], self.iparams[r], self.bias[r], self.prompt_mask[r], self.counts[r],
-                            self.stop_mask[r], self.ban[r], self.banned[r], self.ring[r], self.bad_table[r])
+                            self.stop_mask[r], self.ban[r], self.banned[r], self.ring[r], self.bad_table[r],
+                            self.gmask[r])
 
     def _ids(self, ids) -> torch.Tensor:
         return torch.tensor(list(ids), dtype=torch.int64).to(self.device, non_blocking=True)
@@ -237,6 +244,7 @@ class SamplingBuffers:
         """Write a request into row r: ``history`` is its output so far (the pending token last, at
         position next_pos - 1); ``next_pos`` the position the next sampled token takes."""
         flags = req.flags
+        self.gmask[r].fill_(-1)
         self.fparams[r] = torch.tensor([req.temperature, req.log_min_p(), req.top_p, req.repetition_penalty,
                                         req.frequency_penalty, req.presence_penalty, 0.0, 0.0], dtype=torch.float32)
         self.iparams[r] = torch.tensor([flags, req.top_k if flags & TOP_K else 0, seed_i64(req.seed), req.min_pos,
