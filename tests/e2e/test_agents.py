@@ -24,8 +24,6 @@ from tests.fixtures.prefill import Express
 AGENT_ARGS = ("--tool-call-parser", "hermes", "--enable-auto-tool-choice", "--reasoning-parser", "deepseek_r1")
 PLANT = "reasoning-tool-call"
 VLLM_SERVERS = [*E2E_VLLM_SERVERS, Express("llama", plant=PLANT, vllm_args=AGENT_ARGS)]
-ENGINE = ("the decode engine's logprobs/grammar on the express lane (services/decode: "
-          "SamplingParams.logprobs/.structured, TokensGenerated.logprobs)")
 
 TOOLS = [{"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city",
@@ -184,7 +182,6 @@ def test_invalid_requests_get_vllms_400_on_both_lanes(agent, fields):
 # ---------------------------------------------------------------- structured output and logprobs
 
 
-@pytest.mark.xfail(reason=f"needs {ENGINE}", strict=False)
 @pytest.mark.parametrize("stream", [False, True])
 def test_json_schema_output_equals_vllm_alone(llama, stream):
     fmt = {"type": "json_schema", "json_schema": {"name": "weather", "schema": SCHEMA}}
@@ -219,7 +216,6 @@ def _same_logprobs(a: list[tuple], b: list[tuple]) -> None:
         assert all(_close(p, q) for (_, p), (_, q) in zip(x[3], y[3])), (x, y)
 
 
-@pytest.mark.xfail(reason=f"needs {ENGINE}", strict=False)
 @pytest.mark.parametrize("stream", [False, True])
 def test_chat_logprobs_equal_vllm_alone(llama, stream):
     kw = dict(model=llama.model, messages=[{"role": "user", "content": "Tell me a long story."}],
@@ -229,7 +225,6 @@ def test_chat_logprobs_equal_vllm_alone(llama, stream):
     _same_logprobs(_chat_logprobs(raw.parse(), stream), _chat_logprobs(llama.vllm.chat.completions.create(**kw), stream))
 
 
-@pytest.mark.xfail(reason=f"needs {ENGINE}", strict=False)
 @pytest.mark.parametrize("stream", [False, True])
 def test_completion_logprobs_equal_vllm_alone(llama, stream):
     kw = dict(model=llama.model, prompt="Once upon a time", temperature=0, max_tokens=12, logprobs=2,
