@@ -206,7 +206,7 @@ class Surface:
 
         request = CompletionRequest.model_validate(body)
         prepared = Prepared("completions", request)
-        prepared.structured, prepared.blocker = structured_output(request.structured_outputs)
+        prepared.structured, prepared.blocker = structured_output(request.extract_structured_outputs())
         if request.logprobs is not None:
             prepared.logprobs = request.logprobs
             if prepared.logprobs < 0 or request.logprob_token_ids:

@@ -75,6 +75,7 @@ PREPARE = [
     ("chat", {"logprobs": True}, None, 0, ""),
     ("chat", {"tools": TOOLS, "tool_choice": "auto"}, None, None, ""),
     ("completions", {"logprobs": 2}, None, 2, ""),
+    ("completions", {"response_format": {"type": "json_object"}}, StructuredOutput(kind="json_object"), None, ""),
     ("completions", {"structured_outputs": {"grammar": "root ::= \"a\""}},
      StructuredOutput(kind="grammar", grammar='root ::= "a"'), None, ""),
 ]
