@@ -3,7 +3,14 @@
 The endpoint is the agent name; ``metadata_b64`` is the agent metadata (base64), refreshed after
 every registration, which a receiver advertises and a writer loads before its first write to that
 agent (and again when the advertised metadata changes, e.g. after the receiver restarted).
-Memory is host DRAM here; GPU memory ("VRAM") works the same with a device id.
+Memory is host DRAM (``mem_type="DRAM"``) or GPU memory (``"VRAM"`` of CUDA device ``device_id``);
+both sides of a write use the same kind, and a remote VRAM slot is device 0 of its node.
+
+A writer waits for its transfer by polling NIXL. For the first ``SPIN_S`` it only yields between
+polls (``sched_yield``: the GIL and the core go to whoever wants them, no timer is involved), since
+a GPU-to-GPU write of a whole prompt takes about a millisecond to a few, and a sleep can last far
+longer than asked on a busy or virtualised host; after that it sleeps between polls, at most
+``POLL_MAX_S``, so a slow network write does not hold a core.
 """
 
 from __future__ import annotations
@@ -16,7 +23,9 @@ import uuid
 
 from shared.transport import TransferError
 
+SPIN_S = 0.02  # polls only yield this long into a transfer, then sleep between polls
 POLL_MAX_S = 50e-6  # the longest sleep between two polls of a transfer in flight
+_yield = getattr(os, "sched_yield", lambda: time.sleep(0))
 
 
 class NixlTransport:
@@ -99,16 +108,21 @@ class NixlTransport:
             remote = self._agent.get_xfer_descs([(r, n, 0) for _, r, n in ops], self._mem_type)  # device 0 there
             handle = self._agent.initialize_xfer("WRITE", local, remote, remote_endpoint)
             state = self._agent.transfer(handle)
-            deadline = time.monotonic() + timeout_s
+            start = time.monotonic()
+            spin_until, deadline = start + SPIN_S, start + timeout_s
             delay_s = 20e-6
             while state == "PROC":
-                if time.monotonic() > deadline:
+                t = time.monotonic()
+                if t > deadline:
                     raise TransferError(
                         f"nixl write of {nbytes} bytes to {remote_endpoint} did not complete "
                         f"within {timeout_s:.1f} s"
                     )
-                time.sleep(delay_s)
-                delay_s = min(delay_s * 2, POLL_MAX_S)
+                if t < spin_until:
+                    _yield()
+                else:
+                    time.sleep(delay_s)
+                    delay_s = min(delay_s * 2, POLL_MAX_S)
                 state = self._agent.check_xfer_state(handle)
             if state != "DONE":
                 raise TransferError(f"nixl write of {nbytes} bytes to {remote_endpoint} failed ({state})")
