@@ -171,9 +171,7 @@ class Surface:
             raise ValueError(f"{type(exc).__name__}: {exc}") from None
 
     def _prepare_chat(self, body: dict[str, Any], info: Any) -> Prepared:
-        from vllm.entrypoints.openai.chat_completion.protocol import (
-            ChatCompletionNamedToolChoiceParam, ChatCompletionRequest,
-        )
+        from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 
         request = ChatCompletionRequest.model_validate(body)
         parser_cls = self.parser_cls(info)
@@ -198,7 +196,6 @@ class Surface:
             prepared.logprobs = request.top_logprobs or 0
             if prepared.logprobs < 0 or request.logprob_token_ids:
                 prepared.blocker = prepared.blocker or "top_logprobs=-1"
-        _ = ChatCompletionNamedToolChoiceParam
         return prepared
 
     def _prepare_completion(self, body: dict[str, Any]) -> Prepared:
