@@ -19,7 +19,7 @@ import triton.language as tl  # noqa: E402
 from triton.runtime import interpreter as _interp  # noqa: E402
 
 # the kernel modules, defined now as interpreted functions (the package loads its modules on first use)
-from services.decode.engine.cuda import attention, gemv, kernel_helpers, llama, mla, mla_decoder, moe, smallops  # noqa: E402,F401
+from services.decode.engine.cuda import attention, fp8, gemv, kernel_helpers, llama, mla, mla_decoder, moe, smallops  # noqa: E402,F401
 
 triton.knobs.runtime.interpret = True  # keep interpreting after the variable is gone
 if _late:  # triton.language was defined compiled (another test imported it first): interpret its helpers
@@ -49,4 +49,17 @@ def _cast_rne(self, src, dst_type):
 
 
 _interp.InterpreterBuilder.cast_impl = _cast_rne
+_orig_fp_to_fp = _interp.InterpreterBuilder.create_fp_to_fp
+
+
+def _fp_to_fp8_rne(self, src, dst_type, rounding_mode):
+    # the interpreter's float32 -> float8_e4m3 conversion loses an exponent step where rounding
+    # carries into it (142 -> 72, not 144); torch's conversion rounds as the GPU's cvt.rn.satfinite
+    if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.float8e4nv:
+        f8 = torch.from_numpy(np.ascontiguousarray(src.data, dtype=np.float32)).to(torch.float8_e4m3fn)
+        return _interp.TensorHandle(f8.view(torch.uint8).numpy(), tl.float8e4nv)
+    return _orig_fp_to_fp(self, src, dst_type, rounding_mode)
+
+
+_interp.InterpreterBuilder.create_fp_to_fp = _fp_to_fp8_rne
 
