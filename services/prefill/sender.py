@@ -138,6 +138,9 @@ class Sender:
             transfer_ms, nbytes, reason = 0.0, 0, job.fail_reason
             if not reason:
                 t0 = time.perf_counter()
+                self.pool.wait_staged(job.staging_slot)  # GPU staging: its copies have landed
+                job.extract_ms += (time.perf_counter() - t0) * 1e3  # extraction ends when they have
+                t0 = time.perf_counter()
                 nbytes, reason = self._write(job)
                 transfer_ms = (time.perf_counter() - t0) * 1e3 - job.checksum_ms  # the write alone
                 self.states.set(job.staging_slot, FREE)
@@ -170,7 +173,6 @@ class Sender:
         timeout_s = write_timeout_s(self.timeout_s, job.handoff.expires_at_ms, time.time() * 1000)
         if timeout_s <= 0:
             return 0, "lease expired before the write could start"
-        self.pool.wait_staged(job.staging_slot)  # GPU staging: its copies have landed
         slot_addr = self.pool.slot_addr(job.staging_slot)
         ops = write_ops(self.pool.spec, slot_addr, target.layout, target.slot.base_addr, job.num_tokens)
         if self.checksum:
