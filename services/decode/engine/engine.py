@@ -50,7 +50,8 @@ after each grammar-valid draft prefix, drafts past it cut before verification (t
 back), as vLLM's scheduler does. The grammar lets EOS (or a stop id) through only once complete, so a
 constrained request ends with "stop" as in vLLM; once terminated it masks nothing.
 On the fast path (Llama family, one active slot) a request with logprobs (top 20 at most) and/or a
-grammar takes the slot's third graph (fastpath.EXTRAS): the host writes the grammar's mask into the
+grammar takes the slot's graph for them (fastpath.extras_key: mask, logprobs or both; captured on
+the slot's first such request): the host writes the grammar's mask into the
 slot's ``gmask`` row before each replay (one token per step for a grammar), the graph applies it
 before the sampling kernels and computes the logprobs after them; a batched step holding such a slot
 takes the reference step.

@@ -70,7 +70,12 @@ def batch_sizes(num_slots: int) -> list[int]:
     """The padded sizes an engine of num_slots slots can need."""
     return sorted({padded_batch(n) for n in range(2, min(num_slots, MAX_BATCH) + 1)})
 SAMPLED = "sampled"  # the runner key of a Llama-family slot's sampling graph
-EXTRAS = "extras"  # ... and of its graph that also applies a grammar mask and computes logprobs
+EXTRAS = "extras"  # ... and of its graphs that also apply a grammar mask and/or compute logprobs:
+
+
+def extras_key(mask: bool, logprobs: bool) -> tuple:
+    """The runner key of a slot's sampling graph with a grammar mask and/or logprobs."""
+    return (EXTRAS, mask, logprobs)
 
 
 def _interpreting() -> bool:
@@ -177,13 +182,13 @@ class FastPath:
 
             if k == SAMPLED:
                 fn = lambda: dec.step(sample=True)  # noqa: E731
-            elif k == EXTRAS:
-                def fn():
-                    dec.sampler.extras = True  # what the capture records: mask, sampling, logprobs
+            elif isinstance(k, tuple) and k[0] == EXTRAS:
+                def fn(mask=k[1], logprobs=k[2]):
+                    dec.sampler.mask_on, dec.sampler.logprobs_on = mask, logprobs  # what the capture records
                     try:
                         dec.step(sample=True)
                     finally:
-                        dec.sampler.extras = False
+                        dec.sampler.mask_on = dec.sampler.logprobs_on = False
             else:
                 fn = dec.step if not self.mla else (dec.plain_step if k == 0 else (lambda: dec.spec_step(k)))
             runner = GraphedFn(fn, self.device.type == "cuda", warmup_calls=1, device=self.device,
@@ -240,7 +245,8 @@ class FastPath:
     def decode(self, slot: int, token: int, pos: int, n: int, prev_hidden=None, s: SlotState | None = None) -> list[int]:
         """``n`` >= 1 tokens following ``token`` (at ``pos``): greedy, or sampled by the slot's sampling row
         when ``s`` (the slot's state) is a request that samples or has logits processors; one host sync.
-        A request with logprobs or a grammar takes the slot's extras graph: its grammar's mask is filled
+        A request with logprobs or a grammar takes the slot's extras graph for the two (captured on first
+        use: mask, logprobs, or both): its grammar's mask is filled
         on the host and copied to the slot's ``gmask`` row before the replay (so ``n`` is 1 for it), the
         tokens' logprobs land in ``s.extra["fast_logprobs"]``."""
         extras = s is not None and (s.num_logprobs is not None or s.grammar is not None)
@@ -248,9 +254,10 @@ class FastPath:
         if (sampled or extras) and not self.sample_ok:
             raise ValueError("this fast path decodes plain greedy requests only")
         dec, runners = self.prepare(slot, token, pos)
-        if extras and EXTRAS not in runners:  # captured now, which re-arms the decoder
+        key = extras_key(s.grammar is not None, s.num_logprobs is not None) if extras else SAMPLED if sampled else 0
+        if key not in runners:  # captured now, which re-arms the decoder
             self.held.pop(slot, None)
-        runner = self._runner(dec, runners, EXTRAS if extras else SAMPLED if sampled else 0, token, pos)
+        runner = self._runner(dec, runners, key, token, pos)
         idx = self._start(slot, dec, token, pos, n, prev_hidden, s)
         if extras and s.grammar is not None:
             self._write_mask(slot, s.grammar)

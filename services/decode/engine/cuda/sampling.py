@@ -31,8 +31,8 @@ decoder's plain argmax and never run these):
 Every sum runs in a fixed order (no float atomics): a seeded request samples the same tokens on
 every run.
 
-Logprobs and grammars (``FastSampler.extras`` set while a graph is captured: the engine keeps one
-such graph per slot for requests that ask for them): before step 1, the row's grammar bitmask
+Logprobs and grammars (``FastSampler.mask_on`` / ``logprobs_on`` set while a graph is captured: the
+engine keeps such graphs per slot for requests that ask for them): before step 1, the row's grammar bitmask
 (``gmask``, written by the host before the replay) sets every forbidden logit to -inf (one launch,
 a no-op for an all-ones mask); after step 6, torch ops on the same logits (capturable):
 log_softmax, the sampled token's logprob and rank (tokens with logprob >= its own, as vLLM counts),
@@ -564,7 +564,8 @@ class FastSampler:
         self.part_z1 = torch.zeros(self.g, dtype=torch.float32, device=dev)
         self.part_score = torch.zeros(self.g, dtype=torch.float32, device=dev)
         self.part_tok = torch.zeros(self.g, dtype=torch.int32, device=dev)
-        self.extras = False  # grammar mask and logprobs in the graph being captured (module docstring)
+        self.mask_on = False  # grammar mask in the graph being captured (module docstring)
+        self.logprobs_on = False  # logprobs in the graph being captured
         self.lp_val: torch.Tensor | None = None  # [out rows, 1 + MAX_LOGPROBS]: token's logprob, then the top
         self.lp_ids: torch.Tensor | None = None  # [out rows, 1 + MAX_LOGPROBS]: token's rank, then the top ids
 
@@ -598,7 +599,7 @@ class FastSampler:
                pos: torch.Tensor, embed: torch.Tensor | None = None, h: torch.Tensor | None = None) -> None:
         s, v, nw = self.state, self.vocab, self.num_warps
         np_pow2, g_pow2 = triton.next_power_of_2(self.np), triton.next_power_of_2(self.g)
-        if self.extras:
+        if self.mask_on:
             self.apply_grammar_mask(logits)
         common = dict(BLOCK=self.block_v, num_warps=nw)
         _process_kernel[(self.np,)](logits, self.x, self.part_max, self.part_arg, self.scratch, s.fparams, s.iparams,
@@ -628,5 +629,5 @@ class FastSampler:
                              s.bad_table, self.row, v, NP_POW2=np_pow2, G_POW2=g_pow2,
                              H_POW2=triton.next_power_of_2(hidden), EMBED=embed is not None, PDL=self.pdl,
                              num_warps=nw, **launch_opts(self.pdl))
-        if self.extras:
+        if self.logprobs_on:
             self.logprobs(logits, token, step_idx, out_tokens.shape[0])
