@@ -10,6 +10,10 @@
   1K prompt, tok/s and the path each step took; the sampled request's seeded tokens against the
   reference step's (``fast_path="off"``): identical leading tokens (the two paths' logits differ in
   float rounding, so a random bf16 model drifts apart at near-ties as greedy does).
+- ``extras_timing`` (part "extras", ``python bench/decode_gpu_sampling.py --parts extras``): one slot
+  through the Engine API, 128 tokens after a 1K prompt: plain greedy, logprobs=5, a json_schema
+  grammar (xgrammar over a synthetic 128256-token vocabulary: the host has no tokenizer files) and
+  both; tok/s, the path each took, the host's mask fill per token (``*_over_plain``: the ratios).
 """
 
 from __future__ import annotations
@@ -234,3 +238,146 @@ def run_sampled(X, R: dict) -> None:
     del model
     gc.collect()
     torch.cuda.empty_cache()
+
+
+# ---------------------------------------------------------------- logprobs and grammars (part "extras")
+
+EXTRAS_SCHEMA = {"type": "object", "properties": {
+    "name": {"type": "string"}, "age": {"type": "integer"}, "admin": {"type": "boolean"},
+    "tags": {"type": "array", "items": {"type": "string", "enum": ["red", "green", "blue"]}},
+    "address": {"type": "object", "properties": {"city": {"type": "string"}, "zip": {"type": "string"}},
+                "required": ["city", "zip"]}},
+    "required": ["name", "age", "admin", "tags", "address"]}
+
+
+def synthetic_vocab(vocab: int, seed: int = 0) -> list[str]:
+    """A Llama-3-sized vocabulary of word-like tokens (the GPU host has no tokenizer files): the
+    printable characters, JSON pieces, then lowercase words of 2-10 letters, half with a leading
+    space; the last 256 ids are special-looking strings."""
+    import random
+
+    rng = random.Random(seed)
+    toks = [chr(i) for i in range(32, 127)] + ['{"', '":', '", "', '"}', ' "', "true", "false", "null", "\n", "  "]
+    toks += [str(i) for i in range(10, 1000)]
+    seen = set(toks)
+    while len(toks) < vocab - 256:
+        w = "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(2, 10)))
+        w = (" " + w) if rng.random() < 0.5 else w
+        if w not in seen:
+            seen.add(w)
+            toks.append(w)
+    return toks + [f"<|special_{i}|>" for i in range(256)]
+
+
+def extras_timing(model, s: dict, ctx: int = 1024, steps: int = 128) -> dict:
+    """Engine(fast_path="auto") at one slot: greedy without extras, with logprobs=5, with a json_schema
+    grammar (xgrammar over a synthetic vocabulary), and both; tok/s, the paths, and the host time
+    filling the grammar's mask per token."""
+    import json
+    import sys
+
+    sys.path.insert(0, str(ROOT))
+    import xgrammar as xgr
+
+    from services.decode.engine import Engine
+    from services.decode.engine import grammar as G
+    from shared.events import SamplingParams, StructuredOutput
+
+    prompt = [int(t) for t in torch.randint(0, 128000, (ctx,), generator=torch.Generator().manual_seed(0))]
+    spec = StructuredOutput(kind="json", json_schema=json.dumps(EXTRAS_SCHEMA))
+    cases = {"plain": SamplingParams(max_tokens=steps, ignore_eos=True),
+             "logprobs5": SamplingParams(max_tokens=steps, ignore_eos=True, logprobs=5),
+             "json_schema": SamplingParams(max_tokens=steps, structured=spec),
+             "json_schema_logprobs5": SamplingParams(max_tokens=steps, structured=spec, logprobs=5)}
+    engine = Engine.from_hf_tensors(hf_config(s), hf_tensors(model, s), max_seq_len=ctx + steps + 16, device="cuda",
+                                    dtype=torch.bfloat16, model_name="llama3-8b-shape", fast_path="auto")
+    t0 = time.perf_counter()
+    info = xgr.TokenizerInfo(synthetic_vocab(s["vocab"]), vocab_type=xgr.VocabType.RAW, vocab_size=s["vocab"],
+                             stop_token_ids=[128001])
+    engine.grammars._compiler = xgr.GrammarCompiler(info, max_threads=8)
+    compiled = engine.grammars.compile(spec)
+    res: dict = {"fast_path": engine.fast_path_reason or "on", "tokenizer_info_and_compile_s": time.perf_counter() - t0}
+    fill_s = [0.0, 0]
+    fill = G.SlotGrammar.fill
+
+    def timed_fill(self, bitmask, row):
+        t = time.perf_counter()
+        fill(self, bitmask, row)
+        fill_s[0] += time.perf_counter() - t
+        fill_s[1] += 1
+
+    G.SlotGrammar.fill = timed_fill
+    try:
+        for rep in range(2):  # the first round captures each graph; the second is timed
+            for name, sp in cases.items():
+                first = int(engine.prefill(0, prompt).argmax())
+                if sp.structured is not None:  # the prefill samples the first token under the grammar
+                    m = xgr.GrammarMatcher(compiled)
+                    mask = xgr.allocate_token_bitmask(1, s["vocab"])
+                    m.fill_next_token_bitmask(mask)
+                    logits = engine.prefill(0, prompt)[None].float()
+                    xgr.apply_token_bitmask_inplace(logits, mask.to(logits.device))
+                    first = int(logits.argmax())
+                engine.start(0, first, sp)
+                torch.cuda.synchronize()
+                fill_s[:] = [0.0, 0]
+                t = time.perf_counter()
+                tokens, paths, reason, lps = [first], set(), None, 0
+                while engine.active_slots():
+                    out = engine.step()[0]
+                    tokens += out.token_ids
+                    lps += len(out.logprobs or [])
+                    reason = out.finish_reason
+                    paths.add(engine.last_step_path)
+                torch.cuda.synchronize()
+                elapsed = time.perf_counter() - t
+                why = engine.slot_fast_path_reason(0)
+                engine.release(0)
+                if rep:
+                    r = {"tok_s": (len(tokens) - 1) / elapsed, "tokens": len(tokens) - 1, "finish": reason,
+                         "paths": sorted(paths), "fast_path_reason": why, "logprobs": lps,
+                         "mask_fill_us_per_token": 1e6 * fill_s[0] / max(1, fill_s[1])}
+                    res[name] = r
+                    log(f"  extras {name:22s} {r['tok_s']:7.1f} tok/s over {r['tokens']} tokens ({reason}) "
+                        f"paths={r['paths']} mask fill {r['mask_fill_us_per_token']:.1f} us/token")
+    finally:
+        G.SlotGrammar.fill = fill
+    for name in ("logprobs5", "json_schema", "json_schema_logprobs5"):
+        res[f"{name}_over_plain"] = res[name]["tok_s"] / res["plain"]["tok_s"]
+    del engine
+    gc.collect()
+    torch.cuda.empty_cache()
+    return res
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python bench/decode_gpu_sampling.py --parts extras [--out PATH]``: this file's parts alone."""
+    import argparse
+    import json
+    from pathlib import Path
+
+    from decode_gpu import LLAMA8B, load_cuda_pkg
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--parts", default="extras")
+    ap.add_argument("--out", default=str(ROOT / "bench/results/decode_gpu_extras.json"))
+    args = ap.parse_args(argv)
+    X = load_cuda_pkg()
+    R: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
+    parts = set(args.parts.split(","))
+    if "sampled" in parts:
+        run_sampled(X, R)
+    if "extras" in parts:
+        model = build_llama(X, LLAMA8B)
+        try:
+            R["llama8b_extras"] = extras_timing(model, LLAMA8B)
+        except Exception:  # noqa: BLE001
+            R["llama8b_extras_error"] = traceback.format_exc()[-2500:]
+            log(R["llama8b_extras_error"])
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(R, indent=1, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
