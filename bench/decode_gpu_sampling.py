@@ -310,14 +310,13 @@ def extras_timing(model, s: dict, ctx: int = 1024, steps: int = 128) -> dict:
     try:
         for rep in range(2):  # the first round captures each graph; the second is timed
             for name, sp in cases.items():
-                first = int(engine.prefill(0, prompt).argmax())
+                logits = engine.prefill(0, prompt)[None].float()
                 if sp.structured is not None:  # the prefill samples the first token under the grammar
                     m = xgr.GrammarMatcher(compiled)
                     mask = xgr.allocate_token_bitmask(1, s["vocab"])
                     m.fill_next_token_bitmask(mask)
-                    logits = engine.prefill(0, prompt)[None].float()
                     xgr.apply_token_bitmask_inplace(logits, mask.to(logits.device))
-                    first = int(logits.argmax())
+                first = int(logits.argmax())
                 engine.start(0, first, sp)
                 torch.cuda.synchronize()
                 fill_s[:] = [0.0, 0]
