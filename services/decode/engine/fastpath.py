@@ -110,8 +110,10 @@ def engine_reason(mode: str, model, device: torch.device, dtype: torch.dtype, nu
                     "(its kernels need a power of two >= 16)")
     else:
         return f"{cfg.model_type}: the engine drives the fast path for Llama- and DeepSeek-V3-family models only"
-    if cfg.quant is not None:
-        return f"{cfg.quant.method} FP8 weights ({cfg.quant.strategy} scales): the fast path reads bfloat16 weights only"
+    q = cfg.quant
+    if q is not None and not (family == "gqa" and q.method == "compressed-tensors" and q.strategy in ("channel", "tensor")):
+        return (f"{q.method} FP8 weights ({q.strategy} scales): the fast path reads FP8 only as compressed-tensors "
+                "per-channel or per-tensor scales on Llama-family models")
     if dtype != torch.bfloat16:
         return f"dtype {str(dtype).removeprefix('torch.')}: the fast path runs bfloat16 only"
     if device.type != "cuda" and not (device.type == "cpu" and mode == "on" and _interpreting()):
@@ -171,7 +173,8 @@ class FastPath:
         self.max_steps = max(max_steps, tokens_per_step, 4 * (self.num_spec + 1))  # out_tokens rows; re-armed when full
         self.decoders: dict[int, tuple] = {}  # slot -> (decoder, {drafts k: GraphedFn})
         self.held: dict[int, tuple[int, int, int]] = {}  # slot -> (token, pos, out index) on device
-        self.batch_ok = not self.mla  # several Llama-family slots in one step (step_batch)
+        # several Llama-family slots in one step (step_batch); FP8 weights: the batch-1 step only
+        self.batch_ok = not self.mla and getattr(model.cfg, "quant", None) is None
         self.max_batch = MAX_BATCH if self.batch_ok else 1
         self.batches: dict[int, tuple] = {}  # padded size -> (batch decoder, {graph key: GraphedFn})
         self.synced: dict[int, tuple[int, int]] = {}  # slot -> (token, pos) its bad-word state follows

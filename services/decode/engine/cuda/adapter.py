@@ -44,11 +44,43 @@ def _gqa_model(model) -> GqaModel:
                     cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps)
 
 
+def _fp8_scales(model) -> list | None:
+    """Per-layer FP8 scales of an engine LlamaModel (None: no FP8 weights); ValueError where the FP8
+    step cannot run it (block scales, an FP8 lm_head)."""
+    from ..fp8 import is_fp8
+    from .fp8 import Fp8Scales
+
+    names = ("wqkv", "wo", "w_gate_up", "w_down")
+    if not any(is_fp8(getattr(b, n)) for b in model.layers for n in names):
+        return None
+    if is_fp8(model.lm_head):
+        raise ValueError("an FP8 lm_head is not on the fast path: keep lm_head in the checkpoint's ignore list")
+    scales = []
+    for b in model.layers:
+        per = {}
+        for n in names:
+            w = getattr(b, n)
+            if is_fp8(w) and w.block is not None:
+                raise ValueError(f"block-scaled FP8 ({n}) is not on the Llama-family fast path: per-channel or "
+                                 "per-tensor scales only")
+            per[n] = w.scale if is_fp8(w) else None
+        scales.append(Fp8Scales(**per))
+    return scales
+
+
 def gqa_decoder_from_engine(model, slot: int, options: FastOptions | None = None, max_steps: int = 4096) -> GqaDecoder:
-    """GqaDecoder over a bound engine LlamaModel's weights and slot ``slot``'s K/V views."""
+    """GqaDecoder over a bound engine LlamaModel's weights and slot ``slot``'s K/V views (the FP8 step,
+    cuda/fp8.py, where the model holds FP8 weights)."""
     cfg, cache = model.cfg, model.cache
-    return GqaDecoder(_gqa_model(model), [cache.k_caches[i][slot] for i in range(cfg.num_layers)],
-                      [cache.v_caches[i][slot] for i in range(cfg.num_layers)], model.cos, model.sin, options, max_steps)
+    args = (_gqa_model(model), [cache.k_caches[i][slot] for i in range(cfg.num_layers)],
+            [cache.v_caches[i][slot] for i in range(cfg.num_layers)], model.cos, model.sin, options, max_steps)
+    scales = _fp8_scales(model)
+    if scales is None:
+        return GqaDecoder(*args)
+    from .fp8 import Fp8GqaDecoder
+
+    act = any(getattr(getattr(b, n), "act", None) is not None for b in model.layers for n in ("wqkv", "wo"))
+    return Fp8GqaDecoder(*args, scales=scales, act_fp8=act)
 
 
 def gqa_batch_decoder_from_engine(model, batch: int, options: FastOptions | None = None,

@@ -22,9 +22,10 @@ import torch
 import triton
 import triton.language as tl
 
+from . import gemv, reference, smallops
 from .gemv import gdc_launch_dependents, gdc_wait, launch_opts
 from .kernel_helpers import rnd_bf16, round_to_dtype
-from . import reference
+from .llama import GqaDecoder
 
 FP8_MAX = 448.0
 ACT_MIN_SCALE = 1.0 / (FP8_MAX * 512.0)
@@ -193,3 +194,72 @@ def gemv_fp8_silu_reference(x, w_gate_up, w_scale, *, norm_w=None, eps=1e-5, act
                             dtype=torch.bfloat16) -> torch.Tensor:
     gu = ((w_gate_up.float() @ _input(x, norm_w, eps, act)) * w_scale).to(dtype)
     return reference.silu_mul(gu)
+
+
+# ---------------------------------------------------------------- the FP8 batch-1 Llama-family step
+class Fp8Scales:
+    """One layer's per-row float32 scales (None: that projection is bf16, e.g. ``ignore``d)."""
+
+    def __init__(self, wqkv=None, wo=None, w_gate_up=None, w_down=None):
+        self.wqkv, self.wo, self.w_gate_up, self.w_down = wqkv, wo, w_gate_up, w_down
+
+
+class Fp8GqaDecoder(GqaDecoder):
+    """GqaDecoder whose projections with a scale run the FP8 GEMVs above. Per layer: FP8 QKV GEMV
+    (norm, bias fused) + one small rope/q-k-norm/cache-write kernel (one launch more than the bf16
+    step, whose rope rides in the bf16 QKV GEMV), attention, FP8 o_proj (+ residual), FP8 gate/up +
+    SiLU, FP8 down (+ residual); the lm_head stays bf16 (compressed-tensors ``ignore: [lm_head]``).
+    ``act_fp8``: activations through FP8 per token (the checkpoint's FP8_DYNAMIC scheme)."""
+
+    def __init__(self, model, k_caches, v_caches, cos, sin, options=None, max_steps: int = 4096, *,
+                 scales: list[Fp8Scales], act_fp8: bool):
+        super().__init__(model, k_caches, v_caches, cos, sin, options, max_steps)
+        if len(scales) != len(model.layers):
+            raise ValueError(f"{len(scales)} layers of FP8 scales for {len(model.layers)} layers")
+        self.scales, self.act_fp8 = scales, act_fp8
+
+    def _qkv(self, i: int):
+        sc = self.scales[i]
+        if sc.wqkv is None:
+            return super()._qkv(i)
+        m, lw, eps = self.model, self.model.layers[i], self.model.eps
+        qkv = gemv_fp8(self.residual, lw.wqkv, sc.wqkv, self.tmp[: lw.wqkv.shape[0]], norm_w=lw.attn_norm,
+                       eps=eps, bias=lw.bqkv, act=self.act_fp8, **self.tile_kwargs("qkv"))
+        smallops.rope_cache_write(qkv, self.query, self.k_caches[i], self.v_caches[i], self.pos, self.cos,
+                                  self.sin, num_q_heads=m.num_q_heads, num_kv_heads=m.num_kv_heads,
+                                  head_dim=m.head_dim, q_norm=lw.q_norm, k_norm=lw.k_norm, eps=eps,
+                                  pdl=self.opt.pdl)
+        return None
+
+    def layer(self, i: int) -> None:
+        sc = self.scales[i]
+        if sc.wqkv is None and sc.wo is None and sc.w_gate_up is None and sc.w_down is None:
+            return super().layer(i)
+        m, lw, eps, act = self.model, self.model.layers[i], self.model.eps, self.act_fp8
+        hkv, d = m.num_kv_heads, m.head_dim
+        kc, vc = self.k_caches[i], self.v_caches[i]
+        qk_norm = self._qkv(i)
+        self.attn(self.query, kc, vc, self.pos, self.attn_out, stride_kt=hkv * d, stride_vt=hkv * d, qk_norm=qk_norm)
+        if sc.wo is not None:
+            gemv_fp8(self.attn_out, lw.wo, sc.wo, self.residual, residual=self.residual, bias=lw.bo, act=act,
+                     **self.tile_kwargs("o"))
+        else:
+            gemv.gemv(self.attn_out, lw.wo, self.residual, residual=self.residual, bias=lw.bo, **self.tile_kwargs("o"))
+        if sc.w_gate_up is not None:
+            gemv_fp8_silu(self.residual, lw.w_gate_up, sc.w_gate_up, self.act, norm_w=lw.mlp_norm, eps=eps, act=act,
+                          **self.tile_kwargs("gate_up"))
+        else:
+            gemv.gemv_silu(self.residual, lw.w_gate_up, self.act, norm_w=lw.mlp_norm, eps=eps,
+                           **self.tile_kwargs("gate_up"))
+        if sc.w_down is not None:
+            gemv_fp8(self.act, lw.w_down, sc.w_down, self.residual, residual=self.residual, act=act,
+                     **self.tile_kwargs("down"))
+        else:
+            gemv.gemv(self.act, lw.w_down, self.residual, residual=self.residual, **self.tile_kwargs("down"))
+
+
+def fp8_bytes_per_step(model, scales: list[Fp8Scales]) -> int:
+    """Bytes one batch-1 step reads from weights: GqaModel.weight_bytes (FP8 weights at one byte, bf16
+    modules at two) plus the FP8 scales."""
+    return model.weight_bytes() + sum(t.numel() * t.element_size() for sc in scales for t in vars(sc).values()
+                                      if t is not None)
