@@ -50,7 +50,7 @@ class DecodeConfig:
         engine = EngineConfig(
             num_slots=args.slots, max_seq_len=args.max_seq_len, device=args.device, dtype=args.dtype,
             num_speculative_tokens=args.num_speculative_tokens, fast_path=args.fast_path,
-            mtp_draft_vocab=args.mtp_draft_vocab)
+            mtp_draft_vocab=args.mtp_draft_vocab, tokenizer=args.tokenizer or None)
         return cls(
             model=args.model, node_id=args.node_id or default_node_id(), engine=engine,
             nats_url=args.nats_url, bus_auth=shared_config.bus_auth(args),
@@ -120,6 +120,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="on the fast path, MTP drafts propose only token ids < N: a draft head of N rows "
                         "instead of the whole vocabulary (BPE ids run from frequent to rare); output is "
                         "unchanged, acceptance may drop (default: the whole vocabulary)")
+    p.add_argument("--tokenizer", default="", metavar="DIR",
+                   help="the tokenizer's directory for grammars (structured output), as vLLM's --tokenizer "
+                        "(default: the model directory)")
     p.add_argument("--fast-path", choices=["auto", "on", "off"], default="auto",
                    help="batch-1 CUDA-graph decode for a lone greedy request (auto: where the "
                         "model, dtype and device allow; on: refuse to start otherwise)")

@@ -300,7 +300,7 @@ class Engine:
         if sampling.structured is not None:
             try:
                 self.grammars.compile(sampling.structured)
-            except GrammarError:
+            except Exception:  # noqa: BLE001 - start raises it again, with the request's context
                 pass
 
     def cancel(self, slot: int) -> None:

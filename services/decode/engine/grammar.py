@@ -88,9 +88,13 @@ class Grammars:
                 from transformers import AutoTokenizer
 
                 if self.tokenizer_dir is None:
-                    raise GrammarError("structured output needs the model's tokenizer: this engine was built "
+                    raise RuntimeError("structured output needs the model's tokenizer: this engine was built "
                                        "without one (pass EngineConfig.tokenizer)")
-                tokenizer = AutoTokenizer.from_pretrained(str(self.tokenizer_dir))
+                try:
+                    tokenizer = AutoTokenizer.from_pretrained(str(self.tokenizer_dir))
+                except Exception as e:  # noqa: BLE001 - a node without tokenizer files: another node may have them
+                    raise RuntimeError(f"structured output needs the model's tokenizer files in {self.tokenizer_dir} "
+                                       f"(or --tokenizer): {type(e).__name__}: {e}") from None
                 info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self.vocab_size)
                 self._compiler = xgr.GrammarCompiler(info, max_threads=self.max_threads, cache_enabled=True,
                                                      cache_limit_bytes=self.cache_limit_bytes)

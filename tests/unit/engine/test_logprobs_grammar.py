@@ -275,3 +275,15 @@ def test_mtp_drafts_are_checked_against_the_grammar(tiny_model):
     assert [(a.rank, a.top_ids) for a in lps] == [(b.rank, b.top_ids) for b in want_lps]
     assert max(abs(a.logprob - b.logprob) for a, b in zip(lps, want_lps)) < 1e-4
     json.loads(tok.decode(got, skip_special_tokens=True))
+
+
+def test_a_node_without_tokenizer_files_fails_structured_starts_retryably(hf_checkpoint):
+    """Not the request's fault: a plain error (retryable: another node may have them), saying what is missing."""
+    path, _ = hf_checkpoint("llama")  # weights and config only
+    engine = Engine.load(path, num_slots=1, max_seq_len=64, dtype=torch.float32)
+    engine.prefill(0, PROMPT)
+    with pytest.raises(RuntimeError, match="tokenizer files") as err:
+        engine.start(0, 5, SamplingParams(max_tokens=2, structured=StructuredOutput(kind="json_object")))
+    assert getattr(err.value, "retryable", True)
+    engine.start(0, 5, SamplingParams(max_tokens=2, logprobs=1))  # logprobs need no tokenizer
+    assert len(engine.step()[0].logprobs) == 1

@@ -125,12 +125,10 @@ CASES = [
                    repetition_penalty=1.3),
     SamplingParams(max_tokens=20, structured=REGEX),
     SamplingParams(max_tokens=20, structured=REGEX, logprobs=3, temperature=0.9, seed=5),
-    SamplingParams(max_tokens=20, structured=StructuredOutput(kind="choice", choices=["yes", "no", "maybe"]),
-                   logprobs=2),
 ]
 
 
-@pytest.mark.parametrize("sampling", CASES, ids=["greedy_lp", "sampled_lp0", "regex", "regex_sampled_lp", "choice"])
+@pytest.mark.parametrize("sampling", CASES, ids=["greedy_lp", "sampled_lp0", "regex", "regex_sampled_lp"])
 def test_logprobs_and_grammars_decode_on_the_fast_path_as_the_reference(reference, fast, sampling):
     want = run(reference, sampling)
     assert want[3] == {"reference"}
@@ -144,7 +142,7 @@ def test_logprobs_and_grammars_decode_on_the_fast_path_as_the_reference(referenc
     if sampling.structured is not None:
         text = "".join(char_vocab()[t] for t in got[0] if t != EOS)
         assert got[2] == "stop" and got[0][-1] == EOS
-        assert re.fullmatch("[a-e]{2,6}x", text) or text in ("yes", "no", "maybe")
+        assert re.fullmatch("[a-e]{2,6}x", text)
 
 
 def test_an_extras_slot_next_to_another_takes_the_reference_step(fast):
