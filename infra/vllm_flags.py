@@ -1,8 +1,8 @@
 """vLLM flags that the router must know too: which tool-call and reasoning parsers the prefill runs.
 
 Contract:
-- ``parser_flags(vllm_args)`` reads vLLM's ``--tool-call-parser``, ``--reasoning-parser`` and
-  ``--enable-auto-tool-choice`` (``--flag value`` or ``--flag=value``) from the arguments an
+- ``parser_flags(vllm_args)`` reads vLLM's ``--tool-call-parser``, ``--reasoning-parser``,
+  ``--tool-strict-level`` and ``--enable-auto-tool-choice`` (``--flag value`` or ``--flag=value``) from the arguments an
   operator passes to vLLM, and returns them as the router's flags: the router and the prefill are
   configured from the same words, so they cannot disagree.
 - ``check_vllm_args(vllm_args)`` raises ValueError with the valid names when a parser name is not
@@ -12,7 +12,7 @@ Contract:
 
 from __future__ import annotations
 
-PARSER_FLAGS = ("--tool-call-parser", "--reasoning-parser")
+PARSER_FLAGS = ("--tool-call-parser", "--reasoning-parser", "--tool-strict-level")
 AUTO_TOOLS = "--enable-auto-tool-choice"
 
 

@@ -76,7 +76,8 @@ class Router:
         self._tasks: set[asyncio.Task] = set()
         self._next_decode = -1
         self.warm = WarmLeases(cfg.warm_leases)
-        self.surface = Surface(cfg.tool_call_parser, cfg.reasoning_parser, cfg.enable_auto_tool_choice)
+        self.surface = Surface(cfg.tool_call_parser, cfg.reasoning_parser, cfg.enable_auto_tool_choice,
+                               cfg.tool_strict_level)
 
     # ---------------------------------------------------------------- lifecycle
 

@@ -42,6 +42,7 @@ class RouterConfig:
     tool_call_parser: str = ""
     reasoning_parser: str = ""
     enable_auto_tool_choice: bool = False
+    tool_strict_level: str = "auto"
     vllm_surface: str = "auto"  # auto: when vLLM is installed; on: required; off: never
 
 
@@ -97,6 +98,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "with vLLM's own parser of that name")
     p.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="as vLLM's flag: tool_choice=auto is parsed (needs --tool-call-parser)")
+    p.add_argument("--tool-strict-level", default="auto", choices=["auto", "function", "parameter"],
+                   help="as vLLM's flag: which tool calls its parser constrains with a structural tag "
+                        "(such requests keep the standard lane)")
     p.add_argument("--vllm-args", default="", metavar="'VLLM ARGS'",
                    help="the prefill vLLM's own arguments as one string (compose passes the same "
                         "EXPRESSLANE_VLLM_ARGS to both): its --tool-call-parser, --reasoning-parser "
@@ -142,12 +146,13 @@ def from_args(args: argparse.Namespace) -> RouterConfig:
         from infra.vllm_flags import value
 
         vllm = shlex.split(args.vllm_args)
-        for flag in ("tool_call_parser", "reasoning_parser"):
+        for flag in ("tool_call_parser", "reasoning_parser", "tool_strict_level"):
             theirs = value(vllm, "--" + flag.replace("_", "-"))
-            if theirs and getattr(args, flag) and getattr(args, flag) != theirs:
+            mine = getattr(args, flag) if getattr(args, flag) != "auto" else ""
+            if theirs and mine and mine != theirs:
                 raise ValueError(f"--{flag.replace('_', '-')} {getattr(args, flag)!r} differs from the "
                                  f"prefill's ({theirs!r} in --vllm-args): set it in one place")
-            setattr(args, flag, getattr(args, flag) or theirs)
+            setattr(args, flag, mine or theirs or getattr(args, flag))
         args.enable_auto_tool_choice = args.enable_auto_tool_choice or "--enable-auto-tool-choice" in vllm
     if args.enable_auto_tool_choice and not args.tool_call_parser:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (as in vLLM)")
@@ -181,5 +186,6 @@ def from_args(args: argparse.Namespace) -> RouterConfig:
         tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser,
         enable_auto_tool_choice=args.enable_auto_tool_choice,
+        tool_strict_level=args.tool_strict_level,
         vllm_surface=args.vllm_surface,
     )

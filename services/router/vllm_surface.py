@@ -115,7 +115,8 @@ class Surface:
     """vLLM's serving pieces, loaded once (see the module contract)."""
 
     def __init__(self, tool_parser: str | None = None, reasoning_parser: str | None = None,
-                 enable_auto_tools: bool = False) -> None:
+                 enable_auto_tools: bool = False, tool_strict_level: str = "auto") -> None:
+        self.tool_strict_level = tool_strict_level or "auto"
         self.tool_parser = tool_parser or None
         self.reasoning_parser = reasoning_parser or None
         self.enable_auto_tools = enable_auto_tools
@@ -150,7 +151,7 @@ class Surface:
 
             self._parser_cls[info.name] = ParserManager.get_parser(
                 tool_parser_name=self.tool_parser, reasoning_parser_name=self.reasoning_parser or "",
-                enable_auto_tools=self.enable_auto_tools, tool_strict_level="auto",
+                enable_auto_tools=self.enable_auto_tools, tool_strict_level=self.tool_strict_level,
                 model_name=info.name, is_harmony=False, tokenizer=info.tokenizer)
         return self._parser_cls[info.name]
 

@@ -119,15 +119,18 @@ def test_vllm_args_reach_the_prefill_and_their_parsers_the_router(tmp_path):
 
     (tmp_path / "config.json").write_text('{"model_type": "llama"}')
     vllm = ["--tool-call-parser", "hermes", "--enable-auto-tool-choice", "--reasoning-parser=qwen3",
-            "--max-num-seqs", "4"]
+            "--tool-strict-level", "function", "--max-num-seqs", "4"]
     procs, _ = plan(up_args(["--decode-nodes", "1", "--", *vllm]), tmp_path, "nats://x:1", sys.executable)
     argv = {p.name: p.argv for p in procs}
     prefill = argv["prefill"]
     assert prefill[-len(vllm):] == vllm  # after expresslane's own vLLM flags, so the operator's win
     router = router_config(parse_args(router_parser(), argv["router"][argv["router"].index("router") + 1:],
                                       env={}))
-    assert (router.tool_call_parser, router.reasoning_parser, router.enable_auto_tool_choice) == (
-        "hermes", "qwen3", True)
+    assert (router.tool_call_parser, router.reasoning_parser, router.enable_auto_tool_choice,
+            router.tool_strict_level) == ("hermes", "qwen3", True, "function")
+    via_env = router_config(parse_args(router_parser(), [], env={"EXPRESSLANE_VLLM_ARGS": " ".join(vllm)}))
+    assert (via_env.tool_call_parser, via_env.reasoning_parser, via_env.enable_auto_tool_choice,
+            via_env.tool_strict_level) == ("hermes", "qwen3", True, "function")
 
 
 @pytest.mark.parametrize("vllm,message", [

@@ -149,3 +149,34 @@ def test_logprobs_rendered_as_vllm_renders_them(surface, info):
     # vLLM lists the sampled token first, then the most likely others, top_logprobs of them
     assert [c["logprob"] for c in content] == [-0.5] * len(ids)
     assert all(len(c["top_logprobs"]) == 1 and c["top_logprobs"][0]["logprob"] == -0.5 for c in content)
+
+
+def test_required_and_named_tool_choice_become_vllms_json_schema_without_strict_tags(tmp_path, info):
+    """vLLM 0.32's hermes parser constrains tool_choice required/named with an xgrammar structural
+    tag (the standard lane serves them); with VLLM_ENFORCE_STRICT_TOOL_CALLING=0 on the prefill and
+    the router, vLLM derives a JSON schema instead and the express lane takes them."""
+    import os
+    import subprocess
+    import sys
+
+    info.tokenizer.save_pretrained(tmp_path)
+    script = f"""
+import json
+from transformers import AutoTokenizer
+from services.router.vllm_surface import Surface
+class Info:
+    name = "m"; max_model_len = 512; tokenizer = AutoTokenizer.from_pretrained({str(tmp_path)!r})
+s = Surface("hermes", None, True); s.load()
+out = []
+for choice in ("required", {{"type": "function", "function": {{"name": "get_weather"}}}}):
+    p = s.prepare("chat", {{"model": "m", "messages": [{{"role": "user", "content": "hi"}}],
+                            "tools": {TOOLS!r}, "tool_choice": choice}}, Info)
+    out.append([p.structured.kind, json.loads(p.structured.json_schema), p.blocker])
+print(json.dumps(out))
+"""
+    env = {**os.environ, "VLLM_ENFORCE_STRICT_TOOL_CALLING": "0"}
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    required, named = json.loads(result.stdout.strip().splitlines()[-1])
+    assert required[0] == "json" and required[1]["type"] == "array" and required[2] == ""
+    assert named == ["json", TOOLS[0]["function"]["parameters"], ""]
