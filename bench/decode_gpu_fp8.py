@@ -1,0 +1,217 @@
+"""FP8 batch-1 decode on one GPU: the Llama-3-8B shape with compressed-tensors per-channel FP8 weights
+(lm_head bf16) against the bf16 fast path, in the same run.
+
+Random weights (decode_gpu.build_llama, trained-like greedy margins planted on the head), quantized
+per output channel as llm-compressor's FP8 schemes do (scale = amax / 448); the dequantized bf16
+copy is the reference. Parts, all in one call:
+- copy bandwidth (the roofline's ceiling);
+- bf16 fast path step at 1K context (default options): ``llama8b_bf16_ctx1k_tok_s``;
+- FP8 step (cuda/fp8.py Fp8GqaDecoder) at 1K over a few tile variants, FP8_DYNAMIC activations:
+  ``llama8b_fp8_ctx1k_tok_s``, ``llama8b_fp8_ctx1k_frac_roofline`` (bytes the step reads: FP8 weights +
+  their scales + bf16 norms, lm_head and one embedding row + KV), ``llama8b_fp8_over_bf16``;
+  weight-only FP8 (no activation rounding) as a variant;
+- correctness, 64 steps teacher-forced at 1K: FP8 logits against the dequantized bf16 reference step
+  (``llama8b_fp8_logits_max_rel_err`` < 0.02), greedy tokens identical, both activation modes;
+- 32K context, FP8 weights and bf16 KV: ``llama8b_fp8_ctx32k_tok_s`` (and bf16's).
+
+    python bench/decode_gpu_fp8.py [--out PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+import time
+import traceback
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from decode_gpu import (LLAMA8B, LLAMA_ROPE, build_llama, capture, copy_bandwidth, kv_bytes,  # noqa: E402
+                        load_cuda_pkg, log, make_slot, plant_successor, rope_tables, time_graph)
+
+ROOT = Path(__file__).resolve().parents[1]
+NAMES = ("wqkv", "wo", "w_gate_up", "w_down")
+# (block_n, block_k, num_warps, stages) per projection; FP8 rows are half the bytes of bf16 rows
+FP8_TILES = {
+    "bf16_tiles": None,
+    "k2x": {"qkv": (8, 512, 4, 6), "o": (16, 512, 4, 6), "gate_up": (4, 1024, 4, 6), "down": (16, 1024, 4, 5)},
+    "n2x": {"qkv": (16, 256, 4, 6), "o": (32, 256, 4, 6), "gate_up": (8, 512, 4, 6), "down": (32, 512, 4, 5)},
+    "k2x_w8": {"qkv": (16, 512, 8, 4), "o": (16, 512, 8, 4), "gate_up": (8, 1024, 8, 4), "down": (16, 1024, 8, 4)},
+}
+
+
+def quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    scale = (w.float().abs().amax(dim=1) / 448.0).clamp(min=1e-12)
+    return (w.float() / scale[:, None]).clamp(-448.0, 448.0).to(torch.float8_e4m3fn), scale
+
+
+def fp8_models(X, F, model):
+    """(FP8 GqaModel, its per-layer scales, the dequantized bf16 GqaModel) of a bf16 GqaModel."""
+    fl, dl, scales = [], [], []
+    for lw in model.layers:
+        q, d, s = {}, {}, {}
+        for n in NAMES:
+            q[n], s[n] = quantize(getattr(lw, n))
+            d[n] = (q[n].float() * s[n][:, None]).to(torch.bfloat16)
+        fl.append(replace(lw, **q))
+        dl.append(replace(lw, **d))
+        scales.append(F.Fp8Scales(**s))
+    args = (model.embed, model.final_norm, model.lm_head, model.num_q_heads, model.num_kv_heads, model.head_dim,
+            model.eps)
+    return X.GqaModel(fl, *args), scales, X.GqaModel(dl, *args)
+
+
+def timing(make_dec, s: dict, ctx: int, slot, max_tokens: int, steps_per_replay: int = 8) -> float:
+    """ms per token of the captured step at context ctx."""
+    _, kc, vc = slot
+    cos, sin = rope_tables(LLAMA_ROPE, s["d"], max_tokens)
+    dec = make_dec(kc, vc, cos, sin, max_tokens)
+    runner = capture(dec.step, steps_per_replay, before_capture=lambda: dec.set_state(1, ctx))
+    dec.set_state(1, ctx)
+    iters = max(1, min(40, (max_tokens - ctx - 16) // steps_per_replay - 6))
+    ms = time_graph(runner, iters=iters, warmup=3) / steps_per_replay
+    del runner, dec
+    return ms
+
+
+def correctness(X, make_dec, ref_model, s: dict, ctx: int, steps: int = 64) -> dict:
+    """The FP8 step (graph, one step a replay) against the dequantized reference step, teacher-forced."""
+    max_tokens = ctx + steps + 8
+    _, kc, vc = make_slot(s, max_tokens, ctx, seed=7)
+    kr, vr = [k.clone() for k in kc], [v.clone() for v in vc]
+    cos, sin = rope_tables(LLAMA_ROPE, s["d"], max_tokens)
+    dec = make_dec(kc, vc, cos, sin, max_tokens)
+    runner = capture(dec.step, before_capture=lambda: dec.set_state(5, ctx))
+    dec.set_state(5, ctx)
+    tok, mismatches, first, max_rel, gaps = 5, 0, None, 0.0, []
+    cb, sb = cos.cuda(), sin.cuda()
+    for i in range(steps):
+        runner()
+        ref = X.reference_step(ref_model, kr, vr, cb, sb, tok, ctx + i)
+        max_rel = max(max_rel, ((dec.logits - ref).abs().max() / ref.abs().max()).item())
+        ft, rt = int(dec.token.item()), int(ref.argmax().item())
+        top2 = ref.topk(2).values
+        gaps.append(float(top2[0] - top2[1]))
+        if ft != rt:
+            mismatches += 1
+            first = i if first is None else first
+        tok = ft
+    del runner, dec
+    return {"steps": steps, "mismatches": mismatches, "first_mismatch": first, "logits_max_rel_err": max_rel,
+            "ref_top2_gap_min": min(gaps), "ref_top2_gap_median": sorted(gaps)[len(gaps) // 2],
+            "tokens_identical": mismatches == 0, "logits_ok": max_rel < 2e-2}
+
+
+def run(R: dict) -> None:
+    X = load_cuda_pkg()
+    F = importlib.import_module("xl_cuda.fp8")
+    s = LLAMA8B
+    R["copy_bw_TBps"] = bw = copy_bandwidth()
+    log(f"copy bandwidth {bw:.3f} TB/s")
+    t0 = time.time()
+    model = build_llama(X, s)
+    plant_successor(model, s)  # trained-like greedy margins
+    fmodel, scales, dmodel = fp8_models(X, F, model)
+    torch.cuda.synchronize()
+    bf16_bytes, fp8_bytes = model.weight_bytes(), F.fp8_bytes_per_step(fmodel, scales)
+    R["llama8b_bf16_weight_GB"], R["llama8b_fp8_weight_GB"] = bf16_bytes / 1e9, fp8_bytes / 1e9
+    log(f"built + quantized in {time.time() - t0:.1f} s: bf16 step reads {bf16_bytes / 1e9:.3f} GB, "
+        f"FP8 step {fp8_bytes / 1e9:.3f} GB (+ KV)")
+    base = X.FastOptions()
+    R["fast_options_pdl"] = base.pdl
+
+    def bf16_dec(kc, vc, cos, sin, mt, opts=base):
+        return X.GqaDecoder(model, kc, vc, cos, sin, opts, max_steps=mt)
+
+    def fp8_dec(opts, act=True):
+        return lambda kc, vc, cos, sin, mt: F.Fp8GqaDecoder(fmodel, kc, vc, cos, sin, opts, max_steps=mt,
+                                                            scales=scales, act_fp8=act)
+
+    ctx, mt = 1024, 2048
+    slot = make_slot(s, mt, ctx)
+    roof_bf16 = (bf16_bytes + kv_bytes(s, ctx)) / (bw * 1e12) * 1e3
+    roof_fp8 = (fp8_bytes + kv_bytes(s, ctx)) / (bw * 1e12) * 1e3
+    R["llama8b_fp8_ctx1k_roofline_tok_s"] = 1e3 / roof_fp8
+    ms_bf16 = min(timing(bf16_dec, s, ctx, slot, mt) for _ in range(2))
+    R["llama8b_bf16_ctx1k_tok_s"], R["llama8b_bf16_ctx1k_frac_roofline"] = 1e3 / ms_bf16, roof_bf16 / ms_bf16
+    log(f"  bf16 step {ms_bf16:.3f} ms {1e3 / ms_bf16:.1f} tok/s {roof_bf16 / ms_bf16:.1%} of roofline")
+    R["llama8b_fp8_variants"] = V = {}
+    for name, tiles in FP8_TILES.items():
+        opts = base if tiles is None else replace(base, tiles={**base.tiles, **tiles})
+        try:
+            ms = min(timing(fp8_dec(opts), s, ctx, slot, mt) for _ in range(2))
+            V[name] = {"ms": ms, "tok_s": 1e3 / ms, "frac_roofline": roof_fp8 / ms}
+            log(f"  fp8 {name:12s} {ms:.3f} ms {1e3 / ms:.1f} tok/s {roof_fp8 / ms:.1%} of roofline")
+        except Exception:
+            V[name] = {"error": traceback.format_exc()[-800:]}
+            log(f"  fp8 {name} FAILED\n{traceback.format_exc()[-1500:]}")
+    ok = {k: v for k, v in V.items() if "ms" in v}
+    if not ok:
+        return
+    best = min(ok, key=lambda k: ok[k]["ms"])
+    bopts = base if FP8_TILES[best] is None else replace(base, tiles={**base.tiles, **FP8_TILES[best]})
+    R["llama8b_fp8_best_variant"] = best
+    R["llama8b_fp8_ctx1k_tok_s"] = ok[best]["tok_s"]
+    R["llama8b_fp8_ctx1k_frac_roofline"] = ok[best]["frac_roofline"]
+    R["llama8b_fp8_over_bf16"] = ms_bf16 / ok[best]["ms"]
+    try:
+        ms = min(timing(fp8_dec(bopts, act=False), s, ctx, slot, mt) for _ in range(2))
+        R["llama8b_fp8_weight_only_ctx1k_tok_s"] = 1e3 / ms
+        log(f"  fp8 weight-only ({best}) {ms:.3f} ms {1e3 / ms:.1f} tok/s")
+    except Exception:
+        log(traceback.format_exc()[-1500:])
+    del slot
+    for act in (True, False):
+        key = "llama8b_fp8_correctness" + ("" if act else "_weight_only")
+        try:
+            R[key] = c = correctness(X, fp8_dec(bopts, act), dmodel, s, ctx)
+            log(f"  {key}: {c}")
+        except Exception:
+            R[key] = {"error": traceback.format_exc()[-800:]}
+            log(traceback.format_exc()[-1500:])
+    c = R.get("llama8b_fp8_correctness", {})
+    R["llama8b_fp8_logits_max_rel_err"] = c.get("logits_max_rel_err")
+    R["llama8b_fp8_tokens_identical"] = c.get("tokens_identical")
+    del dmodel
+    torch.cuda.empty_cache()
+    ctx, mt = 32768, 32768 + 512
+    try:
+        slot = make_slot(s, mt, ctx)
+        ms8 = timing(fp8_dec(bopts), s, ctx, slot, mt)
+        R["llama8b_fp8_ctx32k_tok_s"] = 1e3 / ms8
+        R["llama8b_fp8_ctx32k_frac_roofline"] = (fp8_bytes + kv_bytes(s, ctx)) / (bw * 1e12) * 1e3 / ms8
+        ms16 = timing(bf16_dec, s, ctx, slot, mt)
+        R["llama8b_bf16_ctx32k_tok_s_same_run"] = 1e3 / ms16
+        log(f"  ctx 32K: fp8 {1e3 / ms8:.1f} tok/s ({R['llama8b_fp8_ctx32k_frac_roofline']:.1%}), bf16 {1e3 / ms16:.1f}")
+    except Exception:
+        log(traceback.format_exc()[-1500:])
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=str(ROOT / "bench/results/decode_gpu_fp8.json"))
+    args = ap.parse_args(argv)
+    torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
+    torch.backends.cuda.matmul.allow_tf32 = False
+    import triton
+
+    R: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__}
+    try:
+        run(R)
+    except Exception:
+        R["error"] = traceback.format_exc()[-1500:]
+        log(R["error"])
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(R, indent=1, default=str))
+    keys = [k for k in R if k.startswith("llama8b_") and not isinstance(R[k], dict)]
+    log("\n".join(f"{k:42s} {R[k]:.4g}" if isinstance(R[k], float) else f"{k:42s} {R[k]}" for k in keys))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
