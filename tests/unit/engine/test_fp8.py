@@ -196,3 +196,25 @@ def test_parse_quant(raw, want):
 def test_parse_quant_refuses(raw, error):
     with pytest.raises(ValueError, match=error):
         parse_quant(raw)
+
+
+def test_make_model_quantize_flag_and_loading_progress(tmp_path, capsys):
+    from infra.cli import main as cli
+    from services.decode.engine.weights import iter_engine_params, read_config
+
+    out = tmp_path / "block"
+    assert cli(["make-model", "--arch", "deepseek_v3", "--out", str(out), "--dtype", "bfloat16",
+                "--quantize", "fp8-block"]) == 0
+    config = json.loads((out / "config.json").read_text())
+    assert config["quantization_config"] == {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                             "weight_block_size": [128, 128]}
+    tensors = load_file(str(out / "model.safetensors"))
+    w, s = tensors["model.layers.1.mlp.experts.3.down_proj.weight"], tensors["model.layers.1.mlp.experts.3.down_proj.weight_scale_inv"]
+    assert w.dtype == torch.float8_e4m3fn and s.dtype == torch.float32 and s.shape == (2, 1)  # [256, 128] in 128x128
+    assert tensors["model.layers.2.eh_proj.weight"].dtype == torch.bfloat16  # MTP eh_proj stays unquantized
+    assert tensors["model.layers.1.mlp.gate.weight"].dtype == torch.bfloat16  # and the router
+    capsys.readouterr()
+    _, cfg = read_config(out)
+    names = [n for n, _ in iter_engine_params(out, cfg, progress=True)]
+    assert "layers.1.experts_down_scale" in names and "mtp.0.block.wq_b_scale" in names
+    assert f"loading {out.name}" in capsys.readouterr().err
