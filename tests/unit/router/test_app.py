@@ -369,6 +369,16 @@ async def test_migration_to_standard_lane(harness):
     assert len(world.claims) == 1
 
 
+async def test_the_lane_says_why(harness):
+    world, client, _, _ = harness
+    r = await client.post("/v1/chat/completions", json=_chat(max_tokens=3), headers={"x-expresslane": "off"})
+    assert (r.headers["x-expresslane-lane"], r.headers["x-expresslane-reason"]) == ("standard", "header")
+    # this router runs without vLLM's serving code (and refuses what the express lane cannot honour)
+    r = await client.post("/v1/chat/completions", json=_chat(max_tokens=3, logprobs=True))
+    assert r.status_code == 400 and "logprobs (vLLM's serving code in the router: off)" in r.json()["error"]["message"]
+    assert world.claims == []
+
+
 async def test_standard_lane_passthrough(harness):
     world, client, _, _ = harness
     r = await client.post("/v1/chat/completions", json=_chat(max_tokens=3),
