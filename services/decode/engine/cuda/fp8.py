@@ -66,10 +66,20 @@ def _x_tile(x_ptr, nw_ptr, k, K, inv_rms, s, inv_s, NORM: tl.constexpr, ACT: tl.
 
 
 @triton.jit
-def _rows_dot(x_ptr, nw_ptr, w_ptr, rows, rmask, K, inv_rms, s, inv_s, NORM: tl.constexpr, ACT: tl.constexpr,
+def _first_tile(w_ptr, rows, rmask, K, BLOCK_K: tl.constexpr):
+    # the first BLOCK_K columns of these rows, issued before the PDL wait and the input's prologue so
+    # that the weight stream's first DRAM round trip overlaps them (as gemv.py's kernels do)
+    k0 = tl.arange(0, BLOCK_K)
+    return tl.load(w_ptr + rows[:, None].to(tl.int64) * K + k0[None, :], mask=rmask[:, None] & (k0 < K)[None, :],
+                   other=0.0, eviction_policy="evict_first")
+
+
+@triton.jit
+def _rows_dot(x_ptr, nw_ptr, w_ptr, rows, rmask, K, inv_rms, s, inv_s, w0, NORM: tl.constexpr, ACT: tl.constexpr,
               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
-    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k in tl.range(0, K, BLOCK_K, num_stages=STAGES):
+    x0, _, _ = _x_tile(x_ptr, nw_ptr, 0, K, inv_rms, s, inv_s, NORM, ACT, BLOCK_K)
+    acc = w0.to(tl.float32) * x0[None, :]
+    for k in tl.range(BLOCK_K, K, BLOCK_K, num_stages=STAGES):
         x, offs, kmask = _x_tile(x_ptr, nw_ptr, k, K, inv_rms, s, inv_s, NORM, ACT, BLOCK_K)
         w = tl.load(w_ptr + rows[:, None].to(tl.int64) * K + offs[None, :], mask=rmask[:, None] & kmask[None, :],
                     other=0.0, eviction_policy="evict_first")
@@ -85,13 +95,14 @@ def _gemv_fp8_kernel(x_ptr, w_ptr, ws_ptr, out_ptr, res_ptr, nw_ptr, bias_ptr, N
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     rmask = rows < N
+    w0 = _first_tile(w_ptr, rows, rmask, K, BLOCK_K)
     ws = tl.load(ws_ptr + rows, mask=rmask, other=0.0)
     if BIAS:
         bias = tl.load(bias_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
     if PDL:  # weights and scales are never written: only x and the outputs wait for the previous kernel
         gdc_wait()
     inv_rms, s, inv_s = _prologue(x_ptr, nw_ptr, K, eps, NORM, ACT, K_POW2)
-    y = _rows_dot(x_ptr, nw_ptr, w_ptr, rows, rmask, K, inv_rms, s, inv_s, NORM, ACT, BLOCK_N, BLOCK_K, STAGES)
+    y = _rows_dot(x_ptr, nw_ptr, w_ptr, rows, rmask, K, inv_rms, s, inv_s, w0, NORM, ACT, BLOCK_N, BLOCK_K, STAGES)
     if PDL:
         gdc_launch_dependents()
     y = y * ws
@@ -109,14 +120,18 @@ def _gemv_fp8_silu_kernel(x_ptr, w_ptr, ws_ptr, out_ptr, nw_ptr, I, K, eps,
                           BLOCK_K: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr):
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)  # I % BLOCK_N == 0
+    all_rows = rows >= 0
+    wg0 = _first_tile(w_ptr, rows, all_rows, K, BLOCK_K)
+    wu0 = _first_tile(w_ptr, rows + I, all_rows, K, BLOCK_K)
     ws_g = tl.load(ws_ptr + rows)
     ws_u = tl.load(ws_ptr + rows + I)
     if PDL:
         gdc_wait()
     inv_rms, s, inv_s = _prologue(x_ptr, nw_ptr, K, eps, NORM, ACT, K_POW2)
-    acc_g = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    acc_u = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k in tl.range(0, K, BLOCK_K, num_stages=STAGES):
+    x0, _, _ = _x_tile(x_ptr, nw_ptr, 0, K, inv_rms, s, inv_s, NORM, ACT, BLOCK_K)
+    acc_g = wg0.to(tl.float32) * x0[None, :]
+    acc_u = wu0.to(tl.float32) * x0[None, :]
+    for k in tl.range(BLOCK_K, K, BLOCK_K, num_stages=STAGES):
         x, offs, kmask = _x_tile(x_ptr, nw_ptr, k, K, inv_rms, s, inv_s, NORM, ACT, BLOCK_K)
         wg = tl.load(w_ptr + rows[:, None].to(tl.int64) * K + offs[None, :], mask=kmask[None, :], other=0.0,
                      eviction_policy="evict_first")
