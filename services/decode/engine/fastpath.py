@@ -110,7 +110,7 @@ def engine_reason(mode: str, model, device: torch.device, dtype: torch.dtype, nu
                     "(its kernels need a power of two >= 16)")
     else:
         return f"{cfg.model_type}: the engine drives the fast path for Llama- and DeepSeek-V3-family models only"
-    q = cfg.quant
+    q = getattr(cfg, "quant", None)
     if q is not None and not (family == "gqa" and q.method == "compressed-tensors" and q.strategy in ("channel", "tensor")):
         return (f"{q.method} FP8 weights ({q.strategy} scales): the fast path reads FP8 only as compressed-tensors "
                 "per-channel or per-tensor scales on Llama-family models")
