@@ -49,12 +49,11 @@ logits before sampling (``xgr.apply_token_bitmask_inplace``); with drafts, one m
 after each grammar-valid draft prefix, drafts past it cut before verification (the matcher rolled
 back), as vLLM's scheduler does. The grammar lets EOS (or a stop id) through only once complete, so a
 constrained request ends with "stop" as in vLLM; once terminated it masks nothing.
-On the fast path (Llama family, one active slot) a request with logprobs (top 20 at most) and/or a
-grammar takes the slot's graph for them (fastpath.extras_key: mask, logprobs or both; captured on
-the slot's first such request): the host writes the grammar's mask into the
-slot's ``gmask`` row before each replay (one token per step for a grammar), the graph applies it
-before the sampling kernels and computes the logprobs after them; a batched step holding such a slot
-takes the reference step.
+On the fast path (Llama family) a request with logprobs (top 20 at most) and/or a grammar takes
+a graph for them (fastpath.extras_key: mask, logprobs or both; captured on first use, per slot
+alone and per padded size batched): the host writes each grammar's mask into its slot's ``gmask``
+row before each replay (one token per step with a grammar), the graph applies the masks before the
+sampling kernels (all ones where a row has no grammar) and computes the logprobs after them.
 ``mtp_draft_vocab=N``: the fast path's MTP drafts propose token ids < N only (its draft head reads N
 rows, not the whole vocabulary); output is unchanged, acceptance may drop. The reference step
 drafts over the whole vocabulary.
@@ -394,15 +393,13 @@ class Engine:
         if len(active) > 1 and self._fast_batch_ready(active):
             self.last_step_path = "fast"
             results = self._fast.step_batch([(i, self.slots[i]) for i in active], self.max_seq_len)
-            return {i: StepOutput(token_ids=out, finish_reason=reason) for i, (out, reason) in zip(active, results)}
+            return {i: self._fast_output(i, out, reason) for i, (out, reason) in zip(active, results)}
         if len(active) == 1 and self._fast_ready(active[0]):
             self.last_step_path = "fast"
             s = self.slots[active[0]]
             out, reason = self._fast.step(active[0], s, self.max_seq_len,
                                           self.prefill_hidden[active[0]] if s.has_prefill_hidden else None)
-            lps = s.extra.pop("fast_logprobs", None)
-            return {active[0]: StepOutput(token_ids=out, finish_reason=reason,
-                                          logprobs=lps[:len(out)] if lps is not None else None)}
+            return {active[0]: self._fast_output(active[0], out, reason)}
         self.last_step_path = "reference"
         dev, k, b = self.device, self.num_spec, len(active)
         slot_ids = torch.tensor(active, device=dev)
@@ -453,6 +450,10 @@ class Engine:
         lps = self._logprobs(active, tokens, num_accepted, nxt)
         host = torch.cat([num_accepted[:, None], tokens[:, 1:], nxt[:, None]], dim=1).tolist()  # the one sync
         return {slot: self._emit(slot, row, lps.get(slot)) for slot, row in zip(active, host)}
+
+    def _fast_output(self, slot: int, out: list[int], reason: str | None) -> StepOutput:
+        lps = self.slots[slot].extra.pop("fast_logprobs", None)
+        return StepOutput(token_ids=out, finish_reason=reason, logprobs=lps[:len(out)] if lps is not None else None)
 
     def _grammar_masks(self, active: list[int], slot_ids: torch.Tensor) -> torch.Tensor:
         """int32 bitmask [B * (1 + K), ceil(V / 32)] (host) of the step's positions: each grammar
@@ -519,8 +520,6 @@ class Engine:
         """Whether these slots decode together on the fast path now (each one can, and the batch fits)."""
         if self._fast is None or not self._fast.batch_ok or len(active) > self._fast.max_batch:
             return False
-        if any(self.slots[i].num_logprobs is not None or self.slots[i].grammar is not None for i in active):
-            return False  # logprobs and grammars: the batch-1 graphs only
         if not all(self._fast_ready(i) for i in active):
             return False
         return self._fast_build_batch(fastpath.padded_batch(len(active)))

@@ -315,25 +315,65 @@ class FastPath:
             self.batches[size] = (dec, runners)
         return self.batches[size]
 
+    def _batch_extras_runner(self, size: int, mask: bool, logprobs: bool):
+        """The batched decoder's sampling graph with every row's grammar mask and/or logprobs (rows
+        without a grammar hold an all-ones mask), captured on first use on the scratch slot."""
+        dec, runners = self.prepare_batch(size)
+        key = extras_key(mask, logprobs)
+        if key not in runners:
+            from .cuda.graph import GraphedFn
+
+            def fn():
+                for smp in dec.samplers:
+                    smp.mask_on, smp.logprobs_on = mask, logprobs
+                try:
+                    dec.step(sample=True)
+                finally:
+                    for smp in dec.samplers:
+                        smp.mask_on = smp.logprobs_on = False
+
+            runner = GraphedFn(fn, self.device.type == "cuda", warmup_calls=1, device=self.device,
+                               before_capture=lambda: dec.set_rows([], [], []))
+            runner.capture()
+            runners[key] = runner
+        return runners[key]
+
     def step_batch(self, items: list[tuple[int, SlotState]], max_seq_len: int) -> list[tuple[list[int], str | None]]:
         """One engine step of 2..max_batch active slots ``[(slot, state)]`` in one batched decoder: per slot
-        (emitted tokens, finish reason), cut as ``step`` cuts them (module docstring)."""
+        (emitted tokens, finish reason), cut as ``step`` cuts them (module docstring). Slots with logprobs
+        or a grammar: the batch takes the graph with masks and/or logprobs (one token per step with a
+        grammar: each mask needs the token before it), their logprobs in ``s.extra["fast_logprobs"]``."""
         rooms = [min(s.max_tokens - s.num_generated, max_seq_len - 1 - s.seq_len) for _, s in items]
-        n = max(0, min(self.tokens_per_step, *rooms))
+        masks = any(s.grammar is not None for _, s in items)
+        lps = any(s.num_logprobs is not None for _, s in items)
+        n = max(0, min(self.tokens_per_step if not masks else 1, *rooms))
         rows: list[list[int]] = [[] for _ in items]
         if n > 0:
             dec, runners = self.prepare_batch(padded_batch(len(items)))
             sampled = any(not s.is_greedy for _, s in items)
-            if sampled and not self.sample_ok:
+            if (sampled or masks or lps) and not self.sample_ok:
                 raise ValueError("this fast path decodes plain greedy requests only")
+            runner = (self._batch_extras_runner(padded_batch(len(items)), masks, lps) if masks or lps
+                      else runners[SAMPLED if sampled else 0])
             for slot, s in items:  # bad-word state behind (steps ran on the reference path): bring it up
                 if not s.is_greedy and s.sampling is not None and self.synced.get(slot) != (s.pending, s.seq_len):
                     self.sampling.sync_history(slot, s.sampling, s.output_ids, s.seq_len + 1)
+                if s.grammar is not None:
+                    self._write_mask(slot, s.grammar)
             dec.set_rows([s.pending for _, s in items], [s.seq_len for _, s in items], [slot for slot, _ in items])
-            runner = runners[SAMPLED if sampled else 0]
             for _ in range(n):
                 runner()
             rows = dec.out_tokens[: len(items), :n].tolist()  # the one sync
+            if lps:
+                from . import logprobs as lpmod
+
+                for r, (_, s) in enumerate(items):
+                    if s.num_logprobs is not None:
+                        smp, m = dec.samplers[r], s.num_logprobs
+                        val, ids = smp.lp_val[:n].tolist(), smp.lp_ids[:n].tolist()
+                        s.extra["fast_logprobs"] = lpmod.to_wire([v[0] for v in val], [i[0] for i in ids],
+                                                                 [v[1 : 1 + m] for v in val],
+                                                                 [i[1 : 1 + m] for i in ids])
         results = []
         for (slot, s), tokens in zip(items, rows):
             self.held.pop(slot, None)  # the slot's own decoder did not see these steps: re-armed at its next decode
@@ -342,6 +382,9 @@ class FastPath:
             s.num_steps += max(n, 1)
             s.num_valid_drafts = 0
             out, reason = emit(s, tokens, max_seq_len)
+            if s.grammar is not None and not s.grammar.accept(out):
+                log.warning("slot %d: token ids %s left the grammar; it stops constraining", slot, out)
+                s.grammar.is_terminated = True
             if reason is not None:
                 s.state = "done"
             results.append((out, reason))

@@ -2,9 +2,9 @@
 
 Kernel level: the grammar mask kernel sets exactly the forbidden logits to -inf (xgrammar's own
 CPU apply as the oracle), the logprobs ops give the reference computation's logprob, rank and top n.
-Engine level: requests with logprobs and/or a grammar decode on the fast path (one graph per slot
-with the mask before the sampling kernels and the logprobs after), with the reference step's tokens
-and finish, and logprobs equal to it within bfloat16 logits' noise.
+Engine level: requests with logprobs and/or a grammar decode on the fast path, alone and batched
+with another request (graphs with the mask before the sampling kernels and the logprobs after),
+with the reference step's tokens and finish, and logprobs equal to it within bfloat16 logits' noise.
 """
 
 from __future__ import annotations
@@ -119,8 +119,7 @@ def run(engine: Engine, sampling: SamplingParams):
 
 
 REGEX = StructuredOutput(kind="regex", regex="[a-e]{2,6}x")
-CASES = [
-    SamplingParams(max_tokens=10, ignore_eos=True, logprobs=5),
+CASES = [  # greedy with logprobs: in the batched test below
     SamplingParams(max_tokens=10, ignore_eos=True, logprobs=0, temperature=1.0, top_k=30, seed=3,
                    repetition_penalty=1.3),
     SamplingParams(max_tokens=20, structured=REGEX),
@@ -128,7 +127,7 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("sampling", CASES, ids=["greedy_lp", "sampled_lp0", "regex", "regex_sampled_lp"])
+@pytest.mark.parametrize("sampling", CASES, ids=["sampled_lp0", "regex", "regex_sampled_lp"])
 def test_logprobs_and_grammars_decode_on_the_fast_path_as_the_reference(reference, fast, sampling):
     want = run(reference, sampling)
     assert want[3] == {"reference"}
@@ -145,22 +144,42 @@ def test_logprobs_and_grammars_decode_on_the_fast_path_as_the_reference(referenc
         assert re.fullmatch("[a-e]{2,6}x", text)
 
 
-def test_an_extras_slot_next_to_another_takes_the_reference_step(fast):
-    """Batched steps run without the extras graph: a slot with logprobs beside another goes to the
-    reference step (and back to the fast path alone), its logprobs complete."""
-    sp = SamplingParams(max_tokens=8, ignore_eos=True, logprobs=2)
-    first = first_token(fast, None)
-    fast.start(0, first, sp)
-    fast.prefill(1, [0, 88, 2, 150])
-    fast.start(1, 9, SamplingParams(max_tokens=2, ignore_eos=True))
-    paths, lps, tokens = [], [], [first]
-    while fast.active_slots():
-        outs = fast.step()
-        paths.append(fast.last_step_path)
-        if 0 in outs:
-            tokens += outs[0].token_ids
-            lps += outs[0].logprobs or []
-    fast.release(0)
-    fast.release(1)
-    assert paths[0] == "reference" and paths[-1] == "fast"
-    assert len(lps) == len(tokens) - 1 == 8
+def run_pair(engine: Engine, first_sp: SamplingParams, second_sp: SamplingParams):
+    """Two requests decoding together (slot 0 first_sp after PROMPT, slot 1 second_sp after OTHER)."""
+    got = {0: [first_token(engine, first_sp.structured)]}
+    engine.start(0, got[0][0], first_sp)
+    got[1] = [int(engine.prefill(1, OTHER).argmax())]
+    engine.start(1, got[1][0], second_sp)
+    lps, reasons, paths = {0: [], 1: []}, {}, []
+    while engine.active_slots():
+        outs = engine.step()
+        paths.append((engine.last_step_path, engine.last_step_slots))
+        for slot, out in outs.items():
+            got[slot] += out.token_ids
+            lps[slot] += out.logprobs or []
+            reasons[slot] = out.finish_reason
+    engine.release(0)
+    engine.release(1)
+    return got, lps, reasons, paths
+
+
+OTHER = [0, 88, 2, 150]
+
+
+@pytest.mark.parametrize("first_sp, second_sp", [
+    (SamplingParams(max_tokens=12, structured=REGEX, logprobs=3), SamplingParams(max_tokens=6, ignore_eos=True)),
+    (SamplingParams(max_tokens=8, ignore_eos=True, logprobs=2),
+     SamplingParams(max_tokens=8, ignore_eos=True, temperature=1.0, seed=9)),
+], ids=["grammar_lp_and_plain", "lp_and_sampled"])
+def test_extras_slots_decode_batched_on_the_fast_path_as_the_reference(reference, fast, first_sp, second_sp):
+    want = run_pair(reference, first_sp, second_sp)
+    got = run_pair(fast, first_sp, second_sp)
+    assert {p for p, _ in want[3]} == {"reference"}
+    assert ("fast", 2) in got[3] and {p for p, _ in got[3]} == {"fast"}  # batched while both run, then alone
+    assert got[0] == want[0] and got[2] == want[2]
+    for slot in (0, 1):
+        assert len(got[1][slot]) == len(want[1][slot])
+        for a, b in zip(got[1][slot], want[1][slot]):
+            assert abs(a.logprob - b.logprob) < 0.05 and a.top_ids[:1] == b.top_ids[:1]
+    if first_sp.structured is not None:
+        assert got[2][0] == "stop" and re.fullmatch("[a-e]{2,6}x", "".join(char_vocab()[t] for t in got[0][0][:-1]))
