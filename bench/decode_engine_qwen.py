@@ -6,11 +6,14 @@ bench/decode_gpu.py's ``plant_successor``), loaded with ``Engine.from_hf_tensors
 after a 1K-token prompt: ``fast_path="auto"`` (the product's default: the fast path's CUDA graph) for
 three measured passes (median reported), each variant the same way, and the reference step
 (``fast_path="off"``) once; greedy tokens of every pass compared with the reference step's. Variants:
-the other place for Qwen3's q/k norm, 8 tokens per engine step, and the shape's Llama twin (same
+the other place for Qwen3's q/k norm, Qwen3 with the one-launch attention (``FastOptions(
+attn_one_launch=True)``: the last split merges), 8 tokens per engine step, and the shape's Llama twin (same
 tensors loaded as ``model_type="llama"``: no bias, no q/k norm; a control, its tokens are another
 model's). Per-kernel GPU time of one step (torch profiler, PDL off so a kernel's time is its own) for the
 Qwen3 shape and its twin. A Llama-3-8B shape built the same way runs last, the check that the Llama
 path kept its speed.
+
+``QWEN_VARIANTS=a,b`` measures only those variants (the default always).
 
 Roofline: bytes a step reads = every weight but the embedding table (lm_head counts, tied or not; one
 embedding row is negligible) + the KV of the 1K context, over the copy bandwidth measured in the run.
@@ -19,6 +22,7 @@ embedding row is negligible) + the KV of the 1K context, over the copy bandwidth
 from __future__ import annotations
 
 import gc
+import os
 import statistics
 import time
 import traceback
@@ -59,6 +63,8 @@ PER_STEP_8 = {"engine": {"fast_path_tokens_per_step": 8}}
 SHAPES = {
     "qwen25_7b": (QWEN25_7B, {"tokens_per_step_8": PER_STEP_8, "llama_twin": {"config": TWIN}}),
     "qwen3_8b": (QWEN3_8B, {"qk_norm_kernel": {"engine": {"fast_path_options": FastOptions(qk_norm_in="kernel")}},
+                            "attention_one_launch": {"engine": {"fast_path_options": FastOptions(
+                                attn_one_launch=True)}},
                             "tokens_per_step_8": PER_STEP_8, "llama_twin": {"config": TWIN, "profile": True}}),
     "llama3_8b": (LLAMA3_8B, {}),
 }
@@ -148,6 +154,9 @@ def measure_shape(key: str, steps: int, context: int, bandwidth: float, prompt: 
                   device: str = "cuda") -> dict:
     """Reference step once, then the fast path's default and variants three passes each (through ``Engine``)."""
     cfg, variants = SHAPES[key]
+    chosen = os.environ.get("QWEN_VARIANTS")  # a comma list of variant names: only those (a shorter run)
+    if chosen is not None:
+        variants = {k: v for k, v in variants.items() if k in chosen.split(",")}
     t0 = time.time()
     tensors = hf_tensors(cfg, device=device)
     prompt = [t % (cfg["vocab_size"] - 2) + 2 for t in prompt]

@@ -3,8 +3,10 @@
 - ``gemv_sweep``: the batched GEMV (cuda/batch.py ``rows_gemv``) per projection of the shape at 2 and 8
   rows, each accumulation mode and a few tiles, against cuBLAS and the one-token GEMV: us and GB/s.
 - ``decoder_timing``: graph-timed ms per step at context 1K of the batch-1 decoder (cuda/llama.py) and
-  of the batched decoder (cuda/batch.py) at 2, 4 and 8 rows, each row its own slot; a few tile choices
-  of the batched GEMVs (``FastOptions.batch_tiles``) at 4 and 8 rows.
+  of the batched decoder (cuda/batch.py) at 2, 4 and 8 rows, each row its own slot; 4 rows with the
+  rope as its own launch (``rope_rows_batch4_ms``: ``FastOptions(batch_fused_rope=False)``), and the
+  single and 4-row steps with the one-launch attention (``one_launch_*``: ``attn_one_launch=True``); a few tile choices of the batched GEMVs
+  (``FastOptions.batch_tiles``) at 4 and 8 rows. ``DECODE_GPU_BATCH_SWEEP=0`` skips ``gemv_sweep``.
 - ``engine_timing`` (where the engine package imports: it needs msgspec): ``Engine(fast_path="auto")``
   with 8 slots over the same weights, every slot's KV holding 1K random tokens; engine step time
   (``Engine.step``: one host sync per step) with 1, 4 and 8 active greedy slots, and 8 with half of them
@@ -18,6 +20,7 @@
 from __future__ import annotations
 
 import gc
+import os
 import time
 import traceback
 from dataclasses import replace
@@ -114,6 +117,12 @@ def batch_step_ms(X, model, s: dict, batch: int, ctx: int, opts) -> float:
     return ms
 
 
+# A/B in the same run: the batched QKV with rope_rows after it (before the fused rope), and the one-launch
+# attention (FastOptions.attn_one_launch, off by default) on the single and the 4-row step
+ROPE_ROWS = dict(batch_fused_rope=False)
+ONE_LAUNCH = dict(attn_one_launch=True)
+
+
 def decoder_timing(X, model, s: dict, ctx: int = 1024, sweep_tiles: bool = False) -> dict:
     opts = X.FastOptions()
     res = {"single_ms": step_timing(X, model, s, ctx, opts, steps_per_replay=1)}
@@ -122,6 +131,12 @@ def decoder_timing(X, model, s: dict, ctx: int = 1024, sweep_tiles: bool = False
         res[f"batch{b}_ratio"] = res[f"batch{b}_ms"] / res["single_ms"]
     log(f"  decoder graphs at {ctx}: single {res['single_ms']:.3f} ms, " + ", ".join(
         f"batch {b} {res[f'batch{b}_ms']:.3f} ms ({res[f'batch{b}_ratio']:.3f}x)" for b in (2, 4, 8)))
+    res["rope_rows_batch4_ms"] = batch_step_ms(X, model, s, 4, ctx, replace(opts, **ROPE_ROWS))
+    one = replace(opts, **ONE_LAUNCH)
+    res["one_launch_single_ms"] = step_timing(X, model, s, ctx, one, steps_per_replay=1)
+    res["one_launch_batch4_ms"] = batch_step_ms(X, model, s, 4, ctx, one)
+    log(f"  batch 4 with rope_rows (no fused rope) {res['rope_rows_batch4_ms']:.3f} ms; one-launch attention: "
+        f"single {res['one_launch_single_ms']:.3f} ms, batch 4 {res['one_launch_batch4_ms']:.3f} ms")
     for name, tiles in TILE_VARIANTS.items() if sweep_tiles else ():
         if tiles is None:
             continue
@@ -222,7 +237,8 @@ def run_batch(X, R: dict) -> None:
     model = build_llama(X, s)
     plant_successor(model, s)
     try:
-        R["llama8b_batch_gemv_sweep"] = gemv_sweep(X, s)
+        if os.environ.get("DECODE_GPU_BATCH_SWEEP", "1") != "0":  # 0: skip the GEMV sweep (a shorter run)
+            R["llama8b_batch_gemv_sweep"] = gemv_sweep(X, s)
     except Exception:  # noqa: BLE001
         R["llama8b_batch_gemv_sweep_error"] = traceback.format_exc()[-1500:]
         log(R["llama8b_batch_gemv_sweep_error"])

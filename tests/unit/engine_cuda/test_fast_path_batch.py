@@ -26,17 +26,23 @@ BATCH_TILES = {"qkv": (16, 32, 4, 1), "o": (16, 32, 4, 1), "gate_up": (16, 32, 4
                "lm_head": (16, 32, 4, 1)}
 
 
-@pytest.mark.parametrize("bias, o_bias, qk_norm", [(False, False, False), (True, True, False), (False, False, True)],
-                         ids=["llama", "qkv + o bias", "qwen3 q/k norm"])
-def test_batch_decoder_rows_follow_the_reference_step_each_in_its_own_slot(bias, o_bias, qk_norm):
-    m, n, steps, d, num_slots = tiny_model(bias, o_bias, qk_norm), 40, 3, 16, 3
+@pytest.mark.parametrize("bias, o_bias, qk_norm, d", [(False, False, False, 16), (True, True, False, 16),
+                                                       (False, False, True, 16), (False, False, False, 32),
+                                                       (True, False, False, 32)],
+                         ids=["llama", "qkv + o bias", "qwen3 q/k norm", "llama, rope in the qkv epilogue",
+                              "qkv bias, rope in the qkv epilogue"])
+def test_batch_decoder_rows_follow_the_reference_step_each_in_its_own_slot(bias, o_bias, qk_norm, d):
+    m, n, steps, num_slots = tiny_model(bias, o_bias, qk_norm, d=d), 40, 3, 3
     g = _gen(1)
     kc = [_rand(g, num_slots + 1, n, 2, d) for _ in m.layers]
     vc = [_rand(g, num_slots + 1, n, 2, d) for _ in m.layers]
     kr, vr = [k.clone() for k in kc], [v.clone() for v in vc]
     cos, sin = _tables(n, d)
-    opts = FastOptions(batch_tiles=BATCH_TILES, num_splits=4, block_s=16)
+    tiles = dict(BATCH_TILES, qkv=(32, 32, 4, 1)) if d == 32 else BATCH_TILES  # pairs of 16 rows: fused rope
+    # d 32: also the one-launch attention (each row's kv heads merged by their last split)
+    opts = FastOptions(batch_tiles=tiles, num_splits=4, block_s=16, attn_one_launch=d == 32)
     dec = GqaBatchDecoder(m, kc, vc, cos, sin, batch=4, options=opts, max_steps=8)
+    assert dec.fused_rope == (d == 32) and dec.attn.one_launch == (d == 32)
     rows = [(2, 3, 20), (0, 7, 5), (1, 11, 33)]  # (slot, token, context length); row 3 is padding
     dec.set_rows([t for _, t, _ in rows], [c for _, _, c in rows], [s for s, _, _ in rows])
     toks = [t for _, t, _ in rows]
@@ -54,6 +60,14 @@ def test_batch_decoder_rows_follow_the_reference_step_each_in_its_own_slot(bias,
     assert dec.out_tokens[:3, :steps].tolist() == expected
     assert dec.pos[:3].tolist() == [c + steps for _, _, c in rows]
     assert torch.equal(dec.residual[:3], m.embed[[e[-1] for e in expected]])
+    assert not dec.attn.count.any()  # the merge counters are back to zero for the next call
+    dec.set_rows([5, 6], [9, 10], [1, 0])  # a re-start: applied by the next step's first kernel, once
+    for i in range(2):
+        dec.step()
+        assert dec.pos.tolist() == [10 + i, 11 + i, 1 + i, 1 + i] and dec.step_idx.tolist() == [1 + i] * 4
+        assert dec.slots.tolist() == [1, 0, num_slots, num_slots]
+    kr1 = reference_step(m, [k[1] for k in kr], [v[1] for v in vr], cos, sin, 5, 9)  # row 0 restarted: token 5 at 9
+    assert dec.out_tokens[0, 0] == int(kr1.argmax())
 
 
 def test_padded_batch_sizes():

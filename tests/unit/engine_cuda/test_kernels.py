@@ -64,8 +64,8 @@ def test_gemv_silu_matches_twin():
     close(out, reference.silu_mul(reference.linear(reference.rms_norm(x, nw, 1e-5), w)))
 
 
-@pytest.mark.parametrize("fused", [True, False])
-def test_qkv_rope_cache_write_matches_twin(fused):
+@pytest.mark.parametrize("fused,pos_early", [(True, False), (True, True), (False, False)])
+def test_qkv_rope_cache_write_matches_twin(fused, pos_early):
     hq, hkv, d, h, pos = 4, 2, 16, 64, 5
     x, w, nw = rand(h), rand((hq + 2 * hkv) * d, h, std=0.2), 1 + rand(h, std=0.1)
     cos, sin = rand(12, d // 2), rand(12, d // 2)
@@ -74,7 +74,7 @@ def test_qkv_rope_cache_write_matches_twin(fused):
     p = torch.tensor([pos], dtype=torch.int32)
     if fused:
         gemv.gemv_qkv_rope(x, w, nw, 1e-5, q, kc, vc, p, cos, sin, num_q_heads=hq, num_kv_heads=hkv, head_dim=d,
-                           block_n=4, block_k=32)
+                           block_n=4, block_k=32, pos_early=pos_early)
     else:
         qkv = reference.linear(reference.rms_norm(x, nw, 1e-5), w)
         smallops.rope_cache_write(qkv, q, kc, vc, p, cos, sin, num_q_heads=hq, num_kv_heads=hkv, head_dim=d)
@@ -99,15 +99,20 @@ def test_small_ops_match_twins():
     (8, 2, 1, 50, 4, 16),  # GQA decode
     (8, 2, 1, 2, 8, 16),  # more splits than tokens: empty splits merge to nothing
     (4, 4, 2, 30, 4, 16),  # two query tokens, causal between them
+    (8, 2, 1, 100, 2, 16),  # several blocks per split (the first loaded before the wait)
+    (8, 2, 1, 16, 4, 16),  # row pos first of its split, no earlier row in it
 ])
-def test_gqa_attention_matches_twin(hq, hkv, t, pos, splits, block_s):
+@pytest.mark.parametrize("one_launch", [True, False])
+def test_gqa_attention_matches_twin(hq, hkv, t, pos, splits, block_s, one_launch):
     d = 32
     q, k, v = rand(t, hq, d), rand(pos + t + 3, hkv, d, seed=1), rand(pos + t + 3, hkv, d, seed=2)
     attn = DecodeAttention(num_q_heads=hq, num_kv_heads=hkv, d_main=d, d_v=d, num_tokens=t, num_splits=splits,
-                           block_s=block_s)
+                           block_s=block_s, one_launch=one_launch)
     out = torch.full((t, hq, d), float("nan"), dtype=BF)
-    attn(q, k, v, torch.tensor([pos], dtype=torch.int32), out, stride_kt=hkv * d, stride_vt=hkv * d)
-    close(out, reference.attention(q, k, v, pos, d ** -0.5), tol=1e-5)
+    for _ in range(2):  # one launch for one token: the last split merges, its counters back to 0 for the next call
+        attn(q, k, v, torch.tensor([pos], dtype=torch.int32), out, stride_kt=hkv * d, stride_vt=hkv * d)
+        close(out, reference.attention(q, k, v, pos, d ** -0.5), tol=1e-5)
+        assert attn.one_launch == (t == 1 and one_launch) and not attn.count.any()
 
 
 @pytest.mark.parametrize("v_is_k,v_chunks", [(True, 1), (False, 2)])

@@ -6,6 +6,12 @@ read exactly once per step. The number of splits is fixed at capture time; the s
 derived in the kernel from the sequence length held in a device tensor (``pos + 1``), so one CUDA
 graph serves every position. A second tiny kernel merges the splits (log-sum-exp).
 
+GQA decode (one query token, ``DecodeAttention.one_launch``) runs one kernel instead
+(``_gqa_split_kernel``): before waiting on the previous kernel (PDL) each program reads the position
+and starts loading its first K/V block (rows of earlier steps, which no kernel in flight writes);
+this step's row ``pos`` joins the softmax after the loop (one online update); and the last program of
+a kv head to finish (a per-head counter, atomically counted and reset) merges the splits.
+
 Queries may span ``T`` consecutive new tokens (speculative verify): query row ``t`` sees keys
 ``<= pos + t``. Layouts: q ``[T, Hq, D_QK]``; keys ``[max_tokens, Hkv, key_stride]`` of which the
 first ``D_MAIN`` elements are dotted with q's first ``D_MAIN`` and, for MLA, the ``D_ROPE`` elements
@@ -167,13 +173,134 @@ def _attn_combine_kernel(part_o_ptr, part_ml_ptr, out_ptr, NUM_SPLITS: tl.conste
     tl.store(out_ptr + row * D_V + dv, o.to(out_ptr.dtype.element_ty))
 
 
+@triton.jit
+def _gqa_split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, part_o_ptr, part_ml_ptr, count_ptr, out_ptr, sm_scale,
+                      stride_qh, stride_kt, stride_vt, qn_ptr, kn_ptr, cos_ptr, sin_ptr, qk_eps,
+                      slot_ptr, stride_ks, stride_vs, stride_qb, stride_ob,
+                      QK_NORM: tl.constexpr, BATCH: tl.constexpr, NUM_Q_HEADS: tl.constexpr,
+                      NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr,
+                      NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, DOT_F32: tl.constexpr,
+                      PDL: tl.constexpr):
+    # One query token per row (GQA decode), program (kv head, split, batch row). Before waiting on the
+    # previous kernel it reads only what earlier kernels wrote (the position, the slot, cache rows < pos)
+    # and starts loading its first K/V block; after the wait, q and this step's row pos (the QKV kernel's
+    # writes). Row pos joins the softmax after the loop (one online update), so the loop reads only
+    # earlier rows. The last split of a (row, kv head) to finish merges the splits into out.
+    kvh = tl.program_id(0)
+    split = tl.program_id(1)
+    if BATCH:
+        b = tl.program_id(2)
+        slot = tl.load(slot_ptr + b).to(tl.int64)
+        k_ptr += slot * stride_ks
+        v_ptr += slot * stride_vs
+        q_ptr += b * stride_qb
+        out_ptr += b * stride_ob
+        pos_ptr += b
+        part_o_ptr += b * (NUM_Q_HEADS * NUM_SPLITS * D)
+        part_ml_ptr += b * (NUM_Q_HEADS * NUM_SPLITS * 2)
+        count_ptr += b * NUM_KV_HEADS
+    pos = tl.load(pos_ptr)
+    chunk = tl.cdiv(tl.cdiv(pos + 1, NUM_SPLITS), BLOCK_S) * BLOCK_S
+    start = split * chunk
+    end = tl.minimum(start + chunk, pos + 1)
+    holds_pos = (start <= pos) & (pos < end)
+    end_c = tl.minimum(end, pos)  # rows cached by earlier steps
+    dm = tl.arange(0, D)
+    offs = start + tl.arange(0, BLOCK_S)
+    smask = offs < end_c
+    k = tl.load(k_ptr + offs[:, None].to(tl.int64) * stride_kt + kvh * D + dm[None, :], mask=smask[:, None],
+                other=0.0)
+    v = tl.load(v_ptr + offs[:, None].to(tl.int64) * stride_vt + kvh * D + dm[None, :], mask=smask[:, None],
+                other=0.0)
+    if PDL:  # q and K/V row pos come from the previous kernel
+        gdc_wait()
+    r = tl.arange(0, ROWS)
+    head = kvh * GROUP + r
+    rvalid = r < GROUP
+    q_row = q_ptr + head * stride_qh
+    q = tl.load(q_row[:, None] + dm[None, :], mask=rvalid[:, None], other=0.0)
+    k_row = k_ptr + pos.to(tl.int64) * stride_kt + kvh * D
+    if QK_NORM:  # Qwen3: q rows and K row pos arrive as projected; normalised + rotated here
+        HALF: tl.constexpr = D // 2
+        swapped = ((dm + HALF) % D)[None, :]
+        qp = tl.load(q_row[:, None] + swapped, mask=rvalid[:, None], other=0.0)
+        k_raw = tl.load(k_row + dm[None, :])  # [1, D]
+        k_sw = tl.load(k_row + swapped)
+        q = norm_rope_rows(q, qp, qn_ptr, cos_ptr, sin_ptr, pos, qk_eps, D).to(q.dtype)
+        k_new = norm_rope_rows(k_raw, k_sw, kn_ptr, cos_ptr, sin_ptr, pos, qk_eps, D).to(k_raw.dtype)
+        if holds_pos:  # stored for later steps
+            tl.store(k_row + dm[None, :], k_new)
+    else:
+        k_new = tl.load(k_row + dm[None, :])
+    qk_scale = sm_scale * 1.4426950408889634
+    m = tl.full((ROWS,), float("-inf"), tl.float32)
+    l = tl.zeros((ROWS,), tl.float32)
+    acc = tl.zeros((ROWS, D), tl.float32)
+    for s in range(start, end_c, BLOCK_S):
+        if s > start:  # the first block was loaded before the wait
+            offs = s + tl.arange(0, BLOCK_S)
+            smask = offs < end_c
+            k = tl.load(k_ptr + offs[:, None].to(tl.int64) * stride_kt + kvh * D + dm[None, :],
+                        mask=smask[:, None], other=0.0)
+            v = tl.load(v_ptr + offs[:, None].to(tl.int64) * stride_vt + kvh * D + dm[None, :],
+                        mask=smask[:, None], other=0.0)
+        if DOT_F32:
+            scores = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)))
+        else:
+            scores = tl.dot(q, tl.trans(k))
+        scores = tl.where(smask[None, :], scores * qk_scale, float("-inf"))
+        m_new = tl.maximum(m, tl.max(scores, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(scores - m_safe[:, None])
+        alpha = tl.exp2(m - m_safe)
+        l = l * alpha + tl.sum(p, axis=1)
+        if DOT_F32:
+            pv = tl.dot(p, v.to(tl.float32))
+        else:  # p = hi + lo in bf16: two tensor-core dots give p @ v to ~2^-16, not bf16's 2^-8
+            p_hi = p.to(v.dtype)
+            pv = tl.dot(p_hi, v)
+            pv = tl.dot((p - p_hi.to(tl.float32)).to(v.dtype), v, pv)
+        acc = acc * alpha[:, None] + pv
+        m = m_new
+    if holds_pos:  # the key at pos, one online-softmax update
+        s_pos = tl.sum(q.to(tl.float32) * k_new.to(tl.float32), axis=1) * qk_scale
+        m_new = tl.maximum(m, s_pos)
+        alpha = tl.exp2(m - m_new)
+        p_pos = tl.exp2(s_pos - m_new)
+        v_pos = tl.load(v_ptr + pos.to(tl.int64) * stride_vt + kvh * D + dm).to(tl.float32)
+        acc = acc * alpha[:, None] + p_pos[:, None] * v_pos[None, :]
+        l = l * alpha + p_pos
+        m = m_new
+    if PDL:
+        gdc_launch_dependents()
+    prow = head * NUM_SPLITS + split  # partials [Hq, NUM_SPLITS, D] and [Hq, NUM_SPLITS, 2]
+    tl.store(part_o_ptr + prow[:, None] * D + dm[None, :], acc, mask=rvalid[:, None])
+    tl.store(part_ml_ptr + prow * 2, m, mask=rvalid)
+    tl.store(part_ml_ptr + prow * 2 + 1, l, mask=rvalid)
+    # the last split of this kv head merges: every program's partials are written before its count
+    tl.debug_barrier()
+    done = tl.atomic_add(count_ptr + kvh, 1, sem="acq_rel", scope="gpu")
+    if done == NUM_SPLITS - 1:
+        tl.store(count_ptr + kvh, 0)  # reset for the next call (the next layer's kernel runs after ours)
+        sp = tl.arange(0, NUM_SPLITS)
+        for g in tl.static_range(GROUP):  # unrolled: every head's loads in flight at once (as _attn_combine_kernel)
+            hrow = (kvh * GROUP + g) * NUM_SPLITS + sp
+            ms = tl.load(part_ml_ptr + hrow * 2, cache_modifier=".cg")
+            ls = tl.load(part_ml_ptr + hrow * 2 + 1, cache_modifier=".cg")
+            os_ = tl.load(part_o_ptr + hrow[:, None] * D + dm[None, :], cache_modifier=".cg")
+            m_max = tl.max(ms, axis=0)
+            w = tl.where(ms == float("-inf"), 0.0, tl.exp2(ms - m_max))
+            o = tl.sum(os_ * w[:, None], axis=0) / tl.sum(w * ls, axis=0)
+            tl.store(out_ptr + (kvh * GROUP + g) * D + dm, o.to(out_ptr.dtype.element_ty))
+
+
 class DecodeAttention:
     """Preallocated split-K decode attention for one shape; ``__call__`` launches two kernels."""
 
     def __init__(self, *, num_q_heads: int, num_kv_heads: int, d_main: int, d_v: int, d_rope: int = 0,
                  num_tokens: int = 1, num_splits: int = 32, block_s: int = 32, sm_scale: float | None = None,
                  num_warps: int = 4, v_is_k: bool = False, v_chunks: int = 1, pdl: bool = False,
-                 device: torch.device | str = "cpu", max_batch: int = 1):
+                 device: torch.device | str = "cpu", max_batch: int = 1, one_launch: bool = True):
         self.hq, self.hkv, self.num_tokens = num_q_heads, num_kv_heads, num_tokens
         self.d_main, self.d_v, self.d_rope = d_main, d_v, d_rope
         self.group = num_q_heads // num_kv_heads
@@ -190,6 +317,11 @@ class DecodeAttention:
         rows = max_batch * num_tokens * num_q_heads * num_splits
         self.part_o = torch.empty(rows * d_v, dtype=torch.float32, device=device)
         self.part_ml = torch.empty(rows * 2, dtype=torch.float32, device=device)
+        # GQA decode (one token, separate values, no rope part): one launch, the splits merged by the last
+        # of them to finish (count: finished splits per batch row and kv head, back to 0 after each call)
+        self.one_launch = (one_launch and num_tokens == 1 and not d_rope and not v_is_k and v_chunks == 1
+                           and d_main == d_v)
+        self.count = torch.zeros(max_batch * num_kv_heads, dtype=torch.int32, device=device)
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, out: torch.Tensor,
                  *, stride_kt: int, stride_vt: int, rope_offset: int = 0, q_pe: torch.Tensor | None = None,
@@ -209,6 +341,15 @@ class DecodeAttention:
         batch = 1 if slot_ids is None else slot_ids.shape[0]
         if batch > self.max_batch:
             raise ValueError(f"a batch of {batch} rows: this attention holds partials for {self.max_batch}")
+        if self.one_launch:
+            _gqa_split_kernel[(self.hkv, self.num_splits, batch)](
+                q, k, v, pos, self.part_o, self.part_ml, self.count, out, self.sm_scale, sqh, stride_kt, stride_vt,
+                qn, kn, cos, sin, qk_eps, slot_ids if slot_ids is not None else pos, stride_ks, stride_vs, sqt,
+                self.hq * self.d_v, QK_NORM=qk_norm is not None, BATCH=slot_ids is not None, NUM_Q_HEADS=self.hq,
+                NUM_KV_HEADS=self.hkv, GROUP=self.group, ROWS=self.rows, D=self.d_main, NUM_SPLITS=self.num_splits,
+                BLOCK_S=self.block_s, DOT_F32=interpreting(), PDL=self.pdl, num_warps=self.num_warps,
+                **launch_opts(self.pdl))
+            return out
         _attn_split_kernel[(self.hkv, self.num_splits, self.v_chunks * batch)](
             q, q_pe if q_pe is not None else q, k, v, pos, self.part_o, self.part_ml, self.sm_scale, sqt, sqh,
             stride_kt, stride_vt, rope_offset, qn, kn, cos, sin, qk_eps, slot_ids if slot_ids is not None else pos,

@@ -6,13 +6,17 @@ tensors, so the rows' slots and positions change between replays with no re-capt
 the engine's whole per-layer tensors ``[num_slots + 1, max_tokens, Hkv, D]``; a padded row decodes on
 the scratch slot (the last), where its writes are harmless.
 
-Per layer, nine launches whatever the batch (weights read once per step for every row):
-  1-2. RMSNorm of the rows; QKV GEMV over B rows (+ bias)                (rmsnorm_rows; rows_gemv, BIAS)
-  3. rope (Qwen3: q/k RMSNorm + rope) + K/V write into each row's slot   (rope_rows)
-  4-5. split-K attention over each row's own cache and length, merge     (DecodeAttention, slot_ids)
-  6. o_proj GEMV (+ bias) + residual add                                 (rows_gemv, RESIDUAL)
-  7-8. RMSNorm; gate/up GEMV + SiLU-mul                                  (rows_gemv, SILU)
-  9. down GEMV + residual add                                            (rows_gemv, RESIDUAL)
+Per layer, eight launches whatever the batch (weights read once per step for every row):
+  1-2. RMSNorm of the rows; QKV GEMV over B rows (+ bias) + rope + K/V write into each row's slot
+       (rmsnorm_rows; rows_qkv_rope: paired rows d, d + D/2 of a head per program, as the batch-1
+       kernel; Qwen3's q/k norm needs whole heads: rows_gemv, then rope_rows, one launch more)
+  3-4. split-K attention over each row's own cache and length, merge     (DecodeAttention, slot_ids;
+       one launch with ``FastOptions.attn_one_launch``)
+  5. o_proj GEMV (+ bias) + residual add                                 (rows_gemv, RESIDUAL)
+  6-7. RMSNorm; gate/up GEMV + SiLU-mul                                  (rows_gemv, SILU)
+  8. down GEMV + residual add                                            (rows_gemv, RESIDUAL)
+The rows' tokens, positions and slots come from the host through ``set_rows`` (one async copy) and
+are applied by the step's first kernel, once per ``set_rows``.
 then final norm + lm_head GEMV with per-row block maxima, and the per-row greedy finish (token,
 ``out_tokens[b, step]``, position + 1, next embedding); or, with ``step(sample=True)``, each row's
 sampling kernels (cuda/sampling.py) over its slot's row of the engine's SamplingBuffers (the row
@@ -34,8 +38,8 @@ import triton
 import triton.language as tl
 
 from .attention import DecodeAttention
-from .gemv import gdc_launch_dependents, gdc_wait, interpreting, launch_opts
-from .kernel_helpers import round_to_dtype
+from .gemv import _prefetch, gdc_launch_dependents, gdc_wait, interpreting, launch_opts
+from .kernel_helpers import prefetch_l2, rnd_bf16, round_to_dtype
 from .llama import FastOptions, GqaModel
 from .moe import _mma
 from .smallops import norm_rope_cache_head, rmsnorm_rows, rope_cache_head
@@ -67,7 +71,7 @@ def _rows_gemv_kernel(x_ptr, w_ptr, out_ptr, res_ptr, nw_ptr, bias_ptr, amax_val
                       T: tl.constexpr, T_PAD: tl.constexpr, NORM: tl.constexpr, BIAS: tl.constexpr,
                       RESIDUAL: tl.constexpr, ARGMAX: tl.constexpr, SILU: tl.constexpr, MODE: tl.constexpr,
                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, UPCAST: tl.constexpr,
-                      PDL: tl.constexpr):
+                      PDL: tl.constexpr, PREFETCH: tl.constexpr = 0):
     # MODE 0: acc[T, N] = dot(x, w^T); 1: acc^T[N, T] = dot(w, x^T) (the weights as the A operand);
     # 2: fp32 FMAs into [T, BLOCK_N, BLOCK_K] (T_PAD = next power of two of T, no padding to 16)
     pid = tl.program_id(0)
@@ -77,6 +81,10 @@ def _rows_gemv_kernel(x_ptr, w_ptr, out_ptr, res_ptr, nw_ptr, bias_ptr, amax_val
     tmask = t < T
     if BIAS:  # a weight: loaded before waiting on the previous kernel
         bias = tl.load(bias_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
+    if PREFETCH:  # the first weight tiles into L2 during the previous kernel's tail
+        prefetch_l2(w_ptr, rows, rmask, K, PREFETCH, BLOCK_K, 0)
+        if SILU:
+            prefetch_l2(w_ptr, rows + N, rmask, K, PREFETCH, BLOCK_K, 0)
     if PDL:
         gdc_wait()
     inv = tl.full((T_PAD,), 1.0, tl.float32)
@@ -152,7 +160,7 @@ def rows_gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, *, norm_w: to
               eps: float = 1e-5, residual: torch.Tensor | None = None, bias: torch.Tensor | None = None,
               silu: bool = False, argmax_parts: tuple[torch.Tensor, torch.Tensor] | None = None,
               block_n: int = 16, block_k: int = 256, num_warps: int = 4, stages: int = 4,
-              pdl: bool = False, mode: int = 0) -> torch.Tensor:
+              pdl: bool = False, mode: int = 0, prefetch: int = 0) -> torch.Tensor:
     """out[B, N] = [residual +] round(x'[B, K] @ W[N, K]^T [+ bias]), x' = rmsnorm(x) * norm_w when given;
     ``silu``: W is [2I, K] (gate | up), out[B, I] = silu(gate) * up; ``argmax_parts`` (val fp32, idx int32,
     each [B, >= cdiv(N, block_n)]): every block's max per row, for ``finish_rows``. B <= 16. ``mode``: the
@@ -168,9 +176,98 @@ def rows_gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, *, norm_w: to
         av.stride(0) if argmax_parts is not None else 0, T=b, T_PAD=DOT_ROWS if mode < 2 else triton.next_power_of_2(b),
         NORM=norm_w is not None, BIAS=bias is not None, RESIDUAL=residual is not None,
         ARGMAX=argmax_parts is not None, SILU=silu, MODE=mode,
-        BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, UPCAST=interpreting(), PDL=pdl, num_warps=num_warps,
-        **launch_opts(pdl))
+        BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, UPCAST=interpreting(), PDL=pdl,
+        PREFETCH=_prefetch(prefetch, block_k), num_warps=num_warps, **launch_opts(pdl))
     return out
+
+
+@triton.jit
+def _rows_qkv_rope_kernel(x_ptr, w_ptr, bias_ptr, q_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, slot_ptr, cos_ptr, sin_ptr,
+                          K, stride_x, stride_q, stride_slot, T: tl.constexpr, T_PAD: tl.constexpr,
+                          NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                          BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
+                          UPCAST: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr = 0):
+    # the QKV GEMV of every row (W @ x^T on tensor cores, as rows_gemv's mode 1) over paired rows d and
+    # d + D/2 of one head, so the epilogue ropes them (rounded as rope_cache_head) and writes q, and
+    # K/V into each row's slot at its position: rows_gemv + rope_rows in one launch
+    HALF: tl.constexpr = HEAD_DIM // 2
+    per_head: tl.constexpr = HALF // BLOCK_N
+    pid = tl.program_id(0)
+    head = pid // per_head
+    j = (pid % per_head) * BLOCK_N + tl.arange(0, BLOCK_N)  # index inside the first half
+    rows_a = head * HEAD_DIM + j
+    t = tl.arange(0, T_PAD)
+    tmask = t < T
+    if BIAS:  # a weight: loaded before waiting on the previous kernel
+        bias_a = tl.load(bias_ptr + rows_a).to(tl.float32)
+        bias_b = tl.load(bias_ptr + rows_a + HALF).to(tl.float32)
+    # positions and slots: written before the previous kernel ran (host, or the last step's finish)
+    pos = tl.load(pos_ptr + t, mask=tmask, other=0).to(tl.int64)
+    slot = tl.load(slot_ptr + t, mask=tmask, other=0).to(tl.int64)
+    if PREFETCH:  # the first weight tiles into L2 during the previous kernel's tail
+        prefetch_l2(w_ptr, rows_a, rows_a >= 0, K, PREFETCH, BLOCK_K, 0)
+        prefetch_l2(w_ptr, rows_a + HALF, rows_a >= 0, K, PREFETCH, BLOCK_K, 0)
+    if PDL:
+        gdc_wait()
+    acc_a = tl.zeros((BLOCK_N, T_PAD), dtype=tl.float32)
+    acc_b = tl.zeros((BLOCK_N, T_PAD), dtype=tl.float32)
+    for k in tl.range(0, K, BLOCK_K, num_stages=STAGES):
+        offs = k + tl.arange(0, BLOCK_K)
+        kmask = offs < K
+        x = tl.load(x_ptr + t[:, None] * stride_x + offs[None, :], mask=tmask[:, None] & kmask[None, :], other=0.0)
+        wa = tl.load(w_ptr + rows_a[:, None].to(tl.int64) * K + offs[None, :], mask=kmask[None, :], other=0.0,
+                     eviction_policy="evict_first")
+        wb = tl.load(w_ptr + (rows_a + HALF)[:, None].to(tl.int64) * K + offs[None, :], mask=kmask[None, :],
+                     other=0.0, eviction_policy="evict_first")
+        acc_a = _mma_t(wa, x, acc_a, UPCAST)
+        acc_b = _mma_t(wb, x, acc_b, UPCAST)
+    if PDL:
+        gdc_launch_dependents()
+    a = tl.trans(acc_a)  # [T_PAD, BLOCK_N]
+    b = tl.trans(acc_b)
+    if BIAS:
+        a += bias_a[None, :]
+        b += bias_b[None, :]
+    dt = q_ptr.dtype.element_ty
+    a = round_to_dtype(a, dt)
+    b = round_to_dtype(b, dt)
+    if head < NUM_Q_HEADS + NUM_KV_HEADS:  # q and k rotated (bf16 rope, rounded like eager torch); v as projected
+        cos = tl.load(cos_ptr + pos[:, None] * HALF + j[None, :], mask=tmask[:, None], other=0.0).to(tl.float32)
+        sin = tl.load(sin_ptr + pos[:, None] * HALF + j[None, :], mask=tmask[:, None], other=0.0).to(tl.float32)
+        a1 = rnd_bf16(rnd_bf16(a * cos) - rnd_bf16(b * sin))
+        b1 = rnd_bf16(rnd_bf16(b * cos) + rnd_bf16(a * sin))
+        a, b = a1, b1
+    row = slot * stride_slot + pos * (NUM_KV_HEADS * HEAD_DIM)  # [T_PAD]: each row's cache row in its slot
+    if head < NUM_Q_HEADS:
+        base = q_ptr + (t * stride_q + head * HEAD_DIM).to(tl.int64)
+    elif head < NUM_Q_HEADS + NUM_KV_HEADS:
+        base = k_cache_ptr + row + (head - NUM_Q_HEADS) * HEAD_DIM
+    else:
+        base = v_cache_ptr + row + (head - NUM_Q_HEADS - NUM_KV_HEADS) * HEAD_DIM
+    tl.store(base[:, None] + j[None, :], a.to(dt), mask=tmask[:, None])
+    tl.store(base[:, None] + HALF + j[None, :], b.to(dt), mask=tmask[:, None])
+
+
+def rows_qkv_rope(x: torch.Tensor, wqkv: torch.Tensor, q_out: torch.Tensor, k_cache: torch.Tensor,
+                  v_cache: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                  *, num_q_heads: int, num_kv_heads: int, head_dim: int, bias: torch.Tensor | None = None,
+                  block_n: int = 32, block_k: int = 64, num_warps: int = 4, stages: int = 4,
+                  pdl: bool = False, prefetch: int = 0) -> None:
+    """Per row b of x [B, K]: q/k/v = W x[b] (+ bias), q and k roped at pos[b]; q -> q_out[b], K/V into slot
+    slots[b] of the caches [slots, max_tokens, Hkv, D] at pos[b] (rows_gemv + rope_rows, one launch).
+    ``block_n`` rows of each half of a head per program: a divisor of head_dim / 2, >= 16."""
+    half = head_dim // 2
+    if half % block_n or block_n < 16:
+        raise ValueError(f"block_n {block_n} must divide head_dim / 2 = {half} and be >= 16")
+    num_heads = num_q_heads + 2 * num_kv_heads
+    if wqkv.shape[0] != num_heads * head_dim or x.shape[0] > DOT_ROWS:
+        raise ValueError(f"wqkv {tuple(wqkv.shape)} / {x.shape[0]} rows: expected (Hq + 2 Hkv) * D rows and <= 16")
+    _rows_qkv_rope_kernel[(num_heads * (half // block_n),)](
+        x, wqkv, bias if bias is not None else x, q_out, k_cache, v_cache, pos, slots, cos, sin, wqkv.shape[1],
+        x.stride(0), q_out.stride(0), k_cache.stride(0), T=x.shape[0], T_PAD=DOT_ROWS, NUM_Q_HEADS=num_q_heads,
+        NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k,
+        STAGES=stages, UPCAST=interpreting(), PDL=pdl, PREFETCH=_prefetch(prefetch, block_k), num_warps=num_warps,
+        **launch_opts(pdl))
 
 
 @triton.jit
@@ -232,6 +329,28 @@ def _finish_rows_kernel(amax_val_ptr, amax_idx_ptr, num_parts, stride_a, token_p
     tl.store(h_ptr + b * stride_h + hh, row, mask=hh < H)
 
 
+@triton.jit
+def _apply_rows_kernel(ctrl_ptr, token_ptr, pos_ptr, slot_ptr, step_idx_ptr, embed_ptr, h_ptr, stride_h, H,
+                       B: tl.constexpr, H_POW2: tl.constexpr, PDL: tl.constexpr):
+    # the step's first kernel: when the host armed ctrl (token, position, slot of every row, then a flag;
+    # set_rows), each row's device state and embedding from it, and the flag cleared, so that the
+    # further replays of an engine step continue on device; one program (it reads, then clears, the flag)
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+    if tl.load(ctrl_ptr + 3 * B) != 0:
+        hh = tl.arange(0, H_POW2)
+        for b in tl.static_range(B):
+            tok = tl.load(ctrl_ptr + b)
+            tl.store(token_ptr + b, tok)
+            tl.store(pos_ptr + b, tl.load(ctrl_ptr + B + b).to(tl.int32))
+            tl.store(slot_ptr + b, tl.load(ctrl_ptr + 2 * B + b).to(tl.int32))
+            tl.store(step_idx_ptr + b, tok * 0)
+            row = tl.load(embed_ptr + tok * H + hh, mask=hh < H)
+            tl.store(h_ptr + b * stride_h + hh, row, mask=hh < H)
+        tl.store(ctrl_ptr + 3 * B, tl.zeros((1,), tl.int64).sum(axis=0))
+
+
 class GqaBatchDecoder:
     """``batch`` rows decoding together; ``step()`` is capturable (no host sync, no allocation by us)."""
 
@@ -269,8 +388,18 @@ class GqaBatchDecoder:
         self.amax_idx = torch.zeros(b, self.num_parts, dtype=torch.int32, device=dev)
         self.attn = DecodeAttention(num_q_heads=hq, num_kv_heads=hkv, d_main=d, d_v=d, num_splits=self.opt.num_splits,
                                     block_s=self.opt.block_s, num_warps=self.opt.attn_warps, pdl=self.opt.pdl,
-                                    device=dev, max_batch=b)
+                                    device=dev, max_batch=b, one_launch=self.opt.attn_one_launch)
         self.samplers: list | None = None
+        # rope + K/V write in the QKV GEMV's epilogue (rows_qkv_rope): tensor-core mode and a qkv tile whose
+        # half (rows of each rope half per program) divides head_dim / 2; else rows_gemv + rope_rows
+        pair_n = self.opt.batch_tiles["qkv"][0] // 2
+        self.fused_rope = (self.opt.batch_fused_rope and self.opt.batch_mode == 1 and pair_n >= 16
+                           and (d // 2) % pair_n == 0)
+        # set_rows' host -> device write: tokens, positions, slots and an armed flag, one pinned buffer and one
+        # async copy; the step's first kernel applies them (once: it clears the flag)
+        self._ctrl = torch.zeros(3 * b + 1, dtype=torch.int64, device=dev)
+        self._ctrl_host = torch.zeros(3 * b + 1, dtype=torch.int64, pin_memory=dev.type == "cuda")
+        self._ctrl_copied = torch.cuda.Event() if dev.type == "cuda" else None
 
     def attach_samplers(self, buffers, **kwargs) -> None:
         """Sample in ``step(sample=True)``: row b by the sampling kernels over row ``slots[b]`` of
@@ -285,29 +414,48 @@ class GqaBatchDecoder:
 
     def set_rows(self, tokens: list[int], positions: list[int], slots: list[int]) -> None:
         """Host-side (re)start of every row: its next input token, position and slot; rows past the
-        lists decode token 0 at position 0 of the scratch slot."""
-        pad = self.batch - len(tokens)
-        ctrl = torch.tensor([list(tokens) + [0] * pad, list(positions) + [0] * pad,
-                             list(slots) + [self.scratch_slot] * pad], dtype=torch.int64)
-        ctrl = ctrl.to(self.token.device, non_blocking=True)
-        self.token.copy_(ctrl[0])
-        self.pos.copy_(ctrl[1])
-        self.slots.copy_(ctrl[2])
-        self.step_idx.zero_()
-        torch.index_select(self.model.embed, 0, self.token, out=self.residual)
+        lists decode token 0 at position 0 of the scratch slot. One pinned host buffer and one async copy
+        (the engine calls it before every batched step); the next ``step()`` applies it in its first kernel,
+        so the device tensors (token, pos, slots, step_idx, residual) change only then."""
+        pad, b = self.batch - len(tokens), self.batch
+        if self._ctrl_copied is not None:
+            self._ctrl_copied.synchronize()  # the previous write has left the pinned buffer
+        host = self._ctrl_host.numpy()
+        host[:b] = list(tokens) + [0] * pad
+        host[b : 2 * b] = list(positions) + [0] * pad
+        host[2 * b : 3 * b] = list(slots) + [self.scratch_slot] * pad
+        host[3 * b] = 1
+        self._ctrl.copy_(self._ctrl_host, non_blocking=True)
+        if self._ctrl_copied is not None:
+            self._ctrl_copied.record()
+
+    def _apply_rows(self) -> None:
+        h = self.model.hidden
+        _apply_rows_kernel[(1,)](self._ctrl, self.token, self.pos, self.slots, self.step_idx, self.model.embed,
+                                 self.residual, self.residual.stride(0), h, B=self.batch,
+                                 H_POW2=triton.next_power_of_2(h), PDL=self.opt.pdl, num_warps=4,
+                                 **launch_opts(self.opt.pdl))
 
     def tile_kwargs(self, name: str) -> dict:
         bn, bk, nw, st = self.opt.batch_tiles[name]
-        return dict(block_n=bn, block_k=bk, num_warps=nw, stages=st, pdl=self.opt.pdl, mode=self.opt.batch_mode)
+        return dict(block_n=bn, block_k=bk, num_warps=nw, stages=st, pdl=self.opt.pdl, mode=self.opt.batch_mode,
+                    prefetch=self.opt.prefetch_tiles if self.opt.pdl else 0)
 
     def layer(self, i: int) -> None:
         m, lw, eps = self.model, self.model.layers[i], self.model.eps
         hq, hkv, d = m.num_q_heads, m.num_kv_heads, m.head_dim
         kc, vc = self.k_caches[i], self.v_caches[i]
         rmsnorm_rows(self.residual, lw.attn_norm, self.xn, eps, pdl=self.opt.pdl)
-        rows_gemv(self.xn, lw.wqkv, self.qkv, bias=lw.bqkv, **self.tile_kwargs("qkv"))
-        rope_rows(self.qkv, self.query, kc, vc, self.pos, self.slots, self.cos, self.sin, num_q_heads=hq,
-                  num_kv_heads=hkv, head_dim=d, q_norm=lw.q_norm, k_norm=lw.k_norm, eps=eps, pdl=self.opt.pdl)
+        if self.fused_rope and lw.q_norm is None:
+            bn, bk, nw, st = self.opt.batch_tiles["qkv"]
+            rows_qkv_rope(self.xn, lw.wqkv, self.query, kc, vc, self.pos, self.slots, self.cos, self.sin,
+                          num_q_heads=hq, num_kv_heads=hkv, head_dim=d, bias=lw.bqkv, block_n=bn // 2, block_k=bk,
+                          num_warps=nw, stages=st, pdl=self.opt.pdl,
+                          prefetch=self.opt.prefetch_tiles if self.opt.pdl else 0)
+        else:
+            rows_gemv(self.xn, lw.wqkv, self.qkv, bias=lw.bqkv, **self.tile_kwargs("qkv"))
+            rope_rows(self.qkv, self.query, kc, vc, self.pos, self.slots, self.cos, self.sin, num_q_heads=hq,
+                      num_kv_heads=hkv, head_dim=d, q_norm=lw.q_norm, k_norm=lw.k_norm, eps=eps, pdl=self.opt.pdl)
         self.attn(self.query, kc, vc, self.pos, self.attn_out, stride_kt=hkv * d, stride_vt=hkv * d,
                   slot_ids=self.slots, stride_ks=kc.stride(0), stride_vs=vc.stride(0))
         rows_gemv(self.attn_out, lw.wo, self.residual, residual=self.residual, bias=lw.bo, **self.tile_kwargs("o"))
@@ -321,6 +469,7 @@ class GqaBatchDecoder:
         m = self.model
         if sample and self.samplers is None:
             raise ValueError("step(sample=True) needs attach_samplers first")
+        self._apply_rows()
         for i in range(len(m.layers)):
             self.layer(i)
         rmsnorm_rows(self.residual, m.final_norm, self.xn, m.eps, pdl=self.opt.pdl)

@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .kernel_helpers import load_first_pair_tile, rnd_bf16, round_to_dtype
+from .kernel_helpers import load_first_pair_tile, prefetch_l2, rnd_bf16, round_to_dtype
 
 try:  # programmatic dependent launch (sm_90): the next kernel starts its weight loads during our tail
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
@@ -71,7 +71,8 @@ def _load_x(x_ptr, nw_ptr, k, K, inv_rms, NORM: tl.constexpr, BLOCK_K: tl.conste
 def _gemv_kernel(x_ptr, w_ptr, out_ptr, res_ptr, nw_ptr, bias_ptr, amax_val_ptr, amax_idx_ptr, N, K, eps,
                  NORM: tl.constexpr, RESIDUAL: tl.constexpr, BIAS: tl.constexpr, ARGMAX: tl.constexpr,
                  K_POW2: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr):
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr,
+                 PREFETCH: tl.constexpr = 0):
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     rmask = rows < N
@@ -81,6 +82,8 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, res_ptr, nw_ptr, bias_ptr, amax_val_ptr,
                  other=0.0, eviction_policy="evict_first")
     if BIAS:  # a weight too: loaded now, not after the weight stream
         bias = tl.load(bias_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
+    if PREFETCH:
+        prefetch_l2(w_ptr, rows, rmask, K, PREFETCH, BLOCK_K)
     if PDL:  # weights are never written: only x and the outputs wait for the previous kernel
         gdc_wait()
     inv_rms = 1.0
@@ -162,10 +165,14 @@ def _gemv_pair_loop(x_ptr, nw_ptr, w_ptr, rows_a, rows_b, K, inv_rms, wa0, wb0,
 @triton.jit
 def _gemv_silu_kernel(x_ptr, w_ptr, out_ptr, nw_ptr, I, K, eps,
                       NORM: tl.constexpr, K_POW2: tl.constexpr,
-                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr):
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr,
+                      PREFETCH: tl.constexpr = 0):
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)  # I % BLOCK_N == 0
     wa0, wb0 = load_first_pair_tile(w_ptr, rows, rows + I, K, BLOCK_K)
+    if PREFETCH:
+        prefetch_l2(w_ptr, rows, rows < I, K, PREFETCH, BLOCK_K)
+        prefetch_l2(w_ptr, rows + I, rows < I, K, PREFETCH, BLOCK_K)
     if PDL:
         gdc_wait()
     inv_rms = 1.0
@@ -185,7 +192,8 @@ def _gemv_qkv_rope_kernel(x_ptr, w_ptr, nw_ptr, bias_ptr, q_ptr, k_cache_ptr, v_
                           cos_ptr, sin_ptr, K, eps,
                           NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                           NORM: tl.constexpr, BIAS: tl.constexpr, ROPE: tl.constexpr, K_POW2: tl.constexpr,
-                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr):
+                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr,
+                          POS_EARLY: tl.constexpr = False, PREFETCH: tl.constexpr = 0):
     HALF: tl.constexpr = HEAD_DIM // 2
     pid = tl.program_id(0)
     per_head: tl.constexpr = HALF // BLOCK_N
@@ -196,6 +204,14 @@ def _gemv_qkv_rope_kernel(x_ptr, w_ptr, nw_ptr, bias_ptr, q_ptr, k_cache_ptr, v_
     if BIAS:  # a weight: loaded with the first tile, not after the weight stream
         bias_a = tl.load(bias_ptr + rows_a).to(tl.float32)
         bias_b = tl.load(bias_ptr + rows_a + HALF).to(tl.float32)
+    if PREFETCH:
+        prefetch_l2(w_ptr, rows_a, rows_a >= 0, K, PREFETCH, BLOCK_K)
+        prefetch_l2(w_ptr, rows_a + HALF, rows_a >= 0, K, PREFETCH, BLOCK_K)
+    if POS_EARLY:  # the position (and its rope row) before the wait: no kernel between the step's finish and us
+        pos = tl.load(pos_ptr)
+        if ROPE:
+            cos = tl.load(cos_ptr + pos * HALF + j).to(tl.float32)
+            sin = tl.load(sin_ptr + pos * HALF + j).to(tl.float32)
     if PDL:
         gdc_wait()
     inv_rms = 1.0
@@ -211,7 +227,8 @@ def _gemv_qkv_rope_kernel(x_ptr, w_ptr, nw_ptr, bias_ptr, q_ptr, k_cache_ptr, v_
         b += bias_b
     a = round_to_dtype(a, dt)
     b = round_to_dtype(b, dt)
-    pos = tl.load(pos_ptr)
+    if not POS_EARLY:
+        pos = tl.load(pos_ptr)
     if head < NUM_Q_HEADS:
         base = q_ptr + head * HEAD_DIM
     elif head < NUM_Q_HEADS + NUM_KV_HEADS:
@@ -220,8 +237,9 @@ def _gemv_qkv_rope_kernel(x_ptr, w_ptr, nw_ptr, bias_ptr, q_ptr, k_cache_ptr, v_
         base = v_cache_ptr + pos.to(tl.int64) * (NUM_KV_HEADS * HEAD_DIM) + (head - NUM_Q_HEADS - NUM_KV_HEADS) * HEAD_DIM
     if ROPE:  # q and k heads rotated; v heads (and q/k without ROPE) stored as projected
         if head < NUM_Q_HEADS + NUM_KV_HEADS:
-            cos = tl.load(cos_ptr + pos * HALF + j).to(tl.float32)
-            sin = tl.load(sin_ptr + pos * HALF + j).to(tl.float32)
+            if not POS_EARLY:
+                cos = tl.load(cos_ptr + pos * HALF + j).to(tl.float32)
+                sin = tl.load(sin_ptr + pos * HALF + j).to(tl.float32)
             a1 = rnd_bf16(rnd_bf16(a * cos) - rnd_bf16(b * sin))  # bf16 rope, rounded like eager torch
             b1 = rnd_bf16(rnd_bf16(b * cos) + rnd_bf16(a * sin))
             a, b = a1, b1
@@ -236,7 +254,7 @@ def _pow2(n: int) -> int:
 def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, *, norm_w: torch.Tensor | None = None,
          eps: float = 1e-5, residual: torch.Tensor | None = None, bias: torch.Tensor | None = None,
          block_n: int = 16, block_k: int = 512, num_warps: int = 4, stages: int = 1, pdl: bool = False,
-         argmax_parts: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+         argmax_parts: tuple[torch.Tensor, torch.Tensor] | None = None, prefetch: int = 0) -> torch.Tensor:
     """out[N] = [residual +] round(W[N, K] @ [rmsnorm(x) * norm_w | x][K] [+ bias]); with argmax_parts (val
     fp32, idx int32, each >= cdiv(N, block_n)) also each block's max and its row, for ``greedy_finish``."""
     n, k = w.shape
@@ -245,13 +263,22 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, *, norm_w: torch.T
         x, w, out, residual if residual is not None else out, norm_w if norm_w is not None else x,
         bias if bias is not None else x, av, ai, n, k, eps, NORM=norm_w is not None, RESIDUAL=residual is not None,
         BIAS=bias is not None, ARGMAX=argmax_parts is not None, K_POW2=_pow2(k),
-        BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, PDL=pdl, num_warps=num_warps, **launch_opts(pdl))
+        BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, PDL=pdl, PREFETCH=_prefetch(prefetch, block_k),
+        num_warps=num_warps, **launch_opts(pdl))
     return out
+
+
+def _prefetch(tiles: int, block_k: int) -> int:
+    """Weight tiles to prefetch into L2 before the PDL wait (``prefetch``: 0, 1, 2 or 4): none when
+    interpreted or with tiles under one 128-byte line a row."""
+    if tiles not in (0, 1, 2, 4):
+        raise ValueError(f"prefetch takes 0, 1, 2 or 4 tiles, got {tiles}")
+    return 0 if interpreting() or block_k < 64 else tiles
 
 
 def gemv_silu(x: torch.Tensor, w_gate_up: torch.Tensor, out: torch.Tensor, *, norm_w: torch.Tensor | None = None,
               eps: float = 1e-5, block_n: int = 16, block_k: int = 512, num_warps: int = 4, stages: int = 1,
-              pdl: bool = False) -> torch.Tensor:
+              pdl: bool = False, prefetch: int = 0) -> torch.Tensor:
     """out[I] = silu(W[:I] @ x') * (W[I:] @ x'), x' = rmsnorm(x) * norm_w when norm_w is given."""
     two_i, k = w_gate_up.shape
     inter = two_i // 2
@@ -259,7 +286,8 @@ def gemv_silu(x: torch.Tensor, w_gate_up: torch.Tensor, out: torch.Tensor, *, no
         raise ValueError(f"intermediate size {inter} is not a multiple of block_n {block_n}")
     _gemv_silu_kernel[(inter // block_n,)](
         x, w_gate_up, out, norm_w if norm_w is not None else x, inter, k, eps,
-        NORM=norm_w is not None, K_POW2=_pow2(k), BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, PDL=pdl, num_warps=num_warps, **launch_opts(pdl))
+        NORM=norm_w is not None, K_POW2=_pow2(k), BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, PDL=pdl,
+        PREFETCH=_prefetch(prefetch, block_k), num_warps=num_warps, **launch_opts(pdl))
     return out
 
 
@@ -267,9 +295,12 @@ def gemv_qkv_rope(x: torch.Tensor, wqkv: torch.Tensor, norm_w: torch.Tensor | No
                   q_out: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: torch.Tensor,
                   cos: torch.Tensor, sin: torch.Tensor, *, num_q_heads: int, num_kv_heads: int, head_dim: int,
                   bias: torch.Tensor | None = None, rope: bool = True, block_n: int = 16, block_k: int = 512,
-                  num_warps: int = 4, stages: int = 1, pdl: bool = False) -> None:
+                  num_warps: int = 4, stages: int = 1, pdl: bool = False, pos_early: bool = False,
+                  prefetch: int = 0) -> None:
     """Fused norm + QKV projection (+ bias) + rope; q -> q_out[Hq*D], k/v -> caches [max_tokens, Hkv, D] at
-    pos[0]. ``rope=False``: q and k unrotated (the attention kernel normalises and rotates them)."""
+    pos[0]. ``rope=False``: q and k unrotated (the attention kernel normalises and rotates them).
+    ``pos_early``: read pos before waiting on the previous kernel (PDL), which must not be the one that
+    writes it (the step's first layer follows the finish kernel that advances pos: False there)."""
     half = head_dim // 2
     if half % block_n:
         raise ValueError(f"head_dim/2 = {half} is not a multiple of block_n {block_n}")
@@ -281,4 +312,4 @@ def gemv_qkv_rope(x: torch.Tensor, wqkv: torch.Tensor, norm_w: torch.Tensor | No
         x, wqkv, norm_w if norm_w is not None else x, bias if bias is not None else x, q_out, k_cache, v_cache,
         pos, cos, sin, wqkv.shape[1], eps, NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
         NORM=norm_w is not None, BIAS=bias is not None, ROPE=rope, K_POW2=_pow2(wqkv.shape[1]), BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, PDL=pdl,
-        num_warps=num_warps, **launch_opts(pdl))
+        POS_EARLY=pos_early, PREFETCH=_prefetch(prefetch, block_k), num_warps=num_warps, **launch_opts(pdl))

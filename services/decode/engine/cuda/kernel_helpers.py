@@ -31,3 +31,17 @@ def load_first_pair_tile(w_ptr, rows_a, rows_b, K, BLOCK_K: tl.constexpr):
     wb = tl.load(w_ptr + rows_b[:, None].to(tl.int64) * K + k0[None, :], mask=(k0 < K)[None, :], other=0.0,
                  eviction_policy="evict_first")
     return wa, wb
+
+
+@triton.jit
+def prefetch_l2(w_ptr, rows, rmask, K, TILES: tl.constexpr, BLOCK_K: tl.constexpr, FIRST: tl.constexpr = 1):
+    # a hint, no effect on results: weight tiles FIRST..FIRST+TILES-1 of these rows (tile 0 is loaded
+    # outright by the batch-1 GEMVs) into L2, one prefetch per 128-byte line, issued before the PDL wait
+    # so that the weight stream runs during the previous kernel's tail (needs BLOCK_K >= 64; compiled
+    # only, not interpreted)
+    LINE: tl.constexpr = 64  # bf16 elements per line
+    c = FIRST * BLOCK_K + tl.arange(0, TILES * BLOCK_K // LINE) * LINE
+    ptrs = w_ptr + rows[:, None].to(tl.int64) * K + c[None, :]
+    ptrs = tl.where(rmask[:, None] & (c < K)[None, :], ptrs, w_ptr)
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
+                              is_pure=False, pack=1)

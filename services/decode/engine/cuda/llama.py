@@ -8,10 +8,14 @@ can be captured in one CUDA graph and replayed with no host sync per token.
 
 Per layer, with every GEMV on Triton (``backends`` all "triton"), six launches:
   1. norm + QKV GEMV (+ bias) + rope + K/V cache write  (gemv_qkv_rope)
-  2-3. split-K attention over the slot's KV, merge      (DecodeAttention)
+  2-3. split-K attention over the slot's KV, merge      (DecodeAttention; one launch, the last split
+       merging, with ``FastOptions.attn_one_launch``)
   4. o_proj GEMV (+ bias) + residual add                (gemv, BIAS, RESIDUAL)
   5. norm + gate/up GEMV + SiLU-mul                     (gemv_silu)
   6. down GEMV + residual add                           (gemv, RESIDUAL)
+With PDL each kernel starts during its predecessor's tail and reads before its wait only what no
+kernel in flight writes: weights, and (the QKV GEMV from layer 1 on; the one-launch attention) the
+position, its rope row and the cache rows of earlier steps.
 then final norm + lm_head GEMV (fp32 logits) and on-device greedy argmax. A projection whose backend
 is "cublas" runs torch.matmul (torch.addmm with a bias) instead, with the small fused kernels of
 ``smallops`` around it.
@@ -105,6 +109,16 @@ class FastOptions:
     pdl: bool | None = None
     # where Qwen3's q/k RMSNorm + rope run next to a Triton QKV GEMV: "attention" (its prologue) | "kernel"
     qk_norm_in: str = "attention"
+    # one-token attention as one launch (K/V prefetched before the PDL wait, the last split merging);
+    # False: split kernel + merge kernel (the general path MLA and multi-token queries take). Off until an
+    # H200 run shows it faster: run F1 (bench/NOTES-gpu.md) timed it +0.2 ms a step with a serial merge
+    attn_one_launch: bool = False
+    # the batched step's rope + K/V write in its QKV GEMV's epilogue (rows_qkv_rope); False: rope_rows after
+    batch_fused_rope: bool = True
+    # weight tiles each GEMV program (batch-1: after its first, loaded outright; batched: from the first)
+    # prefetches into L2 before its PDL wait (0, 1, 2 or 4; a hint: results unchanged; only with PDL).
+    # Off: 2 tiles cost +0.12 ms a batch-1 step on the H200 (run F1)
+    prefetch_tiles: int = 0
 
 
 class GqaDecoder:
@@ -143,7 +157,8 @@ class GqaDecoder:
         self.amax_idx = torch.zeros(self.num_parts, dtype=torch.int32, device=dev)
         self.attn = DecodeAttention(num_q_heads=hq, num_kv_heads=hkv, d_main=d, d_v=d,
                                     num_splits=self.opt.num_splits, block_s=self.opt.block_s,
-                                    num_warps=self.opt.attn_warps, pdl=self.opt.pdl, device=dev)
+                                    num_warps=self.opt.attn_warps, pdl=self.opt.pdl, device=dev,
+                                    one_launch=self.opt.attn_one_launch)
         self.sampler = None  # sampling.FastSampler over the slot's sampling row (attach_sampler)
 
     def attach_sampler(self, state, **kwargs) -> None:
@@ -166,7 +181,8 @@ class GqaDecoder:
     def tile_kwargs(self, name: str) -> dict:
         """Launch kwargs of projection `name`: its (block_n, block_k, num_warps, stages) tile and PDL."""
         bn, bk, nw, st = self.opt.tiles[name]
-        return dict(block_n=bn, block_k=bk, num_warps=nw, stages=st, pdl=self.opt.pdl)
+        return dict(block_n=bn, block_k=bk, num_warps=nw, stages=st, pdl=self.opt.pdl,
+                    prefetch=self.opt.prefetch_tiles if self.opt.pdl else 0)
 
     def _cublas(self, name: str) -> bool:
         return self.opt.backends.get(name, "triton") == "cublas"
@@ -198,7 +214,7 @@ class GqaDecoder:
         else:  # q/k norm (Qwen3): q and K as projected, normalised + rotated by the attention kernel
             gemv.gemv_qkv_rope(self.residual, lw.wqkv, lw.attn_norm, eps, self.query, kc, vc, self.pos,
                                self.cos, self.sin, **heads, bias=lw.bqkv, rope=lw.q_norm is None,
-                               **self.tile_kwargs("qkv"))
+                               pos_early=i > 0, **self.tile_kwargs("qkv"))
             if lw.q_norm is not None:
                 return (lw.q_norm, lw.k_norm, eps, self.cos, self.sin)
         return None
