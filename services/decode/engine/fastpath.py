@@ -168,6 +168,7 @@ class FastPath:
         # on a slot's first such request); a batched step holding such a slot takes the reference step
         self.extras_ok = self.sample_ok
         self._host_masks: dict[int, torch.Tensor] = {}  # slot -> its grammar bitmask on the host (pinned)
+        self._batch_lp: dict[int, tuple] = {}  # padded size -> (lp_val, lp_ids, pad) of its rows' logprobs
         self.draft_vocab = draft_vocab
         self.tokens_per_step = tokens_per_step
         self.max_steps = max(max_steps, tokens_per_step, 4 * (self.num_spec + 1))  # out_tokens rows; re-armed when full
@@ -322,15 +323,27 @@ class FastPath:
         key = extras_key(mask, logprobs)
         if key not in runners:
             from .cuda.graph import GraphedFn
+            from .cuda.sampling import LP_CHUNK, logprobs_rows
+            from .cuda.sampling_state import MAX_LOGPROBS
+
+            if logprobs and size not in self._batch_lp:  # every row's logprobs at once, after the step
+                b, v = dec.logits.shape
+                k, steps, dev = min(MAX_LOGPROBS, v), dec.out_tokens.shape[1], dec.logits.device
+                self._batch_lp[size] = (torch.zeros(b, steps, 1 + k, dtype=torch.float32, device=dev),
+                                        torch.zeros(b, steps, 1 + k, dtype=torch.int64, device=dev),
+                                        torch.full((b, -(-v // LP_CHUNK) * LP_CHUNK), float("-inf"), device=dev))
+            lp_bufs = self._batch_lp.get(size)
 
             def fn():
                 for smp in dec.samplers:
-                    smp.mask_on, smp.logprobs_on = mask, logprobs
+                    smp.mask_on = mask
                 try:
                     dec.step(sample=True)
                 finally:
                     for smp in dec.samplers:
-                        smp.mask_on = smp.logprobs_on = False
+                        smp.mask_on = False
+                if logprobs:
+                    logprobs_rows(dec.logits, dec.token, dec.step_idx, *lp_bufs)
 
             runner = GraphedFn(fn, self.device.type == "cuda", warmup_calls=1, device=self.device,
                                before_capture=lambda: dec.set_rows([], [], []))
@@ -367,10 +380,11 @@ class FastPath:
             if lps:
                 from . import logprobs as lpmod
 
+                lp_val, lp_ids = self._batch_lp[padded_batch(len(items))][:2]
                 for r, (_, s) in enumerate(items):
                     if s.num_logprobs is not None:
-                        smp, m = dec.samplers[r], s.num_logprobs
-                        val, ids = smp.lp_val[:n].tolist(), smp.lp_ids[:n].tolist()
+                        m = s.num_logprobs
+                        val, ids = lp_val[r, :n].tolist(), lp_ids[r, :n].tolist()
                         s.extra["fast_logprobs"] = lpmod.to_wire([v[0] for v in val], [i[0] for i in ids],
                                                                  [v[1 : 1 + m] for v in val],
                                                                  [i[1 : 1 + m] for i in ids])

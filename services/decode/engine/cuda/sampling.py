@@ -36,8 +36,10 @@ engine keeps such graphs per slot for requests that ask for them): before step 1
 (``gmask``, written by the host before the replay) sets every forbidden logit to -inf (one launch,
 a no-op for an all-ones mask); after step 6, torch ops on the same logits (capturable):
 log_softmax, the sampled token's logprob and rank (tokens with logprob >= its own, as vLLM counts),
-the top MAX_LOGPROBS ids and logprobs, into ``lp_val`` / ``lp_ids`` at row ``step_idx - 1`` (the
-row ``out_tokens`` got): vLLM's raw logprobs (after the grammar's mask, before every processor).
+the top MAX_LOGPROBS ids and logprobs (``logprobs_rows``: in two stages over chunks of the
+vocabulary), into ``lp_val`` / ``lp_ids`` at row ``step_idx - 1`` (the row ``out_tokens`` got):
+vLLM's raw logprobs (after the grammar's mask, before every processor). A batched decoder computes
+them for all its rows at once after its step (fastpath.py).
 """
 
 from __future__ import annotations
@@ -530,6 +532,39 @@ def _grammar_mask_kernel(logits_ptr, gmask_ptr, row_ptr, V, W, BLOCK: tl.constex
     tl.store(logits_ptr + offs, tl.where(bit != 0, logits, float("-inf")), mask=ok)
 
 
+LP_CHUNK = 512  # logprobs_rows: the vocabulary in chunks of this many ids, reduced in two stages
+
+
+def logprobs_rows(logits: torch.Tensor, token: torch.Tensor, step_idx: torch.Tensor, lp_val: torch.Tensor,
+                  lp_ids: torch.Tensor, pad: torch.Tensor) -> None:
+    """Rows of float32 logits [B, V] and their sampled tokens [B]: each row's logprob, rank (tokens with
+    logprob >= its own) and top K = lp_val.shape[-1] - 1 into ``lp_val`` / ``lp_ids`` [B, S, 1 + K] at
+    row ``step_idx[b] - 1``. Capturable (static shapes, no host sync). Two stages over chunks of
+    LP_CHUNK ids (``pad`` [B, C * LP_CHUNK] float32, -inf past V: its own buffer), so no reduction or
+    top-k runs over a whole 128K row in one block: the log-sum-exp from per-chunk maxima and sums, the
+    top K of each chunk then of the B x C x K survivors."""
+    b, v = logits.shape
+    k = lp_val.shape[-1] - 1
+    pad[:, :v].copy_(logits)
+    x = pad.view(b, -1, LP_CHUNK)  # [B, C, L]
+    m = x.amax(dim=-1).amax(dim=-1)  # [B]
+    z = torch.exp(x - m[:, None, None]).sum(dim=-1).sum(dim=-1)
+    lp = x - (m + torch.log(z))[:, None, None]  # [B, C, L]
+    flat = lp.view(b, -1)
+    tok_lp = flat.gather(1, token.view(b, 1).long())  # [B, 1]
+    rank = (lp >= tok_lp[:, :, None]).sum(dim=-1).sum(dim=-1, keepdim=True)  # [B, 1], padding counted
+    rank = rank - (pad.shape[1] - v) * (tok_lp == float("-inf")).long()  # ... only by a -inf token: not it
+    kk = min(k, LP_CHUNK)
+    v1, i1 = lp.topk(kk, dim=-1)  # [B, C, kk]
+    i1 = i1 + (torch.arange(x.shape[1], device=x.device) * LP_CHUNK)[None, :, None]
+    v2, j = v1.view(b, -1).topk(k, dim=-1)  # [B, K]
+    ids = i1.view(b, -1).gather(1, j)
+    at = (step_idx.view(b).long() - 1).clamp(min=0)
+    rows = torch.arange(b, device=x.device)
+    lp_val.index_put_((rows, at), torch.cat([tok_lp, v2], dim=1))
+    lp_ids.index_put_((rows, at), torch.cat([rank, ids], dim=1))
+
+
 class FastSampler:
     """The sampling tail of one batch-1 decoder: its scratch buffers and launches (module docstring).
 
@@ -580,15 +615,12 @@ class FastSampler:
     def logprobs(self, logits: torch.Tensor, token: torch.Tensor, step_idx: torch.Tensor, num_rows: int) -> None:
         """The sampled token's logprob and rank and the top MAX_LOGPROBS into row step_idx - 1 (capturable)."""
         if self.lp_val is None or self.lp_val.shape[0] != num_rows:
-            self.lp_val = torch.zeros(num_rows, 1 + S.MAX_LOGPROBS, dtype=torch.float32, device=logits.device)
-            self.lp_ids = torch.zeros(num_rows, 1 + S.MAX_LOGPROBS, dtype=torch.int64, device=logits.device)
-        lp = torch.log_softmax(logits.view(1, -1), dim=-1, dtype=torch.float32)
-        tok_lp = lp.gather(1, token.view(1, 1).long())
-        rank = (lp >= tok_lp).sum(dim=-1, keepdim=True)
-        top_lp, top_ids = torch.topk(lp, min(S.MAX_LOGPROBS, self.vocab), dim=-1)
-        at = (step_idx.view(1).long() - 1).clamp(min=0)
-        self.lp_val.index_copy_(0, at, torch.cat([tok_lp, top_lp], dim=1))
-        self.lp_ids.index_copy_(0, at, torch.cat([rank, top_ids], dim=1))
+            k = min(S.MAX_LOGPROBS, self.vocab)
+            self.lp_val = torch.zeros(num_rows, 1 + k, dtype=torch.float32, device=logits.device)
+            self.lp_ids = torch.zeros(num_rows, 1 + k, dtype=torch.int64, device=logits.device)
+            self.lp_pad = torch.full((1, triton.cdiv(self.vocab, LP_CHUNK) * LP_CHUNK), float("-inf"),
+                                     dtype=torch.float32, device=logits.device)
+        logprobs_rows(logits.view(1, -1), token, step_idx, self.lp_val[None], self.lp_ids[None], self.lp_pad)
 
     @property
     def mode(self) -> int:
