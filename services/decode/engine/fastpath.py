@@ -151,6 +151,20 @@ def request_reason(greedy: bool, num_spec: int, spec_ok: bool = False, sample_ok
     return None
 
 
+def _captured_or_eager(runner, fn, what: str, rearm):
+    """``runner`` with its graph captured, or (capture failed: logged) ``fn`` run eagerly, after ``rearm``
+    restores the state the failed warm-up advanced; the step goes on either way."""
+    try:
+        runner.capture()
+        return runner
+    except Exception as e:  # noqa: BLE001 - slower, not wrong
+        from .cuda.graph import GraphedFn
+
+        log.warning("CUDA graph capture of the %s failed, running it eagerly: %s: %s", what, type(e).__name__, e)
+        rearm()
+        return GraphedFn(fn, False)
+
+
 class FastPath:
     """Per-slot fast decoders over one engine model, built on first use and kept for the slot."""
 
@@ -197,7 +211,11 @@ class FastPath:
                 fn = dec.step if not self.mla else (dec.plain_step if k == 0 else (lambda: dec.spec_step(k)))
             runner = GraphedFn(fn, self.device.type == "cuda", warmup_calls=1, device=self.device,
                                before_capture=lambda: self._arm(dec, token, pos, prev_hidden))
-            runner.capture()
+            if isinstance(k, tuple):  # captured mid-request: a failure must not fail the request
+                runner = _captured_or_eager(runner, fn, f"slot extras graph {k[1:]}",
+                                            lambda: self._arm(dec, token, pos, prev_hidden))
+            else:
+                runner.capture()
             runners[k] = runner
         return runners[k]
 
@@ -347,8 +365,8 @@ class FastPath:
 
             runner = GraphedFn(fn, self.device.type == "cuda", warmup_calls=1, device=self.device,
                                before_capture=lambda: dec.set_rows([], [], []))
-            runner.capture()
-            runners[key] = runner
+            runners[key] = _captured_or_eager(runner, fn, f"batch {size} extras graph {key[1:]}",
+                                              lambda: dec.set_rows([], [], []))
         return runners[key]
 
     def step_batch(self, items: list[tuple[int, SlotState]], max_seq_len: int) -> list[tuple[list[int], str | None]]:

@@ -50,3 +50,17 @@ def test_unknown_fast_path_mode_is_refused(hf_checkpoint):
     path, _ = hf_checkpoint("llama")
     with pytest.raises(ValueError, match="fast_path must be one of auto, on, off"):
         Engine.load(path, num_slots=1, max_seq_len=32, fast_path="fast")
+
+
+def test_a_graph_captured_mid_request_falls_back_to_eager_when_capture_fails():
+    from services.decode.engine.fastpath import _captured_or_eager
+
+    class Broken:
+        def capture(self):
+            raise RuntimeError("operation not permitted when stream is capturing")
+
+    calls, rearmed = [], []
+    runner = _captured_or_eager(Broken(), lambda: calls.append(1), "test graph", lambda: rearmed.append(1))
+    runner()
+    runner()
+    assert calls == [1, 1] and rearmed == [1]
