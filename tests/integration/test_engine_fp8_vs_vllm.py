@@ -9,8 +9,12 @@ both pick the same tokens (with weight-only FP8 the Llama run parted from vLLM's
 What vLLM 0.32's CPU build cannot load, and so is tested on the engine side only against its
 dequantized reference (tests/unit/engine/test_fp8.py): the fp8 block format ("Failed to find a
 kernel that can implement the ScaledMM linear layer ... CPUFp8BlockScaledMMKernel requires AMX tile
-support (Sapphire Rapids or newer)") and FP8 routed experts ("Unsupported FP8 MoE backend: NONE");
-the DeepSeek-V3 checkpoint here therefore keeps its routed experts in float32 (``ignore``).
+support (Sapphire Rapids or newer)"), FP8 routed experts ("Unsupported FP8 MoE backend: NONE"),
+per-tensor scales (its requantize_with_max_scale calls "_C::static_scaled_fp8_quant() expected at
+most 0 argument(s) but received 4": the op is missing from the CPU build) and weight-only FP8 without
+input activations (init_wfp8_a16_linear_kernel: "Failed to find a kernel that can implement the
+ScaledMM linear layer"); the DeepSeek-V3 checkpoint here therefore keeps its routed experts in
+float32 (``ignore``).
 """
 
 from __future__ import annotations
