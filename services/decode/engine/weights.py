@@ -119,33 +119,37 @@ def _linear(cfg: ModelConfig, r, name: str) -> Linear:
     return (w, _scale(cfg, r, name, w)) if is_fp8(w) else (w, None)
 
 
-def _dense(cfg: ModelConfig, r, name: str) -> torch.Tensor:
-    """A weight the engine keeps unquantized: dequantized to float32 when the checkpoint has it in FP8."""
-    w, s = _linear(cfg, r, name)
-    return w if s is None else dequantize(w, s, cfg.quant.block if s.dim() == w.dim() else None)
-
-
 def _plain(cfg: ModelConfig, part: Linear) -> torch.Tensor:
+    """The weight of ``part`` unquantized: dequantized to float32 when it is FP8."""
     w, s = part
     return w if s is None else dequantize(w, s, cfg.quant.block if s.dim() == w.dim() else None)
 
 
-def _fuse(cfg: ModelConfig, out: str, parts: list[Linear], dim: int = 0, stack: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+def _dense(cfg: ModelConfig, r, name: str) -> torch.Tensor:
+    """A weight the engine keeps unquantized (kv_b, the router, embeddings)."""
+    return _plain(cfg, _linear(cfg, r, name))
+
+
+def _fuse(cfg: ModelConfig, out: str, parts: list[Linear], dim: int = 0,
+          stack: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """Engine weight ``out`` from parts concatenated (or stacked) on ``dim``, with its scale when
-    every part is FP8 and their scales fuse; otherwise the parts dequantized."""
-    join = torch.stack if stack else torch.cat
-    quantized = [s is not None for _, s in parts]
-    if all(quantized):
-        blocked = parts[0][1].dim() == parts[0][0].dim()
-        aligned = stack or not blocked or all(w.shape[dim] % cfg.quant.block[0] == 0 for w, _ in parts[:-1])
-        if aligned:
-            yield out, join([w for w, _ in parts], dim=dim)
-            yield out + SCALE_SUFFIX, join([s for _, s in parts], dim=dim)
-            return
-    if len(parts) == 1 and not any(quantized):
-        yield out, parts[0][0]
+    every part is FP8 and their scales fuse; otherwise the parts dequantized. One part is passed
+    through as read (no copy: ties by identity survive)."""
+    if len(parts) == 1 and not stack:
+        w, s = parts[0]
+        yield out, w
+        if s is not None:
+            yield out + SCALE_SUFFIX, s
         return
-    yield out, join([_plain(cfg, p) for p in parts], dim=dim) if any(quantized) else join([w for w, _ in parts], dim=dim)
+    join = torch.stack if stack else torch.cat
+    scales = [s for _, s in parts]
+    if all(s is not None for s in scales):
+        blocked = scales[0].dim() == parts[0][0].dim()
+        if stack or not blocked or all(w.shape[dim] % cfg.quant.block[0] == 0 for w, _ in parts[:-1]):
+            yield out, join([w for w, _ in parts], dim=dim)
+            yield out + SCALE_SUFFIX, join(scales, dim=dim)
+            return
+    yield out, join([_plain(cfg, p) for p in parts], dim=dim)
 
 
 def _mlp(cfg: ModelConfig, r, prefix: str, out: str) -> Iterator[tuple[str, torch.Tensor]]:
@@ -251,7 +255,8 @@ def hf_to_engine(cfg: ModelConfig, r: CheckpointReader | DictReader) -> Iterator
 PROGRESS_MIN_BYTES = 1 << 30  # checkpoints from this size show a loading progress bar
 
 
-def iter_engine_params(model_dir: str | Path, cfg: ModelConfig, progress: bool | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_engine_params(model_dir: str | Path, cfg: ModelConfig,
+                       progress: bool | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) of either checkpoint kind, names in the engine's vocabulary; ``progress``
     (default: checkpoints of PROGRESS_MIN_BYTES and more) shows a bar of the bytes read on stderr."""
     r = CheckpointReader(model_dir)
