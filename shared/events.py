@@ -21,6 +21,8 @@ import msgspec
 #    kv_checksum_algo, checksum_ms (opt-in KV integrity, shared.kvchecksum).
 #    SamplingParams.logprobs, .structured (StructuredOutput); TokensGenerated.logprobs
 #    (TokenLogprobs): logprobs and grammars on the express lane.
+#    StructuredOutput kind "structural_tag" (.structural_tag: the tag's JSON text as vLLM hands it
+#    to xgrammar): tool_choice required/named under vLLM's strict tool calling.
 PROTOCOL_VERSION = 1
 
 
@@ -51,16 +53,20 @@ class StructuredOutput(msgspec.Struct, kw_only=True):
     ``kind`` says which one field holds the grammar: ``json`` (``json_schema``: the schema as JSON
     text; also tool_choice required/named, whose schema the router derives as vLLM does),
     ``json_object`` (any JSON object), ``regex``, ``choice`` (``choices``: one of these strings),
-    ``grammar`` (EBNF, as vLLM passes it to xgrammar). ``any_whitespace`` is vLLM's
+    ``grammar`` (EBNF, as vLLM passes it to xgrammar), ``structural_tag`` (``structural_tag``: the
+    tag's JSON text exactly as vLLM hands it to xgrammar, legacy ``structures``/``triggers`` form or
+    the ``format`` form; vLLM's tool parsers build one for tool_choice required/named under
+    ``VLLM_ENFORCE_STRICT_TOOL_CALLING``, its default). ``any_whitespace`` is vLLM's
     ``not disable_any_whitespace``. The matcher first accepts ``SamplingParams.output_token_ids``
     then ``DecodeStart.first_token_id`` (the prefill sampled it under the same grammar).
     """
 
-    kind: Literal["json", "json_object", "regex", "choice", "grammar"]
+    kind: Literal["json", "json_object", "regex", "choice", "grammar", "structural_tag"]
     json_schema: str = ""
     regex: str = ""
     choices: list[str] = []
     grammar: str = ""
+    structural_tag: str = ""
     any_whitespace: bool = True
 
 

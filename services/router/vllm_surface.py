@@ -12,9 +12,10 @@ Contract:
   model (``ChatCompletionRequest``/``CompletionRequest``, validated by vLLM: ``ValueError`` when
   vLLM would refuse it, so the caller sends it where vLLM answers with its own 400), the tool
   parser's ``adjust_request`` applied as vLLM's renderer applies it (tool_choice required/named ->
-  a JSON schema), and the decode node's ``StructuredOutput`` and ``logprobs`` derived from vLLM's
-  ``StructuredOutputsParams``/``SamplingParams``. ``Prepared.blocker`` names what the express
-  lane cannot honour (structural tags, whitespace patterns, a grammar during reasoning).
+  a JSON schema, or under vLLM's default strict tool calling an xgrammar structural tag, passed
+  through as its JSON text), and the decode node's ``StructuredOutput`` and ``logprobs`` derived
+  from vLLM's ``StructuredOutputsParams``/``SamplingParams``. ``Prepared.blocker`` names what the
+  express lane cannot honour (whitespace patterns, a grammar during reasoning).
 - ``Surface.render(prepared, ...)``: an async iterator of SSE strings (stream) or the response
   body (not streamed), from vLLM's own ``chat_completion_stream_generator`` /
   ``chat_completion_full_generator`` (completions alike), fed with ``RequestOutput``s built from
@@ -81,8 +82,6 @@ def structured_output(params: Any) -> tuple[StructuredOutput | None, str]:
     """vLLM's ``StructuredOutputsParams`` -> the wire's ``StructuredOutput`` (or a blocker)."""
     if params is None:
         return None, ""
-    if params.structural_tag is not None:
-        return None, "structured output (structural_tag)"
     if params.whitespace_pattern is not None or params.disable_additional_properties:
         return None, "structured output (whitespace_pattern/disable_additional_properties)"
     ws = not params.disable_any_whitespace
@@ -97,6 +96,8 @@ def structured_output(params: Any) -> tuple[StructuredOutput | None, str]:
         return StructuredOutput(kind="choice", choices=list(params.choice), any_whitespace=ws), ""
     if params.grammar is not None:
         return StructuredOutput(kind="grammar", grammar=params.grammar, any_whitespace=ws), ""
+    if params.structural_tag is not None:  # the JSON text vLLM's xgrammar backend compiles
+        return StructuredOutput(kind="structural_tag", structural_tag=params.structural_tag, any_whitespace=ws), ""
     return None, ""
 
 

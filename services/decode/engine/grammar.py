@@ -7,7 +7,9 @@
   (any_whitespace, separators ``(",", ":")`` without any whitespace, as vLLM), ``json_object`` ->
   the schema ``{"type": "object"}``, ``regex`` -> compile_regex, ``choice`` -> vLLM's
   ``choice_as_grammar`` EBNF, ``grammar`` -> compile_lark when the text looks like Lark, else
-  compile_grammar (EBNF). Raises ``GrammarError`` saying what is wrong (a regex also after
+  compile_grammar (EBNF), ``structural_tag`` -> compile_structural_tag, the legacy form
+  (``structures`` + ``triggers``) as ``StructuralTagItem``s, else the JSON text itself, as vLLM
+  0.32 does (its tool parsers' tag for tool_choice required/named). Raises ``GrammarError`` saying what is wrong (a regex also after
   ``COMPILE_TIMEOUT_S``, vLLM's regex compilation timeout).
 - ``matcher(compiled, stop_token_ids, max_rollback)``: a ``GrammarMatcher`` with vLLM's
   ``override_stop_tokens`` (the request's stop ids and the model's EOS ids); rollback for drafts
@@ -67,7 +69,8 @@ def grammar_is_likely_lark(grammar_str: str) -> bool:
 
 
 def cache_key(spec: StructuredOutput) -> tuple:
-    return (spec.kind, spec.json_schema, spec.regex, tuple(spec.choices), spec.grammar, spec.any_whitespace)
+    return (spec.kind, spec.json_schema, spec.regex, tuple(spec.choices), spec.grammar, spec.structural_tag,
+            spec.any_whitespace)
 
 
 class Grammars:
@@ -122,7 +125,24 @@ class Grammars:
             if grammar_is_likely_lark(spec.grammar):
                 return c.compile_lark(spec.grammar)
             return c.compile_grammar(spec.grammar)
+        if spec.kind == "structural_tag":
+            return self._compile_structural_tag(c, spec.structural_tag)
         raise GrammarError(f"unknown structured output kind {spec.kind!r}")
+
+    @staticmethod
+    def _compile_structural_tag(c, text: str):
+        """vLLM 0.32's XgrammarBackend.compile_grammar for STRUCTURAL_TAG, branch for branch."""
+        import xgrammar as xgr
+
+        try:
+            s_tag = json.loads(text)
+        except ValueError as e:
+            raise GrammarError(f"structural_tag is not valid JSON: {e}") from None
+        if isinstance(s_tag, dict) and "structures" in s_tag:  # vLLM's fallback to the deprecated form
+            tags = [xgr.StructuralTagItem(begin=s["begin"], schema=json.dumps(s["schema"]), end=s["end"])
+                    for s in s_tag["structures"]]
+            return c.compile_structural_tag(tags, s_tag["triggers"])
+        return c.compile_structural_tag(text)
 
     def compile(self, spec: StructuredOutput):
         """The compiled grammar (xgrammar's cache answers a grammar seen before at once); a regex

@@ -151,10 +151,24 @@ def test_logprobs_rendered_as_vllm_renders_them(surface, info):
     assert all(len(c["top_logprobs"]) == 1 and c["top_logprobs"][0]["logprob"] == -0.5 for c in content)
 
 
-def test_required_and_named_tool_choice_become_vllms_json_schema_without_strict_tags(tmp_path, info):
+@pytest.mark.parametrize("choice, one_call", [
+    ("required", False), ({"type": "function", "function": {"name": "get_weather"}}, True)])
+def test_required_and_named_tool_choice_carry_vllms_structural_tag(surface, info, choice, one_call):
     """vLLM 0.32's hermes parser constrains tool_choice required/named with an xgrammar structural
-    tag (the standard lane serves them); with VLLM_ENFORCE_STRICT_TOOL_CALLING=0 on the prefill and
-    the router, vLLM derives a JSON schema instead and the express lane takes them."""
+    tag (its default, strict tool calling): the decode node gets the tag's JSON text as vLLM hands
+    it to xgrammar, and the express lane takes the request."""
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "tools": TOOLS, "tool_choice": choice}
+    prepared = surface.prepare("chat", body, info)
+    assert (prepared.structured.kind, prepared.blocker) == ("structural_tag", "")
+    assert prepared.structured.structural_tag == prepared.request.structured_outputs.structural_tag
+    fmt = json.loads(prepared.structured.structural_tag)["format"]
+    assert fmt["type"] == "tags_with_separator" and fmt["stop_after_first"] is one_call
+    assert all(t["begin"].startswith('<tool_call>') and '"get_weather"' in t["begin"] for t in fmt["tags"])
+
+
+def test_required_and_named_tool_choice_become_vllms_json_schema_without_strict_tags(tmp_path, info):
+    """With VLLM_ENFORCE_STRICT_TOOL_CALLING=0 on the prefill and the router, vLLM derives a JSON
+    schema for tool_choice required/named instead of a structural tag; the express lane takes both."""
     import os
     import subprocess
     import sys
