@@ -9,8 +9,9 @@
   ``choice_as_grammar`` EBNF, ``grammar`` -> compile_lark when the text looks like Lark, else
   compile_grammar (EBNF), ``structural_tag`` -> compile_structural_tag, the legacy form
   (``structures`` + ``triggers``) as ``StructuralTagItem``s, else the JSON text itself, as vLLM
-  0.32 does (its tool parsers' tag for tool_choice required/named). Raises ``GrammarError`` saying what is wrong (a regex also after
-  ``COMPILE_TIMEOUT_S``, vLLM's regex compilation timeout).
+  0.32 does (its tool parsers' tag for tool_choice required/named). Raises ``GrammarError``
+  saying what is wrong (a regex also after ``COMPILE_TIMEOUT_S``, vLLM's regex compilation
+  timeout).
 - ``matcher(compiled, stop_token_ids, max_rollback)``: a ``GrammarMatcher`` with vLLM's
   ``override_stop_tokens`` (the request's stop ids and the model's EOS ids); rollback for drafts
   is unlimited in xgrammar 0.2.8.
