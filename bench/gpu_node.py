@@ -359,6 +359,7 @@ class StandIn:
         ops = write_ops(pool.spec, pool.slot_addr(0), target.layout, target.slot.base_addr, num_tokens)
         nbytes = sum(o[2] for o in ops)
         transport = self.worker.transports[target.transport]
+        handoff_write = dict(getattr(transport, "last_write", {}))  # the handoff's write proper
         times, prep = [], []
         with self.lock:
             for _ in range(repeats + 1):
@@ -388,8 +389,55 @@ class StandIn:
                 prep.append((t1 - t0) * 1e3)
         times, prep = times[1:], prep[1:]
         ms = statistics.median(times)
-        return {"num_tokens": num_tokens, "nbytes": nbytes, "num_ops": len(ops), "raw_ms": ms, "raw_ms_all": times,
-                "prepare_ms": statistics.median(prep), "gbps": nbytes / ms / 1e6}
+        out = {"num_tokens": num_tokens, "nbytes": nbytes, "num_ops": len(ops), "raw_ms": ms, "raw_ms_all": times,
+               "prepare_ms": statistics.median(prep), "gbps": nbytes / ms / 1e6}
+        if target.transport == "nixl":
+            out.update(self._product_write(transport, target, ops, repeats))
+            out.update({f"handoff_write_{k}": v for k, v in handoff_write.items()})
+        return out
+
+    def _product_write(self, transport, target, ops, repeats: int) -> dict:
+        """The product's ``transport.write`` for the same ops, timed whole: on this thread with its
+        kept handle (as a repeated handoff), without it (each write prepares and releases its
+        request), and on a fresh thread (as a sender thread that never made its GPU current)."""
+        def timed(n: int, drop: bool) -> list[float]:
+            ts = []
+            for _ in range(n):
+                if drop:
+                    with transport._lock:
+                        transport._drop_xfers(target.endpoint)
+                t0 = time.perf_counter()
+                transport.write(target.endpoint, ops, target.nixl_metadata_b64, timeout_s=30)
+                ts.append((time.perf_counter() - t0) * 1e3)
+            return ts
+
+        out: dict = {}
+        with self.lock:
+            timed(1, False)
+            out["write_ms_kept"] = statistics.median(timed(repeats, False))
+            out["write_ms_new"] = statistics.median(timed(repeats, True))
+            # After an idle spell (as a handoff's write is), bare and after a prewarm write 1 ms
+            # before (the sender's prewarm while the staging copies run).
+            from services.prefill.sender import PREWARM_BYTES
+
+            tiny = [(ops[0][0], ops[0][1], min(ops[0][2], PREWARM_BYTES))]
+            cold, warmed = [], []
+            for i in range(2 * repeats):
+                time.sleep(0.05)
+                if i % 2:
+                    transport.write(target.endpoint, tiny, target.nixl_metadata_b64, timeout_s=30)
+                    t1 = time.perf_counter()
+                    while time.perf_counter() - t1 < 1e-3:
+                        pass
+                (warmed if i % 2 else cold).append(timed(1, False)[0])
+            out["write_ms_cold"], out["write_ms_cold_prewarmed"] = statistics.median(cold), statistics.median(warmed)
+            box: list = []
+            th = threading.Thread(target=lambda: box.append(timed(repeats + 1, False)[1:]))
+            th.start()
+            th.join(60)
+            if box:
+                out["write_ms_fresh_thread"] = statistics.median(box[0])
+        return out
 
 
 def standin_main(args) -> int:
@@ -682,7 +730,9 @@ async def run_family(fam: str, args, procs: Procs, nats_url: str, res: Results, 
                     run["raw"] = raw
                     runs.append(run)
                     log(fam, ctx, {k: (round(v, 3) if isinstance(v, float) else v) for k, v in run.items()
-                                   if k not in ("itl_ms", "raw")}, "raw_ms", round(raw["raw_ms"], 3))
+                                   if k not in ("itl_ms", "raw")}, "raw_ms", round(raw["raw_ms"], 3),
+                        {k.removeprefix("write_ms_"): round(raw[k], 3) for k in raw
+                         if k.startswith(("write_ms", "handoff_write_")) and isinstance(raw[k], float)})
                 measured = runs[1:]  # the first one warms this context's graphs and transfers up
                 steps = [x for a in alone[1:] for x in a["step_ms"][1:]]
                 itls = [x for r in measured for x in r.get("itl_ms", [])]
@@ -696,6 +746,11 @@ async def run_family(fam: str, args, procs: Procs, nats_url: str, res: Results, 
                 res.put(**{c + "runs": runs, c + "nbytes": nbytes,
                            c + "transfer_ms_raw": raw_ms, c + "transfer_gbps_raw": nbytes / raw_ms / 1e6,
                            c + "transfer_ms_handoff": med("transfer_ms"),
+                           **{c + k: statistics.median(r["raw"][k] for r in measured)
+                              for k in ("write_ms_kept", "write_ms_new", "write_ms_fresh_thread",
+                                        "write_ms_cold", "write_ms_cold_prewarmed", "handoff_write_post_ms",
+                                        "handoff_write_wait_ms")
+                              if all(k in r["raw"] for r in measured)},
                            c + "transfer_gbps_handoff": med("transfer_gbps"),
                            c + "extract_ms": med("extract_ms"), c + "kv_ready_ms": med("kv_ready_ms"),
                            c + "kv_ready_to_started_ms": med("kv_ready_to_started_ms"),
