@@ -127,12 +127,21 @@ class NixlTransport:
                 epoch = (self._epochs.get(remote_endpoint, 0), self._local_epoch)
                 handle = self._xfers.pop(key, None)  # this write's alone until it is put back
             kept = handle is not None
+            if kept:
+                posted = time.perf_counter()
+                try:
+                    state = self._agent.transfer(handle)
+                except Exception:
+                    state = "ERR"
+                if state == "ERR":  # a kept request refused again: one new request decides
+                    self._release(handle)
+                    handle, kept = None, False
             if handle is None:
                 local = self._agent.get_xfer_descs([(a, n, self._device_id) for a, _, n in ops], self._mem_type)
                 remote = self._agent.get_xfer_descs([(r, n, 0) for _, r, n in ops], self._mem_type)  # device 0 there
                 handle = self._agent.initialize_xfer("WRITE", local, remote, remote_endpoint)
-            posted = time.perf_counter()
-            state = self._agent.transfer(handle)
+                posted = time.perf_counter()
+                state = self._agent.transfer(handle)
             start = time.monotonic()
             post_ms = (time.perf_counter() - posted) * 1e3
             spin_until, deadline = start + SPIN_S, start + timeout_s

@@ -20,7 +20,7 @@ class FakeAgent:
     def __init__(self) -> None:
         self.created, self.posted, self.released = [], [], []
         self.remotes: list[str] = []
-        self.fail_next = False
+        self.fail_next = 0
 
     def get_xfer_descs(self, descs, mem_type):
         return tuple(descs)
@@ -34,7 +34,7 @@ class FakeAgent:
         assert handle not in self.released, "a released handle was posted"
         self.posted.append(handle)
         if self.fail_next:
-            self.fail_next = False
+            self.fail_next -= 1
             return "ERR"
         return "DONE"
 
@@ -100,12 +100,12 @@ def test_a_failed_write_drops_the_agent_and_its_handles(pair):
     t, agent = pair
     t.write("node", OPS, meta("node", 1))
     t.write("other", OPS, meta("other", 1))
-    agent.fail_next = True
+    agent.fail_next = 2  # the repost and the new request both fail: the receiver is gone
     with pytest.raises(TransferError, match="failed"):
         t.write("node", OPS, meta("node", 1))
-    assert agent.released == [agent.created[0]] and agent.remotes == ["other"]
+    assert agent.released == [agent.created[0], agent.created[2]] and agent.remotes == ["other"]
     t.write("node", OPS, meta("node", 1))  # loaded again, a fresh handle
-    assert len(agent.created) == 3 and agent.posted[-1] is agent.created[2]
+    assert len(agent.created) == 4 and agent.posted[-1] is agent.created[3]
 
 
 def test_kept_handles_are_bounded(pair, monkeypatch):
@@ -127,3 +127,12 @@ def test_local_registration_drops_every_handle(pair):
     t.unregister(0x5000)
     assert agent.released == agent.created and len(agent.created) == 2
     t.close()
+
+
+def test_a_kept_request_refused_at_post_is_replaced_once(pair):
+    t, agent = pair
+    t.write("node", OPS, meta("node", 1))
+    agent.fail_next = 1  # the repost is refused; a new request goes through
+    t.write("node", OPS, meta("node", 1))
+    assert agent.released == [agent.created[0]] and len(agent.created) == 2
+    assert agent.posted[-1] is agent.created[1] and agent.remotes == ["node"]
