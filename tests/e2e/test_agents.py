@@ -5,6 +5,9 @@ temperature 0. Tool calls and reasoning run on a planted tiny Llama (``make-mode
 reasoning-tool-call``: it greedily thinks, then calls ``get_weather``), served by one extra prefill
 vLLM with vLLM's ``hermes`` and ``deepseek_r1`` parsers, one decode node and a router configured
 from the same vLLM flags; structured output and logprobs run on the shared deployment's llama.
+tool_choice required and named run on a planted tool-call Llama (``--plant tool-call``) served
+with vLLM's ``hermes`` parser alone, under vLLM's defaults: its parser constrains them with an
+xgrammar structural tag, which the decode node compiles as vLLM does.
 """
 
 from __future__ import annotations
@@ -23,7 +26,10 @@ from tests.fixtures.prefill import Express
 
 AGENT_ARGS = ("--tool-call-parser", "hermes", "--enable-auto-tool-choice", "--reasoning-parser", "deepseek_r1")
 PLANT = "reasoning-tool-call"
-VLLM_SERVERS = [*E2E_VLLM_SERVERS, Express("llama", plant=PLANT, vllm_args=AGENT_ARGS)]
+TOOL_ARGS = ("--tool-call-parser", "hermes", "--enable-auto-tool-choice")
+TOOL_PLANT = "tool-call"
+VLLM_SERVERS = [*E2E_VLLM_SERVERS, Express("llama", plant=PLANT, vllm_args=AGENT_ARGS),
+                Express("llama", plant=TOOL_PLANT, vllm_args=TOOL_ARGS)]
 
 TOOLS = [{"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city",
@@ -41,22 +47,21 @@ class Agent:
         self.vllm = OpenAI(base_url=f"{vllm_url}/v1", api_key="none", max_retries=0, timeout=120)
 
 
-@pytest.fixture(scope="module")
-def agent(deployment, express_vllm):
-    """The planted model's prefill (with parsers), one decode node, a router with the same flags."""
-    prefill = express_vllm("llama", plant=PLANT, vllm_args=AGENT_ARGS)
+def _stack(deployment, express_vllm, plant: str, vllm_args: tuple[str, ...], node: str):
+    """A planted model's prefill (with vLLM's parser flags), one decode node, a router with the same flags."""
+    prefill = express_vllm("llama", plant=plant, vllm_args=vllm_args)
     model = str(prefill.model_dir)
     port, router_port = free_port(), free_port()
     procs = [
-        Proc("agent-decode", CLI + ["decode", "--nats-url", deployment.nats_url, "--model", model,
-                                    "--node-id", "agent-0", "--slots", "1", "--dtype", "float32",
-                                    "--heartbeat-ms", str(HEARTBEAT_MS), "--http-port", str(port)],
+        Proc(f"{node}-decode", CLI + ["decode", "--nats-url", deployment.nats_url, "--model", model,
+                                      "--node-id", f"{node}-0", "--slots", "1", "--dtype", "float32",
+                                      "--heartbeat-ms", str(HEARTBEAT_MS), "--http-port", str(port)],
              f"http://127.0.0.1:{port}/health"),
         # no warm leases: the shared deployment's leak checks count the coordinator's leases
-        Proc("agent-router", CLI + ["router", "--nats-url", deployment.nats_url, "--port", str(router_port),
-                                    "--prefill-url", prefill.url, "--vllm-args", " ".join(AGENT_ARGS),
-                                    "--warm-leases", "0", "--claim-wait-ms", "1000",
-                                    "--first-decode-timeout-s", "20", "--token-timeout-s", "3"],
+        Proc(f"{node}-router", CLI + ["router", "--nats-url", deployment.nats_url, "--port", str(router_port),
+                                      "--prefill-url", prefill.url, "--vllm-args", " ".join(vllm_args),
+                                      "--warm-leases", "0", "--claim-wait-ms", "1000",
+                                      "--first-decode-timeout-s", "20", "--token-timeout-s", "3"],
              f"http://127.0.0.1:{router_port}/health"),
     ]
     try:
@@ -70,6 +75,19 @@ def agent(deployment, express_vllm):
         yield Agent(router_url, prefill.url, model)
     finally:
         stop_all(procs, grace_s=10.0)
+
+
+@pytest.fixture(scope="module")
+def agent(deployment, express_vllm):
+    """The reasoning-then-tool-call model with the hermes and deepseek_r1 parsers."""
+    yield from _stack(deployment, express_vllm, PLANT, AGENT_ARGS, "agent")
+
+
+@pytest.fixture(scope="module")
+def tool_agent(deployment, express_vllm):
+    """The tool-call model with the hermes parser alone (no reasoning: a grammar during reasoning
+    keeps the standard lane), vLLM's strict tool calling left at its default."""
+    yield from _stack(deployment, express_vllm, TOOL_PLANT, TOOL_ARGS, "tools")
 
 
 @pytest.fixture(scope="module")
@@ -156,6 +174,17 @@ def test_tool_call_loop_stays_on_the_express_lane(agent):
                          {"id": call.id, "type": "function",
                           "function": {"name": call.function.name, "arguments": call.function.arguments}}]},
                      {"role": "tool", "tool_call_id": call.id, "content": f"sunny, {20 + turn} C"}]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_required_and_named_tool_choice_equal_vllm_alone(tool_agent, stream):
+    """vLLM constrains these with its parser's xgrammar structural tag; the decode node applies the same."""
+    for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+        express, alone, lane = _both(tool_agent, stream, messages=ASK, tools=TOOLS, tool_choice=choice,
+                                     max_tokens=40)
+        assert (lane, choice) == ("express", choice)
+        assert express == alone, choice
+        assert express["tool_calls"] == [("get_weather", {"city": "Paris"})], choice
 
 
 # ---------------------------------------------------------------- 400s alike on both lanes
