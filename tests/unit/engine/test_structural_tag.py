@@ -113,3 +113,13 @@ def test_the_reference_step_decodes_under_the_tag(planted):
     assert reason == "stop" and text.startswith('<tool_call>\n{"name": "get_time", "arguments": {')
     assert text.endswith("}\n</tool_call>") or text.endswith("}</tool_call>")
     json.loads(text[text.index('"arguments": ') + 13:text.rindex("}")])
+
+
+def test_the_wire_carries_the_tag_and_older_messages_still_decode():
+    import msgspec
+
+    spec = StructuredOutput(kind="structural_tag", structural_tag=LEGACY)
+    sampling = SamplingParams(max_tokens=4, structured=spec)
+    assert msgspec.json.decode(msgspec.json.encode(sampling), type=SamplingParams).structured == spec
+    older = b'{"kind": "regex", "json_schema": "", "regex": "a+", "choices": [], "grammar": "", "any_whitespace": true}'
+    assert msgspec.json.decode(older, type=StructuredOutput) == StructuredOutput(kind="regex", regex="a+")
