@@ -63,6 +63,12 @@ def format_value(value) -> str:
     return text
 
 
+def _empty_default(field: msgspec.structs.FieldInfo, value) -> bool:
+    """An optional list or map left empty (e.g. a token batch without logprobs): not shown."""
+    has_default = field.default is not msgspec.NODEFAULT or field.default_factory is not msgspec.NODEFAULT
+    return has_default and isinstance(value, (list, dict)) and not value
+
+
 def format_line(subject: str, data: bytes, headers: dict | None, received_s: float) -> str:
     """One readable line for one message."""
     stamp = datetime.datetime.fromtimestamp(received_s, datetime.UTC).strftime("%H:%M:%S.%f")[:-3]
@@ -76,7 +82,7 @@ def format_line(subject: str, data: bytes, headers: dict | None, received_s: flo
         tag = msgspec.inspect.type_info(type(event)).tag
         fields = " ".join(
             f"{f.encode_name}={format_value(getattr(event, f.name))}"
-            for f in msgspec.structs.fields(event)
+            for f in msgspec.structs.fields(event) if not _empty_default(f, getattr(event, f.name))
         )
         line = f"{stamp}  {subject}  {tag}  {fields}"
     return f"{line}  trace_id={trace}" if trace else line

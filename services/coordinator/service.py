@@ -408,24 +408,27 @@ class CoordinatorService:
         None when this coordinator no longer leads (as for :meth:`_apply`)."""
         async with self._lock:
             effects: list[Effect] = []
+            contexts: list = []  # per effect: the trace context its events are sent under
             applied = []
             for fn, args, ctx, span, request_id in calls:
                 token = otel_context.attach(ctx)
                 try:
                     with self.tracer.start_as_current_span(
                             span, attributes={"expresslane.request_id": request_id}):
-                        effects += fn(*args, now_ms())
+                        made = fn(*args, now_ms())
+                        effects += made
+                        contexts += [otel_context.get_current()] * len(made)
                     applied.append(True)
                 except Exception:
                     self.log.exception("inbox_handler_failed", request_id=request_id, span=span)
                     applied.append(False)
                 finally:
                     otel_context.detach(token)
-            return applied if await self._perform_leading(effects) else None
+            return applied if await self._perform_leading(effects, contexts) else None
 
-    async def _perform_leading(self, effects: list[Effect]) -> bool:
+    async def _perform_leading(self, effects: list[Effect], contexts: list | None = None) -> bool:
         try:
-            await self._perform(effects)
+            await self._perform(effects, contexts)
         except NotLeading as exc:
             self.leadership.step_down(
                 "key_taken" if isinstance(exc, LeaderKeyTaken) else "lease_expired")
@@ -434,29 +437,38 @@ class CoordinatorService:
             return False
         return True
 
-    async def _perform(self, effects: list[Effect]) -> None:
+    async def _perform(self, effects: list[Effect], contexts: list | None = None) -> None:
         """State first (see StateStore.write), then replies and events in order; only while
-        leading (checked here, and by the store's conditional writes)."""
+        leading (checked here, and by the store's conditional writes). ``contexts``: per effect,
+        the trace context to send it under (a batch's effects come from different traces)."""
         if effects and not self.leadership.is_leading(mono_ms()):
             raise NotLeading("the leader lease ran out")
         await self.store.write(effects)
-        for e in effects:
-            if isinstance(e, Reply):
-                await self.bus.publish(e.reply_to, e.event, replay=True)
-            elif isinstance(e, Publish):
-                # a terminal event goes out twice (xl.handoff.* and the node's .ended): log it once;
-                # only the node's copy is replayed after a reconnect (watchers of the fan-out
-                # see each event once)
-                ev = e.event
-                is_fanout = isinstance(ev, HandoffEvent) and e.subject == subjects.handoff(
-                    ev.request_id, ev.state)
-                await self.bus.publish(e.subject, e.event, replay=not is_fanout)
-                if is_fanout:
-                    self.log.info("handoff", request_id=ev.request_id, state=ev.state,
-                                  lease_id=ev.lease_id, generation=ev.generation,
-                                  node_id=ev.node_id, slot=ev.slot, reason=ev.reason)
-            elif isinstance(e, Observe):
-                self.metrics.observe(e.metric, e.value_s)
+        for i, e in enumerate(effects):
+            token = otel_context.attach(contexts[i]) if contexts else None
+            try:
+                await self._send(e)
+            finally:
+                if token is not None:
+                    otel_context.detach(token)
+
+    async def _send(self, e: Effect) -> None:
+        if isinstance(e, Reply):
+            await self.bus.publish(e.reply_to, e.event, replay=True)
+        elif isinstance(e, Publish):
+            # a terminal event goes out twice (xl.handoff.* and the node's .ended): log it once;
+            # only the node's copy is replayed after a reconnect (watchers of the fan-out
+            # see each event once)
+            ev = e.event
+            is_fanout = isinstance(ev, HandoffEvent) and e.subject == subjects.handoff(
+                ev.request_id, ev.state)
+            await self.bus.publish(e.subject, e.event, replay=not is_fanout)
+            if is_fanout:
+                self.log.info("handoff", request_id=ev.request_id, state=ev.state,
+                              lease_id=ev.lease_id, generation=ev.generation,
+                              node_id=ev.node_id, slot=ev.slot, reason=ev.reason)
+        elif isinstance(e, Observe):
+            self.metrics.observe(e.metric, e.value_s)
 
     # ------------------------------------------------------------ http
 

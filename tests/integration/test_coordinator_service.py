@@ -104,13 +104,15 @@ class Stack:
         self.nats, self.model_dir, self.log_dir = nats, model_dir, log_dir
         self.procs: list[Proc] = []
         self.events: list[HandoffEvent] = []
+        self.traceparents: dict[tuple[str, str], str] = {}  # (request id, state) -> traceparent
         self.bus: Bus | None = None
 
     async def open(self) -> Stack:
         self.bus = await Bus.connect(self.nats.url, name="test")
 
-        async def on_event(ev, _msg):
+        async def on_event(ev, msg):
             self.events.append(ev)
+            self.traceparents[(ev.request_id, ev.state)] = (msg.headers or {}).get("traceparent", "")
 
         await self.bus.subscribe(subjects.HANDOFF_ALL, on_event, HandoffEvent)
         return self
@@ -460,4 +462,8 @@ async def test_one_trace_spans_claim_transfer_and_decode(stack, otlp_receiver, m
     # the node's reports are children of its decode span
     assert mine["coordinator.DecodeStarted"].parent_span_id == mine["decode"].span_id
     assert mine["decode"].attributes["expresslane.request_id"] == "r0"
+    # every lifecycle event the coordinator published went out in the request's trace, those made
+    # from the node's reports (applied in batches) included
+    assert {state: tp.split("-")[1] if tp else "" for (rid, state), tp in stack.traceparents.items()
+            if rid == "r0"} == {s: trace_id for s in ("claimed", "kv_ready", "decoding", "completed")}
     await stack.assert_no_leak([node])
