@@ -132,7 +132,10 @@ class Stack:
                      heartbeat_ms: int = TOLERANT_HEARTBEAT_MS) -> Proc:
         p = Proc(node_id, ["decode", "--nats-url", self.nats.url, "--model", str(self.model_dir),
                            "--slots", str(slots), "--node-id", node_id, "--max-seq-len", "256",
-                           "--heartbeat-ms", str(heartbeat_ms), "--log-format", "json", *extra],
+                           "--heartbeat-ms", str(heartbeat_ms), "--log-format", "json",
+                           # a stop waits min(drain timeout, 2 heartbeats) for leases in flight:
+                           # 1 s here, a test of draining itself passes its own
+                           "--drain-timeout-s", "1", *extra],
                  self.log_dir).start()
         self.procs.append(p)
         await p.wait_healthy(120)
@@ -165,6 +168,8 @@ class Stack:
         """Stop everything; print the log tail of any process that exited badly (not killed)."""
         if self.bus is not None:
             await self.bus.close()
+        for p in reversed(self.procs):  # all stop at once: each drains on its own
+            p.signal(signal.SIGTERM)
         for p in reversed(self.procs):
             p.stop()
         for p in self.procs:
@@ -406,7 +411,7 @@ async def test_cancel_frees_the_slot(stack):
 async def test_sigterm_drains_decode_node_and_coordinator(stack):
     coord = await stack.coordinator()
     second = await stack.coordinator(role="standby")  # one leader at a time: the other waits
-    node = await stack.decode("d1", 1)
+    node = await stack.decode("d1", 1, "--drain-timeout-s", "30")
     await second.wait_healthy(10, until=lambda h: "d1" in h["nodes"] and h["leases"] == 0)
     second.stop()
     grant = await stack.claim("r0")
