@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import contextlib
 import datetime
 import importlib
@@ -41,6 +42,7 @@ import sys
 import tempfile
 import threading
 import time
+import types
 import uuid
 from pathlib import Path
 
@@ -214,10 +216,13 @@ async def load(stack: Stack, num_clients: int, max_tokens: int = 16, timeout_s: 
 
 
 async def abort_storm(stack: Stack, num_clients: int, timeout_s: float = 120) -> dict:
-    """Open streams, wait until the decode slots are busy, then cut every open client at once."""
-    async with httpx.AsyncClient(timeout=timeout_s, limits=httpx.Limits(max_connections=None)) as client:
-        tasks = [asyncio.create_task(stream_one(client, stack, chat(stack.model, PROMPTS[i % 4], 1500)))
-                 for i in range(num_clients)]
+    """Open streams from a client process, wait until the decode slots are busy, then kill that
+    process: the kernel closes every client socket at once (a burst no client library can make
+    by cancelling its streams one by one). Recovery runs from the kill until nothing is held."""
+    status_path = Path(tempfile.mkdtemp(prefix="xl-storm-")) / "clients.json"
+    clients = subprocess.Popen([sys.executable, __file__, "--storm-clients", stack.router, stack.model,
+                                str(num_clients), str(status_path)])
+    try:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             busy = sum(len(stack.health(n)["active"]) for n in stack.decode_nodes())
@@ -225,19 +230,50 @@ async def abort_storm(stack: Stack, num_clients: int, timeout_s: float = 120) ->
             if busy == total:
                 break
             await asyncio.sleep(0.05)
-        num_open = sum(not t.done() for t in tasks)
+        status = json.loads(status_path.read_text()) if status_path.exists() else {}
         t_burst = time.monotonic()
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        clients.kill()
+        clients.wait()
+    finally:
+        if clients.poll() is None:
+            clients.kill()
     closed_s = time.monotonic() - t_burst
     recovery_s, left = await stack.wait_clean(30.0)
-    return {"abort_storm_clients": num_clients, "abort_storm_open_at_burst": num_open,
+    return {"abort_storm_clients": num_clients, "abort_storm_open_at_burst": status.get("open"),
             "abort_storm_recovery_ms": None if left else round((closed_s + recovery_s) * 1000, 1),
             "abort_storm_clients_closed_ms": round(closed_s * 1000, 1),
+            # clients that ended before the burst, by status (429 when the queue was full)
+            "abort_storm_ended_before_burst": status.get("ended"),
             "abort_storm_last_held_ms": {k: round((closed_s + v) * 1000, 1)
                                          for k, v in stack.last_held_s.items()},
             "abort_storm_leaked": sum(left.values()), "abort_storm_left": left}
+
+
+async def storm_clients(router: str, model: str, num_clients: int, status_path: Path) -> None:
+    """The abort storm's clients (``--storm-clients``): stream until killed, writing how many are
+    open and how the others ended every 50 ms."""
+    target = types.SimpleNamespace(router=router)
+    ended: collections.Counter = collections.Counter()
+    num_open = 0
+    async with httpx.AsyncClient(timeout=None, limits=httpx.Limits(max_connections=None)) as client:
+        async def one(i: int) -> None:
+            nonlocal num_open
+            num_open += 1
+            try:
+                r = await stream_one(client, target, chat(model, PROMPTS[i % 4], 1500))
+                ended[str(r["status"])] += 1
+            except Exception as exc:  # noqa: BLE001 - counted, the storm goes on
+                ended[type(exc).__name__] += 1
+            finally:
+                num_open -= 1
+
+        tasks = [asyncio.create_task(one(i)) for i in range(num_clients)]
+        while True:
+            tmp = status_path.with_suffix(".tmp")
+            tmp.write_text(json.dumps({"open": num_open, "ended": dict(ended)}))
+            tmp.replace(status_path)
+            await asyncio.sleep(0.05)
+        del tasks
 
 
 def vllm_greedy(stack: Stack, prompt_ids: list[int], max_tokens: int) -> list[int]:
@@ -441,6 +477,10 @@ async def run(args: argparse.Namespace) -> dict:
 
 
 def main() -> int:
+    if sys.argv[1:2] == ["--storm-clients"]:
+        router, model, num, path = sys.argv[2:6]
+        asyncio.run(storm_clients(router, model, int(num), Path(path)))
+        return 0
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--only", default="", help=f"comma-separated subset of {','.join(SCENARIOS)}")
     p.add_argument("--clients", type=int, default=200, help="concurrent clients of the load scenario")
