@@ -107,6 +107,11 @@ class CoordinatorService:
         self._inbox_sub = None
         # reports received, waiting for the inbox task: (event, message, trace context)
         self._inbox_q: asyncio.Queue = asyncio.Queue()
+        self._inbox_handlers = {
+            KvReady: core.on_kv_ready, KvFailed: core.on_kv_failed,
+            DecodeStarted: core.on_decode_started, SlotReleased: core.on_slot_released,
+            CancelRequest: core.on_cancel,
+        }
         self._tasks: list[asyncio.Task] = []  # the leader's loops
         self._leadership_task: asyncio.Task | None = None
         self._wake = asyncio.Event()  # leadership loop: look now (a write was fenced)
@@ -372,15 +377,9 @@ class CoordinatorService:
             batch = [await self._inbox_q.get()]
             while len(batch) < INBOX_BATCH and not self._inbox_q.empty():
                 batch.append(self._inbox_q.get_nowait())
-            handlers = {
-                KvReady: self.core.on_kv_ready, KvFailed: self.core.on_kv_failed,
-                DecodeStarted: self.core.on_decode_started, SlotReleased: self.core.on_slot_released,
-                CancelRequest: self.core.on_cancel,
-            }
-            calls = []
-            for event, _, ctx in batch:
-                calls.append((handlers[type(event)], (event,), ctx,
-                              f"coordinator.{type(event).__name__}", event.request_id))
+            calls = [(self._inbox_handlers[type(event)], (event,), ctx,
+                      f"coordinator.{type(event).__name__}", event.request_id)
+                     for event, _, ctx in batch]
             try:
                 applied = await self._apply_many(calls)
             except Exception:

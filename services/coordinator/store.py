@@ -142,22 +142,16 @@ class StateStore:
         """Writes as one atomic batch: every message but the last is a plain publish, the last
         commits and is acknowledged; a failed check anywhere stores nothing and fails the commit."""
         batch_id = uuid.uuid4().hex
-        for seq, (key, value) in enumerate(items, start=1):
+        for seq, (key, value) in enumerate(items[:-1], start=1):
             headers = {**self._headers(value), BATCH_ID: batch_id, BATCH_SEQ: str(seq)}
-            if seq < len(items):
-                await self.nc.publish(self.prefix + key, value or b"", headers=headers)
-                continue
-            headers[BATCH_COMMIT] = "1"
-            try:
-                await self.js.publish(self.prefix + key, value or b"", headers=headers)
-            except nats.js.errors.APIError as exc:
-                if exc.err_code in WRONG_LAST_SEQUENCE:
-                    raise LeaderKeyTaken(f"leader key moved past revision {self.leader_revision}") from exc
-                raise
+            await self.nc.publish(self.prefix + key, value or b"", headers=headers)
+        key, value = items[-1]
+        await self._put(key, value, {BATCH_ID: batch_id, BATCH_SEQ: str(len(items)), BATCH_COMMIT: "1"})
 
-    async def _put(self, key: str, value: bytes | None) -> None:
-        """One write (``None``: delete), fenced by the leader key's revision when leading."""
-        headers = self._headers(value)
+    async def _put(self, key: str, value: bytes | None, extra_headers: dict[str, str] | None = None) -> None:
+        """One acknowledged write (``None``: delete), fenced by the leader key's revision when
+        leading; ``extra_headers``: an atomic batch's commit."""
+        headers = {**self._headers(value), **(extra_headers or {})}
         try:
             await self.js.publish(self.prefix + key, value or b"", headers=headers or None)
         except nats.js.errors.APIError as exc:
