@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import ssl
 import time
 import urllib.parse
@@ -149,9 +150,15 @@ class Bus:
         if auth.is_tls and creds["password"] is not None:
             creds["password"] = _only_over_tls(nc, creds["password"])
 
+        # A certificate the client cannot verify, or a server without TLS, will not change on a
+        # retry: the first connect gives up at once instead of at its timeout.
+        hopeless = asyncio.Event()
+
         async def on_error(exc: Exception) -> None:
             if bus is None:
                 first_errors.append(exc)
+                if isinstance(exc, (ssl.SSLCertVerificationError, BusTlsError)):
+                    hopeless.set()
             else:
                 await bus._on_error(exc)
 
@@ -167,7 +174,7 @@ class Bus:
         servers = [s.strip() for s in url.split(",") if s.strip()]
         try:
             # Two attempts per server at first; once connected, reconnect forever.
-            await asyncio.wait_for(
+            await _unless_set(hopeless, asyncio.wait_for(
                 nc.connect(
                     servers=servers, name=name, **creds,
                     connect_timeout=connect_timeout_s, allow_reconnect=True,
@@ -177,7 +184,7 @@ class Bus:
                     reconnected_cb=on_reconnected, drain_timeout=DRAIN_TIMEOUT_S,
                 ),
                 timeout=2 * len(servers) * (connect_timeout_s + RECONNECT_WAIT_S) + 1.0,
-            )
+            ))
         except (nats.errors.Error, OSError, asyncio.TimeoutError) as exc:
             await _close_quietly(nc)
             seen = [exc, *first_errors]
@@ -383,6 +390,22 @@ def _only_over_tls(nc: nats.NATS, password: str) -> Callable[[], str]:
         return password
 
     return value
+
+
+async def _unless_set(event: asyncio.Event, awaitable) -> None:
+    """Await ``awaitable``; cancel it and raise ``asyncio.TimeoutError`` once ``event`` is set."""
+    task = asyncio.ensure_future(awaitable)
+    waiter = asyncio.ensure_future(event.wait())
+    try:
+        await asyncio.wait((task, waiter), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        waiter.cancel()
+    if not task.done():
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await task
+        raise asyncio.TimeoutError("the first connect cannot succeed")
+    task.result()
 
 
 def _trace_headers() -> dict[str, str] | None:
