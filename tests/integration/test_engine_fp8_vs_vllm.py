@@ -22,24 +22,21 @@ from __future__ import annotations
 import pytest
 import torch
 
-from infra.tinymodel import make_model
-from infra.tinymodel_fp8 import quantize_checkpoint
 from services.decode.engine import Engine
 from services.decode.engine.fp8 import is_fp8
 from tests.integration.test_engine_vs_vllm import NUM_TOKENS, PROMPTS, engine_greedy
-from tests.fixtures.vllm import vllm_greedy
-from tests.unit.engine.test_fp8 import damp
+from tests.fixtures.vllm import Plain, vllm_greedy
 
 pytestmark = pytest.mark.vllm
-CASES = {"llama": (), "deepseek_v3": ("re:.*mlp\\.experts\\..*",)}
+SERVERS = {"llama": Plain("llama", fp8="fp8-channel"),
+           "deepseek_v3": Plain("deepseek_v3", fp8="fp8-channel", fp8_ignore=("re:.*mlp\\.experts\\..*",))}
+VLLM_SERVERS = list(SERVERS.values())
 
 
-@pytest.mark.parametrize("arch", list(CASES))
-def test_fp8_greedy_tokens_equal_vllm(tmp_path_factory, vllm_servers, arch):
+@pytest.mark.parametrize("arch", list(SERVERS))
+def test_fp8_greedy_tokens_equal_vllm(tiny_model, vllm_servers, arch):
     torch.set_num_threads(1)
-    model_dir = make_model(arch, tmp_path_factory.mktemp(f"fp8-{arch}"), dtype="float32")
-    damp(model_dir)
-    quantize_checkpoint(model_dir, "fp8-channel", ignore=CASES[arch])
+    model_dir = SERVERS[arch].model_dir(tiny_model)
     server = vllm_servers.get(model_dir, dtype="float32")
     engine = Engine.load(model_dir, num_slots=1, max_seq_len=128, dtype=torch.float32)
     assert is_fp8(engine.model.layers[0].wo) and is_fp8(engine.model.layers[1].w_down if arch == "llama"

@@ -20,7 +20,7 @@ import torch
 from tokenizers import Tokenizer
 
 from infra import tinymodel
-from tests.fixtures.vllm import MTP_SPECULATIVE_CONFIG, Plain, VllmStartError, vllm_greedy
+from tests.fixtures.vllm import MTP_SPECULATIVE_CONFIG, Plain, VllmServers, VllmStartError, vllm_greedy
 
 ARCHS = list(tinymodel.ARCHS)
 VLLM_SERVERS = [*(Plain(arch) for arch in tinymodel.ARCHS),
@@ -158,15 +158,19 @@ def test_deepseek_v3_serves_bf16_with_mtp_speculation(vllm_servers, tiny_model):
 
 
 @pytest.mark.vllm
-def test_vllm_that_cannot_start_raises_with_its_log_and_leaves_nothing(vllm_servers, tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "no_such_model"}))
-    num_alive = len(vllm_servers.alive())
-    with pytest.raises(VllmStartError) as failure:
-        vllm_servers.get(tmp_path)
-    assert "exited" in str(failure.value) and "no_such_model" in str(failure.value)
-    assert failure.value.log_path.exists()
-    with pytest.raises(ProcessLookupError):
-        os.killpg(failure.value.pid, 0)  # the whole process group is gone
-    # At capacity, the least recently used server was stopped to make room before the start.
-    assert failure.value.pid not in [s.pid for s in vllm_servers.alive()]
-    assert len(vllm_servers.alive()) <= num_alive
+def test_vllm_that_cannot_start_raises_with_its_log_and_leaves_nothing(tmp_path):
+    # Servers of its own: the session's stay for the modules that need them.
+    servers = VllmServers(tmp_path / "logs", max_alive=1)
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"model_type": "no_such_model"}))
+    try:
+        with pytest.raises(VllmStartError) as failure:
+            servers.get(model)
+        assert "exited" in str(failure.value) and "no_such_model" in str(failure.value)
+        assert failure.value.log_path.exists()
+        with pytest.raises(ProcessLookupError):
+            os.killpg(failure.value.pid, 0)  # the whole process group is gone
+        assert servers.alive() == []
+    finally:
+        servers.stop_all()

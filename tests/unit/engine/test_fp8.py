@@ -26,21 +26,10 @@ from services.decode.engine import Engine
 from services.decode.engine.fp8 import is_fp8
 from services.decode.engine.quant import QuantSpec, parse_quant
 from shared.events import SamplingParams
+from tests.fixtures.models import damp
 
 PROMPT = [1, 17, 42, 99, 3, 250, 7, 12]
 TOKENS = 16
-
-
-def damp(path) -> None:
-    """Near-bigram model: shrink attention and MLP outputs, grow embeddings (wide greedy margins)."""
-    f = path / "model.safetensors"
-    tensors = load_file(str(f))
-    for name, t in tensors.items():
-        if name.endswith(("o_proj.weight", "down_proj.weight")):
-            tensors[name] = t * 0.25
-        if name.endswith("embed_tokens.weight"):
-            tensors[name] = t * 4.0
-    save_file(tensors, str(f), metadata={"format": "pt"})
 
 
 def checkpoints(tmp_path, arch: str, scheme: str, dtype: str = "float32", ignore=()):
