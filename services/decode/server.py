@@ -3,8 +3,7 @@
 
 Contract:
 - At start: load the engine, register every slot's buffer with the transport once (receiver.py),
-  then publish ``NodeAvailable`` on ``xl.node.<node>.avail`` every ``--heartbeat-ms``, and at once
-  when a slot frees or NATS comes back (free slots, versions, endpoint, slot buffer addresses).
+  then publish availability (availability.py).
 - ``DecodeStart`` (``xl.decode.<node>.start``), ``KvReady``/``KvFailed`` (``xl.kv.ready.<node>``),
   ``CancelRequest`` (``xl.req.*.cancel``) and lease ends (``xl.decode.<node>.ended``) go to the
   core; its effects are performed here, in order (slots.py says which, when).
@@ -17,8 +16,7 @@ Contract:
   first token is 0; ``logprobs`` per token when the request asked), then ``RequestFinished`` (usage,
   speculation stats). A start the engine refuses fails the request (``RequestFailed``), retryable
   unless the engine's error says no node can serve it (a grammar that does not compile:
-  ``invalid_grammar: <why>``, retryable False). A request's grammar compiles in a worker thread as
-  soon as its ``DecodeStart`` arrives, so the start finds it in the compiler's cache.
+  ``invalid_grammar: <why>``, retryable False). Grammars compile ahead (compile_ahead.py).
 - HTTP ``/health`` and ``/metrics`` (metrics.py). SIGTERM: publish ``NodeDraining``, finish running
   requests (up to ``--drain-timeout-s``, then fail them as retryable), unregister, exit 0. NATS
   restarts: nats-py reconnects and resubscribes; availability is republished then, what the node
@@ -32,6 +30,8 @@ import asyncio
 import contextlib
 import time
 
+from services.decode.availability import Availability
+from services.decode.compile_ahead import CompileAhead
 from services.decode.config import DecodeConfig
 from services.decode.effects import (
     Effect, Finished, Forget, Heartbeat, Publish, ReleaseEngine, StartEngine, StopEngine,
@@ -42,10 +42,7 @@ from services.decode.reports import Reports
 from services.decode.slots import SlotCore
 from shared import subjects
 from shared.bus import Bus
-from shared.events import (
-    PROTOCOL_VERSION, CancelRequest, DecodeStart, HandoffEvent, KvMessage, KvReady, NodeAvailable,
-    NodeDraining,
-)
+from shared.events import CancelRequest, DecodeStart, HandoffEvent, KvMessage, KvReady
 from shared.http_status import serve_status
 from shared.log import get_logger
 
@@ -55,16 +52,15 @@ class DecodeNode:
         self.engine, self.receiver, self.bus, self.config = engine, receiver, bus, config
         self.node_id = config.node_id
         self.core = SlotCore(config.node_id, config.num_slots, engine.layout.layout_version)
-        self.status = NodeStatus(self.core, lambda: self.bus.is_connected, lambda: self.is_draining)
+        self.log = get_logger("decode", node_id=self.node_id)
+        self.avail = Availability(bus, config, self.core, receiver, engine, self.log)
+        self.status = NodeStatus(self.core, lambda: self.bus.is_connected, lambda: self.avail.is_draining)
         self.traces = LeaseTraces(config.node_id)
         self.paths = DecodePaths()
+        self.compile_ahead = CompileAhead(engine, self.log)
         self.wake = asyncio.Event()
-        self.seq = 0
-        self.is_draining = False
-        self.log = get_logger("decode", node_id=self.node_id)
         self._subs: list = []
         self._tasks: list[asyncio.Task] = []
-        self._compiles: set[asyncio.Task] = set()  # grammars compiling ahead of their start
         self.reports = Reports(bus, self.log)
 
     async def start(self) -> None:
@@ -75,30 +71,21 @@ class DecodeNode:
             await sub(subjects.REQ_CANCEL_ALL, feed(core.on_cancel), CancelRequest),
             await sub(subjects.decode_lease_ended(self.node_id), feed(core.on_lease_ended), HandoffEvent),
         ]
-        self.bus.add_reconnect_callback(self._heartbeat)
-        await self._heartbeat()
+        self.bus.add_reconnect_callback(self.avail.publish)
+        await self.avail.publish()
         self.http = await serve_status(self.config.http_host, self.config.http_port, self.status.routes)
-        grammars = getattr(self.engine, "grammars", None)
-        if grammars is not None:  # the grammar compiler (the tokenizer's vocabulary), ready before a request needs it
-            self._compiles.add(asyncio.create_task(asyncio.to_thread(self._warm_grammars, grammars)))
-        self._tasks += [asyncio.create_task(self._heartbeat_loop()),
+        self.compile_ahead.warm()
+        self._tasks += [asyncio.create_task(self.avail.loop()),
                         asyncio.create_task(self.reports.run()),
                         asyncio.create_task(self._decode_loop())]
         self.log.info("decode_ready", http_port=self.http.sockets[0].getsockname()[1],
                       model=self.engine.model_name, slots=self.config.num_slots,
                       transport=self.receiver.name, endpoint=self.receiver.endpoint)
 
-    def _warm_grammars(self, grammars) -> None:
-        try:
-            grammars.compiler()
-        except Exception as exc:  # noqa: BLE001 - no tokenizer: structured requests fail with the reason
-            self.log.warning("grammar_compiler_unavailable", reason=str(exc),
-                             hint="structured output needs the model's tokenizer files next to its weights")
-
     async def drain(self) -> None:
         """Stop taking leases, let running requests finish (bounded), then stop."""
-        self.is_draining = True
-        await self._heartbeat()
+        self.avail.is_draining = True
+        await self.avail.publish()
         t0 = time.monotonic()
         deadline = t0 + self.config.drain_timeout_s
         # Leases granted just before NodeDraining may still be on their way (prefill running):
@@ -116,41 +103,15 @@ class DecodeNode:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        await self._heartbeat()
+        await self.avail.publish()
         self.http.close()
         self.log.info("decode_stopped", stale_ignored=self.core.num_stale)
-
-    async def _heartbeat(self) -> None:
-        self.seq += 1
-        now, subject, c = int(time.time() * 1000), subjects.node_avail(self.node_id), self.config
-        if self.is_draining:
-            return await self.bus.publish(subject, NodeDraining(node_id=self.node_id, sent_at_ms=now))
-        await self.bus.publish(subject, NodeAvailable(
-            node_id=self.node_id, model=self.engine.model_name, protocol_version=PROTOCOL_VERSION,
-            total_slots=c.num_slots, free_slots=self.core.free_slots(),
-            transports=[self.receiver.name], endpoints={self.receiver.name: self.receiver.endpoint},
-            slots=self.receiver.slot_targets(), layout=self.engine.layout,
-            heartbeat_interval_ms=c.heartbeat_ms, seq=self.seq, sent_at_ms=now,
-            nixl_metadata_b64=self.receiver.metadata_b64, max_seq_len=c.max_seq_len))
-
-    async def _heartbeat_loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.config.heartbeat_ms / 1000)
-            try:
-                await self._heartbeat()
-            except Exception:
-                self.log.exception("heartbeat_failed")
 
     async def _on_start(self, msg: DecodeStart, _) -> None:
         effects = self.core.on_start(msg)
         if self.core.lease(msg.lease_id) is not None:  # kept (not stale, not failed at once)
             self.traces.remember(msg.lease_id)
-            prepare = getattr(self.engine, "prepare_grammar", None)
-            if msg.sampling.structured is not None and prepare is not None:
-                # compile while the KV travels, off the decode loop (start finds it in the cache)
-                task = asyncio.create_task(asyncio.to_thread(prepare, msg.sampling))
-                self._compiles.add(task)
-                task.add_done_callback(self._compiles.discard)
+            self.compile_ahead.prepare(msg)
         await self._apply(effects)
 
     async def _on_kv(self, msg, _) -> None:
@@ -199,7 +160,7 @@ class DecodeNode:
                 with self.traces.use(e.lease_id):  # tokens (by index), ends: replayable
                     await self.bus.publish(e.subject, e.event, replay=True)
             case Heartbeat():
-                await self._heartbeat()
+                await self.avail.publish()
             case ReleaseEngine():
                 self.engine.release(e.slot)
             case Finished():
@@ -225,7 +186,7 @@ class DecodeNode:
                                           else self._stop(work))
                 if not self.core.is_decoding:
                     continue
-                if self._fault_stall_due():
+                if self.core.fault_stall_due(self.config.fault_stall_after_tokens):
                     self.log.warning("fault_stall", after_tokens=self.config.fault_stall_after_tokens)
                     await asyncio.Event().wait()  # FAULT INJECTION: hung for good; the node stays up
                 t0 = time.perf_counter()
@@ -242,13 +203,6 @@ class DecodeNode:
                 self.log.exception("decode_loop_failed")
                 await self._apply(self.core.stop_all("failed", "engine_error"))
                 await asyncio.sleep(0.1)
-
-    def _fault_stall_due(self) -> bool:
-        n = self.config.fault_stall_after_tokens
-        return n > 0 and any(
-            s.current is not None and s.current.start is not None
-            and s.current.start.migration == 0 and s.current.num_completion_tokens >= n
-            for s in self.core.slots)
 
     async def _emit(self, slot: int, out) -> None:
         current = self.core.slots[slot].current

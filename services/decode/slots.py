@@ -123,6 +123,14 @@ class SlotCore:
         """Whether an engine step has work."""
         return any(s.current is not None and s.current.phase == "decoding" for s in self.slots)
 
+    def fault_stall_due(self, after_tokens: int) -> bool:
+        """FAULT INJECTION (``--fault-stall-after-tokens``): whether a request's first leg has
+        reached ``after_tokens`` completion tokens (0: never)."""
+        return after_tokens > 0 and any(
+            s.current is not None and s.current.start is not None
+            and s.current.start.migration == 0 and s.current.num_completion_tokens >= after_tokens
+            for s in self.slots)
+
     @property
     def has_engine_work(self) -> bool:
         return any(self._work_for(s) for s in self.slots)

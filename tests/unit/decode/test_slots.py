@@ -457,3 +457,23 @@ def test_decode_paths(steps, reason, want):
     paths.step("unknown", "fast")  # a lease that never started here: ignored
     assert paths.end("L1") == want
     assert paths.end("L1") == ("none", None) and not paths.counts and not paths.reasons
+
+
+# ---------------------------------------------------------------- fault injection: stall after N tokens
+
+@pytest.mark.parametrize("after,migration,outputs,want", [
+    (0, 0, [[4, 5, 6]], False),        # off
+    (3, 0, [[4]], False),              # 2 completion tokens (the prefill's first + 1)
+    (3, 0, [[4], [5]], True),          # 3: the first leg stalls here
+    (3, 1, [[4], [5], [6]], False),    # a migrated leg never stalls
+])
+def test_fault_stall_due(after, migration, outputs, want):
+    h = Harness(num_slots=1)
+    for op, arg, _ in decoding(1, max_tokens=10):
+        if op == "start":
+            arg = DecodeStart(**{**{f: getattr(arg, f) for f in arg.__struct_fields__}, "migration": migration})
+        h.run(op, arg)
+    for token_ids in outputs:
+        h.run("output", (0, token_ids, None))
+    assert h.core.fault_stall_due(after) is want
+    h.end_everything()
