@@ -38,10 +38,10 @@ import triton
 import triton.language as tl
 
 from .attention import DecodeAttention
-from .gemv import _prefetch, gdc_launch_dependents, gdc_wait, interpreting, launch_opts
+from .gemv import gdc_launch_dependents, gdc_wait, interpreting, l2_prefetch_tiles, launch_opts
 from .kernel_helpers import prefetch_l2, rnd_bf16, round_to_dtype
 from .llama import FastOptions, GqaModel
-from .moe import _mma
+from .moe import mma
 from .smallops import norm_rope_cache_head, rmsnorm_rows, rope_cache_head
 
 MAX_BATCH = 8
@@ -59,7 +59,7 @@ def padded_batch(n: int) -> int:
 
 @triton.jit
 def _mma_t(w, x, acc, UPCAST: tl.constexpr):
-    """acc + w [N, K] @ x[M, K]^T (the weights as the A operand), as moe._mma."""
+    """acc + w [N, K] @ x[M, K]^T (the weights as the A operand), as moe.mma."""
     if UPCAST:
         return tl.dot(w.to(tl.float32), tl.trans(x.to(tl.float32)), acc, input_precision="ieee")
     return tl.dot(w, tl.trans(x.to(w.dtype)), acc)
@@ -113,7 +113,7 @@ def _rows_gemv_kernel(x_ptr, w_ptr, out_ptr, res_ptr, nw_ptr, bias_ptr, amax_val
         w = tl.load(w_ptr + rows[:, None].to(tl.int64) * K + offs[None, :], mask=rmask[:, None] & kmask[None, :],
                     other=0.0, eviction_policy="evict_first")
         if MODE == 0:
-            acc = _mma(x, w, acc, UPCAST)
+            acc = mma(x, w, acc, UPCAST)
         elif MODE == 1:
             acc_t = _mma_t(w, x, acc_t, UPCAST)
         else:
@@ -122,7 +122,7 @@ def _rows_gemv_kernel(x_ptr, w_ptr, out_ptr, res_ptr, nw_ptr, bias_ptr, amax_val
             wu = tl.load(w_ptr + (rows + N)[:, None].to(tl.int64) * K + offs[None, :],
                          mask=rmask[:, None] & kmask[None, :], other=0.0, eviction_policy="evict_first")
             if MODE == 0:
-                acc_u = _mma(x, wu, acc_u, UPCAST)
+                acc_u = mma(x, wu, acc_u, UPCAST)
             elif MODE == 1:
                 acc_tu = _mma_t(wu, x, acc_tu, UPCAST)
             else:
@@ -177,7 +177,7 @@ def rows_gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, *, norm_w: to
         NORM=norm_w is not None, BIAS=bias is not None, RESIDUAL=residual is not None,
         ARGMAX=argmax_parts is not None, SILU=silu, MODE=mode,
         BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, UPCAST=interpreting(), PDL=pdl,
-        PREFETCH=_prefetch(prefetch, block_k), num_warps=num_warps, **launch_opts(pdl))
+        PREFETCH=l2_prefetch_tiles(prefetch, block_k), num_warps=num_warps, **launch_opts(pdl))
     return out
 
 
@@ -266,7 +266,7 @@ def rows_qkv_rope(x: torch.Tensor, wqkv: torch.Tensor, q_out: torch.Tensor, k_ca
         x, wqkv, bias if bias is not None else x, q_out, k_cache, v_cache, pos, slots, cos, sin, wqkv.shape[1],
         x.stride(0), q_out.stride(0), k_cache.stride(0), T=x.shape[0], T_PAD=DOT_ROWS, NUM_Q_HEADS=num_q_heads,
         NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k,
-        STAGES=stages, UPCAST=interpreting(), PDL=pdl, PREFETCH=_prefetch(prefetch, block_k), num_warps=num_warps,
+        STAGES=stages, UPCAST=interpreting(), PDL=pdl, PREFETCH=l2_prefetch_tiles(prefetch, block_k), num_warps=num_warps,
         **launch_opts(pdl))
 
 

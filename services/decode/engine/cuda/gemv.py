@@ -263,12 +263,12 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, *, norm_w: torch.T
         x, w, out, residual if residual is not None else out, norm_w if norm_w is not None else x,
         bias if bias is not None else x, av, ai, n, k, eps, NORM=norm_w is not None, RESIDUAL=residual is not None,
         BIAS=bias is not None, ARGMAX=argmax_parts is not None, K_POW2=_pow2(k),
-        BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, PDL=pdl, PREFETCH=_prefetch(prefetch, block_k),
+        BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, PDL=pdl, PREFETCH=l2_prefetch_tiles(prefetch, block_k),
         num_warps=num_warps, **launch_opts(pdl))
     return out
 
 
-def _prefetch(tiles: int, block_k: int) -> int:
+def l2_prefetch_tiles(tiles: int, block_k: int) -> int:
     """Weight tiles to prefetch into L2 before the PDL wait (``prefetch``: 0, 1, 2 or 4): none when
     interpreted or with tiles under one 128-byte line a row."""
     if tiles not in (0, 1, 2, 4):
@@ -287,7 +287,7 @@ def gemv_silu(x: torch.Tensor, w_gate_up: torch.Tensor, out: torch.Tensor, *, no
     _gemv_silu_kernel[(inter // block_n,)](
         x, w_gate_up, out, norm_w if norm_w is not None else x, inter, k, eps,
         NORM=norm_w is not None, K_POW2=_pow2(k), BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, PDL=pdl,
-        PREFETCH=_prefetch(prefetch, block_k), num_warps=num_warps, **launch_opts(pdl))
+        PREFETCH=l2_prefetch_tiles(prefetch, block_k), num_warps=num_warps, **launch_opts(pdl))
     return out
 
 
@@ -312,4 +312,4 @@ def gemv_qkv_rope(x: torch.Tensor, wqkv: torch.Tensor, norm_w: torch.Tensor | No
         x, wqkv, norm_w if norm_w is not None else x, bias if bias is not None else x, q_out, k_cache, v_cache,
         pos, cos, sin, wqkv.shape[1], eps, NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
         NORM=norm_w is not None, BIAS=bias is not None, ROPE=rope, K_POW2=_pow2(wqkv.shape[1]), BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, PDL=pdl,
-        POS_EARLY=pos_early, PREFETCH=_prefetch(prefetch, block_k), num_warps=num_warps, **launch_opts(pdl))
+        POS_EARLY=pos_early, PREFETCH=l2_prefetch_tiles(prefetch, block_k), num_warps=num_warps, **launch_opts(pdl))

@@ -27,7 +27,7 @@ from .kernel_helpers import load_first_pair_tile, round_to_dtype
 # [T, N] or a [T, N, K] accumulator by a constexpr branch runs under the interpreter but does not compile
 # (Triton 3.6, H200).
 @triton.jit
-def _mma(x, w, acc, UPCAST: tl.constexpr):
+def mma(x, w, acc, UPCAST: tl.constexpr):
     """acc + x [M, K] @ w[N, K]^T: bf16 tensor-core dot with fp32 sums; fp32 operands (exact products of
     bf16 values) under Triton's CPU interpreter, whose dot does not take bf16."""
     if UPCAST:
@@ -80,7 +80,7 @@ def _gemv_rows_kernel(x_ptr, w_ptr, out_ptr, res_ptr, nw_ptr, N, K, eps, stride_
         w = tl.load(w_ptr + rows[:, None].to(tl.int64) * K + offs[None, :], mask=rmask[:, None] & kmask[None, :],
                     other=0.0, eviction_policy="evict_first")
         if DOT:
-            acc2 = _mma(x, w, acc2, UPCAST)
+            acc2 = mma(x, w, acc2, UPCAST)
         else:
             acc += w.to(tl.float32)[None, :, :] * x.to(tl.float32)[:, None, :]
     if DOT:
@@ -224,8 +224,8 @@ def _moe_gate_up_kernel(x_ptr, ids_ptr, w_ptr, ws_ptr, act_ptr, I, K, stride_e,
             wa = tl.load(base + rows[:, None].to(tl.int64) * K + offs[None, :], mask=wmask, other=0.0)
             wb = tl.load(base + (rows + I)[:, None].to(tl.int64) * K + offs[None, :], mask=wmask, other=0.0)
             if DOT:
-                dot_a = _mma(x, wa, dot_a, UPCAST)
-                dot_b = _mma(x, wb, dot_b, UPCAST)
+                dot_a = mma(x, wa, dot_a, UPCAST)
+                dot_b = mma(x, wb, dot_b, UPCAST)
             else:
                 acc_a += wa.to(tl.float32)[None, :, :] * x.to(tl.float32)[:, None, :]
                 acc_b += wb.to(tl.float32)[None, :, :] * x.to(tl.float32)[:, None, :]
@@ -267,7 +267,7 @@ def _moe_down_kernel(act_ptr, ids_ptr, w_ptr, ws_ptr, y_ptr, H, I, stride_e,
             w = tl.load(base + rows[:, None].to(tl.int64) * I + offs[None, :], mask=rmask[:, None] & (offs < I)[None, :],
                         other=0.0)
             if DOT:
-                acc2 = _mma(x, w, acc2, UPCAST)
+                acc2 = mma(x, w, acc2, UPCAST)
             else:
                 acc += w.to(tl.float32)[None, :, :] * x.to(tl.float32)[:, None, :]
         if DOT:
