@@ -482,7 +482,8 @@ def main() -> int:
         asyncio.run(storm_clients(router, model, int(num), Path(path)))
         return 0
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--only", default="", help=f"comma-separated subset of {','.join(SCENARIOS)}")
+    p.add_argument("--only", default="", help=f"comma-separated subset of {','.join(SCENARIOS)}; "
+                   "updates those scenarios' keys in bench/results/chaos.json and keeps the rest")
     p.add_argument("--clients", type=int, default=200, help="concurrent clients of the load scenario")
     p.add_argument("--aborts", type=int, default=500, help="clients cut off in the abort storm")
     args = p.parse_args()
@@ -497,6 +498,13 @@ def main() -> int:
     out_dir = ROOT / "bench" / "results"
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / "chaos.json"
+    if args.only and path.exists():  # a subset run updates its scenarios' keys, keeps the others
+        merged = json.loads(path.read_text())
+        runs = {**merged.get("config", {}).get("runs", {}),
+                **{name: result["config"]["utc"] for name in args.only.split(",")}}
+        merged.update(result)
+        merged["config"]["runs"] = runs
+        result = merged
     path.write_text(json.dumps(result, indent=2))
     print(f"wrote {path}")
     return 0
