@@ -502,8 +502,9 @@ def main() -> int:
         merged = json.loads(path.read_text())
         runs = {**merged.get("config", {}).get("runs", {}),
                 **{name: result["config"]["utc"] for name in args.only.split(",")}}
+        config = merged.get("config", {})  # the full run's
         merged.update(result)
-        merged["config"]["runs"] = runs
+        merged["config"] = {**config, "runs": runs}
         result = merged
     path.write_text(json.dumps(result, indent=2))
     print(f"wrote {path}")
