@@ -36,7 +36,7 @@ class Availability:
             transports=[self.receiver.name], endpoints={self.receiver.name: self.receiver.endpoint},
             slots=self.receiver.slot_targets(), layout=self.engine.layout,
             heartbeat_interval_ms=c.heartbeat_ms, seq=self.seq, sent_at_ms=now,
-            nixl_metadata_b64=self.receiver.metadata_b64, max_seq_len=c.max_seq_len))
+            nixl_metadata_b64=self.receiver.metadata_b64, max_seq_len=self.engine.max_seq_len))
 
     async def loop(self) -> None:
         """Publish every ``heartbeat_ms`` until cancelled (a failed publish is logged, not fatal)."""

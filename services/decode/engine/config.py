@@ -36,6 +36,9 @@ class ModelConfig:
     qkv_bias: bool = False
     o_bias: bool = False
     qk_norm: bool = False
+    # Mistral's sliding-window attention (None: full attention); the engine attends to the whole
+    # context, which is the same as the window only up to its length (Engine caps max_seq_len)
+    sliding_window: int | None = None
     # mla
     q_lora_rank: int | None = None
     kv_lora_rank: int = 0
@@ -112,6 +115,7 @@ def parse_config(config: dict[str, Any]) -> ModelConfig:
             qkv_bias=model_type == "qwen2" or bool(config.get("attention_bias", False)),
             o_bias=model_type in ("llama", "mistral") and bool(config.get("attention_bias", False)),
             qk_norm=model_type == "qwen3",
+            sliding_window=int(config["sliding_window"]) if model_type == "mistral" and config.get("sliding_window") else None,
             **common,
         )
     if model_type in MLA_TYPES:

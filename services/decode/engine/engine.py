@@ -69,6 +69,7 @@ import torch
 
 from shared.events import KvLayoutSpec, SamplingParams, SpecStats
 from shared.kvlayout import kv_shape_from_hf_config
+from shared.log import get_logger
 
 from .cache import TORCH_DTYPES, KvCache
 from .sampling import ReferenceSampler, SamplingBuffers, banned_ids, exponential, resolve, sample
@@ -84,6 +85,8 @@ from .cuda.graph import GraphedFn
 from . import fastpath
 from .options import EngineConfig
 from .weights import DictReader, hf_to_engine, iter_engine_params, read_config
+
+_log = get_logger("decode.engine")
 
 
 @dataclass
@@ -118,6 +121,14 @@ class Engine:
         if num_spec and not getattr(model, "has_mtp", False):
             raise ValueError(f"{model_name} has no MTP layer weights: run it with num_speculative_tokens=0")
         num_slots, max_seq_len, fast_path = config.num_slots, config.max_seq_len, config.fast_path
+        window = getattr(cfg, "sliding_window", None)
+        if window and max_seq_len > window:
+            # Full attention equals the model's sliding window up to the window's length; longer
+            # contexts would decode differently from the model (and from vLLM), so they go elsewhere.
+            _log.warning("max_seq_len_capped", model=model_name, max_seq_len=max_seq_len, sliding_window=window,
+                         hint="the decode engine has no sliding-window attention; requests beyond "
+                              f"{window} tokens take another node or the standard lane")
+            max_seq_len = window
         self.config = config
         self.model, self.cfg, self.model_name = model, cfg, model_name
         self.device, self.dtype = model.embed.device, model.embed.dtype
