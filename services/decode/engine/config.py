@@ -112,8 +112,10 @@ def parse_config(config: dict[str, Any]) -> ModelConfig:
             family="gqa",
             num_kv_heads=int(config.get("num_key_value_heads") or num_heads),
             head_dim=int(head_dim),
-            qkv_bias=model_type == "qwen2" or bool(config.get("attention_bias", False)),
-            o_bias=model_type in ("llama", "mistral") and bool(config.get("attention_bias", False)),
+            # as HF's code reads attention_bias: Qwen2 always has q/k/v biases and no o bias,
+            # Llama and Qwen3 put it on q, k, v and o, Mistral has none
+            qkv_bias=model_type == "qwen2" or (model_type != "mistral" and bool(config.get("attention_bias", False))),
+            o_bias=model_type in ("llama", "qwen3") and bool(config.get("attention_bias", False)),
             qk_norm=model_type == "qwen3",
             sliding_window=int(config["sliding_window"]) if model_type == "mistral" and config.get("sliding_window") else None,
             **common,
