@@ -147,6 +147,44 @@ def test_gemv_rows_reads_a_per_head_output_in_place(t):
         moe.gemv_rows(x, w, out, norm_w=rand(48), heads=True)
 
 
+# (tokens, experts, groups, groups kept, top-k): V3's 256 experts / 8 groups / 4 kept / top-8 scaled down,
+# a one-group model, all groups kept (plain top-k), expert counts not a power of two (Kimi-K2: 384)
+GROUPED_ROUTING = [(3, 8, 2, 1, 2), (2, 16, 4, 2, 3), (2, 64, 8, 4, 8), (2, 8, 1, 1, 2), (2, 8, 2, 2, 3),
+                   (2, 12, 1, 1, 3), (2, 24, 4, 2, 4)]
+
+
+@pytest.mark.parametrize("t,e,n_group,topk_group,k", GROUPED_ROUTING)
+def test_group_limited_router_matches_twin_and_engine_route(t, e, n_group, topk_group, k):
+    from types import SimpleNamespace
+
+    from services.decode.engine.deepseek import route
+
+    h = 32
+    xn, router_w, bias = rand(t, h, seed=e), rand(e, h, std=0.3, seed=e), rand(e, std=0.1, seed=k).float()
+    gs, grouped = e // n_group, topk_group < n_group
+    if grouped:  # token 0: the best expert (0) sits in a group whose second best is poor; every other
+        xn[0] = 0  # group has two good ones (distinct values: no ties)
+        bias[:] = -0.2
+        bias[0] = 0.5
+        for g in range(1, n_group):
+            bias[g * gs], bias[g * gs + 1] = 0.40 + 0.01 * g, 0.403 + 0.01 * g
+    ids, wts = torch.zeros(t, k, dtype=torch.int32), torch.zeros(t, k)
+    moe.router(xn, router_w, bias, ids, wts, k, 2.5, n_group=n_group, topk_group=topk_group)
+    rid, rw = reference.router(xn, router_w, bias, k, 2.5, n_group, topk_group)
+    assert torch.equal(ids.long(), rid)
+    close(wts, rw)
+    if grouped:
+        assert 0 not in rid[0].tolist() and 0 in reference.router(xn, router_w, bias, k, 2.5)[0][0].tolist()
+        groups = rid // gs
+        assert all(len(set(row)) <= topk_group for row in groups.tolist())
+    cfg = SimpleNamespace(num_experts=e, n_group=n_group, topk_group=topk_group, num_experts_per_tok=k,
+                          norm_topk_prob=True, routed_scaling_factor=2.5)
+    eid, ew = route(cfg, SimpleNamespace(router=router_w, router_bias=bias), xn)  # the engine's reference step
+    order = eid.argsort(dim=-1)
+    assert torch.equal(eid.gather(1, order), rid.sort(dim=-1)[0])
+    close(ew.gather(1, order), rw.gather(1, rid.argsort(dim=-1)))
+
+
 def test_router_and_grouped_moe_read_each_expert_once_and_match_twin():
     t, h, e, k, inter, shared = 3, 32, 8, 2, 16, 2
     xn, router_w, bias = rand(t, h), rand(e, h, std=0.3), torch.zeros(e)

@@ -3,7 +3,8 @@ twins: reference.router, reference.moe).
 
 - ``gemv_rows``: out[T, N] = [res +] W @ [rmsnorm(x) * nw | x] for T <= 4 tokens; every weight tile is
   loaded once and used for all T rows (a verify step reads each weight once, not T times).
-- ``router``: router GEMV over the experts, then sigmoid scores, + correction bias (noaux_tc, one group),
+- ``router``: router GEMV over the experts, then sigmoid scores, + correction bias (noaux_tc; with
+  several groups, only the experts of the topk_group groups whose two best biased scores sum highest),
   top-k, normalised weights.
 - ``moe_gate_up`` / ``moe_down``: grouped expert GEMVs over the (token, slot) pairs of the step;
   slots are the top-k routed experts then the shared experts (pre-laid-out as ``[S, ...]`` experts
@@ -139,11 +140,29 @@ def gemv_rows(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, *, norm_w: to
 
 
 @triton.jit
-def _router_topk_kernel(logits_ptr, bias_ptr, ids_ptr, wts_ptr, scale, E: tl.constexpr, TOPK: tl.constexpr):
+def _router_topk_kernel(logits_ptr, bias_ptr, ids_ptr, wts_ptr, scale, E: tl.constexpr, TOPK: tl.constexpr,
+                        N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, E_POW2: tl.constexpr):
     t = tl.program_id(0)
-    e = tl.arange(0, E)
-    scores = 1.0 / (1.0 + tl.exp(-tl.load(logits_ptr + t * E + e)))
-    choice = scores + tl.load(bias_ptr + e).to(tl.float32)
+    e = tl.arange(0, E_POW2)  # padded past E (e.g. 384 experts): never chosen
+    em = e < E
+    scores = 1.0 / (1.0 + tl.exp(-tl.load(logits_ptr + t * E + e, mask=em, other=0.0)))
+    choice = tl.where(em, scores + tl.load(bias_ptr + e, mask=em, other=0.0).to(tl.float32), float("-inf"))
+    GS: tl.constexpr = E // N_GROUP  # experts per group
+    if N_GROUP > 1:  # group-limited: a group's score is the sum of its two best choices; keep the best groups
+        grp = e // GS
+        gscore = tl.full((E_POW2,), float("-inf"), tl.float32)  # per expert: its group's score
+        for g in tl.static_range(N_GROUP):
+            cg = tl.where(grp == g, choice, float("-inf"))
+            i1 = tl.argmax(cg, axis=0, tie_break_left=True)
+            m1 = tl.max(cg, axis=0)
+            m2 = tl.max(tl.where(e == i1, float("-inf"), cg), axis=0)
+            gscore = tl.where(grp == g, m1 + m2, gscore)
+        keep = e < 0
+        for j in tl.static_range(TOPK_GROUP):
+            best = tl.argmax(gscore, axis=0, tie_break_left=True) // GS
+            keep = keep | (grp == best)
+            gscore = tl.where(grp == best, float("-inf"), gscore)
+        choice = tl.where(keep, choice, float("-inf"))
     total = 0.0
     c = choice
     for j in tl.static_range(TOPK):
@@ -159,18 +178,25 @@ def _router_topk_kernel(logits_ptr, bias_ptr, ids_ptr, wts_ptr, scale, E: tl.con
 
 
 def router(xn: torch.Tensor, w: torch.Tensor, bias: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor,
-           top_k: int, scale: float, logits: torch.Tensor | None = None) -> None:
-    """ids [T, k] int32 (best first), wts [T, k] fp32 from normed x [T, H] (noaux_tc, one group).
+           top_k: int, scale: float, logits: torch.Tensor | None = None, *, n_group: int = 1,
+           topk_group: int = 1) -> None:
+    """ids [T, k] int32 (best first), wts [T, k] fp32 from normed x [T, H] (noaux_tc; group-limited to
+    the ``topk_group`` best of ``n_group`` expert groups when fewer than all: reference.router).
 
     Two launches: the router GEMV spread over the experts (one program per 2 experts; a single program
-    per token reading all E x H weights was latency-bound at ~23 us), then top-k per token.
-    ``logits``: an fp32 [T, E] scratch buffer (allocated when not given)."""
+    per token reading all E x H weights was latency-bound at ~23 us), then top-k per token (the group
+    choice in the same program). ``logits``: an fp32 [T, E] scratch buffer (allocated when not given)."""
     t, e = xn.shape[0], w.shape[0]
+    grouped = n_group > 1 and topk_group < n_group
+    if grouped and (e % n_group or e // n_group < 2 or top_k > topk_group * (e // n_group)):
+        raise ValueError(f"group-limited routing: {e} experts in {n_group} groups (2+ each), top {topk_group} "
+                         f"groups must hold the top-{top_k}")
     if logits is None:
         logits = torch.empty(t, e, dtype=torch.float32, device=xn.device)
     # 512-wide K tiles for any T (gemv_rows narrows block_k by T): 4 dependent loads, not 16
     gemv_rows(xn, w, logits, block_n=2, block_k=512 * triton.next_power_of_2(t), stages=2, dot=False)
-    _router_topk_kernel[(t,)](logits, bias, ids, wts, scale, E=e, TOPK=top_k, num_warps=1)
+    _router_topk_kernel[(t,)](logits, bias, ids, wts, scale, E=e, TOPK=top_k, N_GROUP=n_group if grouped else 1,
+                              TOPK_GROUP=topk_group if grouped else 1, E_POW2=triton.next_power_of_2(e), num_warps=1)
 
 
 @triton.jit

@@ -59,10 +59,20 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: int, sm_sc
     return torch.einsum("hts,shd->thd", p, vf).to(q.dtype)
 
 
-def router(xn: torch.Tensor, w: torch.Tensor, bias: torch.Tensor, top_k: int, scale: float):
-    """(ids [T, k] best first, weights [T, k] fp32): sigmoid, + bias for the choice, normalised, scaled."""
+def router(xn: torch.Tensor, w: torch.Tensor, bias: torch.Tensor, top_k: int, scale: float, n_group: int = 1,
+           topk_group: int = 1):
+    """(ids [T, k] best first, weights [T, k] fp32): sigmoid, + bias for the choice, normalised, scaled.
+
+    Group-limited (``topk_group < n_group``, deepseek.route): a group scores the sum of its two best
+    biased scores; only the experts of the ``topk_group`` best groups are chosen from."""
     scores = (xn.float() @ w.float().T).sigmoid()
-    ids = (scores + bias.float()).topk(top_k, dim=-1, sorted=True)[1]
+    choice = scores + bias.float()
+    if n_group > 1 and topk_group < n_group:
+        t, e = choice.shape
+        group_scores = choice.view(t, n_group, e // n_group).topk(2, dim=-1)[0].sum(dim=-1)
+        kept = torch.zeros_like(group_scores).scatter(1, group_scores.topk(topk_group, dim=-1)[1], 1.0).bool()
+        choice = choice.masked_fill(~kept.repeat_interleave(e // n_group, dim=1), float("-inf"))
+    ids = choice.topk(top_k, dim=-1, sorted=True)[1]
     wts = scores.gather(1, ids)
     return ids, wts / (wts.sum(-1, keepdim=True) + 1e-20) * scale
 
