@@ -34,7 +34,7 @@ active slots that all decode on the fast path runs them together in one batched 
 with each slot's tokens as alone; other steps over several slots (more than 8, a slot the fast path
 cannot serve, the DeepSeek family) take the reference step. ``auto``
 uses it where the engine supports it (CUDA, bfloat16, plain Llama-family blocks without drafts, or
-DeepSeek-V3-family blocks without q LoRA) and logs why not otherwise (``fast_path_reason``); ``on``
+DeepSeek-V3-family blocks) and logs why not otherwise (``fast_path_reason``); ``on``
 raises ValueError for an engine it cannot serve. Requests it cannot serve (sampling or logits processors
 on the DeepSeek family, drafts on a Llama-family engine, bad words beyond its buffers) take the reference step in either mode, their reason in
 ``slot_fast_path_reason(slot)``; ``last_step_path`` says which path the last step took ("fast" |

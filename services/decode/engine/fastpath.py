@@ -6,9 +6,9 @@ Contract:
 - ``engine_reason(mode, model, device, dtype, num_speculative_tokens)``: why this engine cannot run
   the fast path (``None``: it can). The fast path runs decode steps of bfloat16 models on CUDA: Llama-family models (Llama, Mistral, Qwen2/2.5 with qkv bias, Qwen3 with q/k norm; any rope
   scaling the engine reads, tied embeddings; head_dim a power of two), one token per step; and
-  DeepSeek-V3-family models without q LoRA and with one routing group (DeepSeek-V2-Lite-like), with
-  MTP drafts (k drafts + one verify per step, greedy acceptance on device) when the engine has
-  them. On CPU only when asked for with ``mode="on"`` while Triton's interpreter is active (tests).
+  DeepSeek-V3-family models (with or without q LoRA; noaux_tc routing, group-limited or in one group;
+  normalised top-k weights), with MTP drafts (k drafts + one verify per step, greedy acceptance on
+  device) when the engine has them. On CPU only when asked for with ``mode="on"`` while Triton's interpreter is active (tests).
 - ``request_reason(greedy, num_spec, spec_ok, sample_ok, sample_limit)``: why a request cannot
   (``None``: it can). Llama-family engines also sample on the fast path (``sample_ok``): every
   sampling parameter and logits processor, by the kernels of cuda/sampling.py after the lm_head
@@ -96,10 +96,6 @@ def engine_reason(mode: str, model, device: torch.device, dtype: torch.dtype, nu
     cfg = model.cfg
     family = getattr(model, "family", "")
     if family == "mla":
-        if cfg.q_lora_rank:
-            return f"{cfg.model_type}: q LoRA (q_lora_rank={cfg.q_lora_rank}) is not on the fast path's MLA step"
-        if cfg.n_group > 1 and cfg.topk_group < cfg.n_group:
-            return f"{cfg.model_type}: group-limited routing (n_group={cfg.n_group}) is not on the fast path"
         if not cfg.norm_topk_prob:
             return f"{cfg.model_type}: unnormalised top-k weights (norm_topk_prob=false) are not on the fast path"
     elif family == "gqa":

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 
@@ -47,7 +45,14 @@ def test_gqa_fast_path_continues_an_engine_prefill_in_its_own_slot(checkpoint):
     assert torch.equal(engine.cache.k_caches[0][0], other_slot)  # slot 0 untouched
 
 
-def test_mla_fast_path_refuses_q_lora_models():
-    model = SimpleNamespace(cfg=SimpleNamespace(q_lora_rank=48))
-    with pytest.raises(ValueError, match="q LoRA"):
-        mla_decoder_from_engine(model, 0)
+def test_mla_fast_path_lays_out_q_lora_and_group_limited_routing(checkpoint):
+    engine = Engine.load(checkpoint("deepseek_v3"), num_slots=1, max_seq_len=16, device="cpu", dtype="bfloat16",
+                         num_speculative_tokens=1)
+    cfg, blk = engine.model.cfg, engine.model.layers[1]
+    dec = mla_decoder_from_engine(engine.model, 0)
+    d, lw = dec.model.dims, dec.model.layers[1]
+    assert (d.q_lora_rank, d.n_group, d.topk_group) == (cfg.q_lora_rank, cfg.n_group, cfg.topk_group) == (48, 2, 1)
+    assert torch.equal(lw.wqkv_a, torch.cat([blk.wkv_a.data, blk.wq_a.data]))  # the latent first, then q_a
+    assert lw.wq_b.data_ptr() == blk.wq_b.data_ptr() and lw.q_a_norm.data_ptr() == blk.q_a_norm.data_ptr()
+    assert dec.model.mtp.layer.wq_b is not None  # the MTP layer's block has q LoRA too
+    assert dec.stacks[1].qkv.shape[1] == cfg.num_heads * (16 + 16) + cfg.kv_lora_rank + 16 + 48

@@ -4,10 +4,14 @@ A bfloat16 DeepSeek-V2-Lite-like tiny model (no q LoRA, one routing group; near-
 layer whose drafts follow it): greedy tokens through ``Engine(fast_path="on")`` equal
 ``Engine(fast_path="off")``'s without drafts and with k = 1..3 MTP drafts per step (one graph of
 drafts + verify), also where max_tokens and max_seq_len cut a step; drafts are accepted and counted;
-engines it cannot serve say why.
+engines it cannot serve say why. The full DeepSeek-V3 layout (q LoRA, group-limited routing, MTP)
+decodes on the fast path too, with the reference engine's tokens.
 """
 
 from __future__ import annotations
+
+import json
+import shutil
 
 import pytest
 
@@ -16,12 +20,20 @@ from shared.events import SamplingParams
 from tests.unit.engine.hf_models import save_checkpoint
 
 PROMPT = [0, 17, 42, 99, 3, 250, 7]
+V3_PROMPT = [0, 3, 9, 27, 81, 243, 1]  # the reference's top-2 logits of its 8 tokens 0.06+ apart: no near-tie
 
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     path = tmp_path_factory.mktemp("fast-engine-mla")
     save_checkpoint("deepseek_v3_lite", path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def v3_checkpoint(tmp_path_factory):
+    path = tmp_path_factory.mktemp("fast-engine-v3")
+    save_checkpoint("deepseek_v3", path)  # q LoRA (q_lora_rank 48), 2 routing groups of which 1 is kept
     return path
 
 
@@ -61,6 +73,24 @@ def test_mla_fast_path_greedy_tokens_equal_the_reference_engine(checkpoint, k):
         assert stats.num_draft_tokens == 0 and len(per_step) == 9
 
 
+@pytest.mark.parametrize("k", [0, 2])
+def test_deepseek_v3_with_q_lora_and_group_limited_routing_decodes_on_the_fast_path(v3_checkpoint, k):
+    greedy = SamplingParams(max_tokens=7, ignore_eos=True)
+    fast = load(v3_checkpoint, "on", k)
+    assert fast.fast_path_reason is None
+    first = int(fast.prefill(0, V3_PROMPT).argmax())
+    fast.start(0, first, greedy)
+    assert fast.slot_fast_path_reason(0) is None
+    fast.release(0)
+    got, reason, paths, per_step, stats = run(fast, V3_PROMPT, greedy)
+    want, want_reason, ref_paths, _, _ = run(load(v3_checkpoint, "off", k), V3_PROMPT, greedy)
+    assert paths == {"fast"} and ref_paths == {"reference"}
+    assert got == want and reason == want_reason == "length" and len(got) == 8
+    assert max(per_step) <= k + 1
+    assert stats.num_draft_tokens == k * stats.num_steps
+    assert stats.num_accepted_tokens == len(got) - 1 - stats.num_steps >= (1 if k else 0)  # verified drafts kept
+
+
 def test_mla_fast_path_cuts_a_speculative_step_at_max_tokens_and_max_seq_len(checkpoint):
     for max_tokens, max_seq_len in ((5, 40), (30, len(PROMPT) + 6)):
         sampling = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
@@ -70,12 +100,14 @@ def test_mla_fast_path_cuts_a_speculative_step_at_max_tokens_and_max_seq_len(che
         assert len(got[0]) - 1 == min(max_tokens, max_seq_len - len(PROMPT) - 1)
 
 
-def test_mla_fast_path_refusals_say_why(checkpoint, tmp_path):
-    save_checkpoint("deepseek_v3", tmp_path)  # q LoRA and group-limited routing
-    engine = Engine.load(tmp_path, num_slots=1, max_seq_len=32, dtype="bfloat16", fast_path="auto")
-    assert engine.fast_path is None and "q LoRA" in engine.fast_path_reason
-    with pytest.raises(ValueError, match="q LoRA"):
-        Engine.load(tmp_path, num_slots=1, max_seq_len=32, dtype="bfloat16", fast_path="on")
+def test_mla_fast_path_refusals_say_why(checkpoint, v3_checkpoint, tmp_path):
+    path = shutil.copytree(v3_checkpoint, tmp_path / "unnormalised")  # top-k weights not normalised
+    cfg = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**cfg, "norm_topk_prob": False}))
+    engine = Engine.load(path, num_slots=1, max_seq_len=32, dtype="bfloat16", fast_path="auto")
+    assert engine.fast_path is None and "norm_topk_prob=false" in engine.fast_path_reason
+    with pytest.raises(ValueError, match="norm_topk_prob=false"):
+        Engine.load(path, num_slots=1, max_seq_len=32, dtype="bfloat16", fast_path="on")
     fast = load(checkpoint, "on", 1)
     fast.prefill(0, PROMPT)
     fast.start(0, 5, SamplingParams(max_tokens=3, temperature=0.8, seed=1))

@@ -2,7 +2,8 @@
 
 Llama family: GqaDecoder on Triton and on cuBLAS-style backends vs reference_step, token by token.
 DeepSeek family: MlaDecoder plain steps vs reference_forward, a verify forward of 3 tokens vs the
-reference, and MTP speculative output equal to plain greedy output with consistent counters.
+reference (also with q LoRA and group-limited routing), and MTP speculative output equal to plain greedy
+output with consistent counters.
 """
 
 from __future__ import annotations
@@ -92,9 +93,12 @@ def test_gqa_decoder_rejects_non_bf16_models():
 H, NH, R, NOPE, ROPE, V, E, K, INTER, SHARED, VOCAB, DENSE = 32, 2, 32, 16, 16, 16, 4, 2, 16, 1, 40, 32
 
 
-def _mla_layer(g, dense: bool):
+def _mla_layer(g, dense: bool, q_lora: int = 0):
     p = dict(attn_norm=_nw(g, H), wq=_w(g, NH * (NOPE + ROPE), H), wkv_a=_w(g, R + ROPE, H), kv_a_norm=_nw(g, R),
              w_uk=_w(g, NH, NOPE, R), w_uv=_w(g, NH, V, R), wo=_w(g, H, NH * V, scale=0.3), mlp_norm=_nw(g, H))
+    if q_lora:  # the engine's q LoRA names instead of wq
+        del p["wq"]
+        p.update(wq_a=_w(g, q_lora, H), q_a_norm=_nw(g, q_lora), wq_b=_w(g, NH * (NOPE + ROPE), q_lora))
     if dense:
         p.update(w_gate_up=_w(g, 2 * DENSE, H), w_down=_w(g, H, DENSE, scale=0.3))
     else:
@@ -150,6 +154,28 @@ def test_mla_plain_steps_and_verify_follow_reference(tiny_mla):
     ref, hid = reference_forward(tiny_mla, ref_caches, cos, sin, [5, 7, 9], ctx + 5)
     assert ((dec.logits[3] - ref).abs().max() / ref.abs().max()).item() < 1e-6
     assert torch.equal(caches[0][ctx + 5:ctx + 8], ref_caches[0][ctx + 5:ctx + 8])
+
+
+def test_mla_q_lora_and_group_limited_routing_follow_reference():
+    g, n, ctx, q_lora = _gen(8), 40, 12, 24
+    dims = MlaDims(H, NH, R, NOPE, ROPE, V, E, K, INTER, SHARED, 1.5, 1e-6, (NOPE + ROPE) ** -0.5,
+                   q_lora_rank=q_lora, n_group=2, topk_group=1)  # 2 groups of 2 experts, the best one kept
+    layers = [_mla_layer(g, True, q_lora), _mla_layer(g, False, q_lora)]
+    model = MlaModel(dims, layers, torch.randn(VOCAB, H, generator=g).to(BF), _nw(g, H), _w(g, VOCAB, H), None, DENSE)
+    caches = _mla_caches(n)[:2]
+    ref_caches = [c.clone() for c in caches]
+    cos, sin = _tables(n, ROPE)
+    dec = MlaDecoder(model, caches, cos, sin, max_draft=2, max_steps=8, num_splits=4)
+    dec.set_state(3, ctx)
+    dec.plain_step()
+    ref, _ = reference_forward(model, ref_caches, cos, sin, [3], ctx)
+    assert ((dec.logits[1] - ref).abs().max() / ref.abs().max()).item() < 1e-6
+    assert torch.equal(caches[1][ctx], ref_caches[1][ctx]) and int(dec.tokens[0]) == int(ref[0].argmax())
+    dec.tokens[:3] = torch.tensor([5, 7, 9])
+    dec.forward(3)  # pos advanced to ctx + 1
+    ref, _ = reference_forward(model, ref_caches, cos, sin, [5, 7, 9], ctx + 1)
+    assert ((dec.logits[3] - ref).abs().max() / ref.abs().max()).item() < 1e-6
+    assert torch.equal(caches[0][ctx + 1:ctx + 4], ref_caches[0][ctx + 1:ctx + 4])
 
 
 SPEC_N, SPEC_CTX, SPEC_WANT = 40, 12, 5  # the speculative tests: slot size, context, tokens compared

@@ -10,11 +10,12 @@
     GraphedFn(mdec.plain_step, ...) / GraphedFn(lambda: mdec.spec_step(k), ...)
 
 Weights are used in place (views of the engine's parameters) except what ``mla.prepare_layer`` lays
-out once (fused wq|wkv_a, w_uv transposed, shared experts split). The slot's cache views are the
+out once (fused wq|wkv_a or, with q LoRA, wkv_a|wq_a; w_uv transposed, shared experts split). The slot's cache views are the
 engine's own (``model.cache.k_caches[i][slot]`` ...), so injected KV is read with no copy and the fast path's
 writes are the engine's cache. Greedy only; the fast path needs bf16, Llama-family blocks (Llama,
 Mistral, Qwen2 with its q/k/v bias, Qwen3 with its q/k norm, an o_proj bias; head_dim a power of two)
-and DeepSeek without q LoRA; anything else raises ValueError (use the engine's torch path).
+and DeepSeek-V3-family blocks (with or without q LoRA, group-limited routing or not); anything else
+raises ValueError (use the engine's torch path).
 """
 
 from __future__ import annotations
@@ -100,12 +101,11 @@ def mla_decoder_from_engine(model, slot: int, max_draft: int = 3, max_steps: int
                             draft_vocab: int | None = None) -> MlaDecoder:
     """MlaDecoder over a bound engine DeepseekModel's weights (and its first MTP layer, if loaded)."""
     cfg = model.cfg
-    if cfg.q_lora_rank:
-        raise ValueError("the fast path's MLA step has no q LoRA yet: use the engine's torch path")
     dense_inter = cfg.intermediate_size if any(not b.is_moe for b in model.layers) else 0
     dims = MlaDims(cfg.hidden_size, cfg.num_heads, cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim,
                    cfg.v_head_dim, cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size,
-                   cfg.num_shared_experts, cfg.routed_scaling_factor, cfg.rms_norm_eps, model.scale)
+                   cfg.num_shared_experts, cfg.routed_scaling_factor, cfg.rms_norm_eps, model.scale,
+                   q_lora_rank=cfg.q_lora_rank or 0, n_group=cfg.n_group, topk_group=cfg.topk_group)
     layers = [_mla_layer(b, cfg.moe_intermediate_size) for b in model.layers]
     mtp = None
     if model.has_mtp:

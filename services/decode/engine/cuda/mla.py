@@ -1,9 +1,11 @@
 """DeepSeek-V3-family decode on the fast path: absorbed MLA, grouped-expert MoE, MTP draft + verify.
 
-Weights are the engine's (deepseek.py names): per layer attn_norm, wq (no q LoRA), wkv_a, kv_a_norm,
-w_uk [Hq, nope, r], w_uv [Hq, v, r], wo, mlp_norm, and router/router_bias/experts_gate_up/experts_down/
-shared_gate_up/shared_down (MoE) or w_gate_up/w_down (dense). ``prepare_layer`` pre-lays them out
-once: wq and wkv_a fused into one projection, shared experts split into routed-size experts.
+Weights are the engine's (deepseek.py names): per layer attn_norm, wq (or, with q LoRA, wq_a, q_a_norm,
+wq_b), wkv_a, kv_a_norm, w_uk [Hq, nope, r], w_uv [Hq, v, r], wo, mlp_norm, and router/router_bias/
+experts_gate_up/experts_down/shared_gate_up/shared_down (MoE) or w_gate_up/w_down (dense).
+``prepare_layer`` pre-lays them out once: wq and wkv_a fused into one projection (q LoRA: wkv_a and wq_a,
+then q_b over RMSNorm(q_a) as a second GEMV), shared experts split into routed-size experts. Routing is
+noaux_tc, group-limited where the model has several groups (``MlaDims.n_group`` / ``topk_group``).
 Cache per layer: ``[max_tokens, r + rope]`` (shared.kvlayout MLA), MTP layers after the main ones.
 
 ``MlaDecoder.forward(T)`` runs the main model over ``tokens[:T]`` at positions ``pos .. pos+T-1``
@@ -41,12 +43,15 @@ class MlaDims:
     routed_scale: float
     eps: float
     sm_scale: float
+    q_lora_rank: int = 0  # 0: q is one projection of the normed hidden (no q LoRA)
+    n_group: int = 1  # routing groups; experts are picked in the topk_group best (group-limited routing)
+    topk_group: int = 1
 
 
 @dataclass
 class MlaLayer:
     attn_norm: torch.Tensor
-    wqkv_a: torch.Tensor  # [Hq (nope + rope) + r + rope, H]: wq then wkv_a
+    wqkv_a: torch.Tensor  # [Hq (nope + rope) + r + rope, H]: wq then wkv_a (q LoRA: [r + rope + q_lora, H], wkv_a, wq_a)
     kv_a_norm: torch.Tensor
     w_uk: torch.Tensor  # [Hq, nope, r]
     w_uv_t: torch.Tensor  # [Hq, r, v] (w_uv transposed once)
@@ -58,6 +63,8 @@ class MlaLayer:
     shared_down: torch.Tensor | None  # [S, H, I]
     router: torch.Tensor | None
     router_bias: torch.Tensor | None
+    q_a_norm: torch.Tensor | None = None  # q LoRA: RMSNorm weight of q_a [q_lora]
+    wq_b: torch.Tensor | None = None  # q LoRA: [Hq (nope + rope), q_lora]
 
     @property
     def is_moe(self) -> bool:
@@ -91,9 +98,11 @@ def prepare_layer(p: dict[str, torch.Tensor], moe_inter: int) -> MlaLayer:
     else:
         sg, sd = p["w_gate_up"][None], p["w_down"][None]  # the dense MLP is the one "shared expert"
         gate_up, down = sg, sd
-    return MlaLayer(p["attn_norm"], torch.cat([p["wq"], p["wkv_a"]]).contiguous(), p["kv_a_norm"], p["w_uk"],
+    lora = "wq_a" in p  # q LoRA: the latent's and q_a's projections fused, q_b a second GEMV
+    wqkv_a = torch.cat([p["wkv_a"], p["wq_a"]] if lora else [p["wq"], p["wkv_a"]]).contiguous()
+    return MlaLayer(p["attn_norm"], wqkv_a, p["kv_a_norm"], p["w_uk"],
                     p["w_uv"].transpose(1, 2).contiguous(), p["wo"], p["mlp_norm"], gate_up, down, sg, sd,
-                    p.get("router"), p.get("router_bias"))
+                    p.get("router"), p.get("router_bias"), p.get("q_a_norm"), p.get("wq_b"))
 
 
 @triton.jit
@@ -141,7 +150,9 @@ class MlaStack:
         d, t, dev, bf = dims, num_tokens, device, torch.bfloat16
         self.dims, self.num_tokens = d, t
         nq = d.num_heads * (d.nope + d.rope)
-        self.qkv = torch.zeros(t, nq + d.kv_lora_rank + d.rope, dtype=bf, device=dev)
+        # [q | c, k_pe | q_a]: q LoRA's q_a (normed, then q_b into the q columns) after the latent
+        self.qkv = torch.zeros(t, nq + d.kv_lora_rank + d.rope + d.q_lora_rank, dtype=bf, device=dev)
+        self.q_an = torch.zeros(t, d.q_lora_rank, dtype=bf, device=dev) if d.q_lora_rank and t > 1 else None
         self.q_pe = torch.zeros(t, d.num_heads, d.rope, dtype=bf, device=dev)
         self.o_lat = torch.zeros(t, d.num_heads, d.kv_lora_rank, dtype=bf, device=dev)
         self.xn = torch.zeros(t, d.hidden, dtype=bf, device=dev)
@@ -162,15 +173,25 @@ class MlaStack:
         """h [T, H] += attention; h += MLP/MoE (in place); writes this block's cache rows at pos.."""
         d, t = self.dims, self.num_tokens
         r, nope = d.kv_lora_rank, d.nope
+        nq = d.num_heads * (nope + d.rope)
+        lora = lw.wq_b is not None
+        a_out = self.qkv[:, nq:] if lora else self.qkv  # q LoRA: [c, k_pe | q_a]; else [q | c, k_pe]
         if t == 1:
-            gemv_rows(h, lw.wqkv_a, self.qkv, norm_w=lw.attn_norm, eps=d.eps)
+            gemv_rows(h, lw.wqkv_a, a_out, norm_w=lw.attn_norm, eps=d.eps)
         else:  # the norm first: a norm prologue in each of the GEMV's programs loops over 16 padded rows
             smallops.rmsnorm_rows(h, lw.attn_norm, self.xn, d.eps)
-            gemv_rows(self.xn, lw.wqkv_a, self.qkv, dot=self.PROJ_DOT, dot_tile=self.DOT_TILE)
+            gemv_rows(self.xn, lw.wqkv_a, a_out, dot=self.PROJ_DOT, dot_tile=self.DOT_TILE)
+        if lora:  # q = q_b(RMSNorm(q_a)) into the q columns (row views: strided rows, contiguous columns)
+            q_a = self.qkv[:, nq + r + d.rope:]
+            if t == 1:
+                gemv_rows(q_a, lw.wq_b, self.qkv[:, :nq], norm_w=lw.q_a_norm, eps=d.eps)
+            else:
+                smallops.rmsnorm_rows(q_a, lw.q_a_norm, self.q_an, d.eps)
+                gemv_rows(self.q_an, lw.wq_b, self.qkv[:, :nq], dot=self.PROJ_DOT, dot_tile=self.DOT_TILE)
         _mla_prep_kernel[(t, d.num_heads + 1)](self.qkv, self.q_pe, cache, lw.kv_a_norm, pos, cos, sin,
                                                self.qkv.stride(0), d.eps, NUM_HEADS=d.num_heads, NOPE=nope,
                                                ROPE=d.rope, R=r, num_warps=4)
-        q_nope = self.qkv[:, : d.num_heads * (nope + d.rope)].view(t, d.num_heads, nope + d.rope)[..., :nope]
+        q_nope = self.qkv[:, :nq].view(t, d.num_heads, nope + d.rope)[..., :nope]
         q_c = torch.matmul(q_nope.transpose(0, 1), lw.w_uk)  # absorbed: [Hq, T, r]
         self.attn(q_c, cache, cache, pos, self.o_lat, stride_kt=r + d.rope, stride_vt=r + d.rope, rope_offset=r,
                   q_pe=self.q_pe, stride_qt=r, stride_qh=t * r)
@@ -181,7 +202,8 @@ class MlaStack:
             gemv_rows(o, lw.wo, h, residual=h, dot=self.PROJ_DOT, dot_tile=self.DOT_TILE, heads=True)
         smallops.rmsnorm_rows(h, lw.mlp_norm, self.xn, d.eps)
         if lw.is_moe:
-            router(self.xn, lw.router, lw.router_bias, self.ids, self.wts, d.top_k, d.routed_scale, self.router_logits)
+            router(self.xn, lw.router, lw.router_bias, self.ids, self.wts, d.top_k, d.routed_scale, self.router_logits,
+                   n_group=d.n_group, topk_group=d.topk_group)
             self.moe(self.xn, self.ids, self.wts, lw.gate_up, lw.down, lw.shared_gate_up, lw.shared_down, h)
         else:
             self.dense(self.xn, self.ids, self.wts, lw.gate_up, lw.down, lw.shared_gate_up, lw.shared_down, h)

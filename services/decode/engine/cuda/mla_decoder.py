@@ -207,11 +207,17 @@ def reference_block(d: MlaDims, lw: MlaLayer, h: torch.Tensor, cache: torch.Tens
     """One block on h [T, H] at positions pos..; writes cache rows; returns the new h."""
     t, nh, r, nope = h.shape[0], d.num_heads, d.kv_lora_rank, d.nope
     nq = nh * (nope + d.rope)
-    qkv = reference.linear(reference.rms_norm(h, lw.attn_norm, d.eps), lw.wqkv_a)
+    xa = reference.rms_norm(h, lw.attn_norm, d.eps)
+    if lw.wq_b is None:
+        qkv = reference.linear(xa, lw.wqkv_a)  # [q | c, k_pe]
+    else:  # q LoRA: [c, k_pe | q_a] in one projection, q = q_b(RMSNorm(q_a)) in front
+        a = reference.linear(xa, lw.wqkv_a)
+        q = reference.linear(reference.rms_norm(a[:, r + d.rope:], lw.q_a_norm, d.eps), lw.wq_b)
+        qkv = torch.cat([q, a], dim=-1)
     q = qkv[:, :nq].view(t, nh, nope + d.rope)
     cp, sp = cos[pos:pos + t].to(h.dtype), sin[pos:pos + t].to(h.dtype)
     q_pe = reference.rope_interleave(q[..., nope:], cp[:, None], sp[:, None])
-    k_pe = reference.rope_interleave(qkv[:, nq + r:], cp, sp)
+    k_pe = reference.rope_interleave(qkv[:, nq + r:nq + r + d.rope], cp, sp)
     cache[pos:pos + t] = torch.cat([reference.rms_norm(qkv[:, nq:nq + r], lw.kv_a_norm, d.eps), k_pe], dim=-1)
     q_c = torch.matmul(q[..., :nope].transpose(0, 1), lw.w_uk).transpose(0, 1)  # [T, Hq, r]
     o_lat = reference.attention(torch.cat([q_c, q_pe], dim=-1), cache[:, None], cache[:, None, :r], pos, d.sm_scale)
@@ -223,7 +229,7 @@ def reference_block(d: MlaDims, lw: MlaLayer, h: torch.Tensor, cache: torch.Tens
                  @ lw.shared_down[s].float().T for s in range(lw.shared_gate_up.shape[0])).to(h.dtype)
     if not lw.is_moe:
         return h + shared
-    ids, wts = reference.router(xn, lw.router, lw.router_bias, d.top_k, d.routed_scale)
+    ids, wts = reference.router(xn, lw.router, lw.router_bias, d.top_k, d.routed_scale, d.n_group, d.topk_group)
     return h + (reference.moe(xn, ids, wts, lw.gate_up, lw.down) + shared)
 
 
