@@ -7,7 +7,7 @@ import torch
 
 from services.decode.engine import Engine
 from services.decode.engine.cuda import FastOptions
-from services.decode.engine.cuda.adapter import gqa_decoder_from_engine, mla_decoder_from_engine
+from services.decode.engine.cuda.adapter import attention_splits, gqa_decoder_from_engine, mla_decoder_from_engine
 from tests.unit.engine.hf_models import save_checkpoint
 
 TILES = {"qkv": (8, 32, 4, 2), "o": (8, 32, 4, 1), "gate_up": (16, 32, 4, 2), "down": (8, 32, 4, 1),
@@ -56,3 +56,11 @@ def test_mla_fast_path_lays_out_q_lora_and_group_limited_routing(checkpoint):
     assert lw.wq_b.data_ptr() == blk.wq_b.data_ptr() and lw.q_a_norm.data_ptr() == blk.q_a_norm.data_ptr()
     assert dec.model.mtp.layer.wq_b is not None  # the MTP layer's block has q LoRA too
     assert dec.stacks[1].qkv.shape[1] == cfg.num_heads * (16 + 16) + cfg.kv_lora_rank + 16 + 48
+
+
+@pytest.mark.parametrize("rows,splits", [
+    (1, 1), (64, 1), (65, 2), (131, 2),  # a 128-token slot with 3 draft rows: 3 splits were refused on the GPU
+    (193, 4), (300, 4), (513, 8), (1027, 16), (16387, 16),
+])
+def test_mla_attention_splits_are_a_power_of_two(rows, splits):
+    assert attention_splits(rows) == splits

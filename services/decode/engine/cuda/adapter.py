@@ -97,6 +97,13 @@ def _mla_layer(block, moe_inter: int):
     return prepare_layer(_params(block), moe_inter)
 
 
+def attention_splits(cache_rows: int) -> int:
+    """Splits of the MLA decode attention over a slot of ``cache_rows`` rows: 16 (best at 1K on the
+    H200), fewer for short slots (one per 64 rows), always a power of two (the combine kernel's
+    ``tl.arange`` over them must be)."""
+    return 1 << (max(1, min(16, -(-cache_rows // 64))).bit_length() - 1)
+
+
 def mla_decoder_from_engine(model, slot: int, max_draft: int = 3, max_steps: int = 4096,
                             draft_vocab: int | None = None) -> MlaDecoder:
     """MlaDecoder over a bound engine DeepseekModel's weights (and its first MTP layer, if loaded)."""
@@ -114,6 +121,6 @@ def mla_decoder_from_engine(model, slot: int, max_draft: int = 3, max_steps: int
                          m0.embed.data, _mla_layer(m0.block, cfg.moe_intermediate_size))
     mm = MlaModel(dims, layers, model.embed.data, model.final_norm.data, model.lm_head.data, mtp, dense_inter)
     caches = [model.cache.kv[i][slot] for i in range(len(model.cache.kv))]
-    splits = max(1, min(16, -(-caches[0].shape[0] // 64)))  # 16 (best at 1K on the H200); fewer for short slots
+    splits = attention_splits(caches[0].shape[0])
     return MlaDecoder(mm, caches, model.cos, model.sin, max_draft=max_draft if mtp else 0, max_steps=max_steps,
                       num_splits=splits, draft_vocab=draft_vocab if mtp else None)
