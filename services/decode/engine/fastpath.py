@@ -10,11 +10,14 @@ Contract:
   normalised top-k weights), with MTP drafts (k drafts + one verify per step, greedy acceptance on
   device) when the engine has them. On CPU only when asked for with ``mode="on"`` while Triton's interpreter is active (tests).
 - ``request_reason(greedy, num_spec, spec_ok, sample_ok, sample_limit)``: why a request cannot
-  (``None``: it can). Llama-family engines also sample on the fast path (``sample_ok``): every
-  sampling parameter and logits processor, by the kernels of cuda/sampling.py after the lm_head
-  GEMV, inside a second graph per slot that reads the request's parameters from the engine's
+  (``None``: it can). Both families also sample on the fast path (``sample_ok``): every sampling
+  parameter and logits processor, by the kernels of cuda/sampling.py after the lm_head GEMV, inside
+  a second graph per slot (key ``SAMPLED``) that reads the request's parameters from the engine's
   ``SamplingBuffers`` (so a new request needs no re-capture); plain greedy requests (no logits
-  processor) keep the argmax graph. The DeepSeek-family step decodes plain greedy requests only.
+  processor) keep the argmax graph. The DeepSeek-family step samples plain steps only: a sampled
+  request with MTP drafts (speculative sampling) and logprobs or grammar masks take the reference
+  step there (a sampled request with ``num_speculative_tokens=0``, or with penalties or bad words,
+  which draft nothing anyway, decodes on the fast path).
 - ``FastPath.step(slot, slot_state, max_seq_len, prev_hidden)``: one engine step of a lone active
   slot (``prev_hidden``: the prefill's last final-normed hidden, the first MTP draft's input).
 - ``FastPath.step_batch([(slot, slot_state), ...], max_seq_len)`` (Llama family, ``batch_ok``): one
@@ -124,24 +127,30 @@ def engine_reason(mode: str, model, device: torch.device, dtype: torch.dtype, nu
 
 def request_reason(greedy: bool, num_spec: int, spec_ok: bool = False, sample_ok: bool = False,
                    sample_limit: str | None = None, *, logprobs: int | None = None, grammar: bool = False,
-                   extras_ok: bool = False) -> str | None:
+                   extras_ok: bool = False, spec_sample_ok: bool = True) -> str | None:
     """Why a request decodes on the reference path; None when the fast path can serve it.
 
     ``greedy``: greedy without logits processors (the argmax of the raw logits); ``sample_ok``: the
     engine's fast path samples (Llama family); ``sample_limit``: why the request's parameters do not
     fit the fast path's sampling buffers (bad words beyond its capacity), if they do not;
     ``logprobs`` (SamplingParams.logprobs: None off) / ``grammar``: the request asks for logprobs
-    / a grammar, which the fast path serves where ``extras_ok`` (the top MAX_LOGPROBS at most)."""
+    / a grammar, which the fast path serves where ``extras_ok`` (the top MAX_LOGPROBS at most);
+    ``spec_sample_ok`` False (DeepSeek family): a sampled request with drafts (``num_spec`` > 0) is
+    not served (its steps sample plain)."""
     if (logprobs is not None or grammar) and not extras_ok:
         what = " and ".join(w for w, on in (("logprobs", logprobs is not None), ("a grammar", grammar)) if on)
         return f"{what}: this engine's fast path does not compute logprobs or apply grammar masks"
     if logprobs is not None and logprobs > MAX_LOGPROBS:
         return f"logprobs={logprobs}: the fast path computes the top {MAX_LOGPROBS}"
     if not greedy and not sample_ok:
-        return ("sampling or logits processors: the DeepSeek-family fast path decodes plain greedy requests only "
+        return ("sampling or logits processors: this engine's fast path decodes plain greedy requests only "
                 "(temperature 0, no penalties, bias or bad words)")
     if not greedy and sample_limit:
         return f"sampling parameters beyond the fast path's buffers: {sample_limit}"
+    if not greedy and num_spec and not spec_sample_ok:
+        return ("sampling or logits processors with MTP drafts: the DeepSeek-family fast path samples plain "
+                "steps only (speculative sampling runs on the reference step; num_speculative_tokens=0 "
+                "samples on the fast path)")
     if num_spec and not spec_ok:
         return "speculative decoding requested: the Llama-family fast path decodes one token per step"
     return None
@@ -173,10 +182,11 @@ class FastPath:
         self.num_spec = num_speculative_tokens if self.mla else 0
         self.spec_ok = self.mla  # the DeepSeek-family step drafts with the MTP layer
         self.sampling = sampling  # the engine's SamplingBuffers: the sampled graph reads slot rows of it
-        self.sample_ok = not self.mla and sampling is not None
+        self.sample_ok = sampling is not None
+        self.spec_sample_ok = not self.mla  # DeepSeek family: sampled requests decode plain steps (no drafts)
         # logprobs and grammar masks on the batch-1 Llama-family path (a third graph per slot, captured
         # on a slot's first such request); a batched step holding such a slot takes the reference step
-        self.extras_ok = self.sample_ok
+        self.extras_ok = self.sample_ok and not self.mla
         self._host_masks: dict[int, torch.Tensor] = {}  # slot -> its grammar bitmask on the host (pinned)
         self._batch_lp: dict[int, tuple] = {}  # padded size -> (lp_val, lp_ids, pad) of its rows' logprobs
         self.draft_vocab = draft_vocab
@@ -195,7 +205,7 @@ class FastPath:
             from .cuda.graph import GraphedFn
 
             if k == SAMPLED:
-                fn = lambda: dec.step(sample=True)  # noqa: E731
+                fn = (lambda: dec.plain_step(sample=True)) if self.mla else (lambda: dec.step(sample=True))
             elif isinstance(k, tuple) and k[0] == EXTRAS:
                 def fn(mask=k[1], logprobs=k[2]):
                     dec.sampler.mask_on, dec.sampler.logprobs_on = mask, logprobs  # what the capture records
@@ -234,8 +244,8 @@ class FastPath:
                 from .cuda.adapter import gqa_decoder_from_engine
 
                 dec = gqa_decoder_from_engine(self.model, slot, self.options, self.max_steps)
-                if self.sample_ok:
-                    dec.attach_sampler(self.sampling.row(slot))
+            if self.sample_ok:
+                dec.attach_sampler(self.sampling.row(slot))
             self._arm(dec, token, pos)
             runners: dict = {}
             self.decoders[slot] = (dec, runners)

@@ -1,9 +1,14 @@
-"""The DeepSeek-V3-family decode loop on device: plain greedy step and MTP draft + verify step.
+"""The DeepSeek-V3-family decode loop on device: plain step (greedy, or sampled) and MTP draft + verify step.
 
 State lives in device tensors: ``tokens[0]`` (next input token), ``pos`` (its position), ``mtp_hidden``
 (the hidden the MTP layer pairs with it: the main model's final-normed hidden one position back),
 ``out_tokens``/``out_idx`` (emitted tokens) and ``accepted`` (accepted drafts). ``plain_step()`` and
 ``spec_step(k)`` only read and advance that state, so each is captured once as one CUDA graph.
+
+``plain_step(sample=True)`` (after ``attach_sampler``): the lm_head GEMV into ``logits[1]``, then the
+sampling kernels of sampling.py (``FastSampler.finish``, the Llama-family decoder's sampling tail: the
+slot's row of the engine's SamplingBuffers, Philox keyed by (seed, position)) pick the token and emit
+it as the greedy pick does (out_tokens[out_idx], out_idx += 1, pos += 1; mtp_hidden = the step's hidden).
 
 spec_step(k): k MTP drafts (draft j: token at pos+j and the previous hidden -> next token; the MTP
 head is read once per draft), then one verify forward of the k+1 tokens, greedy acceptance of the
@@ -135,6 +140,17 @@ class MlaDecoder:
         self.out_idx = torch.zeros(1, dtype=torch.int64, device=dev)
         self.accepted = torch.zeros(1, dtype=torch.int64, device=dev)
         self.arange = torch.arange(max_draft + 1, device=dev)
+        self.sampler = None  # sampling.FastSampler over the slot's sampling row (attach_sampler)
+
+    def attach_sampler(self, state, **kwargs) -> None:
+        """Sample in ``plain_step(sample=True)`` with the request parameters held in ``state`` (a
+        sampling_state.SlotSampling, the slot's row of the engine's SamplingBuffers, read at every
+        replay); kwargs: FastSampler's sizes (as the Llama-family decoder's attach_sampler)."""
+        from .sampling import FastSampler
+
+        vocab = self.model.lm_head.shape[0]
+        kwargs.setdefault("cap", min(16384, max(64, 1 << (vocab - 1).bit_length())))
+        self.sampler = FastSampler(state, vocab, self.logits[1].device, **kwargs)
 
     def set_state(self, token_id: int, pos: int, prev_hidden: torch.Tensor | None = None) -> None:
         """Host-side (re)start: next token, its position, and the hidden one position back (for MTP)."""
@@ -144,15 +160,16 @@ class MlaDecoder:
         self.accepted.zero_()
         self.mtp_hidden.copy_(prev_hidden.view(1, -1) if prev_hidden is not None else torch.zeros_like(self.mtp_hidden))
 
-    def forward(self, t: int) -> None:
-        """Main model over tokens[:t] at pos..pos+t-1 -> logits[t] [t, V] fp32, hid[t] (final-normed)."""
+    def forward(self, t: int, parts: bool = True) -> None:
+        """Main model over tokens[:t] at pos..pos+t-1 -> logits[t] [t, V] fp32, hid[t] (final-normed);
+        ``parts`` (t = 1): also each head block's maximum, for _pick_kernel."""
         m, h = self.model, self.residual[t]
         torch.index_select(m.embed, 0, self.tokens[:t], out=h)
         for i, lw in enumerate(m.layers):
             self.stacks[t].block(lw, h, self.caches[i], self.pos, self.cos, self.sin)
         smallops.rmsnorm_rows(h, m.final_norm, self.hid[t], m.dims.eps)
         if t == 1:  # with each block's maximum, for _pick_kernel
-            self._head(self.hid[1][0], m.lm_head, self.logits[1][0], self.parts_main)
+            self._head(self.hid[1][0], m.lm_head, self.logits[1][0], self.parts_main if parts else None)
         else:
             gemv_rows(self.hid[t], m.lm_head, self.logits[t], block_n=16, block_k=256, dot_tile=self.LM_HEAD_DOT_TILE)
 
@@ -180,10 +197,19 @@ class MlaDecoder:
         self._head(self.mtp_hidden[0], self.draft_head, self.mtp_logits[0], self.parts_draft)
         self._pick(self.parts_draft, self.tokens[j + 1:j + 2], emit=False)
 
-    def plain_step(self) -> None:
-        """One greedy token: forward(1), emit, advance."""
-        self.forward(1)
-        self._pick(self.parts_main, self.tokens[:1], emit=True)
+    def plain_step(self, sample: bool = False) -> None:
+        """One token: forward(1), the greedy pick (or with ``sample`` the attached sampler's token), emit,
+        advance."""
+        if sample and self.sampler is None:
+            raise ValueError("plain_step(sample=True) needs attach_sampler first")
+        self.forward(1, parts=not sample)
+        if not sample:
+            self._pick(self.parts_main, self.tokens[:1], emit=True)
+            return
+        # token -> tokens[0], out_tokens[out_idx], out_idx += 1, pos += 1 (the next input's embedding is
+        # forward's own gather); then the MTP's hidden, as _pick_kernel's EMIT
+        self.sampler.finish(self.logits[1][0], self.tokens[:1], self.out_tokens, self.out_idx, self.pos)
+        self.mtp_hidden.copy_(self.hid[1])
 
     def spec_step(self, k: int) -> None:
         """k drafts + one verify of k+1 tokens; keeps the longest greedy-matching prefix plus one."""
