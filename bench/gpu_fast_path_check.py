@@ -5,7 +5,8 @@
 For each tiny HF-built checkpoint (tests/unit/engine/hf_models.py: random near-bigram bfloat16
 weights; ``deepseek_v3`` has q LoRA, group-limited routing and an MTP layer, ``deepseek_v3_lite``
 neither), greedy tokens through ``Engine(fast_path="on")`` against ``Engine(fast_path="off")``,
-with and (MLA) without MTP drafts, and which path each step took. The CPU tests run the same
+with and (MLA) without MTP drafts, and a seeded sampled request (temperature, top-p/k, min-p,
+repetition penalty) the same way, and which path each step took. The CPU tests run the same
 kernels under Triton's interpreter; this is the compiled kernels' check on real hardware. Writes
 ``bench/results/gpu_fast_path_check.json``: ``<arch>_k<k>_tokens_identical``, ``..._paths``,
 ``..._fast_path_reason``, and ``all_identical`` (so far: the file is written after each check).
@@ -38,11 +39,16 @@ PROMPT = [0, 17, 42, 99, 3, 250, 7]
 ARCHS = ("deepseek_v3", "deepseek_v3_lite", "qwen3", "qwen2", "llama")
 
 
-def run(path: Path, mode: str, k: int, num_tokens: int, prompt: list[int]) -> tuple[list[int], list[str], str | None]:
+SAMPLED = dict(temperature=0.8, top_p=0.9, top_k=50, min_p=0.02, repetition_penalty=1.1, seed=7)
+
+
+def run(path: Path, mode: str, k: int, num_tokens: int, prompt: list[int],
+        sampled: bool = False) -> tuple[list[int], list[str], str | None]:
     engine = Engine.load(path, num_slots=1, max_seq_len=128, dtype="bfloat16", fast_path=mode,
                          num_speculative_tokens=k, device="cuda")
     first = int(engine.prefill(0, prompt).argmax())
-    engine.start(0, first, SamplingParams(max_tokens=num_tokens, ignore_eos=True))
+    extra = dict(SAMPLED, prompt_token_ids=list(prompt)) if sampled else {}
+    engine.start(0, first, SamplingParams(max_tokens=num_tokens, ignore_eos=True, **extra))
     tokens, paths = [first], []
     while engine.active_slots():
         tokens += engine.step()[0].token_ids
@@ -64,12 +70,13 @@ def main() -> int:
         path = Path(tempfile.mkdtemp(prefix=f"fpc-{arch}-"))
         save_checkpoint(arch, path, damp=True)  # near-bigram: wide greedy margins, as trained models have
         prompt = PROMPTS.get(arch, PROMPT)
-        for k in ((0, 3) if arch.startswith("deepseek") else (0,)):
-            key = f"{arch}_k{k}"
+        cases = [(k, False) for k in ((0, 3) if arch.startswith("deepseek") else (0,))] + [(0, True)]
+        for k, sampled in cases:
+            key = f"{arch}_k{k}" + ("_sampled" if sampled else "")
             try:
                 t0 = time.perf_counter()
-                got, paths, reason = run(path, "on", k, args.tokens, prompt)
-                want, _, _ = run(path, "off", k, args.tokens, prompt)
+                got, paths, reason = run(path, "on", k, args.tokens, prompt, sampled)
+                want, _, _ = run(path, "off", k, args.tokens, prompt, sampled)
                 out.update({f"{key}_tokens_identical": got == want, f"{key}_paths": paths,
                             f"{key}_fast_path_reason": reason, f"{key}_s": round(time.perf_counter() - t0, 1)})
                 ok &= got == want and paths == ["fast"]
