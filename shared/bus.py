@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 import ssl
 import time
 import urllib.parse
@@ -150,14 +149,16 @@ class Bus:
         if auth.is_tls and creds["password"] is not None:
             creds["password"] = _only_over_tls(nc, creds["password"])
 
+        servers = [s.strip() for s in url.split(",") if s.strip()]
         # A certificate the client cannot verify, or a server without TLS, will not change on a
-        # retry: the first connect gives up at once instead of at its timeout.
+        # retry: a first connect to one server gives up at once instead of at its timeout (with
+        # several, the next member may still be fine: they are all tried, as before).
         hopeless = asyncio.Event()
 
         async def on_error(exc: Exception) -> None:
             if bus is None:
                 first_errors.append(exc)
-                if isinstance(exc, (ssl.SSLCertVerificationError, BusTlsError)):
+                if len(servers) == 1 and isinstance(exc, (ssl.SSLCertVerificationError, BusTlsError)):
                     hopeless.set()
             else:
                 await bus._on_error(exc)
@@ -171,9 +172,9 @@ class Bus:
             if bus is not None:
                 await bus._on_reconnected()
 
-        servers = [s.strip() for s in url.split(",") if s.strip()]
         try:
-            # Two attempts per server at first; once connected, reconnect forever.
+            # Two attempts per server at first (one server: none after a hopeless TLS error);
+            # once connected, reconnect forever.
             await _unless_set(hopeless, asyncio.wait_for(
                 nc.connect(
                     servers=servers, name=name, **creds,
@@ -393,17 +394,18 @@ def _only_over_tls(nc: nats.NATS, password: str) -> Callable[[], str]:
 
 
 async def _unless_set(event: asyncio.Event, awaitable) -> None:
-    """Await ``awaitable``; cancel it and raise ``asyncio.TimeoutError`` once ``event`` is set."""
+    """Await ``awaitable``; cancel it and raise ``asyncio.TimeoutError`` once ``event`` is set.
+    Cancelling the caller cancels ``awaitable`` too."""
     task = asyncio.ensure_future(awaitable)
     waiter = asyncio.ensure_future(event.wait())
     try:
         await asyncio.wait((task, waiter), return_when=asyncio.FIRST_COMPLETED)
     finally:
         waiter.cancel()
-    if not task.done():
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError, Exception):
-            await task
+        if not task.done():
+            task.cancel()
+            await asyncio.wait((task,))  # let it end; its CancelledError stays in the task
+    if task.cancelled():
         raise asyncio.TimeoutError("the first connect cannot succeed")
     task.result()
 
