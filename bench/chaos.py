@@ -483,7 +483,8 @@ def main() -> int:
         return 0
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--only", default="", help=f"comma-separated subset of {','.join(SCENARIOS)}; "
-                   "updates those scenarios' keys in bench/results/chaos.json and keeps the rest")
+                   "updates those scenarios' keys in bench/results/chaos.json and keeps the rest "
+                   "(config.runs: when and with which settings each was last run)")
     p.add_argument("--clients", type=int, default=200, help="concurrent clients of the load scenario")
     p.add_argument("--aborts", type=int, default=500, help="clients cut off in the abort storm")
     args = p.parse_args()
@@ -500,8 +501,9 @@ def main() -> int:
     path = out_dir / "chaos.json"
     if args.only and path.exists():  # a subset run updates its scenarios' keys, keeps the others
         merged = json.loads(path.read_text())
+        settings = {"utc": result["config"]["utc"], "clients": args.clients, "aborts": args.aborts}
         runs = {**merged.get("config", {}).get("runs", {}),
-                **{name: result["config"]["utc"] for name in args.only.split(",")}}
+                **{name: settings for name in args.only.split(",")}}
         config = merged.get("config", {})  # the full run's
         merged.update(result)
         merged["config"] = {**config, "runs": runs}
