@@ -3,8 +3,8 @@
     python3 bench/gpu_fast_path_check.py [--archs llama,qwen2,qwen3,deepseek_v3_lite,deepseek_v3]
 
 For each tiny HF-built checkpoint (tests/unit/engine/hf_models.py: random near-bigram bfloat16
-weights; ``deepseek_v3`` has q LoRA, group-limited routing and an MTP layer, ``deepseek_v3_lite``
-neither), greedy tokens through ``Engine(fast_path="on")`` against ``Engine(fast_path="off")``,
+weights; ``deepseek_v3`` has q LoRA and group-limited routing, ``deepseek_v3_lite`` neither; both
+have an MTP layer), greedy tokens through ``Engine(fast_path="on")`` against ``Engine(fast_path="off")``,
 with and (MLA) without MTP drafts, and a seeded sampled request (temperature, top-p/k, min-p,
 repetition penalty) the same way, and which path each step took. The CPU tests run the same
 kernels under Triton's interpreter; this is the compiled kernels' check on real hardware. Writes

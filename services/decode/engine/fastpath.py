@@ -131,7 +131,8 @@ def request_reason(greedy: bool, num_spec: int, spec_ok: bool = False, sample_ok
     """Why a request decodes on the reference path; None when the fast path can serve it.
 
     ``greedy``: greedy without logits processors (the argmax of the raw logits); ``sample_ok``: the
-    engine's fast path samples (Llama family); ``sample_limit``: why the request's parameters do not
+    engine's fast path samples (both families; the DeepSeek family in plain steps, ``spec_sample_ok``
+    False where drafts would run); ``sample_limit``: why the request's parameters do not
     fit the fast path's sampling buffers (bad words beyond its capacity), if they do not;
     ``logprobs`` (SamplingParams.logprobs: None off) / ``grammar``: the request asks for logprobs
     / a grammar, which the fast path serves where ``extras_ok`` (the top MAX_LOGPROBS at most);

@@ -12,7 +12,7 @@
 Weights are used in place (views of the engine's parameters) except what ``mla.prepare_layer`` lays
 out once (fused wq|wkv_a or, with q LoRA, wkv_a|wq_a; w_uv transposed, shared experts split). The slot's cache views are the
 engine's own (``model.cache.k_caches[i][slot]`` ...), so injected KV is read with no copy and the fast path's
-writes are the engine's cache. Greedy only; the fast path needs bf16, Llama-family blocks (Llama,
+writes are the engine's cache. Sampling attaches per slot (the decoders' ``attach_sampler``); the fast path needs bf16, Llama-family blocks (Llama,
 Mistral, Qwen2 with its q/k/v bias, Qwen3 with its q/k norm, an o_proj bias; head_dim a power of two)
 and DeepSeek-V3-family blocks (with or without q LoRA, group-limited routing or not); anything else
 raises ValueError (use the engine's torch path).
