@@ -16,6 +16,7 @@ from torch import nn
 
 from .cache import KvCache
 from .config import ModelConfig
+from .cuda.reference import limit_to_groups
 from .fp8 import expert, expert_matmul, linear
 from .layers import causal_mask, rms_norm, swiglu, write_cache
 from .rope import apply_rope, rope_tables, yarn_mscale
@@ -68,13 +69,8 @@ class MtpLayer(nn.Module):
 def route(cfg: ModelConfig, blk: MlaBlock, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """noaux_tc routing of x [N, H]: (expert ids [N, k], weights [N, k] float32)."""
     scores = F.linear(x.float(), blk.router.float()).sigmoid()
-    choice = scores + blk.router_bias
-    n, e, g = x.shape[0], cfg.num_experts, cfg.n_group
-    group_scores = choice.view(n, g, e // g).topk(2, dim=-1)[0].sum(dim=-1)
-    group_idx = group_scores.topk(cfg.topk_group, dim=-1, sorted=False)[1]
-    group_mask = torch.zeros_like(group_scores).scatter(1, group_idx, 1.0).bool()
-    score_mask = group_mask[:, :, None].expand(n, g, e // g).reshape(n, e)
-    ids = choice.masked_fill(~score_mask, float("-inf")).topk(cfg.num_experts_per_tok, dim=-1, sorted=False)[1]
+    choice = limit_to_groups(scores + blk.router_bias, cfg.n_group, cfg.topk_group)
+    ids = choice.topk(cfg.num_experts_per_tok, dim=-1, sorted=False)[1]
     weights = scores.gather(1, ids)
     if cfg.norm_topk_prob:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)

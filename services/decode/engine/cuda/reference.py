@@ -59,6 +59,16 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: int, sm_sc
     return torch.einsum("hts,shd->thd", p, vf).to(q.dtype)
 
 
+def limit_to_groups(choice: torch.Tensor, n_group: int, topk_group: int) -> torch.Tensor:
+    """Biased expert scores [N, E] with every expert outside the ``topk_group`` best of ``n_group``
+    groups set to -inf; a group scores the sum of its two best (noaux_tc, deepseek.route)."""
+    n, e = choice.shape
+    group_scores = choice.view(n, n_group, e // n_group).topk(2, dim=-1)[0].sum(dim=-1)
+    group_idx = group_scores.topk(topk_group, dim=-1, sorted=False)[1]
+    kept = torch.zeros_like(group_scores).scatter(1, group_idx, 1.0).bool()
+    return choice.masked_fill(~kept.repeat_interleave(e // n_group, dim=1), float("-inf"))
+
+
 def router(xn: torch.Tensor, w: torch.Tensor, bias: torch.Tensor, top_k: int, scale: float, n_group: int = 1,
            topk_group: int = 1):
     """(ids [T, k] best first, weights [T, k] fp32): sigmoid, + bias for the choice, normalised, scaled.
@@ -68,10 +78,7 @@ def router(xn: torch.Tensor, w: torch.Tensor, bias: torch.Tensor, top_k: int, sc
     scores = (xn.float() @ w.float().T).sigmoid()
     choice = scores + bias.float()
     if n_group > 1 and topk_group < n_group:
-        t, e = choice.shape
-        group_scores = choice.view(t, n_group, e // n_group).topk(2, dim=-1)[0].sum(dim=-1)
-        kept = torch.zeros_like(group_scores).scatter(1, group_scores.topk(topk_group, dim=-1)[1], 1.0).bool()
-        choice = choice.masked_fill(~kept.repeat_interleave(e // n_group, dim=1), float("-inf"))
+        choice = limit_to_groups(choice, n_group, topk_group)
     ids = choice.topk(top_k, dim=-1, sorted=True)[1]
     wts = scores.gather(1, ids)
     return ids, wts / (wts.sum(-1, keepdim=True) + 1e-20) * scale
