@@ -404,10 +404,10 @@ class GqaBatchDecoder:
     def attach_samplers(self, buffers, **kwargs) -> None:
         """Sample in ``step(sample=True)``: row b by the sampling kernels over row ``slots[b]`` of
         ``buffers`` (the engine's SamplingBuffers, read at every replay); kwargs: FastSampler's sizes."""
-        from .sampling import FastSampler
+        from .sampling import FastSampler, candidate_cap
 
         vocab = self.model.lm_head.shape[0]
-        kwargs.setdefault("cap", min(16384, max(64, 1 << (vocab - 1).bit_length())))
+        kwargs.setdefault("cap", candidate_cap(vocab))
         base = buffers.row(0)  # row 0's views start at the buffers' bases; the kernels add slots[b] rows
         self.samplers = [FastSampler(base, vocab, self.logits.device, pdl=self.opt.pdl, row=self.slots[r : r + 1],
                                      **kwargs) for r in range(self.batch)]

@@ -165,10 +165,10 @@ class GqaDecoder:
         """Sample in ``step(sample=True)``: vLLM's sampling parameters and logits processors on device
         (sampling.py) with the request parameters held in ``state`` (a sampling_state.SlotSampling, the
         slot's row of the engine's SamplingBuffers, read at every replay); kwargs: FastSampler's sizes."""
-        from .sampling import FastSampler
+        from .sampling import FastSampler, candidate_cap
 
         vocab = self.model.lm_head.shape[0]
-        kwargs.setdefault("cap", min(16384, max(64, 1 << (vocab - 1).bit_length())))
+        kwargs.setdefault("cap", candidate_cap(vocab))
         self.sampler = FastSampler(state, vocab, self.logits.device, pdl=self.opt.pdl, **kwargs)
 
     def set_state(self, token_id: int, pos: int) -> None:

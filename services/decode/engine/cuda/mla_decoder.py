@@ -146,10 +146,10 @@ class MlaDecoder:
         """Sample in ``plain_step(sample=True)`` with the request parameters held in ``state`` (a
         sampling_state.SlotSampling, the slot's row of the engine's SamplingBuffers, read at every
         replay); kwargs: FastSampler's sizes (as the Llama-family decoder's attach_sampler)."""
-        from .sampling import FastSampler
+        from .sampling import FastSampler, candidate_cap
 
         vocab = self.model.lm_head.shape[0]
-        kwargs.setdefault("cap", min(16384, max(64, 1 << (vocab - 1).bit_length())))
+        kwargs.setdefault("cap", candidate_cap(vocab))
         self.sampler = FastSampler(state, vocab, self.logits[1].device, **kwargs)
 
     def set_state(self, token_id: int, pos: int, prev_hidden: torch.Tensor | None = None) -> None:

@@ -565,6 +565,11 @@ def logprobs_rows(logits: torch.Tensor, token: torch.Tensor, step_idx: torch.Ten
     lp_ids.index_put_((rows, at), torch.cat([rank, ids], dim=1))
 
 
+def candidate_cap(vocab: int) -> int:
+    """A decoder's FastSampler ``cap`` (candidate buffer): the vocabulary's power of two, 64..16384."""
+    return min(16384, max(64, 1 << (vocab - 1).bit_length()))
+
+
 class FastSampler:
     """The sampling tail of one batch-1 decoder: its scratch buffers and launches (module docstring).
 
