@@ -59,14 +59,17 @@ LLAMA3_8B = {
 }
 TWIN = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "attention_bias": False}
 PER_STEP_8 = {"engine": {"fast_path_tokens_per_step": 8}}
+NO_AHEAD = {"engine": {"fast_path_run_ahead": False}}  # each token read before the next replay
 # key -> (config, variants measured besides the default: engine keyword arguments, config overrides)
 SHAPES = {
-    "qwen25_7b": (QWEN25_7B, {"tokens_per_step_8": PER_STEP_8, "llama_twin": {"config": TWIN}}),
+    "qwen25_7b": (QWEN25_7B, {"tokens_per_step_8": PER_STEP_8, "no_run_ahead": NO_AHEAD,
+                              "llama_twin": {"config": TWIN}}),
     "qwen3_8b": (QWEN3_8B, {"qk_norm_kernel": {"engine": {"fast_path_options": FastOptions(qk_norm_in="kernel")}},
                             "attention_one_launch": {"engine": {"fast_path_options": FastOptions(
                                 attn_one_launch=True)}},
-                            "tokens_per_step_8": PER_STEP_8, "llama_twin": {"config": TWIN, "profile": True}}),
-    "llama3_8b": (LLAMA3_8B, {}),
+                            "tokens_per_step_8": PER_STEP_8, "no_run_ahead": NO_AHEAD,
+                            "llama_twin": {"config": TWIN, "profile": True}}),
+    "llama3_8b": (LLAMA3_8B, {"no_run_ahead": NO_AHEAD}),
 }
 PROFILED = ("qwen25_7b", "qwen3_8b")  # their defaults' kernels profiled too
 

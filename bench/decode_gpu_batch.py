@@ -196,6 +196,12 @@ def engine_timing(model, s: dict, ctx: int = 1024, steps: int = 48) -> dict:
                               (8, 4, "step8_half_sampled"), (1, 0, "step1_again")):
         res[f"{key}_ms"], res[f"{key}_paths"] = measure(n, n_sampled)
         log(f"  engine {key}: {res[f'{key}_ms']:.3f} ms/step {res[f'{key}_paths']}")
+    engine.fast_path.run_ahead = False  # the same steps, each token read before the next replay
+    for n, key in ((1, "step1_no_run_ahead"), (4, "step4_no_run_ahead")):
+        res[f"{key}_ms"], res[f"{key}_paths"] = measure(n)
+        log(f"  engine {key}: {res[f'{key}_ms']:.3f} ms/step")
+    engine.fast_path.run_ahead = True
+    res["batch4_step_ratio_no_run_ahead"] = res["step4_no_run_ahead_ms"] / res["step1_no_run_ahead_ms"]
     base = min(res["step1_ms"], res["step1_again_ms"])
     res["batch4_step_ratio"] = res["step4_ms"] / base
     res["batch8_step_ratio"] = res["step8_ms"] / base

@@ -158,7 +158,8 @@ class Engine:
         self._fast, self.fast_path_reason = fastpath.setup(fast_path, model, self.device, self.dtype,
                                                            self.num_spec, config.fast_path_options,
                                                            config.fast_path_tokens_per_step,
-                                                           draft_vocab=draft_vocab, sampling=self.sampling)
+                                                           draft_vocab=draft_vocab, sampling=self.sampling,
+                                                           run_ahead=config.fast_path_run_ahead)
         self.last_step_path: str | None = None  # "fast" | "reference" after a step
         self.last_step_slots = 0  # how many slots the last step served
         with torch.inference_mode():  # build, compile and capture every slot's decoder now, not mid-request

@@ -43,11 +43,22 @@ Contract:
   (DeepSeek family, ``spec(slot, token, pos, k, prev_hidden)``) replays one graph of k drafts + verify
   and returns the 1..k+1 tokens it kept; its drafts' cache rows may reach ``pos + k`` (the slot
   layout keeps room for them past max_seq_len).
+- Run-ahead (``run_ahead``, on by default with one token per step): a step that leaves its request
+  room for more replays the same graph once more before the host reads its token (the token is copied
+  to pinned memory and waited for by an event recorded before the extra replay), so the GPU computes
+  the next token while the host emits this one, publishes it and comes back. The next engine step
+  that continues exactly there (same slot or same batch of slots, same graph, same token and position)
+  finds its first replay done; any other step discards it (its cache row is recomputed by whatever
+  runs next, stream-ordered). Only for requests whose steps leave no state behind (greedy, or sampling
+  without penalties or bad words: their counts and ring would see the extra token), never with a
+  grammar or logprobs. ``forget(slot)`` (the engine's release and start) waits for a step still in
+  flight on the slot, so the slot's memory is quiet before a new request's KV is written into it.
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import torch
 
@@ -59,6 +70,33 @@ MODES = ("auto", "on", "off")
 MAX_LOGPROBS = 20  # cuda/sampling_state.MAX_LOGPROBS (torch-only import kept out of this module's top)
 MAX_BATCH = 8  # slots of one batched step (cuda/batch.py)
 BATCH_SIZES = (2, 4, 8)  # its padded sizes, one graph (greedy, sampled) each
+
+
+@dataclass
+class _Flight:
+    """A replay launched ahead of the host (run-ahead): where it continues and where its token lands."""
+
+    key: object  # batch-1: the slot's runner key; batched: (padded size, runner key)
+    idx: int  # out_tokens index (batched: column) of its token
+    done: object  # CUDA event recorded after the replay; None off CUDA (it ran already)
+    slots: tuple = ()  # batched: the rows' slots, in order
+    expect: tuple = ()  # batched: the (token, position) each row continues from
+
+    def wait(self) -> None:
+        if self.done is not None:
+            self.done.synchronize()
+
+
+def _stateless(s: SlotState) -> bool:
+    """A request whose steps leave nothing behind but the cache row and the token (run-ahead may
+    discard a step): no grammar, no logprobs, no penalty counts or bad-word ring."""
+    if s.grammar is not None or s.num_logprobs is not None:
+        return False
+    if s.sampling is None:
+        return True
+    from .cuda.sampling_state import BAD_WORDS, TRACK_COUNTS
+
+    return not s.sampling.flags & (TRACK_COUNTS | BAD_WORDS)
 
 
 def padded_batch(n: int) -> int:
@@ -175,7 +213,8 @@ class FastPath:
     """Per-slot fast decoders over one engine model, built on first use and kept for the slot."""
 
     def __init__(self, model, device: torch.device, options=None, tokens_per_step: int = 1, max_steps: int = 256,
-                 num_speculative_tokens: int = 0, draft_vocab: int | None = None, sampling=None):
+                 num_speculative_tokens: int = 0, draft_vocab: int | None = None, sampling=None,
+                 run_ahead: bool = True):
         if tokens_per_step < 1:
             raise ValueError(f"fast_path_tokens_per_step must be >= 1, got {tokens_per_step}")
         self.model, self.device, self.options = model, device, options
@@ -200,6 +239,12 @@ class FastPath:
         self.max_batch = MAX_BATCH if self.batch_ok else 1
         self.batches: dict[int, tuple] = {}  # padded size -> (batch decoder, {graph key: GraphedFn})
         self.synced: dict[int, tuple[int, int]] = {}  # slot -> (token, pos) its bad-word state follows
+        # one replay launched ahead of the host (module docstring): the Llama family, one token a step
+        self.run_ahead = run_ahead and not self.mla and tokens_per_step == 1
+        self._flight: tuple | None = None  # (slot or "batch", _Flight): at most one engine step ahead
+        self._pinned: dict[tuple, torch.Tensor] = {}  # out_tokens shape -> pinned host buffer
+        self.ahead_kept = 0  # replays launched ahead that the next step continued
+        self.ahead_dropped = 0  # ... and that it discarded (another continuation, a release)
 
     def _runner(self, dec, runners: dict, k: int, token: int, pos: int, prev_hidden=None):
         if k not in runners:
@@ -231,6 +276,47 @@ class FastPath:
             dec.set_state(token, pos, prev_hidden)
         else:
             dec.set_state(token, pos)
+
+    def _take_flight(self, owner) -> _Flight | None:
+        """The step in flight if ``owner`` (a slot, or "batch") launched it; any other is dropped (its
+        effects are recomputed by what runs next, in stream order) with its slots' held state."""
+        flight, self._flight = self._flight, None
+        if flight is None:
+            return None
+        if flight[0] == owner:
+            return flight[1]
+        self.ahead_dropped += 1
+        for slot in ((flight[0],) if flight[0] != "batch" else flight[1].slots):
+            self.held.pop(slot, None)
+            self.synced.pop(slot, None)
+        return None
+
+    def _launch_ahead(self, runner, src: torch.Tensor) -> tuple:
+        """Copy ``src`` (this step's tokens) to the host without waiting, replay ``runner`` once more, and
+        return (host tokens reader, the extra replay's done event)."""
+        if self.device.type != "cuda":
+            tokens = src.tolist()
+            runner()
+            return (lambda: tokens), None
+        buf = self._pinned.get(tuple(src.shape))
+        if buf is None:
+            buf = self._pinned[tuple(src.shape)] = torch.empty(src.shape, dtype=src.dtype, pin_memory=True)
+        buf.copy_(src, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record()
+        runner()
+        done = torch.cuda.Event()
+        done.record()
+
+        def read():
+            copied.synchronize()
+            return buf.tolist()
+        return read, done
+
+    def settle(self) -> None:
+        """Wait for a step launched ahead (nothing in flight afterwards)."""
+        if self._flight is not None:
+            self._flight[1].wait()
 
     def prepare(self, slot: int, token: int, pos: int):
         """The slot's (decoder, runners), built and captured on first use (errors propagate): the
@@ -271,13 +357,15 @@ class FastPath:
             self.sampling.sync_history(slot, s.sampling, s.output_ids, pos + 1)
         return 0
 
-    def decode(self, slot: int, token: int, pos: int, n: int, prev_hidden=None, s: SlotState | None = None) -> list[int]:
+    def decode(self, slot: int, token: int, pos: int, n: int, prev_hidden=None, s: SlotState | None = None,
+               ahead: bool = False) -> list[int]:
         """``n`` >= 1 tokens following ``token`` (at ``pos``): greedy, or sampled by the slot's sampling row
         when ``s`` (the slot's state) is a request that samples or has logits processors; one host sync.
         A request with logprobs or a grammar takes the slot's extras graph for the two (captured on first
         use: mask, logprobs, or both): its grammar's mask is filled
         on the host and copied to the slot's ``gmask`` row before the replay (so ``n`` is 1 for it), the
-        tokens' logprobs land in ``s.extra["fast_logprobs"]``."""
+        tokens' logprobs land in ``s.extra["fast_logprobs"]``. ``ahead``: the request goes on after these
+        tokens and leaves no state (``_stateless``): replay once more before reading them (run-ahead)."""
         extras = s is not None and (s.num_logprobs is not None or s.grammar is not None)
         sampled = s is not None and not s.is_greedy
         if (sampled or extras) and not self.sample_ok:
@@ -287,12 +375,27 @@ class FastPath:
         if key not in runners:  # captured now, which re-arms the decoder
             self.held.pop(slot, None)
         runner = self._runner(dec, runners, key, token, pos)
-        idx = self._start(slot, dec, token, pos, n, prev_hidden, s)
+        flight = self._take_flight(slot)
+        held = self.held.get(slot)
+        launched = int(flight is not None and flight.key == key and held == (token, pos, flight.idx)
+                       and flight.idx + n <= self.max_steps)
+        if flight is not None and not launched:  # launched for another continuation: start over
+            self.held.pop(slot, None)
+            self.synced.pop(slot, None)
+        if flight is not None:
+            self.ahead_kept += launched
+            self.ahead_dropped += 1 - launched
+        idx = flight.idx if launched else self._start(slot, dec, token, pos, n, prev_hidden, s)
         if extras and s.grammar is not None:
             self._write_mask(slot, s.grammar)
-        for _ in range(n):
+        for _ in range(n - launched):
             runner()
-        out = dec.out_tokens[idx : idx + n].tolist()  # the one sync
+        if ahead and self.run_ahead and not extras and n and idx + n < self.max_steps:
+            read, done = self._launch_ahead(runner, dec.out_tokens[idx : idx + n])
+            self._flight = (slot, _Flight(key, idx + n, done))
+            out = read()  # the one sync, on this step's copy only
+        else:
+            out = dec.out_tokens[idx : idx + n].tolist()  # the one sync
         if extras and s.num_logprobs is not None:
             from . import logprobs as lpmod
 
@@ -393,15 +496,34 @@ class FastPath:
                 raise ValueError("this fast path decodes plain greedy requests only")
             runner = (self._batch_extras_runner(padded_batch(len(items)), masks, lps) if masks or lps
                       else runners[SAMPLED if sampled else 0])
-            for slot, s in items:  # bad-word state behind (steps ran on the reference path): bring it up
-                if not s.is_greedy and s.sampling is not None and self.synced.get(slot) != (s.pending, s.seq_len):
-                    self.sampling.sync_history(slot, s.sampling, s.output_ids, s.seq_len + 1)
-                if s.grammar is not None:
-                    self._write_mask(slot, s.grammar)
-            dec.set_rows([s.pending for _, s in items], [s.seq_len for _, s in items], [slot for slot, _ in items])
-            for _ in range(n):
+            key = (padded_batch(len(items)), (EXTRAS, masks, lps) if masks or lps else SAMPLED if sampled else 0)
+            slots = tuple(slot for slot, _ in items)
+            flight = self._take_flight("batch")
+            launched = int(flight is not None and flight.key == key and flight.slots == slots
+                           and flight.expect == tuple((s.pending, s.seq_len) for _, s in items)
+                           and flight.idx + n <= self.max_steps)
+            col = flight.idx if launched else 0
+            if flight is not None:
+                self.ahead_kept += launched
+                self.ahead_dropped += 1 - launched
+            if not launched:
+                for slot, s in items:  # bad-word state behind (steps ran on the reference path): bring it up
+                    if not s.is_greedy and s.sampling is not None and self.synced.get(slot) != (s.pending, s.seq_len):
+                        self.sampling.sync_history(slot, s.sampling, s.output_ids, s.seq_len + 1)
+                    if s.grammar is not None:
+                        self._write_mask(slot, s.grammar)
+                dec.set_rows([s.pending for _, s in items], [s.seq_len for _, s in items], list(slots))
+            for _ in range(n - launched):
                 runner()
-            rows = dec.out_tokens[: len(items), :n].tolist()  # the one sync
+            src = dec.out_tokens[: len(items), col : col + n]
+            if (self.run_ahead and col + n < self.max_steps and all(r > n for r in rooms)
+                    and all(_stateless(s) for _, s in items)):
+                read, done = self._launch_ahead(runner, src)
+                rows = read()  # the one sync, on this step's copy only
+                self._flight = ("batch", _Flight(key, col + n, done, slots,
+                                                 tuple((r[-1], s.seq_len + n) for r, (_, s) in zip(rows, items))))
+            else:
+                rows = src.tolist()  # the one sync
             if lps:
                 from . import logprobs as lpmod
 
@@ -455,7 +577,8 @@ class FastPath:
             s.num_draft_tokens += k
         else:
             n = min(self.tokens_per_step if s.grammar is None else 1, room)  # a grammar's mask needs each token
-            tokens = self.decode(slot, s.pending, s.seq_len, n, prev_hidden, s) if n > 0 else []
+            tokens = (self.decode(slot, s.pending, s.seq_len, n, prev_hidden, s, ahead=room > n and _stateless(s))
+                      if n > 0 else [])
             s.num_steps += max(n, 1)
         s.num_valid_drafts = 0  # the reference step's held drafts are stale now: it drafts anew
         out, reason = emit(s, tokens, max_seq_len)
@@ -469,19 +592,25 @@ class FastPath:
         return out, reason
 
     def forget(self, slot: int) -> None:
-        """The slot starts another request: re-arm its decoder at the next decode."""
+        """The slot starts another request (or is released): re-arm its decoder at the next decode, and
+        let a step launched ahead on it finish first (a new request's KV may be written into the slot)."""
+        if self._flight is not None and slot in ((self._flight[0],) if self._flight[0] != "batch"
+                                                 else self._flight[1].slots):
+            self._flight[1].wait()
+            self._flight = None
+            self.ahead_dropped += 1
         self.held.pop(slot, None)
         self.synced.pop(slot, None)
 
 
 def setup(mode: str, model, device: torch.device, dtype: torch.dtype, num_speculative_tokens: int,
           options=None, tokens_per_step: int = 1, draft_vocab: int | None = None,
-          sampling=None) -> tuple[FastPath | None, str | None]:
+          sampling=None, run_ahead: bool = True) -> tuple[FastPath | None, str | None]:
     """(FastPath or None, reason it is off). Mode "on" raises ValueError where "auto" logs the reason."""
     reason = engine_reason(mode, model, device, dtype, num_speculative_tokens)
     if reason is None:
         return FastPath(model, device, options, tokens_per_step, num_speculative_tokens=num_speculative_tokens,
-                        draft_vocab=draft_vocab, sampling=sampling), None
+                        draft_vocab=draft_vocab, sampling=sampling, run_ahead=run_ahead), None
     if mode == "on":
         raise ValueError(f"fast_path='on' cannot run this engine: {reason}; use fast_path='auto' or 'off'")
     if mode == "auto":

@@ -25,6 +25,8 @@ class EngineConfig:
     use_cuda_graphs: bool = True
     fast_path: str = "auto"  # auto | on | off (engine.py)
     fast_path_tokens_per_step: int = 1
+    # one token a step: replay the next step's graph before the host reads this one's token (fastpath.py)
+    fast_path_run_ahead: bool = True
     fast_path_options: Any = None
     mtp_draft_vocab: int | None = None  # fast-path MTP drafts propose ids < N (checked: 1..vocab)
     tokenizer: str | None = None  # the tokenizer's directory for grammars; None: the checkpoint's

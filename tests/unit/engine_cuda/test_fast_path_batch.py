@@ -100,15 +100,16 @@ def checkpoint(tmp_path_factory):
     return path
 
 
-def load(path, tokens_per_step: int = 1, mode: str = "on") -> Engine:
+def load(path, tokens_per_step: int = 1, mode: str = "on", run_ahead: bool = True) -> Engine:
     return Engine.load(path, num_slots=4, max_seq_len=48, dtype="bfloat16", fast_path=mode,
-                       fast_path_options=OPTIONS, fast_path_tokens_per_step=tokens_per_step)
+                       fast_path_options=OPTIONS, fast_path_tokens_per_step=tokens_per_step,
+                       fast_path_run_ahead=run_ahead)
 
 
 @pytest.fixture(scope="module")
 def alone(checkpoint):
-    """Each request's tokens decoding alone (the batch-1 fast path)."""
-    engine, out = load(checkpoint), {}
+    """Each request's tokens decoding alone (the batch-1 fast path, every step read before the next)."""
+    engine, out = load(checkpoint, run_ahead=False), {}
     for slot in REQUESTS:
         out[slot] = [start(engine, slot)]
         while engine.active_slots():
@@ -141,8 +142,11 @@ def test_slots_decode_together_in_one_fast_step_with_their_tokens_alone(checkpoi
     assert set(engine.fast_path.batches) == {2, 4}
 
 
-def test_slots_join_and_leave_mid_run_without_changing_anyone_s_tokens(checkpoint, alone):
-    engine = load(checkpoint, tokens_per_step=2)
+@pytest.mark.parametrize("tokens_per_step", [1, 2])
+def test_slots_join_and_leave_mid_run_without_changing_anyone_s_tokens(checkpoint, alone, tokens_per_step):
+    """One token a step: every step of a request with room left runs the next one ahead (run-ahead);
+    a slot joining or leaving discards it, a continuing step uses it, and no token changes."""
+    engine = load(checkpoint, tokens_per_step=tokens_per_step)
     got = {0: [start(engine, 0)]}
     schedule = {1: [1], 2: [2, 3]}  # step index -> slots joining before it
     served, step = [], 0
@@ -158,6 +162,39 @@ def test_slots_join_and_leave_mid_run_without_changing_anyone_s_tokens(checkpoin
     assert got == alone
     assert served[:3] == [("fast", 1), ("fast", 2), ("fast", 4)]
     assert {n for _, n in served} >= {1, 2, 4} and {p for p, _ in served} == {"fast"}
+    fast = engine.fast_path
+    if tokens_per_step == 1:  # each join discarded the step run ahead (2 and 3, with penalties, run none)
+        assert fast.ahead_dropped >= 1
+    else:
+        assert fast.ahead_kept == fast.ahead_dropped == 0
+    assert fast._flight is None  # every slot released: nothing left in flight
+
+
+def test_a_batch_runs_its_next_step_ahead_while_its_slots_continue(checkpoint, alone):
+    engine = load(checkpoint)
+    got = {slot: [start(engine, slot)] for slot in (0, 1)}  # greedy and seeded top-k/top-p: no state
+    while engine.active_slots():
+        for slot, out in engine.step().items():
+            got[slot] += out.token_ids
+            if out.finish_reason is not None:
+                engine.release(slot)
+    assert got == {slot: alone[slot] for slot in (0, 1)}
+    # slot 1 (7 tokens) runs with slot 0 for 6 steps, most continuing the one before; then slot 0 alone
+    assert engine.fast_path.ahead_kept >= 5 and engine.fast_path.ahead_dropped <= 1
+
+
+def test_a_released_slot_has_no_step_in_flight_and_its_next_request_starts_clean(checkpoint, alone):
+    engine = load(checkpoint)
+    got = [start(engine, 0)]
+    got += engine.step()[0].token_ids
+    assert engine.fast_path._flight is not None  # the second step is on its way
+    engine.cancel(0)  # the client went away mid-request
+    engine.release(0)
+    assert engine.fast_path._flight is None and engine.fast_path.ahead_dropped == 1
+    got = [start(engine, 0)]  # the same slot, the same request again: the same tokens as alone
+    while engine.active_slots():
+        got += engine.step()[0].token_ids
+    assert got == alone[0] and engine.fast_path.ahead_kept == len(alone[0]) - 2
 
 
 def test_a_batch_with_a_request_the_fast_path_cannot_serve_takes_the_reference_step(checkpoint, alone):
