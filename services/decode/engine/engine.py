@@ -414,6 +414,8 @@ class Engine:
                                           self.prefill_hidden[active[0]] if s.has_prefill_hidden else None)
             return {active[0]: self._fast_output(active[0], out, reason)}
         self.last_step_path = "reference"
+        if self._fast is not None:
+            self._fast.drop()  # a fast step run ahead for these slots: discarded, its counts undone
         dev, k, b = self.device, self.num_spec, len(active)
         slot_ids = torch.tensor(active, device=dev)
         seq = torch.tensor([self.slots[i].seq_len for i in active], device=dev)

@@ -49,9 +49,8 @@ Contract:
   the next token while the host emits this one, publishes it and comes back. The next engine step
   that continues exactly there (same slot or same batch of slots, same graph, same token and position)
   finds its first replay done; any other step discards it (its cache row is recomputed by whatever
-  runs next, stream-ordered). Only for requests whose steps leave no state behind (greedy, or sampling
-  without penalties or bad words: their counts and ring would see the extra token), never with a
-  grammar or logprobs. ``forget(slot)`` (the engine's release and start) waits for a step still in
+  runs next, stream-ordered; the token it added to the penalty counts is taken out again, the
+  bad words' ring resynced at the re-arm). Never with a grammar or logprobs. ``forget(slot)`` (the engine's release and start) waits for a step still in
   flight on the slot, so the slot's memory is quiet before a new request's KV is written into it.
 """
 
@@ -81,22 +80,27 @@ class _Flight:
     done: object  # CUDA event recorded after the replay; None off CUDA (it ran already)
     slots: tuple = ()  # batched: the rows' slots, in order
     expect: tuple = ()  # batched: the (token, position) each row continues from
+    counted: tuple = ()  # (slot, its token on device) of rows whose penalty counts took the token
 
     def wait(self) -> None:
         if self.done is not None:
             self.done.synchronize()
 
 
-def _stateless(s: SlotState) -> bool:
-    """A request whose steps leave nothing behind but the cache row and the token (run-ahead may
-    discard a step): no grammar, no logprobs, no penalty counts or bad-word ring."""
-    if s.grammar is not None or s.num_logprobs is not None:
-        return False
-    if s.sampling is None:
-        return True
-    from .cuda.sampling_state import BAD_WORDS, TRACK_COUNTS
+def _may_run_ahead(s: SlotState) -> bool:
+    """A request whose step may run ahead: no grammar (each mask needs the token before it), no
+    logprobs (read with the token). What a discarded step leaves in the sampling state is undone:
+    the penalty counts by ``_undo``, the bad words' ring by ``sync_history`` at the next re-arm."""
+    return s.grammar is None and s.num_logprobs is None
 
-    return not s.sampling.flags & (TRACK_COUNTS | BAD_WORDS)
+
+def _counted(s: SlotState) -> bool:
+    """Whether the slot's sampled steps add their token to its penalty counts."""
+    if s.is_greedy or s.sampling is None:
+        return False
+    from .cuda.sampling_state import TRACK_COUNTS
+
+    return bool(s.sampling.flags & TRACK_COUNTS)
 
 
 def padded_batch(n: int) -> int:
@@ -285,11 +289,25 @@ class FastPath:
             return None
         if flight[0] == owner:
             return flight[1]
+        self._discard(flight)
+        return None
+
+    def _discard(self, flight: tuple) -> None:
+        """A step run ahead that nothing continues: its slots re-arm at their next fast step (their
+        bad-word state resynced), and the penalty counts lose its token again (stream order)."""
         self.ahead_dropped += 1
         for slot in ((flight[0],) if flight[0] != "batch" else flight[1].slots):
             self.held.pop(slot, None)
             self.synced.pop(slot, None)
-        return None
+        for slot, token in flight[1].counted:
+            self.sampling.counts[slot].index_put_((token,), torch.full_like(token, -1, dtype=torch.int32),
+                                                  accumulate=True)
+
+    def drop(self) -> None:
+        """The engine steps its slots elsewhere (the reference step): discard a step run ahead."""
+        if self._flight is not None:
+            flight, self._flight = self._flight, None
+            self._discard(flight)
 
     def _launch_ahead(self, runner, src: torch.Tensor) -> tuple:
         """Copy ``src`` (this step's tokens) to the host without waiting, replay ``runner`` once more, and
@@ -380,11 +398,8 @@ class FastPath:
         launched = int(flight is not None and flight.key == key and held == (token, pos, flight.idx)
                        and flight.idx + n <= self.max_steps)
         if flight is not None and not launched:  # launched for another continuation: start over
-            self.held.pop(slot, None)
-            self.synced.pop(slot, None)
-        if flight is not None:
-            self.ahead_kept += launched
-            self.ahead_dropped += 1 - launched
+            self._discard((slot, flight))
+        self.ahead_kept += launched
         idx = flight.idx if launched else self._start(slot, dec, token, pos, n, prev_hidden, s)
         if extras and s.grammar is not None:
             self._write_mask(slot, s.grammar)
@@ -392,7 +407,8 @@ class FastPath:
             runner()
         if ahead and self.run_ahead and not extras and n and idx + n < self.max_steps:
             read, done = self._launch_ahead(runner, dec.out_tokens[idx : idx + n])
-            self._flight = (slot, _Flight(key, idx + n, done))
+            counted = ((slot, dec.out_tokens[idx + n : idx + n + 1]),) if key == SAMPLED and _counted(s) else ()
+            self._flight = (slot, _Flight(key, idx + n, done, counted=counted))
             out = read()  # the one sync, on this step's copy only
         else:
             out = dec.out_tokens[idx : idx + n].tolist()  # the one sync
@@ -503,9 +519,9 @@ class FastPath:
                            and flight.expect == tuple((s.pending, s.seq_len) for _, s in items)
                            and flight.idx + n <= self.max_steps)
             col = flight.idx if launched else 0
-            if flight is not None:
-                self.ahead_kept += launched
-                self.ahead_dropped += 1 - launched
+            if flight is not None and not launched:
+                self._discard(("batch", flight))
+            self.ahead_kept += launched
             if not launched:
                 for slot, s in items:  # bad-word state behind (steps ran on the reference path): bring it up
                     if not s.is_greedy and s.sampling is not None and self.synced.get(slot) != (s.pending, s.seq_len):
@@ -517,11 +533,14 @@ class FastPath:
                 runner()
             src = dec.out_tokens[: len(items), col : col + n]
             if (self.run_ahead and col + n < self.max_steps and all(r > n for r in rooms)
-                    and all(_stateless(s) for _, s in items)):
+                    and all(_may_run_ahead(s) for _, s in items)):
                 read, done = self._launch_ahead(runner, src)
                 rows = read()  # the one sync, on this step's copy only
+                counted = tuple((slot, dec.out_tokens[r, col + n : col + n + 1]) for r, (slot, s) in enumerate(items)
+                                if key[1] == SAMPLED and _counted(s))
                 self._flight = ("batch", _Flight(key, col + n, done, slots,
-                                                 tuple((r[-1], s.seq_len + n) for r, (_, s) in zip(rows, items))))
+                                                 tuple((r[-1], s.seq_len + n) for r, (_, s) in zip(rows, items)),
+                                                 counted))
             else:
                 rows = src.tolist()  # the one sync
             if lps:
@@ -577,7 +596,7 @@ class FastPath:
             s.num_draft_tokens += k
         else:
             n = min(self.tokens_per_step if s.grammar is None else 1, room)  # a grammar's mask needs each token
-            tokens = (self.decode(slot, s.pending, s.seq_len, n, prev_hidden, s, ahead=room > n and _stateless(s))
+            tokens = (self.decode(slot, s.pending, s.seq_len, n, prev_hidden, s, ahead=room > n and _may_run_ahead(s))
                       if n > 0 else [])
             s.num_steps += max(n, 1)
         s.num_valid_drafts = 0  # the reference step's held drafts are stale now: it drafts anew

@@ -163,7 +163,7 @@ def test_slots_join_and_leave_mid_run_without_changing_anyone_s_tokens(checkpoin
     assert served[:3] == [("fast", 1), ("fast", 2), ("fast", 4)]
     assert {n for _, n in served} >= {1, 2, 4} and {p for p, _ in served} == {"fast"}
     fast = engine.fast_path
-    if tokens_per_step == 1:  # each join discarded the step run ahead (2 and 3, with penalties, run none)
+    if tokens_per_step == 1:  # each join discarded the step run ahead
         assert fast.ahead_dropped >= 1
     else:
         assert fast.ahead_kept == fast.ahead_dropped == 0
@@ -181,6 +181,31 @@ def test_a_batch_runs_its_next_step_ahead_while_its_slots_continue(checkpoint, a
     assert got == {slot: alone[slot] for slot in (0, 1)}
     # slot 1 (7 tokens) runs with slot 0 for 6 steps, most continuing the one before; then slot 0 alone
     assert engine.fast_path.ahead_kept >= 5 and engine.fast_path.ahead_dropped <= 1
+
+
+@pytest.mark.parametrize("joining", [0, 1], ids=["a fast request joins", "a reference-step request joins"])
+def test_a_discarded_step_run_ahead_takes_its_token_out_of_the_penalty_counts(checkpoint, alone, joining):
+    """Slot 2 (penalties, bad words) runs ahead alone; a request joining discards that step: its
+    tokens stay those of slot 2 alone, and its penalty counts hold exactly its output at the end."""
+    engine = load(checkpoint)
+    got = {2: [start(engine, 2)]}
+    for _ in range(2):
+        got[2] += engine.step()[2].token_ids
+    assert engine.fast_path._flight is not None
+    if joining == 0:
+        got[0] = [start(engine, 0)]
+    else:  # more bad words than the fast path holds: the batch takes the reference step
+        got[1] = [int(engine.prefill(1, PROMPTS[1]).argmax())]
+        engine.start(1, got[1][0], SamplingParams(max_tokens=3, ignore_eos=True, bad_words_token_ids=[[3] * 17]))
+    paths = []
+    while engine.active_slots():
+        for slot, out in engine.step().items():
+            got[slot] += out.token_ids
+        paths.append(engine.last_step_path)
+    assert got[2] == alone[2] and (joining == 1 or got[0] == alone[0])
+    assert ("reference" in paths) == (joining == 1) and engine.fast_path.ahead_dropped >= 1
+    counts = engine.sampling.counts[2]
+    assert torch.equal(counts, torch.bincount(torch.tensor(got[2]), minlength=counts.numel()).to(counts.dtype))
 
 
 def test_a_released_slot_has_no_step_in_flight_and_its_next_request_starts_clean(checkpoint, alone):
