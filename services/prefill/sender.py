@@ -13,9 +13,11 @@ byte of every Nth such transfer's staging copy, so the decode node must catch it
 
 With GPU staging, while a job's staging copies still run on the GPU, the sender first writes
 ``PREWARM_BYTES`` of the first segment into the slot (``prewarm``, on by default): the write path's
-first post after an idle spell is slow (host caches, the transport's and the driver's state; on
-CPU NIXL about 0.1 ms against 0.03 back to back), and this pays it while the thread would only
-wait. Those bytes are stale and are overwritten by the write proper, which starts after the
+first use after an idle spell is slow (host caches, the transport's and the driver's state; on
+CPU NIXL about 0.1 ms against 0.03 back to back; between two H200s over NVLink a copy after 50 ms
+idle takes ~0.29 ms more than back to back, whatever its size, and a 1 MB copy up to 1 ms before
+takes all but ~0.02 ms of that away where 64 bytes took 0.1 ms: bench/gpu_copy_idle.py), and this
+pays it while the thread would only wait. Those bytes are stale and are overwritten by the write proper, which starts after the
 prewarm write has completed; the decode node reads the slot only after ``KvReady``. A failed
 prewarm write is only logged: the write proper decides the outcome.
 """
@@ -43,7 +45,7 @@ from services.prefill.staging import FREE
 # A child of vLLM's logger, so lines appear in vLLM's log with its format.
 log = logging.getLogger("vllm.expresslane.prefill")
 
-PREWARM_BYTES = 64  # written ahead while GPU staging copies run (see the module docstring)
+PREWARM_BYTES = 1 << 20  # written ahead while GPU staging copies run (see the module docstring)
 
 
 @dataclasses.dataclass

@@ -22,10 +22,15 @@ class GpuStagingInFlight(CopiesInFlight):
 
 class PrewarmFails(RecordingTransport):
     def write(self, endpoint, ops, nixl_metadata_b64="", timeout_s=None) -> None:
-        if ops[0][2] <= PREWARM_BYTES:
+        if not self.writes:  # the first write: the prewarm
             self.writes.append(ops)
             raise TransferError("receiver not reachable yet")
         super().write(endpoint, ops, nixl_metadata_b64, timeout_s)
+
+
+def prewarm_nbytes() -> int:
+    """The prewarm's size: PREWARM_BYTES of the first segment (all of it when that is smaller)."""
+    return min(SPEC.segments[0].bytes_per_token * NUM_TOKENS, PREWARM_BYTES)
 
 
 def staged_landed(pool, slot) -> bool:
@@ -41,7 +46,8 @@ def test_prewarm_writes_while_the_copies_run_then_the_kv_lands(tmp_path):
         while not transport.writes:  # the prewarm write comes before the copies have landed
             assert time.monotonic() < deadline, "no prewarm write while the copies ran"
             time.sleep(0.001)
-        assert len(transport.writes) == 1 and transport.writes[0][0][2] == PREWARM_BYTES
+        assert len(transport.writes) == 1 and len(transport.writes[0]) == 1
+        assert transport.writes[0][0][2] == prewarm_nbytes()
         pool.done.set()
 
     (event,), (slot,) = send(tmp_path, 1, pool=pool, transport=transport, on_submit=copies_land)
