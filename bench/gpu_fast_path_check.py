@@ -9,7 +9,10 @@ with and (MLA) without MTP drafts, and a seeded sampled request (temperature, to
 repetition penalty) the same way, and which path each step took. The CPU tests run the same
 kernels under Triton's interpreter; this is the compiled kernels' check on real hardware. Writes
 ``bench/results/gpu_fast_path_check.json``: ``<arch>_k<k>_tokens_identical``, ``..._paths``,
-``..._fast_path_reason``, and ``all_identical`` (so far: the file is written after each check).
+``..._fast_path_reason``, and ``all_identical`` (so far: the file is written after each check). Where
+greedy tokens part, the reference's top-2 logit gap at that step is recorded: an exact tie (0.0 in
+its bf16 logits) makes either token right, and ``..._differs_only_at_a_reference_tie`` says so
+(``all_identical`` then still holds).
 """
 
 from __future__ import annotations
@@ -43,9 +46,12 @@ SAMPLED = dict(temperature=0.8, top_p=0.9, top_k=50, min_p=0.02, repetition_pena
 
 
 def run(path: Path, mode: str, k: int, num_tokens: int, prompt: list[int],
-        sampled: bool = False) -> tuple[list[int], list[str], str | None]:
+        sampled: bool = False, run_ahead: bool = True, margins: list | None = None
+        ) -> tuple[list[int], list[str], str | None]:
+    """Tokens, paths and fast-path reason of one request; ``margins`` (reference step, greedy k=0) gets
+    each step's top-2 logit gap."""
     engine = Engine.load(path, num_slots=1, max_seq_len=128, dtype="bfloat16", fast_path=mode,
-                         num_speculative_tokens=k, device="cuda")
+                         num_speculative_tokens=k, device="cuda", fast_path_run_ahead=run_ahead)
     first = int(engine.prefill(0, prompt).argmax())
     extra = dict(SAMPLED, prompt_token_ids=list(prompt)) if sampled else {}
     engine.start(0, first, SamplingParams(max_tokens=num_tokens, ignore_eos=True, **extra))
@@ -53,6 +59,9 @@ def run(path: Path, mode: str, k: int, num_tokens: int, prompt: list[int],
     while engine.active_slots():
         tokens += engine.step()[0].token_ids
         paths.append(engine.last_step_path)
+        if margins is not None and engine.last_step_path == "reference":
+            top = engine.last_logits[0, 0].float().topk(2).values
+            margins.append(round(float(top[0] - top[1]), 5))
     engine.release(0)
     return tokens, sorted(set(paths)), engine.fast_path_reason
 
@@ -61,6 +70,8 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--archs", default=",".join(ARCHS))
     p.add_argument("--tokens", type=int, default=32)
+    p.add_argument("--run-ahead-off", action="store_true",
+                   help="Llama family: also decode with run-ahead off (its tokens against both)")
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "gpu_fast_path_check.json")
     args = p.parse_args()
     out: dict = {"bench": "gpu_fast_path_check", "device": torch.cuda.get_device_name(0),
@@ -76,12 +87,27 @@ def main() -> int:
             try:
                 t0 = time.perf_counter()
                 got, paths, reason = run(path, "on", k, args.tokens, prompt, sampled)
-                want, _, _ = run(path, "off", k, args.tokens, prompt, sampled)
+                margins: list = []
+                want, _, _ = run(path, "off", k, args.tokens, prompt, sampled,
+                                 margins=margins if not sampled and k == 0 else None)
                 out.update({f"{key}_tokens_identical": got == want, f"{key}_paths": paths,
                             f"{key}_fast_path_reason": reason, f"{key}_s": round(time.perf_counter() - t0, 1)})
-                ok &= got == want and paths == ["fast"]
+                agree = got == want
                 if got != want:
-                    out[f"{key}_first_difference"] = next(i for i, (a, b) in enumerate(zip(got, want)) if a != b)
+                    i = next(i for i, (a, b) in enumerate(zip(got, want)) if a != b)
+                    out[f"{key}_first_difference"] = i
+                    if margins:  # token i came from step i - 1: the reference's top-2 gap there
+                        out[f"{key}_reference_margin_there"] = margins[i - 1]
+                        out[f"{key}_reference_min_margin"] = min(margins)
+                        # an exact tie in the reference's logits: either token is its argmax, so the
+                        # sequences agree up to a point where both are right, then part
+                        agree = margins[i - 1] == 0.0
+                    out[f"{key}_differs_only_at_a_reference_tie"] = agree
+                ok &= agree and paths == ["fast"]
+                if args.run_ahead_off and not arch.startswith("deepseek"):  # the Llama family runs ahead
+                    plain, _, _ = run(path, "on", k, args.tokens, prompt, sampled, run_ahead=False)
+                    out[f"{key}_run_ahead_off_tokens_identical"] = plain == want
+                    out[f"{key}_run_ahead_on_equals_off"] = plain == got
             except Exception as exc:  # noqa: BLE001 - one family failing must not hide the others
                 ok = False
                 out[f"{key}_error"] = f"{type(exc).__name__}: {exc}"
