@@ -34,6 +34,7 @@ class DecodeConfig:
     drain_timeout_s: float = 30.0
     require_kv_checksum: bool = False  # a KvReady without checksums fails the lease
     num_checksum_threads: int = 4  # threads that verify one KvReady's segment sums
+    torch_threads: int = 1  # torch's intra-op threads (CPU work of the engine's step)
     fault_stall_after_tokens: int = 0  # FAULT INJECTION: the engine hangs (tests, bench only)
 
     @property
@@ -59,13 +60,15 @@ class DecodeConfig:
             transport_protocol=args.transport_protocol, heartbeat_ms=args.heartbeat_ms,
             http_host=args.http_host, http_port=args.http_port, drain_timeout_s=args.drain_timeout_s,
             require_kv_checksum=args.require_kv_checksum, num_checksum_threads=args.checksum_threads,
+            torch_threads=args.torch_threads,
             fault_stall_after_tokens=args.fault_stall_after_tokens)
 
     def validate(self) -> DecodeConfig:
         """Raise ValueError naming the flag whose value cannot work; return self."""
         for flag, value in (("--slots", self.num_slots), ("--max-seq-len", self.max_seq_len),
                             ("--heartbeat-ms", self.heartbeat_ms),
-                            ("--checksum-threads", self.num_checksum_threads)):
+                            ("--checksum-threads", self.num_checksum_threads),
+                            ("--torch-threads", self.torch_threads)):
             if value < 1:
                 raise ValueError(f"{flag} must be 1 or more, got {value}")
         k = self.engine.num_speculative_tokens
@@ -126,6 +129,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fast-path", choices=["auto", "on", "off"], default="auto",
                    help="batch-1 CUDA-graph decode for a lone greedy request (auto: where the "
                         "model, dtype and device allow; on: refuse to start otherwise)")
+    p.add_argument("--torch-threads", type=int, default=1, metavar="N",
+                   help="torch intra-op threads for the engine's CPU work (default 1): a decode step is "
+                        "many small ops, which more threads slow down (their barriers) and which then "
+                        "take cores from the prefill and other nodes on the host; raise it only for a "
+                        "CPU decode node with a large model on cores of its own")
     p.add_argument("--heartbeat-ms", type=int, default=1000)
     p.add_argument("--http-host", default="127.0.0.1")
     p.add_argument("--http-port", type=int, default=9103, help="/health and /metrics (0: any free)")

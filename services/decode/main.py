@@ -51,6 +51,11 @@ def main(argv: list[str]) -> int:
     config = parse(argv)
     setup_logging("decode", config.log_level, json=config.log_format == "json")
     setup_tracing("decode")
+    import torch
+
+    # Before any thread runs a torch op: each thread takes the count when it first does, and the
+    # step runs on the event loop's thread or a worker thread.
+    torch.set_num_threads(config.torch_threads)
     try:
         return asyncio.run(_run(config))
     except BusUnavailable as exc:

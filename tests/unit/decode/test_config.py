@@ -39,6 +39,12 @@ def test_kv_checksum_settings():
     assert config_of(["--model", "/m", "--require-kv-checksum"]).require_kv_checksum
 
 
+def test_torch_threads():
+    assert config_of(["--model", "/m"]).torch_threads == 1  # a step is many small ops: one thread
+    assert config_of(["--model", "/m", "--torch-threads", "4"]).torch_threads == 4
+    assert config_of(["--model", "/m"], env={"EXPRESSLANE_TORCH_THREADS": "2"}).torch_threads == 2
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--slots", "0"], "--slots must be 1 or more, got 0"),
     (["--max-seq-len", "0"], "--max-seq-len must be 1 or more"),
@@ -47,6 +53,7 @@ def test_kv_checksum_settings():
     (["--mtp-draft-vocab", "0"], "--mtp-draft-vocab must be 1 or more"),
     (["--drain-timeout-s", "-1"], "--drain-timeout-s must be 0 or more"),
     (["--checksum-threads", "0"], "--checksum-threads must be 1 or more"),
+    (["--torch-threads", "0"], "--torch-threads must be 1 or more"),
     (["--node-id", "a.b"], "--node-id: node id 'a.b' cannot be used in a NATS subject"),
 ])
 def test_validate_names_the_flag(argv, message):
