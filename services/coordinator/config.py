@@ -28,6 +28,9 @@ _JETSTREAM_NAME = re.compile(r"^[A-Za-z0-9_-]+$")  # no spaces, dots or wildcard
 
 _CORE_HELP = {
     "heartbeat_misses": "a decode node is dead after this many missed heartbeats",
+    "max_tick_gap_ms": "deadline checks further apart than this mean the coordinator itself was "
+                       "not listening (a state write waited on NATS, or it was cut off): node "
+                       "deadlines move back by the time beyond it; must exceed --tick-ms",
     "default_heartbeat_interval_ms": "assumed interval of nodes known only from restored leases",
     "transfer_timeout_ms": "a lease without KV-ready fails after this (the claim's expires_at_ms)",
     "fence_grace_ms": "after the transfer timeout a writer may still be live this long: the slot "
@@ -72,6 +75,9 @@ class CoordinatorServiceConfig:
             raise ValueError(f"--js-replicas must be 1-5 (JetStream's limit), got {self.js_replicas}")
         if self.tick_ms < 1:
             raise ValueError(f"--tick-ms must be >= 1, got {self.tick_ms}")
+        if self.core.max_tick_gap_ms <= self.tick_ms:
+            raise ValueError(f"--max-tick-gap-ms ({self.core.max_tick_gap_ms}) must exceed "
+                             f"--tick-ms ({self.tick_ms}): every tick would read as a stall")
         if not self.compact_interval_s > 0:
             raise ValueError(f"--compact-interval-s must be > 0, got {self.compact_interval_s}")
         if self.log_format not in ("json", "console"):

@@ -4,6 +4,13 @@ Contract:
 - Nodes register through ``NodeAvailable`` heartbeats; a node missing ``heartbeat_misses``
   beats is dead, and so is a node whose heartbeat ``seq`` goes backwards (it restarted): every
   live lease on it fails; leases whose writer may still be live keep fencing their slot.
+- Missed beats count only while the coordinator listens. ``on_heard`` records that a node's
+  message arrived as soon as it does (its handling may wait behind a state write). Two ticks
+  further apart than ``max_tick_gap_ms`` mean the coordinator itself was not listening in between
+  (blocked on NATS, or cut off from it): a node not heard from since the earlier tick may have
+  beaten unheard, so its deadline moves back by the time beyond ``max_tick_gap_ms``. A node heard
+  during the gap keeps its own deadline (it was listened to). The first tick after ``restore``
+  only sets the mark.
 - A claim is granted a lease (lease id, generation, slot, expiry) on a free slot of a compatible
   node: same model, protocol version, layout version, a transport both sides speak, and room for
   prompt + max_tokens. A slot is free when the node's last heartbeat lists it free and no lease
@@ -88,6 +95,8 @@ class CoordinatorCore:
         self.next_generation = 1
         self.reserved_generation = 1  # generations below this are persisted as used (PutMeta)
         self.warmup_until_ms = 0  # see restore()
+        self.last_tick_ms: int | None = None  # None: no tick since restore (see tick())
+        self.last_stall_ms = 0  # what the last tick allowed for the coordinator not listening
         self.counters: Counter[str] = Counter()
 
     # ------------------------------------------------------------ restore / inspection
@@ -97,6 +106,7 @@ class CoordinatorCore:
         """Adopt persisted state (at start); nodes named by leases count as seen ``now_ms``."""
         # Until every live node has had time to beat, "no node" proves nothing: claims wait.
         self.warmup_until_ms = now_ms + 2 * self.config.default_heartbeat_interval_ms
+        self.last_tick_ms = None  # a standby listened to heartbeats: its idle time is no stall
         self.leases = {lease.lease_id: lease for lease in leases}
         self.queue = sorted(queued, key=lambda q: q.enqueued_at_ms)
         top = max((lease.generation for lease in leases), default=0)
@@ -148,6 +158,11 @@ class CoordinatorCore:
         if self.registry.heartbeat(hb, now_ms):
             effects += self._fail_node_leases(hb.node_id, "node_restarted", now_ms)
         return effects + self._sweep_and_dispatch(now_ms)
+
+    def on_heard(self, node_id: str, now_ms: int) -> None:
+        """A message of the node arrived now: proof of life, even while its handling (a heartbeat
+        through ``on_heartbeat``) waits behind a state write."""
+        self.registry.touch(node_id, now_ms)
 
     def on_reconnected(self, now_ms: int) -> list[Effect]:
         """The coordinator was cut off from the bus: heartbeats it missed prove nothing, so every
@@ -354,6 +369,7 @@ class CoordinatorCore:
     def tick(self, now_ms: int) -> list[Effect]:
         """Apply every deadline that passed: dead nodes, lease timeouts, queue deadlines."""
         effects: list[Effect] = []
+        self._allow_for_stall(now_ms)
         for node in self.registry.expired(now_ms):
             self.registry.remove(node.node_id)
             effects += self._fail_node_leases(node.node_id, "node_dead", now_ms)
@@ -378,6 +394,20 @@ class CoordinatorCore:
             reason = "deadline" if has_node else "no_compatible_node"
             effects += self._reject(entry.claim, entry.reply_to, reason, now_ms)
         return effects + self._sweep_and_dispatch(now_ms)
+
+    def _allow_for_stall(self, now_ms: int) -> None:
+        """Ticks further apart than ``max_tick_gap_ms``: the coordinator was not listening for the
+        time beyond it. Nodes not heard from since the last tick get that time back (their beats
+        may have come unheard); a node is dead only after ``heartbeat_misses`` intervals of the
+        coordinator listening. Sets ``last_stall_ms`` (0: no stall)."""
+        last, self.last_tick_ms, self.last_stall_ms = self.last_tick_ms, now_ms, 0
+        if last is None:
+            return
+        stall_ms = now_ms - last - self.config.max_tick_gap_ms
+        if stall_ms > 0:
+            self.registry.postpone(last, stall_ms)
+            self.last_stall_ms = stall_ms
+            self.counters["coordinator_stalls"] += 1
 
     def reject_queued(self, reason: str, now_ms: int) -> list[Effect]:
         """Turn every waiting claim away (the coordinator is stopping); leases are kept."""

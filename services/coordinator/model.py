@@ -23,6 +23,8 @@ class CoordinatorConfig:
     """Timeouts and bounds of the coordinator (all durations in milliseconds)."""
 
     heartbeat_misses: int = 3  # a node is dead after this many missed heartbeats
+    # ticks further apart than this: the coordinator itself was not listening (see core.tick)
+    max_tick_gap_ms: int = 500
     default_heartbeat_interval_ms: int = 1000  # for nodes known only from restored leases
     transfer_timeout_ms: int = 30_000  # claimed -> kv_ready must happen within this
     fence_grace_ms: int = 5_000  # after the transfer timeout, a writer may still be live this long

@@ -3,7 +3,8 @@
 Contract:
 - ``heartbeat(hb, now_ms)`` records a ``NodeAvailable``; returns True when the node restarted
   (its ``seq`` went backwards), so the caller fails its old leases first.
-- A node is expired after ``heartbeat_misses`` intervals without a message; a draining node gets
+- A node is expired after ``heartbeat_misses`` intervals without a message (``postpone`` moves
+  that back for time the coordinator did not listen: services.coordinator.core); a draining node gets
   no new lease; a node known only from restored leases (``info`` None) gets none either until it
   beats again.
 - ``transport_for(node, claim)``: the transport to use when the node could ever serve the claim
@@ -46,9 +47,23 @@ class NodeRegistry:
         if node_id not in self.nodes:
             self.nodes[node_id] = Node(node_id, None, now_ms, self.config.default_heartbeat_interval_ms)
 
+    def touch(self, node_id: str, now_ms: int) -> None:
+        """The node was heard from (a known node only: a new one registers by its heartbeat)."""
+        node = self.nodes.get(node_id)
+        if node is not None:
+            node.last_seen_ms = max(node.last_seen_ms, now_ms)
+
     def touch_all(self, now_ms: int) -> None:
         for node in self.nodes.values():
             node.last_seen_ms = max(node.last_seen_ms, now_ms)
+
+    def postpone(self, unheard_since_ms: int, by_ms: int) -> list[str]:
+        """Move the deadline of every node not heard from since ``unheard_since_ms`` back by
+        ``by_ms``; returns their ids."""
+        moved = [n for n in self.nodes.values() if n.last_seen_ms <= unheard_since_ms]
+        for node in moved:
+            node.last_seen_ms += by_ms
+        return [n.node_id for n in moved]
 
     def expired(self, now_ms: int) -> list[Node]:
         limit = self.config.heartbeat_misses

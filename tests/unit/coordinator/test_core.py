@@ -27,7 +27,8 @@ from shared.kvlayout import KvShape, layout_spec
 
 LAYOUT = layout_spec(KvShape(kind="gqa", num_layers=2, num_kv_heads=2, head_dim=8), "float32", 256)
 CFG = CoordinatorConfig(transfer_timeout_ms=1000, fence_grace_ms=500, start_timeout_ms=2000,
-                        release_grace_ms=300, max_queue=2, max_wait_ms=5000, retry_after_ms=250)
+                        release_grace_ms=300, max_queue=2, max_wait_ms=5000, retry_after_ms=250,
+                        max_tick_gap_ms=100)
 
 
 def hb(node="n1", free=(0,), total=None, seq=1, model="m", interval=10_000, layout=LAYOUT, proto=1,
@@ -88,6 +89,9 @@ class Harness:
         elif op == "cancel":
             effects = c.on_cancel(CancelRequest(request_id=args["rid"],
                                                 is_before_prefill=args.get("before_prefill", False)), t)
+        elif op == "heard":  # a node's message arrived; its handling waits behind a write
+            c.on_heard(args.get("node", "n1"), t)
+            effects = []
         elif op == "reconnected":
             effects = c.on_reconnected(t)
         elif op == "stop":
@@ -162,6 +166,10 @@ class Harness:
                 assert c.counters["stale_ignored"] == want
             elif key == "free":
                 assert c.num_free_slots() == want
+            elif key == "nodes":
+                assert sorted(c.nodes) == want
+            elif key == "stall":
+                assert c.last_stall_ms == want
             else:
                 raise AssertionError(key)
 
@@ -174,6 +182,12 @@ def finish(rid, t, outcome="completed"):
     """Steps that take a granted request through to a released slot."""
     return [(t, "kv_ready", {"rid": rid}, {}), (t, "started", {"rid": rid}, {}),
             (t, "released", {"rid": rid, "outcome": outcome}, {"state": {rid: None}})]
+
+
+def decoding(rid, t):
+    """Steps that take a claim to decoding (no transfer or start deadline left to run out)."""
+    return [(t, "claim", {"rid": rid}, {}), (t, "kv_ready", {"rid": rid}, {}),
+            (t, "started", {"rid": rid}, {"state": {rid: "decoding"}})]
 
 
 G = "granted"
@@ -328,6 +342,57 @@ CASES = {
         (1499, "tick", {}, {"held": [("n1", 0), ("n1", 1)]}),
         (1500, "tick", {}, {"held": [("n1", 1)], "free": 1}),
         *finish("r4", 1501),
+    ],
+    # Liveness counts only time the coordinator listened (interval 100, 3 misses: 300 ms of
+    # silence; ticks more than 100 ms apart mean the coordinator itself was not listening).
+    "stalled_coordinator_does_not_take_a_silent_node_for_dead": [
+        (0, "hb", {"free": (0,), "interval": 100}, {}),
+        *decoding("r1", 0),
+        (50, "tick", {}, {"stall": 0}),
+        # blocked 1000 ms (a state write waited on NATS): 900 ms of it were not listening
+        (1050, "tick", {}, {"stall": 900, "events": [], "state": {"r1": "decoding"}, "nodes": ["n1"]}),
+        (1100, "tick", {}, {"stall": 0, "events": []}),
+        # 300 ms of listening since its last beat: 50 before the stall, 100 of the gap, 150 after
+        (1150, "tick", {}, {"events": []}),
+        (1201, "tick", {}, {"events": [("r1", "failed")], "nodes": []}),
+    ],
+    "node_heard_during_a_stall_keeps_its_own_deadline": [
+        (0, "hb", {"free": (0,), "interval": 100}, {}),
+        *decoding("r1", 0),
+        (50, "tick", {}, {}),
+        (800, "heard", {}, {}),  # its beat arrived while the coordinator's handling was blocked
+        (1050, "tick", {}, {"stall": 900, "events": [], "nodes": ["n1"]}),
+        (1100, "tick", {}, {"events": []}),
+        (1101, "tick", {}, {"events": [("r1", "failed")], "nodes": []}),  # silent 300 ms since 800
+    ],
+    "node_that_dies_during_a_stall_is_found_dead_when_the_stall_ends": [
+        (0, "hb", {"node": "a", "free": (0,), "interval": 100}, {}),
+        (0, "hb", {"node": "b", "free": (0,), "interval": 100}, {}),
+        *decoding("r1", 0),  # on a
+        *decoding("r2", 0),  # on b
+        (50, "tick", {}, {}),
+        (60, "heard", {"node": "a"}, {}),  # a's last beat, inside the stall; then it dies
+        (900, "heard", {"node": "b"}, {}),
+        (1050, "tick", {}, {"stall": 900, "nodes": ["b"], "events": [("r1", "failed")]}),
+        (1060, "released", {"rid": "r2"}, {"state": {"r2": None}}),
+    ],
+    "gaps_up_to_max_tick_gap_count_as_listening": [
+        (0, "hb", {"free": (0,), "interval": 100}, {}),
+        *decoding("r1", 0),
+        (100, "tick", {}, {"stall": 0}),
+        (200, "tick", {}, {"stall": 0}),
+        (300, "tick", {}, {"stall": 0, "events": []}),
+        (301, "tick", {}, {"events": [("r1", "failed")]}),
+    ],
+    "a_stall_after_restore_counts_from_the_first_tick": [
+        (0, "hb", {"free": (0,), "interval": 100}, {}),
+        *decoding("r1", 0),
+        (10, "restart", {}, {}),  # the node counts as seen at restore; no tick yet: no mark
+        (20, "hb", {"free": (), "interval": 100}, {}),
+        (200, "tick", {}, {"stall": 0, "events": []}),  # the first tick only sets the mark
+        (1200, "tick", {}, {"stall": 900, "events": []}),
+        (1220, "tick", {}, {"stall": 0, "events": []}),
+        (1221, "tick", {}, {"events": [("r1", "failed")]}),  # listened 180 + 100 of the gap + 21
     ],
     "reconnect_grants_nodes_fresh_heartbeat_grace": [
         (0, "hb", {"free": (0,), "interval": 100}, {}),

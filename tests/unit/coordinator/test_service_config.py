@@ -55,6 +55,7 @@ def test_core_settings_ride_along():
         (["--kv-bucket", "xl.coord"], {}, "--kv-bucket 'xl.coord' is not a JetStream name"),
         (["--inbox-stream", "a b"], {}, "--inbox-stream 'a b' is not a JetStream name"),
         (["--heartbeat-misses", "0"], {}, "heartbeat_misses must be >= 1, got 0"),
+        (["--tick-ms", "500"], {}, "--max-tick-gap-ms (500) must exceed --tick-ms (500)"),
         ([], {"EXPRESSLANE_MAX_QUEUE": "-1"}, "max_queue must be >= 0, got -1"),
     ],
 )
