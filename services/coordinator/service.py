@@ -4,6 +4,11 @@ Contract:
 - Claims: request/reply on ``subjects.CLAIM`` (ClaimRequest -> ClaimGranted | ClaimRejected);
   a queued claim is answered later on its reply subject.
 - Heartbeats: ``NodeAvailable`` / ``NodeDraining`` on ``subjects.NODE_AVAIL_ALL`` (live only).
+  Each counts as proof of life the moment it arrives (``core.on_heard``); its handling (restart
+  check, dispatch to freed slots) follows in order, behind any state write in progress. A state
+  write waits while the bucket's stream has no leader (a NATS member died: JetStream elects a new
+  one within seconds); a node is not taken for dead meanwhile, and the ticks themselves allow for
+  the time the coordinator was not listening (core.tick).
 - KV-ready/failed (``xl.kv.ready.*``), decode reports (``xl.coord.report``) and cancels
   (``xl.req.*.cancel``) are read through a JetStream work-queue stream with a durable consumer that
   each new leader creates anew for itself (what the last one had not acknowledged comes again at
@@ -116,6 +121,8 @@ class CoordinatorService:
         self._leadership_task: asyncio.Task | None = None
         self._wake = asyncio.Event()  # leadership loop: look now (a write was fenced)
         self._inbox_decoder = decoder(InboxMessage)
+        self._node_q: asyncio.Queue = asyncio.Queue()  # heartbeats heard, waiting for handling
+        self._node_task: asyncio.Task | None = None
         self.http: asyncio.Server | None = None
         self.is_ready = False
         self.is_serving = False  # leading: state restored, claims and reports handled
@@ -133,6 +140,7 @@ class CoordinatorService:
         self.store = StateStore(kv, self._js, self.config.kv_bucket, nc=self.bus.nc)
         await self.store.enable_atomic()
         self.bus.add_reconnect_callback(self._on_reconnected)
+        self._node_task = asyncio.create_task(self._node_loop())
         self._subs.append(await self.bus.subscribe(subjects.NODE_AVAIL_ALL, self._on_node, NodeMessage))
         self.http = await serve_status(self.config.http_host, self.config.http_port, {
             "/health": self._health, "/metrics": self._metrics})
@@ -151,6 +159,9 @@ class CoordinatorService:
             await asyncio.gather(self._leadership_task, return_exceptions=True)
         for sub in self._subs:
             await _quietly(sub.unsubscribe())
+        if self._node_task is not None:
+            self._node_task.cancel()
+            await asyncio.gather(self._node_task, return_exceptions=True)
         if self.is_serving:
             await self._stop_leader_work()
             await self._apply(self.core.reject_queued, "coordinator_stopping")
@@ -316,12 +327,16 @@ class CoordinatorService:
                 await self._apply(self.core.tick)
             except Exception:
                 self.log.exception("tick_failed")
+            stall_ms = self.core.last_stall_ms
+            if stall_ms:  # a busy event loop: debug; blocked on NATS or cut off: warning
+                log = self.log.warning if stall_ms >= self.config.core.max_tick_gap_ms else self.log.debug
+                log("coordinator_stalled", stall_ms=stall_ms,
+                    hint="node deadlines moved back by the time not listening")
 
     async def _on_reconnected(self) -> None:
-        if self.is_serving:
-            await self._apply(self.core.on_reconnected)
-        else:
-            self.core.on_reconnected(now_ms())  # a standby's nodes: beats missed prove nothing
+        # Beats missed while cut off prove nothing: every node counts as seen now, at once, not
+        # behind a state write (this runs in nats-py's reconnect task); it has no effects to make.
+        self.core.on_reconnected(now_ms())
 
     async def _compact_loop(self) -> None:
         """Every lease leaves a delete marker in the bucket: drop the old ones now and then."""
@@ -348,12 +363,25 @@ class CoordinatorService:
                     retry_after_ms=self.config.core.retry_after_ms)))
 
     async def _on_node(self, event: NodeAvailable | NodeDraining, msg) -> None:
-        if not self.is_serving:
-            self.core.observe_node(event, now_ms())
-        elif isinstance(event, NodeAvailable):
-            await self._apply(self.core.on_heartbeat, event)
-        else:
-            await self._apply(self.core.on_draining, event)
+        """Never waits: the node is alive now, whatever a state write in progress waits for
+        (nats-py hands this subscription its next message only once this returns)."""
+        self.core.on_heard(event.node_id, now_ms())
+        self._node_q.put_nowait(event)
+
+    async def _node_loop(self) -> None:
+        """Heartbeats and drain notices in arrival order, each applied as it comes (a restart
+        fails the node's old leases, freed slots go to waiting claims)."""
+        while True:
+            event = await self._node_q.get()
+            try:
+                if not self.is_serving:
+                    self.core.observe_node(event, now_ms())
+                elif isinstance(event, NodeAvailable):
+                    await self._apply(self.core.on_heartbeat, event)
+                else:
+                    await self._apply(self.core.on_draining, event)
+            except Exception:
+                self.log.exception("node_message_failed", node_id=event.node_id)
 
     async def _on_inbox(self, msg) -> None:
         """Decode and queue a report; the inbox task applies what is waiting in one batch."""

@@ -10,7 +10,14 @@ Contract:
   While leading, the writes go as JetStream atomic batches (``allow_atomic`` on the bucket's
   stream, nats-server >= 2.12; :meth:`enable_atomic`): one round trip for a whole batch, all of it
   stored or none, each write fenced; without atomic batches they go one at a time.
-- Every call retries while NATS is away, for up to ``retry_s``, then raises.
+- Every call retries while NATS is away, for up to ``retry_s``, then raises. A write waits
+  ``attempt_s`` for its acknowledgement, then is sent again (not nats-py's 5 s: a write in flight
+  when the member under it died is never answered, and the next attempt goes to the new one).
+  Sending a write again is harmless: it sets the same keys to the same values, and the
+  replicated stream keeps its writes in order (one that was stored after all comes before the
+  next attempt). While the bucket's stream has no leader (its member died and JetStream elects
+  another, which takes seconds) every attempt is refused at once; the first refusal and the
+  recovery are logged (``state_store_waiting``, ``state_store_answered``).
 - ``await store.compact(older_than_s)``: drop the delete markers ended leases leave behind.
 - Leader key (services.coordinator.leadership): ``read_leader() -> (revision, is_held)``,
   ``take_leader(holder, revision, is_held)``, ``renew_leader(holder)`` and ``release_leader()``
@@ -46,6 +53,7 @@ EXPECTED_SEQ_SUBJECT = "Nats-Expected-Last-Subject-Sequence-Subject"  # nats-ser
 WRONG_LAST_SEQUENCE = (10071, 10164)  # JetStream error codes of a failed expected sequence
 BATCH_ID, BATCH_SEQ, BATCH_COMMIT = "Nats-Batch-Id", "Nats-Batch-Sequence", "Nats-Batch-Commit"
 MAX_ATOMIC_BATCH = 500  # the server takes up to 1000 messages in one atomic batch
+WRITE_ATTEMPT_S = 2.0  # how long one write waits for its acknowledgement before it is sent again
 
 
 class LeaderKeyTaken(NotLeading):
@@ -54,8 +62,9 @@ class LeaderKeyTaken(NotLeading):
 
 class StateStore:
     def __init__(self, kv: KeyValue, js: JetStreamContext, bucket: str, retry_s: float = 30.0,
-                 nc: nats.NATS | None = None) -> None:
+                 nc: nats.NATS | None = None, attempt_s: float = WRITE_ATTEMPT_S) -> None:
         self.kv, self.js, self.retry_s, self.nc = kv, js, retry_s, nc
+        self.attempt_s = attempt_s
         self.prefix, self.stream = f"$KV.{bucket}.", f"KV_{bucket}"
         self.leader_revision = 0  # 0: writes are not fenced (not leading through this store)
         self.is_atomic = False  # the bucket's stream takes atomic batches (enable_atomic)
@@ -153,7 +162,8 @@ class StateStore:
         leading; ``extra_headers``: an atomic batch's commit."""
         headers = {**self._headers(value), **(extra_headers or {})}
         try:
-            await self.js.publish(self.prefix + key, value or b"", headers=headers or None)
+            await self.js.publish(self.prefix + key, value or b"", headers=headers or None,
+                                  timeout=self.attempt_s)
         except nats.js.errors.APIError as exc:
             if exc.err_code in WRONG_LAST_SEQUENCE:
                 raise LeaderKeyTaken(f"leader key moved past revision {self.leader_revision}") from exc
@@ -214,14 +224,25 @@ class StateStore:
         await self.kv.purge_deletes(olderthan=max(1, older_than_s))
 
     async def _retry(self, fn, *args):
-        deadline = time.monotonic() + self.retry_s
+        started = time.monotonic()
+        deadline, attempts = started + self.retry_s, 0
+        op = getattr(fn, "__name__", "call").lstrip("_")
         while True:
             try:
-                return await fn(*args)
+                result = await fn(*args)
             except (nats.js.errors.NoKeysError, nats.js.errors.KeyNotFoundError):
                 raise
             except (nats.errors.Error, asyncio.TimeoutError, OSError) as exc:
+                attempts += 1
+                error = str(exc) or type(exc).__name__
+                if attempts == 1:
+                    self.log.warning("state_store_waiting", op=op, error=error)
                 if time.monotonic() > deadline:
-                    self.log.error("state_write_failed", error=str(exc))
+                    self.log.error("state_write_failed", op=op, error=error, attempts=attempts)
                     raise
                 await asyncio.sleep(0.2)
+                continue
+            if attempts:
+                self.log.info("state_store_answered", op=op, attempts=attempts + 1,
+                              waited_ms=int((time.monotonic() - started) * 1000))
+            return result
