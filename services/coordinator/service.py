@@ -24,7 +24,9 @@ Contract:
   reports and answers claims; the others only learn the nodes from heartbeats and watch the key,
   and one of them takes over when the leader stops renewing it. A leader that cannot renew in time
   stops answering, drops its state and becomes a standby; every state write of a leader is
-  conditional on the key's revision, so one that lost it writes nothing.
+  conditional on the key's revision, so one that lost it writes nothing. A start that outlasted
+  the lease (JetStream still electing leaders after losing a member) renews the key before it
+  serves; a first start that meets a cluster still forming stands by and tries again.
 - HTTP: ``/health`` (200 when connected, 503 otherwise; ``role``: leader or standby) and
   ``/metrics`` (Prometheus, ``xl_coord_is_leader``).
 - Configuration: one ``CoordinatorServiceConfig`` (services.coordinator.config), built and checked
@@ -76,6 +78,15 @@ InboxMessage = KvReady | KvFailed | DecodeStarted | SlotReleased | CancelRequest
 INBOX_CONSUMER = "coordinator"  # the report stream's durable consumer, the leader's alone
 MAX_DELIVERIES = 5  # a report that fails this often is dropped (logged), not retried forever
 INBOX_BATCH = 256  # reports applied as one batch of core inputs: one state write, then the acks
+# A new leader's report consumer is answered once the consumer has its own raft leader: with a
+# cluster member down that election takes ~5 s, just past nats-py's 5 s, and every attempt after a
+# timeout deleted and created the consumer again, to wait once more. The calls before it (stream,
+# delete) keep the 5 s: one sent while the cluster has no metadata leader is never answered.
+CONSUMER_CREATE_TIMEOUT_S = 20.0
+STREAM_NAME_IN_USE = 10058  # add_stream of a stream that exists with other settings: update it
+# JetStream answers that mean "not now" (a cluster still forming or electing): no suitable peers
+# for placement (one still counts as offline), cluster temporarily unavailable
+TRANSIENT_JS_ERRORS = (10005, 10008)
 
 
 class CoordinatorBusy(RuntimeError):
@@ -131,6 +142,7 @@ class CoordinatorService:
 
     async def start(self) -> None:
         self._js = self.bus.nc.jetstream()
+        self._js_consumer_create = self.bus.nc.jetstream(timeout=CONSUMER_CREATE_TIMEOUT_S)
         try:
             kv = await self.bus.kv(self.config.kv_bucket, replicas=self.config.js_replicas)
         except (nats.js.errors.ServiceUnavailableError, nats.errors.NoRespondersError) as exc:
@@ -144,7 +156,14 @@ class CoordinatorService:
         self._subs.append(await self.bus.subscribe(subjects.NODE_AVAIL_ALL, self._on_node, NodeMessage))
         self.http = await serve_status(self.config.http_host, self.config.http_port, {
             "/health": self._health, "/metrics": self._metrics})
-        await self._leadership_step()  # lead at once when no coordinator does
+        try:
+            await self._leadership_step()  # lead at once when no coordinator does
+        except Exception as exc:
+            if not _is_transient(exc):
+                raise
+            # A NATS cluster started with us may not place replicated streams yet: stand by,
+            # the leadership loop tries again.
+            self.log.warning("leadership_deferred", error=str(exc) or type(exc).__name__)
         self._leadership_task = asyncio.create_task(self._leadership_loop())
         self.is_ready = True
         self.log.info("coordinator_ready", http_port=self.http.sockets[0].getsockname()[1],
@@ -239,6 +258,14 @@ class CoordinatorService:
                 await self._restore()
                 self._leader_subs.append(
                     await self.bus.subscribe(subjects.CLAIM, self._on_claim, ClaimRequest))
+                if not self.leadership.is_leading(mono_ms()):
+                    # The start outlasted the lease (JetStream was electing leaders after losing a
+                    # member). Renew before serving: our revision still there proves nobody took
+                    # over meanwhile, so the state just restored is the bucket's.
+                    renew_ms = mono_ms()
+                    revision = await asyncio.wait_for(
+                        self.store.renew_leader(self.coordinator_id), self.config.leader.ttl_ms / 1000)
+                    self.leadership.renewed(revision, renew_ms)
             except BaseException:
                 self.leadership.step_down("start_failed")
                 await self._stop_leader_work()
@@ -292,7 +319,9 @@ class CoordinatorService:
                               max_age=3600.0, num_replicas=self.config.js_replicas)
         try:
             await js.add_stream(stream)
-        except nats.js.errors.BadRequestError:
+        except nats.js.errors.BadRequestError as exc:
+            if exc.err_code != STREAM_NAME_IN_USE:
+                raise
             await js.update_stream(stream)
         # Ours alone from now on: a consumer still bound to an old leader (dead, or paused with
         # its connection open) is deleted; its unacknowledged reports stay in the stream and come
@@ -304,7 +333,7 @@ class CoordinatorService:
         consumer = ConsumerConfig(durable_name=INBOX_CONSUMER, ack_policy=AckPolicy.EXPLICIT,
                                   filter_subjects=INBOX_SUBJECTS, ack_wait=30.0,
                                   max_ack_pending=10_000)
-        self._inbox_sub = await js.subscribe(
+        self._inbox_sub = await self._js_consumer_create.subscribe(
             subjects.COORD_REPORT, durable=INBOX_CONSUMER, stream=self.config.inbox_stream,
             config=consumer, cb=self._on_inbox, manual_ack=True)
 
@@ -509,6 +538,15 @@ class CoordinatorService:
 
     def _metrics(self) -> tuple[int, str, bytes]:
         return 200, "text/plain; version=0.0.4", self.metrics.render()
+
+
+def _is_transient(exc: BaseException) -> bool:
+    """A JetStream failure worth trying again in a moment (no reply yet, a cluster forming)."""
+    if isinstance(exc, (nats.errors.TimeoutError, asyncio.TimeoutError, nats.errors.NoRespondersError,
+                        nats.js.errors.NoStreamResponseError)):
+        return True
+    return isinstance(exc, nats.js.errors.APIError) and (
+        exc.code == 503 or exc.err_code in TRANSIENT_JS_ERRORS)
 
 
 async def _quietly(coro) -> None:
