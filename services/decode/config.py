@@ -51,7 +51,8 @@ class DecodeConfig:
         engine = EngineConfig(
             num_slots=args.slots, max_seq_len=args.max_seq_len, device=args.device, dtype=args.dtype,
             num_speculative_tokens=args.num_speculative_tokens, fast_path=args.fast_path,
-            mtp_draft_vocab=args.mtp_draft_vocab, tokenizer=args.tokenizer or None)
+            mtp_draft_vocab=args.mtp_draft_vocab, tokenizer=args.tokenizer or None,
+            adaptive_speculation=args.adaptive_speculation)
         return cls(
             model=args.model, node_id=args.node_id or default_node_id(), engine=engine,
             nats_url=args.nats_url, bus_auth=shared_config.bus_auth(args),
@@ -119,6 +120,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-speculative-tokens", type=int, default=None,
                    help="MTP draft tokens per step, 0 to 3 (default: one per MTP layer of the "
                         "model, 0 for models without MTP layers)")
+    p.add_argument("--adaptive-speculation", action=argparse.BooleanOptionalAction, default=True,
+                   help="each request drafts as many MTP tokens per step (0 up to --num-speculative-tokens) "
+                        "as its accepted drafts pay for, and stops drafting (probing again now and then) "
+                        "where they are not accepted, so speculation never slows a request down; "
+                        "--no-adaptive-speculation drafts every step (default: adaptive)")
     p.add_argument("--mtp-draft-vocab", type=int, default=None, metavar="N",
                    help="on the fast path, MTP drafts propose only token ids < N: a draft head of N rows "
                         "instead of the whole vocabulary (BPE ids run from frequent to rare); output is "

@@ -5,7 +5,11 @@ and each lease's trace span.
 ``unavailable``); the body lists total and free slots, the slots the engine holds (``active``) and
 the stale halves ignored. ``/metrics`` (Prometheus): active and free slots, stale halves, one
 counter per node event (``xl_decode_events{event=...}``), the engine step time histogram and the
-KV checksum verification time histogram (``xl_decode_kv_verify_seconds``, opt-in checksums).
+KV checksum verification time histogram (``xl_decode_kv_verify_seconds``, opt-in checksums), and
+with MTP drafts the speculation totals per model as vLLM's spec-decode metrics name them
+(``xl_decode_spec_decode_num_drafts``: steps that verified drafts, ``..._num_draft_tokens``,
+``..._num_accepted_tokens``, ``..._num_accepted_tokens_per_pos{position}``; the mean acceptance
+length is 1 + accepted tokens / drafts).
 Traces: a lease's ``decode`` span is a child of the context its ``DecodeStart`` came with; the
 node's messages for the lease are sent inside it; it ends when the lease leaves the node.
 """
@@ -33,8 +37,10 @@ class NodeStatus:
     """Health and metrics of one decode node (its own registry, no module globals)."""
 
     def __init__(self, core: SlotCore, is_connected: Callable[[], bool],
-                 is_draining: Callable[[], bool]) -> None:
+                 is_draining: Callable[[], bool], spec_counters: Callable[[], dict] | None = None,
+                 model: str = "") -> None:
         self.core, self.is_connected, self.is_draining = core, is_connected, is_draining
+        self.spec_counters, self.model = spec_counters, model  # the engine's totals (engine.spec_counters)
         self.registry = CollectorRegistry()
         self.registry.register(self)
         self.step_seconds = Histogram("xl_decode_step_seconds", "One engine step over all slots",
@@ -62,6 +68,19 @@ class NodeStatus:
         for key, value in sorted(core.counters.items()):
             family.add_metric([key], value)
         yield family
+        spec = self.spec_counters() if self.spec_counters is not None else None
+        if spec is not None:
+            for name, key, what in (("num_drafts", "steps", "Steps that verified MTP drafts"),
+                                    ("num_draft_tokens", "draft_tokens", "MTP draft tokens verified"),
+                                    ("num_accepted_tokens", "accepted_tokens", "MTP draft tokens accepted")):
+                f = CounterMetricFamily(f"xl_decode_spec_decode_{name}", what, labels=["model"])
+                f.add_metric([self.model], spec[key])
+                yield f
+            f = CounterMetricFamily("xl_decode_spec_decode_num_accepted_tokens_per_pos",
+                                    "MTP draft tokens accepted, by draft position", labels=["model", "position"])
+            for pos, n in enumerate(spec["accepted_per_pos"]):
+                f.add_metric([self.model, str(pos)], n)
+            yield f
 
     def health(self) -> tuple[int, str, bytes]:
         is_connected, is_draining = self.is_connected(), self.is_draining()

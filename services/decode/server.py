@@ -54,7 +54,10 @@ class DecodeNode:
         self.core = SlotCore(config.node_id, config.num_slots, engine.layout.layout_version)
         self.log = get_logger("decode", node_id=self.node_id)
         self.avail = Availability(bus, config, self.core, receiver, engine, self.log)
-        self.status = NodeStatus(self.core, lambda: self.bus.is_connected, lambda: self.avail.is_draining)
+        self.status = NodeStatus(self.core, lambda: self.bus.is_connected, lambda: self.avail.is_draining,
+                                 spec_counters=((lambda: self.engine.spec_counters)
+                                                if getattr(engine, "num_spec", 0) else None),
+                                 model=getattr(engine, "model_name", ""))
         self.traces = LeaseTraces(config.node_id)
         self.paths = DecodePaths()
         self.compile_ahead = CompileAhead(engine, self.log)

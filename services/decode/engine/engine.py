@@ -54,6 +54,13 @@ a graph for them (fastpath.extras_key: mask, logprobs or both; captured on first
 alone and per padded size batched): the host writes each grammar's mask into its slot's ``gmask``
 row before each replay (one token per step with a grammar), the graph applies the masks before the
 sampling kernels (all ones where a row has no grammar) and computes the logprobs after them.
+Adaptive drafting (``adaptive_speculation``, on by default; spec_policy.py): each request's steps
+draft as many MTP tokens (0..its maximum) as its observed acceptance pays for, against a fixed cost
+per draft (so a seeded sampled request drafts, and samples, the same alone or batched); drafts that
+are not accepted turn drafting off for a backoff, then a probe measures again. A reference step
+drafts the most any of its slots asks for (each slot verifies only the drafts it asked for).
+``spec_counters`` totals the steps that verified drafts, the drafts verified and accepted (per
+draft position too), as vLLM's spec-decode metrics.
 ``mtp_draft_vocab=N``: the fast path's MTP drafts propose token ids < N only (its draft head reads N
 rows, not the whole vocabulary); output is unchanged, acceptance may drop. The reference step
 drafts over the whole vocabulary.
@@ -82,7 +89,7 @@ from .spec import verify
 from .config import parse_config
 from .build import build_model, load_params
 from .cuda.graph import GraphedFn
-from . import fastpath
+from . import fastpath, spec_policy
 from .options import EngineConfig
 from .weights import DictReader, hf_to_engine, iter_engine_params, read_config
 
@@ -160,6 +167,14 @@ class Engine:
                                                            config.fast_path_tokens_per_step,
                                                            draft_vocab=draft_vocab, sampling=self.sampling,
                                                            run_ahead=config.fast_path_run_ahead)
+        self.adaptive_spec = config.adaptive_speculation and self.num_spec > 0
+        # a step's cost by draft count, in plain steps: fixed per engine, so that a seeded sampled
+        # request drafts (and samples) the same alone or batched, run after run
+        self._spec_costs = spec_policy.costs(self.num_spec)
+        # totals over the engine's life (node /metrics): steps that verified drafts, drafts verified,
+        # drafts accepted, and accepted drafts per position (1-based: position j accepted j-th)
+        self.spec_counters = {"steps": 0, "draft_tokens": 0, "accepted_tokens": 0,
+                              "accepted_per_pos": [0] * max(self.num_spec, 1)}
         self.last_step_path: str | None = None  # "fast" | "reference" after a step
         self.last_step_slots = 0  # how many slots the last step served
         with torch.inference_mode():  # build, compile and capture every slot's decoder now, not mid-request
@@ -267,6 +282,7 @@ class Engine:
         k = self.num_spec if asked is None else min(self.num_spec, asked)
         if req.flags & (REP | FREQ_PRES | BAD_WORDS):  # they read the output, drafts included: no drafts
             k = 0
+        s.drafting = spec_policy.Drafting(k) if self.adaptive_spec and k else None
         if sampling.logprobs is not None and not 0 <= sampling.logprobs <= self.cfg.vocab_size:
             raise ValueError(f"invalid sampling parameters: logprobs must be 0..{self.cfg.vocab_size} or absent, "
                              f"got {sampling.logprobs}")
@@ -368,7 +384,8 @@ class Engine:
         return self.sampler.probs(logits.reshape(b * t, v), rows, positions.reshape(-1), flags, per_row).view(b, t, v)
 
     def _draft(self, slot_ids: torch.Tensor, hidden: torch.Tensor, logits: torch.Tensor,
-               next_pos: torch.Tensor, num_keys: int, all_greedy: bool = False, flags: int = 0) -> None:
+               next_pos: torch.Tensor, num_keys: int, all_greedy: bool = False, flags: int = 0,
+               k: int | None = None) -> None:
         """Draw K drafts per slot from the MTP head, recycling its hidden for drafts 2..K (the first
         MTP layer serves every draft, as DeepSeek-V3 runs its single one recursively).
 
@@ -379,7 +396,8 @@ class Engine:
         greedy = (self.sampling.iparams[slot_ids, I_FLAGS] & GREEDY) != 0
         seeds = self.sampling.iparams[slot_ids, I_SEED]
         drafts, probs = [], []
-        for j in range(self.num_spec):
+        k = self.num_spec if k is None else k
+        for j in range(k):
             if all_greedy:  # greedy acceptance never reads the draft distribution
                 d = logits.argmax(dim=-1)
             else:
@@ -388,20 +406,43 @@ class Engine:
                 d = sample(q, exponential(seeds, position, q.shape[-1], STREAM_DRAFT), greedy)
                 probs.append(q)
             drafts.append(d)
-            if j + 1 < self.num_spec:
+            if j + 1 < k:
                 pos = (next_pos + j).clamp(max=self.cache.max_tokens - 1)[:, None]
                 h, lg = self._mtp(d[:, None], pos, hidden[:, None], slot_ids, num_keys)
                 hidden, logits = h[:, 0], lg[:, 0]
-        self.drafts[slot_ids] = torch.stack(drafts, dim=1)
+        self.drafts[slot_ids, :k] = torch.stack(drafts, dim=1)
         if probs:
-            self.draft_probs[slot_ids] = torch.stack(probs, dim=1)
+            self.draft_probs[slot_ids, :k] = torch.stack(probs, dim=1)
 
     @torch.inference_mode()
     def step(self) -> dict[int, StepOutput]:
-        """One decode step over every active slot: {slot: StepOutput}."""
+        """One decode step over every active slot: {slot: StepOutput}; then each drafting request's
+        next draft count (spec_policy) and the speculation totals."""
         active = self.active_slots()
         if not active:
             return {}
+        before = {i: (self.slots[i].num_draft_tokens, self.slots[i].num_accepted_tokens) for i in active}
+        out = self._step(active)
+        if self.num_spec:
+            self._account_spec(active, before)
+        return out
+
+    def _account_spec(self, active: list[int], before: dict) -> None:
+        c = self.spec_counters
+        for i in active:
+            s = self.slots[i]
+            verified, accepted = s.num_draft_tokens - before[i][0], s.num_accepted_tokens - before[i][1]
+            if verified > 0:
+                c["steps"] += 1
+                c["draft_tokens"] += verified
+                c["accepted_tokens"] += accepted
+                for j in range(min(accepted, len(c["accepted_per_pos"]))):
+                    c["accepted_per_pos"][j] += 1
+            if s.drafting is not None and s.state == "active":
+                k = s.drafting.observe(verified, accepted, self._spec_costs)
+                s.num_valid_drafts = min(s.num_valid_drafts, k)  # drafts drawn beyond it are not verified
+
+    def _step(self, active: list[int]) -> dict[int, StepOutput]:
         self.last_step_slots = len(active)
         if len(active) > 1 and self._fast_batch_ready(active):
             self.last_step_path = "fast"
@@ -416,12 +457,13 @@ class Engine:
         self.last_step_path = "reference"
         if self._fast is not None:
             self._fast.drop()  # a fast step run ahead for these slots: discarded, its counts undone
-        dev, k, b = self.device, self.num_spec, len(active)
+        # drafts this step verifies and draws: the most any slot asks for (0: a plain forward, no MTP)
+        dev, k, b = self.device, max(self.slots[i].spec_k for i in active), len(active)
         slot_ids = torch.tensor(active, device=dev)
         seq = torch.tensor([self.slots[i].seq_len for i in active], device=dev)
         pending = torch.tensor([self.slots[i].pending for i in active], device=dev)
-        bitmask = self._grammar_masks(active, slot_ids) if any(self.slots[i].grammar for i in active) else None
-        num_valid = torch.tensor([self.slots[i].num_valid_drafts for i in active], device=dev)
+        bitmask = self._grammar_masks(active, slot_ids, k) if any(self.slots[i].grammar for i in active) else None
+        num_valid = torch.tensor([min(self.slots[i].num_valid_drafts, k) for i in active], device=dev)
         all_greedy = all(self.slots[i].is_greedy for i in active)
         tokens = torch.cat([pending[:, None], self.drafts[slot_ids][:, :k]], dim=1)  # [B, 1+K]
         positions = seq[:, None] + torch.arange(k + 1, device=dev)
@@ -461,39 +503,38 @@ class Engine:
             mtp_tokens = torch.cat([tokens[:, 1:], nxt[:, None]], dim=1).scatter(1, num_accepted[:, None], nxt[:, None])
             h, lg = self._mtp(mtp_tokens, positions, hidden, slot_ids, num_keys)
             self._draft(slot_ids, h[rows, num_accepted], lg[rows, num_accepted], seq + num_accepted + 1, num_keys,
-                        all_greedy, self._flags(active))
-        lps = self._logprobs(active, tokens, num_accepted, nxt)
+                        all_greedy, self._flags(active), k)
+        lps = self._logprobs(active, tokens, num_accepted, nxt, k)
         host = torch.cat([num_accepted[:, None], tokens[:, 1:], nxt[:, None]], dim=1).tolist()  # the one sync
-        return {slot: self._emit(slot, row, lps.get(slot)) for slot, row in zip(active, host)}
+        return {slot: self._emit(slot, row, lps.get(slot), k) for slot, row in zip(active, host)}
 
     def _fast_output(self, slot: int, out: list[int], reason: str | None) -> StepOutput:
         lps = self.slots[slot].extra.pop("fast_logprobs", None)
         return StepOutput(token_ids=out, finish_reason=reason, logprobs=lps[:len(out)] if lps is not None else None)
 
-    def _grammar_masks(self, active: list[int], slot_ids: torch.Tensor) -> torch.Tensor:
+    def _grammar_masks(self, active: list[int], slot_ids: torch.Tensor, k: int) -> torch.Tensor:
         """int32 bitmask [B * (1 + K), ceil(V / 32)] (host) of the step's positions: each grammar
         slot's next-token mask after the pending token and after each grammar-valid prefix of its
         drafts (the drafts past it are not verified: num_valid_drafts is cut, as vLLM's scheduler
         cuts them); rows of other slots allow everything."""
         import xgrammar as xgr
 
-        k = self.num_spec
         bitmask = xgr.allocate_token_bitmask(len(active) * (k + 1), self.cfg.vocab_size)
         drafts = self.drafts[slot_ids][:, :k].tolist() if k else [[] for _ in active]
         for r, i in enumerate(active):
             s = self.slots[i]
             if s.grammar is not None:
-                s.num_valid_drafts = s.grammar.fill_through(drafts[r][:s.num_valid_drafts], bitmask, r * (k + 1))
+                s.num_valid_drafts = s.grammar.fill_through(drafts[r][:min(s.num_valid_drafts, k)], bitmask,
+                                                            r * (k + 1))
         return bitmask
 
     def _logprobs(self, active: list[int], tokens: torch.Tensor, num_accepted: torch.Tensor,
-                  nxt: torch.Tensor) -> dict[int, list]:
+                  nxt: torch.Tensor, k: int) -> dict[int, list]:
         """{slot: [TokenLogprobs per candidate token]} of the slots that asked: position j's token is
         draft j for j < accepted, then the next token, each scored under the target logits there."""
         want = [(r, i) for r, i in enumerate(active) if self.slots[i].num_logprobs is not None]
         if not want:
             return {}
-        k = self.num_spec
         rows = torch.tensor([r for r, _ in want], device=self.device)
         cand = torch.cat([tokens[:, 1:], nxt[:, None]], dim=1).scatter(1, num_accepted[:, None], nxt[:, None])
         n = max(self.slots[i].num_logprobs for _, i in want)
@@ -507,14 +548,17 @@ class Engine:
             out[i] = lpmod.to_wire(lp[w], rank[w], [t[:m] for t in top_lp[w]], [t[:m] for t in top_ids[w]])
         return out
 
-    def _emit(self, slot: int, row: list[int], logprobs: list | None = None) -> StepOutput:
+    def _emit(self, slot: int, row: list[int], logprobs: list | None = None, k: int = 0) -> StepOutput:
         s = self.slots[slot]
         a, drafts, nxt = row[0], row[1:-1], row[-1]
+        # the drafts this step drew for this request's next step: as many as it asked for (a batch
+        # with a slot asking for more drew more; they stay unused, as they would be alone)
+        drawn = min(s.spec_k, k)
         s.num_steps += 1
-        s.num_draft_tokens += s.num_valid_drafts
+        s.num_draft_tokens += min(s.num_valid_drafts, k)
         out, reason = emit(s, drafts[:a] + [nxt], self.max_seq_len)
         s.num_accepted_tokens += max(0, len(out) - 1)
-        s.num_valid_drafts = s.num_spec
+        s.num_valid_drafts = drawn
         if s.grammar is not None and not s.grammar.accept(out):
             fastpath.log.warning("slot %d: token ids %s left the grammar; it stops constraining", slot, out)
             s.grammar.is_terminated = True

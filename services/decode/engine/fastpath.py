@@ -50,8 +50,9 @@ Contract:
   that continues exactly there (same slot or same batch of slots, same graph, same token and position)
   finds its first replay done; any other step discards it (its cache row is recomputed by whatever
   runs next, stream-ordered; the token it added to the penalty counts is taken out again, the
-  bad words' ring resynced at the re-arm). Never with a grammar or logprobs. ``forget(slot)`` (the engine's release and start) waits for a step still in
-  flight on the slot, so the slot's memory is quiet before a new request's KV is written into it.
+  bad words' ring resynced at the re-arm). Never with a grammar or logprobs. ``forget(slot)`` (the
+  engine's release and start) waits for a step still in flight on the slot, so the slot's memory is
+  quiet before a new request's KV is written into it.
 """
 
 from __future__ import annotations
@@ -589,7 +590,7 @@ class FastPath:
         never past its max_tokens or max_seq_len, cut at stop ids by slots.emit as the reference step
         cuts them; (emitted tokens, finish reason)."""
         room = min(s.max_tokens - s.num_generated, max_seq_len - 1 - s.seq_len)
-        k = min(s.num_spec, self.num_spec)
+        k = min(s.spec_k, self.num_spec)
         if k and room > 0:
             tokens = self.spec(slot, s.pending, s.seq_len, k, prev_hidden if s.num_generated == 0 else None)
             s.num_steps += 1

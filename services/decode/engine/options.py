@@ -27,6 +27,8 @@ class EngineConfig:
     fast_path_tokens_per_step: int = 1
     # one token a step: replay the next step's graph before the host reads this one's token (fastpath.py)
     fast_path_run_ahead: bool = True
+    # drafts per step follow each request's acceptance (spec_policy.py); False: always num_speculative_tokens
+    adaptive_speculation: bool = True
     fast_path_options: Any = None
     mtp_draft_vocab: int | None = None  # fast-path MTP drafts propose ids < N (checked: 1..vocab)
     tokenizer: str | None = None  # the tokenizer's directory for grammars; None: the checkpoint's

@@ -23,7 +23,8 @@ class SlotState:
     sampling: Any = None  # the request's sampling.RequestSampling
     output_ids: list[int] = field(default_factory=list)  # the output so far (earlier legs', then ours), pending last
     prompt_ids: list[int] | None = None  # the prompt, when the engine prefilled it itself
-    num_spec: int = 0  # drafts per step for this request
+    num_spec: int = 0  # drafts per step for this request, at most
+    drafting: Any = None  # spec_policy.Drafting: how many its next step drafts (adaptive speculation)
     num_valid_drafts: int = 0  # drafts held for the next step
     has_prefill_hidden: bool = False
     num_logprobs: int | None = None  # SamplingParams.logprobs: None off, n: logprob, rank and top n per token
@@ -32,6 +33,13 @@ class SlotState:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     extra: dict = field(default_factory=dict)
+
+    @property
+    def spec_k(self) -> int:
+        """Drafts the next step verifies / draws for this request."""
+        if self.state != "active":
+            return 0
+        return self.drafting.k if self.drafting is not None else self.num_spec
 
 
 def emit(state: SlotState, tokens: list[int], max_seq_len: int) -> tuple[list[int], str | None]:

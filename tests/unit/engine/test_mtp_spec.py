@@ -167,3 +167,38 @@ def test_speculative_sampling_keeps_the_target_distribution(hf_checkpoint):
     tv = 0.5 * sum(abs(counts.get(t, 0) / trials - p) for t, p in target.items())
     assert tv < 0.05, (counts, target)
     assert engine.free_slots() == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize("adaptive", [True, False])
+def test_drafts_that_are_never_accepted_stop_costing_steps(hf_checkpoint, plain, adaptive):
+    """An MTP head whose drafts miss: adaptive drafting verifies them only in rare probes (the output
+    is the same either way); the engine's totals count what was verified and accepted."""
+    path, _ = hf_checkpoint("deepseek_v3")
+    engine = Engine.load(path, num_slots=1, max_seq_len=512, dtype=torch.float32, num_speculative_tokens=3,
+                         adaptive_speculation=adaptive)
+    engine.model.mtp[0].head.zero_()  # every draft is token 0
+    tokens, per_step, stats = run_counted(engine, 0, PROMPTS[0], GREEDY)
+    assert tokens == plain[0]
+    missed = tokens[1:].count(0) == 0
+    if adaptive:
+        assert stats.num_draft_tokens <= 3 * 12  # the first steps and two probes in 128 tokens
+    else:
+        assert stats.num_draft_tokens == 3 * stats.num_steps
+    if missed:
+        assert stats.num_accepted_tokens == 0
+    c = engine.spec_counters
+    assert c["draft_tokens"] == stats.num_draft_tokens and c["accepted_tokens"] == stats.num_accepted_tokens
+    assert 0 < c["steps"] <= stats.num_steps and c["steps"] * 3 >= c["draft_tokens"]
+    assert sum(c["accepted_per_pos"]) == stats.num_accepted_tokens
+
+
+def test_adaptive_drafting_keeps_drafting_what_is_accepted(hf_checkpoint, plain):
+    path, _ = hf_checkpoint("deepseek_v3")
+    engine = Engine.load(path, num_slots=1, max_seq_len=512, dtype=torch.float32, num_speculative_tokens=2)
+    tokens, per_step, stats = run_counted(engine, 0, PROMPTS[1], GREEDY)
+    assert tokens == plain[1]
+    fixed = Engine.load(path, num_slots=1, max_seq_len=512, dtype=torch.float32, num_speculative_tokens=2,
+                        adaptive_speculation=False)
+    _, _, always = run_counted(fixed, 0, PROMPTS[1], GREEDY)
+    # where drafts pay, adaptive drafting accepts about as many as drafting every step
+    assert stats.num_accepted_tokens >= 0.8 * always.num_accepted_tokens > 0

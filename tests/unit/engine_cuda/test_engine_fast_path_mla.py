@@ -37,9 +37,10 @@ def v3_checkpoint(tmp_path_factory):
     return path
 
 
-def load(path, mode: str, k: int, max_seq_len: int = 40) -> Engine:
+def load(path, mode: str, k: int, max_seq_len: int = 40, adaptive: bool = False) -> Engine:
+    """Drafting every step unless ``adaptive``: these tests are about the draft steps themselves."""
     return Engine.load(path, num_slots=2, max_seq_len=max_seq_len, dtype="bfloat16", fast_path=mode,
-                       num_speculative_tokens=k)
+                       num_speculative_tokens=k, adaptive_speculation=adaptive)
 
 
 def run(engine: Engine, prompt: list[int], sampling: SamplingParams, slot: int = 0):
@@ -117,7 +118,7 @@ def test_mla_fast_path_refusals_say_why(checkpoint, v3_checkpoint, tmp_path):
 def test_mla_fast_path_with_a_reduced_draft_vocabulary_keeps_the_output(checkpoint):
     greedy = SamplingParams(max_tokens=7, ignore_eos=True)
     fast = Engine.load(checkpoint, num_slots=1, max_seq_len=40, dtype="bfloat16", fast_path="on",
-                       num_speculative_tokens=2, mtp_draft_vocab=128)
+                       num_speculative_tokens=2, mtp_draft_vocab=128, adaptive_speculation=False)
     assert fast.fast_path.decoders[0][0].draft_head.shape[0] == 128
     got = run(fast, PROMPT, greedy)
     want = run(load(checkpoint, "off", 2), PROMPT, greedy)
@@ -128,3 +129,15 @@ def test_mla_fast_path_with_a_reduced_draft_vocabulary_keeps_the_output(checkpoi
         with pytest.raises(ValueError, match="mtp_draft_vocab must be 1..256"):
             Engine.load(checkpoint, num_slots=1, max_seq_len=40, dtype="bfloat16", num_speculative_tokens=2,
                         mtp_draft_vocab=bad)
+
+
+def test_adaptive_drafting_on_the_fast_path_switches_draft_and_plain_steps_without_changing_tokens(checkpoint):
+    """Random MTP weights: drafts miss, so the request soon decodes plain steps on the fast path (its
+    k-draft graph and its plain graph share the slot's decoder state) with the reference's tokens."""
+    greedy = SamplingParams(max_tokens=24, ignore_eos=True)
+    fast = load(checkpoint, "on", 3, adaptive=True)
+    got, reason, paths, per_step, stats = run(fast, PROMPT, greedy)
+    want = run(load(checkpoint, "off", 3), PROMPT, greedy)[0]
+    assert got == want and paths == {"fast"}
+    assert 0 < stats.num_draft_tokens < 3 * stats.num_steps // 2
+    assert fast.spec_counters["draft_tokens"] == stats.num_draft_tokens
