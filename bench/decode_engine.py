@@ -26,6 +26,7 @@ import argparse
 import gc
 import json
 import platform
+import statistics
 import sys
 import tempfile
 import time
@@ -54,20 +55,25 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def engine_tokens_per_s(engine: Engine, prompt: list[int], steps: int, num_slots: int = 1, k: int = 0) -> dict:
+def engine_tokens_per_s(engine: Engine, prompt: list[int], steps: int, num_slots: int = 1, k: int = 0,
+                        sampling: dict | None = None) -> dict:
     """Decode ``steps`` tokens per slot in ``num_slots`` slots after a warm-up; aggregate tokens/s,
-    slot 0's tokens and the step paths taken ("fast" | "reference") in the measured pass."""
-    greedy = SamplingParams(max_tokens=steps, ignore_eos=True, num_speculative_tokens=k)
+    slot 0's tokens, the step paths taken ("fast" | "reference") in the measured pass, and the
+    inter-token latency p50 (a step emitting m tokens: its time, then m - 1 zeros, as a stream sees
+    them). ``sampling``: SamplingParams fields besides max_tokens (default greedy)."""
+    extra = dict(ignore_eos=True, num_speculative_tokens=k, **(sampling or {}))
     for warm in (True, False):
         for slot in range(num_slots):
             first = int(engine.prefill(slot, prompt).argmax())
-            engine.start(slot, first, SamplingParams(max_tokens=8 if warm else steps, ignore_eos=True,
-                                                     num_speculative_tokens=k) if warm else greedy)
+            engine.start(slot, first, SamplingParams(max_tokens=8 if warm else steps, **extra))
         sync(str(engine.device))
-        t0, emitted, tokens, paths = time.perf_counter(), 0, [], set()
+        t0, emitted, tokens, paths, itl = time.perf_counter(), 0, [], set(), []
         while engine.active_slots():
+            t_step = time.perf_counter()
             outs = engine.step()
-            emitted += sum(len(o.token_ids) for o in outs.values())
+            n = sum(len(o.token_ids) for o in outs.values())
+            itl += [time.perf_counter() - t_step] + [0.0] * (n - 1)
+            emitted += n
             tokens += outs[0].token_ids if 0 in outs else []
             paths.add(engine.last_step_path)
         sync(str(engine.device))
@@ -78,7 +84,9 @@ def engine_tokens_per_s(engine: Engine, prompt: list[int], steps: int, num_slots
     drafted = sum(s.num_draft_tokens for s in stats)
     accepted = sum(s.num_accepted_tokens for s in stats)
     return {"tokens": emitted, "seconds": elapsed, "tokens_per_s": emitted / elapsed,
-            "acceptance": accepted / drafted if drafted else None, "token_ids": tokens, "paths": sorted(paths)}
+            "acceptance": accepted / drafted if drafted else None, "draft_tokens": drafted,
+            "itl_p50_ms": statistics.median(itl) * 1e3 if itl else None, "token_ids": tokens,
+            "paths": sorted(paths)}
 
 
 def hf_cpu_tokens_per_s(model_dir: Path, prompt: list[int], steps: int) -> float:
@@ -277,19 +285,35 @@ def bench_cuda_mla(steps: int, context: int) -> dict:
     prompt = [int(t) for t in torch.randint(2, 102000, (context,), generator=torch.Generator().manual_seed(0))]
     out: dict = {"device": torch.cuda.get_device_name(), "model": "deepseek-v2-lite-shape, 8 layers (random)",
                  "dtype": "bfloat16", "context": context}
-    for name, k, mode in (("fast", 0, "auto"), ("fast_mtp3", 3, "auto"), ("reference_graph", 0, "off"),
-                          ("reference_graph_mtp3", 3, "off")):
+    sampled = dict(temperature=0.7, top_p=0.9, top_k=50, min_p=0.05, repetition_penalty=1.1, seed=3)
+    # (name, drafts, fast path mode, engine options, sampling): random MTP weights, so drafts are (almost)
+    # never accepted: fast_mtp3 (adaptive drafting, the default) against fast (no drafts) is what
+    # speculation costs a request it does not help; fast_mtp3_every_step drafts regardless
+    for name, k, mode, opts, sp in (("fast", 0, "auto", {}, None), ("fast_mtp3", 3, "auto", {}, None),
+                                    ("fast_mtp3_every_step", 3, "auto", {"adaptive_speculation": False}, None),
+                                    ("fast_sampled", 0, "auto", {}, sampled),
+                                    ("reference_graph", 0, "off", {}, None),
+                                    ("reference_graph_mtp3", 3, "off", {}, None)):
         engine = Engine.from_hf_tensors(cfg, tensors, max_seq_len=context + steps + 16, device=device, dtype=dtype,
-                                        model_name="dsv2-lite-shape", num_speculative_tokens=k, fast_path=mode)
-        r = engine_tokens_per_s(engine, prompt, steps, k=k)
+                                        model_name="dsv2-lite-shape", num_speculative_tokens=k, fast_path=mode,
+                                        **opts)
+        r = engine_tokens_per_s(engine, prompt, steps, k=k, sampling=sp)
         out[name] = {"tok_s": r["tokens_per_s"], "paths": r["paths"], "acceptance": r["acceptance"],
+                     "draft_tokens": r["draft_tokens"], "itl_p50_ms": r["itl_p50_ms"],
                      "fast_path": engine.fast_path_reason or "on"}
+        print(f"  mla {name:<22} {r['tokens_per_s']:7.1f} tok/s  ITL p50 {r['itl_p50_ms']:.3f} ms  drafts "
+              f"{r['draft_tokens']}  paths {r['paths']}", flush=True)
         out[f"{name}_tokens"] = r["token_ids"]
         del engine
         gc.collect()
         torch.cuda.empty_cache()
+    out["dsv2lite_unaccepted_spec_itl_ratio"] = out["fast_mtp3"]["itl_p50_ms"] / out["fast"]["itl_p50_ms"]
+    out["dsv2lite_unaccepted_spec_itl_ratio_every_step"] = (out["fast_mtp3_every_step"]["itl_p50_ms"]
+                                                            / out["fast"]["itl_p50_ms"])
+    out["dsv2lite_sampled_over_greedy"] = out["fast_sampled"]["tok_s"] / out["fast"]["tok_s"]
+    out.pop("fast_sampled_tokens")
     ref = out["reference_graph_tokens"]
-    for name in ("fast", "fast_mtp3", "reference_graph_mtp3"):
+    for name in ("fast", "fast_mtp3", "fast_mtp3_every_step", "reference_graph_mtp3"):
         toks = out.pop(f"{name}_tokens")
         out[name]["tokens_equal_reference_prefix"] = next(
             (i for i, (a, b) in enumerate(zip(toks, ref)) if a != b), min(len(toks), len(ref)))
