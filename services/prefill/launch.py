@@ -10,7 +10,14 @@ MultiConnector of vLLM's NixlConnector (the standard lane's native decode pool) 
 prefill serves both pools. Arguments after ``--`` go to vLLM unchanged. ``--print-command`` shows
 the command without running it; ``--stats PATH`` prints a running prefill's staging slot states.
 
-``kv_transfer_config(...)`` and ``vllm_command(...)`` are the builders the tests use too.
+A DeepSeek-family checkpoint with MTP layers (``num_nextn_predict_layers``) starts with vLLM's MTP
+drafter (``--speculative-config {"method": "mtp", "num_speculative_tokens": 1}``, unless VLLM ARGS
+name one or ``--mtp off``): the draft layer's KV is then part of what the connector hands over, so
+the decode node speculates from its first step. vLLM's CPU build runs the drafter in bfloat16 only;
+a CPU prefill in another dtype starts without it (said on stderr; decode nodes accept its KV and
+speculate from their second step).
+
+``kv_transfer_config(...)``, ``vllm_command(...)`` and ``mtp_args(...)`` are the builders the tests use too.
 """
 
 from __future__ import annotations
@@ -86,6 +93,27 @@ def vllm_command(model: str, ktc: dict, *, host: str = "127.0.0.1", port: int = 
                    "--kv-transfer-config", json.dumps(ktc), *extra_args]
 
 
+MTP_SPECULATIVE_CONFIG = {"method": "mtp", "num_speculative_tokens": 1}
+
+
+def mtp_args(model: str, dtype: str, cpu: bool, vllm_args: list[str], mode: str = "auto") -> tuple[list[str], str]:
+    """(vLLM arguments that start its MTP drafter, or none; why none, when a checkpoint has MTP layers)."""
+    if mode == "off" or any(a == "--speculative-config" or a.startswith("--speculative-config=") for a in vllm_args):
+        return [], ""
+    try:
+        with open(os.path.join(model, "config.json")) as f:
+            config = json.load(f)
+    except (OSError, ValueError):  # a hub id or no readable config: the operator passes it if wanted
+        return [], ""
+    if not config.get("num_nextn_predict_layers"):
+        return [], ""
+    resolved = config.get("torch_dtype", "float32") if dtype == "auto" else dtype
+    if cpu and resolved not in ("bfloat16", "bf16"):
+        return [], (f"vLLM's CPU build runs the MTP drafter in bfloat16 only: prefilling in {resolved} "
+                    "without it (decode nodes speculate from their second step)")
+    return ["--speculative-config", json.dumps(MTP_SPECULATIVE_CONFIG)], ""
+
+
 def mooncake_env(config: ExpressConfig) -> dict[str, str]:
     """Mooncake's own per-transfer timeout, following ``transfer_timeout_s`` (whole seconds).
     Mooncake reads it only from its environment (``MC_TRANSFER_TIMEOUT``) when its engine starts,
@@ -144,6 +172,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "Nth transfer's KV after its checksum (needs --kv-checksum; 0: off)")
     p.add_argument("--native-pool", action="store_true",
                    help="also load vLLM's NixlConnector (MultiConnector) for a native decode pool")
+    p.add_argument("--mtp", choices=("auto", "off"), default=env("EXPRESSLANE_MTP", "auto"),
+                   help="auto: a checkpoint with MTP layers starts with vLLM's MTP drafter, so its draft "
+                        "layer's KV is handed over too (not on a CPU build outside bfloat16); off: never "
+                        "(a --speculative-config in VLLM ARGS always wins)")
     p.add_argument("--gpu", action="store_true", help="start with `vllm serve` even on a CPU build")
     p.add_argument("--print-command", action="store_true", help="print the vLLM command and exit")
     p.add_argument("--stats", metavar="PATH", help="print the staging slot states in PATH and exit")
@@ -187,8 +219,12 @@ def main(argv: list[str]) -> int:
               "command line (--kv-transfer-config); use --nats-user with --nats-password-file",
               file=sys.stderr)
     ktc = kv_transfer_config(config, native_pool=args.native_pool)
+    cpu = False if args.gpu else is_cpu_vllm()
+    mtp, why_not = mtp_args(args.model, args.dtype, cpu, vllm_args, args.mtp)
+    if why_not:
+        print(f"expresslane prefill: {why_not}", file=sys.stderr)
     cmd = vllm_command(args.model, ktc, host=args.host, port=args.port, dtype=args.dtype,
-                       cpu=False if args.gpu else None, extra_args=vllm_args)
+                       cpu=cpu, extra_args=[*mtp, *vllm_args])
     if args.print_command:
         print(" ".join(cmd))
         return 0

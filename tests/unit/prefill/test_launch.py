@@ -121,3 +121,39 @@ def test_missing_credential_file_and_url_password_are_flagged(tmp_path, capsys):
     assert "--nats-password-file" in capsys.readouterr().err
     assert launch.main(["--model", "M", "--nats-url", "nats://prefill:pw@h:4222", "--print-command"]) == 0
     assert "warning: the password in the NATS URL" in capsys.readouterr().err
+
+
+def _checkpoint(tmp_path, mtp_layers: int, dtype: str = "bfloat16") -> str:
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "deepseek_v3", "torch_dtype": dtype,
+                                                      "num_nextn_predict_layers": mtp_layers}))
+    return str(tmp_path)
+
+
+MTP = ["--speculative-config", json.dumps(launch.MTP_SPECULATIVE_CONFIG)]
+
+
+@pytest.mark.parametrize("mtp_layers, ckpt_dtype, dtype, cpu, vllm_args, mode, added, said", [
+    (1, "bfloat16", "auto", True, [], "auto", MTP, ""),  # CPU in bfloat16: the drafter runs
+    (1, "bfloat16", "auto", False, [], "auto", MTP, ""),
+    (1, "float32", "auto", False, [], "auto", MTP, ""),  # GPU builds run it in any dtype
+    (1, "float32", "auto", True, [], "auto", [], "bfloat16 only"),  # CPU, float32: not
+    (1, "bfloat16", "float32", True, [], "auto", [], "bfloat16 only"),
+    (0, "bfloat16", "auto", True, [], "auto", [], ""),  # no MTP layers
+    (1, "bfloat16", "auto", True, [], "off", [], ""),
+    (1, "bfloat16", "auto", True, ["--speculative-config", "{}"], "auto", [], ""),  # the operator's wins
+    (1, "bfloat16", "auto", True, ["--speculative-config={}"], "auto", [], ""),
+], ids=["cpu-bf16", "gpu-bf16", "gpu-fp32", "cpu-fp32", "cpu-fp32-flag", "no-mtp", "off", "given", "given="])
+def test_a_checkpoint_with_mtp_layers_starts_with_vllms_mtp_drafter(tmp_path, mtp_layers, ckpt_dtype, dtype, cpu,
+                                                                    vllm_args, mode, added, said):
+    args, why = launch.mtp_args(_checkpoint(tmp_path, mtp_layers, ckpt_dtype), dtype, cpu, vllm_args, mode)
+    assert args == added and (said in why if said else why == "")
+
+
+def test_print_command_adds_the_mtp_drafter_before_the_operators_args(tmp_path, capsys):
+    model = _checkpoint(tmp_path, 1)
+    assert launch.main(["--model", model, "--gpu", "--print-command", "--", "--max-model-len", "64"]) == 0
+    out = capsys.readouterr().out
+    assert '--speculative-config {"method": "mtp", "num_speculative_tokens": 1}' in out
+    assert out.strip().endswith("--max-model-len 64")
+    assert launch.main(["--model", "hub/id", "--gpu", "--print-command"]) == 0  # no local config: nothing added
+    assert "--speculative-config" not in capsys.readouterr().out
