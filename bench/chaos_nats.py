@@ -14,7 +14,11 @@ member the decode node is connected to once every request has its first token, t
   after the kill, while the requests still stream; the node has one slot more than the requests);
 - ``nats_node_kill_leaked``: leases, waiting claims or busy slots left at the end;
 - ``nats_node_kill_coordinator_on_killed_member``: whether the coordinator lost its member too (the
-  killed one is shared when the clients' random placement put both there).
+  killed one is shared when the clients' random placement put both there);
+- ``nats_node_kill_state_leader_killed``: whether the killed member led the coordinator's state
+  bucket (its JetStream stream). Then no state write, hence no grant, is possible until JetStream
+  elects another leader (seconds: its raft election timeout); otherwise the first grant comes in
+  milliseconds.
 Also runnable alone: prints the dict and writes ``bench/results/chaos_nats.json``.
 """
 
@@ -146,6 +150,8 @@ async def measure_nats_node_kill(num_requests: int = 4, num_tokens: int = 200,
         streams = [asyncio.create_task(_stream(bus, g, num_tokens, f, timeout_s))
                    for g, f in zip(grants, firsts)]
         await asyncio.wait_for(asyncio.gather(*(f.wait() for f in firsts)), timeout_s)
+        state = await bus.nc.jetstream().stream_info(f"KV_{subjects.COORD_KV_BUCKET}")
+        state_leader_killed = state.cluster.leader == f"{cluster.name}-{doomed}"
         t_kill = time.monotonic()
         await asyncio.to_thread(cluster.kill, doomed)
 
@@ -188,6 +194,7 @@ async def measure_nats_node_kill(num_requests: int = 4, num_tokens: int = 200,
             "nats_node_kill_leaked": leaked,
             # the first grant waits on the coordinator's reconnect only where it lost its member too
             "nats_node_kill_coordinator_on_killed_member": bool(shared),
+            "nats_node_kill_state_leader_killed": state_leader_killed,
         }
     finally:
         if granting is not None and not granting.done():
