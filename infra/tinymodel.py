@@ -9,7 +9,9 @@ expert), so HF transformers and vLLM load them unchanged. The same arguments giv
 Architectures: ``llama`` (Llama-3 GQA, llama3 rope scaling), ``qwen2`` (qkv bias), ``qwen3``
 (q/k RMSNorm), ``deepseek_v3`` (MLA with kv_lora_rank 512 + rope dim 64 so vLLM's CPU MLA can run
 it, q_lora, sigmoid/noaux_tc routed experts in groups, one shared expert, a dense first layer and
-one MTP layer stored as ``model.layers.<num_hidden_layers>.*`` the way DeepSeek-V3 ships it).
+one MTP layer stored as ``model.layers.<num_hidden_layers>.*`` the way DeepSeek-V3 ships it), and
+``deepseek_v32`` (the same with DeepSeek Sparse Attention: a lightning indexer per layer, top 16
+tokens per query; the decode engine serves it, vLLM's CPU build does not: ``ENGINE_ONLY_ARCHS``).
 
 The tokenizer (``infra.tinymodel_tokenizer``: Llama-3 style, or Qwen style for qwen2/qwen3) is a
 byte-level BPE trained on ``tinymodel_corpus.txt``; its size is the model's ``vocab_size``, so
@@ -44,7 +46,8 @@ from infra.tinymodel_tokenizer import (
     IM_END, TokenizerStyle, add_planted_tokens, style_for, tokenizer_config_files, train_tokenizer,
 )
 
-ARCHS = ("llama", "qwen2", "qwen3", "deepseek_v3")
+ARCHS = ("llama", "qwen2", "qwen3", "deepseek_v3")  # what vLLM's CPU build serves too
+ENGINE_ONLY_ARCHS = ("deepseek_v32",)  # vLLM's CPU build refuses sparse attention
 DTYPES = ("float32", "bfloat16")
 MAX_POSITION_EMBEDDINGS = 2048
 NUM_LAYERS = 2
@@ -100,7 +103,7 @@ def model_config(arch: str, vocab_size: int, dtype: str) -> dict:
                  intermediate_size=384, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
                  rms_norm_eps=1e-6, rope_theta=1000000.0, rope_scaling=None, attention_bias=False,
                  use_sliding_window=False, sliding_window=None, max_window_layers=NUM_LAYERS)
-    elif arch == "deepseek_v3":
+    elif arch in ("deepseek_v3", "deepseek_v32"):
         c.update(architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3", hidden_size=256,
                  intermediate_size=512, moe_intermediate_size=128, num_attention_heads=4,
                  num_key_value_heads=4, q_lora_rank=64, kv_lora_rank=512, qk_rope_head_dim=64,
@@ -110,8 +113,11 @@ def model_config(arch: str, vocab_size: int, dtype: str) -> dict:
                  first_k_dense_replace=1, moe_layer_freq=1, ep_size=1,
                  num_nextn_predict_layers=1, rms_norm_eps=1e-6, rope_theta=10000.0,
                  rope_scaling=_DEEPSEEK_YARN, attention_bias=False, attention_dropout=0.0)
+        if arch == "deepseek_v32":
+            c.update(architectures=["DeepseekV32ForCausalLM"], model_type="deepseek_v32", index_topk=16,
+                     index_n_heads=8, index_head_dim=64)
     else:
-        raise ValueError(f"unknown arch {arch!r}; choose one of {', '.join(ARCHS)}")
+        raise ValueError(f"unknown arch {arch!r}; choose one of {', '.join(ARCHS + ENGINE_ONLY_ARCHS)}")
     return dict(sorted(c.items()))
 
 
@@ -147,6 +153,11 @@ def _mla_layer(c: dict, p: str, layer: int) -> dict[str, tuple[int, ...]]:
          f"{a}.kv_a_layernorm.weight": (c["kv_lora_rank"],),
          f"{a}.kv_b_proj.weight": (nh * (c["qk_nope_head_dim"] + c["v_head_dim"]), c["kv_lora_rank"]),
          f"{a}.o_proj.weight": (h, nh * c["v_head_dim"])}
+    if c.get("index_topk"):  # the sparse-attention indexer
+        ih, idim = c["index_n_heads"], c["index_head_dim"]
+        s |= {f"{a}.indexer.wq_b.weight": (ih * idim, c["q_lora_rank"]), f"{a}.indexer.wk.weight": (idim, h),
+              f"{a}.indexer.k_norm.weight": (idim,), f"{a}.indexer.k_norm.bias": (idim,),
+              f"{a}.indexer.weights_proj.weight": (ih, h)}
     if layer < c["first_k_dense_replace"]:
         return s | _mlp(f"{p}.mlp", h, c["intermediate_size"])
     e, im = c["n_routed_experts"], c["moe_intermediate_size"]
@@ -160,7 +171,7 @@ def weight_shapes(c: dict) -> dict[str, tuple[int, ...]]:
     """Every tensor name of the checkpoint -> shape (MTP layers included)."""
     h, v = c["hidden_size"], c["vocab_size"]
     s = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,), "lm_head.weight": (v, h)}
-    mla = c["model_type"] == "deepseek_v3"
+    mla = c["model_type"] in ("deepseek_v3", "deepseek_v32")
     for layer in range(c["num_hidden_layers"]):
         p = f"model.layers.{layer}"
         s |= _mla_layer(c, p, layer) if mla else _gqa_layer(c, p)
@@ -179,6 +190,8 @@ def _init_std(name: str, shape: tuple[int, ...]) -> tuple[float, float]:
         return 0.0, 1.0
     if name.endswith(("head.weight",)) or name == "lm_head.weight":
         return 0.0, LOGIT_STD / math.sqrt(shape[1])
+    if len(shape) == 1 and name.endswith(".bias"):
+        return 0.0, 0.1
     if len(shape) == 1 and "norm" in name:
         return 1.0, 0.1
     if len(shape) == 1:  # biases, e_score_correction_bias
@@ -196,6 +209,8 @@ def make_weights(c: dict, seed: int, dtype: str) -> dict:
         gen = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & (2**63 - 1))
         mean, std = _init_std(name, shape)
         out[name] = torch.randn(shape, generator=gen, dtype=torch.float32) * std + mean
+        if name.endswith("indexer.weights_proj.weight"):  # positive head weights: a token's index score is 0
+            out[name] = out[name].abs() + 0.05 * std  # only when every head's relu is, so top-k has no ties
     for name in out:
         if name.endswith(".embed_tokens.weight") and name != "model.embed_tokens.weight":
             out[name] = out["model.embed_tokens.weight"].clone()
@@ -237,8 +252,8 @@ def make_model(arch: str, out: Path | str, seed: int = 0, dtype: str = "float32"
     returns ``out``."""
     from safetensors.torch import save_file
 
-    if arch not in ARCHS:
-        raise ValueError(f"unknown arch {arch!r}; choose one of {', '.join(ARCHS)}")
+    if arch not in ARCHS + ENGINE_ONLY_ARCHS:
+        raise ValueError(f"unknown arch {arch!r}; choose one of {', '.join(ARCHS + ENGINE_ONLY_ARCHS)}")
     if dtype not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
     if plant is not None and (plant not in PLANTS or arch not in PLANT_ARCHS):
@@ -278,7 +293,8 @@ def main(argv: list[str]) -> int:
         prog="expresslane make-model",
         description="Write a tiny HF checkpoint (config, safetensors, tokenizer with chat template) "
                     "with seeded random weights. Same arguments, same bytes.")
-    parser.add_argument("--arch", required=True, choices=ARCHS, help="model family")
+    parser.add_argument("--arch", required=True, choices=ARCHS + ENGINE_ONLY_ARCHS,
+                        help="model family (deepseek_v32: sparse attention, for the decode engine only)")
     parser.add_argument("--out", required=True, type=Path, help="output directory (created)")
     parser.add_argument("--seed", type=int, default=0, help="weight seed (default 0)")
     parser.add_argument("--dtype", choices=DTYPES, default="float32",

@@ -10,7 +10,9 @@ inject). Its layout, version ``LAYOUT_VERSION``:
   qk_rope_head_dim]``: the normalized compressed latent (after ``kv_a_layernorm``) followed by the
   roped shared key ``k_pe``. ``k_pe`` is kept in HF transformers' rope order (the rotated even
   elements, then the rotated odd ones), not vLLM's interleaved order: prefill adapters permute.
-  MTP layers follow the main layers as further layers.
+  MTP layers follow the main layers as further layers. With DeepSeek Sparse Attention (deepseek_v32)
+  each layer's latent region is followed by its indexer's key region ``index_k``
+  ``[max_tokens, index_head_dim]`` (after the indexer's LayerNorm and rope, as its scores read it).
 - A slot holds ``max_seq_len + num_speculative_tokens`` tokens, so drafts fit at the end.
 
 Regions follow each other in layer order, K before V, with no padding. A writer that holds
@@ -42,13 +44,14 @@ class KvShape:
     head_dim: int = 0  # gqa
     kv_lora_rank: int = 0  # mla
     qk_rope_head_dim: int = 0  # mla
+    index_head_dim: int = 0  # mla with sparse attention: the indexer's key per token (0: none)
 
     @property
     def elems_per_token_per_layer(self) -> int:
-        """Elements per token per layer, K and V together (GQA) or latent + rope (MLA)."""
+        """Elements per token per layer, K and V together (GQA) or latent + rope (+ indexer key) (MLA)."""
         if self.kind == "gqa":
             return 2 * self.num_kv_heads * self.head_dim
-        return self.kv_lora_rank + self.qk_rope_head_dim
+        return self.kv_lora_rank + self.qk_rope_head_dim + self.index_head_dim
 
 
 def kv_shape_from_hf_config(config: dict[str, Any], include_mtp: bool = True) -> KvShape:
@@ -63,6 +66,7 @@ def kv_shape_from_hf_config(config: dict[str, Any], include_mtp: bool = True) ->
             num_layers=num_layers,
             kv_lora_rank=int(config["kv_lora_rank"]),
             qk_rope_head_dim=int(config["qk_rope_head_dim"]),
+            index_head_dim=int(config.get("index_head_dim", 128)) if model_type == "deepseek_v32" else 0,
         )
     if model_type in ("llama", "qwen2", "qwen3", "mistral"):
         num_heads = int(config["num_attention_heads"])
@@ -90,12 +94,13 @@ def layout_spec(shape: KvShape, dtype: str, max_tokens: int) -> KvLayoutSpec:
     offset = 0
     if shape.kind == "gqa":
         per_token = shape.num_kv_heads * shape.head_dim * elt
-        names = ("k", "v")
+        regions = [("k", per_token), ("v", per_token)]
     else:
-        per_token = (shape.kv_lora_rank + shape.qk_rope_head_dim) * elt
-        names = ("kv_latent",)
+        regions = [("kv_latent", (shape.kv_lora_rank + shape.qk_rope_head_dim) * elt)]
+        if shape.index_head_dim:
+            regions.append(("index_k", shape.index_head_dim * elt))
     for layer in range(shape.num_layers):
-        for name in names:
+        for name, per_token in regions:
             segments.append(
                 KvSegment(
                     layer=layer,

@@ -10,7 +10,8 @@ Per cache layer (main layers first, then MTP layers):
 - MLA: ``kv[layer]``: [num_slots + 1, max_tokens, kv_lora_rank + qk_rope_head_dim], the normalized
   latent then the roped shared key. With ``rope_interleave`` (DeepSeek-V3) the rope part holds
   the rotated even elements then the rotated odd ones, as HF transformers' cache does (vLLM keeps
-  the rotated pairs adjacent; the prefill adapter de-interleaves them).
+  the rotated pairs adjacent; the prefill adapter de-interleaves them). With sparse attention
+  (deepseek_v32) also ``index_k[layer]``: [num_slots + 1, max_tokens, index_head_dim], the indexer's keys.
 """
 
 from __future__ import annotations
@@ -44,12 +45,15 @@ class KvCache:
         self.k_caches: list[torch.Tensor] = []
         self.v_caches: list[torch.Tensor] = []
         self.kv: list[torch.Tensor] = []
+        self.index_k: list[torch.Tensor] = []
         for seg in self.layout.segments:
             start = seg.offset_bytes // elt
             region = typed[:, start : start + max_tokens * seg.bytes_per_token // elt]
             if shape.kind == "gqa":
                 view = region.view(rows, max_tokens, shape.num_kv_heads, shape.head_dim)
                 (self.k_caches if seg.name == "k" else self.v_caches).append(view)
+            elif seg.name == "index_k":
+                self.index_k.append(region.view(rows, max_tokens, shape.index_head_dim))
             else:
                 self.kv.append(region.view(rows, max_tokens, shape.kv_lora_rank + shape.qk_rope_head_dim))
 

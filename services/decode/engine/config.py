@@ -12,7 +12,7 @@ from typing import Any
 from .quant import QuantSpec, parse_quant
 
 GQA_TYPES = ("llama", "qwen2", "qwen3", "mistral")
-MLA_TYPES = ("deepseek_v3",)
+MLA_TYPES = ("deepseek_v3", "deepseek_v32")  # deepseek_v32: MLA with DeepSeek Sparse Attention
 
 
 @dataclass(frozen=True)
@@ -46,6 +46,12 @@ class ModelConfig:
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
     rope_interleave: bool = True
+    # DeepSeek Sparse Attention (deepseek_v32): each query attends to the index_topk cached tokens its
+    # lightning indexer (index_n_heads heads of index_head_dim, one key per token) scores highest;
+    # 0: dense attention
+    index_topk: int = 0
+    index_n_heads: int = 0
+    index_head_dim: int = 0
     # moe
     num_experts: int = 0
     num_experts_per_tok: int = 0
@@ -126,7 +132,13 @@ def parse_config(config: dict[str, Any]) -> ModelConfig:
         if config.get("scoring_func", "sigmoid") != "sigmoid" or config.get("topk_method", "noaux_tc") != "noaux_tc":
             raise ValueError("only the noaux_tc top-k method with sigmoid scoring is supported")
         q_lora_rank = config.get("q_lora_rank")
+        dsa = model_type == "deepseek_v32"
+        if dsa and not q_lora_rank:
+            raise ValueError("deepseek_v32 without q_lora_rank: its indexer reads the q LoRA's output")
         return ModelConfig(
+            index_topk=int(config.get("index_topk", 2048)) if dsa else 0,
+            index_n_heads=int(config.get("index_n_heads", 64)) if dsa else 0,
+            index_head_dim=int(config.get("index_head_dim", 128)) if dsa else 0,
             family="mla",
             q_lora_rank=int(q_lora_rank) if q_lora_rank else None,
             kv_lora_rank=int(config["kv_lora_rank"]),
@@ -147,6 +159,6 @@ def parse_config(config: dict[str, Any]) -> ModelConfig:
             **common,
         )
     raise ValueError(
-        f"model_type {model_type!r} is not supported by the decode engine: use llama, qwen2, qwen3 "
-        "or deepseek_v3"
+        f"model_type {model_type!r} is not supported by the decode engine: use llama, qwen2, qwen3, "
+        "mistral, deepseek_v3 or deepseek_v32"
     )

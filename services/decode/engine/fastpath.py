@@ -142,6 +142,8 @@ def engine_reason(mode: str, model, device: torch.device, dtype: torch.dtype, nu
     cfg = model.cfg
     family = getattr(model, "family", "")
     if family == "mla":
+        if cfg.index_topk:
+            return f"{cfg.model_type}: sparse attention (DSA) decodes on the reference step; its kernels are not built"
         if not cfg.norm_topk_prob:
             return f"{cfg.model_type}: unnormalised top-k weights (norm_topk_prob=false) are not on the fast path"
     elif family == "gqa":

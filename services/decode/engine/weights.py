@@ -8,7 +8,8 @@ names are the engine's parameter names (see :func:`hf_to_engine`), already fused
   ``wo``, ``mlp_norm``, and a dense MLP ``w_gate_up [2*I, H]``, ``w_down [H, I]``
 - GQA: ``wqkv [(Hq + 2*Hkv)*D, H]``, ``bqkv`` (qwen2), ``q_norm``/``k_norm`` (qwen3), ``bo``
 - MLA: ``wq`` or ``wq_a``/``q_a_norm``/``wq_b``, ``wkv_a``, ``kv_a_norm``, ``w_uk [H, nope, r]``,
-  ``w_uv [H, v, r]`` (kv_b_proj split for absorbed attention); MoE layers ``router [E, H]``,
+  ``w_uv [H, v, r]`` (kv_b_proj split for absorbed attention), with sparse attention the indexer's
+  ``idx_wq_b``, ``idx_wk``, ``idx_k_norm`` (+ ``_bias``: a LayerNorm), ``idx_weights``; MoE layers ``router [E, H]``,
   ``router_bias [E]`` (float32), ``experts_gate_up [E, 2*I, H]``, ``experts_down [E, H, I]``,
   ``shared_gate_up``, ``shared_down``; MTP layer j: ``mtp.{j}.enorm``, ``hnorm``, ``eh_proj``,
   ``head_norm``, ``head``, ``embed`` and its block under ``mtp.{j}.block.*``.
@@ -203,6 +204,13 @@ def _mla_layer(cfg: ModelConfig, r: CheckpointReader, idx: int, p: str, o: str) 
     yield f"{o}w_uk", kv_b[:, : cfg.qk_nope_head_dim].contiguous()
     yield f"{o}w_uv", kv_b[:, cfg.qk_nope_head_dim :].contiguous()
     yield from _fuse(cfg, f"{o}wo", [_linear(cfg, r, f"{a}o_proj.weight")])
+    if cfg.index_topk:  # the sparse-attention indexer
+        x = f"{a}indexer."
+        yield f"{o}idx_wq_b", _dense(cfg, r, f"{x}wq_b.weight")
+        yield f"{o}idx_wk", _dense(cfg, r, f"{x}wk.weight")
+        yield f"{o}idx_k_norm", r.get(f"{x}k_norm.weight")
+        yield f"{o}idx_k_norm_bias", r.get(f"{x}k_norm.bias")
+        yield f"{o}idx_weights", _dense(cfg, r, f"{x}weights_proj.weight")
     yield f"{o}mlp_norm", r.get(f"{p}post_attention_layernorm.weight")
     m = f"{p}mlp."
     if is_moe_layer(cfg, idx):

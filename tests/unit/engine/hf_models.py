@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-ARCHS = ("llama", "llama3_rope", "qwen2", "qwen3", "deepseek_v3", "deepseek_v3_yarn")
+ARCHS = ("llama", "llama3_rope", "qwen2", "qwen3", "deepseek_v3", "deepseek_v3_yarn", "deepseek_v32")
 VOCAB = 256
 
 
@@ -32,6 +32,8 @@ def make_config(arch: str):
         return tf.Qwen3Config(num_key_value_heads=2, head_dim=32, **small)
     if arch.startswith("deepseek_v3"):
         extra = {}
+        if arch == "deepseek_v32":  # sparse attention: 8 of the tokens seen, fewer than the test prompts
+            extra.update(index_topk=8, index_n_heads=8, index_head_dim=32)
         if arch.endswith("yarn"):
             extra["rope_parameters"] = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
                                         "original_max_position_embeddings": 64, "beta_fast": 32,
@@ -42,7 +44,8 @@ def make_config(arch: str):
                       num_experts_per_tok=2, n_group=2, topk_group=1, first_k_dense_replace=1, kv_lora_rank=32,
                       q_lora_rank=48, qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=24,
                       routed_scaling_factor=2.5, norm_topk_prob=True, num_nextn_predict_layers=1)
-        return tf.DeepseekV3Config(**{**params, **small, **extra})
+        kind = tf.DeepseekV32Config if arch == "deepseek_v32" else tf.DeepseekV3Config
+        return kind(**{**params, **small, **extra})
     raise ValueError(arch)
 
 
@@ -104,6 +107,11 @@ def save_checkpoint(arch: str, path: Path, seed: int = 0, damp: bool | None = No
     _randomize(model, seed)
     if arch.startswith("deepseek_v3") if damp is None else damp:
         _damp_blocks(model)
+    if arch == "deepseek_v32":  # positive head weights: a token scores 0 only when every head's relu is 0,
+        with torch.no_grad():  # so the top-k has no ties to break (which any two implementations may
+            for name, p in model.named_parameters():  # break differently)
+                if name.endswith("indexer.weights_proj.weight"):
+                    p.abs_().add_(0.05)
     if cfg.tie_word_embeddings:
         model.tie_weights()
     model.save_pretrained(path)

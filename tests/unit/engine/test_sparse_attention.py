@@ -1,0 +1,83 @@
+"""DeepSeek Sparse Attention (deepseek_v32) on the engine's reference step: the indexer's choice is
+what HF transformers computes (logits: test_logits_vs_hf.py), it really drops tokens, the indexer's
+keys are part of the slot layout, and speculative decoding keeps the output exact."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import torch
+
+from services.decode.engine import Engine
+from shared.events import SamplingParams
+from shared.kvlayout import kv_shape_from_hf_config, layout_spec
+from tests.unit.engine.test_engine_behaviour import PROMPTS, run
+from tests.unit.engine.test_logits_vs_hf import rel_err
+
+GREEDY = SamplingParams(max_tokens=64, ignore_eos=True)
+
+
+def test_the_slot_holds_each_layers_indexer_keys_after_its_latent(hf_checkpoint):
+    path, hf = hf_checkpoint("deepseek_v32")
+    config = json.loads((path / "config.json").read_text())
+    spec = layout_spec(kv_shape_from_hf_config(config), "bfloat16", 40)
+    names = [(s.layer, s.name, s.bytes_per_token) for s in spec.segments]
+    layers = config["num_hidden_layers"] + config["num_nextn_predict_layers"]
+    latent = (config["kv_lora_rank"] + config["qk_rope_head_dim"]) * 2
+    assert names == [(i, n, b) for i in range(layers)
+                     for n, b in (("kv_latent", latent), ("index_k", config["index_head_dim"] * 2))]
+    assert spec.slot_nbytes == 40 * layers * (latent + config["index_head_dim"] * 2)
+    engine = Engine.load(path, num_slots=1, max_seq_len=32, dtype=torch.float32, num_speculative_tokens=0)
+    assert len(engine.cache.index_k) == config["num_hidden_layers"]  # no drafts: no MTP layer cached
+
+
+def test_the_fast_path_says_why_it_does_not_serve_sparse_attention(hf_checkpoint):
+    from services.decode.engine import fastpath
+
+    path, _ = hf_checkpoint("deepseek_v32")
+    engine = Engine.load(path, num_slots=1, max_seq_len=32, dtype=torch.float32)
+    reason = fastpath.engine_reason("auto", engine.model, torch.device("cuda"), torch.bfloat16, 0)
+    assert "sparse attention" in reason
+
+
+def test_the_indexer_drops_tokens(hf_checkpoint, tmp_path):
+    """The same weights with a top-k above every context (dense MLA) give other logits than HF's
+    sparse model, and the engine's sparse ones equal HF's: the selection is doing work."""
+    path, hf = hf_checkpoint("deepseek_v32")
+    dense = tmp_path / "dense"
+    shutil.copytree(path, dense)
+    config = json.loads((dense / "config.json").read_text())
+    config["index_topk"] = 4096
+    (dense / "config.json").write_text(json.dumps(config))
+    prompt = [int(t) for t in torch.randint(0, 256, (40,), generator=torch.Generator().manual_seed(3))]
+    with torch.no_grad():
+        ref = hf(torch.tensor([prompt])).logits[0, -1]
+    sparse_logits = Engine.load(path, num_slots=1, max_seq_len=64, dtype=torch.float32).prefill(0, prompt)
+    dense_logits = Engine.load(dense, num_slots=1, max_seq_len=64, dtype=torch.float32).prefill(0, prompt)
+    assert rel_err(sparse_logits, ref) < 1e-4
+    assert rel_err(dense_logits, ref) > 1e-2
+
+
+def test_speculative_greedy_equals_plain_greedy(hf_checkpoint):
+    path, _ = hf_checkpoint("deepseek_v32")
+    plain = run(Engine.load(path, num_slots=1, max_seq_len=128, dtype=torch.float32), 0, PROMPTS[0], GREEDY)
+    for k in (1, 3):
+        engine = Engine.load(path, num_slots=1, max_seq_len=128, dtype=torch.float32, num_speculative_tokens=k,
+                             adaptive_speculation=False)  # every step drafts: the draft path is what is tested
+        assert run(engine, 0, PROMPTS[0], GREEDY) == plain
+        assert engine.spec_counters["draft_tokens"] > 0
+    assert len(plain) == 65
+
+
+def test_make_model_writes_a_sparse_attention_checkpoint_the_engine_decodes_as_hf(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from infra.tinymodel import make_model
+    from tests.unit.engine.test_logits_vs_hf import check_against_hf
+
+    path = make_model("deepseek_v32", tmp_path / "dsv32")
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    assert hf.config.index_topk == 16
+    prompt = [int(t) for t in torch.randint(0, hf.config.vocab_size, (24,), generator=torch.Generator().manual_seed(5))]
+    check_against_hf(path, hf, prompt, num_steps=64)  # 24-token prompt, top 16: the indexer drops tokens
