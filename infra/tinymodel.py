@@ -11,7 +11,9 @@ Architectures: ``llama`` (Llama-3 GQA, llama3 rope scaling), ``qwen2`` (qkv bias
 it, q_lora, sigmoid/noaux_tc routed experts in groups, one shared expert, a dense first layer and
 one MTP layer stored as ``model.layers.<num_hidden_layers>.*`` the way DeepSeek-V3 ships it), and
 ``deepseek_v32`` (the same with DeepSeek Sparse Attention: a lightning indexer per layer, top 16
-tokens per query; the decode engine serves it, vLLM's CPU build does not: ``ENGINE_ONLY_ARCHS``).
+tokens per query) and ``glm_moe_dsa`` (GLM-5's variant: interleaved indexer rope, the second layer
+reusing the first one's choice); the decode engine serves those two, vLLM's CPU build does not
+(``ENGINE_ONLY_ARCHS``).
 
 The tokenizer (``infra.tinymodel_tokenizer``: Llama-3 style, or Qwen style for qwen2/qwen3) is a
 byte-level BPE trained on ``tinymodel_corpus.txt``; its size is the model's ``vocab_size``, so
@@ -45,9 +47,10 @@ from pathlib import Path
 from infra.tinymodel_tokenizer import (
     IM_END, TokenizerStyle, add_planted_tokens, style_for, tokenizer_config_files, train_tokenizer,
 )
+from shared.kvlayout import dsa_indexer_layers
 
 ARCHS = ("llama", "qwen2", "qwen3", "deepseek_v3")  # what vLLM's CPU build serves too
-ENGINE_ONLY_ARCHS = ("deepseek_v32",)  # vLLM's CPU build refuses sparse attention
+ENGINE_ONLY_ARCHS = ("deepseek_v32", "glm_moe_dsa")  # vLLM's CPU build refuses sparse attention
 DTYPES = ("float32", "bfloat16")
 MAX_POSITION_EMBEDDINGS = 2048
 NUM_LAYERS = 2
@@ -103,7 +106,7 @@ def model_config(arch: str, vocab_size: int, dtype: str) -> dict:
                  intermediate_size=384, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
                  rms_norm_eps=1e-6, rope_theta=1000000.0, rope_scaling=None, attention_bias=False,
                  use_sliding_window=False, sliding_window=None, max_window_layers=NUM_LAYERS)
-    elif arch in ("deepseek_v3", "deepseek_v32"):
+    elif arch in ("deepseek_v3", "deepseek_v32", "glm_moe_dsa"):
         c.update(architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3", hidden_size=256,
                  intermediate_size=512, moe_intermediate_size=128, num_attention_heads=4,
                  num_key_value_heads=4, q_lora_rank=64, kv_lora_rank=512, qk_rope_head_dim=64,
@@ -116,6 +119,10 @@ def model_config(arch: str, vocab_size: int, dtype: str) -> dict:
         if arch == "deepseek_v32":
             c.update(architectures=["DeepseekV32ForCausalLM"], model_type="deepseek_v32", index_topk=16,
                      index_n_heads=8, index_head_dim=64)
+        if arch == "glm_moe_dsa":
+            c.update(architectures=["GlmMoeDsaForCausalLM"], model_type="glm_moe_dsa", index_topk=16,
+                     index_n_heads=8, index_head_dim=64, indexer_types=["full", "shared"],
+                     mlp_layer_types=["dense", "sparse"])
     else:
         raise ValueError(f"unknown arch {arch!r}; choose one of {', '.join(ARCHS + ENGINE_ONLY_ARCHS)}")
     return dict(sorted(c.items()))
@@ -153,7 +160,7 @@ def _mla_layer(c: dict, p: str, layer: int) -> dict[str, tuple[int, ...]]:
          f"{a}.kv_a_layernorm.weight": (c["kv_lora_rank"],),
          f"{a}.kv_b_proj.weight": (nh * (c["qk_nope_head_dim"] + c["v_head_dim"]), c["kv_lora_rank"]),
          f"{a}.o_proj.weight": (h, nh * c["v_head_dim"])}
-    if c.get("index_topk"):  # the sparse-attention indexer
+    if c.get("index_topk") and (layer in dsa_indexer_layers(c) or layer >= c["num_hidden_layers"]):  # its indexer
         ih, idim = c["index_n_heads"], c["index_head_dim"]
         s |= {f"{a}.indexer.wq_b.weight": (ih * idim, c["q_lora_rank"]), f"{a}.indexer.wk.weight": (idim, h),
               f"{a}.indexer.k_norm.weight": (idim,), f"{a}.indexer.k_norm.bias": (idim,),
@@ -171,7 +178,7 @@ def weight_shapes(c: dict) -> dict[str, tuple[int, ...]]:
     """Every tensor name of the checkpoint -> shape (MTP layers included)."""
     h, v = c["hidden_size"], c["vocab_size"]
     s = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,), "lm_head.weight": (v, h)}
-    mla = c["model_type"] in ("deepseek_v3", "deepseek_v32")
+    mla = c["model_type"] in ("deepseek_v3", "deepseek_v32", "glm_moe_dsa")
     for layer in range(c["num_hidden_layers"]):
         p = f"model.layers.{layer}"
         s |= _mla_layer(c, p, layer) if mla else _gqa_layer(c, p)

@@ -10,9 +10,10 @@ inject). Its layout, version ``LAYOUT_VERSION``:
   qk_rope_head_dim]``: the normalized compressed latent (after ``kv_a_layernorm``) followed by the
   roped shared key ``k_pe``. ``k_pe`` is kept in HF transformers' rope order (the rotated even
   elements, then the rotated odd ones), not vLLM's interleaved order: prefill adapters permute.
-  MTP layers follow the main layers as further layers. With DeepSeek Sparse Attention (deepseek_v32)
-  each layer's latent region is followed by its indexer's key region ``index_k``
-  ``[max_tokens, index_head_dim]`` (after the indexer's LayerNorm and rope, as its scores read it).
+  MTP layers follow the main layers as further layers. With DeepSeek Sparse Attention (deepseek_v32,
+  glm_moe_dsa) the latent region of each layer that runs its own indexer is followed by the
+  indexer's key region ``index_k`` ``[max_tokens, index_head_dim]`` (after the indexer's LayerNorm
+  and rope, as its scores read it); GLM's "shared" layers reuse an earlier layer's choice and keep none.
 - A slot holds ``max_seq_len + num_speculative_tokens`` tokens, so drafts fit at the end.
 
 Regions follow each other in layer order, K before V, with no padding. A writer that holds
@@ -45,13 +46,37 @@ class KvShape:
     kv_lora_rank: int = 0  # mla
     qk_rope_head_dim: int = 0  # mla
     index_head_dim: int = 0  # mla with sparse attention: the indexer's key per token (0: none)
+    index_layers: tuple[int, ...] = ()  # the layers (MTP included) that keep indexer keys
 
     @property
     def elems_per_token_per_layer(self) -> int:
-        """Elements per token per layer, K and V together (GQA) or latent + rope (+ indexer key) (MLA)."""
+        """Elements per token per layer, K and V together (GQA) or latent + rope (MLA; indexer keys aside)."""
         if self.kind == "gqa":
             return 2 * self.num_kv_heads * self.head_dim
-        return self.kv_lora_rank + self.qk_rope_head_dim + self.index_head_dim
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+
+DSA_TYPES = ("deepseek_v32", "glm_moe_dsa")
+
+
+def dsa_indexer_layers(config: dict[str, Any]) -> tuple[int, ...]:
+    """The main layers that run their own sparse-attention indexer (none without DSA): every layer of
+    deepseek_v32; glm_moe_dsa's ``indexer_types`` ("full" / "shared"), or the schedule HF derives
+    when absent (``index_topk_pattern``, else ``index_topk_freq`` / ``index_skip_topk_offset``)."""
+    if config.get("model_type") not in DSA_TYPES:
+        return ()
+    n = int(config["num_hidden_layers"])
+    types = config.get("indexer_types")
+    if types is None and config.get("model_type") == "glm_moe_dsa":
+        pattern = config.get("index_topk_pattern")
+        if pattern is not None:
+            types = [{"F": "full", "S": "shared"}[c] for c in pattern] if isinstance(pattern, str) else list(pattern)
+        else:
+            freq, offset = max(int(config.get("index_topk_freq", 1)), 1), int(config.get("index_skip_topk_offset", 2))
+            types = ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(n)]
+    if types is None:
+        return tuple(range(n))
+    return tuple(i for i, t in enumerate(types[:n]) if t == "full")
 
 
 def kv_shape_from_hf_config(config: dict[str, Any], include_mtp: bool = True) -> KvShape:
@@ -66,7 +91,9 @@ def kv_shape_from_hf_config(config: dict[str, Any], include_mtp: bool = True) ->
             num_layers=num_layers,
             kv_lora_rank=int(config["kv_lora_rank"]),
             qk_rope_head_dim=int(config["qk_rope_head_dim"]),
-            index_head_dim=int(config.get("index_head_dim", 128)) if model_type == "deepseek_v32" else 0,
+            index_head_dim=int(config.get("index_head_dim", 128)) if model_type in DSA_TYPES else 0,
+            index_layers=(dsa_indexer_layers(config) + tuple(range(int(config["num_hidden_layers"]), num_layers))
+                          if model_type in DSA_TYPES else ()),
         )
     if model_type in ("llama", "qwen2", "qwen3", "mistral"):
         num_heads = int(config["num_attention_heads"])
@@ -97,10 +124,9 @@ def layout_spec(shape: KvShape, dtype: str, max_tokens: int) -> KvLayoutSpec:
         regions = [("k", per_token), ("v", per_token)]
     else:
         regions = [("kv_latent", (shape.kv_lora_rank + shape.qk_rope_head_dim) * elt)]
-        if shape.index_head_dim:
-            regions.append(("index_k", shape.index_head_dim * elt))
+    index_k = ("index_k", shape.index_head_dim * elt)
     for layer in range(shape.num_layers):
-        for name, per_token in regions:
+        for name, per_token in regions + ([index_k] if layer in shape.index_layers else []):
             segments.append(
                 KvSegment(
                     layer=layer,

@@ -11,7 +11,8 @@ Per cache layer (main layers first, then MTP layers):
   latent then the roped shared key. With ``rope_interleave`` (DeepSeek-V3) the rope part holds
   the rotated even elements then the rotated odd ones, as HF transformers' cache does (vLLM keeps
   the rotated pairs adjacent; the prefill adapter de-interleaves them). With sparse attention
-  (deepseek_v32) also ``index_k[layer]``: [num_slots + 1, max_tokens, index_head_dim], the indexer's keys.
+  (deepseek_v32, glm_moe_dsa) also ``index_k[layer]`` for each layer with its own indexer:
+  [num_slots + 1, max_tokens, index_head_dim], the indexer's keys.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ class KvCache:
         self.k_caches: list[torch.Tensor] = []
         self.v_caches: list[torch.Tensor] = []
         self.kv: list[torch.Tensor] = []
-        self.index_k: list[torch.Tensor] = []
+        self.index_k: dict[int, torch.Tensor] = {}  # layer -> its indexer keys
         for seg in self.layout.segments:
             start = seg.offset_bytes // elt
             region = typed[:, start : start + max_tokens * seg.bytes_per_token // elt]
@@ -53,7 +54,7 @@ class KvCache:
                 view = region.view(rows, max_tokens, shape.num_kv_heads, shape.head_dim)
                 (self.k_caches if seg.name == "k" else self.v_caches).append(view)
             elif seg.name == "index_k":
-                self.index_k.append(region.view(rows, max_tokens, shape.index_head_dim))
+                self.index_k[seg.layer] = region.view(rows, max_tokens, shape.index_head_dim)
             else:
                 self.kv.append(region.view(rows, max_tokens, shape.kv_lora_rank + shape.qk_rope_head_dim))
 

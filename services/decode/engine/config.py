@@ -9,10 +9,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from shared.kvlayout import DSA_TYPES, dsa_indexer_layers
+
 from .quant import QuantSpec, parse_quant
 
 GQA_TYPES = ("llama", "qwen2", "qwen3", "mistral")
-MLA_TYPES = ("deepseek_v3", "deepseek_v32")  # deepseek_v32: MLA with DeepSeek Sparse Attention
+MLA_TYPES = ("deepseek_v3", "deepseek_v32", "glm_moe_dsa")  # the last two: DeepSeek Sparse Attention
 
 
 @dataclass(frozen=True)
@@ -46,12 +48,16 @@ class ModelConfig:
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
     rope_interleave: bool = True
-    # DeepSeek Sparse Attention (deepseek_v32): each query attends to the index_topk cached tokens its
-    # lightning indexer (index_n_heads heads of index_head_dim, one key per token) scores highest;
-    # 0: dense attention
+    # DeepSeek Sparse Attention (deepseek_v32, glm_moe_dsa): each query attends to the index_topk cached
+    # tokens its lightning indexer (index_n_heads heads of index_head_dim, one key per token) scores
+    # highest; 0: dense attention. index_layers: the main layers with their own indexer (GLM's others
+    # reuse the choice of the last one before them; MTP layers have their own); GLM ropes its
+    # indexer interleaved, DeepSeek-V3.2 half-split
     index_topk: int = 0
     index_n_heads: int = 0
     index_head_dim: int = 0
+    index_layers: tuple[int, ...] = ()
+    index_rope_interleave: bool = False
     # moe
     num_experts: int = 0
     num_experts_per_tok: int = 0
@@ -65,6 +71,10 @@ class ModelConfig:
     num_mtp_layers: int = 0
     quant: QuantSpec | None = None  # FP8 weights (quant.py); None: the checkpoint's dtype throughout
     extra: dict[str, Any] = field(default_factory=dict)
+
+    def has_indexer(self, layer: int) -> bool:
+        """Layer ``layer`` (MTP layers continue the numbering) runs its own sparse-attention indexer."""
+        return bool(self.index_topk) and (layer in self.index_layers or layer >= self.num_layers)
 
     @property
     def num_cache_layers(self) -> int:
@@ -132,13 +142,19 @@ def parse_config(config: dict[str, Any]) -> ModelConfig:
         if config.get("scoring_func", "sigmoid") != "sigmoid" or config.get("topk_method", "noaux_tc") != "noaux_tc":
             raise ValueError("only the noaux_tc top-k method with sigmoid scoring is supported")
         q_lora_rank = config.get("q_lora_rank")
-        dsa = model_type == "deepseek_v32"
+        dsa = model_type in DSA_TYPES
         if dsa and not q_lora_rank:
-            raise ValueError("deepseek_v32 without q_lora_rank: its indexer reads the q LoRA's output")
+            raise ValueError(f"{model_type} without q_lora_rank: its indexer reads the q LoRA's output")
+        if dsa and config.get("mlp_layer_types") and [t == "dense" for t in config["mlp_layer_types"]] != [
+                i < int(config.get("first_k_dense_replace", 0)) for i in range(int(config["num_hidden_layers"]))]:
+            raise ValueError("mlp_layer_types other than first_k_dense_replace dense layers then MoE are not supported")
         return ModelConfig(
             index_topk=int(config.get("index_topk", 2048)) if dsa else 0,
-            index_n_heads=int(config.get("index_n_heads", 64)) if dsa else 0,
+            index_n_heads=(int(config.get("index_n_heads", 64 if model_type == "deepseek_v32" else 32))
+                           if dsa else 0),
             index_head_dim=int(config.get("index_head_dim", 128)) if dsa else 0,
+            index_layers=dsa_indexer_layers(config),
+            index_rope_interleave=model_type == "glm_moe_dsa",
             family="mla",
             q_lora_rank=int(q_lora_rank) if q_lora_rank else None,
             kv_lora_rank=int(config["kv_lora_rank"]),
@@ -160,5 +176,5 @@ def parse_config(config: dict[str, Any]) -> ModelConfig:
         )
     raise ValueError(
         f"model_type {model_type!r} is not supported by the decode engine: use llama, qwen2, qwen3, "
-        "mistral, deepseek_v3 or deepseek_v32"
+        "mistral, deepseek_v3, deepseek_v32 or glm_moe_dsa"
     )

@@ -7,12 +7,14 @@ scores are ``[q_c, q_pe] . [c, k_pe]`` (one shared KV head) and the latent outpu
 ``W_UV``. Same forward contract as llama.py. MoE: static gather of the chosen experts' weights for
 small steps (decode, graph-safe), a per-expert loop for large ones (prefill).
 
-Sparse attention (``cfg.index_topk`` > 0, deepseek_v32): a lightning indexer per layer scores every
+Sparse attention (``cfg.index_topk`` > 0, deepseek_v32 and glm_moe_dsa): a lightning indexer scores every
 cached token for each query, ``sum_h w_h * relu(q_h . k * d^-1/2)`` with ``w = weights_proj(x) *
 H^-1/2``, its queries from the q LoRA's normed output (``wq_b``), its one key per token from
-``LayerNorm(wk(x))``, both roped (half-split rope on the first rope dims); its keys live in the
-slot's ``index_k`` cache. The query then attends, causally, only to the ``index_topk`` tokens that
-score highest (all of them while there are fewer), as HF transformers' DeepseekV32 computes it.
+``LayerNorm(wk(x))``, both roped on the first rope dims (DeepSeek-V3.2 half-split, GLM interleaved);
+its keys live in the slot's ``index_k`` cache. The query then attends, causally, only to the
+``index_topk`` tokens that score highest (all of them while there are fewer), as HF transformers'
+DeepseekV32 / GlmMoeDsa compute it; GLM's "shared" layers have no indexer and reuse the choice of the
+last layer before them that has one.
 """
 
 from __future__ import annotations
@@ -51,7 +53,8 @@ class MlaBlock(nn.Module):
         self.w_uk = _param(nh, cfg.qk_nope_head_dim, r)
         self.w_uv = _param(nh, cfg.v_head_dim, r)
         self.wo = _param(h, nh * cfg.v_head_dim)
-        if cfg.index_topk:  # the sparse-attention indexer
+        self.has_indexer = cfg.has_indexer(idx)
+        if self.has_indexer:  # the sparse-attention indexer
             ih, idim = cfg.index_n_heads, cfg.index_head_dim
             self.idx_wq_b, self.idx_wk = _param(ih * idim, cfg.q_lora_rank), _param(idim, h)
             self.idx_k_norm, self.idx_k_norm_bias, self.idx_weights = _param(idim), _param(idim), _param(ih, h)
@@ -142,8 +145,10 @@ class DeepseekModel(nn.Module):
             q = linear(q_resid, blk.wq_b)
         else:
             q = linear(x, blk.wq)
-        if cfg.index_topk:  # sparse attention: each query sees only the tokens its indexer picks
-            mask = mask & self._selected(layer, blk, x, q_resid, cos, sin, mask, slot_ids, positions)
+        if cfg.index_topk:  # sparse attention: each query sees only the tokens an indexer picks
+            if blk.has_indexer:  # this layer's own (GLM's shared layers reuse the last one before them)
+                self._picked = self._selected(layer, blk, x, q_resid, cos, sin, mask, slot_ids, positions)
+            mask = mask & self._picked
         q_nope, q_pe = q.view(b, t, nh, -1).split([nope, cfg.qk_rope_head_dim], dim=-1)
         c, k_pe = linear(x, blk.wkv_a).split([r, cfg.qk_rope_head_dim], dim=-1)
         c = rms_norm(c, blk.kv_a_norm, cfg.rms_norm_eps)
@@ -160,16 +165,18 @@ class DeepseekModel(nn.Module):
         out = torch.einsum("bhtr,hvr->bthv", out, blk.w_uv)
         return linear(out.reshape(b, t, -1), blk.wo)
 
-    def _selected(self, layer: int, blk: MlaBlock, x, q_resid, cos, sin, mask, slot_ids, positions) -> torch.Tensor:
+    def _selected(self, layer: int, blk: MlaBlock, x, q_resid, cos, sin, mask, slot_ids,
+                  positions) -> torch.Tensor:
         """[B, 1, T, S] boolean: the cache positions each query's indexer picks (its top index_topk
         visible ones); writes this step's indexer keys into the slot's index_k cache first."""
         cfg = self.cfg
         b, t, _ = x.shape
         nh, d, rope = cfg.index_n_heads, cfg.index_head_dim, cfg.qk_rope_head_dim
         q = linear(q_resid, blk.idx_wq_b).view(b, t, nh, d)
-        q = torch.cat([apply_rope(q[..., :rope], cos, sin), q[..., rope:]], dim=-1)
+        inter = cfg.index_rope_interleave
+        q = torch.cat([apply_rope(q[..., :rope], cos, sin, inter), q[..., rope:]], dim=-1)
         k = F.layer_norm(linear(x, blk.idx_wk), (d,), blk.idx_k_norm, blk.idx_k_norm_bias, 1e-6)
-        k = torch.cat([apply_rope(k[:, :, None, :rope], cos, sin)[:, :, 0], k[..., rope:]], dim=-1)
+        k = torch.cat([apply_rope(k[:, :, None, :rope], cos, sin, inter)[:, :, 0], k[..., rope:]], dim=-1)
         cache = self.cache.index_k[layer]
         write_cache(cache, slot_ids, positions, k)
         keys = cache[:, : mask.shape[-1]][slot_ids].float()  # [B, S, d]

@@ -204,7 +204,7 @@ def _mla_layer(cfg: ModelConfig, r: CheckpointReader, idx: int, p: str, o: str) 
     yield f"{o}w_uk", kv_b[:, : cfg.qk_nope_head_dim].contiguous()
     yield f"{o}w_uv", kv_b[:, cfg.qk_nope_head_dim :].contiguous()
     yield from _fuse(cfg, f"{o}wo", [_linear(cfg, r, f"{a}o_proj.weight")])
-    if cfg.index_topk:  # the sparse-attention indexer
+    if cfg.has_indexer(idx):  # the sparse-attention indexer
         x = f"{a}indexer."
         yield f"{o}idx_wq_b", _dense(cfg, r, f"{x}wq_b.weight")
         yield f"{o}idx_wk", _dense(cfg, r, f"{x}wk.weight")

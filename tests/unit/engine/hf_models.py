@@ -11,7 +11,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-ARCHS = ("llama", "llama3_rope", "qwen2", "qwen3", "deepseek_v3", "deepseek_v3_yarn", "deepseek_v32")
+ARCHS = ("llama", "llama3_rope", "qwen2", "qwen3", "deepseek_v3", "deepseek_v3_yarn", "deepseek_v32", "glm_moe_dsa")
+MLA_ARCHS = ("deepseek_v3", "glm_moe_dsa")  # prefixes: MLA, MoE, an MTP layer
+DSA_ARCHS = ("deepseek_v32", "glm_moe_dsa")
 VOCAB = 256
 
 
@@ -30,10 +32,12 @@ def make_config(arch: str):
         return tf.Qwen2Config(num_key_value_heads=2, tie_word_embeddings=True, **small)
     if arch == "qwen3":
         return tf.Qwen3Config(num_key_value_heads=2, head_dim=32, **small)
-    if arch.startswith("deepseek_v3"):
+    if arch.startswith(MLA_ARCHS):
         extra = {}
-        if arch == "deepseek_v32":  # sparse attention: 8 of the tokens seen, fewer than the test prompts
+        if arch in DSA_ARCHS:  # sparse attention: 8 of the tokens seen, fewer than the test prompts
             extra.update(index_topk=8, index_n_heads=8, index_head_dim=32)
+        if arch == "glm_moe_dsa":  # layer 1 reuses layer 0's choice
+            extra.update(indexer_types=["full", "shared"])
         if arch.endswith("yarn"):
             extra["rope_parameters"] = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
                                         "original_max_position_embeddings": 64, "beta_fast": 32,
@@ -44,7 +48,8 @@ def make_config(arch: str):
                       num_experts_per_tok=2, n_group=2, topk_group=1, first_k_dense_replace=1, kv_lora_rank=32,
                       q_lora_rank=48, qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=24,
                       routed_scaling_factor=2.5, norm_topk_prob=True, num_nextn_predict_layers=1)
-        kind = tf.DeepseekV32Config if arch == "deepseek_v32" else tf.DeepseekV3Config
+        kind = {"deepseek_v32": tf.DeepseekV32Config, "glm_moe_dsa": tf.GlmMoeDsaConfig}.get(arch,
+                                                                                             tf.DeepseekV3Config)
         return kind(**{**params, **small, **extra})
     raise ValueError(arch)
 
@@ -84,6 +89,10 @@ def _mtp_tensors(cfg, main: dict[str, torch.Tensor], seed: int) -> dict[str, tor
         if name.startswith(f"model.layers.{last}."):
             noise = 0.02 * torch.randn(t.shape, generator=gen) if t.dim() > 1 else 0
             out[name.replace(f"layers.{last}.", f"layers.{idx}.")] = t + noise
+    if getattr(cfg, "index_topk", None) and not any(".indexer." in n for n in out):  # last layer shared (GLM):
+        for name, t in main.items():  # the MTP layer still has an indexer of its own
+            if name.startswith("model.layers.0.self_attn.indexer."):
+                out[name.replace("layers.0.", f"layers.{idx}.")] = t.clone()
     h = cfg.hidden_size
     p = f"model.layers.{idx}."
     out[p + "enorm.weight"] = 1 + 0.01 * torch.randn(h, generator=gen)
@@ -105,9 +114,9 @@ def save_checkpoint(arch: str, path: Path, seed: int = 0, damp: bool | None = No
     cfg = make_config(arch)
     model = tf.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
     _randomize(model, seed)
-    if arch.startswith("deepseek_v3") if damp is None else damp:
+    if arch.startswith(MLA_ARCHS) if damp is None else damp:
         _damp_blocks(model)
-    if arch == "deepseek_v32":  # positive head weights: a token scores 0 only when every head's relu is 0,
+    if arch in DSA_ARCHS:  # positive head weights: a token scores 0 only when every head's relu is 0,
         with torch.no_grad():  # so the top-k has no ties to break (which any two implementations may
             for name, p in model.named_parameters():  # break differently)
                 if name.endswith("indexer.weights_proj.weight"):
@@ -115,7 +124,7 @@ def save_checkpoint(arch: str, path: Path, seed: int = 0, damp: bool | None = No
     if cfg.tie_word_embeddings:
         model.tie_weights()
     model.save_pretrained(path)
-    if arch.startswith("deepseek_v3"):
+    if arch.startswith(MLA_ARCHS):
         main = load_file(str(path / "model.safetensors"))
         save_file(_mtp_tensors(cfg, main, seed), str(path / "model-mtp.safetensors"))
     return model

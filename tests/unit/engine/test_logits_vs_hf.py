@@ -17,7 +17,7 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 @pytest.mark.parametrize("arch", ["llama", "llama3_rope", "qwen2", "qwen3", "deepseek_v3", "deepseek_v3_yarn",
-                                  "deepseek_v32"])
+                                  "deepseek_v32", "glm_moe_dsa"])
 def test_logits_match_hf_prefill_and_every_decode_step(hf_checkpoint, arch):
     path, hf = hf_checkpoint(arch)
     check_against_hf(path, hf)

@@ -1,4 +1,4 @@
-"""DeepSeek Sparse Attention (deepseek_v32) on the engine's reference step: the indexer's choice is
+"""DeepSeek Sparse Attention (deepseek_v32, glm_moe_dsa) on the engine's reference step: the indexer's choice is
 what HF transformers computes (logits: test_logits_vs_hf.py), it really drops tokens, the indexer's
 keys are part of the slot layout, and speculative decoding keeps the output exact."""
 
@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import shutil
 
+import pytest
 import torch
 
 from services.decode.engine import Engine
@@ -18,18 +19,21 @@ from tests.unit.engine.test_logits_vs_hf import rel_err
 GREEDY = SamplingParams(max_tokens=64, ignore_eos=True)
 
 
-def test_the_slot_holds_each_layers_indexer_keys_after_its_latent(hf_checkpoint):
-    path, hf = hf_checkpoint("deepseek_v32")
+@pytest.mark.parametrize("arch, indexed", [("deepseek_v32", (0, 1, 2)), ("glm_moe_dsa", (0, 2))])
+def test_the_slot_holds_each_indexers_keys_after_its_layers_latent(hf_checkpoint, arch, indexed):
+    """Every layer with an indexer of its own (GLM's layer 1 reuses layer 0's choice; the MTP layer,
+    layer 2, has one) keeps its keys in an index_k segment right after its latent."""
+    path, hf = hf_checkpoint(arch)
     config = json.loads((path / "config.json").read_text())
     spec = layout_spec(kv_shape_from_hf_config(config), "bfloat16", 40)
     names = [(s.layer, s.name, s.bytes_per_token) for s in spec.segments]
     layers = config["num_hidden_layers"] + config["num_nextn_predict_layers"]
-    latent = (config["kv_lora_rank"] + config["qk_rope_head_dim"]) * 2
-    assert names == [(i, n, b) for i in range(layers)
-                     for n, b in (("kv_latent", latent), ("index_k", config["index_head_dim"] * 2))]
-    assert spec.slot_nbytes == 40 * layers * (latent + config["index_head_dim"] * 2)
+    latent, index = (config["kv_lora_rank"] + config["qk_rope_head_dim"]) * 2, config["index_head_dim"] * 2
+    assert names == [seg for i in range(layers)
+                     for seg in [(i, "kv_latent", latent)] + ([(i, "index_k", index)] if i in indexed else [])]
+    assert spec.slot_nbytes == 40 * (layers * latent + len(indexed) * index)
     engine = Engine.load(path, num_slots=1, max_seq_len=32, dtype=torch.float32, num_speculative_tokens=0)
-    assert len(engine.cache.index_k) == config["num_hidden_layers"]  # no drafts: no MTP layer cached
+    assert sorted(engine.cache.index_k) == [i for i in indexed if i < config["num_hidden_layers"]]  # no MTP cache
 
 
 def test_the_fast_path_says_why_it_does_not_serve_sparse_attention(hf_checkpoint):
@@ -59,8 +63,9 @@ def test_the_indexer_drops_tokens(hf_checkpoint, tmp_path):
     assert rel_err(dense_logits, ref) > 1e-2
 
 
-def test_speculative_greedy_equals_plain_greedy(hf_checkpoint):
-    path, _ = hf_checkpoint("deepseek_v32")
+@pytest.mark.parametrize("arch", ["deepseek_v32", "glm_moe_dsa"])
+def test_speculative_greedy_equals_plain_greedy(hf_checkpoint, arch):
+    path, _ = hf_checkpoint(arch)
     plain = run(Engine.load(path, num_slots=1, max_seq_len=128, dtype=torch.float32), 0, PROMPTS[0], GREEDY)
     for k in (1, 3):
         engine = Engine.load(path, num_slots=1, max_seq_len=128, dtype=torch.float32, num_speculative_tokens=k,
@@ -70,13 +75,14 @@ def test_speculative_greedy_equals_plain_greedy(hf_checkpoint):
     assert len(plain) == 65
 
 
-def test_make_model_writes_a_sparse_attention_checkpoint_the_engine_decodes_as_hf(tmp_path):
+@pytest.mark.parametrize("arch", ["deepseek_v32", "glm_moe_dsa"])
+def test_make_model_writes_a_sparse_attention_checkpoint_the_engine_decodes_as_hf(tmp_path, arch):
     from transformers import AutoModelForCausalLM
 
     from infra.tinymodel import make_model
     from tests.unit.engine.test_logits_vs_hf import check_against_hf
 
-    path = make_model("deepseek_v32", tmp_path / "dsv32")
+    path = make_model(arch, tmp_path / arch)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     assert hf.config.index_topk == 16
     prompt = [int(t) for t in torch.randint(0, hf.config.vocab_size, (24,), generator=torch.Generator().manual_seed(5))]
