@@ -1,11 +1,13 @@
 """The decode node's reports to the coordinator (``DecodeStarted``, ``SlotReleased``), in order,
 each until the coordinator's report stream has stored it.
 
-Contract: ``send(effect)`` publishes at once and waits for the stream's acknowledgement; when that
-fails (the stream elects a new leader after a NATS member died), the report and every later one
-wait in a queue that ``run()`` drains one at a time, retrying each (``Bus.publish_stored``), so no
-report is lost and none overtakes another. Token streams never wait for it. ``flush(timeout_s)``
-waits for the queue to empty (at shutdown). Each queued report keeps its lease's trace context.
+Contract: ``send(effect)`` queues the report and returns at once: the decode loop never waits for
+the stream's acknowledgement (a start would hold the first step, and every other slot's step, for
+that round trip). ``run()`` publishes the queue one report at a time, each after the one before it
+was stored, retrying while the stream has no leader (``Bus.publish_stored``: a NATS member died, a
+new leader is being elected), so no report is lost and none overtakes another. Token streams never
+wait for it. ``flush(timeout_s)`` waits for the queue to empty (at shutdown). Each queued report
+keeps its lease's trace context.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import contextlib
 from opentelemetry import context as otel_context
 
 from services.decode.effects import Publish
-from shared.bus import Bus, BusError
+from shared.bus import Bus
 from shared.log import get_logger
 
 
@@ -25,13 +27,8 @@ class Reports:
         self.bus = bus
         self.log = log or get_logger("decode")
         self._queue: asyncio.Queue = asyncio.Queue()
-        self._num_waiting = 0  # queued or being retried: later reports queue behind
 
-    async def send(self, e: Publish) -> None:
-        if self._num_waiting == 0:
-            with contextlib.suppress(BusError):
-                return await self.bus.publish_stored(e.subject, e.event, retry_s=0)
-        self._num_waiting += 1
+    def send(self, e: Publish) -> None:
         self._queue.put_nowait((e, otel_context.get_current()))
 
     async def run(self) -> None:
@@ -44,7 +41,6 @@ class Reports:
                 self.log.exception("report_failed", event=type(e.event).__name__)
             finally:
                 otel_context.detach(token)
-                self._num_waiting -= 1
                 self._queue.task_done()
 
     async def flush(self, timeout_s: float) -> None:

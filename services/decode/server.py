@@ -11,7 +11,10 @@ Contract:
   checksums) before the core sees it, so before injection; a mismatch (or no checksums where
   ``--require-kv-checksum`` asks for them) goes to the core as a rejected KV instead.
 - One decode loop performs the core's engine work (inject + start, cancel) between steps and runs
-  ``engine.step()`` in a worker thread (the event loop stays responsive); tokens go out as
+  ``engine.step()``: on a CUDA engine in a worker thread (the event loop publishes and serves the
+  bus while the host waits on the device); on a CPU engine on the event loop itself while steps
+  take under INLINE_STEP_MAX_S (a thread hand-off costs two wake-ups per token, more than a small
+  model's step), yielding to the loop after each step's tokens; tokens go out as
   ``TokensGenerated`` on ``xl.req.<id>.tokens`` (``index`` counts the completion, the prefill's
   first token is 0; ``logprobs`` per token when the request asked), then ``RequestFinished`` (usage,
   speculation stats). A start the engine refuses fails the request (``RequestFailed``), retryable
@@ -46,6 +49,10 @@ from shared.events import CancelRequest, DecodeStart, HandoffEvent, KvMessage, K
 from shared.http_status import serve_status
 from shared.log import get_logger
 
+# The longest CPU step the decode loop runs on the event loop; after a longer one the next runs in a
+# worker thread, so starts, cancels and heartbeats wait no longer than this for a step.
+INLINE_STEP_MAX_S = 0.005
+
 
 class DecodeNode:
     def __init__(self, engine, receiver: Receiver, bus: Bus, config: DecodeConfig) -> None:
@@ -65,6 +72,8 @@ class DecodeNode:
         self._subs: list = []
         self._tasks: list[asyncio.Task] = []
         self.reports = Reports(bus, self.log)
+        self._inline_ok = getattr(engine.device, "type", "") == "cpu"
+        self._step_inline = False  # set by the last step's duration
 
     async def start(self) -> None:
         sub, core, feed = self.bus.subscribe, self.core, self._feed
@@ -126,8 +135,11 @@ class DecodeNode:
         if msg.node_id != self.node_id or msg.layout_version != self.engine.layout.layout_version:
             return ""  # the core refuses it anyway
         t0 = time.perf_counter()
-        reason, detail = await asyncio.to_thread(self.receiver.check_kv, msg, self.engine.layout,
-                                                 self.config.require_kv_checksum)
+        if msg.kv_checksums:  # reads the slot's bytes: in a worker thread
+            reason, detail = await asyncio.to_thread(self.receiver.check_kv, msg, self.engine.layout,
+                                                     self.config.require_kv_checksum)
+        else:  # nothing to read: no thread hand-off on the way to the first step
+            reason, detail = self.receiver.check_kv(msg, self.engine.layout, self.config.require_kv_checksum)
         if msg.kv_checksums:
             self.status.kv_verify_seconds.observe(time.perf_counter() - t0)
         if reason:
@@ -158,7 +170,7 @@ class DecodeNode:
         match e:
             case Publish() if e.subject == subjects.COORD_REPORT:
                 with self.traces.use(e.lease_id):  # stored by the coordinator's stream, in order
-                    await self.reports.send(e)
+                    self.reports.send(e)  # queued: no step waits for the stream's acknowledgement
             case Publish():
                 with self.traces.use(e.lease_id):  # tokens (by index), ends: replayable
                     await self.bus.publish(e.subject, e.event, replay=True)
@@ -193,8 +205,13 @@ class DecodeNode:
                     self.log.warning("fault_stall", after_tokens=self.config.fault_stall_after_tokens)
                     await asyncio.Event().wait()  # FAULT INJECTION: hung for good; the node stays up
                 t0 = time.perf_counter()
-                outputs = await asyncio.to_thread(self.engine.step)
-                self.status.step_seconds.observe(time.perf_counter() - t0)
+                if self._step_inline:
+                    outputs = self.engine.step()
+                else:
+                    outputs = await asyncio.to_thread(self.engine.step)
+                step_s = time.perf_counter() - t0
+                self.status.step_seconds.observe(step_s)
+                self._step_inline = self._inline_ok and step_s < INLINE_STEP_MAX_S
                 path = self.engine.last_step_path or "reference"
                 self.status.steps.labels(path).inc()
                 for slot in outputs:
@@ -202,6 +219,8 @@ class DecodeNode:
                         self.paths.step(lease.lease_id, path)
                 for slot, out in outputs.items():
                     await self._emit(slot, out)
+                if self._step_inline:
+                    await asyncio.sleep(0)  # the bus writes these tokens and handlers run before the next step
             except Exception:
                 self.log.exception("decode_loop_failed")
                 await self._apply(self.core.stop_all("failed", "engine_error"))
@@ -225,12 +244,16 @@ class DecodeNode:
         self.engine.start(work.slot, work.first_token_id, work.sampling)
 
     async def _start(self, work: StartEngine) -> list[Effect]:
-        """Inject the slot's KV and arm the engine (in a worker thread: a grammar may still be
-        compiling); the core hears how it went."""
+        """Inject the slot's KV and arm the engine (in a worker thread where a grammar may still be
+        compiling or the engine's steps run there; on the event loop otherwise: both are quick);
+        the core hears how it went."""
         self.traces.start(work)
         started_at_s = time.perf_counter()
         try:
-            await asyncio.to_thread(self._engine_start, work)
+            if self._inline_ok and work.sampling.structured is None:
+                self._engine_start(work)
+            else:
+                await asyncio.to_thread(self._engine_start, work)
         except Exception as exc:  # bad sizes or params: the request fails, the node lives on
             # An engine error that no node gets past (a grammar that does not compile: GrammarError)
             # says so (``retryable`` False, its ``code``): the router must not migrate the request.
