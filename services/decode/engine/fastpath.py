@@ -334,11 +334,6 @@ class FastPath:
             return buf.tolist()
         return read, done
 
-    def settle(self) -> None:
-        """Wait for a step launched ahead (nothing in flight afterwards)."""
-        if self._flight is not None:
-            self._flight[1].wait()
-
     def prepare(self, slot: int, token: int, pos: int):
         """The slot's (decoder, runners), built and captured on first use (errors propagate): the
         one-token step, and the k-draft step of a DeepSeek-family engine with drafts."""
