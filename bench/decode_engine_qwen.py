@@ -13,7 +13,8 @@ model's). Per-kernel GPU time of one step (torch profiler, PDL off so a kernel's
 Qwen3 shape and its twin. A Llama-3-8B shape built the same way runs last, the check that the Llama
 path kept its speed.
 
-``QWEN_VARIANTS=a,b`` measures only those variants (the default always).
+``QWEN_VARIANTS=a,b`` measures only those variants (the default always); ``QWEN_SHAPES=a,b`` only
+those shapes.
 
 Roofline: bytes a step reads = every weight but the embedding table (lm_head counts, tied or not; one
 embedding row is negligible) + the KV of the 1K context, over the copy bandwidth measured in the run.
@@ -60,6 +61,8 @@ LLAMA3_8B = {
 TWIN = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "attention_bias": False}
 PER_STEP_8 = {"engine": {"fast_path_tokens_per_step": 8}}
 NO_AHEAD = {"engine": {"fast_path_run_ahead": False}}  # each token read before the next replay
+SPLITS_8 = {"engine": {"fast_path_options": FastOptions(num_splits=8)}}  # attention: 8 splits of 2 blocks
+SPLITS_8_BLOCK_128 = {"engine": {"fast_path_options": FastOptions(num_splits=8, block_s=128)}}
 # key -> (config, variants measured besides the default: engine keyword arguments, config overrides)
 SHAPES = {
     "qwen25_7b": (QWEN25_7B, {"tokens_per_step_8": PER_STEP_8, "no_run_ahead": NO_AHEAD,
@@ -68,6 +71,7 @@ SHAPES = {
                             "attention_one_launch": {"engine": {"fast_path_options": FastOptions(
                                 attn_one_launch=True)}},
                             "tokens_per_step_8": PER_STEP_8, "no_run_ahead": NO_AHEAD,
+                            "splits_8": SPLITS_8, "splits_8_block_128": SPLITS_8_BLOCK_128,
                             "llama_twin": {"config": TWIN, "profile": True}}),
     "llama3_8b": (LLAMA3_8B, {"no_run_ahead": NO_AHEAD}),
 }
@@ -220,7 +224,7 @@ def bench_cuda_qwen(steps: int, context: int, result: dict, save=lambda: None) -
     q = result["cuda_qwen"] = {"device": torch.cuda.get_device_name(), "copy_bandwidth_tb_s": bandwidth / 1e12}
     log(f"\n{q['device']}: copy bandwidth {bandwidth / 1e12:.2f} TB/s; roofline = bytes a step reads "
         "(weights but the embedding table, + KV)")
-    for key in SHAPES:
+    for key in [k for k in SHAPES if k in os.environ.get("QWEN_SHAPES", ",".join(SHAPES)).split(",")]:
         try:
             q[key] = m = measure_shape(key, steps, context, bandwidth, prompt)
         except Exception:  # noqa: BLE001
