@@ -76,10 +76,11 @@ BATCH_SIZES = (2, 4, 8)  # its padded sizes, one graph (greedy, sampled) each
 class _Flight:
     """A replay launched ahead of the host (run-ahead): where it continues and where its token lands."""
 
+    owner: object  # the slot whose batch-1 decoder replayed it, or "batch"
     key: object  # batch-1: the slot's runner key; batched: (padded size, runner key)
     idx: int  # out_tokens index (batched: column) of its token
     done: object  # CUDA event recorded after the replay; None off CUDA (it ran already)
-    slots: tuple = ()  # batched: the rows' slots, in order
+    slots: tuple  # the slots it decodes (batched: the rows', in order)
     expect: tuple = ()  # batched: the (token, position) each row continues from
     counted: tuple = ()  # (slot, its token on device) of rows whose penalty counts took the token
 
@@ -91,7 +92,7 @@ class _Flight:
 def _may_run_ahead(s: SlotState) -> bool:
     """A request whose step may run ahead: no grammar (each mask needs the token before it), no
     logprobs (read with the token). What a discarded step leaves in the sampling state is undone:
-    the penalty counts by ``_undo``, the bad words' ring by ``sync_history`` at the next re-arm."""
+    the penalty counts by ``_discard``, the bad words' ring by ``sync_history`` at the next re-arm."""
     return s.grammar is None and s.num_logprobs is None
 
 
@@ -248,7 +249,7 @@ class FastPath:
         self.synced: dict[int, tuple[int, int]] = {}  # slot -> (token, pos) its bad-word state follows
         # one replay launched ahead of the host (module docstring): the Llama family, one token a step
         self.run_ahead = run_ahead and not self.mla and tokens_per_step == 1
-        self._flight: tuple | None = None  # (slot or "batch", _Flight): at most one engine step ahead
+        self._flight: _Flight | None = None  # at most one engine step ahead
         self._pinned: dict[tuple, torch.Tensor] = {}  # out_tokens shape -> pinned host buffer
         self.ahead_kept = 0  # replays launched ahead that the next step continued
         self.ahead_dropped = 0  # ... and that it discarded (another continuation, a release)
@@ -284,33 +285,33 @@ class FastPath:
         else:
             dec.set_state(token, pos)
 
-    def _take_flight(self, owner) -> _Flight | None:
-        """The step in flight if ``owner`` (a slot, or "batch") launched it; any other is dropped (its
-        effects are recomputed by what runs next, in stream order) with its slots' held state."""
+    def _resume(self, owner, continues) -> _Flight | None:
+        """The step in flight if ``owner`` (a slot, or "batch") launched it and ``continues(flight)``
+        (it is this step's first replay); any other is discarded."""
         flight, self._flight = self._flight, None
         if flight is None:
             return None
-        if flight[0] == owner:
-            return flight[1]
+        if flight.owner == owner and continues(flight):
+            self.ahead_kept += 1
+            return flight
         self._discard(flight)
         return None
 
-    def _discard(self, flight: tuple) -> None:
-        """A step run ahead that nothing continues: its slots re-arm at their next fast step (their
-        bad-word state resynced), and the penalty counts lose its token again (stream order)."""
+    def _discard(self, flight: _Flight) -> None:
+        """A step run ahead that nothing continues (its effects are recomputed by what runs next, in
+        stream order): its slots re-arm at their next fast step (their bad-word state resynced), and
+        the penalty counts lose its token again."""
         self.ahead_dropped += 1
-        for slot in ((flight[0],) if flight[0] != "batch" else flight[1].slots):
+        for slot in flight.slots:
             self.held.pop(slot, None)
             self.synced.pop(slot, None)
-        for slot, token in flight[1].counted:
+        for slot, token in flight.counted:
             self.sampling.counts[slot].index_put_((token,), torch.full_like(token, -1, dtype=torch.int32),
                                                   accumulate=True)
 
     def drop(self) -> None:
         """The engine steps its slots elsewhere (the reference step): discard a step run ahead."""
-        if self._flight is not None:
-            flight, self._flight = self._flight, None
-            self._discard(flight)
+        self._resume(None, None)
 
     def _launch_ahead(self, runner, src: torch.Tensor) -> tuple:
         """Copy ``src`` (this step's tokens) to the host without waiting, replay ``runner`` once more, and
@@ -381,7 +382,7 @@ class FastPath:
         use: mask, logprobs, or both): its grammar's mask is filled
         on the host and copied to the slot's ``gmask`` row before the replay (so ``n`` is 1 for it), the
         tokens' logprobs land in ``s.extra["fast_logprobs"]``. ``ahead``: the request goes on after these
-        tokens and leaves no state (``_stateless``): replay once more before reading them (run-ahead)."""
+        tokens and may run ahead (``_may_run_ahead``): replay once more before reading them (run-ahead)."""
         extras = s is not None and (s.num_logprobs is not None or s.grammar is not None)
         sampled = s is not None and not s.is_greedy
         if (sampled or extras) and not self.sample_ok:
@@ -391,13 +392,9 @@ class FastPath:
         if key not in runners:  # captured now, which re-arms the decoder
             self.held.pop(slot, None)
         runner = self._runner(dec, runners, key, token, pos)
-        flight = self._take_flight(slot)
-        held = self.held.get(slot)
-        launched = int(flight is not None and flight.key == key and held == (token, pos, flight.idx)
-                       and flight.idx + n <= self.max_steps)
-        if flight is not None and not launched:  # launched for another continuation: start over
-            self._discard((slot, flight))
-        self.ahead_kept += launched
+        flight = self._resume(slot, lambda f: f.key == key and self.held.get(slot) == (token, pos, f.idx)
+                              and f.idx + n <= self.max_steps)
+        launched = int(flight is not None)
         idx = flight.idx if launched else self._start(slot, dec, token, pos, n, prev_hidden, s)
         if extras and s.grammar is not None:
             self._write_mask(slot, s.grammar)
@@ -406,7 +403,7 @@ class FastPath:
         if ahead and self.run_ahead and not extras and n and idx + n < self.max_steps:
             read, done = self._launch_ahead(runner, dec.out_tokens[idx : idx + n])
             counted = ((slot, dec.out_tokens[idx + n : idx + n + 1]),) if key == SAMPLED and _counted(s) else ()
-            self._flight = (slot, _Flight(key, idx + n, done, counted=counted))
+            self._flight = _Flight(slot, key, idx + n, done, (slot,), counted=counted)
             out = read()  # the one sync, on this step's copy only
         else:
             out = dec.out_tokens[idx : idx + n].tolist()  # the one sync
@@ -512,14 +509,11 @@ class FastPath:
                       else runners[SAMPLED if sampled else 0])
             key = (padded_batch(len(items)), (EXTRAS, masks, lps) if masks or lps else SAMPLED if sampled else 0)
             slots = tuple(slot for slot, _ in items)
-            flight = self._take_flight("batch")
-            launched = int(flight is not None and flight.key == key and flight.slots == slots
-                           and flight.expect == tuple((s.pending, s.seq_len) for _, s in items)
-                           and flight.idx + n <= self.max_steps)
+            flight = self._resume("batch", lambda f: f.key == key and f.slots == slots
+                                  and f.expect == tuple((s.pending, s.seq_len) for _, s in items)
+                                  and f.idx + n <= self.max_steps)
+            launched = int(flight is not None)
             col = flight.idx if launched else 0
-            if flight is not None and not launched:
-                self._discard(("batch", flight))
-            self.ahead_kept += launched
             if not launched:
                 for slot, s in items:  # bad-word state behind (steps ran on the reference path): bring it up
                     if not s.is_greedy and s.sampling is not None and self.synced.get(slot) != (s.pending, s.seq_len):
@@ -536,9 +530,8 @@ class FastPath:
                 rows = read()  # the one sync, on this step's copy only
                 counted = tuple((slot, dec.out_tokens[r, col + n : col + n + 1]) for r, (slot, s) in enumerate(items)
                                 if key[1] == SAMPLED and _counted(s))
-                self._flight = ("batch", _Flight(key, col + n, done, slots,
-                                                 tuple((r[-1], s.seq_len + n) for r, (_, s) in zip(rows, items)),
-                                                 counted))
+                self._flight = _Flight("batch", key, col + n, done, slots,
+                                       tuple((r[-1], s.seq_len + n) for r, (_, s) in zip(rows, items)), counted)
             else:
                 rows = src.tolist()  # the one sync
             if lps:
@@ -611,9 +604,8 @@ class FastPath:
     def forget(self, slot: int) -> None:
         """The slot starts another request (or is released): re-arm its decoder at the next decode, and
         let a step launched ahead on it finish first (a new request's KV may be written into the slot)."""
-        if self._flight is not None and slot in ((self._flight[0],) if self._flight[0] != "batch"
-                                                 else self._flight[1].slots):
-            self._flight[1].wait()
+        if self._flight is not None and slot in self._flight.slots:
+            self._flight.wait()
             self._flight = None
             self.ahead_dropped += 1
         self.held.pop(slot, None)
