@@ -160,7 +160,7 @@ def _mla_layer(c: dict, p: str, layer: int) -> dict[str, tuple[int, ...]]:
          f"{a}.kv_a_layernorm.weight": (c["kv_lora_rank"],),
          f"{a}.kv_b_proj.weight": (nh * (c["qk_nope_head_dim"] + c["v_head_dim"]), c["kv_lora_rank"]),
          f"{a}.o_proj.weight": (h, nh * c["v_head_dim"])}
-    if c.get("index_topk") and (layer in dsa_indexer_layers(c) or layer >= c["num_hidden_layers"]):  # its indexer
+    if layer in dsa_indexer_layers(c, layer + 1):  # the sparse-attention indexer
         ih, idim = c["index_n_heads"], c["index_head_dim"]
         s |= {f"{a}.indexer.wq_b.weight": (ih * idim, c["q_lora_rank"]), f"{a}.indexer.wk.weight": (idim, h),
               f"{a}.indexer.k_norm.weight": (idim,), f"{a}.indexer.k_norm.bias": (idim,),

@@ -59,13 +59,15 @@ class KvShape:
 DSA_TYPES = ("deepseek_v32", "glm_moe_dsa")
 
 
-def dsa_indexer_layers(config: dict[str, Any]) -> tuple[int, ...]:
-    """The main layers that run their own sparse-attention indexer (none without DSA): every layer of
-    deepseek_v32; glm_moe_dsa's ``indexer_types`` ("full" / "shared"), or the schedule HF derives
-    when absent (``index_topk_pattern``, else ``index_topk_freq`` / ``index_skip_topk_offset``)."""
+def dsa_indexer_layers(config: dict[str, Any], num_layers: int) -> tuple[int, ...]:
+    """The layers (of ``num_layers``: the main layers, then MTP layers) that run their own
+    sparse-attention indexer (none without DSA): every layer of deepseek_v32; of glm_moe_dsa's main
+    layers those its ``indexer_types`` call "full" (or the schedule HF derives when absent:
+    ``index_topk_pattern``, else ``index_topk_freq`` / ``index_skip_topk_offset``); every MTP layer."""
     if config.get("model_type") not in DSA_TYPES:
         return ()
     n = int(config["num_hidden_layers"])
+    mtp = tuple(range(n, num_layers))
     types = config.get("indexer_types")
     if types is None and config.get("model_type") == "glm_moe_dsa":
         pattern = config.get("index_topk_pattern")
@@ -75,8 +77,8 @@ def dsa_indexer_layers(config: dict[str, Any]) -> tuple[int, ...]:
             freq, offset = max(int(config.get("index_topk_freq", 1)), 1), int(config.get("index_skip_topk_offset", 2))
             types = ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(n)]
     if types is None:
-        return tuple(range(n))
-    return tuple(i for i, t in enumerate(types[:n]) if t == "full")
+        return tuple(range(n)) + mtp
+    return tuple(i for i, t in enumerate(types[:n]) if t == "full") + mtp
 
 
 def kv_shape_from_hf_config(config: dict[str, Any], include_mtp: bool = True) -> KvShape:
@@ -92,8 +94,7 @@ def kv_shape_from_hf_config(config: dict[str, Any], include_mtp: bool = True) ->
             kv_lora_rank=int(config["kv_lora_rank"]),
             qk_rope_head_dim=int(config["qk_rope_head_dim"]),
             index_head_dim=int(config.get("index_head_dim", 128)) if model_type in DSA_TYPES else 0,
-            index_layers=(dsa_indexer_layers(config) + tuple(range(int(config["num_hidden_layers"]), num_layers))
-                          if model_type in DSA_TYPES else ()),
+            index_layers=dsa_indexer_layers(config, num_layers),
         )
     if model_type in ("llama", "qwen2", "qwen3", "mistral"):
         num_heads = int(config["num_attention_heads"])

@@ -50,8 +50,8 @@ class ModelConfig:
     rope_interleave: bool = True
     # DeepSeek Sparse Attention (deepseek_v32, glm_moe_dsa): each query attends to the index_topk cached
     # tokens its lightning indexer (index_n_heads heads of index_head_dim, one key per token) scores
-    # highest; 0: dense attention. index_layers: the main layers with their own indexer (GLM's others
-    # reuse the choice of the last one before them; MTP layers have their own); GLM ropes its
+    # highest; 0: dense attention. index_layers: the layers, MTP layers included, with their own
+    # indexer (GLM's other main layers reuse the choice of the last one before them); GLM ropes its
     # indexer interleaved, DeepSeek-V3.2 half-split
     index_topk: int = 0
     index_n_heads: int = 0
@@ -74,7 +74,7 @@ class ModelConfig:
 
     def has_indexer(self, layer: int) -> bool:
         """Layer ``layer`` (MTP layers continue the numbering) runs its own sparse-attention indexer."""
-        return bool(self.index_topk) and (layer in self.index_layers or layer >= self.num_layers)
+        return layer in self.index_layers
 
     @property
     def num_cache_layers(self) -> int:
@@ -153,7 +153,8 @@ def parse_config(config: dict[str, Any]) -> ModelConfig:
             index_n_heads=(int(config.get("index_n_heads", 64 if model_type == "deepseek_v32" else 32))
                            if dsa else 0),
             index_head_dim=int(config.get("index_head_dim", 128)) if dsa else 0,
-            index_layers=dsa_indexer_layers(config),
+            index_layers=dsa_indexer_layers(config, int(config["num_hidden_layers"])
+                                            + int(config.get("num_nextn_predict_layers", 0) or 0)),
             index_rope_interleave=model_type == "glm_moe_dsa",
             family="mla",
             q_lora_rank=int(q_lora_rank) if q_lora_rank else None,
