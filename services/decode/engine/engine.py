@@ -421,10 +421,11 @@ class Engine:
         active = self.active_slots()
         if not active:
             return {}
+        if not self.num_spec:
+            return self._step(active)
         before = {i: (self.slots[i].num_draft_tokens, self.slots[i].num_accepted_tokens) for i in active}
         out = self._step(active)
-        if self.num_spec:
-            self._account_spec(active, before)
+        self._account_spec(active, before)
         return out
 
     def _account_spec(self, active: list[int], before: dict) -> None:
