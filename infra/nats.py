@@ -258,7 +258,7 @@ class NatsServer:
         _running.discard(self)
         if proc is not None and proc.poll() is None:
             proc.kill()
-            proc.wait(timeout=10)
+            proc.wait(timeout=60)
 
     def restart(self, timeout_s: float = 10.0) -> NatsServer:
         """Stop and start again on the same ports and store."""

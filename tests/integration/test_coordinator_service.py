@@ -81,13 +81,13 @@ class Proc:
             return self.proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
             self.proc.kill()
-            return self.proc.wait(timeout=5)
+            return self.proc.wait(timeout=60)
         finally:
             self.log.close()
 
     def kill(self) -> None:
         self.proc.kill()
-        self.proc.wait(timeout=10)
+        self.proc.wait(timeout=60)
         self.log.close()
 
     def tail(self, n: int = 30) -> str:
