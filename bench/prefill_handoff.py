@@ -62,7 +62,7 @@ async def run(args) -> dict:
     from infra.tinymodel import make_model
     from services.prefill.config import ExpressConfig
     from shared.handoff import Handoff, request_params
-    from services.prefill.launch import kv_transfer_config, vllm_command, vllm_env
+    from services.prefill.launch import cpu_worker_inline, is_cpu_vllm, kv_transfer_config, vllm_command, vllm_env
     from services.prefill.sender import write_ops
     from shared import subjects
     from shared.bus import Bus
@@ -87,7 +87,8 @@ async def run(args) -> dict:
     extra = ["--max-model-len", "2048", "--enforce-eager"]
     if has_mtp:
         extra += ["--speculative-config", json.dumps({"method": "mtp", "num_speculative_tokens": 1})]
-    env = vllm_env({**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0-1"}, config)
+    env = vllm_env({**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0-1"}, config,
+                   cpu_inline=is_cpu_vllm() and cpu_worker_inline(extra))
     log = open(work / "vllm.log", "wb")
     proc = subprocess.Popen(vllm_command(str(model_dir), ktc, port=port, dtype=args.dtype, cpu=None,
                                          extra_args=extra),

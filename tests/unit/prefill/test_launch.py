@@ -157,3 +157,30 @@ def test_print_command_adds_the_mtp_drafter_before_the_operators_args(tmp_path, 
     assert out.strip().endswith("--max-model-len 64")
     assert launch.main(["--model", "hub/id", "--gpu", "--print-command"]) == 0  # no local config: nothing added
     assert "--speculative-config" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("vllm_args,inline", [
+    ([], True),
+    (["--max-model-len", "64", "--enforce-eager"], True),
+    (["--tensor-parallel-size", "1"], True),
+    (["-tp", "2"], False),
+    (["--tensor-parallel-size=2"], False),
+    (["--pipeline-parallel-size", "2"], False),
+    (["-dp", "2"], False),
+    (["--distributed-executor-backend", "mp"], False),
+    (["--distributed-executor-backend=uni"], False),  # the operator's choice, passed unchanged
+])
+def test_cpu_worker_inline_unless_more_workers_or_an_executor_is_asked_for(vllm_args, inline):
+    assert launch.cpu_worker_inline(vllm_args) is inline
+    cmd = launch.vllm_command("M", {}, cpu=True, extra_args=vllm_args)
+    assert ("uni" in cmd[:cmd.index("--host")]) is inline  # added ahead of the operator's arguments
+    assert cmd[cmd.index("--kv-transfer-config") + 2:] == vllm_args
+    gpu = launch.vllm_command("M", {}, cpu=False, extra_args=vllm_args)
+    assert "uni" not in gpu[:gpu.index("--host")]  # vLLM picks its uni executor itself on a GPU
+
+
+def test_cpu_inline_env_keeps_what_the_operator_set():
+    assert launch.vllm_env({}, cpu_inline=True)["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+    assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in launch.vllm_env({})
+    mine = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
+    assert launch.vllm_env(mine, cpu_inline=True)["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1"
