@@ -10,7 +10,7 @@ Contract (``ExpressStream``):
   token ids. A prefill that could not hand the KV off (no staging slot, ...) says so on the bus
   (``KvFailed``): the lease fails and the request migrates like any failed leg.
 - ``tokens()``: the completion's token ids as ``TokenBatch``es: the first token (from the prefill)
-  at once, then ``DecodeStart`` to the node and its ``TokensGenerated`` relayed in order, ending
+  at once, then (once the caller has taken it) ``DecodeStart`` to the node and its ``TokensGenerated`` relayed in order, ending
   with the node's finish reason. When the node fails (``RequestFailed``, a ``failed`` handoff, or
   silence past a timeout), the request migrates: prompt + ids already yielded go to another
   express node (new claim + prefill of those ids) or to the standard lane (vLLM continues from
@@ -425,9 +425,11 @@ class ExpressStream:
                         self._cancel(leg, "finished_at_prefill")
                     yield TokenBatch(batch.token_ids, batch.finish_reason or "length", batch.logprobs)
                     return
+                # The token first, then the node's start: the client's first token does not wait
+                # for the publish, nor share the host with the node's first step where it does.
+                yield batch
                 await self._start_decode(leg, batch.token_ids[0],
                                          len(self.prompt_ids) + len(generated) - 1, remaining, generated)
-                yield batch
                 try:
                     async for item in self._relay(leg):
                         generated += item.token_ids
