@@ -61,10 +61,10 @@ def gemv_fp8_dot(x, w, ws, out, block_n=64, block_k=256, num_warps=4, stages=3):
 
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
-CVT = [dict(block_n=32, block_k=512, num_warps=4, stages=1), dict(block_n=16, block_k=512, num_warps=4, stages=1)]
-DOT = [dict(block_n=bn, block_k=bk, num_warps=nw, stages=st)
-       for bn in (16, 32, 64) for bk in (128, 256) for nw in (4, 8) for st in (3, 4)]
-DOT += [dict(block_n=bn, block_k=512, num_warps=4, stages=2) for bn in (16, 32)]
+CVT = [dict(block_n=bn, block_k=bk, num_warps=4, stages=st)
+       for bn in (4, 8, 16, 32) for bk in (256, 512, 1024) for st in (3, 5, 6) if bn * bk <= 16384]
+DOT = [dict(block_n=bn, block_k=bk, num_warps=4, stages=st)
+       for bn in (16, 32) for bk in (128, 256, 512) for st in (4, 6)]
 
 
 def time_graph(fn, copies: int, reps: int = 5) -> float:
@@ -93,9 +93,12 @@ def time_graph(fn, copies: int, reps: int = 5) -> float:
 
 
 def copy_gbs() -> float:
-    src = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
+    """Device-to-device copy bandwidth (read + write bytes), after the clocks have come up."""
+    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
-    ms = time_graph(lambda i: dst.copy_(src), 1)
+    for _ in range(20):
+        dst.copy_(src)
+    ms = time_graph(lambda i: dst.copy_(src), 1, reps=9)
     return 2 * src.numel() / ms / 1e6
 
 
