@@ -233,13 +233,18 @@ class Fp8GqaDecoder(GqaDecoder):
             raise ValueError(f"{len(scales)} layers of FP8 scales for {len(model.layers)} layers")
         self.scales, self.act_fp8 = scales, act_fp8
 
+    def fp8_tile_kwargs(self, name: str) -> dict:
+        """tile_kwargs for projection ``name`` in FP8 (FastOptions.fp8_tiles)."""
+        bn, bk, nw, st = self.opt.fp8_tiles[name]
+        return dict(block_n=bn, block_k=bk, num_warps=nw, stages=st, pdl=self.opt.pdl)
+
     def _qkv(self, i: int):
         sc = self.scales[i]
         if sc.wqkv is None:
             return super()._qkv(i)
         m, lw, eps = self.model, self.model.layers[i], self.model.eps
         qkv = gemv_fp8(self.residual, lw.wqkv, sc.wqkv, self.tmp[: lw.wqkv.shape[0]], norm_w=lw.attn_norm,
-                       eps=eps, bias=lw.bqkv, act=self.act_fp8, **self.tile_kwargs("qkv"))
+                       eps=eps, bias=lw.bqkv, act=self.act_fp8, **self.fp8_tile_kwargs("qkv"))
         smallops.rope_cache_write(qkv, self.query, self.k_caches[i], self.v_caches[i], self.pos, self.cos,
                                   self.sin, num_q_heads=m.num_q_heads, num_kv_heads=m.num_kv_heads,
                                   head_dim=m.head_dim, q_norm=lw.q_norm, k_norm=lw.k_norm, eps=eps,
@@ -257,18 +262,18 @@ class Fp8GqaDecoder(GqaDecoder):
         self.attn(self.query, kc, vc, self.pos, self.attn_out, stride_kt=hkv * d, stride_vt=hkv * d, qk_norm=qk_norm)
         if sc.wo is not None:
             gemv_fp8(self.attn_out, lw.wo, sc.wo, self.residual, residual=self.residual, bias=lw.bo, act=act,
-                     **self.tile_kwargs("o"))
+                     **self.fp8_tile_kwargs("o"))
         else:
             gemv.gemv(self.attn_out, lw.wo, self.residual, residual=self.residual, bias=lw.bo, **self.tile_kwargs("o"))
         if sc.w_gate_up is not None:
             gemv_fp8_silu(self.residual, lw.w_gate_up, sc.w_gate_up, self.act, norm_w=lw.mlp_norm, eps=eps, act=act,
-                          **self.tile_kwargs("gate_up"))
+                          **self.fp8_tile_kwargs("gate_up"))
         else:
             gemv.gemv_silu(self.residual, lw.w_gate_up, self.act, norm_w=lw.mlp_norm, eps=eps,
                            **self.tile_kwargs("gate_up"))
         if sc.w_down is not None:
             gemv_fp8(self.act, lw.w_down, sc.w_down, self.residual, residual=self.residual, act=act,
-                     **self.tile_kwargs("down"))
+                     **self.fp8_tile_kwargs("down"))
         else:
             gemv.gemv(self.act, lw.w_down, self.residual, residual=self.residual, **self.tile_kwargs("down"))
 
