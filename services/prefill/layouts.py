@@ -18,6 +18,9 @@ One adapter per vLLM layout (the tensor as vLLM registers it with a connector):
 | flashinfer    | FLASHINFER                     | [NB, 2, B, H, D] (NHD; HND is a stride permutation) |
 | mla           | CPU_MLA, AMX_MLA, FLASHMLA, TRITON_MLA, FLASHINFER_MLA, CUTLASS_MLA | [NB, B, Dl + Dr] or [NB, 1, B, Dl + Dr] |
 
+Sparse attention (deepseek_v32, glm_moe_dsa: the ``*_MLA_SPARSE`` latent caches, plain or FP8, and
+the DEEPSEEK_V32_INDEXER key cache) has its adapters in ``services.prefill.layouts_dsa``.
+
 GPU layouts are indexed through the logical shape, so whether vLLM allocated NHD or HND (a stride
 permutation of the same logical tensor) does not matter. Pure torch, no I/O.
 """
@@ -35,6 +38,7 @@ _AMX_ROW_BYTES = 64
 
 class LayerAdapter(Protocol):
     kind: str  # "gqa" | "mla"
+    segments: tuple[str, ...]  # the native-layout segments of its layer it fills, in ``out`` order
 
     def block_size(self, kv_layer: torch.Tensor) -> int:
         """Tokens per block of the registered tensor (the kernel block size)."""
@@ -54,6 +58,7 @@ class CpuVec:
     """CPU_ATTN "vec" family: inside each (block, head) K is stored transposed, then V row-major."""
 
     kind = "gqa"
+    segments = ("k", "v")
 
     def block_size(self, kv_layer):
         return kv_layer.shape[2]
@@ -74,6 +79,7 @@ class CpuAmx:
     and V (pairs of tokens per 32-bit word, 16-dim column groups)."""
 
     kind = "gqa"
+    segments = ("k", "v")
 
     def block_size(self, kv_layer):
         return kv_layer.shape[2]
@@ -104,6 +110,7 @@ class FlashAttn:
     """FLASH_ATTN-style: logical [2, NB, B, H, D] (K plane, V plane)."""
 
     kind = "gqa"
+    segments = ("k", "v")
 
     def block_size(self, kv_layer):
         return kv_layer.shape[2]
@@ -118,6 +125,7 @@ class FlashInfer:
     """FLASHINFER: logical [NB, 2, B, H, D]."""
 
     kind = "gqa"
+    segments = ("k", "v")
 
     def block_size(self, kv_layer):
         return kv_layer.shape[2]
@@ -140,6 +148,7 @@ class MlaLatent:
     rope_dim: int
     deinterleave_rope: bool = True
     kind = "mla"
+    segments = ("kv_latent",)
 
     @staticmethod
     def _blocks(kv_layer: torch.Tensor) -> torch.Tensor:
