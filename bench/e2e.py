@@ -29,6 +29,11 @@ p50 and p99 (linear interpolation) over the requests (TTFT, TPOT) or the pooled 
 A request that fails, or that the router serves on another lane than asked, is counted
 (``errors``, ``lane_mismatches``) and left out of that lane's numbers.
 
+vLLM's own TTFT (``<lane>_vllm_ttft_mean_ms``, the last column): the mean of vLLM's
+``vllm:time_to_first_token_seconds`` over the lane's run (its /metrics before and after), from
+the request's arrival in vLLM's engine to its first token; the client's TTFT less it is the path
+around vLLM (client, router, HTTP, rendering). For the express lane these are the prefill legs.
+
 Engine step (``engine_step_ms``): the decode nodes' own step-time histogram
 (``xl_decode_step_seconds`` on each node's /metrics), scraped before and after the express run at
 concurrency 1 (after its warm-up); the MEAN step (sum / count of the difference, over all nodes)
@@ -433,6 +438,7 @@ async def run(args: argparse.Namespace, urls: dict) -> dict:
         "vllm_alone": (f"{urls['vllm']}/v1/chat/completions", {}),
     }
     router_metrics = [f"{urls['router']}/metrics"]
+    vllm_metrics = [f"{urls['vllm']}/metrics"]
     out: dict = {"runs": {}, "handoff": {}, "engine_step": {}, "load_avg_1m": {}}
     async with httpx.AsyncClient(timeout=300) as client:
         for c in args.concurrency:
@@ -442,8 +448,14 @@ async def run(args: argparse.Namespace, urls: dict) -> dict:
                 await run_lane(client, args, urls["model"], lane, url, headers, c, args.warmup)
                 decode0 = await scrape(client, urls["decode_metrics"])
                 router0 = await scrape(client, router_metrics)
+                vllm0 = await scrape(client, vllm_metrics)
                 r = await run_lane(client, args, urls["model"], lane, url, headers, c, args.requests)
                 runs[lane] = lane_stats(r)
+                # vLLM's own view of the same requests: its TTFT runs from the request's arrival in
+                # the engine to its first token, so client TTFT minus it is the path around vLLM
+                vllm_ttft = histogram(delta(vllm0, await scrape(client, vllm_metrics)),
+                                      "vllm:time_to_first_token_seconds", scale=1000.0)
+                runs[lane]["vllm_ttft_mean_ms"] = vllm_ttft["mean"]
                 out["load_avg_1m"][f"{lane}_c{c}"] = round(os.getloadavg()[0], 2)
                 if lane == "express":
                     await asyncio.sleep(0.5)  # the last events reach the bus watch
@@ -534,6 +546,8 @@ def flatten(result: dict) -> dict:
                 for q in ("p50", "p99"):
                     flat[f"{lane}{suffix(c)}_{m}_{q}_ms"] = r[f"{m}_{q}_ms"]
             flat[f"{lane}{suffix(c)}_num_requests"] = r["num_requests"]
+            if "vllm_ttft_mean_ms" in r:
+                flat[f"{lane}{suffix(c)}_vllm_ttft_mean_ms"] = r["vllm_ttft_mean_ms"]
     c1 = result["runs"].get("c1", {})
     if "express_json_schema" in c1:
         flat["express_json_schema_tpot_ratio"] = (c1["express_json_schema"]["tpot_p50_ms"]
@@ -561,14 +575,14 @@ def print_handoff(title: str, h: dict) -> None:
 
 def report(result: dict) -> None:
     print(f"\n{'lane':<12}{'conc':>5}{'TTFT p50':>10}{'TTFT p99':>10}{'TPOT p50':>10}{'TPOT p99':>10}"
-          f"{'ITL p50':>10}{'ITL p99':>10}{'n':>5}   (ms, our client)")
+          f"{'ITL p50':>10}{'ITL p99':>10}{'n':>5}{'vLLM TTFT':>11}   (ms, our client; vLLM's own mean)")
     for ckey, runs in result["runs"].items():
         for lane, r in runs.items():
             bad = f"  errors {len(r['errors'])}, other lane {r['lane_mismatches']}" \
                 if r["errors"] or r["lane_mismatches"] else ""
             print(f"{lane:<12}{ckey[1:]:>5}{r['ttft_p50_ms']:>10.1f}{r['ttft_p99_ms']:>10.1f}"
                   f"{r['tpot_p50_ms']:>10.2f}{r['tpot_p99_ms']:>10.2f}{r['itl_p50_ms']:>10.2f}"
-                  f"{r['itl_p99_ms']:>10.2f}{r['num_requests']:>5}{bad}")
+                  f"{r['itl_p99_ms']:>10.2f}{r['num_requests']:>5}{r.get('vllm_ttft_mean_ms', float('nan')):>11.1f}{bad}")
     if "express_json_schema_tpot_ratio" in result:
         print(f"express TPOT p50 with a json_schema over without: {result['express_json_schema_tpot_ratio']:.3f}")
     for ckey, s in result["engine_step"].items():
