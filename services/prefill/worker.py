@@ -2,8 +2,9 @@
 
 ``wait_for_save`` runs after the step's forwards (target and MTP draft), so the blocks of a
 request whose prompt completed this step hold its whole prompt KV. For each ``SaveRequest`` it
-converts every layer (main layers, then MTP layers, by layer index) with that layer's layout
-adapter into the reserved staging slot, marks the slot SENDING and queues it for the sender;
+converts every registered cache (main layers, then MTP layers, by layer index; a sparse-attention
+layer's latent cache, then its indexer's key cache) with its layout adapter into the segments of
+its layer in the reserved staging slot, marks the slot SENDING and queues it for the sender;
 it never touches the network and never blocks on it. On a GPU the staging slots are GPU memory
 and the copies are queued on the step's stream; the sender waits for them before it writes.
 """
@@ -14,12 +15,15 @@ import logging
 import time
 
 import torch
-from shared.kvlayout import KvShape, layout_spec
+from shared.kvlayout import DSA_TYPES, DTYPE_SIZES, KvShape, dsa_indexer_layers, layout_spec
 from shared.tracing import build_tracer_provider, context_from_traceparent
 from shared.transport import create_transport
 
 from services.prefill.config import ExpressConfig
 from services.prefill.layouts import LayerAdapter, adapter_for, kernel_block_ids
+from services.prefill.layouts_dsa import (
+    INDEXER_BACKENDS, SPARSE_MLA_BACKENDS, DsaIndexerKeys, sparse_mla_adapter,
+)
 from services.prefill.publisher import Publisher
 from services.prefill.scheduler import SaveRequest
 from services.prefill.sender import Sender, SendJob
@@ -35,6 +39,17 @@ def _layer_index(name: str) -> int:
     return extract_layer_index(name)
 
 
+def _backend_name(layer) -> str:
+    """The attention backend of a layer of vLLM's static forward context (CPU_ATTN when absent).
+    Attention layers carry ``attn_backend``; the DSA indexer's cache only ``get_attn_backend()``."""
+    if layer is None:
+        return "CPU_ATTN"
+    backend = getattr(layer, "attn_backend", None)
+    if backend is None:
+        backend = layer.get_attn_backend()
+    return backend.get_name()
+
+
 class ExpressWorker:
     def __init__(self, config: ExpressConfig, vllm_config, kv_cache_config, engine_id: str) -> None:
         self.config = config
@@ -42,7 +57,8 @@ class ExpressWorker:
         self.kv_cache_config = kv_cache_config
         self.engine_id = engine_id
         self.max_tokens = config.staging_max_tokens or vllm_config.model_config.max_model_len
-        self.layers: list[tuple[str, torch.Tensor, int]] = []  # (name, cache, group) by layer index
+        # (name, cache, group, layer) by layer index: layer counts the model's cache layers from 0
+        self.layers: list[tuple[str, torch.Tensor, int, int]] = []
         self.adapters: list[LayerAdapter] | None = None
         self.pool: StagingPool | None = None
         self.sender: Sender | None = None
@@ -60,11 +76,19 @@ class ExpressWorker:
         for g, group in enumerate(self.kv_cache_config.kv_cache_groups if self.kv_cache_config else []):
             for name in group.layer_names:
                 group_of[name] = g
-        names = sorted(kv_caches, key=_layer_index)
-        self.layers = [(n, kv_caches[n], group_of.get(n, 0)) for n in names]
-        self.shape = self._kv_shape()
+        ctx = self.vllm_config.compilation_config.static_forward_context
+        indexer = {n: _backend_name(ctx.get(n)) in INDEXER_BACKENDS if ctx.get(n) is not None
+                   else n.endswith("indexer.k_cache") for n in kv_caches}
+        names = sorted(kv_caches, key=lambda n: (_layer_index(n), indexer[n]))  # latent, then index keys
+        rank = {idx: i for i, idx in enumerate(sorted({_layer_index(n) for n in names}))}
+        self.layers = [(n, kv_caches[n], group_of.get(n, 0), rank[_layer_index(n)]) for n in names]
+        self.shape = self._kv_shape(len(rank))
+        self.layers = self._indexer_caches_to_stage(self.layers, indexer)
         dtype = str(self.layers[0][1].dtype).removeprefix("torch.")
+        if dtype not in DTYPE_SIZES:  # a quantized cache (fp8_ds_mla, fp8): staged dequantized
+            dtype = str(self.vllm_config.model_config.dtype).removeprefix("torch.")
         self.spec = layout_spec(self.shape, dtype, self.max_tokens)
+        self.segment_index = {(s.layer, s.name): i for i, s in enumerate(self.spec.segments)}
         # Staging on the KV cache's device: on a GPU the extraction is a device-to-device gather
         # and the transport writes GPU memory into the decode node's GPU memory.
         device = str(self.layers[0][1].device)
@@ -79,7 +103,7 @@ class ExpressWorker:
                              self.config.transfer_timeout_s, tracer=self.tracer,
                              checksum=self.config.kv_checksum,
                              fault_flip_every=self.config.fault_flip_kv_byte_every)
-        log.info("expresslane: layers %s", [(n, tuple(t.shape), str(t.dtype)) for n, t, _ in self.layers])
+        log.info("expresslane: layers %s", [(n, tuple(t.shape), str(t.dtype)) for n, t, _, _ in self.layers])
         log.info("expresslane: %d layers, staging %d x %d bytes (%d tokens), transports %s, stats %s, "
                  "kv checksum %s", len(self.layers), self.config.staging_slots, self.spec.slot_nbytes,
                  self.max_tokens, ",".join(self.transports), self.states.path,
@@ -88,33 +112,71 @@ class ExpressWorker:
             log.warning("expresslane: FAULT INJECTION on: every %d-th transfer's KV is corrupted after "
                         "its checksum", self.config.fault_flip_kv_byte_every)
 
-    def _kv_shape(self) -> KvShape:
+    def _kv_shape(self, num_layers: int) -> KvShape:
         hf = self.vllm_config.model_config.hf_text_config
-        num_layers = len(self.layers)
         if self.vllm_config.model_config.use_mla:
+            dsa = getattr(hf, "model_type", "") in DSA_TYPES
             return KvShape(kind="mla", num_layers=num_layers, kv_lora_rank=int(hf.kv_lora_rank),
-                           qk_rope_head_dim=int(hf.qk_rope_head_dim))
+                           qk_rope_head_dim=int(hf.qk_rope_head_dim),
+                           index_head_dim=int(getattr(hf, "index_head_dim", 128)) if dsa else 0,
+                           index_layers=dsa_indexer_layers(hf.to_dict(), num_layers) if dsa else ())
         mc = self.vllm_config.model_config
         return KvShape(kind="gqa", num_layers=num_layers,
                        num_kv_heads=mc.get_num_kv_heads(self.vllm_config.parallel_config),
                        head_dim=mc.get_head_size())
 
+    def _indexer_caches_to_stage(self, layers: list, indexer: dict[str, bool]) -> list:
+        """The registered caches the decode slot has a segment for. vLLM may keep an indexer cache
+        for a layer that the checkpoint's ``indexer_types`` call "shared" (it reads only
+        ``index_topk_pattern`` / ``index_topk_freq``); the slot has none there, so it is not sent.
+        A layer the slot expects index keys for must have an indexer cache."""
+        keep = [entry for entry in layers if not indexer[entry[0]] or entry[3] in self.shape.index_layers]
+        dropped = [entry[0] for entry in layers if entry not in keep]
+        if dropped:
+            log.warning("expresslane: indexer caches %s belong to layers the decode slot keeps no index "
+                        "keys for (the checkpoint's indexer_types); they are not handed over", dropped)
+        missing = sorted(set(self.shape.index_layers) - {e[3] for e in keep if indexer[e[0]]})
+        if missing:
+            raise ValueError(f"sparse attention: layers {missing} keep index keys in the decode slot, but "
+                             "vLLM registered no indexer cache for them")
+        return keep
+
     def _resolve_adapters(self) -> list[LayerAdapter]:
-        """Each layer's adapter from its attention backend (and CPU kernel family)."""
+        """Each registered cache's adapter from its attention backend (and CPU kernel family, or
+        the sparse-MLA layer's kv cache dtype)."""
         ctx = self.vllm_config.compilation_config.static_forward_context
         hf = self.vllm_config.model_config.hf_text_config
+        rope_dim = int(getattr(hf, "qk_rope_head_dim", 0) or 0)
+        rope_interleave = bool(getattr(hf, "rope_interleave", True))
         adapters = []
-        for name, cache, _ in self.layers:
+        index_interleave = bool(getattr(hf, "indexer_rope_interleave", False))
+        if getattr(hf, "model_type", "") == "glm_moe_dsa" and not index_interleave:
+            log.warning("expresslane: glm_moe_dsa without indexer_rope_interleave in its config: vLLM ropes "
+                        "the indexer's keys half-split, the decode engine (as HF) interleaved; the handed-over "
+                        "index keys will not be the ones the decode node computes")
+        for name, cache, _, _ in self.layers:
             layer = ctx.get(name)
-            backend = layer.attn_backend.get_name() if layer is not None else "CPU_ATTN"
+            backend = _backend_name(layer)
+            if backend in INDEXER_BACKENDS:
+                # vLLM ropes the indexer GPT-J style only where the config sets indexer_rope_interleave;
+                # the engine keeps GLM's keys de-interleaved, DeepSeek-V3.2's half-split.
+                adapters.append(DsaIndexerKeys(
+                    index_head_dim=self.shape.index_head_dim, rope_dim=rope_dim,
+                    deinterleave_rope=index_interleave,
+                    shuffled=bool(getattr(layer, "uses_shuffled_layout", False))))
+                continue
+            if backend in SPARSE_MLA_BACKENDS:
+                k_scale = getattr(layer, "_k_scale_float", 1.0)
+                adapters.append(sparse_mla_adapter(str(getattr(layer, "kv_cache_dtype", "auto")),
+                                                   rope_dim=rope_dim, kv_lora_rank=int(hf.kv_lora_rank),
+                                                   rope_interleave=rope_interleave, k_scale=k_scale))
+                continue
             isa = getattr(layer, "isa", None)
             if backend == "CPU_ATTN" and isa is None:
                 from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
                 isa = _get_attn_isa(cache.dtype, cache.shape[2], cache.shape[3] // 2)
-            adapters.append(adapter_for(backend, isa=isa,
-                                        rope_dim=int(getattr(hf, "qk_rope_head_dim", 0) or 0),
-                                        rope_interleave=bool(getattr(hf, "rope_interleave", True))))
+            adapters.append(adapter_for(backend, isa=isa, rope_dim=rope_dim, rope_interleave=rope_interleave))
         log.info("expresslane: layout adapters %s", sorted({type(a).__name__ for a in adapters}))
         return adapters
 
@@ -146,16 +208,15 @@ class ExpressWorker:
             self.adapters = self._resolve_adapters()
         n = save.num_tokens
         views = self.pool.segment_views(save.staging_slot, n)
-        per_layer = 2 if self.shape.kind == "gqa" else 1
         block_tables: dict[tuple[int, int], torch.Tensor] = {}
-        for i, ((_, cache, group), adapter) in enumerate(zip(self.layers, self.adapters)):
+        for (_, cache, group, layer), adapter in zip(self.layers, self.adapters):
             kernel_block_size = adapter.block_size(cache)
             key = (group, kernel_block_size)
             if key not in block_tables:
                 manager_block_size = self.kv_cache_config.kv_cache_groups[group].kv_cache_spec.block_size
                 ids = kernel_block_ids(save.block_ids[group], manager_block_size, kernel_block_size, n)
                 block_tables[key] = torch.tensor(ids, dtype=torch.long, device=cache.device)
-            out = views[i * per_layer : (i + 1) * per_layer]
+            out = [views[self.segment_index[(layer, name)]] for name in adapter.segments]
             if self.shape.kind == "gqa":
                 out = [v.view(n, self.shape.num_kv_heads, self.shape.head_dim) for v in out]
             adapter(cache, block_tables[key], n, out)
