@@ -52,7 +52,9 @@ model dtype, so the FP8 forms are dequantized here exactly as vLLM's readers deq
 for the latent, ``cp_gather_indexer_k_quant_cache`` + the fp8 MQA logits for the index keys). With
 vLLM's power-of-two scales that product is exact in bfloat16, so the slot holds exactly what
 vLLM's own kernels attend with; the bfloat16 ``k_pe`` tail and the ``auto`` latent are copied bit
-for bit (only reordered). Pure torch, no I/O; works on CPU and CUDA tensors alike.
+for bit (only reordered). The FP8 flavour is the platform's (``current_platform.fp8_dtype()``): OCP
+e4m3fn on CUDA, e4m3fnuz on ROCm's MI300 (whose writers divide by 224 instead of 448; the bytes
+still mean ``e4m3fnuz * scale``). Pure torch, no I/O; works on CPU and CUDA tensors alike.
 """
 
 from __future__ import annotations
@@ -100,6 +102,7 @@ class DsMlaFp8:
     kv_lora_rank: int = 512
     rope_dim: int = 64
     deinterleave_rope: bool = True
+    fp8_dtype: torch.dtype = FP8
     kind = "mla"
     segments = ("kv_latent",)
 
@@ -117,7 +120,7 @@ class DsMlaFp8:
         r, tiles = self.kv_lora_rank, self.kv_lora_rank // DS_MLA_TILE
         rows = _rows(kv_layer, block_ids, num_tokens).contiguous()  # [n, 656] uint8
         n = rows.shape[0]
-        nope = rows[:, :r].view(FP8).float().view(n, tiles, DS_MLA_TILE)
+        nope = rows[:, :r].view(self.fp8_dtype).float().view(n, tiles, DS_MLA_TILE)
         scales = rows[:, r : r + 4 * tiles].contiguous().view(torch.float32)  # [n, tiles]
         pe = rows[:, r + 4 * tiles :].contiguous().view(torch.bfloat16)  # [n, rope]
         out[0][:, :r].copy_((nope * scales[:, :, None]).view(n, r))
@@ -131,6 +134,7 @@ class MlaLatentFp8:
     rope_dim: int
     k_scale: float
     deinterleave_rope: bool = True
+    fp8_dtype: torch.dtype = FP8
     kind = "mla"
     segments = ("kv_latent",)
 
@@ -139,7 +143,7 @@ class MlaLatentFp8:
 
     def __call__(self, kv_layer, block_ids, num_tokens, out):
         rows = _rows(kv_layer, block_ids, num_tokens)
-        vals = rows.contiguous().view(FP8).float() * self.k_scale
+        vals = rows.contiguous().view(self.fp8_dtype).float() * self.k_scale
         d = vals.shape[-1] - self.rope_dim
         out[0][:, :d].copy_(vals[:, :d])
         out[0][:, d:].copy_(_engine_rope(vals[:, d:], self.deinterleave_rope))
@@ -153,6 +157,7 @@ class DsaIndexerKeys:
     rope_dim: int
     deinterleave_rope: bool = False  # GLM's interleaved indexer rope
     shuffled: bool = False  # ROCm's tiled value layout
+    fp8_dtype: torch.dtype = FP8
     kind = "mla"
     segments = ("index_k",)
 
@@ -181,21 +186,23 @@ class DsaIndexerKeys:
                                     SHUFFLE_HEAD_TILE).permute(0, 1, 3, 2, 4)
         values = values.reshape(nb * bsz, d)[:num_tokens]
         scales = flat[:, bsz * d : bsz * (d + 4)].contiguous().view(torch.float32).reshape(-1)[:num_tokens]
-        keys = values.contiguous().view(FP8).float() * scales[:, None]
+        keys = values.contiguous().view(self.fp8_dtype).float() * scales[:, None]
         if self.deinterleave_rope and self.rope_dim:
             keys = torch.cat((_engine_rope(keys[:, : self.rope_dim], True), keys[:, self.rope_dim :]), dim=-1)
         out[0].copy_(keys)
 
 
 def sparse_mla_adapter(kv_cache_dtype: str, *, rope_dim: int, kv_lora_rank: int, rope_interleave: bool = True,
-                       k_scale: float = 1.0):
+                       k_scale: float = 1.0, fp8_dtype: torch.dtype = FP8):
     """The latent cache's adapter of a sparse-MLA layer by its ``kv_cache_dtype`` (as vLLM canonicalized it)."""
     if kv_cache_dtype in ("auto", "bfloat16", "float16"):
         return MlaLatent(rope_dim=rope_dim, deinterleave_rope=rope_interleave)
     if kv_cache_dtype == "fp8_ds_mla":
-        return DsMlaFp8(kv_lora_rank=kv_lora_rank, rope_dim=rope_dim, deinterleave_rope=rope_interleave)
+        return DsMlaFp8(kv_lora_rank=kv_lora_rank, rope_dim=rope_dim, deinterleave_rope=rope_interleave,
+                        fp8_dtype=fp8_dtype)
     if kv_cache_dtype in FP8_DTYPES:
-        return MlaLatentFp8(rope_dim=rope_dim, k_scale=float(k_scale), deinterleave_rope=rope_interleave)
+        return MlaLatentFp8(rope_dim=rope_dim, k_scale=float(k_scale), deinterleave_rope=rope_interleave,
+                            fp8_dtype=fp8_dtype)
     raise ValueError(f"sparse-MLA kv cache dtype {kv_cache_dtype!r} has no expresslane adapter: supported are "
                      f"auto, bfloat16, float16, fp8_ds_mla, {', '.join(FP8_DTYPES)} (nvfp4_ds_mla is not "
                      "handed over: serve with --kv-cache-dtype fp8 or auto)")

@@ -148,6 +148,9 @@ class ExpressWorker:
         hf = self.vllm_config.model_config.hf_text_config
         rope_dim = int(getattr(hf, "qk_rope_head_dim", 0) or 0)
         rope_interleave = bool(getattr(hf, "rope_interleave", True))
+        from vllm.platforms import current_platform
+
+        fp8_dtype = current_platform.fp8_dtype()  # e4m3fnuz on ROCm's MI300, e4m3fn elsewhere
         adapters = []
         index_interleave = bool(getattr(hf, "indexer_rope_interleave", False))
         if getattr(hf, "model_type", "") == "glm_moe_dsa" and not index_interleave:
@@ -163,13 +166,14 @@ class ExpressWorker:
                 adapters.append(DsaIndexerKeys(
                     index_head_dim=self.shape.index_head_dim, rope_dim=rope_dim,
                     deinterleave_rope=index_interleave,
-                    shuffled=bool(getattr(layer, "uses_shuffled_layout", False))))
+                    shuffled=bool(getattr(layer, "uses_shuffled_layout", False)), fp8_dtype=fp8_dtype))
                 continue
             if backend in SPARSE_MLA_BACKENDS:
                 k_scale = getattr(layer, "_k_scale_float", 1.0)
                 adapters.append(sparse_mla_adapter(str(getattr(layer, "kv_cache_dtype", "auto")),
                                                    rope_dim=rope_dim, kv_lora_rank=int(hf.kv_lora_rank),
-                                                   rope_interleave=rope_interleave, k_scale=k_scale))
+                                                   rope_interleave=rope_interleave, k_scale=k_scale,
+                                                   fp8_dtype=fp8_dtype))
                 continue
             isa = getattr(layer, "isa", None)
             if backend == "CPU_ATTN" and isa is None:

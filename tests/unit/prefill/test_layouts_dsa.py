@@ -103,26 +103,31 @@ def test_ds_mla_scales_are_per_tile_not_per_token():
 
 
 INDEX_CASES = [
-    # rope interleaved (GLM), ROCm shuffled values, padded block stride, tokens
-    (False, False, False, 130),
-    (True, False, False, 65),
-    (False, True, False, 130),
-    (True, True, True, 64),
-    (False, False, True, 3),
+    # rope interleaved (GLM), ROCm shuffled values, padded block stride, tokens, ROCm MI300's FP8 (fnuz)
+    (False, False, False, 130, False),
+    (True, False, False, 65, False),
+    (False, True, False, 130, False),
+    (True, True, True, 64, False),
+    (False, False, True, 3, False),
+    (False, True, False, 100, True),
 ]
 
 
-@pytest.mark.parametrize("interleaved,shuffled,padded,num_tokens", INDEX_CASES)
-def test_indexer_keys_are_dequantized_as_vllm_reads_them(interleaved, shuffled, padded, num_tokens):
+@pytest.mark.parametrize("interleaved,shuffled,padded,num_tokens,fnuz", INDEX_CASES)
+def test_indexer_keys_are_dequantized_as_vllm_reads_them(interleaved, shuffled, padded, num_tokens, fnuz):
     keys = _values(num_tokens, INDEX_DIM, 3, torch.float32)  # the engine's order: rope first
     vllm_keys = torch.cat([twin.gptj(keys[:, :ROPE]), keys[:, ROPE:]], -1) if interleaved else keys
+    fp8, fp8_max = (twin.FNUZ, twin.FNUZ_MAX) if fnuz else (twin.FP8, twin.FP8_MAX)
     cache = torch.zeros(NUM_BLOCKS, 1, twin.BLOCK_SIZE, INDEX_DIM + 4, dtype=torch.uint8)
-    twin.write_index_keys(cache, _slots(num_tokens, twin.BLOCK_SIZE), vllm_keys, shuffled=shuffled)
+    twin.write_index_keys(cache, _slots(num_tokens, twin.BLOCK_SIZE), vllm_keys, shuffled=shuffled, fp8=fp8,
+                          fp8_max=fp8_max)
     if padded:
         cache = _padded(cache, 512)
-    adapter = DsaIndexerKeys(index_head_dim=INDEX_DIM, rope_dim=ROPE, deinterleave_rope=interleaved, shuffled=shuffled)
+    adapter = DsaIndexerKeys(index_head_dim=INDEX_DIM, rope_dim=ROPE, deinterleave_rope=interleaved, shuffled=shuffled,
+                             fp8_dtype=fp8)
     got = _extract(adapter, cache, num_tokens, INDEX_DIM, torch.float32)
-    assert torch.equal(got, twin.dequant_index_keys(keys))  # one scale per token: order does not matter
+    # one scale per token: the rope reorder and the dequantization commute
+    assert torch.equal(got, twin.dequant_index_keys(keys, fp8, fp8_max))
     assert (got - keys).norm() / keys.norm() < 0.05
 
 

@@ -14,6 +14,7 @@ import torch
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
+FNUZ, FNUZ_MAX = torch.float8_e4m3fnuz, 224.0  # ROCm MI300's FP8 and the writers' divisor there
 BLOCK_SIZE = 64  # the CUDA kernel block size of FLASHMLA_SPARSE and DEEPSEEK_V32_INDEXER
 
 
@@ -34,9 +35,9 @@ def ds_mla_scales(kv_c: torch.Tensor) -> torch.Tensor:
     return pow2_ceil(torch.clamp(amax * torch.tensor(1.0 / FP8_MAX), min=1e-4))
 
 
-def index_scales(k: torch.Tensor) -> torch.Tensor:
+def index_scales(k: torch.Tensor, fp8_max: float = FP8_MAX) -> torch.Tensor:
     """[n] float32: per token ``max(amax, 1e-4) / 448`` rounded up to a power of 2 (_fp8_ue8m0_quantize)."""
-    return pow2_ceil(torch.clamp(k.float().abs().amax(dim=-1), min=1e-4) / FP8_MAX)
+    return pow2_ceil(torch.clamp(k.float().abs().amax(dim=-1), min=1e-4) / fp8_max)
 
 
 def dequant_ds_mla_latent(kv_c: torch.Tensor) -> torch.Tensor:
@@ -46,9 +47,9 @@ def dequant_ds_mla_latent(kv_c: torch.Tensor) -> torch.Tensor:
     return ((x / s[:, :, None]).to(FP8).float() * s[:, :, None]).view(kv_c.shape)
 
 
-def dequant_index_keys(k: torch.Tensor) -> torch.Tensor:
-    s = index_scales(k)[:, None]
-    return (k.float() / s).to(FP8).float() * s
+def dequant_index_keys(k: torch.Tensor, fp8: torch.dtype = FP8, fp8_max: float = FP8_MAX) -> torch.Tensor:
+    s = index_scales(k, fp8_max)[:, None]
+    return (k.float() / s).to(fp8).float() * s
 
 
 def _flat_rows(cache: torch.Tensor) -> torch.Tensor:
@@ -78,15 +79,16 @@ def write_ds_mla(cache: torch.Tensor, slots: torch.Tensor, kv_c: torch.Tensor, k
     _flat_rows(cache)[slots] = row
 
 
-def write_index_keys(cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, shuffled: bool = False) -> None:
+def write_index_keys(cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, shuffled: bool = False,
+                     fp8: torch.dtype = FP8, fp8_max: float = FP8_MAX) -> None:
     """DEEPSEEK_V32_INDEXER: per block B x D e4m3 values (tiled [B/16, D/16, 16, 16] when
     ``shuffled``), then B float32 scales; addressed through the block's bytes as the kernel does."""
     pages = cache.squeeze(1) if cache.dim() == 4 else cache  # [NB, B, D + 4]
     nb, bsz, c = pages.shape
     d = c - 4
     flat = pages.view(nb, bsz * c)
-    s = index_scales(k)
-    q = (k.float() / s[:, None]).to(FP8).view(torch.uint8)
+    s = index_scales(k, fp8_max)
+    q = (k.float() / s[:, None]).to(fp8).view(torch.uint8)
     scale_bytes = s.contiguous().view(torch.uint8).view(-1, 4)
     offsets = torch.arange(d)
     for t, slot in enumerate(slots.tolist()):
