@@ -22,9 +22,11 @@ turns any fp8 dtype into ``fp8_ds_mla`` on FLASHMLA_SPARSE):
   ``layouts.MlaLatent``: a copy, ``k_pe`` de-interleaved into the engine's order.
 - ``fp8_ds_mla`` (656 bytes for kv_lora_rank 512, rope 64; FlashMLA's "FP8 with scale" format, see
   the note in ``vllm/v1/attention/backends/mla/flashmla_sparse.py``): bytes ``[0, 512)`` the latent
-  as float8_e4m3fn, ``[512, 528)`` four float32 scales, one per 128-element tile of the latent (the
-  writer takes ``s = max(amax(tile) / 448, 1e-4)`` rounded up to a power of two and stores
-  ``e4m3(x / s)``), ``[528, 656)`` ``k_pe`` as 64 bfloat16, roped GPT-J style, not quantized.
+  as float8_e4m3fn, ``[512, 528)`` four float32 scales, one per 128-element tile of the latent,
+  ``[528, 656)`` ``k_pe`` as 64 bfloat16, roped GPT-J style, not quantized. The fused writer takes
+  ``s = max(amax(tile) / 448, 1e-4)`` rounded up to a power of two and stores ``e4m3(x / s)``; the
+  unfused CUDA op (``concat_and_cache_ds_mla_kernel`` in upstream's ``csrc/cache_kernels.cu``) takes
+  ``max(amax / 448, FLT_MIN)`` unrounded. The adapter reads the stored scale, so it reads either.
   Adapter ``DsMlaFp8``.
 - plain ``fp8`` / ``fp8_e4m3`` on a backend that keeps the standard format (FLASHINFER_MLA_SPARSE
   and others): ``[kv_lora_rank + rope]`` float8_e4m3fn, latent and ``k_pe`` both divided by the
@@ -50,11 +52,12 @@ The decode engine's slot (shared.kvlayout) keeps the latent, ``k_pe`` and the in
 model dtype, so the FP8 forms are dequantized here exactly as vLLM's readers dequantize them:
 ``float32(e4m3) * scale``, rounded once to the model dtype (``cp_gather_and_upconvert_fp8_kv_cache``
 for the latent, ``cp_gather_indexer_k_quant_cache`` + the fp8 MQA logits for the index keys). With
-vLLM's power-of-two scales that product is exact in bfloat16, so the slot holds exactly what
-vLLM's own kernels attend with; the bfloat16 ``k_pe`` tail and the ``auto`` latent are copied bit
-for bit (only reordered). The FP8 flavour is the platform's (``current_platform.fp8_dtype()``): OCP
-e4m3fn on CUDA, e4m3fnuz on ROCm's MI300 (whose writers divide by 224 instead of 448; the bytes
-still mean ``e4m3fnuz * scale``). Pure torch, no I/O; works on CPU and CUDA tensors alike.
+power-of-two scales that product is exact in bfloat16, so the slot holds exactly what vLLM's own
+kernels attend with (with an unrounded scale, after the one rounding vLLM's bf16 upconvert makes
+too); the bfloat16 ``k_pe`` tail and the ``auto`` latent are copied bit for bit (only reordered).
+The FP8 flavour is the platform's (``current_platform.fp8_dtype()``): OCP e4m3fn on CUDA, e4m3fnuz
+on ROCm's MI300 (whose writers divide by 224 instead of 448; the bytes still mean
+``e4m3fnuz * scale``). Pure torch, no I/O; works on CPU and CUDA tensors alike.
 """
 
 from __future__ import annotations

@@ -25,16 +25,16 @@ def _slots(num_tokens: int, block_size: int) -> torch.Tensor:
 def _values(num_tokens: int, width: int, seed: int, dtype=torch.bfloat16) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     # magnitudes over several octaves, so tiles and tokens get different scales
-    return (torch.randn(num_tokens, width, generator=g) * torch.exp2(torch.randint(-6, 4, (num_tokens, 1), generator=g))).to(dtype)
+    octaves = torch.exp2(torch.randint(-6, 4, (num_tokens, 1), generator=g).float())
+    return (torch.randn(num_tokens, width, generator=g) * octaves).to(dtype)
 
 
 def _padded(cache: torch.Tensor, pad_bytes: int) -> torch.Tensor:
     """The same pages behind a larger block stride (vLLM's block_stride_alignment)."""
     nb = cache.shape[0]
     per_block = cache[0].numel()
-    buf = torch.full((nb, per_block + pad_bytes // cache.element_size()), 0x7F, dtype=torch.uint8).view(cache.dtype) \
-        if cache.dtype == torch.uint8 else torch.full((nb, per_block + pad_bytes // cache.element_size()), float("nan"),
-                                                      dtype=cache.dtype)
+    fill = 0x7F if cache.dtype == torch.uint8 else float("nan")
+    buf = torch.full((nb, per_block + pad_bytes // cache.element_size()), fill, dtype=cache.dtype)
     view = buf[:, :per_block].view(cache.shape)
     view.copy_(cache)
     assert view.stride(0) > per_block
