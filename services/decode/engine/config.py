@@ -148,13 +148,18 @@ def parse_config(config: dict[str, Any]) -> ModelConfig:
         if dsa and config.get("mlp_layer_types") and [t == "dense" for t in config["mlp_layer_types"]] != [
                 i < int(config.get("first_k_dense_replace", 0)) for i in range(int(config["num_hidden_layers"]))]:
             raise ValueError("mlp_layer_types other than first_k_dense_replace dense layers then MoE are not supported")
+        num_layers = int(config["num_hidden_layers"])
+        index_layers = dsa_indexer_layers(config, num_layers + int(config.get("num_nextn_predict_layers", 0) or 0))
+        if dsa and 0 not in index_layers:
+            raise ValueError(f"{model_type}: layer 0 is marked to share the indexer of an earlier layer, and "
+                             "there is none; its indexer_types (or index_topk_pattern / index_topk_freq / "
+                             "index_skip_topk_offset) must make layer 0 'full'")
         return ModelConfig(
             index_topk=int(config.get("index_topk", 2048)) if dsa else 0,
             index_n_heads=(int(config.get("index_n_heads", 64 if model_type == "deepseek_v32" else 32))
                            if dsa else 0),
             index_head_dim=int(config.get("index_head_dim", 128)) if dsa else 0,
-            index_layers=dsa_indexer_layers(config, int(config["num_hidden_layers"])
-                                            + int(config.get("num_nextn_predict_layers", 0) or 0)),
+            index_layers=index_layers,
             index_rope_interleave=model_type == "glm_moe_dsa",
             family="mla",
             q_lora_rank=int(q_lora_rank) if q_lora_rank else None,

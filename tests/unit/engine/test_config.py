@@ -17,6 +17,8 @@ ACCEPTED = [
     ({"model_type": "llama", "rope_scaling": {"type": "yarn", "factor": 4.0}}, dict()),
     ({"model_type": "deepseek_v3", **MLA, "num_nextn_predict_layers": 1, "eos_token_id": [1, 2]},
      dict(family="mla", num_mtp_layers=1, num_cache_layers=2, eos_token_ids=(1, 2))),
+    ({"model_type": "glm_moe_dsa", **MLA, "q_lora_rank": 8, "index_topk_pattern": "FS", "num_hidden_layers": 2},
+     dict(index_layers=(0,))),
 ]
 REFUSED = [
     ({"model_type": "gpt2"}, "not supported by the decode engine"),
@@ -25,6 +27,9 @@ REFUSED = [
     ({"model_type": "llama", "rope_scaling": {"rope_type": "longrope"}}, "rope_type"),
     ({"model_type": "deepseek_v3", **MLA, "scoring_func": "softmax"}, "noaux_tc"),
     ({"model_type": "deepseek_v3", **MLA, "attention_bias": True}, "attention biases"),
+    ({"model_type": "glm_moe_dsa", **MLA, "q_lora_rank": 8, "indexer_types": ["shared"]}, "layer 0 is marked to share"),
+    ({"model_type": "glm_moe_dsa", **MLA, "q_lora_rank": 8, "index_topk_pattern": "SF", "num_hidden_layers": 2},
+     "must make layer 0 'full'"),
 ]
 
 
