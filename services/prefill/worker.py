@@ -85,7 +85,8 @@ class ExpressWorker:
         self.shape = self._kv_shape(len(rank))
         self.layers = self._indexer_caches_to_stage(self.layers, indexer)
         dtype = str(self.layers[0][1].dtype).removeprefix("torch.")
-        if dtype not in DTYPE_SIZES:  # a quantized cache (fp8_ds_mla, fp8): staged dequantized
+        if self.shape.kind == "mla" and dtype not in DTYPE_SIZES:
+            # a quantized latent cache (fp8_ds_mla, fp8): its adapter stages it dequantized
             dtype = str(self.vllm_config.model_config.dtype).removeprefix("torch.")
         self.spec = layout_spec(self.shape, dtype, self.max_tokens)
         self.segment_index = {(s.layer, s.name): i for i, s in enumerate(self.spec.segments)}
