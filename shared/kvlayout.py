@@ -4,8 +4,11 @@ A decode node owns one receive buffer per slot; that buffer *is* the slot's KV c
 inject). Its layout, version ``LAYOUT_VERSION``:
 
 - GQA (Llama, Qwen2, Qwen3): for each attention layer ``l`` two regions, K then V, each
-  ``[max_tokens, num_kv_heads, head_dim]`` contiguous, in the model dtype. Keys are stored after
-  rotary embedding (and after q/k norm where the model has it), exactly what attention consumes.
+  ``[max_tokens, num_kv_heads, head_dim]`` contiguous, in the layout's ``dtype``: the model dtype,
+  or an FP8 format (``fp8_e4m3`` | ``fp8_e5m2``, one byte per element) holding the bytes vLLM's FP8
+  KV cache holds (``x / scale`` per layer with vLLM's k_scale/v_scale, truncated toward zero:
+  services/decode/engine/kvquant.py). Keys are stored after rotary embedding (and after q/k norm
+  where the model has it), exactly what attention consumes.
 - MLA (DeepSeek-V3 family): for each attention layer one region ``[max_tokens, kv_lora_rank +
   qk_rope_head_dim]``: the normalized compressed latent (after ``kv_a_layernorm``) followed by the
   roped shared key ``k_pe``. ``k_pe`` is kept in HF transformers' rope order (the rotated even
@@ -32,7 +35,22 @@ from shared.events import KvLayoutSpec, KvSegment
 
 LAYOUT_VERSION = 1
 
-DTYPE_SIZES = {"float32": 4, "bfloat16": 2, "float16": 2}
+DTYPE_SIZES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8_e4m3": 1, "fp8_e5m2": 1}
+FP8_DTYPES = ("fp8_e4m3", "fp8_e5m2")  # GQA only: the layout names of vLLM's FP8 KV cache formats
+
+
+def kv_dtype_for_cache(cache_dtype: str, model_dtype: str) -> str:
+    """The layout dtype of a KV cache vLLM runs with ``--kv-cache-dtype cache_dtype`` (auto: the
+    model dtype; fp8 is E4M3): what a prefill stages and a decode node must keep to pair."""
+    names = {"auto": model_dtype, "fp8": "fp8_e4m3", "fp8_e4m3": "fp8_e4m3", "fp8_e5m2": "fp8_e5m2"}
+    if cache_dtype not in names:
+        raise ValueError(f"kv cache dtype {cache_dtype!r} has no expresslane layout: use one of {', '.join(names)}")
+    return names[cache_dtype]
+
+
+def kv_cache_dtype_flag(dtype: str) -> str:
+    """The ``--kv-cache-dtype`` value (vLLM's and the decode node's) that keeps KV in layout ``dtype``."""
+    return dtype if dtype in FP8_DTYPES else "auto"
 
 
 @dataclass(frozen=True)
@@ -115,6 +133,8 @@ def layout_spec(shape: KvShape, dtype: str, max_tokens: int) -> KvLayoutSpec:
     """The native layout of one slot holding up to ``max_tokens`` tokens."""
     if dtype not in DTYPE_SIZES:
         raise ValueError(f"dtype {dtype!r} not supported: use one of {sorted(DTYPE_SIZES)}")
+    if dtype in FP8_DTYPES and shape.kind != "gqa":
+        raise ValueError(f"an {dtype} KV layout is built for GQA models only, not {shape.kind}")
     if max_tokens <= 0:
         raise ValueError(f"max_tokens must be positive, got {max_tokens}")
     elt = DTYPE_SIZES[dtype]

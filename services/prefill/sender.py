@@ -37,6 +37,7 @@ from shared import subjects
 from shared.events import KvFailed, KvLayoutSpec, KvReady
 from shared.handoff import Handoff
 from shared.kvchecksum import CHECKSUM_ALGO, checksums
+from shared.kvlayout import FP8_DTYPES, kv_cache_dtype_flag
 from shared.tracing import context_from_traceparent, current_traceparent
 from shared.transport import TransferError, Transport
 
@@ -68,6 +69,8 @@ def layout_mismatch(ours: KvLayoutSpec, theirs: KvLayoutSpec, num_tokens: int) -
     drafts are still verified, so output is unchanged; only their acceptance suffers)."""
     fields = ("layout_version", "kind", "dtype") + (() if ours.kind == "mla" else ("num_layers",))
     for field in fields:
+        if field == "dtype" and ours.dtype != theirs.dtype and {ours.dtype, theirs.dtype} & set(FP8_DTYPES):
+            return kv_dtype_mismatch(ours.dtype, theirs.dtype)
         if getattr(ours, field) != getattr(theirs, field):
             return (f"layout mismatch: prefill stages {field}={getattr(ours, field)!r}, decode slot "
                     f"expects {getattr(theirs, field)!r}")
@@ -78,6 +81,13 @@ def layout_mismatch(ours: KvLayoutSpec, theirs: KvLayoutSpec, num_tokens: int) -
     if num_tokens > theirs.max_tokens:
         return f"prompt of {num_tokens} tokens does not fit the decode slot ({theirs.max_tokens})"
     return ""
+
+
+def kv_dtype_mismatch(ours: str, theirs: str) -> str:
+    """Why an FP8 KV cache and a slot of another KV dtype cannot pair, and which flag to change."""
+    return (f"layout mismatch: prefill stages KV in {ours} (vLLM --kv-cache-dtype {kv_cache_dtype_flag(ours)}), "
+            f"decode slot keeps {theirs}: run both with one KV cache dtype (decode --kv-cache-dtype "
+            f"{kv_cache_dtype_flag(ours)}, or vLLM --kv-cache-dtype {kv_cache_dtype_flag(theirs)})")
 
 
 def write_ops(ours: KvLayoutSpec, staging_addr: int, theirs: KvLayoutSpec, remote_base: int,

@@ -105,11 +105,12 @@ class StagingPool:
     def __init__(self, spec, num_slots: int, device: str = "cpu") -> None:
         import torch
 
-        from shared.kvlayout import DTYPE_SIZES
+        from shared.kvlayout import DTYPE_SIZES, FP8_DTYPES
 
         self.spec = spec
         self.num_slots = num_slots
-        self.dtype = getattr(torch, spec.dtype)
+        # an FP8 layout is vLLM's FP8 cache bytes: staged as uint8, as vLLM registers those caches
+        self.dtype = torch.uint8 if spec.dtype in FP8_DTYPES else getattr(torch, spec.dtype)
         self.device = torch.device(device)
         if self.device.type == "cuda":
             self.buffer = torch.zeros(num_slots, spec.slot_nbytes, dtype=torch.uint8, device=self.device)

@@ -2,7 +2,9 @@
 
 import pytest
 
-from shared.kvlayout import KvShape, kv_shape_from_hf_config, layout_spec, write_ranges
+from shared.kvlayout import (
+    KvShape, kv_cache_dtype_flag, kv_dtype_for_cache, kv_shape_from_hf_config, layout_spec, write_ranges,
+)
 
 LLAMA = {"model_type": "llama", "num_hidden_layers": 2, "num_attention_heads": 4,
          "num_key_value_heads": 2, "hidden_size": 64}
@@ -36,6 +38,9 @@ def test_unknown_model_type_names_supported_ones():
         # GQA: per layer K then V, each [max_tokens, Hkv, D]
         (KvShape("gqa", 2, num_kv_heads=2, head_dim=16), "float32", 8, 4, 2 * 16 * 4, 4 * 8 * 128),
         (KvShape("gqa", 1, num_kv_heads=8, head_dim=128), "bfloat16", 4, 2, 8 * 128 * 2, 2 * 4 * 2048),
+        # FP8 KV (vLLM's --kv-cache-dtype fp8 / fp8_e5m2): one byte per element
+        (KvShape("gqa", 1, num_kv_heads=8, head_dim=128), "fp8_e4m3", 4, 2, 8 * 128, 2 * 4 * 1024),
+        (KvShape("gqa", 2, num_kv_heads=2, head_dim=16), "fp8_e5m2", 8, 4, 2 * 16, 4 * 8 * 32),
         # MLA: per layer one [max_tokens, 512 + 64] region
         (KvShape("mla", 3, kv_lora_rank=512, qk_rope_head_dim=64), "bfloat16", 16, 3, 576 * 2, 3 * 16 * 1152),
     ],
@@ -71,3 +76,22 @@ def test_write_ranges_refuse_what_does_not_fit(num_tokens):
 def test_layout_spec_refuses_bad_arguments(dtype, max_tokens, message):
     with pytest.raises(ValueError, match=message):
         layout_spec(KvShape("gqa", 1, num_kv_heads=1, head_dim=4), dtype, max_tokens)
+
+
+@pytest.mark.parametrize("cache_dtype, model_dtype, layout_dtype, flag", [
+    ("auto", "bfloat16", "bfloat16", "auto"),
+    ("auto", "float16", "float16", "auto"),
+    ("fp8", "bfloat16", "fp8_e4m3", "fp8_e4m3"),  # vLLM's fp8 is E4M3
+    ("fp8_e4m3", "float16", "fp8_e4m3", "fp8_e4m3"),
+    ("fp8_e5m2", "bfloat16", "fp8_e5m2", "fp8_e5m2"),
+])
+def test_kv_dtype_follows_vllms_kv_cache_dtype(cache_dtype, model_dtype, layout_dtype, flag):
+    assert kv_dtype_for_cache(cache_dtype, model_dtype) == layout_dtype
+    assert kv_cache_dtype_flag(layout_dtype) == flag
+
+
+def test_kv_dtypes_without_a_layout_are_refused():
+    with pytest.raises(ValueError, match="fp8_per_token_head.*use one of auto, fp8"):
+        kv_dtype_for_cache("fp8_per_token_head", "bfloat16")
+    with pytest.raises(ValueError, match="GQA models only"):
+        layout_spec(KvShape("mla", 1, kv_lora_rank=8, qk_rope_head_dim=8), "fp8_e4m3", 4)
