@@ -10,7 +10,7 @@ import socket
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from services.decode.engine.options import MAX_SPECULATIVE_TOKENS, EngineConfig
+from services.decode.engine.options import KV_CACHE_DTYPES, MAX_SPECULATIVE_TOKENS, EngineConfig
 from shared import config as shared_config
 from shared import subjects
 from shared.bus_auth import BusAuth
@@ -50,6 +50,7 @@ class DecodeConfig:
         """The parsed flags as a config (an empty --node-id becomes decode-HOST-PID)."""
         engine = EngineConfig(
             num_slots=args.slots, max_seq_len=args.max_seq_len, device=args.device, dtype=args.dtype,
+            kv_cache_dtype=args.kv_cache_dtype,
             num_speculative_tokens=args.num_speculative_tokens, fast_path=args.fast_path,
             mtp_draft_vocab=args.mtp_draft_vocab, tokenizer=args.tokenizer or None,
             adaptive_speculation=args.adaptive_speculation)
@@ -117,6 +118,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-seq-len", type=int, default=2048, help="tokens per slot (prompt + output)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default=None, help="model dtype (default: the checkpoint's)")
+    p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
+                   help="slot K/V as vLLM's --kv-cache-dtype (Llama/Qwen family): auto keeps the model dtype; "
+                        "fp8 (= fp8_e4m3) or fp8_e5m2 keep vLLM's FP8 KV bytes with the checkpoint's k/v scales. "
+                        "Must equal the prefill vLLM's, else its handoffs are refused (default auto)")
     p.add_argument("--num-speculative-tokens", type=int, default=None,
                    help="MTP draft tokens per step, 0 to 3 (default: one per MTP layer of the "
                         "model, 0 for models without MTP layers)")

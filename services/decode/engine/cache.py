@@ -6,7 +6,9 @@ per-layer cache tensors are typed views into it, so injected bytes are the cache
 The extra last row is a scratch slot that padded batch entries may write without harm.
 
 Per cache layer (main layers first, then MTP layers):
-- GQA: ``k[layer]``, ``v[layer]``: [num_slots + 1, max_tokens, num_kv_heads, head_dim]
+- GQA: ``k[layer]``, ``v[layer]``: [num_slots + 1, max_tokens, num_kv_heads, head_dim]; with an FP8
+  ``kv_dtype`` (fp8_e4m3 | fp8_e5m2) they are uint8, vLLM's FP8 bytes, and ``scales[layer]`` is the
+  layer's (k_scale, v_scale) (kvquant.py says how they are written and read)
 - MLA: ``kv[layer]``: [num_slots + 1, max_tokens, kv_lora_rank + qk_rope_head_dim], the normalized
   latent then the roped shared key. With ``rope_interleave`` (DeepSeek-V3) the rope part holds
   the rotated even elements then the rotated odd ones, as HF transformers' cache does (vLLM keeps
@@ -20,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from shared.events import KvLayoutSpec
-from shared.kvlayout import KvShape, layout_spec
+from shared.kvlayout import FP8_DTYPES, KvShape, layout_spec
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -33,14 +35,20 @@ def dtype_name(dtype: torch.dtype) -> str:
 class KvCache:
     """The slots' receive buffers and the per-layer views the models read and write."""
 
-    def __init__(self, shape: KvShape, num_slots: int, max_tokens: int, dtype: torch.dtype, device: torch.device | str):
+    def __init__(self, shape: KvShape, num_slots: int, max_tokens: int, dtype: torch.dtype, device: torch.device | str,
+                 kv_dtype: str | None = None, scales: list[tuple[float, float]] | None = None):
         self.shape = shape
         self.num_slots = num_slots
         self.scratch_slot = num_slots
         self.max_tokens = max_tokens
-        self.layout: KvLayoutSpec = layout_spec(shape, dtype_name(dtype), max_tokens)
+        kv_dtype = kv_dtype or dtype_name(dtype)
+        self.kv_format = kv_dtype if kv_dtype in FP8_DTYPES else None  # None: K/V in the model dtype
+        self.scales = list(scales) if scales is not None else [(1.0, 1.0)] * shape.num_layers
+        if len(self.scales) != shape.num_layers:
+            raise ValueError(f"{len(self.scales)} KV scale pairs for {shape.num_layers} cache layers")
+        self.layout: KvLayoutSpec = layout_spec(shape, kv_dtype, max_tokens)
         self.buffer = torch.zeros(num_slots + 1, self.layout.slot_nbytes, dtype=torch.uint8, device=device)
-        typed = self.buffer.view(dtype)
+        typed = self.buffer if self.kv_format else self.buffer.view(dtype)
         elt = typed.element_size()
         rows = num_slots + 1
         self.k_caches: list[torch.Tensor] = []

@@ -61,6 +61,12 @@ are not accepted turn drafting off for a backoff, then a probe measures again. A
 drafts the most any of its slots asks for (each slot verifies only the drafts it asked for).
 ``spec_counters`` totals the steps that verified drafts, the drafts verified and accepted (per
 draft position too), as vLLM's spec-decode metrics.
+KV cache dtype (``kv_cache_dtype``, vLLM's ``--kv-cache-dtype`` names): ``auto`` keeps slot K/V in the
+model dtype; ``fp8`` / ``fp8_e4m3`` / ``fp8_e5m2`` (Llama/Qwen family) keep the bytes vLLM's FP8 KV cache
+holds, with the checkpoint's per-layer k/v scales as vLLM reads them, and the layout says so
+(kvquant.py): the reference step writes each token's K/V as vLLM's CPU writer does and attends over
+the dequantized values in float32 as vLLM's CPU attention does; such an engine decodes on the
+reference step only.
 ``mtp_draft_vocab=N``: the fast path's MTP drafts propose token ids < N only (its draft head reads N
 rows, not the whole vocabulary); output is unchanged, acceptance may drop. The reference step
 drafts over the whole vocabulary.
@@ -75,10 +81,11 @@ from pathlib import Path
 import torch
 
 from shared.events import KvLayoutSpec, SamplingParams, SpecStats
-from shared.kvlayout import kv_shape_from_hf_config
+from shared.kvlayout import FP8_DTYPES, kv_dtype_for_cache, kv_shape_from_hf_config
 from shared.log import get_logger
 
-from .cache import TORCH_DTYPES, KvCache
+from .cache import TORCH_DTYPES, KvCache, dtype_name
+from .kvquant import checkpoint_scales
 from .sampling import ReferenceSampler, SamplingBuffers, banned_ids, exponential, resolve, sample
 from .cuda.sampling_state import BAD_WORDS, FREQ_PRES, GREEDY, I_FLAGS, I_SEED, REP, STREAM_ACCEPT, STREAM_DRAFT, \
     TRACK_COUNTS, uniform
@@ -91,7 +98,7 @@ from .build import build_model, load_params
 from .cuda.graph import GraphedFn
 from . import fastpath, spec_policy
 from .options import EngineConfig
-from .weights import DictReader, hf_to_engine, iter_engine_params, read_config
+from .weights import CheckpointReader, DictReader, hf_to_engine, is_engine_format, iter_engine_params, read_config
 
 _log = get_logger("decode.engine")
 
@@ -117,9 +124,22 @@ def _torch_dtype(dtype, checkpoint_dtype: str) -> torch.dtype:
     return dtype or TORCH_DTYPES.get(checkpoint_dtype, torch.float32)
 
 
+def _kv_scales(config: EngineConfig, raw_config: dict, cfg, reader, converted: bool = False
+               ) -> list[tuple[float, float]] | None:
+    """vLLM's per-layer FP8 KV scales of the checkpoint (None for a cache in the model dtype)."""
+    if config.kv_cache_dtype == "auto" or cfg.family != "gqa":
+        return None
+    if converted and (raw_config.get("quantization_config") or raw_config.get("compression_config")):
+        raise ValueError(f"kv_cache_dtype={config.kv_cache_dtype!r} takes vLLM's KV scales from the HF checkpoint, "
+                         "which a converted checkpoint does not keep: serve the HF checkpoint directory")
+    return checkpoint_scales(raw_config, cfg.num_layers, reader.has, reader.get)
+
+
 class Engine:
     def __init__(self, model, cfg, config: EngineConfig, *, model_name: str, raw_config: dict,
-                 eos_token_ids: tuple[int, ...] = (), tokenizer_dir: str | Path | None = None):
+                 eos_token_ids: tuple[int, ...] = (), tokenizer_dir: str | Path | None = None,
+                 kv_scales: list[tuple[float, float]] | None = None):
+        """``kv_scales``: each cache layer's (k_scale, v_scale) for an FP8 KV cache (default 1.0)."""
         config.validate()
         num_spec = config.resolved_num_speculative_tokens(raw_config)
         draft_vocab = config.mtp_draft_vocab
@@ -146,8 +166,13 @@ class Engine:
         # which then matches a prefill that runs without the MTP drafter.
         if not self.num_spec and getattr(model, "has_mtp", False):
             model.has_mtp = False
-        self.cache = KvCache(kv_shape_from_hf_config(raw_config, include_mtp=self.num_spec > 0), num_slots,
-                             max_seq_len + self.num_spec, self.dtype, self.device)
+        kv_dtype = kv_dtype_for_cache(config.kv_cache_dtype, dtype_name(self.dtype))
+        kv_shape = kv_shape_from_hf_config(raw_config, include_mtp=self.num_spec > 0)
+        if kv_dtype in FP8_DTYPES and getattr(model, "family", "") != "gqa":
+            raise ValueError(f"kv_cache_dtype={config.kv_cache_dtype!r}: an FP8 KV cache is built for "
+                             f"Llama/Qwen-family (GQA) models, not {cfg.model_type}; use kv_cache_dtype='auto'")
+        self.cache = KvCache(kv_shape, num_slots, max_seq_len + self.num_spec, self.dtype, self.device,
+                             kv_dtype=kv_dtype, scales=kv_scales if kv_dtype in FP8_DTYPES else None)
         model.bind(self.cache)
         on_cuda = self.device.type == "cuda" and config.use_cuda_graphs
         self._forward = GraphedFn(lambda t, p, s, n: _with_logits(model, model(t, p, s, n)), on_cuda)
@@ -199,7 +224,8 @@ class Engine:
             e = json.loads(gen_cfg.read_text()).get("eos_token_id")
             eos |= set(e if isinstance(e, list) else [] if e is None else [e])
         return cls(build_model(cfg, params), cfg, config, model_name=config.model_name or Path(model_dir).name,
-                   raw_config=raw, eos_token_ids=tuple(sorted(eos)), tokenizer_dir=model_dir)
+                   raw_config=raw, eos_token_ids=tuple(sorted(eos)), tokenizer_dir=model_dir,
+                   kv_scales=_kv_scales(config, raw, cfg, CheckpointReader(model_dir), is_engine_format(model_dir)))
 
     @classmethod
     def from_hf_tensors(cls, raw_config: dict, tensors: dict[str, torch.Tensor], config: EngineConfig | None = None,
@@ -210,7 +236,8 @@ class Engine:
         dtype = _torch_dtype(config.dtype, cfg.torch_dtype)
         params = load_params(hf_to_engine(cfg, DictReader(tensors)), torch.device(config.device), dtype)
         return cls(build_model(cfg, params), cfg, config, model_name=config.model_name or "in-memory",
-                   raw_config=raw_config, eos_token_ids=cfg.eos_token_ids)
+                   raw_config=raw_config, eos_token_ids=cfg.eos_token_ids,
+                   kv_scales=_kv_scales(config, raw_config, cfg, DictReader(tensors)))
 
     # ------------------------------------------------------------------ slots
 

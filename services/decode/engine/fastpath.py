@@ -142,6 +142,9 @@ def engine_reason(mode: str, model, device: torch.device, dtype: torch.dtype, nu
         return "fast_path='off'"
     cfg = model.cfg
     family = getattr(model, "family", "")
+    cache = getattr(model, "cache", None)
+    if getattr(cache, "kv_format", None):
+        return f"KV cache in {cache.kv_format}: FP8 KV decodes on the reference step (the fast path's kernels do not read it yet)"
     if family == "mla":
         if cfg.index_topk:
             return f"{cfg.model_type}: sparse attention (DSA) decodes on the reference step; its kernels are not built"

@@ -14,6 +14,7 @@ from torch import nn
 from .cache import KvCache
 from .config import ModelConfig
 from .fp8 import linear
+from .kvquant import dequantize, quantize
 from .layers import attend, causal_mask, rms_norm, swiglu, write_cache
 from .rope import apply_rope, rope_tables
 
@@ -68,12 +69,21 @@ class LlamaModel(nn.Module):
         if blk.q_norm is not None:
             q, k = rms_norm(q, blk.q_norm, cfg.rms_norm_eps), rms_norm(k, blk.k_norm, cfg.rms_norm_eps)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        write_cache(cache.k_caches[i], slot_ids, positions, k)
-        write_cache(cache.v_caches[i], slot_ids, positions, v)
         n = mask.shape[-1]  # keys attended: a prefix of the cache covering every position in the step
-        keys = cache.k_caches[i][:, :n][slot_ids].transpose(1, 2)  # [B, Hkv, n, D]
-        values = cache.v_caches[i][:, :n][slot_ids].transpose(1, 2)
-        out = attend(q.transpose(1, 2), keys, values, mask, d**-0.5)  # [B, T, Hq, D]
+        fmt = cache.kv_format
+        if fmt is None:
+            write_cache(cache.k_caches[i], slot_ids, positions, k)
+            write_cache(cache.v_caches[i], slot_ids, positions, v)
+            keys = cache.k_caches[i][:, :n][slot_ids].transpose(1, 2)  # [B, Hkv, n, D]
+            values = cache.v_caches[i][:, :n][slot_ids].transpose(1, 2)
+            out = attend(q.transpose(1, 2), keys, values, mask, d**-0.5)  # [B, T, Hq, D]
+        else:  # FP8 KV as vLLM's CPU attention: bytes written truncated, read dequantized, attention in fp32
+            ks, vs = cache.scales[i]
+            write_cache(cache.k_caches[i], slot_ids, positions, quantize(k, ks, fmt))
+            write_cache(cache.v_caches[i], slot_ids, positions, quantize(v, vs, fmt))
+            keys = dequantize(cache.k_caches[i][:, :n][slot_ids], ks, fmt).transpose(1, 2)
+            values = dequantize(cache.v_caches[i][:, :n][slot_ids], vs, fmt).transpose(1, 2)
+            out = attend(q.float().transpose(1, 2), keys, values, mask, d**-0.5).to(x.dtype)
         return linear(out.reshape(b, t, nq * d), blk.wo, blk.bo)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, slot_ids: torch.Tensor,

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 FAST_PATH_MODES = ("auto", "on", "off")
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")  # vLLM's --kv-cache-dtype names (kvquant.py)
 MAX_SPECULATIVE_TOKENS = 3
 
 
@@ -20,6 +21,8 @@ class EngineConfig:
     max_seq_len: int = 2048  # tokens per slot (prompt + output)
     device: str = "cpu"
     dtype: Any = None  # torch.dtype or its name; None: the checkpoint's
+    # slot K/V: auto keeps the model dtype; fp8 (= fp8_e4m3) / fp8_e5m2 keep vLLM's FP8 bytes (GQA only)
+    kv_cache_dtype: str = "auto"
     num_speculative_tokens: int | None = 0  # MTP drafts per step; None: one per MTP layer
     model_name: str | None = None  # None: the checkpoint directory's name
     use_cuda_graphs: bool = True
@@ -41,6 +44,8 @@ class EngineConfig:
             raise ValueError(f"max_seq_len must be 1 or more, got {self.max_seq_len}")
         if self.fast_path not in FAST_PATH_MODES:
             raise ValueError(f"fast_path must be one of {', '.join(FAST_PATH_MODES)}, got {self.fast_path!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         k = self.num_speculative_tokens
         if k is not None and not 0 <= k <= MAX_SPECULATIVE_TOKENS:
             raise ValueError(f"num_speculative_tokens must be 0..{MAX_SPECULATIVE_TOKENS}, got {k}")

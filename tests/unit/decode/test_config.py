@@ -39,6 +39,13 @@ def test_kv_checksum_settings():
     assert config_of(["--model", "/m", "--require-kv-checksum"]).require_kv_checksum
 
 
+def test_kv_cache_dtype():
+    assert config_of(["--model", "/m"]).engine.kv_cache_dtype == "auto"  # the model dtype, as before
+    assert config_of(["--model", "/m", "--kv-cache-dtype", "fp8"]).engine.kv_cache_dtype == "fp8"
+    assert config_of(["--model", "/m"], env={"EXPRESSLANE_KV_CACHE_DTYPE": "fp8_e5m2"}).engine.kv_cache_dtype == \
+        "fp8_e5m2"
+
+
 def test_torch_threads():
     assert config_of(["--model", "/m"]).torch_threads == 1  # a step is many small ops: one thread
     assert config_of(["--model", "/m", "--torch-threads", "4"]).torch_threads == 4
