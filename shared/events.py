@@ -178,6 +178,9 @@ class ClaimRequest(Event, tag="claim"):
     tenant: str = ""
     # The model's other names (checkpoint path, its directory); matched with shared.models.serves.
     model_aliases: list[str] = []
+    # The prefill vLLM's --kv-cache-dtype (auto, fp8, fp8_e4m3, fp8_e5m2, ...): only a node whose slots
+    # keep KV in that dtype is paired (shared.kvlayout.kv_cache_dtype_flag); "": not known, any node.
+    kv_cache_dtype: str = ""
 
 
 class ClaimGranted(Event, tag="claim_granted"):

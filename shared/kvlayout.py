@@ -53,6 +53,17 @@ def kv_cache_dtype_flag(dtype: str) -> str:
     return dtype if dtype in FP8_DTYPES else "auto"
 
 
+def kv_cache_dtypes_pair(cache_dtype: str, layout: KvLayoutSpec) -> bool:
+    """Whether a prefill vLLM run with ``--kv-cache-dtype cache_dtype`` stages KV a slot of ``layout``
+    keeps. GQA: FP8 caches are handed over as their bytes, so the FP8 format must be the slot's, and
+    auto pairs with any model dtype (the sender compares those); a cache dtype without an
+    expresslane layout pairs with nothing. MLA: prefill adapters dequantize quantized latent caches
+    into the slot's dtype, so every cache dtype pairs."""
+    if layout.kind == "mla":
+        return True
+    return {"fp8": "fp8_e4m3"}.get(cache_dtype, cache_dtype) == kv_cache_dtype_flag(layout.dtype)
+
+
 @dataclass(frozen=True)
 class KvShape:
     """The per-token KV shape of one model, independent of where it lives."""

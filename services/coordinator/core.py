@@ -22,7 +22,8 @@ Contract:
 - Rejection reasons (``ClaimRejected.reason``): capacity, worth a retry after ``retry_after_ms``:
   ``no_free_slot`` (wait_ms 0), ``queue_full``, ``deadline``, ``coordinator_stopping``; no express
   node can serve this claim at all (use the standard lane): ``no_compatible_node``,
-  ``protocol_version``; others: ``already_claimed`` (a live lease has this request id),
+  ``kv_cache_dtype`` (nodes serve the model, but none keeps KV in the dtype of the prefill's vLLM:
+  run both with one ``--kv-cache-dtype``), ``protocol_version``; others: ``already_claimed`` (a live lease has this request id),
   ``cancelled`` (cancelled while waiting), ``invalid_request_id`` (not letters, digits, - and _).
 - Handoff states: claimed -> kv_ready -> decoding -> completed | failed | cancelled, each published
   as a ``HandoffEvent`` on ``xl.handoff.<request_id>.<state>``; queued and rejected likewise. A
@@ -47,6 +48,8 @@ from __future__ import annotations
 
 import uuid
 from collections import Counter
+
+from msgspec.structs import replace
 
 from shared import subjects
 from shared.events import (
@@ -212,7 +215,7 @@ class CoordinatorCore:
                                             deadline_ms=entry.deadline_ms)
                 return [PutQueued(self.queue[i])]
         if not self._is_warming_up(now_ms) and not self._has_compatible_node(claim):
-            return self._reject(claim, reply_to, "no_compatible_node", now_ms)
+            return self._reject(claim, reply_to, self._no_node_reason(claim), now_ms)
         pick = self._pick_slot(claim)
         if pick is not None:
             return self._grant(claim, reply_to, pick, now_ms, now_ms)
@@ -232,6 +235,13 @@ class CoordinatorCore:
 
     def _has_compatible_node(self, claim: ClaimRequest) -> bool:
         return any(self.registry.transport_for(n, claim) for n in self.nodes.values())
+
+    def _no_node_reason(self, claim: ClaimRequest) -> str:
+        """``kv_cache_dtype`` where nodes would serve the claim but keep KV in another dtype than
+        the prefill's vLLM (start them with its --kv-cache-dtype), else ``no_compatible_node``."""
+        if claim.kv_cache_dtype and self._has_compatible_node(replace(claim, kv_cache_dtype="")):
+            return "kv_cache_dtype"
+        return "no_compatible_node"
 
     def _pick_slot(self, claim: ClaimRequest) -> tuple[str, int, str] | None:
         """(node, slot, transport) on the compatible node with the most free slots."""
@@ -391,7 +401,7 @@ class CoordinatorCore:
                 continue
             self.queue.remove(entry)
             effects.append(DeleteQueued(entry.claim.request_id))
-            reason = "deadline" if has_node else "no_compatible_node"
+            reason = "deadline" if has_node else self._no_node_reason(entry.claim)
             effects += self._reject(entry.claim, entry.reply_to, reason, now_ms)
         return effects + self._sweep_and_dispatch(now_ms)
 

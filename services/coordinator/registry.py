@@ -9,7 +9,8 @@ Contract:
   beats again.
 - ``transport_for(node, claim)``: the transport to use when the node could ever serve the claim
   (the model by any of its names, matched as the router matches it: shared.models; protocol
-  version, layout version, room for prompt + max_tokens, a shared transport).
+  version, layout version, the KV cache dtype the prefill's vLLM keeps when the claim names it,
+  room for prompt + max_tokens, a shared transport).
 - ``free_slots(node_id, held)``: slots the node's last heartbeat lists free, that it advertises a
   buffer for, minus ``held`` (slots under a lease).
 """
@@ -18,7 +19,7 @@ from __future__ import annotations
 
 from services.coordinator.model import CoordinatorConfig, Node
 from shared.events import PROTOCOL_VERSION, ClaimRequest, NodeAvailable, NodeDraining
-from shared.kvlayout import LAYOUT_VERSION
+from shared.kvlayout import LAYOUT_VERSION, kv_cache_dtypes_pair
 from shared.models import serves
 
 
@@ -79,6 +80,8 @@ class NodeRegistry:
         if not serves(info.model, {claim.model, *claim.model_aliases}):
             return None
         if info.protocol_version != PROTOCOL_VERSION or info.layout.layout_version != LAYOUT_VERSION:
+            return None
+        if claim.kv_cache_dtype and not kv_cache_dtypes_pair(claim.kv_cache_dtype, info.layout):
             return None
         if claim.num_prompt_tokens + claim.max_tokens > info.capacity_tokens:
             return None

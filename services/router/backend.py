@@ -3,7 +3,9 @@
 Contract:
 - ``discover(client, url)`` asks one vLLM server (``GET /v1/models``) what it serves and returns a
   ``ModelInfo`` per model; the tokenizer is loaded from the model's checkpoint directory (``root``,
-  or an override) so the router detokenizes exactly as vLLM would.
+  or an override) so the router detokenizes exactly as vLLM would, and the server's KV cache dtype
+  (its ``--kv-cache-dtype``, from ``vllm:cache_config_info`` on ``GET /metrics``; "" when it does not
+  say), which each claim carries so the coordinator pairs it only with nodes that keep that KV dtype.
 - ``count_prompt_tokens(info, req)``: the prompt's length the way vLLM renders it (chat template
   with the generation prompt, BOS for text completions). Used for the claim and for the context
   check before the prefill; vLLM's own count (``prompt_token_ids``) is authoritative afterwards.
@@ -14,6 +16,7 @@ Contract:
 from __future__ import annotations
 
 import json
+import re
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,6 +37,7 @@ class ModelInfo:
     tokenizer: Any = None
     eos_token_ids: list[int] = field(default_factory=list)
     defaults: dict[str, Any] = field(default_factory=dict)
+    kv_cache_dtype: str = ""  # the server's --kv-cache-dtype (auto, fp8, ...); "": not known
 
     @property
     def aliases(self) -> frozenset[str]:
@@ -79,6 +83,23 @@ def load_tokenizer(path: str) -> Any:
         return AutoTokenizer.from_pretrained(path)
 
 
+_CACHE_INFO = re.compile(r'^vllm:cache_config_info\{[^}]*\bcache_dtype="([^"]*)"', re.MULTILINE)
+
+
+def kv_cache_dtype_from_metrics(text: str) -> str:
+    """vLLM's ``--kv-cache-dtype`` from its Prometheus text (``vllm:cache_config_info``); "" if absent."""
+    m = _CACHE_INFO.search(text)
+    return m.group(1) if m else ""
+
+
+async def _kv_cache_dtype(client: httpx.AsyncClient, url: str) -> str:
+    try:
+        resp = await client.get(f"{url.rstrip('/')}/metrics", timeout=5.0)
+        return kv_cache_dtype_from_metrics(resp.text) if resp.status_code == 200 else ""
+    except Exception:  # metrics off or unreachable: claims then pair with any node, as before
+        return ""
+
+
 async def discover(
     client: httpx.AsyncClient, url: str, tokenizer_paths: dict[str, str] | None = None
 ) -> list[ModelInfo]:
@@ -87,6 +108,7 @@ async def discover(
 
     resp = await client.get(f"{url.rstrip('/')}/v1/models", timeout=5.0)
     resp.raise_for_status()
+    kv_cache_dtype = await _kv_cache_dtype(client, url)
     out = []
     for entry in resp.json().get("data", []):
         name = entry["id"]
@@ -98,7 +120,7 @@ async def discover(
             name=name, root=root, url=url.rstrip("/"),
             max_model_len=int(entry.get("max_model_len") or 0),
             tokenizer=tokenizer, eos_token_ids=_eos_ids(gen, tokenizer),
-            defaults=sampling_defaults(gen),
+            defaults=sampling_defaults(gen), kv_cache_dtype=kv_cache_dtype,
         ))
     return out
 

@@ -60,11 +60,12 @@ CLAIM_RETRY_S = 0.05  # between claims while no coordinator answers
 
 def claim_request(info: ModelInfo, request_id: str, *, num_prompt_tokens: int, max_tokens: int,
                   wait_ms: int, tenant: str = "") -> ClaimRequest:
-    """The claim for one leg: the served name and the model's other names (shared.models)."""
+    """The claim for one leg: the served name and the model's other names (shared.models), and the
+    prefill vLLM's KV cache dtype (only nodes keeping KV in it are paired)."""
     return ClaimRequest(request_id=request_id, model=info.name,
                         model_aliases=sorted(info.aliases - {info.name}),
                         num_prompt_tokens=num_prompt_tokens, max_tokens=max_tokens, wait_ms=wait_ms,
-                        tenant=tenant)
+                        tenant=tenant, kv_cache_dtype=info.kv_cache_dtype)
 
 
 def handoff_params(grant: ClaimGranted, traceparent: str = "") -> dict[str, Any]:

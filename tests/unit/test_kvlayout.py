@@ -3,7 +3,7 @@
 import pytest
 
 from shared.kvlayout import (
-    KvShape, kv_cache_dtype_flag, kv_dtype_for_cache, kv_shape_from_hf_config, layout_spec, write_ranges,
+    KvShape, kv_cache_dtype_flag, kv_cache_dtypes_pair, kv_dtype_for_cache, kv_shape_from_hf_config, layout_spec, write_ranges,
 )
 
 LLAMA = {"model_type": "llama", "num_hidden_layers": 2, "num_attention_heads": 4,
@@ -95,3 +95,20 @@ def test_kv_dtypes_without_a_layout_are_refused():
         kv_dtype_for_cache("fp8_per_token_head", "bfloat16")
     with pytest.raises(ValueError, match="GQA models only"):
         layout_spec(KvShape("mla", 1, kv_lora_rank=8, qk_rope_head_dim=8), "fp8_e4m3", 4)
+
+
+@pytest.mark.parametrize("cache_dtype, layout_dtype, pairs", [
+    ("auto", "bfloat16", True), ("auto", "float32", True),  # model dtypes: the sender compares them
+    ("fp8", "fp8_e4m3", True), ("fp8_e4m3", "fp8_e4m3", True), ("fp8_e5m2", "fp8_e5m2", True),
+    ("auto", "fp8_e4m3", False), ("fp8", "bfloat16", False), ("fp8_e5m2", "fp8_e4m3", False),
+    ("fp8_per_token_head", "fp8_e4m3", False), ("int8", "bfloat16", False),  # no layout for them
+])
+def test_which_prefill_kv_cache_dtype_pairs_with_which_gqa_slot(cache_dtype, layout_dtype, pairs):
+    gqa = layout_spec(KvShape("gqa", 1, num_kv_heads=1, head_dim=4), layout_dtype, 4)
+    assert kv_cache_dtypes_pair(cache_dtype, gqa) is pairs
+
+
+@pytest.mark.parametrize("cache_dtype", ["auto", "fp8", "fp8_ds_mla"])
+def test_mla_slots_pair_with_any_cache_dtype_the_prefill_dequantizes(cache_dtype):
+    mla = layout_spec(KvShape("mla", 1, kv_lora_rank=8, qk_rope_head_dim=8), "bfloat16", 4)
+    assert kv_cache_dtypes_pair(cache_dtype, mla)

@@ -26,6 +26,7 @@ from shared.events import (
 from shared.kvlayout import KvShape, layout_spec
 
 LAYOUT = layout_spec(KvShape(kind="gqa", num_layers=2, num_kv_heads=2, head_dim=8), "float32", 256)
+FP8_LAYOUT = layout_spec(KvShape(kind="gqa", num_layers=2, num_kv_heads=2, head_dim=8), "fp8_e4m3", 256)
 CFG = CoordinatorConfig(transfer_timeout_ms=1000, fence_grace_ms=500, start_timeout_ms=2000,
                         release_grace_ms=300, max_queue=2, max_wait_ms=5000, retry_after_ms=250,
                         max_tick_gap_ms=100)
@@ -74,7 +75,8 @@ class Harness:
             claim = ClaimRequest(request_id=args["rid"], model=args.get("model", "m"),
                                  num_prompt_tokens=args.get("prompt", 10), max_tokens=args.get("max", 10),
                                  wait_ms=args.get("wait", 1000), protocol_version=args.get("proto", 1),
-                                 transports=args.get("transports", ["mooncake", "nixl"]))
+                                 transports=args.get("transports", ["mooncake", "nixl"]),
+                                 kv_cache_dtype=args.get("kv", ""))
             effects = c.on_claim(claim, f"inbox.{args['rid']}", t)
         elif op == "kv_ready":
             effects = c.on_kv_ready(KvReady(**self.report_args(**args), num_tokens=10,
@@ -278,6 +280,17 @@ CASES = {
         (1, "claim", {"rid": "r.7"}, {"reply": {"r.7": ("rejected", "invalid_request_id", 0)}, "events": []}),
         (1, "claim", {"rid": "r6", "model": "y", "transports": ["nixl"]}, {"reply": {"r6": (G, "nixl_only", 0, 1)}}),
         *finish("r6", 2),
+    ],
+    # the prefill's vLLM --kv-cache-dtype picks nodes whose slots keep KV in that dtype
+    "kv_cache_dtype_pairs_only_matching_nodes": [
+        (0, "hb", {"node": "plain"}, {}),
+        (0, "hb", {"node": "fp8", "layout": FP8_LAYOUT}, {}),
+        (1, "claim", {"rid": "r1", "kv": "fp8"}, {"reply": {"r1": (G, "fp8", 0, 1)}}),
+        (1, "claim", {"rid": "r2", "kv": "auto"}, {"reply": {"r2": (G, "plain", 0, 2)}}),
+        (1, "claim", {"rid": "r3", "kv": "fp8_e5m2"}, {"reply": {"r3": ("rejected", "kv_cache_dtype", 250)}}),
+        (1, "claim", {"rid": "r4", "kv": "fp8_e5m2", "model": "x"},
+         {"reply": {"r4": ("rejected", "no_compatible_node", 250)}}),
+        *finish("r1", 2), *finish("r2", 2),
     ],
     "lease_timeout_keeps_slot_fenced_for_grace": [
         (0, "hb", {"free": (0,)}, {}),
