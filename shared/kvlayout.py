@@ -42,7 +42,8 @@ FP8_DTYPES = ("fp8_e4m3", "fp8_e5m2")  # GQA only: the layout names of vLLM's FP
 def kv_dtype_for_cache(cache_dtype: str, model_dtype: str) -> str:
     """The layout dtype of a KV cache vLLM runs with ``--kv-cache-dtype cache_dtype`` (auto: the
     model dtype; fp8 is E4M3): what a prefill stages and a decode node must keep to pair."""
-    names = {"auto": model_dtype, "fp8": "fp8_e4m3", "fp8_e4m3": "fp8_e4m3", "fp8_e5m2": "fp8_e5m2"}
+    names = {"auto": model_dtype, "float16": "float16", "bfloat16": "bfloat16",
+             "fp8": "fp8_e4m3", "fp8_e4m3": "fp8_e4m3", "fp8_e5m2": "fp8_e5m2"}
     if cache_dtype not in names:
         raise ValueError(f"kv cache dtype {cache_dtype!r} has no expresslane layout: use one of {', '.join(names)}")
     return names[cache_dtype]
@@ -61,6 +62,8 @@ def kv_cache_dtypes_pair(cache_dtype: str, layout: KvLayoutSpec) -> bool:
     into the slot's dtype, so every cache dtype pairs."""
     if layout.kind == "mla":
         return True
+    if cache_dtype in ("float16", "bfloat16"):  # a cache in that dtype, whatever the model's
+        return layout.dtype == cache_dtype
     return {"fp8": "fp8_e4m3"}.get(cache_dtype, cache_dtype) == kv_cache_dtype_flag(layout.dtype)
 
 

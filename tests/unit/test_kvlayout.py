@@ -84,6 +84,7 @@ def test_layout_spec_refuses_bad_arguments(dtype, max_tokens, message):
     ("fp8", "bfloat16", "fp8_e4m3", "fp8_e4m3"),  # vLLM's fp8 is E4M3
     ("fp8_e4m3", "float16", "fp8_e4m3", "fp8_e4m3"),
     ("fp8_e5m2", "bfloat16", "fp8_e5m2", "fp8_e5m2"),
+    ("bfloat16", "float32", "bfloat16", "auto"),  # vLLM keeps the cache in the dtype named
 ])
 def test_kv_dtype_follows_vllms_kv_cache_dtype(cache_dtype, model_dtype, layout_dtype, flag):
     assert kv_dtype_for_cache(cache_dtype, model_dtype) == layout_dtype
@@ -91,7 +92,7 @@ def test_kv_dtype_follows_vllms_kv_cache_dtype(cache_dtype, model_dtype, layout_
 
 
 def test_kv_dtypes_without_a_layout_are_refused():
-    with pytest.raises(ValueError, match="fp8_per_token_head.*use one of auto, fp8"):
+    with pytest.raises(ValueError, match="fp8_per_token_head.*use one of auto, .*fp8_e5m2"):
         kv_dtype_for_cache("fp8_per_token_head", "bfloat16")
     with pytest.raises(ValueError, match="GQA models only"):
         layout_spec(KvShape("mla", 1, kv_lora_rank=8, qk_rope_head_dim=8), "fp8_e4m3", 4)
@@ -102,6 +103,7 @@ def test_kv_dtypes_without_a_layout_are_refused():
     ("fp8", "fp8_e4m3", True), ("fp8_e4m3", "fp8_e4m3", True), ("fp8_e5m2", "fp8_e5m2", True),
     ("auto", "fp8_e4m3", False), ("fp8", "bfloat16", False), ("fp8_e5m2", "fp8_e4m3", False),
     ("fp8_per_token_head", "fp8_e4m3", False), ("int8", "bfloat16", False),  # no layout for them
+    ("bfloat16", "bfloat16", True), ("bfloat16", "float32", False), ("float16", "fp8_e4m3", False),
 ])
 def test_which_prefill_kv_cache_dtype_pairs_with_which_gqa_slot(cache_dtype, layout_dtype, pairs):
     gqa = layout_spec(KvShape("gqa", 1, num_kv_heads=1, head_dim=4), layout_dtype, 4)
