@@ -174,3 +174,29 @@ def test_engine_keeps_the_checkpoint_scales(tmp_path):
     n = len(PROMPT)  # layer 0's K/V do not depend on attention: the same values, quantized with the scales
     assert torch.equal(fp8.cache.k_caches[0][0, :n], quantize(plain.cache.k_caches[0][0, :n], ks, "fp8_e4m3"))
     assert torch.equal(fp8.cache.v_caches[0][0, :n], quantize(plain.cache.v_caches[0][0, :n], vs, "fp8_e4m3"))
+
+
+def test_fp8_kv_slots_decode_together_as_alone(llama):
+    """A batched reference step reads each slot's own FP8 cache: two requests together emit what
+    each emits alone."""
+    prompts = [PROMPT, [9, 8, 7, 6, 5, 4, 3]]
+    greedy = SamplingParams(max_tokens=10, ignore_eos=True)
+    alone = []
+    for prompt in prompts:
+        engine = Engine.load(llama, num_slots=1, max_seq_len=64, dtype=torch.float32, kv_cache_dtype="fp8_e5m2")
+        first = int(engine.prefill(0, prompt).argmax())
+        engine.start(0, first, greedy)
+        tokens = [first]
+        while engine.active_slots():
+            tokens += engine.step()[0].token_ids
+        alone.append(tokens)
+    engine = Engine.load(llama, num_slots=2, max_seq_len=64, dtype=torch.float32, kv_cache_dtype="fp8_e5m2")
+    together = []
+    for slot, prompt in enumerate(prompts):
+        first = int(engine.prefill(slot, prompt).argmax())
+        engine.start(slot, first, greedy)
+        together.append([first])
+    while engine.active_slots():
+        for slot, out in engine.step().items():
+            together[slot] += out.token_ids
+    assert together == alone
