@@ -87,7 +87,8 @@ class CpuAmx:
     def __call__(self, kv_layer, block_ids, num_tokens, out):
         num_blocks, num_heads, block_size, two_d = kv_layer.shape
         head_dim = two_d // 2
-        pack = 4 // kv_layer.element_size()  # elements per 32-bit word (2 for bf16)
+        # elements per 32-bit word: 2 for bf16; vLLM packs FP8 (uint8) K/V in pairs too, as bf16
+        pack = 2 if kv_layer.dtype == torch.uint8 else 4 // kv_layer.element_size()
         k_group = _AMX_ROW_BYTES // 4  # tokens per K group (16)
         v_cols = _AMX_ROW_BYTES // 4  # head dims per V column group (16)
         if block_size % k_group or head_dim % v_cols or head_dim % pack:

@@ -15,7 +15,7 @@ import logging
 import time
 
 import torch
-from shared.kvlayout import DSA_TYPES, DTYPE_SIZES, KvShape, dsa_indexer_layers, layout_spec
+from shared.kvlayout import DSA_TYPES, DTYPE_SIZES, KvShape, dsa_indexer_layers, kv_dtype_for_cache, layout_spec
 from shared.tracing import build_tracer_provider, context_from_traceparent
 from shared.transport import create_transport
 
@@ -85,6 +85,10 @@ class ExpressWorker:
         self.shape = self._kv_shape(len(rank))
         self.layers = self._indexer_caches_to_stage(self.layers, indexer)
         dtype = str(self.layers[0][1].dtype).removeprefix("torch.")
+        cache_dtype = self.vllm_config.cache_config.cache_dtype
+        if self.shape.kind == "gqa" and cache_dtype != "auto":
+            # vLLM's FP8 KV cache (uint8): staged as its bytes, in the layout's FP8 dtype
+            dtype = kv_dtype_for_cache(cache_dtype, str(self.vllm_config.model_config.dtype).removeprefix("torch."))
         if self.shape.kind == "mla" and dtype not in DTYPE_SIZES:
             # a quantized latent cache (fp8_ds_mla, fp8): its adapter stages it dequantized
             dtype = str(self.vllm_config.model_config.dtype).removeprefix("torch.")

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from services.decode.engine.kvquant import quantize
-from services.prefill.layouts import CpuVec
+from services.prefill.layouts import CpuAmx, CpuVec
 from services.prefill.sender import layout_mismatch
 from services.prefill.staging import StagingPool
 from shared.kvlayout import KvShape, layout_spec
@@ -17,8 +17,9 @@ from shared.kvlayout import KvShape, layout_spec
 SHAPE = KvShape(kind="gqa", num_layers=1, num_kv_heads=2, head_dim=32)
 
 
+@pytest.mark.parametrize("isa,adapter", [("vec", CpuVec), ("amx", CpuAmx)])
 @pytest.mark.parametrize("fmt", ["fp8_e4m3", "fp8_e5m2"])
-def test_cpu_vec_adapter_stages_vllm_fp8_bytes_unchanged(fmt):
+def test_cpu_adapters_stage_vllm_fp8_bytes_unchanged(fmt, isa, adapter):
     ops = pytest.importorskip("vllm._custom_ops")
     if not torch.cpu._is_avx512_supported():
         pytest.skip("vLLM's CPU FP8 KV cache needs AVX-512")
@@ -29,11 +30,11 @@ def test_cpu_vec_adapter_stages_vllm_fp8_bytes_unchanged(fmt):
     kc, vc = cache.view(4, h, 2 * b, d).chunk(2, dim=2)
     blocks = [3, 1]  # the request's blocks, out of order
     slots = torch.tensor([blocks[i // b] * b + i % b for i in range(t)])
-    ops.cpu_attn_reshape_and_cache(k, v, kc, vc, slots, "vec", 0.5, 0.25, fmt)
+    ops.cpu_attn_reshape_and_cache(k, v, kc, vc, slots, isa, 0.5, 0.25, fmt)  # AMX's packing: scalar code
     pool = StagingPool(layout_spec(SHAPE, fmt, max_tokens=64), num_slots=1)
     views = [x.view(t, h, d) for x in pool.segment_views(0, t)]
     assert all(x.dtype == torch.uint8 for x in views)
-    CpuVec()(cache, torch.tensor(blocks), t, views)
+    adapter()(cache, torch.tensor(blocks), t, views)
     assert torch.equal(views[0], quantize(k, 0.5, fmt))
     assert torch.equal(views[1], quantize(v, 0.25, fmt))
 
