@@ -9,11 +9,12 @@ What runs (every piece but vLLM is the product's own code path):
   only the per-deployment ones, --model/--node-id/--transport-host/--http-*, are this run's), on the
   second GPU (``CUDA_VISIBLE_DEVICES=1,0``: it is the process's ``cuda``, and the other GPU stays
   visible for CUDA IPC); the coordinator, the router and nats-server as an operator starts them.
-- The prefill stand-in (``standin`` below), on the first GPU, in place of vLLM: an OpenAI
-  ``/v1/completions`` server that runs the engine's own prefill into the engine's cache, copies it
-  into vLLM's GPU KV layout (FlashAttention's paged ``[2, blocks, 16, kv_heads, head_dim]`` per
-  layer for GQA; the MLA latent ``[blocks, 64, kv_lora_rank + rope]`` with vLLM's interleaved rope
-  for DeepSeek) under a shuffled block table, then runs the connector's worker
+- The prefill stand-in (``standin``: tests/fixtures/prefill_standin.py), on the first GPU, in place
+  of vLLM: an OpenAI ``/v1/completions`` server that runs the engine's own prefill into the engine's
+  cache, copies it into vLLM's GPU KV layout (FlashAttention's paged
+  ``[2, blocks, 16, kv_heads, head_dim]`` per layer for GQA; the MLA latent
+  ``[blocks, 64, kv_lora_rank + rope]`` with vLLM's interleaved rope for DeepSeek) under a shuffled
+  block table, then runs the connector's worker
   (``services.prefill.worker.ExpressWorker``: ``register_kv_caches``, ``wait_for_save``: layout
   adapters into GPU staging, the background sender writing with the transport, ``KvReady``) and
   streams the first token as vLLM does. vLLM's own model code and scheduler are not in this run.
@@ -43,20 +44,17 @@ import struct
 import subprocess
 import sys
 import tempfile
-import threading
 import time
-import uuid
 from pathlib import Path
-from types import SimpleNamespace
-
-from fastapi import Request  # the stand-in's handlers name it in (string) annotations
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from tests.fixtures.prefill_standin import add_args as standin_args  # noqa: E402
+from tests.fixtures.prefill_standin import log, now, standin_main  # noqa: E402
+
 NODE_ID = "gpu-node-0"
 PER_DEPLOYMENT_FLAGS = ("--model", "--node-id", "--transport-host", "--http-host", "--http-port")
-VLLM_BLOCK = {"gqa": 16, "mla": 64}  # vLLM's kernel block sizes: FlashAttention, FlashMLA
 
 LLAMA3_8B = {
     "model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 128256, "hidden_size": 4096,
@@ -86,14 +84,6 @@ TINY = {
                  "kv_lora_rank": 128, "qk_rope_head_dim": 32, "qk_nope_head_dim": 32, "v_head_dim": 32},
 }
 FULL = {"llama8b": LLAMA3_8B, "dsv2lite": DSV2_LITE}
-
-
-def now() -> float:
-    return time.time()
-
-
-def log(*a) -> None:
-    print(time.strftime("%H:%M:%S"), *a, flush=True)
 
 
 # ---------------------------------------------------------------- checkpoints
@@ -181,320 +171,7 @@ def write_checkpoint(cfg: dict, out: Path, device: str, seed: int = 0) -> Path:
 
 
 # ---------------------------------------------------------------- the prefill stand-in
-
-def _fake_vllm_layer_index() -> None:
-    """The worker asks vLLM for a layer's index by its name; without vLLM, answer as it does."""
-    try:
-        from vllm.model_executor.models.utils import extract_layer_index  # noqa: F401
-        return
-    except ImportError:
-        pass
-    import re
-    import types
-
-    def extract_layer_index(name: str) -> int:
-        return int(re.search(r"layers\.(\d+)\.", name).group(1))
-
-    for mod in ("vllm", "vllm.model_executor", "vllm.model_executor.models", "vllm.model_executor.models.utils"):
-        sys.modules.setdefault(mod, types.ModuleType(mod))
-    sys.modules["vllm.model_executor.models.utils"].extract_layer_index = extract_layer_index
-
-
-class StandIn:
-    """The engine (prefill, and decoding alone), vLLM-layout KV caches and the connector's worker."""
-
-    def __init__(self, args) -> None:
-        import torch
-
-        from services.decode.engine import Engine
-        from services.decode.engine.options import EngineConfig
-        from services.prefill.config import ExpressConfig
-        from services.prefill.worker import ExpressWorker
-
-        self.torch = torch
-        self.dev = torch.device(args.device)
-        self.model_dir = Path(args.model)
-        self.cfg = json.loads((self.model_dir / "config.json").read_text())
-        self.max_len = args.max_seq_len
-        self.engine = Engine.load(str(self.model_dir), EngineConfig(
-            num_slots=1, max_seq_len=args.max_seq_len, device=args.device, dtype="bfloat16",
-            num_speculative_tokens=0, fast_path=args.fast_path))
-        log("standin: engine loaded, fast path", self.engine.fast_path_reason or "on")
-        self.kind = "mla" if self.cfg["model_type"] == "deepseek_v3" else "gqa"
-        B = VLLM_BLOCK[self.kind]
-        self.block = B
-        self.num_blocks = -(-self.max_len // B) + 4
-        L = self.cfg["num_hidden_layers"]
-        self.names = [f"model.layers.{i}.self_attn.attn" for i in range(L)]
-        c = self.cfg
-        if self.kind == "gqa":
-            shape = (2, self.num_blocks, B, c["num_key_value_heads"], c["head_dim"])
-        else:
-            shape = (self.num_blocks, B, c["kv_lora_rank"] + c["qk_rope_head_dim"])
-        self.caches = {n: torch.zeros(shape, dtype=torch.bfloat16, device=self.dev) for n in self.names}
-        _fake_vllm_layer_index()
-        hf = SimpleNamespace(**c)
-        head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
-        backend = "FLASHMLA" if self.kind == "mla" else "FLASH_ATTN"
-        layer = SimpleNamespace(attn_backend=SimpleNamespace(get_name=lambda: backend))
-        vllm_config = SimpleNamespace(
-            model_config=SimpleNamespace(max_model_len=self.max_len, hf_text_config=hf, use_mla=self.kind == "mla",
-                                         get_num_kv_heads=lambda _pc: c["num_key_value_heads"],
-                                         get_head_size=lambda: head_dim),
-            parallel_config=None,
-            compilation_config=SimpleNamespace(static_forward_context={n: layer for n in self.names}))
-        kv_cache_config = SimpleNamespace(kv_cache_groups=[SimpleNamespace(
-            layer_names=self.names, kv_cache_spec=SimpleNamespace(block_size=B))])
-        stats = Path(tempfile.mkdtemp(prefix="standin-")) / "slots"
-        config = ExpressConfig(nats_url=args.nats_url, transports=(args.transport,), staging_slots=2,
-                               staging_max_tokens=self.max_len, stats_path=str(stats), transfer_timeout_s=30.0,
-                               nixl_agent_name=f"standin-{uuid.uuid4().hex[:8]}")
-        self.worker = ExpressWorker(config, vllm_config, kv_cache_config, engine_id="standin")
-        self.worker.register_kv_caches(self.caches)
-        log("standin: worker ready, staging on", self.worker.pool.device, "transports", list(self.worker.transports))
-        self.lock = threading.Lock()
-        self.rng = random.Random(1)
-        self.last: dict = {}
-        self.last_target = None
-
-    def _sync(self) -> None:
-        if self.dev.type == "cuda":
-            self.torch.cuda.synchronize(self.dev)
-
-    def _to_vllm_layout(self, n: int) -> list[int]:
-        """Copy the engine's cache of slot 0 (n tokens) into the paged caches under a shuffled
-        block table; the table."""
-        torch, B = self.torch, self.block
-        nb = -(-n // B)
-        blocks = self.rng.sample(range(self.num_blocks), nb)
-        idx = torch.tensor(blocks, device=self.dev)
-        cache = self.engine.cache
-        for i, name in enumerate(self.names):
-            dst = self.caches[name]
-            if self.kind == "gqa":
-                for plane, src in ((0, cache.k_caches[i]), (1, cache.v_caches[i])):
-                    rows = torch.zeros((nb * B, *src.shape[2:]), dtype=src.dtype, device=self.dev)
-                    rows[:n] = src[0, :n]
-                    dst[plane].index_copy_(0, idx, rows.view(nb, B, *src.shape[2:]))
-            else:
-                src = cache.kv[i][0, :n]
-                r = self.cfg["qk_rope_head_dim"]
-                rows = torch.zeros((nb * B, src.shape[-1]), dtype=src.dtype, device=self.dev)
-                rows[:n, :-r] = src[:, :-r]
-                if self.cfg.get("rope_interleave", True):  # vLLM keeps the rotated pairs adjacent
-                    rows[:n, -r::2] = src[:, -r: -r // 2]
-                    rows[:n, -r + 1::2] = src[:, -r // 2:]
-                else:
-                    rows[:n, -r:] = src[:, -r:]
-                dst.index_copy_(0, idx, rows.view(nb, B, -1))
-        return blocks
-
-    def prefill_and_hand_off(self, prompt: list[int], params: dict) -> tuple[int, dict]:
-        """vLLM's step for a claimed request: forward, the connector's wait_for_save, first token."""
-        from shared.handoff import parse_request
-        from services.prefill.scheduler import SaveRequest
-
-        torch = self.torch
-        handoff = parse_request(params) if params else None
-        t = {"t_recv": now(), "num_tokens": len(prompt)}
-        with self.lock, torch.inference_mode():
-            if self.engine.slots[0].state != "free":
-                self.engine.release(0)
-            logits = self.engine.prefill(0, prompt)
-            first = int(torch.argmax(logits).item())
-            blocks = self._to_vllm_layout(len(prompt))
-            self._sync()
-            self.engine.release(0)
-            t["t_prefill_done"] = now()
-            if handoff is not None:
-                slot = self.worker.states.reserve()
-                t["t_extract_start"] = now()
-                self.worker.wait_for_save([SaveRequest(request_id=handoff.request_id, handoff=handoff,
-                                                       block_ids=[blocks], num_tokens=len(prompt),
-                                                       staging_slot=-1 if slot is None else slot,
-                                                       fail_reason="" if slot is not None else "no staging slot")])
-                t["t_extract_queued"] = now()
-                t["request_id"] = handoff.request_id
-                self.last_target = handoff.target
-        t["first_token"] = first
-        t["t_first_token"] = now()
-        self.last = t
-        return first, t
-
-    def alone(self, prompt: list[int], max_tokens: int) -> dict:
-        """The engine alone: prefill, the first token, then greedy steps; tokens and step times."""
-        from shared.events import SamplingParams
-
-        torch = self.torch
-        with self.lock, torch.inference_mode():
-            if self.engine.slots[0].state != "free":
-                self.engine.release(0)
-            logits = self.engine.prefill(0, prompt)
-            first = int(torch.argmax(logits).item())
-            self.engine.start(0, first, SamplingParams(max_tokens=max_tokens - 1, temperature=0.0, ignore_eos=True))
-            tokens, steps, paths = [first], [], []
-            for _ in range(4 * max_tokens):
-                t0 = time.perf_counter()
-                out = self.engine.step()
-                dt = time.perf_counter() - t0
-                o = out.get(0)
-                if o is None:
-                    break
-                if o.token_ids:
-                    steps.append(dt * 1e3 / len(o.token_ids))
-                tokens += o.token_ids
-                paths.append(self.engine.last_step_path)
-                if o.finish_reason is not None:
-                    break
-            self.engine.release(0)
-        return {"tokens": tokens, "step_ms": steps, "paths": sorted(set(p or "reference" for p in paths))}
-
-    def raw_write(self, num_tokens: int, repeats: int) -> dict:
-        """The bare transfer engine: the same segments from staging slot 0 into the node's slot,
-        timed from post to completion (NIXL: a prepared transfer, polled without sleeping)."""
-        from services.prefill.sender import write_ops
-
-        target = self.last_target
-        pool = self.worker.pool
-        ops = write_ops(pool.spec, pool.slot_addr(0), target.layout, target.slot.base_addr, num_tokens)
-        nbytes = sum(o[2] for o in ops)
-        transport = self.worker.transports[target.transport]
-        handoff_write = dict(getattr(transport, "last_write", {}))  # the handoff's write proper
-        times, prep = [], []
-        with self.lock:
-            for _ in range(repeats + 1):
-                if target.transport == "nixl":
-                    agent = transport._agent
-                    t0 = time.perf_counter()
-                    local = agent.get_xfer_descs([(a, n, transport._device_id) for a, _, n in ops], transport._mem_type)
-                    remote = agent.get_xfer_descs([(r, n, 0) for _, r, n in ops], transport._mem_type)
-                    handle = agent.initialize_xfer("WRITE", local, remote, target.endpoint)
-                    t1 = time.perf_counter()
-                    state = agent.transfer(handle)
-                    while state == "PROC":
-                        state = agent.check_xfer_state(handle)
-                    t2 = time.perf_counter()
-                    agent.release_xfer_handle(handle)
-                    if state != "DONE":
-                        raise RuntimeError(f"raw nixl write failed: {state}")
-                else:
-                    engine = transport.transfer_engine
-                    t0 = t1 = time.perf_counter()
-                    rc = engine.batch_transfer_sync_write(target.endpoint, [o[0] for o in ops],
-                                                          [o[1] for o in ops], [o[2] for o in ops])
-                    t2 = time.perf_counter()
-                    if rc != 0:
-                        raise RuntimeError(f"raw mooncake write failed ({rc})")
-                times.append((t2 - t1) * 1e3)
-                prep.append((t1 - t0) * 1e3)
-        times, prep = times[1:], prep[1:]
-        ms = statistics.median(times)
-        out = {"num_tokens": num_tokens, "nbytes": nbytes, "num_ops": len(ops), "raw_ms": ms, "raw_ms_all": times,
-               "prepare_ms": statistics.median(prep), "gbps": nbytes / ms / 1e6}
-        if target.transport == "nixl":
-            out.update(self._product_write(transport, target, ops, repeats))
-            out.update({f"handoff_write_{k}": v for k, v in handoff_write.items()})
-        return out
-
-    def _product_write(self, transport, target, ops, repeats: int) -> dict:
-        """The product's ``transport.write`` for the same ops, timed whole: on this thread with its
-        kept handle (as a repeated handoff), without it (each write prepares and releases its
-        request), and on a fresh thread (as a sender thread that never made its GPU current)."""
-        def timed(n: int, drop: bool) -> list[float]:
-            ts = []
-            for _ in range(n):
-                if drop:
-                    with transport._lock:
-                        transport._drop_xfers(target.endpoint)
-                t0 = time.perf_counter()
-                transport.write(target.endpoint, ops, target.nixl_metadata_b64, timeout_s=30)
-                ts.append((time.perf_counter() - t0) * 1e3)
-            return ts
-
-        out: dict = {}
-        with self.lock:
-            timed(1, False)
-            out["write_ms_kept"] = statistics.median(timed(repeats, False))
-            out["write_ms_new"] = statistics.median(timed(repeats, True))
-            # After an idle spell (as a handoff's write is), bare and after a prewarm write 1 ms
-            # before (the sender's prewarm while the staging copies run).
-            from services.prefill.sender import PREWARM_BYTES
-
-            tiny = [(ops[0][0], ops[0][1], min(ops[0][2], PREWARM_BYTES))]
-            cold, warmed = [], []
-            for i in range(2 * repeats):
-                time.sleep(0.05)
-                if i % 2:
-                    transport.write(target.endpoint, tiny, target.nixl_metadata_b64, timeout_s=30)
-                    t1 = time.perf_counter()
-                    while time.perf_counter() - t1 < 1e-3:
-                        pass
-                (warmed if i % 2 else cold).append(timed(1, False)[0])
-            out["write_ms_cold"], out["write_ms_cold_prewarmed"] = statistics.median(cold), statistics.median(warmed)
-            box: list = []
-            th = threading.Thread(target=lambda: box.append(timed(repeats + 1, False)[1:]))
-            th.start()
-            th.join(60)
-            if box:
-                out["write_ms_fresh_thread"] = statistics.median(box[0])
-        return out
-
-
-def standin_main(args) -> int:
-    import uvicorn
-    from fastapi import FastAPI
-    from fastapi.responses import JSONResponse, StreamingResponse
-
-    s = StandIn(args)
-    app = FastAPI()
-    name = s.model_dir.name
-
-    @app.get("/health")
-    async def health():
-        return {"ok": True}
-
-    @app.get("/v1/models")
-    async def models():
-        return {"object": "list", "data": [{"id": name, "object": "model", "root": str(s.model_dir),
-                                            "max_model_len": s.max_len}]}
-
-    @app.post("/v1/completions")
-    async def completions(req: Request):
-        body = await req.json()
-        prompt = body["prompt"]
-        if not (isinstance(prompt, list) and all(isinstance(x, int) for x in prompt)):
-            return JSONResponse({"error": {"message": "the stand-in takes token ids"}}, status_code=400)
-        params = (body.get("kv_transfer_params") or {})
-        first, _ = await asyncio.to_thread(s.prefill_and_hand_off, prompt, params)
-        choice = {"index": 0, "text": "", "token_ids": [first], "finish_reason": "length",
-                  "prompt_token_ids": prompt}
-        rid = f"cmpl-{uuid.uuid4().hex[:12]}"
-        if body.get("stream"):
-            async def gen():
-                yield "data: " + json.dumps({"id": rid, "object": "text_completion", "model": name,
-                                             "choices": [choice]}) + "\n\n"
-                yield "data: [DONE]\n\n"
-            return StreamingResponse(gen(), media_type="text/event-stream")
-        return {"id": rid, "object": "text_completion", "model": name, "choices": [choice],
-                "usage": {"prompt_tokens": len(prompt), "completion_tokens": 1, "total_tokens": len(prompt) + 1}}
-
-    @app.get("/bench/last")
-    async def last():
-        return s.last
-
-    @app.post("/bench/alone")
-    async def alone(req: Request):
-        body = await req.json()
-        return await asyncio.to_thread(s.alone, body["prompt"], body["max_tokens"])
-
-    @app.post("/bench/raw")
-    async def raw(req: Request):
-        body = await req.json()
-        return await asyncio.to_thread(s.raw_write, body["num_tokens"], body.get("repeats", 5))
-
-    uvicorn.run(app, host="127.0.0.1", port=args.port, log_level="warning")
-    return 0
-
+# tests/fixtures/prefill_standin.py: the engine's prefill into vLLM's KV layouts and the connector's worker
 
 # ---------------------------------------------------------------- the orchestrator
 
@@ -856,14 +533,7 @@ async def orchestrate(args) -> int:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd")
-    s = sub.add_parser("standin", help="(internal) the prefill stand-in server")
-    s.add_argument("--model", required=True)
-    s.add_argument("--port", type=int, required=True)
-    s.add_argument("--nats-url", required=True)
-    s.add_argument("--device", default="cuda")
-    s.add_argument("--max-seq-len", type=int, required=True)
-    s.add_argument("--transport", default="nixl")
-    s.add_argument("--fast-path", default="on")
+    standin_args(sub.add_parser("standin", help="(internal) the prefill stand-in server"))
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     p.add_argument("--families", default="llama8b,dsv2lite")
     p.add_argument("--tiny", action="store_true", help="tiny shapes (the CPU smoke run)")
