@@ -144,6 +144,7 @@ def _hand_over(engine: Engine, path: Path, n: int, kv_cache_dtype: str, glm: boo
     vllm_config = SimpleNamespace(
         model_config=SimpleNamespace(hf_text_config=AutoConfig.from_pretrained(path), use_mla=True,
                                      max_model_len=MAX_SEQ_LEN, dtype=torch.bfloat16),
+        cache_config=SimpleNamespace(cache_dtype=kv_cache_dtype),  # vLLM's --kv-cache-dtype, canonicalized
         compilation_config=SimpleNamespace(static_forward_context=ctx), parallel_config=None)
     groups = [SimpleNamespace(layer_names=[k for k in caches if k.endswith(".attn")],
                               kv_cache_spec=SimpleNamespace(block_size=twin.BLOCK_SIZE)),
@@ -251,6 +252,7 @@ def test_a_slot_layer_without_an_indexer_cache_is_refused(checkpoint, nats_url, 
     vllm_config = SimpleNamespace(
         model_config=SimpleNamespace(hf_text_config=AutoConfig.from_pretrained(path), use_mla=True,
                                      max_model_len=MAX_SEQ_LEN, dtype=torch.bfloat16),
+        cache_config=SimpleNamespace(cache_dtype="auto"),
         compilation_config=SimpleNamespace(static_forward_context=ctx), parallel_config=None)
     config = ExpressConfig(nats_url=nats_url, staging_slots=1, stats_path=str(tmp_path / "stats"))
     worker = ExpressWorker(config, vllm_config, SimpleNamespace(kv_cache_groups=[]), "dsa-refused")
