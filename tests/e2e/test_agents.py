@@ -112,6 +112,9 @@ def _full(resp) -> dict:
             "finish_reason": resp.choices[0].finish_reason}
 
 
+THINK_START = "<think>"
+
+
 def _streamed(stream) -> dict:
     """Reassemble a chat stream: content, reasoning and tool calls from their deltas."""
     content, reasoning, calls, finish = "", "", {}, None
@@ -125,6 +128,11 @@ def _streamed(stream) -> dict:
                 call["name"] += (tc.function.name or "") if tc.function else ""
                 call["arguments"] += (tc.function.arguments or "") if tc.function else ""
             finish = choice.finish_reason or finish
+    # vLLM's own stream puts the start-of-thinking tag into the reasoning text when one of its chunks
+    # carries that token together with the next ones, which happens when its engine outruns its API
+    # server (so, on the host's speed); streamed one token a chunk, as the express lane streams, the
+    # tag is not reasoning. The tag is left out of both sides.
+    reasoning = reasoning.removeprefix(THINK_START)
     return {"content": content or None, "reasoning": reasoning or None,
             "tool_calls": [(c["name"], json.loads(c["arguments"])) for _, c in sorted(calls.items())],
             "finish_reason": finish}
