@@ -62,9 +62,12 @@ def kv_cache_dtypes_pair(cache_dtype: str, layout: KvLayoutSpec) -> bool:
     into the slot's dtype, so every cache dtype pairs."""
     if layout.kind == "mla":
         return True
-    if cache_dtype in ("float16", "bfloat16"):  # a cache in that dtype, whatever the model's
-        return layout.dtype == cache_dtype
-    return {"fp8": "fp8_e4m3"}.get(cache_dtype, cache_dtype) == kv_cache_dtype_flag(layout.dtype)
+    if cache_dtype == "auto":  # the model dtype, which the sender compares
+        return layout.dtype not in FP8_DTYPES
+    try:
+        return kv_dtype_for_cache(cache_dtype, "") == layout.dtype
+    except ValueError:
+        return False
 
 
 @dataclass(frozen=True)

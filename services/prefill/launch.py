@@ -97,25 +97,18 @@ CPU_INLINE_ARGS = ("--distributed-executor-backend", "uni")
 CPU_INLINE_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 
-def _flag_value(args: list[str], names: tuple[str, ...]) -> str | None:
-    for i, arg in enumerate(args):
-        for name in names:
-            if arg == name and i + 1 < len(args):
-                return args[i + 1]
-            if arg.startswith(name + "="):
-                return arg.split("=", 1)[1]
-    return None
-
-
 def cpu_worker_inline(vllm_args: list[str] | tuple[str, ...]) -> bool:
     """Whether a CPU vLLM with these arguments runs its one worker inside the engine process: yes
-    unless they ask for more than one worker or choose the executor themselves."""
+    unless they ask for more than one worker or choose the executor themselves (each flag's last
+    value, as vLLM reads it: infra.vllm_flags.value)."""
+    from infra.vllm_flags import value
+
     args = list(vllm_args)
-    if _flag_value(args, ("--distributed-executor-backend",)) is not None:
+    if value(args, "--distributed-executor-backend"):
         return False
     for long, short in _PARALLEL_FLAGS.items():
-        value = _flag_value(args, (long, short))
-        if value is not None and value.strip() != "1":
+        size = value(args, long) or value(args, short)
+        if size and size.strip() != "1":
             return False
     return True
 

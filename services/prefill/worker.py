@@ -85,13 +85,14 @@ class ExpressWorker:
         self.shape = self._kv_shape(len(rank))
         self.layers = self._indexer_caches_to_stage(self.layers, indexer)
         dtype = str(self.layers[0][1].dtype).removeprefix("torch.")
+        model_dtype = str(self.vllm_config.model_config.dtype).removeprefix("torch.")
         cache_dtype = self.vllm_config.cache_config.cache_dtype
         if self.shape.kind == "gqa" and cache_dtype != "auto":
             # vLLM's FP8 KV cache (uint8): staged as its bytes, in the layout's FP8 dtype
-            dtype = kv_dtype_for_cache(cache_dtype, str(self.vllm_config.model_config.dtype).removeprefix("torch."))
+            dtype = kv_dtype_for_cache(cache_dtype, model_dtype)
         if self.shape.kind == "mla" and dtype not in DTYPE_SIZES:
             # a quantized latent cache (fp8_ds_mla, fp8): its adapter stages it dequantized
-            dtype = str(self.vllm_config.model_config.dtype).removeprefix("torch.")
+            dtype = model_dtype
         self.spec = layout_spec(self.shape, dtype, self.max_tokens)
         self.segment_index = {(s.layer, s.name): i for i, s in enumerate(self.spec.segments)}
         # Staging on the KV cache's device: on a GPU the extraction is a device-to-device gather
