@@ -181,6 +181,10 @@ class ClaimRequest(Event, tag="claim"):
     # The prefill vLLM's --kv-cache-dtype (auto, fp8, fp8_e4m3, fp8_e5m2, ...): only a node whose slots
     # keep KV in that dtype is paired (shared.kvlayout.kv_cache_dtype_flag); "": not known, any node.
     kv_cache_dtype: str = ""
+    # Nodes where an earlier leg of this request failed (a migration's claim): never granted there,
+    # even while the coordinator still counts them live (a killed node is live until its heartbeats
+    # are missed, and the failed leg's slot is free again once the router cancels it).
+    exclude_nodes: list[str] = []
 
 
 class ClaimGranted(Event, tag="claim_granted"):

@@ -75,7 +75,7 @@ class NodeRegistry:
 
     def transport_for(self, node: Node, claim: ClaimRequest) -> str | None:
         info = node.info
-        if info is None or node.is_draining:
+        if info is None or node.is_draining or node.node_id in claim.exclude_nodes:
             return None
         if not serves(info.model, {claim.model, *claim.model_aliases}):
             return None

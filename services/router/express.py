@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -59,13 +59,15 @@ CLAIM_RETRY_S = 0.05  # between claims while no coordinator answers
 
 
 def claim_request(info: ModelInfo, request_id: str, *, num_prompt_tokens: int, max_tokens: int,
-                  wait_ms: int, tenant: str = "") -> ClaimRequest:
-    """The claim for one leg: the served name and the model's other names (shared.models), and the
-    prefill vLLM's KV cache dtype (only nodes keeping KV in it are paired)."""
+                  wait_ms: int, tenant: str = "", exclude_nodes: Iterable[str] = ()) -> ClaimRequest:
+    """The claim for one leg: the served name and the model's other names (shared.models), the
+    prefill vLLM's KV cache dtype (only nodes keeping KV in it are paired), and the nodes where an
+    earlier leg of the request failed (never paired again)."""
     return ClaimRequest(request_id=request_id, model=info.name,
                         model_aliases=sorted(info.aliases - {info.name}),
                         num_prompt_tokens=num_prompt_tokens, max_tokens=max_tokens, wait_ms=wait_ms,
-                        tenant=tenant, kv_cache_dtype=info.kv_cache_dtype)
+                        tenant=tenant, kv_cache_dtype=info.kv_cache_dtype,
+                        exclude_nodes=sorted(set(exclude_nodes)))
 
 
 def handoff_params(grant: ClaimGranted, traceparent: str = "") -> dict[str, Any]:
@@ -206,6 +208,7 @@ class ExpressStream:
         self._leg: _Leg | None = None
         self._first: TokenBatch | None = None
         self.num_migrations = 0
+        self.failed_nodes: set[str] = set()  # nodes where a leg of this request failed
         self.timings: dict[str, float] = {}
         self.first_leg_id = request_id  # a warm lease's own request id when one served
 
@@ -226,7 +229,8 @@ class ExpressStream:
                 # answered with the same lease.
                 left_ms = max(0, wait_ms - int((time.perf_counter() - t0) * 1000))
                 req = claim_request(self.info, leg_id, num_prompt_tokens=num_prompt,
-                                    max_tokens=max_tokens, wait_ms=left_ms, tenant=self._tenant)
+                                    max_tokens=max_tokens, wait_ms=left_ms, tenant=self._tenant,
+                                    exclude_nodes=self.failed_nodes)
                 try:
                     reply = await self.deps.bus.request(
                         subjects.CLAIM, req, ClaimReply, timeout_s=left_ms / 1000 + self.deps.cfg.claim_margin_s)
@@ -440,7 +444,9 @@ class ExpressStream:
                             return
                     return
                 except _LegFailed as exc:
-                    _log.warning("express_leg_failed", request_id=leg.id, error=str(exc))
+                    _log.warning("express_leg_failed", request_id=leg.id, node_id=leg.grant.node_id,
+                                 error=str(exc))
+                    self.failed_nodes.add(leg.grant.node_id)
                     self._cancel(leg, "migrating")
                     leg = None
                 if len(generated) >= self.max_tokens:

@@ -76,7 +76,7 @@ class Harness:
                                  num_prompt_tokens=args.get("prompt", 10), max_tokens=args.get("max", 10),
                                  wait_ms=args.get("wait", 1000), protocol_version=args.get("proto", 1),
                                  transports=args.get("transports", ["mooncake", "nixl"]),
-                                 kv_cache_dtype=args.get("kv", ""))
+                                 kv_cache_dtype=args.get("kv", ""), exclude_nodes=args.get("exclude", []))
             effects = c.on_claim(claim, f"inbox.{args['rid']}", t)
         elif op == "kv_ready":
             effects = c.on_kv_ready(KvReady(**self.report_args(**args), num_tokens=10,
@@ -291,6 +291,16 @@ CASES = {
         (1, "claim", {"rid": "r4", "kv": "fp8_e5m2", "model": "x"},
          {"reply": {"r4": ("rejected", "no_compatible_node", 250)}}),
         *finish("r1", 2), *finish("r2", 2),
+    ],
+    # a migration's claim is never paired with a node where the request's earlier leg failed, even
+    # while that node still counts as live and its slot is free again
+    "claim_excludes_nodes_where_the_request_failed": [
+        (0, "hb", {"node": "a"}, {}),
+        (0, "hb", {"node": "b"}, {}),
+        (1, "claim", {"rid": "r1", "exclude": ["a"]}, {"reply": {"r1": (G, "b", 0, 1)}}),
+        (1, "claim", {"rid": "r2", "exclude": ["a", "b"]},
+         {"reply": {"r2": ("rejected", "no_compatible_node", 250)}}),
+        *finish("r1", 2),
     ],
     "lease_timeout_keeps_slot_fenced_for_grace": [
         (0, "hb", {"free": (0,)}, {}),

@@ -273,6 +273,7 @@ async def test_node_failure_migrates_without_loss(harness, with_event):
     ids = [t for e in events[:-1] for c in e["choices"] for t in c.get("token_ids") or []]
     assert ids == world.answer[:10]
     assert [c.request_id.endswith("-m1") for c in world.claims] == [False, True]
+    assert [c.exclude_nodes for c in world.claims] == [[], ["n0"]]  # never back to the failed node
     assert world.starts[1].num_prompt_tokens == len(PROMPT_IDS) + 4
 
 
