@@ -18,12 +18,14 @@ from services.decode.engine import Engine
 from shared.bus import Bus
 from shared.events import KvFailed, KvReady, SamplingParams
 from tests.fixtures.prefill import Express
+from tests.fixtures.cpu_isa import VLLM_CPU_FP8_KV, needs_vllm_cpu_fp8_kv
 from tests.fixtures.vllm import Plain, vllm_greedy
 from tests.integration.test_prefill_kv import KvEvents, decode_layout, handoff_params, wait_all_free
 
 pytestmark = pytest.mark.vllm
 FP8 = ("--kv-cache-dtype", "fp8")
-VLLM_SERVERS = [Express("llama", vllm_args=FP8), Plain("llama", extra_args=FP8)]
+VLLM_SERVERS = [Express("llama")] + (  # the FP8 ones only where vLLM can run them
+    [Express("llama", vllm_args=FP8), Plain("llama", extra_args=FP8)] if VLLM_CPU_FP8_KV else [])
 MAX_TOKENS = 256
 PROMPT = [0] + [(17 * i + 5) % 700 + 5 for i in range(150)]  # 151 tokens: two CPU blocks of 128
 NUM_TOKENS = 16
@@ -53,6 +55,7 @@ async def _handoff(prefill, layout, bus, tmp_path) -> tuple[object, dict, bytes]
         await events.sub.unsubscribe()
 
 
+@needs_vllm_cpu_fp8_kv
 async def test_fp8_kv_handoff_decodes_vllms_tokens(express_vllm, vllm_servers, tiny_model, bus, tmp_path):
     torch.set_num_threads(1)
     prefill = express_vllm("llama", vllm_args=FP8)
@@ -76,12 +79,25 @@ async def test_fp8_kv_handoff_decodes_vllms_tokens(express_vllm, vllm_servers, t
     assert stats["free"] == stats["total"], stats
 
 
+@needs_vllm_cpu_fp8_kv
 async def test_a_slot_of_another_kv_dtype_is_refused_with_the_flag_to_change(express_vllm, bus, tmp_path):
     prefill = express_vllm("llama", vllm_args=FP8)
     layout = decode_layout(prefill.model_dir, "float32", with_mtp=False)
     event, _, raw = await _handoff(prefill, layout, bus, tmp_path)
     assert isinstance(event, KvFailed), event
     assert "prefill stages KV in fp8_e4m3" in event.reason and "decode --kv-cache-dtype fp8_e4m3" in event.reason
+    assert set(raw) == {0xEE}  # nothing written
+    stats = await wait_all_free(prefill)
+    assert stats["free"] == stats["total"], stats
+
+
+async def test_an_fp8_slot_behind_a_prefill_of_the_model_dtype_is_refused(express_vllm, bus, tmp_path):
+    """The other way round (and on any CPU): vLLM keeps its KV in the model dtype, the slot in FP8."""
+    prefill = express_vllm("llama")
+    layout = decode_layout(prefill.model_dir, "fp8_e4m3", with_mtp=False)
+    event, _, raw = await _handoff(prefill, layout, bus, tmp_path)
+    assert isinstance(event, KvFailed), event
+    assert "decode slot keeps fp8_e4m3" in event.reason and "vLLM --kv-cache-dtype fp8_e4m3" in event.reason
     assert set(raw) == {0xEE}  # nothing written
     stats = await wait_all_free(prefill)
     assert stats["free"] == stats["total"], stats

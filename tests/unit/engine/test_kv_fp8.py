@@ -24,6 +24,7 @@ from services.decode.engine import Engine
 from services.decode.engine.kvquant import checkpoint_scales, dequantize, quantize
 from shared.events import SamplingParams
 from shared.kvlayout import DTYPE_SIZES
+from tests.fixtures.cpu_isa import needs_vllm_cpu_fp8_kv
 
 PROMPT = [3, 17, 42, 99, 5, 250, 7, 12, 64, 31, 8, 2]
 FORMATS = [("fp8", "fp8_e4m3"), ("fp8_e4m3", "fp8_e4m3"), ("fp8_e5m2", "fp8_e5m2")]
@@ -33,12 +34,11 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).abs().max() / b.abs().max()).item()
 
 
+@needs_vllm_cpu_fp8_kv
 @pytest.mark.parametrize("fmt", ["fp8_e4m3", "fp8_e5m2"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_quantize_writes_vllm_cpu_cache_bytes(fmt, dtype):
     ops = pytest.importorskip("vllm._custom_ops")
-    if not torch.cpu._is_avx512_supported():
-        pytest.skip("vLLM's CPU FP8 KV cache needs AVX-512")
     t, h, d, b = 64, 2, 32, 32
     gen = torch.Generator().manual_seed(0)
     # magnitudes from E4M3's subnormals to past its max, signed zeros and underflow

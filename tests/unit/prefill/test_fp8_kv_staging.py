@@ -13,16 +13,17 @@ from services.prefill.layouts import CpuAmx, CpuVec
 from services.prefill.sender import layout_mismatch
 from services.prefill.staging import StagingPool
 from shared.kvlayout import KvShape, layout_spec
+from tests.fixtures.cpu_isa import needs_vllm_cpu_fp8_kv, skip_unless_vllm_isa
 
 SHAPE = KvShape(kind="gqa", num_layers=1, num_kv_heads=2, head_dim=32)
 
 
+@needs_vllm_cpu_fp8_kv
 @pytest.mark.parametrize("isa,adapter", [("vec", CpuVec), ("amx", CpuAmx)])
 @pytest.mark.parametrize("fmt", ["fp8_e4m3", "fp8_e5m2"])
 def test_cpu_adapters_stage_vllm_fp8_bytes_unchanged(fmt, isa, adapter):
     ops = pytest.importorskip("vllm._custom_ops")
-    if not torch.cpu._is_avx512_supported():
-        pytest.skip("vLLM's CPU FP8 KV cache needs AVX-512")
+    skip_unless_vllm_isa(isa)
     t, b, h, d = 40, 32, SHAPE.num_kv_heads, SHAPE.head_dim
     gen = torch.Generator().manual_seed(1)
     k, v = (torch.randn(2, t, h, d, generator=gen) * 4).bfloat16()

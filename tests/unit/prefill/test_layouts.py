@@ -8,6 +8,7 @@ import torch
 from services.prefill.layouts import (
     CpuAmx, CpuVec, FlashAttn, FlashInfer, MlaLatent, adapter_for,
 )
+from tests.fixtures.cpu_isa import skip_unless_vllm_isa, vllm_cpu_build, vllm_has_op
 
 NUM_BLOCKS, HEADS = 6, 2
 BLOCK_IDS = [4, 1, 3]  # out of order on purpose: the request's block table
@@ -46,6 +47,7 @@ CPU_CASES = [
 def test_cpu_attn_layouts_match_vllm_kernel(isa, dtype, block_size, head_dim, num_tokens, adapter):
     import vllm._custom_ops as ops  # the real CPU kernel that fills vLLM's cache
 
+    skip_unless_vllm_isa(isa)
     cache = torch.zeros(NUM_BLOCKS, HEADS, block_size, 2 * head_dim, dtype=dtype)
     view = cache.view(NUM_BLOCKS, HEADS, 2 * block_size, head_dim)
     key_cache, value_cache = view.chunk(2, dim=2)
@@ -61,6 +63,7 @@ def test_amx_is_not_the_vec_layout():
     """The two CPU layouts really differ, so picking the wrong adapter is caught."""
     import vllm._custom_ops as ops
 
+    skip_unless_vllm_isa("amx")
     cache = torch.zeros(NUM_BLOCKS, HEADS, 32, 128, dtype=torch.bfloat16)
     key_cache, value_cache = cache.view(NUM_BLOCKS, HEADS, 64, 64).chunk(2, dim=2)
     k, v = _kv(40, HEADS, 64, torch.bfloat16)
@@ -135,6 +138,8 @@ def test_mla_latent_and_rope_order(writer, dtype, block_size):
     if writer == "amx_mla":
         import vllm._custom_ops as ops
 
+        if not vllm_has_op("amx_mla_concat_and_cache"):
+            pytest.skip(f"vLLM's {vllm_cpu_build()} kernels have no AMX MLA cache writer on this CPU")
         ops.amx_mla_concat_and_cache(latent, k_pe_vllm, cache, slots)
     else:  # CPU_MLA's do_kv_cache_update and the GPU MLA caches: one row per token
         flat = cache.view(-1, rank + rope)
