@@ -20,6 +20,12 @@ from decode_gpu import capture  # bench/ is on sys.path when run as a script
 
 DSV2_LITE = dict(hidden=2048, layers=27, heads=16, r=512, nope=128, rope=64, v=128, experts=64, top_k=6,
                  moe_inter=1408, shared=2, dense_inter=10944, vocab=102400, eps=1e-6, scale=1.0)
+# DeepSeek-V3's layer shapes (q LoRA 1536, 256 experts top-8 in 8 groups of which 4 are kept, one shared
+# expert, routed scale 2.5), cut to one dense and two MoE layers (+ the MoE MTP layer): each MoE layer holds
+# 22.5 GB of experts, the full 61 layers need eight H200s
+DSV3_CUT = dict(hidden=7168, layers=3, heads=128, r=512, nope=128, rope=64, v=128, experts=256, top_k=8,
+                moe_inter=2048, shared=1, dense_inter=18432, vocab=129280, eps=1e-6, scale=2.5, q_lora=1536,
+                n_group=8, topk_group=4)
 
 
 def log(*a):
@@ -32,18 +38,23 @@ def build(X, s: dict, seed: int = 0):
     bf = torch.bfloat16
     out_scale = (2 * s["layers"]) ** -0.5
 
-    def w(*shape, sc=1.0):
-        return (torch.randn(*shape, device="cuda", dtype=bf, generator=g) * (sc * shape[-1] ** -0.5)).to(bf)
+    def w(*shape, sc=1.0):  # scaled in place: a V3 layer's experts are 22.5 GB, a scaled copy would not fit
+        return torch.randn(*shape, device="cuda", dtype=bf, generator=g).mul_(sc * shape[-1] ** -0.5)
 
     def nw(n):
         return (1 + 0.1 * torch.randn(n, device="cuda", generator=g)).to(bf)
 
     h, nh, r, nope, rope, v = s["hidden"], s["heads"], s["r"], s["nope"], s["rope"], s["v"]
     e, i, sh = s["experts"], s["moe_inter"], s["shared"]
+    ql = s.get("q_lora", 0)
 
     def layer(idx):
-        p = dict(attn_norm=nw(h), wq=w(nh * (nope + rope), h), wkv_a=w(r + rope, h), kv_a_norm=nw(r),
+        p = dict(attn_norm=nw(h), wkv_a=w(r + rope, h), kv_a_norm=nw(r),
                  w_uk=w(nh, nope, r), w_uv=w(nh, v, r), wo=w(h, nh * v, sc=out_scale), mlp_norm=nw(h))
+        if ql:
+            p.update(wq_a=w(ql, h), q_a_norm=nw(ql), wq_b=w(nh * (nope + rope), ql))
+        else:
+            p["wq"] = w(nh * (nope + rope), h)
         if idx == 0:
             p.update(w_gate_up=w(2 * s["dense_inter"], h), w_down=w(h, s["dense_inter"], sc=out_scale))
         else:
@@ -52,7 +63,8 @@ def build(X, s: dict, seed: int = 0):
                      shared_down=w(h, sh * i, sc=out_scale))
         return M.prepare_layer(p, i)
 
-    dims = M.MlaDims(h, nh, r, nope, rope, v, e, s["top_k"], i, sh, s["scale"], s["eps"], (nope + rope) ** -0.5)
+    dims = M.MlaDims(h, nh, r, nope, rope, v, e, s["top_k"], i, sh, s["scale"], s["eps"], (nope + rope) ** -0.5,
+                     q_lora_rank=ql, n_group=s.get("n_group", 1), topk_group=s.get("topk_group", 1))
     layers = [layer(k) for k in range(s["layers"])]
     embed = torch.randn(s["vocab"], h, device="cuda", dtype=bf, generator=g)
     mtp = M.MtpWeights(nw(h), nw(h), w(h, 2 * h), nw(h), w(s["vocab"], h), embed, layer(1))
@@ -62,7 +74,11 @@ def build(X, s: dict, seed: int = 0):
 def step_bytes(model, s: dict, ctx: int) -> dict:
     """Bytes one plain step must read, by part."""
     L, b = model.layers, 2
-    attn = sum((l.wqkv_a.numel() + l.w_uk.numel() + l.w_uv_t.numel() + l.wo.numel()) * b for l in L)
+
+    def q_b(l):  # q LoRA's second projection (absent without q LoRA)
+        return l.wq_b.numel() if l.wq_b is not None else 0
+
+    attn = sum((l.wqkv_a.numel() + q_b(l) + l.w_uk.numel() + l.w_uv_t.numel() + l.wo.numel()) * b for l in L)
     per_expert = 3 * s["hidden"] * s["moe_inter"] * b
     moe = [l for l in L if l.is_moe]
     routed = len(moe) * s["top_k"] * per_expert
@@ -72,7 +88,7 @@ def step_bytes(model, s: dict, ctx: int) -> dict:
     lm_head = model.lm_head.numel() * b
     kv = s["layers"] * ctx * (s["r"] + s["rope"]) * b
     mt = model.mtp
-    draft = (mt.eh_proj.numel() + mt.layer.wqkv_a.numel() + mt.layer.w_uk.numel() + mt.layer.w_uv_t.numel()
+    draft = (mt.eh_proj.numel() + mt.layer.wqkv_a.numel() + q_b(mt.layer) + mt.layer.w_uk.numel() + mt.layer.w_uv_t.numel()
              + mt.layer.wo.numel() + mt.layer.router.numel()) * b + (s["top_k"] + s["shared"]) * per_expert \
         + mt.head.numel() * b + ctx * (s["r"] + s["rope"]) * b
     total = attn + routed + shared + dense + router + lm_head + kv
@@ -335,5 +351,48 @@ def run_mla(X, R: dict, ctx: int = 1024) -> None:
         log(traceback.format_exc()[-1500:])
     log(f"  dsv2lite roofline {1e3 / roof_ms:.0f} tok/s ({by['total'] / 1e9:.2f} GB/step; draft "
         f"{by['mtp_draft'] / 1e9:.3f} GB = {by['mtp_draft'] / by['total']:.1%} of a step)")
+    del model, caches
+    torch.cuda.empty_cache()
+
+
+def run_dsv3(X, R: dict, ctx: int = 1024) -> None:
+    """DeepSeek-V3's layer shapes (DSV3_CUT) on the fast path: plain step against the bytes it reads, the
+    MTP spec steps, the per-kernel profile (``dsv3_shape_*``). The roofline counts what a plain step of
+    this cut reads; with 3 layers the lm_head is 28% of it (2% in the 61-layer model), so
+    ``dsv3_shape_layer_us`` (the MoE layer's share of the graph-timed pieces) is the figure that carries
+    over to the full model."""
+    s = DSV3_CUT
+    t0 = time.time()
+    model = build(X, s)
+    log(f"deepseek-v3-shaped model ({s['layers']} layers) built in {time.time() - t0:.1f} s")
+    mt = ctx + 1024
+    caches = [torch.randn(mt, s["r"] + s["rope"], device="cuda").to(torch.bfloat16) for _ in range(s["layers"] + 1)]
+    inv = 1.0 / (10000.0 ** (torch.arange(0, s["rope"], 2).float() / s["rope"]))
+    fr = torch.arange(mt, dtype=torch.float32)[:, None] * inv[None, :]
+    cos, sin = fr.cos(), fr.sin()
+    by = step_bytes(model, s, ctx)
+    R["dsv3_shape_config"] = {k: v for k, v in s.items()}
+    R["dsv3_shape_step_bytes"] = by
+    bw = R.get("copy_bw_TBps", 4.2)
+    roof_ms = by["total"] / (bw * 1e12) * 1e3
+    R["dsv3_shape_roofline_tok_s"] = 1e3 / roof_ms
+    try:
+        measure(X, model, caches, cos, sin, ctx, "dsv3_shape_", R)
+        R["dsv3_shape_frac_roofline"] = roof_ms / R["dsv3_shape_plain_ms"]
+        log(f"  dsv3 shape: plain {R['dsv3_shape_plain_ms']:.3f} ms, roofline {roof_ms:.3f} ms "
+            f"({by['total'] / 1e9:.2f} GB), {R['dsv3_shape_frac_roofline']:.3f} of it")
+    except Exception:
+        R["dsv3_shape_error"] = traceback.format_exc()[-1500:]
+        log(R["dsv3_shape_error"])
+    try:
+        breakdown(X, model, caches, cos, sin, ctx, "dsv3_shape_", R)
+        moe_us = R["dsv3_shape_pieces_us"].get("moe_block1")
+        if isinstance(moe_us, float):
+            per_layer_bytes = by["attention"] / s["layers"] \
+                + (by["routed_experts"] + by["shared_experts"] + by["router"]) / (s["layers"] - 1)
+            R["dsv3_shape_layer_us"] = moe_us
+            R["dsv3_shape_layer_frac_roofline"] = per_layer_bytes / (bw * 1e12) * 1e6 / moe_us
+    except Exception:
+        log(traceback.format_exc()[-1500:])
     del model, caches
     torch.cuda.empty_cache()

@@ -44,9 +44,14 @@ def _attn_split_kernel(q_ptr, q_pe_ptr, k_ptr, v_ptr, pos_ptr, part_o_ptr, part_
                        T: tl.constexpr, NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
                        GROUP: tl.constexpr, ROWS: tl.constexpr, D_MAIN: tl.constexpr, D_ROPE: tl.constexpr,
                        D_V: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
-                       DOT_F32: tl.constexpr, V_IS_K: tl.constexpr, V_CHUNKS: tl.constexpr, PDL: tl.constexpr):
-    # D_V is the width of this program's slice of the values: chunk program_id(2) of V_CHUNKS
-    kvh = tl.program_id(0)
+                       DOT_F32: tl.constexpr, V_IS_K: tl.constexpr, V_CHUNKS: tl.constexpr, PDL: tl.constexpr,
+                       HEAD_BLOCKS: tl.constexpr = 1):
+    # D_V is the width of this program's slice of the values: chunk program_id(2) of V_CHUNKS.
+    # program_id(0) = kv head * HEAD_BLOCKS + head block: each program takes GROUP / HEAD_BLOCKS of the
+    # group's query heads (MLA with 128 heads: all of them in one program would not fit shared memory)
+    kvh = tl.program_id(0) // HEAD_BLOCKS
+    GB: tl.constexpr = GROUP // HEAD_BLOCKS
+    hb = tl.program_id(0) % HEAD_BLOCKS
     split = tl.program_id(1)
     vchunk = tl.program_id(2) % V_CHUNKS
     D_V_ALL: tl.constexpr = D_V * V_CHUNKS
@@ -67,10 +72,10 @@ def _attn_split_kernel(q_ptr, q_pe_ptr, k_ptr, v_ptr, pos_ptr, part_o_ptr, part_
     start = split * chunk
     end = tl.minimum(start + chunk, seq_len)
 
-    r = tl.arange(0, ROWS)  # row = t * GROUP + g
-    t_of = r // GROUP
-    head = kvh * GROUP + (r % GROUP)
-    rvalid = r < T * GROUP
+    r = tl.arange(0, ROWS)  # row = t * GB + g: head g of this program's block of the group
+    t_of = r // GB
+    head = kvh * GROUP + hb * GB + (r % GB)
+    rvalid = r < T * GB
     q_row = q_ptr + t_of * stride_qt + head * stride_qh
     dm = tl.arange(0, D_MAIN)
     q = tl.load(q_row[:, None] + dm[None, :], mask=rvalid[:, None], other=0.0)
@@ -294,17 +299,37 @@ def _gqa_split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, part_o_ptr, part_ml_ptr, cou
             tl.store(out_ptr + (kvh * GROUP + g) * D + dm, o.to(out_ptr.dtype.element_ty))
 
 
+# A program's query tile is at most this many elements (rows x (d_main + d_rope)): DeepSeek-V2-Lite's
+# 4-token verify (64 rows of 576) compiles on an H100/H200; DeepSeek-V3's 128 heads in one program
+# (128 rows of 576, one token) ask for 282 KB of shared memory against 227 KB
+MAX_ROW_ELEMS = 64 * 576
+
+
+def head_blocks(group: int, num_tokens: int, d_qk: int, max_row_elems: int = MAX_ROW_ELEMS) -> int:
+    """Programs per (kv head, split) sharing the group's query heads: the fewest (a power of two that
+    divides the group) whose tile of rows (heads x tokens, at least 16) times ``d_qk`` fits
+    ``max_row_elems``; each reads the split's keys once (from L2 after the first). A tile is never
+    below 16 rows (the tensor-core dot's least), so heads are not spread further than that."""
+    hb = 1
+    while (triton.next_power_of_2(group // hb * num_tokens) * d_qk > max_row_elems
+           and group // hb * num_tokens > 16 and group % (2 * hb) == 0):
+        hb *= 2
+    return hb
+
+
 class DecodeAttention:
     """Preallocated split-K decode attention for one shape; ``__call__`` launches two kernels."""
 
     def __init__(self, *, num_q_heads: int, num_kv_heads: int, d_main: int, d_v: int, d_rope: int = 0,
                  num_tokens: int = 1, num_splits: int = 32, block_s: int = 32, sm_scale: float | None = None,
                  num_warps: int = 4, v_is_k: bool = False, v_chunks: int = 1, pdl: bool = False,
-                 device: torch.device | str = "cpu", max_batch: int = 1, one_launch: bool = True):
+                 device: torch.device | str = "cpu", max_batch: int = 1, one_launch: bool = True,
+                 max_row_elems: int = MAX_ROW_ELEMS):
         self.hq, self.hkv, self.num_tokens = num_q_heads, num_kv_heads, num_tokens
         self.d_main, self.d_v, self.d_rope = d_main, d_v, d_rope
         self.group = num_q_heads // num_kv_heads
-        self.rows = max(16, triton.next_power_of_2(self.group * num_tokens))
+        self.head_blocks = head_blocks(self.group, num_tokens, d_main + d_rope, max_row_elems)
+        self.rows = max(16, triton.next_power_of_2(self.group // self.head_blocks * num_tokens))
         self.num_splits, self.block_s, self.num_warps, self.v_is_k = num_splits, block_s, num_warps, v_is_k
         if v_is_k and (d_v != d_main or v_chunks != 1):
             raise ValueError("v_is_k needs d_v == d_main and one value chunk (MLA: values are the latent)")
@@ -320,7 +345,7 @@ class DecodeAttention:
         # GQA decode (one token, separate values, no rope part): one launch, the splits merged by the last
         # of them to finish (count: finished splits per batch row and kv head, back to 0 after each call)
         self.one_launch = (one_launch and num_tokens == 1 and not d_rope and not v_is_k and v_chunks == 1
-                           and d_main == d_v)
+                           and d_main == d_v and self.head_blocks == 1)
         self.count = torch.zeros(max_batch * num_kv_heads, dtype=torch.int32, device=device)
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, out: torch.Tensor,
@@ -335,8 +360,10 @@ class DecodeAttention:
         values in slot slot_ids[b] of k / v (slot strides stride_ks / stride_vs elements), out [B, T, Hq, D_V]."""
         sqh = stride_qh if stride_qh is not None else self.d_main
         sqt = stride_qt if stride_qt is not None else self.hq * self.d_main
-        if qk_norm is not None and (self.num_tokens != 1 or self.d_rope or self.v_is_k or self.v_chunks != 1):
-            raise ValueError("qk_norm runs with one query token, no rope part, separate values and one value chunk")
+        if qk_norm is not None and (self.num_tokens != 1 or self.d_rope or self.v_is_k or self.v_chunks != 1
+                                    or self.head_blocks != 1):
+            raise ValueError("qk_norm runs with one query token, no rope part, separate values, one value chunk "
+                             "and one head block")
         qn, kn, qk_eps, cos, sin = qk_norm if qk_norm is not None else (q, q, 0.0, q, q)
         batch = 1 if slot_ids is None else slot_ids.shape[0]
         if batch > self.max_batch:
@@ -350,14 +377,14 @@ class DecodeAttention:
                 BLOCK_S=self.block_s, DOT_F32=interpreting(), PDL=self.pdl, num_warps=self.num_warps,
                 **launch_opts(self.pdl))
             return out
-        _attn_split_kernel[(self.hkv, self.num_splits, self.v_chunks * batch)](
+        _attn_split_kernel[(self.hkv * self.head_blocks, self.num_splits, self.v_chunks * batch)](
             q, q_pe if q_pe is not None else q, k, v, pos, self.part_o, self.part_ml, self.sm_scale, sqt, sqh,
             stride_kt, stride_vt, rope_offset, qn, kn, cos, sin, qk_eps, slot_ids if slot_ids is not None else pos,
             stride_ks, stride_vs, self.num_tokens * sqt, QK_NORM=qk_norm is not None, BATCH=slot_ids is not None,
             T=self.num_tokens, NUM_Q_HEADS=self.hq, NUM_KV_HEADS=self.hkv, GROUP=self.group, ROWS=self.rows,
             D_MAIN=self.d_main, D_ROPE=self.d_rope, D_V=self.d_v // self.v_chunks, NUM_SPLITS=self.num_splits,
             BLOCK_S=self.block_s, DOT_F32=interpreting(), V_IS_K=self.v_is_k, V_CHUNKS=self.v_chunks, PDL=self.pdl,
-            num_warps=self.num_warps, **launch_opts(self.pdl))
+            HEAD_BLOCKS=self.head_blocks, num_warps=self.num_warps, **launch_opts(self.pdl))
         _attn_combine_kernel[(batch * self.num_tokens * self.hq,)](
             self.part_o, self.part_ml, out, NUM_SPLITS=self.num_splits,
             D_V=self.d_v, PDL=self.pdl, num_warps=4, **launch_opts(self.pdl))
