@@ -17,7 +17,13 @@ DSA_ARCHS = ("deepseek_v32", "glm_moe_dsa")
 VOCAB = 256
 
 
-def make_config(arch: str):
+def make_config(arch: str, **overrides):
+    """``arch``'s tiny config; ``overrides``: config fields set on top of it (e.g. a smaller hidden size)."""
+    cfg = _make_config(arch)
+    return type(cfg).from_dict({**cfg.to_dict(), **overrides}) if overrides else cfg
+
+
+def _make_config(arch: str):
     import transformers as tf
 
     small = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -104,14 +110,15 @@ def _mtp_tensors(cfg, main: dict[str, torch.Tensor], seed: int) -> dict[str, tor
     return out
 
 
-def save_checkpoint(arch: str, path: Path, seed: int = 0, damp: bool | None = None):
+def save_checkpoint(arch: str, path: Path, seed: int = 0, damp: bool | None = None, **overrides):
     """Write a random checkpoint of ``arch`` to ``path``; returns the HF model (float32, eval).
 
-    ``damp`` (default: DeepSeek-V3 only) makes it a near-bigram model (see _damp_blocks)."""
+    ``damp`` (default: DeepSeek-V3 only) makes it a near-bigram model (see _damp_blocks); ``overrides``:
+    config fields set on top of ``arch``'s (make_config)."""
     import transformers as tf
 
     torch.manual_seed(seed)
-    cfg = make_config(arch)
+    cfg = make_config(arch, **overrides)
     model = tf.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
     _randomize(model, seed)
     if arch.startswith(MLA_ARCHS) if damp is None else damp:

@@ -1,11 +1,12 @@
 """Sampled requests on the DeepSeek-family fast path, its Triton kernels interpreted on CPU.
 
-A bfloat16 DeepSeek-V2-Lite-like tiny model: seeded sampled requests (a few parameter mixes, penalties
-and bad words included) decode on ``Engine(fast_path="on")``'s fast path (the sampling kernels of
-cuda/sampling.py after the MTP decoder's lm_head) with the tokens of ``Engine(fast_path="off")``'s
-reference step for the same seed; unseeded requests differ; plain greedy requests keep the argmax
-graph. On an engine with MTP drafts a sampled request with drafts takes the reference step (its
-reason says so) and one with ``num_speculative_tokens=0`` samples on the fast path.
+A bfloat16 DeepSeek-V2-Lite-like tiny model (the shapes of test_engine_fast_path_mla.SMALL): seeded
+sampled requests (a few parameter mixes, penalties and bad words included) decode on
+``Engine(fast_path="on")``'s fast path (the sampling kernels of cuda/sampling.py after the MTP decoder's
+lm_head) with the tokens of ``Engine(fast_path="off")``'s reference step for the same seed; unseeded
+requests differ; plain greedy requests keep the argmax graph. On an engine with MTP drafts a sampled
+request with drafts takes the reference step (its reason says so) and one with
+``num_speculative_tokens=0`` samples on the fast path.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from services.decode.engine import Engine
 from services.decode.engine.cuda import sampling as K
 from shared.events import SamplingParams
 from tests.unit.engine.hf_models import save_checkpoint
+from tests.unit.engine_cuda.test_engine_fast_path_mla import SMALL
 
 PROMPT = [0, 17, 42, 99, 3, 250, 7]
 
@@ -31,7 +33,7 @@ CASES = [
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     path = tmp_path_factory.mktemp("fast-engine-mla-sampling")
-    save_checkpoint("deepseek_v3_lite", path)
+    save_checkpoint("deepseek_v3_lite", path, **SMALL)
     return path
 
 
@@ -74,7 +76,7 @@ def test_greedy_keeps_the_argmax_graph_and_unseeded_requests_differ(fast, monkey
     calls = []
     finish = K.FastSampler.finish
     monkeypatch.setattr(K.FastSampler, "finish", lambda self, *a, **kw: (calls.append(1), finish(self, *a, **kw)))
-    _, paths, reason = run(fast, SamplingParams(max_tokens=4, ignore_eos=True))
+    _, paths, reason = run(fast, SamplingParams(max_tokens=2, ignore_eos=True))
     assert paths == {"fast"} and reason is None and calls == []  # the decoder's own greedy pick
     unseeded = SamplingParams(max_tokens=6, temperature=1.5, ignore_eos=True)
     a, b = run(fast, unseeded), run(fast, unseeded)

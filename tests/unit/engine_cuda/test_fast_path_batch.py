@@ -12,6 +12,8 @@ the one-token GEMV per row.
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -22,8 +24,10 @@ from shared.events import SamplingParams
 from tests.unit.engine.hf_models import save_checkpoint
 from tests.unit.engine_cuda.test_fast_path_families import _close, _gen, _rand, _tables, tiny_model
 
-BATCH_TILES = {"qkv": (16, 32, 4, 1), "o": (16, 32, 4, 1), "gate_up": (16, 32, 4, 1), "down": (16, 32, 4, 1),
-               "lm_head": (16, 32, 4, 1)}
+# 32 x 32 tiles: every GEMV of the tiny model spans several blocks along N and K (the lm_head's last block
+# masked: 100 rows); the QKV tile's pairs of 16 rows divide head_dim / 2 at d 32 only: rope in its epilogue there
+BATCH_TILES = {"qkv": (32, 32, 4, 1), "o": (32, 32, 4, 1), "gate_up": (32, 32, 4, 1), "down": (32, 32, 4, 1),
+               "lm_head": (32, 32, 4, 1)}
 
 
 @pytest.mark.parametrize("bias, o_bias, qk_norm, d", [(False, False, False, 16), (True, True, False, 16),
@@ -32,15 +36,15 @@ BATCH_TILES = {"qkv": (16, 32, 4, 1), "o": (16, 32, 4, 1), "gate_up": (16, 32, 4
                          ids=["llama", "qkv + o bias", "qwen3 q/k norm", "llama, rope in the qkv epilogue",
                               "qkv bias, rope in the qkv epilogue"])
 def test_batch_decoder_rows_follow_the_reference_step_each_in_its_own_slot(bias, o_bias, qk_norm, d):
-    m, n, steps, num_slots = tiny_model(bias, o_bias, qk_norm, d=d), 40, 3, 3
+    m, n, steps, num_slots = tiny_model(bias, o_bias, qk_norm, d=d), 40, 2, 3  # step 2 feeds step 1's tokens
     g = _gen(1)
     kc = [_rand(g, num_slots + 1, n, 2, d) for _ in m.layers]
     vc = [_rand(g, num_slots + 1, n, 2, d) for _ in m.layers]
     kr, vr = [k.clone() for k in kc], [v.clone() for v in vc]
     cos, sin = _tables(n, d)
-    tiles = dict(BATCH_TILES, qkv=(32, 32, 4, 1)) if d == 32 else BATCH_TILES  # pairs of 16 rows: fused rope
-    # d 32: also the one-launch attention (each row's kv heads merged by their last split)
-    opts = FastOptions(batch_tiles=tiles, num_splits=4, block_s=16, attn_one_launch=d == 32)
+    # 2 splits of 16-row blocks: row 1 (5 keys) leaves its second split empty, row 2 (33+) puts two blocks in its
+    # first; d 32: also the one-launch attention (each row's kv heads merged by their last split)
+    opts = FastOptions(batch_tiles=BATCH_TILES, num_splits=2, block_s=16, attn_one_launch=d == 32)
     dec = GqaBatchDecoder(m, kc, vc, cos, sin, batch=4, options=opts, max_steps=8)
     assert dec.fused_rope == (d == 32) and dec.attn.one_launch == (d == 32)
     rows = [(2, 3, 20), (0, 7, 5), (1, 11, 33)]  # (slot, token, context length); row 3 is padding
@@ -84,12 +88,14 @@ OPTIONS = FastOptions(tiles={"qkv": (8, 64, 4, 1), "o": (64, 64, 4, 1), "gate_up
                                    "down": (64, 128, 4, 1), "lm_head": (256, 64, 4, 1)}, num_splits=2, block_s=32)
 PROMPTS = {0: [0, 17, 42, 99, 3, 250, 7], 1: [0, 88, 2, 150], 2: [0, 5, 9, 33, 61, 200, 11, 14, 90, 3, 8, 60, 2],
            3: [0, 31, 4]}
+# max_tokens 7, 3, 5, 2: at one token a step 4, 4, 3, 2, 2, 1, 1 slots decode together, at three a step 4, 2, 1
+# (both batch sizes, 4 and 2, taken); slot 2 has tokens left after 2 steps alone (the run-ahead tests)
 REQUESTS = {
-    0: SamplingParams(max_tokens=9, ignore_eos=True),
-    1: SamplingParams(max_tokens=7, temperature=0.9, top_k=50, top_p=0.9, seed=11, ignore_eos=True),
-    2: SamplingParams(max_tokens=8, temperature=1.2, presence_penalty=1.0, repetition_penalty=1.3,
+    0: SamplingParams(max_tokens=7, ignore_eos=True),
+    1: SamplingParams(max_tokens=3, temperature=0.9, top_k=50, top_p=0.9, seed=11, ignore_eos=True),
+    2: SamplingParams(max_tokens=5, temperature=1.2, presence_penalty=1.0, repetition_penalty=1.3,
                       bad_words_token_ids=[[200], [42, 43]], seed=5, ignore_eos=True),
-    3: SamplingParams(max_tokens=6, temperature=0.0, repetition_penalty=1.8, ignore_eos=True),
+    3: SamplingParams(max_tokens=2, temperature=0.0, repetition_penalty=1.8, ignore_eos=True),
 }
 
 
@@ -179,7 +185,8 @@ def test_a_batch_runs_its_next_step_ahead_while_its_slots_continue(checkpoint, a
             if out.finish_reason is not None:
                 engine.release(slot)
     assert got == {slot: alone[slot] for slot in (0, 1)}
-    # slot 1 (7 tokens) runs with slot 0 for 6 steps, most continuing the one before; then slot 0 alone
+    # slot 1 (3 tokens) runs with slot 0 for 3 steps, the last 2 continuing the one before; then slot 0 alone
+    # (4 steps, the last 3 continuing)
     assert engine.fast_path.ahead_kept >= 5 and engine.fast_path.ahead_dropped <= 1
 
 
@@ -235,14 +242,35 @@ def test_a_batch_with_a_request_the_fast_path_cannot_serve_takes_the_reference_s
     assert got[0] == alone[0]
 
 
-@pytest.mark.parametrize("mode", [0, 1, 2])
-@pytest.mark.parametrize("rows", [1, 3, 8])
-def test_rows_gemv_modes_equal_the_one_token_gemv_per_row(mode, rows):
+@functools.cache
+def _one_token_rows(rows: int) -> tuple:
+    """The rows_gemv test's inputs for ``rows`` rows and, per row, the one-token GEMV's outputs it must
+    equal (plain with a norm, SiLU with a norm, plain on the first 40 rows with a residual): computed once
+    per row count, as they do not depend on the mode under test."""
     from services.decode.engine.cuda import gemv
-    from services.decode.engine.cuda.batch import rows_gemv
 
     g = _gen(4)
     x, w, nw, res = _rand(g, rows, 96), _rand(g, 2 * 40, 96, std=0.1), (1 + 0.1 * _rand(g, 96)), _rand(g, rows, 40)
+    plain, silu, residual = [], [], []
+    for r in range(rows):
+        one = torch.empty(80, dtype=torch.bfloat16)
+        gemv.gemv(x[r], w, one, norm_w=nw, eps=1e-5, block_n=8, block_k=32)
+        plain.append(one)
+        one = torch.empty(40, dtype=torch.bfloat16)
+        gemv.gemv_silu(x[r], w, one, norm_w=nw, eps=1e-5, block_n=8, block_k=32)
+        silu.append(one)
+        one = torch.empty(40, dtype=torch.bfloat16)
+        gemv.gemv(x[r], w[:40], one, residual=res[r], block_n=8, block_k=32)
+        residual.append(one)
+    return (x, w, nw, res), (plain, silu, residual)
+
+
+@pytest.mark.parametrize("mode", [0, 1, 2])
+@pytest.mark.parametrize("rows", [1, 3, 8])
+def test_rows_gemv_modes_equal_the_one_token_gemv_per_row(mode, rows):
+    from services.decode.engine.cuda.batch import rows_gemv
+
+    (x, w, nw, res), (plain, silu_rows, residual) = _one_token_rows(rows)
     kw = dict(block_n=16, block_k=32, stages=1, mode=mode)
     for silu in (False, True):
         out = torch.full((rows, 40 if silu else 80), float("nan"), dtype=torch.bfloat16)
@@ -251,18 +279,11 @@ def test_rows_gemv_modes_equal_the_one_token_gemv_per_row(mode, rows):
         else:
             rows_gemv(x, w, out, norm_w=nw, eps=1e-5, **kw)
         for r in range(rows):
-            one = torch.empty(out.shape[1], dtype=torch.bfloat16)
-            if silu:
-                gemv.gemv_silu(x[r], w, one, norm_w=nw, eps=1e-5, block_n=8, block_k=32)
-            else:
-                gemv.gemv(x[r], w, one, norm_w=nw, eps=1e-5, block_n=8, block_k=32)
-            _close(out[r], one, 1e-2)
+            _close(out[r], (silu_rows if silu else plain)[r], 1e-2)
     out = res.clone()
     rows_gemv(x, w[:40], out, residual=out, **kw)
     for r in range(rows):
-        one = torch.empty(40, dtype=torch.bfloat16)
-        gemv.gemv(x[r], w[:40], one, residual=res[r], block_n=8, block_k=32)
-        _close(out[r], one, 1e-2)
+        _close(out[r], residual[r], 1e-2)
 
 
 @pytest.mark.parametrize("variant", ["qwen2", "qwen3"])
@@ -270,7 +291,7 @@ def test_qwen_slots_decode_together_with_their_tokens_alone(tmp_path, variant):
     save_checkpoint(variant, tmp_path, damp=True)
     engine = Engine.load(tmp_path, num_slots=2, max_seq_len=32, dtype="bfloat16", fast_path="on",
                          fast_path_options=OPTIONS)
-    greedy = SamplingParams(max_tokens=5, ignore_eos=True)
+    greedy = SamplingParams(max_tokens=3, ignore_eos=True)  # 3 batched steps: each feeds the next its tokens
     alone = {}
     for slot in (0, 1):
         alone[slot] = [int(engine.prefill(slot, PROMPTS[slot]).argmax())]

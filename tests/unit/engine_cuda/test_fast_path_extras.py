@@ -172,8 +172,8 @@ OTHER = [0, 88, 2, 150]
 
 @pytest.mark.parametrize("first_sp, second_sp", [
     (SamplingParams(max_tokens=12, structured=REGEX, logprobs=3), SamplingParams(max_tokens=6, ignore_eos=True)),
-    (SamplingParams(max_tokens=8, ignore_eos=True, logprobs=2),
-     SamplingParams(max_tokens=8, ignore_eos=True, temperature=1.0, seed=9)),
+    (SamplingParams(max_tokens=5, ignore_eos=True, logprobs=2),
+     SamplingParams(max_tokens=5, ignore_eos=True, temperature=1.0, seed=9)),
 ], ids=["grammar_lp_and_plain", "lp_and_sampled"])
 def test_extras_slots_decode_batched_on_the_fast_path_as_the_reference(reference, fast, first_sp, second_sp):
     want = run_pair(reference, first_sp, second_sp)

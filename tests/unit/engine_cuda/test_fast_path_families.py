@@ -118,7 +118,7 @@ def tiny_model(bias: bool, o_bias: bool, qk_norm: bool, d: int = 16) -> GqaModel
 @pytest.mark.parametrize("name", list(DECODERS))
 def test_decoder_follows_the_reference_step(name):
     bias, o_bias, qk_norm, backend, where = DECODERS[name]
-    m, n, ctx, steps, d = tiny_model(bias, o_bias, qk_norm), 40, 20, 4, 16
+    m, n, ctx, steps, d = tiny_model(bias, o_bias, qk_norm), 40, 20, 3, 16
     g = _gen(1)
     kc = [_rand(g, n, 2, d) for _ in m.layers]
     vc = [_rand(g, n, 2, d) for _ in m.layers]
@@ -230,9 +230,9 @@ def test_engine_decodes_every_llama_family_variant_on_the_fast_path(checkpoint, 
     loaded = {**vars(cfg), "rope_type": cfg.rope["rope_type"]}
     assert {k: loaded[k] for k in ENGINES[variant]} == ENGINES[variant]
     assert fast.fast_path_reason is None
-    expected, ref_paths = _greedy(ref, 6)
-    assert ref_paths == {"reference"} and len(expected) == 7
-    assert _greedy(fast, 6) == (expected, {"fast"})
+    expected, ref_paths = _greedy(ref, 4)
+    assert ref_paths == {"reference"} and len(expected) == 5
+    assert _greedy(fast, 4) == (expected, {"fast"})
     # one fast step over the engine's own prefill: logits within bf16 noise of the engine forward's
     m, first = fast.model, int(fast.prefill(0, PROMPT).argmax())
     want = m.logits(m(torch.tensor([[first]]), torch.tensor([[len(PROMPT)]]), torch.tensor([0])))[0, 0].float()

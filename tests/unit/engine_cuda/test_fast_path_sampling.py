@@ -180,7 +180,7 @@ def test_plain_greedy_keeps_the_argmax_graph_and_unseeded_requests_differ(checkp
     monkeypatch.setattr(K.FastSampler, "finish", lambda self, *a, **kw: (calls.append(1), finish(self, *a, **kw)))
     engine = load(checkpoint, "on", tokens_per_step=4)
     calls.clear()
-    run(engine, 0, PROMPT, SamplingParams(max_tokens=6, ignore_eos=True))
+    run(engine, 0, PROMPT, SamplingParams(max_tokens=4, ignore_eos=True))  # one step of 4 tokens
     assert calls == []  # greedy without processors: the decoder's own argmax
     unseeded = SamplingParams(max_tokens=8, temperature=1.5, ignore_eos=True)
     a, b = run(engine, 0, PROMPT, unseeded), run(engine, 0, PROMPT, unseeded)
