@@ -57,7 +57,14 @@ class ReceiverProcess:
         reader = threading.Thread(target=lambda: box.append(self.proc.stdout.readline()), daemon=True)
         reader.start()
         reader.join(timeout_s)
-        if not box or not box[0]:
+        if box and not box[0]:  # end of its output: it has exited or is exiting
+            try:
+                code = self.proc.wait(timeout=EXIT_WAIT_S)
+            except subprocess.TimeoutExpired:
+                code = None
+            raise RuntimeError(f"receiver (pid {self.proc.pid}) closed its output without answering (exit "
+                               f"code {code}); run python -m infra.receiver with the same arguments to see why")
+        if not box:
             raise RuntimeError(f"receiver (pid {self.proc.pid}) did not answer within {timeout_s} s")
         return box[0].strip()
 

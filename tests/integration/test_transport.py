@@ -117,3 +117,10 @@ def test_mooncake_both_write_paths_land(timeout_s, tmp_path):
         rx.close()
         t.unregister(src.ctypes.data)
         t.close()
+
+
+def test_receiver_that_cannot_start_says_it_exited():
+    """A receiver process that dies before its hello is reported at once with its exit code, not as a
+    receiver that did not answer in time."""
+    with pytest.raises(RuntimeError, match=r"closed its output without answering \(exit code 2\)"):
+        ReceiverProcess("no-such-transport", NBYTES, start_timeout_s=600)
