@@ -11,7 +11,7 @@ sequential streamed chat requests per lane (greedy, ``ignore_eos``, ``--gap-ms``
 not counted), as ``bench/e2e.py`` does, and reads every stack process's CPU time (user + system,
 ``/proc/PID/stat``) before and after each lane: the difference over the lane's requests is the CPU
 each service spent per request. Client-side TTFT, the first decode gap (first -> second token) and
-ITL p50 are printed beside it. Writes ``bench/results/stack_cpu-<time>.json``.
+ITL and TPOT p50 are printed beside it. Writes ``bench/results/stack_cpu-<time>.json``.
 
 Processes are found by their command lines (the stack's pids in stack.json, and vLLM's engine
 core, a child of the prefill whose pid stack.json does not name).
@@ -108,10 +108,12 @@ def summary(samples: list[dict]) -> dict:
     ttft = [s["ttft_ms"] for s in samples]
     gap1 = [s["itl_ms"][0] for s in samples if s["itl_ms"]]
     itl = [x for s in samples for x in s["itl_ms"][1:]]
+    tpot = [s["tpot_ms"] for s in samples if s["num_tokens"] > 1]
     q = statistics.quantiles(ttft, n=4) if len(ttft) > 1 else [ttft[0]] * 3
     return {"ttft_p50_ms": statistics.median(ttft), "ttft_p25_ms": q[0], "ttft_p75_ms": q[2],
             "first_gap_p50_ms": statistics.median(gap1) if gap1 else None,
-            "itl_p50_ms": statistics.median(itl) if itl else None, "lanes_served": sorted({s["lane"] for s in samples})}
+            "itl_p50_ms": statistics.median(itl) if itl else None,
+            "tpot_p50_ms": statistics.median(tpot) if tpot else None, "lanes_served": sorted({s["lane"] for s in samples})}
 
 
 async def main_async(args: argparse.Namespace) -> dict:
@@ -153,7 +155,8 @@ def main() -> int:
                         **source_state()}
     for lane, r in result["lanes"].items():
         print(f"{lane:10s} TTFT p50 {r['ttft_p50_ms']:6.2f} ms (p25 {r['ttft_p25_ms']:.2f}, p75 {r['ttft_p75_ms']:.2f})"
-              f"  first gap {r['first_gap_p50_ms'] or 0:5.2f}  ITL p50 {r['itl_p50_ms'] or 0:5.2f}")
+              f"  first gap {r['first_gap_p50_ms'] or 0:5.2f}  ITL p50 {r['itl_p50_ms'] or 0:5.2f}"
+              f"  TPOT p50 {r['tpot_p50_ms'] or 0:5.2f}")
         print("           CPU ms per request: " + ", ".join(f"{k} {v}" for k, v in r["cpu_ms_per_request"].items()))
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
     out = Path(args.out or ROOT / "bench" / "results" / f"stack_cpu-{stamp}.json")
