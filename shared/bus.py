@@ -97,6 +97,24 @@ class BusNoResponders(BusTimeout):
     """Nobody subscribes to the request's subject."""
 
 
+# How a server that refuses a TLS client's certificate shows at the client: under TLS 1.3 the
+# client's handshake completes before the server checks its certificate, so the refusal arrives
+# either as the server's alert (an ssl.SSLError) or, when the client writes first, as a dropped
+# connection; which one depends on timing.
+_DROPPED = (BrokenPipeError, ConnectionResetError, ConnectionAbortedError, ssl.SSLEOFError,
+            nats.errors.UnexpectedEOF)
+
+
+def client_verification_refused(errors: list[BaseException], server_info: dict, is_tls: bool
+                                ) -> BaseException | None:
+    """The error that shows a first connect refused for the client's certificate, or None: a TLS
+    client, a server whose INFO says it verifies clients (``tls_verify``), and a connection it
+    dropped (the TLS 1.3 race above)."""
+    if not (is_tls and server_info.get("tls_verify")):
+        return None
+    return next((e for e in errors if isinstance(e, _DROPPED)), None)
+
+
 def redact_url(url: str) -> str:
     """``url`` with any password replaced by ``***`` (for logs and errors)."""
     out = []
@@ -206,6 +224,16 @@ class Bus:
                     "--nats-tls-ca (the CA that signed the server's certificate) and the server's "
                     "TLS settings"
                 ) from tls_failure
+            dropped = client_verification_refused(seen, getattr(nc, "_server_info", None) or {}, auth.is_tls)
+            if dropped is not None:
+                what = ("check that --nats-tls-cert is signed by the CA the server trusts and matches "
+                        "--nats-tls-key" if auth.tls_cert else
+                        "give this service a client certificate signed by the CA the server trusts "
+                        "(--nats-tls-cert, --nats-tls-key)")
+                raise BusTlsError(
+                    f"nats-server at {redact_url(url)} verifies client certificates and closed the "
+                    f"connection after the TLS handshake ({dropped!r}): {what}"
+                ) from dropped
             raise BusUnavailable(
                 f"nats-server at {redact_url(url)} is not reachable: start it with "
                 "`expresslane nats` or set EXPRESSLANE_NATS_URL"
