@@ -13,8 +13,9 @@ not counted), as ``bench/e2e.py`` does, and reads every stack process's CPU time
 each service spent per request. Client-side TTFT, the first decode gap (first -> second token) and
 ITL and TPOT p50 are printed beside it. Writes ``bench/results/stack_cpu-<time>.json``.
 
-Processes are found by their command lines (the stack's pids in stack.json, and vLLM's engine
-core, a child of the prefill whose pid stack.json does not name).
+Each service runs in its own process group (stack.json names its leader; nats-server is found by
+its command line); a group's CPU is split into its leader and the rest (``prefill/child``: vLLM's
+engine core).
 """
 
 from __future__ import annotations
@@ -35,59 +36,35 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.e2e import one_stream, source_state  # noqa: E402
+from bench.e2e import one_stream, read_stack_file, source_state  # noqa: E402
+from infra.processes import group_cpu_s, process_cpu_s  # noqa: E402
 
 LANE_HEADERS = {"express": {"x-expresslane": "on"}, "standard": {"x-expresslane": "off"}}
 
 
-def cpu_ms(pid: int) -> float | None:
-    """User + system CPU time of a process (all its threads) in ms; None once it has gone."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return None
-    return (int(fields[11]) + int(fields[12])) * 1000 / os.sysconf("SC_CLK_TCK")
-
-
-def children(pid: int) -> list[int]:
-    out = []
-    for task in Path(f"/proc/{pid}/task").glob("*"):
+def stack_groups(stack: dict) -> dict[str, int]:
+    """service name -> its process group (each service is started in its own group, pgid == pid)."""
+    groups = {name: proc["pid"] for name, proc in stack["processes"].items() if proc.get("pid")}
+    for pid_dir in Path("/proc").glob("[0-9]*"):  # nats-server: not a process stack.json names
         try:
-            out += [int(c) for c in (task / "children").read_text().split()]
-        except OSError:
-            pass
-    return out
-
-
-def stack_processes(stack: dict) -> dict[int, str]:
-    """pid -> service name: the stack's processes and their descendants (vLLM's engine core)."""
-    found: dict[int, str] = {}
-    for name, proc in stack["processes"].items():
-        if proc.get("pid"):
-            todo = [proc["pid"]]
-            while todo:
-                pid = todo.pop()
-                if pid in found:
-                    continue
-                found[pid] = name if pid == proc["pid"] else f"{name}/child"
-                todo += children(pid)
-    nats = stack.get("nats_url", "")
-    for pid_dir in Path("/proc").glob("[0-9]*"):
-        try:
-            cmd = (pid_dir / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            cmd = (pid_dir / "cmdline").read_bytes().split(b"\0")[0]
+            leads = int(pid_dir.name) == os.getpgid(int(pid_dir.name))
         except OSError:
             continue
-        if "nats-server" in cmd and int(pid_dir.name) not in found and nats:
-            found[int(pid_dir.name)] = "nats-server"
-    return found
+        if cmd.endswith(b"nats-server") and leads:
+            groups.setdefault("nats-server", int(pid_dir.name))
+    return groups
 
 
-def cpu_by_service(procs: dict[int, str]) -> dict[str, float]:
+def cpu_by_service(groups: dict[str, int]) -> dict[str, float]:
+    """CPU ms per service: its whole group, and apart its leader and the rest (vLLM's engine core is
+    a child of the prefill's API server)."""
     out: dict[str, float] = {}
-    for pid, name in procs.items():
-        ms = cpu_ms(pid)
-        if ms is not None:
-            out[name] = out.get(name, 0.0) + ms
+    for name, pgid in groups.items():
+        total, leader = group_cpu_s(pgid) * 1000, (process_cpu_s(pgid) or 0.0) * 1000
+        out[name] = leader
+        if total - leader > 0:
+            out[f"{name}/child"] = total - leader
     return out
 
 
@@ -117,17 +94,15 @@ def summary(samples: list[dict]) -> dict:
 
 
 async def main_async(args: argparse.Namespace) -> dict:
-    stack = json.loads(Path(args.stack_file).read_text())
-    urls = {"router": stack["router_url"], "model": stack["model"],
-            "vllm": stack["processes"]["prefill"]["health_url"].removesuffix("/health")}
-    procs = stack_processes(stack)
+    urls = read_stack_file(Path(args.stack_file))
+    groups = stack_groups(json.loads(Path(args.stack_file).read_text()))
     result: dict = {"lanes": {}}
     async with httpx.AsyncClient(timeout=120) as client:
         for lane in args.lanes:
             await run_lane(client, urls, lane, 3, args.max_tokens, args.gap_ms / 1000)
-            before = cpu_by_service(procs)
+            before = cpu_by_service(groups)
             samples = await run_lane(client, urls, lane, args.requests, args.max_tokens, args.gap_ms / 1000)
-            after = cpu_by_service(procs)
+            after = cpu_by_service(groups)
             per_request = {name: round((after[name] - before.get(name, 0.0)) / args.requests, 2)
                            for name in after}
             result["lanes"][lane] = {**summary(samples), "cpu_ms_per_request": dict(

@@ -3,7 +3,8 @@
 Contract:
 - ``free_port()``: a TCP port on 127.0.0.1 that was free a moment ago; ``free_ports(n)``: n distinct ones.
 - ``group_alive(pgid)``: whether a live (not zombie) process is in the group.
-- ``group_cpu_s(pgid)``: CPU seconds (user + system) of the group's live processes.
+- ``group_cpu_s(pgid)``: CPU seconds (user + system) of the group's live processes;
+  ``process_cpu_s(pid)``: of one process (None once it has gone).
 - ``stop_process_groups(popens, grace_s)``: SIGTERM every group (started with
   ``start_new_session=True``, so pgid == pid) in reverse order, SIGKILL the groups still alive after
   ``grace_s``, wait up to ``kill_wait_s`` for them to go; returns the processes whose group needed
@@ -57,6 +58,16 @@ def group_cpu_s(pgid: int) -> float:
     # fields: state, ppid, pgrp, ..., utime (11), stime (12)
     ticks = sum(int(f[11]) + int(f[12]) for f in _proc_stats() if int(f[2]) == pgid)
     return ticks / os.sysconf("SC_CLK_TCK")
+
+
+def process_cpu_s(pid: int) -> float | None:
+    """CPU seconds (user + system) used so far by process ``pid`` (all its threads); None once gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _proc_stats():

@@ -63,7 +63,6 @@ class MooncakeTransport:
         self._engine = self._start_engine()
         self._written: set[str] = set()  # endpoints the current engine has written to
         self.engine_timeout_s = float(os.environ.get("MC_TRANSFER_TIMEOUT", "30") or 30)
-        self.endpoint = f"{host}:{self._engine.get_rpc_port()}"
         self._regions: dict[int, int] = {}
         self._lock = threading.Lock()
         self._closed = False
@@ -78,6 +77,11 @@ class MooncakeTransport:
         return engine
 
     @property
+    def endpoint(self) -> str:
+        """``host:port`` remote writers address (a receiver's engine never changes; see the module)."""
+        return f"{self._host}:{self._engine.get_rpc_port()}"
+
+    @property
     def transfer_engine(self):
         """The bare mooncake TransferEngine (a benchmark's baseline); transfers go through ``write``."""
         return self._engine
@@ -87,9 +91,7 @@ class MooncakeTransport:
         with self._lock:
             if addr in self._regions:
                 raise ValueError(f"region at {addr:#x} is already registered")
-            rc = self._engine.register_memory(addr, nbytes)
-            if rc != 0:
-                raise TransferError(f"mooncake register_memory({addr:#x}, {nbytes}) returned {rc}")
+            _register(self._engine, addr, nbytes)
             self._regions[addr] = nbytes
 
     def unregister(self, addr: int) -> None:
@@ -125,9 +127,10 @@ class MooncakeTransport:
                         "the same port)", remote_endpoint, exc)
             engine = self._engine
             self._write(engine, remote_endpoint, ops, left_s)
-        with self._lock:
-            if engine is self._engine:
-                self._written.add(remote_endpoint)
+        if remote_endpoint not in self._written:  # the lock only for a receiver's first write
+            with self._lock:
+                if engine is self._engine:
+                    self._written.add(remote_endpoint)
 
     def _restart_if_stale(self, failed_engine, remote_endpoint: str) -> bool:
         """After ``failed_engine`` failed a write to ``remote_endpoint``: True if a retry should go to
@@ -142,14 +145,11 @@ class MooncakeTransport:
             try:
                 engine = self._start_engine()
                 for addr, nbytes in self._regions.items():
-                    rc = engine.register_memory(addr, nbytes)
-                    if rc != 0:
-                        raise TransferError(f"mooncake register_memory({addr:#x}, {nbytes}) returned {rc}")
+                    _register(engine, addr, nbytes)
             except TransferError as exc:
                 log.error("mooncake: could not start a fresh engine (%s); keeping the current one", exc)
                 return False
             self._engine, self._written = engine, set()
-            self.endpoint = f"{self._host}:{engine.get_rpc_port()}"
             self.engine_restarts += 1
             return True
 
@@ -208,6 +208,12 @@ class MooncakeTransport:
             for addr in list(self._regions):
                 self._engine.unregister_memory(addr)
             self._regions.clear()
+
+
+def _register(engine, addr: int, nbytes: int) -> None:
+    rc = engine.register_memory(addr, nbytes)
+    if rc != 0:
+        raise TransferError(f"mooncake register_memory({addr:#x}, {nbytes}) returned {rc}")
 
 
 def _mooncake_engine():
