@@ -70,6 +70,12 @@ SHAPES = {
     "qwen3_8b": (QWEN3_8B, {"qk_norm_kernel": {"engine": {"fast_path_options": FastOptions(qk_norm_in="kernel")}},
                             "attention_one_launch": {"engine": {"fast_path_options": FastOptions(
                                 attn_one_launch=True)}},
+                            "no_kv_prefetch": {"engine": {"fast_path_options": FastOptions(
+                                qk_prefetch_kv=False)}},
+                            "before_q8": {"engine": {"fast_path_options": FastOptions(
+                                qk_pos_row_prologue=False, qk_prefetch_kv=False)}},
+                            "attn_warps_2": {"engine": {"fast_path_options": FastOptions(attn_warps=2)}},
+                            "attn_warps_8": {"engine": {"fast_path_options": FastOptions(attn_warps=8)}},
                             "tokens_per_step_8": PER_STEP_8, "no_run_ahead": NO_AHEAD,
                             "splits_8": SPLITS_8, "splits_8_block_128": SPLITS_8_BLOCK_128,
                             "llama_twin": {"config": TWIN, "profile": True}}),

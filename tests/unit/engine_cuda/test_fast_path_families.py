@@ -63,8 +63,9 @@ def test_gemv_bias_joins_the_sum_before_its_rounding(residual):
     _close(out, res + lin if residual else lin)
 
 
+@pytest.mark.parametrize("pos_row_prologue", [True, False])  # V row pos loaded early, K row stored late, or not
 @pytest.mark.parametrize("pos", [21, 16, 0])  # row pos after keys of its split, first of its split, alone
-def test_attention_normalises_and_ropes_q_and_this_steps_k_row(pos):
+def test_attention_normalises_and_ropes_q_and_this_steps_k_row(pos, pos_row_prologue):
     g, hq, hkv, d, n = _gen(1), 4, 2, 32, 40
     q, kc, vc = _rand(g, hq, d), _rand(g, n, hkv, d), _rand(g, n, hkv, d)
     qn, kn = _norm_w(g, d), _norm_w(g, d)
@@ -73,7 +74,8 @@ def test_attention_normalises_and_ropes_q_and_this_steps_k_row(pos):
     qr = reference.rope(reference.rms_norm(q, qn, 1e-6), cos[pos], sin[pos])
     ref_k[pos] = reference.rope(reference.rms_norm(kc[pos], kn, 1e-6), cos[pos], sin[pos])
     expected = reference.attention(qr[None], ref_k, vc, pos, d ** -0.5)[0]
-    attn = DecodeAttention(num_q_heads=hq, num_kv_heads=hkv, d_main=d, d_v=d, num_splits=4, block_s=16)
+    attn = DecodeAttention(num_q_heads=hq, num_kv_heads=hkv, d_main=d, d_v=d, num_splits=4, block_s=16,
+                           one_launch=False, pos_row_prologue=pos_row_prologue)
     out = torch.empty(hq, d, dtype=BF)
     attn(q, kc, vc, torch.tensor([pos], dtype=torch.int32), out, stride_kt=hkv * d, stride_vt=hkv * d,
          qk_norm=(qn, kn, 1e-6, cos, sin))
@@ -91,6 +93,7 @@ DECODERS = {
     "qwen2 (qkv bias)": (True, False, False, "triton", "attention"),
     "qwen3 (q/k norm in attention)": (False, False, True, "triton", "attention"),
     "qwen3 (q/k norm kernel)": (False, False, True, "triton", "kernel"),
+    "qwen3 (q/k norm in attention, K row pos stored before the loop)": (False, False, True, "triton", "early_store"),
     "llama attention_bias (qkv + o bias)": (True, True, False, "triton", "attention"),
     "bias + q/k norm": (True, True, True, "triton", "attention"),
     "qwen2 on cuBLAS": (True, True, False, "cublas", "attention"),
@@ -124,7 +127,9 @@ def test_decoder_follows_the_reference_step(name):
     vc = [_rand(g, n, 2, d) for _ in m.layers]
     kr, vr = [k.clone() for k in kc], [v.clone() for v in vc]
     cos, sin = _tables(n, d)
-    opts = FastOptions(backends={p: backend for p in TILES}, tiles=TILES, num_splits=4, block_s=16, qk_norm_in=where)
+    opts = FastOptions(backends={p: backend for p in TILES}, tiles=TILES, num_splits=4, block_s=16,
+                       qk_norm_in="attention" if where == "early_store" else where,
+                       qk_pos_row_prologue=where != "early_store")
     dec = GqaDecoder(m, kc, vc, cos, sin, opts, max_steps=8)
     dec.set_state(3, ctx)
     tok, expected = 3, []
