@@ -70,10 +70,10 @@ SHAPES = {
     "qwen3_8b": (QWEN3_8B, {"qk_norm_kernel": {"engine": {"fast_path_options": FastOptions(qk_norm_in="kernel")}},
                             "attention_one_launch": {"engine": {"fast_path_options": FastOptions(
                                 attn_one_launch=True)}},
-                            "no_kv_prefetch": {"engine": {"fast_path_options": FastOptions(
-                                qk_prefetch_kv=False)}},
-                            "before_q8": {"engine": {"fast_path_options": FastOptions(
-                                qk_pos_row_prologue=False, qk_prefetch_kv=False)}},
+                            "before_q8": {"engine": {"fast_path_options": FastOptions(qk_pos_row_prologue=False)}},
+                            "combine_warps_1": {"engine": {"fast_path_options": FastOptions(attn_combine_warps=1)}},
+                            "attn_warps_8_combine_1": {"engine": {"fast_path_options": FastOptions(
+                                attn_warps=8, attn_combine_warps=1)}},
                             "attn_warps_2": {"engine": {"fast_path_options": FastOptions(attn_warps=2)}},
                             "attn_warps_8": {"engine": {"fast_path_options": FastOptions(attn_warps=8)}},
                             "tokens_per_step_8": PER_STEP_8, "no_run_ahead": NO_AHEAD,

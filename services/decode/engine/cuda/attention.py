@@ -37,18 +37,6 @@ from .smallops import norm_rope_rows
 
 
 @triton.jit
-def _prefetch_rows_l2(base_ptr, rows, rmask, stride, col0, WIDTH: tl.constexpr):
-    # a hint, no effect on results: WIDTH bf16 elements of each row (from col0) into L2, one prefetch per
-    # 128-byte line (compiled only, not interpreted)
-    LINE: tl.constexpr = 64
-    c = col0 + tl.arange(0, WIDTH // LINE) * LINE
-    ptrs = base_ptr + rows[:, None].to(tl.int64) * stride + c[None, :]
-    ptrs = tl.where(rmask[:, None], ptrs, base_ptr)
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
-                              is_pure=False, pack=1)
-
-
-@triton.jit
 def _attn_split_kernel(q_ptr, q_pe_ptr, k_ptr, v_ptr, pos_ptr, part_o_ptr, part_ml_ptr, sm_scale,
                        stride_qt, stride_qh, stride_kt, stride_vt, rope_offset,
                        qn_ptr, kn_ptr, cos_ptr, sin_ptr, qk_eps, slot_ptr, stride_ks, stride_vs, stride_qb,
@@ -57,8 +45,7 @@ def _attn_split_kernel(q_ptr, q_pe_ptr, k_ptr, v_ptr, pos_ptr, part_o_ptr, part_
                        GROUP: tl.constexpr, ROWS: tl.constexpr, D_MAIN: tl.constexpr, D_ROPE: tl.constexpr,
                        D_V: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
                        DOT_F32: tl.constexpr, V_IS_K: tl.constexpr, V_CHUNKS: tl.constexpr, PDL: tl.constexpr,
-                       HEAD_BLOCKS: tl.constexpr = 1, POS_ROW_PROLOGUE: tl.constexpr = False,
-                       PREFETCH_KV: tl.constexpr = False):
+                       HEAD_BLOCKS: tl.constexpr = 1, POS_ROW_PROLOGUE: tl.constexpr = False):
     # D_V is the width of this program's slice of the values: chunk program_id(2) of V_CHUNKS.
     # program_id(0) = kv head * HEAD_BLOCKS + head block: each program takes GROUP / HEAD_BLOCKS of the
     # group's query heads (MLA with 128 heads: all of them in one program would not fit shared memory)
@@ -68,13 +55,6 @@ def _attn_split_kernel(q_ptr, q_pe_ptr, k_ptr, v_ptr, pos_ptr, part_o_ptr, part_
     split = tl.program_id(1)
     vchunk = tl.program_id(2) % V_CHUNKS
     D_V_ALL: tl.constexpr = D_V * V_CHUNKS
-    if PREFETCH_KV:  # (batch-1, one token, PDL) the split's first K/V block, rows of earlier steps that no
-        # kernel in flight writes, into L2 while the QKV GEMV finishes; pos was advanced two kernels back,
-        # which finished before the QKV GEMV let us start
-        pos0 = tl.load(pos_ptr)
-        rows0 = split * (tl.cdiv(tl.cdiv(pos0 + 1, NUM_SPLITS), BLOCK_S) * BLOCK_S) + tl.arange(0, BLOCK_S)
-        _prefetch_rows_l2(k_ptr, rows0, rows0 < pos0, stride_kt, kvh * D_MAIN, D_MAIN)
-        _prefetch_rows_l2(v_ptr, rows0, rows0 < pos0, stride_vt, kvh * D_V_ALL + vchunk * D_V, D_V)
     if PDL:  # q and this step's K/V rows come from the previous kernel
         gdc_wait()
     if BATCH:  # batch row b: its query, position and partials; the K/V of its slot (slot_ptr[b])
@@ -352,7 +332,8 @@ class DecodeAttention:
                  num_tokens: int = 1, num_splits: int = 32, block_s: int = 32, sm_scale: float | None = None,
                  num_warps: int = 4, v_is_k: bool = False, v_chunks: int = 1, pdl: bool = False,
                  device: torch.device | str = "cpu", max_batch: int = 1, one_launch: bool = True,
-                 max_row_elems: int = MAX_ROW_ELEMS, pos_row_prologue: bool = False, prefetch_kv: bool = False):
+                 max_row_elems: int = MAX_ROW_ELEMS, pos_row_prologue: bool = False,
+                 combine_warps: int = 4):
         self.hq, self.hkv, self.num_tokens = num_q_heads, num_kv_heads, num_tokens
         self.d_main, self.d_v, self.d_rope = d_main, d_v, d_rope
         self.group = num_q_heads // num_kv_heads
@@ -367,8 +348,7 @@ class DecodeAttention:
         self.pdl = pdl
         # qk_norm, two launches: V row pos loaded in the split kernel's prologue, K row pos stored after its loop
         self.pos_row_prologue = pos_row_prologue
-        # qk_norm, two launches, batch-1, PDL, compiled: the first K/V block prefetched into L2 before the wait
-        self.prefetch_kv = prefetch_kv and pdl and d_main % 64 == 0 and d_v % 64 == 0
+        self.combine_warps = combine_warps
         self.sm_scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(d_main + d_rope)
         self.max_batch = max_batch  # rows of a batched call (each its own slot's cache and position)
         rows = max_batch * num_tokens * num_q_heads * num_splits
@@ -417,10 +397,8 @@ class DecodeAttention:
             D_MAIN=self.d_main, D_ROPE=self.d_rope, D_V=self.d_v // self.v_chunks, NUM_SPLITS=self.num_splits,
             BLOCK_S=self.block_s, DOT_F32=interpreting(), V_IS_K=self.v_is_k, V_CHUNKS=self.v_chunks, PDL=self.pdl,
             HEAD_BLOCKS=self.head_blocks, POS_ROW_PROLOGUE=self.pos_row_prologue and qk_norm is not None,
-            PREFETCH_KV=(self.prefetch_kv and qk_norm is not None and slot_ids is None and self.num_tokens == 1
-                         and self.v_chunks == 1 and not interpreting()),
             num_warps=self.num_warps, **launch_opts(self.pdl))
         _attn_combine_kernel[(batch * self.num_tokens * self.hq,)](
             self.part_o, self.part_ml, out, NUM_SPLITS=self.num_splits,
-            D_V=self.d_v, PDL=self.pdl, num_warps=4, **launch_opts(self.pdl))
+            D_V=self.d_v, PDL=self.pdl, num_warps=self.combine_warps, **launch_opts(self.pdl))
         return out

@@ -116,8 +116,7 @@ class FastOptions:
     # with qk_norm_in="attention" (two-launch attention): the split kernel loads V row pos in its prologue and
     # stores the normalised K row pos after its loop, so its loop's first loads wait on no store (run Q8)
     qk_pos_row_prologue: bool = True
-    # with it, (PDL) the split's first K/V block prefetched into L2 before the kernel's PDL wait (run Q8)
-    qk_prefetch_kv: bool = True
+    attn_combine_warps: int = 4  # the two-launch attention's merge kernel
     # one-token attention as one launch (K/V prefetched before the PDL wait, the last split merging);
     # False: split kernel + merge kernel (the general path MLA and multi-token queries take). Off until an
     # H200 run shows it faster: run F1 (bench/NOTES-gpu.md) timed it +0.2 ms a step with a serial merge
@@ -169,7 +168,7 @@ class GqaDecoder:
                                     num_warps=self.opt.attn_warps, pdl=self.opt.pdl, device=dev,
                                     one_launch=self.opt.attn_one_launch,
                                     pos_row_prologue=self.opt.qk_pos_row_prologue,
-                                    prefetch_kv=self.opt.qk_prefetch_kv)
+                                    combine_warps=self.opt.attn_combine_warps)
         self.sampler = None  # sampling.FastSampler over the slot's sampling row (attach_sampler)
 
     def attach_sampler(self, state, **kwargs) -> None:
