@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from .kernel_helpers import load_first_pair_tile, prefetch_l2, rnd_bf16, round_to_dtype
-from .kvfp8 import fp8_kv_bits
+from .kvfp8 import kv_store_row
 
 try:  # programmatic dependent launch (sm_90): the next kernel starts its weight loads during our tail
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
@@ -231,12 +231,7 @@ def _gemv_qkv_rope_kernel(x_ptr, w_ptr, nw_ptr, bias_ptr, q_ptr, k_cache_ptr, v_
     b = round_to_dtype(b, dt)
     if not POS_EARLY:
         pos = tl.load(pos_ptr)
-    if head < NUM_Q_HEADS:
-        base = q_ptr + head * HEAD_DIM
-    elif head < NUM_Q_HEADS + NUM_KV_HEADS:
-        base = k_cache_ptr + pos.to(tl.int64) * (NUM_KV_HEADS * HEAD_DIM) + (head - NUM_Q_HEADS) * HEAD_DIM
-    else:
-        base = v_cache_ptr + pos.to(tl.int64) * (NUM_KV_HEADS * HEAD_DIM) + (head - NUM_Q_HEADS - NUM_KV_HEADS) * HEAD_DIM
+    row = pos.to(tl.int64) * (NUM_KV_HEADS * HEAD_DIM) + ((head - NUM_Q_HEADS) % NUM_KV_HEADS) * HEAD_DIM
     if ROPE:  # q and k heads rotated; v heads (and q/k without ROPE) stored as projected
         if head < NUM_Q_HEADS + NUM_KV_HEADS:
             if not POS_EARLY:
@@ -245,13 +240,15 @@ def _gemv_qkv_rope_kernel(x_ptr, w_ptr, nw_ptr, bias_ptr, q_ptr, k_cache_ptr, v_
             a1 = rnd_bf16(rnd_bf16(a * cos) - rnd_bf16(b * sin))  # bf16 rope, rounded like eager torch
             b1 = rnd_bf16(rnd_bf16(b * cos) + rnd_bf16(a * sin))
             a, b = a1, b1
-    if KV_FMT and head >= NUM_Q_HEADS:  # FP8 KV cache: bytes of value / scale (kvfp8.fp8_kv_bits)
-        inv = tl.where(head < NUM_Q_HEADS + NUM_KV_HEADS, inv_k, inv_v)
-        tl.store(base + j, fp8_kv_bits(a, inv, KV_FMT))
-        tl.store(base + HALF + j, fp8_kv_bits(b, inv, KV_FMT))
+    if head < NUM_Q_HEADS:  # each branch stores through its own pointer (an FP8 cache is uint8)
+        tl.store(q_ptr + head * HEAD_DIM + j, a.to(dt))
+        tl.store(q_ptr + head * HEAD_DIM + HALF + j, b.to(dt))
+    elif head < NUM_Q_HEADS + NUM_KV_HEADS:
+        kv_store_row(k_cache_ptr + row + j, a, inv_k, dt, KV_FMT)
+        kv_store_row(k_cache_ptr + row + HALF + j, b, inv_k, dt, KV_FMT)
     else:
-        tl.store(base + j, a.to(dt))
-        tl.store(base + HALF + j, b.to(dt))
+        kv_store_row(v_cache_ptr + row + j, a, inv_v, dt, KV_FMT)
+        kv_store_row(v_cache_ptr + row + HALF + j, b, inv_v, dt, KV_FMT)
 
 
 def _pow2(n: int) -> int:
