@@ -247,7 +247,7 @@ def run(R: dict) -> None:
         R["llama8b_fp8kv_ctx32k_frac_roofline"] = (fp8_bytes + kv_bytes(s, ctx) / 2) / (bw * 1e12) * 1e3 / ms8kv
         R["llama8b_fp8kv_ctx32k_attn_tiles"] = T = {}
         for bs, ns in ((64, 16), (128, 16), (128, 32), (64, 32), (256, 16)):  # (block_s, num_splits)
-            o = replace(bopts, block_s=bs, num_splits=ns)
+            o = replace(bopts, fp8_kv_attn=(ns, bs))  # FastOptions.fp8_kv_attn: the product's is (32, 128)
             T[f"{bs}x{ns}"] = t_ms = timing(fp8_dec(o, kv=kv8(s["layers"])), s, ctx, slot8, mt)
             log(f"    fp8 KV attention tile block_s {bs} x {ns} splits: {1e3 / t_ms:.1f} tok/s")
         ms16kv = timing(bf16_fp8kv_dec, s, ctx, slot8, mt)

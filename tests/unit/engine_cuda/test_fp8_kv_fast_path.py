@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -121,11 +122,12 @@ def test_attention_reads_fp8_times_scale(one_launch, fmt):
 
 
 KV_SCALES = (0.04, 0.015)  # non-unit: the tiny models' K/V land in E4M3's normal range
+FP8_KV_OPTIONS = replace(OPTIONS, fp8_kv_attn=(4, 16))  # the FP8-KV attention's own split count and tile
 
 
 def _load(path, mode: str, kv: str, num_slots: int = 1) -> Engine:
     return Engine.load(path, num_slots=num_slots, max_seq_len=48, dtype="bfloat16", fast_path=mode,
-                       fast_path_options=OPTIONS, kv_cache_dtype=kv)
+                       fast_path_options=FP8_KV_OPTIONS, kv_cache_dtype=kv)
 
 
 @pytest.mark.parametrize("arch,weights,kv", [

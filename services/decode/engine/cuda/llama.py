@@ -114,6 +114,10 @@ class FastOptions:
     batch_mode: int = 1
     num_splits: int = 16  # attention: 16 splits of 64-token blocks: best at 1K on H200
     block_s: int = 64
+    # (num_splits, block_s) of the attention over an FP8 KV cache (None: the two above): 32 splits of 128-token
+    # blocks, best of run K1's sweep at 32K on H200 (233 tok/s against 189 with 16 x 64: a 1-byte tile with its
+    # fp8 -> bf16 conversion needs more programs and bytes in flight)
+    fp8_kv_attn: tuple[int, int] | None = (32, 128)
     attn_warps: int = 4
     # programmatic dependent launch (the next kernel's first weight tile overlaps our tail; -2.8% per step
     # on H200): None = on for sm_90+ CUDA devices
@@ -172,8 +176,10 @@ class GqaDecoder:
         self.num_parts = -(-vocab // self.opt.tiles["lm_head"][0])
         self.amax_val = torch.zeros(self.num_parts, dtype=torch.float32, device=dev)
         self.amax_idx = torch.zeros(self.num_parts, dtype=torch.int32, device=dev)
+        splits, block_s = ((self.opt.fp8_kv_attn or (self.opt.num_splits, self.opt.block_s)) if self.kv_fmt
+                           else (self.opt.num_splits, self.opt.block_s))
         self.attn = DecodeAttention(num_q_heads=hq, num_kv_heads=hkv, d_main=d, d_v=d,
-                                    num_splits=self.opt.num_splits, block_s=self.opt.block_s,
+                                    num_splits=splits, block_s=block_s,
                                     num_warps=self.opt.attn_warps, pdl=self.opt.pdl, device=dev,
                                     one_launch=self.opt.attn_one_launch)
         self.sampler = None  # sampling.FastSampler over the slot's sampling row (attach_sampler)
