@@ -12,7 +12,11 @@ copy is the reference. Parts, all in one call:
   weight-only FP8 (no activation rounding) as a variant;
 - correctness, 64 steps teacher-forced at 1K: FP8 logits against the dequantized bf16 reference step
   (``llama8b_fp8_logits_max_rel_err`` < 0.02), greedy tokens identical, both activation modes;
-- 32K context, FP8 weights and bf16 KV: ``llama8b_fp8_ctx32k_tok_s`` (and bf16's).
+- 32K context, FP8 weights and bf16 KV: ``llama8b_fp8_ctx32k_tok_s`` (and bf16's);
+- FP8 KV cache (vLLM's E4M3 bytes, per-layer k/v scales, cuda/kvfp8.py): FP8 weights + FP8 KV at 32K
+  ``llama8b_fp8kv_ctx32k_tok_s`` and at 1K ``llama8b_fp8kv_ctx1k_tok_s``, bf16 weights + FP8 KV at 32K
+  ``llama8b_bf16_fp8kv_ctx32k_tok_s``; correctness of FP8 weights + FP8 KV against the dequantized
+  reference step reading the same FP8 cache dequantized (``llama8b_fp8kv_correctness``).
 
     python bench/decode_gpu_fp8.py [--out PATH]
 """
@@ -66,6 +70,21 @@ def fp8_models(X, F, model):
     return X.GqaModel(fl, *args), scales, X.GqaModel(dl, *args)
 
 
+KV_SCALES = (0.05, 0.02)  # per-layer (k_scale, v_scale) of the FP8-KV runs: N(0, 1) K/V land in E4M3's range
+
+
+def fp8_slot(slot):
+    """The bf16 slot's K/V as E4M3 bytes of x / scale (rounded to nearest: bench data), one tensor per layer."""
+    _, kc, vc = slot
+    k8 = [(k.float() / KV_SCALES[0]).clamp(-448, 448).to(torch.float8_e4m3fn).view(torch.uint8) for k in kc]
+    v8 = [(v.float() / KV_SCALES[1]).clamp(-448, 448).to(torch.float8_e4m3fn).view(torch.uint8) for v in vc]
+    return None, k8, v8
+
+
+def kv8(n_layers: int) -> dict:
+    return dict(kv_format="fp8_e4m3", kv_scales=[KV_SCALES] * n_layers)
+
+
 def timing(make_dec, s: dict, ctx: int, slot, max_tokens: int, steps_per_replay: int = 8) -> float:
     """ms per token of the captured step at context ctx."""
     _, kc, vc = slot
@@ -79,11 +98,18 @@ def timing(make_dec, s: dict, ctx: int, slot, max_tokens: int, steps_per_replay:
     return ms
 
 
-def correctness(X, make_dec, ref_model, s: dict, ctx: int, steps: int = 64) -> dict:
-    """The FP8 step (graph, one step a replay) against the dequantized reference step, teacher-forced."""
+def correctness(X, make_dec, ref_model, s: dict, ctx: int, steps: int = 64, kv_fp8: bool = False) -> dict:
+    """The FP8 step (graph, one step a replay) against the dequantized reference step, teacher-forced
+    (``kv_fp8``: the step over an FP8 cache, the reference over the same cache dequantized to bf16, its
+    own new rows quantized and dequantized the same way after each step)."""
     max_tokens = ctx + steps + 8
     _, kc, vc = make_slot(s, max_tokens, ctx, seed=7)
-    kr, vr = [k.clone() for k in kc], [v.clone() for v in vc]
+    if kv_fp8:
+        _, kc, vc = fp8_slot((None, kc, vc))
+        kr = [(k.view(torch.float8_e4m3fn).float() * KV_SCALES[0]).to(torch.bfloat16) for k in kc]
+        vr = [(v.view(torch.float8_e4m3fn).float() * KV_SCALES[1]).to(torch.bfloat16) for v in vc]
+    else:
+        kr, vr = [k.clone() for k in kc], [v.clone() for v in vc]
     cos, sin = rope_tables(LLAMA_ROPE, s["d"], max_tokens)
     dec = make_dec(kc, vc, cos, sin, max_tokens)
     runner = capture(dec.step, before_capture=lambda: dec.set_state(5, ctx))
@@ -93,6 +119,10 @@ def correctness(X, make_dec, ref_model, s: dict, ctx: int, steps: int = 64) -> d
     for i in range(steps):
         runner()
         ref = X.reference_step(ref_model, kr, vr, cb, sb, tok, ctx + i)
+        if kv_fp8:  # the reference's new row as the FP8 cache holds it (what the step wrote)
+            for j in range(len(kr)):
+                kr[j][ctx + i] = (kc[j][ctx + i].view(torch.float8_e4m3fn).float() * KV_SCALES[0]).to(torch.bfloat16)
+                vr[j][ctx + i] = (vc[j][ctx + i].view(torch.float8_e4m3fn).float() * KV_SCALES[1]).to(torch.bfloat16)
         max_rel = max(max_rel, ((dec.logits - ref).abs().max() / ref.abs().max()).item())
         ft, rt = int(dec.token.item()), int(ref.argmax().item())
         top2 = ref.topk(2).values
@@ -128,9 +158,12 @@ def run(R: dict) -> None:
     def bf16_dec(kc, vc, cos, sin, mt, opts=base):
         return X.GqaDecoder(model, kc, vc, cos, sin, opts, max_steps=mt)
 
-    def fp8_dec(opts, act=True):
+    def fp8_dec(opts, act=True, kv=None):
         return lambda kc, vc, cos, sin, mt: F.Fp8GqaDecoder(fmodel, kc, vc, cos, sin, opts, max_steps=mt,
-                                                            scales=scales, act_fp8=act)
+                                                            scales=scales, act_fp8=act, **(kv or {}))
+
+    def bf16_fp8kv_dec(kc, vc, cos, sin, mt):
+        return X.GqaDecoder(model, kc, vc, cos, sin, base, max_steps=mt, **kv8(s["layers"]))
 
     ctx, mt = 1024, 2048
     slot = make_slot(s, mt, ctx)
@@ -165,7 +198,22 @@ def run(R: dict) -> None:
         log(f"  fp8 weight-only ({best}) {ms:.3f} ms {1e3 / ms:.1f} tok/s")
     except Exception:
         log(traceback.format_exc()[-1500:])
+    try:  # FP8 weights + FP8 KV at 1K
+        slot8 = fp8_slot(slot)
+        ms = min(timing(fp8_dec(bopts, kv=kv8(s["layers"])), s, ctx, slot8, mt) for _ in range(2))
+        R["llama8b_fp8kv_ctx1k_tok_s"] = 1e3 / ms
+        log(f"  fp8 weights + fp8 KV ({best}) 1K {ms:.3f} ms {1e3 / ms:.1f} tok/s")
+        del slot8
+    except Exception:
+        log(traceback.format_exc()[-1500:])
     del slot
+    try:
+        R["llama8b_fp8kv_correctness"] = c = correctness(X, fp8_dec(bopts, kv=kv8(s["layers"])), dmodel, s, ctx,
+                                                         kv_fp8=True)
+        log(f"  llama8b_fp8kv_correctness: {c}")
+    except Exception:
+        R["llama8b_fp8kv_correctness"] = {"error": traceback.format_exc()[-800:]}
+        log(traceback.format_exc()[-1500:])
     for act in (True, False):
         key = "llama8b_fp8_correctness" + ("" if act else "_weight_only")
         try:
@@ -188,6 +236,26 @@ def run(R: dict) -> None:
         ms16 = timing(bf16_dec, s, ctx, slot, mt)
         R["llama8b_bf16_ctx32k_tok_s_same_run"] = 1e3 / ms16
         log(f"  ctx 32K: fp8 {1e3 / ms8:.1f} tok/s ({R['llama8b_fp8_ctx32k_frac_roofline']:.1%}), bf16 {1e3 / ms16:.1f}")
+    except Exception:
+        log(traceback.format_exc()[-1500:])
+    try:  # the same slot's K/V as FP8 bytes (half the KV bytes): FP8 weights + FP8 KV, bf16 weights + FP8 KV
+        slot8 = fp8_slot(slot)
+        del slot
+        torch.cuda.empty_cache()
+        ms8kv = timing(fp8_dec(bopts, kv=kv8(s["layers"])), s, ctx, slot8, mt)
+        R["llama8b_fp8kv_ctx32k_tok_s"] = 1e3 / ms8kv
+        R["llama8b_fp8kv_ctx32k_frac_roofline"] = (fp8_bytes + kv_bytes(s, ctx) / 2) / (bw * 1e12) * 1e3 / ms8kv
+        R["llama8b_fp8kv_ctx32k_attn_tiles"] = T = {}
+        for bs, ns in ((64, 16), (128, 16), (128, 32), (64, 32), (256, 16)):  # (block_s, num_splits)
+            o = replace(bopts, fp8_kv_attn=(ns, bs))  # FastOptions.fp8_kv_attn: the product's is (32, 128)
+            T[f"{bs}x{ns}"] = t_ms = timing(fp8_dec(o, kv=kv8(s["layers"])), s, ctx, slot8, mt)
+            log(f"    fp8 KV attention tile block_s {bs} x {ns} splits: {1e3 / t_ms:.1f} tok/s")
+        ms16kv = timing(bf16_fp8kv_dec, s, ctx, slot8, mt)
+        R["llama8b_bf16_fp8kv_ctx32k_tok_s"] = 1e3 / ms16kv
+        if "llama8b_fp8_ctx32k_tok_s" in R:
+            R["llama8b_fp8kv_over_fp8_ctx32k"] = R["llama8b_fp8kv_ctx32k_tok_s"] / R["llama8b_fp8_ctx32k_tok_s"]
+        log(f"  ctx 32K fp8 KV: fp8 weights {1e3 / ms8kv:.1f} tok/s "
+            f"({R['llama8b_fp8kv_ctx32k_frac_roofline']:.1%}), bf16 weights {1e3 / ms16kv:.1f}")
     except Exception:
         log(traceback.format_exc()[-1500:])
 

@@ -65,8 +65,9 @@ KV cache dtype (``kv_cache_dtype``, vLLM's ``--kv-cache-dtype`` names): ``auto``
 model dtype; ``fp8`` / ``fp8_e4m3`` / ``fp8_e5m2`` (Llama/Qwen family) keep the bytes vLLM's FP8 KV cache
 holds, with the checkpoint's per-layer k/v scales as vLLM reads them, and the layout says so
 (kvquant.py): the reference step writes each token's K/V as vLLM's CPU writer does and attends over
-the dequantized values in float32 as vLLM's CPU attention does; such an engine decodes on the
-reference step only.
+the dequantized values in float32 as vLLM's CPU attention does. The fast path (bf16 and FP8-weight
+batch-1 steps) writes the same bytes (cuda/kvfp8.py) and reads fp8 * scale in its attention kernels;
+several slots in one step (the batched decoder) take the reference step with an FP8 KV cache.
 ``mtp_draft_vocab=N``: the fast path's MTP drafts propose token ids < N only (its draft head reads N
 rows, not the whole vocabulary); output is unchanged, acceptance may drop. The reference step
 drafts over the whole vocabulary.

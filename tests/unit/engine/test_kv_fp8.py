@@ -95,7 +95,7 @@ def test_fp8_kv_steps_equal_a_float32_cache_of_the_dequantized_values(hf_checkpo
     path = hf_checkpoint(arch)[0]
     fp8 = Engine.load(path, num_slots=1, max_seq_len=64, dtype=torch.float32, kv_cache_dtype=name)
     assert fp8.layout.dtype == fmt and fp8.cache.k_caches[0].dtype == torch.uint8
-    assert fp8.fast_path is None and "FP8 KV" in fp8.fast_path_reason
+    assert fp8.fast_path is None  # float32: the fast path runs bfloat16 only
     fp8.cache.scales = [(scale, scale)] * len(fp8.cache.scales)
     got_logits, got = _greedy(fp8)
 

@@ -75,13 +75,14 @@ def gqa_decoder_from_engine(model, slot: int, options: FastOptions | None = None
     cfg, cache = model.cfg, model.cache
     args = (_gqa_model(model), [cache.k_caches[i][slot] for i in range(cfg.num_layers)],
             [cache.v_caches[i][slot] for i in range(cfg.num_layers)], model.cos, model.sin, options, max_steps)
+    kv = dict(kv_format=getattr(cache, "kv_format", None), kv_scales=getattr(cache, "scales", None))
     scales = _fp8_scales(model)
     if scales is None:
-        return GqaDecoder(*args)
+        return GqaDecoder(*args, **kv)
     from .fp8 import Fp8GqaDecoder
 
     act = any(getattr(getattr(b, n), "act", None) is not None for b in model.layers for n in ("wqkv", "wo"))
-    return Fp8GqaDecoder(*args, scales=scales, act_fp8=act)
+    return Fp8GqaDecoder(*args, scales=scales, act_fp8=act, **kv)
 
 
 def gqa_batch_decoder_from_engine(model, batch: int, options: FastOptions | None = None,
@@ -89,6 +90,8 @@ def gqa_batch_decoder_from_engine(model, batch: int, options: FastOptions | None
     """GqaBatchDecoder of ``batch`` rows over a bound engine LlamaModel's weights and every slot's K/V
     (the whole per-layer cache tensors; padded rows decode on the cache's scratch slot)."""
     cache = model.cache
+    if getattr(cache, "kv_format", None):
+        raise ValueError(f"KV cache in {cache.kv_format}: the batched step writes and reads a model-dtype cache only")
     return GqaBatchDecoder(_gqa_model(model), cache.k_caches, cache.v_caches, model.cos, model.sin, batch, options,
                            max_steps, scratch_slot=cache.scratch_slot)
 

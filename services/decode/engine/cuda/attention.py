@@ -33,6 +33,7 @@ import triton
 import triton.language as tl
 
 from .gemv import gdc_launch_dependents, gdc_wait, interpreting, launch_opts
+from .kvfp8 import fp8_kv_load
 from .smallops import norm_rope_rows
 
 
@@ -45,7 +46,9 @@ def _attn_split_kernel(q_ptr, q_pe_ptr, k_ptr, v_ptr, pos_ptr, part_o_ptr, part_
                        GROUP: tl.constexpr, ROWS: tl.constexpr, D_MAIN: tl.constexpr, D_ROPE: tl.constexpr,
                        D_V: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
                        DOT_F32: tl.constexpr, V_IS_K: tl.constexpr, V_CHUNKS: tl.constexpr, PDL: tl.constexpr,
-                       HEAD_BLOCKS: tl.constexpr = 1, POS_ROW_PROLOGUE: tl.constexpr = False):
+                       HEAD_BLOCKS: tl.constexpr = 1, POS_ROW_PROLOGUE: tl.constexpr = False,
+                       KV_FMT: tl.constexpr = 0, k_scale=1.0, v_scale=1.0):
+    # KV_FMT 1 / 2: K/V are FP8 bytes (kvfp8.py) read as fp8 * k_scale / v_scale (no rope part, no qk norm)
     # D_V is the width of this program's slice of the values: chunk program_id(2) of V_CHUNKS.
     # program_id(0) = kv head * HEAD_BLOCKS + head block: each program takes GROUP / HEAD_BLOCKS of the
     # group's query heads (MLA with 128 heads: all of them in one program would not fit shared memory)
@@ -102,6 +105,8 @@ def _attn_split_kernel(q_ptr, q_pe_ptr, k_ptr, v_ptr, pos_ptr, part_o_ptr, part_
                        mask=rvalid[:, None], other=0.0)
     dv = tl.arange(0, D_V)
     qk_scale = sm_scale * 1.4426950408889634
+    if KV_FMT:
+        qk_scale = qk_scale * k_scale
     m = tl.full((ROWS,), float("-inf"), tl.float32)
     l = tl.zeros((ROWS,), tl.float32)
     acc = tl.zeros((ROWS, D_V), tl.float32)
@@ -110,7 +115,7 @@ def _attn_split_kernel(q_ptr, q_pe_ptr, k_ptr, v_ptr, pos_ptr, part_o_ptr, part_
         offs = s + tl.arange(0, BLOCK_S)
         smask = offs < end
         kbase = k_ptr + offs[:, None].to(tl.int64) * stride_kt + kvh * D_MAIN
-        k = tl.load(kbase + dm[None, :], mask=smask[:, None], other=0.0)
+        k = fp8_kv_load(tl.load(kbase + dm[None, :], mask=smask[:, None], other=0), KV_FMT)
         if DOT_F32:
             scores = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)))
         else:
@@ -133,8 +138,8 @@ def _attn_split_kernel(q_ptr, q_pe_ptr, k_ptr, v_ptr, pos_ptr, part_o_ptr, part_
         if V_IS_K:  # MLA: the values are the latent itself, already loaded as keys
             v = k
         else:
-            v = tl.load(v_ptr + offs[:, None].to(tl.int64) * stride_vt + kvh * D_V_ALL + vchunk * D_V + dv[None, :],
-                        mask=smask[:, None], other=0.0)
+            v = fp8_kv_load(tl.load(v_ptr + offs[:, None].to(tl.int64) * stride_vt + kvh * D_V_ALL + vchunk * D_V
+                                    + dv[None, :], mask=smask[:, None], other=0), KV_FMT)
         if DOT_F32:
             pv = tl.dot(p, v.to(tl.float32))
         else:  # p = hi + lo in bf16: two tensor-core dots give p @ v to ~2^-16, not bf16's 2^-8
@@ -159,6 +164,8 @@ def _attn_split_kernel(q_ptr, q_pe_ptr, k_ptr, v_ptr, pos_ptr, part_o_ptr, part_
             m = m_new
     if PDL:
         gdc_launch_dependents()
+    if KV_FMT:
+        acc = acc * v_scale
     # partials: [T, Hq, NUM_SPLITS, D_V] and [T, Hq, NUM_SPLITS, 2] (max in log2 units, sum)
     prow = (t_of * NUM_Q_HEADS + head) * NUM_SPLITS + split
     tl.store(part_o_ptr + prow[:, None] * D_V_ALL + vchunk * D_V + dv[None, :], acc, mask=rvalid[:, None])
@@ -193,7 +200,7 @@ def _gqa_split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, part_o_ptr, part_ml_ptr, cou
                       QK_NORM: tl.constexpr, BATCH: tl.constexpr, NUM_Q_HEADS: tl.constexpr,
                       NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr,
                       NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, DOT_F32: tl.constexpr,
-                      PDL: tl.constexpr):
+                      PDL: tl.constexpr, KV_FMT: tl.constexpr = 0, k_scale=1.0, v_scale=1.0):
     # One query token per row (GQA decode), program (kv head, split, batch row). Before waiting on the
     # previous kernel it reads only what earlier kernels wrote (the position, the slot, cache rows < pos)
     # and starts loading its first K/V block; after the wait, q and this step's row pos (the QKV kernel's
@@ -222,9 +229,9 @@ def _gqa_split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, part_o_ptr, part_ml_ptr, cou
     offs = start + tl.arange(0, BLOCK_S)
     smask = offs < end_c
     k = tl.load(k_ptr + offs[:, None].to(tl.int64) * stride_kt + kvh * D + dm[None, :], mask=smask[:, None],
-                other=0.0)
+                other=0)
     v = tl.load(v_ptr + offs[:, None].to(tl.int64) * stride_vt + kvh * D + dm[None, :], mask=smask[:, None],
-                other=0.0)
+                other=0)
     if PDL:  # q and K/V row pos come from the previous kernel
         gdc_wait()
     r = tl.arange(0, ROWS)
@@ -244,8 +251,10 @@ def _gqa_split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, part_o_ptr, part_ml_ptr, cou
         if holds_pos:  # stored for later steps
             tl.store(k_row + dm[None, :], k_new)
     else:
-        k_new = tl.load(k_row + dm[None, :])
+        k_new = fp8_kv_load(tl.load(k_row + dm[None, :]), KV_FMT)
     qk_scale = sm_scale * 1.4426950408889634
+    if KV_FMT:  # FP8 K/V (no qk norm): fp8 values times the layer's scales, folded in here and at the end
+        qk_scale = qk_scale * k_scale
     m = tl.full((ROWS,), float("-inf"), tl.float32)
     l = tl.zeros((ROWS,), tl.float32)
     acc = tl.zeros((ROWS, D), tl.float32)
@@ -254,9 +263,11 @@ def _gqa_split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, part_o_ptr, part_ml_ptr, cou
             offs = s + tl.arange(0, BLOCK_S)
             smask = offs < end_c
             k = tl.load(k_ptr + offs[:, None].to(tl.int64) * stride_kt + kvh * D + dm[None, :],
-                        mask=smask[:, None], other=0.0)
+                        mask=smask[:, None], other=0)
             v = tl.load(v_ptr + offs[:, None].to(tl.int64) * stride_vt + kvh * D + dm[None, :],
-                        mask=smask[:, None], other=0.0)
+                        mask=smask[:, None], other=0)
+        k = fp8_kv_load(k, KV_FMT)
+        v = fp8_kv_load(v, KV_FMT)
         if DOT_F32:
             scores = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)))
         else:
@@ -280,10 +291,12 @@ def _gqa_split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, part_o_ptr, part_ml_ptr, cou
         m_new = tl.maximum(m, s_pos)
         alpha = tl.exp2(m - m_new)
         p_pos = tl.exp2(s_pos - m_new)
-        v_pos = tl.load(v_ptr + pos.to(tl.int64) * stride_vt + kvh * D + dm).to(tl.float32)
+        v_pos = fp8_kv_load(tl.load(v_ptr + pos.to(tl.int64) * stride_vt + kvh * D + dm), KV_FMT).to(tl.float32)
         acc = acc * alpha[:, None] + p_pos[:, None] * v_pos[None, :]
         l = l * alpha + p_pos
         m = m_new
+    if KV_FMT:
+        acc = acc * v_scale
     if PDL:
         gdc_launch_dependents()
     prow = head * NUM_SPLITS + split  # partials [Hq, NUM_SPLITS, D] and [Hq, NUM_SPLITS, 2]
@@ -364,18 +377,22 @@ class DecodeAttention:
                  *, stride_kt: int, stride_vt: int, rope_offset: int = 0, q_pe: torch.Tensor | None = None,
                  stride_qt: int | None = None, stride_qh: int | None = None,
                  qk_norm: tuple | None = None, slot_ids: torch.Tensor | None = None, stride_ks: int = 0,
-                 stride_vs: int = 0) -> torch.Tensor:
+                 stride_vs: int = 0, kv_fmt: int = 0, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
         """q: main part, row (t, head) at t*stride_qt + head*stride_qh (default [T, Hq, D_MAIN] contiguous);
         q_pe [T, Hq, D_ROPE] (MLA); k/v cache storage (token strides in elements); out [T, Hq, D_V].
         ``qk_norm=(q_norm [D], k_norm [D], eps, cos, sin)``: q and K row pos as projected (Qwen3, T == 1).
         ``slot_ids`` (int32 [B]): a batch of B rows, row b's query at q[b], its position pos[b], its keys and
-        values in slot slot_ids[b] of k / v (slot strides stride_ks / stride_vs elements), out [B, T, Hq, D_V]."""
+        values in slot slot_ids[b] of k / v (slot strides stride_ks / stride_vs elements), out [B, T, Hq, D_V].
+        ``kv_fmt`` (kvfp8.kv_fmt) 1 / 2: k and v hold FP8 bytes, read as their values times ``k_scale`` /
+        ``v_scale`` (GQA without a rope part or qk_norm)."""
         sqh = stride_qh if stride_qh is not None else self.d_main
         sqt = stride_qt if stride_qt is not None else self.hq * self.d_main
         if qk_norm is not None and (self.num_tokens != 1 or self.d_rope or self.v_is_k or self.v_chunks != 1
                                     or self.head_blocks != 1):
             raise ValueError("qk_norm runs with one query token, no rope part, separate values, one value chunk "
                              "and one head block")
+        if kv_fmt and (qk_norm is not None or self.d_rope or self.v_is_k):
+            raise ValueError("FP8 K/V are read by GQA attention without qk_norm (its K row arrives normalised)")
         qn, kn, qk_eps, cos, sin = qk_norm if qk_norm is not None else (q, q, 0.0, q, q)
         batch = 1 if slot_ids is None else slot_ids.shape[0]
         if batch > self.max_batch:
@@ -386,8 +403,8 @@ class DecodeAttention:
                 qn, kn, cos, sin, qk_eps, slot_ids if slot_ids is not None else pos, stride_ks, stride_vs, sqt,
                 self.hq * self.d_v, QK_NORM=qk_norm is not None, BATCH=slot_ids is not None, NUM_Q_HEADS=self.hq,
                 NUM_KV_HEADS=self.hkv, GROUP=self.group, ROWS=self.rows, D=self.d_main, NUM_SPLITS=self.num_splits,
-                BLOCK_S=self.block_s, DOT_F32=interpreting(), PDL=self.pdl, num_warps=self.num_warps,
-                **launch_opts(self.pdl))
+                BLOCK_S=self.block_s, DOT_F32=interpreting(), PDL=self.pdl, KV_FMT=kv_fmt, k_scale=k_scale,
+                v_scale=v_scale, num_warps=self.num_warps, **launch_opts(self.pdl))
             return out
         _attn_split_kernel[(self.hkv * self.head_blocks, self.num_splits, self.v_chunks * batch)](
             q, q_pe if q_pe is not None else q, k, v, pos, self.part_o, self.part_ml, self.sm_scale, sqt, sqh,
@@ -397,7 +414,7 @@ class DecodeAttention:
             D_MAIN=self.d_main, D_ROPE=self.d_rope, D_V=self.d_v // self.v_chunks, NUM_SPLITS=self.num_splits,
             BLOCK_S=self.block_s, DOT_F32=interpreting(), V_IS_K=self.v_is_k, V_CHUNKS=self.v_chunks, PDL=self.pdl,
             HEAD_BLOCKS=self.head_blocks, POS_ROW_PROLOGUE=self.pos_row_prologue and qk_norm is not None,
-            num_warps=self.num_warps, **launch_opts(self.pdl))
+            KV_FMT=kv_fmt, k_scale=k_scale, v_scale=v_scale, num_warps=self.num_warps, **launch_opts(self.pdl))
         _attn_combine_kernel[(batch * self.num_tokens * self.hq,)](
             self.part_o, self.part_ml, out, NUM_SPLITS=self.num_splits,
             D_V=self.d_v, PDL=self.pdl, num_warps=self.combine_warps, **launch_opts(self.pdl))

@@ -227,8 +227,9 @@ class Fp8GqaDecoder(GqaDecoder):
     ``act_fp8``: activations through FP8 per token (the checkpoint's FP8_DYNAMIC scheme)."""
 
     def __init__(self, model, k_caches, v_caches, cos, sin, options=None, max_steps: int = 4096, *,
-                 scales: list[Fp8Scales], act_fp8: bool):
-        super().__init__(model, k_caches, v_caches, cos, sin, options, max_steps)
+                 scales: list[Fp8Scales], act_fp8: bool, kv_format: str | None = None,
+                 kv_scales: list[tuple[float, float]] | None = None):
+        super().__init__(model, k_caches, v_caches, cos, sin, options, max_steps, kv_format, kv_scales)
         if len(scales) != len(model.layers):
             raise ValueError(f"{len(scales)} layers of FP8 scales for {len(model.layers)} layers")
         self.scales, self.act_fp8 = scales, act_fp8
@@ -248,7 +249,7 @@ class Fp8GqaDecoder(GqaDecoder):
         smallops.rope_cache_write(qkv, self.query, self.k_caches[i], self.v_caches[i], self.pos, self.cos,
                                   self.sin, num_q_heads=m.num_q_heads, num_kv_heads=m.num_kv_heads,
                                   head_dim=m.head_dim, q_norm=lw.q_norm, k_norm=lw.k_norm, eps=eps,
-                                  pdl=self.opt.pdl)
+                                  pdl=self.opt.pdl, **self.kv_kwargs(i))
         return None
 
     def layer(self, i: int) -> None:
@@ -256,10 +257,8 @@ class Fp8GqaDecoder(GqaDecoder):
         if sc.wqkv is None and sc.wo is None and sc.w_gate_up is None and sc.w_down is None:
             return super().layer(i)
         m, lw, eps, act = self.model, self.model.layers[i], self.model.eps, self.act_fp8
-        hkv, d = m.num_kv_heads, m.head_dim
-        kc, vc = self.k_caches[i], self.v_caches[i]
         qk_norm = self._qkv(i)
-        self.attn(self.query, kc, vc, self.pos, self.attn_out, stride_kt=hkv * d, stride_vt=hkv * d, qk_norm=qk_norm)
+        self.attend(i, qk_norm)
         if sc.wo is not None:
             gemv_fp8(self.attn_out, lw.wo, sc.wo, self.residual, residual=self.residual, bias=lw.bo, act=act,
                      **self.fp8_tile_kwargs("o"))

@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from .kernel_helpers import load_first_pair_tile, prefetch_l2, rnd_bf16, round_to_dtype
+from .kvfp8 import kv_store_row
 
 try:  # programmatic dependent launch (sm_90): the next kernel starts its weight loads during our tail
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
@@ -193,7 +194,8 @@ def _gemv_qkv_rope_kernel(x_ptr, w_ptr, nw_ptr, bias_ptr, q_ptr, k_cache_ptr, v_
                           NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                           NORM: tl.constexpr, BIAS: tl.constexpr, ROPE: tl.constexpr, K_POW2: tl.constexpr,
                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr,
-                          POS_EARLY: tl.constexpr = False, PREFETCH: tl.constexpr = 0):
+                          POS_EARLY: tl.constexpr = False, PREFETCH: tl.constexpr = 0, KV_FMT: tl.constexpr = 0,
+                          inv_k=1.0, inv_v=1.0):
     HALF: tl.constexpr = HEAD_DIM // 2
     pid = tl.program_id(0)
     per_head: tl.constexpr = HALF // BLOCK_N
@@ -229,12 +231,7 @@ def _gemv_qkv_rope_kernel(x_ptr, w_ptr, nw_ptr, bias_ptr, q_ptr, k_cache_ptr, v_
     b = round_to_dtype(b, dt)
     if not POS_EARLY:
         pos = tl.load(pos_ptr)
-    if head < NUM_Q_HEADS:
-        base = q_ptr + head * HEAD_DIM
-    elif head < NUM_Q_HEADS + NUM_KV_HEADS:
-        base = k_cache_ptr + pos.to(tl.int64) * (NUM_KV_HEADS * HEAD_DIM) + (head - NUM_Q_HEADS) * HEAD_DIM
-    else:
-        base = v_cache_ptr + pos.to(tl.int64) * (NUM_KV_HEADS * HEAD_DIM) + (head - NUM_Q_HEADS - NUM_KV_HEADS) * HEAD_DIM
+    row = pos.to(tl.int64) * (NUM_KV_HEADS * HEAD_DIM) + ((head - NUM_Q_HEADS) % NUM_KV_HEADS) * HEAD_DIM
     if ROPE:  # q and k heads rotated; v heads (and q/k without ROPE) stored as projected
         if head < NUM_Q_HEADS + NUM_KV_HEADS:
             if not POS_EARLY:
@@ -243,8 +240,15 @@ def _gemv_qkv_rope_kernel(x_ptr, w_ptr, nw_ptr, bias_ptr, q_ptr, k_cache_ptr, v_
             a1 = rnd_bf16(rnd_bf16(a * cos) - rnd_bf16(b * sin))  # bf16 rope, rounded like eager torch
             b1 = rnd_bf16(rnd_bf16(b * cos) + rnd_bf16(a * sin))
             a, b = a1, b1
-    tl.store(base + j, a.to(dt))
-    tl.store(base + HALF + j, b.to(dt))
+    if head < NUM_Q_HEADS:  # each branch stores through its own pointer (an FP8 cache is uint8)
+        tl.store(q_ptr + head * HEAD_DIM + j, a.to(dt))
+        tl.store(q_ptr + head * HEAD_DIM + HALF + j, b.to(dt))
+    elif head < NUM_Q_HEADS + NUM_KV_HEADS:
+        kv_store_row(k_cache_ptr + row + j, a, inv_k, dt, KV_FMT)
+        kv_store_row(k_cache_ptr + row + HALF + j, b, inv_k, dt, KV_FMT)
+    else:
+        kv_store_row(v_cache_ptr + row + j, a, inv_v, dt, KV_FMT)
+        kv_store_row(v_cache_ptr + row + HALF + j, b, inv_v, dt, KV_FMT)
 
 
 def _pow2(n: int) -> int:
@@ -296,9 +300,9 @@ def gemv_qkv_rope(x: torch.Tensor, wqkv: torch.Tensor, norm_w: torch.Tensor | No
                   cos: torch.Tensor, sin: torch.Tensor, *, num_q_heads: int, num_kv_heads: int, head_dim: int,
                   bias: torch.Tensor | None = None, rope: bool = True, block_n: int = 16, block_k: int = 512,
                   num_warps: int = 4, stages: int = 1, pdl: bool = False, pos_early: bool = False,
-                  prefetch: int = 0) -> None:
+                  prefetch: int = 0, kv_fmt: int = 0, inv_k: float = 1.0, inv_v: float = 1.0) -> None:
     """Fused norm + QKV projection (+ bias) + rope; q -> q_out[Hq*D], k/v -> caches [max_tokens, Hkv, D] at
-    pos[0]. ``rope=False``: q and k unrotated (the attention kernel normalises and rotates them).
+    pos[0] (``kv_fmt`` 1 / 2: FP8 bytes of k * inv_k and v * inv_v, kvfp8.fp8_kv_bits). ``rope=False``: q and k unrotated (the attention kernel normalises and rotates them).
     ``pos_early``: read pos before waiting on the previous kernel (PDL), which must not be the one that
     writes it (the step's first layer follows the finish kernel that advances pos: False there)."""
     half = head_dim // 2
@@ -312,4 +316,5 @@ def gemv_qkv_rope(x: torch.Tensor, wqkv: torch.Tensor, norm_w: torch.Tensor | No
         x, wqkv, norm_w if norm_w is not None else x, bias if bias is not None else x, q_out, k_cache, v_cache,
         pos, cos, sin, wqkv.shape[1], eps, NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
         NORM=norm_w is not None, BIAS=bias is not None, ROPE=rope, K_POW2=_pow2(wqkv.shape[1]), BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, PDL=pdl,
-        POS_EARLY=pos_early, PREFETCH=l2_prefetch_tiles(prefetch, block_k), num_warps=num_warps, **launch_opts(pdl))
+        POS_EARLY=pos_early, PREFETCH=l2_prefetch_tiles(prefetch, block_k), KV_FMT=kv_fmt, inv_k=inv_k, inv_v=inv_v,
+        num_warps=num_warps, **launch_opts(pdl))

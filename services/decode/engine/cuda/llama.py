@@ -31,6 +31,12 @@ embeddings are the same tensor as embed and lm_head.
 
 Weights are the engine's fused per-layer tensors (names in engine/weights.py); KV caches are the slot's views
 in the shared.kvlayout layout, per layer K and V each ``[max_tokens, num_kv_heads, head_dim]``.
+
+FP8 KV cache (``kv_format`` fp8_e4m3 | fp8_e5m2, ``kv_scales`` per layer (k_scale, v_scale)): the caches are
+uint8, vLLM's FP8 bytes (engine/kvquant.py); the step writes its K/V row as kvquant.quantize does
+(kvfp8.fp8_kv_bits in the QKV epilogue or the rope kernel) and the attention reads fp8 * scale
+(kvfp8.fp8_kv_load). Qwen3's q/k norm then runs in its own kernel (``qk_norm_in`` "kernel"): the attention
+prologue's normalisation of the raw K row needs a bf16 row in the cache.
 """
 
 from __future__ import annotations
@@ -43,6 +49,7 @@ from . import gemv
 from . import smallops
 from . import reference
 from .attention import DecodeAttention
+from .kvfp8 import inv_scales, kv_fmt
 
 PROJECTIONS = ("qkv", "o", "gate_up", "down", "lm_head")
 
@@ -107,6 +114,10 @@ class FastOptions:
     batch_mode: int = 1
     num_splits: int = 16  # attention: 16 splits of 64-token blocks: best at 1K on H200
     block_s: int = 64
+    # (num_splits, block_s) of the attention over an FP8 KV cache (None: the two above): 32 splits of 128-token
+    # blocks, best of run K1's sweep at 32K on H200 (233 tok/s against 189 with 16 x 64: a 1-byte tile with its
+    # fp8 -> bf16 conversion needs more programs and bytes in flight)
+    fp8_kv_attn: tuple[int, int] | None = (32, 128)
     attn_warps: int = 4
     # programmatic dependent launch (the next kernel's first weight tile overlaps our tail; -2.8% per step
     # on H200): None = on for sm_90+ CUDA devices
@@ -134,9 +145,15 @@ class GqaDecoder:
 
     def __init__(self, model: GqaModel, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor],
                  cos: torch.Tensor, sin: torch.Tensor, options: FastOptions | None = None,
-                 max_steps: int = 4096):
+                 max_steps: int = 4096, kv_format: str | None = None,
+                 kv_scales: list[tuple[float, float]] | None = None):
         self.model, self.k_caches, self.v_caches = model, k_caches, v_caches
         self.opt = options or FastOptions()
+        self.kv_fmt = kv_fmt(kv_format)
+        self.kv_scales = list(kv_scales) if kv_scales is not None else [(1.0, 1.0)] * len(model.layers)
+        self.kv_inv = inv_scales(self.kv_scales, len(model.layers))
+        if self.kv_fmt and k_caches[0].dtype != torch.uint8:
+            raise ValueError(f"KV format {kv_format}: the caches must be uint8 (FP8 bytes), got {k_caches[0].dtype}")
         dev, dt = model.embed.device, model.embed.dtype
         if self.opt.pdl is None:
             self.opt = replace(self.opt, pdl=dev.type == "cuda" and torch.cuda.get_device_capability(dev)[0] >= 9)
@@ -163,8 +180,10 @@ class GqaDecoder:
         self.num_parts = -(-vocab // self.opt.tiles["lm_head"][0])
         self.amax_val = torch.zeros(self.num_parts, dtype=torch.float32, device=dev)
         self.amax_idx = torch.zeros(self.num_parts, dtype=torch.int32, device=dev)
+        splits, block_s = ((self.opt.fp8_kv_attn or (self.opt.num_splits, self.opt.block_s)) if self.kv_fmt
+                           else (self.opt.num_splits, self.opt.block_s))
         self.attn = DecodeAttention(num_q_heads=hq, num_kv_heads=hkv, d_main=d, d_v=d,
-                                    num_splits=self.opt.num_splits, block_s=self.opt.block_s,
+                                    num_splits=splits, block_s=block_s,
                                     num_warps=self.opt.attn_warps, pdl=self.opt.pdl, device=dev,
                                     one_launch=self.opt.attn_one_launch,
                                     pos_row_prologue=self.opt.qk_pos_row_prologue,
@@ -212,30 +231,41 @@ class GqaDecoder:
         kc, vc = self.k_caches[i], self.v_caches[i]
         heads = dict(num_q_heads=hq, num_kv_heads=hkv, head_dim=d)
         norms = dict(q_norm=lw.q_norm, k_norm=lw.k_norm, eps=eps)
+        kv = self.kv_kwargs(i)
         if self._cublas("qkv"):
             smallops.rmsnorm(self.residual, lw.attn_norm, self.xn, eps)
             qkv = self._linear_into(self.xn, lw.wqkv, self.tmp[: lw.wqkv.shape[0]], lw.bqkv)
-            smallops.rope_cache_write(qkv, self.query, kc, vc, self.pos, self.cos, self.sin, **heads, **norms)
-        elif lw.q_norm is not None and self.opt.qk_norm_in == "kernel":
+            smallops.rope_cache_write(qkv, self.query, kc, vc, self.pos, self.cos, self.sin, **heads, **norms, **kv)
+        elif lw.q_norm is not None and (self.opt.qk_norm_in == "kernel" or self.kv_fmt):
             qkv = gemv.gemv(self.residual, lw.wqkv, self.tmp[: lw.wqkv.shape[0]], norm_w=lw.attn_norm, eps=eps,
                             bias=lw.bqkv, **self.tile_kwargs("qkv"))
             smallops.rope_cache_write(qkv, self.query, kc, vc, self.pos, self.cos, self.sin, **heads, **norms,
-                                      pdl=self.opt.pdl)
+                                      pdl=self.opt.pdl, **kv)
         else:  # q/k norm (Qwen3): q and K as projected, normalised + rotated by the attention kernel
             gemv.gemv_qkv_rope(self.residual, lw.wqkv, lw.attn_norm, eps, self.query, kc, vc, self.pos,
                                self.cos, self.sin, **heads, bias=lw.bqkv, rope=lw.q_norm is None,
-                               pos_early=i > 0, **self.tile_kwargs("qkv"))
+                               pos_early=i > 0, **self.tile_kwargs("qkv"), **kv)
             if lw.q_norm is not None:
                 return (lw.q_norm, lw.k_norm, eps, self.cos, self.sin)
         return None
 
+    def kv_kwargs(self, i: int) -> dict:
+        """The K/V writers' FP8 arguments for layer i (kv_fmt, inv_k, inv_v)."""
+        return dict(kv_fmt=self.kv_fmt, inv_k=self.kv_inv[i][0], inv_v=self.kv_inv[i][1])
+
+    def attend(self, i: int, qk_norm) -> None:
+        """Launches 2-3: the attention of layer i over the slot's cache into ``attn_out``."""
+        m = self.model
+        ks, vs = self.kv_scales[i]
+        self.attn(self.query, self.k_caches[i], self.v_caches[i], self.pos, self.attn_out,
+                  stride_kt=m.num_kv_heads * m.head_dim, stride_vt=m.num_kv_heads * m.head_dim, qk_norm=qk_norm,
+                  kv_fmt=self.kv_fmt, k_scale=ks, v_scale=vs)
+
     def layer(self, i: int) -> None:
         """One transformer layer on the residual stream ``self.residual`` (in place)."""
         m, lw, eps = self.model, self.model.layers[i], self.model.eps
-        hkv, d = m.num_kv_heads, m.head_dim
-        kc, vc = self.k_caches[i], self.v_caches[i]
         qk_norm = self._qkv(i)
-        self.attn(self.query, kc, vc, self.pos, self.attn_out, stride_kt=hkv * d, stride_vt=hkv * d, qk_norm=qk_norm)
+        self.attend(i, qk_norm)
         if self._cublas("o"):
             self.residual.add_(self._linear_into(self.attn_out, lw.wo, self.tmp[: m.hidden], lw.bo))
         else:

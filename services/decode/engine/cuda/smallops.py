@@ -14,6 +14,7 @@ import triton.language as tl
 
 from .gemv import gdc_launch_dependents, gdc_wait, launch_opts
 from .kernel_helpers import rnd_bf16, round_to_dtype
+from .kvfp8 import kv_store_row
 
 
 @triton.jit
@@ -57,7 +58,7 @@ def norm_rope_rows(x, xp, w_ptr, cos_ptr, sin_ptr, pos, eps, HEAD_DIM: tl.conste
 @triton.jit
 def _rope_cache_kernel(qkv_ptr, q_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, cos_ptr, sin_ptr, qn_ptr, kn_ptr, eps,
                        NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                       QK_NORM: tl.constexpr, PDL: tl.constexpr):
+                       QK_NORM: tl.constexpr, PDL: tl.constexpr, KV_FMT: tl.constexpr = 0, inv_k=1.0, inv_v=1.0):
     HALF: tl.constexpr = HEAD_DIM // 2
     head = tl.program_id(0)
     if PDL:  # qkv comes from the previous kernel; the next one (attention) may start its prologue
@@ -65,16 +66,18 @@ def _rope_cache_kernel(qkv_ptr, q_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, cos_pt
         gdc_launch_dependents()
     if QK_NORM:  # Qwen3: whole heads, normalised then rotated
         norm_rope_cache_head(qkv_ptr, q_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, cos_ptr, sin_ptr, qn_ptr, kn_ptr,
-                              eps, head, NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM)
+                              eps, head, NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, KV_FMT, inv_k, inv_v)
     else:
         rope_cache_head(qkv_ptr, q_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, cos_ptr, sin_ptr, head, NUM_Q_HEADS,
-                        NUM_KV_HEADS, HEAD_DIM)
+                        NUM_KV_HEADS, HEAD_DIM, KV_FMT, inv_k, inv_v)
 
 
 @triton.jit
 def rope_cache_head(qkv_ptr, q_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, cos_ptr, sin_ptr, head,
-                    NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr):
-    # one head of qkv: q rotated into q_ptr, k rotated and v as projected into the caches at pos
+                    NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                    KV_FMT: tl.constexpr = 0, inv_k=1.0, inv_v=1.0):
+    # one head of qkv: q rotated into q_ptr, k rotated and v as projected into the caches at pos (KV_FMT
+    # 1 / 2: as FP8 bytes of value / scale, kvfp8.fp8_kv_bits; inv_k / inv_v: the layer's 1 / scale)
     HALF: tl.constexpr = HEAD_DIM // 2
     j = tl.arange(0, HALF)
     a_raw = tl.load(qkv_ptr + head * HEAD_DIM + j)
@@ -93,17 +96,18 @@ def rope_cache_head(qkv_ptr, q_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, cos_ptr, 
             tl.store(q_ptr + head * HEAD_DIM + HALF + j, b1.to(dt))
         else:
             base = k_cache_ptr + pos.to(tl.int64) * (NUM_KV_HEADS * HEAD_DIM) + (head - NUM_Q_HEADS) * HEAD_DIM
-            tl.store(base + j, a1.to(dt))
-            tl.store(base + HALF + j, b1.to(dt))
+            kv_store_row(base + j, a1.to(tl.float32), inv_k, dt, KV_FMT)
+            kv_store_row(base + HALF + j, b1.to(tl.float32), inv_k, dt, KV_FMT)
     else:
         base = v_cache_ptr + pos.to(tl.int64) * (NUM_KV_HEADS * HEAD_DIM) + (head - NUM_Q_HEADS - NUM_KV_HEADS) * HEAD_DIM
-        tl.store(base + j, a_raw)
-        tl.store(base + HALF + j, b_raw)
+        kv_store_row(base + j, a, inv_v, dt, KV_FMT)
+        kv_store_row(base + HALF + j, b, inv_v, dt, KV_FMT)
 
 
 @triton.jit
 def norm_rope_cache_head(qkv_ptr, q_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, cos_ptr, sin_ptr, qn_ptr, kn_ptr, eps,
-                          head, NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr):
+                          head, NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                          KV_FMT: tl.constexpr = 0, inv_k=1.0, inv_v=1.0):
     HALF: tl.constexpr = HEAD_DIM // 2
     d = tl.arange(0, HEAD_DIM)[None, :]  # [1, D]: one row
     pos = tl.load(pos_ptr)
@@ -117,9 +121,9 @@ def norm_rope_cache_head(qkv_ptr, q_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, cos_
             tl.store(q_ptr + head * HEAD_DIM + d, y.to(dt))
         else:
             y = norm_rope_rows(x, xp, kn_ptr, cos_ptr, sin_ptr, pos, eps, HEAD_DIM)
-            tl.store(k_cache_ptr + row + d, y.to(dt))
+            kv_store_row(k_cache_ptr + row + d, y, inv_k, dt, KV_FMT)
     else:
-        tl.store(v_cache_ptr + row + d, x)
+        kv_store_row(v_cache_ptr + row + d, x.to(tl.float32), inv_v, dt, KV_FMT)
 
 
 @triton.jit
@@ -152,14 +156,16 @@ def rmsnorm_rows(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, eps: float
 def rope_cache_write(qkv: torch.Tensor, q_out: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, num_q_heads: int,
                      num_kv_heads: int, head_dim: int, q_norm: torch.Tensor | None = None,
-                     k_norm: torch.Tensor | None = None, eps: float = 1e-6, pdl: bool = False) -> None:
+                     k_norm: torch.Tensor | None = None, eps: float = 1e-6, pdl: bool = False, kv_fmt: int = 0,
+                     inv_k: float = 1.0, inv_v: float = 1.0) -> None:
     """Split qkv [(Hq+2Hkv)*D], [per-head RMSNorm q and k with q_norm/k_norm [D] (Qwen3), then] rope q and k,
-    write q to q_out and k/v into the caches at pos[0]."""
+    write q to q_out and k/v into the caches at pos[0] (``kv_fmt`` 1 / 2: FP8 bytes of k * inv_k, v * inv_v,
+    as kvquant.quantize writes them)."""
     qk_norm = q_norm is not None
     _rope_cache_kernel[(num_q_heads + 2 * num_kv_heads,)](
         qkv, q_out, k_cache, v_cache, pos, cos, sin, q_norm if qk_norm else qkv, k_norm if qk_norm else qkv, eps,
         NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, QK_NORM=qk_norm, PDL=pdl,
-        num_warps=1, **launch_opts(pdl))
+        KV_FMT=kv_fmt, inv_k=inv_k, inv_v=inv_v, num_warps=1, **launch_opts(pdl))
 
 
 def silu_mul(gu: torch.Tensor, out: torch.Tensor, block: int = 1024) -> torch.Tensor:

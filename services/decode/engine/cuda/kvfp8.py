@@ -1,0 +1,87 @@
+"""FP8 KV cache in the fast path's kernels: vLLM's FP8 bytes (engine/kvquant.py), written and read in Triton.
+
+``KV_FMT`` (a kernel's constexpr): 0 the model dtype, 1 float8_e4m3fn, 2 float8_e5m2 (:func:`kv_fmt`).
+- :func:`fp8_kv_bits`: the byte kvquant.quantize stores for an fp32 value (a bf16 number) and the
+  layer's fp32 ``1 / scale``: ``x * inv_scale`` clamped to the format's max, truncated toward zero,
+  in integer arithmetic (E4M3: the bits of ``v * 2^-120`` with the IEEE round-to-nearest-even of its
+  subnormal range spelled out, so no flush-to-zero of the compiled multiply can change a byte).
+- :func:`fp8_kv_load`: the cache bytes as their exact FP8 values in bf16 (every E4M3 and E5M2 value is
+  a bf16 number), for the attention's tensor-core dots; the caller multiplies by the layer's scale
+  (folded into the softmax scale for K and into the output for V, as vLLM's CPU attention does).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+KV_FORMATS = {None: 0, "fp8_e4m3": 1, "fp8_e5m2": 2}
+
+
+def kv_fmt(kv_format: str | None) -> int:
+    """The kernels' KV_FMT of a cache's kv_format (None: K/V in the model dtype)."""
+    if kv_format not in KV_FORMATS:
+        raise ValueError(f"KV format {kv_format!r}: the fast path reads {', '.join(map(str, KV_FORMATS))}")
+    return KV_FORMATS[kv_format]
+
+
+def inv_scales(scales: list[tuple[float, float]] | None, num_layers: int) -> list[tuple[float, float]]:
+    """Per layer (1 / k_scale, 1 / v_scale) as Python floats (the kernels take them as fp32, as
+    kvquant.quantize rounds its inverse), (1.0, 1.0) without scales."""
+    scales = scales if scales is not None else [(1.0, 1.0)] * num_layers
+    return [(1.0 / k, 1.0 / v) for k, v in scales]
+
+
+@triton.jit
+def fp8_kv_bits(x, inv_scale, FMT: tl.constexpr):
+    # uint8 bytes of fp32 x (values of bf16 numbers) / scale, as kvquant.quantize writes them
+    if FMT == 1:
+        v = tl.minimum(tl.maximum(x * inv_scale, -448.0), 448.0)
+    else:
+        v = tl.minimum(tl.maximum(x * inv_scale, -57344.0), 57344.0)
+    bits = v.to(tl.int32, bitcast=True)
+    sign = (bits >> 24) & 0x80
+    e = (bits >> 23) & 0xFF  # biased exponent
+    mant = bits & 0x7FFFFF
+    if FMT == 1:
+        # bits [26:20] of w = v * 2^-120: normal w (e > 120) keeps v's mantissa with exponent e - 120;
+        # subnormal w holds round-to-nearest-even(|v| * 2^29) in units of 2^-149
+        normal = ((e - 120) << 3) | (mant >> 20)
+        full = tl.where(e > 0, mant | 0x800000, mant)
+        sh = tl.minimum(121 - e, 25)
+        sh = tl.maximum(sh, 1)
+        r = full >> sh
+        rem = full - (r << sh)
+        half = 1 << (sh - 1)
+        r = r + ((rem > half) | ((rem == half) & ((r & 1) == 1))).to(tl.int32)
+        payload = tl.where(e > 120, normal, (r >> 20) & 0x7F)
+        out = sign | tl.minimum(payload, 0x7E)
+    else:
+        ex = e - 127
+        normal = sign | (tl.minimum(tl.maximum(ex + 15, 0), 31) << 2) | ((bits >> 21) & 0x03)
+        shift = tl.maximum(-14 - ex, 0)
+        m2 = (0x800000 | mant) >> tl.minimum(shift + 21, 31)
+        sub = tl.where(shift + 21 >= 32, sign, sign | tl.minimum(m2, 3))
+        out = tl.where(ex < -14, sub, normal)
+    out = tl.where((e == 0) & (mant == 0), 0, out)
+    return out.to(tl.uint8)
+
+
+@triton.jit
+def fp8_kv_load(raw, FMT: tl.constexpr):
+    # cache elements as loaded -> bf16 values (FMT 0: returned as they are)
+    if FMT == 1:
+        return raw.to(tl.float8e4nv, bitcast=True).to(tl.bfloat16)
+    elif FMT == 2:
+        return raw.to(tl.float8e5, bitcast=True).to(tl.bfloat16)
+    else:
+        return raw
+
+
+@triton.jit
+def kv_store_row(ptr, x, inv_scale, dt, FMT: tl.constexpr, mask=None):
+    # store fp32 x (values of model-dtype numbers) into a cache row: as dt, or as FP8 bytes
+    if FMT == 0:
+        tl.store(ptr, x.to(dt), mask=mask)
+    else:
+        tl.store(ptr, fp8_kv_bits(x, inv_scale, FMT), mask=mask)
