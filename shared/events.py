@@ -313,6 +313,19 @@ class TokensGenerated(Event, tag="tokens"):
     logprobs: list[TokenLogprobs] = []
 
 
+class PrefillToken(Event, tag="prefill_token"):
+    """The prefill's first token, from inside vLLM the moment its scheduler has it (before vLLM's
+    own response carries it): the router streams it to the client at once. Published only for legs
+    whose hand-off asked for it (``Handoff.start``); ``finish_reason`` "stop" when vLLM stopped on
+    the token (EOS or a stop id), "length" when the leg's ``max_tokens=1`` ended it.
+    ``prompt_token_ids``: the prompt as vLLM tokenized it."""
+
+    request_id: str
+    token_id: int
+    finish_reason: Literal["stop", "length"]
+    prompt_token_ids: list[int] = []
+
+
 class RequestFinished(Event, tag="finished"):
     request_id: str
     finish_reason: Literal["stop", "length", "cancelled"]
@@ -327,7 +340,7 @@ class RequestFailed(Event, tag="failed"):
     retryable: bool = True
 
 
-TokenMessage = TokensGenerated | RequestFinished | RequestFailed
+TokenMessage = TokensGenerated | RequestFinished | RequestFailed | PrefillToken
 
 
 class CancelRequest(Event, tag="cancel"):

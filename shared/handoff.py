@@ -20,7 +20,7 @@ from typing import Any
 
 import msgspec
 
-from shared.events import ClaimGranted, TransferTarget
+from shared.events import ClaimGranted, SamplingParams, TransferTarget
 
 KEY = "expresslane"
 
@@ -36,12 +36,21 @@ class Handoff(msgspec.Struct, kw_only=True):
     # The lease's expiry (ms since the epoch, ClaimGranted.expires_at_ms); no write starts after
     # it or runs past it, so a writer never outlives the coordinator's fence. 0: no bound.
     expires_at_ms: int = 0
+    # The decode node's sampling for the rest of the request (None: the router starts the decode
+    # itself). With it the prefill starts the decode the moment its scheduler has the first token:
+    # ``PrefillToken`` to the router, then ``DecodeStart`` (this sampling, the first token, the
+    # prompt's length; ``prompt_token_ids`` filled in when ``repetition_penalty`` needs them) to the
+    # node, unless vLLM stopped on that token or the KV was not handed off. A first leg only
+    # (``DecodeStart.migration`` 0, nothing sent before it).
+    start: SamplingParams | None = None
 
     @classmethod
-    def from_grant(cls, grant: ClaimGranted, traceparent: str = "") -> "Handoff":
+    def from_grant(cls, grant: ClaimGranted, traceparent: str = "",
+                   start: SamplingParams | None = None) -> "Handoff":
         """The hand-off of a granted claim (the router's side)."""
         return cls(request_id=grant.request_id, lease_id=grant.lease_id, generation=grant.generation,
-                   target=grant.target, traceparent=traceparent, expires_at_ms=grant.expires_at_ms)
+                   target=grant.target, traceparent=traceparent, expires_at_ms=grant.expires_at_ms,
+                   start=start)
 
 
 class HandoffStatus(msgspec.Struct, kw_only=True, omit_defaults=True):

@@ -34,6 +34,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from services.prefill.config import ExpressConfig
+from services.prefill.publisher import Publisher
 from services.prefill.scheduler import ExpressScheduler, SaveRequest
 from services.prefill.staging import SlotStates
 
@@ -70,10 +71,15 @@ class ExpressConnector(KVConnectorBase_V1, SupportsHMA):
         engine_id = _engine_id(vllm_config)
         self._scheduler: ExpressScheduler | None = None
         self._worker = None
+        self._publisher: Publisher | None = None
         if role == KVConnectorRole.SCHEDULER:
             states = SlotStates(config.stats_file(engine_id), config.staging_slots, create=True)
             max_tokens = config.staging_max_tokens or vllm_config.model_config.max_model_len
             self._scheduler = ExpressScheduler(states, max_tokens)
+            # The first token and the decode start leave from here, the moment the scheduler has
+            # them (before vLLM's response carries the token).
+            self._publisher = Publisher(config.nats_url, name=f"prefill-sched-{engine_id[:8]}",
+                                        auth=config.bus_auth())
         else:
             from services.prefill.worker import ExpressWorker
 
@@ -103,6 +109,8 @@ class ExpressConnector(KVConnectorBase_V1, SupportsHMA):
     def shutdown(self) -> None:
         if self._worker is not None:
             self._worker.shutdown()
+        if self._publisher is not None:
+            self._publisher.close()
 
     # ---------------------------------------------------------------- scheduler side
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
@@ -125,8 +133,18 @@ class ExpressConnector(KVConnectorBase_V1, SupportsHMA):
         return ExpressConnectorMetadata(saves=saves)
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        return False, self._scheduler.on_finished(request.request_id)
+        return False, self._finished(request)
 
     def request_finished_all_groups(self, request: "Request",
                                     block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
-        return False, self._scheduler.on_finished(request.request_id)
+        return False, self._finished(request)
+
+    def _finished(self, request: "Request") -> dict[str, Any] | None:
+        sched = self._scheduler
+        if sched.has_claim(request.request_id):
+            reason = request.get_finished_reason()
+            for subject, event, traceparent in sched.on_first_token(
+                    request.request_id, list(request.output_token_ids),
+                    str(reason) if reason is not None else None, request.prompt_token_ids or []):
+                self._publisher.publish_nowait(subject, event, traceparent)
+        return sched.on_finished(request.request_id)

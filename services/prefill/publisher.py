@@ -1,7 +1,8 @@
-"""KV-ready / KV-failed publishing from vLLM's worker process: a bus client on its own asyncio loop
-thread, so the sender thread can publish without an event loop of its own.
+"""Publishing from inside vLLM (KV-ready / KV-failed from the worker's sender thread; the first token
+and the decode start from the scheduler): a bus client on its own asyncio loop thread, so neither
+needs an event loop of its own.
 
-``publish(subject, event, traceparent)`` never blocks the caller for long: it waits at most
+``publish_nowait`` hands the event over and returns; ``publish(subject, event, traceparent)`` never blocks the caller for long: it waits at most
 ``timeout_s`` for the publish to be handed to the NATS client (which buffers while reconnecting);
 when nats-server has never been reachable, the event is dropped and logged (the coordinator's
 lease timeout then covers the request).
@@ -79,6 +80,27 @@ class Publisher:
         except Exception as exc:  # a publish error must never reach vLLM
             log.error("expresslane: publish of %s to %s failed: %s", type(event).__name__, subject, exc)
             return False
+
+    def publish_nowait(self, subject: str, event: Event, traceparent: str = "") -> bool:
+        """Hand the publish to the bus thread and return at once (the scheduler's loop must not
+        wait on the network); events handed on in order leave in that order. False (logged) when
+        NATS has not been reachable yet: the caller's slower path covers the event."""
+        if not self._connected.is_set():
+            log.warning("expresslane: dropped %s for %s: NATS at %s not connected yet",
+                        type(event).__name__, subject, redact_url(self.nats_url))
+            return False
+        future = asyncio.run_coroutine_threadsafe(self._publish_now(subject, event, traceparent), self._loop)
+        future.add_done_callback(lambda f: f.cancelled() or f.exception() is None or log.error(
+            "expresslane: publish of %s to %s failed: %s", type(event).__name__, subject, f.exception()))
+        return True
+
+    async def _publish_now(self, subject: str, event: Event, traceparent: str) -> None:
+        token = otel_context.attach(context_from_traceparent(traceparent)) if traceparent else None
+        try:
+            await self._bus.publish(subject, event, replay=True)  # the client writes it out at once
+        finally:
+            if token is not None:
+                otel_context.detach(token)
 
     def close(self) -> None:
         self._stopping = True

@@ -11,6 +11,11 @@ staging slot they get. Pure bookkeeping (no torch, no vLLM, no I/O).
   ``SaveRequest`` for the worker. No free slot (or a prompt longer than a slot): a ``SaveRequest``
   with ``fail_reason`` instead, so the worker reports KV-failed, and ``request_finished`` says
   ``handed_off: false``; nothing blocks, nothing is overwritten.
+- ``on_first_token`` (before ``on_finished``, for a request vLLM finished with its one token):
+  when the hand-off carries ``start``, what to publish at once: ``PrefillToken`` to the router,
+  then ``DecodeStart`` to the node, unless vLLM stopped on the token (the router ends the lease) or
+  the KV was not staged (the worker reports KV-failed and the router migrates). An aborted request
+  gives nothing.
 - ``on_finished`` forgets the request and returns its status dict; vLLM frees its blocks at once
   (the KV, if handed off, is already staged).
 """
@@ -22,6 +27,8 @@ from typing import Iterable, Protocol
 
 import msgspec
 
+from shared import subjects
+from shared.events import DecodeStart, Event, PrefillToken
 from shared.handoff import Handoff, HandoffStatus, is_marked, parse_request, status_params
 
 
@@ -118,6 +125,29 @@ class ExpressScheduler:
         saves.append(SaveRequest(claim.request_id, claim.handoff, claim.block_ids, n,
                                  claim.staging_slot, claim.reason))
 
+    def on_first_token(self, request_id: str, output_token_ids: list[int], finish_reason: str | None,
+                       prompt_token_ids: list[int]) -> list[tuple[str, Event, str]]:
+        """(subject, event, traceparent) to publish now for a request vLLM just finished;
+        ``finish_reason`` "stop" or "length" (anything else, e.g. an abort: nothing)."""
+        claim = self.claims.get(request_id)
+        h = claim.handoff if claim is not None else None
+        if h is None or h.start is None or finish_reason not in ("stop", "length") or len(output_token_ids) != 1:
+            return []
+        token = output_token_ids[0]
+        out: list[tuple[str, Event, str]] = [(subjects.req_tokens(h.request_id), PrefillToken(
+            request_id=h.request_id, token_id=token, finish_reason=finish_reason,
+            prompt_token_ids=list(prompt_token_ids)), h.traceparent)]
+        if finish_reason == "length" and claim.staging_slot >= 0 and h.start.max_tokens > 0:
+            sampling = h.start
+            if sampling.repetition_penalty != 1.0 and sampling.prompt_token_ids is None:
+                sampling = msgspec.structs.replace(sampling, prompt_token_ids=list(prompt_token_ids))
+            out.append((subjects.decode_start(h.target.node_id), DecodeStart(
+                request_id=h.request_id, lease_id=h.lease_id, generation=h.generation,
+                slot=h.target.slot.slot, first_token_id=token, num_prompt_tokens=claim.num_prompt_tokens,
+                sampling=sampling), h.traceparent))
+            self.slots.count("decode_started")
+        return out
+
     def on_finished(self, request_id: str) -> dict | None:
         """Forget the request; the status dict for its response (None when it is not ours)."""
         claim = self.claims.pop(request_id, None)
@@ -141,6 +171,9 @@ class ExpressScheduler:
     def has_work(self) -> bool:
         """Whether a step may produce metadata (claims in progress or failures to report)."""
         return bool(self.claims or self._pending_failures)
+
+    def has_claim(self, request_id: str) -> bool:
+        return request_id in self.claims
 
     @property
     def num_claims(self) -> int:

@@ -7,7 +7,8 @@ Two parts:
   RESERVED (1, given to a request by the scheduler), SENDING (2, staged by the worker, write in
   flight). Only the scheduler moves FREE -> RESERVED; only the worker moves a slot back to FREE.
   After the slot bytes come 64-bit counters, each written by one side only: ``claimed``,
-  ``not_handed_off`` (scheduler), ``kv_ready``, ``kv_failed`` (worker).
+  ``not_handed_off``, ``decode_started`` (decodes the prefill started itself: scheduler),
+  ``kv_ready``, ``kv_failed`` (worker).
 - ``StagingPool``: the memory, ``num_slots`` x the native layout (shared.kvlayout) of
   ``max_tokens`` tokens, with per-slot, per-segment tensor views. On the KV cache's GPU
   (``device="cuda:N"``: extraction is a device-to-device gather, the transport writes GPU to GPU)
@@ -27,7 +28,7 @@ import threading
 
 FREE, RESERVED, SENDING = 0, 1, 2
 STATE_NAMES = {FREE: "free", RESERVED: "reserved", SENDING: "sending"}
-COUNTERS = ("claimed", "not_handed_off", "kv_ready", "kv_failed")
+COUNTERS = ("claimed", "not_handed_off", "kv_ready", "kv_failed", "decode_started")
 
 
 def _file_size(num_slots: int) -> int:
@@ -85,7 +86,7 @@ class SlotStates:
 
 def read_stats(path: str) -> dict:
     """A running prefill's staging slots and counters: {"total", "free", "reserved", "sending",
-    "claimed", "not_handed_off", "kv_ready", "kv_failed"}."""
+    "claimed", "not_handed_off", "kv_ready", "kv_failed", "decode_started"}."""
     with open(path, "rb") as f:
         data = f.read()
     num_slots = len(data) - 8 * len(COUNTERS)

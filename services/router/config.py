@@ -37,6 +37,9 @@ class RouterConfig:
     migrate_to: str = "express"  # "express": another node first, then standard; "standard"
     migrate_wait_ms: int = 500
     warm_leases: int = 1  # granted claims held ready per model (services.router.warm); 0: off
+    # The prefill streams the first token over the bus and starts the decode itself
+    # (shared.handoff.Handoff.start); off: the first token from vLLM's stream, DecodeStart from here.
+    prefill_starts_decode: bool = True
     # vLLM's serving code for tools, structured output, logprobs and reasoning
     # (services.router.vllm_surface): the prefill vLLM's own parser flags
     tool_call_parser: str = ""
@@ -116,6 +119,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="silence before the first decoded token that counts as a failed node")
     p.add_argument("--token-timeout-s", type=float, default=d.token_timeout_s,
                    help="silence between tokens that counts as a failed node")
+    p.add_argument("--prefill-starts-decode", default="on", choices=["on", "off"],
+                   help="on: the prefill's connector publishes the first token to the router and "
+                        "starts the decode node the moment vLLM's scheduler has the token (no round "
+                        "trip through vLLM's response and the router); off: the router takes the "
+                        "first token from vLLM's stream and starts the decode itself")
     p.add_argument("--max-migrations", type=int, default=d.max_migrations)
     p.add_argument("--migrate-to", default=d.migrate_to, choices=["express", "standard"])
     return p
@@ -183,6 +191,7 @@ def from_args(args: argparse.Namespace) -> RouterConfig:
         max_migrations=args.max_migrations,
         migrate_to=args.migrate_to,
         warm_leases=args.warm_leases,
+        prefill_starts_decode=args.prefill_starts_decode == "on",
         tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser,
         enable_auto_tool_choice=args.enable_auto_tool_choice,

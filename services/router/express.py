@@ -27,7 +27,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
@@ -45,7 +45,8 @@ from shared import subjects
 from shared.bus import Bus, BusNoResponders, BusTimeout
 from shared.events import (
     CancelRequest, ClaimGranted, ClaimReply, ClaimRejected, ClaimRequest, DecodeStart, HandoffEvent,
-    RequestFailed, RequestFinished, SamplingParams, StructuredOutput, TokenLogprobs, TokensGenerated,
+    PrefillToken, RequestFailed, RequestFinished, SamplingParams, StructuredOutput, TokenLogprobs,
+    TokensGenerated,
 )
 from shared.handoff import Handoff, request_params
 from shared.log import get_logger
@@ -70,9 +71,11 @@ def claim_request(info: ModelInfo, request_id: str, *, num_prompt_tokens: int, m
                         exclude_nodes=sorted(set(exclude_nodes)))
 
 
-def handoff_params(grant: ClaimGranted, traceparent: str = "") -> dict[str, Any]:
-    """The prefill request's ``kv_transfer_params`` for a granted claim (shared.handoff)."""
-    return request_params(Handoff.from_grant(grant, traceparent=traceparent))
+def handoff_params(grant: ClaimGranted, traceparent: str = "", start: SamplingParams | None = None,
+                   ) -> dict[str, Any]:
+    """The prefill request's ``kv_transfer_params`` for a granted claim (shared.handoff); with
+    ``start`` the prefill starts the decode itself at its first token."""
+    return request_params(Handoff.from_grant(grant, traceparent=traceparent, start=start))
 
 
 def _token_id(text: str) -> int:
@@ -143,6 +146,14 @@ async def _drain(upstream: httpx.Response, lines: AsyncIterator[str]) -> None:
         await upstream.aclose()
 
 
+async def _finish_quietly(streamed: asyncio.Future, leg_id: str) -> None:
+    """Let a prefill stream whose first token came over the bus end on its own."""
+    try:
+        await streamed
+    except Exception as exc:  # the token is out already; the KV's fate comes over the bus
+        _log.info("express_prefill_stream_after_bus_token", request_id=leg_id, error=str(exc))
+
+
 class LaneFallback(Exception):
     """The express lane cannot take the request; nothing was sent yet: use the standard lane."""
 
@@ -175,6 +186,10 @@ class _Leg:
     queue: asyncio.Queue
     finished: bool = False
     span: trace.Span | None = None  # router.decode: from DecodeStart to the leg's end
+    # The prefill started the decode itself (its PrefillToken came first): no DecodeStart from here.
+    started_by_prefill: bool = False
+    first_from_bus: bool = False
+    early: list = field(default_factory=list)  # leg events that came while the first token was awaited
 
     def end_span(self, status: str) -> None:
         if self.span is not None:
@@ -264,9 +279,9 @@ class ExpressStream:
 
     async def _open_leg(self, leg_id: str, path: str, body: dict[str, Any], num_prompt: int,
                         max_tokens: int, wait_ms: int, grant: ClaimGranted | None = None,
-                        ) -> tuple[_Leg, TokenBatch, list[int]]:
+                        start: SamplingParams | None = None) -> tuple[_Leg, TokenBatch, list[int]]:
         """Claim (unless ``grant``: a warm lease), prefill; return the leg, its first token and the
-        prompt ids vLLM saw."""
+        prompt ids vLLM saw. ``start``: the node's sampling, for the prefill to start the decode."""
         queue = self.deps.dispatcher.open(leg_id)
         try:
             if grant is None:
@@ -286,23 +301,27 @@ class ExpressStream:
             raise
         leg = _Leg(id=leg_id, grant=grant, queue=queue)
         try:
-            first, prompt_ids = await self._prefill(leg, path, body)
+            first, prompt_ids = await self._prefill(leg, path, body, start)
         except BaseException:
             self._cancel(leg, "prefill_failed")
             raise
         return leg, first, prompt_ids
 
-    async def _prefill(self, leg: _Leg, path: str, body: dict[str, Any]) -> tuple[TokenBatch, list[int]]:
-        """The leg's prefill, streamed: returns as soon as vLLM streams the first token (the rest of
-        the stream, its end, is read in the background). Whether the KV was handed off is not in a
-        streamed answer: a prefill that kept it reports ``KvFailed`` on the bus and the lease fails."""
+    async def _prefill(self, leg: _Leg, path: str, body: dict[str, Any],
+                       start: SamplingParams | None = None) -> tuple[TokenBatch, list[int]]:
+        """The leg's prefill, streamed: returns as soon as the first token is here. With ``start``
+        the prefill publishes the token on the bus (``PrefillToken``) the moment vLLM's scheduler
+        has it, and starts the decode itself; vLLM's stream carries it too, a little later: the
+        first of the two answers (the stream alone when the first token's logprobs are asked for:
+        only vLLM renders them). The rest of the stream is read in the background. Whether the KV
+        was handed off is not in a streamed answer: a prefill that kept it reports ``KvFailed`` on
+        the bus and the lease fails."""
         g = leg.grant
-        url = f"{self.info.url}{path}"
         t0 = time.perf_counter()
         with self.deps.tracer.start_as_current_span("router.prefill", context=self._ctx, kind=SpanKind.CLIENT,
-                                                    attributes={"request_id": leg.id, "node_id": g.node_id}):
+                                                    attributes={"request_id": leg.id, "node_id": g.node_id}) as span:
             body = {**body, "max_tokens": 1, "stream": True, "return_token_ids": True,
-                    "kv_transfer_params": handoff_params(g, current_traceparent())}
+                    "kv_transfer_params": handoff_params(g, current_traceparent(), start)}
             if body.get("min_tokens"):
                 body["min_tokens"] = 1  # vLLM: at most max_tokens; the node holds back stops after
             for key in ("max_completion_tokens", "stream_options", "stop"):
@@ -311,31 +330,76 @@ class ExpressStream:
                 body["return_tokens_as_token_ids"] = True
             if body.get("include_reasoning") is False:  # else vLLM streams no token ids
                 body["include_reasoning"] = True
-            request = self.deps.http.build_request("POST", url, json=body, headers=inject_headers({}),
-                                                   timeout=self.deps.cfg.prefill_timeout_s)
-            try:
-                upstream = await self.deps.http.send(request, stream=True)
-            except httpx.HTTPError as exc:
-                raise unreachable(self.info.url, exc) from None
-            try:
-                if upstream.status_code >= 400:
-                    raise UpstreamError(upstream.status_code, await upstream.aread(),
-                                        upstream.headers.get("content-type", "application/json").split(";")[0])
-                lines = upstream.aiter_lines()
-                first = await _first_token(lines)
-            except httpx.HTTPError as exc:
-                await upstream.aclose()
-                raise unreachable(self.info.url, exc) from None
-            except BaseException:
-                await upstream.aclose()
-                raise
-        self.deps.spawn(_drain(upstream, lines))
+            streamed = asyncio.ensure_future(self._stream_first(path, body))
+            if start is None or self._logprobs is not None:
+                first = await streamed
+            else:
+                first = await self._first_of(leg, streamed)
+            source = "bus" if leg.first_from_bus else "stream"
+            span.set_attribute("first_token_from", source)
+            self.deps.metrics.first_token_source.labels(source).inc()
         self.deps.metrics.prefill_ms.observe((time.perf_counter() - t0) * 1000)
         return first
 
+    async def _stream_first(self, path: str, body: dict[str, Any]) -> tuple[TokenBatch, list[int]]:
+        """POST the prefill, streamed; its first token and prompt ids (the rest is drained in the
+        background)."""
+        url = f"{self.info.url}{path}"
+        request = self.deps.http.build_request("POST", url, json=body, headers=inject_headers({}),
+                                               timeout=self.deps.cfg.prefill_timeout_s)
+        try:
+            upstream = await self.deps.http.send(request, stream=True)
+        except httpx.HTTPError as exc:
+            raise unreachable(self.info.url, exc) from None
+        try:
+            if upstream.status_code >= 400:
+                raise UpstreamError(upstream.status_code, await upstream.aread(),
+                                    upstream.headers.get("content-type", "application/json").split(";")[0])
+            lines = upstream.aiter_lines()
+            first = await _first_token(lines)
+        except httpx.HTTPError as exc:
+            await upstream.aclose()
+            raise unreachable(self.info.url, exc) from None
+        except BaseException:
+            await upstream.aclose()
+            raise
+        self.deps.spawn(_drain(upstream, lines))
+        return first
+
+    async def _first_of(self, leg: _Leg, streamed: asyncio.Future) -> tuple[TokenBatch, list[int]]:
+        """The first token from whichever comes first: the bus (``PrefillToken``: the decode is
+        started already unless vLLM stopped on it) or vLLM's stream (which then also errors)."""
+        from_bus = asyncio.ensure_future(self._bus_first(leg))
+        try:
+            await asyncio.wait({streamed, from_bus}, return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:
+            from_bus.cancel()
+            streamed.cancel()
+            raise
+        if not from_bus.done() or streamed.done() and streamed.exception() is not None:
+            from_bus.cancel()
+            return streamed.result()  # vLLM's answer (or its error) came first
+        self.deps.spawn(_finish_quietly(streamed, leg.id))
+        token: PrefillToken = from_bus.result()
+        leg.first_from_bus = True
+        leg.started_by_prefill = token.finish_reason == "length"
+        finish = "stop" if token.finish_reason == "stop" else None
+        return TokenBatch([token.token_id], finish, None), list(token.prompt_token_ids)
+
+    @staticmethod
+    async def _bus_first(leg: _Leg) -> PrefillToken:
+        while True:
+            event = await leg.queue.get()
+            if isinstance(event, PrefillToken):
+                return event
+            leg.early.append(event)  # for _relay, in order
+
     def _engine_sampling(self, remaining: int, generated: list[int]) -> SamplingParams:
         """The decode node's share of the request's sampling; ``generated`` ends with this leg's
-        first token (min_tokens and penalties count what came before it, see SamplingParams)."""
+        first token (min_tokens and penalties count what came before it, see SamplingParams; only
+        its length and the ids before its last are read, so a first leg's sampling can be built
+        before its first token). Prompt ids for repetition_penalty: None before the prefill (the
+        prefill fills them in when it starts the decode)."""
         s = self._sampling
         repetition = float(s["repetition_penalty"])
         return SamplingParams(
@@ -345,7 +409,7 @@ class ExpressStream:
             logit_bias=dict(s["logit_bias"]), allowed_token_ids=s["allowed_token_ids"],
             bad_words_token_ids=s["bad_words_token_ids"], min_tokens=max(0, s["min_tokens"] - len(generated)),
             seed=s.get("seed"), stop_token_ids=self._stop_ids, ignore_eos=self._ignore_eos,
-            prompt_token_ids=list(self.prompt_ids) if repetition != 1.0 else None,
+            prompt_token_ids=list(self.prompt_ids) if repetition != 1.0 and self.prompt_ids else None,
             output_token_ids=list(generated[:-1]), logprobs=self._logprobs, structured=self._structured)
 
     async def _start_decode(self, leg: _Leg, first_id: int, num_prompt: int, remaining: int,
@@ -358,6 +422,9 @@ class ExpressStream:
                             migration=self.num_migrations)
         leg.span = self.deps.tracer.start_span("router.decode", context=self._ctx, attributes={
             "request_id": leg.id, "node_id": g.node_id, "slot": g.target.slot.slot})
+        if leg.started_by_prefill:  # the prefill sent the same DecodeStart already
+            leg.span.set_attribute("started_by_prefill", True)
+            return
         with trace.use_span(leg.span, end_on_exit=False):
             await self.deps.bus.publish(subjects.decode_start(g.node_id), start, replay=True)
 
@@ -366,10 +433,15 @@ class ExpressStream:
         expected = 1
         timeout_s = self.deps.cfg.first_decode_timeout_s
         while True:
-            try:
-                event = await asyncio.wait_for(leg.queue.get(), timeout_s)
-            except asyncio.TimeoutError:
-                raise _LegFailed(f"decode node {leg.grant.node_id} silent for {timeout_s:g} s") from None
+            if leg.early:
+                event = leg.early.pop(0)
+            else:
+                try:
+                    event = await asyncio.wait_for(leg.queue.get(), timeout_s)
+                except asyncio.TimeoutError:
+                    raise _LegFailed(f"decode node {leg.grant.node_id} silent for {timeout_s:g} s") from None
+            if isinstance(event, PrefillToken):
+                continue  # vLLM's stream was first; the first token is out already
             if isinstance(event, TokensGenerated):
                 skip = max(0, expected - event.index)
                 ids = event.token_ids[skip:]
@@ -408,9 +480,13 @@ class ExpressStream:
                 "node_id": grant.node_id}).end()
             _log.info("express_warm_lease", leg_id=self.first_leg_id, lease_id=grant.lease_id,
                       node_id=grant.node_id)
+        # The prefill starts the decode itself (no round trip through here) when a token is left
+        # for the node after the prefill's one.
+        start = (self._engine_sampling(self.max_tokens - 1, [-1])
+                 if self.max_tokens > 1 and self.deps.cfg.prefill_starts_decode else None)
         self._leg, self._first, self.prompt_ids = await self._open_leg(
             self.first_leg_id, self._path, self._body, self._num_prompt_tokens, self.max_tokens,
-            self.deps.cfg.claim_wait_ms, grant)
+            self.deps.cfg.claim_wait_ms, grant, start)
         self.timings["open_ms"] = (time.perf_counter() - t0) * 1000
         return self.prompt_ids
 

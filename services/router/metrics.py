@@ -34,6 +34,10 @@ class RouterMetrics:
                                     buckets=_MS_BUCKETS, registry=r)
         self.claim_ms = Histogram("expresslane_router_claim_ms", "Claim round trip (ms)",
                                   buckets=_MS_BUCKETS, registry=r)
+        self.first_token_source = Counter(
+            "expresslane_router_first_token_source",
+            "Express legs by where their first token came from: bus (the prefill's PrefillToken, the "
+            "decode started by the prefill) or stream (vLLM's response)", ["source"], registry=r)
         self.completion_tokens = Counter("expresslane_router_completion_tokens",
                                          "Completion tokens streamed", ["lane"], registry=r)
 

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import json
+
 import msgspec
 import pytest
 
-from shared.handoff import Handoff, HandoffStatus, parse_status, request_params
 from services.prefill.scheduler import ExpressScheduler
-from shared.events import KvLayoutSpec, SlotTarget, TransferTarget
+from shared import subjects
+from shared.events import KvLayoutSpec, PrefillToken, SamplingParams, SlotTarget, TransferTarget
+from shared.handoff import Handoff, HandoffStatus, parse_request, parse_status, request_params
 
 
 class FakeSlots:
@@ -123,3 +126,59 @@ def test_params_round_trip_through_json():
     p = params()
     again = msgspec.json.decode(msgspec.json.encode(p))
     assert again == p
+
+
+# ---------------------------------------------------------------- the prefill starts the decode
+
+START = SamplingParams(max_tokens=7, temperature=0.7, seed=3, min_tokens=2)
+PROMPT = [5, 6, 7, 8]
+
+# name, handoff start, slots, vLLM's finish reason, output ids, published (kinds), DecodeStart's prompt ids
+FIRST_TOKEN_CASES = [
+    ("no start asked: nothing", None, 1, "length", [9], [], None),
+    ("length, KV staged: token, then start", START, 1, "length", [9], ["PrefillToken", "DecodeStart"], None),
+    ("stop on the first token: token only", START, 1, "stop", [9], ["PrefillToken"], None),
+    ("KV not staged: token only (KV-failed follows)", START, 0, "length", [9], ["PrefillToken"], None),
+    ("aborted: nothing", START, 1, "abort", [9], [], None),
+    ("no token (aborted early): nothing", START, 1, "length", [], [], None),
+    ("nothing left for the node: token only", msgspec.structs.replace(START, max_tokens=0), 1, "length", [9],
+     ["PrefillToken"], None),
+    ("repetition penalty: the start carries the prompt", msgspec.structs.replace(START, repetition_penalty=1.2),
+     1, "length", [9], ["PrefillToken", "DecodeStart"], PROMPT),
+]
+
+
+@pytest.mark.parametrize("name,start,num_slots,finish,output,kinds,start_prompt", FIRST_TOKEN_CASES,
+                         ids=[c[0] for c in FIRST_TOKEN_CASES])
+def test_first_token_publishes_token_then_start(name, start, num_slots, finish, output, kinds, start_prompt):
+    slots = FakeSlots(num_slots)
+    sched = ExpressScheduler(slots, max_tokens=100)
+    handoff = Handoff(request_id="leg", lease_id="L", generation=2, target=TARGET, traceparent="tp", start=start)
+    sched.on_alloc("vllm-id", request_params(handoff), len(PROMPT))
+    sched.on_step([("vllm-id", ([1],), 0)], [], {"vllm-id": len(PROMPT)})
+    out = sched.on_first_token("vllm-id", output, finish, PROMPT)
+    assert [type(e).__name__ for _, e, _ in out] == kinds
+    assert all(tp == "tp" for _, _, tp in out)
+    if kinds:
+        subject, token, _ = out[0]
+        assert subject == subjects.req_tokens("leg")
+        assert token == PrefillToken(request_id="leg", token_id=9, finish_reason=finish, prompt_token_ids=PROMPT)
+    if "DecodeStart" in kinds:
+        subject, ds, _ = out[1]
+        assert subject == subjects.decode_start("n1")
+        assert (ds.request_id, ds.lease_id, ds.generation, ds.slot, ds.first_token_id, ds.num_prompt_tokens,
+                ds.migration, ds.num_tokens_already_sent) == ("leg", "L", 2, 0, 9, len(PROMPT), 0, 0)
+        assert ds.sampling == msgspec.structs.replace(start, prompt_token_ids=start_prompt)
+        assert slots.counts.get("decode_started") == 1
+    else:
+        assert "decode_started" not in slots.counts
+    # the request's status for vLLM's response is unchanged by it
+    assert parse_status(sched.on_finished("vllm-id")).handed_off is (num_slots > 0)
+
+
+def test_start_survives_vllms_json_round_trip():
+    """kv_transfer_params travel as JSON through vLLM: logit_bias keys come back as strings."""
+    start = msgspec.structs.replace(START, logit_bias={11: -2.5}, bad_words_token_ids=[[1, 2]])
+    p = request_params(Handoff(request_id="r", lease_id="l", generation=1, target=TARGET, start=start))
+    again = json.loads(json.dumps(p))
+    assert parse_request(again).start == start

@@ -16,7 +16,10 @@ from services.router.dispatch import Dispatcher
 from services.router.express import ExpressDeps, ExpressStream
 from services.router.metrics import RouterMetrics
 from shared import subjects
-from shared.events import CancelRequest, ClaimGranted, DecodeStart, KvLayoutSpec, SlotTarget, TransferTarget
+from shared.events import (
+    CancelRequest, ClaimGranted, DecodeStart, KvLayoutSpec, PrefillToken, SlotTarget, TransferTarget,
+)
+from shared.handoff import parse_request
 
 LAYOUT = KvLayoutSpec(layout_version=1, kind="gqa", dtype="float32", num_layers=2, max_tokens=256,
                       slot_nbytes=1, segments=[])
@@ -101,3 +104,85 @@ async def test_a_request_that_ends_at_its_first_token_never_starts_the_node():
     assert starts(bus) == []
     cancels = [e for _, e in bus.published if isinstance(e, CancelRequest)]
     assert [c.request_id for c in cancels] == ["leg-1"]
+
+
+# ---------------------------------------------------------------- the first token over the bus
+
+async def open_with_bus_token(bus: Bus, token: PrefillToken):
+    """A leg whose prefill publishes ``token`` on the bus before vLLM's stream answers."""
+    gate, bodies, tasks = asyncio.Event(), [], []
+
+    async def slow_stream(request: httpx.Request) -> httpx.Response:
+        bodies.append(json.loads(request.content))
+        await gate.wait()
+        return prefill_stream(request)
+
+    dispatcher = Dispatcher()
+    http = httpx.AsyncClient(transport=httpx.MockTransport(slow_stream))
+    metrics = RouterMetrics()
+    deps = ExpressDeps(bus=bus, http=http, dispatcher=dispatcher, nodes=None, metrics=metrics,
+                       tracer=trace.get_tracer("test"), spawn=lambda coro: tasks.append(asyncio.ensure_future(coro)),
+                       cfg=RouterConfig(), warm=Warm())
+    info = ModelInfo(name="m", root="m", url="http://prefill", max_model_len=256)
+    es = ExpressStream(deps, info, request_id="r1", path="/v1/completions", body={"model": "m", "prompt": "p"},
+                       sampling={**SAMPLING, "min_tokens": 3}, stop_token_ids=[], ignore_eos=True, max_tokens=8,
+                       num_prompt_tokens=3, tenant="", parent=trace.INVALID_SPAN)
+    opening = asyncio.ensure_future(es.open())
+    while not bodies:  # the prefill request is out; its leg listens on the bus
+        await asyncio.sleep(0)
+    await dispatcher._on_event(token, None)
+    prompt_ids = await asyncio.wait_for(opening, 5)
+    return es, prompt_ids, bodies[0], gate, metrics, tasks
+
+
+async def test_the_prefill_token_on_the_bus_is_the_first_token_and_the_router_starts_nothing():
+    bus = Bus()
+    token = PrefillToken(request_id="leg-1", token_id=43, finish_reason="length", prompt_token_ids=[1, 2, 3, 4])
+    es, prompt_ids, body, gate, metrics, tasks = await open_with_bus_token(bus, token)
+    assert prompt_ids == [1, 2, 3, 4]  # the bus's, not the (later) stream's [1, 2, 3]
+    # The hand-off asked the prefill to start the decode with the node's share of the sampling.
+    start = parse_request(body["kv_transfer_params"]).start
+    assert (start.max_tokens, start.min_tokens, start.output_token_ids, start.prompt_token_ids) == (7, 2, [], None)
+    tokens = es.tokens()
+    first = await tokens.__anext__()
+    assert first.token_ids == [43] and first.finish_reason is None
+    waiting = asyncio.ensure_future(tokens.__anext__())
+    for _ in range(100):
+        await asyncio.sleep(0)
+    assert starts(bus) == []  # the prefill started the node; the router does not start it again
+    assert metrics.first_token_source.labels("bus")._value.get() == 1
+    waiting.cancel()
+    gate.set()
+    await asyncio.gather(waiting, *tasks, return_exceptions=True)
+    await tokens.aclose()
+
+
+async def test_a_stop_on_the_bus_token_ends_the_request_and_cancels_the_lease():
+    bus = Bus()
+    token = PrefillToken(request_id="leg-1", token_id=2, finish_reason="stop", prompt_token_ids=[1, 2, 3])
+    es, _, _, gate, _, tasks = await open_with_bus_token(bus, token)
+    batches = [b async for b in es.tokens()]
+    assert [(b.token_ids, b.finish_reason) for b in batches] == [([2], "stop")]
+    gate.set()
+    await asyncio.gather(*tasks, return_exceptions=True)  # the cancel is published in the background
+    assert starts(bus) == []
+    assert [e.reason for _, e in bus.published if isinstance(e, CancelRequest)] == ["finished_at_prefill"]
+
+
+async def test_without_the_bus_the_stream_gives_the_token_and_the_router_starts_the_node():
+    """A prefill whose bus publish never arrives (NATS down in vLLM): vLLM's stream still carries
+    the token, and the router's own DecodeStart (a duplicate for the node when both came) starts it."""
+    bus = Bus()
+    es = await open_stream(bus)
+    tokens = es.tokens()
+    await tokens.__anext__()
+    waiting = asyncio.ensure_future(tokens.__anext__())
+    for _ in range(100):
+        if starts(bus):
+            break
+        await asyncio.sleep(0)
+    assert len(starts(bus)) == 1
+    assert es.deps.metrics.first_token_source.labels("stream")._value.get() == 1
+    waiting.cancel()
+    await asyncio.gather(waiting, return_exceptions=True)
+    await tokens.aclose()
