@@ -16,6 +16,8 @@ Contract:
   unchanged (as with ``expresslane prefill``); its ``--tool-call-parser``, ``--reasoning-parser``
   and ``--enable-auto-tool-choice`` also configure the router (infra.vllm_flags), and an unknown
   parser name stops ``up`` before anything starts.
+- One ``up`` per WORKDIR: a second one on the same WORKDIR exits 1 at once, naming the first's pid
+  (``WORKDIR/up.lock``), before it touches the NATS store there.
 - ``--secure``: nats-server with TLS (a CA and certificate generated under ``WORKDIR/secrets``) and
   one user per service (infra/nats/nats.conf) whose random password is a file there; each service
   gets only file paths (--nats-user, --nats-password-file, --nats-tls-ca), never a secret.
@@ -309,11 +311,38 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return args
 
 
+def hold_workdir(workdir: Path):
+    """Take ``WORKDIR/up.lock`` for this process's life (the lock goes with the process, however
+    it ends); RuntimeError when another ``up`` holds it: two stacks on one workdir would share one
+    JetStream store directory under two nats-servers and corrupt it."""
+    import fcntl
+
+    workdir.mkdir(parents=True, exist_ok=True)
+    lock = open(workdir / "up.lock", "a+")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.seek(0)
+        holder = lock.read().strip() or "?"
+        lock.close()
+        raise RuntimeError(f"another 'expresslane up' (pid {holder}) is running on {workdir}: stop it "
+                           "first (Ctrl-C or SIGTERM there), or give this one another --workdir") from None
+    lock.truncate(0)
+    lock.write(str(os.getpid()))
+    lock.flush()
+    return lock
+
+
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
     from infra.nats import DEV_CONFIG, SECURE_CONFIG, NatsServer, ServerTls
 
     workdir = args.workdir = args.workdir or Path(tempfile.mkdtemp(prefix="expresslane-up-"))
+    try:
+        lock = hold_workdir(workdir)  # noqa: F841 (held until the process ends)
+    except RuntimeError as exc:
+        print(f"expresslane up: {exc}", file=sys.stderr)
+        return 1
     log_dir = workdir / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
     stopping = {"signal": None}

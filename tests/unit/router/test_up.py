@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from infra.up import Proc, build_parser, plan, stop_all
+from infra.up import Proc, build_parser, hold_workdir, main, plan, stop_all
 from services.prefill import launch
 from services.router.config import build_parser as router_parser
 from services.router.config import from_args as router_config
@@ -146,3 +146,15 @@ def test_unknown_parser_stops_up_and_prefill(vllm, message, capsys):
     assert info.value.code == 2 and message in capsys.readouterr().err
     assert launch.main(["--model", "m", "--print-command", "--", *vllm]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_a_second_up_on_the_same_workdir_stops_before_touching_it(tmp_path, capsys):
+    first = hold_workdir(tmp_path)
+    assert main(["--workdir", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert "another 'expresslane up'" in err and str(tmp_path) in err and "--workdir" in err
+    assert not (tmp_path / "nats").exists() and not (tmp_path / "logs").exists()
+    first.close()  # the first stack ends: the workdir is free again
+    again = hold_workdir(tmp_path)
+    assert (tmp_path / "up.lock").read_text().strip().isdigit()
+    again.close()
