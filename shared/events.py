@@ -405,6 +405,7 @@ AnyEvent = (
     | KvReady
     | KvFailed
     | DecodeStart
+    | PrefillToken
     | TokensGenerated
     | RequestFinished
     | RequestFailed

@@ -38,8 +38,8 @@ PUBLISH_CASES = [
     ("decode", subjects.CLAIM, False),
     ("decode", subjects.decode_lease_ended(NODE), False),  # only the coordinator ends leases
     ("prefill", subjects.kv_ready(NODE), True),
-    ("prefill", subjects.decode_start(NODE), False),
-    ("prefill", subjects.req_tokens(RID), False),
+    ("prefill", subjects.decode_start(NODE), True),  # the prefill starts the decode
+    ("prefill", subjects.req_tokens(RID), True),  # its first token
     ("coordinator", subjects.handoff(RID, "claimed"), True),
     ("coordinator", subjects.req_cancel(RID), True),
     ("coordinator", subjects.decode_lease_ended(NODE), True),

@@ -39,6 +39,7 @@ SAMPLES: list[ev.Event] = [
     ev.KvFailed(request_id="r1", node_id="decode-0", slot=1, reason="transfer_timeout", **LEASE),
     ev.DecodeStart(request_id="r1", slot=1, first_token_id=42, num_prompt_tokens=17,
                    sampling=SAMPLING, num_tokens_already_sent=3, **LEASE),
+    ev.PrefillToken(request_id="r1", token_id=42, finish_reason="stop", prompt_token_ids=[1, 2, 3]),
     ev.TokensGenerated(request_id="r1", index=1, token_ids=[7, 8, 9]),
     ev.RequestFinished(request_id="r1", finish_reason="stop",
                        usage=ev.Usage(prompt_tokens=17, completion_tokens=4),
