@@ -19,7 +19,7 @@ import triton.language as tl  # noqa: E402
 from triton.runtime import interpreter as _interp  # noqa: E402
 
 # the kernel modules, defined now as interpreted functions (the package loads its modules on first use)
-from services.decode.engine.cuda import attention, fp8, gemv, kernel_helpers, llama, mla, mla_decoder, moe, smallops  # noqa: E402,F401
+from services.decode.engine.cuda import attention, dsa, fp8, gemv, kernel_helpers, llama, mla, mla_decoder, moe, smallops  # noqa: E402,F401
 
 triton.knobs.runtime.interpret = True  # keep interpreting after the variable is gone
 if _late:  # triton.language was defined compiled (another test imported it first): interpret its helpers

@@ -47,8 +47,11 @@ def _attn_split_kernel(q_ptr, q_pe_ptr, k_ptr, v_ptr, pos_ptr, part_o_ptr, part_
                        D_V: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
                        DOT_F32: tl.constexpr, V_IS_K: tl.constexpr, V_CHUNKS: tl.constexpr, PDL: tl.constexpr,
                        HEAD_BLOCKS: tl.constexpr = 1, POS_ROW_PROLOGUE: tl.constexpr = False,
-                       KV_FMT: tl.constexpr = 0, k_scale=1.0, v_scale=1.0):
+                       KV_FMT: tl.constexpr = 0, k_scale=1.0, v_scale=1.0,
+                       idx_ptr=None, nidx_ptr=None, SPARSE: tl.constexpr = False):
     # KV_FMT 1 / 2: K/V are FP8 bytes (kvfp8.py) read as fp8 * k_scale / v_scale (no rope part, no qk norm)
+    # SPARSE (one query token, sparse attention): the keys are the nidx_ptr[0] cache rows listed at idx_ptr
+    # (the indexer's top-k, any order; a listed row past pos is not visible), split like a dense sequence
     # D_V is the width of this program's slice of the values: chunk program_id(2) of V_CHUNKS.
     # program_id(0) = kv head * HEAD_BLOCKS + head block: each program takes GROUP / HEAD_BLOCKS of the
     # group's query heads (MLA with 128 heads: all of them in one program would not fit shared memory)
@@ -71,6 +74,8 @@ def _attn_split_kernel(q_ptr, q_pe_ptr, k_ptr, v_ptr, pos_ptr, part_o_ptr, part_
         part_ml_ptr += b * (T * NUM_Q_HEADS * NUM_SPLITS * 2)
     pos = tl.load(pos_ptr)
     seq_len = pos + T  # keys valid after this step's writes
+    if SPARSE:
+        seq_len = tl.load(nidx_ptr)  # listed rows
     chunk = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_S) * BLOCK_S
     start = split * chunk
     end = tl.minimum(start + chunk, seq_len)
@@ -114,6 +119,8 @@ def _attn_split_kernel(q_ptr, q_pe_ptr, k_ptr, v_ptr, pos_ptr, part_o_ptr, part_
     for s in range(start, end, BLOCK_S):
         offs = s + tl.arange(0, BLOCK_S)
         smask = offs < end
+        if SPARSE:  # the cache rows this block of the list names
+            offs = tl.load(idx_ptr + offs, mask=smask, other=0)
         kbase = k_ptr + offs[:, None].to(tl.int64) * stride_kt + kvh * D_MAIN
         k = fp8_kv_load(tl.load(kbase + dm[None, :], mask=smask[:, None], other=0), KV_FMT)
         if DOT_F32:
@@ -377,14 +384,17 @@ class DecodeAttention:
                  *, stride_kt: int, stride_vt: int, rope_offset: int = 0, q_pe: torch.Tensor | None = None,
                  stride_qt: int | None = None, stride_qh: int | None = None,
                  qk_norm: tuple | None = None, slot_ids: torch.Tensor | None = None, stride_ks: int = 0,
-                 stride_vs: int = 0, kv_fmt: int = 0, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+                 stride_vs: int = 0, kv_fmt: int = 0, k_scale: float = 1.0, v_scale: float = 1.0,
+                 sparse: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """q: main part, row (t, head) at t*stride_qt + head*stride_qh (default [T, Hq, D_MAIN] contiguous);
         q_pe [T, Hq, D_ROPE] (MLA); k/v cache storage (token strides in elements); out [T, Hq, D_V].
         ``qk_norm=(q_norm [D], k_norm [D], eps, cos, sin)``: q and K row pos as projected (Qwen3, T == 1).
         ``slot_ids`` (int32 [B]): a batch of B rows, row b's query at q[b], its position pos[b], its keys and
         values in slot slot_ids[b] of k / v (slot strides stride_ks / stride_vs elements), out [B, T, Hq, D_V].
         ``kv_fmt`` (kvfp8.kv_fmt) 1 / 2: k and v hold FP8 bytes, read as their values times ``k_scale`` /
-        ``v_scale`` (GQA without a rope part or qk_norm)."""
+        ``v_scale`` (GQA without a rope part or qk_norm).
+        ``sparse=(idx int32 [>= n], n int32 [1])``: one query token attends to the n cache rows listed in
+        idx (sparse attention's top-k, any order; rows past pos are masked), not to rows 0..pos."""
         sqh = stride_qh if stride_qh is not None else self.d_main
         sqt = stride_qt if stride_qt is not None else self.hq * self.d_main
         if qk_norm is not None and (self.num_tokens != 1 or self.d_rope or self.v_is_k or self.v_chunks != 1
@@ -397,6 +407,9 @@ class DecodeAttention:
         batch = 1 if slot_ids is None else slot_ids.shape[0]
         if batch > self.max_batch:
             raise ValueError(f"a batch of {batch} rows: this attention holds partials for {self.max_batch}")
+        if sparse is not None and (self.num_tokens != 1 or qk_norm is not None or slot_ids is not None
+                                   or self.one_launch):
+            raise ValueError("sparse attention takes one query token of one slot, without qk_norm (MLA)")
         if self.one_launch:
             _gqa_split_kernel[(self.hkv, self.num_splits, batch)](
                 q, k, v, pos, self.part_o, self.part_ml, self.count, out, self.sm_scale, sqh, stride_kt, stride_vt,
@@ -414,7 +427,9 @@ class DecodeAttention:
             D_MAIN=self.d_main, D_ROPE=self.d_rope, D_V=self.d_v // self.v_chunks, NUM_SPLITS=self.num_splits,
             BLOCK_S=self.block_s, DOT_F32=interpreting(), V_IS_K=self.v_is_k, V_CHUNKS=self.v_chunks, PDL=self.pdl,
             HEAD_BLOCKS=self.head_blocks, POS_ROW_PROLOGUE=self.pos_row_prologue and qk_norm is not None,
-            KV_FMT=kv_fmt, k_scale=k_scale, v_scale=v_scale, num_warps=self.num_warps, **launch_opts(self.pdl))
+            KV_FMT=kv_fmt, k_scale=k_scale, v_scale=v_scale,
+            idx_ptr=sparse[0] if sparse is not None else pos, nidx_ptr=sparse[1] if sparse is not None else pos,
+            SPARSE=sparse is not None, num_warps=self.num_warps, **launch_opts(self.pdl))
         _attn_combine_kernel[(batch * self.num_tokens * self.hq,)](
             self.part_o, self.part_ml, out, NUM_SPLITS=self.num_splits,
             D_V=self.d_v, PDL=self.pdl, num_warps=self.combine_warps, **launch_opts(self.pdl))

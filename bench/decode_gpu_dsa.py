@@ -1,0 +1,141 @@
+"""DeepSeek-V3.2 sparse attention (DSA) of one layer at 128K context on one GPU, against dense MLA attention.
+
+    python3 bench/decode_gpu_dsa.py [--ctx 131072] [--out decode_gpu_dsa.json]
+
+One decode token (batch 1) of a DeepSeek-V3.2 attention layer's shapes (128 query heads, latent 512 +
+rope 64, the indexer's 64 heads of 128, top-k 2048), random bf16 caches full to ``--ctx`` rows:
+- dense: the fast path's MLA attention (attention.DecodeAttention as mla.MlaStack configures it: the
+  absorbed query against every latent row), split counts swept, the best kept;
+- sparse: the indexer's scores over every row (dsa.indexer_scores) + ``torch.topk`` (dsa.SparseSelect) +
+  the same attention kernel over the 2048 listed rows (``sparse=``), each piece and the whole, swept.
+Each timed thing is one CUDA graph, replayed (median of CUDA-event timings). Correctness on the device:
+the indexer's scores against the float32 formula, the list against torch's top-k of those scores, the
+sparse attention against float32 attention over the listed rows.
+
+Writes ``dsv32_attn_ctx128k_us`` (indexer + top-k + sparse attention), ``dsv32_dense_attn_ctx128k_us``,
+their ratio, the pieces, and the bytes each reads. Not measured here: the whole-step roofline
+(``dsv32_shape_ctx128k_frac_roofline``: the sparse path is not wired into the MLA decoder's step yet).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import time
+
+import torch
+
+from decode_gpu import capture, load_cuda_pkg, log, time_graph  # bench/ is on sys.path when run as a script
+
+V32 = dict(heads=128, r=512, rope=64, index_heads=64, index_dim=128, top_k=2048)
+
+
+def run(ctx: int) -> dict:
+    load_cuda_pkg()
+    attention = importlib.import_module("xl_cuda.attention")
+    dsa = importlib.import_module("xl_cuda.dsa")
+    s = V32
+    hq, r, rope, hi, di, k = s["heads"], s["r"], s["rope"], s["index_heads"], s["index_dim"], s["top_k"]
+    dev, bf = "cuda", torch.bfloat16
+    g = torch.Generator(device=dev).manual_seed(0)
+    lat = torch.randn(ctx, 1, r + rope, device=dev, dtype=bf, generator=g)
+    idx_k = torch.randn(ctx, di, device=dev, dtype=bf, generator=g)
+    q_c = torch.randn(hq, 1, r, device=dev, dtype=bf, generator=g) * (r + rope) ** -0.25
+    q_pe = torch.randn(1, hq, rope, device=dev, dtype=bf, generator=g) * (r + rope) ** -0.25
+    q_i = torch.randn(hi, di, device=dev, dtype=bf, generator=g)
+    w_i = torch.randn(hi, device=dev, generator=g) * hi ** -0.5
+    pos = torch.tensor([ctx - 1], dtype=torch.int32, device=dev)
+    sm_scale = (r + rope) ** -0.5
+    out = torch.empty(1, hq, r, device=dev, dtype=bf)
+    res: dict = {"ctx": ctx, "shape": s, "device": torch.cuda.get_device_name()}
+
+    def mla_attn(splits: int):
+        return attention.DecodeAttention(num_q_heads=hq, num_kv_heads=1, d_main=r, d_v=r, d_rope=rope,
+                                         num_tokens=1, num_splits=splits, block_s=32, sm_scale=sm_scale,
+                                         num_warps=4, v_chunks=r // 128, device=dev)
+
+    def call(attn, sparse=None):
+        return attn(q_c, lat, lat, pos, out, stride_kt=r + rope, stride_vt=r + rope, rope_offset=r, q_pe=q_pe,
+                    stride_qt=r, stride_qh=r, sparse=sparse)
+
+    # dense
+    dense = {}
+    for splits in (16, 32, 64, 132):
+        attn = mla_attn(splits)
+        dense[splits] = time_graph(capture(lambda a=attn: call(a)), iters=30) * 1000
+        log(f"dense MLA attention, {splits} splits: {dense[splits]:.1f} us")
+    res["dense_us_by_splits"] = dense
+    res["dsv32_dense_attn_ctx128k_us"] = min(dense.values())
+
+    # sparse: selection, then attention over the list
+    select_us, sel_best = {}, None
+    for block_t in (64, 128):
+        sel = dsa.SparseSelect(max_tokens=ctx, top_k=k, device=dev, block_t=block_t)
+        scores_us = time_graph(capture(lambda x=sel: dsa.indexer_scores(q_i, w_i, idx_k, pos, x.scores, x.block_t)),
+                               iters=30) * 1000
+        whole_us = time_graph(capture(lambda x=sel: x(q_i, w_i, idx_k, pos)), iters=30) * 1000
+        select_us[block_t] = {"indexer_scores_us": scores_us, "select_us": whole_us, "topk_us": whole_us - scores_us}
+        log(f"indexer block_t {block_t}: scores {scores_us:.1f} us, scores + top-k {whole_us:.1f} us")
+        if sel_best is None or whole_us < select_us[sel_best.block_t]["select_us"]:
+            sel_best = sel
+    res["select_by_block_t"] = select_us
+    sel = sel_best
+    sel(q_i, w_i, idx_k, pos)
+    torch.cuda.synchronize()
+    sparse_attn = {}
+    for splits in (4, 8, 16, 32):
+        attn = mla_attn(splits)
+        sparse_attn[splits] = time_graph(capture(lambda a=attn: call(a, (sel.idx, sel.count))), iters=30) * 1000
+        log(f"sparse MLA attention over {k} rows, {splits} splits: {sparse_attn[splits]:.1f} us")
+    res["sparse_attn_us_by_splits"] = sparse_attn
+    best_splits = min(sparse_attn, key=sparse_attn.get)
+    attn = mla_attn(best_splits)
+
+    def whole():
+        idx, count = sel(q_i, w_i, idx_k, pos)
+        call(attn, (idx, count))
+
+    res["dsv32_attn_ctx128k_us"] = time_graph(capture(whole), iters=30) * 1000
+    res["dsv32_sparse_over_dense_speedup"] = res["dsv32_dense_attn_ctx128k_us"] / res["dsv32_attn_ctx128k_us"]
+    res["bytes"] = {"dense_latent": ctx * (r + rope) * 2, "indexer_keys": ctx * di * 2,
+                    "sparse_latent": k * (r + rope) * 2}
+    log(f"sparse (indexer + top-k + attention): {res['dsv32_attn_ctx128k_us']:.1f} us; dense "
+        f"{res['dsv32_dense_attn_ctx128k_us']:.1f} us: {res['dsv32_sparse_over_dense_speedup']:.2f}x")
+
+    # correctness (float32 references)
+    whole()
+    torch.cuda.synchronize()
+    ref_scores = dsa.indexer_scores_reference(q_i, w_i, idx_k, ctx - 1)
+    res["indexer_scores_max_rel_err"] = float(((sel.scores[:ctx] - ref_scores).abs().max()
+                                               / ref_scores.abs().max()).item())
+    ref_top = set(ref_scores.topk(k).indices.tolist())
+    res["topk_overlap"] = len(ref_top & set(sel.idx.tolist())) / k
+    rows = sel.idx.long().sort().values
+    picked = lat[rows, 0].float()  # [k, r + rope]
+    q = torch.cat([q_c[:, 0], q_pe[0]], -1).float()  # [Hq, r + rope]
+    p = (q @ picked.T * sm_scale).softmax(-1)
+    ref = p @ picked[:, :r]
+    res["sparse_attn_max_abs_err"] = float((out[0].float() - ref).abs().max().item())
+    res["sparse_attn_ref_max_abs"] = float(ref.abs().max().item())
+    log(f"correctness: indexer rel err {res['indexer_scores_max_rel_err']:.2e}, top-k overlap "
+        f"{res['topk_overlap']:.4f}, attention max abs err {res['sparse_attn_max_abs_err']:.2e} "
+        f"(|ref| max {res['sparse_attn_ref_max_abs']:.2f})")
+    return res
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--ctx", type=int, default=131072)
+    p.add_argument("--out", default="decode_gpu_dsa.json")
+    args = p.parse_args()
+    t0 = time.time()
+    res = run(args.ctx)
+    res["wall_s"] = time.time() - t0
+    with open(args.out, "w") as f:
+        json.dump(res, f, indent=1)
+    log(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
