@@ -14,7 +14,7 @@ import torch
 
 from services.decode.engine.cuda import reference
 from services.decode.engine.cuda.attention import DecodeAttention
-from services.decode.engine.cuda.dsa import SparseSelect, indexer_scores, indexer_scores_reference
+from services.decode.engine.cuda.dsa import RadixTopK, SparseSelect, indexer_scores, indexer_scores_reference
 from tests.unit.engine_cuda.test_kernels import BF, close, rand
 
 
@@ -86,3 +86,32 @@ def test_sparse_needs_one_token_of_one_slot():
     with pytest.raises(ValueError, match="one query token"):
         attn(q, q, q, torch.tensor([3], dtype=torch.int32), q, stride_kt=48, stride_vt=48,
              sparse=(torch.zeros(4, dtype=torch.int32), torch.tensor([4], dtype=torch.int32)))
+
+
+@pytest.mark.parametrize("n,k,ties", [(300, 16, False), (300, 16, True), (100, 100, False), (257, 1, False)])
+def test_radix_top_k_is_the_set_of_the_k_largest(n, k, ties):
+    g = torch.Generator().manual_seed(n + k)
+    scores = torch.randn(n, generator=g) * 3
+    if ties:  # many equal scores at the boundary, and negative, zero and -inf ones
+        scores[::3] = 1.25
+        scores[1::7] = float("-inf")
+        scores[2::11] = 0.0
+    top = RadixTopK(n, k, "cpu", block=64, num_warps=4)
+    for _ in range(2):  # its histograms and counters reset themselves for the next call
+        idx = torch.full((k,), -1, dtype=torch.int32)
+        top(scores, idx)
+        assert len(set(idx.tolist())) == k and (idx >= 0).all()
+        kth = scores.topk(k).values[-1]
+        picked = scores[idx.long()]
+        assert (picked >= kth).all()  # nothing below the k-th largest
+        assert int((scores > kth).sum()) <= int((picked > kth).sum())  # everything above it
+
+
+def test_select_with_the_radix_top_k_lists_the_reference_rows():
+    h, d, rows, pos, top_k = 16, 32, 128, 100, 8
+    q, k = rand(h, d, seed=9), rand(rows, d, seed=10)
+    w = rand(h, seed=11).float().abs()
+    sel = SparseSelect(max_tokens=rows, top_k=top_k, device="cpu", block_t=16, radix=True)
+    idx, _ = sel(q, w, k, torch.tensor([pos], dtype=torch.int32))
+    ref = indexer_scores_reference(q, w, k, pos).topk(top_k).indices
+    assert set(idx.tolist()) == set(ref.tolist())
