@@ -25,6 +25,7 @@ import json
 import time
 
 import torch
+import triton
 
 from decode_gpu import capture, load_cuda_pkg, log, time_graph  # bench/ is on sys.path when run as a script
 
@@ -85,6 +86,13 @@ def run(ctx: int) -> dict:
     res["select"] = select_us
     res["select_best"] = best[2]
     sel = best[1]
+    res["radix"] = radix_pieces(dsa, sel.scores, k, dev)
+    # the whole with the best radix tile of the sweep (the select above used RadixTopK's default)
+    tiles = {key: us for key, us in res["radix"].items() if key.startswith("whole_")}
+    block, warps = (int(x) for x in min(tiles, key=tiles.get)[6:-4].split("x"))
+    sel = dsa.SparseSelect(max_tokens=ctx, top_k=k, device=dev, block_t=128, radix=True)
+    sel.radix = dsa.RadixTopK(sel.scores.numel(), k, dev, block=block, num_warps=warps)
+    res["select_used"] = f"block_t128_radix_{block}x{warps}w"
     sel(q_i, w_i, idx_k, pos)
     torch.cuda.synchronize()
     sparse_attn = {}
@@ -133,6 +141,39 @@ def run(ctx: int) -> dict:
         f"{res['topk_overlap']:.4f}, attention max abs err {res['sparse_attn_max_abs_err']:.2e} "
         f"(|ref| max {res['sparse_attn_ref_max_abs']:.2f})")
     return res
+
+
+def radix_pieces(dsa, scores: torch.Tensor, k: int, dev) -> dict:
+    """The radix top-k's launches timed one by one (each its own graph), and its tile swept."""
+    out: dict = {}
+    idx = torch.zeros(k, dtype=torch.int32, device=dev)
+    for block, warps in ((2048, 8), (1024, 4), (512, 4), (512, 2), (256, 2)):
+        top = dsa.RadixTopK(scores.numel(), k, dev, block=block, num_warps=warps)
+        try:
+            out[f"whole_{block}x{warps}w_us"] = time_graph(capture(lambda t=top: t(scores, idx)), iters=30) * 1000
+        except Exception as exc:
+            log(f"radix top-k {block} rows x {warps} warps: {type(exc).__name__}: {str(exc)[:120]}")
+            continue
+        log(f"radix top-k, {block} rows a program, {warps} warps: {out[f'whole_{block}x{warps}w_us']:.1f} us")
+    top = dsa.RadixTopK(scores.numel(), k, dev)
+    top(scores, idx)  # a consistent state (the k-th key) for the pieces below
+    grid = (triton.cdiv(top.n, top.block),)
+    big = torch.zeros(top.n + 64 * k, dtype=torch.int32, device=dev)  # the list pass alone, replayed without
+    # the scan that resets its counters, appends ~k rows a replay
+    bits, hist = dsa.ROUND_BITS[0], top.hists[0]
+    out["hist_round0_us"] = time_graph(capture(lambda: dsa._hist_kernel[grid](
+        scores, top.st, hist, top.n, ROUND=0, BITS=bits, SHIFT=32 - bits, BLOCK=top.block,
+        num_warps=top.num_warps)), iters=30) * 1000
+    out["scan_us"] = time_graph(capture(lambda: dsa._scan_kernel[(1,)](
+        top.st, hist, top.cnt, ROUND=0, BITS=bits, K=k, num_warps=top.num_warps)), iters=30) * 1000
+    top(scores, idx)  # the pieces above left an inconsistent state: the k-th key again
+    out["list_us"] = time_graph(capture(lambda: dsa._list_kernel[grid](
+        scores, top.st, top.cnt, big, top.n, K=k, BLOCK=top.block, num_warps=top.num_warps)), iters=30) * 1000
+    # the floor of this way of timing: one trivial kernel in a graph of its own
+    out["empty_graph_kernel_us"] = time_graph(capture(lambda: top.cnt.add_(0)), iters=30) * 1000
+    log(f"radix pieces: hist {out['hist_round0_us']:.1f} us, scan {out['scan_us']:.1f}, list {out['list_us']:.1f}, "
+        f"a trivial kernel {out['empty_graph_kernel_us']:.1f}")
+    return out
 
 
 def main() -> None:

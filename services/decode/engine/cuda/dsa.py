@@ -153,7 +153,7 @@ def _list_kernel(scores_ptr, st_ptr, cnt_ptr, idx_ptr, N, K: tl.constexpr, BLOCK
 class RadixTopK:
     """The set of the ``k`` largest of ``n`` float32 scores into ``idx`` (int32 [k], any order); graphable."""
 
-    def __init__(self, n: int, k: int, device, block: int = 2048, num_warps: int = 8):
+    def __init__(self, n: int, k: int, device, block: int = 1024, num_warps: int = 4):  # run D1: the best tile
         if k > n:
             raise ValueError(f"k {k} exceeds the {n} scores")
         self.n, self.k, self.block, self.num_warps = n, k, block, num_warps
