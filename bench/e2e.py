@@ -54,7 +54,9 @@ reply to a claim), so each includes one bus hop of jitter:
 - ``claim_ms``: ClaimRequest seen -> ClaimGranted (the coordinator's reply) seen; the
   coordinator's ``claimed`` handoff event when the reply was not seen. 0 for a request that took
   a warm lease (claimed before the request was sent: off its critical path); ``warm_leases``
-  counts them, ``router_warm_leases_used`` is the router's own counter over the run.
+  counts them, ``router_warm_leases_used`` is the router's own counter over the run;
+  ``router_first_token_from_bus`` / ``_stream``: legs whose first token came from the prefill's
+  ``PrefillToken`` (the prefill started the decode) or from vLLM's stream.
 - ``prefill_ms``: ClaimGranted seen (the request's send at this client, for a warm lease) ->
   DecodeStart seen: the router's prefill leg to vLLM (``max_tokens=1``, up to its first token)
   plus the router publishing DecodeStart (for a warm lease, plus the router's intake of the
@@ -424,6 +426,11 @@ def handoff_stats(watch: BusWatch, legs: list[tuple[str, float | None]], router:
     out["claims_timed_by_reply"] = sum(1 for p in parts if p["warm"] is False and p["grant_from_reply"])
     out["router_warm_leases_used"] = int(sum(v for (n, _), v in router.items()
                                              if n == "expresslane_router_warm_leases_used_total"))
+    for source in ("bus", "stream"):  # where each leg's first token came from (the prefill's PrefillToken
+        # on the bus, the decode started by the prefill; or vLLM's stream)
+        out[f"router_first_token_from_{source}"] = int(sum(
+            v for (n, labels), v in router.items()
+            if n == "expresslane_router_first_token_source_total" and ("source", source) in labels))
     out["router_claim_ms_mean"] = histogram(router, "expresslane_router_claim_ms")["mean"]
     out["router_prefill_ms_mean"] = histogram(router, "expresslane_router_prefill_ms")["mean"]
     return out
