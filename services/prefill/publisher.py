@@ -59,13 +59,8 @@ class Publisher:
                 await asyncio.sleep(CONNECT_RETRY_S)
 
     async def _publish(self, subject: str, event: Event, traceparent: str) -> None:
-        token = otel_context.attach(context_from_traceparent(traceparent)) if traceparent else None
-        try:
-            await self._bus.publish(subject, event, replay=True)  # readers drop duplicates
-            await self._bus.flush(timeout_s=2.0)
-        finally:
-            if token is not None:
-                otel_context.detach(token)
+        await self._publish_now(subject, event, traceparent)
+        await self._bus.flush(timeout_s=2.0)
 
     def publish(self, subject: str, event: Event, traceparent: str = "", timeout_s: float = 5.0) -> bool:
         """Publish with ``traceparent`` as the parent context; False when it could not be sent."""
@@ -97,7 +92,7 @@ class Publisher:
     async def _publish_now(self, subject: str, event: Event, traceparent: str) -> None:
         token = otel_context.attach(context_from_traceparent(traceparent)) if traceparent else None
         try:
-            await self._bus.publish(subject, event, replay=True)  # the client writes it out at once
+            await self._bus.publish(subject, event, replay=True)  # readers drop duplicates
         finally:
             if token is not None:
                 otel_context.detach(token)

@@ -186,8 +186,8 @@ class _Leg:
     queue: asyncio.Queue
     finished: bool = False
     span: trace.Span | None = None  # router.decode: from DecodeStart to the leg's end
-    # The prefill started the decode itself (its PrefillToken came first): no DecodeStart from here.
-    started_by_prefill: bool = False
+    # The first token came over the bus (PrefillToken): the prefill started the decode itself (or
+    # sent no start: vLLM stopped on the token, or the KV was not staged), so no DecodeStart from here.
     first_from_bus: bool = False
     early: list = field(default_factory=list)  # leg events that came while the first token was awaited
 
@@ -382,7 +382,6 @@ class ExpressStream:
         self.deps.spawn(_finish_quietly(streamed, leg.id))
         token: PrefillToken = from_bus.result()
         leg.first_from_bus = True
-        leg.started_by_prefill = token.finish_reason == "length"
         finish = "stop" if token.finish_reason == "stop" else None
         return TokenBatch([token.token_id], finish, None), list(token.prompt_token_ids)
 
@@ -422,7 +421,7 @@ class ExpressStream:
                             migration=self.num_migrations)
         leg.span = self.deps.tracer.start_span("router.decode", context=self._ctx, attributes={
             "request_id": leg.id, "node_id": g.node_id, "slot": g.target.slot.slot})
-        if leg.started_by_prefill:  # the prefill sent the same DecodeStart already
+        if leg.first_from_bus:  # the prefill sent the same DecodeStart already
             leg.span.set_attribute("started_by_prefill", True)
             return
         with trace.use_span(leg.span, end_on_exit=False):
