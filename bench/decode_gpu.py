@@ -14,7 +14,7 @@ step time with 4 / 8 active slots at 1K context each over one slot's: ``llama8b_
 ``llama8b_batch8_step_ratio``, ``llama8b_batch_path``; not in the default parts).
 Prints a table; writes --out (default bench/results/decode_gpu.json).
 
-    python bench/decode_gpu.py [--parts copy,micro,llama,correct,hf,ctx,mla,dsv3,sampled,batch] [--out PATH]
+    python bench/decode_gpu.py [--parts copy,micro,llama,correct,hf,ctx,mla,dsv3,dsv32,sampled,batch] [--out PATH]
 """
 
 from __future__ import annotations
@@ -410,6 +410,14 @@ def main(argv: list[str] | None = None) -> int:
         except Exception:
             R["dsv3_error"] = traceback.format_exc()[-1500:]
             log(R["dsv3_error"])
+        save()
+    if "dsv32" in parts:
+        try:
+            from decode_gpu_mla import run_dsv32  # bench/ is on sys.path when run as a script
+            run_dsv32(X, R)
+        except Exception:
+            R["dsv32_error"] = traceback.format_exc()[-1500:]
+            log(R["dsv32_error"])
         save()
     if "sampled" in parts:
         try:

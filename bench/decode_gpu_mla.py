@@ -26,6 +26,8 @@ DSV2_LITE = dict(hidden=2048, layers=27, heads=16, r=512, nope=128, rope=64, v=1
 DSV3_CUT = dict(hidden=7168, layers=3, heads=128, r=512, nope=128, rope=64, v=128, experts=256, top_k=8,
                 moe_inter=2048, shared=1, dense_inter=18432, vocab=129280, eps=1e-6, scale=2.5, q_lora=1536,
                 n_group=8, topk_group=4)
+# DeepSeek-V3.2: V3's layers plus sparse attention (a 64-head, 128-dim lightning indexer picking 2048 tokens)
+DSV32_CUT = dict(DSV3_CUT, index_topk=2048, index_heads=64, index_dim=128)
 
 
 def log(*a):
@@ -48,9 +50,15 @@ def build(X, s: dict, seed: int = 0):
     e, i, sh = s["experts"], s["moe_inter"], s["shared"]
     ql = s.get("q_lora", 0)
 
+    ih, idim = s.get("index_heads", 0), s.get("index_dim", 0)
+
     def layer(idx):
         p = dict(attn_norm=nw(h), wkv_a=w(r + rope, h), kv_a_norm=nw(r),
                  w_uk=w(nh, nope, r), w_uv=w(nh, v, r), wo=w(h, nh * v, sc=out_scale), mlp_norm=nw(h))
+        if ih:  # sparse attention's indexer
+            p.update(idx_wq_b=w(ih * idim, ql), idx_wk=w(idim, h), idx_k_norm=nw(idim),
+                     idx_k_norm_bias=(0.1 * torch.randn(idim, device="cuda", generator=g)).to(bf),
+                     idx_weights=w(ih, h))
         if ql:
             p.update(wq_a=w(ql, h), q_a_norm=nw(ql), wq_b=w(nh * (nope + rope), ql))
         else:
@@ -61,10 +69,11 @@ def build(X, s: dict, seed: int = 0):
             p.update(router=w(e, h), router_bias=torch.zeros(e, device="cuda"), experts_gate_up=w(e, 2 * i, h),
                      experts_down=w(e, h, i, sc=out_scale), shared_gate_up=w(2 * sh * i, h),
                      shared_down=w(h, sh * i, sc=out_scale))
-        return M.prepare_layer(p, i)
+        return M.prepare_layer(p, i, sparse=bool(ih))
 
     dims = M.MlaDims(h, nh, r, nope, rope, v, e, s["top_k"], i, sh, s["scale"], s["eps"], (nope + rope) ** -0.5,
-                     q_lora_rank=ql, n_group=s.get("n_group", 1), topk_group=s.get("topk_group", 1))
+                     q_lora_rank=ql, n_group=s.get("n_group", 1), topk_group=s.get("topk_group", 1),
+                     index_topk=s.get("index_topk", 0), index_heads=ih, index_dim=idim)
     layers = [layer(k) for k in range(s["layers"])]
     embed = torch.randn(s["vocab"], h, device="cuda", dtype=bf, generator=g)
     mtp = M.MtpWeights(nw(h), nw(h), w(h, 2 * h), nw(h), w(s["vocab"], h), embed, layer(1))
@@ -395,4 +404,75 @@ def run_dsv3(X, R: dict, ctx: int = 1024) -> None:
     except Exception:
         log(traceback.format_exc()[-1500:])
     del model, caches
+    torch.cuda.empty_cache()
+
+
+def run_dsv32(X, R: dict, ctx: int = 131072) -> None:
+    """DeepSeek-V3.2's layer shapes (DSV32_CUT: V3's 3-layer cut plus the indexer) at a 128K context, plain
+    step: sparse (the product: indexer + radix top-k + MLA attention over the 2048 picked rows) against the
+    same layers attending densely (``dsv32_dense_step_ctx128k_ms``). The roofline counts what the sparse
+    step reads: weights (the indexer's included; routed experts the top-8 of each MoE layer), the
+    indexer's key cache over the context and the picked rows' latent (``dsv32_shape_ctx128k_*``)."""
+    import dataclasses
+
+    M = X.mla
+    s = DSV32_CUT
+    t0 = time.time()
+    model = build(X, s)
+    model.mtp = None  # sparse attention on the fast path decodes one token a step
+    log(f"deepseek-v3.2-shaped model ({s['layers']} layers) built in {time.time() - t0:.1f} s")
+    mt = ctx + 1024
+    g = torch.Generator(device="cuda").manual_seed(3)
+    caches = [torch.randn(mt, s["r"] + s["rope"], device="cuda", generator=g).to(torch.bfloat16)
+              for _ in range(s["layers"])]
+    index_caches = [torch.randn(mt, s["index_dim"], device="cuda", generator=g).to(torch.bfloat16)
+                    for _ in range(s["layers"])]
+    inv = 1.0 / (10000.0 ** (torch.arange(0, s["rope"], 2).float() / s["rope"]))
+    fr = torch.arange(mt, dtype=torch.float32)[:, None] * inv[None, :]
+    cos, sin = fr.cos(), fr.sin()
+    by = step_bytes(model, s, ctx)
+    b = 2
+    index_w = sum(l.index.wq_b.numel() * b for l in model.layers)  # wqkv_a (in "attention") holds wk + weights
+    kv_sparse = s["layers"] * (s["index_topk"] * (s["r"] + s["rope"]) + ctx * s["index_dim"]) * b
+    total = by["total"] - by["kv"] + index_w + kv_sparse
+    R["dsv32_shape_config"] = dict(s, ctx=ctx)
+    R["dsv32_shape_ctx128k_step_bytes"] = dict(by, indexer_q_b=index_w, kv=kv_sparse, total=total, mtp_draft=None)
+    bw = R.get("copy_bw_TBps", 4.2)
+    roof_ms = total / (bw * 1e12) * 1e3
+    R["dsv32_shape_ctx128k_roofline_tok_s"] = 1e3 / roof_ms
+    splits = 16  # the product's (adapter.attention_splits of min(rows, index_topk))
+
+    def plain_ms(mdl, **kw) -> float:
+        dec = X.mla_decoder.MlaDecoder(mdl, caches, cos, sin, max_draft=0, max_steps=4096, num_splits=splits, **kw)
+        runner = capture(dec.plain_step, steps_per_replay=4, before_capture=lambda: dec.set_state(1, ctx))
+        dec.set_state(1, ctx)
+        ms = time_replays(runner, 20) / 4
+        del runner, dec
+        return ms
+
+    try:
+        ms = plain_ms(model, index_caches=index_caches)
+        R["dsv32_shape_ctx128k_plain_ms"], R["dsv32_shape_ctx128k_tok_s"] = ms, 1e3 / ms
+        R["dsv32_shape_ctx128k_frac_roofline"] = roof_ms / ms
+        log(f"  dsv3.2 shape at {ctx}: sparse plain step {ms:.3f} ms ({1e3 / ms:.1f} tok/s), roofline "
+            f"{roof_ms:.3f} ms ({total / 1e9:.2f} GB), {roof_ms / ms:.3f} of it")
+    except Exception:
+        R["dsv32_shape_error"] = traceback.format_exc()[-1500:]
+        log(R["dsv32_shape_error"])
+    try:  # the same layers attending densely: the indexer's rows dropped from the input projection
+        cut = s["index_dim"] + s["index_heads"]
+        dense = dataclasses.replace(model, dims=dataclasses.replace(model.dims, index_topk=0, index_heads=0, index_dim=0),
+                                    layers=[dataclasses.replace(l, wqkv_a=l.wqkv_a[:-cut], index=None, sparse=False)
+                                            for l in model.layers])
+        splits_dense = splits
+        ms = plain_ms(dense)
+        R["dsv32_dense_step_ctx128k_ms"] = ms
+        dense_roof = (by["total"]) / (bw * 1e12) * 1e3
+        R["dsv32_dense_step_ctx128k_frac_roofline"] = dense_roof / ms
+        log(f"  same layers, dense attention at {ctx} ({splits_dense} splits): {ms:.3f} ms ({1e3 / ms:.1f} tok/s); "
+            f"sparse is {ms / R.get('dsv32_shape_ctx128k_plain_ms', float('nan')):.2f}x faster")
+    except Exception:
+        R["dsv32_dense_error"] = traceback.format_exc()[-1500:]
+        log(R["dsv32_dense_error"])
+    del model, caches, index_caches
     torch.cuda.empty_cache()

@@ -1,6 +1,6 @@
 """On a GPU: the fast path's greedy tokens equal the reference step's for every family, tiny models.
 
-    python3 bench/gpu_fast_path_check.py [--archs llama,qwen2,qwen3,deepseek_v3_lite,deepseek_v3]
+    python3 bench/gpu_fast_path_check.py [--archs llama,qwen2,qwen3,deepseek_v3_lite,deepseek_v3,deepseek_v32,glm_moe_dsa]
 
 For each tiny HF-built checkpoint (tests/unit/engine/hf_models.py: random near-bigram bfloat16
 weights; ``deepseek_v3`` has q LoRA and group-limited routing, ``deepseek_v3_lite`` neither; both
@@ -33,13 +33,14 @@ import torch  # noqa: E402
 from services.decode.engine import Engine  # noqa: E402
 from shared.events import SamplingParams  # noqa: E402
 from tests.unit.engine.hf_models import save_checkpoint  # noqa: E402
-from tests.unit.engine_cuda.test_engine_fast_path_mla import V3_PROMPT  # noqa: E402
+from tests.unit.engine_cuda.test_engine_fast_path_mla import DSA_PROMPT, V3_PROMPT  # noqa: E402
 
 # prompts whose greedy continuations have clear top-2 margins on these near-bigram models (a bf16
 # near tie may go either way between the fast path's fp32 logits and the reference's)
-PROMPTS = {"deepseek_v3": V3_PROMPT}
+PROMPTS = {"deepseek_v3": V3_PROMPT, "deepseek_v32": DSA_PROMPT, "glm_moe_dsa": DSA_PROMPT}
 PROMPT = [0, 17, 42, 99, 3, 250, 7]
-ARCHS = ("deepseek_v3", "deepseek_v3_lite", "qwen3", "qwen2", "llama")
+ARCHS = ("deepseek_v3", "deepseek_v3_lite", "deepseek_v32", "glm_moe_dsa", "qwen3", "qwen2", "llama")
+DSA = ("deepseek_v32", "glm_moe_dsa")  # sparse attention: the fast path decodes one token a step (no drafts)
 
 
 SAMPLED = dict(temperature=0.8, top_p=0.9, top_k=50, min_p=0.02, repetition_penalty=1.1, seed=7)
@@ -81,7 +82,8 @@ def main() -> int:
         path = Path(tempfile.mkdtemp(prefix=f"fpc-{arch}-"))
         save_checkpoint(arch, path, damp=True)  # near-bigram: wide greedy margins, as trained models have
         prompt = PROMPTS.get(arch, PROMPT)
-        cases = [(k, False) for k in ((0, 3) if arch.startswith("deepseek") else (0,))] + [(0, True)]
+        drafts = (0, 3) if arch.startswith("deepseek") and arch not in DSA else (0,)
+        cases = [(k, False) for k in drafts] + [(0, True)]
         for k, sampled in cases:
             key = f"{arch}_k{k}" + ("_sampled" if sampled else "")
             try:

@@ -149,3 +149,29 @@ def test_adaptive_drafting_on_the_fast_path_switches_draft_and_plain_steps_witho
     assert 0 < stats.num_draft_tokens < 3 * stats.num_steps // 2
     assert fast.spec_counters["draft_tokens"] == stats.num_draft_tokens
     assert 0 < fast.spec_counters["steps"] < stats.num_steps  # steps with drafts and plain steps
+
+
+DSA_PROMPT = [0, 13, 131, 31, 7, 250, 42, 99, 3, 17, 64, 5, 77, 120]  # longer than index_topk (8): tokens dropped
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v32", "glm_moe_dsa"])
+def test_sparse_attention_decodes_on_the_fast_path_with_the_reference_tokens(tmp_path, arch):
+    """DSA (index_topk 8 of a 14-token prompt: each step attends to 8 tokens its indexer picks): plain
+    steps on the fast path (indexer query, key and head weights, scores, radix top-k, sparse MLA attention;
+    GLM's second layer reuses the first one's choice) give the reference engine's greedy tokens, and a
+    seeded sampled request its sampled tokens; with MTP drafts the engine says why it keeps to the
+    reference step."""
+    save_checkpoint(arch, tmp_path, **SMALL)
+    greedy = SamplingParams(max_tokens=8, ignore_eos=True)
+    fast, reference = load(tmp_path, "on", 0), load(tmp_path, "off", 0)
+    assert fast.fast_path_reason is None
+    got, reason, paths, per_step, _ = run(fast, DSA_PROMPT, greedy)
+    want, want_reason, ref_paths, _, _ = run(reference, DSA_PROMPT, greedy)
+    assert paths == {"fast"} and ref_paths == {"reference"}
+    assert got == want and reason == want_reason == "length" and len(got) == 9 and max(per_step) == 1
+    sampled = SamplingParams(max_tokens=6, temperature=0.8, top_p=0.95, seed=7, ignore_eos=True)
+    got, _, paths, _, _ = run(fast, DSA_PROMPT, sampled)
+    assert paths == {"fast"} and got == run(reference, DSA_PROMPT, sampled)[0]
+    drafting = Engine.load(tmp_path, num_slots=1, max_seq_len=40, dtype="bfloat16", fast_path="auto",
+                           num_speculative_tokens=2)
+    assert drafting.fast_path is None and "one token a step" in drafting.fast_path_reason

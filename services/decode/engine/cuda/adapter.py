@@ -96,8 +96,8 @@ def gqa_batch_decoder_from_engine(model, batch: int, options: FastOptions | None
                            max_steps, scratch_slot=cache.scratch_slot)
 
 
-def _mla_layer(block, moe_inter: int):
-    return prepare_layer(_params(block), moe_inter)
+def _mla_layer(block, moe_inter: int, sparse: bool = False):
+    return prepare_layer(_params(block), moe_inter, sparse)
 
 
 def attention_splits(cache_rows: int) -> int:
@@ -115,15 +115,20 @@ def mla_decoder_from_engine(model, slot: int, max_draft: int = 3, max_steps: int
     dims = MlaDims(cfg.hidden_size, cfg.num_heads, cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim,
                    cfg.v_head_dim, cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size,
                    cfg.num_shared_experts, cfg.routed_scaling_factor, cfg.rms_norm_eps, model.scale,
-                   q_lora_rank=cfg.q_lora_rank or 0, n_group=cfg.n_group, topk_group=cfg.topk_group)
-    layers = [_mla_layer(b, cfg.moe_intermediate_size) for b in model.layers]
+                   q_lora_rank=cfg.q_lora_rank or 0, n_group=cfg.n_group, topk_group=cfg.topk_group,
+                   index_topk=cfg.index_topk, index_heads=cfg.index_n_heads, index_dim=cfg.index_head_dim,
+                   index_rope_interleave=cfg.index_rope_interleave)
+    sparse = bool(cfg.index_topk)
+    layers = [_mla_layer(b, cfg.moe_intermediate_size, sparse) for b in model.layers]
     mtp = None
     if model.has_mtp:
         m0 = model.mtp[0]
         mtp = MtpWeights(m0.enorm.data, m0.hnorm.data, m0.eh_proj.data, m0.head_norm.data, m0.head.data,
-                         m0.embed.data, _mla_layer(m0.block, cfg.moe_intermediate_size))
+                         m0.embed.data, _mla_layer(m0.block, cfg.moe_intermediate_size, sparse))
     mm = MlaModel(dims, layers, model.embed.data, model.final_norm.data, model.lm_head.data, mtp, dense_inter)
     caches = [model.cache.kv[i][slot] for i in range(len(model.cache.kv))]
-    splits = attention_splits(caches[0].shape[0])
-    return MlaDecoder(mm, caches, model.cos, model.sin, max_draft=max_draft if mtp else 0, max_steps=max_steps,
-                      num_splits=splits, draft_vocab=draft_vocab if mtp else None)
+    index_caches = [model.cache.index_k[i][slot] if i in model.cache.index_k else None for i in range(len(caches))]
+    splits = attention_splits(min(caches[0].shape[0], cfg.index_topk) if sparse else caches[0].shape[0])
+    return MlaDecoder(mm, caches, model.cos, model.sin, max_draft=max_draft if mtp and not sparse else 0,
+                      max_steps=max_steps, num_splits=splits, draft_vocab=draft_vocab if mtp else None,
+                      index_caches=index_caches)

@@ -31,7 +31,9 @@ from .gemv import interpreting
 
 @triton.jit
 def _indexer_scores_kernel(q_ptr, w_ptr, k_ptr, pos_ptr, out_ptr, stride_kt, scale,
-                           H: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr, DOT_F32: tl.constexpr):
+                           H: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr, DOT_F32: tl.constexpr,
+                           H_PAD: tl.constexpr):
+    # H_PAD: the heads as the dot's N (a power of two >= 16, the tensor-core dot's least); padded heads weigh 0
     pid = tl.program_id(0)
     pos = tl.load(pos_ptr)
     offs = pid * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -40,14 +42,14 @@ def _indexer_scores_kernel(q_ptr, w_ptr, k_ptr, pos_ptr, out_ptr, stride_kt, sca
         tl.store(out_ptr + offs, tl.full((BLOCK_T,), float("-inf"), tl.float32))
         return
     d = tl.arange(0, D)
-    h = tl.arange(0, H)
+    h = tl.arange(0, H_PAD)
     k = tl.load(k_ptr + offs[:, None].to(tl.int64) * stride_kt + d[None, :], mask=visible[:, None], other=0.0)
-    q = tl.load(q_ptr + h[:, None] * D + d[None, :])
+    q = tl.load(q_ptr + h[:, None] * D + d[None, :], mask=(h < H)[:, None], other=0.0)
     if DOT_F32:
         s = tl.dot(k.to(tl.float32), tl.trans(q.to(tl.float32)))  # [BLOCK_T, H]
     else:
         s = tl.dot(k, tl.trans(q))
-    w = tl.load(w_ptr + h).to(tl.float32)
+    w = tl.load(w_ptr + h, mask=h < H, other=0.0).to(tl.float32)
     score = tl.sum(tl.maximum(s * scale, 0.0) * w[None, :], axis=1)
     tl.store(out_ptr + offs, tl.where(visible, score, float("-inf")))
 
@@ -61,7 +63,7 @@ def indexer_scores(q: torch.Tensor, w: torch.Tensor, k: torch.Tensor, pos: torch
         raise ValueError(f"the scores buffer ({out.numel()}) is not a multiple of block_t {block_t}")
     _indexer_scores_kernel[(out.numel() // block_t,)](
         q, w, k, pos, out, k.stride(0), 1.0 / math.sqrt(d), H=h, D=d, BLOCK_T=block_t,
-        DOT_F32=interpreting(), num_warps=num_warps)
+        DOT_F32=interpreting(), H_PAD=max(16, triton.next_power_of_2(h)), num_warps=num_warps)
     return out
 
 

@@ -46,6 +46,13 @@ class MlaDims:
     q_lora_rank: int = 0  # 0: q is one projection of the normed hidden (no q LoRA)
     n_group: int = 1  # routing groups; experts are picked in the topk_group best (group-limited routing)
     topk_group: int = 1
+    # sparse attention (DSA, one token a step): each query attends to the index_topk cache rows its
+    # lightning indexer (index_heads heads of index_dim, the first ``rope`` dims roped, interleaved for GLM)
+    # scores highest; 0: dense
+    index_topk: int = 0
+    index_heads: int = 0
+    index_dim: int = 0
+    index_rope_interleave: bool = False
 
 
 @dataclass
@@ -65,10 +72,22 @@ class MlaLayer:
     router_bias: torch.Tensor | None
     q_a_norm: torch.Tensor | None = None  # q LoRA: RMSNorm weight of q_a [q_lora]
     wq_b: torch.Tensor | None = None  # q LoRA: [Hq (nope + rope), q_lora]
+    # sparse attention: this layer's indexer (its key and head-weight projections are the last rows of
+    # wqkv_a: [... | k_idx (index_dim) | head weights (index_heads)]); None: dense, or (``sparse``) the
+    # choice of the last layer before it with an indexer (GLM's shared layers)
+    index: "MlaIndexer | None" = None
+    sparse: bool = False
 
     @property
     def is_moe(self) -> bool:
         return self.router is not None
+
+
+@dataclass
+class MlaIndexer:
+    wq_b: torch.Tensor  # [index_heads * index_dim, q_lora]: the indexer's queries from RMSNorm(q_a)
+    k_norm: torch.Tensor  # LayerNorm of the indexer key [index_dim], and its bias
+    k_norm_bias: torch.Tensor
 
 
 @dataclass
@@ -89,8 +108,9 @@ def split_shared(gate_up: torch.Tensor, down: torch.Tensor, inter: int):
     return torch.cat([gate, up], dim=1).contiguous(), down.view(down.shape[0], s, inter).permute(1, 0, 2).contiguous()
 
 
-def prepare_layer(p: dict[str, torch.Tensor], moe_inter: int) -> MlaLayer:
-    """Engine per-layer tensors (deepseek.py names) -> the fast path's pre-laid-out MlaLayer."""
+def prepare_layer(p: dict[str, torch.Tensor], moe_inter: int, sparse: bool = False) -> MlaLayer:
+    """Engine per-layer tensors (deepseek.py names) -> the fast path's pre-laid-out MlaLayer; ``sparse``:
+    the model attends sparsely (its indexer's key and head-weight rows join the input projection)."""
     moe = "router" in p
     if moe:
         sg, sd = split_shared(p["shared_gate_up"], p["shared_down"], moe_inter) if "shared_gate_up" in p else (None, None)
@@ -99,10 +119,14 @@ def prepare_layer(p: dict[str, torch.Tensor], moe_inter: int) -> MlaLayer:
         sg, sd = p["w_gate_up"][None], p["w_down"][None]  # the dense MLP is the one "shared expert"
         gate_up, down = sg, sd
     lora = "wq_a" in p  # q LoRA: the latent's and q_a's projections fused, q_b a second GEMV
-    wqkv_a = torch.cat([p["wkv_a"], p["wq_a"]] if lora else [p["wq"], p["wkv_a"]]).contiguous()
-    return MlaLayer(p["attn_norm"], wqkv_a, p["kv_a_norm"], p["w_uk"],
+    rows = [p["wkv_a"], p["wq_a"]] if lora else [p["wq"], p["wkv_a"]]
+    index = None
+    if sparse and "idx_wq_b" in p:  # the indexer's key and head weights read the same normed input
+        rows += [p["idx_wk"], p["idx_weights"]]
+        index = MlaIndexer(p["idx_wq_b"], p["idx_k_norm"], p["idx_k_norm_bias"])
+    return MlaLayer(p["attn_norm"], torch.cat(rows).contiguous(), p["kv_a_norm"], p["w_uk"],
                     p["w_uv"].transpose(1, 2).contiguous(), p["wo"], p["mlp_norm"], gate_up, down, sg, sd,
-                    p.get("router"), p.get("router_bias"), p.get("q_a_norm"), p.get("wq_b"))
+                    p.get("router"), p.get("router_bias"), p.get("q_a_norm"), p.get("wq_b"), index, sparse)
 
 
 @triton.jit
@@ -138,6 +162,55 @@ def _mla_prep_kernel(qkv_ptr, q_pe_ptr, cache_ptr, kv_norm_ptr, pos_ptr, cos_ptr
     tl.store(dst + HALF + j, rnd_bf16(rnd_bf16(b * cos) + rnd_bf16(a * sin)).to(dt))
 
 
+@triton.jit
+def _index_prep_kernel(q_ptr, qo_ptr, row_ptr, wo_ptr, cache_ptr, kn_ptr, kb_ptr, pos_ptr, cos_ptr, sin_ptr,
+                       w_scale, IH: tl.constexpr, IH_POW2: tl.constexpr, D: tl.constexpr, ROPE: tl.constexpr,
+                       INTER: tl.constexpr):
+    # the sparse-attention indexer's inputs of one token at pos (engine/deepseek.py ``_selected``, the same
+    # rounding points): program h < IH: query head h roped (its first ROPE dims) -> qo[h]; program IH: the
+    # key LayerNorm'd (weight, bias, eps 1e-6; fp32 statistics, one rounding) and roped -> cache[pos], and
+    # the head weights (the projection's bf16 values) * w_scale in fp32 -> wo. ``row_ptr``: the input
+    # projection's [k (D) | head weights (IH)] columns. Rope: x1 * cos - x2 * sin | x2 * cos + x1 * sin,
+    # each op rounded, with (x1, x2) the interleaved (INTER) or split halves of the first ROPE dims.
+    head = tl.program_id(0)
+    HALF: tl.constexpr = ROPE // 2
+    p = tl.load(pos_ptr)
+    j = tl.arange(0, HALF)
+    cos = tl.load(cos_ptr + p * HALF + j).to(tl.float32)
+    sin = tl.load(sin_ptr + p * HALF + j).to(tl.float32)
+    if INTER:
+        ia, ib = 2 * j, 2 * j + 1
+    else:
+        ia, ib = j, j + HALF
+    rest = ROPE + tl.arange(0, D - ROPE)  # not roped
+    dt = qo_ptr.dtype.element_ty
+    if head < IH:
+        src = q_ptr + head * D
+        dst = qo_ptr + head * D
+        a = tl.load(src + ia).to(tl.float32)
+        b = tl.load(src + ib).to(tl.float32)
+        tl.store(dst + rest, tl.load(src + rest))
+    else:
+        p64 = p.to(tl.int64)
+        dst = cache_ptr + p64 * D
+        x = tl.load(row_ptr + tl.arange(0, D)).to(tl.float32)
+        mean = tl.sum(x, axis=0) / D
+        xc = x - mean
+        rstd = 1.0 / tl.sqrt(tl.sum(xc * xc, axis=0) / D + 1e-6)
+        a = tl.load(row_ptr + ia).to(tl.float32)
+        b = tl.load(row_ptr + ib).to(tl.float32)
+        a = rnd_bf16((a - mean) * rstd * tl.load(kn_ptr + ia).to(tl.float32) + tl.load(kb_ptr + ia).to(tl.float32))
+        b = rnd_bf16((b - mean) * rstd * tl.load(kn_ptr + ib).to(tl.float32) + tl.load(kb_ptr + ib).to(tl.float32))
+        xr = tl.load(row_ptr + rest).to(tl.float32)
+        xr = (xr - mean) * rstd * tl.load(kn_ptr + rest).to(tl.float32) + tl.load(kb_ptr + rest).to(tl.float32)
+        tl.store(dst + rest, xr.to(dt))
+        hh = tl.arange(0, IH_POW2)
+        w = tl.load(row_ptr + D + hh, mask=hh < IH, other=0.0).to(tl.float32)
+        tl.store(wo_ptr + hh, w * w_scale, mask=hh < IH)
+    tl.store(dst + j, rnd_bf16(rnd_bf16(a * cos) - rnd_bf16(b * sin)).to(dt))
+    tl.store(dst + HALF + j, rnd_bf16(rnd_bf16(b * cos) + rnd_bf16(a * sin)).to(dt))
+
+
 class MlaStack:
     """Buffers and launch plan of one MLA+MoE block stack for T tokens (T fixed per instance)."""
 
@@ -146,12 +219,24 @@ class MlaStack:
     PROJ_DOT: bool = True  # False: the attention projections of T > 1 tokens on fp32 FMAs (bench comparison)
 
     def __init__(self, dims: MlaDims, num_tokens: int, device, num_splits: int = 16, block_s: int = 32,
-                 dense_inter: int = 0):
+                 dense_inter: int = 0, max_tokens: int = 0):
         d, t, dev, bf = dims, num_tokens, device, torch.bfloat16
         self.dims, self.num_tokens = d, t
         nq = d.num_heads * (d.nope + d.rope)
-        # [q | c, k_pe | q_a]: q LoRA's q_a (normed, then q_b into the q columns) after the latent
-        self.qkv = torch.zeros(t, nq + d.kv_lora_rank + d.rope + d.q_lora_rank, dtype=bf, device=dev)
+        # [q | c, k_pe | q_a | k_idx, head weights]: q LoRA's q_a (normed, then q_b into the q columns) after
+        # the latent; sparse attention's indexer key and head weights last
+        extra = d.index_dim + d.index_heads if d.index_topk else 0
+        self.qkv = torch.zeros(t, nq + d.kv_lora_rank + d.rope + d.q_lora_rank + extra, dtype=bf, device=dev)
+        self.select = None
+        if d.index_topk:  # one token a step: the indexer's query, head weights and its top-k list
+            if t != 1 or not d.q_lora_rank:
+                raise ValueError("sparse attention runs on the fast path one token a step, with q LoRA")
+            from .dsa import SparseSelect
+
+            self.q_idx = torch.zeros(d.index_heads, d.index_dim, dtype=bf, device=dev)
+            self.q_idx_roped = torch.zeros(d.index_heads, d.index_dim, dtype=bf, device=dev)
+            self.w_idx = torch.zeros(d.index_heads, dtype=torch.float32, device=dev)
+            self.select = SparseSelect(max_tokens=max_tokens, top_k=min(d.index_topk, max_tokens), device=dev)
         self.q_an = torch.zeros(t, d.q_lora_rank, dtype=bf, device=dev) if d.q_lora_rank and t > 1 else None
         self.q_pe = torch.zeros(t, d.num_heads, d.rope, dtype=bf, device=dev)
         self.o_lat = torch.zeros(t, d.num_heads, d.kv_lora_rank, dtype=bf, device=dev)
@@ -169,8 +254,9 @@ class MlaStack:
                                 device=dev) if dense_inter else None
 
     def block(self, lw: MlaLayer, h: torch.Tensor, cache: torch.Tensor, pos: torch.Tensor,
-              cos: torch.Tensor, sin: torch.Tensor) -> None:
-        """h [T, H] += attention; h += MLP/MoE (in place); writes this block's cache rows at pos.."""
+              cos: torch.Tensor, sin: torch.Tensor, index_cache: torch.Tensor | None = None) -> None:
+        """h [T, H] += attention; h += MLP/MoE (in place); writes this block's cache rows at pos.. (and
+        with an indexer its key at pos into ``index_cache`` [max_tokens, index_dim])"""
         d, t = self.dims, self.num_tokens
         r, nope = d.kv_lora_rank, d.nope
         nq = d.num_heads * (nope + d.rope)
@@ -182,9 +268,11 @@ class MlaStack:
             smallops.rmsnorm_rows(h, lw.attn_norm, self.xn, d.eps)
             gemv_rows(self.xn, lw.wqkv_a, a_out, dot=self.PROJ_DOT, dot_tile=self.DOT_TILE)
         if lora:  # q = q_b(RMSNorm(q_a)) into the q columns (row views: strided rows, contiguous columns)
-            q_a = self.qkv[:, nq + r + d.rope:]
+            q_a = self.qkv[:, nq + r + d.rope:nq + r + d.rope + d.q_lora_rank]
             if t == 1:
                 gemv_rows(q_a, lw.wq_b, self.qkv[:, :nq], norm_w=lw.q_a_norm, eps=d.eps)
+                if lw.index is not None:
+                    self._select(lw, q_a, index_cache, pos, cos, sin)
             else:
                 smallops.rmsnorm_rows(q_a, lw.q_a_norm, self.q_an, d.eps)
                 gemv_rows(self.q_an, lw.wq_b, self.qkv[:, :nq], dot=self.PROJ_DOT, dot_tile=self.DOT_TILE)
@@ -194,7 +282,8 @@ class MlaStack:
         q_nope = self.qkv[:, :nq].view(t, d.num_heads, nope + d.rope)[..., :nope]
         q_c = torch.matmul(q_nope.transpose(0, 1), lw.w_uk)  # absorbed: [Hq, T, r]
         self.attn(q_c, cache, cache, pos, self.o_lat, stride_kt=r + d.rope, stride_vt=r + d.rope, rope_offset=r,
-                  q_pe=self.q_pe, stride_qt=r, stride_qh=t * r)
+                  q_pe=self.q_pe, stride_qt=r, stride_qh=t * r,
+                  sparse=(self.select.idx, self.select.count) if lw.sparse else None)
         o = torch.matmul(self.o_lat.transpose(0, 1), lw.w_uv_t)  # [Hq, T, v]
         if t == 1:
             gemv_rows(o.view(1, -1), lw.wo, h, residual=h)
@@ -207,3 +296,19 @@ class MlaStack:
             self.moe(self.xn, self.ids, self.wts, lw.gate_up, lw.down, lw.shared_gate_up, lw.shared_down, h)
         else:
             self.dense(self.xn, self.ids, self.wts, lw.gate_up, lw.down, lw.shared_gate_up, lw.shared_down, h)
+
+    def _select(self, lw: MlaLayer, q_a: torch.Tensor, index_cache: torch.Tensor, pos: torch.Tensor,
+                cos: torch.Tensor, sin: torch.Tensor) -> None:
+        """The indexer of this layer: its query (q_b over RMSNorm(q_a)), key (into index_cache at pos) and
+        head weights, then the top index_topk cache rows into self.select's list (the sparse attention's)."""
+        d = self.dims
+        if index_cache is None:
+            raise ValueError("a layer with an indexer needs its index_k cache")
+        gemv_rows(q_a, lw.index.wq_b, self.q_idx.view(1, -1), norm_w=lw.q_a_norm, eps=d.eps)
+        k0 = d.num_heads * (d.nope + d.rope) + d.kv_lora_rank + d.rope + d.q_lora_rank
+        _index_prep_kernel[(d.index_heads + 1,)](
+            self.q_idx, self.q_idx_roped, self.qkv[0, k0:], self.w_idx, index_cache, lw.index.k_norm,
+            lw.index.k_norm_bias, pos, cos, sin, d.index_heads ** -0.5, IH=d.index_heads,
+            IH_POW2=triton.next_power_of_2(d.index_heads), D=d.index_dim, ROPE=d.rope,
+            INTER=d.index_rope_interleave, num_warps=4)
+        self.select(self.q_idx_roped, self.w_idx, index_cache, pos)

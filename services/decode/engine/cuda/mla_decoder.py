@@ -110,12 +110,19 @@ class MlaDecoder:
     LM_HEAD_DOT_TILE: tuple[int, int, int, int] = (16, 128, 2, 6)  # the verify's lm_head (T > 1; H200 sweep)
 
     def __init__(self, model: MlaModel, caches: list[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor,
-                 max_draft: int = 3, max_steps: int = 4096, num_splits: int = 16, draft_vocab: int | None = None):
+                 max_draft: int = 3, max_steps: int = 4096, num_splits: int = 16, draft_vocab: int | None = None,
+                 index_caches: list[torch.Tensor | None] | None = None):
+        """``index_caches``: sparse attention's indexer key cache [max_tokens, index_dim] of each layer with an
+        indexer (MTP layer last, as ``caches``), None for the others."""
         self.model, self.caches = model, caches
         d, dev, bf = model.dims, model.embed.device, torch.bfloat16
+        if d.index_topk and max_draft:
+            raise ValueError("sparse attention on the fast path decodes one token a step: no MTP drafts")
+        self.index_caches = index_caches or [None] * len(caches)
         self.cos, self.sin = cos.to(device=dev, dtype=bf).contiguous(), sin.to(device=dev, dtype=bf).contiguous()
         vocab, hdim = model.lm_head.shape
-        self.stacks = {t: MlaStack(d, t, dev, num_splits=num_splits, dense_inter=model.dense_inter)
+        self.stacks = {t: MlaStack(d, t, dev, num_splits=num_splits, dense_inter=model.dense_inter,
+                                   max_tokens=caches[0].shape[0])
                        for t in range(1, max_draft + 2)}
         self.residual = {t: torch.zeros(t, hdim, dtype=bf, device=dev) for t in self.stacks}
         self.hid = {t: torch.zeros(t, hdim, dtype=bf, device=dev) for t in self.stacks}
@@ -166,7 +173,7 @@ class MlaDecoder:
         m, h = self.model, self.residual[t]
         torch.index_select(m.embed, 0, self.tokens[:t], out=h)
         for i, lw in enumerate(m.layers):
-            self.stacks[t].block(lw, h, self.caches[i], self.pos, self.cos, self.sin)
+            self.stacks[t].block(lw, h, self.caches[i], self.pos, self.cos, self.sin, self.index_caches[i])
         smallops.rmsnorm_rows(h, m.final_norm, self.hid[t], m.dims.eps)
         if t == 1:  # with each block's maximum, for _pick_kernel
             self._head(self.hid[1][0], m.lm_head, self.logits[1][0], self.parts_main if parts else None)
@@ -192,7 +199,7 @@ class MlaDecoder:
                                    self.pos, self.pos_draft, hd, eps, H_POW2=triton.next_power_of_2(hd), num_warps=8)
         gemv_rows(self.mtp_cat, mt.eh_proj, self.mtp_x)
         self.stacks[1].block(mt.layer, self.mtp_x, self.caches[len(self.model.layers)], self.pos_draft[j],
-                             self.cos, self.sin)
+                             self.cos, self.sin, self.index_caches[len(self.model.layers)])
         smallops.rmsnorm_rows(self.mtp_x, mt.head_norm, self.mtp_hidden, eps)
         self._head(self.mtp_hidden[0], self.draft_head, self.mtp_logits[0], self.parts_draft)
         self._pick(self.parts_draft, self.tokens[j + 1:j + 2], emit=False)
