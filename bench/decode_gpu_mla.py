@@ -419,6 +419,7 @@ def run_dsv32(X, R: dict, ctx: int = 131072) -> None:
     s = DSV32_CUT
     t0 = time.time()
     model = build(X, s)
+    by = step_bytes(model, s, ctx)  # (with the MTP layer build() adds: its bytes are not counted in "total")
     model.mtp = None  # sparse attention on the fast path decodes one token a step
     log(f"deepseek-v3.2-shaped model ({s['layers']} layers) built in {time.time() - t0:.1f} s")
     mt = ctx + 1024
@@ -430,7 +431,6 @@ def run_dsv32(X, R: dict, ctx: int = 131072) -> None:
     inv = 1.0 / (10000.0 ** (torch.arange(0, s["rope"], 2).float() / s["rope"]))
     fr = torch.arange(mt, dtype=torch.float32)[:, None] * inv[None, :]
     cos, sin = fr.cos(), fr.sin()
-    by = step_bytes(model, s, ctx)
     b = 2
     index_w = sum(l.index.wq_b.numel() * b for l in model.layers)  # wqkv_a (in "attention") holds wk + weights
     kv_sparse = s["layers"] * (s["index_topk"] * (s["r"] + s["rope"]) + ctx * s["index_dim"]) * b
