@@ -419,15 +419,14 @@ def run_dsv32(X, R: dict, ctx: int = 131072) -> None:
     s = DSV32_CUT
     t0 = time.time()
     model = build(X, s)
-    by = step_bytes(model, s, ctx)  # (with the MTP layer build() adds: its bytes are not counted in "total")
-    model.mtp = None  # sparse attention on the fast path decodes one token a step
-    log(f"deepseek-v3.2-shaped model ({s['layers']} layers) built in {time.time() - t0:.1f} s")
+    by = step_bytes(model, s, ctx)  # "total": the main model's plain step (the MTP layer apart)
+    log(f"deepseek-v3.2-shaped model ({s['layers']} layers + MTP) built in {time.time() - t0:.1f} s")
     mt = ctx + 1024
     g = torch.Generator(device="cuda").manual_seed(3)
     caches = [torch.randn(mt, s["r"] + s["rope"], device="cuda", generator=g).to(torch.bfloat16)
-              for _ in range(s["layers"])]
+              for _ in range(s["layers"] + 1)]
     index_caches = [torch.randn(mt, s["index_dim"], device="cuda", generator=g).to(torch.bfloat16)
-                    for _ in range(s["layers"])]
+                    for _ in range(s["layers"] + 1)]
     inv = 1.0 / (10000.0 ** (torch.arange(0, s["rope"], 2).float() / s["rope"]))
     fr = torch.arange(mt, dtype=torch.float32)[:, None] * inv[None, :]
     cos, sin = fr.cos(), fr.sin()
@@ -442,16 +441,25 @@ def run_dsv32(X, R: dict, ctx: int = 131072) -> None:
     R["dsv32_shape_ctx128k_roofline_tok_s"] = 1e3 / roof_ms
     splits = 16  # the product's (adapter.attention_splits of min(rows, index_topk))
 
-    def plain_ms(mdl, **kw) -> float:
-        dec = X.mla_decoder.MlaDecoder(mdl, caches, cos, sin, max_draft=0, max_steps=4096, num_splits=splits, **kw)
+    def plain_ms(mdl, spec: bool = False, **kw) -> float:
+        dec = X.mla_decoder.MlaDecoder(mdl, caches, cos, sin, max_draft=3 if spec else 0, max_steps=4096,
+                                       num_splits=splits, **kw)
         runner = capture(dec.plain_step, steps_per_replay=4, before_capture=lambda: dec.set_state(1, ctx))
         dec.set_state(1, ctx)
         ms = time_replays(runner, 20) / 4
-        del runner, dec
+        del runner
+        if spec:  # MTP draft(s) (the draft layer's own indexer) + a verify with a top-k list per token
+            for k in (1, 3):
+                sp = capture(lambda k=k: dec.spec_step(k), before_capture=lambda: dec.set_state(1, ctx))
+                dec.set_state(1, ctx)
+                R[f"dsv32_shape_ctx128k_mtp_k{k}_step_ratio"] = r = time_replays(sp, 20) / ms
+                log(f"  dsv3.2 MTP k={k}: {r:.2f}x the plain step")
+                del sp
+        del dec
         return ms
 
     try:
-        ms = plain_ms(model, index_caches=index_caches)
+        ms = plain_ms(model, spec=True, index_caches=index_caches)
         R["dsv32_shape_ctx128k_plain_ms"], R["dsv32_shape_ctx128k_tok_s"] = ms, 1e3 / ms
         R["dsv32_shape_ctx128k_frac_roofline"] = roof_ms / ms
         log(f"  dsv3.2 shape at {ctx}: sparse plain step {ms:.3f} ms ({1e3 / ms:.1f} tok/s), roofline "
@@ -461,7 +469,8 @@ def run_dsv32(X, R: dict, ctx: int = 131072) -> None:
         log(R["dsv32_shape_error"])
     try:  # the same layers attending densely: the indexer's rows dropped from the input projection
         cut = s["index_dim"] + s["index_heads"]
-        dense = dataclasses.replace(model, dims=dataclasses.replace(model.dims, index_topk=0, index_heads=0, index_dim=0),
+        dense = dataclasses.replace(model, mtp=None,
+                                    dims=dataclasses.replace(model.dims, index_topk=0, index_heads=0, index_dim=0),
                                     layers=[dataclasses.replace(l, wqkv_a=l.wqkv_a[:-cut], index=None, sparse=False)
                                             for l in model.layers])
         splits_dense = splits

@@ -40,7 +40,7 @@ from tests.unit.engine_cuda.test_engine_fast_path_mla import DSA_PROMPT, V3_PROM
 PROMPTS = {"deepseek_v3": V3_PROMPT, "deepseek_v32": DSA_PROMPT, "glm_moe_dsa": DSA_PROMPT}
 PROMPT = [0, 17, 42, 99, 3, 250, 7]
 ARCHS = ("deepseek_v3", "deepseek_v3_lite", "deepseek_v32", "glm_moe_dsa", "qwen3", "qwen2", "llama")
-DSA = ("deepseek_v32", "glm_moe_dsa")  # sparse attention: the fast path decodes one token a step (no drafts)
+MTP_ARCHS = ("deepseek_v3", "deepseek_v3_lite", "deepseek_v32", "glm_moe_dsa")  # with an MTP layer: drafts too
 
 
 SAMPLED = dict(temperature=0.8, top_p=0.9, top_k=50, min_p=0.02, repetition_penalty=1.1, seed=7)
@@ -82,7 +82,7 @@ def main() -> int:
         path = Path(tempfile.mkdtemp(prefix=f"fpc-{arch}-"))
         save_checkpoint(arch, path, damp=True)  # near-bigram: wide greedy margins, as trained models have
         prompt = PROMPTS.get(arch, PROMPT)
-        drafts = (0, 3) if arch.startswith("deepseek") and arch not in DSA else (0,)
+        drafts = (0, 3) if arch in MTP_ARCHS else (0,)
         cases = [(k, False) for k in drafts] + [(0, True)]
         for k, sampled in cases:
             key = f"{arch}_k{k}" + ("_sampled" if sampled else "")

@@ -150,9 +150,6 @@ def engine_reason(mode: str, model, device: torch.device, dtype: torch.dtype, nu
     if family == "mla":
         if cfg.index_topk and not cfg.q_lora_rank:
             return f"{cfg.model_type}: sparse attention (DSA) without q LoRA is not on the fast path"
-        if cfg.index_topk and num_speculative_tokens:
-            return (f"{cfg.model_type}: sparse attention (DSA) decodes on the fast path one token a step; "
-                    "with MTP drafts (num_speculative_tokens > 0) it takes the reference step")
         if not cfg.norm_topk_prob:
             return f"{cfg.model_type}: unnormalised top-k weights (norm_topk_prob=false) are not on the fast path"
     elif family == "gqa":

@@ -36,13 +36,20 @@ def test_the_slot_holds_each_indexers_keys_after_its_layers_latent(hf_checkpoint
     assert sorted(engine.cache.index_k) == [i for i in indexed if i < config["num_hidden_layers"]]  # no MTP cache
 
 
-def test_the_fast_path_says_why_it_does_not_serve_sparse_attention(hf_checkpoint):
+def test_the_fast_path_serves_sparse_attention_with_q_lora_and_says_why_not_without(hf_checkpoint):
+    import dataclasses
+    import types
+
     from services.decode.engine import fastpath
 
     path, _ = hf_checkpoint("deepseek_v32")
     engine = Engine.load(path, num_slots=1, max_seq_len=32, dtype=torch.float32)
-    reason = fastpath.engine_reason("auto", engine.model, torch.device("cuda"), torch.bfloat16, 0)
-    assert "sparse attention" in reason
+    for k in (0, 1):  # plain steps and MTP drafts alike
+        assert fastpath.engine_reason("auto", engine.model, torch.device("cuda"), torch.bfloat16, k) is None
+    no_lora = types.SimpleNamespace(cfg=dataclasses.replace(engine.model.cfg, q_lora_rank=None), family="mla",
+                                    cache=engine.model.cache)
+    reason = fastpath.engine_reason("auto", no_lora, torch.device("cuda"), torch.bfloat16, 0)
+    assert "sparse attention" in reason and "q LoRA" in reason
 
 
 def test_the_indexer_drops_tokens(hf_checkpoint, tmp_path):

@@ -156,11 +156,11 @@ DSA_PROMPT = [0, 13, 131, 31, 7, 250, 42, 99, 3, 17, 64, 5, 77, 120]  # longer t
 
 @pytest.mark.parametrize("arch", ["deepseek_v32", "glm_moe_dsa"])
 def test_sparse_attention_decodes_on_the_fast_path_with_the_reference_tokens(tmp_path, arch):
-    """DSA (index_topk 8 of a 14-token prompt: each step attends to 8 tokens its indexer picks): plain
-    steps on the fast path (indexer query, key and head weights, scores, radix top-k, sparse MLA attention;
-    GLM's second layer reuses the first one's choice) give the reference engine's greedy tokens, and a
-    seeded sampled request its sampled tokens; with MTP drafts the engine says why it keeps to the
-    reference step."""
+    """DSA (index_topk 8 of a 14-token prompt: each step attends to 8 tokens its indexer picks) on the fast
+    path: plain steps (indexer query, key and head weights, scores, radix top-k, sparse MLA attention; GLM's
+    second layer reuses the first one's choice) give the reference engine's greedy tokens, and a seeded
+    sampled request its sampled tokens; MTP drafts (the draft layer's own indexer) + a verify whose every
+    token attends to its own list keep the greedy output, with drafts accepted."""
     save_checkpoint(arch, tmp_path, **SMALL)
     greedy = SamplingParams(max_tokens=8, ignore_eos=True)
     fast, reference = load(tmp_path, "on", 0), load(tmp_path, "off", 0)
@@ -172,6 +172,61 @@ def test_sparse_attention_decodes_on_the_fast_path_with_the_reference_tokens(tmp
     sampled = SamplingParams(max_tokens=6, temperature=0.8, top_p=0.95, seed=7, ignore_eos=True)
     got, _, paths, _, _ = run(fast, DSA_PROMPT, sampled)
     assert paths == {"fast"} and got == run(reference, DSA_PROMPT, sampled)[0]
-    drafting = Engine.load(tmp_path, num_slots=1, max_seq_len=40, dtype="bfloat16", fast_path="auto",
-                           num_speculative_tokens=2)
-    assert drafting.fast_path is None and "one token a step" in drafting.fast_path_reason
+    drafting = load(tmp_path, "on", 3)
+    assert drafting.fast_path_reason is None
+    got, reason, paths, per_step, stats = run(drafting, DSA_PROMPT, greedy)
+    assert paths == {"fast"} and got == want and reason == "length" and max(per_step) <= 4
+    assert stats.num_draft_tokens == 3 * stats.num_steps
+    assert stats.num_accepted_tokens == len(got) - 1 - stats.num_steps > 0  # verified drafts kept
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v32", "glm_moe_dsa"])
+def test_sparse_verify_picks_and_attends_each_tokens_own_rows(tmp_path, arch, monkeypatch):
+    """A 4-token verify forward on the fast path (MlaDecoder.forward(4), interpreted) against the reference
+    model over the same 4 tokens: every indexer layer's top-k list of every token (rows up to its own
+    position) equals the reference's pick, and the logits agree, so each token attends to its own list."""
+    import torch
+
+    from services.decode.engine import deepseek
+    from services.decode.engine.cuda import dsa
+    from services.decode.engine.cuda.adapter import mla_decoder_from_engine
+
+    save_checkpoint(arch, tmp_path, damp=False, **SMALL)  # attention matters: no near-bigram damping
+    fast_lists, ref_lists = [], []
+    select = dsa.SparseSelect.__call__
+
+    def record_fast(self, q, w, k, pos):
+        out = select(self, q, w, k, pos)
+        fast_lists.append(sorted(i for i in self.idx.tolist() if i <= int(pos)))
+        return out
+
+    picked = deepseek.DeepseekModel._selected
+
+    def record_ref(self, layer, blk, x, *args):
+        out = picked(self, layer, blk, x, *args)
+        positions = args[-1]
+        if positions.shape[-1] == 4:
+            ref_lists.extend(torch.nonzero(out[0, 0, j]).reshape(-1).tolist() for j in range(4))
+        return out
+
+    monkeypatch.setattr(dsa.SparseSelect, "__call__", record_fast)
+    monkeypatch.setattr(deepseek.DeepseekModel, "_selected", record_ref)
+    tokens = [5, 77, 140, 9]
+    pos = len(DSA_PROMPT)
+    fast, ref = (Engine.load(tmp_path, num_slots=1, max_seq_len=40, dtype="bfloat16", fast_path="off",
+                             num_speculative_tokens=3) for _ in range(2))
+    for e in (fast, ref):
+        e.prefill(0, DSA_PROMPT)
+    dec = mla_decoder_from_engine(fast.model, 0, max_draft=3)
+    dec.set_state(tokens[0], pos)
+    dec.tokens.copy_(torch.tensor(tokens))
+    fast_lists.clear()
+    dec.forward(4)
+    got = dec.logits[4].clone()
+    with torch.inference_mode():
+        hidden = ref.model(torch.tensor([tokens]), torch.arange(pos, pos + 4)[None], torch.tensor([0]), 40)
+        want = ref.model.logits(hidden[0]).float()
+    assert len(ref_lists) == len(fast_lists) > 0 and fast_lists == ref_lists
+    assert any(max(lst) > pos for lst in fast_lists)  # later tokens pick rows the verify itself wrote
+    assert len({tuple(lst) for lst in fast_lists[:4]}) > 1  # the tokens' lists differ
+    assert (got - want).abs().max().item() <= 2e-2 * want.abs().max().item()

@@ -129,6 +129,6 @@ def mla_decoder_from_engine(model, slot: int, max_draft: int = 3, max_steps: int
     caches = [model.cache.kv[i][slot] for i in range(len(model.cache.kv))]
     index_caches = [model.cache.index_k[i][slot] if i in model.cache.index_k else None for i in range(len(caches))]
     splits = attention_splits(min(caches[0].shape[0], cfg.index_topk) if sparse else caches[0].shape[0])
-    return MlaDecoder(mm, caches, model.cos, model.sin, max_draft=max_draft if mtp and not sparse else 0,
+    return MlaDecoder(mm, caches, model.cos, model.sin, max_draft=max_draft if mtp else 0,
                       max_steps=max_steps, num_splits=splits, draft_vocab=draft_vocab if mtp else None,
                       index_caches=index_caches)

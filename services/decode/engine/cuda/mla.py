@@ -164,17 +164,23 @@ def _mla_prep_kernel(qkv_ptr, q_pe_ptr, cache_ptr, kv_norm_ptr, pos_ptr, cos_ptr
 
 @triton.jit
 def _index_prep_kernel(q_ptr, qo_ptr, row_ptr, wo_ptr, cache_ptr, kn_ptr, kb_ptr, pos_ptr, cos_ptr, sin_ptr,
-                       w_scale, IH: tl.constexpr, IH_POW2: tl.constexpr, D: tl.constexpr, ROPE: tl.constexpr,
-                       INTER: tl.constexpr):
-    # the sparse-attention indexer's inputs of one token at pos (engine/deepseek.py ``_selected``, the same
-    # rounding points): program h < IH: query head h roped (its first ROPE dims) -> qo[h]; program IH: the
-    # key LayerNorm'd (weight, bias, eps 1e-6; fp32 statistics, one rounding) and roped -> cache[pos], and
-    # the head weights (the projection's bf16 values) * w_scale in fp32 -> wo. ``row_ptr``: the input
-    # projection's [k (D) | head weights (IH)] columns. Rope: x1 * cos - x2 * sin | x2 * cos + x1 * sin,
-    # each op rounded, with (x1, x2) the interleaved (INTER) or split halves of the first ROPE dims.
+                       w_scale, stride_row, IH: tl.constexpr, IH_POW2: tl.constexpr, D: tl.constexpr,
+                       ROPE: tl.constexpr, INTER: tl.constexpr):
+    # the sparse-attention indexer's inputs of token t = program_id(1) at pos + t (engine/deepseek.py
+    # ``_selected``, the same rounding points): program h < IH: query head h roped (its first ROPE dims) ->
+    # qo[t, h]; program IH: the key LayerNorm'd (weight, bias, eps 1e-6; fp32 statistics, one rounding) and
+    # roped -> cache[pos + t], and the head weights (the projection's bf16 values) * w_scale in fp32 ->
+    # wo[t]. ``row_ptr``: token 0's [k (D) | head weights (IH)] columns of the input projection (rows
+    # ``stride_row`` apart). Rope: x1 * cos - x2 * sin | x2 * cos + x1 * sin, each op rounded, with (x1, x2)
+    # the interleaved (INTER) or split halves of the first ROPE dims.
     head = tl.program_id(0)
+    t = tl.program_id(1)
+    q_ptr += t * IH * D
+    qo_ptr += t * IH * D
+    row_ptr += t * stride_row
+    wo_ptr += t * IH
     HALF: tl.constexpr = ROPE // 2
-    p = tl.load(pos_ptr)
+    p = tl.load(pos_ptr) + t
     j = tl.arange(0, HALF)
     cos = tl.load(cos_ptr + p * HALF + j).to(tl.float32)
     sin = tl.load(sin_ptr + p * HALF + j).to(tl.float32)
@@ -227,16 +233,24 @@ class MlaStack:
         # the latent; sparse attention's indexer key and head weights last
         extra = d.index_dim + d.index_heads if d.index_topk else 0
         self.qkv = torch.zeros(t, nq + d.kv_lora_rank + d.rope + d.q_lora_rank + extra, dtype=bf, device=dev)
-        self.select = None
-        if d.index_topk:  # one token a step: the indexer's query, head weights and its top-k list
-            if t != 1 or not d.q_lora_rank:
-                raise ValueError("sparse attention runs on the fast path one token a step, with q LoRA")
+        self.selects: list = []
+        if d.index_topk:  # the indexer's queries, head weights and a top-k list per token
+            if not d.q_lora_rank:
+                raise ValueError("sparse attention runs on the fast path with q LoRA (its indexer reads q_a)")
             from .dsa import SparseSelect
 
-            self.q_idx = torch.zeros(d.index_heads, d.index_dim, dtype=bf, device=dev)
-            self.q_idx_roped = torch.zeros(d.index_heads, d.index_dim, dtype=bf, device=dev)
-            self.w_idx = torch.zeros(d.index_heads, dtype=torch.float32, device=dev)
-            self.select = SparseSelect(max_tokens=max_tokens, top_k=min(d.index_topk, max_tokens), device=dev)
+            self.q_idx = torch.zeros(t, d.index_heads * d.index_dim, dtype=bf, device=dev)
+            self.q_idx_roped = torch.zeros(t, d.index_heads, d.index_dim, dtype=bf, device=dev)
+            self.w_idx = torch.zeros(t, d.index_heads, dtype=torch.float32, device=dev)
+            self.selects = [SparseSelect(max_tokens=max_tokens, top_k=min(d.index_topk, max_tokens), device=dev)
+                            for _ in range(t)]
+            # token j of a verify attends to its own list at pos + j: one one-token attention per token
+            self.pos_t = torch.zeros(t, dtype=torch.int32, device=dev)
+            self.steps_t = torch.arange(t, dtype=torch.int32, device=dev)
+            self.attn1 = DecodeAttention(num_q_heads=d.num_heads, num_kv_heads=1, d_main=d.kv_lora_rank,
+                                         d_v=d.kv_lora_rank, d_rope=d.rope, num_tokens=1, num_splits=num_splits,
+                                         block_s=block_s, sm_scale=d.sm_scale, num_warps=4,
+                                         v_chunks=max(1, d.kv_lora_rank // 128), device=dev) if t > 1 else None
         self.q_an = torch.zeros(t, d.q_lora_rank, dtype=bf, device=dev) if d.q_lora_rank and t > 1 else None
         self.q_pe = torch.zeros(t, d.num_heads, d.rope, dtype=bf, device=dev)
         self.o_lat = torch.zeros(t, d.num_heads, d.kv_lora_rank, dtype=bf, device=dev)
@@ -276,14 +290,24 @@ class MlaStack:
             else:
                 smallops.rmsnorm_rows(q_a, lw.q_a_norm, self.q_an, d.eps)
                 gemv_rows(self.q_an, lw.wq_b, self.qkv[:, :nq], dot=self.PROJ_DOT, dot_tile=self.DOT_TILE)
+                if lw.index is not None:
+                    self._select(lw, q_a, index_cache, pos, cos, sin)
         _mla_prep_kernel[(t, d.num_heads + 1)](self.qkv, self.q_pe, cache, lw.kv_a_norm, pos, cos, sin,
                                                self.qkv.stride(0), d.eps, NUM_HEADS=d.num_heads, NOPE=nope,
                                                ROPE=d.rope, R=r, num_warps=4)
         q_nope = self.qkv[:, :nq].view(t, d.num_heads, nope + d.rope)[..., :nope]
         q_c = torch.matmul(q_nope.transpose(0, 1), lw.w_uk)  # absorbed: [Hq, T, r]
-        self.attn(q_c, cache, cache, pos, self.o_lat, stride_kt=r + d.rope, stride_vt=r + d.rope, rope_offset=r,
-                  q_pe=self.q_pe, stride_qt=r, stride_qh=t * r,
-                  sparse=(self.select.idx, self.select.count) if lw.sparse else None)
+        if not lw.sparse:
+            self.attn(q_c, cache, cache, pos, self.o_lat, stride_kt=r + d.rope, stride_vt=r + d.rope, rope_offset=r,
+                      q_pe=self.q_pe, stride_qt=r, stride_qh=t * r)
+        elif t == 1:
+            self.attn(q_c, cache, cache, pos, self.o_lat, stride_kt=r + d.rope, stride_vt=r + d.rope, rope_offset=r,
+                      q_pe=self.q_pe, stride_qt=r, stride_qh=r, sparse=(self.selects[0].idx, self.selects[0].count))
+        else:  # token j: its query rows (q_c[:, j], q_pe[j]) over its own list, causal at pos + j
+            for j, sel in enumerate(self.selects):
+                self.attn1(q_c[:, j], cache, cache, self.pos_t[j:j + 1], self.o_lat[j], stride_kt=r + d.rope,
+                           stride_vt=r + d.rope, rope_offset=r, q_pe=self.q_pe[j], stride_qt=r, stride_qh=t * r,
+                           sparse=(sel.idx, sel.count))
         o = torch.matmul(self.o_lat.transpose(0, 1), lw.w_uv_t)  # [Hq, T, v]
         if t == 1:
             gemv_rows(o.view(1, -1), lw.wo, h, residual=h)
@@ -299,16 +323,25 @@ class MlaStack:
 
     def _select(self, lw: MlaLayer, q_a: torch.Tensor, index_cache: torch.Tensor, pos: torch.Tensor,
                 cos: torch.Tensor, sin: torch.Tensor) -> None:
-        """The indexer of this layer: its query (q_b over RMSNorm(q_a)), key (into index_cache at pos) and
-        head weights, then the top index_topk cache rows into self.select's list (the sparse attention's)."""
-        d = self.dims
+        """The indexer of this layer for each token j: its query (q_b over RMSNorm(q_a)), key (into index_cache
+        at pos + j) and head weights, then the top index_topk cache rows up to pos + j into self.selects[j]'s
+        list (the sparse attention's)."""
+        d, t = self.dims, self.num_tokens
         if index_cache is None:
             raise ValueError("a layer with an indexer needs its index_k cache")
-        gemv_rows(q_a, lw.index.wq_b, self.q_idx.view(1, -1), norm_w=lw.q_a_norm, eps=d.eps)
+        if t == 1:
+            gemv_rows(q_a, lw.index.wq_b, self.q_idx, norm_w=lw.q_a_norm, eps=d.eps)
+        else:  # q_an: RMSNorm(q_a), made for q_b
+            gemv_rows(self.q_an, lw.index.wq_b, self.q_idx, dot=self.PROJ_DOT, dot_tile=self.DOT_TILE)
         k0 = d.num_heads * (d.nope + d.rope) + d.kv_lora_rank + d.rope + d.q_lora_rank
-        _index_prep_kernel[(d.index_heads + 1,)](
+        _index_prep_kernel[(d.index_heads + 1, t)](
             self.q_idx, self.q_idx_roped, self.qkv[0, k0:], self.w_idx, index_cache, lw.index.k_norm,
-            lw.index.k_norm_bias, pos, cos, sin, d.index_heads ** -0.5, IH=d.index_heads,
+            lw.index.k_norm_bias, pos, cos, sin, d.index_heads ** -0.5, self.qkv.stride(0), IH=d.index_heads,
             IH_POW2=triton.next_power_of_2(d.index_heads), D=d.index_dim, ROPE=d.rope,
             INTER=d.index_rope_interleave, num_warps=4)
-        self.select(self.q_idx_roped, self.w_idx, index_cache, pos)
+        if t == 1:
+            self.selects[0](self.q_idx_roped[0], self.w_idx[0], index_cache, pos)
+            return
+        torch.add(pos, self.steps_t, out=self.pos_t)
+        for j, sel in enumerate(self.selects):
+            sel(self.q_idx_roped[j], self.w_idx[j], index_cache, self.pos_t[j:j + 1])

@@ -116,8 +116,6 @@ class MlaDecoder:
         indexer (MTP layer last, as ``caches``), None for the others."""
         self.model, self.caches = model, caches
         d, dev, bf = model.dims, model.embed.device, torch.bfloat16
-        if d.index_topk and max_draft:
-            raise ValueError("sparse attention on the fast path decodes one token a step: no MTP drafts")
         self.index_caches = index_caches or [None] * len(caches)
         self.cos, self.sin = cos.to(device=dev, dtype=bf).contiguous(), sin.to(device=dev, dtype=bf).contiguous()
         vocab, hdim = model.lm_head.shape
