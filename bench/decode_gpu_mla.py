@@ -11,6 +11,7 @@ fast path vs the torch reference (teacher-forced) and spec output == plain outpu
 
 from __future__ import annotations
 
+import os
 import time
 import traceback
 
@@ -297,6 +298,64 @@ def correctness(X, model, caches, cos, sin, ctx: int, steps: int = 48) -> dict:
             "spec_replays": replays, "accepted_drafts": int(dec.accepted.item())}
 
 
+MOE_GATE_UP_TILES = [(8, 256, 4, 4), (4, 256, 4, 4), (4, 512, 4, 4), (8, 512, 4, 3), (16, 256, 4, 4),
+                     (16, 128, 4, 6), (8, 128, 4, 6), (8, 256, 4, 6), (4, 256, 2, 4), (16, 512, 8, 3)]
+MOE_DOWN_TILES = [(8, 256, 4, 4), (16, 256, 4, 4), (32, 128, 4, 4), (16, 512, 4, 3), (8, 512, 4, 3),
+                  (16, 128, 4, 6), (4, 512, 4, 4), (32, 256, 4, 3), (32, 512, 8, 3)]
+PROJ_TILES = [(8, 256, 4, 4), (16, 256, 4, 4), (4, 512, 4, 4), (8, 512, 4, 3), (16, 128, 4, 6), (32, 256, 4, 3),
+              (4, 256, 4, 6)]
+
+
+def plain_tile_sweep(X, model, caches, cos, sin, ctx: int, R: dict, tag: str = "dsv2lite_") -> None:
+    """The one-token step's tiles, greedily one group at a time (each group's best kept for the next):
+    the routed/shared experts' gate/up and down GEMVs, the attention's split count, the attention
+    projections (wqkv_a, wo; wq_b with q LoRA). Plain step ms (graph-timed) per candidate under
+    ``{tag}plain_tile_sweep``; the best whole as ``{tag}plain_ms_tuned``."""
+    S = R[f"{tag}plain_tile_sweep"] = {}
+    best = {"gate_up": MOE_GATE_UP_TILES[0], "down": MOE_DOWN_TILES[0], "splits": 16,
+            "wqkv_a": PROJ_TILES[0], "wo": PROJ_TILES[0], "wq_b": PROJ_TILES[0]}
+
+    def time_cfg(cfg) -> float:
+        dec = X.mla_decoder.MlaDecoder(model, caches, cos, sin, max_draft=0, max_steps=4096, num_splits=cfg["splits"])
+        st = dec.stacks[1]
+        st.moe.tiles = (cfg["gate_up"], cfg["down"])
+        st.tiles = {k: cfg[k] for k in ("wqkv_a", "wo", "wq_b")}
+        runner = capture(dec.plain_step, steps_per_replay=4, before_capture=lambda: dec.set_state(1, ctx))
+        dec.set_state(1, ctx)
+        ms = time_replays(runner, 20) / 4
+        del runner, dec
+        return ms
+
+    base = time_cfg(best)
+    S["default"] = base
+    log(f"  {tag}plain tiles: product default {base * 1e3:.1f} us")
+    groups = [("gate_up", MOE_GATE_UP_TILES), ("down", MOE_DOWN_TILES), ("splits", [8, 16, 32]),
+              ("wqkv_a", PROJ_TILES), ("wo", PROJ_TILES)]
+    if model.layers[-1].wq_b is not None:
+        groups.append(("wq_b", PROJ_TILES))
+    for name, cands in groups:
+        res = {}
+        for c in cands:
+            try:
+                res[str(c)] = time_cfg(dict(best, **{name: c}))
+            except Exception as exc:  # a tile that does not compile or fit
+                res[str(c)] = f"failed: {str(exc).splitlines()[0][:120] if str(exc) else type(exc).__name__}"
+        ok = {k: v for k, v in res.items() if isinstance(v, float)}
+        pick = min(ok, key=ok.get)
+        best[name] = next(c for c in cands if str(c) == pick)
+        S[name] = res
+        log(f"  {tag}{name}: best {pick} {ok[pick] * 1e3:.1f} us ("
+            + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in ok.items()) + ")")
+    tuned = time_cfg(best)
+    R[f"{tag}plain_ms_tuned"], R[f"{tag}plain_tiles_tuned"] = tuned, {k: list(v) if isinstance(v, tuple) else v
+                                                                      for k, v in best.items()}
+    R[f"{tag}plain_ms_default_same_run"] = time_cfg(dict(gate_up=MOE_GATE_UP_TILES[0], down=MOE_DOWN_TILES[0],
+                                                         splits=16, wqkv_a=PROJ_TILES[0], wo=PROJ_TILES[0],
+                                                         wq_b=PROJ_TILES[0]))
+    log(f"  {tag}tuned {tuned * 1e3:.1f} us against the default's {R[f'{tag}plain_ms_default_same_run'] * 1e3:.1f} "
+        f"(same run): {best}")
+
+
 def run_mla(X, R: dict, ctx: int = 1024) -> None:
     s = DSV2_LITE
     t0 = time.time()
@@ -312,6 +371,13 @@ def run_mla(X, R: dict, ctx: int = 1024) -> None:
     bw = R.get("copy_bw_TBps", 4.2)
     roof_ms = by["total"] / (bw * 1e12) * 1e3
     R["dsv2lite_roofline_tok_s"] = 1e3 / roof_ms
+    if os.environ.get("MLA_PLAIN_SWEEP_ONLY"):  # the one-token tile sweep alone (a short run)
+        plain_tile_sweep(X, model, caches, cos, sin, ctx, R)
+        R["dsv2lite_frac_roofline_tuned"] = roof_ms / R["dsv2lite_plain_ms_tuned"]
+        R["dsv2lite_frac_roofline_default_same_run"] = roof_ms / R["dsv2lite_plain_ms_default_same_run"]
+        log(f"  dsv2lite of roofline: tuned {R['dsv2lite_frac_roofline_tuned']:.3f}, default "
+            f"{R['dsv2lite_frac_roofline_default_same_run']:.3f} (roofline {roof_ms:.3f} ms)")
+        return
     for sweep in (gemv_dot_sweep, dot_tile_sweep):
         try:
             sweep(X, model, caches, cos, sin, ctx, R)

@@ -222,12 +222,16 @@ class MlaStack:
 
     # (block_n, block_k, num_warps, stages) of the attention projections' tensor-core dots (T > 1)
     DOT_TILE: tuple[int, int, int, int] = (16, 256, 4, 4)  # best of bench/decode_gpu_mla.py's sweep (H200)
+    # (block_n, block_k, num_warps, stages) of the one-token projections (fp32 FMAs); an instance's ``tiles``
+    PLAIN_TILES: dict[str, tuple[int, int, int, int]] = {"wqkv_a": (8, 256, 4, 4), "wq_b": (8, 256, 4, 4),
+                                                         "wo": (8, 256, 4, 4)}
     PROJ_DOT: bool = True  # False: the attention projections of T > 1 tokens on fp32 FMAs (bench comparison)
 
     def __init__(self, dims: MlaDims, num_tokens: int, device, num_splits: int = 16, block_s: int = 32,
                  dense_inter: int = 0, max_tokens: int = 0):
         d, t, dev, bf = dims, num_tokens, device, torch.bfloat16
         self.dims, self.num_tokens = d, t
+        self.tiles = dict(self.PLAIN_TILES)
         nq = d.num_heads * (d.nope + d.rope)
         # [q | c, k_pe | q_a | k_idx, head weights]: q LoRA's q_a (normed, then q_b into the q columns) after
         # the latent; sparse attention's indexer key and head weights last
@@ -277,14 +281,14 @@ class MlaStack:
         lora = lw.wq_b is not None
         a_out = self.qkv[:, nq:] if lora else self.qkv  # q LoRA: [c, k_pe | q_a]; else [q | c, k_pe]
         if t == 1:
-            gemv_rows(h, lw.wqkv_a, a_out, norm_w=lw.attn_norm, eps=d.eps)
+            gemv_rows(h, lw.wqkv_a, a_out, norm_w=lw.attn_norm, eps=d.eps, **self._tile("wqkv_a"))
         else:  # the norm first: a norm prologue in each of the GEMV's programs loops over 16 padded rows
             smallops.rmsnorm_rows(h, lw.attn_norm, self.xn, d.eps)
             gemv_rows(self.xn, lw.wqkv_a, a_out, dot=self.PROJ_DOT, dot_tile=self.DOT_TILE)
         if lora:  # q = q_b(RMSNorm(q_a)) into the q columns (row views: strided rows, contiguous columns)
             q_a = self.qkv[:, nq + r + d.rope:nq + r + d.rope + d.q_lora_rank]
             if t == 1:
-                gemv_rows(q_a, lw.wq_b, self.qkv[:, :nq], norm_w=lw.q_a_norm, eps=d.eps)
+                gemv_rows(q_a, lw.wq_b, self.qkv[:, :nq], norm_w=lw.q_a_norm, eps=d.eps, **self._tile("wq_b"))
                 if lw.index is not None:
                     self._select(lw, q_a, index_cache, pos, cos, sin)
             else:
@@ -310,7 +314,7 @@ class MlaStack:
                            sparse=(sel.idx, sel.count))
         o = torch.matmul(self.o_lat.transpose(0, 1), lw.w_uv_t)  # [Hq, T, v]
         if t == 1:
-            gemv_rows(o.view(1, -1), lw.wo, h, residual=h)
+            gemv_rows(o.view(1, -1), lw.wo, h, residual=h, **self._tile("wo"))
         else:  # [Hq, T, v] read in place (its [T, Hq * v] transpose would be one more copy kernel)
             gemv_rows(o, lw.wo, h, residual=h, dot=self.PROJ_DOT, dot_tile=self.DOT_TILE, heads=True)
         smallops.rmsnorm_rows(h, lw.mlp_norm, self.xn, d.eps)
@@ -321,6 +325,10 @@ class MlaStack:
         else:
             self.dense(self.xn, self.ids, self.wts, lw.gate_up, lw.down, lw.shared_gate_up, lw.shared_down, h)
 
+    def _tile(self, name: str) -> dict:
+        bn, bk, nw, st = self.tiles[name]
+        return dict(block_n=bn, block_k=bk, num_warps=nw, stages=st)
+
     def _select(self, lw: MlaLayer, q_a: torch.Tensor, index_cache: torch.Tensor, pos: torch.Tensor,
                 cos: torch.Tensor, sin: torch.Tensor) -> None:
         """The indexer of this layer for each token j: its query (q_b over RMSNorm(q_a)), key (into index_cache
@@ -330,7 +338,7 @@ class MlaStack:
         if index_cache is None:
             raise ValueError("a layer with an indexer needs its index_k cache")
         if t == 1:
-            gemv_rows(q_a, lw.index.wq_b, self.q_idx, norm_w=lw.q_a_norm, eps=d.eps)
+            gemv_rows(q_a, lw.index.wq_b, self.q_idx, norm_w=lw.q_a_norm, eps=d.eps, **self._tile("wq_b"))
         else:  # q_an: RMSNorm(q_a), made for q_b
             gemv_rows(self.q_an, lw.index.wq_b, self.q_idx, dot=self.PROJ_DOT, dot_tile=self.DOT_TILE)
         k0 = d.num_heads * (d.nope + d.rope) + d.kv_lora_rank + d.rope + d.q_lora_rank

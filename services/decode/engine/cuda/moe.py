@@ -331,6 +331,8 @@ class GroupedMoe:
 
     # (block_n, block_k, num_warps, num_stages) of gate/up and down on the tensor-core path (T > 1)
     DOT_TILES: tuple[tuple[int, int, int, int], tuple[int, int, int, int]] = ((32, 128, 4, 4), (32, 128, 4, 4))  # H200 sweep
+    # ... and of one token (fp32 FMAs)
+    PLAIN_TILES: tuple[tuple[int, int, int, int], tuple[int, int, int, int]] = ((8, 256, 4, 4), (8, 256, 4, 4))
 
     def __init__(self, *, num_tokens: int, top_k: int, num_shared: int, hidden: int, inter: int,
                  device: torch.device | str, tiles: tuple[tuple[int, int, int, int], ...] | None = None):
@@ -342,7 +344,7 @@ class GroupedMoe:
             default = self.DOT_TILES
         else:
             bk = max(32, 256 // triton.next_power_of_2(num_tokens))  # [T, BLOCK_N, BLOCK_K] accumulators
-            default = ((8, bk, 4, 4), (8, bk, 4, 4))
+            default = self.PLAIN_TILES if num_tokens == 1 else ((8, bk, 4, 4), (8, bk, 4, 4))
         self.tiles = tiles or default
         self.act = torch.zeros(num_tokens * self.slots * inter, dtype=torch.bfloat16, device=device)
         self.out_rows = torch.zeros(num_tokens * self.slots * hidden, dtype=torch.float32, device=device)
