@@ -298,10 +298,10 @@ def correctness(X, model, caches, cos, sin, ctx: int, steps: int = 48) -> dict:
             "spec_replays": replays, "accepted_drafts": int(dec.accepted.item())}
 
 
-MOE_GATE_UP_TILES = [(8, 256, 4, 4), (4, 256, 4, 4), (4, 512, 4, 4), (8, 512, 4, 3), (16, 256, 4, 4),
+MOE_GATE_UP_TILES = [(8, 512, 4, 3), (8, 256, 4, 4), (4, 256, 4, 4), (4, 512, 4, 4), (16, 256, 4, 4),
                      (16, 128, 4, 6), (8, 128, 4, 6), (8, 256, 4, 6), (4, 256, 2, 4), (16, 512, 8, 3)]
-MOE_DOWN_TILES = [(8, 256, 4, 4), (16, 256, 4, 4), (32, 128, 4, 4), (16, 512, 4, 3), (8, 512, 4, 3),
-                  (16, 128, 4, 6), (4, 512, 4, 4), (32, 256, 4, 3), (32, 512, 8, 3)]
+MOE_DOWN_TILES = [(32, 256, 4, 3), (8, 256, 4, 4), (16, 256, 4, 4), (32, 128, 4, 4), (16, 512, 4, 3), (8, 512, 4, 3),
+                  (16, 128, 4, 6), (4, 512, 4, 4), (32, 512, 8, 3)]
 PROJ_TILES = [(8, 256, 4, 4), (16, 256, 4, 4), (4, 512, 4, 4), (8, 512, 4, 3), (16, 128, 4, 6), (32, 256, 4, 3),
               (4, 256, 4, 6)]
 
@@ -312,8 +312,9 @@ def plain_tile_sweep(X, model, caches, cos, sin, ctx: int, R: dict, tag: str = "
     projections (wqkv_a, wo; wq_b with q LoRA). Plain step ms (graph-timed) per candidate under
     ``{tag}plain_tile_sweep``; the best whole as ``{tag}plain_ms_tuned``."""
     S = R[f"{tag}plain_tile_sweep"] = {}
-    best = {"gate_up": MOE_GATE_UP_TILES[0], "down": MOE_DOWN_TILES[0], "splits": 16,
-            "wqkv_a": PROJ_TILES[0], "wo": PROJ_TILES[0], "wq_b": PROJ_TILES[0]}
+    product = {"gate_up": X.moe.GroupedMoe.PLAIN_TILES[0], "down": X.moe.GroupedMoe.PLAIN_TILES[1], "splits": 16,
+               **X.mla.MlaStack.PLAIN_TILES}
+    best = dict(product)
 
     def time_cfg(cfg) -> float:
         dec = X.mla_decoder.MlaDecoder(model, caches, cos, sin, max_draft=0, max_steps=4096, num_splits=cfg["splits"])
@@ -349,9 +350,7 @@ def plain_tile_sweep(X, model, caches, cos, sin, ctx: int, R: dict, tag: str = "
     tuned = time_cfg(best)
     R[f"{tag}plain_ms_tuned"], R[f"{tag}plain_tiles_tuned"] = tuned, {k: list(v) if isinstance(v, tuple) else v
                                                                       for k, v in best.items()}
-    R[f"{tag}plain_ms_default_same_run"] = time_cfg(dict(gate_up=MOE_GATE_UP_TILES[0], down=MOE_DOWN_TILES[0],
-                                                         splits=16, wqkv_a=PROJ_TILES[0], wo=PROJ_TILES[0],
-                                                         wq_b=PROJ_TILES[0]))
+    R[f"{tag}plain_ms_default_same_run"] = time_cfg(product)
     log(f"  {tag}tuned {tuned * 1e3:.1f} us against the default's {R[f'{tag}plain_ms_default_same_run'] * 1e3:.1f} "
         f"(same run): {best}")
 

@@ -222,8 +222,9 @@ class MlaStack:
 
     # (block_n, block_k, num_warps, stages) of the attention projections' tensor-core dots (T > 1)
     DOT_TILE: tuple[int, int, int, int] = (16, 256, 4, 4)  # best of bench/decode_gpu_mla.py's sweep (H200)
-    # (block_n, block_k, num_warps, stages) of the one-token projections (fp32 FMAs); an instance's ``tiles``
-    PLAIN_TILES: dict[str, tuple[int, int, int, int]] = {"wqkv_a": (8, 256, 4, 4), "wq_b": (8, 256, 4, 4),
+    # (block_n, block_k, num_warps, stages) of the one-token projections (fp32 FMAs; an instance's ``tiles``):
+    # best of bench/decode_gpu_mla.py's plain_tile_sweep on the V2-Lite shape (H200, run T1)
+    PLAIN_TILES: dict[str, tuple[int, int, int, int]] = {"wqkv_a": (8, 512, 4, 3), "wq_b": (8, 256, 4, 4),
                                                          "wo": (8, 256, 4, 4)}
     PROJ_DOT: bool = True  # False: the attention projections of T > 1 tokens on fp32 FMAs (bench comparison)
 
