@@ -355,6 +355,24 @@ def plain_tile_sweep(X, model, caches, cos, sin, ctx: int, R: dict, tag: str = "
         f"(same run): {best}")
 
 
+def fused_middle_ab(X, model, caches, cos, sin, ctx: int, R: dict, tag: str) -> None:
+    """The one-token step with the fused attention middle (the product) and with prep + bmm + merge + bmm,
+    alternated twice in one process (``{tag}fused_middle``: plain step ms of each, best of the two)."""
+    out = {"fused": [], "unfused": []}
+    for _ in range(2):
+        for name, fused in (("fused", True), ("unfused", False)):
+            dec = X.mla_decoder.MlaDecoder(model, caches, cos, sin, max_draft=0, max_steps=4096,
+                                           **({"index_caches": R["_index_caches"]} if "_index_caches" in R else {}))
+            dec.stacks[1].fused = fused
+            runner = capture(dec.plain_step, steps_per_replay=4, before_capture=lambda: dec.set_state(1, ctx))
+            dec.set_state(1, ctx)
+            out[name].append(time_replays(runner, 20) / 4)
+            del runner, dec
+    R[f"{tag}fused_middle"] = res = {k: min(v) for k, v in out.items()}
+    log(f"  {tag}plain step: fused attention middle {res['fused'] * 1e3:.1f} us, prep + bmm + merge + bmm "
+        f"{res['unfused'] * 1e3:.1f} us")
+
+
 def run_mla(X, R: dict, ctx: int = 1024) -> None:
     s = DSV2_LITE
     t0 = time.time()
@@ -371,6 +389,7 @@ def run_mla(X, R: dict, ctx: int = 1024) -> None:
     roof_ms = by["total"] / (bw * 1e12) * 1e3
     R["dsv2lite_roofline_tok_s"] = 1e3 / roof_ms
     if os.environ.get("MLA_PLAIN_SWEEP_ONLY"):  # the one-token tile sweep alone (a short run)
+        fused_middle_ab(X, model, caches, cos, sin, ctx, R, "dsv2lite_")
         plain_tile_sweep(X, model, caches, cos, sin, ctx, R)
         R["dsv2lite_frac_roofline_tuned"] = roof_ms / R["dsv2lite_plain_ms_tuned"]
         R["dsv2lite_frac_roofline_default_same_run"] = roof_ms / R["dsv2lite_plain_ms_default_same_run"]
@@ -450,6 +469,12 @@ def run_dsv3(X, R: dict, ctx: int = 1024) -> None:
     bw = R.get("copy_bw_TBps", 4.2)
     roof_ms = by["total"] / (bw * 1e12) * 1e3
     R["dsv3_shape_roofline_tok_s"] = 1e3 / roof_ms
+    if os.environ.get("MLA_QUICK"):  # the plain step only, fused middle against unfused (a short run)
+        fused_middle_ab(X, model, caches, cos, sin, ctx, R, "dsv3_shape_")
+        R["dsv3_shape_plain_ms"] = R["dsv3_shape_fused_middle"]["fused"]
+        R["dsv3_shape_frac_roofline"] = roof_ms / R["dsv3_shape_plain_ms"]
+        log(f"  dsv3 shape: plain {R['dsv3_shape_plain_ms']:.3f} ms, {R['dsv3_shape_frac_roofline']:.3f} of roofline")
+        return
     try:
         measure(X, model, caches, cos, sin, ctx, "dsv3_shape_", R)
         R["dsv3_shape_frac_roofline"] = roof_ms / R["dsv3_shape_plain_ms"]

@@ -385,7 +385,7 @@ class DecodeAttention:
                  stride_qt: int | None = None, stride_qh: int | None = None,
                  qk_norm: tuple | None = None, slot_ids: torch.Tensor | None = None, stride_ks: int = 0,
                  stride_vs: int = 0, kv_fmt: int = 0, k_scale: float = 1.0, v_scale: float = 1.0,
-                 sparse: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                 sparse: tuple[torch.Tensor, torch.Tensor] | None = None, combine: bool = True) -> torch.Tensor | None:
         """q: main part, row (t, head) at t*stride_qt + head*stride_qh (default [T, Hq, D_MAIN] contiguous);
         q_pe [T, Hq, D_ROPE] (MLA); k/v cache storage (token strides in elements); out [T, Hq, D_V].
         ``qk_norm=(q_norm [D], k_norm [D], eps, cos, sin)``: q and K row pos as projected (Qwen3, T == 1).
@@ -394,7 +394,10 @@ class DecodeAttention:
         ``kv_fmt`` (kvfp8.kv_fmt) 1 / 2: k and v hold FP8 bytes, read as their values times ``k_scale`` /
         ``v_scale`` (GQA without a rope part or qk_norm).
         ``sparse=(idx int32 [>= n], n int32 [1])``: one query token attends to the n cache rows listed in
-        idx (sparse attention's top-k, any order; rows past pos are masked), not to rows 0..pos."""
+        idx (sparse attention's top-k, any order; rows past pos are masked), not to rows 0..pos.
+        ``combine=False`` (two-launch form): the split kernel only; its partials stay in ``part_o``
+        [B, T, Hq, NUM_SPLITS, D_V] and ``part_ml`` [..., 2] (max in log2 units, sum) for a kernel of the
+        caller's that merges them (returns None)."""
         sqh = stride_qh if stride_qh is not None else self.d_main
         sqt = stride_qt if stride_qt is not None else self.hq * self.d_main
         if qk_norm is not None and (self.num_tokens != 1 or self.d_rope or self.v_is_k or self.v_chunks != 1
@@ -407,6 +410,8 @@ class DecodeAttention:
         batch = 1 if slot_ids is None else slot_ids.shape[0]
         if batch > self.max_batch:
             raise ValueError(f"a batch of {batch} rows: this attention holds partials for {self.max_batch}")
+        if not combine and self.one_launch:
+            raise ValueError("combine=False needs the two-launch attention (one_launch merges in its split kernel)")
         if sparse is not None and (self.num_tokens != 1 or qk_norm is not None or slot_ids is not None
                                    or self.one_launch):
             raise ValueError("sparse attention takes one query token of one slot, without qk_norm (MLA)")
@@ -430,6 +435,8 @@ class DecodeAttention:
             KV_FMT=kv_fmt, k_scale=k_scale, v_scale=v_scale,
             idx_ptr=sparse[0] if sparse is not None else pos, nidx_ptr=sparse[1] if sparse is not None else pos,
             SPARSE=sparse is not None, num_warps=self.num_warps, **launch_opts(self.pdl))
+        if not combine:
+            return None
         _attn_combine_kernel[(batch * self.num_tokens * self.hq,)](
             self.part_o, self.part_ml, out, NUM_SPLITS=self.num_splits,
             D_V=self.d_v, PDL=self.pdl, num_warps=self.combine_warps, **launch_opts(self.pdl))
