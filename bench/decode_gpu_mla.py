@@ -355,22 +355,29 @@ def plain_tile_sweep(X, model, caches, cos, sin, ctx: int, R: dict, tag: str = "
         f"(same run): {best}")
 
 
-def fused_middle_ab(X, model, caches, cos, sin, ctx: int, R: dict, tag: str) -> None:
-    """The one-token step with the fused attention middle (the product) and with prep + bmm + merge + bmm,
-    alternated twice in one process (``{tag}fused_middle``: plain step ms of each, best of the two)."""
-    out = {"fused": [], "unfused": []}
+FUSED_VARIANTS = {  # (the merge + o . w_uv fused, its (value columns, latent chunk, warps))
+    "unfused": (False, None), "fused": (True, None), "uv_four_chunks": (True, (32, 128, 4)),
+    "uv_8w": (True, (32, 512, 8)), "uv_16_cols": (True, (16, 512, 4)),
+}
+
+
+def fused_middle_ab(X, model, caches, cos, sin, ctx: int, R: dict, tag: str, variants=None) -> None:
+    """The one-token step with the attention's merge + o . w_uv fused or not (FUSED_VARIANTS), alternated
+    twice in one process (``{tag}fused_middle``: plain step ms of each, best of the two)."""
+    out = {k: [] for k in (variants or ("fused", "unfused"))}
     for _ in range(2):
-        for name, fused in (("fused", True), ("unfused", False)):
-            dec = X.mla_decoder.MlaDecoder(model, caches, cos, sin, max_draft=0, max_steps=4096,
-                                           **({"index_caches": R["_index_caches"]} if "_index_caches" in R else {}))
-            dec.stacks[1].fused = fused
+        for name in out:
+            uv, tile = FUSED_VARIANTS[name]
+            dec = X.mla_decoder.MlaDecoder(model, caches, cos, sin, max_draft=0, max_steps=4096)
+            st = dec.stacks[1]
+            st.fused_uv = uv
+            st.uv_tile = tile or st.uv_tile
             runner = capture(dec.plain_step, steps_per_replay=4, before_capture=lambda: dec.set_state(1, ctx))
             dec.set_state(1, ctx)
             out[name].append(time_replays(runner, 20) / 4)
             del runner, dec
     R[f"{tag}fused_middle"] = res = {k: min(v) for k, v in out.items()}
-    log(f"  {tag}plain step: fused attention middle {res['fused'] * 1e3:.1f} us, prep + bmm + merge + bmm "
-        f"{res['unfused'] * 1e3:.1f} us")
+    log(f"  {tag}plain step by attention-middle variant: " + ", ".join(f"{k} {v * 1e3:.1f} us" for k, v in res.items()))
 
 
 def run_mla(X, R: dict, ctx: int = 1024) -> None:
@@ -388,6 +395,9 @@ def run_mla(X, R: dict, ctx: int = 1024) -> None:
     bw = R.get("copy_bw_TBps", 4.2)
     roof_ms = by["total"] / (bw * 1e12) * 1e3
     R["dsv2lite_roofline_tok_s"] = 1e3 / roof_ms
+    if os.environ.get("MLA_FUSED_AB"):  # the attention middle's variants alone (a short run)
+        fused_middle_ab(X, model, caches, cos, sin, ctx, R, "dsv2lite_", variants=list(FUSED_VARIANTS))
+        return
     if os.environ.get("MLA_PLAIN_SWEEP_ONLY"):  # the one-token tile sweep alone (a short run)
         fused_middle_ab(X, model, caches, cos, sin, ctx, R, "dsv2lite_")
         plain_tile_sweep(X, model, caches, cos, sin, ctx, R)

@@ -163,48 +163,6 @@ def _mla_prep_kernel(qkv_ptr, q_pe_ptr, cache_ptr, kv_norm_ptr, pos_ptr, cos_ptr
 
 
 @triton.jit
-def _mla_prep_absorb_kernel(qkv_ptr, q_pe_ptr, q_c_ptr, w_uk_ptr, cache_ptr, kv_norm_ptr, pos_ptr, cos_ptr, sin_ptr,
-                            eps, NUM_HEADS: tl.constexpr, NOPE: tl.constexpr, ROPE: tl.constexpr, R: tl.constexpr,
-                            BLOCK_R: tl.constexpr):
-    # one token (T = 1): _mla_prep_kernel's work and the absorbed query in one launch. Program (h, rb), h <
-    # NUM_HEADS: q_c[h, rb-th BLOCK_R columns] = q_nope[h] @ w_uk[h][:, those columns] (fp32 sum, one
-    # rounding, as the bf16 matmul it replaces), and for rb = 0 head h's q_pe roped; program (NUM_HEADS, 0):
-    # the latent (RMSNorm(c), rope(k_pe)) -> cache[pos]
-    head = tl.program_id(0)
-    rb = tl.program_id(1)
-    HALF: tl.constexpr = ROPE // 2
-    QK: tl.constexpr = NOPE + ROPE
-    dt = q_c_ptr.dtype.element_ty
-    if head < NUM_HEADS:
-        n = tl.arange(0, NOPE)
-        cols = rb * BLOCK_R + tl.arange(0, BLOCK_R)
-        q = tl.load(qkv_ptr + head * QK + n).to(tl.float32)
-        w = tl.load(w_uk_ptr + (head * NOPE + n)[:, None].to(tl.int64) * R + cols[None, :]).to(tl.float32)
-        tl.store(q_c_ptr + head * R + cols, tl.sum(q[:, None] * w, axis=0).to(dt))
-    if rb == 0:
-        p = tl.load(pos_ptr)
-        j = tl.arange(0, HALF)
-        cos = tl.load(cos_ptr + p * HALF + j).to(tl.float32)
-        sin = tl.load(sin_ptr + p * HALF + j).to(tl.float32)
-        if head < NUM_HEADS:
-            src = qkv_ptr + head * QK + NOPE
-            dst = q_pe_ptr + head * ROPE
-        else:
-            src = qkv_ptr + NUM_HEADS * QK + R
-            dst = cache_ptr + p.to(tl.int64) * (R + ROPE) + R
-            r = tl.arange(0, R)
-            c = tl.load(qkv_ptr + NUM_HEADS * QK + r).to(tl.float32)
-            inv = 1.0 / tl.sqrt(tl.sum(c * c, axis=0) / R + eps)
-            nw = tl.load(kv_norm_ptr + r)
-            cn = round_to_dtype(round_to_dtype(c * inv, nw.dtype) * nw.to(tl.float32), nw.dtype)
-            tl.store(cache_ptr + p.to(tl.int64) * (R + ROPE) + r, cn.to(nw.dtype))
-        a = tl.load(src + 2 * j).to(tl.float32)
-        b = tl.load(src + 2 * j + 1).to(tl.float32)
-        tl.store(dst + j, rnd_bf16(rnd_bf16(a * cos) - rnd_bf16(b * sin)).to(dt))
-        tl.store(dst + HALF + j, rnd_bf16(rnd_bf16(b * cos) + rnd_bf16(a * sin)).to(dt))
-
-
-@triton.jit
 def _combine_uv_kernel(part_o_ptr, part_ml_ptr, w_uv_ptr, out_ptr, NUM_SPLITS: tl.constexpr, R: tl.constexpr,
                        V: tl.constexpr, BLOCK_V: tl.constexpr, CHUNK_R: tl.constexpr):
     # one token (T = 1): the attention's merge of its splits (log-sum-exp, as _attn_combine_kernel: the
@@ -294,9 +252,10 @@ class MlaStack:
     # best of bench/decode_gpu_mla.py's plain_tile_sweep on the V2-Lite shape (H200, run T1)
     PLAIN_TILES: dict[str, tuple[int, int, int, int]] = {"wqkv_a": (8, 512, 4, 3), "wq_b": (8, 256, 4, 4),
                                                          "wo": (8, 256, 4, 4)}
-    # one token: the latent prep and q . w_uk in one kernel, the splits' merge and o . w_uv in another
-    # (_mla_prep_absorb_kernel, _combine_uv_kernel) instead of prep + cuBLAS bmm + merge + bmm; False: those
-    FUSED_MIDDLE: bool = True
+    # one token: the attention splits' merge and o . w_uv in one kernel (_combine_uv_kernel) instead of the
+    # merge kernel + a cuBLAS bmm (run F7 on the H200: -62 us a V2-Lite step); False: those two
+    FUSED_UV: bool = True
+    UV_TILE: tuple[int, int, int] = (32, 512, 4)  # _combine_uv_kernel's (value columns, latent chunk, warps)
     PROJ_DOT: bool = True  # False: the attention projections of T > 1 tokens on fp32 FMAs (bench comparison)
 
     def __init__(self, dims: MlaDims, num_tokens: int, device, num_splits: int = 16, block_s: int = 32,
@@ -304,8 +263,8 @@ class MlaStack:
         d, t, dev, bf = dims, num_tokens, device, torch.bfloat16
         self.dims, self.num_tokens = d, t
         self.tiles = dict(self.PLAIN_TILES)
-        self.fused = self.FUSED_MIDDLE and t == 1
-        self.q_c1 = torch.zeros(d.num_heads, 1, d.kv_lora_rank, dtype=bf, device=dev) if t == 1 else None
+        self.fused_uv = self.FUSED_UV and t == 1
+        self.uv_tile = self.UV_TILE
         self.o1 = torch.zeros(d.num_heads, 1, d.v_dim, dtype=bf, device=dev) if t == 1 else None
         nq = d.num_heads * (d.nope + d.rope)
         # [q | c, k_pe | q_a | k_idx, head weights]: q LoRA's q_a (normed, then q_b into the q columns) after
@@ -371,35 +330,29 @@ class MlaStack:
                 gemv_rows(self.q_an, lw.wq_b, self.qkv[:, :nq], dot=self.PROJ_DOT, dot_tile=self.DOT_TILE)
                 if lw.index is not None:
                     self._select(lw, q_a, index_cache, pos, cos, sin)
-        if self.fused:
-            br = min(128, r)
-            _mla_prep_absorb_kernel[(d.num_heads + 1, r // br)](
-                self.qkv, self.q_pe, self.q_c1, lw.w_uk, cache, lw.kv_a_norm, pos, cos, sin, d.eps,
-                NUM_HEADS=d.num_heads, NOPE=nope, ROPE=d.rope, R=r, BLOCK_R=br, num_warps=4)
-            q_c = self.q_c1  # absorbed: [Hq, 1, r]
-        else:
-            _mla_prep_kernel[(t, d.num_heads + 1)](self.qkv, self.q_pe, cache, lw.kv_a_norm, pos, cos, sin,
-                                                   self.qkv.stride(0), d.eps, NUM_HEADS=d.num_heads, NOPE=nope,
-                                                   ROPE=d.rope, R=r, num_warps=4)
-            q_nope = self.qkv[:, :nq].view(t, d.num_heads, nope + d.rope)[..., :nope]
-            q_c = torch.matmul(q_nope.transpose(0, 1), lw.w_uk)  # absorbed: [Hq, T, r]
+        _mla_prep_kernel[(t, d.num_heads + 1)](self.qkv, self.q_pe, cache, lw.kv_a_norm, pos, cos, sin,
+                                               self.qkv.stride(0), d.eps, NUM_HEADS=d.num_heads, NOPE=nope,
+                                               ROPE=d.rope, R=r, num_warps=4)
+        q_nope = self.qkv[:, :nq].view(t, d.num_heads, nope + d.rope)[..., :nope]
+        q_c = torch.matmul(q_nope.transpose(0, 1), lw.w_uk)  # absorbed: [Hq, T, r]
         if not lw.sparse:
             self.attn(q_c, cache, cache, pos, self.o_lat, stride_kt=r + d.rope, stride_vt=r + d.rope, rope_offset=r,
-                      q_pe=self.q_pe, stride_qt=r, stride_qh=t * r, combine=not self.fused)
+                      q_pe=self.q_pe, stride_qt=r, stride_qh=t * r, combine=not self.fused_uv)
         elif t == 1:
             self.attn(q_c, cache, cache, pos, self.o_lat, stride_kt=r + d.rope, stride_vt=r + d.rope, rope_offset=r,
                       q_pe=self.q_pe, stride_qt=r, stride_qh=r, sparse=(self.selects[0].idx, self.selects[0].count),
-                      combine=not self.fused)
+                      combine=not self.fused_uv)
         else:  # token j: its query rows (q_c[:, j], q_pe[j]) over its own list, causal at pos + j
             for j, sel in enumerate(self.selects):
                 self.attn1(q_c[:, j], cache, cache, self.pos_t[j:j + 1], self.o_lat[j], stride_kt=r + d.rope,
                            stride_vt=r + d.rope, rope_offset=r, q_pe=self.q_pe[j], stride_qt=r, stride_qh=t * r,
                            sparse=(sel.idx, sel.count))
-        if self.fused:  # the splits merged and up-projected: [Hq, 1, v]
-            bv = min(32, triton.next_power_of_2(d.v_dim))
+        if self.fused_uv:  # the splits merged and up-projected: [Hq, 1, v]
+            bv, cr, nw = self.uv_tile
+            bv = min(bv, triton.next_power_of_2(d.v_dim))
             _combine_uv_kernel[(d.num_heads, triton.cdiv(d.v_dim, bv))](
                 self.attn.part_o, self.attn.part_ml, lw.w_uv_t, self.o1, NUM_SPLITS=self.attn.num_splits, R=r,
-                V=d.v_dim, BLOCK_V=bv, CHUNK_R=min(128, r), num_warps=4)
+                V=d.v_dim, BLOCK_V=bv, CHUNK_R=min(cr, r), num_warps=nw)
             o = self.o1
         else:
             o = torch.matmul(self.o_lat.transpose(0, 1), lw.w_uv_t)  # [Hq, T, v]
