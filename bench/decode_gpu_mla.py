@@ -355,22 +355,23 @@ def plain_tile_sweep(X, model, caches, cos, sin, ctx: int, R: dict, tag: str = "
         f"(same run): {best}")
 
 
-FUSED_VARIANTS = {  # (the merge + o . w_uv fused, its (value columns, latent chunk, warps))
-    "unfused": (False, None), "fused": (True, None), "uv_four_chunks": (True, (32, 128, 4)),
-    "uv_8w": (True, (32, 512, 8)), "uv_16_cols": (True, (16, 512, 4)),
+FUSED_VARIANTS = {  # (the merge + o . w_uv fused, its (value columns, latent chunk, warps), norm + router + top-k fused)
+    "unfused": (False, None, False), "fused": (True, None, True), "uv_only": (True, None, False),
+    "router_only": (False, None, True), "uv_four_chunks": (True, (32, 128, 4), True),
 }
 
 
 def fused_middle_ab(X, model, caches, cos, sin, ctx: int, R: dict, tag: str, variants=None) -> None:
-    """The one-token step with the attention's merge + o . w_uv fused or not (FUSED_VARIANTS), alternated
+    """The one-token step with the attention's merge + o . w_uv and the MLP norm + router + top-k fused or not
+    (FUSED_VARIANTS), alternated
     twice in one process (``{tag}fused_middle``: plain step ms of each, best of the two)."""
     out = {k: [] for k in (variants or ("fused", "unfused"))}
     for _ in range(2):
         for name in out:
-            uv, tile = FUSED_VARIANTS[name]
+            uv, tile, rt = FUSED_VARIANTS[name]
             dec = X.mla_decoder.MlaDecoder(model, caches, cos, sin, max_draft=0, max_steps=4096)
             st = dec.stacks[1]
-            st.fused_uv = uv
+            st.fused_uv, st.fused_router = uv, rt
             st.uv_tile = tile or st.uv_tile
             runner = capture(dec.plain_step, steps_per_replay=4, before_capture=lambda: dec.set_state(1, ctx))
             dec.set_state(1, ctx)

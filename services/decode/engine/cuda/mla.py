@@ -256,6 +256,8 @@ class MlaStack:
     # merge kernel + a cuBLAS bmm (run F7 on the H200: -62 us a V2-Lite step); False: those two
     FUSED_UV: bool = True
     UV_TILE: tuple[int, int, int] = (32, 512, 4)  # _combine_uv_kernel's (value columns, latent chunk, warps)
+    # one token: the MLP's RMSNorm, the router GEMV and its top-k in one launch (moe.router(norm_w=...))
+    FUSED_ROUTER: bool = True
     PROJ_DOT: bool = True  # False: the attention projections of T > 1 tokens on fp32 FMAs (bench comparison)
 
     def __init__(self, dims: MlaDims, num_tokens: int, device, num_splits: int = 16, block_s: int = 32,
@@ -264,6 +266,8 @@ class MlaStack:
         self.dims, self.num_tokens = d, t
         self.tiles = dict(self.PLAIN_TILES)
         self.fused_uv = self.FUSED_UV and t == 1
+        self.fused_router = self.FUSED_ROUTER and t == 1
+        self.router_count = torch.zeros(1, dtype=torch.int32, device=dev)
         self.uv_tile = self.UV_TILE
         self.o1 = torch.zeros(d.num_heads, 1, d.v_dim, dtype=bf, device=dev) if t == 1 else None
         nq = d.num_heads * (d.nope + d.rope)
@@ -360,10 +364,16 @@ class MlaStack:
             gemv_rows(o.view(1, -1), lw.wo, h, residual=h, **self._tile("wo"))
         else:  # [Hq, T, v] read in place (its [T, Hq * v] transpose would be one more copy kernel)
             gemv_rows(o, lw.wo, h, residual=h, dot=self.PROJ_DOT, dot_tile=self.DOT_TILE, heads=True)
-        smallops.rmsnorm_rows(h, lw.mlp_norm, self.xn, d.eps)
+        if lw.is_moe and t == 1 and self.fused_router:  # the MLP's norm, the router and its top-k: one launch
+            router(h, lw.router, lw.router_bias, self.ids, self.wts, d.top_k, d.routed_scale, self.router_logits,
+                   n_group=d.n_group, topk_group=d.topk_group, norm_w=lw.mlp_norm, eps=d.eps, xn_out=self.xn,
+                   count=self.router_count)
+        else:
+            smallops.rmsnorm_rows(h, lw.mlp_norm, self.xn, d.eps)
         if lw.is_moe:
-            router(self.xn, lw.router, lw.router_bias, self.ids, self.wts, d.top_k, d.routed_scale, self.router_logits,
-                   n_group=d.n_group, topk_group=d.topk_group)
+            if not (t == 1 and self.fused_router):
+                router(self.xn, lw.router, lw.router_bias, self.ids, self.wts, d.top_k, d.routed_scale,
+                       self.router_logits, n_group=d.n_group, topk_group=d.topk_group)
             self.moe(self.xn, self.ids, self.wts, lw.gate_up, lw.down, lw.shared_gate_up, lw.shared_down, h)
         else:
             self.dense(self.xn, self.ids, self.wts, lw.gate_up, lw.down, lw.shared_gate_up, lw.shared_down, h)

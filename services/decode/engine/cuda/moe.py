@@ -140,12 +140,12 @@ def gemv_rows(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, *, norm_w: to
 
 
 @triton.jit
-def _router_topk_kernel(logits_ptr, bias_ptr, ids_ptr, wts_ptr, scale, E: tl.constexpr, TOPK: tl.constexpr,
-                        N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, E_POW2: tl.constexpr):
-    t = tl.program_id(0)
+def _topk_body(logits_ptr, bias_ptr, ids_ptr, wts_ptr, scale, t, E: tl.constexpr, TOPK: tl.constexpr,
+               N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, E_POW2: tl.constexpr):
+    # token t's noaux_tc top-k from its fp32 router logits (read past L1: other programs may have written them)
     e = tl.arange(0, E_POW2)  # padded past E (e.g. 384 experts): never chosen
     em = e < E
-    scores = 1.0 / (1.0 + tl.exp(-tl.load(logits_ptr + t * E + e, mask=em, other=0.0)))
+    scores = 1.0 / (1.0 + tl.exp(-tl.load(logits_ptr + t * E + e, mask=em, other=0.0, cache_modifier=".cg")))
     choice = tl.where(em, scores + tl.load(bias_ptr + e, mask=em, other=0.0).to(tl.float32), float("-inf"))
     GS: tl.constexpr = E // N_GROUP  # experts per group
     if N_GROUP > 1:  # group-limited: a group's score is the sum of its two best choices; keep the best groups
@@ -177,22 +177,78 @@ def _router_topk_kernel(logits_ptr, bias_ptr, ids_ptr, wts_ptr, scale, E: tl.con
         c = tl.where(e == i, float("-inf"), c)
 
 
+@triton.jit
+def _router_topk_kernel(logits_ptr, bias_ptr, ids_ptr, wts_ptr, scale, E: tl.constexpr, TOPK: tl.constexpr,
+                        N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, E_POW2: tl.constexpr):
+    _topk_body(logits_ptr, bias_ptr, ids_ptr, wts_ptr, scale, tl.program_id(0), E, TOPK, N_GROUP, TOPK_GROUP, E_POW2)
+
+
+@triton.jit
+def _router_fused_kernel(h_ptr, nw_ptr, xn_ptr, w_ptr, bias_ptr, logits_ptr, count_ptr, ids_ptr, wts_ptr, scale,
+                         eps, K, E: tl.constexpr, TOPK: tl.constexpr, N_GROUP: tl.constexpr,
+                         TOPK_GROUP: tl.constexpr, E_POW2: tl.constexpr, K_POW2: tl.constexpr,
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
+    # one token: the MLP's RMSNorm (its output -> xn_ptr, by program 0, for the experts), the router GEMV
+    # (BLOCK_N experts a program, as gemv_rows' one-token form: the same rounding points) and, in the last
+    # program to finish, the top-k (_topk_body): one launch instead of three
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    rmask = rows < E
+    kk = tl.arange(0, K_POW2)
+    xs = tl.load(h_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)
+    inv = 1.0 / tl.sqrt(tl.sum(xs * xs, axis=0) / K + eps)
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k in tl.range(0, K, BLOCK_K, num_stages=STAGES):
+        offs = k + tl.arange(0, BLOCK_K)
+        kmask = offs < K
+        nw = tl.load(nw_ptr + offs, mask=kmask, other=0.0)
+        xr = round_to_dtype(tl.load(h_ptr + offs, mask=kmask, other=0.0).to(tl.float32) * inv, nw.dtype)
+        x = round_to_dtype(xr * nw.to(tl.float32), nw.dtype)
+        if pid == 0:
+            tl.store(xn_ptr + offs, x.to(xn_ptr.dtype.element_ty), mask=kmask)
+        w = tl.load(w_ptr + rows[:, None].to(tl.int64) * K + offs[None, :], mask=rmask[:, None] & kmask[None, :],
+                    other=0.0, eviction_policy="evict_first")
+        acc += w.to(tl.float32) * x[None, :]
+    tl.store(logits_ptr + rows, tl.sum(acc, axis=1), mask=rmask)
+    tl.debug_barrier()  # every thread's logits stored before the count
+    done = tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu")
+    if done == tl.num_programs(0) - 1:
+        tl.store(count_ptr, 0)  # reset for the next call
+        _topk_body(logits_ptr, bias_ptr, ids_ptr, wts_ptr, scale, 0, E, TOPK, N_GROUP, TOPK_GROUP, E_POW2)
+
+
 def router(xn: torch.Tensor, w: torch.Tensor, bias: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor,
            top_k: int, scale: float, logits: torch.Tensor | None = None, *, n_group: int = 1,
-           topk_group: int = 1) -> None:
+           topk_group: int = 1, norm_w: torch.Tensor | None = None, eps: float = 1e-6,
+           xn_out: torch.Tensor | None = None, count: torch.Tensor | None = None) -> None:
     """ids [T, k] int32 (best first), wts [T, k] fp32 from normed x [T, H] (noaux_tc; group-limited to
     the ``topk_group`` best of ``n_group`` expert groups when fewer than all: reference.router).
 
     Two launches: the router GEMV spread over the experts (one program per 2 experts; a single program
     per token reading all E x H weights was latency-bound at ~23 us), then top-k per token (the group
-    choice in the same program). ``logits``: an fp32 [T, E] scratch buffer (allocated when not given)."""
+    choice in the same program). ``logits``: an fp32 [T, E] scratch buffer (allocated when not given).
+    One token with ``norm_w``: ``xn`` is the residual stream, normed here (RMSNorm, ``eps``) into ``xn_out``
+    for the experts, and the GEMV and top-k are one launch (``count``: an int32 [1] zero the last program
+    resets; allocated when not given)."""
     t, e = xn.shape[0], w.shape[0]
+    if norm_w is not None and (t != 1 or xn_out is None):
+        raise ValueError("router(norm_w=...) takes one token and an xn_out for its normed input")
     grouped = n_group > 1 and topk_group < n_group
     if grouped and (e % n_group or e // n_group < 2 or top_k > topk_group * (e // n_group)):
         raise ValueError(f"group-limited routing: {e} experts in {n_group} groups (2+ each), top {topk_group} "
                          f"groups must hold the top-{top_k}")
     if logits is None:
         logits = torch.empty(t, e, dtype=torch.float32, device=xn.device)
+    if norm_w is not None:
+        if count is None:
+            count = torch.zeros(1, dtype=torch.int32, device=xn.device)
+        k = xn.shape[1]
+        _router_fused_kernel[(triton.cdiv(e, 2),)](
+            xn, norm_w, xn_out, w, bias, logits, count, ids, wts, scale, eps, k, E=e, TOPK=top_k,
+            N_GROUP=n_group if grouped else 1, TOPK_GROUP=topk_group if grouped else 1,
+            E_POW2=triton.next_power_of_2(e), K_POW2=triton.next_power_of_2(k), BLOCK_N=2, BLOCK_K=512, STAGES=2,
+            num_warps=4)
+        return
     # 512-wide K tiles for any T (gemv_rows narrows block_k by T): 4 dependent loads, not 16
     gemv_rows(xn, w, logits, block_n=2, block_k=512 * triton.next_power_of_2(t), stages=2, dot=False)
     _router_topk_kernel[(t,)](logits, bias, ids, wts, scale, E=e, TOPK=top_k, N_GROUP=n_group if grouped else 1,
