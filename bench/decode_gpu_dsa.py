@@ -13,8 +13,8 @@ the indexer's scores against the float32 formula, the list against torch's top-k
 sparse attention against float32 attention over the listed rows.
 
 Writes ``dsv32_attn_ctx128k_us`` (indexer + top-k + sparse attention), ``dsv32_dense_attn_ctx128k_us``,
-their ratio, the pieces, and the bytes each reads. Not measured here: the whole-step roofline
-(``dsv32_shape_ctx128k_frac_roofline``: the sparse path is not wired into the MLA decoder's step yet).
+their ratio, the pieces, and the bytes each reads. The whole step's roofline fraction with these pieces in
+the MLA decoder (``dsv32_shape_ctx128k_frac_roofline``) is ``bench/decode_gpu.py --parts dsv32``'s.
 """
 
 from __future__ import annotations
