@@ -182,6 +182,17 @@ def _attn_split_kernel(q_ptr, q_pe_ptr, k_ptr, v_ptr, pos_ptr, part_o_ptr, part_
 
 
 @triton.jit
+def split_weights(part_ml_ptr, row, NUM_SPLITS: tl.constexpr):
+    # the log-sum-exp merge of partial row ``row``'s splits: each split's weight (0 for a split that saw no
+    # key) and the weighted sum of their softmax sums (the merged output is sum(w * o) / that)
+    sp = tl.arange(0, NUM_SPLITS)
+    m = tl.load(part_ml_ptr + (row * NUM_SPLITS + sp) * 2)
+    l = tl.load(part_ml_ptr + (row * NUM_SPLITS + sp) * 2 + 1)
+    w = tl.where(m == float("-inf"), 0.0, tl.exp2(m - tl.max(m, axis=0)))
+    return w, tl.sum(w * l, axis=0)
+
+
+@triton.jit
 def _attn_combine_kernel(part_o_ptr, part_ml_ptr, out_ptr, NUM_SPLITS: tl.constexpr, D_V: tl.constexpr,
                          PDL: tl.constexpr):
     row = tl.program_id(0)  # (b * T + t) * Hq + head
@@ -189,11 +200,7 @@ def _attn_combine_kernel(part_o_ptr, part_ml_ptr, out_ptr, NUM_SPLITS: tl.conste
         gdc_wait()
         gdc_launch_dependents()
     sp = tl.arange(0, NUM_SPLITS)
-    m = tl.load(part_ml_ptr + (row * NUM_SPLITS + sp) * 2)
-    l = tl.load(part_ml_ptr + (row * NUM_SPLITS + sp) * 2 + 1)
-    m_max = tl.max(m, axis=0)
-    w = tl.where(m == float("-inf"), 0.0, tl.exp2(m - m_max))
-    denom = tl.sum(w * l, axis=0)
+    w, denom = split_weights(part_ml_ptr, row, NUM_SPLITS)
     dv = tl.arange(0, D_V)
     o = tl.load(part_o_ptr + (row * NUM_SPLITS + sp)[:, None] * D_V + dv[None, :])
     o = tl.sum(o * w[:, None], axis=0) / denom

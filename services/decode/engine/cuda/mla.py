@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from . import smallops
-from .attention import DecodeAttention
+from .attention import DecodeAttention, split_weights
 from .kernel_helpers import rnd_bf16, round_to_dtype
 from .moe import GroupedMoe, gemv_rows, router
 
@@ -171,11 +171,7 @@ def _combine_uv_kernel(part_o_ptr, part_ml_ptr, w_uv_ptr, out_ptr, NUM_SPLITS: t
     head = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
     sp = tl.arange(0, NUM_SPLITS)
-    m = tl.load(part_ml_ptr + (head * NUM_SPLITS + sp) * 2)
-    l = tl.load(part_ml_ptr + (head * NUM_SPLITS + sp) * 2 + 1)
-    m_max = tl.max(m, axis=0)
-    wgt = tl.where(m == float("-inf"), 0.0, tl.exp2(m - m_max))
-    denom = tl.sum(wgt * l, axis=0)
+    wgt, denom = split_weights(part_ml_ptr, head, NUM_SPLITS)
     cmask = cols < V
     acc = tl.zeros((BLOCK_V,), tl.float32)
     for r0 in range(0, R, CHUNK_R):
