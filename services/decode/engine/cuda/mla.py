@@ -323,13 +323,11 @@ class MlaStack:
             q_a = self.qkv[:, nq + r + d.rope:nq + r + d.rope + d.q_lora_rank]
             if t == 1:
                 gemv_rows(q_a, lw.wq_b, self.qkv[:, :nq], norm_w=lw.q_a_norm, eps=d.eps, **self._tile("wq_b"))
-                if lw.index is not None:
-                    self._select(lw, q_a, index_cache, pos, cos, sin)
             else:
                 smallops.rmsnorm_rows(q_a, lw.q_a_norm, self.q_an, d.eps)
                 gemv_rows(self.q_an, lw.wq_b, self.qkv[:, :nq], dot=self.PROJ_DOT, dot_tile=self.DOT_TILE)
-                if lw.index is not None:
-                    self._select(lw, q_a, index_cache, pos, cos, sin)
+            if lw.index is not None:  # sparse attention: this layer's indexer picks each token's rows
+                self._select(lw, q_a, index_cache, pos, cos, sin)
         _mla_prep_kernel[(t, d.num_heads + 1)](self.qkv, self.q_pe, cache, lw.kv_a_norm, pos, cos, sin,
                                                self.qkv.stride(0), d.eps, NUM_HEADS=d.num_heads, NOPE=nope,
                                                ROPE=d.rope, R=r, num_warps=4)
@@ -360,19 +358,17 @@ class MlaStack:
             gemv_rows(o.view(1, -1), lw.wo, h, residual=h, **self._tile("wo"))
         else:  # [Hq, T, v] read in place (its [T, Hq * v] transpose would be one more copy kernel)
             gemv_rows(o, lw.wo, h, residual=h, dot=self.PROJ_DOT, dot_tile=self.DOT_TILE, heads=True)
-        if lw.is_moe and t == 1 and self.fused_router:  # the MLP's norm, the router and its top-k: one launch
+        route = dict(n_group=d.n_group, topk_group=d.topk_group)
+        if lw.is_moe and self.fused_router:  # one token: the MLP's norm, the router and its top-k in one launch
             router(h, lw.router, lw.router_bias, self.ids, self.wts, d.top_k, d.routed_scale, self.router_logits,
-                   n_group=d.n_group, topk_group=d.topk_group, norm_w=lw.mlp_norm, eps=d.eps, xn_out=self.xn,
-                   count=self.router_count)
+                   norm_w=lw.mlp_norm, eps=d.eps, xn_out=self.xn, count=self.router_count, **route)
         else:
             smallops.rmsnorm_rows(h, lw.mlp_norm, self.xn, d.eps)
-        if lw.is_moe:
-            if not (t == 1 and self.fused_router):
+            if lw.is_moe:
                 router(self.xn, lw.router, lw.router_bias, self.ids, self.wts, d.top_k, d.routed_scale,
-                       self.router_logits, n_group=d.n_group, topk_group=d.topk_group)
-            self.moe(self.xn, self.ids, self.wts, lw.gate_up, lw.down, lw.shared_gate_up, lw.shared_down, h)
-        else:
-            self.dense(self.xn, self.ids, self.wts, lw.gate_up, lw.down, lw.shared_gate_up, lw.shared_down, h)
+                       self.router_logits, **route)
+        mlp = self.moe if lw.is_moe else self.dense
+        mlp(self.xn, self.ids, self.wts, lw.gate_up, lw.down, lw.shared_gate_up, lw.shared_down, h)
 
     def _tile(self, name: str) -> dict:
         bn, bk, nw, st = self.tiles[name]
