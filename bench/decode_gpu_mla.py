@@ -574,12 +574,11 @@ def run_dsv32(X, R: dict, ctx: int = 131072) -> None:
                                     dims=dataclasses.replace(model.dims, index_topk=0, index_heads=0, index_dim=0),
                                     layers=[dataclasses.replace(l, wqkv_a=l.wqkv_a[:-cut], index=None, sparse=False)
                                             for l in model.layers])
-        splits_dense = splits
         ms = plain_ms(dense)
         R["dsv32_dense_step_ctx128k_ms"] = ms
         dense_roof = (by["total"]) / (bw * 1e12) * 1e3
         R["dsv32_dense_step_ctx128k_frac_roofline"] = dense_roof / ms
-        log(f"  same layers, dense attention at {ctx} ({splits_dense} splits): {ms:.3f} ms ({1e3 / ms:.1f} tok/s); "
+        log(f"  same layers, dense attention at {ctx} ({splits} splits): {ms:.3f} ms ({1e3 / ms:.1f} tok/s); "
             f"sparse is {ms / R.get('dsv32_shape_ctx128k_plain_ms', float('nan')):.2f}x faster")
     except Exception:
         R["dsv32_dense_error"] = traceback.format_exc()[-1500:]

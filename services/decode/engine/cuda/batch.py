@@ -39,7 +39,7 @@ import triton.language as tl
 
 from .attention import DecodeAttention
 from .gemv import gdc_launch_dependents, gdc_wait, interpreting, l2_prefetch_tiles, launch_opts
-from .kernel_helpers import prefetch_l2, rnd_bf16, round_to_dtype
+from .kernel_helpers import prefetch_l2, rope_pair, round_to_dtype
 from .llama import FastOptions, GqaModel
 from .moe import mma
 from .smallops import norm_rope_cache_head, rmsnorm_rows, rope_cache_head
@@ -234,9 +234,7 @@ def _rows_qkv_rope_kernel(x_ptr, w_ptr, bias_ptr, q_ptr, k_cache_ptr, v_cache_pt
     if head < NUM_Q_HEADS + NUM_KV_HEADS:  # q and k rotated (bf16 rope, rounded like eager torch); v as projected
         cos = tl.load(cos_ptr + pos[:, None] * HALF + j[None, :], mask=tmask[:, None], other=0.0).to(tl.float32)
         sin = tl.load(sin_ptr + pos[:, None] * HALF + j[None, :], mask=tmask[:, None], other=0.0).to(tl.float32)
-        a1 = rnd_bf16(rnd_bf16(a * cos) - rnd_bf16(b * sin))
-        b1 = rnd_bf16(rnd_bf16(b * cos) + rnd_bf16(a * sin))
-        a, b = a1, b1
+        a, b = rope_pair(a, b, cos, sin)
     row = slot * stride_slot + pos * (NUM_KV_HEADS * HEAD_DIM)  # [T_PAD]: each row's cache row in its slot
     if head < NUM_Q_HEADS:
         base = q_ptr + (t * stride_q + head * HEAD_DIM).to(tl.int64)

@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .kernel_helpers import load_first_pair_tile, prefetch_l2, rnd_bf16, round_to_dtype
+from .kernel_helpers import load_first_pair_tile, prefetch_l2, rope_pair, round_to_dtype
 from .kvfp8 import kv_store_row
 
 try:  # programmatic dependent launch (sm_90): the next kernel starts its weight loads during our tail
@@ -237,9 +237,7 @@ def _gemv_qkv_rope_kernel(x_ptr, w_ptr, nw_ptr, bias_ptr, q_ptr, k_cache_ptr, v_
             if not POS_EARLY:
                 cos = tl.load(cos_ptr + pos * HALF + j).to(tl.float32)
                 sin = tl.load(sin_ptr + pos * HALF + j).to(tl.float32)
-            a1 = rnd_bf16(rnd_bf16(a * cos) - rnd_bf16(b * sin))  # bf16 rope, rounded like eager torch
-            b1 = rnd_bf16(rnd_bf16(b * cos) + rnd_bf16(a * sin))
-            a, b = a1, b1
+            a, b = rope_pair(a, b, cos, sin)  # bf16 rope, rounded like eager torch
     if head < NUM_Q_HEADS:  # each branch stores through its own pointer (an FP8 cache is uint8)
         tl.store(q_ptr + head * HEAD_DIM + j, a.to(dt))
         tl.store(q_ptr + head * HEAD_DIM + HALF + j, b.to(dt))

@@ -23,6 +23,13 @@ def round_to_dtype(x, dt):
 
 
 @triton.jit
+def rope_pair(a, b, cos, sin):
+    # one rope rotation of the halves (a, b) in fp32 holding bf16 values: each product and sum rounded to
+    # bf16 as eager torch rounds x1 * cos - x2 * sin | x2 * cos + x1 * sin
+    return rnd_bf16(rnd_bf16(a * cos) - rnd_bf16(b * sin)), rnd_bf16(rnd_bf16(b * cos) + rnd_bf16(a * sin))
+
+
+@triton.jit
 def load_first_pair_tile(w_ptr, rows_a, rows_b, K, BLOCK_K: tl.constexpr):
     # the first BLOCK_K columns of two row sets of W [N, K] (gate/up or rope halves), streamed once
     k0 = tl.arange(0, BLOCK_K)

@@ -24,7 +24,7 @@ import triton.language as tl
 
 from . import smallops
 from .attention import DecodeAttention, split_weights
-from .kernel_helpers import rnd_bf16, round_to_dtype
+from .kernel_helpers import rnd_bf16, rope_pair, round_to_dtype
 from .moe import GroupedMoe, gemv_rows, router
 
 
@@ -158,8 +158,9 @@ def _mla_prep_kernel(qkv_ptr, q_pe_ptr, cache_ptr, kv_norm_ptr, pos_ptr, cos_ptr
     a = tl.load(src + 2 * j).to(tl.float32)
     b = tl.load(src + 2 * j + 1).to(tl.float32)
     dt = q_pe_ptr.dtype.element_ty
-    tl.store(dst + j, rnd_bf16(rnd_bf16(a * cos) - rnd_bf16(b * sin)).to(dt))
-    tl.store(dst + HALF + j, rnd_bf16(rnd_bf16(b * cos) + rnd_bf16(a * sin)).to(dt))
+    a, b = rope_pair(a, b, cos, sin)
+    tl.store(dst + j, a.to(dt))
+    tl.store(dst + HALF + j, b.to(dt))
 
 
 @triton.jit
@@ -235,8 +236,9 @@ def _index_prep_kernel(q_ptr, qo_ptr, row_ptr, wo_ptr, cache_ptr, kn_ptr, kb_ptr
         hh = tl.arange(0, IH_POW2)
         w = tl.load(row_ptr + D + hh, mask=hh < IH, other=0.0).to(tl.float32)
         tl.store(wo_ptr + hh, w * w_scale, mask=hh < IH)
-    tl.store(dst + j, rnd_bf16(rnd_bf16(a * cos) - rnd_bf16(b * sin)).to(dt))
-    tl.store(dst + HALF + j, rnd_bf16(rnd_bf16(b * cos) + rnd_bf16(a * sin)).to(dt))
+    a, b = rope_pair(a, b, cos, sin)
+    tl.store(dst + j, a.to(dt))
+    tl.store(dst + HALF + j, b.to(dt))
 
 
 class MlaStack:
@@ -333,13 +335,10 @@ class MlaStack:
                                                ROPE=d.rope, R=r, num_warps=4)
         q_nope = self.qkv[:, :nq].view(t, d.num_heads, nope + d.rope)[..., :nope]
         q_c = torch.matmul(q_nope.transpose(0, 1), lw.w_uk)  # absorbed: [Hq, T, r]
-        if not lw.sparse:
+        if not lw.sparse or t == 1:  # dense, or one token over its indexer's list
+            sparse = (self.selects[0].idx, self.selects[0].count) if lw.sparse else None
             self.attn(q_c, cache, cache, pos, self.o_lat, stride_kt=r + d.rope, stride_vt=r + d.rope, rope_offset=r,
-                      q_pe=self.q_pe, stride_qt=r, stride_qh=t * r, combine=not self.fused_uv)
-        elif t == 1:
-            self.attn(q_c, cache, cache, pos, self.o_lat, stride_kt=r + d.rope, stride_vt=r + d.rope, rope_offset=r,
-                      q_pe=self.q_pe, stride_qt=r, stride_qh=r, sparse=(self.selects[0].idx, self.selects[0].count),
-                      combine=not self.fused_uv)
+                      q_pe=self.q_pe, stride_qt=r, stride_qh=t * r, sparse=sparse, combine=not self.fused_uv)
         else:  # token j: its query rows (q_c[:, j], q_pe[j]) over its own list, causal at pos + j
             for j, sel in enumerate(self.selects):
                 self.attn1(q_c[:, j], cache, cache, self.pos_t[j:j + 1], self.o_lat[j], stride_kt=r + d.rope,

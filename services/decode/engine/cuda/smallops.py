@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from .gemv import gdc_launch_dependents, gdc_wait, launch_opts
-from .kernel_helpers import rnd_bf16, round_to_dtype
+from .kernel_helpers import rnd_bf16, rope_pair, round_to_dtype
 from .kvfp8 import kv_store_row
 
 
@@ -89,8 +89,8 @@ def rope_cache_head(qkv_ptr, q_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, cos_ptr, 
     if head < NUM_Q_HEADS + NUM_KV_HEADS:
         cos = tl.load(cos_ptr + pos * HALF + j).to(tl.float32)
         sin = tl.load(sin_ptr + pos * HALF + j).to(tl.float32)
-        a1 = rnd_bf16(rnd_bf16(a * cos) - rnd_bf16(b * sin)).to(dt)
-        b1 = rnd_bf16(rnd_bf16(b * cos) + rnd_bf16(a * sin)).to(dt)
+        a1, b1 = rope_pair(a, b, cos, sin)
+        a1, b1 = a1.to(dt), b1.to(dt)
         if head < NUM_Q_HEADS:
             tl.store(q_ptr + head * HEAD_DIM + j, a1.to(dt))
             tl.store(q_ptr + head * HEAD_DIM + HALF + j, b1.to(dt))
