@@ -395,9 +395,21 @@ class Bus:
 
     # ------------------------------------------------------------------ JetStream
 
-    async def kv(self, bucket: str, history: int = 1, replicas: int = 1) -> KeyValue:
+    async def kv(self, bucket: str, history: int = 1, replicas: int = 1, timeout_s: float = 60.0) -> KeyValue:
         """The JetStream key-value bucket ``bucket``, created (file storage, ``replicas`` copies
-        on a cluster) if missing; an existing bucket keeps its own settings."""
+        on a cluster) if missing; an existing bucket keeps its own settings. A JetStream that does
+        not answer yet (a cluster still electing the leaders a replicated bucket needs: its API
+        request times out) is asked again until ``timeout_s``."""
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while True:
+            try:
+                return await self._kv_once(bucket, history, replicas)
+            except (nats.errors.TimeoutError, nats.js.errors.ServiceUnavailableError) as exc:
+                if asyncio.get_running_loop().time() >= deadline:
+                    raise
+                _log.warning("bus_kv_retry", bucket=bucket, replicas=replicas, error=repr(exc), client=self.name)
+
+    async def _kv_once(self, bucket: str, history: int, replicas: int) -> KeyValue:
         try:
             return await self._js.key_value(bucket)
         except nats.js.errors.BucketNotFoundError:
@@ -406,7 +418,7 @@ class Bus:
                     KeyValueConfig(bucket=bucket, history=history, replicas=replicas)
                 )
             except nats.js.errors.BadRequestError:
-                return await self._js.key_value(bucket)  # created meanwhile by another client
+                return await self._js.key_value(bucket)  # created meanwhile (by another client, or our timed-out try)
 
 
 def _only_over_tls(nc: nats.NATS, password: str) -> Callable[[], str]:
