@@ -130,6 +130,15 @@ class KvLayoutSpec(msgspec.Struct, kw_only=True):
     max_tokens: int
     slot_nbytes: int
     segments: list[KvSegment]
+    # Tensor parallelism (shared.kvlayout): the slot belongs to rank ``tp_rank`` of ``tp_size``
+    # ranks. GQA: each token of a "k"/"v" segment holds KV heads [kv_head_start, kv_head_start +
+    # kv_heads) of the model's ``kv_heads_total`` (0: all of them, an older peer). MLA: every rank
+    # holds the whole latent (the head fields stay 0).
+    tp_size: int = 1
+    tp_rank: int = 0
+    kv_head_start: int = 0
+    kv_heads: int = 0
+    kv_heads_total: int = 0
 
 
 class SlotTarget(msgspec.Struct, kw_only=True):
@@ -138,6 +147,16 @@ class SlotTarget(msgspec.Struct, kw_only=True):
     slot: int
     base_addr: int
     nbytes: int
+
+
+class RankTarget(msgspec.Struct, kw_only=True):
+    """One further rank of a tensor-parallel decode node: where its share of a slot's KV goes."""
+
+    tp_rank: int
+    endpoint: str
+    slot: SlotTarget
+    layout: KvLayoutSpec
+    nixl_metadata_b64: str = ""
 
 
 class TransferTarget(msgspec.Struct, kw_only=True):
@@ -149,6 +168,15 @@ class TransferTarget(msgspec.Struct, kw_only=True):
     slot: SlotTarget
     layout: KvLayoutSpec
     nixl_metadata_b64: str = ""  # nixl: the receiving agent's metadata
+    # A tensor-parallel node's ranks 1..tp_size-1 (the fields above are rank 0's): a sender writes
+    # each rank the KV its layout holds (shared.kvlayout.tp_write_ops). Empty: one rank.
+    ranks: list[RankTarget] = []
+
+    def rank_targets(self) -> list[RankTarget]:
+        """Every rank's target, rank 0 first."""
+        first = RankTarget(tp_rank=0, endpoint=self.endpoint, slot=self.slot, layout=self.layout,
+                           nixl_metadata_b64=self.nixl_metadata_b64)
+        return [first, *self.ranks]
 
 
 class Usage(msgspec.Struct, kw_only=True):
@@ -208,6 +236,16 @@ ClaimReply = ClaimGranted | ClaimRejected
 # ---------------------------------------------------------------- decode node: availability
 
 
+class RankEndpoints(msgspec.Struct, kw_only=True):
+    """What one further rank of a tensor-parallel decode node registered: its receive buffers."""
+
+    tp_rank: int
+    endpoints: dict[str, str]
+    slots: list[SlotTarget]
+    layout: KvLayoutSpec
+    nixl_metadata_b64: str = ""
+
+
 class NodeAvailable(Event, tag="node_available"):
     node_id: str
     model: str
@@ -225,6 +263,8 @@ class NodeAvailable(Event, tag="node_available"):
     # Tokens a request may hold (prompt + output); the layout keeps room for drafts beyond it.
     # 0 from older nodes: the layout's max_tokens.
     max_seq_len: int = 0
+    # A tensor-parallel node's ranks 1..N-1 (the fields above are rank 0's); empty: one rank.
+    ranks: list[RankEndpoints] = []
 
     @property
     def capacity_tokens(self) -> int:
@@ -259,6 +299,10 @@ class KvReady(Event, tag="kv_ready"):
     kv_checksums: list[int] = []
     kv_checksum_algo: str = ""
     checksum_ms: float = 0.0
+    # A tensor-parallel prefill's ranks each write their share and announce it: this is rank
+    # ``source_rank`` of ``source_ranks``; the node injects once every source rank announced.
+    source_rank: int = 0
+    source_ranks: int = 1
 
 
 class KvFailed(Event, tag="kv_failed"):

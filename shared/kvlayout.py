@@ -18,6 +18,15 @@ inject). Its layout, version ``LAYOUT_VERSION``:
   indexer's key region ``index_k`` ``[max_tokens, index_head_dim]`` (after the indexer's LayerNorm
   and rope, as its scores read it); GLM's "shared" layers reuse an earlier layer's choice and keep none.
 - A slot holds ``max_seq_len + num_speculative_tokens`` tokens, so drafts fit at the end.
+- Tensor parallelism: a node (or a prefill) over ``tp_size`` ranks keeps one slot image per rank.
+  GQA: rank ``r`` holds KV heads ``[r * H / tp_size, (r + 1) * H / tp_size)`` of the model's ``H``
+  (its layout's ``kv_head_start`` / ``kv_heads`` / ``kv_heads_total``), so its regions are
+  ``[max_tokens, H / tp_size, head_dim]``. MLA: the latent is not split by heads; every rank holds
+  all of it. A writer holding one set of heads writes each reader the heads both hold
+  (:func:`tp_write_ops`): one write per segment where both hold the same heads, one per token
+  where either side holds part of the other's token row. A writer holding more heads than a
+  reader (prefill TP < decode TP) stages an image of the reader's heads to write it whole
+  (:func:`staged_layout`); a writer holding fewer (prefill TP > decode TP) writes per token.
 
 Regions follow each other in layer order, K before V, with no padding. A writer that holds
 ``n`` tokens of state writes, for every segment, the bytes ``[0, n * bytes_per_token)`` at
@@ -146,8 +155,20 @@ def kv_shape_from_hf_config(config: dict[str, Any], include_mtp: bool = True) ->
     )
 
 
-def layout_spec(shape: KvShape, dtype: str, max_tokens: int) -> KvLayoutSpec:
-    """The native layout of one slot holding up to ``max_tokens`` tokens."""
+def tp_heads(num_kv_heads: int, tp_size: int, tp_rank: int) -> tuple[int, int]:
+    """(first KV head, KV heads) rank ``tp_rank`` of ``tp_size`` holds of ``num_kv_heads``."""
+    if tp_size < 1 or not 0 <= tp_rank < tp_size:
+        raise ValueError(f"tensor-parallel rank {tp_rank} of {tp_size} does not exist")
+    if num_kv_heads % tp_size:
+        raise ValueError(f"{num_kv_heads} KV heads do not split over {tp_size} tensor-parallel ranks: "
+                         f"use a --tensor-parallel-size that divides {num_kv_heads}")
+    n = num_kv_heads // tp_size
+    return tp_rank * n, n
+
+
+def layout_spec(shape: KvShape, dtype: str, max_tokens: int, tp_size: int = 1, tp_rank: int = 0) -> KvLayoutSpec:
+    """The native layout of one slot holding up to ``max_tokens`` tokens (of rank ``tp_rank`` of
+    ``tp_size``: its share of the KV heads for GQA, the whole latent for MLA)."""
     if dtype not in DTYPE_SIZES:
         raise ValueError(f"dtype {dtype!r} not supported: use one of {sorted(DTYPE_SIZES)}")
     if dtype in FP8_DTYPES and shape.kind != "gqa":
@@ -157,10 +178,15 @@ def layout_spec(shape: KvShape, dtype: str, max_tokens: int) -> KvLayoutSpec:
     elt = DTYPE_SIZES[dtype]
     segments: list[KvSegment] = []
     offset = 0
+    head_start = heads = heads_total = 0
     if shape.kind == "gqa":
-        per_token = shape.num_kv_heads * shape.head_dim * elt
+        head_start, heads = tp_heads(shape.num_kv_heads, tp_size, tp_rank)
+        heads_total = shape.num_kv_heads
+        per_token = heads * shape.head_dim * elt
         regions = [("k", per_token), ("v", per_token)]
     else:
+        if tp_size < 1 or not 0 <= tp_rank < tp_size:
+            raise ValueError(f"tensor-parallel rank {tp_rank} of {tp_size} does not exist")
         regions = [("kv_latent", (shape.kv_lora_rank + shape.qk_rope_head_dim) * elt)]
     index_k = ("index_k", shape.index_head_dim * elt)
     for layer in range(shape.num_layers):
@@ -183,7 +209,91 @@ def layout_spec(shape: KvShape, dtype: str, max_tokens: int) -> KvLayoutSpec:
         max_tokens=max_tokens,
         slot_nbytes=offset,
         segments=segments,
+        tp_size=tp_size,
+        tp_rank=tp_rank,
+        kv_head_start=head_start,
+        kv_heads=heads,
+        kv_heads_total=heads_total,
     )
+
+
+def staged_layout(ours: KvLayoutSpec, theirs: KvLayoutSpec) -> KvLayoutSpec | None:
+    """The layout a writer of ``ours`` stages for a reader of ``theirs`` so that its writes are one
+    per segment: ``theirs``'s heads and segments at ``ours``'s token capacity (offsets packed as
+    layout_spec packs them), when the writer holds every head the reader holds and more; None when
+    it should write from its own image (the same heads, MLA, or fewer heads than the reader)."""
+    if ours.kind != "gqa" or not ours.kv_heads or not theirs.kv_heads:
+        return None
+    s0, s1 = held_heads(ours)
+    d0, d1 = held_heads(theirs)
+    if (s0, s1) == (d0, d1) or not (s0 <= d0 and d1 <= s1):
+        return None
+    segments, offset = [], 0
+    for seg in theirs.segments:
+        segments.append(KvSegment(layer=seg.layer, name=seg.name, offset_bytes=offset,
+                                  token_stride_bytes=seg.bytes_per_token, bytes_per_token=seg.bytes_per_token))
+        offset += seg.bytes_per_token * ours.max_tokens
+    return KvLayoutSpec(layout_version=ours.layout_version, kind=ours.kind, dtype=ours.dtype,
+                        num_layers=ours.num_layers, max_tokens=ours.max_tokens, slot_nbytes=offset,
+                        segments=segments, tp_size=theirs.tp_size, tp_rank=theirs.tp_rank,
+                        kv_head_start=theirs.kv_head_start, kv_heads=theirs.kv_heads,
+                        kv_heads_total=theirs.kv_heads_total)
+
+
+def held_heads(spec: KvLayoutSpec) -> tuple[int, int]:
+    """[first, end) of the KV heads a GQA layout's tokens hold (an older peer's: all, from 0)."""
+    if spec.kv_heads:
+        return spec.kv_head_start, spec.kv_head_start + spec.kv_heads
+    return 0, spec.kv_heads_total or 0  # (0, 0): not described; the segments hold every head
+
+
+def tp_mismatch(ours: KvLayoutSpec, theirs: KvLayoutSpec) -> str:
+    """Why a writer of layout ``ours`` cannot fill a slot of layout ``theirs`` head by head ("" when
+    it can): both must describe the same model's heads, or one rank each of the same head set."""
+    if ours.kind != "gqa":
+        return ""
+    if (ours.tp_size, theirs.tp_size) == (1, 1) and not (ours.kv_heads and theirs.kv_heads):
+        return ""
+    if ours.kv_heads_total != theirs.kv_heads_total or not ours.kv_heads or not theirs.kv_heads:
+        return (f"layout mismatch: prefill stages {ours.kv_heads or '?'} of {ours.kv_heads_total or '?'} KV heads "
+                f"(tensor-parallel rank {ours.tp_rank} of {ours.tp_size}), decode slot holds {theirs.kv_heads or '?'} "
+                f"of {theirs.kv_heads_total or '?'} (rank {theirs.tp_rank} of {theirs.tp_size}): a peer too old to "
+                "describe its tensor-parallel split, or a different model")
+    return ""
+
+
+def tp_write_ops(ours: KvLayoutSpec, local_base: int, theirs: KvLayoutSpec, remote_base: int,
+                 num_tokens: int) -> list[tuple[int, int, int]]:
+    """(local, remote, nbytes) writes that move the first ``num_tokens`` tokens of the KV both
+    layouts hold from a slot image of ``ours`` at ``local_base`` into one of ``theirs`` at
+    ``remote_base``. Segments pair in order (an MLA writer's extra MTP layers are not written).
+    GQA: the heads both hold; contiguous runs merge, so equal head sets are one write per segment.
+    MLA: every rank holds the whole latent, so only the writer of rank 0 writes (the others: [])."""
+    if ours.kind == "mla":
+        if ours.tp_rank != 0:
+            return []
+        return [(local_base + a.offset_bytes, remote_base + b.offset_bytes, num_tokens * a.bytes_per_token)
+                for a, b in zip(ours.segments, theirs.segments)]
+    s0, s1 = held_heads(ours)
+    d0, d1 = held_heads(theirs)
+    if (s0, s1) == (d0, d1):  # the same heads (one rank each side, or equal splits)
+        return [(local_base + a.offset_bytes, remote_base + b.offset_bytes, num_tokens * a.bytes_per_token)
+                for a, b in zip(ours.segments, theirs.segments)]
+    lo, hi = max(s0, d0), min(s1, d1)
+    if lo >= hi:
+        return []
+    ops: list[tuple[int, int, int]] = []
+    for a, b in zip(ours.segments, theirs.segments):
+        head_bytes = a.bytes_per_token // (s1 - s0)
+        nbytes = (hi - lo) * head_bytes
+        src = local_base + a.offset_bytes + (lo - s0) * head_bytes
+        dst = remote_base + b.offset_bytes + (lo - d0) * head_bytes
+        if nbytes == a.bytes_per_token == b.bytes_per_token:  # whole rows on both sides: one run
+            ops.append((src, dst, num_tokens * nbytes))
+            continue
+        ops.extend((src + t * a.token_stride_bytes, dst + t * b.token_stride_bytes, nbytes)
+                   for t in range(num_tokens))
+    return ops
 
 
 def write_ranges(spec: KvLayoutSpec, num_tokens: int) -> list[tuple[int, int]]:
