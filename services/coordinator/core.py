@@ -65,6 +65,7 @@ from shared.events import (
     NodeAvailable,
     NodeDraining,
     SlotReleased,
+    RankTarget,
     TransferTarget,
 )
 from services.coordinator.model import (
@@ -287,6 +288,10 @@ class CoordinatorCore:
             node_id=lease.node_id, transport=lease.transport,
             endpoint=info.endpoints[lease.transport], slot=slot, layout=info.layout,
             nixl_metadata_b64=info.nixl_metadata_b64 if lease.transport == "nixl" else "",
+            ranks=[RankTarget(tp_rank=r.tp_rank, endpoint=r.endpoints[lease.transport], layout=r.layout,
+                              slot=next(s for s in r.slots if s.slot == lease.slot),
+                              nixl_metadata_b64=r.nixl_metadata_b64 if lease.transport == "nixl" else "")
+                   for r in info.ranks],
         )
         return ClaimGranted(request_id=lease.request_id, lease_id=lease.lease_id,
                             generation=lease.generation, node_id=lease.node_id,
@@ -314,6 +319,11 @@ class CoordinatorCore:
         lease = self._current(msg.lease_id, msg.generation, msg.node_id, msg.slot)
         if lease is None:
             return []
+        if msg.source_ranks > 1:  # a tensor-parallel prefill: every rank writes its share
+            if msg.source_rank not in lease.kv_ready_ranks:
+                lease.kv_ready_ranks = sorted([*lease.kv_ready_ranks, msg.source_rank])
+            if len(lease.kv_ready_ranks) < msg.source_ranks:
+                return [PutLease(lease)]  # others may still be writing
         lease.is_writer_done = True
         if lease.state != "claimed":
             if lease.is_terminal:

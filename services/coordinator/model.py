@@ -62,6 +62,9 @@ class Lease(msgspec.Struct, kw_only=True):
     decoding_at_ms: int = 0
     ended_at_ms: int = 0  # when the handoff reached a terminal state
     is_writer_done: bool = False  # KvReady or KvFailed seen: the sender stopped writing
+    # A tensor-parallel prefill's ranks that announced their KvReady so far (the writer is done
+    # when every one of KvReady.source_ranks has, or at its first KvFailed)
+    kv_ready_ranks: list[int] = []
     is_node_released: bool = False  # SlotReleased seen: the node stopped using the slot
     reason: str = ""
 

@@ -3,7 +3,8 @@
 Contract:
 - A slot holds at most one lease for the engine (``current``) and at most one lease still
   collecting its halves (``waiting``). A lease is ready when both halves of the same (lease id,
-  generation) are here, ``DecodeStart`` and ``KvReady``, in either order.
+  generation) are here, ``DecodeStart`` and ``KvReady``, in either order; from a tensor-parallel
+  prefill, a ``KvReady`` from each of its ``source_ranks`` (each rank wrote its share).
 - Phases of a slot's current lease: ready (the engine has not seen it) -> starting (handed to the
   engine: inject + start) -> decoding -> stopping (handed to the engine to cancel) -> ended.
 - Engine work is never decided while a step runs: the shell takes it between steps
@@ -62,7 +63,8 @@ class Lease:
     request_id: str
     slot: int
     start: DecodeStart | None = None
-    kv: KvReady | None = None
+    kv: KvReady | None = None  # the last KvReady (of a tensor-parallel prefill: every rank's, in kv_ranks)
+    kv_ranks: set[int] = field(default_factory=set)  # prefill ranks whose KvReady is here
     phase: str = "waiting"  # waiting | ready | starting | decoding | stopping
     stop: Stop | None = None  # asked to end while in the engine
     next_index: int = 0  # completion index of the next token to emit
@@ -70,8 +72,13 @@ class Lease:
     started_at_s: float = 0.0
 
     @property
+    def has_kv(self) -> bool:
+        """Every writing prefill rank announced its KV (one KvReady, or one per source rank)."""
+        return self.kv is not None and len(self.kv_ranks) >= self.kv.source_ranks
+
+    @property
     def is_ready(self) -> bool:
-        return self.start is not None and self.kv is not None
+        return self.start is not None and self.has_kv
 
 
 @dataclass
@@ -315,9 +322,10 @@ class SlotCore:
                 return effects + self._stale()
             w.start = half
         else:
-            if w.kv is not None:
+            if half.source_rank in w.kv_ranks:
                 return effects + self._stale()
             w.kv = half
+            w.kv_ranks.add(half.source_rank)
         if was_free:
             effects.append(Heartbeat())  # the slot just became busy
         return effects + self._promote(s)

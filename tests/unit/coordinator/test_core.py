@@ -79,8 +79,9 @@ class Harness:
                                  kv_cache_dtype=args.get("kv", ""), exclude_nodes=args.get("exclude", []))
             effects = c.on_claim(claim, f"inbox.{args['rid']}", t)
         elif op == "kv_ready":
+            rank, ranks = args.pop("source", (0, 1))  # a tensor-parallel prefill's rank, of how many
             effects = c.on_kv_ready(KvReady(**self.report_args(**args), num_tokens=10,
-                                            layout_version=1, nbytes=100), t)
+                                            layout_version=1, nbytes=100, source_rank=rank, source_ranks=ranks), t)
         elif op == "kv_failed":
             effects = c.on_kv_failed(KvFailed(**self.report_args(**args), reason="boom"), t)
         elif op == "started":
@@ -557,6 +558,21 @@ CASES = {
         (301, "tick", {}, {"events": [("r1", "failed"), ("r2", "rejected")], "queue": [],
                            "reply": {"r2": ("rejected", "no_compatible_node", 250)}}),
     ],
+    "tp_prefill_writer_is_done_when_every_rank_announced": [
+        (0, "hb", {"free": (0,)}, {}),
+        (0, "claim", {"rid": "r1"}, {}),
+        (2, "kv_ready", {"rid": "r1", "source": (1, 2)}, {"events": [], "state": {"r1": "claimed"}}),
+        (3, "kv_ready", {"rid": "r1", "source": (1, 2)}, {"events": [], "state": {"r1": "claimed"}}),
+        (4, "kv_ready", {"rid": "r1", "source": (0, 2)}, {"events": [("r1", "kv_ready")], "state": {"r1": "kv_ready"}}),
+        *finish("r1", 5)[1:],
+    ],
+    "tp_prefill_rank_failing_ends_the_lease_though_another_announced": [
+        (0, "hb", {"free": (0,)}, {}),
+        (0, "claim", {"rid": "r1"}, {}),
+        (2, "kv_ready", {"rid": "r1", "source": (0, 2)}, {"events": [], "state": {"r1": "claimed"}}),
+        (3, "kv_failed", {"rid": "r1"}, {"events": [("r1", "failed")], "state": {"r1": "failed"}}),
+        (4, "released", {"rid": "r1", "outcome": "failed"}, {"state": {"r1": None}}),
+    ],
     "restart_fails_leases_of_node_that_never_returns": [
         (0, "hb", {"free": (0,)}, {}),
         (0, "claim", {"rid": "r1"}, {}),
@@ -576,6 +592,27 @@ def test_core(name):
         h.check(expect, step_events)
     h.run(10**7, "tick", {})
     h.assert_no_leak()
+
+
+def test_grant_on_a_tensor_parallel_node_names_every_rank_buffer():
+    from shared.events import RankEndpoints
+
+    h = Harness()
+    rank1 = layout_spec(KvShape(kind="gqa", num_layers=2, num_kv_heads=2, head_dim=8), "float32", 256, 2, 1)
+    info = hb(free=(0, 1), layout=layout_spec(KvShape(kind="gqa", num_layers=2, num_kv_heads=2, head_dim=8),
+                                              "float32", 256, 2, 0))
+    info.ranks = [RankEndpoints(tp_rank=1, endpoints={"mooncake": "n1-r1:mooncake"}, layout=rank1,
+                                slots=[SlotTarget(slot=s, base_addr=0x9000 + s, nbytes=rank1.slot_nbytes)
+                                       for s in range(2)])]
+    h.core.on_heartbeat(info, 0)
+    h.run(1, "claim", {"rid": "r1"})
+    h.run(2, "claim", {"rid": "r2"})
+    for rid in ("r1", "r2"):
+        target = h.replies[rid].target
+        ranks = target.rank_targets()
+        assert [(r.tp_rank, r.endpoint, r.layout.kv_head_start) for r in ranks] == [
+            (0, "n1:mooncake", 0), (1, "n1-r1:mooncake", 1)]
+        assert ranks[1].slot.base_addr == 0x9000 + target.slot.slot  # the same slot on each rank
 
 
 def test_config_validation_names_the_setting():

@@ -30,9 +30,10 @@ def start(gen, slot=0, rid=None, lease=None, max_tokens=3, prompt=4, already=0):
                        num_tokens_already_sent=already, sampling=SamplingParams(max_tokens=max_tokens))
 
 
-def kv(gen, slot=0, rid=None, lease=None, tokens=4, layout=1, node=NODE):
+def kv(gen, slot=0, rid=None, lease=None, tokens=4, layout=1, node=NODE, source=(0, 1)):
     return KvReady(request_id=rid or f"r{gen}", lease_id=lease or f"L{gen}", generation=gen,
-                   node_id=node, slot=slot, num_tokens=tokens, layout_version=layout, nbytes=1)
+                   node_id=node, slot=slot, num_tokens=tokens, layout_version=layout, nbytes=1,
+                   source_rank=source[0], source_ranks=source[1])
 
 
 def kv_failed(gen, slot=0):
@@ -199,6 +200,18 @@ CASES = {
         ("output", (0, [9], "length"), {"effects": [
             ("tokens", 3, [9]), ("finished", "length", 4, 5), ("release_engine", 0), *released(1)],
             "free": [0, 1], "engine": [], "counter": {"tokens_generated": 3, "finished.length": 1}}),
+    ],
+    "tp_prefill_kv_is_ready_when_every_rank_announced": [
+        ("kv", kv(1, source=(1, 2)), {"effects": ["hb"], "free": [1]}),
+        ("start", start(1), {"effects": [], "engine": []}),
+        ("kv", kv(1, source=(1, 2)), {"effects": [], "engine": [], "stale": 1}),  # a duplicate
+        ("kv", kv(1, source=(0, 2)), {"effects": [], "engine": []}),
+        ("take", None, {"work": [("start", 0, "L1")], "engine": [0]}),
+    ],
+    "tp_prefill_rank_failure_ends_a_half_announced_lease": [
+        ("start", start(1), {"effects": ["hb"]}),
+        ("kv", kv(1, source=(0, 2)), {"engine": []}),
+        ("kv_failed", kv_failed(1), {"effects": [*released(1, "failed", "transfer_failed: boom")], "free": [0, 1]}),
     ],
     "logprobs_ride_with_their_tokens": [
         *decoding(1),
