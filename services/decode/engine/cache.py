@@ -15,6 +15,11 @@ Per cache layer (main layers first, then MTP layers):
   the rotated pairs adjacent; the prefill adapter de-interleaves them). With sparse attention
   (deepseek_v32, glm_moe_dsa) also ``index_k[layer]`` for each layer with its own indexer:
   [num_slots + 1, max_tokens, index_head_dim], the indexer's keys.
+
+Tensor parallelism (``tp_size`` / ``tp_rank``): the cache is the rank's layout
+(``layout_spec(shape, dtype, max_tokens, tp_size, tp_rank)``): GQA views hold the rank's
+``layout.kv_heads`` KV heads (heads ``[kv_head_start, kv_head_start + kv_heads)`` of the model),
+MLA views the whole latent on every rank.
 """
 
 from __future__ import annotations
@@ -36,7 +41,8 @@ class KvCache:
     """The slots' receive buffers and the per-layer views the models read and write."""
 
     def __init__(self, shape: KvShape, num_slots: int, max_tokens: int, dtype: torch.dtype, device: torch.device | str,
-                 kv_dtype: str | None = None, scales: list[tuple[float, float]] | None = None):
+                 kv_dtype: str | None = None, scales: list[tuple[float, float]] | None = None,
+                 tp_size: int = 1, tp_rank: int = 0):
         self.shape = shape
         self.num_slots = num_slots
         self.scratch_slot = num_slots
@@ -46,7 +52,7 @@ class KvCache:
         self.scales = list(scales) if scales is not None else [(1.0, 1.0)] * shape.num_layers
         if len(self.scales) != shape.num_layers:
             raise ValueError(f"{len(self.scales)} KV scale pairs for {shape.num_layers} cache layers")
-        self.layout: KvLayoutSpec = layout_spec(shape, kv_dtype, max_tokens)
+        self.layout: KvLayoutSpec = layout_spec(shape, kv_dtype, max_tokens, tp_size, tp_rank)
         self.buffer = torch.zeros(num_slots + 1, self.layout.slot_nbytes, dtype=torch.uint8, device=device)
         typed = self.buffer if self.kv_format else self.buffer.view(dtype)
         elt = typed.element_size()
@@ -59,7 +65,7 @@ class KvCache:
             start = seg.offset_bytes // elt
             region = typed[:, start : start + max_tokens * seg.bytes_per_token // elt]
             if shape.kind == "gqa":
-                view = region.view(rows, max_tokens, shape.num_kv_heads, shape.head_dim)
+                view = region.view(rows, max_tokens, self.layout.kv_heads, shape.head_dim)
                 (self.k_caches if seg.name == "k" else self.v_caches).append(view)
             elif seg.name == "index_k":
                 self.index_k[seg.layer] = region.view(rows, max_tokens, shape.index_head_dim)

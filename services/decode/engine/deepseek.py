@@ -15,6 +15,12 @@ its keys live in the slot's ``index_k`` cache. The query then attends, causally,
 ``index_topk`` tokens that score highest (all of them while there are fewer), as HF transformers'
 DeepseekV32 / GlmMoeDsa compute it; GLM's "shared" layers have no indexer and reuse the choice of the
 last layer before them that has one.
+
+Tensor parallelism (``tp``, tp.py): the model holds its rank's attention heads (the latent
+projections, norms and indexer whole: every rank keeps the whole latent cache), its slice of the
+dense MLPs and shared experts, and its routed experts (``moe_parallel="ep"``) or its slice of every
+expert (``"tp"``); attention and MLP outputs are all-reduced (the routed and shared experts' in one),
+the logits all-gathered. The router runs on every rank over the same (reduced) input.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from .cuda.reference import limit_to_groups
 from .fp8 import expert, expert_matmul, linear
 from .layers import causal_mask, rms_norm, swiglu, write_cache
 from .rope import apply_rope, rope_tables, yarn_mscale
+from .tp import ShardPlan, TensorParallel, gather_vocab, plan
 from .weights import is_moe_layer
 
 GATHER_MAX_TOKENS = 64  # steps with more tokens take the per-expert loop (host syncs allowed there)
@@ -39,9 +46,9 @@ def _param(*shape: int) -> nn.Parameter:
 
 
 class MlaBlock(nn.Module):
-    def __init__(self, cfg: ModelConfig, idx: int):
+    def __init__(self, cfg: ModelConfig, idx: int, p: ShardPlan):
         super().__init__()
-        h, nh, r = cfg.hidden_size, cfg.num_heads, cfg.kv_lora_rank
+        h, nh, r = cfg.hidden_size, p.heads, cfg.kv_lora_rank
         qk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
         self.attn_norm = _param(h)
         if cfg.q_lora_rank:
@@ -61,23 +68,23 @@ class MlaBlock(nn.Module):
         self.mlp_norm = _param(h)
         self.is_moe = is_moe_layer(cfg, idx)
         if self.is_moe:
-            e, i = cfg.num_experts, cfg.moe_intermediate_size
-            self.router, self.router_bias = _param(e, h), _param(e)
+            e, i = p.experts, p.moe_intermediate
+            self.router, self.router_bias = _param(cfg.num_experts, h), _param(cfg.num_experts)
             self.experts_gate_up, self.experts_down = _param(e, 2 * i, h), _param(e, h, i)
             if cfg.num_shared_experts:
-                si = i * cfg.num_shared_experts
+                si = p.shared_intermediate
                 self.shared_gate_up, self.shared_down = _param(2 * si, h), _param(h, si)
         else:
-            self.w_gate_up, self.w_down = _param(2 * cfg.intermediate_size, h), _param(h, cfg.intermediate_size)
+            self.w_gate_up, self.w_down = _param(2 * p.intermediate, h), _param(h, p.intermediate)
 
 
 class MtpLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, idx: int):
+    def __init__(self, cfg: ModelConfig, idx: int, p: ShardPlan):
         super().__init__()
         h = cfg.hidden_size
         self.enorm, self.hnorm, self.eh_proj = _param(h), _param(h), _param(h, 2 * h)
-        self.head_norm, self.head, self.embed = _param(h), _param(cfg.vocab_size, h), _param(cfg.vocab_size, h)
-        self.block = MlaBlock(cfg, idx)
+        self.head_norm, self.head, self.embed = _param(h), _param(p.vocab_rows, h), _param(cfg.vocab_size, h)
+        self.block = MlaBlock(cfg, idx, p)
 
 
 def route(cfg: ModelConfig, blk: MlaBlock, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -91,19 +98,26 @@ def route(cfg: ModelConfig, blk: MlaBlock, x: torch.Tensor) -> tuple[torch.Tenso
     return ids, weights * cfg.routed_scaling_factor
 
 
-def moe(cfg: ModelConfig, blk: MlaBlock, x: torch.Tensor) -> torch.Tensor:
-    """Routed experts plus shared experts for x [..., H]."""
+def moe(cfg: ModelConfig, blk: MlaBlock, x: torch.Tensor, p: ShardPlan | None = None) -> torch.Tensor:
+    """Routed experts plus shared experts for x [..., H]; under tensor parallelism (``p``) this rank's
+    share of it (its experts, or its slice of every expert), for the caller to all-reduce."""
     shape = x.shape
     x = x.reshape(-1, shape[-1])
     ids, weights = route(cfg, blk, x)
+    mine = None
+    if p is not None and p.experts != cfg.num_experts:  # expert-parallel: only the experts held here count
+        local = ids - p.first_expert
+        mine = (local >= 0) & (local < p.experts)
+        # the others' weights are 0; their ids point at a held expert so that the gather stays static
+        ids, weights = local.clamp(0, p.experts - 1), weights * mine
     if x.shape[0] <= GATHER_MAX_TOKENS:  # static: gather the chosen experts' weights
         gate, up = expert_matmul("nh,nkih->nki", x, blk.experts_gate_up, ids).chunk(2, dim=-1)
         y = expert_matmul("nki,nkhi->nkh", F.silu(gate) * up, blk.experts_down, ids)
         out = (y * weights[..., None].to(y.dtype)).sum(dim=1)
     else:
         out = torch.zeros_like(x)
-        for e in ids.unique().tolist():
-            tok, pos = torch.where(ids == e)
+        for e in (ids if mine is None else ids[mine]).unique().tolist():
+            tok, pos = torch.where(ids == e if mine is None else (ids == e) & mine)
             y = swiglu(x[tok], expert(blk.experts_gate_up, e), expert(blk.experts_down, e))
             out.index_add_(0, tok, (y * weights[tok, pos, None]).to(x.dtype))
     if cfg.num_shared_experts:
@@ -112,18 +126,23 @@ def moe(cfg: ModelConfig, blk: MlaBlock, x: torch.Tensor) -> torch.Tensor:
 
 
 class DeepseekModel(nn.Module):
-    """Parameters named as in weights.py; call :meth:`bind` with the cache before the first forward."""
+    """Parameters named as in weights.py (``tp``: this rank's shards of them, tp.py); call :meth:`bind`
+    with the cache before the first forward."""
 
     family = "mla"
 
-    def __init__(self, cfg: ModelConfig, with_mtp: bool = False):
+    def __init__(self, cfg: ModelConfig, with_mtp: bool = False, tp: TensorParallel | None = None,
+                 moe_parallel: str = "tp"):
         super().__init__()
         self.cfg = cfg
+        self.tp = tp or TensorParallel.single()
+        self.plan = p = plan(cfg, self.tp.rank, self.tp.size, moe_parallel)
         self.embed = _param(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(MlaBlock(cfg, i) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(MlaBlock(cfg, i, p) for i in range(cfg.num_layers))
         self.final_norm = _param(cfg.hidden_size)
-        self.lm_head = _param(cfg.vocab_size, cfg.hidden_size)
-        self.mtp = nn.ModuleList(MtpLayer(cfg, cfg.num_layers + j) for j in range(cfg.num_mtp_layers if with_mtp else 0))
+        self.lm_head = _param(p.vocab_rows, cfg.hidden_size)
+        self.mtp = nn.ModuleList(MtpLayer(cfg, cfg.num_layers + j, p)
+                                 for j in range(cfg.num_mtp_layers if with_mtp else 0))
         self.has_mtp = with_mtp and cfg.num_mtp_layers > 0
         scale = (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim) ** -0.5
         if cfg.rope["rope_type"] == "yarn" and cfg.rope.get("mscale_all_dim"):
@@ -139,7 +158,7 @@ class DeepseekModel(nn.Module):
     def _attention(self, layer: int, blk: MlaBlock, x, cos, sin, mask, slot_ids, positions) -> torch.Tensor:
         cfg = self.cfg
         b, t, _ = x.shape
-        nh, nope, r = cfg.num_heads, cfg.qk_nope_head_dim, cfg.kv_lora_rank
+        nh, nope, r = self.plan.heads, cfg.qk_nope_head_dim, cfg.kv_lora_rank
         if cfg.q_lora_rank:
             q_resid = rms_norm(linear(x, blk.wq_a), blk.q_a_norm, cfg.rms_norm_eps)
             q = linear(q_resid, blk.wq_b)
@@ -187,10 +206,12 @@ class DeepseekModel(nn.Module):
         return torch.zeros_like(mask[:, 0]).scatter(-1, top, True)[:, None]
 
     def _block(self, layer: int, blk: MlaBlock, x, cos, sin, mask, slot_ids, positions) -> torch.Tensor:
-        eps = self.cfg.rms_norm_eps
-        x = x + self._attention(layer, blk, rms_norm(x, blk.attn_norm, eps), cos, sin, mask, slot_ids, positions)
+        eps, tp = self.cfg.rms_norm_eps, self.tp
+        x = x + tp.all_reduce(self._attention(layer, blk, rms_norm(x, blk.attn_norm, eps), cos, sin, mask, slot_ids,
+                                              positions))
         h = rms_norm(x, blk.mlp_norm, eps)
-        return x + (moe(self.cfg, blk, h) if blk.is_moe else swiglu(h, blk.w_gate_up, blk.w_down))
+        p = self.plan if tp.size > 1 else None
+        return x + tp.all_reduce(moe(self.cfg, blk, h, p) if blk.is_moe else swiglu(h, blk.w_gate_up, blk.w_down))
 
     def _rope_mask(self, positions, num_keys: int | None):
         return self.cos[positions], self.sin[positions], causal_mask(positions, num_keys or self.cache.max_tokens)
@@ -205,8 +226,8 @@ class DeepseekModel(nn.Module):
         return rms_norm(x, self.final_norm, self.cfg.rms_norm_eps)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[..., hidden] -> float32 logits [..., vocab]."""
-        return linear(hidden, self.lm_head).float()
+        """[..., hidden] -> float32 logits [..., vocab] (every rank: the whole vocabulary)."""
+        return gather_vocab(self.tp, linear(hidden, self.lm_head).float(), self.cfg.vocab_size)
 
     def mtp_forward(self, tokens, positions, prev_hidden, slot_ids, num_keys: int | None = None,
                     depth: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -223,4 +244,4 @@ class DeepseekModel(nn.Module):
         cos, sin, mask = self._rope_mask(positions, num_keys)
         x = self._block(self.cfg.num_layers + j, layer.block, x, cos, sin, mask, slot_ids, positions)
         h = rms_norm(x, layer.head_norm, eps)
-        return h, linear(h, layer.head).float()
+        return h, gather_vocab(self.tp, linear(h, layer.head).float(), self.cfg.vocab_size)

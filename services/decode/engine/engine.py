@@ -71,14 +71,28 @@ several slots in one step (the batched decoder) take the reference step with an 
 ``mtp_draft_vocab=N``: the fast path's MTP drafts propose token ids < N only (its draft head reads N
 rows, not the whole vocabulary); output is unchanged, acceptance may drop. The reference step
 drafts over the whole vocabulary.
+Tensor parallelism (``tp=TensorParallel(rank, size, group)`` to ``load`` / ``from_hf_tensors``, tp.py):
+every rank of the group builds its own Engine with the same settings and makes the same calls in the
+same order (SPMD, as vLLM's workers do: a node's rank 0 mirrors each call to the others). Each holds
+its shard of the weights (``moe_parallel``: routed experts sliced, "tp", or whole per rank, "ep") and
+its share of the KV cache (``layout``: the rank's layout, GQA its KV heads, MLA the whole latent; a
+writer fills ``slot_buffer`` with that rank's heads); the forward's all-reduces and logits all-gather
+give every rank the same full logits, so every rank samples the same tokens and returns the same
+StepOutputs. Sampling stays replicated and keyed by (seed, position); an unseeded request gets rank 0's
+random seed on every rank (``start`` all-reduces it, one collective, so it too must be called on
+every rank), so a node may as well fill the seed in before it mirrors the call. The reference step
+only (its CUDA graphs included: NCCL collectives are captured with them); ``fast_path="on"``, FP8
+weights, and head counts, intermediate sizes or expert counts that do not divide raise ValueError.
 """
 
 from __future__ import annotations
 
 import json
+import random
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+import msgspec
 import torch
 
 from shared.events import KvLayoutSpec, SamplingParams, SpecStats
@@ -99,6 +113,7 @@ from .build import build_model, load_params
 from .cuda.graph import GraphedFn
 from . import fastpath, spec_policy
 from .options import EngineConfig
+from .tp import TensorParallel, shard_named
 from .weights import CheckpointReader, DictReader, hf_to_engine, is_engine_format, iter_engine_params, read_config
 
 _log = get_logger("decode.engine")
@@ -136,12 +151,25 @@ def _kv_scales(config: EngineConfig, raw_config: dict, cfg, reader, converted: b
     return checkpoint_scales(raw_config, cfg.num_layers, reader.has, reader.get)
 
 
+def _shards(cfg, named, tp: TensorParallel | None, config: EngineConfig):
+    """The checkpoint's (name, tensor) as this rank holds them (sliced before they reach the device)."""
+    if tp is None or tp.size == 1:
+        return named
+    return shard_named(cfg, named, tp.rank, tp.size, config.moe_parallel)
+
+
 class Engine:
     def __init__(self, model, cfg, config: EngineConfig, *, model_name: str, raw_config: dict,
                  eos_token_ids: tuple[int, ...] = (), tokenizer_dir: str | Path | None = None,
-                 kv_scales: list[tuple[float, float]] | None = None):
-        """``kv_scales``: each cache layer's (k_scale, v_scale) for an FP8 KV cache (default 1.0)."""
+                 kv_scales: list[tuple[float, float]] | None = None, tp: TensorParallel | None = None):
+        """``kv_scales``: each cache layer's (k_scale, v_scale) for an FP8 KV cache (default 1.0); ``tp``:
+        this engine's rank of a tensor-parallel group (``model`` built over its shards; None: one rank)."""
         config.validate()
+        self.tp = tp or TensorParallel.single()
+        model_tp = getattr(model, "tp", TensorParallel.single())
+        if (model_tp.rank, model_tp.size) != (self.tp.rank, self.tp.size):
+            raise ValueError(f"the model was built for tensor-parallel rank {model_tp.rank} of {model_tp.size}, "
+                             f"the engine for rank {self.tp.rank} of {self.tp.size}: build both with the same tp")
         num_spec = config.resolved_num_speculative_tokens(raw_config)
         draft_vocab = config.mtp_draft_vocab
         if draft_vocab is not None and not 0 < draft_vocab <= cfg.vocab_size:
@@ -173,7 +201,8 @@ class Engine:
             raise ValueError(f"kv_cache_dtype={config.kv_cache_dtype!r}: an FP8 KV cache is built for "
                              f"Llama/Qwen-family (GQA) models, not {cfg.model_type}; use kv_cache_dtype='auto'")
         self.cache = KvCache(kv_shape, num_slots, max_seq_len + self.num_spec, self.dtype, self.device,
-                             kv_dtype=kv_dtype, scales=kv_scales if kv_dtype in FP8_DTYPES else None)
+                             kv_dtype=kv_dtype, scales=kv_scales if kv_dtype in FP8_DTYPES else None,
+                             tp_size=self.tp.size, tp_rank=self.tp.rank)
         model.bind(self.cache)
         on_cuda = self.device.type == "cuda" and config.use_cuda_graphs
         self._forward = GraphedFn(lambda t, p, s, n: _with_logits(model, model(t, p, s, n)), on_cuda)
@@ -212,33 +241,41 @@ class Engine:
                     break
 
     @classmethod
-    def load(cls, model_dir: str | Path, config: EngineConfig | None = None, **overrides) -> Engine:
+    def load(cls, model_dir: str | Path, config: EngineConfig | None = None, *, tp: TensorParallel | None = None,
+             **overrides) -> Engine:
         """Load an HF safetensors checkpoint or the engine's converted format; keyword arguments
-        replace single settings of ``config`` (EngineConfig fields)."""
+        replace single settings of ``config`` (EngineConfig fields). ``tp``: this process's rank of a
+        tensor-parallel group (it loads only its shards; every rank calls ``load`` alike)."""
         config = _config(config, overrides)
         raw, cfg = read_config(model_dir)
         dtype = _torch_dtype(config.dtype, cfg.torch_dtype)
-        params = load_params(iter_engine_params(model_dir, cfg), torch.device(config.device), dtype)
+        params = load_params(_shards(cfg, iter_engine_params(model_dir, cfg), tp, config),
+                             torch.device(config.device), dtype)
         eos = set(cfg.eos_token_ids)
         gen_cfg = Path(model_dir) / "generation_config.json"
         if gen_cfg.exists():
             e = json.loads(gen_cfg.read_text()).get("eos_token_id")
             eos |= set(e if isinstance(e, list) else [] if e is None else [e])
-        return cls(build_model(cfg, params), cfg, config, model_name=config.model_name or Path(model_dir).name,
-                   raw_config=raw, eos_token_ids=tuple(sorted(eos)), tokenizer_dir=model_dir,
-                   kv_scales=_kv_scales(config, raw, cfg, CheckpointReader(model_dir), is_engine_format(model_dir)))
+        return cls(build_model(cfg, params, tp, config.moe_parallel), cfg, config,
+                   model_name=config.model_name or Path(model_dir).name, raw_config=raw,
+                   eos_token_ids=tuple(sorted(eos)), tokenizer_dir=model_dir,
+                   kv_scales=_kv_scales(config, raw, cfg, CheckpointReader(model_dir), is_engine_format(model_dir)),
+                   tp=tp)
 
     @classmethod
     def from_hf_tensors(cls, raw_config: dict, tensors: dict[str, torch.Tensor], config: EngineConfig | None = None,
-                        **overrides) -> Engine:
-        """Build from HF-named tensors already in memory (an HF model's state_dict: tests, benchmarks)."""
+                        *, tp: TensorParallel | None = None, **overrides) -> Engine:
+        """Build from HF-named tensors already in memory (an HF model's state_dict: tests, benchmarks);
+        ``tp`` as for ``load``."""
         config = _config(config, overrides)
         cfg = parse_config(raw_config)
         dtype = _torch_dtype(config.dtype, cfg.torch_dtype)
-        params = load_params(hf_to_engine(cfg, DictReader(tensors)), torch.device(config.device), dtype)
-        return cls(build_model(cfg, params), cfg, config, model_name=config.model_name or "in-memory",
-                   raw_config=raw_config, eos_token_ids=cfg.eos_token_ids,
-                   kv_scales=_kv_scales(config, raw_config, cfg, DictReader(tensors)))
+        params = load_params(_shards(cfg, hf_to_engine(cfg, DictReader(tensors)), tp, config),
+                             torch.device(config.device), dtype)
+        return cls(build_model(cfg, params, tp, config.moe_parallel), cfg, config,
+                   model_name=config.model_name or "in-memory", raw_config=raw_config,
+                   eos_token_ids=cfg.eos_token_ids, kv_scales=_kv_scales(config, raw_config, cfg, DictReader(tensors)),
+                   tp=tp)
 
     # ------------------------------------------------------------------ slots
 
@@ -301,6 +338,9 @@ class Engine:
     def start(self, slot: int, first_token_id: int, sampling: SamplingParams) -> None:
         """Arm a ready slot: it decodes from ``first_token_id`` at the next step."""
         s = self._slot(slot, "ready")
+        if sampling.seed is None and self.tp.size > 1:  # every rank must draw the same random numbers
+            seed = self.tp.first_rank_int(random.getrandbits(63), self.device)
+            sampling = msgspec.structs.replace(sampling, seed=seed)
         req = resolve(sampling, vocab=self.cfg.vocab_size, eos_token_ids=self.eos_token_ids, seq_len=s.seq_len,
                       prompt_ids=s.prompt_ids)
         if not 0 <= first_token_id < self.cfg.vocab_size:

@@ -11,6 +11,7 @@ Contract:
   DeepSeek-V3-family models (with or without q LoRA; noaux_tc routing, group-limited or in one group;
   normalised top-k weights), with MTP drafts (k drafts + one verify per step, greedy acceptance on
   device) when the engine has them. On CPU only when asked for with ``mode="on"`` while Triton's interpreter is active (tests).
+  One GPU only: a tensor-parallel model (``model.tp.size`` > 1) takes the reference step.
 - ``request_reason(greedy, num_spec, spec_ok, sample_ok, sample_limit)``: why a request cannot
   (``None``: it can). Both families also sample on the fast path (``sample_ok``): every sampling
   parameter and logits processor, by the kernels of cuda/sampling.py after the lm_head GEMV, inside
@@ -142,6 +143,9 @@ def engine_reason(mode: str, model, device: torch.device, dtype: torch.dtype, nu
         raise ValueError(f"fast_path must be one of {', '.join(MODES)}, got {mode!r}")
     if mode == "off":
         return "fast_path='off'"
+    tp = getattr(model, "tp", None)
+    if tp is not None and tp.size > 1:  # its decoders hold whole weights and one device's cache
+        return f"tensor-parallel decode (tp={tp.size}) runs the reference step; the CUDA fast path is single-GPU"
     cfg = model.cfg
     family = getattr(model, "family", "")
     cache = getattr(model, "cache", None)

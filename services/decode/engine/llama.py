@@ -3,6 +3,9 @@
 One forward serves prefill, decode and speculative verification: ``tokens [B, T]`` at
 ``positions [B, T]`` of slots ``slot_ids [B]``; their K/V are written into the slots' caches first,
 then every query attends to its slot's cache up to its own position. Static shapes, no host sync.
+
+Tensor parallelism (``tp``, tp.py): the model holds its rank's heads, MLP slice and vocab rows; the
+attention and MLP outputs are all-reduced, the logits all-gathered (full vocabulary on every rank).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from .fp8 import linear
 from .kvquant import dequantize, quantize
 from .layers import attend, causal_mask, rms_norm, swiglu, write_cache
 from .rope import apply_rope, rope_tables
+from .tp import ShardPlan, TensorParallel, gather_vocab, plan
 
 
 def _param(*shape: int, dtype: torch.dtype | None = None) -> nn.Parameter:
@@ -24,9 +28,9 @@ def _param(*shape: int, dtype: torch.dtype | None = None) -> nn.Parameter:
 
 
 class GqaBlock(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, p: ShardPlan):
         super().__init__()
-        h, d, nq, nkv = cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
+        h, d, nq, nkv = cfg.hidden_size, cfg.head_dim, p.heads, p.kv_heads
         self.attn_norm = _param(h)
         self.wqkv = _param((nq + 2 * nkv) * d, h)
         self.bqkv = _param((nq + 2 * nkv) * d) if cfg.qkv_bias else None
@@ -35,23 +39,26 @@ class GqaBlock(nn.Module):
         self.wo = _param(h, nq * d)
         self.bo = _param(h) if cfg.o_bias else None
         self.mlp_norm = _param(h)
-        self.w_gate_up = _param(2 * cfg.intermediate_size, h)
-        self.w_down = _param(h, cfg.intermediate_size)
+        self.w_gate_up = _param(2 * p.intermediate, h)
+        self.w_down = _param(h, p.intermediate)
 
 
 class LlamaModel(nn.Module):
-    """Parameters named as in weights.py; call :meth:`bind` with the cache before the first forward."""
+    """Parameters named as in weights.py (``tp``: this rank's shards of them, tp.py); call :meth:`bind`
+    with the cache before the first forward."""
 
     family = "gqa"
     has_mtp = False
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel | None = None):
         super().__init__()
         self.cfg = cfg
+        self.tp = tp or TensorParallel.single()
+        self.plan = p = plan(cfg, self.tp.rank, self.tp.size)
         self.embed = _param(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(GqaBlock(cfg) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(GqaBlock(cfg, p) for _ in range(cfg.num_layers))
         self.final_norm = _param(cfg.hidden_size)
-        self.lm_head = _param(cfg.vocab_size, cfg.hidden_size)
+        self.lm_head = _param(p.vocab_rows, cfg.hidden_size)
         self.cache: KvCache | None = None
 
     def bind(self, cache: KvCache) -> None:
@@ -62,7 +69,7 @@ class LlamaModel(nn.Module):
     def _attention(self, i: int, blk: GqaBlock, x: torch.Tensor, cos, sin, mask, slot_ids, positions) -> torch.Tensor:
         cfg, cache = self.cfg, self.cache
         b, t, _ = x.shape
-        d, nq, nkv = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
+        d, nq, nkv = cfg.head_dim, self.plan.heads, self.plan.kv_heads
         qkv = linear(x, blk.wqkv, blk.bqkv)
         q, k, v = qkv.split([nq * d, nkv * d, nkv * d], dim=-1)
         q, k, v = q.view(b, t, nq, d), k.view(b, t, nkv, d), v.view(b, t, nkv, d)
@@ -84,7 +91,11 @@ class LlamaModel(nn.Module):
             keys = dequantize(cache.k_caches[i][:, :n][slot_ids], ks, fmt).transpose(1, 2)
             values = dequantize(cache.v_caches[i][:, :n][slot_ids], vs, fmt).transpose(1, 2)
             out = attend(q.float().transpose(1, 2), keys, values, mask, d**-0.5).to(x.dtype)
-        return linear(out.reshape(b, t, nq * d), blk.wo, blk.bo)
+        out = out.reshape(b, t, nq * d)
+        if self.tp.size == 1:
+            return linear(out, blk.wo, blk.bo)
+        out = self.tp.all_reduce(linear(out, blk.wo))  # row-parallel: each rank's heads' share
+        return out if blk.bo is None else out + blk.bo  # the bias once, after the sum
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, slot_ids: torch.Tensor,
                 num_keys: int | None = None) -> torch.Tensor:
@@ -95,9 +106,10 @@ class LlamaModel(nn.Module):
         eps = self.cfg.rms_norm_eps
         for i, blk in enumerate(self.layers):
             x = x + self._attention(i, blk, rms_norm(x, blk.attn_norm, eps), cos, sin, mask, slot_ids, positions)
-            x = x + swiglu(rms_norm(x, blk.mlp_norm, eps), blk.w_gate_up, blk.w_down)
+            x = x + self.tp.all_reduce(swiglu(rms_norm(x, blk.mlp_norm, eps), blk.w_gate_up, blk.w_down))
         return rms_norm(x, self.final_norm, eps)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[..., hidden] -> float32 logits [..., vocab]."""
-        return linear(hidden, self.lm_head).float()
+        """[..., hidden] -> float32 logits [..., vocab] (every rank: the whole vocabulary)."""
+        return gather_vocab(self.tp, linear(hidden, self.lm_head).float(), self.cfg.vocab_size)
+

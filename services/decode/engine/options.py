@@ -12,6 +12,7 @@ from typing import Any
 
 FAST_PATH_MODES = ("auto", "on", "off")
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")  # vLLM's --kv-cache-dtype names (kvquant.py)
+MOE_PARALLEL = ("tp", "ep")  # routed experts under tensor parallelism: sliced on every rank, or whole per rank
 MAX_SPECULATIVE_TOKENS = 3
 
 
@@ -35,6 +36,9 @@ class EngineConfig:
     fast_path_options: Any = None
     mtp_draft_vocab: int | None = None  # fast-path MTP drafts propose ids < N (checked: 1..vocab)
     tokenizer: str | None = None  # the tokenizer's directory for grammars; None: the checkpoint's
+    # tensor-parallel engines (Engine.load(..., tp=...), tp.py): "tp" slices every routed expert over the
+    # ranks, "ep" gives each rank E / tp whole experts; no effect on one rank or dense models
+    moe_parallel: str = "tp"
 
     def validate(self) -> EngineConfig:
         """Raise ValueError naming the first setting that is out of range; return self."""
@@ -49,6 +53,8 @@ class EngineConfig:
         k = self.num_speculative_tokens
         if k is not None and not 0 <= k <= MAX_SPECULATIVE_TOKENS:
             raise ValueError(f"num_speculative_tokens must be 0..{MAX_SPECULATIVE_TOKENS}, got {k}")
+        if self.moe_parallel not in MOE_PARALLEL:
+            raise ValueError(f"moe_parallel must be one of {', '.join(MOE_PARALLEL)}, got {self.moe_parallel!r}")
         if self.fast_path_tokens_per_step < 1:
             raise ValueError(f"fast_path_tokens_per_step must be 1 or more, got {self.fast_path_tokens_per_step}")
         return self
