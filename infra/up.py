@@ -184,6 +184,7 @@ def plan(args: argparse.Namespace, model: Path, nats_url: str, py: str,
             procs.append(Proc(f"decode-{i}", cli + [
                 "decode", *common("decode"), "--model", str(model), "--node-id", f"decode-{i}",
                 "--slots", str(args.slots), "--max-seq-len", str(args.max_model_len),
+                "--tensor-parallel-size", str(args.decode_tp),
                 "--http-port", str(port)], f"http://127.0.0.1:{port}/health"))
     else:
         missing.append("decode node (services/decode/main.py)")
@@ -257,6 +258,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default 1)")
     p.add_argument("--decode-nodes", type=int, default=2, help="decode node processes (default 2)")
     p.add_argument("--slots", type=int, default=2, help="slots per decode node (default 2)")
+    p.add_argument("--decode-tp", type=int, default=1, metavar="N",
+                   help="tensor-parallel ranks per decode node (default 1; each rank is a process)")
     p.add_argument("--port", type=int, default=8000, help="router port (default 8000)")
     p.add_argument("--host", default="127.0.0.1", help="router listen address")
     p.add_argument("--prefill-port", type=int, default=0, help="vLLM port (default: a free one)")

@@ -1,7 +1,8 @@
 """What a decode node tells the coordinator and routers about itself: ``NodeAvailable`` on
 ``xl.node.<node>.avail`` (free slots, versions, transport endpoint, slot buffer addresses, layout)
 every ``--heartbeat-ms``, at once when the slot core asks (a slot freed or taken) and when NATS
-comes back; ``NodeDraining`` instead once the node drains. ``seq`` grows with every message, so a
+comes back; ``NodeDraining`` instead once the node drains. A tensor-parallel node lists its ranks
+1..N-1's receive buffers in ``ranks``. ``seq`` grows with every message, so a
 restarted node (seq from 1 again) is told apart from a late message."""
 
 from __future__ import annotations
@@ -14,13 +15,15 @@ from services.decode.receiver import Receiver
 from services.decode.slots import SlotCore
 from shared import subjects
 from shared.bus import Bus
-from shared.events import PROTOCOL_VERSION, NodeAvailable, NodeDraining
+from shared.events import PROTOCOL_VERSION, NodeAvailable, NodeDraining, RankEndpoints
 
 
 class Availability:
-    def __init__(self, bus: Bus, config: DecodeConfig, core: SlotCore, receiver: Receiver, engine, log) -> None:
+    def __init__(self, bus: Bus, config: DecodeConfig, core: SlotCore, receiver: Receiver, engine, log,
+                 ranks: list[RankEndpoints] | None = None) -> None:
         self.bus, self.config, self.core, self.receiver, self.engine, self.log = (
             bus, config, core, receiver, engine, log)
+        self.ranks = list(ranks or [])  # a tensor-parallel node's ranks 1..N-1
         self.seq = 0
         self.is_draining = False
 
@@ -36,7 +39,7 @@ class Availability:
             transports=[self.receiver.name], endpoints={self.receiver.name: self.receiver.endpoint},
             slots=self.receiver.slot_targets(), layout=self.engine.layout,
             heartbeat_interval_ms=c.heartbeat_ms, seq=self.seq, sent_at_ms=now,
-            nixl_metadata_b64=self.receiver.metadata_b64, max_seq_len=self.engine.max_seq_len))
+            nixl_metadata_b64=self.receiver.metadata_b64, max_seq_len=self.engine.max_seq_len, ranks=self.ranks))
 
     async def loop(self) -> None:
         """Publish every ``heartbeat_ms`` until cancelled (a failed publish is logged, not fatal)."""

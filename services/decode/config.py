@@ -36,6 +36,7 @@ class DecodeConfig:
     num_checksum_threads: int = 4  # threads that verify one KvReady's segment sums
     torch_threads: int = 1  # torch's intra-op threads (CPU work of the engine's step)
     fault_stall_after_tokens: int = 0  # FAULT INJECTION: the engine hangs (tests, bench only)
+    tensor_parallel_size: int = 1  # ranks (processes, one GPU each) the model is sharded over
 
     @property
     def num_slots(self) -> int:
@@ -53,7 +54,7 @@ class DecodeConfig:
             kv_cache_dtype=args.kv_cache_dtype,
             num_speculative_tokens=args.num_speculative_tokens, fast_path=args.fast_path,
             mtp_draft_vocab=args.mtp_draft_vocab, tokenizer=args.tokenizer or None,
-            adaptive_speculation=args.adaptive_speculation)
+            adaptive_speculation=args.adaptive_speculation, moe_parallel=args.moe_parallel)
         return cls(
             model=args.model, node_id=args.node_id or default_node_id(), engine=engine,
             nats_url=args.nats_url, bus_auth=shared_config.bus_auth(args),
@@ -63,7 +64,8 @@ class DecodeConfig:
             http_host=args.http_host, http_port=args.http_port, drain_timeout_s=args.drain_timeout_s,
             require_kv_checksum=args.require_kv_checksum, num_checksum_threads=args.checksum_threads,
             torch_threads=args.torch_threads,
-            fault_stall_after_tokens=args.fault_stall_after_tokens)
+            fault_stall_after_tokens=args.fault_stall_after_tokens,
+            tensor_parallel_size=args.tensor_parallel_size)
 
     def validate(self) -> DecodeConfig:
         """Raise ValueError naming the flag whose value cannot work; return self."""
@@ -82,6 +84,15 @@ class DecodeConfig:
             raise ValueError(f"--fault-stall-after-tokens must be 0 or more, got {self.fault_stall_after_tokens}")
         if self.drain_timeout_s < 0:
             raise ValueError(f"--drain-timeout-s must be 0 or more, got {self.drain_timeout_s}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"--tensor-parallel-size must be 1 or more, got {self.tensor_parallel_size}")
+        if self.tensor_parallel_size > 1:
+            if self.require_kv_checksum:
+                raise ValueError("--require-kv-checksum needs --tensor-parallel-size 1: a prefill sends segment "
+                                 "checksums only to a single-rank node (several writers fill a rank's rows)")
+            if self.engine.fast_path == "on":
+                raise ValueError("--fast-path on needs --tensor-parallel-size 1: the CUDA fast path is "
+                                 "single-GPU; a tensor-parallel node decodes on the reference step (--fast-path auto)")
         try:
             subjects.node_avail(self.node_id)
         except ValueError as exc:
@@ -145,6 +156,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "many small ops, which more threads slow down (their barriers) and which then "
                         "take cores from the prefill and other nodes on the host; raise it only for a "
                         "CPU decode node with a large model on cores of its own")
+    p.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
+                   help="shard the model over N ranks, one process and one GPU each (cuda:K..K+N-1 for "
+                        "--device cuda:K; gloo on CPU): this process is rank 0 and starts the others; each "
+                        "rank keeps its share of the KV heads and registers its own receive buffers")
+    p.add_argument("--moe-parallel", choices=["tp", "ep"], default="tp",
+                   help="with --tensor-parallel-size > 1, how MoE experts split: tp slices every expert "
+                        "over the ranks, ep gives each rank whole experts")
     p.add_argument("--heartbeat-ms", type=int, default=1000)
     p.add_argument("--http-host", default="127.0.0.1")
     p.add_argument("--http-port", type=int, default=9103, help="/health and /metrics (0: any free)")

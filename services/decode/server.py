@@ -55,12 +55,13 @@ INLINE_STEP_MAX_S = 0.005
 
 
 class DecodeNode:
-    def __init__(self, engine, receiver: Receiver, bus: Bus, config: DecodeConfig) -> None:
+    def __init__(self, engine, receiver: Receiver, bus: Bus, config: DecodeConfig, ranks: list | None = None) -> None:
+        """``ranks``: a tensor-parallel node's ranks 1..N-1 (their receive buffers), advertised with rank 0's."""
         self.engine, self.receiver, self.bus, self.config = engine, receiver, bus, config
         self.node_id = config.node_id
         self.core = SlotCore(config.node_id, config.num_slots, engine.layout.layout_version)
         self.log = get_logger("decode", node_id=self.node_id)
-        self.avail = Availability(bus, config, self.core, receiver, engine, self.log)
+        self.avail = Availability(bus, config, self.core, receiver, engine, self.log, ranks or [])
         self.status = NodeStatus(self.core, lambda: self.bus.is_connected, lambda: self.avail.is_draining,
                                  spec_counters=((lambda: self.engine.spec_counters)
                                                 if getattr(engine, "num_spec", 0) else None),
@@ -118,6 +119,18 @@ class DecodeNode:
         await self.avail.publish()
         self.http.close()
         self.log.info("decode_stopped", stale_ignored=self.core.num_stale)
+
+    async def abort(self, reason: str) -> None:
+        """The node cannot go on (a tensor-parallel rank died): fail every request it holds as
+        retryable (the router migrates them), tell the coordinator (SlotReleased, NodeDraining),
+        without waiting on the engine."""
+        self.log.error("node_abort", reason=reason, hint="every request here fails over to another node; "
+                       "restart this node (all of its ranks)")
+        self.avail.is_draining = True
+        await self._apply(self.core.fail_all(f"node_failed: {reason}", time.perf_counter()))
+        with contextlib.suppress(Exception):
+            await self.avail.publish()
+        await self.reports.flush(5)
 
     async def _on_start(self, msg: DecodeStart, _) -> None:
         effects = self.core.on_start(msg)

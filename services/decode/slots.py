@@ -194,6 +194,25 @@ class SlotCore:
             self._ask_stop(self.slots[i].current, Stop(outcome, reason, True))
         return []
 
+    def fail_all(self, reason: str, now_s: float) -> list[Effect]:
+        """The engine is gone (a tensor-parallel rank died): end every lease now, each told to the
+        router as a retryable failure (it migrates them) and released to the coordinator, with no
+        engine work (nothing is asked of the engine, no ``ReleaseEngine``)."""
+        effects: list[Effect] = []
+        stop = Stop("failed", reason, True)
+        for s in self.slots:
+            for lease in (s.current, s.waiting):
+                if lease is None:
+                    continue
+                if lease.lease_id in self.ended:
+                    continue  # ended above (a waiting lease promoted as its slot freed)
+                if lease.start is not None:  # the router knows it: a terminal event it migrates on
+                    done = self._finish(lease, stop, "cancelled", SpecStats(), now_s)
+                else:
+                    done = self._release(lease.slot, lease.lease_id, lease.generation, lease.request_id, stop)
+                effects += [e for e in done if not isinstance(e, (ReleaseEngine, StartEngine))]
+        return effects
+
     # ------------------------------------------------------------ engine inputs
 
     def take_engine_work(self) -> list[EngineWork]:

@@ -48,10 +48,20 @@ def test_compose_file_validates():
 
 
 def test_services_and_profiles(stack):
-    assert set(stack) == LONG_RUNNING | {"jaeger", "model", "nats-box", "events"}
+    assert set(stack) == LONG_RUNNING | {"jaeger", "model", "nats-box", "events", "decode-tp"}
     assert stack["nats-box"]["profiles"] == ["tools"] and stack["events"]["profiles"] == ["tools"]
+    assert stack["decode-tp"]["profiles"] == ["tp"]
     for name in LONG_RUNNING | {"jaeger", "model"}:  # what `docker compose up` starts
         assert "profiles" not in stack[name], name
+
+
+def test_tensor_parallel_decode_node_is_its_own_profile():
+    result = docker_compose("--profile", "tp", "config")
+    assert result.returncode == 0, result.stderr
+    svc = yaml.safe_load(result.stdout)["services"]["decode-tp"]
+    assert svc["profiles"] == ["tp"] and "--tensor-parallel-size=2" in svc["command"]
+    assert "--fast-path=on" not in svc["command"]  # a tensor-parallel node runs the reference step
+    assert len(svc["deploy"]["resources"]["reservations"]["devices"][0]["device_ids"]) == 2
 
 
 def test_health_checks_and_start_order(stack):
@@ -133,7 +143,7 @@ def test_dockerfiles_exist_and_copy_what_exists(stack):
 
 SECURE = ROOT / "docker-compose.secure.yml"
 SECURE_USERS = {"router": "router", "coordinator": "coordinator", "coordinator-1": "coordinator",
-                "decode-0": "decode",
+                "decode-0": "decode", "decode-tp": "decode",
                 "decode-1": "decode", "prefill": "prefill", "events": "tools"}
 
 
@@ -158,7 +168,7 @@ def secure_stack(nats_secrets) -> dict:
 
 def test_secure_override_gives_each_service_only_its_own_files(secure_stack, nats_secrets):
     services = secure_stack["services"]
-    assert set(services) == LONG_RUNNING | {"jaeger", "model", "nats-box", "events"}
+    assert set(services) == LONG_RUNNING | {"jaeger", "model", "nats-box", "events", "decode-tp"}
     for name, user in SECURE_USERS.items():
         env = services[name]["environment"]
         assert env["EXPRESSLANE_NATS_URL"] == "nats://nats:4222", name  # no password in a URL

@@ -490,3 +490,21 @@ def test_fault_stall_due(after, migration, outputs, want):
         h.run("output", (0, token_ids, None))
     assert h.core.fault_stall_due(after) is want
     h.end_everything()
+
+
+def test_fail_all_ends_every_lease_without_the_engine():
+    """A dead tensor-parallel rank: decoding, ready and half-arrived leases all end at once, the
+    router told (retryable) where it knows the request, the coordinator told of every slot."""
+    h = Harness(num_slots=3)
+    for op, arg, _ in decoding(1):  # slot 0 decoding
+        h.run(op, arg)
+    h.run("start", start(2, slot=1))  # slot 1: both halves, not yet taken by the engine
+    h.run("kv", kv(2, slot=1))
+    h.run("kv", kv(3, slot=2, source=(0, 2)))  # slot 2: one rank's KV of two, no start yet
+    effects = h.core.fail_all("node_failed: rank 1 exited", h.now_s + 1)
+    assert not any(isinstance(e, (ReleaseEngine, StartEngine)) for e in effects)
+    shown = [show(e) for e in effects if not isinstance(e, (Finished, Forget))]
+    why = "node_failed: rank 1 exited"
+    assert [s for s in shown if s[0] == "failed"] == [("failed", why), ("failed", why)]
+    assert sorted(s[1] for s in shown if s[0] == "released") == ["L1", "L2", "L3"]
+    assert h.core.is_idle and h.core.fail_all(why, h.now_s + 2) == []
