@@ -276,6 +276,10 @@ def tp_write_ops(ours: KvLayoutSpec, local_base: int, theirs: KvLayoutSpec, remo
                 for a, b in zip(ours.segments, theirs.segments)]
     s0, s1 = held_heads(ours)
     d0, d1 = held_heads(theirs)
+    if not theirs.kv_heads:  # an older peer, one rank: it holds every head
+        d0, d1 = 0, ours.kv_heads_total or s1
+    if not ours.kv_heads:
+        s0, s1 = 0, theirs.kv_heads_total or d1
     if (s0, s1) == (d0, d1):  # the same heads (one rank each side, or equal splits)
         return [(local_base + a.offset_bytes, remote_base + b.offset_bytes, num_tokens * a.bytes_per_token)
                 for a, b in zip(ours.segments, theirs.segments)]

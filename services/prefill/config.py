@@ -13,7 +13,7 @@ Keys (all optional):
 | staging_slots        | 4                            | requests that can be in flight at once          |
 | staging_max_tokens   | vLLM's max_model_len         | longest prompt a staging slot holds             |
 | transfer_timeout_s   | 30                           | a write not done by then: KV-failed             |
-| stats_path           | /dev/shm/expresslane-staging-<engine_id> | staging slot states (see staging.py) |
+| stats_path           | /dev/shm/expresslane-staging-<engine_id> | staging slot states (see staging.py; tensor-parallel rank r > 0: PATH.rank<r>) |
 | kv_checksum          | false                        | a checksum per written segment in KvReady (shared.kvchecksum) |
 | fault_flip_kv_byte_every | 0                        | FAULT INJECTION, tests and bench/chaos.py only: flip one byte of every Nth checksummed transfer's staging copy after summing (0: off) |
 

@@ -16,8 +16,14 @@ Requests without the ``expresslane`` key in ``kv_transfer_params`` are never tou
 connector composes with NixlConnector under MultiConnector.
 
 Staging slot states live in the file ``stats_path`` (default
-``/dev/shm/expresslane-staging-<engine_id>``); ``services.prefill.staging.read_stats(path)`` or
+``/dev/shm/expresslane-staging-<engine_id>``; under tensor parallelism one file per staging rank,
+``staging.rank_path``); ``services.prefill.staging.read_stats(path)`` or
 ``expresslane prefill --stats PATH`` shows them.
+
+Tensor parallelism (``--tensor-parallel-size p``, services.prefill.parallel): every rank's worker
+hands over its own share of the KV heads (MLA: rank 0 the whole latent). The scheduler reserves a
+staging slot only while it is free on every staging rank, and refuses every request, with the
+reason, where the model's KV heads do not split over the ranks.
 """
 
 from __future__ import annotations
@@ -34,9 +40,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from services.prefill.config import ExpressConfig
+from services.prefill.parallel import split_refusal, staging_ranks
 from services.prefill.publisher import Publisher
 from services.prefill.scheduler import ExpressScheduler, SaveRequest
-from services.prefill.staging import SlotStates
+from services.prefill.staging import RankSlotStates
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -73,9 +80,13 @@ class ExpressConnector(KVConnectorBase_V1, SupportsHMA):
         self._worker = None
         self._publisher: Publisher | None = None
         if role == KVConnectorRole.SCHEDULER:
-            states = SlotStates(config.stats_file(engine_id), config.staging_slots, create=True)
-            max_tokens = config.staging_max_tokens or vllm_config.model_config.max_model_len
-            self._scheduler = ExpressScheduler(states, max_tokens)
+            model = vllm_config.model_config
+            kind, tp_size = "mla" if model.use_mla else "gqa", vllm_config.parallel_config.tensor_parallel_size
+            refusal = "" if kind == "mla" else split_refusal(kind, model.get_total_num_kv_heads(), tp_size)
+            states = RankSlotStates(config.stats_file(engine_id), config.staging_slots,
+                                    staging_ranks(kind, tp_size), create=True)
+            max_tokens = config.staging_max_tokens or model.max_model_len
+            self._scheduler = ExpressScheduler(states, max_tokens, refusal)
             # The first token and the decode start leave from here, the moment the scheduler has
             # them (before vLLM's response carries the token).
             self._publisher = Publisher(config.nats_url, name=f"prefill-sched-{engine_id[:8]}",

@@ -10,7 +10,9 @@ staging slot they get. Pure bookkeeping (no torch, no vLLM, no I/O).
   forward writes the last prompt KV: the scheduler then reserves a staging slot and emits one
   ``SaveRequest`` for the worker. No free slot (or a prompt longer than a slot): a ``SaveRequest``
   with ``fail_reason`` instead, so the worker reports KV-failed, and ``request_finished`` says
-  ``handed_off: false``; nothing blocks, nothing is overwritten.
+  ``handed_off: false``; nothing blocks, nothing is overwritten. A prefill that cannot hand over
+  at all (``refusal``: its KV heads do not split over its tensor-parallel ranks) fails every
+  claim so, with that reason.
 - ``on_first_token`` (before ``on_finished``, for a request vLLM finished with its one token):
   when the hand-off carries ``start``, what to publish at once: ``PrefillToken`` to the router,
   then ``DecodeStart`` to the node, unless vLLM stopped on the token (the router ends the lease) or
@@ -64,9 +66,10 @@ class Claim:
 class ExpressScheduler:
     """Claims, block tracking and slot reservation for the express lane."""
 
-    def __init__(self, slots: Slots, max_tokens: int) -> None:
+    def __init__(self, slots: Slots, max_tokens: int, refusal: str = "") -> None:
         self.slots = slots
         self.max_tokens = max_tokens
+        self.refusal = refusal  # set: no request is handed off, for this reason
         self.claims: dict[str, Claim] = {}
         self._pending_failures: list[SaveRequest] = []
 
@@ -113,7 +116,9 @@ class ExpressScheduler:
             return
         claim.is_saved = True
         n = claim.num_prompt_tokens
-        if n > self.max_tokens:
+        if self.refusal:
+            claim.reason = self.refusal
+        elif n > self.max_tokens:
             claim.reason = (f"prompt of {n} tokens exceeds the staging slot size of "
                             f"{self.max_tokens} tokens (staging_max_tokens)")
         else:

@@ -1,18 +1,34 @@
 """The background sender: one-sided writes of staged KV into decode slots, then KV-ready.
 
 Runs on its own threads inside vLLM's worker process, so the prefill loop never waits for the
-network. For each job it checks that the decode slot's layout is the one staged, writes every
-segment's first ``num_tokens`` tokens with the transport the target names, marks the staging
-slot free, and publishes ``KvReady`` on ``xl.kv.ready.<node>`` (or ``KvFailed`` with the reason)
-with the request's trace context. Failures are reported as data, never raised into vLLM.
+network. For each job it checks that every decode rank's slot layout pairs with the one staged,
+writes each decode rank the first ``num_tokens`` tokens of the KV both hold with the transport the
+target names, marks the staging slot free, and publishes ``KvReady`` on ``xl.kv.ready.<node>`` (or
+``KvFailed`` with the reason) with the request's trace context. Failures are reported as data,
+never raised into vLLM.
+
+Tensor parallelism (shared.kvlayout, services.prefill.parallel): the staged layout is this prefill
+rank's (its share of the KV heads; MLA: the whole latent, staged by rank 0 only), and the target
+lists the decode node's ranks (``TransferTarget.rank_targets``). Each decode rank gets
+``tp_write_ops`` of the heads both hold; where this rank holds more heads than a decode rank
+(prefill TP < decode TP) their heads are first packed into the staging slot's scratch area in that
+rank's layout (``StagingPool.pack_heads``), so each is written whole, one op per segment. Ranks
+that hold none of our heads are skipped. Each prefill rank that wrote announces it with its own
+``KvReady`` (``source_rank``: its rank, ``source_ranks``: how many prefill ranks write to the node,
+``nbytes``: what this rank wrote); the node injects once it has every one. A rank that writes
+nothing publishes nothing.
 
 With ``checksum`` on, each written segment's CRC-32 is computed on the staging copy just before
-the write and carried in ``KvReady.kv_checksums`` (shared.kvchecksum). ``fault_flip_every=N``
-(fault injection for tests and bench/chaos.py, never in production) then flips the first written
-byte of every Nth such transfer's staging copy, so the decode node must catch it.
+the write and carried in ``KvReady.kv_checksums`` (shared.kvchecksum), for a single writer of a
+single decode buffer only (prefill and decode TP 1): a tensor-parallel node cannot check sums of
+bytes several writers put into its buffers, so under TP none are sent (logged once).
+``fault_flip_every=N`` (fault injection for tests and bench/chaos.py, never in production) then
+flips the first written byte of every Nth such transfer's staging copy, so the decode node must
+catch it.
 
 With GPU staging, while a job's staging copies still run on the GPU, the sender first writes
-``PREWARM_BYTES`` of the first segment into the slot (``prewarm``, on by default): the write path's
+``PREWARM_BYTES`` of the first segment into the first decode rank it writes (``prewarm``, on by
+default): the write path's
 first use after an idle spell is slow (host caches, the transport's and the driver's state; on
 CPU NIXL about 0.1 ms against 0.03 back to back; between two H200s over NVLink a copy after 50 ms
 idle takes ~0.29 ms more than back to back, whatever its size, and a 1 MB copy up to 1 ms before
@@ -30,14 +46,17 @@ import queue
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from typing import Callable
 
 from opentelemetry import trace
 
 from shared import subjects
-from shared.events import KvFailed, KvLayoutSpec, KvReady
+from shared.events import KvFailed, KvLayoutSpec, KvReady, RankTarget, TransferTarget
 from shared.handoff import Handoff
 from shared.kvchecksum import CHECKSUM_ALGO, checksums
-from shared.kvlayout import FP8_DTYPES, kv_cache_dtype_flag
+from shared.kvlayout import (
+    FP8_DTYPES, held_heads, kv_cache_dtype_flag, staged_layout, tp_mismatch, tp_write_ops,
+)
 from shared.tracing import context_from_traceparent, current_traceparent
 from shared.transport import TransferError, Transport
 
@@ -66,7 +85,11 @@ def layout_mismatch(ours: KvLayoutSpec, theirs: KvLayoutSpec, num_tokens: int) -
     MLA layouts may differ in their trailing MTP layers: a prefill running the MTP drafter stages
     one layer more than a node that does not speculate keeps (the extra layer is not sent), and a
     node that speculates behind a prefill without the drafter gets the main layers only (its
-    drafts are still verified, so output is unchanged; only their acceptance suffers)."""
+    drafts are still verified, so output is unchanged; only their acceptance suffers).
+
+    GQA layouts of two tensor-parallel splits hold different numbers of heads per token: they pair
+    when both describe the same model's heads (shared.kvlayout.tp_mismatch) and each head takes as
+    many bytes on both sides; a peer that does not describe its heads pairs only whole (TP 1)."""
     fields = ("layout_version", "kind", "dtype") + (() if ours.kind == "mla" else ("num_layers",))
     for field in fields:
         if field == "dtype" and ours.dtype != theirs.dtype and {ours.dtype, theirs.dtype} & set(FP8_DTYPES):
@@ -74,8 +97,13 @@ def layout_mismatch(ours: KvLayoutSpec, theirs: KvLayoutSpec, num_tokens: int) -
         if getattr(ours, field) != getattr(theirs, field):
             return (f"layout mismatch: prefill stages {field}={getattr(ours, field)!r}, decode slot "
                     f"expects {getattr(theirs, field)!r}")
+    reason = tp_mismatch(ours, theirs)
+    if reason:
+        return reason
+    per_head = ours.kind == "gqa" and bool(ours.kv_heads and theirs.kv_heads)
+    ours_heads, theirs_heads = (ours.kv_heads, theirs.kv_heads) if per_head else (1, 1)
     if ours.kind != "mla" and len(ours.segments) != len(theirs.segments) or any(
-            a.bytes_per_token != b.bytes_per_token or a.name != b.name
+            a.bytes_per_token * theirs_heads != b.bytes_per_token * ours_heads or a.name != b.name
             for a, b in zip(ours.segments, theirs.segments)):
         return "layout mismatch: per-token segment sizes differ (different model?)"
     if num_tokens > theirs.max_tokens:
@@ -97,6 +125,62 @@ def write_ops(ours: KvLayoutSpec, staging_addr: int, theirs: KvLayoutSpec, remot
             for a, b in zip(ours.segments, theirs.segments)]
 
 
+@dataclasses.dataclass(frozen=True)
+class RankWrite:
+    """One decode rank's share of a job: its target and the (local, remote, nbytes) writes. With
+    ``staged``, the writes read an image of that rank's heads which ``StagingPool.pack_heads``
+    builds first at ``scratch_offset`` into the staging slot's scratch area."""
+
+    rank: RankTarget
+    ops: list[tuple[int, int, int]]
+    staged: KvLayoutSpec | None = None
+    scratch_offset: int = 0
+
+
+def scratch_offset(ours: KvLayoutSpec, staged: KvLayoutSpec) -> int:
+    """Where a decode rank's packed image starts in a slot's scratch area (as large as a slot of
+    ``ours``): its first head's place among ours, so ranks of disjoint heads never overlap."""
+    return (staged.kv_head_start - ours.kv_head_start) * (ours.slot_nbytes // ours.kv_heads)
+
+
+def plan_rank_writes(ours: KvLayoutSpec, staging_addr: int, target: TransferTarget, num_tokens: int,
+                     scratch_addr: Callable[[], int]) -> tuple[list[RankWrite], str]:
+    """The writes of a slot image of ``ours`` at ``staging_addr`` into every decode rank of
+    ``target``, rank 0 first, ranks that hold none of our KV left out; or ([], why not) when a
+    rank's layout does not pair with ours. ``scratch_addr()``: the staging slot's scratch area,
+    asked only when a rank holds fewer heads than we do (packed there, then written whole).
+    Prefill and decode of one rank each write whole segments, as before tensor parallelism."""
+    ranks = target.rank_targets()
+    for rank in ranks:
+        reason = layout_mismatch(ours, rank.layout, num_tokens)
+        if reason:
+            return [], reason if len(ranks) == 1 else f"decode rank {rank.tp_rank}: {reason}"
+    writes = []
+    for rank in ranks:
+        theirs, base = rank.layout, rank.slot.base_addr
+        staged = staged_layout(ours, theirs)
+        if (ours.tp_size, theirs.tp_size) == (1, 1):  # one image each side (also a peer without heads)
+            writes.append(RankWrite(rank, write_ops(ours, staging_addr, theirs, base, num_tokens)))
+        elif staged is None:
+            writes.append(RankWrite(rank, tp_write_ops(ours, staging_addr, theirs, base, num_tokens)))
+        else:
+            offset = scratch_offset(ours, staged)
+            ops = tp_write_ops(staged, scratch_addr() + offset, theirs, base, num_tokens)
+            writes.append(RankWrite(rank, ops, staged, offset))
+    return [w for w in writes if w.ops], ""
+
+
+def source_ranks(ours: KvLayoutSpec, target: TransferTarget) -> int:
+    """How many prefill ranks (of ``ours.tp_size``, each holding as many heads as ours) write to the
+    node of ``target``: MLA one (rank 0 writes the latent every rank holds); GQA every rank
+    holding a head some decode rank holds (all of them, as a node's ranks hold every head)."""
+    if ours.kind == "mla" or ours.tp_size == 1:
+        return 1
+    readers = [held_heads(rank.layout) for rank in target.rank_targets()]
+    n = ours.kv_heads
+    return sum(any(max(w * n, d0) < min((w + 1) * n, d1) for d0, d1 in readers) for w in range(ours.tp_size))
+
+
 def write_timeout_s(timeout_s: float, expires_at_ms: int, now_ms: float) -> float:
     """The time a write may take: the transfer timeout, cut to what is left of the lease."""
     if not expires_at_ms:
@@ -111,6 +195,7 @@ class Sender:
                  num_threads: int = 2, tracer: trace.Tracer | None = None, checksum: bool = False,
                  num_checksum_threads: int = 4, fault_flip_every: int = 0, prewarm: bool = True) -> None:
         self.prewarm = prewarm
+        self._said_no_tp_checksums = False
         self.tracer = tracer or trace.get_tracer("expresslane.prefill")
         self.checksum = checksum
         self.fault_flip_every = fault_flip_every
@@ -173,15 +258,18 @@ class Sender:
         with self.tracer.start_as_current_span("prefill.kv_transfer", context=parent) as span:
             span.set_attribute("expresslane.request_id", h.request_id)
             span.set_attribute("expresslane.node_id", h.target.node_id)
-            transfer_ms, nbytes, reason = 0.0, 0, job.fail_reason
+            transfer_ms, nbytes, reason, writes = 0.0, 0, job.fail_reason, []
             if not reason:
                 t0 = time.perf_counter()
-                self._prewarm(job)
+                writes, reason = self._plan(job)
+                if not reason:
+                    self._prewarm(job, writes)
                 self.pool.wait_staged(job.staging_slot)  # GPU staging: its copies have landed
                 job.extract_ms += (time.perf_counter() - t0) * 1e3  # extraction ends when they have
-                t0 = time.perf_counter()
-                nbytes, reason = self._write(job)
-                transfer_ms = (time.perf_counter() - t0) * 1e3 - job.checksum_ms  # the write alone
+                if not reason:
+                    t0 = time.perf_counter()
+                    nbytes, reason = self._write(job, writes)
+                    transfer_ms = (time.perf_counter() - t0) * 1e3 - job.checksum_ms  # the write alone
                 self.states.set(job.staging_slot, FREE)
             base = dict(request_id=h.request_id, lease_id=h.lease_id, generation=h.generation,
                         node_id=h.target.node_id, slot=h.target.slot.slot)
@@ -189,59 +277,99 @@ class Sender:
                 span.set_attribute("expresslane.failed", reason)
                 event = KvFailed(**base, reason=reason)
                 self.states.count("kv_failed")
+            elif not writes:  # no decode rank holds any of this rank's KV: the others announce it
+                return
             else:
                 self.states.count("kv_ready")
+                spec = self.pool.spec
                 event = KvReady(**base, num_tokens=job.num_tokens,
                                 layout_version=h.target.layout.layout_version, nbytes=nbytes,
                                 extract_ms=job.extract_ms, transfer_ms=transfer_ms,
                                 kv_checksums=job.kv_checksums,
                                 kv_checksum_algo=CHECKSUM_ALGO if job.kv_checksums else "",
-                                checksum_ms=job.checksum_ms)
+                                checksum_ms=job.checksum_ms,
+                                source_rank=spec.tp_rank, source_ranks=source_ranks(spec, h.target))
             traceparent = current_traceparent() or h.traceparent
         self.publisher.publish(subjects.kv_ready(h.target.node_id), event, traceparent)
 
-    def _write(self, job: SendJob) -> tuple[int, str]:
+    def _plan(self, job: SendJob) -> tuple[list[RankWrite], str]:
+        """Every decode rank's writes for ``job`` (plan_rank_writes), or why there are none."""
         target = job.handoff.target
-        transport = self.transports.get(target.transport)
-        if transport is None:
-            return 0, (f"transport {target.transport!r} is not enabled on this prefill "
-                       f"(enabled: {', '.join(self.transports)})")
-        reason = layout_mismatch(self.pool.spec, target.layout, job.num_tokens)
-        if reason:
-            return 0, reason
+        if target.transport not in self.transports:
+            return [], (f"transport {target.transport!r} is not enabled on this prefill "
+                        f"(enabled: {', '.join(self.transports)})")
+        slot = job.staging_slot
+        try:
+            return plan_rank_writes(self.pool.spec, self.pool.slot_addr(slot), target, job.num_tokens,
+                                    lambda: self.pool.scratch_addr(slot, self._register))
+        except (TransferError, RuntimeError) as exc:  # the scratch area: out of memory, not registered
+            return [], (f"could not set up the staging scratch area that packs a decode rank's KV heads "
+                        f"({exc}): free device memory or run the prefill with the decode node's "
+                        f"tensor-parallel size")
+
+    def _register(self, addr: int, nbytes: int) -> None:
+        for transport in self.transports.values():
+            transport.register(addr, nbytes)
+
+    def _write(self, job: SendJob, writes: list[RankWrite]) -> tuple[int, str]:
+        """Pack where a decode rank holds fewer heads, then write each rank in turn, all within one
+        deadline (the transfer timeout, cut to the lease)."""
+        target = job.handoff.target
+        transport = self.transports[target.transport]
         timeout_s = write_timeout_s(self.timeout_s, job.handoff.expires_at_ms, time.time() * 1000)
         if timeout_s <= 0:
             return 0, "lease expired before the write could start"
-        slot_addr = self.pool.slot_addr(job.staging_slot)
-        ops = write_ops(self.pool.spec, slot_addr, target.layout, target.slot.base_addr, job.num_tokens)
+        deadline = time.monotonic() + timeout_s
         if self.checksum:
-            self._checksum(job, [(local - slot_addr, nbytes) for local, _, nbytes in ops])
-        try:
-            transport.write(target.endpoint, ops, target.nixl_metadata_b64, timeout_s=timeout_s)
-        except TransferError as exc:
-            return 0, f"transfer failed: {exc}"
-        return sum(op[2] for op in ops), ""
+            self._checksum_single_writer(job, writes)
+        for w in writes:
+            if w.staged is not None:
+                try:
+                    self.pool.pack_heads(job.staging_slot, w.staged, w.scratch_offset, job.num_tokens)
+                except RuntimeError as exc:  # a device error: report it as the hand-off's failure
+                    return 0, f"packing the KV heads of decode rank {w.rank.tp_rank} failed: {exc}"
+        for w in writes:
+            left_s = deadline - time.monotonic()
+            where = f" (decode rank {w.rank.tp_rank})" if len(writes) > 1 else ""
+            if left_s <= 0:
+                return 0, f"transfer failed{where}: not started within the {timeout_s:.1f} s left to write"
+            try:
+                transport.write(w.rank.endpoint, w.ops, w.rank.nixl_metadata_b64, timeout_s=left_s)
+            except TransferError as exc:
+                return 0, f"transfer failed{where}: {exc}"
+        return sum(op[2] for w in writes for op in w.ops), ""
 
-    def _prewarm(self, job: SendJob) -> None:
-        """With GPU staging, a tiny write into the target slot while the staging copies run."""
-        if not self.prewarm or getattr(self.pool, "on_gpu", False) is not True:
+    def _prewarm(self, job: SendJob, writes: list[RankWrite]) -> None:
+        """With GPU staging, a tiny write into the first decode rank written while the staging
+        copies run."""
+        if not self.prewarm or getattr(self.pool, "on_gpu", False) is not True or not writes:
             return
         target = job.handoff.target
-        transport = self.transports.get(target.transport)
-        if transport is None or layout_mismatch(self.pool.spec, target.layout, job.num_tokens):
-            return  # the write proper reports it
+        transport = self.transports[target.transport]
         timeout_s = write_timeout_s(self.timeout_s, job.handoff.expires_at_ms, time.time() * 1000)
-        ops = write_ops(self.pool.spec, self.pool.slot_addr(job.staging_slot), target.layout,
-                        target.slot.base_addr, job.num_tokens)
-        if timeout_s <= 0 or not ops or ops[0][2] <= 0:
+        first = writes[0]
+        local, remote, nbytes = first.ops[0]
+        if timeout_s <= 0 or nbytes <= 0:
             return
-        local, remote, nbytes = ops[0]
         try:
-            transport.write(target.endpoint, [(local, remote, min(nbytes, PREWARM_BYTES))],
-                            target.nixl_metadata_b64, timeout_s=timeout_s)
+            transport.write(first.rank.endpoint, [(local, remote, min(nbytes, PREWARM_BYTES))],
+                            first.rank.nixl_metadata_b64, timeout_s=timeout_s)
         except TransferError as exc:
             log.info("expresslane sender: prewarm write for %s failed (%s); the write proper decides",
                      job.handoff.request_id, exc)
+
+    def _checksum_single_writer(self, job: SendJob, writes: list[RankWrite]) -> None:
+        """Checksums for one writer of one decode buffer; under tensor parallelism none (said once)."""
+        if self.pool.spec.tp_size == 1 and len(job.handoff.target.rank_targets()) == 1:
+            slot_addr = self.pool.slot_addr(job.staging_slot)
+            self._checksum(job, [(local - slot_addr, nbytes) for w in writes for local, _, nbytes in w.ops])
+            return
+        if not self._said_no_tp_checksums:
+            self._said_no_tp_checksums = True
+            log.warning("expresslane sender: kv_checksum is on, but a hand-off between tensor-parallel "
+                        "ranks (prefill TP %d, decode TP %d) carries no checksums: the decode node cannot "
+                        "check a sum of bytes several writers wrote; they are sent for TP 1 to TP 1 only",
+                        self.pool.spec.tp_size, len(job.handoff.target.rank_targets()))
 
     def _checksum(self, job: SendJob, ranges: list[tuple[int, int]]) -> None:
         """Sum what is about to be written (ranges within the staging slot); fault injection after."""

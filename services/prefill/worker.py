@@ -7,6 +7,13 @@ layer's latent cache, then its indexer's key cache) with its layout adapter into
 its layer in the reserved staging slot, marks the slot SENDING and queues it for the sender;
 it never touches the network and never blocks on it. On a GPU the staging slots are GPU memory
 and the copies are queued on the step's stream; the sender waits for them before it writes.
+
+Under vLLM tensor parallelism (services.prefill.parallel) each rank's worker stages its own rank's
+layout (``layout_spec(..., tp_size, tp_rank)``: its share of the KV heads, the ones vLLM's cache
+on that rank holds) into its own staging pool, with its own slot state file (``staging.rank_path``). MLA ranks
+other than 0 stage nothing (rank 0 writes the latent every rank holds). A GQA model whose KV heads
+do not split over the ranks is refused: logged at start, every request reported not handed off.
+The failures the scheduler decided (the same on every rank) are reported by rank 0 only.
 """
 
 from __future__ import annotations
@@ -24,10 +31,11 @@ from services.prefill.layouts import LayerAdapter, adapter_for, kernel_block_ids
 from services.prefill.layouts_dsa import (
     INDEXER_BACKENDS, SPARSE_MLA_BACKENDS, DsaIndexerKeys, sparse_mla_adapter,
 )
+from services.prefill.parallel import split_refusal, stages, vllm_tensor_parallel
 from services.prefill.publisher import Publisher
 from services.prefill.scheduler import SaveRequest
 from services.prefill.sender import Sender, SendJob
-from services.prefill.staging import FREE, SENDING, SlotStates, StagingPool
+from services.prefill.staging import FREE, SENDING, SlotStates, StagingPool, rank_path
 
 # A child of vLLM's logger, so lines appear in vLLM's log with its format.
 log = logging.getLogger("vllm.expresslane.prefill")
@@ -51,11 +59,19 @@ def _backend_name(layer) -> str:
 
 
 class ExpressWorker:
-    def __init__(self, config: ExpressConfig, vllm_config, kv_cache_config, engine_id: str) -> None:
+    """The connector's worker side in one vLLM worker process. ``tp``: (tensor-parallel size, this
+    rank); None asks vLLM (services.prefill.parallel.vllm_tensor_parallel)."""
+
+    def __init__(self, config: ExpressConfig, vllm_config, kv_cache_config, engine_id: str,
+                 tp: tuple[int, int] | None = None) -> None:
         self.config = config
         self.vllm_config = vllm_config
         self.kv_cache_config = kv_cache_config
         self.engine_id = engine_id
+        self.tp_size, self.tp_rank = tp if tp is not None else vllm_tensor_parallel()
+        # MLA ranks other than 0 stage nothing: no staging memory, no slot states, no bus client
+        self.stages = stages("mla" if vllm_config.model_config.use_mla else "gqa", self.tp_rank)
+        self.refusal = ""  # set at register_kv_caches when the heads do not split over the ranks
         self.max_tokens = config.staging_max_tokens or vllm_config.model_config.max_model_len
         # (name, cache, group, layer) by layer index: layer counts the model's cache layers from 0
         self.layers: list[tuple[str, torch.Tensor, int, int]] = []
@@ -66,9 +82,12 @@ class ExpressWorker:
         # Our own provider (service "prefill"), not vLLM's global one; it exports only where
         # OTEL_EXPORTER_OTLP_(TRACES_)ENDPOINT says so.
         self.tracer = build_tracer_provider("prefill").get_tracer("expresslane.prefill")
-        self.states = SlotStates(config.stats_file(engine_id), config.staging_slots)
-        self.publisher = Publisher(config.nats_url, name=f"prefill-{engine_id[:8]}",
-                                   auth=config.bus_auth())
+        self.states: SlotStates | None = None
+        self.publisher: Publisher | None = None
+        if self.stages:
+            self.states = SlotStates(rank_path(config.stats_file(engine_id), self.tp_rank), config.staging_slots)
+            name = f"prefill-{engine_id[:8]}" + (f"-tp{self.tp_rank}" if self.tp_size > 1 else "")
+            self.publisher = Publisher(config.nats_url, name=name, auth=config.bus_auth())
 
     # ---------------------------------------------------------------- start-up
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -93,16 +112,29 @@ class ExpressWorker:
         if self.shape.kind == "mla" and dtype not in DTYPE_SIZES:
             # a quantized latent cache (fp8_ds_mla, fp8): its adapter stages it dequantized
             dtype = model_dtype
-        self.spec = layout_spec(self.shape, dtype, self.max_tokens)
+        if not self.stages:
+            log.info("expresslane: tensor-parallel rank %d of %d holds the same MLA latent as rank 0, "
+                     "which hands it over; this rank stages nothing", self.tp_rank, self.tp_size)
+            return
+        self.refusal = split_refusal(self.shape.kind, self.shape.num_kv_heads, self.tp_size)
+        if self.refusal:
+            log.error("expresslane: %s", self.refusal)
+            self.sender = Sender({}, None, self.states, self.publisher, self.config.transfer_timeout_s,
+                                 tracer=self.tracer)
+            return
+        self.spec = layout_spec(self.shape, dtype, self.max_tokens, self.tp_size, self.tp_rank)
         self.segment_index = {(s.layer, s.name): i for i, s in enumerate(self.spec.segments)}
         # Staging on the KV cache's device: on a GPU the extraction is a device-to-device gather
         # and the transport writes GPU memory into the decode node's GPU memory.
         device = str(self.layers[0][1].device)
         self.pool = StagingPool(self.spec, self.config.staging_slots, device=device)
+        agent_name = self.config.nixl_agent_name
+        if agent_name and self.tp_size > 1:  # one NIXL agent per rank, each its own name
+            agent_name = f"{agent_name}-tp{self.tp_rank}"
         for name in self.config.transports:
             t = create_transport(name, host=self.config.mooncake_host,
                                  protocol=self.config.mooncake_protocol,
-                                 agent_name=self.config.nixl_agent_name, receives=False, device=device)
+                                 agent_name=agent_name, receives=False, device=device)
             t.register(self.pool.addr, self.pool.nbytes)
             self.transports[name] = t
         self.sender = Sender(self.transports, self.pool, self.states, self.publisher,
@@ -110,10 +142,16 @@ class ExpressWorker:
                              checksum=self.config.kv_checksum,
                              fault_flip_every=self.config.fault_flip_kv_byte_every)
         log.info("expresslane: layers %s", [(n, tuple(t.shape), str(t.dtype)) for n, t, _, _ in self.layers])
+        split = ""
+        if self.tp_size > 1:
+            split = f", tensor-parallel rank {self.tp_rank} of {self.tp_size}"
+            if self.spec.kv_heads:
+                spec = self.spec
+                split += f" (KV heads from {spec.kv_head_start}: {spec.kv_heads} of {spec.kv_heads_total})"
         log.info("expresslane: %d layers, staging %d x %d bytes (%d tokens), transports %s, stats %s, "
-                 "kv checksum %s", len(self.layers), self.config.staging_slots, self.spec.slot_nbytes,
+                 "kv checksum %s%s", len(self.layers), self.config.staging_slots, self.spec.slot_nbytes,
                  self.max_tokens, ",".join(self.transports), self.states.path,
-                 "on" if self.config.kv_checksum else "off")
+                 "on" if self.config.kv_checksum else "off", split)
         if self.config.fault_flip_kv_byte_every:
             log.warning("expresslane: FAULT INJECTION on: every %d-th transfer's KV is corrupted after "
                         "its checksum", self.config.fault_flip_kv_byte_every)
@@ -127,8 +165,11 @@ class ExpressWorker:
                            index_head_dim=int(getattr(hf, "index_head_dim", 128)) if dsa else 0,
                            index_layers=dsa_indexer_layers(hf.to_dict(), num_layers) if dsa else ())
         mc = self.vllm_config.model_config
-        return KvShape(kind="gqa", num_layers=num_layers,
-                       num_kv_heads=mc.get_num_kv_heads(self.vllm_config.parallel_config),
+        # the model's KV heads, not this rank's share (layout_spec splits them); a stand-in config
+        # without get_total_num_kv_heads runs one rank, where both are the same
+        total = getattr(mc, "get_total_num_kv_heads", None)
+        num_kv_heads = total() if total is not None else mc.get_num_kv_heads(self.vllm_config.parallel_config)
+        return KvShape(kind="gqa", num_layers=num_layers, num_kv_heads=num_kv_heads,
                        head_dim=mc.get_head_size())
 
     def _indexer_caches_to_stage(self, layers: list, indexer: dict[str, bool]) -> list:
@@ -192,11 +233,17 @@ class ExpressWorker:
 
     # ---------------------------------------------------------------- per step
     def wait_for_save(self, saves: list[SaveRequest]) -> None:
+        if not self.stages:
+            return  # MLA rank > 0: rank 0 hands the latent over, and reports its failures
         for save in saves:
             if save.handoff is None:
                 continue  # unparseable params: reported in the response, nowhere to send an event
-            if save.fail_reason or save.staging_slot < 0:
-                self.sender.submit(SendJob(save.handoff, -1, 0, fail_reason=save.fail_reason))
+            reason = save.fail_reason or self.refusal
+            if reason or save.staging_slot < 0:
+                if save.staging_slot >= 0:
+                    self.states.set(save.staging_slot, FREE)
+                if self.tp_rank == 0:  # the same on every rank: one KvFailed for the request
+                    self.sender.submit(SendJob(save.handoff, -1, 0, fail_reason=reason))
                 continue
             try:
                 with self.tracer.start_as_current_span(
@@ -227,18 +274,20 @@ class ExpressWorker:
                 ids = kernel_block_ids(save.block_ids[group], manager_block_size, kernel_block_size, n)
                 block_tables[key] = torch.tensor(ids, dtype=torch.long, device=cache.device)
             out = [views[self.segment_index[(layer, name)]] for name in adapter.segments]
-            if self.shape.kind == "gqa":
-                out = [v.view(n, self.shape.num_kv_heads, self.shape.head_dim) for v in out]
+            if self.shape.kind == "gqa":  # this rank's heads (all of them at TP 1)
+                out = [v.view(n, self.spec.kv_heads, self.shape.head_dim) for v in out]
             adapter(cache, block_tables[key], n, out)
         return (time.perf_counter() - t0) * 1e3
 
     def shutdown(self) -> None:
         if self.sender is not None:
             self.sender.close()
-        self.publisher.close()
+        if self.publisher is not None:
+            self.publisher.close()
         for t in self.transports.values():
             try:
                 t.close()
             except Exception:
                 pass
-        self.states.close()
+        if self.states is not None:
+            self.states.close()

@@ -106,3 +106,5 @@ def test_a_peer_without_the_split_pairs_only_whole():
     assert tp_mismatch(old, old) == ""
     assert "too old" in tp_mismatch(old, layout_spec(GQA, "float32", MAX, 2, 0))
     assert tp_mismatch(layout_spec(GQA, "float32", MAX, 2, 1), layout_spec(GQA, "float32", MAX)) == ""
+    new = layout_spec(GQA, "float32", MAX)
+    assert len(tp_write_ops(new, 0, old, 0, N)) == len(tp_write_ops(old, 0, new, 0, N)) == 4  # whole segments

@@ -50,7 +50,8 @@ MISMATCH_CASES = [
     ("bigger slot is fine", layout_spec(SHAPE, "float32", 64), 10, ""),
     ("dtype", layout_spec(SHAPE, "bfloat16", 16), 10, "dtype"),
     ("layers", layout_spec(KvShape("gqa", 3, 2, 4), "float32", 16), 10, "num_layers"),
-    ("heads", layout_spec(KvShape("gqa", 2, 1, 8), "float32", 16), 10, ""),  # same bytes per token
+    # as many bytes per token, but 1 head of 8 is another model than 2 of 4: the layouts say so
+    ("heads", layout_spec(KvShape("gqa", 2, 1, 8), "float32", 16), 10, "different model"),
     ("head_dim", layout_spec(KvShape("gqa", 2, 2, 8), "float32", 16), 10, "segment sizes"),
     ("too long", layout_spec(SHAPE, "float32", 8), 10, "does not fit"),
     ("kind", layout_spec(KvShape("mla", 2, kv_lora_rank=8, qk_rope_head_dim=8), "float32", 16), 10, "kind"),
