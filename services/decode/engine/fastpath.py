@@ -11,7 +11,9 @@ Contract:
   DeepSeek-V3-family models (with or without q LoRA; noaux_tc routing, group-limited or in one group;
   normalised top-k weights), with MTP drafts (k drafts + one verify per step, greedy acceptance on
   device) when the engine has them. On CPU only when asked for with ``mode="on"`` while Triton's interpreter is active (tests).
-  One GPU only: a tensor-parallel model (``model.tp.size`` > 1) takes the reference step.
+  A tensor-parallel Llama-family model (``model.tp.size`` > 1) runs its batch-1 step sharded, with the
+  collectives in the graph (cuda/llama.py); several slots together, and the DeepSeek family, take the
+  reference step under tensor parallelism.
 - ``request_reason(greedy, num_spec, spec_ok, sample_ok, sample_limit)``: why a request cannot
   (``None``: it can). Both families also sample on the fast path (``sample_ok``): every sampling
   parameter and logits processor, by the kernels of cuda/sampling.py after the lm_head GEMV, inside
@@ -143,11 +145,16 @@ def engine_reason(mode: str, model, device: torch.device, dtype: torch.dtype, nu
         raise ValueError(f"fast_path must be one of {', '.join(MODES)}, got {mode!r}")
     if mode == "off":
         return "fast_path='off'"
-    tp = getattr(model, "tp", None)
-    if tp is not None and tp.size > 1:  # its decoders hold whole weights and one device's cache
-        return f"tensor-parallel decode (tp={tp.size}) runs the reference step; the CUDA fast path is single-GPU"
     cfg = model.cfg
     family = getattr(model, "family", "")
+    tp = getattr(model, "tp", None)
+    if tp is not None and tp.size > 1:  # the Llama family's batch-1 step runs sharded (cuda/llama.py)
+        if family != "gqa":
+            return (f"tensor-parallel decode (tp={tp.size}) of {cfg.model_type} runs the reference step; the "
+                    "DeepSeek-family fast path is single-GPU")
+        if model.plan.vocab_rows * tp.size != cfg.vocab_size:
+            return (f"tensor-parallel decode: vocabulary {cfg.vocab_size} does not split evenly over {tp.size} "
+                    "ranks; the fast path's argmax needs equal shards (the reference step pads them)")
     cache = getattr(model, "cache", None)
     if getattr(cache, "kv_format", None) and family != "gqa":
         return f"KV cache in {cache.kv_format}: FP8 KV is on the fast path for Llama-family models only"
@@ -254,7 +261,8 @@ class FastPath:
         # several Llama-family slots in one step (step_batch); FP8 weights or an FP8 KV cache: the batch-1
         # step only (the batched step's K/V writers and attention read a model-dtype cache)
         self.batch_ok = (not self.mla and getattr(model.cfg, "quant", None) is None
-                         and not getattr(getattr(model, "cache", None), "kv_format", None))
+                         and not getattr(getattr(model, "cache", None), "kv_format", None)
+                         and getattr(getattr(model, "tp", None), "size", 1) == 1)
         self.max_batch = MAX_BATCH if self.batch_ok else 1
         self.batches: dict[int, tuple] = {}  # padded size -> (batch decoder, {graph key: GraphedFn})
         self.synced: dict[int, tuple[int, int]] = {}  # slot -> (token, pos) its bad-word state follows

@@ -83,6 +83,17 @@ class TensorParallel:
         gather(out, flat, group=self.group)
         return out.view(self.size, *x.shape).movedim(0, -2).reshape(*x.shape[:-1], self.size * x.shape[-1])
 
+    def all_gather_into(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """Every rank's 1-D ``x`` into ``out`` ([size * len(x)], rank order; preallocated, so a CUDA
+        graph can capture it); returns ``out``."""
+        if self.size == 1:
+            return out.copy_(x)
+        import torch.distributed as dist
+
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        gather(out, x, group=self.group)
+        return out
+
     def first_rank_int(self, value: int, device: torch.device | str) -> int:
         """Rank 0's ``value`` (a signed 64-bit int) on every rank: one all-reduce, the others adding 0."""
         if self.size == 1:

@@ -220,7 +220,7 @@ def test_unseeded_sampling_takes_the_same_seed_on_every_rank(runs):
 
 
 def test_ranks_run_the_reference_step(runs):
-    _, ranks = runs["qwen3"]
+    _, ranks = runs["deepseek_tp"]  # float32 anyway; the DeepSeek family's fast path is single-GPU
     assert "tensor-parallel decode (tp=2)" in ranks[0]["fast_path_reason"]
 
 
@@ -237,10 +237,11 @@ def test_fp8_checkpoints_are_refused(tiny_model):
 
 
 def test_fast_path_on_is_refused_and_auto_says_why(hf_checkpoint):
-    path = hf_checkpoint("llama")[0]
+    path = hf_checkpoint("deepseek_v3")[0]
     with pytest.raises(ValueError, match=r"fast_path='on'.*tensor-parallel decode \(tp=2\)"):
         Engine.load(path, tp=TensorParallel(0, 2), fast_path="on", **ENGINE)
     engine = Engine.load(path, tp=TensorParallel(1, 2), **ENGINE)  # builds without collectives
     assert engine.fast_path is None and "single-GPU" in engine.fast_path_reason
-    assert (engine.tp.rank, engine.layout.kv_head_start, engine.layout.kv_heads) == (1, 1, 1)
+    llama = Engine.load(hf_checkpoint("llama")[0], tp=TensorParallel(1, 2), **ENGINE)
+    assert (llama.tp.rank, llama.layout.kv_head_start, llama.layout.kv_heads) == (1, 1, 1)
 

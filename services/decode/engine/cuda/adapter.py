@@ -41,8 +41,10 @@ def _gqa_model(model) -> GqaModel:
     layers = [GqaLayer(b.attn_norm.data, b.wqkv.data, b.wo.data, b.mlp_norm.data, b.w_gate_up.data, b.w_down.data,
                        bqkv=data(b.bqkv), bo=data(b.bo), q_norm=data(b.q_norm), k_norm=data(b.k_norm))
               for b in model.layers]
-    return GqaModel(layers, model.embed.data, model.final_norm.data, model.lm_head.data, cfg.num_heads,
-                    cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps)
+    plan = getattr(model, "plan", None)  # a tensor-parallel rank holds its share of the heads
+    heads, kv_heads = (plan.heads, plan.kv_heads) if plan is not None else (cfg.num_heads, cfg.num_kv_heads)
+    return GqaModel(layers, model.embed.data, model.final_norm.data, model.lm_head.data, heads,
+                    kv_heads, cfg.head_dim, cfg.rms_norm_eps)
 
 
 def _fp8_scales(model) -> list | None:
@@ -78,7 +80,7 @@ def gqa_decoder_from_engine(model, slot: int, options: FastOptions | None = None
     kv = dict(kv_format=getattr(cache, "kv_format", None), kv_scales=getattr(cache, "scales", None))
     scales = _fp8_scales(model)
     if scales is None:
-        return GqaDecoder(*args, **kv)
+        return GqaDecoder(*args, **kv, tp=getattr(model, "tp", None))
     from .fp8 import Fp8GqaDecoder
 
     act = any(getattr(getattr(b, n), "act", None) is not None for b in model.layers for n in ("wqkv", "wo"))
@@ -92,6 +94,9 @@ def gqa_batch_decoder_from_engine(model, batch: int, options: FastOptions | None
     cache = model.cache
     if getattr(cache, "kv_format", None):
         raise ValueError(f"KV cache in {cache.kv_format}: the batched step writes and reads a model-dtype cache only")
+    if getattr(getattr(model, "tp", None), "size", 1) > 1:
+        raise ValueError("the batched step runs on one GPU: a tensor-parallel engine steps its slots one at a time "
+                         "on the fast path, or together on the reference step")
     return GqaBatchDecoder(_gqa_model(model), cache.k_caches, cache.v_caches, model.cos, model.sin, batch, options,
                            max_steps, scratch_slot=cache.scratch_slot)
 

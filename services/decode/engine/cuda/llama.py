@@ -32,6 +32,14 @@ embeddings are the same tensor as embed and lm_head.
 Weights are the engine's fused per-layer tensors (names in engine/weights.py); KV caches are the slot's views
 in the shared.kvlayout layout, per layer K and V each ``[max_tokens, num_kv_heads, head_dim]``.
 
+Tensor parallelism (``tp``, engine/tp.py, more than one rank): the model holds this rank's heads, MLP
+slice and vocabulary rows. The o and down GEMVs are row-parallel: rank 0 adds the residual (and the o
+bias) in the epilogue as alone, the other ranks write their partial sums into the residual buffer,
+and one all-reduce of that buffer (captured in the step's graph) leaves ``residual + sum of parts``
+on every rank. The lm_head's greedy partials (max, row) of every rank are gathered (rows offset to
+the global vocabulary) before the argmax finish; a sampled step gathers the logits first, so every
+rank samples the whole vocabulary and takes the same token.
+
 FP8 KV cache (``kv_format`` fp8_e4m3 | fp8_e5m2, ``kv_scales`` per layer (k_scale, v_scale)): the caches are
 uint8, vLLM's FP8 bytes (engine/kvquant.py); the step writes its K/V row as kvquant.quantize does
 (kvfp8.fp8_kv_bits in the QKV epilogue or the rope kernel) and the attention reads fp8 * scale
@@ -146,8 +154,10 @@ class GqaDecoder:
     def __init__(self, model: GqaModel, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor],
                  cos: torch.Tensor, sin: torch.Tensor, options: FastOptions | None = None,
                  max_steps: int = 4096, kv_format: str | None = None,
-                 kv_scales: list[tuple[float, float]] | None = None):
+                 kv_scales: list[tuple[float, float]] | None = None, tp=None):
         self.model, self.k_caches, self.v_caches = model, k_caches, v_caches
+        self.tp = tp if tp is not None and tp.size > 1 else None  # engine/tp.TensorParallel of 2+ ranks
+        self.is_first_rank = self.tp is None or self.tp.rank == 0
         self.opt = options or FastOptions()
         self.kv_fmt = kv_fmt(kv_format)
         self.kv_scales = list(kv_scales) if kv_scales is not None else [(1.0, 1.0)] * len(model.layers)
@@ -180,6 +190,12 @@ class GqaDecoder:
         self.num_parts = -(-vocab // self.opt.tiles["lm_head"][0])
         self.amax_val = torch.zeros(self.num_parts, dtype=torch.float32, device=dev)
         self.amax_idx = torch.zeros(self.num_parts, dtype=torch.int32, device=dev)
+        if self.tp is not None:  # every rank's partials / logits, gathered (the step's only other collective)
+            n = self.tp.size
+            self.row_offset = torch.tensor(self.tp.rank * vocab, dtype=torch.int32, device=dev)
+            self.all_val = torch.zeros(n * self.num_parts, dtype=torch.float32, device=dev)
+            self.all_idx = torch.zeros(n * self.num_parts, dtype=torch.int32, device=dev)
+            self.all_logits = torch.zeros(n * vocab, dtype=torch.float32, device=dev)
         splits, block_s = ((self.opt.fp8_kv_attn or (self.opt.num_splits, self.opt.block_s)) if self.kv_fmt
                            else (self.opt.num_splits, self.opt.block_s))
         self.attn = DecodeAttention(num_q_heads=hq, num_kv_heads=hkv, d_main=d, d_v=d,
@@ -196,7 +212,7 @@ class GqaDecoder:
         slot's row of the engine's SamplingBuffers, read at every replay); kwargs: FastSampler's sizes."""
         from .sampling import FastSampler, candidate_cap
 
-        vocab = self.model.lm_head.shape[0]
+        vocab = self.model.lm_head.shape[0] * (self.tp.size if self.tp is not None else 1)
         kwargs.setdefault("cap", candidate_cap(vocab))
         self.sampler = FastSampler(state, vocab, self.logits.device, pdl=self.opt.pdl, **kwargs)
 
@@ -267,10 +283,11 @@ class GqaDecoder:
         qk_norm = self._qkv(i)
         self.attend(i, qk_norm)
         if self._cublas("o"):
-            self.residual.add_(self._linear_into(self.attn_out, lw.wo, self.tmp[: m.hidden], lw.bo))
+            self._add_part(self._linear_into(self.attn_out, lw.wo, self.tmp[: m.hidden], self._first(lw.bo)))
         else:
-            gemv.gemv(self.attn_out, lw.wo, self.residual, residual=self.residual, bias=lw.bo,
-                      **self.tile_kwargs("o"))
+            gemv.gemv(self.attn_out, lw.wo, self.residual, residual=self._first(self.residual),
+                      bias=self._first(lw.bo), **self.tile_kwargs("o"))
+        self._reduce()
         if self._cublas("gate_up"):
             smallops.rmsnorm(self.residual, lw.mlp_norm, self.xn, eps)
             gu = self._linear_into(self.xn, lw.w_gate_up, self.tmp[: lw.w_gate_up.shape[0]])
@@ -279,9 +296,34 @@ class GqaDecoder:
             gemv.gemv_silu(self.residual, lw.w_gate_up, self.act, norm_w=lw.mlp_norm, eps=eps,
                            **self.tile_kwargs("gate_up"))
         if self._cublas("down"):
-            self.residual.add_(self._linear_into(self.act, lw.w_down, self.tmp[: m.hidden]))
+            self._add_part(self._linear_into(self.act, lw.w_down, self.tmp[: m.hidden]))
         else:
-            gemv.gemv(self.act, lw.w_down, self.residual, residual=self.residual, **self.tile_kwargs("down"))
+            gemv.gemv(self.act, lw.w_down, self.residual, residual=self._first(self.residual),
+                      **self.tile_kwargs("down"))
+        self._reduce()
+
+    def _first(self, t: torch.Tensor | None) -> torch.Tensor | None:
+        """``t`` on the first rank (alone: always); None on the others (a row-parallel GEMV adds the
+        residual and the bias once, on rank 0, before the all-reduce sums the parts)."""
+        return t if self.is_first_rank else None
+
+    def _add_part(self, part: torch.Tensor) -> None:
+        """residual += part (rank 0, or alone); the others' residual buffer holds their part."""
+        if self.is_first_rank:
+            self.residual.add_(part)
+        else:
+            self.residual.copy_(part)
+
+    def _reduce(self) -> None:
+        """Tensor-parallel: residual = the sum of every rank's residual buffer (see the module docstring)."""
+        if self.tp is not None:
+            self.tp.all_reduce(self.residual)
+
+    def _gathered_logits(self) -> torch.Tensor:
+        """The whole vocabulary's logits (this rank's alone: ``logits`` itself)."""
+        if self.tp is None:
+            return self.logits
+        return self.tp.all_gather_into(self.all_logits, self.logits)
 
     def step(self, sample: bool = False) -> None:
         """One decode step from residual = embed[token] at pos: logits, next token (the greedy argmax,
@@ -298,13 +340,13 @@ class GqaDecoder:
             else:
                 gemv.gemv(self.residual, m.lm_head, self.logits, norm_w=m.final_norm, eps=m.eps,
                           **self.tile_kwargs("lm_head"))
-            self.sampler.finish(self.logits, self.token, self.out_tokens, self.step_idx, self.pos, m.embed,
-                                self.residual)
+            self.sampler.finish(self._gathered_logits(), self.token, self.out_tokens, self.step_idx, self.pos,
+                                m.embed, self.residual)
         elif self._cublas("lm_head"):
             smallops.rmsnorm(self.residual, m.final_norm, self.xn, m.eps)
             # bf16 x bf16 -> bf16 on cuBLAS, widened: logits rounded to bf16 (more argmax ties)
             self.logits.copy_(torch.matmul(self.xn.view(1, -1), m.lm_head.t()).view(-1))
-            self.token.copy_(torch.argmax(self.logits, dim=0, keepdim=True))
+            self.token.copy_(torch.argmax(self._gathered_logits(), dim=0, keepdim=True))
             self.out_tokens.index_copy_(0, self.step_idx, self.token)
             self.step_idx.add_(1)
             self.pos.add_(1)
@@ -312,7 +354,13 @@ class GqaDecoder:
         else:
             gemv.gemv(self.residual, m.lm_head, self.logits, norm_w=m.final_norm, eps=m.eps,
                       argmax_parts=(self.amax_val, self.amax_idx), **self.tile_kwargs("lm_head"))
-            gemv.greedy_finish(self.amax_val, self.amax_idx, self.num_parts, self.token, self.out_tokens,
+            val, idx, parts = self.amax_val, self.amax_idx, self.num_parts
+            if self.tp is not None:  # every rank's (max, row) partials, rows in the global vocabulary
+                self.amax_idx.add_(self.row_offset)
+                val = self.tp.all_gather_into(self.all_val, self.amax_val)
+                idx = self.tp.all_gather_into(self.all_idx, self.amax_idx)
+                parts *= self.tp.size
+            gemv.greedy_finish(val, idx, parts, self.token, self.out_tokens,
                                self.step_idx, self.pos, m.embed, self.residual, pdl=self.opt.pdl)
 
 
