@@ -96,6 +96,7 @@ def _eager_us(fn, repeats: int = 200) -> float:
 def allreduce(rank: int) -> dict:
     import torch.distributed as dist
 
+    log(f"rank {rank}: all-reduce")
     out = {}
     for hidden in (4096, 8192):
         x = torch.randn(hidden, dtype=torch.bfloat16, device="cuda")
@@ -120,38 +121,57 @@ def allreduce(rank: int) -> dict:
     return out
 
 
-def _engine(raw: dict, tp, **options):
-    """An engine over random bf16 weights of ``raw``'s shape (each rank draws the same whole tensors)."""
+def _engine(raw: dict, tp, device: str = "cuda", **options):
+    """An engine over random bf16 weights of ``raw``'s shape, drawn on ``device`` (every rank draws the same
+    whole tensors, then keeps its shards)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from services.decode.engine import Engine
 
+    t0 = time.perf_counter()
     cfg = AutoConfig.for_model(**{k: v for k, v in raw.items() if k != "architectures"})
-    torch.manual_seed(0)
     with torch.device("meta"):
-        shapes = {n: p.shape for n, p in AutoModelForCausalLM.from_config(cfg).named_parameters()}
-    tensors = {}
+        hf = AutoModelForCausalLM.from_config(cfg)
+    shapes = {n: p.shape for n, p in hf.named_parameters()}
+    biases = {n: b.shape for n, b in hf.named_buffers() if n.endswith("e_score_correction_bias")}
+    tensors = {n: torch.zeros(shape, dtype=torch.float32, device=device) for n, shape in biases.items()}
     for i, (name, shape) in enumerate(shapes.items()):
-        g = torch.Generator().manual_seed(i)
-        t = torch.empty(shape, dtype=torch.bfloat16)
+        g = torch.Generator(device=device).manual_seed(i)
+        t = torch.empty(shape, dtype=torch.bfloat16, device=device)
         tensors[name] = t.fill_(1.0) if len(shape) == 1 else t.normal_(0.0, 0.02, generator=g)
-    return Engine.from_hf_tensors(raw, tensors, tp=tp, max_seq_len=CONTEXT + STEPS + 16, device="cuda",
-                                  dtype="bfloat16", **options)
+    engine = Engine.from_hf_tensors(raw, tensors, tp=tp, max_seq_len=CONTEXT + STEPS + 16, device=device,
+                                    dtype="bfloat16", **options)
+    del tensors
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+    log(f"rank {tp.rank}: {raw['num_hidden_layers']}-layer {raw['model_type']} engine in {time.perf_counter() - t0:.1f} s, "
+        f"fast path: {engine.fast_path_reason or 'on'}")
+    return engine
+
+
+def log(*a) -> None:
+    print(*a, file=sys.stderr, flush=True)
+
+
+def _sync(engine) -> None:
+    if engine.device.type == "cuda":
+        torch.cuda.synchronize()
 
 
 def _decode(engine, steps: int = STEPS) -> dict:
     from shared.events import SamplingParams
 
-    prompt = [int(t) for t in torch.randint(0, 1000, (CONTEXT,), generator=torch.Generator().manual_seed(0))]
+    vocab = min(1000, engine.cfg.vocab_size)
+    prompt = [int(t) for t in torch.randint(0, vocab, (CONTEXT,), generator=torch.Generator().manual_seed(0))]
     for n in (8, steps):  # a warm-up request, then the measured one
         first = int(engine.prefill(0, prompt).argmax())
         engine.start(0, first, SamplingParams(max_tokens=n, ignore_eos=True))
-        torch.cuda.synchronize()
+        _sync(engine)
         t0, emitted, paths = time.perf_counter(), 0, set()
         while engine.active_slots():
             emitted += len(engine.step()[0].token_ids)
             paths.add(engine.last_step_path)
-        torch.cuda.synchronize()
+        _sync(engine)
         elapsed = time.perf_counter() - t0
         engine.release(0)
     return {"tok_s": emitted / elapsed, "step_ms": elapsed / emitted * 1e3, "paths": sorted(paths),
@@ -174,6 +194,7 @@ def rank_main(rank: int, size: int, port: int, parts: list[str], layers_70b: int
     from services.decode.engine.tp import TensorParallel
 
     torch.cuda.set_device(rank)
+    device = f"cuda:{rank}"
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size,
                             timeout=timedelta(minutes=10), device_id=torch.device("cuda", rank))
     tp = TensorParallel(rank, size, dist.group.WORLD)
@@ -182,15 +203,16 @@ def rank_main(rank: int, size: int, port: int, parts: list[str], layers_70b: int
         if "allreduce" in parts:
             r["allreduce"] = allreduce(rank)
         if "llama8b" in parts:
-            r["llama8b_tp"] = _decode(_engine(LLAMA8B, tp))
+            r["llama8b_tp"] = _decode(_engine(LLAMA8B, tp, device))
         if "llama70b" in parts:
             cut = dict(LLAMA70B, num_hidden_layers=layers_70b)
-            r["llama70b_tp"] = _decode(_engine(cut, tp))
+            r["llama70b_tp"] = _decode(_engine(cut, tp, device))
             half = dict(cut, num_hidden_layers=max(1, layers_70b // 2))
-            r["llama70b_tp_half"] = _decode(_engine(half, tp))  # per-layer time, to scale to 80 layers
+            r["llama70b_tp_half"] = _decode(_engine(half, tp, device))  # per-layer time, to scale to 80 layers
         if "moe" in parts:
             for mode in ("tp", "ep"):
-                r[f"moe_{mode}"] = _decode(_engine(DSV2_LITE_8L, tp, moe_parallel=mode, num_speculative_tokens=0),
+                r[f"moe_{mode}"] = _decode(_engine(DSV2_LITE_8L, tp, device, moe_parallel=mode,
+                                                   num_speculative_tokens=0),
                                            steps=64)
         torch.save(r, Path(out_dir) / f"rank{rank}.pt")
     finally:
