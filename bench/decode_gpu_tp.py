@@ -249,6 +249,7 @@ def main(argv: list[str] | None = None) -> int:
         ranks = [torch.load(Path(tmp) / f"rank{r}.pt", weights_only=False) for r in range(args.tp)]
     r0 = ranks[0]
     bw = R["copy_bandwidth_tb_s"] * 1e12
+    t = f"tp{args.tp}"  # keys name the rank count this run had (the keys: tp2)
     if "allreduce" in parts:
         a = r0["allreduce"]
         R["allreduce"] = [x["allreduce"] for x in ranks]
@@ -256,17 +257,18 @@ def main(argv: list[str] | None = None) -> int:
         R["one_shot_allreduce_us_p50"] = a.get("one_shot_graph_16kb_us")
         R["allreduce_us_p50"] = a["nccl_graph_16kb_us"]  # what the product's graphs capture
     if "llama8b" in parts:
-        R["llama8b_tp2"] = r0["llama8b_tp"]
-        R["llama8b_tp2_over_tp1"] = r0["llama8b_tp"]["tok_s"] / R["llama8b_tp1"]["tok_s"]
+        R[f"llama8b_{t}"] = r0["llama8b_tp"]
+        R[f"llama8b_{t}_over_tp1"] = r0["llama8b_tp"]["tok_s"] / R["llama8b_tp1"]["tok_s"]
     if "llama70b" in parts:
         full, half, n = r0["llama70b_tp"], r0["llama70b_tp_half"], args.layers_70b
         per_layer_ms = (full["step_ms"] - half["step_ms"]) / (n - max(1, n // 2))
         step80_ms = full["step_ms"] + (80 - n) * per_layer_ms
-        R["llama70b_tp2_measured"] = {"layers": n, **full, "per_layer_ms": per_layer_ms}
-        R["llama70b_tp2_ctx1k_tok_s"] = 1e3 / step80_ms
-        R["llama70b_tp2_frac_roofline"] = _bytes_per_rank_step(LLAMA70B, args.tp, 80) / bw / (step80_ms / 1e3)
-        R["llama70b_tp2_frac_roofline_cut"] = (_bytes_per_rank_step(dict(LLAMA70B), args.tp, n) / bw
-                                               / (full["step_ms"] / 1e3))
+        R[f"llama70b_{t}_measured"] = {"layers": n, **full, "per_layer_ms": per_layer_ms}
+        R[f"llama70b_{t}_ctx1k_tok_s"] = 1e3 / step80_ms
+        R[f"llama70b_{t}_frac_roofline"] = _bytes_per_rank_step(LLAMA70B, args.tp, 80) / bw / (step80_ms / 1e3)
+        R[f"llama70b_{t}_frac_roofline_cut"] = (_bytes_per_rank_step(dict(LLAMA70B), args.tp, n) / bw
+                                                / (full["step_ms"] / 1e3))
+        R[f"llama70b_{t}_layer_tb_s"] = _bytes_per_rank_step(dict(LLAMA70B, vocab_size=0), args.tp, 1) / per_layer_ms / 1e9
     if "moe" in parts:
         R["moe_tp"], R["moe_ep"] = r0["moe_tp"], r0["moe_ep"]
         R["moe_tp_step_ms"], R["moe_ep_step_ms"] = r0["moe_tp"]["step_ms"], r0["moe_ep"]["step_ms"]
