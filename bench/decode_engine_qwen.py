@@ -61,11 +61,12 @@ LLAMA3_8B = {
 TWIN = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "attention_bias": False}
 PER_STEP_8 = {"engine": {"fast_path_tokens_per_step": 8}}
 NO_AHEAD = {"engine": {"fast_path_run_ahead": False}}  # each token read before the next replay
+ATTN_WARPS_8 = {"engine": {"fast_path_options": FastOptions(attn_warps=8)}}
 SPLITS_8 = {"engine": {"fast_path_options": FastOptions(num_splits=8)}}  # attention: 8 splits of 2 blocks
 SPLITS_8_BLOCK_128 = {"engine": {"fast_path_options": FastOptions(num_splits=8, block_s=128)}}
 # key -> (config, variants measured besides the default: engine keyword arguments, config overrides)
 SHAPES = {
-    "qwen25_7b": (QWEN25_7B, {"tokens_per_step_8": PER_STEP_8, "no_run_ahead": NO_AHEAD,
+    "qwen25_7b": (QWEN25_7B, {"tokens_per_step_8": PER_STEP_8, "no_run_ahead": NO_AHEAD, "attn_warps_8": ATTN_WARPS_8,
                               "llama_twin": {"config": TWIN}}),
     "qwen3_8b": (QWEN3_8B, {"qk_norm_kernel": {"engine": {"fast_path_options": FastOptions(qk_norm_in="kernel")}},
                             "attention_one_launch": {"engine": {"fast_path_options": FastOptions(
@@ -75,11 +76,11 @@ SHAPES = {
                             "attn_warps_8_combine_1": {"engine": {"fast_path_options": FastOptions(
                                 attn_warps=8, attn_combine_warps=1)}},
                             "attn_warps_2": {"engine": {"fast_path_options": FastOptions(attn_warps=2)}},
-                            "attn_warps_8": {"engine": {"fast_path_options": FastOptions(attn_warps=8)}},
+                            "attn_warps_8": ATTN_WARPS_8,
                             "tokens_per_step_8": PER_STEP_8, "no_run_ahead": NO_AHEAD,
                             "splits_8": SPLITS_8, "splits_8_block_128": SPLITS_8_BLOCK_128,
                             "llama_twin": {"config": TWIN, "profile": True}}),
-    "llama3_8b": (LLAMA3_8B, {"no_run_ahead": NO_AHEAD}),
+    "llama3_8b": (LLAMA3_8B, {"no_run_ahead": NO_AHEAD, "attn_warps_8": ATTN_WARPS_8}),
 }
 PROFILED = ("qwen25_7b", "qwen3_8b")  # their defaults' kernels profiled too
 
