@@ -4,8 +4,7 @@
   rows, each accumulation mode and a few tiles, against cuBLAS and the one-token GEMV: us and GB/s.
 - ``decoder_timing``: graph-timed ms per step at context 1K of the batch-1 decoder (cuda/llama.py) and
   of the batched decoder (cuda/batch.py) at 2, 4 and 8 rows, each row its own slot; 4 rows with the
-  rope as its own launch (``rope_rows_batch4_ms``: ``FastOptions(batch_fused_rope=False)``), 4 and 8 rows
-  with each RMSNorm its own launch (``norm_launches_batch{4,8}_ms``: ``batch_norm_stats=False``), and the
+  rope as its own launch (``rope_rows_batch4_ms``: ``FastOptions(batch_fused_rope=False)``), and the
   single and 4-row steps with the one-launch attention (``one_launch_*``: ``attn_one_launch=True``); a few tile choices of the batched GEMVs
   (``FastOptions.batch_tiles``) at 4 and 8 rows. ``DECODE_GPU_BATCH_SWEEP=0`` skips ``gemv_sweep``.
 - ``engine_timing`` (where the engine package imports: it needs msgspec): ``Engine(fast_path="auto")``
@@ -122,7 +121,6 @@ def batch_step_ms(X, model, s: dict, batch: int, ctx: int, opts) -> float:
 # attention (FastOptions.attn_one_launch, off by default) on the single and the 4-row step
 ROPE_ROWS = dict(batch_fused_rope=False)
 ONE_LAUNCH = dict(attn_one_launch=True)
-NORM_LAUNCHES = dict(batch_norm_stats=False)  # the batched step's norms as rmsnorm_rows launches (before)
 
 
 def decoder_timing(X, model, s: dict, ctx: int = 1024, sweep_tiles: bool = False) -> dict:
@@ -134,10 +132,6 @@ def decoder_timing(X, model, s: dict, ctx: int = 1024, sweep_tiles: bool = False
     log(f"  decoder graphs at {ctx}: single {res['single_ms']:.3f} ms, " + ", ".join(
         f"batch {b} {res[f'batch{b}_ms']:.3f} ms ({res[f'batch{b}_ratio']:.3f}x)" for b in (2, 4, 8)))
     res["rope_rows_batch4_ms"] = batch_step_ms(X, model, s, 4, ctx, replace(opts, **ROPE_ROWS))
-    for b in (4, 8):
-        res[f"norm_launches_batch{b}_ms"] = batch_step_ms(X, model, s, b, ctx, replace(opts, **NORM_LAUNCHES))
-    log(f"  norms in their own launches: batch 4 {res['norm_launches_batch4_ms']:.3f} ms, "
-        f"batch 8 {res['norm_launches_batch8_ms']:.3f} ms")
     one = replace(opts, **ONE_LAUNCH)
     res["one_launch_single_ms"] = step_timing(X, model, s, ctx, one, steps_per_replay=1)
     res["one_launch_batch4_ms"] = batch_step_ms(X, model, s, 4, ctx, one)

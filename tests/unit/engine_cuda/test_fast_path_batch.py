@@ -30,14 +30,12 @@ BATCH_TILES = {"qkv": (32, 32, 4, 1), "o": (32, 32, 4, 1), "gate_up": (32, 32, 4
                "lm_head": (32, 32, 4, 1)}
 
 
-@pytest.mark.parametrize("bias, o_bias, qk_norm, d, norm_stats",
-                         [(False, False, False, 16, True), (True, True, False, 16, True), (False, False, True, 16, True),
-                          (False, False, False, 32, True), (True, False, False, 32, True),
-                          (False, False, False, 32, False), (False, False, True, 16, False)],
+@pytest.mark.parametrize("bias, o_bias, qk_norm, d", [(False, False, False, 16), (True, True, False, 16),
+                                                       (False, False, True, 16), (False, False, False, 32),
+                                                       (True, False, False, 32)],
                          ids=["llama", "qkv + o bias", "qwen3 q/k norm", "llama, rope in the qkv epilogue",
-                              "qkv bias, rope in the qkv epilogue", "llama, norms in their own launches",
-                              "qwen3, norms in their own launches"])
-def test_batch_decoder_rows_follow_the_reference_step_each_in_its_own_slot(bias, o_bias, qk_norm, d, norm_stats):
+                              "qkv bias, rope in the qkv epilogue"])
+def test_batch_decoder_rows_follow_the_reference_step_each_in_its_own_slot(bias, o_bias, qk_norm, d):
     m, n, steps, num_slots = tiny_model(bias, o_bias, qk_norm, d=d), 40, 2, 3  # step 2 feeds step 1's tokens
     g = _gen(1)
     kc = [_rand(g, num_slots + 1, n, 2, d) for _ in m.layers]
@@ -46,8 +44,7 @@ def test_batch_decoder_rows_follow_the_reference_step_each_in_its_own_slot(bias,
     cos, sin = _tables(n, d)
     # 2 splits of 16-row blocks: row 1 (5 keys) leaves its second split empty, row 2 (33+) puts two blocks in its
     # first; d 32: also the one-launch attention (each row's kv heads merged by their last split)
-    opts = FastOptions(batch_tiles=BATCH_TILES, num_splits=2, block_s=16, attn_one_launch=d == 32,
-                       batch_norm_stats=norm_stats)
+    opts = FastOptions(batch_tiles=BATCH_TILES, num_splits=2, block_s=16, attn_one_launch=d == 32)
     dec = GqaBatchDecoder(m, kc, vc, cos, sin, batch=4, options=opts, max_steps=8)
     assert dec.fused_rope == (d == 32) and dec.attn.one_launch == (d == 32)
     rows = [(2, 3, 20), (0, 7, 5), (1, 11, 33)]  # (slot, token, context length); row 3 is padding
@@ -287,52 +284,6 @@ def test_rows_gemv_modes_equal_the_one_token_gemv_per_row(mode, rows):
     rows_gemv(x, w[:40], out, residual=out, **kw)
     for r in range(rows):
         _close(out[r], residual[r], 1e-2)
-
-
-@pytest.mark.parametrize("mode", [0, 1, 2])
-def test_a_norm_from_the_previous_gemv_s_partial_sums_equals_its_own_launch(mode):
-    """rows_gemv's STATS epilogue leaves each program's sum of squares of the rows it stored; a GEMV (or the
-    fused QKV + rope) normalising its input from those partials gives what rmsnorm_rows + the plain GEMV give."""
-    from services.decode.engine.cuda.batch import rows_gemv, rows_qkv_rope
-    from services.decode.engine.cuda.smallops import rmsnorm_rows
-
-    g, rows, h = _gen(7), 3, 96
-    act, w_in, res = _rand(g, rows, 64), _rand(g, h, 64, std=0.1), _rand(g, rows, h)
-    nw, w_next = 1 + 0.1 * _rand(g, h), _rand(g, 80, h, std=0.1)
-    kw = dict(block_n=16, block_k=32, stages=1, mode=mode)
-    ss = torch.full((rows, 8), float("nan"))
-    rows_gemv(act, w_in, res, residual=res, stats_out=ss, **kw)  # 6 programs of 16 of the 96 columns
-    blocks = res.float().view(rows, 6, 16).pow(2).sum(-1)
-    torch.testing.assert_close(ss[:, :6], blocks, rtol=1e-6, atol=0)
-    xn = torch.empty_like(res)
-    rmsnorm_rows(res, nw, xn, 1e-5)
-    want = torch.empty(rows, 80, dtype=torch.bfloat16)
-    rows_gemv(xn, w_next, want, **kw)
-    got = torch.full((rows, 80), float("nan"), dtype=torch.bfloat16)
-    rows_gemv(res, w_next, got, norm_w=nw, eps=1e-5, norm_parts=(ss, 6), **kw)
-    _close(got, want, 1e-2)
-    want_s, got_s = torch.empty(rows, 40, dtype=torch.bfloat16), torch.empty(rows, 40, dtype=torch.bfloat16)
-    rows_gemv(xn, w_next, want_s, silu=True, **kw)
-    rows_gemv(res, w_next, got_s, norm_w=nw, eps=1e-5, norm_parts=(ss, 6), silu=True, **kw)
-    _close(got_s, want_s, 1e-2)
-    if mode != 1:
-        return
-    # the fused QKV + rope (tensor-core mode 1 only): 1 q head, 1 kv head, head_dim 32; rows in slots 0..2
-    d, n = 32, 8
-    cos, sin = (t.to(torch.bfloat16) for t in _tables(n, d))
-    wqkv = _rand(g, 3 * d, h, std=0.1)
-    pos = torch.tensor([1, 4, 6], dtype=torch.int32)
-    slots = torch.tensor([2, 0, 1], dtype=torch.int32)
-    outs = []
-    for x, norm in ((xn, {}), (res, dict(norm_w=nw, eps=1e-5, norm_parts=(ss, 6)))):
-        q, kc, vc = torch.zeros(rows, d, dtype=torch.bfloat16), torch.zeros(3, n, 1, d, dtype=torch.bfloat16), \
-            torch.zeros(3, n, 1, d, dtype=torch.bfloat16)
-        rows_qkv_rope(x, wqkv, q, kc, vc, pos, slots, cos, sin, num_q_heads=1, num_kv_heads=1, head_dim=d,
-                      block_n=16, block_k=32, stages=1, **norm)
-        outs.append((q, kc, vc))
-    for want_t, got_t in zip(*outs):
-        _close(got_t, want_t, 1e-2)
-    assert outs[1][1][2, 1].abs().sum() > 0 and outs[1][1][2, 0].abs().sum() == 0  # row 0's K at slot 2, pos 1 only
 
 
 @pytest.mark.parametrize("variant", ["qwen2", "qwen3"])

@@ -6,20 +6,15 @@ tensors, so the rows' slots and positions change between replays with no re-capt
 the engine's whole per-layer tensors ``[num_slots + 1, max_tokens, Hkv, D]``; a padded row decodes on
 the scratch slot (the last), where its writes are harmless.
 
-Per layer, six launches whatever the batch (weights read once per step for every row):
-  1. RMSNorm of the rows + QKV GEMV over B rows (+ bias) + rope + K/V write into each row's slot
-     (rows_qkv_rope: paired rows d, d + D/2 of a head per program, as the batch-1 kernel; Qwen3's q/k
-     norm needs whole heads: rows_gemv, then rope_rows, one launch more)
-  2-3. split-K attention over each row's own cache and length, merge     (DecodeAttention, slot_ids;
+Per layer, eight launches whatever the batch (weights read once per step for every row):
+  1-2. RMSNorm of the rows; QKV GEMV over B rows (+ bias) + rope + K/V write into each row's slot
+       (rmsnorm_rows; rows_qkv_rope: paired rows d, d + D/2 of a head per program, as the batch-1
+       kernel; Qwen3's q/k norm needs whole heads: rows_gemv, then rope_rows, one launch more)
+  3-4. split-K attention over each row's own cache and length, merge     (DecodeAttention, slot_ids;
        one launch with ``FastOptions.attn_one_launch``)
-  4. o_proj GEMV (+ bias) + residual add, + the rows' sums of squares    (rows_gemv, RESIDUAL, STATS)
-  5. RMSNorm + gate/up GEMV + SiLU-mul                                   (rows_gemv, NORM 2, SILU)
-  6. down GEMV + residual add, + the rows' sums of squares               (rows_gemv, RESIDUAL, STATS)
-The norms cost no launch (``FastOptions.batch_norm_stats``): a GEMV that writes the residual stream also
-writes, per program, the partial sum of squares of the rows it stored, and the next GEMV sums those
-partials (a few hundred floats) and normalises each weight tile's slice of the rows as it loads them.
-Layer 0's input (the embeddings the step's first kernel or the last finish wrote) takes one
-``rmsnorm_rows`` launch a step; the option off, every norm does (two launches more a layer).
+  5. o_proj GEMV (+ bias) + residual add                                 (rows_gemv, RESIDUAL)
+  6-7. RMSNorm; gate/up GEMV + SiLU-mul                                  (rows_gemv, SILU)
+  8. down GEMV + residual add                                            (rows_gemv, RESIDUAL)
 The rows' tokens, positions and slots come from the host through ``set_rows`` (one async copy) and
 are applied by the step's first kernel, once per ``set_rows``.
 then final norm + lm_head GEMV with per-row block maxima, and the per-row greedy finish (token,
@@ -30,9 +25,11 @@ index read from ``slots`` on device).
 The GEMVs (``rows_gemv``) load every weight tile once and multiply it with all B rows: tensor-core
 dots ``W @ x^T`` with the rows padded to 16 (bf16 in, fp32 sums; fp32 operands under Triton's
 interpreter; ``FastOptions.batch_mode``), the same rounding points as the batch-1 kernels of gemv.py
-(their torch twins in reference.py). A norm prologue that re-reads all B rows in every GEMV program before
-its weight stream measured 2x slower on the H200 (run B2); the statistics from the partials cost one
-small load instead.
+(their torch twins in reference.py). The norms run as their own small launch: a norm prologue in every
+GEMV program (each re-reading all B rows before its weight stream) measured 2x slower on the H200, and
+normalising the rows on load with statistics the GEMV before left in its epilogue (no re-read, two
+launches a layer fewer) made the 4-row step 1.24x slower (run B4): scaling x inside the loop costs the
+tensor-core loop its pipelining.
 """
 
 from __future__ import annotations
@@ -72,26 +69,14 @@ def _mma_t(w, x, acc, UPCAST: tl.constexpr):
 
 
 @triton.jit
-def _inv_rms_from_parts(ss_ptr, stride_ss, num_parts, t, tmask, K, eps, PARTS_POW2: tl.constexpr):
-    """Each row's 1 / rms from the partial sums of squares a GEMV's epilogue left (summed in one fixed order)."""
-    p = tl.arange(0, PARTS_POW2)
-    parts = tl.load(ss_ptr + t[:, None] * stride_ss + p[None, :], mask=tmask[:, None] & (p < num_parts)[None, :],
-                    other=0.0)
-    return 1.0 / tl.sqrt(tl.sum(parts, axis=1) / K + eps)
-
-
-@triton.jit
-def _rows_gemv_kernel(x_ptr, w_ptr, out_ptr, res_ptr, nw_ptr, bias_ptr, amax_val_ptr, amax_idx_ptr, ss_in_ptr,
-                      ss_out_ptr, N, K, eps, stride_x, stride_o, stride_a, stride_ss, num_parts_in,
+def _rows_gemv_kernel(x_ptr, w_ptr, out_ptr, res_ptr, nw_ptr, bias_ptr, amax_val_ptr, amax_idx_ptr, N, K, eps,
+                      stride_x, stride_o, stride_a,
                       T: tl.constexpr, T_PAD: tl.constexpr, NORM: tl.constexpr, BIAS: tl.constexpr,
                       RESIDUAL: tl.constexpr, ARGMAX: tl.constexpr, SILU: tl.constexpr, MODE: tl.constexpr,
                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, UPCAST: tl.constexpr,
-                      PDL: tl.constexpr, PREFETCH: tl.constexpr = 0, STATS: tl.constexpr = False,
-                      PARTS_POW2: tl.constexpr = 1):
+                      PDL: tl.constexpr, PREFETCH: tl.constexpr = 0):
     # MODE 0: acc[T, N] = dot(x, w^T); 1: acc^T[N, T] = dot(w, x^T) (the weights as the A operand);
-    # 2: fp32 FMAs into [T, BLOCK_N, BLOCK_K] (T_PAD = next power of two of T, no padding to 16).
-    # NORM 1: RMSNorm statistics from x itself (every program re-reads the rows); 2: from the partial sums of
-    # squares the GEMV before wrote (STATS: each program's rows of its stored output, ss_out[t, pid])
+    # 2: fp32 FMAs into [T, BLOCK_N, BLOCK_K] (T_PAD = next power of two of T, no padding to 16)
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)  # SILU: gate rows; the up rows are rows + N
     rmask = rows < N
@@ -106,7 +91,7 @@ def _rows_gemv_kernel(x_ptr, w_ptr, out_ptr, res_ptr, nw_ptr, bias_ptr, amax_val
     if PDL:
         gdc_wait()
     inv = tl.full((T_PAD,), 1.0, tl.float32)
-    if NORM == 1:  # RMSNorm statistics per row, tile by tile
+    if NORM:  # RMSNorm statistics per row, tile by tile
         ss = tl.zeros((T_PAD,), tl.float32)
         for k in range(0, K, BLOCK_K):
             offs = k + tl.arange(0, BLOCK_K)
@@ -114,8 +99,6 @@ def _rows_gemv_kernel(x_ptr, w_ptr, out_ptr, res_ptr, nw_ptr, bias_ptr, amax_val
                          other=0.0).to(tl.float32)
             ss += tl.sum(xs * xs, axis=1)
         inv = 1.0 / tl.sqrt(ss / K + eps)
-    elif NORM == 2:
-        inv = _inv_rms_from_parts(ss_in_ptr, stride_ss, num_parts_in, t, tmask, K, eps, PARTS_POW2)
     acc = tl.zeros((T_PAD, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((T_PAD, BLOCK_N), dtype=tl.float32)
     acc_t = tl.zeros((BLOCK_N, T_PAD), dtype=tl.float32)
@@ -169,9 +152,6 @@ def _rows_gemv_kernel(x_ptr, w_ptr, out_ptr, res_ptr, nw_ptr, bias_ptr, amax_val
             r = tl.load(res_ptr + t[:, None] * stride_o + rows[None, :], mask=omask, other=0.0)
             y = r.to(tl.float32) + round_to_dtype(y, r.dtype)
     tl.store(out_ptr + t[:, None] * stride_o + rows[None, :], y.to(dt), mask=omask)
-    if STATS:  # this program's share of each row's sum of squares, for the next GEMV's RMSNorm
-        yr = tl.where(omask, y.to(dt).to(tl.float32), 0.0)
-        tl.store(ss_out_ptr + t * stride_ss + pid, tl.sum(yr * yr, axis=1), mask=tmask)
     if ARGMAX:  # greedy, stage 1: each row's best id in this block (ties -> lowest, as torch.argmax)
         yv = tl.where(omask, y.to(dt).to(tl.float32), float("-inf"))
         best = tl.argmax(yv, axis=1, tie_break_left=True)
@@ -183,54 +163,36 @@ def rows_gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, *, norm_w: to
               eps: float = 1e-5, residual: torch.Tensor | None = None, bias: torch.Tensor | None = None,
               silu: bool = False, argmax_parts: tuple[torch.Tensor, torch.Tensor] | None = None,
               block_n: int = 16, block_k: int = 256, num_warps: int = 4, stages: int = 4,
-              pdl: bool = False, mode: int = 0, prefetch: int = 0,
-              norm_parts: tuple[torch.Tensor, int] | None = None, stats_out: torch.Tensor | None = None) -> torch.Tensor:
+              pdl: bool = False, mode: int = 0, prefetch: int = 0) -> torch.Tensor:
     """out[B, N] = [residual +] round(x'[B, K] @ W[N, K]^T [+ bias]), x' = rmsnorm(x) * norm_w when given;
     ``silu``: W is [2I, K] (gate | up), out[B, I] = silu(gate) * up; ``argmax_parts`` (val fp32, idx int32,
     each [B, >= cdiv(N, block_n)]): every block's max per row, for ``finish_rows``. B <= 16. ``mode``: the
-    kernel's accumulation (0: x @ W^T on tensor cores, rows padded to 16; 1: W @ x^T likewise; 2: fp32 FMAs).
-    ``stats_out`` (fp32 [B, >= cdiv(N, block_n)]): each program's partial sum of squares of the rows it stored,
-    so that the next GEMV's norm (``norm_parts`` = (those partials, their count), with ``norm_w``) needs no
-    pass of its own over x: the norm then costs neither a launch nor a re-read of the rows."""
+    kernel's accumulation (0: x @ W^T on tensor cores, rows padded to 16; 1: W @ x^T likewise; 2: fp32 FMAs)."""
     b, k = x.shape
     n = w.shape[0] // 2 if silu else w.shape[0]
     if b > DOT_ROWS:
         raise ValueError(f"rows_gemv takes at most {DOT_ROWS} rows, got {b}")
-    if norm_parts is not None and norm_w is None:
-        raise ValueError("norm_parts are the statistics of a norm: pass its norm_w too")
-    if stats_out is not None and (silu or argmax_parts is not None or stats_out.shape[1] < triton.cdiv(n, block_n)):
-        raise ValueError("stats_out: a plain GEMV's, one column per program")
     av, ai = argmax_parts if argmax_parts is not None else (out, out)
-    ss_in, parts_in = norm_parts if norm_parts is not None else (None, 1)
-    if ss_in is not None and stats_out is not None and ss_in.stride(0) != stats_out.stride(0):
-        raise ValueError("norm_parts and stats_out share one row stride")
-    ss_ref = ss_in if ss_in is not None else stats_out
     _rows_gemv_kernel[(triton.cdiv(n, block_n),)](
         x, w, out, residual if residual is not None else out, norm_w if norm_w is not None else x,
-        bias if bias is not None else x, av, ai, ss_in if ss_in is not None else out,
-        stats_out if stats_out is not None else out, n, k, eps, x.stride(0), out.stride(0),
-        av.stride(0) if argmax_parts is not None else 0, ss_ref.stride(0) if ss_ref is not None else 0, parts_in,
-        T=b, T_PAD=DOT_ROWS if mode < 2 else triton.next_power_of_2(b),
-        NORM=0 if norm_w is None else 2 if norm_parts is not None else 1, BIAS=bias is not None,
-        RESIDUAL=residual is not None, ARGMAX=argmax_parts is not None, SILU=silu, MODE=mode,
+        bias if bias is not None else x, av, ai, n, k, eps, x.stride(0), out.stride(0),
+        av.stride(0) if argmax_parts is not None else 0, T=b, T_PAD=DOT_ROWS if mode < 2 else triton.next_power_of_2(b),
+        NORM=norm_w is not None, BIAS=bias is not None, RESIDUAL=residual is not None,
+        ARGMAX=argmax_parts is not None, SILU=silu, MODE=mode,
         BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, UPCAST=interpreting(), PDL=pdl,
-        PREFETCH=l2_prefetch_tiles(prefetch, block_k), STATS=stats_out is not None,
-        PARTS_POW2=triton.next_power_of_2(parts_in), num_warps=num_warps, **launch_opts(pdl))
+        PREFETCH=l2_prefetch_tiles(prefetch, block_k), num_warps=num_warps, **launch_opts(pdl))
     return out
 
 
 @triton.jit
 def _rows_qkv_rope_kernel(x_ptr, w_ptr, bias_ptr, q_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, slot_ptr, cos_ptr, sin_ptr,
-                          nw_ptr, ss_ptr, eps, num_parts, stride_ss,
                           K, stride_x, stride_q, stride_slot, T: tl.constexpr, T_PAD: tl.constexpr,
                           NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                           BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
-                          UPCAST: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr = 0,
-                          NORM: tl.constexpr = False, PARTS_POW2: tl.constexpr = 1):
+                          UPCAST: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr = 0):
     # the QKV GEMV of every row (W @ x^T on tensor cores, as rows_gemv's mode 1) over paired rows d and
     # d + D/2 of one head, so the epilogue ropes them (rounded as rope_cache_head) and writes q, and
-    # K/V into each row's slot at its position: rows_gemv + rope_rows in one launch. NORM: x is the residual,
-    # normalised on load with the statistics of the GEMV before (rows_gemv's NORM 2)
+    # K/V into each row's slot at its position: rows_gemv + rope_rows in one launch
     HALF: tl.constexpr = HEAD_DIM // 2
     per_head: tl.constexpr = HALF // BLOCK_N
     pid = tl.program_id(0)
@@ -250,18 +212,12 @@ def _rows_qkv_rope_kernel(x_ptr, w_ptr, bias_ptr, q_ptr, k_cache_ptr, v_cache_pt
         prefetch_l2(w_ptr, rows_a + HALF, rows_a >= 0, K, PREFETCH, BLOCK_K, 0)
     if PDL:
         gdc_wait()
-    if NORM:
-        inv = _inv_rms_from_parts(ss_ptr, stride_ss, num_parts, t, tmask, K, eps, PARTS_POW2)
     acc_a = tl.zeros((BLOCK_N, T_PAD), dtype=tl.float32)
     acc_b = tl.zeros((BLOCK_N, T_PAD), dtype=tl.float32)
     for k in tl.range(0, K, BLOCK_K, num_stages=STAGES):
         offs = k + tl.arange(0, BLOCK_K)
         kmask = offs < K
         x = tl.load(x_ptr + t[:, None] * stride_x + offs[None, :], mask=tmask[:, None] & kmask[None, :], other=0.0)
-        if NORM:
-            nw = tl.load(nw_ptr + offs, mask=kmask, other=0.0)
-            xr = round_to_dtype(x.to(tl.float32) * inv[:, None], nw.dtype)
-            x = round_to_dtype(xr * nw.to(tl.float32)[None, :], nw.dtype)
         wa = tl.load(w_ptr + rows_a[:, None].to(tl.int64) * K + offs[None, :], mask=kmask[None, :], other=0.0,
                      eviction_policy="evict_first")
         wb = tl.load(w_ptr + (rows_a + HALF)[:, None].to(tl.int64) * K + offs[None, :], mask=kmask[None, :],
@@ -297,28 +253,22 @@ def rows_qkv_rope(x: torch.Tensor, wqkv: torch.Tensor, q_out: torch.Tensor, k_ca
                   v_cache: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                   *, num_q_heads: int, num_kv_heads: int, head_dim: int, bias: torch.Tensor | None = None,
                   block_n: int = 32, block_k: int = 64, num_warps: int = 4, stages: int = 4,
-                  pdl: bool = False, prefetch: int = 0, norm_w: torch.Tensor | None = None, eps: float = 1e-5,
-                  norm_parts: tuple[torch.Tensor, int] | None = None) -> None:
+                  pdl: bool = False, prefetch: int = 0) -> None:
     """Per row b of x [B, K]: q/k/v = W x[b] (+ bias), q and k roped at pos[b]; q -> q_out[b], K/V into slot
     slots[b] of the caches [slots, max_tokens, Hkv, D] at pos[b] (rows_gemv + rope_rows, one launch).
-    ``block_n`` rows of each half of a head per program: a divisor of head_dim / 2, >= 16. With ``norm_w``
-    and ``norm_parts`` (rows_gemv's): x is RMSNorm-ed on load, its statistics from those partials."""
-    if (norm_w is None) != (norm_parts is None):
-        raise ValueError("rows_qkv_rope normalises x only from a GEMV's partials: pass norm_w and norm_parts")
+    ``block_n`` rows of each half of a head per program: a divisor of head_dim / 2, >= 16."""
     half = head_dim // 2
     if half % block_n or block_n < 16:
         raise ValueError(f"block_n {block_n} must divide head_dim / 2 = {half} and be >= 16")
     num_heads = num_q_heads + 2 * num_kv_heads
     if wqkv.shape[0] != num_heads * head_dim or x.shape[0] > DOT_ROWS:
         raise ValueError(f"wqkv {tuple(wqkv.shape)} / {x.shape[0]} rows: expected (Hq + 2 Hkv) * D rows and <= 16")
-    ss, parts = norm_parts if norm_parts is not None else (x, 1)
     _rows_qkv_rope_kernel[(num_heads * (half // block_n),)](
-        x, wqkv, bias if bias is not None else x, q_out, k_cache, v_cache, pos, slots, cos, sin,
-        norm_w if norm_w is not None else x, ss, eps, parts, ss.stride(0), wqkv.shape[1],
+        x, wqkv, bias if bias is not None else x, q_out, k_cache, v_cache, pos, slots, cos, sin, wqkv.shape[1],
         x.stride(0), q_out.stride(0), k_cache.stride(0), T=x.shape[0], T_PAD=DOT_ROWS, NUM_Q_HEADS=num_q_heads,
         NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k,
-        STAGES=stages, UPCAST=interpreting(), PDL=pdl, PREFETCH=l2_prefetch_tiles(prefetch, block_k),
-        NORM=norm_w is not None, PARTS_POW2=triton.next_power_of_2(parts), num_warps=num_warps, **launch_opts(pdl))
+        STAGES=stages, UPCAST=interpreting(), PDL=pdl, PREFETCH=l2_prefetch_tiles(prefetch, block_k), num_warps=num_warps,
+        **launch_opts(pdl))
 
 
 @triton.jit
@@ -433,11 +383,6 @@ class GqaBatchDecoder:
         self.attn_out = torch.zeros(b, hq * d, dtype=dt, device=dev)
         self.act = torch.zeros(b, inter, dtype=dt, device=dev)
         self.xn = torch.zeros(b, h, dtype=dt, device=dev)
-        # the o and down GEMVs' partial sums of squares of the residual rows (batch_norm_stats), one per program
-        self.norm_stats = self.opt.batch_norm_stats
-        self.parts_o = -(-h // self.opt.batch_tiles["o"][0])
-        self.parts_down = -(-h // self.opt.batch_tiles["down"][0])
-        self.ss = torch.zeros(b, max(self.parts_o, self.parts_down), dtype=torch.float32, device=dev)
         self.logits = torch.zeros(b, vocab, dtype=torch.float32, device=dev)
         self.num_parts = -(-vocab // self.opt.batch_tiles["lm_head"][0])
         self.amax_val = torch.zeros(b, self.num_parts, dtype=torch.float32, device=dev)
@@ -497,39 +442,27 @@ class GqaBatchDecoder:
         return dict(block_n=bn, block_k=bk, num_warps=nw, stages=st, pdl=self.opt.pdl, mode=self.opt.batch_mode,
                     prefetch=self.opt.prefetch_tiles if self.opt.pdl else 0)
 
-    def _norm_in(self, norm_w: torch.Tensor, parts: int, step_input: bool = False) -> tuple[torch.Tensor, dict]:
-        """The input of a GEMV behind an RMSNorm with weight ``norm_w``: the residual rows normalised on load
-        from the partial sums of squares ``parts`` programs of the GEMV before left (``norm_stats``), or
-        ``xn`` after an rmsnorm_rows launch (``step_input``: layer 0's attention norm over the embeddings,
-        which no GEMV wrote; or with the option off)."""
-        if self.norm_stats and not step_input:
-            return self.residual, dict(norm_w=norm_w, eps=self.model.eps, norm_parts=(self.ss, parts))
-        rmsnorm_rows(self.residual, norm_w, self.xn, self.model.eps, pdl=self.opt.pdl)
-        return self.xn, {}
-
     def layer(self, i: int) -> None:
         m, lw, eps = self.model, self.model.layers[i], self.model.eps
         hq, hkv, d = m.num_q_heads, m.num_kv_heads, m.head_dim
         kc, vc = self.k_caches[i], self.v_caches[i]
-        stats = dict(stats_out=self.ss) if self.norm_stats else {}
-        x, norm = self._norm_in(lw.attn_norm, self.parts_down, step_input=i == 0)
+        rmsnorm_rows(self.residual, lw.attn_norm, self.xn, eps, pdl=self.opt.pdl)
         if self.fused_rope and lw.q_norm is None:
             bn, bk, nw, st = self.opt.batch_tiles["qkv"]
-            rows_qkv_rope(x, lw.wqkv, self.query, kc, vc, self.pos, self.slots, self.cos, self.sin,
+            rows_qkv_rope(self.xn, lw.wqkv, self.query, kc, vc, self.pos, self.slots, self.cos, self.sin,
                           num_q_heads=hq, num_kv_heads=hkv, head_dim=d, bias=lw.bqkv, block_n=bn // 2, block_k=bk,
                           num_warps=nw, stages=st, pdl=self.opt.pdl,
-                          prefetch=self.opt.prefetch_tiles if self.opt.pdl else 0, **norm)
+                          prefetch=self.opt.prefetch_tiles if self.opt.pdl else 0)
         else:
-            rows_gemv(x, lw.wqkv, self.qkv, bias=lw.bqkv, **norm, **self.tile_kwargs("qkv"))
+            rows_gemv(self.xn, lw.wqkv, self.qkv, bias=lw.bqkv, **self.tile_kwargs("qkv"))
             rope_rows(self.qkv, self.query, kc, vc, self.pos, self.slots, self.cos, self.sin, num_q_heads=hq,
                       num_kv_heads=hkv, head_dim=d, q_norm=lw.q_norm, k_norm=lw.k_norm, eps=eps, pdl=self.opt.pdl)
         self.attn(self.query, kc, vc, self.pos, self.attn_out, stride_kt=hkv * d, stride_vt=hkv * d,
                   slot_ids=self.slots, stride_ks=kc.stride(0), stride_vs=vc.stride(0))
-        rows_gemv(self.attn_out, lw.wo, self.residual, residual=self.residual, bias=lw.bo, **stats,
-                  **self.tile_kwargs("o"))
-        x, norm = self._norm_in(lw.mlp_norm, self.parts_o)
-        rows_gemv(x, lw.w_gate_up, self.act, silu=True, **norm, **self.tile_kwargs("gate_up"))
-        rows_gemv(self.act, lw.w_down, self.residual, residual=self.residual, **stats, **self.tile_kwargs("down"))
+        rows_gemv(self.attn_out, lw.wo, self.residual, residual=self.residual, bias=lw.bo, **self.tile_kwargs("o"))
+        rmsnorm_rows(self.residual, lw.mlp_norm, self.xn, eps, pdl=self.opt.pdl)
+        rows_gemv(self.xn, lw.w_gate_up, self.act, silu=True, **self.tile_kwargs("gate_up"))
+        rows_gemv(self.act, lw.w_down, self.residual, residual=self.residual, **self.tile_kwargs("down"))
 
     def step(self, sample: bool = False) -> None:
         """One decode step of every row: logits, next token (greedy argmax, or with ``sample`` the row's
@@ -540,14 +473,14 @@ class GqaBatchDecoder:
         self._apply_rows()
         for i in range(len(m.layers)):
             self.layer(i)
-        x, norm = self._norm_in(m.final_norm, self.parts_down, step_input=not m.layers)
+        rmsnorm_rows(self.residual, m.final_norm, self.xn, m.eps, pdl=self.opt.pdl)
         if sample:
-            rows_gemv(x, m.lm_head, self.logits, **norm, **self.tile_kwargs("lm_head"))
+            rows_gemv(self.xn, m.lm_head, self.logits, **self.tile_kwargs("lm_head"))
             for r, sampler in enumerate(self.samplers):
                 sampler.finish(self.logits[r], self.token[r : r + 1], self.out_tokens[r], self.step_idx[r : r + 1],
                                self.pos[r : r + 1], m.embed, self.residual[r])
             return
-        rows_gemv(x, m.lm_head, self.logits, argmax_parts=(self.amax_val, self.amax_idx), **norm,
+        rows_gemv(self.xn, m.lm_head, self.logits, argmax_parts=(self.amax_val, self.amax_idx),
                   **self.tile_kwargs("lm_head"))
         _finish_rows_kernel[(self.batch,)](
             self.amax_val, self.amax_idx, self.num_parts, self.amax_val.stride(0), self.token, self.out_tokens,

@@ -142,10 +142,6 @@ class FastOptions:
     attn_one_launch: bool = False
     # the batched step's rope + K/V write in its QKV GEMV's epilogue (rows_qkv_rope); False: rope_rows after
     batch_fused_rope: bool = True
-    # the batched step's RMSNorms without launches of their own: the o and down GEMVs' epilogues leave each
-    # program's partial sum of squares, the next GEMV (QKV, gate/up, lm_head) normalises its rows on load;
-    # False: rmsnorm_rows before each of them (two launches more a layer)
-    batch_norm_stats: bool = True
     # weight tiles each GEMV program (batch-1: after its first, loaded outright; batched: from the first)
     # prefetches into L2 before its PDL wait (0, 1, 2 or 4; a hint: results unchanged; only with PDL).
     # Off: 2 tiles cost +0.12 ms a batch-1 step on the H200 (run F1)
