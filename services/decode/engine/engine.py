@@ -536,10 +536,13 @@ class Engine:
         seq = torch.tensor([self.slots[i].seq_len for i in active], device=dev)
         pending = torch.tensor([self.slots[i].pending for i in active], device=dev)
         bitmask = self._grammar_masks(active, slot_ids, k) if any(self.slots[i].grammar for i in active) else None
-        num_valid = torch.tensor([min(self.slots[i].num_valid_drafts, k) for i in active], device=dev)
         all_greedy = all(self.slots[i].is_greedy for i in active)
-        tokens = torch.cat([pending[:, None], self.drafts[slot_ids][:, :k]], dim=1)  # [B, 1+K]
-        positions = seq[:, None] + torch.arange(k + 1, device=dev)
+        if k:
+            num_valid = torch.tensor([min(self.slots[i].num_valid_drafts, k) for i in active], device=dev)
+            tokens = torch.cat([pending[:, None], self.drafts[slot_ids][:, :k]], dim=1)  # [B, 1+K]
+            positions = seq[:, None] + torch.arange(k + 1, device=dev)
+        else:  # a plain step: nothing to append or verify (a few host ops less a token on the CPU path)
+            tokens, positions = pending[:, None], seq[:, None]
         num_keys = self._num_keys(max(self.slots[i].seq_len for i in active) + 2 * k + 1)
         hidden, self.last_logits = self._forward(tokens, positions, slot_ids, num_keys)  # logits [B, 1+K, V] f32
         if bitmask is not None:  # forbidden tokens -inf before sampling and logprobs, as vLLM
@@ -550,7 +553,9 @@ class Engine:
             xgr.apply_token_bitmask_inplace(self.last_logits.view(b * (k + 1), -1), bitmask.to(dev, non_blocking=True),
                                             indices=rows_k)
         rows = torch.arange(b, device=dev)
-        if all_greedy:  # no vocab-sized sampling work: compare drafts with the target argmax
+        if all_greedy and not k:
+            num_accepted, nxt = None, self.last_logits[:, 0].argmax(dim=-1)
+        elif all_greedy:  # no vocab-sized sampling work: compare drafts with the target argmax
             target = self.last_logits.argmax(dim=-1)  # [B, 1+K]
             ok = (tokens[:, 1:] == target[:, :k]) & (torch.arange(k, device=dev)[None] < num_valid[:, None])
             num_accepted = ok.long().cumprod(dim=-1).sum(dim=-1)
@@ -577,6 +582,10 @@ class Engine:
             h, lg = self._mtp(mtp_tokens, positions, hidden, slot_ids, num_keys)
             self._draft(slot_ids, h[rows, num_accepted], lg[rows, num_accepted], seq + num_accepted + 1, num_keys,
                         all_greedy, self._flags(active), k)
+        if num_accepted is None:
+            num_accepted = torch.zeros(b, dtype=torch.long, device=dev)
+            if not any(self.slots[i].num_logprobs is not None for i in active):  # the plain greedy step
+                return {slot: self._emit(slot, [0, t]) for slot, t in zip(active, nxt.tolist())}  # the one sync
         lps = self._logprobs(active, tokens, num_accepted, nxt, k)
         host = torch.cat([num_accepted[:, None], tokens[:, 1:], nxt[:, None]], dim=1).tolist()  # the one sync
         return {slot: self._emit(slot, row, lps.get(slot), k) for slot, row in zip(active, host)}

@@ -81,8 +81,8 @@ class LlamaModel(nn.Module):
         if fmt is None:
             write_cache(cache.k_caches[i], slot_ids, positions, k)
             write_cache(cache.v_caches[i], slot_ids, positions, v)
-            keys = cache.k_caches[i][:, :n][slot_ids].transpose(1, 2)  # [B, Hkv, n, D]
-            values = cache.v_caches[i][:, :n][slot_ids].transpose(1, 2)
+            keys = cache.k_caches[i][:, :n].index_select(0, slot_ids).transpose(1, 2)  # [B, Hkv, n, D]
+            values = cache.v_caches[i][:, :n].index_select(0, slot_ids).transpose(1, 2)
             out = attend(q.transpose(1, 2), keys, values, mask, d**-0.5)  # [B, T, Hq, D]
         else:  # FP8 KV as vLLM's CPU attention: bytes written truncated, read dequantized, attention in fp32
             ks, vs = cache.scales[i]
