@@ -4,7 +4,8 @@
   rows, each accumulation mode and a few tiles, against cuBLAS and the one-token GEMV: us and GB/s.
 - ``decoder_timing``: graph-timed ms per step at context 1K of the batch-1 decoder (cuda/llama.py) and
   of the batched decoder (cuda/batch.py) at 2, 4 and 8 rows, each row its own slot; 4 rows with the
-  rope as its own launch (``rope_rows_batch4_ms``: ``FastOptions(batch_fused_rope=False)``), and the
+  4 and 8 rows with the rope in the QKV GEMV's epilogue (``fused_rope_batch{4,8}_ms``:
+  ``FastOptions(batch_fused_rope=True)``; the default is rope_rows after the GEMV), and the
   single and 4-row steps with the one-launch attention (``one_launch_*``: ``attn_one_launch=True``); a few tile choices of the batched GEMVs
   (``FastOptions.batch_tiles``) at 4 and 8 rows. ``DECODE_GPU_BATCH_SWEEP=0`` skips ``gemv_sweep``.
 - ``engine_timing`` (where the engine package imports: it needs msgspec): ``Engine(fast_path="auto")``
@@ -117,9 +118,9 @@ def batch_step_ms(X, model, s: dict, batch: int, ctx: int, opts) -> float:
     return ms
 
 
-# A/B in the same run: the batched QKV with rope_rows after it (before the fused rope), and the one-launch
-# attention (FastOptions.attn_one_launch, off by default) on the single and the 4-row step
-ROPE_ROWS = dict(batch_fused_rope=False)
+# A/B in the same run: the batched QKV with the rope in its epilogue (off by default: runs F2, B5), and the
+# one-launch attention (FastOptions.attn_one_launch, off by default) on the single and the 4-row step
+FUSED_ROPE = dict(batch_fused_rope=True)
 ONE_LAUNCH = dict(attn_one_launch=True)
 
 
@@ -131,11 +132,13 @@ def decoder_timing(X, model, s: dict, ctx: int = 1024, sweep_tiles: bool = False
         res[f"batch{b}_ratio"] = res[f"batch{b}_ms"] / res["single_ms"]
     log(f"  decoder graphs at {ctx}: single {res['single_ms']:.3f} ms, " + ", ".join(
         f"batch {b} {res[f'batch{b}_ms']:.3f} ms ({res[f'batch{b}_ratio']:.3f}x)" for b in (2, 4, 8)))
-    res["rope_rows_batch4_ms"] = batch_step_ms(X, model, s, 4, ctx, replace(opts, **ROPE_ROWS))
+    for b in (4, 8):
+        res[f"fused_rope_batch{b}_ms"] = batch_step_ms(X, model, s, b, ctx, replace(opts, **FUSED_ROPE))
     one = replace(opts, **ONE_LAUNCH)
     res["one_launch_single_ms"] = step_timing(X, model, s, ctx, one, steps_per_replay=1)
     res["one_launch_batch4_ms"] = batch_step_ms(X, model, s, 4, ctx, one)
-    log(f"  batch 4 with rope_rows (no fused rope) {res['rope_rows_batch4_ms']:.3f} ms; one-launch attention: "
+    log(f"  rope in the QKV epilogue (batch_fused_rope): batch 4 {res['fused_rope_batch4_ms']:.3f} ms, batch 8 "
+        f"{res['fused_rope_batch8_ms']:.3f} ms; one-launch attention: "
         f"single {res['one_launch_single_ms']:.3f} ms, batch 4 {res['one_launch_batch4_ms']:.3f} ms")
     for name, tiles in TILE_VARIANTS.items() if sweep_tiles else ():
         if tiles is None:

@@ -44,7 +44,8 @@ def test_batch_decoder_rows_follow_the_reference_step_each_in_its_own_slot(bias,
     cos, sin = _tables(n, d)
     # 2 splits of 16-row blocks: row 1 (5 keys) leaves its second split empty, row 2 (33+) puts two blocks in its
     # first; d 32: also the one-launch attention (each row's kv heads merged by their last split)
-    opts = FastOptions(batch_tiles=BATCH_TILES, num_splits=2, block_s=16, attn_one_launch=d == 32)
+    opts = FastOptions(batch_tiles=BATCH_TILES, num_splits=2, block_s=16, attn_one_launch=d == 32,
+                       batch_fused_rope=True)
     dec = GqaBatchDecoder(m, kc, vc, cos, sin, batch=4, options=opts, max_steps=8)
     assert dec.fused_rope == (d == 32) and dec.attn.one_launch == (d == 32)
     rows = [(2, 3, 20), (0, 7, 5), (1, 11, 33)]  # (slot, token, context length); row 3 is padding

@@ -6,15 +6,17 @@ tensors, so the rows' slots and positions change between replays with no re-capt
 the engine's whole per-layer tensors ``[num_slots + 1, max_tokens, Hkv, D]``; a padded row decodes on
 the scratch slot (the last), where its writes are harmless.
 
-Per layer, eight launches whatever the batch (weights read once per step for every row):
-  1-2. RMSNorm of the rows; QKV GEMV over B rows (+ bias) + rope + K/V write into each row's slot
-       (rmsnorm_rows; rows_qkv_rope: paired rows d, d + D/2 of a head per program, as the batch-1
-       kernel; Qwen3's q/k norm needs whole heads: rows_gemv, then rope_rows, one launch more)
-  3-4. split-K attention over each row's own cache and length, merge     (DecodeAttention, slot_ids;
+Per layer, nine launches whatever the batch (weights read once per step for every row):
+  1-3. RMSNorm of the rows; QKV GEMV over B rows (+ bias); rope (Qwen3: q/k norm first) + K/V write
+       into each row's slot (rmsnorm_rows; rows_gemv; rope_rows). ``FastOptions.batch_fused_rope``
+       moves the rope into the GEMV's epilogue (rows_qkv_rope: paired rows d, d + D/2 of a head per
+       program, as the batch-1 kernel; not for Qwen3), one launch fewer but 38-48 us slower a 4-row
+       step on the H200 (runs F2, B5): off by default
+  4-5. split-K attention over each row's own cache and length, merge     (DecodeAttention, slot_ids;
        one launch with ``FastOptions.attn_one_launch``)
-  5. o_proj GEMV (+ bias) + residual add                                 (rows_gemv, RESIDUAL)
-  6-7. RMSNorm; gate/up GEMV + SiLU-mul                                  (rows_gemv, SILU)
-  8. down GEMV + residual add                                            (rows_gemv, RESIDUAL)
+  6. o_proj GEMV (+ bias) + residual add                                 (rows_gemv, RESIDUAL)
+  7-8. RMSNorm; gate/up GEMV + SiLU-mul                                  (rows_gemv, SILU)
+  9. down GEMV + residual add                                            (rows_gemv, RESIDUAL)
 The rows' tokens, positions and slots come from the host through ``set_rows`` (one async copy) and
 are applied by the step's first kernel, once per ``set_rows``.
 then final norm + lm_head GEMV with per-row block maxima, and the per-row greedy finish (token,
@@ -29,7 +31,9 @@ interpreter; ``FastOptions.batch_mode``), the same rounding points as the batch-
 GEMV program (each re-reading all B rows before its weight stream) measured 2x slower on the H200, and
 normalising the rows on load with statistics the GEMV before left in its epilogue (no re-read, two
 launches a layer fewer) made the 4-row step 1.24x slower (run B4): scaling x inside the loop costs the
-tensor-core loop its pipelining.
+tensor-core loop its pipelining. The norm by the o / down GEMV's last program to finish (an atomic
+count; 64 launches fewer a Llama-3-8B step) made it 1.21x against 1.16x (run B5): one program normalising
+every row serially costs more than the launch it saves.
 """
 
 from __future__ import annotations

@@ -140,8 +140,10 @@ class FastOptions:
     # False: split kernel + merge kernel (the general path MLA and multi-token queries take). Off until an
     # H200 run shows it faster: run F1 (bench/NOTES-gpu.md) timed it +0.2 ms a step with a serial merge
     attn_one_launch: bool = False
-    # the batched step's rope + K/V write in its QKV GEMV's epilogue (rows_qkv_rope); False: rope_rows after
-    batch_fused_rope: bool = True
+    # the batched step's rope + K/V write in its QKV GEMV's epilogue (rows_qkv_rope); False: rope_rows after.
+    # Off: on the H200 the epilogue's paired-row tile made the 4-row step 38-48 us slower than the extra launch
+    # (runs F2 and B5, bench/NOTES-gpu.md)
+    batch_fused_rope: bool = False
     # weight tiles each GEMV program (batch-1: after its first, loaded outright; batched: from the first)
     # prefetches into L2 before its PDL wait (0, 1, 2 or 4; a hint: results unchanged; only with PDL).
     # Off: 2 tiles cost +0.12 ms a batch-1 step on the H200 (run F1)
