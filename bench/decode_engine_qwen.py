@@ -64,6 +64,18 @@ NO_AHEAD = {"engine": {"fast_path_run_ahead": False}}  # each token read before 
 ATTN_WARPS_8 = {"engine": {"fast_path_options": FastOptions(attn_warps=8)}}
 SPLITS_8 = {"engine": {"fast_path_options": FastOptions(num_splits=8)}}  # attention: 8 splits of 2 blocks
 SPLITS_8_BLOCK_128 = {"engine": {"fast_path_options": FastOptions(num_splits=8, block_s=128)}}
+
+
+def tiles(**kw) -> dict:
+    """A variant with some projections' batch-1 GEMV tiles (block_n, block_k, warps, stages) changed."""
+    return {"engine": {"fast_path_options": FastOptions(tiles={**FastOptions().tiles, **kw})}}
+
+
+# the QKV GEMV (norm prologue + paired rope rows) streams at ~3.2 TB/s against gate/up's ~3.9 (run B4's profile):
+# other tiles for it, and for Qwen3-8B's down projection (K = 12288, the Llama default's tile was tuned at 14336)
+TILE_VARIANTS = {"qkv_4x512": tiles(qkv=(4, 512, 4, 6)), "qkv_16x256": tiles(qkv=(16, 256, 4, 6)),
+                 "qkv_8x512_s4": tiles(qkv=(8, 512, 4, 4)), "qkv_8x128_s8": tiles(qkv=(8, 128, 4, 8)),
+                 "qkv_8x256_w8": tiles(qkv=(8, 256, 8, 6))}
 # key -> (config, variants measured besides the default: engine keyword arguments, config overrides)
 SHAPES = {
     "qwen25_7b": (QWEN25_7B, {"tokens_per_step_8": PER_STEP_8, "no_run_ahead": NO_AHEAD, "attn_warps_8": ATTN_WARPS_8,
@@ -79,8 +91,9 @@ SHAPES = {
                             "attn_warps_8": ATTN_WARPS_8,
                             "tokens_per_step_8": PER_STEP_8, "no_run_ahead": NO_AHEAD,
                             "splits_8": SPLITS_8, "splits_8_block_128": SPLITS_8_BLOCK_128,
-                            "llama_twin": {"config": TWIN, "profile": True}}),
-    "llama3_8b": (LLAMA3_8B, {"no_run_ahead": NO_AHEAD, "attn_warps_8": ATTN_WARPS_8}),
+                            "llama_twin": {"config": TWIN, "profile": True}, **TILE_VARIANTS,
+                            "down_8x512": tiles(down=(8, 512, 4, 5))}),
+    "llama3_8b": (LLAMA3_8B, {"no_run_ahead": NO_AHEAD, "attn_warps_8": ATTN_WARPS_8, **TILE_VARIANTS}),
 }
 PROFILED = ("qwen25_7b", "qwen3_8b")  # their defaults' kernels profiled too
 
