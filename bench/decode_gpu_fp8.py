@@ -6,7 +6,7 @@ per output channel as llm-compressor's FP8 schemes do (scale = amax / 448); the 
 copy is the reference. Parts, all in one call:
 - copy bandwidth (the roofline's ceiling);
 - bf16 fast path step at 1K context (default options): ``llama8b_bf16_ctx1k_tok_s``;
-- FP8 step (cuda/fp8.py Fp8GqaDecoder) at 1K over a few tile variants, FP8_DYNAMIC activations:
+- FP8 step (cuda/fp8.py Fp8GqaDecoder) at 1K over the variants in FP8_VARIANTS, FP8_DYNAMIC activations:
   ``llama8b_fp8_ctx1k_tok_s``, ``llama8b_fp8_ctx1k_frac_roofline`` (bytes the step reads: FP8 weights +
   their scales + bf16 norms, lm_head and one embedding row + KV), ``llama8b_fp8_over_bf16``;
   weight-only FP8 (no activation rounding) as a variant;
@@ -40,12 +40,17 @@ from decode_gpu import (LLAMA8B, LLAMA_ROPE, build_llama, capture, copy_bandwidt
 
 ROOT = Path(__file__).resolve().parents[1]
 NAMES = ("wqkv", "wo", "w_gate_up", "w_down")
-# (block_n, block_k, num_warps, stages) per FP8 projection (FastOptions.fp8_tiles); None: the product's
-# default (bench/gpu_fp8_gemv.py's sweep); FP8 rows are half the bytes of bf16 rows
-FP8_TILES = {
-    "product": None,
-    "bf16_tiles": {"qkv": (8, 256, 4, 6), "o": (16, 256, 4, 6), "gate_up": (4, 512, 4, 6), "down": (16, 512, 4, 5)},
-    "n2x": {"qkv": (16, 256, 4, 6), "o": (32, 256, 4, 6), "gate_up": (8, 512, 4, 6), "down": (32, 512, 4, 5)},
+# FP8 step variants: FastOptions fields over the product's defaults ({}: the product). The QKV GEMV with its
+# rope + stores fused (the default) against two launches; split-K residual GEMVs (o: K = 4096 in 1024-column
+# tiles; down: K = 14336 in 1024-column tiles, so 2 or 7 splits)
+FP8_VARIANTS = {
+    "product": {},
+    "qkv_unfused": {"fp8_qkv_rope": False},
+    "split_o2": {"split_k": {"o": 2}},
+    "split_o4": {"split_k": {"o": 4}},
+    "split_down2": {"split_k": {"down": 2}},
+    "split_down7": {"split_k": {"down": 7}},
+    "split_o2_down2": {"split_k": {"o": 2, "down": 2}},
 }
 
 
@@ -174,8 +179,8 @@ def run(R: dict) -> None:
     R["llama8b_bf16_ctx1k_tok_s"], R["llama8b_bf16_ctx1k_frac_roofline"] = 1e3 / ms_bf16, roof_bf16 / ms_bf16
     log(f"  bf16 step {ms_bf16:.3f} ms {1e3 / ms_bf16:.1f} tok/s {roof_bf16 / ms_bf16:.1%} of roofline")
     R["llama8b_fp8_variants"] = V = {}
-    for name, tiles in FP8_TILES.items():
-        opts = base if tiles is None else replace(base, fp8_tiles=dict(tiles))
+    for name, fields in FP8_VARIANTS.items():
+        opts = replace(base, **fields)
         try:
             ms = min(timing(fp8_dec(opts), s, ctx, slot, mt) for _ in range(2))
             V[name] = {"ms": ms, "tok_s": 1e3 / ms, "frac_roofline": roof_fp8 / ms}
@@ -187,7 +192,7 @@ def run(R: dict) -> None:
     if not ok:
         return
     best = min(ok, key=lambda k: ok[k]["ms"])
-    bopts = base if FP8_TILES[best] is None else replace(base, fp8_tiles=dict(FP8_TILES[best]))
+    bopts = replace(base, **FP8_VARIANTS[best])
     R["llama8b_fp8_best_variant"] = best
     R["llama8b_fp8_ctx1k_tok_s"] = ok[best]["tok_s"]
     R["llama8b_fp8_ctx1k_frac_roofline"] = ok[best]["frac_roofline"]

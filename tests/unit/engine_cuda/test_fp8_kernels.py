@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from services.decode.engine import fp8 as engine_fp8
-from services.decode.engine.cuda import fp8, reference
+from services.decode.engine.cuda import fp8, gemv, reference
 
 BF = torch.bfloat16
 
@@ -61,3 +61,74 @@ def test_gemv_fp8_silu_matches_twin(norm, act, block_n, block_k):
     kw = dict(norm_w=nw if norm else None, eps=1e-5, act=act)
     fp8.gemv_fp8_silu(x, w, scale, out, block_n=block_n, block_k=block_k, **kw)
     close(out, fp8.gemv_fp8_silu_reference(x, w, scale, **kw))
+
+
+@pytest.mark.parametrize("split_k,residual,bias,act", [(2, True, False, True), (4, True, True, False),
+                                                       (3, False, False, True)])
+def test_split_k_gemv_fp8_matches_the_whole_k_kernel(split_k, residual, bias, act):
+    # the last split of each row block sums the partials in split order: the same values as one program
+    # (to fp32 summation order), the counts reset for the next launch
+    k = 32 * 2 * split_k
+    x, res, b = rand(k).to(BF), rand(40).to(BF), rand(40, std=0.1).to(BF)
+    w, scale = quantized(40, k, seed=5)
+    buf = gemv.SplitKBuffers(4, 64, 64, "cpu")
+    kw = dict(eps=1e-5, bias=b if bias else None, act=act, block_n=8, block_k=32)
+    whole = fp8.gemv_fp8(x, w, scale, torch.zeros(40, dtype=BF), residual=res.clone() if residual else None, **kw)
+    for _ in range(2):  # a second launch finds the counts reset
+        out = torch.full((40,), float("nan"), dtype=BF)
+        fp8.gemv_fp8(x, w, scale, out, residual=res.clone() if residual else None, split_k=split_k, splitk_buf=buf,
+                     **kw)
+        close(out, whole)
+        assert not buf.count.any()
+    close(whole, fp8.gemv_fp8_reference(x, w, scale, residual=res if residual else None,
+                                        **{k_: v for k_, v in kw.items() if k_ in ("eps", "bias", "act")}))
+
+
+def test_split_k_needs_whole_tiles_and_its_buffers():
+    x = rand(96).to(BF)
+    w, scale = quantized(40, 96)
+    out = torch.zeros(40, dtype=BF)
+    with pytest.raises(ValueError, match="multiple of split_k"):
+        fp8.gemv_fp8(x, w, scale, out, block_n=8, block_k=32, split_k=2, splitk_buf=gemv.SplitKBuffers(2, 40, 8, "cpu"))
+    with pytest.raises(ValueError, match="needs splitk_buf"):
+        gemv.gemv(x, w.float().to(BF), out, block_n=8, block_k=16, split_k=2)
+
+
+@pytest.mark.parametrize("qk_norm,kv_fp8,act,bias", [(False, False, True, False), (False, True, True, True),
+                                                     (True, False, False, False)])
+def test_fp8_qkv_rope_is_the_gemv_then_the_rope_kernel(qk_norm, kv_fp8, act, bias):
+    # the fused FP8 QKV GEMV stores q and this position's K/V exactly as gemv_fp8 + rope_cache_write do
+    # (Qwen3: without rope, the attention normalises and rotates; compared with the GEMV's rows as stored)
+    from services.decode.engine.cuda import smallops
+    from services.decode.engine.cuda.kvfp8 import kv_fmt
+
+    hq, hkv, d, h, t, pos = 4, 2, 32, 128, 8, 5
+    n = (hq + 2 * hkv) * d
+    x, nw = rand(h).to(BF), (1 + rand(h, std=0.1)).to(BF)
+    w, scale = quantized(n, h, seed=7)
+    b = rand(n, std=0.1).to(BF) if bias else None
+    cos, sin = rand(t, d // 2, seed=1).to(BF), rand(t, d // 2, seed=2).to(BF)
+    p = torch.tensor([pos], dtype=torch.int32)
+    heads = dict(num_q_heads=hq, num_kv_heads=hkv, head_dim=d)
+    kv = dict(kv_fmt=kv_fmt("fp8_e4m3"), inv_k=1 / 0.05, inv_v=1 / 0.02) if kv_fp8 else {}
+    cdt = torch.uint8 if kv_fp8 else BF
+    got, want = [], []
+    for fused in (True, False):
+        kc, vc, q = torch.zeros(t, hkv, d, dtype=cdt), torch.zeros(t, hkv, d, dtype=cdt), torch.zeros(hq * d, dtype=BF)
+        if fused:
+            fp8.gemv_fp8_qkv_rope(x, w, scale, nw, 1e-5, q, kc, vc, p, cos, sin, **heads, bias=b, rope=not qk_norm,
+                                  act=act, block_n=8, block_k=64, **kv)
+            got = [q, kc, vc]
+        else:
+            qkv = fp8.gemv_fp8(x, w, scale, torch.zeros(n, dtype=BF), norm_w=nw, eps=1e-5, bias=b, act=act,
+                               block_n=8, block_k=64)
+            if qk_norm:  # as projected
+                q.copy_(qkv[: hq * d])
+                kc[pos].copy_(qkv[hq * d: (hq + hkv) * d].view(hkv, d))
+                vc[pos].copy_(qkv[(hq + hkv) * d:].view(hkv, d))
+            else:
+                smallops.rope_cache_write(qkv, q, kc, vc, p, cos, sin, **heads, **kv)
+            want = [q, kc, vc]
+    for a, b_ in zip(got, want):
+        assert torch.equal(a, b_)
+    assert got[1][pos].any() and not got[1][:pos].any()

@@ -18,13 +18,15 @@ under ``TRITON_INTERPRET=1`` against them.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
 
 from . import gemv, reference, smallops
-from .gemv import gdc_launch_dependents, gdc_wait, launch_opts
-from .kernel_helpers import rnd_bf16, round_to_dtype
+from .gemv import SplitKBuffers, gdc_launch_dependents, gdc_wait, launch_opts, qkv_store, splitk_args
+from .kernel_helpers import rnd_bf16, round_to_dtype, splitk_gather
 from .llama import GqaDecoder
 
 FP8_MAX = 448.0
@@ -66,20 +68,21 @@ def _x_tile(x_ptr, nw_ptr, k, K, inv_rms, s, inv_s, NORM: tl.constexpr, ACT: tl.
 
 
 @triton.jit
-def _first_tile(w_ptr, rows, rmask, K, BLOCK_K: tl.constexpr):
-    # the first BLOCK_K columns of these rows, issued before the PDL wait and the input's prologue so
-    # that the weight stream's first DRAM round trip overlaps them (as gemv.py's kernels do)
-    k0 = tl.arange(0, BLOCK_K)
+def _first_tile(w_ptr, rows, rmask, K, BLOCK_K: tl.constexpr, k_lo=0):
+    # the first BLOCK_K columns (from k_lo) of these rows, issued before the PDL wait and the input's prologue
+    # so that the weight stream's first DRAM round trip overlaps them (as gemv.py's kernels do)
+    k0 = k_lo + tl.arange(0, BLOCK_K)
     return tl.load(w_ptr + rows[:, None].to(tl.int64) * K + k0[None, :], mask=rmask[:, None] & (k0 < K)[None, :],
                    other=0.0, eviction_policy="evict_first")
 
 
 @triton.jit
 def _rows_dot(x_ptr, nw_ptr, w_ptr, rows, rmask, K, inv_rms, s, inv_s, w0, NORM: tl.constexpr, ACT: tl.constexpr,
-              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
-    x0, _, _ = _x_tile(x_ptr, nw_ptr, 0, K, inv_rms, s, inv_s, NORM, ACT, BLOCK_K)
+              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, k_lo, k_hi):
+    # fp32 row sums over columns [k_lo, k_hi) (w0: the tile at k_lo, already loaded)
+    x0, _, _ = _x_tile(x_ptr, nw_ptr, k_lo, K, inv_rms, s, inv_s, NORM, ACT, BLOCK_K)
     acc = w0.to(tl.float32) * x0[None, :]
-    for k in tl.range(BLOCK_K, K, BLOCK_K, num_stages=STAGES):
+    for k in tl.range(k_lo + BLOCK_K, k_hi, BLOCK_K, num_stages=STAGES):
         x, offs, kmask = _x_tile(x_ptr, nw_ptr, k, K, inv_rms, s, inv_s, NORM, ACT, BLOCK_K)
         w = tl.load(w_ptr + rows[:, None].to(tl.int64) * K + offs[None, :], mask=rmask[:, None] & kmask[None, :],
                     other=0.0, eviction_policy="evict_first")
@@ -91,20 +94,39 @@ def _rows_dot(x_ptr, nw_ptr, w_ptr, rows, rmask, K, inv_rms, s, inv_s, w0, NORM:
 def _gemv_fp8_kernel(x_ptr, w_ptr, ws_ptr, out_ptr, res_ptr, nw_ptr, bias_ptr, N, K, eps,
                      NORM: tl.constexpr, RESIDUAL: tl.constexpr, BIAS: tl.constexpr, ACT: tl.constexpr,
                      K_POW2: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
-                     PDL: tl.constexpr):
+                     PDL: tl.constexpr, part_ptr=None, count_ptr=None, SPLIT_K: tl.constexpr = 1):
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     rmask = rows < N
-    w0 = _first_tile(w_ptr, rows, rmask, K, BLOCK_K)
+    sk = 0
+    k_lo = 0
+    k_hi = K
+    if SPLIT_K > 1:  # split-K: this program's K range, whole tiles
+        sk = tl.program_id(1)
+        k_lo = sk * (K // SPLIT_K)
+        k_hi = k_lo + K // SPLIT_K
+    w0 = _first_tile(w_ptr, rows, rmask, K, BLOCK_K, k_lo)
     ws = tl.load(ws_ptr + rows, mask=rmask, other=0.0)
+    bias = 0.0
     if BIAS:
         bias = tl.load(bias_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
     if PDL:  # weights and scales are never written: only x and the outputs wait for the previous kernel
         gdc_wait()
     inv_rms, s, inv_s = _prologue(x_ptr, nw_ptr, K, eps, NORM, ACT, K_POW2)
-    y = _rows_dot(x_ptr, nw_ptr, w_ptr, rows, rmask, K, inv_rms, s, inv_s, w0, NORM, ACT, BLOCK_N, BLOCK_K, STAGES)
+    y = _rows_dot(x_ptr, nw_ptr, w_ptr, rows, rmask, K, inv_rms, s, inv_s, w0, NORM, ACT, BLOCK_N, BLOCK_K, STAGES,
+                  k_lo, k_hi)
     if PDL:
         gdc_launch_dependents()
+    if SPLIT_K > 1:  # the row block's last split to finish sums the partials and runs the epilogue
+        last, y = splitk_gather(y, part_ptr, count_ptr, pid, sk, rows, rmask, N, SPLIT_K)
+        if last:
+            _fp8_epilogue(y, ws, bias, rows, rmask, res_ptr, out_ptr, BIAS, RESIDUAL)
+    else:
+        _fp8_epilogue(y, ws, bias, rows, rmask, res_ptr, out_ptr, BIAS, RESIDUAL)
+
+
+@triton.jit
+def _fp8_epilogue(y, ws, bias, rows, rmask, res_ptr, out_ptr, BIAS: tl.constexpr, RESIDUAL: tl.constexpr):
     y = y * ws
     if BIAS:
         y += bias
@@ -112,6 +134,24 @@ def _gemv_fp8_kernel(x_ptr, w_ptr, ws_ptr, out_ptr, res_ptr, nw_ptr, bias_ptr, N
         r = tl.load(res_ptr + rows, mask=rmask, other=0.0)
         y = r.to(tl.float32) + round_to_dtype(y, r.dtype)
     tl.store(out_ptr + rows, y.to(out_ptr.dtype.element_ty), mask=rmask)
+
+
+@triton.jit
+def _pair_dot(x_ptr, nw_ptr, w_ptr, rows_a, rows_b, K, inv_rms, s, inv_s, wa0, wb0, NORM: tl.constexpr,
+              ACT: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
+    # fp32 sums of two row sets (gate/up, or a head's rope halves) against the input, every weight read once
+    x0, _, _ = _x_tile(x_ptr, nw_ptr, 0, K, inv_rms, s, inv_s, NORM, ACT, BLOCK_K)
+    acc_a = wa0.to(tl.float32) * x0[None, :]
+    acc_b = wb0.to(tl.float32) * x0[None, :]
+    for k in tl.range(BLOCK_K, K, BLOCK_K, num_stages=STAGES):
+        x, offs, kmask = _x_tile(x_ptr, nw_ptr, k, K, inv_rms, s, inv_s, NORM, ACT, BLOCK_K)
+        wa = tl.load(w_ptr + rows_a[:, None].to(tl.int64) * K + offs[None, :], mask=kmask[None, :], other=0.0,
+                     eviction_policy="evict_first")
+        wb = tl.load(w_ptr + rows_b[:, None].to(tl.int64) * K + offs[None, :], mask=kmask[None, :], other=0.0,
+                     eviction_policy="evict_first")
+        acc_a += wa.to(tl.float32) * x[None, :]
+        acc_b += wb.to(tl.float32) * x[None, :]
+    return tl.sum(acc_a, axis=1), tl.sum(acc_b, axis=1)
 
 
 @triton.jit
@@ -128,24 +168,66 @@ def _gemv_fp8_silu_kernel(x_ptr, w_ptr, ws_ptr, out_ptr, nw_ptr, I, K, eps,
     if PDL:
         gdc_wait()
     inv_rms, s, inv_s = _prologue(x_ptr, nw_ptr, K, eps, NORM, ACT, K_POW2)
-    x0, _, _ = _x_tile(x_ptr, nw_ptr, 0, K, inv_rms, s, inv_s, NORM, ACT, BLOCK_K)
-    acc_g = wg0.to(tl.float32) * x0[None, :]
-    acc_u = wu0.to(tl.float32) * x0[None, :]
-    for k in tl.range(BLOCK_K, K, BLOCK_K, num_stages=STAGES):
-        x, offs, kmask = _x_tile(x_ptr, nw_ptr, k, K, inv_rms, s, inv_s, NORM, ACT, BLOCK_K)
-        wg = tl.load(w_ptr + rows[:, None].to(tl.int64) * K + offs[None, :], mask=kmask[None, :], other=0.0,
-                     eviction_policy="evict_first")
-        wu = tl.load(w_ptr + (rows + I)[:, None].to(tl.int64) * K + offs[None, :], mask=kmask[None, :], other=0.0,
-                     eviction_policy="evict_first")
-        acc_g += wg.to(tl.float32) * x[None, :]
-        acc_u += wu.to(tl.float32) * x[None, :]
+    g, u = _pair_dot(x_ptr, nw_ptr, w_ptr, rows, rows + I, K, inv_rms, s, inv_s, wg0, wu0, NORM, ACT, BLOCK_K, STAGES)
     if PDL:
         gdc_launch_dependents()
     dt = out_ptr.dtype.element_ty
-    g = round_to_dtype(tl.sum(acc_g, axis=1) * ws_g, dt)
-    u = round_to_dtype(tl.sum(acc_u, axis=1) * ws_u, dt)
+    g = round_to_dtype(g * ws_g, dt)
+    u = round_to_dtype(u * ws_u, dt)
     sg = round_to_dtype(g / (1.0 + tl.exp(-g)), dt)
     tl.store(out_ptr + rows, (sg * u).to(dt))
+
+
+@triton.jit
+def _gemv_fp8_qkv_rope_kernel(x_ptr, w_ptr, ws_ptr, nw_ptr, bias_ptr, q_ptr, k_cache_ptr, v_cache_ptr, pos_ptr,
+                              cos_ptr, sin_ptr, K, eps, NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
+                              HEAD_DIM: tl.constexpr, NORM: tl.constexpr, BIAS: tl.constexpr, ROPE: tl.constexpr,
+                              ACT: tl.constexpr, K_POW2: tl.constexpr, BLOCK_N: tl.constexpr,
+                              BLOCK_K: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr,
+                              POS_EARLY: tl.constexpr, KV_FMT: tl.constexpr, inv_k=1.0, inv_v=1.0):
+    # gemv.py's _gemv_qkv_rope_kernel over an FP8 wqkv: program = BLOCK_N rows of one head's first half
+    # and their rope partners; the epilogue (scale, bias, rounding, rope, q / cache stores) is gemv.qkv_store's
+    HALF: tl.constexpr = HEAD_DIM // 2
+    pid = tl.program_id(0)
+    per_head: tl.constexpr = HALF // BLOCK_N
+    head = pid // per_head
+    j = (pid % per_head) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows_a = head * HEAD_DIM + j
+    all_rows = rows_a >= 0
+    wa0 = _first_tile(w_ptr, rows_a, all_rows, K, BLOCK_K)
+    wb0 = _first_tile(w_ptr, rows_a + HALF, all_rows, K, BLOCK_K)
+    ws_a = tl.load(ws_ptr + rows_a)
+    ws_b = tl.load(ws_ptr + rows_a + HALF)
+    if BIAS:
+        bias_a = tl.load(bias_ptr + rows_a).to(tl.float32)
+        bias_b = tl.load(bias_ptr + rows_a + HALF).to(tl.float32)
+    if POS_EARLY:  # the position and its rope rows before the wait (not in a step's first layer, which
+        pos = tl.load(pos_ptr)  # follows the kernel that advances pos)
+        if ROPE:
+            cos = tl.load(cos_ptr + pos * HALF + j).to(tl.float32)
+            sin = tl.load(sin_ptr + pos * HALF + j).to(tl.float32)
+    if PDL:
+        gdc_wait()
+    inv_rms, s, inv_s = _prologue(x_ptr, nw_ptr, K, eps, NORM, ACT, K_POW2)
+    a, b = _pair_dot(x_ptr, nw_ptr, w_ptr, rows_a, rows_a + HALF, K, inv_rms, s, inv_s, wa0, wb0, NORM, ACT,
+                     BLOCK_K, STAGES)
+    if PDL:
+        gdc_launch_dependents()
+    a = a * ws_a
+    b = b * ws_b
+    if BIAS:
+        a += bias_a
+        b += bias_b
+    if not POS_EARLY:
+        pos = tl.load(pos_ptr)
+        if ROPE:
+            cos = tl.load(cos_ptr + pos * HALF + j).to(tl.float32)
+            sin = tl.load(sin_ptr + pos * HALF + j).to(tl.float32)
+    if not ROPE:
+        cos = 0.0
+        sin = 0.0
+    qkv_store(a, b, head, j, pos, cos, sin, q_ptr, k_cache_ptr, v_cache_ptr, inv_k, inv_v, NUM_Q_HEADS, NUM_KV_HEADS,
+              HEAD_DIM, ROPE, KV_FMT)
 
 
 def _pow2(n: int) -> int:
@@ -155,15 +237,18 @@ def _pow2(n: int) -> int:
 def gemv_fp8(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, out: torch.Tensor, *,
              norm_w: torch.Tensor | None = None, eps: float = 1e-5, residual: torch.Tensor | None = None,
              bias: torch.Tensor | None = None, act: bool = False, block_n: int = 16, block_k: int = 512,
-             num_warps: int = 4, stages: int = 1, pdl: bool = False, prefetch: int = 0) -> torch.Tensor:
+             num_warps: int = 4, stages: int = 1, pdl: bool = False, prefetch: int = 0, split_k: int = 1,
+             splitk_buf: SplitKBuffers | None = None) -> torch.Tensor:
     """out[N] = [residual +] round(scale * (W8[N, K] @ q([rmsnorm(x) * norm_w | x])) [+ bias]); q is the FP8
-    activation rounding when ``act``. ``prefetch`` is accepted for gemv.py's tile kwargs and unused."""
+    activation rounding when ``act``. ``prefetch`` is accepted for gemv.py's tile kwargs and unused;
+    ``split_k``: as gemv.gemv's."""
     n, k = w.shape
-    _gemv_fp8_kernel[(triton.cdiv(n, block_n),)](
+    split = splitk_args(split_k, splitk_buf, n, k, block_n, block_k)
+    _gemv_fp8_kernel[(triton.cdiv(n, block_n), split_k)](
         x, w, w_scale, out, residual if residual is not None else out, norm_w if norm_w is not None else x,
         bias if bias is not None else x, n, k, eps, NORM=norm_w is not None, RESIDUAL=residual is not None,
         BIAS=bias is not None, ACT=act, K_POW2=_pow2(k), BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, PDL=pdl,
-        num_warps=num_warps, **launch_opts(pdl))
+        **split, num_warps=num_warps, **launch_opts(pdl))
     return out
 
 
@@ -181,6 +266,30 @@ def gemv_fp8_silu(x: torch.Tensor, w_gate_up: torch.Tensor, w_scale: torch.Tenso
         ACT=act, K_POW2=_pow2(k), BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, PDL=pdl, num_warps=num_warps,
         **launch_opts(pdl))
     return out
+
+
+def gemv_fp8_qkv_rope(x: torch.Tensor, wqkv: torch.Tensor, w_scale: torch.Tensor, norm_w: torch.Tensor | None,
+                      eps: float, q_out: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, num_q_heads: int,
+                      num_kv_heads: int, head_dim: int, bias: torch.Tensor | None = None, rope: bool = True,
+                      act: bool = False, block_n: int = 16, block_k: int = 512, num_warps: int = 4,
+                      stages: int = 1, pdl: bool = False, pos_early: bool = False, kv_fmt: int = 0,
+                      inv_k: float = 1.0, inv_v: float = 1.0) -> None:
+    """gemv.gemv_qkv_rope over an FP8 wqkv with per-row scales (and the FP8 activation rounding when ``act``):
+    one launch where gemv_fp8 + smallops.rope_cache_write take two, the same values."""
+    half = head_dim // 2
+    if half % block_n:
+        raise ValueError(f"head_dim/2 = {half} is not a multiple of block_n {block_n}")
+    num_heads = num_q_heads + 2 * num_kv_heads
+    if wqkv.shape[0] != num_heads * head_dim:
+        raise ValueError(f"wqkv has {wqkv.shape[0]} rows, expected (Hq + 2*Hkv) * D = {num_heads * head_dim}")
+    k = wqkv.shape[1]
+    _gemv_fp8_qkv_rope_kernel[(num_heads * (half // block_n),)](
+        x, wqkv, w_scale, norm_w if norm_w is not None else x, bias if bias is not None else x, q_out, k_cache,
+        v_cache, pos, cos, sin, k, eps, NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
+        NORM=norm_w is not None, BIAS=bias is not None, ROPE=rope, ACT=act, K_POW2=_pow2(k), BLOCK_N=block_n,
+        BLOCK_K=block_k, STAGES=stages, PDL=pdl, POS_EARLY=pos_early, KV_FMT=kv_fmt, inv_k=inv_k, inv_v=inv_v,
+        num_warps=num_warps, **launch_opts(pdl))
 
 
 # ---------------------------------------------------------------- torch twins
@@ -221,8 +330,9 @@ class Fp8Scales:
 
 class Fp8GqaDecoder(GqaDecoder):
     """GqaDecoder whose projections with a scale run the FP8 GEMVs above. Per layer: FP8 QKV GEMV
-    (norm, bias fused) + one small rope/q-k-norm/cache-write kernel (one launch more than the bf16
-    step, whose rope rides in the bf16 QKV GEMV), attention, FP8 o_proj (+ residual), FP8 gate/up +
+    (norm, bias, rope and the q / K / V stores fused, as the bf16 step's; with ``FastOptions.fp8_qkv_rope``
+    off, or Qwen3's q/k norm over an FP8 KV cache, the GEMV + one small rope/q-k-norm/cache-write kernel),
+    attention, FP8 o_proj (+ residual), FP8 gate/up +
     SiLU, FP8 down (+ residual); the lm_head stays bf16 (compressed-tensors ``ignore: [lm_head]``).
     ``act_fp8``: activations through FP8 per token (the checkpoint's FP8_DYNAMIC scheme)."""
 
@@ -244,6 +354,17 @@ class Fp8GqaDecoder(GqaDecoder):
         if sc.wqkv is None:
             return super()._qkv(i)
         m, lw, eps = self.model, self.model.layers[i], self.model.eps
+        if self.opt.fp8_qkv_rope and (lw.q_norm is None or (self.opt.qk_norm_in == "attention" and not self.kv_fmt)):
+            # one launch; Qwen3's q/k norm + rope then run in the attention (as the bf16 step does). A
+            # program's rows lie in one head half: the tile's block_n cut to divide head_dim / 2
+            tile = self.fp8_tile_kwargs("qkv")
+            tile["block_n"] = math.gcd(tile["block_n"], m.head_dim // 2)
+            gemv_fp8_qkv_rope(self.residual, lw.wqkv, sc.wqkv, lw.attn_norm, eps, self.query, self.k_caches[i],
+                              self.v_caches[i], self.pos, self.cos, self.sin, num_q_heads=m.num_q_heads,
+                              num_kv_heads=m.num_kv_heads, head_dim=m.head_dim, bias=lw.bqkv,
+                              rope=lw.q_norm is None, act=self.act_fp8, pos_early=i > 0, **tile,
+                              **self.kv_kwargs(i))
+            return (lw.q_norm, lw.k_norm, eps, self.cos, self.sin) if lw.q_norm is not None else None
         qkv = gemv_fp8(self.residual, lw.wqkv, sc.wqkv, self.tmp[: lw.wqkv.shape[0]], norm_w=lw.attn_norm,
                        eps=eps, bias=lw.bqkv, act=self.act_fp8, **self.fp8_tile_kwargs("qkv"))
         smallops.rope_cache_write(qkv, self.query, self.k_caches[i], self.v_caches[i], self.pos, self.cos,
@@ -261,7 +382,7 @@ class Fp8GqaDecoder(GqaDecoder):
         self.attend(i, qk_norm)
         if sc.wo is not None:
             gemv_fp8(self.attn_out, lw.wo, sc.wo, self.residual, residual=self.residual, bias=lw.bo, act=act,
-                     **self.fp8_tile_kwargs("o"))
+                     **self.fp8_tile_kwargs("o"), **self.split_kwargs("o", lw.wo, self.fp8_tile_kwargs("o")))
         else:
             gemv.gemv(self.attn_out, lw.wo, self.residual, residual=self.residual, bias=lw.bo, **self.tile_kwargs("o"))
         if sc.w_gate_up is not None:
@@ -272,7 +393,8 @@ class Fp8GqaDecoder(GqaDecoder):
                            **self.tile_kwargs("gate_up"))
         if sc.w_down is not None:
             gemv_fp8(self.act, lw.w_down, sc.w_down, self.residual, residual=self.residual, act=act,
-                     **self.fp8_tile_kwargs("down"))
+                     **self.fp8_tile_kwargs("down"),
+                     **self.split_kwargs("down", lw.w_down, self.fp8_tile_kwargs("down")))
         else:
             gemv.gemv(self.act, lw.w_down, self.residual, residual=self.residual, **self.tile_kwargs("down"))
 
