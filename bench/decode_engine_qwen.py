@@ -76,21 +76,10 @@ def tiles(**kw) -> dict:
 TILE_VARIANTS = {"qkv_4x512": tiles(qkv=(4, 512, 4, 6)), "qkv_16x256": tiles(qkv=(16, 256, 4, 6)),
                  "qkv_8x512_s4": tiles(qkv=(8, 512, 4, 4)), "qkv_8x128_s8": tiles(qkv=(8, 128, 4, 8)),
                  "qkv_8x256_w8": tiles(qkv=(8, 256, 8, 6))}
-
-
-def split_k(**kw) -> dict:
-    """A variant whose residual GEMVs (o, down) split their K over that many programs a row block."""
-    return {"engine": {"fast_path_options": FastOptions(split_k=kw)}}
-
-
-# the o GEMV streams 33.5 MB at ~10 us for ~8 us of bytes, one wave of programs each walking a whole row: K in
-# 2 or 4 programs a row block (more bytes in flight, a shorter tail), the last summing the partials
-SPLIT_VARIANTS = {"split_o2": split_k(o=2), "split_o4": split_k(o=4), "split_down2": split_k(down=2),
-                  "split_o2_down2": split_k(o=2, down=2)}
 # key -> (config, variants measured besides the default: engine keyword arguments, config overrides)
 SHAPES = {
     "qwen25_7b": (QWEN25_7B, {"tokens_per_step_8": PER_STEP_8, "no_run_ahead": NO_AHEAD, "attn_warps_8": ATTN_WARPS_8,
-                              "llama_twin": {"config": TWIN}, **SPLIT_VARIANTS}),
+                              "llama_twin": {"config": TWIN}}),
     "qwen3_8b": (QWEN3_8B, {"qk_norm_kernel": {"engine": {"fast_path_options": FastOptions(qk_norm_in="kernel")}},
                             "attention_one_launch": {"engine": {"fast_path_options": FastOptions(
                                 attn_one_launch=True)}},
@@ -103,9 +92,8 @@ SHAPES = {
                             "tokens_per_step_8": PER_STEP_8, "no_run_ahead": NO_AHEAD,
                             "splits_8": SPLITS_8, "splits_8_block_128": SPLITS_8_BLOCK_128,
                             "llama_twin": {"config": TWIN, "profile": True}, **TILE_VARIANTS,
-                            "down_8x512": tiles(down=(8, 512, 4, 5)), **SPLIT_VARIANTS}),
-    "llama3_8b": (LLAMA3_8B, {"no_run_ahead": NO_AHEAD, "attn_warps_8": ATTN_WARPS_8, **TILE_VARIANTS,
-                              **SPLIT_VARIANTS}),
+                            "down_8x512": tiles(down=(8, 512, 4, 5))}),
+    "llama3_8b": (LLAMA3_8B, {"no_run_ahead": NO_AHEAD, "attn_warps_8": ATTN_WARPS_8, **TILE_VARIANTS}),
 }
 PROFILED = ("qwen25_7b", "qwen3_8b")  # their defaults' kernels profiled too
 

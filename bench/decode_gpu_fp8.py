@@ -41,16 +41,10 @@ from decode_gpu import (LLAMA8B, LLAMA_ROPE, build_llama, capture, copy_bandwidt
 ROOT = Path(__file__).resolve().parents[1]
 NAMES = ("wqkv", "wo", "w_gate_up", "w_down")
 # FP8 step variants: FastOptions fields over the product's defaults ({}: the product). The QKV GEMV with its
-# rope + stores fused (the default) against two launches; split-K residual GEMVs (o: K = 4096 in 1024-column
-# tiles; down: K = 14336 in 1024-column tiles, so 2 or 7 splits)
+# rope + stores fused (the default) against two launches (run K3: -34 us a step fused)
 FP8_VARIANTS = {
     "product": {},
     "qkv_unfused": {"fp8_qkv_rope": False},
-    "split_o2": {"split_k": {"o": 2}},
-    "split_o4": {"split_k": {"o": 4}},
-    "split_down2": {"split_k": {"down": 2}},
-    "split_down7": {"split_k": {"down": 7}},
-    "split_o2_down2": {"split_k": {"o": 2, "down": 2}},
 }
 
 
@@ -208,17 +202,23 @@ def run(R: dict) -> None:
         ms = min(timing(fp8_dec(bopts, kv=kv8(s["layers"])), s, ctx, slot8, mt) for _ in range(2))
         R["llama8b_fp8kv_ctx1k_tok_s"] = 1e3 / ms
         log(f"  fp8 weights + fp8 KV ({best}) 1K {ms:.3f} ms {1e3 / ms:.1f} tok/s")
+        ms = min(timing(fp8_dec(replace(bopts, fp8_kv_shift=not bopts.fp8_kv_shift), kv=kv8(s["layers"])), s, ctx,
+                            slot8, mt) for _ in range(2))
+        R["llama8b_fp8kv_ctx1k_other_shift_tok_s"] = 1e3 / ms
+        log(f"  the same, fp8_kv_shift={not bopts.fp8_kv_shift}: {ms:.3f} ms {1e3 / ms:.1f} tok/s")
         del slot8
     except Exception:
         log(traceback.format_exc()[-1500:])
     del slot
-    try:
-        R["llama8b_fp8kv_correctness"] = c = correctness(X, fp8_dec(bopts, kv=kv8(s["layers"])), dmodel, s, ctx,
-                                                         kv_fp8=True)
-        log(f"  llama8b_fp8kv_correctness: {c}")
-    except Exception:
-        R["llama8b_fp8kv_correctness"] = {"error": traceback.format_exc()[-800:]}
-        log(traceback.format_exc()[-1500:])
+    for shift in (False, True):
+        key = "llama8b_fp8kv_correctness" + ("_shift" if shift else "")
+        try:
+            R[key] = c = correctness(X, fp8_dec(replace(bopts, fp8_kv_shift=shift), kv=kv8(s["layers"])), dmodel, s,
+                                     ctx, kv_fp8=True)
+            log(f"  {key}: {c}")
+        except Exception:
+            R[key] = {"error": traceback.format_exc()[-800:]}
+            log(traceback.format_exc()[-1500:])
     for act in (True, False):
         key = "llama8b_fp8_correctness" + ("" if act else "_weight_only")
         try:
@@ -235,26 +235,33 @@ def run(R: dict) -> None:
     ctx, mt = 32768, 32768 + 512
     try:
         slot = make_slot(s, mt, ctx)
-        ms8 = timing(fp8_dec(bopts), s, ctx, slot, mt)
+        ms8 = min(timing(fp8_dec(bopts), s, ctx, slot, mt) for _ in range(2))
         R["llama8b_fp8_ctx32k_tok_s"] = 1e3 / ms8
         R["llama8b_fp8_ctx32k_frac_roofline"] = (fp8_bytes + kv_bytes(s, ctx)) / (bw * 1e12) * 1e3 / ms8
         ms16 = timing(bf16_dec, s, ctx, slot, mt)
         R["llama8b_bf16_ctx32k_tok_s_same_run"] = 1e3 / ms16
         log(f"  ctx 32K: fp8 {1e3 / ms8:.1f} tok/s ({R['llama8b_fp8_ctx32k_frac_roofline']:.1%}), bf16 {1e3 / ms16:.1f}")
+        R["llama8b_fp8_ctx32k_attn_tiles"] = T = {}  # bf16 KV: the attention's (num_splits, block_s) at 32K
+        for ns, bs in ((32, 64), (64, 64), (32, 128)):
+            T[f"{bs}x{ns}"] = t_ms = timing(fp8_dec(replace(bopts, num_splits=ns, block_s=bs)), s, ctx, slot, mt)
+            log(f"    bf16 KV attention tile block_s {bs} x {ns} splits: {1e3 / t_ms:.1f} tok/s")
     except Exception:
         log(traceback.format_exc()[-1500:])
     try:  # the same slot's K/V as FP8 bytes (half the KV bytes): FP8 weights + FP8 KV, bf16 weights + FP8 KV
         slot8 = fp8_slot(slot)
         del slot
         torch.cuda.empty_cache()
-        ms8kv = timing(fp8_dec(bopts, kv=kv8(s["layers"])), s, ctx, slot8, mt)
+        ms8kv = min(timing(fp8_dec(bopts, kv=kv8(s["layers"])), s, ctx, slot8, mt) for _ in range(2))
         R["llama8b_fp8kv_ctx32k_tok_s"] = 1e3 / ms8kv
         R["llama8b_fp8kv_ctx32k_frac_roofline"] = (fp8_bytes + kv_bytes(s, ctx) / 2) / (bw * 1e12) * 1e3 / ms8kv
         R["llama8b_fp8kv_ctx32k_attn_tiles"] = T = {}
-        for bs, ns in ((64, 16), (128, 16), (128, 32), (64, 32), (256, 16)):  # (block_s, num_splits)
-            o = replace(bopts, fp8_kv_attn=(ns, bs))  # FastOptions.fp8_kv_attn: the product's is (32, 128)
-            T[f"{bs}x{ns}"] = t_ms = timing(fp8_dec(o, kv=kv8(s["layers"])), s, ctx, slot8, mt)
-            log(f"    fp8 KV attention tile block_s {bs} x {ns} splits: {1e3 / t_ms:.1f} tok/s")
+        for bs, ns in ((128, 32), (64, 32), (32, 128), (64, 64)):  # (block_s, splits)
+            for shift in (False, True):  # FastOptions.fp8_kv_shift: bytes placed in bf16s, not converted
+                o = replace(bopts, fp8_kv_attn=(ns, bs), fp8_kv_shift=shift)  # the product's tile is (32, 128)
+                name = f"{bs}x{ns}" + ("_shift" if shift else "")
+                T[name] = t_ms = timing(fp8_dec(o, kv=kv8(s["layers"])), s, ctx, slot8, mt)
+                log(f"    fp8 KV attention tile block_s {bs} x {ns} splits{' shifted' if shift else ''}: "
+                    f"{1e3 / t_ms:.1f} tok/s")
         ms16kv = timing(bf16_fp8kv_dec, s, ctx, slot8, mt)
         R["llama8b_bf16_fp8kv_ctx32k_tok_s"] = 1e3 / ms16kv
         if "llama8b_fp8_ctx32k_tok_s" in R:

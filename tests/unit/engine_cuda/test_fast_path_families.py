@@ -96,7 +96,6 @@ DECODERS = {
     "qwen3 (q/k norm in attention, K row pos stored before the loop)": (False, False, True, "triton", "early_store"),
     "llama attention_bias (qkv + o bias)": (True, True, False, "triton", "attention"),
     "bias + q/k norm": (True, True, True, "triton", "attention"),
-    "bias + q/k norm, split-K o and down": (True, True, True, "triton", "attention"),
     "qwen2 on cuBLAS": (True, True, False, "cublas", "attention"),
     "qwen3 on cuBLAS": (False, False, True, "cublas", "attention"),
 }
@@ -130,11 +129,8 @@ def test_decoder_follows_the_reference_step(name):
     cos, sin = _tables(n, d)
     opts = FastOptions(backends={p: backend for p in TILES}, tiles=TILES, num_splits=4, block_s=16,
                        qk_norm_in="attention" if where == "early_store" else where,
-                       qk_pos_row_prologue=where != "early_store",
-                       split_k={"o": 2, "down": 3} if "split-K" in name else {})
+                       qk_pos_row_prologue=where != "early_store")
     dec = GqaDecoder(m, kc, vc, cos, sin, opts, max_steps=8)
-    if "split-K" in name:  # the option applies to these shapes (whole tiles per split)
-        assert dec.split_kwargs("down", m.layers[0].w_down, dec.tile_kwargs("down"))["split_k"] == 3
     dec.set_state(3, ctx)
     tok, expected = 3, []
     for i in range(steps):

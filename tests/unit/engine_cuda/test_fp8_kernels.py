@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from services.decode.engine import fp8 as engine_fp8
-from services.decode.engine.cuda import fp8, gemv, reference
+from services.decode.engine.cuda import fp8, reference
 
 BF = torch.bfloat16
 
@@ -61,37 +61,6 @@ def test_gemv_fp8_silu_matches_twin(norm, act, block_n, block_k):
     kw = dict(norm_w=nw if norm else None, eps=1e-5, act=act)
     fp8.gemv_fp8_silu(x, w, scale, out, block_n=block_n, block_k=block_k, **kw)
     close(out, fp8.gemv_fp8_silu_reference(x, w, scale, **kw))
-
-
-@pytest.mark.parametrize("split_k,residual,bias,act", [(2, True, False, True), (4, True, True, False),
-                                                       (3, False, False, True)])
-def test_split_k_gemv_fp8_matches_the_whole_k_kernel(split_k, residual, bias, act):
-    # the last split of each row block sums the partials in split order: the same values as one program
-    # (to fp32 summation order), the counts reset for the next launch
-    k = 32 * 2 * split_k
-    x, res, b = rand(k).to(BF), rand(40).to(BF), rand(40, std=0.1).to(BF)
-    w, scale = quantized(40, k, seed=5)
-    buf = gemv.SplitKBuffers(4, 64, 64, "cpu")
-    kw = dict(eps=1e-5, bias=b if bias else None, act=act, block_n=8, block_k=32)
-    whole = fp8.gemv_fp8(x, w, scale, torch.zeros(40, dtype=BF), residual=res.clone() if residual else None, **kw)
-    for _ in range(2):  # a second launch finds the counts reset
-        out = torch.full((40,), float("nan"), dtype=BF)
-        fp8.gemv_fp8(x, w, scale, out, residual=res.clone() if residual else None, split_k=split_k, splitk_buf=buf,
-                     **kw)
-        close(out, whole)
-        assert not buf.count.any()
-    close(whole, fp8.gemv_fp8_reference(x, w, scale, residual=res if residual else None,
-                                        **{k_: v for k_, v in kw.items() if k_ in ("eps", "bias", "act")}))
-
-
-def test_split_k_needs_whole_tiles_and_its_buffers():
-    x = rand(96).to(BF)
-    w, scale = quantized(40, 96)
-    out = torch.zeros(40, dtype=BF)
-    with pytest.raises(ValueError, match="multiple of split_k"):
-        fp8.gemv_fp8(x, w, scale, out, block_n=8, block_k=32, split_k=2, splitk_buf=gemv.SplitKBuffers(2, 40, 8, "cpu"))
-    with pytest.raises(ValueError, match="needs splitk_buf"):
-        gemv.gemv(x, w.float().to(BF), out, block_n=8, block_k=16, split_k=2)
 
 
 @pytest.mark.parametrize("qk_norm,kv_fp8,act,bias", [(False, False, True, False), (False, True, True, True),

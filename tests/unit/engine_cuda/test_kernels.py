@@ -42,24 +42,6 @@ def test_gemv_matches_twin(norm, residual, block_n, block_k, stages):
     close(out, res + ref if residual else ref)
 
 
-@pytest.mark.parametrize("split_k,norm,residual,bias", [(2, True, True, False), (4, False, True, True),
-                                                      (3, True, False, False)])
-def test_split_k_gemv_matches_the_whole_k_kernel(split_k, norm, residual, bias):
-    # each row block's K in split_k programs; the last to finish sums the partials and runs the epilogue
-    k = 32 * 2 * split_k
-    x, w, nw, res, b = rand(k), rand(40, k, std=0.1), 1 + rand(k, std=0.1), rand(40), rand(40, std=0.1)
-    kw = dict(norm_w=nw if norm else None, eps=1e-5, bias=b if bias else None, block_n=8, block_k=32)
-    whole = gemv.gemv(x, w, torch.zeros(40, dtype=BF), residual=res.clone() if residual else None, **kw)
-    buf = gemv.SplitKBuffers(4, 64, 64, "cpu")
-    for _ in range(2):  # the counts are back at zero for the next launch
-        out = torch.full((40,), float("nan"), dtype=BF)
-        gemv.gemv(x, w, out, residual=res.clone() if residual else None, split_k=split_k, splitk_buf=buf, **kw)
-        close(out, whole, tol=1e-2 if residual else 1e-6)  # bf16 rounding before the residual add
-        assert not buf.count.any()
-    with pytest.raises(ValueError, match="argmax"):
-        gemv.gemv(x, w, out, split_k=2, splitk_buf=buf, argmax_parts=(torch.empty(5), torch.empty(5)), **kw)
-
-
 def test_gemv_argmax_parts_and_greedy_finish_pick_lowest_tied_row():
     x, w = rand(64), rand(50, 64, std=0.1)
     w[11] = w[37] = x * 0.5  # an exact tie for the maximum, in different blocks

@@ -25,8 +25,8 @@ import triton
 import triton.language as tl
 
 from . import gemv, reference, smallops
-from .gemv import SplitKBuffers, gdc_launch_dependents, gdc_wait, launch_opts, qkv_store, splitk_args
-from .kernel_helpers import rnd_bf16, round_to_dtype, splitk_gather
+from .gemv import gdc_launch_dependents, gdc_wait, launch_opts, qkv_store
+from .kernel_helpers import rnd_bf16, round_to_dtype
 from .llama import GqaDecoder
 
 FP8_MAX = 448.0
@@ -68,21 +68,20 @@ def _x_tile(x_ptr, nw_ptr, k, K, inv_rms, s, inv_s, NORM: tl.constexpr, ACT: tl.
 
 
 @triton.jit
-def _first_tile(w_ptr, rows, rmask, K, BLOCK_K: tl.constexpr, k_lo=0):
-    # the first BLOCK_K columns (from k_lo) of these rows, issued before the PDL wait and the input's prologue
-    # so that the weight stream's first DRAM round trip overlaps them (as gemv.py's kernels do)
-    k0 = k_lo + tl.arange(0, BLOCK_K)
+def _first_tile(w_ptr, rows, rmask, K, BLOCK_K: tl.constexpr):
+    # the first BLOCK_K columns of these rows, issued before the PDL wait and the input's prologue so
+    # that the weight stream's first DRAM round trip overlaps them (as gemv.py's kernels do)
+    k0 = tl.arange(0, BLOCK_K)
     return tl.load(w_ptr + rows[:, None].to(tl.int64) * K + k0[None, :], mask=rmask[:, None] & (k0 < K)[None, :],
                    other=0.0, eviction_policy="evict_first")
 
 
 @triton.jit
 def _rows_dot(x_ptr, nw_ptr, w_ptr, rows, rmask, K, inv_rms, s, inv_s, w0, NORM: tl.constexpr, ACT: tl.constexpr,
-              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, k_lo, k_hi):
-    # fp32 row sums over columns [k_lo, k_hi) (w0: the tile at k_lo, already loaded)
-    x0, _, _ = _x_tile(x_ptr, nw_ptr, k_lo, K, inv_rms, s, inv_s, NORM, ACT, BLOCK_K)
+              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
+    x0, _, _ = _x_tile(x_ptr, nw_ptr, 0, K, inv_rms, s, inv_s, NORM, ACT, BLOCK_K)
     acc = w0.to(tl.float32) * x0[None, :]
-    for k in tl.range(k_lo + BLOCK_K, k_hi, BLOCK_K, num_stages=STAGES):
+    for k in tl.range(BLOCK_K, K, BLOCK_K, num_stages=STAGES):
         x, offs, kmask = _x_tile(x_ptr, nw_ptr, k, K, inv_rms, s, inv_s, NORM, ACT, BLOCK_K)
         w = tl.load(w_ptr + rows[:, None].to(tl.int64) * K + offs[None, :], mask=rmask[:, None] & kmask[None, :],
                     other=0.0, eviction_policy="evict_first")
@@ -94,39 +93,20 @@ def _rows_dot(x_ptr, nw_ptr, w_ptr, rows, rmask, K, inv_rms, s, inv_s, w0, NORM:
 def _gemv_fp8_kernel(x_ptr, w_ptr, ws_ptr, out_ptr, res_ptr, nw_ptr, bias_ptr, N, K, eps,
                      NORM: tl.constexpr, RESIDUAL: tl.constexpr, BIAS: tl.constexpr, ACT: tl.constexpr,
                      K_POW2: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
-                     PDL: tl.constexpr, part_ptr=None, count_ptr=None, SPLIT_K: tl.constexpr = 1):
+                     PDL: tl.constexpr):
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     rmask = rows < N
-    sk = 0
-    k_lo = 0
-    k_hi = K
-    if SPLIT_K > 1:  # split-K: this program's K range, whole tiles
-        sk = tl.program_id(1)
-        k_lo = sk * (K // SPLIT_K)
-        k_hi = k_lo + K // SPLIT_K
-    w0 = _first_tile(w_ptr, rows, rmask, K, BLOCK_K, k_lo)
+    w0 = _first_tile(w_ptr, rows, rmask, K, BLOCK_K)
     ws = tl.load(ws_ptr + rows, mask=rmask, other=0.0)
-    bias = 0.0
     if BIAS:
         bias = tl.load(bias_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
     if PDL:  # weights and scales are never written: only x and the outputs wait for the previous kernel
         gdc_wait()
     inv_rms, s, inv_s = _prologue(x_ptr, nw_ptr, K, eps, NORM, ACT, K_POW2)
-    y = _rows_dot(x_ptr, nw_ptr, w_ptr, rows, rmask, K, inv_rms, s, inv_s, w0, NORM, ACT, BLOCK_N, BLOCK_K, STAGES,
-                  k_lo, k_hi)
+    y = _rows_dot(x_ptr, nw_ptr, w_ptr, rows, rmask, K, inv_rms, s, inv_s, w0, NORM, ACT, BLOCK_N, BLOCK_K, STAGES)
     if PDL:
         gdc_launch_dependents()
-    if SPLIT_K > 1:  # the row block's last split to finish sums the partials and runs the epilogue
-        last, y = splitk_gather(y, part_ptr, count_ptr, pid, sk, rows, rmask, N, SPLIT_K)
-        if last:
-            _fp8_epilogue(y, ws, bias, rows, rmask, res_ptr, out_ptr, BIAS, RESIDUAL)
-    else:
-        _fp8_epilogue(y, ws, bias, rows, rmask, res_ptr, out_ptr, BIAS, RESIDUAL)
-
-
-@triton.jit
-def _fp8_epilogue(y, ws, bias, rows, rmask, res_ptr, out_ptr, BIAS: tl.constexpr, RESIDUAL: tl.constexpr):
     y = y * ws
     if BIAS:
         y += bias
@@ -237,18 +217,15 @@ def _pow2(n: int) -> int:
 def gemv_fp8(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, out: torch.Tensor, *,
              norm_w: torch.Tensor | None = None, eps: float = 1e-5, residual: torch.Tensor | None = None,
              bias: torch.Tensor | None = None, act: bool = False, block_n: int = 16, block_k: int = 512,
-             num_warps: int = 4, stages: int = 1, pdl: bool = False, prefetch: int = 0, split_k: int = 1,
-             splitk_buf: SplitKBuffers | None = None) -> torch.Tensor:
+             num_warps: int = 4, stages: int = 1, pdl: bool = False, prefetch: int = 0) -> torch.Tensor:
     """out[N] = [residual +] round(scale * (W8[N, K] @ q([rmsnorm(x) * norm_w | x])) [+ bias]); q is the FP8
-    activation rounding when ``act``. ``prefetch`` is accepted for gemv.py's tile kwargs and unused;
-    ``split_k``: as gemv.gemv's."""
+    activation rounding when ``act``. ``prefetch`` is accepted for gemv.py's tile kwargs and unused."""
     n, k = w.shape
-    split = splitk_args(split_k, splitk_buf, n, k, block_n, block_k)
-    _gemv_fp8_kernel[(triton.cdiv(n, block_n), split_k)](
+    _gemv_fp8_kernel[(triton.cdiv(n, block_n),)](
         x, w, w_scale, out, residual if residual is not None else out, norm_w if norm_w is not None else x,
         bias if bias is not None else x, n, k, eps, NORM=norm_w is not None, RESIDUAL=residual is not None,
         BIAS=bias is not None, ACT=act, K_POW2=_pow2(k), BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, PDL=pdl,
-        **split, num_warps=num_warps, **launch_opts(pdl))
+        num_warps=num_warps, **launch_opts(pdl))
     return out
 
 
@@ -382,7 +359,7 @@ class Fp8GqaDecoder(GqaDecoder):
         self.attend(i, qk_norm)
         if sc.wo is not None:
             gemv_fp8(self.attn_out, lw.wo, sc.wo, self.residual, residual=self.residual, bias=lw.bo, act=act,
-                     **self.fp8_tile_kwargs("o"), **self.split_kwargs("o", lw.wo, self.fp8_tile_kwargs("o")))
+                     **self.fp8_tile_kwargs("o"))
         else:
             gemv.gemv(self.attn_out, lw.wo, self.residual, residual=self.residual, bias=lw.bo, **self.tile_kwargs("o"))
         if sc.w_gate_up is not None:
@@ -393,8 +370,7 @@ class Fp8GqaDecoder(GqaDecoder):
                            **self.tile_kwargs("gate_up"))
         if sc.w_down is not None:
             gemv_fp8(self.act, lw.w_down, sc.w_down, self.residual, residual=self.residual, act=act,
-                     **self.fp8_tile_kwargs("down"),
-                     **self.split_kwargs("down", lw.w_down, self.fp8_tile_kwargs("down")))
+                     **self.fp8_tile_kwargs("down"))
         else:
             gemv.gemv(self.act, lw.w_down, self.residual, residual=self.residual, **self.tile_kwargs("down"))
 

@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .kernel_helpers import load_first_pair_tile, prefetch_l2, rope_pair, round_to_dtype, splitk_gather
+from .kernel_helpers import load_first_pair_tile, prefetch_l2, rope_pair, round_to_dtype
 from .kvfp8 import kv_store_row
 
 try:  # programmatic dependent launch (sm_90): the next kernel starts its weight loads during our tail
@@ -69,39 +69,18 @@ def _load_x(x_ptr, nw_ptr, k, K, inv_rms, NORM: tl.constexpr, BLOCK_K: tl.conste
 
 
 @triton.jit
-def _gemv_epilogue(y, bias, rows, rmask, res_ptr, out_ptr, BIAS: tl.constexpr, RESIDUAL: tl.constexpr):
-    # out = [residual +] round(y [+ bias]); returns what was stored, in fp32
-    if BIAS:
-        y += bias
-    if RESIDUAL:
-        r = tl.load(res_ptr + rows, mask=rmask, other=0.0)
-        y = r.to(tl.float32) + round_to_dtype(y, r.dtype)
-    tl.store(out_ptr + rows, y.to(out_ptr.dtype.element_ty), mask=rmask)
-    return y
-
-
-@triton.jit
 def _gemv_kernel(x_ptr, w_ptr, out_ptr, res_ptr, nw_ptr, bias_ptr, amax_val_ptr, amax_idx_ptr, N, K, eps,
                  NORM: tl.constexpr, RESIDUAL: tl.constexpr, BIAS: tl.constexpr, ARGMAX: tl.constexpr,
                  K_POW2: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr,
-                 PREFETCH: tl.constexpr = 0, part_ptr=None, count_ptr=None, SPLIT_K: tl.constexpr = 1):
+                 PREFETCH: tl.constexpr = 0):
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     rmask = rows < N
-    # split-K (program axis 1): this program's K range [k_lo, k_hi), whole tiles (the wrapper checks)
-    sk = 0
-    k_lo = 0
-    k_hi = K
-    if SPLIT_K > 1:
-        sk = tl.program_id(1)
-        k_lo = sk * (K // SPLIT_K)
-        k_hi = k_lo + K // SPLIT_K
     # first weight tile issued before the x/norm loads so they overlap
-    k0 = k_lo + tl.arange(0, BLOCK_K)
+    k0 = tl.arange(0, BLOCK_K)
     w0 = tl.load(w_ptr + rows[:, None].to(tl.int64) * K + k0[None, :], mask=rmask[:, None] & (k0 < K)[None, :],
                  other=0.0, eviction_policy="evict_first")
-    bias = 0.0
     if BIAS:  # a weight too: loaded now, not after the weight stream
         bias = tl.load(bias_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
     if PREFETCH:
@@ -111,9 +90,9 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, res_ptr, nw_ptr, bias_ptr, amax_val_ptr,
     inv_rms = 1.0
     if NORM:
         inv_rms = _inv_rms(x_ptr, K, eps, K_POW2)
-    x0, _, _ = _load_x(x_ptr, nw_ptr, k_lo, K, inv_rms, NORM, BLOCK_K)
+    x0, _, _ = _load_x(x_ptr, nw_ptr, 0, K, inv_rms, NORM, BLOCK_K)
     acc = w0.to(tl.float32) * x0[None, :]
-    for k in tl.range(k_lo + BLOCK_K, k_hi, BLOCK_K, num_stages=STAGES):
+    for k in tl.range(BLOCK_K, K, BLOCK_K, num_stages=STAGES):
         x, offs, kmask = _load_x(x_ptr, nw_ptr, k, K, inv_rms, NORM, BLOCK_K)
         w = tl.load(w_ptr + rows[:, None].to(tl.int64) * K + offs[None, :],
                     mask=rmask[:, None] & kmask[None, :], other=0.0, eviction_policy="evict_first")
@@ -121,12 +100,12 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, res_ptr, nw_ptr, bias_ptr, amax_val_ptr,
     if PDL:  # our weight stream is done: let the next kernel start loading its own
         gdc_launch_dependents()
     y = tl.sum(acc, axis=1)
-    if SPLIT_K > 1:  # the row block's last split to finish sums the partials and runs the epilogue
-        last, y = splitk_gather(y, part_ptr, count_ptr, pid, sk, rows, rmask, N, SPLIT_K)
-        if last:
-            _gemv_epilogue(y, bias, rows, rmask, res_ptr, out_ptr, BIAS, RESIDUAL)
-    else:
-        y = _gemv_epilogue(y, bias, rows, rmask, res_ptr, out_ptr, BIAS, RESIDUAL)
+    if BIAS:
+        y += bias
+    if RESIDUAL:
+        r = tl.load(res_ptr + rows, mask=rmask, other=0.0)
+        y = r.to(tl.float32) + round_to_dtype(y, r.dtype)
+    tl.store(out_ptr + rows, y.to(out_ptr.dtype.element_ty), mask=rmask)
     if ARGMAX:  # greedy sampling, stage 1: this block's best row (ties -> lowest index, as torch.argmax)
         y = tl.where(rmask, y.to(out_ptr.dtype.element_ty).to(tl.float32), float("-inf"))
         best = tl.argmax(y, axis=0, tie_break_left=True)
@@ -292,48 +271,18 @@ def _pow2(n: int) -> int:
 def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, *, norm_w: torch.Tensor | None = None,
          eps: float = 1e-5, residual: torch.Tensor | None = None, bias: torch.Tensor | None = None,
          block_n: int = 16, block_k: int = 512, num_warps: int = 4, stages: int = 1, pdl: bool = False,
-         argmax_parts: tuple[torch.Tensor, torch.Tensor] | None = None, prefetch: int = 0, split_k: int = 1,
-         splitk_buf: "SplitKBuffers | None" = None) -> torch.Tensor:
+         argmax_parts: tuple[torch.Tensor, torch.Tensor] | None = None, prefetch: int = 0) -> torch.Tensor:
     """out[N] = [residual +] round(W[N, K] @ [rmsnorm(x) * norm_w | x][K] [+ bias]); with argmax_parts (val
-    fp32, idx int32, each >= cdiv(N, block_n)) also each block's max and its row, for ``greedy_finish``.
-    ``split_k`` > 1: each row block's K in that many programs, the last to finish sums their fp32 partials
-    (in ``splitk_buf``) and runs the epilogue."""
+    fp32, idx int32, each >= cdiv(N, block_n)) also each block's max and its row, for ``greedy_finish``."""
     n, k = w.shape
     av, ai = argmax_parts if argmax_parts is not None else (out, out)
-    split = splitk_args(split_k, splitk_buf, n, k, block_n, block_k, argmax_parts is not None)
-    _gemv_kernel[(triton.cdiv(n, block_n), split_k)](
+    _gemv_kernel[(triton.cdiv(n, block_n),)](
         x, w, out, residual if residual is not None else out, norm_w if norm_w is not None else x,
         bias if bias is not None else x, av, ai, n, k, eps, NORM=norm_w is not None, RESIDUAL=residual is not None,
         BIAS=bias is not None, ARGMAX=argmax_parts is not None, K_POW2=_pow2(k),
         BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, PDL=pdl, PREFETCH=l2_prefetch_tiles(prefetch, block_k),
-        **split, num_warps=num_warps, **launch_opts(pdl))
+        num_warps=num_warps, **launch_opts(pdl))
     return out
-
-
-class SplitKBuffers:
-    """Scratch of the split-K GEMVs of one decoder: fp32 partials [split, N] and a zeroed count per row
-    block (each launch's last program resets its count, so launches on one stream share them)."""
-
-    def __init__(self, max_split: int, max_n: int, max_blocks: int, device) -> None:
-        self.max_split, self.max_n, self.max_blocks = max_split, max_n, max_blocks
-        self.part = torch.zeros(max_split * max_n, dtype=torch.float32, device=device)
-        self.count = torch.zeros(max_blocks, dtype=torch.int32, device=device)
-
-
-def splitk_args(split_k: int, buf: SplitKBuffers | None, n: int, k: int, block_n: int, block_k: int,
-                argmax: bool = False) -> dict:
-    """The split-K kernels' extra arguments, after checking what they assume."""
-    if split_k == 1:
-        return {}
-    if buf is None:
-        raise ValueError("split_k > 1 needs splitk_buf (SplitKBuffers)")
-    if argmax:
-        raise ValueError("split_k > 1 does not combine with argmax_parts")
-    if k % (split_k * block_k):
-        raise ValueError(f"K = {k} is not a multiple of split_k * block_k = {split_k * block_k}")
-    if split_k > buf.max_split or n > buf.max_n or triton.cdiv(n, block_n) > buf.max_blocks:
-        raise ValueError(f"split-K buffers too small for {split_k} x {n} rows in blocks of {block_n}")
-    return dict(part_ptr=buf.part, count_ptr=buf.count, SPLIT_K=split_k)
 
 
 def l2_prefetch_tiles(tiles: int, block_k: int) -> int:

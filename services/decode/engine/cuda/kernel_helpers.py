@@ -52,22 +52,3 @@ def prefetch_l2(w_ptr, rows, rmask, K, TILES: tl.constexpr, BLOCK_K: tl.constexp
     ptrs = tl.where(rmask[:, None] & (c < K)[None, :], ptrs, w_ptr)
     tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
                               is_pure=False, pack=1)
-
-
-@triton.jit
-def splitk_gather(y, part_ptr, count_ptr, pid, sk, rows, rmask, N, SPLIT_K: tl.constexpr):
-    # split-K GEMV: program (pid, sk) summed K range sk of rows; its fp32 partial y goes to part[sk, rows].
-    # The last of the SPLIT_K programs of row block pid to finish (an atomic count, which it resets for the
-    # next launch) gets (True, the partials summed in split order: the same sum whichever finishes last);
-    # the others (False, y)
-    tl.store(part_ptr + sk * N + rows, y, mask=rmask)
-    tl.debug_barrier()  # every thread's partial is written before the count says so
-    done = tl.atomic_add(count_ptr + pid, 1, sem="acq_rel", scope="gpu")
-    last = done == SPLIT_K - 1
-    total = y
-    if last:
-        tl.store(count_ptr + pid, 0)
-        total = tl.load(part_ptr + rows, mask=rmask, other=0.0, cache_modifier=".cg")
-        for s in tl.static_range(1, SPLIT_K):
-            total += tl.load(part_ptr + s * N + rows, mask=rmask, other=0.0, cache_modifier=".cg")
-    return last, total

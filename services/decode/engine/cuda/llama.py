@@ -126,6 +126,9 @@ class FastOptions:
     # blocks, best of run K1's sweep at 32K on H200 (233 tok/s against 189 with 16 x 64: a 1-byte tile with its
     # fp8 -> bf16 conversion needs more programs and bytes in flight)
     fp8_kv_attn: tuple[int, int] | None = (32, 128)
+    # the attention reads FP8 K/V bytes by placing their bits in bf16s (exact, the 2^120 / 2^112 folded into the
+    # layer's scales: kvfp8.fp8_kv_load SHIFT) instead of converting them. Off until an H200 run says
+    fp8_kv_shift: bool = False
     attn_warps: int = 4
     # programmatic dependent launch (the next kernel's first weight tile overlaps our tail; -2.8% per step
     # on H200): None = on for sm_90+ CUDA devices
@@ -148,9 +151,6 @@ class FastOptions:
     # prefetches into L2 before its PDL wait (0, 1, 2 or 4; a hint: results unchanged; only with PDL).
     # Off: 2 tiles cost +0.12 ms a batch-1 step on the H200 (run F1)
     prefetch_tiles: int = 0
-    # batch-1 residual GEMVs ("o", "down") whose K runs in this many programs per row block, the last to
-    # finish summing the fp32 partials (gemv.py SplitKBuffers); absent = 1. Off until an H200 run says
-    split_k: dict[str, int] = field(default_factory=dict)
     # FP8 checkpoints (cuda/fp8.py): the rope + q / K / V stores in the FP8 QKV GEMV's epilogue (one launch
     # a layer, as the bf16 step); False: gemv_fp8 + rope_cache_write
     fp8_qkv_rope: bool = True
@@ -211,11 +211,8 @@ class GqaDecoder:
                                     num_warps=self.opt.attn_warps, pdl=self.opt.pdl, device=dev,
                                     one_launch=self.opt.attn_one_launch,
                                     pos_row_prologue=self.opt.qk_pos_row_prologue,
-                                    combine_warps=self.opt.attn_combine_warps)
+                                    combine_warps=self.opt.attn_combine_warps, kv_shift=self.opt.fp8_kv_shift)
         self.sampler = None  # sampling.FastSampler over the slot's sampling row (attach_sampler)
-        splits = [n for n in self.opt.split_k.values() if n > 1]
-        max_n = max((hq + 2 * hkv) * d, h)
-        self.splitk = gemv.SplitKBuffers(max(splits), max_n, max_n, dev) if splits else None
 
     def attach_sampler(self, state, **kwargs) -> None:
         """Sample in ``step(sample=True)``: vLLM's sampling parameters and logits processors on device
@@ -239,14 +236,6 @@ class GqaDecoder:
         bn, bk, nw, st = self.opt.tiles[name]
         return dict(block_n=bn, block_k=bk, num_warps=nw, stages=st, pdl=self.opt.pdl,
                     prefetch=self.opt.prefetch_tiles if self.opt.pdl else 0)
-
-    def split_kwargs(self, name: str, w: torch.Tensor, tile: dict) -> dict:
-        """Split-K kwargs of residual projection ``name`` over weight ``w`` with ``tile`` (FastOptions.split_k);
-        {} (whole K) when not asked or when K is not a whole number of tiles per split."""
-        n = self.opt.split_k.get(name, 1)
-        if n <= 1 or w.shape[1] % (n * tile["block_k"]):
-            return {}
-        return dict(split_k=n, splitk_buf=self.splitk)
 
     def _cublas(self, name: str) -> bool:
         return self.opt.backends.get(name, "triton") == "cublas"
@@ -305,8 +294,7 @@ class GqaDecoder:
             self._add_part(self._linear_into(self.attn_out, lw.wo, self.tmp[: m.hidden], self._first(lw.bo)))
         else:
             gemv.gemv(self.attn_out, lw.wo, self.residual, residual=self._first(self.residual),
-                      bias=self._first(lw.bo), **self.tile_kwargs("o"),
-                      **self.split_kwargs("o", lw.wo, self.tile_kwargs("o")))
+                      bias=self._first(lw.bo), **self.tile_kwargs("o"))
         self._reduce()
         if self._cublas("gate_up"):
             smallops.rmsnorm(self.residual, lw.mlp_norm, self.xn, eps)
@@ -319,7 +307,7 @@ class GqaDecoder:
             self._add_part(self._linear_into(self.act, lw.w_down, self.tmp[: m.hidden]))
         else:
             gemv.gemv(self.act, lw.w_down, self.residual, residual=self._first(self.residual),
-                      **self.tile_kwargs("down"), **self.split_kwargs("down", lw.w_down, self.tile_kwargs("down")))
+                      **self.tile_kwargs("down"))
         self._reduce()
 
     def _first(self, t: torch.Tensor | None) -> torch.Tensor | None:
