@@ -202,23 +202,17 @@ def run(R: dict) -> None:
         ms = min(timing(fp8_dec(bopts, kv=kv8(s["layers"])), s, ctx, slot8, mt) for _ in range(2))
         R["llama8b_fp8kv_ctx1k_tok_s"] = 1e3 / ms
         log(f"  fp8 weights + fp8 KV ({best}) 1K {ms:.3f} ms {1e3 / ms:.1f} tok/s")
-        ms = min(timing(fp8_dec(replace(bopts, fp8_kv_shift=not bopts.fp8_kv_shift), kv=kv8(s["layers"])), s, ctx,
-                            slot8, mt) for _ in range(2))
-        R["llama8b_fp8kv_ctx1k_other_shift_tok_s"] = 1e3 / ms
-        log(f"  the same, fp8_kv_shift={not bopts.fp8_kv_shift}: {ms:.3f} ms {1e3 / ms:.1f} tok/s")
         del slot8
     except Exception:
         log(traceback.format_exc()[-1500:])
     del slot
-    for shift in (False, True):
-        key = "llama8b_fp8kv_correctness" + ("_shift" if shift else "")
-        try:
-            R[key] = c = correctness(X, fp8_dec(replace(bopts, fp8_kv_shift=shift), kv=kv8(s["layers"])), dmodel, s,
-                                     ctx, kv_fp8=True)
-            log(f"  {key}: {c}")
-        except Exception:
-            R[key] = {"error": traceback.format_exc()[-800:]}
-            log(traceback.format_exc()[-1500:])
+    try:
+        R["llama8b_fp8kv_correctness"] = c = correctness(X, fp8_dec(bopts, kv=kv8(s["layers"])), dmodel, s, ctx,
+                                                         kv_fp8=True)
+        log(f"  llama8b_fp8kv_correctness: {c}")
+    except Exception:
+        R["llama8b_fp8kv_correctness"] = {"error": traceback.format_exc()[-800:]}
+        log(traceback.format_exc()[-1500:])
     for act in (True, False):
         key = "llama8b_fp8_correctness" + ("" if act else "_weight_only")
         try:
@@ -255,13 +249,10 @@ def run(R: dict) -> None:
         R["llama8b_fp8kv_ctx32k_tok_s"] = 1e3 / ms8kv
         R["llama8b_fp8kv_ctx32k_frac_roofline"] = (fp8_bytes + kv_bytes(s, ctx) / 2) / (bw * 1e12) * 1e3 / ms8kv
         R["llama8b_fp8kv_ctx32k_attn_tiles"] = T = {}
-        for bs, ns in ((128, 32), (64, 32), (32, 128), (64, 64)):  # (block_s, splits)
-            for shift in (False, True):  # FastOptions.fp8_kv_shift: bytes placed in bf16s, not converted
-                o = replace(bopts, fp8_kv_attn=(ns, bs), fp8_kv_shift=shift)  # the product's tile is (32, 128)
-                name = f"{bs}x{ns}" + ("_shift" if shift else "")
-                T[name] = t_ms = timing(fp8_dec(o, kv=kv8(s["layers"])), s, ctx, slot8, mt)
-                log(f"    fp8 KV attention tile block_s {bs} x {ns} splits{' shifted' if shift else ''}: "
-                    f"{1e3 / t_ms:.1f} tok/s")
+        for bs, ns in ((128, 32), (64, 32), (32, 128), (64, 64)):  # (block_s, num_splits)
+            o = replace(bopts, fp8_kv_attn=(ns, bs))  # FastOptions.fp8_kv_attn: the product's is (32, 128)
+            T[f"{bs}x{ns}"] = t_ms = timing(fp8_dec(o, kv=kv8(s["layers"])), s, ctx, slot8, mt)
+            log(f"    fp8 KV attention tile block_s {bs} x {ns} splits: {1e3 / t_ms:.1f} tok/s")
         ms16kv = timing(bf16_fp8kv_dec, s, ctx, slot8, mt)
         R["llama8b_bf16_fp8kv_ctx32k_tok_s"] = 1e3 / ms16kv
         if "llama8b_fp8_ctx32k_tok_s" in R:

@@ -27,7 +27,7 @@ from services.decode.engine import Engine
 from services.decode.engine import engine as engine_mod
 from services.decode.engine.cuda import gemv, reference, smallops
 from services.decode.engine.cuda.attention import DecodeAttention
-from services.decode.engine.cuda.kvfp8 import fp8_kv_bits, fp8_kv_load, kv_fmt, shift_unit
+from services.decode.engine.cuda.kvfp8 import fp8_kv_bits, kv_fmt
 from services.decode.engine.kvquant import dequantize, quantize
 from shared.events import SamplingParams
 from tests.unit.engine.hf_models import save_checkpoint
@@ -101,33 +101,9 @@ def test_kv_writers_store_the_reference_bytes(writer, fmt):
     assert not k8[:pos].any() and not k8[pos + 1:].any()  # only row pos written
 
 
-@triton.jit
-def _load_kernel(raw_ptr, o_ptr, N, FMT: tl.constexpr, SHIFT: tl.constexpr, B: tl.constexpr):
-    r = tl.program_id(0) * B + tl.arange(0, B)
-    m = r < N
-    tl.store(o_ptr + r, fp8_kv_load(tl.load(raw_ptr + r, mask=m, other=0), FMT, SHIFT).to(tl.float32), mask=m)
-
-
-@pytest.mark.parametrize("fmt", FORMATS)
-def test_shifted_fp8_load_is_the_value_times_a_power_of_two(fmt):
-    # every normal byte and zero: the bits placed in a bf16 hold exactly value * 2^-SHIFT_EXP. (FP8 subnormals
-    # land on bf16 subnormals, exact on the GPU; Triton's interpreter does not keep bf16 subnormals)
-    raw = torch.arange(256, dtype=torch.int32).to(torch.uint8)
-    dt = torch.float8_e4m3fn if fmt == "fp8_e4m3" else torch.float8_e5m2
-    value = raw.view(dt).float()
-    keep = torch.isfinite(value) & ((value.abs() >= torch.finfo(dt).smallest_normal) | (value == 0))
-    got, plain = torch.zeros(256), torch.zeros(256)
-    _load_kernel[(1,)](raw, got, 256, FMT=kv_fmt(fmt), SHIFT=True, B=256)
-    _load_kernel[(1,)](raw, plain, 256, FMT=kv_fmt(fmt), SHIFT=False, B=256)
-    unit = shift_unit(kv_fmt(fmt))
-    assert torch.equal(got[keep].double() * unit, value[keep].double())
-    assert torch.equal(plain[keep], value[keep])
-
-
-@pytest.mark.parametrize("kv_shift", [False, True])
 @pytest.mark.parametrize("one_launch", [False, True])
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_attention_reads_fp8_times_scale(one_launch, fmt, kv_shift):
+def test_attention_reads_fp8_times_scale(one_launch, fmt):
     hq, hkv, d, t, pos = 8, 2, 32, 96, 70
     g = torch.Generator().manual_seed(2)
     ks, vs = 0.03, 0.011
@@ -136,7 +112,7 @@ def test_attention_reads_fp8_times_scale(one_launch, fmt, kv_shift):
     q = torch.randn(hq, d, generator=g).to(torch.bfloat16)
     out = torch.full((hq, d), float("nan"), dtype=torch.bfloat16)
     attn = DecodeAttention(num_q_heads=hq, num_kv_heads=hkv, d_main=d, d_v=d, num_splits=2, block_s=32,
-                           one_launch=one_launch, kv_shift=kv_shift)
+                           one_launch=one_launch)
     attn(q, k, v, torch.tensor([pos], dtype=torch.int32), out, stride_kt=hkv * d, stride_vt=hkv * d,
          kv_fmt=kv_fmt(fmt), k_scale=ks, v_scale=vs)
     want = reference.attention(q.float()[None], dequantize(k, ks, fmt), dequantize(v, vs, fmt), pos, d**-0.5)[0]

@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from .gemv import gdc_launch_dependents, gdc_wait, interpreting, launch_opts
-from .kvfp8 import fp8_kv_load, shift_unit
+from .kvfp8 import fp8_kv_load
 from .smallops import norm_rope_rows
 
 
@@ -47,7 +47,7 @@ def _attn_split_kernel(q_ptr, q_pe_ptr, k_ptr, v_ptr, pos_ptr, part_o_ptr, part_
                        D_V: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
                        DOT_F32: tl.constexpr, V_IS_K: tl.constexpr, V_CHUNKS: tl.constexpr, PDL: tl.constexpr,
                        HEAD_BLOCKS: tl.constexpr = 1, POS_ROW_PROLOGUE: tl.constexpr = False,
-                       KV_FMT: tl.constexpr = 0, k_scale=1.0, v_scale=1.0, KV_SHIFT: tl.constexpr = False,
+                       KV_FMT: tl.constexpr = 0, k_scale=1.0, v_scale=1.0,
                        idx_ptr=None, nidx_ptr=None, SPARSE: tl.constexpr = False):
     # KV_FMT 1 / 2: K/V are FP8 bytes (kvfp8.py) read as fp8 * k_scale / v_scale (no rope part, no qk norm)
     # SPARSE (one query token, sparse attention): the keys are the nidx_ptr[0] cache rows listed at idx_ptr
@@ -122,7 +122,7 @@ def _attn_split_kernel(q_ptr, q_pe_ptr, k_ptr, v_ptr, pos_ptr, part_o_ptr, part_
         if SPARSE:  # the cache rows this block of the list names
             offs = tl.load(idx_ptr + offs, mask=smask, other=0)
         kbase = k_ptr + offs[:, None].to(tl.int64) * stride_kt + kvh * D_MAIN
-        k = fp8_kv_load(tl.load(kbase + dm[None, :], mask=smask[:, None], other=0), KV_FMT, KV_SHIFT)
+        k = fp8_kv_load(tl.load(kbase + dm[None, :], mask=smask[:, None], other=0), KV_FMT)
         if DOT_F32:
             scores = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)))
         else:
@@ -146,7 +146,7 @@ def _attn_split_kernel(q_ptr, q_pe_ptr, k_ptr, v_ptr, pos_ptr, part_o_ptr, part_
             v = k
         else:
             v = fp8_kv_load(tl.load(v_ptr + offs[:, None].to(tl.int64) * stride_vt + kvh * D_V_ALL + vchunk * D_V
-                                    + dv[None, :], mask=smask[:, None], other=0), KV_FMT, KV_SHIFT)
+                                    + dv[None, :], mask=smask[:, None], other=0), KV_FMT)
         if DOT_F32:
             pv = tl.dot(p, v.to(tl.float32))
         else:  # p = hi + lo in bf16: two tensor-core dots give p @ v to ~2^-16, not bf16's 2^-8
@@ -214,8 +214,7 @@ def _gqa_split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, part_o_ptr, part_ml_ptr, cou
                       QK_NORM: tl.constexpr, BATCH: tl.constexpr, NUM_Q_HEADS: tl.constexpr,
                       NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr,
                       NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, DOT_F32: tl.constexpr,
-                      PDL: tl.constexpr, KV_FMT: tl.constexpr = 0, k_scale=1.0, v_scale=1.0,
-                      KV_SHIFT: tl.constexpr = False):
+                      PDL: tl.constexpr, KV_FMT: tl.constexpr = 0, k_scale=1.0, v_scale=1.0):
     # One query token per row (GQA decode), program (kv head, split, batch row). Before waiting on the
     # previous kernel it reads only what earlier kernels wrote (the position, the slot, cache rows < pos)
     # and starts loading its first K/V block; after the wait, q and this step's row pos (the QKV kernel's
@@ -266,7 +265,7 @@ def _gqa_split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, part_o_ptr, part_ml_ptr, cou
         if holds_pos:  # stored for later steps
             tl.store(k_row + dm[None, :], k_new)
     else:
-        k_new = fp8_kv_load(tl.load(k_row + dm[None, :]), KV_FMT, KV_SHIFT)
+        k_new = fp8_kv_load(tl.load(k_row + dm[None, :]), KV_FMT)
     qk_scale = sm_scale * 1.4426950408889634
     if KV_FMT:  # FP8 K/V (no qk norm): fp8 values times the layer's scales, folded in here and at the end
         qk_scale = qk_scale * k_scale
@@ -281,8 +280,8 @@ def _gqa_split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, part_o_ptr, part_ml_ptr, cou
                         mask=smask[:, None], other=0)
             v = tl.load(v_ptr + offs[:, None].to(tl.int64) * stride_vt + kvh * D + dm[None, :],
                         mask=smask[:, None], other=0)
-        k = fp8_kv_load(k, KV_FMT, KV_SHIFT)
-        v = fp8_kv_load(v, KV_FMT, KV_SHIFT)
+        k = fp8_kv_load(k, KV_FMT)
+        v = fp8_kv_load(v, KV_FMT)
         if DOT_F32:
             scores = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)))
         else:
@@ -306,8 +305,7 @@ def _gqa_split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, part_o_ptr, part_ml_ptr, cou
         m_new = tl.maximum(m, s_pos)
         alpha = tl.exp2(m - m_new)
         p_pos = tl.exp2(s_pos - m_new)
-        v_pos = fp8_kv_load(tl.load(v_ptr + pos.to(tl.int64) * stride_vt + kvh * D + dm), KV_FMT,
-                            KV_SHIFT).to(tl.float32)
+        v_pos = fp8_kv_load(tl.load(v_ptr + pos.to(tl.int64) * stride_vt + kvh * D + dm), KV_FMT).to(tl.float32)
         acc = acc * alpha[:, None] + p_pos[:, None] * v_pos[None, :]
         l = l * alpha + p_pos
         m = m_new
@@ -362,7 +360,7 @@ class DecodeAttention:
                  num_warps: int = 4, v_is_k: bool = False, v_chunks: int = 1, pdl: bool = False,
                  device: torch.device | str = "cpu", max_batch: int = 1, one_launch: bool = True,
                  max_row_elems: int = MAX_ROW_ELEMS, pos_row_prologue: bool = False,
-                 combine_warps: int = 4, kv_shift: bool = False):
+                 combine_warps: int = 4):
         self.hq, self.hkv, self.num_tokens = num_q_heads, num_kv_heads, num_tokens
         self.d_main, self.d_v, self.d_rope = d_main, d_v, d_rope
         self.group = num_q_heads // num_kv_heads
@@ -378,7 +376,6 @@ class DecodeAttention:
         # qk_norm, two launches: V row pos loaded in the split kernel's prologue, K row pos stored after its loop
         self.pos_row_prologue = pos_row_prologue
         self.combine_warps = combine_warps
-        self.kv_shift = kv_shift  # FP8 K/V read by bit placement (kvfp8.fp8_kv_load SHIFT), not converted
         self.sm_scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(d_main + d_rope)
         self.max_batch = max_batch  # rows of a batched call (each its own slot's cache and position)
         rows = max_batch * num_tokens * num_q_heads * num_splits
@@ -417,9 +414,6 @@ class DecodeAttention:
         if kv_fmt and (qk_norm is not None or self.d_rope or self.v_is_k):
             raise ValueError("FP8 K/V are read by GQA attention without qk_norm (its K row arrives normalised)")
         qn, kn, qk_eps, cos, sin = qk_norm if qk_norm is not None else (q, q, 0.0, q, q)
-        shift = bool(kv_fmt and self.kv_shift)
-        if shift:  # the shifted bytes are the values times 2^-120 / 2^-112: the scales carry it back
-            k_scale, v_scale = k_scale * shift_unit(kv_fmt), v_scale * shift_unit(kv_fmt)
         batch = 1 if slot_ids is None else slot_ids.shape[0]
         if batch > self.max_batch:
             raise ValueError(f"a batch of {batch} rows: this attention holds partials for {self.max_batch}")
@@ -435,7 +429,7 @@ class DecodeAttention:
                 self.hq * self.d_v, QK_NORM=qk_norm is not None, BATCH=slot_ids is not None, NUM_Q_HEADS=self.hq,
                 NUM_KV_HEADS=self.hkv, GROUP=self.group, ROWS=self.rows, D=self.d_main, NUM_SPLITS=self.num_splits,
                 BLOCK_S=self.block_s, DOT_F32=interpreting(), PDL=self.pdl, KV_FMT=kv_fmt, k_scale=k_scale,
-                v_scale=v_scale, KV_SHIFT=shift, num_warps=self.num_warps, **launch_opts(self.pdl))
+                v_scale=v_scale, num_warps=self.num_warps, **launch_opts(self.pdl))
             return out
         _attn_split_kernel[(self.hkv * self.head_blocks, self.num_splits, self.v_chunks * batch)](
             q, q_pe if q_pe is not None else q, k, v, pos, self.part_o, self.part_ml, self.sm_scale, sqt, sqh,
@@ -445,7 +439,7 @@ class DecodeAttention:
             D_MAIN=self.d_main, D_ROPE=self.d_rope, D_V=self.d_v // self.v_chunks, NUM_SPLITS=self.num_splits,
             BLOCK_S=self.block_s, DOT_F32=interpreting(), V_IS_K=self.v_is_k, V_CHUNKS=self.v_chunks, PDL=self.pdl,
             HEAD_BLOCKS=self.head_blocks, POS_ROW_PROLOGUE=self.pos_row_prologue and qk_norm is not None,
-            KV_FMT=kv_fmt, k_scale=k_scale, v_scale=v_scale, KV_SHIFT=shift,
+            KV_FMT=kv_fmt, k_scale=k_scale, v_scale=v_scale,
             idx_ptr=sparse[0] if sparse is not None else pos, nidx_ptr=sparse[1] if sparse is not None else pos,
             SPARSE=sparse is not None, num_warps=self.num_warps, **launch_opts(self.pdl))
         if not combine:

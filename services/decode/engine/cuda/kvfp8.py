@@ -67,28 +67,9 @@ def fp8_kv_bits(x, inv_scale, FMT: tl.constexpr):
     return out.to(tl.uint8)
 
 
-# SHIFT (fp8_kv_load): the FP8 value times 2^-SHIFT_EXP[FMT], what the byte's bits placed in a bf16 hold
-SHIFT_EXP = {1: 120, 2: 112}
-
-
-def shift_unit(fmt: int) -> float:
-    """What the attention multiplies a layer's scale by when it reads the cache bytes shifted."""
-    return 2.0 ** SHIFT_EXP[fmt] if fmt else 1.0
-
-
 @triton.jit
-def fp8_kv_load(raw, FMT: tl.constexpr, SHIFT: tl.constexpr = False):
-    # cache elements as loaded -> bf16 values (FMT 0: returned as they are). SHIFT: no float conversion; the
-    # byte's sign to bf16's sign bit and its exponent + mantissa to the low bits of bf16's exponent and the
-    # top of its mantissa, which is exactly the FP8 value times 2^-120 (E4M3) or 2^-112 (E5M2), FP8
-    # subnormals as bf16 subnormals; the caller's scales carry the 2^120 / 2^112 (shift_unit)
-    if SHIFT and FMT != 0:
-        b = raw.to(tl.uint16)
-        if FMT == 1:
-            bits = ((b & 0x80) << 8) | ((b & 0x7F) << 4)
-        else:
-            bits = ((b & 0x80) << 8) | ((b & 0x7F) << 5)
-        return bits.to(tl.bfloat16, bitcast=True)
+def fp8_kv_load(raw, FMT: tl.constexpr):
+    # cache elements as loaded -> bf16 values (FMT 0: returned as they are)
     if FMT == 1:
         return raw.to(tl.float8e4nv, bitcast=True).to(tl.bfloat16)
     elif FMT == 2:

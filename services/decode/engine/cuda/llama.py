@@ -126,9 +126,6 @@ class FastOptions:
     # blocks, best of run K1's sweep at 32K on H200 (233 tok/s against 189 with 16 x 64: a 1-byte tile with its
     # fp8 -> bf16 conversion needs more programs and bytes in flight)
     fp8_kv_attn: tuple[int, int] | None = (32, 128)
-    # the attention reads FP8 K/V bytes by placing their bits in bf16s (exact, the 2^120 / 2^112 folded into the
-    # layer's scales: kvfp8.fp8_kv_load SHIFT) instead of converting them. Off until an H200 run says
-    fp8_kv_shift: bool = False
     attn_warps: int = 4
     # programmatic dependent launch (the next kernel's first weight tile overlaps our tail; -2.8% per step
     # on H200): None = on for sm_90+ CUDA devices
@@ -211,7 +208,7 @@ class GqaDecoder:
                                     num_warps=self.opt.attn_warps, pdl=self.opt.pdl, device=dev,
                                     one_launch=self.opt.attn_one_launch,
                                     pos_row_prologue=self.opt.qk_pos_row_prologue,
-                                    combine_warps=self.opt.attn_combine_warps, kv_shift=self.opt.fp8_kv_shift)
+                                    combine_warps=self.opt.attn_combine_warps)
         self.sampler = None  # sampling.FastSampler over the slot's sampling row (attach_sampler)
 
     def attach_sampler(self, state, **kwargs) -> None:
