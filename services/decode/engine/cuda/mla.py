@@ -24,6 +24,7 @@ import triton.language as tl
 
 from . import smallops
 from .attention import DecodeAttention, split_weights
+from .gemv import gdc_launch_dependents, gdc_wait, launch_opts
 from .kernel_helpers import rnd_bf16, rope_pair, round_to_dtype
 from .moe import GroupedMoe, gemv_rows, router
 
@@ -131,11 +132,15 @@ def prepare_layer(p: dict[str, torch.Tensor], moe_inter: int, sparse: bool = Fal
 
 @triton.jit
 def _mla_prep_kernel(qkv_ptr, q_pe_ptr, cache_ptr, kv_norm_ptr, pos_ptr, cos_ptr, sin_ptr, stride_qkv, eps,
-                     NUM_HEADS: tl.constexpr, NOPE: tl.constexpr, ROPE: tl.constexpr, R: tl.constexpr):
+                     NUM_HEADS: tl.constexpr, NOPE: tl.constexpr, ROPE: tl.constexpr, R: tl.constexpr,
+                     PDL: tl.constexpr = False):
     # per token t: rope (interleaved pairs) of each head's q_pe -> q_pe[t]; the latent: RMSNorm(c) and
     # rope(k_pe) -> cache[pos + t]
     t = tl.program_id(0)
     head = tl.program_id(1)
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
     HALF: tl.constexpr = ROPE // 2
     QK: tl.constexpr = NOPE + ROPE
     p = tl.load(pos_ptr) + t
@@ -165,13 +170,15 @@ def _mla_prep_kernel(qkv_ptr, q_pe_ptr, cache_ptr, kv_norm_ptr, pos_ptr, cos_ptr
 
 @triton.jit
 def _combine_uv_kernel(part_o_ptr, part_ml_ptr, w_uv_ptr, out_ptr, NUM_SPLITS: tl.constexpr, R: tl.constexpr,
-                       V: tl.constexpr, BLOCK_V: tl.constexpr, CHUNK_R: tl.constexpr):
+                       V: tl.constexpr, BLOCK_V: tl.constexpr, CHUNK_R: tl.constexpr, PDL: tl.constexpr = False):
     # one token (T = 1): the attention's merge of its splits (log-sum-exp, as _attn_combine_kernel: the
     # latent output rounded to bf16) and the value up-projection in one launch. Program (h, vb):
     # out[h, vb-th BLOCK_V columns] = o_lat[h] @ w_uv_t[h][:, those columns] (fp32 sum, one rounding)
     head = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
     sp = tl.arange(0, NUM_SPLITS)
+    if PDL:  # the splits' partials come from the attention
+        gdc_wait()
     wgt, denom = split_weights(part_ml_ptr, head, NUM_SPLITS)
     cmask = cols < V
     acc = tl.zeros((BLOCK_V,), tl.float32)
@@ -182,6 +189,8 @@ def _combine_uv_kernel(part_o_ptr, part_ml_ptr, w_uv_ptr, out_ptr, NUM_SPLITS: t
         w = tl.load(w_uv_ptr + (head * R + rr)[:, None].to(tl.int64) * V + cols[None, :], mask=cmask[None, :],
                     other=0.0).to(tl.float32)
         acc += tl.sum(o_lat[:, None] * w, axis=0)
+    if PDL:
+        gdc_launch_dependents()
     tl.store(out_ptr + head * V + cols, acc.to(out_ptr.dtype.element_ty), mask=cmask)
 
 
@@ -257,11 +266,17 @@ class MlaStack:
     # one token: the MLP's RMSNorm, the router GEMV and its top-k in one launch (moe.router(norm_w=...))
     FUSED_ROUTER: bool = True
     PROJ_DOT: bool = True  # False: the attention projections of T > 1 tokens on fp32 FMAs (bench comparison)
+    # one token: the block's Triton kernels with programmatic dependent launch (each starts while the one before
+    # finishes, gemv.py's GQA step does the same); None: on for sm_90+ CUDA devices, False: off
+    PDL: bool | None = None
 
     def __init__(self, dims: MlaDims, num_tokens: int, device, num_splits: int = 16, block_s: int = 32,
                  dense_inter: int = 0, max_tokens: int = 0):
         d, t, dev, bf = dims, num_tokens, device, torch.bfloat16
         self.dims, self.num_tokens = d, t
+        dev_ = torch.device(dev)
+        sm90 = dev_.type == "cuda" and torch.cuda.get_device_capability(dev_)[0] >= 9
+        self.pdl = t == 1 and (sm90 if self.PDL is None else bool(self.PDL))
         self.tiles = dict(self.PLAIN_TILES)
         self.fused_uv = self.FUSED_UV and t == 1
         self.fused_router = self.FUSED_ROUTER and t == 1
@@ -301,11 +316,11 @@ class MlaStack:
         self.attn = DecodeAttention(num_q_heads=d.num_heads, num_kv_heads=1, d_main=d.kv_lora_rank, d_v=d.kv_lora_rank,
                                     d_rope=d.rope, num_tokens=t, num_splits=num_splits, block_s=block_s,
                                     sm_scale=d.sm_scale, num_warps=4, v_chunks=max(1, d.kv_lora_rank // 128),
-                                    device=dev)  # [rows, 128] value slices: no register spill at 4 tokens x 16 heads
+                                    device=dev, pdl=self.pdl)  # [rows, 128] value slices: no spill at 4 x 16 rows
         self.moe = GroupedMoe(num_tokens=t, top_k=d.top_k, num_shared=d.num_shared, hidden=d.hidden,
-                              inter=d.moe_inter, device=dev)
+                              inter=d.moe_inter, device=dev, pdl=self.pdl)
         self.dense = GroupedMoe(num_tokens=t, top_k=0, num_shared=1, hidden=d.hidden, inter=dense_inter,
-                                device=dev) if dense_inter else None
+                                device=dev, pdl=self.pdl) if dense_inter else None
 
     def block(self, lw: MlaLayer, h: torch.Tensor, cache: torch.Tensor, pos: torch.Tensor,
               cos: torch.Tensor, sin: torch.Tensor, index_cache: torch.Tensor | None = None) -> None:
@@ -332,7 +347,7 @@ class MlaStack:
                 self._select(lw, q_a, index_cache, pos, cos, sin)
         _mla_prep_kernel[(t, d.num_heads + 1)](self.qkv, self.q_pe, cache, lw.kv_a_norm, pos, cos, sin,
                                                self.qkv.stride(0), d.eps, NUM_HEADS=d.num_heads, NOPE=nope,
-                                               ROPE=d.rope, R=r, num_warps=4)
+                                               ROPE=d.rope, R=r, PDL=self.pdl, num_warps=4, **launch_opts(self.pdl))
         q_nope = self.qkv[:, :nq].view(t, d.num_heads, nope + d.rope)[..., :nope]
         q_c = torch.matmul(q_nope.transpose(0, 1), lw.w_uk)  # absorbed: [Hq, T, r]
         if not lw.sparse or t == 1:  # dense, or one token over its indexer's list
@@ -349,7 +364,7 @@ class MlaStack:
             bv = min(bv, triton.next_power_of_2(d.v_dim))
             _combine_uv_kernel[(d.num_heads, triton.cdiv(d.v_dim, bv))](
                 self.attn.part_o, self.attn.part_ml, lw.w_uv_t, self.o1, NUM_SPLITS=self.attn.num_splits, R=r,
-                V=d.v_dim, BLOCK_V=bv, CHUNK_R=min(cr, r), num_warps=nw)
+                V=d.v_dim, BLOCK_V=bv, CHUNK_R=min(cr, r), PDL=self.pdl, num_warps=nw, **launch_opts(self.pdl))
             o = self.o1
         else:
             o = torch.matmul(self.o_lat.transpose(0, 1), lw.w_uv_t)  # [Hq, T, v]
@@ -360,7 +375,7 @@ class MlaStack:
         route = dict(n_group=d.n_group, topk_group=d.topk_group)
         if lw.is_moe and self.fused_router:  # one token: the MLP's norm, the router and its top-k in one launch
             router(h, lw.router, lw.router_bias, self.ids, self.wts, d.top_k, d.routed_scale, self.router_logits,
-                   norm_w=lw.mlp_norm, eps=d.eps, xn_out=self.xn, count=self.router_count, **route)
+                   norm_w=lw.mlp_norm, eps=d.eps, xn_out=self.xn, count=self.router_count, pdl=self.pdl, **route)
         else:
             smallops.rmsnorm_rows(h, lw.mlp_norm, self.xn, d.eps)
             if lw.is_moe:
@@ -371,7 +386,7 @@ class MlaStack:
 
     def _tile(self, name: str) -> dict:
         bn, bk, nw, st = self.tiles[name]
-        return dict(block_n=bn, block_k=bk, num_warps=nw, stages=st)
+        return dict(block_n=bn, block_k=bk, num_warps=nw, stages=st, pdl=self.pdl)
 
     def _select(self, lw: MlaLayer, q_a: torch.Tensor, index_cache: torch.Tensor, pos: torch.Tensor,
                 cos: torch.Tensor, sin: torch.Tensor) -> None:

@@ -12,6 +12,10 @@ twins: reference.router, reference.moe).
   then serves every token that chose that expert: each selected expert's weights are read once per
   step, unselected experts never.
 - ``moe_reduce``: h += round(sum_k round(y_k * w_k)) + shared, with the eager-torch rounding points.
+
+``pdl`` (sm_90, programmatic dependent launch): each kernel may start while the previous one finishes; it
+waits (``gdc_wait``) before its first read of anything a kernel wrote, in every program, and lets the next
+one launch once its weight stream is issued (``gdc_launch_dependents``), as gemv.py's kernels do.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .gemv import interpreting
+from .gemv import gdc_launch_dependents, gdc_wait, interpreting, launch_opts
 from .kernel_helpers import load_first_pair_tile, round_to_dtype
 
 
@@ -40,12 +44,14 @@ def mma(x, w, acc, UPCAST: tl.constexpr):
 def _gemv_rows_kernel(x_ptr, w_ptr, out_ptr, res_ptr, nw_ptr, N, K, eps, stride_x, stride_o, stride_xh,
                       HEAD_DIM: tl.constexpr, T: tl.constexpr, T_PAD: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr,
                       K_POW2: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
-                      DOT: tl.constexpr, UPCAST: tl.constexpr):
+                      DOT: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr = False):
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     rmask = rows < N
     t = tl.arange(0, T_PAD)
     tmask = t < T
+    if PDL:  # x (and the residual) come from the previous kernel
+        gdc_wait()
     inv = tl.full((T_PAD,), 1.0, tl.float32)
     if NORM:
         if DOT:  # T_PAD = 16 rows: sum the squares tile by tile (a [16, K] tile would not fit in registers;
@@ -84,6 +90,8 @@ def _gemv_rows_kernel(x_ptr, w_ptr, out_ptr, res_ptr, nw_ptr, N, K, eps, stride_
             acc2 = mma(x, w, acc2, UPCAST)
         else:
             acc += w.to(tl.float32)[None, :, :] * x.to(tl.float32)[:, None, :]
+    if PDL:
+        gdc_launch_dependents()
     if DOT:
         y = acc2
     else:
@@ -106,7 +114,7 @@ def _dot(t: int, w: torch.Tensor) -> bool:
 def gemv_rows(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, *, norm_w: torch.Tensor | None = None,
               eps: float = 1e-6, residual: torch.Tensor | None = None, block_n: int = 8, block_k: int = 256,
               num_warps: int = 4, stages: int = 4, dot: bool | None = None,
-              dot_tile: tuple[int, int, int, int] | None = None, heads: bool = False) -> torch.Tensor:
+              dot_tile: tuple[int, int, int, int] | None = None, heads: bool = False, pdl: bool = False) -> torch.Tensor:
     """out[T, N] = [residual +] x'[T, K] @ W[N, K]^T, x' = rmsnorm(x) * norm_w when given (T <= 4).
 
     One token: fp32 FMAs over a [BLOCK_N, BLOCK_K] weight tile. Several: tensor-core dots with the tokens
@@ -135,7 +143,7 @@ def gemv_rows(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, *, norm_w: to
         x, w, out, residual if residual is not None else out, norm_w if norm_w is not None else x, n, k, eps,
         stride_t, out.stride(0), stride_h, HEAD_DIM=hd, T=t, T_PAD=DOT_ROWS if dot else triton.next_power_of_2(t), NORM=norm_w is not None,
         RESIDUAL=residual is not None, K_POW2=triton.next_power_of_2(k), BLOCK_N=block_n, BLOCK_K=block_k,
-        STAGES=stages, num_warps=num_warps, DOT=dot, UPCAST=interpreting())
+        STAGES=stages, num_warps=num_warps, DOT=dot, UPCAST=interpreting(), PDL=pdl, **launch_opts(pdl))
     return out
 
 
@@ -187,13 +195,16 @@ def _router_topk_kernel(logits_ptr, bias_ptr, ids_ptr, wts_ptr, scale, E: tl.con
 def _router_fused_kernel(h_ptr, nw_ptr, xn_ptr, w_ptr, bias_ptr, logits_ptr, count_ptr, ids_ptr, wts_ptr, scale,
                          eps, K, E: tl.constexpr, TOPK: tl.constexpr, N_GROUP: tl.constexpr,
                          TOPK_GROUP: tl.constexpr, E_POW2: tl.constexpr, K_POW2: tl.constexpr,
-                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
+                         PDL: tl.constexpr = False):
     # one token: the MLP's RMSNorm (its output -> xn_ptr, by program 0, for the experts), the router GEMV
     # (BLOCK_N experts a program, as gemv_rows' one-token form: the same rounding points) and, in the last
     # program to finish, the top-k (_topk_body): one launch instead of three
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     rmask = rows < E
+    if PDL:  # h comes from the previous kernel (and xn / logits / ids may still be read by it)
+        gdc_wait()
     kk = tl.arange(0, K_POW2)
     xs = tl.load(h_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)
     inv = 1.0 / tl.sqrt(tl.sum(xs * xs, axis=0) / K + eps)
@@ -209,6 +220,8 @@ def _router_fused_kernel(h_ptr, nw_ptr, xn_ptr, w_ptr, bias_ptr, logits_ptr, cou
         w = tl.load(w_ptr + rows[:, None].to(tl.int64) * K + offs[None, :], mask=rmask[:, None] & kmask[None, :],
                     other=0.0, eviction_policy="evict_first")
         acc += w.to(tl.float32) * x[None, :]
+    if PDL:
+        gdc_launch_dependents()
     tl.store(logits_ptr + rows, tl.sum(acc, axis=1), mask=rmask)
     tl.debug_barrier()  # every thread's logits stored before the count
     done = tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu")
@@ -220,7 +233,7 @@ def _router_fused_kernel(h_ptr, nw_ptr, xn_ptr, w_ptr, bias_ptr, logits_ptr, cou
 def router(xn: torch.Tensor, w: torch.Tensor, bias: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor,
            top_k: int, scale: float, logits: torch.Tensor | None = None, *, n_group: int = 1,
            topk_group: int = 1, norm_w: torch.Tensor | None = None, eps: float = 1e-6,
-           xn_out: torch.Tensor | None = None, count: torch.Tensor | None = None) -> None:
+           xn_out: torch.Tensor | None = None, count: torch.Tensor | None = None, pdl: bool = False) -> None:
     """ids [T, k] int32 (best first), wts [T, k] fp32 from normed x [T, H] (noaux_tc; group-limited to
     the ``topk_group`` best of ``n_group`` expert groups when fewer than all: reference.router).
 
@@ -247,10 +260,10 @@ def router(xn: torch.Tensor, w: torch.Tensor, bias: torch.Tensor, ids: torch.Ten
             xn, norm_w, xn_out, w, bias, logits, count, ids, wts, scale, eps, k, E=e, TOPK=top_k,
             N_GROUP=n_group if grouped else 1, TOPK_GROUP=topk_group if grouped else 1,
             E_POW2=triton.next_power_of_2(e), K_POW2=triton.next_power_of_2(k), BLOCK_N=2, BLOCK_K=512, STAGES=2,
-            num_warps=4)
+            PDL=pdl, num_warps=4, **launch_opts(pdl))
         return
     # 512-wide K tiles for any T (gemv_rows narrows block_k by T): 4 dependent loads, not 16
-    gemv_rows(xn, w, logits, block_n=2, block_k=512 * triton.next_power_of_2(t), stages=2, dot=False)
+    gemv_rows(xn, w, logits, block_n=2, block_k=512 * triton.next_power_of_2(t), stages=2, dot=False, pdl=pdl)
     _router_topk_kernel[(t,)](logits, bias, ids, wts, scale, E=e, TOPK=top_k, N_GROUP=n_group if grouped else 1,
                               TOPK_GROUP=topk_group if grouped else 1, E_POW2=triton.next_power_of_2(e), num_warps=1)
 
@@ -281,8 +294,10 @@ def _owner(ids_ptr, p, T: tl.constexpr, TOPK: tl.constexpr, SLOTS: tl.constexpr,
 def _moe_gate_up_kernel(x_ptr, ids_ptr, w_ptr, ws_ptr, act_ptr, I, K, stride_e,
                         T: tl.constexpr, T_PAD: tl.constexpr, TOPK: tl.constexpr, SLOTS: tl.constexpr,
                         SLOTS_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
-                        DOT: tl.constexpr, UPCAST: tl.constexpr):
+                        DOT: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr = False):
     p = tl.program_id(0)
+    if PDL:  # the router's ids and the input rows come from earlier kernels
+        gdc_wait()
     expert, is_first, pair_of, is_routed = _owner(ids_ptr, p, T, TOPK, SLOTS, SLOTS_PAD, T_PAD)
     if is_first:
         if is_routed:
@@ -311,6 +326,8 @@ def _moe_gate_up_kernel(x_ptr, ids_ptr, w_ptr, ws_ptr, act_ptr, I, K, stride_e,
             else:
                 acc_a += wa.to(tl.float32)[None, :, :] * x.to(tl.float32)[:, None, :]
                 acc_b += wb.to(tl.float32)[None, :, :] * x.to(tl.float32)[:, None, :]
+        if PDL:
+            gdc_launch_dependents()
         dt = act_ptr.dtype.element_ty
         if DOT:
             g = round_to_dtype(dot_a, dt)
@@ -327,8 +344,10 @@ def _moe_gate_up_kernel(x_ptr, ids_ptr, w_ptr, ws_ptr, act_ptr, I, K, stride_e,
 def _moe_down_kernel(act_ptr, ids_ptr, w_ptr, ws_ptr, y_ptr, H, I, stride_e,
                      T: tl.constexpr, T_PAD: tl.constexpr, TOPK: tl.constexpr, SLOTS: tl.constexpr,
                      SLOTS_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
-                     DOT: tl.constexpr, UPCAST: tl.constexpr):
+                     DOT: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr = False):
     p = tl.program_id(0)
+    if PDL:  # the router's ids and the input rows come from earlier kernels
+        gdc_wait()
     expert, is_first, pair_of, is_routed = _owner(ids_ptr, p, T, TOPK, SLOTS, SLOTS_PAD, T_PAD)
     if is_first:
         if is_routed:
@@ -352,6 +371,8 @@ def _moe_down_kernel(act_ptr, ids_ptr, w_ptr, ws_ptr, y_ptr, H, I, stride_e,
                 acc2 = mma(x, w, acc2, UPCAST)
             else:
                 acc += w.to(tl.float32)[None, :, :] * x.to(tl.float32)[:, None, :]
+        if PDL:
+            gdc_launch_dependents()
         if DOT:
             y = acc2
         else:
@@ -361,8 +382,11 @@ def _moe_down_kernel(act_ptr, ids_ptr, w_ptr, ws_ptr, y_ptr, H, I, stride_e,
 
 @triton.jit
 def _moe_reduce_kernel(y_ptr, wts_ptr, h_ptr, H, TOPK: tl.constexpr, NUM_SHARED: tl.constexpr,
-                       BLOCK: tl.constexpr):
+                       BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     t = tl.program_id(0)
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     cmask = cols < H
     SLOTS: tl.constexpr = TOPK + NUM_SHARED
@@ -391,8 +415,10 @@ class GroupedMoe:
     PLAIN_TILES: tuple[tuple[int, int, int, int], tuple[int, int, int, int]] = ((8, 512, 4, 3), (32, 256, 4, 3))
 
     def __init__(self, *, num_tokens: int, top_k: int, num_shared: int, hidden: int, inter: int,
-                 device: torch.device | str, tiles: tuple[tuple[int, int, int, int], ...] | None = None):
+                 device: torch.device | str, tiles: tuple[tuple[int, int, int, int], ...] | None = None,
+                 pdl: bool = False):
         self.num_tokens, self.top_k, self.num_shared = num_tokens, top_k, num_shared
+        self.pdl = pdl
         self.hidden, self.inter = hidden, inter
         self.slots = top_k + num_shared
         self.dot = num_tokens > 1  # several tokens: tensor-core dots (bf16 experts), as gemv_rows
@@ -412,7 +438,7 @@ class GroupedMoe:
         dot = self.dot and w_gate_up.dtype in (torch.bfloat16, torch.float16)
         common = dict(T=t, T_PAD=DOT_ROWS if dot else triton.next_power_of_2(t), TOPK=self.top_k,
                       SLOTS=self.slots, SLOTS_PAD=triton.next_power_of_2(self.slots), DOT=dot,
-                      UPCAST=interpreting())
+                      UPCAST=interpreting(), PDL=self.pdl, **launch_opts(self.pdl))
         (bn, bk, nw, st), (bn2, bk2, nw2, st2) = self.tiles
         pairs = t * self.slots
         _moe_gate_up_kernel[(pairs, triton.cdiv(inter, bn))](
@@ -422,4 +448,5 @@ class GroupedMoe:
             self.act, ids, w_down, shared_down, self.out_rows, hid, inter, hid * inter, **common,
             BLOCK_N=bn2, BLOCK_K=bk2, STAGES=st2, num_warps=nw2)
         _moe_reduce_kernel[(t, triton.cdiv(hid, 1024))](self.out_rows, wts, h, hid, TOPK=self.top_k,
-                                                        NUM_SHARED=self.num_shared, BLOCK=1024, num_warps=4)
+                                                        NUM_SHARED=self.num_shared, BLOCK=1024, PDL=self.pdl,
+                                                        num_warps=4, **launch_opts(self.pdl))
