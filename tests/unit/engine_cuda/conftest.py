@@ -13,6 +13,7 @@ _had = os.environ.get("TRITON_INTERPRET")
 _late = "triton" in sys.modules and not _had  # triton.language already defined as compiled functions
 os.environ["TRITON_INTERPRET"] = "1"  # read when triton.language and our kernels are defined
 import numpy as np  # noqa: E402
+import pytest  # noqa: E402
 import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
@@ -120,3 +121,20 @@ def _np_dtype(tt_dtype):
 
 
 _interp._get_np_dtype = _np_dtype
+
+
+@triton.jit
+def _griddep_noop():
+    pass
+
+
+@pytest.fixture
+def pdl_interpreted(monkeypatch):
+    """Kernels launched with programmatic dependent launch (PDL=True) under the interpreter: its programs
+    run one after another, so griddepcontrol's wait and launch_dependents are no-ops here; what this covers
+    is the PDL variants' own code (loads moved before the wait, peeled first iterations)."""
+    for mod in (attention, fp8, gemv, mla, moe):
+        for name in ("gdc_wait", "gdc_launch_dependents"):
+            if hasattr(mod, name):
+                monkeypatch.setattr(mod, name, _griddep_noop)
+    return True

@@ -230,3 +230,21 @@ def test_sparse_verify_picks_and_attends_each_tokens_own_rows(tmp_path, arch, mo
     assert any(max(lst) > pos for lst in fast_lists)  # later tokens pick rows the verify itself wrote
     assert len({tuple(lst) for lst in fast_lists[:4]}) > 1  # the tokens' lists differ
     assert (got - want).abs().max().item() <= 2e-2 * want.abs().max().item()
+
+
+def test_the_block_on_programmatic_dependent_launch_keeps_the_tokens(checkpoint, v3_checkpoint, pdl_interpreted,
+                                                                     monkeypatch):
+    # MlaStack.PDL (on by default on sm_90): the block's kernels with their loads before the wait and the
+    # GEMVs' first tile peeled give the reference step's tokens, without and with MTP drafts
+    from services.decode.engine.cuda import mla
+
+    monkeypatch.setattr(mla.MlaStack, "PDL", True)
+    greedy = SamplingParams(max_tokens=10, ignore_eos=True)
+    for path, prompt in ((checkpoint, PROMPT), (v3_checkpoint, V3_PROMPT)):
+        ref = run(load(path, "off", 0), prompt, greedy)[0]
+        for k in (0, 2):
+            fast = load(path, "on", k)
+            tokens, _, paths = run(fast, prompt, greedy)[:3]
+            assert "fast" in paths and tokens == ref
+            dec, _ = fast.fast_path.decoders[0]
+            assert dec.stacks[1].pdl and dec.stacks[1].moe.pdl  # the one-token stack ran with PDL

@@ -177,12 +177,20 @@ def _combine_uv_kernel(part_o_ptr, part_ml_ptr, w_uv_ptr, out_ptr, NUM_SPLITS: t
     head = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
     sp = tl.arange(0, NUM_SPLITS)
-    if PDL:  # the splits' partials come from the attention
+    cmask = cols < V
+    FIRST: tl.constexpr = CHUNK_R if PDL else 0  # PDL: chunk 0 of w_uv loaded before the wait
+    if PDL:  # w_uv is never written: its first chunk streams while the attention finishes; the partials wait
+        r0_ = tl.arange(0, CHUNK_R)
+        w0 = tl.load(w_uv_ptr + (head * R + r0_)[:, None].to(tl.int64) * V + cols[None, :], mask=cmask[None, :],
+                     other=0.0)
         gdc_wait()
     wgt, denom = split_weights(part_ml_ptr, head, NUM_SPLITS)
-    cmask = cols < V
     acc = tl.zeros((BLOCK_V,), tl.float32)
-    for r0 in range(0, R, CHUNK_R):
+    if PDL:
+        o = tl.load(part_o_ptr + (head * NUM_SPLITS + sp)[:, None] * R + r0_[None, :])
+        o_lat = rnd_bf16(tl.sum(o * wgt[:, None], axis=0) / denom)
+        acc += tl.sum(o_lat[:, None] * w0.to(tl.float32), axis=0)
+    for r0 in range(FIRST, R, CHUNK_R):
         rr = r0 + tl.arange(0, CHUNK_R)
         o = tl.load(part_o_ptr + (head * NUM_SPLITS + sp)[:, None] * R + rr[None, :])
         o_lat = rnd_bf16(tl.sum(o * wgt[:, None], axis=0) / denom)

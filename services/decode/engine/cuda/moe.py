@@ -41,6 +41,24 @@ def mma(x, w, acc, UPCAST: tl.constexpr):
 
 
 @triton.jit
+def _rows_x(x_ptr, nw_ptr, k, K, t, tmask, inv, stride_x, stride_xh, HEAD_DIM: tl.constexpr, NORM: tl.constexpr,
+            BLOCK_K: tl.constexpr):
+    # input columns [k, k + BLOCK_K) of the T rows as loaded, or normed when NORM (bf16 values, in fp32)
+    offs = k + tl.arange(0, BLOCK_K)
+    kmask = offs < K
+    if HEAD_DIM:  # x is [heads, T, HEAD_DIM] (a batched matmul's output): column k = head k // HEAD_DIM
+        xcol = (offs // HEAD_DIM) * stride_xh + offs % HEAD_DIM
+    else:
+        xcol = offs
+    x = tl.load(x_ptr + t[:, None] * stride_x + xcol[None, :], mask=tmask[:, None] & kmask[None, :], other=0.0)
+    if NORM:
+        nw = tl.load(nw_ptr + offs, mask=kmask, other=0.0)
+        xr = round_to_dtype(x.to(tl.float32) * inv[:, None], nw.dtype)
+        x = round_to_dtype(xr * nw.to(tl.float32)[None, :], nw.dtype)
+    return x
+
+
+@triton.jit
 def _gemv_rows_kernel(x_ptr, w_ptr, out_ptr, res_ptr, nw_ptr, N, K, eps, stride_x, stride_o, stride_xh,
                       HEAD_DIM: tl.constexpr, T: tl.constexpr, T_PAD: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr,
                       K_POW2: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
@@ -50,7 +68,11 @@ def _gemv_rows_kernel(x_ptr, w_ptr, out_ptr, res_ptr, nw_ptr, N, K, eps, stride_
     rmask = rows < N
     t = tl.arange(0, T_PAD)
     tmask = t < T
-    if PDL:  # x (and the residual) come from the previous kernel
+    FIRST: tl.constexpr = BLOCK_K if PDL else 0  # PDL: tile 0 loaded before the wait, the loop from tile 1
+    if PDL:  # weights are never written: the first tile's round trip overlaps the previous kernel's tail;
+        k0 = tl.arange(0, BLOCK_K)  # x (and the residual) come from that kernel
+        w0 = tl.load(w_ptr + rows[:, None].to(tl.int64) * K + k0[None, :], mask=rmask[:, None] & (k0 < K)[None, :],
+                     other=0.0, eviction_policy="evict_first")
         gdc_wait()
     inv = tl.full((T_PAD,), 1.0, tl.float32)
     if NORM:
@@ -72,19 +94,16 @@ def _gemv_rows_kernel(x_ptr, w_ptr, out_ptr, res_ptr, nw_ptr, N, K, eps, stride_
         acc2 = tl.zeros((T_PAD, BLOCK_N), dtype=tl.float32)
     else:
         acc = tl.zeros((T_PAD, BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k in tl.range(0, K, BLOCK_K, num_stages=STAGES):
-        offs = k + tl.arange(0, BLOCK_K)
-        kmask = offs < K
-        if HEAD_DIM:  # x is [heads, T, HEAD_DIM] (a batched matmul's output): column k = head k // HEAD_DIM
-            xcol = (offs // HEAD_DIM) * stride_xh + offs % HEAD_DIM
+    if PDL:
+        x0 = _rows_x(x_ptr, nw_ptr, 0, K, t, tmask, inv, stride_x, stride_xh, HEAD_DIM, NORM, BLOCK_K)
+        if DOT:
+            acc2 = mma(x0, w0, acc2, UPCAST)
         else:
-            xcol = offs
-        x = tl.load(x_ptr + t[:, None] * stride_x + xcol[None, :], mask=tmask[:, None] & kmask[None, :], other=0.0)
-        if NORM:
-            nw = tl.load(nw_ptr + offs, mask=kmask, other=0.0)
-            xr = round_to_dtype(x.to(tl.float32) * inv[:, None], nw.dtype)
-            x = round_to_dtype(xr * nw.to(tl.float32)[None, :], nw.dtype)
-        w = tl.load(w_ptr + rows[:, None].to(tl.int64) * K + offs[None, :], mask=rmask[:, None] & kmask[None, :],
+            acc += w0.to(tl.float32)[None, :, :] * x0.to(tl.float32)[:, None, :]
+    for k in tl.range(FIRST, K, BLOCK_K, num_stages=STAGES):
+        x = _rows_x(x_ptr, nw_ptr, k, K, t, tmask, inv, stride_x, stride_xh, HEAD_DIM, NORM, BLOCK_K)
+        offs = k + tl.arange(0, BLOCK_K)
+        w = tl.load(w_ptr + rows[:, None].to(tl.int64) * K + offs[None, :], mask=rmask[:, None] & (offs < K)[None, :],
                     other=0.0, eviction_policy="evict_first")
         if DOT:
             acc2 = mma(x, w, acc2, UPCAST)
@@ -192,6 +211,19 @@ def _router_topk_kernel(logits_ptr, bias_ptr, ids_ptr, wts_ptr, scale, E: tl.con
 
 
 @triton.jit
+def _router_x(h_ptr, nw_ptr, xn_ptr, pid, k, K, inv, BLOCK_K: tl.constexpr):
+    # columns [k, k + BLOCK_K) of the normed residual (program 0 also stores them for the experts)
+    offs = k + tl.arange(0, BLOCK_K)
+    kmask = offs < K
+    nw = tl.load(nw_ptr + offs, mask=kmask, other=0.0)
+    xr = round_to_dtype(tl.load(h_ptr + offs, mask=kmask, other=0.0).to(tl.float32) * inv, nw.dtype)
+    x = round_to_dtype(xr * nw.to(tl.float32), nw.dtype)
+    if pid == 0:
+        tl.store(xn_ptr + offs, x.to(xn_ptr.dtype.element_ty), mask=kmask)
+    return x
+
+
+@triton.jit
 def _router_fused_kernel(h_ptr, nw_ptr, xn_ptr, w_ptr, bias_ptr, logits_ptr, count_ptr, ids_ptr, wts_ptr, scale,
                          eps, K, E: tl.constexpr, TOPK: tl.constexpr, N_GROUP: tl.constexpr,
                          TOPK_GROUP: tl.constexpr, E_POW2: tl.constexpr, K_POW2: tl.constexpr,
@@ -203,21 +235,23 @@ def _router_fused_kernel(h_ptr, nw_ptr, xn_ptr, w_ptr, bias_ptr, logits_ptr, cou
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     rmask = rows < E
+    FIRST: tl.constexpr = BLOCK_K if PDL else 0  # PDL: weight tile 0 loaded before the wait
     if PDL:  # h comes from the previous kernel (and xn / logits / ids may still be read by it)
+        k0 = tl.arange(0, BLOCK_K)
+        w0 = tl.load(w_ptr + rows[:, None].to(tl.int64) * K + k0[None, :], mask=rmask[:, None] & (k0 < K)[None, :],
+                     other=0.0, eviction_policy="evict_first")
         gdc_wait()
     kk = tl.arange(0, K_POW2)
     xs = tl.load(h_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)
     inv = 1.0 / tl.sqrt(tl.sum(xs * xs, axis=0) / K + eps)
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k in tl.range(0, K, BLOCK_K, num_stages=STAGES):
+    if PDL:
+        x0 = _router_x(h_ptr, nw_ptr, xn_ptr, pid, 0, K, inv, BLOCK_K)
+        acc += w0.to(tl.float32) * x0[None, :]
+    for k in tl.range(FIRST, K, BLOCK_K, num_stages=STAGES):
+        x = _router_x(h_ptr, nw_ptr, xn_ptr, pid, k, K, inv, BLOCK_K)
         offs = k + tl.arange(0, BLOCK_K)
-        kmask = offs < K
-        nw = tl.load(nw_ptr + offs, mask=kmask, other=0.0)
-        xr = round_to_dtype(tl.load(h_ptr + offs, mask=kmask, other=0.0).to(tl.float32) * inv, nw.dtype)
-        x = round_to_dtype(xr * nw.to(tl.float32), nw.dtype)
-        if pid == 0:
-            tl.store(xn_ptr + offs, x.to(xn_ptr.dtype.element_ty), mask=kmask)
-        w = tl.load(w_ptr + rows[:, None].to(tl.int64) * K + offs[None, :], mask=rmask[:, None] & kmask[None, :],
+        w = tl.load(w_ptr + rows[:, None].to(tl.int64) * K + offs[None, :], mask=rmask[:, None] & (offs < K)[None, :],
                     other=0.0, eviction_policy="evict_first")
         acc += w.to(tl.float32) * x[None, :]
     if PDL:
@@ -345,24 +379,38 @@ def _moe_down_kernel(act_ptr, ids_ptr, w_ptr, ws_ptr, y_ptr, H, I, stride_e,
                      T: tl.constexpr, T_PAD: tl.constexpr, TOPK: tl.constexpr, SLOTS: tl.constexpr,
                      SLOTS_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
                      DOT: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr = False):
+    # PDL: the router's ids are read before the wait (the router finished before the gate/up kernel that
+    # let us launch passed its own wait), and so is the expert's first weight tile; the activations wait
     p = tl.program_id(0)
-    if PDL:  # the router's ids and the input rows come from earlier kernels
-        gdc_wait()
     expert, is_first, pair_of, is_routed = _owner(ids_ptr, p, T, TOPK, SLOTS, SLOTS_PAD, T_PAD)
+    if is_routed:
+        base = w_ptr + expert.to(tl.int64) * stride_e
+    else:
+        base = ws_ptr + (expert - 100000).to(tl.int64) * stride_e
+    rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rmask = rows < H
+    FIRST: tl.constexpr = BLOCK_K if PDL else 0
+    if PDL:
+        k0 = tl.arange(0, BLOCK_K)
+        load0 = rmask & (tl.zeros((BLOCK_N,), tl.int32) + is_first.to(tl.int32) > 0)  # a duplicate pair: none
+        w0 = tl.load(base + rows[:, None].to(tl.int64) * I + k0[None, :], mask=load0[:, None] & (k0 < I)[None, :],
+                     other=0.0)
+        gdc_wait()
     if is_first:
-        if is_routed:
-            base = w_ptr + expert.to(tl.int64) * stride_e
-        else:
-            base = ws_ptr + (expert - 100000).to(tl.int64) * stride_e
-        rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        rmask = rows < H
         uses = pair_of >= 0
         src = tl.where(uses, pair_of, 0).to(tl.int64) * I
         if DOT:
             acc2 = tl.zeros((T_PAD, BLOCK_N), tl.float32)
         else:
             acc = tl.zeros((T_PAD, BLOCK_N, BLOCK_K), tl.float32)
-        for k in tl.range(0, I, BLOCK_K, num_stages=STAGES):
+        if PDL:
+            k0 = tl.arange(0, BLOCK_K)
+            x0 = tl.load(act_ptr + src[:, None] + k0[None, :], mask=uses[:, None] & (k0 < I)[None, :], other=0.0)
+            if DOT:
+                acc2 = mma(x0, w0, acc2, UPCAST)
+            else:
+                acc += w0.to(tl.float32)[None, :, :] * x0.to(tl.float32)[:, None, :]
+        for k in tl.range(FIRST, I, BLOCK_K, num_stages=STAGES):
             offs = k + tl.arange(0, BLOCK_K)
             x = tl.load(act_ptr + src[:, None] + offs[None, :], mask=uses[:, None] & (offs < I)[None, :], other=0.0)
             w = tl.load(base + rows[:, None].to(tl.int64) * I + offs[None, :], mask=rmask[:, None] & (offs < I)[None, :],
