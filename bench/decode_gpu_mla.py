@@ -381,18 +381,22 @@ def fused_middle_ab(X, model, caches, cos, sin, ctx: int, R: dict, tag: str, var
     log(f"  {tag}plain step by attention-middle variant: " + ", ".join(f"{k} {v * 1e3:.1f} us" for k, v in res.items()))
 
 
+PDL_VARIANTS = {"pdl_early": (True, True), "pdl": (True, False), "no_pdl": (False, False)}  # (PDL, PDL_EARLY)
+
+
 def pdl_ab(X, model, caches, cos, sin, ctx: int, R: dict, tag: str, rounds: int = 3) -> None:
     """The one-token step with the block's kernels on programmatic dependent launch (MlaStack.PDL, the default
-    on sm_90) and without, alternated ``rounds`` times in one process (``{tag}pdl_ab``: plain step ms of each,
-    best of the rounds; ``{tag}pdl_tokens_equal``: the two give the same greedy tokens)."""
-    out, toks = {"pdl": [], "no_pdl": []}, {}
+    on sm_90) with and without their first weight tiles before the wait (MlaStack.PDL_EARLY), and without
+    PDL, alternated ``rounds`` times in one process (``{tag}pdl_ab``: plain step ms of each, best of the
+    rounds; ``{tag}pdl_tokens_equal``: all give the same greedy tokens)."""
+    out, toks = {k: [] for k in PDL_VARIANTS}, {}
     for _ in range(rounds):
-        for name in out:
-            X.mla.MlaStack.PDL = name == "pdl"
+        for name, (pdl, early) in PDL_VARIANTS.items():
+            X.mla.MlaStack.PDL, X.mla.MlaStack.PDL_EARLY = pdl, early
             try:
                 dec = X.mla_decoder.MlaDecoder(model, caches, cos, sin, max_draft=0, max_steps=4096)
             finally:
-                X.mla.MlaStack.PDL = None
+                X.mla.MlaStack.PDL, X.mla.MlaStack.PDL_EARLY = None, True
             runner = capture(dec.plain_step, steps_per_replay=4, before_capture=lambda: dec.set_state(1, ctx))
             dec.set_state(1, ctx)
             out[name].append(time_replays(runner, 20) / 4)
@@ -403,9 +407,8 @@ def pdl_ab(X, model, caches, cos, sin, ctx: int, R: dict, tag: str, rounds: int 
             toks[name] = dec.out_tokens[:32].tolist()
             del runner, dec
     R[f"{tag}pdl_ab"] = res = {k: min(v) for k, v in out.items()}
-    R[f"{tag}pdl_tokens_equal"] = toks["pdl"] == toks["no_pdl"]
-    log(f"  {tag}plain step with / without PDL: {res['pdl'] * 1e3:.1f} / {res['no_pdl'] * 1e3:.1f} us, "
-        f"tokens equal {toks['pdl'] == toks['no_pdl']}")
+    R[f"{tag}pdl_tokens_equal"] = equal = all(t == toks["no_pdl"] for t in toks.values())
+    log(f"  {tag}plain step: " + ", ".join(f"{k} {v * 1e3:.1f} us" for k, v in res.items()) + f"; tokens equal {equal}")
 
 
 def run_mla(X, R: dict, ctx: int = 1024) -> None:
@@ -425,9 +428,11 @@ def run_mla(X, R: dict, ctx: int = 1024) -> None:
     R["dsv2lite_roofline_tok_s"] = 1e3 / roof_ms
     if os.environ.get("MLA_PDL_AB"):  # PDL on / off alone (a short run)
         pdl_ab(X, model, caches, cos, sin, ctx, R, "dsv2lite_")
+        R["dsv2lite_frac_roofline_pdl_early"] = roof_ms / R["dsv2lite_pdl_ab"]["pdl_early"]
         R["dsv2lite_frac_roofline_pdl"] = roof_ms / R["dsv2lite_pdl_ab"]["pdl"]
         R["dsv2lite_frac_roofline_no_pdl"] = roof_ms / R["dsv2lite_pdl_ab"]["no_pdl"]
-        log(f"  dsv2lite of roofline: PDL {R['dsv2lite_frac_roofline_pdl']:.3f}, without "
+        log(f"  dsv2lite of roofline: PDL + early tiles {R['dsv2lite_frac_roofline_pdl_early']:.3f}, PDL "
+            f"{R['dsv2lite_frac_roofline_pdl']:.3f}, without "
             f"{R['dsv2lite_frac_roofline_no_pdl']:.3f} (roofline {roof_ms:.3f} ms)")
         return
     if os.environ.get("MLA_FUSED_AB"):  # the attention middle's variants alone (a short run)

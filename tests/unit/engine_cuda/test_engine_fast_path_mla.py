@@ -232,13 +232,15 @@ def test_sparse_verify_picks_and_attends_each_tokens_own_rows(tmp_path, arch, mo
     assert (got - want).abs().max().item() <= 2e-2 * want.abs().max().item()
 
 
+@pytest.mark.parametrize("early", [True, False])
 def test_the_block_on_programmatic_dependent_launch_keeps_the_tokens(checkpoint, v3_checkpoint, pdl_interpreted,
-                                                                     monkeypatch):
-    # MlaStack.PDL (on by default on sm_90): the block's kernels with their loads before the wait and the
-    # GEMVs' first tile peeled give the reference step's tokens, without and with MTP drafts
+                                                                     monkeypatch, early):
+    # MlaStack.PDL (on by default on sm_90): the block's kernels, with (PDL_EARLY) their first weight tiles
+    # before the wait and the first iteration peeled, give the reference step's tokens, without and with drafts
     from services.decode.engine.cuda import mla
 
     monkeypatch.setattr(mla.MlaStack, "PDL", True)
+    monkeypatch.setattr(mla.MlaStack, "PDL_EARLY", early)
     greedy = SamplingParams(max_tokens=10, ignore_eos=True)
     for path, prompt in ((checkpoint, PROMPT), (v3_checkpoint, V3_PROMPT)):
         ref = run(load(path, "off", 0), prompt, greedy)[0]
@@ -248,3 +250,4 @@ def test_the_block_on_programmatic_dependent_launch_keeps_the_tokens(checkpoint,
             assert "fast" in paths and tokens == ref
             dec, _ = fast.fast_path.decoders[0]
             assert dec.stacks[1].pdl and dec.stacks[1].moe.pdl  # the one-token stack ran with PDL
+            assert dec.stacks[1].early == early and not any(st.pdl for n, st in dec.stacks.items() if n > 1)

@@ -170,7 +170,8 @@ def _mla_prep_kernel(qkv_ptr, q_pe_ptr, cache_ptr, kv_norm_ptr, pos_ptr, cos_ptr
 
 @triton.jit
 def _combine_uv_kernel(part_o_ptr, part_ml_ptr, w_uv_ptr, out_ptr, NUM_SPLITS: tl.constexpr, R: tl.constexpr,
-                       V: tl.constexpr, BLOCK_V: tl.constexpr, CHUNK_R: tl.constexpr, PDL: tl.constexpr = False):
+                       V: tl.constexpr, BLOCK_V: tl.constexpr, CHUNK_R: tl.constexpr, PDL: tl.constexpr = False,
+                       EARLY: tl.constexpr = False):
     # one token (T = 1): the attention's merge of its splits (log-sum-exp, as _attn_combine_kernel: the
     # latent output rounded to bf16) and the value up-projection in one launch. Program (h, vb):
     # out[h, vb-th BLOCK_V columns] = o_lat[h] @ w_uv_t[h][:, those columns] (fp32 sum, one rounding)
@@ -178,15 +179,16 @@ def _combine_uv_kernel(part_o_ptr, part_ml_ptr, w_uv_ptr, out_ptr, NUM_SPLITS: t
     cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
     sp = tl.arange(0, NUM_SPLITS)
     cmask = cols < V
-    FIRST: tl.constexpr = CHUNK_R if PDL else 0  # PDL: chunk 0 of w_uv loaded before the wait
-    if PDL:  # w_uv is never written: its first chunk streams while the attention finishes; the partials wait
+    FIRST: tl.constexpr = CHUNK_R if EARLY else 0  # EARLY (with PDL): chunk 0 of w_uv loaded before the wait
+    if EARLY:  # w_uv is never written: its first chunk streams while the attention finishes
         r0_ = tl.arange(0, CHUNK_R)
         w0 = tl.load(w_uv_ptr + (head * R + r0_)[:, None].to(tl.int64) * V + cols[None, :], mask=cmask[None, :],
                      other=0.0)
+    if PDL:  # the partials come from the attention
         gdc_wait()
     wgt, denom = split_weights(part_ml_ptr, head, NUM_SPLITS)
     acc = tl.zeros((BLOCK_V,), tl.float32)
-    if PDL:
+    if EARLY:
         o = tl.load(part_o_ptr + (head * NUM_SPLITS + sp)[:, None] * R + r0_[None, :])
         o_lat = rnd_bf16(tl.sum(o * wgt[:, None], axis=0) / denom)
         acc += tl.sum(o_lat[:, None] * w0.to(tl.float32), axis=0)
@@ -277,6 +279,8 @@ class MlaStack:
     # one token: the block's Triton kernels with programmatic dependent launch (each starts while the one before
     # finishes, gemv.py's GQA step does the same); None: on for sm_90+ CUDA devices, False: off
     PDL: bool | None = None
+    # with PDL: each GEMV's first weight tile (and merge + w_uv's first latent chunk) loaded before the wait
+    PDL_EARLY: bool = True
 
     def __init__(self, dims: MlaDims, num_tokens: int, device, num_splits: int = 16, block_s: int = 32,
                  dense_inter: int = 0, max_tokens: int = 0):
@@ -285,6 +289,7 @@ class MlaStack:
         dev_ = torch.device(dev)
         sm90 = dev_.type == "cuda" and torch.cuda.get_device_capability(dev_)[0] >= 9
         self.pdl = t == 1 and (sm90 if self.PDL is None else bool(self.PDL))
+        self.early = self.pdl and self.PDL_EARLY
         self.tiles = dict(self.PLAIN_TILES)
         self.fused_uv = self.FUSED_UV and t == 1
         self.fused_router = self.FUSED_ROUTER and t == 1
@@ -326,9 +331,9 @@ class MlaStack:
                                     sm_scale=d.sm_scale, num_warps=4, v_chunks=max(1, d.kv_lora_rank // 128),
                                     device=dev, pdl=self.pdl)  # [rows, 128] value slices: no spill at 4 x 16 rows
         self.moe = GroupedMoe(num_tokens=t, top_k=d.top_k, num_shared=d.num_shared, hidden=d.hidden,
-                              inter=d.moe_inter, device=dev, pdl=self.pdl)
+                              inter=d.moe_inter, device=dev, pdl=self.pdl, early=self.early)
         self.dense = GroupedMoe(num_tokens=t, top_k=0, num_shared=1, hidden=d.hidden, inter=dense_inter,
-                                device=dev, pdl=self.pdl) if dense_inter else None
+                                device=dev, pdl=self.pdl, early=self.early) if dense_inter else None
 
     def block(self, lw: MlaLayer, h: torch.Tensor, cache: torch.Tensor, pos: torch.Tensor,
               cos: torch.Tensor, sin: torch.Tensor, index_cache: torch.Tensor | None = None) -> None:
@@ -372,7 +377,8 @@ class MlaStack:
             bv = min(bv, triton.next_power_of_2(d.v_dim))
             _combine_uv_kernel[(d.num_heads, triton.cdiv(d.v_dim, bv))](
                 self.attn.part_o, self.attn.part_ml, lw.w_uv_t, self.o1, NUM_SPLITS=self.attn.num_splits, R=r,
-                V=d.v_dim, BLOCK_V=bv, CHUNK_R=min(cr, r), PDL=self.pdl, num_warps=nw, **launch_opts(self.pdl))
+                V=d.v_dim, BLOCK_V=bv, CHUNK_R=min(cr, r), PDL=self.pdl, EARLY=self.early, num_warps=nw,
+                **launch_opts(self.pdl))
             o = self.o1
         else:
             o = torch.matmul(self.o_lat.transpose(0, 1), lw.w_uv_t)  # [Hq, T, v]
@@ -383,7 +389,8 @@ class MlaStack:
         route = dict(n_group=d.n_group, topk_group=d.topk_group)
         if lw.is_moe and self.fused_router:  # one token: the MLP's norm, the router and its top-k in one launch
             router(h, lw.router, lw.router_bias, self.ids, self.wts, d.top_k, d.routed_scale, self.router_logits,
-                   norm_w=lw.mlp_norm, eps=d.eps, xn_out=self.xn, count=self.router_count, pdl=self.pdl, **route)
+                   norm_w=lw.mlp_norm, eps=d.eps, xn_out=self.xn, count=self.router_count, pdl=self.pdl,
+                   early=self.early, **route)
         else:
             smallops.rmsnorm_rows(h, lw.mlp_norm, self.xn, d.eps)
             if lw.is_moe:
@@ -394,7 +401,7 @@ class MlaStack:
 
     def _tile(self, name: str) -> dict:
         bn, bk, nw, st = self.tiles[name]
-        return dict(block_n=bn, block_k=bk, num_warps=nw, stages=st, pdl=self.pdl)
+        return dict(block_n=bn, block_k=bk, num_warps=nw, stages=st, pdl=self.pdl, early=self.early)
 
     def _select(self, lw: MlaLayer, q_a: torch.Tensor, index_cache: torch.Tensor, pos: torch.Tensor,
                 cos: torch.Tensor, sin: torch.Tensor) -> None:

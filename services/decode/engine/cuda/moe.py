@@ -62,17 +62,19 @@ def _rows_x(x_ptr, nw_ptr, k, K, t, tmask, inv, stride_x, stride_xh, HEAD_DIM: t
 def _gemv_rows_kernel(x_ptr, w_ptr, out_ptr, res_ptr, nw_ptr, N, K, eps, stride_x, stride_o, stride_xh,
                       HEAD_DIM: tl.constexpr, T: tl.constexpr, T_PAD: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr,
                       K_POW2: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
-                      DOT: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr = False):
+                      DOT: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr = False,
+                      EARLY: tl.constexpr = False):
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     rmask = rows < N
     t = tl.arange(0, T_PAD)
     tmask = t < T
-    FIRST: tl.constexpr = BLOCK_K if PDL else 0  # PDL: tile 0 loaded before the wait, the loop from tile 1
-    if PDL:  # weights are never written: the first tile's round trip overlaps the previous kernel's tail;
-        k0 = tl.arange(0, BLOCK_K)  # x (and the residual) come from that kernel
+    FIRST: tl.constexpr = BLOCK_K if EARLY else 0  # EARLY (with PDL): tile 0 before the wait, the loop from tile 1
+    if EARLY:  # weights are never written: the first tile's round trip overlaps the previous kernel's tail
+        k0 = tl.arange(0, BLOCK_K)
         w0 = tl.load(w_ptr + rows[:, None].to(tl.int64) * K + k0[None, :], mask=rmask[:, None] & (k0 < K)[None, :],
                      other=0.0, eviction_policy="evict_first")
+    if PDL:  # x (and the residual) come from the previous kernel
         gdc_wait()
     inv = tl.full((T_PAD,), 1.0, tl.float32)
     if NORM:
@@ -94,7 +96,7 @@ def _gemv_rows_kernel(x_ptr, w_ptr, out_ptr, res_ptr, nw_ptr, N, K, eps, stride_
         acc2 = tl.zeros((T_PAD, BLOCK_N), dtype=tl.float32)
     else:
         acc = tl.zeros((T_PAD, BLOCK_N, BLOCK_K), dtype=tl.float32)
-    if PDL:
+    if EARLY:
         x0 = _rows_x(x_ptr, nw_ptr, 0, K, t, tmask, inv, stride_x, stride_xh, HEAD_DIM, NORM, BLOCK_K)
         if DOT:
             acc2 = mma(x0, w0, acc2, UPCAST)
@@ -133,14 +135,16 @@ def _dot(t: int, w: torch.Tensor) -> bool:
 def gemv_rows(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, *, norm_w: torch.Tensor | None = None,
               eps: float = 1e-6, residual: torch.Tensor | None = None, block_n: int = 8, block_k: int = 256,
               num_warps: int = 4, stages: int = 4, dot: bool | None = None,
-              dot_tile: tuple[int, int, int, int] | None = None, heads: bool = False, pdl: bool = False) -> torch.Tensor:
+              dot_tile: tuple[int, int, int, int] | None = None, heads: bool = False, pdl: bool = False,
+              early: bool = True) -> torch.Tensor:
     """out[T, N] = [residual +] x'[T, K] @ W[N, K]^T, x' = rmsnorm(x) * norm_w when given (T <= 4).
 
     One token: fp32 FMAs over a [BLOCK_N, BLOCK_K] weight tile. Several: tensor-core dots with the tokens
     padded to 16 rows (the same bytes as one token; the FMA form was compute-bound at 4 tokens), with
     ``dot_tile`` (block_n >= 16, block_k, num_warps, stages) when given; ``dot=False`` keeps FMAs
     (small matrices such as the router, where 16-row tiles leave too few programs). ``heads=True``: x is
-    [heads, T, D] (the per-head value projection's output), read as [T, heads * D] in place."""
+    [heads, T, D] (the per-head value projection's output), read as [T, heads * D] in place. ``pdl``: launched
+    as a programmatic dependent of the previous kernel, with (``early``) its first weight tile before the wait."""
     if heads:  # x [heads, T, D] read as [T, heads * D] without a copy
         if norm_w is not None:
             raise ValueError("gemv_rows: heads=True takes no norm_w")
@@ -162,7 +166,8 @@ def gemv_rows(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, *, norm_w: to
         x, w, out, residual if residual is not None else out, norm_w if norm_w is not None else x, n, k, eps,
         stride_t, out.stride(0), stride_h, HEAD_DIM=hd, T=t, T_PAD=DOT_ROWS if dot else triton.next_power_of_2(t), NORM=norm_w is not None,
         RESIDUAL=residual is not None, K_POW2=triton.next_power_of_2(k), BLOCK_N=block_n, BLOCK_K=block_k,
-        STAGES=stages, num_warps=num_warps, DOT=dot, UPCAST=interpreting(), PDL=pdl, **launch_opts(pdl))
+        STAGES=stages, num_warps=num_warps, DOT=dot, UPCAST=interpreting(), PDL=pdl, EARLY=pdl and early,
+        **launch_opts(pdl))
     return out
 
 
@@ -228,24 +233,25 @@ def _router_fused_kernel(h_ptr, nw_ptr, xn_ptr, w_ptr, bias_ptr, logits_ptr, cou
                          eps, K, E: tl.constexpr, TOPK: tl.constexpr, N_GROUP: tl.constexpr,
                          TOPK_GROUP: tl.constexpr, E_POW2: tl.constexpr, K_POW2: tl.constexpr,
                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
-                         PDL: tl.constexpr = False):
+                         PDL: tl.constexpr = False, EARLY: tl.constexpr = False):
     # one token: the MLP's RMSNorm (its output -> xn_ptr, by program 0, for the experts), the router GEMV
     # (BLOCK_N experts a program, as gemv_rows' one-token form: the same rounding points) and, in the last
     # program to finish, the top-k (_topk_body): one launch instead of three
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     rmask = rows < E
-    FIRST: tl.constexpr = BLOCK_K if PDL else 0  # PDL: weight tile 0 loaded before the wait
-    if PDL:  # h comes from the previous kernel (and xn / logits / ids may still be read by it)
+    FIRST: tl.constexpr = BLOCK_K if EARLY else 0  # EARLY (with PDL): weight tile 0 loaded before the wait
+    if EARLY:
         k0 = tl.arange(0, BLOCK_K)
         w0 = tl.load(w_ptr + rows[:, None].to(tl.int64) * K + k0[None, :], mask=rmask[:, None] & (k0 < K)[None, :],
                      other=0.0, eviction_policy="evict_first")
+    if PDL:  # h comes from the previous kernel (and xn / logits / ids may still be read by it)
         gdc_wait()
     kk = tl.arange(0, K_POW2)
     xs = tl.load(h_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)
     inv = 1.0 / tl.sqrt(tl.sum(xs * xs, axis=0) / K + eps)
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    if PDL:
+    if EARLY:
         x0 = _router_x(h_ptr, nw_ptr, xn_ptr, pid, 0, K, inv, BLOCK_K)
         acc += w0.to(tl.float32) * x0[None, :]
     for k in tl.range(FIRST, K, BLOCK_K, num_stages=STAGES):
@@ -267,7 +273,8 @@ def _router_fused_kernel(h_ptr, nw_ptr, xn_ptr, w_ptr, bias_ptr, logits_ptr, cou
 def router(xn: torch.Tensor, w: torch.Tensor, bias: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor,
            top_k: int, scale: float, logits: torch.Tensor | None = None, *, n_group: int = 1,
            topk_group: int = 1, norm_w: torch.Tensor | None = None, eps: float = 1e-6,
-           xn_out: torch.Tensor | None = None, count: torch.Tensor | None = None, pdl: bool = False) -> None:
+           xn_out: torch.Tensor | None = None, count: torch.Tensor | None = None, pdl: bool = False,
+           early: bool = True) -> None:
     """ids [T, k] int32 (best first), wts [T, k] fp32 from normed x [T, H] (noaux_tc; group-limited to
     the ``topk_group`` best of ``n_group`` expert groups when fewer than all: reference.router).
 
@@ -294,10 +301,11 @@ def router(xn: torch.Tensor, w: torch.Tensor, bias: torch.Tensor, ids: torch.Ten
             xn, norm_w, xn_out, w, bias, logits, count, ids, wts, scale, eps, k, E=e, TOPK=top_k,
             N_GROUP=n_group if grouped else 1, TOPK_GROUP=topk_group if grouped else 1,
             E_POW2=triton.next_power_of_2(e), K_POW2=triton.next_power_of_2(k), BLOCK_N=2, BLOCK_K=512, STAGES=2,
-            PDL=pdl, num_warps=4, **launch_opts(pdl))
+            PDL=pdl, EARLY=pdl and early, num_warps=4, **launch_opts(pdl))
         return
     # 512-wide K tiles for any T (gemv_rows narrows block_k by T): 4 dependent loads, not 16
-    gemv_rows(xn, w, logits, block_n=2, block_k=512 * triton.next_power_of_2(t), stages=2, dot=False, pdl=pdl)
+    gemv_rows(xn, w, logits, block_n=2, block_k=512 * triton.next_power_of_2(t), stages=2, dot=False, pdl=pdl,
+              early=early)
     _router_topk_kernel[(t,)](logits, bias, ids, wts, scale, E=e, TOPK=top_k, N_GROUP=n_group if grouped else 1,
                               TOPK_GROUP=topk_group if grouped else 1, E_POW2=triton.next_power_of_2(e), num_warps=1)
 
@@ -378,9 +386,11 @@ def _moe_gate_up_kernel(x_ptr, ids_ptr, w_ptr, ws_ptr, act_ptr, I, K, stride_e,
 def _moe_down_kernel(act_ptr, ids_ptr, w_ptr, ws_ptr, y_ptr, H, I, stride_e,
                      T: tl.constexpr, T_PAD: tl.constexpr, TOPK: tl.constexpr, SLOTS: tl.constexpr,
                      SLOTS_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
-                     DOT: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr = False):
-    # PDL: the router's ids are read before the wait (the router finished before the gate/up kernel that
-    # let us launch passed its own wait), and so is the expert's first weight tile; the activations wait
+                     DOT: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr = False,
+                     EARLY: tl.constexpr = False):
+    # the router's ids are read before any wait (with PDL: the router finished before the gate/up kernel that
+    # let us launch passed its own wait); EARLY (with PDL): the expert's first weight tile too. The
+    # activations wait
     p = tl.program_id(0)
     expert, is_first, pair_of, is_routed = _owner(ids_ptr, p, T, TOPK, SLOTS, SLOTS_PAD, T_PAD)
     if is_routed:
@@ -389,12 +399,13 @@ def _moe_down_kernel(act_ptr, ids_ptr, w_ptr, ws_ptr, y_ptr, H, I, stride_e,
         base = ws_ptr + (expert - 100000).to(tl.int64) * stride_e
     rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     rmask = rows < H
-    FIRST: tl.constexpr = BLOCK_K if PDL else 0
-    if PDL:
+    FIRST: tl.constexpr = BLOCK_K if EARLY else 0
+    if EARLY:
         k0 = tl.arange(0, BLOCK_K)
         load0 = rmask & (tl.zeros((BLOCK_N,), tl.int32) + is_first.to(tl.int32) > 0)  # a duplicate pair: none
         w0 = tl.load(base + rows[:, None].to(tl.int64) * I + k0[None, :], mask=load0[:, None] & (k0 < I)[None, :],
                      other=0.0)
+    if PDL:
         gdc_wait()
     if is_first:
         uses = pair_of >= 0
@@ -403,7 +414,7 @@ def _moe_down_kernel(act_ptr, ids_ptr, w_ptr, ws_ptr, y_ptr, H, I, stride_e,
             acc2 = tl.zeros((T_PAD, BLOCK_N), tl.float32)
         else:
             acc = tl.zeros((T_PAD, BLOCK_N, BLOCK_K), tl.float32)
-        if PDL:
+        if EARLY:
             k0 = tl.arange(0, BLOCK_K)
             x0 = tl.load(act_ptr + src[:, None] + k0[None, :], mask=uses[:, None] & (k0 < I)[None, :], other=0.0)
             if DOT:
@@ -464,9 +475,9 @@ class GroupedMoe:
 
     def __init__(self, *, num_tokens: int, top_k: int, num_shared: int, hidden: int, inter: int,
                  device: torch.device | str, tiles: tuple[tuple[int, int, int, int], ...] | None = None,
-                 pdl: bool = False):
+                 pdl: bool = False, early: bool = True):
         self.num_tokens, self.top_k, self.num_shared = num_tokens, top_k, num_shared
-        self.pdl = pdl
+        self.pdl, self.early = pdl, pdl and early
         self.hidden, self.inter = hidden, inter
         self.slots = top_k + num_shared
         self.dot = num_tokens > 1  # several tokens: tensor-core dots (bf16 experts), as gemv_rows
@@ -494,7 +505,7 @@ class GroupedMoe:
             BLOCK_N=bn, BLOCK_K=bk, STAGES=st, num_warps=nw)
         _moe_down_kernel[(pairs, triton.cdiv(hid, bn2))](
             self.act, ids, w_down, shared_down, self.out_rows, hid, inter, hid * inter, **common,
-            BLOCK_N=bn2, BLOCK_K=bk2, STAGES=st2, num_warps=nw2)
+            BLOCK_N=bn2, BLOCK_K=bk2, STAGES=st2, EARLY=self.early, num_warps=nw2)
         _moe_reduce_kernel[(t, triton.cdiv(hid, 1024))](self.out_rows, wts, h, hid, TOPK=self.top_k,
                                                         NUM_SHARED=self.num_shared, BLOCK=1024, PDL=self.pdl,
                                                         num_warps=4, **launch_opts(self.pdl))
