@@ -33,3 +33,32 @@ def test_make_room_stops_what_no_test_wants_first(tmp_path, needed, alive_after)
     finally:
         servers.stop_all()
     assert all(p.poll() is not None for p in procs.values())
+
+
+@pytest.mark.parametrize("failures,taken,starts,started", [
+    (["Address already in use"], True, 2, True),                        # port taken once: a second start
+    (["Address already in use"] * 3, True, 3, False),                   # taken every time: gives up
+    (["ValueError: unknown model"], False, 1, False),                   # any other failure: no retry
+])
+def test_a_start_whose_port_was_taken_retries_on_another(tmp_path, failures, taken, starts, started):
+    from tests.fixtures import vllm
+
+    servers = VllmServers(tmp_path)
+    calls = []
+
+    def start_once(*args):
+        calls.append(args)
+        if len(calls) <= len(failures):
+            log = tmp_path / f"vllm-{len(calls)}.log"
+            log.write_text(f"... sock.bind(addr)\nOSError: [Errno 98] {failures[len(calls) - 1]}\n"
+                           if taken else failures[len(calls) - 1])
+            raise vllm.VllmStartError("vLLM exited with 1 before it was ready", log, 0)
+        return "server", "proc"
+
+    servers._start_once = start_once
+    if started:
+        assert servers._start(tmp_path, "float32", None, (), {}) == ("server", "proc")
+    else:
+        with pytest.raises(vllm.VllmStartError):
+            servers._start(tmp_path, "float32", None, (), {})
+    assert len(calls) == starts
