@@ -381,22 +381,25 @@ def fused_middle_ab(X, model, caches, cos, sin, ctx: int, R: dict, tag: str, var
     log(f"  {tag}plain step by attention-middle variant: " + ", ".join(f"{k} {v * 1e3:.1f} us" for k, v in res.items()))
 
 
-PDL_VARIANTS = {"pdl_early": (True, True), "pdl": (True, False), "no_pdl": (False, False)}  # (PDL, PDL_EARLY)
+# (MlaStack.PDL, PDL_EARLY, ABSORB_KERNEL): the product's default first
+PDL_VARIANTS = {"pdl_early": (True, True, True), "pdl_early_bmm": (True, True, False), "pdl": (True, False, True),
+                "no_pdl": (False, False, True), "no_pdl_bmm": (False, False, False)}
 
 
 def pdl_ab(X, model, caches, cos, sin, ctx: int, R: dict, tag: str, rounds: int = 3) -> None:
     """The one-token step with the block's kernels on programmatic dependent launch (MlaStack.PDL, the default
     on sm_90) with and without their first weight tiles before the wait (MlaStack.PDL_EARLY), and without
-    PDL, alternated ``rounds`` times in one process (``{tag}pdl_ab``: plain step ms of each, best of the
+    PDL, each with q_nope . w_uk by the absorb kernel or cuBLAS's bmm (PDL_VARIANTS), alternated ``rounds`` times in one process (``{tag}pdl_ab``: plain step ms of each, best of the
     rounds; ``{tag}pdl_tokens_equal``: all give the same greedy tokens)."""
     out, toks = {k: [] for k in PDL_VARIANTS}, {}
     for _ in range(rounds):
-        for name, (pdl, early) in PDL_VARIANTS.items():
-            X.mla.MlaStack.PDL, X.mla.MlaStack.PDL_EARLY = pdl, early
+        for name, (pdl, early, absorb) in PDL_VARIANTS.items():
+            st = X.mla.MlaStack
+            st.PDL, st.PDL_EARLY, st.ABSORB_KERNEL = pdl, early, absorb
             try:
                 dec = X.mla_decoder.MlaDecoder(model, caches, cos, sin, max_draft=0, max_steps=4096)
             finally:
-                X.mla.MlaStack.PDL, X.mla.MlaStack.PDL_EARLY = None, True
+                st.PDL, st.PDL_EARLY, st.ABSORB_KERNEL = None, True, True
             runner = capture(dec.plain_step, steps_per_replay=4, before_capture=lambda: dec.set_state(1, ctx))
             dec.set_state(1, ctx)
             out[name].append(time_replays(runner, 20) / 4)

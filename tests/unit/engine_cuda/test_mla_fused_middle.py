@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.decode.engine.cuda.mla import _combine_uv_kernel
+from services.decode.engine.cuda.mla import _absorb_kernel, _combine_uv_kernel
 
 BF = torch.bfloat16
 
@@ -65,3 +65,19 @@ def test_fused_router_equals_norm_then_router(experts, top_k, n_group, topk_grou
     router(xn_b, w, bias, ids_b, wts_b, top_k, 2.5, n_group=n_group, topk_group=topk_group)
     assert torch.equal(xn_a, xn_b) and torch.equal(ids_a, ids_b) and torch.equal(wts_a, wts_b)
     assert count.item() == 0 and len(set(ids_a[0].tolist())) == top_k
+
+
+@pytest.mark.parametrize("heads,nope,rope,r,block_r,early", [(2, 16, 8, 32, 32, False), (4, 128, 64, 512, 64, False),
+                                                            (3, 32, 16, 64, 16, True)])
+def test_absorb_kernel_is_the_bmm(heads, nope, rope, r, block_r, early, pdl_interpreted):
+    # q_c[h] = q_nope[h] @ w_uk[h] from the QKV GEMV's row ([q_nope | q_pe] per head), one bf16 rounding of the
+    # fp32 sums as torch's bf16 bmm; the EARLY variant (w_uk's tile before the wait) the same
+    g = torch.Generator().manual_seed(heads + r)
+    qkv = torch.randn(1, heads * (nope + rope) + 40, generator=g).to(BF)
+    w_uk = (torch.randn(heads, nope, r, generator=g) * nope ** -0.5).to(BF)
+    out = torch.full((heads, 1, r), float("nan"), dtype=BF)
+    _absorb_kernel[(heads, r // block_r)](qkv, w_uk, out, w_uk.stride(0), w_uk.stride(1), NOPE=nope, QK=nope + rope,
+                                          R=r, BLOCK_R=block_r, PDL=early, EARLY=early)
+    q_nope = qkv[:, :heads * (nope + rope)].view(1, heads, nope + rope)[..., :nope]
+    want = (q_nope.float().transpose(0, 1) @ w_uk.float()).to(BF)  # [H, 1, r]
+    assert torch.equal(out, want) or ((out.float() - want.float()).abs().max() <= want.float().abs().max() * 2**-7)

@@ -169,6 +169,29 @@ def _mla_prep_kernel(qkv_ptr, q_pe_ptr, cache_ptr, kv_norm_ptr, pos_ptr, cos_ptr
 
 
 @triton.jit
+def _absorb_kernel(qkv_ptr, w_ptr, out_ptr, stride_wh, stride_wn, NOPE: tl.constexpr, QK: tl.constexpr,
+                   R: tl.constexpr, BLOCK_R: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr):
+    # one token: the absorbed query q_c[h] = q_nope[h] @ w_uk[h] (fp32 sums, one rounding, as the bf16 bmm),
+    # BLOCK_R latent columns a program. EARLY (with PDL): the w_uk tile loaded before the wait, while the
+    # previous kernel finishes; q_nope (the QKV GEMV's output, two kernels back) after it
+    head = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
+    n = tl.arange(0, NOPE)
+    wp = w_ptr + head.to(tl.int64) * stride_wh + n[:, None] * stride_wn + cols[None, :]
+    if EARLY:
+        w = tl.load(wp)
+    if PDL:
+        gdc_wait()
+    if not EARLY:
+        w = tl.load(wp)
+    q = tl.load(qkv_ptr + head * QK + n).to(tl.float32)
+    if PDL:
+        gdc_launch_dependents()
+    acc = tl.sum(q[:, None] * w.to(tl.float32), axis=0)
+    tl.store(out_ptr + head * R + cols, acc.to(out_ptr.dtype.element_ty))
+
+
+@triton.jit
 def _combine_uv_kernel(part_o_ptr, part_ml_ptr, w_uv_ptr, out_ptr, NUM_SPLITS: tl.constexpr, R: tl.constexpr,
                        V: tl.constexpr, BLOCK_V: tl.constexpr, CHUNK_R: tl.constexpr, PDL: tl.constexpr = False,
                        EARLY: tl.constexpr = False):
@@ -281,6 +304,10 @@ class MlaStack:
     PDL: bool | None = None
     # with PDL: each GEMV's first weight tile (and merge + w_uv's first latent chunk) loaded before the wait
     PDL_EARLY: bool = True
+    # one token: q_nope . w_uk by _absorb_kernel (64 latent columns a program; on PDL, w_uk's tile loaded before
+    # the wait) instead of a cuBLAS bmm, which cannot join the PDL chain; False: the bmm
+    ABSORB_KERNEL: bool = True
+    ABSORB_BLOCK_R: int = 64
 
     def __init__(self, dims: MlaDims, num_tokens: int, device, num_splits: int = 16, block_s: int = 32,
                  dense_inter: int = 0, max_tokens: int = 0):
@@ -290,6 +317,8 @@ class MlaStack:
         sm90 = dev_.type == "cuda" and torch.cuda.get_device_capability(dev_)[0] >= 9
         self.pdl = t == 1 and (sm90 if self.PDL is None else bool(self.PDL))
         self.early = self.pdl and self.PDL_EARLY
+        self.absorb = self.ABSORB_KERNEL and t == 1
+        self.q_c1 = torch.zeros(d.num_heads, 1, d.kv_lora_rank, dtype=bf, device=dev) if self.absorb else None
         self.tiles = dict(self.PLAIN_TILES)
         self.fused_uv = self.FUSED_UV and t == 1
         self.fused_router = self.FUSED_ROUTER and t == 1
@@ -361,8 +390,15 @@ class MlaStack:
         _mla_prep_kernel[(t, d.num_heads + 1)](self.qkv, self.q_pe, cache, lw.kv_a_norm, pos, cos, sin,
                                                self.qkv.stride(0), d.eps, NUM_HEADS=d.num_heads, NOPE=nope,
                                                ROPE=d.rope, R=r, PDL=self.pdl, num_warps=4, **launch_opts(self.pdl))
-        q_nope = self.qkv[:, :nq].view(t, d.num_heads, nope + d.rope)[..., :nope]
-        q_c = torch.matmul(q_nope.transpose(0, 1), lw.w_uk)  # absorbed: [Hq, T, r]
+        if self.absorb and lw.w_uk.stride(2) == 1:  # absorbed: [Hq, 1, r]
+            br = min(self.ABSORB_BLOCK_R, r)
+            _absorb_kernel[(d.num_heads, triton.cdiv(r, br))](
+                self.qkv, lw.w_uk, self.q_c1, lw.w_uk.stride(0), lw.w_uk.stride(1), NOPE=nope, QK=nope + d.rope,
+                R=r, BLOCK_R=br, PDL=self.pdl, EARLY=self.early, num_warps=4, **launch_opts(self.pdl))
+            q_c = self.q_c1
+        else:
+            q_nope = self.qkv[:, :nq].view(t, d.num_heads, nope + d.rope)[..., :nope]
+            q_c = torch.matmul(q_nope.transpose(0, 1), lw.w_uk)  # absorbed: [Hq, T, r]
         if not lw.sparse or t == 1:  # dense, or one token over its indexer's list
             sparse = (self.selects[0].idx, self.selects[0].count) if lw.sparse else None
             self.attn(q_c, cache, cache, pos, self.o_lat, stride_kt=r + d.rope, stride_vt=r + d.rope, rope_offset=r,
