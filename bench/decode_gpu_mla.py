@@ -417,6 +417,29 @@ def pdl_ab(X, model, caches, cos, sin, ctx: int, R: dict, tag: str, rounds: int 
     log(f"  {tag}plain step: " + ", ".join(f"{k} {v * 1e3:.1f} us" for k, v in res.items()) + f"; tokens equal {equal}")
 
 
+# the one-token tiles before run T2 (T1's): experts' down and wo, against the product's
+T1_TILES = {"down": (32, 256, 4, 3), "wo": (8, 256, 4, 4)}
+
+
+def tiles_ab(X, model, caches, cos, sin, ctx: int, R: dict, tag: str, rounds: int = 3) -> None:
+    """The one-token step on the product's tiles and on T1_TILES, alternated in one process
+    (``{tag}tiles_ab``: plain step ms, best of ``rounds``)."""
+    out = {"product": [], "t1": []}
+    for _ in range(rounds):
+        for name in out:
+            dec = X.mla_decoder.MlaDecoder(model, caches, cos, sin, max_draft=0, max_steps=4096)
+            st = dec.stacks[1]
+            if name == "t1":
+                st.moe.tiles = (st.moe.tiles[0], T1_TILES["down"])
+                st.tiles = dict(st.tiles, wo=T1_TILES["wo"])
+            runner = capture(dec.plain_step, steps_per_replay=4, before_capture=lambda: dec.set_state(1, ctx))
+            dec.set_state(1, ctx)
+            out[name].append(time_replays(runner, 20) / 4)
+            del runner, dec
+    R[f"{tag}tiles_ab"] = res = {k: min(v) for k, v in out.items()}
+    log(f"  {tag}plain step by tiles: " + ", ".join(f"{k} {v * 1e3:.1f} us" for k, v in res.items()))
+
+
 def run_mla(X, R: dict, ctx: int = 1024) -> None:
     s = DSV2_LITE
     t0 = time.time()
@@ -525,6 +548,12 @@ def run_dsv3(X, R: dict, ctx: int = 1024) -> None:
     bw = R.get("copy_bw_TBps", 4.2)
     roof_ms = by["total"] / (bw * 1e12) * 1e3
     R["dsv3_shape_roofline_tok_s"] = 1e3 / roof_ms
+    if os.environ.get("MLA_PDL_AB"):  # PDL / absorb variants and the T2 tiles against T1's (a short run)
+        pdl_ab(X, model, caches, cos, sin, ctx, R, "dsv3_shape_", rounds=2)
+        tiles_ab(X, model, caches, cos, sin, ctx, R, "dsv3_shape_", rounds=2)
+        R["dsv3_shape_frac_roofline"] = roof_ms / R["dsv3_shape_pdl_ab"]["pdl_early"]
+        log(f"  dsv3 shape of roofline on the defaults: {R['dsv3_shape_frac_roofline']:.3f} (roofline {roof_ms:.3f} ms)")
+        return
     if os.environ.get("MLA_QUICK"):  # the plain step only, fused middle against unfused (a short run)
         fused_middle_ab(X, model, caches, cos, sin, ctx, R, "dsv3_shape_")
         R["dsv3_shape_plain_ms"] = R["dsv3_shape_fused_middle"]["fused"]

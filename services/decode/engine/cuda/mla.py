@@ -289,9 +289,9 @@ class MlaStack:
     # (block_n, block_k, num_warps, stages) of the attention projections' tensor-core dots (T > 1)
     DOT_TILE: tuple[int, int, int, int] = (16, 256, 4, 4)  # best of bench/decode_gpu_mla.py's sweep (H200)
     # (block_n, block_k, num_warps, stages) of the one-token projections (fp32 FMAs; an instance's ``tiles``):
-    # best of bench/decode_gpu_mla.py's plain_tile_sweep on the V2-Lite shape (H200, run T1)
+    # best of bench/decode_gpu_mla.py's plain_tile_sweep on the V2-Lite shape (H200, runs T1, T2 on PDL)
     PLAIN_TILES: dict[str, tuple[int, int, int, int]] = {"wqkv_a": (8, 512, 4, 3), "wq_b": (8, 256, 4, 4),
-                                                         "wo": (8, 256, 4, 4)}
+                                                         "wo": (4, 512, 4, 4)}
     # one token: the attention splits' merge and o . w_uv in one kernel (_combine_uv_kernel) instead of the
     # merge kernel + a cuBLAS bmm (run F7 on the H200: -62 us a V2-Lite step); False: those two
     FUSED_UV: bool = True

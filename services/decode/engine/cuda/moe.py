@@ -470,8 +470,8 @@ class GroupedMoe:
 
     # (block_n, block_k, num_warps, num_stages) of gate/up and down on the tensor-core path (T > 1)
     DOT_TILES: tuple[tuple[int, int, int, int], tuple[int, int, int, int]] = ((32, 128, 4, 4), (32, 128, 4, 4))  # H200 sweep
-    # ... and of one token (fp32 FMAs): best of bench/decode_gpu_mla.py's plain_tile_sweep (H200, run T1)
-    PLAIN_TILES: tuple[tuple[int, int, int, int], tuple[int, int, int, int]] = ((8, 512, 4, 3), (32, 256, 4, 3))
+    # ... and of one token (fp32 FMAs): best of bench/decode_gpu_mla.py's plain_tile_sweep (H200, runs T1, T2 on PDL)
+    PLAIN_TILES: tuple[tuple[int, int, int, int], tuple[int, int, int, int]] = ((8, 512, 4, 3), (8, 512, 4, 3))
 
     def __init__(self, *, num_tokens: int, top_k: int, num_shared: int, hidden: int, inter: int,
                  device: torch.device | str, tiles: tuple[tuple[int, int, int, int], ...] | None = None,
