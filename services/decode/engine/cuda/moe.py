@@ -321,7 +321,9 @@ def _owner(ids_ptr, p, T: tl.constexpr, TOPK: tl.constexpr, SLOTS: tl.constexpr,
     kk = tl.arange(0, SLOTS_PAD)
     valid = (tt[:, None] < T) & (kk[None, :] < SLOTS)
     routed = kk[None, :] < TOPK
-    ids = tl.load(ids_ptr + tt[:, None] * TOPK + kk[None, :], mask=valid & routed, other=-1)
+    # past L1 (".cg"): the down kernel on PDL reads the ids before its wait, and a line of an earlier layer's ids
+    # must not answer for this layer's
+    ids = tl.load(ids_ptr + tt[:, None] * TOPK + kk[None, :], mask=valid & routed, other=-1, cache_modifier=".cg")
     ids = tl.where(routed, ids, 100000 + kk[None, :] - TOPK)  # shared experts: distinct pseudo-ids
     ids = tl.where(valid, ids, -2)
     flat = tl.where(valid, tt[:, None] * SLOTS + kk[None, :], -1000)  # padding never aliases a real pair
