@@ -12,6 +12,12 @@ Cache per layer: ``[max_tokens, r + rope]`` (shared.kvlayout MLA), MTP layers af
 (T = 1: a plain step; T = k+1: the verify of k drafts): logits [T, V] fp32 and final-normed hidden
 [T, H]. ``mtp_draft(j)`` runs the MTP layer for draft j. ``plain_step`` / ``spec_step(k)`` chain them
 with greedy acceptance on device, so each is one CUDA graph with no host sync.
+
+The one-token block (``MlaStack`` with T = 1; per MoE layer: QKV GEMV + norm, latent prep, q_nope . w_uk,
+attention, merge + w_uv, o GEMV + residual, norm + router + top-k, experts gate/up, down, reduce) is a
+chain of Triton kernels on programmatic dependent launch on sm_90 (``MlaStack.PDL``): each launches while
+the one before finishes, loads what no kernel writes (its first weight tile: ``PDL_EARLY``) and waits
+before its first read of an earlier kernel's output (run P3 in bench/NOTES-gpu.md: -5% a V2-Lite step).
 """
 
 from __future__ import annotations
