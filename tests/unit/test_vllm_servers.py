@@ -41,24 +41,22 @@ def test_make_room_stops_what_no_test_wants_first(tmp_path, needed, alive_after)
     (["ValueError: unknown model"], False, 1, False),                   # any other failure: no retry
 ])
 def test_a_start_whose_port_was_taken_retries_on_another(tmp_path, failures, taken, starts, started):
-    from tests.fixtures import vllm
+    from tests.fixtures.vllm import VllmStartError, retry_taken_port
 
-    servers = VllmServers(tmp_path)
     calls = []
 
-    def start_once(*args):
-        calls.append(args)
+    def start():
+        calls.append(1)
         if len(calls) <= len(failures):
             log = tmp_path / f"vllm-{len(calls)}.log"
             log.write_text(f"... sock.bind(addr)\nOSError: [Errno 98] {failures[len(calls) - 1]}\n"
                            if taken else failures[len(calls) - 1])
-            raise vllm.VllmStartError("vLLM exited with 1 before it was ready", log, 0)
-        return "server", "proc"
+            raise VllmStartError("vLLM exited with 1 before it was ready", log, 0)
+        return "server"
 
-    servers._start_once = start_once
     if started:
-        assert servers._start(tmp_path, "float32", None, (), {}) == ("server", "proc")
+        assert retry_taken_port(start) == "server"
     else:
-        with pytest.raises(vllm.VllmStartError):
-            servers._start(tmp_path, "float32", None, (), {})
+        with pytest.raises(VllmStartError):
+            retry_taken_port(start)
     assert len(calls) == starts
