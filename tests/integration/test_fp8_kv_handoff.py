@@ -1,8 +1,13 @@
-"""FP8 KV handoff through the express lane's connector (real vLLM on CPU, Mooncake): a prefill vLLM
-keeping its KV cache in FP8 (``--kv-cache-dtype fp8``) hands the cache's bytes over unchanged into a
-decode slot that keeps FP8 too, and the engine decoding from that slot gives vLLM-alone's greedy
-tokens with the same cache dtype; a slot of another KV dtype gets no write but a KvFailed whose
-reason names the flag to change."""
+"""FP8 through the express lane's connector (real vLLM on CPU, Mooncake).
+
+- FP8 KV: a prefill vLLM keeping its KV cache in FP8 (``--kv-cache-dtype fp8``) hands the cache's bytes
+  over unchanged into a decode slot that keeps FP8 too, and the engine decoding from that slot gives
+  vLLM-alone's greedy tokens with the same cache dtype; a slot of another KV dtype gets no write but a
+  KvFailed whose reason names the flag to change.
+- FP8 weights: a prefill vLLM serving a compressed-tensors FP8 checkpoint (per-channel weight scales,
+  FP8_DYNAMIC activations, lm_head unquantized; vLLM's CPU W8A8 kernel) hands its KV to an engine that
+  loads the same checkpoint with its weights in FP8, which then decodes vLLM-alone's greedy tokens of
+  that checkpoint."""
 
 from __future__ import annotations
 
@@ -15,6 +20,7 @@ import torch
 
 from infra.receiver import ReceiverProcess
 from services.decode.engine import Engine
+from services.decode.engine.fp8 import is_fp8
 from shared.bus import Bus
 from shared.events import KvFailed, KvReady, SamplingParams
 from tests.fixtures.prefill import Express
@@ -24,8 +30,9 @@ from tests.integration.test_prefill_kv import KvEvents, decode_layout, handoff_p
 
 pytestmark = pytest.mark.vllm
 FP8 = ("--kv-cache-dtype", "fp8")
-VLLM_SERVERS = [Express("llama")] + (  # the FP8 ones only where vLLM can run them
-    [Express("llama", vllm_args=FP8), Plain("llama", extra_args=FP8)] if VLLM_CPU_FP8_KV else [])
+FP8_WEIGHTS = "fp8-channel"
+VLLM_SERVERS = [Express("llama"), Express("llama", fp8=FP8_WEIGHTS), Plain("llama", fp8=FP8_WEIGHTS)] + (
+    [Express("llama", vllm_args=FP8), Plain("llama", extra_args=FP8)] if VLLM_CPU_FP8_KV else [])  # where vLLM can
 MAX_TOKENS = 256
 PROMPT = [0] + [(17 * i + 5) % 700 + 5 for i in range(150)]  # 151 tokens: two CPU blocks of 128
 NUM_TOKENS = 16
@@ -55,13 +62,9 @@ async def _handoff(prefill, layout, bus, tmp_path) -> tuple[object, dict, bytes]
         await events.sub.unsubscribe()
 
 
-@needs_vllm_cpu_fp8_kv
-async def test_fp8_kv_handoff_decodes_vllms_tokens(express_vllm, vllm_servers, tiny_model, bus, tmp_path):
-    torch.set_num_threads(1)
-    prefill = express_vllm("llama", vllm_args=FP8)
-    engine = Engine.load(prefill.model_dir, num_slots=1, max_seq_len=MAX_TOKENS, dtype=torch.float32,
-                         kv_cache_dtype="fp8")
-    assert engine.layout.dtype == "fp8_e4m3"
+async def _decode_after_handoff(prefill, engine, bus, tmp_path) -> list[int]:
+    """PROMPT's KV written by the prefill's connector into the engine's slot 0, then NUM_TOKENS greedy tokens
+    from the prefill's first token on."""
     event, resp, raw = await _handoff(prefill, engine.layout, bus, tmp_path)
     assert isinstance(event, KvReady), event
     assert event.nbytes == sum(len(PROMPT) * s.bytes_per_token for s in engine.layout.segments)
@@ -72,6 +75,29 @@ async def test_fp8_kv_handoff_decodes_vllms_tokens(express_vllm, vllm_servers, t
     tokens = [first]
     while engine.active_slots():
         tokens += engine.step()[0].token_ids
+    return tokens
+
+
+async def test_fp8_checkpoint_handoff_decodes_vllms_tokens(express_vllm, vllm_servers, tiny_model, bus, tmp_path):
+    torch.set_num_threads(1)
+    prefill = express_vllm("llama", fp8=FP8_WEIGHTS)
+    engine = Engine.load(prefill.model_dir, num_slots=1, max_seq_len=MAX_TOKENS, dtype=torch.float32)
+    assert is_fp8(engine.model.layers[0].wqkv) and is_fp8(engine.model.layers[1].w_down)
+    tokens = await _decode_after_handoff(prefill, engine, bus, tmp_path)
+    alone = vllm_servers.get(Plain("llama", fp8=FP8_WEIGHTS).model_dir(tiny_model), dtype="float32")
+    assert tokens == await asyncio.to_thread(vllm_greedy, alone, PROMPT, NUM_TOKENS)
+    stats = await wait_all_free(prefill)
+    assert stats["free"] == stats["total"], stats
+
+
+@needs_vllm_cpu_fp8_kv
+async def test_fp8_kv_handoff_decodes_vllms_tokens(express_vllm, vllm_servers, tiny_model, bus, tmp_path):
+    torch.set_num_threads(1)
+    prefill = express_vllm("llama", vllm_args=FP8)
+    engine = Engine.load(prefill.model_dir, num_slots=1, max_seq_len=MAX_TOKENS, dtype=torch.float32,
+                         kv_cache_dtype="fp8")
+    assert engine.layout.dtype == "fp8_e4m3"
+    tokens = await _decode_after_handoff(prefill, engine, bus, tmp_path)
     spec = Plain("llama", extra_args=FP8)
     alone = vllm_servers.get(spec.model_dir(tiny_model), dtype="float32", extra_args=FP8)
     assert tokens == await asyncio.to_thread(vllm_greedy, alone, PROMPT, NUM_TOKENS)
