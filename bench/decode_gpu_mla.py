@@ -122,14 +122,20 @@ def time_replays(runner, iters: int) -> float:
     return ts[len(ts) // 2]
 
 
+def time_plain_step(dec, ctx: int, iters: int = 20):
+    """(ms of one plain step, the graph runner): four steps a replay from token 1 at ``ctx``, median of
+    ``iters`` replays; the decoder is left at (1, ctx) for the caller's own replays."""
+    runner = capture(dec.plain_step, steps_per_replay=4, before_capture=lambda: dec.set_state(1, ctx))
+    dec.set_state(1, ctx)
+    return time_replays(runner, iters) / 4, runner
+
+
 DRAFT_VOCAB = 32768  # reduced draft head: the first 32K ids (a third of the 102K vocabulary)
 
 
 def measure(X, model, caches, cos, sin, ctx: int, tag: str, R: dict, draft_vocab: int | None = None) -> None:
     dec = X.mla_decoder.MlaDecoder(model, caches, cos, sin, max_draft=3, max_steps=4096, draft_vocab=draft_vocab)
-    plain = capture(dec.plain_step, steps_per_replay=4, before_capture=lambda: dec.set_state(1, ctx))
-    dec.set_state(1, ctx)
-    plain_ms = time_replays(plain, 30) / 4
+    plain_ms, plain = time_plain_step(dec, ctx, 30)
     R[f"{tag}plain_ms"] = plain_ms
     R[f"{tag}tok_s"] = 1e3 / plain_ms
     log(f"  {tag}plain step {plain_ms:.3f} ms ({1e3 / plain_ms:.1f} tok/s)")
@@ -321,9 +327,7 @@ def plain_tile_sweep(X, model, caches, cos, sin, ctx: int, R: dict, tag: str = "
         st = dec.stacks[1]
         st.moe.tiles = (cfg["gate_up"], cfg["down"])
         st.tiles = {k: cfg[k] for k in ("wqkv_a", "wo", "wq_b")}
-        runner = capture(dec.plain_step, steps_per_replay=4, before_capture=lambda: dec.set_state(1, ctx))
-        dec.set_state(1, ctx)
-        ms = time_replays(runner, 20) / 4
+        ms, runner = time_plain_step(dec, ctx)
         del runner, dec
         return ms
 
@@ -373,9 +377,8 @@ def fused_middle_ab(X, model, caches, cos, sin, ctx: int, R: dict, tag: str, var
             st = dec.stacks[1]
             st.fused_uv, st.fused_router = uv, rt
             st.uv_tile = tile or st.uv_tile
-            runner = capture(dec.plain_step, steps_per_replay=4, before_capture=lambda: dec.set_state(1, ctx))
-            dec.set_state(1, ctx)
-            out[name].append(time_replays(runner, 20) / 4)
+            ms, runner = time_plain_step(dec, ctx)
+            out[name].append(ms)
             del runner, dec
     R[f"{tag}fused_middle"] = res = {k: min(v) for k, v in out.items()}
     log(f"  {tag}plain step by attention-middle variant: " + ", ".join(f"{k} {v * 1e3:.1f} us" for k, v in res.items()))
@@ -400,9 +403,8 @@ def pdl_ab(X, model, caches, cos, sin, ctx: int, R: dict, tag: str, rounds: int 
                 dec = X.mla_decoder.MlaDecoder(model, caches, cos, sin, max_draft=0, max_steps=4096)
             finally:
                 st.PDL, st.PDL_EARLY, st.ABSORB_KERNEL = None, True, True
-            runner = capture(dec.plain_step, steps_per_replay=4, before_capture=lambda: dec.set_state(1, ctx))
-            dec.set_state(1, ctx)
-            out[name].append(time_replays(runner, 20) / 4)
+            ms, runner = time_plain_step(dec, ctx)
+            out[name].append(ms)
             dec.set_state(1, ctx)
             for _ in range(8):
                 runner()
@@ -432,9 +434,8 @@ def tiles_ab(X, model, caches, cos, sin, ctx: int, R: dict, tag: str, rounds: in
             if name == "t1":
                 st.moe.tiles = (st.moe.tiles[0], T1_TILES["down"])
                 st.tiles = dict(st.tiles, wo=T1_TILES["wo"])
-            runner = capture(dec.plain_step, steps_per_replay=4, before_capture=lambda: dec.set_state(1, ctx))
-            dec.set_state(1, ctx)
-            out[name].append(time_replays(runner, 20) / 4)
+            ms, runner = time_plain_step(dec, ctx)
+            out[name].append(ms)
             del runner, dec
     R[f"{tag}tiles_ab"] = res = {k: min(v) for k, v in out.items()}
     log(f"  {tag}plain step by tiles: " + ", ".join(f"{k} {v * 1e3:.1f} us" for k, v in res.items()))
@@ -619,9 +620,7 @@ def run_dsv32(X, R: dict, ctx: int = 131072) -> None:
     def plain_ms(mdl, spec: bool = False, **kw) -> float:
         dec = X.mla_decoder.MlaDecoder(mdl, caches, cos, sin, max_draft=3 if spec else 0, max_steps=4096,
                                        num_splits=splits, **kw)
-        runner = capture(dec.plain_step, steps_per_replay=4, before_capture=lambda: dec.set_state(1, ctx))
-        dec.set_state(1, ctx)
-        ms = time_replays(runner, 20) / 4
+        ms, runner = time_plain_step(dec, ctx)
         del runner
         if spec:  # MTP draft(s) (the draft layer's own indexer) + a verify with a top-k list per token
             for k in (1, 3):
