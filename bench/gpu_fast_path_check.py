@@ -47,12 +47,13 @@ SAMPLED = dict(temperature=0.8, top_p=0.9, top_k=50, min_p=0.02, repetition_pena
 
 
 def run(path: Path, mode: str, k: int, num_tokens: int, prompt: list[int],
-        sampled: bool = False, run_ahead: bool = True, margins: list | None = None
+        sampled: bool = False, run_ahead: bool = True, margins: list | None = None, kv_cache_dtype: str = "auto"
         ) -> tuple[list[int], list[str], str | None]:
     """Tokens, paths and fast-path reason of one request; ``margins`` (reference step, greedy k=0) gets
     each step's top-2 logit gap."""
     engine = Engine.load(path, num_slots=1, max_seq_len=128, dtype="bfloat16", fast_path=mode,
-                         num_speculative_tokens=k, device="cuda", fast_path_run_ahead=run_ahead)
+                         num_speculative_tokens=k, device="cuda", fast_path_run_ahead=run_ahead,
+                         kv_cache_dtype=kv_cache_dtype)
     first = int(engine.prefill(0, prompt).argmax())
     extra = dict(SAMPLED, prompt_token_ids=list(prompt)) if sampled else {}
     engine.start(0, first, SamplingParams(max_tokens=num_tokens, ignore_eos=True, **extra))
@@ -73,11 +74,15 @@ def main() -> int:
     p.add_argument("--tokens", type=int, default=32)
     p.add_argument("--run-ahead-off", action="store_true",
                    help="Llama family: also decode with run-ahead off (its tokens against both)")
+    p.add_argument("--kv-cache-dtype", default="auto",
+                   help="both engines' KV cache (fp8 / fp8_e4m3 / fp8_e5m2: the fast path's FP8-KV attention "
+                        "against the reference step reading the same FP8 bytes); keys get it as a prefix")
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "gpu_fast_path_check.json")
     args = p.parse_args()
     out: dict = {"bench": "gpu_fast_path_check", "device": torch.cuda.get_device_name(0),
                  "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "tokens": args.tokens}
     ok = True
+    kv = args.kv_cache_dtype
     for arch in args.archs.split(","):
         path = Path(tempfile.mkdtemp(prefix=f"fpc-{arch}-"))
         save_checkpoint(arch, path, damp=True)  # near-bigram: wide greedy margins, as trained models have
@@ -85,13 +90,13 @@ def main() -> int:
         drafts = (0, 3) if arch in MTP_ARCHS else (0,)
         cases = [(k, False) for k in drafts] + [(0, True)]
         for k, sampled in cases:
-            key = f"{arch}_k{k}" + ("_sampled" if sampled else "")
+            key = ("" if kv == "auto" else f"kv_{kv}_") + f"{arch}_k{k}" + ("_sampled" if sampled else "")
             try:
                 t0 = time.perf_counter()
-                got, paths, reason = run(path, "on", k, args.tokens, prompt, sampled)
+                got, paths, reason = run(path, "on", k, args.tokens, prompt, sampled, kv_cache_dtype=kv)
                 margins: list = []
                 want, _, _ = run(path, "off", k, args.tokens, prompt, sampled,
-                                 margins=margins if not sampled and k == 0 else None)
+                                 margins=margins if not sampled and k == 0 else None, kv_cache_dtype=kv)
                 out.update({f"{key}_tokens_identical": got == want, f"{key}_paths": paths,
                             f"{key}_fast_path_reason": reason, f"{key}_s": round(time.perf_counter() - t0, 1)})
                 agree = got == want

@@ -180,6 +180,11 @@ def engine_reason(mode: str, model, device: torch.device, dtype: torch.dtype, nu
     if device.type != "cuda" and not (device.type == "cpu" and mode == "on" and _interpreting()):
         return (f"device {device.type}: the fast path's Triton kernels need CUDA "
                 "(on CPU only with fast_path='on' under TRITON_INTERPRET, for tests)")
+    if (getattr(cache, "kv_format", None) == "fp8_e4m3" and device.type == "cuda"
+            and torch.cuda.get_device_capability(device) < (8, 9)):
+        cc = "sm_%d%d" % torch.cuda.get_device_capability(device)
+        return (f"KV cache in fp8_e4m3 on {cc}: the fast path's attention widens E4M3 with sm_89+ instructions "
+                "(Ada, Hopper and later); fp8_e5m2 or a bf16 KV cache stay on the fast path here")
     try:
         import triton  # noqa: F401
     except ImportError:

@@ -12,6 +12,7 @@ with attention bias) decode on the fast path (no reason recorded) the same greed
 
 from __future__ import annotations
 
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -264,3 +265,19 @@ def _gqa(head_dim: int):
 def test_engine_reason_refuses_only_what_the_gqa_fast_path_cannot_run(model, dtype, k, words):
     assert words in engine_reason("on", model, torch.device("cpu"), dtype, k)
     assert engine_reason("on", _gqa(128), torch.device("cpu"), BF, 0) is None  # interpreted: CPU allowed
+
+
+@pytest.mark.parametrize("kv_format,cc,words", [
+    ("fp8_e4m3", (8, 0), "fp8_e4m3 on sm_80"),  # E4M3 unpack needs cvt.rn.f16x2.e4m3x2 (sm_89+)
+    ("fp8_e4m3", (8, 9), None),
+    ("fp8_e4m3", (9, 0), None),
+    ("fp8_e5m2", (8, 0), None),  # E5M2 unpacks by byte placement on any GPU
+    (None, (8, 0), None),
+])
+def test_engine_reason_gates_e4m3_kv_on_the_gpu_generation(monkeypatch, kv_format, cc, words):
+    model = _gqa(128)
+    model.cache = SimpleNamespace(kv_format=kv_format)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: cc)
+    monkeypatch.setitem(sys.modules, "triton", sys.modules.get("triton") or SimpleNamespace())
+    reason = engine_reason("auto", model, torch.device("cuda"), BF, 0)
+    assert (reason is None) if words is None else (words in reason)

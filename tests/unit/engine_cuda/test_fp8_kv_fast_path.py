@@ -103,13 +103,14 @@ def test_kv_writers_store_the_reference_bytes(writer, fmt):
 
 @pytest.mark.parametrize("one_launch", [False, True])
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_attention_reads_fp8_times_scale(one_launch, fmt):
+@pytest.mark.parametrize("q_gain", [1.0, 2.0**-4, 4e4])  # 4e4: q beyond fp16's range, scaled into it for the dot
+def test_attention_reads_fp8_times_scale(one_launch, fmt, q_gain):
     hq, hkv, d, t, pos = 8, 2, 32, 96, 70
     g = torch.Generator().manual_seed(2)
     ks, vs = 0.03, 0.011
     k = quantize(torch.randn(t, hkv, d, generator=g).to(torch.bfloat16) * 0.4, ks, fmt)
     v = quantize(torch.randn(t, hkv, d, generator=g).to(torch.bfloat16) * 0.2, vs, fmt)
-    q = torch.randn(hq, d, generator=g).to(torch.bfloat16)
+    q = (torch.randn(hq, d, generator=g) * q_gain).to(torch.bfloat16)
     out = torch.full((hq, d), float("nan"), dtype=torch.bfloat16)
     attn = DecodeAttention(num_q_heads=hq, num_kv_heads=hkv, d_main=d, d_v=d, num_splits=2, block_s=32,
                            one_launch=one_launch)

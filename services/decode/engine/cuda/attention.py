@@ -33,8 +33,36 @@ import triton
 import triton.language as tl
 
 from .gemv import gdc_launch_dependents, gdc_wait, interpreting, launch_opts
-from .kvfp8 import fp8_kv_load
+from .kvfp8 import fp8_kv_load, fp8_kv_unpack
 from .smallops import norm_rope_rows
+
+
+@triton.jit
+def qk_operand(q, KV_FMT: tl.constexpr):
+    # q as the score dot's left operand and the factor the dot's results take back: as it is over a
+    # model-dtype cache; over FP8 K (fp16 tiles, kvfp8.fp8_kv_load) q in fp16, every bf16 q value exact there
+    # once a power of two keeps the largest |q| at most 2^14 (a scale of 1 for any usual model)
+    if KV_FMT:
+        shift = tl.maximum(tl.ceil(tl.log2(tl.max(tl.max(tl.abs(q.to(tl.float32)), axis=1), axis=0))) - 14.0, 0.0)
+        return (q.to(tl.float32) * tl.exp2(-shift)).to(tl.float16), tl.exp2(shift)
+    else:
+        return q, 1.0
+
+
+@triton.jit
+def pv_dot(p, v, acc, DOT_F32: tl.constexpr):
+    # acc + p @ v for fp32 p: p = hi + lo in v's dtype, so two tensor-core dots give p @ v to ~2^-16 (bf16 v)
+    # or ~2^-22 (fp16 v), not the one rounding's 2^-8 / 2^-11; FP8 callers pass p times 2^12, so that fp16's
+    # subnormals (below 2^-14) cost nothing a softmax weight would show
+    if DOT_F32:
+        return tl.dot(p, v.to(tl.float32), acc)
+    p_hi = p.to(v.dtype)
+    acc = tl.dot(p_hi, v, acc)
+    return tl.dot((p - p_hi.to(tl.float32)).to(v.dtype), v, acc)
+
+
+# FP8 V: softmax weights scaled by this before pv_dot (fp16 tiles), the output by its inverse
+P_SCALE_FP8 = tl.constexpr(4096.0)
 
 
 @triton.jit
@@ -110,8 +138,10 @@ def _attn_split_kernel(q_ptr, q_pe_ptr, k_ptr, v_ptr, pos_ptr, part_o_ptr, part_
                        mask=rvalid[:, None], other=0.0)
     dv = tl.arange(0, D_V)
     qk_scale = sm_scale * 1.4426950408889634
+    q_op, q_back = qk_operand(q, KV_FMT)
+    dot_scale = qk_scale * q_back
     if KV_FMT:
-        qk_scale = qk_scale * k_scale
+        dot_scale = dot_scale * k_scale
     m = tl.full((ROWS,), float("-inf"), tl.float32)
     l = tl.zeros((ROWS,), tl.float32)
     acc = tl.zeros((ROWS, D_V), tl.float32)
@@ -122,11 +152,14 @@ def _attn_split_kernel(q_ptr, q_pe_ptr, k_ptr, v_ptr, pos_ptr, part_o_ptr, part_
         if SPARSE:  # the cache rows this block of the list names
             offs = tl.load(idx_ptr + offs, mask=smask, other=0)
         kbase = k_ptr + offs[:, None].to(tl.int64) * stride_kt + kvh * D_MAIN
-        k = fp8_kv_load(tl.load(kbase + dm[None, :], mask=smask[:, None], other=0), KV_FMT)
         if DOT_F32:
-            scores = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)))
+            k = fp8_kv_load(tl.load(kbase + dm[None, :], mask=smask[:, None], other=0), KV_FMT)
         else:
-            scores = tl.dot(q, tl.trans(k))
+            k = fp8_kv_unpack(tl.load(kbase + dm[None, :], mask=smask[:, None], other=0), KV_FMT)
+        if DOT_F32:
+            scores = tl.dot(q_op.to(tl.float32), tl.trans(k.to(tl.float32)))
+        else:
+            scores = tl.dot(q_op, tl.trans(k))
         if D_ROPE > 0:
             k_pe = tl.load(k_ptr + offs[:, None].to(tl.int64) * stride_kt + rope_offset + dr[None, :],
                            mask=smask[:, None], other=0.0)
@@ -134,7 +167,7 @@ def _attn_split_kernel(q_ptr, q_pe_ptr, k_ptr, v_ptr, pos_ptr, part_o_ptr, part_
                 scores += tl.dot(q_pe.to(tl.float32), tl.trans(k_pe.to(tl.float32)))
             else:
                 scores += tl.dot(q_pe, tl.trans(k_pe))
-        scores = scores * qk_scale
+        scores = scores * dot_scale
         visible = smask[None, :] & (offs[None, :] <= limit[:, None])
         scores = tl.where(visible, scores, float("-inf"))
         m_new = tl.maximum(m, tl.max(scores, axis=1))
@@ -145,15 +178,16 @@ def _attn_split_kernel(q_ptr, q_pe_ptr, k_ptr, v_ptr, pos_ptr, part_o_ptr, part_
         if V_IS_K:  # MLA: the values are the latent itself, already loaded as keys
             v = k
         else:
-            v = fp8_kv_load(tl.load(v_ptr + offs[:, None].to(tl.int64) * stride_vt + kvh * D_V_ALL + vchunk * D_V
-                                    + dv[None, :], mask=smask[:, None], other=0), KV_FMT)
-        if DOT_F32:
-            pv = tl.dot(p, v.to(tl.float32))
-        else:  # p = hi + lo in bf16: two tensor-core dots give p @ v to ~2^-16, not bf16's 2^-8
-            p_hi = p.to(v.dtype)
-            pv = tl.dot(p_hi, v)
-            pv = tl.dot((p - p_hi.to(tl.float32)).to(v.dtype), v, pv)
-        acc = acc * alpha[:, None] + pv
+            v = tl.load(v_ptr + offs[:, None].to(tl.int64) * stride_vt + kvh * D_V_ALL + vchunk * D_V
+                        + dv[None, :], mask=smask[:, None], other=0)
+            if DOT_F32:
+                v = fp8_kv_load(v, KV_FMT)
+            else:
+                v = fp8_kv_unpack(v, KV_FMT)
+        if KV_FMT:
+            acc = pv_dot(p * P_SCALE_FP8, v, acc * alpha[:, None], DOT_F32)
+        else:
+            acc = pv_dot(p, v, acc * alpha[:, None], DOT_F32)
         m = m_new
     if QK_NORM:
         if holds_pos:  # the key at pos (every query row sees it: T == 1), one online-softmax update
@@ -172,7 +206,7 @@ def _attn_split_kernel(q_ptr, q_pe_ptr, k_ptr, v_ptr, pos_ptr, part_o_ptr, part_
     if PDL:
         gdc_launch_dependents()
     if KV_FMT:
-        acc = acc * v_scale
+        acc = acc * (v_scale / P_SCALE_FP8)
     # partials: [T, Hq, NUM_SPLITS, D_V] and [T, Hq, NUM_SPLITS, 2] (max in log2 units, sum)
     prow = (t_of * NUM_Q_HEADS + head) * NUM_SPLITS + split
     tl.store(part_o_ptr + prow[:, None] * D_V_ALL + vchunk * D_V + dv[None, :], acc, mask=rvalid[:, None])
@@ -269,6 +303,8 @@ def _gqa_split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, part_o_ptr, part_ml_ptr, cou
     qk_scale = sm_scale * 1.4426950408889634
     if KV_FMT:  # FP8 K/V (no qk norm): fp8 values times the layer's scales, folded in here and at the end
         qk_scale = qk_scale * k_scale
+    q_op, q_back = qk_operand(q, KV_FMT)
+    dot_scale = qk_scale * q_back
     m = tl.full((ROWS,), float("-inf"), tl.float32)
     l = tl.zeros((ROWS,), tl.float32)
     acc = tl.zeros((ROWS, D), tl.float32)
@@ -280,37 +316,40 @@ def _gqa_split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, part_o_ptr, part_ml_ptr, cou
                         mask=smask[:, None], other=0)
             v = tl.load(v_ptr + offs[:, None].to(tl.int64) * stride_vt + kvh * D + dm[None, :],
                         mask=smask[:, None], other=0)
-        k = fp8_kv_load(k, KV_FMT)
-        v = fp8_kv_load(v, KV_FMT)
-        if DOT_F32:
-            scores = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)))
+        if DOT_F32:  # names of their own: k / v stay the loop's uint8 (FP8) tiles
+            k_op = fp8_kv_load(k, KV_FMT)
+            v_op = fp8_kv_load(v, KV_FMT)
         else:
-            scores = tl.dot(q, tl.trans(k))
-        scores = tl.where(smask[None, :], scores * qk_scale, float("-inf"))
+            k_op = fp8_kv_unpack(k, KV_FMT)
+            v_op = fp8_kv_unpack(v, KV_FMT)
+        if DOT_F32:
+            scores = tl.dot(q_op.to(tl.float32), tl.trans(k_op.to(tl.float32)))
+        else:
+            scores = tl.dot(q_op, tl.trans(k_op))
+        scores = tl.where(smask[None, :], scores * dot_scale, float("-inf"))
         m_new = tl.maximum(m, tl.max(scores, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.exp2(scores - m_safe[:, None])
         alpha = tl.exp2(m - m_safe)
         l = l * alpha + tl.sum(p, axis=1)
-        if DOT_F32:
-            pv = tl.dot(p, v.to(tl.float32))
-        else:  # p = hi + lo in bf16: two tensor-core dots give p @ v to ~2^-16, not bf16's 2^-8
-            p_hi = p.to(v.dtype)
-            pv = tl.dot(p_hi, v)
-            pv = tl.dot((p - p_hi.to(tl.float32)).to(v.dtype), v, pv)
-        acc = acc * alpha[:, None] + pv
+        if KV_FMT:
+            acc = pv_dot(p * P_SCALE_FP8, v_op, acc * alpha[:, None], DOT_F32)
+        else:
+            acc = pv_dot(p, v_op, acc * alpha[:, None], DOT_F32)
         m = m_new
     if holds_pos:  # the key at pos, one online-softmax update
         s_pos = tl.sum(q.to(tl.float32) * k_new.to(tl.float32), axis=1) * qk_scale
         m_new = tl.maximum(m, s_pos)
         alpha = tl.exp2(m - m_new)
         p_pos = tl.exp2(s_pos - m_new)
+        if KV_FMT:
+            p_pos = p_pos * P_SCALE_FP8
         v_pos = fp8_kv_load(tl.load(v_ptr + pos.to(tl.int64) * stride_vt + kvh * D + dm), KV_FMT).to(tl.float32)
         acc = acc * alpha[:, None] + p_pos[:, None] * v_pos[None, :]
-        l = l * alpha + p_pos
+        l = l * alpha + tl.exp2(s_pos - m_new)
         m = m_new
     if KV_FMT:
-        acc = acc * v_scale
+        acc = acc * (v_scale / P_SCALE_FP8)
     if PDL:
         gdc_launch_dependents()
     prow = head * NUM_SPLITS + split  # partials [Hq, NUM_SPLITS, D] and [Hq, NUM_SPLITS, 2]

@@ -5,9 +5,13 @@
   layer's fp32 ``1 / scale``: ``x * inv_scale`` clamped to the format's max, truncated toward zero,
   in integer arithmetic (E4M3: the bits of ``v * 2^-120`` with the IEEE round-to-nearest-even of its
   subnormal range spelled out, so no flush-to-zero of the compiled multiply can change a byte).
-- :func:`fp8_kv_load`: the cache bytes as their exact FP8 values in bf16 (every E4M3 and E5M2 value is
-  a bf16 number), for the attention's tensor-core dots; the caller multiplies by the layer's scale
-  (folded into the softmax scale for K and into the output for V, as vLLM's CPU attention does).
+- :func:`fp8_kv_unpack` (compiled kernels) / :func:`fp8_kv_load` (the same values, Triton's interpreter):
+  the cache bytes as their exact FP8 values in fp16 (every E4M3 and E5M2 value is an fp16 number), for
+  the attention's fp16 tensor-core dots (cuda/attention.py: ``qk_operand``, ``pv_dot``); the caller
+  multiplies by the layer's scale (folded into the softmax scale for K and into the output for V, as
+  vLLM's CPU attention does). Unpack is one ``cvt.rn.f16x2.e4m3x2`` per two bytes on the tile as loaded:
+  bf16 would take two more conversions per element, and Triton's own conversion gathers the V operand
+  byte by byte from shared memory; either held the FP8-KV attention below the bf16-KV one at 32K (run K4).
 """
 
 from __future__ import annotations
@@ -68,12 +72,29 @@ def fp8_kv_bits(x, inv_scale, FMT: tl.constexpr):
 
 
 @triton.jit
-def fp8_kv_load(raw, FMT: tl.constexpr):
-    # cache elements as loaded -> bf16 values (FMT 0: returned as they are)
+def fp8_kv_unpack(raw, FMT: tl.constexpr):
+    # FP8 bytes -> fp16 on a CUDA device, four bytes (one register) per instance, in the layout the tile was
+    # loaded in (rows contiguous). E4M3: the register's two halves widened by one cvt each (sm_89+: the engine
+    # keeps E4M3 caches of older GPUs off the fast path, fastpath.engine_reason); FMT 0: returned as they are
     if FMT == 1:
-        return raw.to(tl.float8e4nv, bitcast=True).to(tl.bfloat16)
+        return tl.inline_asm_elementwise(
+            "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }",
+            "=r,=r,r", [raw], dtype=tl.float16, is_pure=True, pack=4)
+    elif FMT == 2:  # an E5M2 byte is the high byte of the fp16 with its value: byte placement, any GPU
+        return tl.inline_asm_elementwise(
+            "prmt.b32 $0, $2, 0, 0x1404; prmt.b32 $1, $2, 0, 0x3424;",
+            "=r,=r,r", [raw], dtype=tl.float16, is_pure=True, pack=4)
+    else:
+        return raw
+
+
+@triton.jit
+def fp8_kv_load(raw, FMT: tl.constexpr):
+    # cache elements as loaded -> fp16 values (FMT 0: returned as they are)
+    if FMT == 1:
+        return raw.to(tl.float8e4nv, bitcast=True).to(tl.float16)
     elif FMT == 2:
-        return raw.to(tl.float8e5, bitcast=True).to(tl.bfloat16)
+        return raw.to(tl.float8e5, bitcast=True).to(tl.float16)
     else:
         return raw
 
