@@ -421,19 +421,21 @@ def pdl_ab(X, model, caches, cos, sin, ctx: int, R: dict, tag: str, rounds: int 
 
 # the one-token tiles before run T2 (T1's): experts' down and wo, against the product's
 T1_TILES = {"down": (32, 256, 4, 3), "wo": (8, 256, 4, 4)}
+T2_TILES = {"down": (8, 512, 4, 3), "wo": (4, 512, 4, 4)}  # run T2's, the narrow shapes' defaults
 
 
 def tiles_ab(X, model, caches, cos, sin, ctx: int, R: dict, tag: str, rounds: int = 3) -> None:
-    """The one-token step on the product's tiles and on T1_TILES, alternated in one process
-    (``{tag}tiles_ab``: plain step ms, best of ``rounds``)."""
-    out = {"product": [], "t1": []}
+    """The one-token step on the product's tiles (T2's below GroupedMoe.WIDE_HIDDEN, T1's down and wo from it)
+    and on T1_TILES and T2_TILES, alternated in one process (``{tag}tiles_ab``: plain step ms, best of
+    ``rounds``)."""
+    out = {"product": [], "t1": [], "t2": []}
     for _ in range(rounds):
         for name in out:
             dec = X.mla_decoder.MlaDecoder(model, caches, cos, sin, max_draft=0, max_steps=4096)
-            st = dec.stacks[1]
-            if name == "t1":
-                st.moe.tiles = (st.moe.tiles[0], T1_TILES["down"])
-                st.tiles = dict(st.tiles, wo=T1_TILES["wo"])
+            tiles = {"t1": T1_TILES, "t2": T2_TILES}.get(name)
+            for st in ([dec.stacks[1]] if tiles else []):  # the one-token stack
+                st.moe.tiles = (st.moe.tiles[0], tiles["down"])
+                st.tiles = dict(st.tiles, wo=tiles["wo"])
             ms, runner = time_plain_step(dec, ctx)
             out[name].append(ms)
             del runner, dec
@@ -458,6 +460,7 @@ def run_mla(X, R: dict, ctx: int = 1024) -> None:
     R["dsv2lite_roofline_tok_s"] = 1e3 / roof_ms
     if os.environ.get("MLA_PDL_AB"):  # PDL on / off alone (a short run)
         pdl_ab(X, model, caches, cos, sin, ctx, R, "dsv2lite_")
+        tiles_ab(X, model, caches, cos, sin, ctx, R, "dsv2lite_", rounds=2)
         R["dsv2lite_frac_roofline_pdl_early"] = roof_ms / R["dsv2lite_pdl_ab"]["pdl_early"]
         R["dsv2lite_frac_roofline_pdl"] = roof_ms / R["dsv2lite_pdl_ab"]["pdl"]
         R["dsv2lite_frac_roofline_no_pdl"] = roof_ms / R["dsv2lite_pdl_ab"]["no_pdl"]

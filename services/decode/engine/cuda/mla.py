@@ -298,6 +298,8 @@ class MlaStack:
     # best of bench/decode_gpu_mla.py's plain_tile_sweep on the V2-Lite shape (H200, runs T1, T2 on PDL)
     PLAIN_TILES: dict[str, tuple[int, int, int, int]] = {"wqkv_a": (8, 512, 4, 3), "wq_b": (8, 256, 4, 4),
                                                          "wo": (4, 512, 4, 4)}
+    # ... wo's where the hidden size is GroupedMoe.WIDE_HIDDEN or more (T1's tile: better on the V3 shape, run D1)
+    WIDE_WO_TILE: tuple[int, int, int, int] = (8, 256, 4, 4)
     # one token: the attention splits' merge and o . w_uv in one kernel (_combine_uv_kernel) instead of the
     # merge kernel + a cuBLAS bmm (run F7 on the H200: -62 us a V2-Lite step); False: those two
     FUSED_UV: bool = True
@@ -326,6 +328,8 @@ class MlaStack:
         self.absorb = self.ABSORB_KERNEL and t == 1
         self.q_c1 = torch.zeros(d.num_heads, 1, d.kv_lora_rank, dtype=bf, device=dev) if self.absorb else None
         self.tiles = dict(self.PLAIN_TILES)
+        if d.hidden >= GroupedMoe.WIDE_HIDDEN:
+            self.tiles["wo"] = self.WIDE_WO_TILE
         self.fused_uv = self.FUSED_UV and t == 1
         self.fused_router = self.FUSED_ROUTER and t == 1
         self.router_count = torch.zeros(1, dtype=torch.int32, device=dev)

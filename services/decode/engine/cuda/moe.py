@@ -474,6 +474,10 @@ class GroupedMoe:
     DOT_TILES: tuple[tuple[int, int, int, int], tuple[int, int, int, int]] = ((32, 128, 4, 4), (32, 128, 4, 4))  # H200 sweep
     # ... and of one token (fp32 FMAs): best of bench/decode_gpu_mla.py's plain_tile_sweep (H200, runs T1, T2 on PDL)
     PLAIN_TILES: tuple[tuple[int, int, int, int], tuple[int, int, int, int]] = ((8, 512, 4, 3), (8, 512, 4, 3))
+    # ... down's of one token where the hidden size is WIDE_HIDDEN or more: the DeepSeek-V3 shape (hidden 7168)
+    # steps 31 us faster on T1's down and wo tiles than on T2's, which won on V2-Lite's 2048 (run D1)
+    WIDE_HIDDEN: int = 4096
+    WIDE_DOWN_TILE: tuple[int, int, int, int] = (32, 256, 4, 3)
 
     def __init__(self, *, num_tokens: int, top_k: int, num_shared: int, hidden: int, inter: int,
                  device: torch.device | str, tiles: tuple[tuple[int, int, int, int], ...] | None = None,
@@ -488,6 +492,8 @@ class GroupedMoe:
         else:
             bk = max(32, 256 // triton.next_power_of_2(num_tokens))  # [T, BLOCK_N, BLOCK_K] accumulators
             default = self.PLAIN_TILES if num_tokens == 1 else ((8, bk, 4, 4), (8, bk, 4, 4))
+            if num_tokens == 1 and hidden >= self.WIDE_HIDDEN:
+                default = (default[0], self.WIDE_DOWN_TILE)
         self.tiles = tiles or default
         self.act = torch.zeros(num_tokens * self.slots * inter, dtype=torch.bfloat16, device=device)
         self.out_rows = torch.zeros(num_tokens * self.slots * hidden, dtype=torch.float32, device=device)
