@@ -7,8 +7,8 @@
   q/k norm) write the bytes of the bf16 K/V they write to a bf16 cache, quantized as the reference does.
 - The attention reads fp8 * scale: within fp32 rounding of attention over the dequantized values.
 - Through the Engine API (``kv_cache_dtype``): greedy tokens on the fast path equal the FP8-KV reference
-  step's, bf16 and FP8 weights, Llama and Qwen3, with non-unit k/v scales; a batch of slots keeps the
-  reference step.
+  step's, bf16 and FP8 weights, Llama and Qwen3, with non-unit k/v scales; slots decoding together in
+  the batched step get the tokens and write the K/V bytes they do alone.
 """
 
 from __future__ import annotations
@@ -31,7 +31,8 @@ from services.decode.engine.cuda.kvfp8 import fp8_kv_bits, kv_fmt
 from services.decode.engine.kvquant import dequantize, quantize
 from shared.events import SamplingParams
 from tests.unit.engine.hf_models import save_checkpoint
-from tests.unit.engine_cuda.test_engine_fast_path import OPTIONS, PROMPT, run
+from tests.unit.engine_cuda.test_engine_fast_path import OPTIONS, OTHER, PROMPT, run
+from tests.unit.engine_cuda.test_fast_path_batch import OPTIONS as BATCH_OPTIONS
 
 FORMATS = ["fp8_e4m3", "fp8_e5m2"]
 
@@ -124,6 +125,7 @@ def test_attention_reads_fp8_times_scale(one_launch, fmt, q_gain):
 
 KV_SCALES = (0.04, 0.015)  # non-unit: the tiny models' K/V land in E4M3's normal range
 FP8_KV_OPTIONS = replace(OPTIONS, fp8_kv_attn=(4, 16))  # the FP8-KV attention's own split count and tile
+BATCH_TILES = BATCH_OPTIONS.batch_tiles  # small tiles: the interpreter's cost
 
 
 def _load(path, mode: str, kv: str, num_slots: int = 1) -> Engine:
@@ -165,7 +167,38 @@ def test_fp8_kv_fast_path_tokens_equal_the_reference_step(tmp_path, monkeypatch,
             assert a[n:].any() and torch.equal(a, b)
 
 
-def test_fp8_kv_batches_keep_the_reference_step(tmp_path):
-    save_checkpoint("llama", tmp_path, damp=True)
-    engine = _load(tmp_path, "on", "fp8", num_slots=2)
-    assert engine.fast_path_reason is None and engine.fast_path.batch_ok is False
+@pytest.mark.parametrize("arch,kv", [("llama", "fp8"), ("llama", "fp8_e5m2"), ("qwen3", "fp8_e4m3")])
+def test_fp8_kv_slots_decode_together_with_their_tokens_and_bytes_alone(tmp_path, monkeypatch, arch, kv):
+    save_checkpoint(arch, tmp_path, damp=True)
+    monkeypatch.setattr(engine_mod, "checkpoint_scales", lambda raw, n, has, get: [KV_SCALES] * n)
+    options = replace(FP8_KV_OPTIONS, batch_tiles=BATCH_TILES)
+    prompts = {0: PROMPT, 1: OTHER}
+    greedy = SamplingParams(max_tokens=4, ignore_eos=True)
+
+    def load() -> Engine:
+        return Engine.load(tmp_path, num_slots=2, max_seq_len=48, dtype="bfloat16", fast_path="on",
+                           fast_path_options=options, kv_cache_dtype=kv)
+
+    alone_engine, alone = load(), {}
+    for slot in prompts:  # each alone: the batch-1 step
+        alone[slot] = [int(alone_engine.prefill(slot, prompts[slot]).argmax())]
+        alone_engine.start(slot, alone[slot][0], greedy)
+        while alone_engine.active_slots():
+            alone[slot] += alone_engine.step()[slot].token_ids
+            assert (alone_engine.last_step_path, alone_engine.last_step_slots) == ("fast", 1)
+    engine, got = load(), {}
+    assert engine.fast_path.batch_ok and engine.cache.kv_format is not None
+    for slot in prompts:
+        got[slot] = [int(engine.prefill(slot, prompts[slot]).argmax())]
+        engine.start(slot, got[slot][0], greedy)
+    while engine.active_slots():
+        for slot, out in engine.step().items():
+            got[slot] += out.token_ids
+        assert (engine.last_step_path, engine.last_step_slots) == ("fast", 2)
+    assert got == alone
+    # the batched step wrote every slot's K/V bytes as its batch-1 step did
+    for slot in prompts:
+        n = len(prompts[slot]) + 4
+        for caches in ("k_caches", "v_caches"):
+            for a, b in zip(getattr(engine.cache, caches), getattr(alone_engine.cache, caches)):
+                assert a[slot, len(prompts[slot]):n].any() and torch.equal(a[slot, :n], b[slot, :n])

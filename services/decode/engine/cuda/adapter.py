@@ -92,13 +92,12 @@ def gqa_batch_decoder_from_engine(model, batch: int, options: FastOptions | None
     """GqaBatchDecoder of ``batch`` rows over a bound engine LlamaModel's weights and every slot's K/V
     (the whole per-layer cache tensors; padded rows decode on the cache's scratch slot)."""
     cache = model.cache
-    if getattr(cache, "kv_format", None):
-        raise ValueError(f"KV cache in {cache.kv_format}: the batched step writes and reads a model-dtype cache only")
     if getattr(getattr(model, "tp", None), "size", 1) > 1:
         raise ValueError("the batched step runs on one GPU: a tensor-parallel engine steps its slots one at a time "
                          "on the fast path, or together on the reference step")
     return GqaBatchDecoder(_gqa_model(model), cache.k_caches, cache.v_caches, model.cos, model.sin, batch, options,
-                           max_steps, scratch_slot=cache.scratch_slot)
+                           max_steps, scratch_slot=cache.scratch_slot, kv_format=getattr(cache, "kv_format", None),
+                           kv_scales=getattr(cache, "scales", None))
 
 
 def _mla_layer(block, moe_inter: int, sparse: bool = False):

@@ -18,7 +18,9 @@ Per layer, nine launches whatever the batch (weights read once per step for ever
   7-8. RMSNorm; gate/up GEMV + SiLU-mul                                  (rows_gemv, SILU)
   9. down GEMV + residual add                                            (rows_gemv, RESIDUAL)
 The rows' tokens, positions and slots come from the host through ``set_rows`` (one async copy) and
-are applied by the step's first kernel, once per ``set_rows``.
+are applied by the step's first kernel, once per ``set_rows``. An FP8 KV cache (``kv_format``, as
+GqaDecoder): rope_rows writes each row's K/V as vLLM's FP8 bytes and the attention reads them
+(``FastOptions.fp8_kv_attn``'s splits and tile); the fused rope epilogue is not used then.
 then final norm + lm_head GEMV with per-row block maxima, and the per-row greedy finish (token,
 ``out_tokens[b, step]``, position + 1, next embedding); or, with ``step(sample=True)``, each row's
 sampling kernels (cuda/sampling.py) over its slot's row of the engine's SamplingBuffers (the row
@@ -47,6 +49,7 @@ import triton.language as tl
 from .attention import DecodeAttention
 from .gemv import gdc_launch_dependents, gdc_wait, interpreting, l2_prefetch_tiles, launch_opts
 from .kernel_helpers import prefetch_l2, rope_pair, round_to_dtype
+from .kvfp8 import inv_scales, kv_fmt
 from .llama import FastOptions, GqaModel
 from .moe import mma
 from .smallops import norm_rope_cache_head, rmsnorm_rows, rope_cache_head
@@ -278,7 +281,8 @@ def rows_qkv_rope(x: torch.Tensor, wqkv: torch.Tensor, q_out: torch.Tensor, k_ca
 @triton.jit
 def _rope_rows_kernel(qkv_ptr, q_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, slot_ptr, cos_ptr, sin_ptr, qn_ptr, kn_ptr,
                       eps, stride_qkv, stride_q, stride_slot, NUM_Q_HEADS: tl.constexpr,
-                      NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, QK_NORM: tl.constexpr, PDL: tl.constexpr):
+                      NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, QK_NORM: tl.constexpr, PDL: tl.constexpr,
+                      KV_FMT: tl.constexpr = 0, inv_k=1.0, inv_v=1.0):
     head = tl.program_id(0)
     b = tl.program_id(1)
     if PDL:
@@ -292,23 +296,26 @@ def _rope_rows_kernel(qkv_ptr, q_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, slot_pt
     pos_ptr += b
     if QK_NORM:
         norm_rope_cache_head(qkv_ptr, q_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, cos_ptr, sin_ptr, qn_ptr, kn_ptr,
-                             eps, head, NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM)
+                             eps, head, NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, KV_FMT, inv_k, inv_v)
     else:
         rope_cache_head(qkv_ptr, q_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, cos_ptr, sin_ptr, head, NUM_Q_HEADS,
-                        NUM_KV_HEADS, HEAD_DIM)
+                        NUM_KV_HEADS, HEAD_DIM, KV_FMT, inv_k, inv_v)
 
 
 def rope_rows(qkv: torch.Tensor, q_out: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
               pos: torch.Tensor, slots: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, num_q_heads: int,
               num_kv_heads: int, head_dim: int, q_norm: torch.Tensor | None = None,
-              k_norm: torch.Tensor | None = None, eps: float = 1e-6, pdl: bool = False) -> None:
+              k_norm: torch.Tensor | None = None, eps: float = 1e-6, pdl: bool = False, kv_fmt: int = 0,
+              inv_k: float = 1.0, inv_v: float = 1.0) -> None:
     """Per row b of qkv [B, (Hq+2Hkv)*D]: [q/k RMSNorm (Qwen3),] rope of q and k, q -> q_out[b], K/V into
-    slot slots[b] of the caches [slots, max_tokens, Hkv, D] at pos[b]."""
+    slot slots[b] of the caches [slots, max_tokens, Hkv, D] at pos[b]; ``kv_fmt`` (kvfp8.kv_fmt) 1 / 2: the
+    caches hold FP8 bytes, written as value times ``inv_k`` / ``inv_v`` (the layer's 1 / scale)."""
     qk_norm = q_norm is not None
     _rope_rows_kernel[(num_q_heads + 2 * num_kv_heads, qkv.shape[0])](
         qkv, q_out, k_cache, v_cache, pos, slots, cos, sin, q_norm if qk_norm else qkv, k_norm if qk_norm else qkv,
         eps, qkv.stride(0), q_out.stride(0), k_cache.stride(0), NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads,
-        HEAD_DIM=head_dim, QK_NORM=qk_norm, PDL=pdl, num_warps=1, **launch_opts(pdl))
+        HEAD_DIM=head_dim, QK_NORM=qk_norm, PDL=pdl, KV_FMT=kv_fmt, inv_k=inv_k, inv_v=inv_v, num_warps=1,
+        **launch_opts(pdl))
 
 
 @triton.jit
@@ -361,11 +368,18 @@ class GqaBatchDecoder:
 
     def __init__(self, model: GqaModel, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor],
                  cos: torch.Tensor, sin: torch.Tensor, batch: int, options: FastOptions | None = None,
-                 max_steps: int = 256, scratch_slot: int | None = None):
+                 max_steps: int = 256, scratch_slot: int | None = None, kv_format: str | None = None,
+                 kv_scales: list[tuple[float, float]] | None = None):
         if not 1 <= batch <= MAX_BATCH:
             raise ValueError(f"batch must be 1..{MAX_BATCH}, got {batch}")
         self.model, self.k_caches, self.v_caches, self.batch = model, k_caches, v_caches, batch
         self.opt = options or FastOptions()
+        # FP8 KV cache (as GqaDecoder): rope_rows writes the rows' K/V as FP8 bytes, the attention reads them
+        self.kv_fmt = kv_fmt(kv_format)
+        self.kv_scales = list(kv_scales) if kv_scales is not None else [(1.0, 1.0)] * len(model.layers)
+        self.kv_inv = inv_scales(self.kv_scales, len(model.layers))
+        if self.kv_fmt and k_caches[0].dtype != torch.uint8:
+            raise ValueError(f"KV format {kv_format}: the caches must be uint8 (FP8 bytes), got {k_caches[0].dtype}")
         dev, dt = model.embed.device, model.embed.dtype
         if self.opt.pdl is None:
             self.opt = replace(self.opt, pdl=dev.type == "cuda" and torch.cuda.get_device_capability(dev)[0] >= 9)
@@ -391,15 +405,17 @@ class GqaBatchDecoder:
         self.num_parts = -(-vocab // self.opt.batch_tiles["lm_head"][0])
         self.amax_val = torch.zeros(b, self.num_parts, dtype=torch.float32, device=dev)
         self.amax_idx = torch.zeros(b, self.num_parts, dtype=torch.int32, device=dev)
-        self.attn = DecodeAttention(num_q_heads=hq, num_kv_heads=hkv, d_main=d, d_v=d, num_splits=self.opt.num_splits,
-                                    block_s=self.opt.block_s, num_warps=self.opt.attn_warps, pdl=self.opt.pdl,
+        splits, block_s = ((self.opt.fp8_kv_attn or (self.opt.num_splits, self.opt.block_s)) if self.kv_fmt
+                           else (self.opt.num_splits, self.opt.block_s))
+        self.attn = DecodeAttention(num_q_heads=hq, num_kv_heads=hkv, d_main=d, d_v=d, num_splits=splits,
+                                    block_s=block_s, num_warps=self.opt.attn_warps, pdl=self.opt.pdl,
                                     device=dev, max_batch=b, one_launch=self.opt.attn_one_launch)
         self.samplers: list | None = None
         # rope + K/V write in the QKV GEMV's epilogue (rows_qkv_rope): tensor-core mode and a qkv tile whose
         # half (rows of each rope half per program) divides head_dim / 2; else rows_gemv + rope_rows
         pair_n = self.opt.batch_tiles["qkv"][0] // 2
         self.fused_rope = (self.opt.batch_fused_rope and self.opt.batch_mode == 1 and pair_n >= 16
-                           and (d // 2) % pair_n == 0)
+                           and (d // 2) % pair_n == 0 and not self.kv_fmt)  # (its epilogue writes bf16 K/V)
         # set_rows' host -> device write: tokens, positions, slots and an armed flag, one pinned buffer and one
         # async copy; the step's first kernel applies them (once: it clears the flag)
         self._ctrl = torch.zeros(3 * b + 1, dtype=torch.int64, device=dev)
@@ -460,9 +476,11 @@ class GqaBatchDecoder:
         else:
             rows_gemv(self.xn, lw.wqkv, self.qkv, bias=lw.bqkv, **self.tile_kwargs("qkv"))
             rope_rows(self.qkv, self.query, kc, vc, self.pos, self.slots, self.cos, self.sin, num_q_heads=hq,
-                      num_kv_heads=hkv, head_dim=d, q_norm=lw.q_norm, k_norm=lw.k_norm, eps=eps, pdl=self.opt.pdl)
+                      num_kv_heads=hkv, head_dim=d, q_norm=lw.q_norm, k_norm=lw.k_norm, eps=eps, pdl=self.opt.pdl,
+                      kv_fmt=self.kv_fmt, inv_k=self.kv_inv[i][0], inv_v=self.kv_inv[i][1])
         self.attn(self.query, kc, vc, self.pos, self.attn_out, stride_kt=hkv * d, stride_vt=hkv * d,
-                  slot_ids=self.slots, stride_ks=kc.stride(0), stride_vs=vc.stride(0))
+                  slot_ids=self.slots, stride_ks=kc.stride(0), stride_vs=vc.stride(0), kv_fmt=self.kv_fmt,
+                  k_scale=self.kv_scales[i][0], v_scale=self.kv_scales[i][1])
         rows_gemv(self.attn_out, lw.wo, self.residual, residual=self.residual, bias=lw.bo, **self.tile_kwargs("o"))
         rmsnorm_rows(self.residual, lw.mlp_norm, self.xn, eps, pdl=self.opt.pdl)
         rows_gemv(self.xn, lw.w_gate_up, self.act, silu=True, **self.tile_kwargs("gate_up"))
