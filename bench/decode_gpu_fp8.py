@@ -13,8 +13,9 @@ copy is the reference. Parts, all in one call:
 - correctness, 64 steps teacher-forced at 1K: FP8 logits against the dequantized bf16 reference step
   (``llama8b_fp8_logits_max_rel_err`` < 0.02), greedy tokens identical, both activation modes;
 - 32K context, FP8 weights and bf16 KV: ``llama8b_fp8_ctx32k_tok_s`` (and bf16's);
-- bf16 weights + FP8 KV in the batched step (``fp8kv_batch``; ``FP8KV_BATCH_ONLY=1``: that part alone):
-  ``llama8b_fp8kv_batch4_step_ratio`` / ``..._batch8_...`` over the one-row step, rows' tokens as alone;
+- the batched step (``batched``; ``FP8_BATCH_ONLY=1``: these parts alone) with bf16 weights + FP8 KV
+  (``llama8b_fp8kv_*``), FP8 weights + bf16 KV (``llama8b_fp8_batch*``), both FP8 (``llama8b_fp8_fp8kv_*``):
+  4 / 8 rows over the one-row step, rows' tokens as alone;
 - FP8 KV cache (vLLM's E4M3 bytes, per-layer k/v scales, cuda/kvfp8.py): FP8 weights + FP8 KV at 32K
   ``llama8b_fp8kv_ctx32k_tok_s`` and at 1K ``llama8b_fp8kv_ctx1k_tok_s``, bf16 weights + FP8 KV at 32K
   ``llama8b_bf16_fp8kv_ctx32k_tok_s``; correctness of FP8 weights + FP8 KV against the dequantized
@@ -139,34 +140,41 @@ def correctness(X, make_dec, ref_model, s: dict, ctx: int, steps: int = 64, kv_f
             "tokens_identical": mismatches == 0, "logits_ok": max_rel < 2e-2}
 
 
-def fp8kv_batch(X, model, s: dict, R: dict, ctx: int = 1024, steps: int = 8) -> None:
-    """bf16 weights + FP8 KV (E4M3) in the batched step: graph-timed ms of 4 / 8 rows over the one-row step's
-    (``llama8b_fp8kv_batch4_step_ratio`` / ``..._batch8_...``), and every row's greedy tokens over ``steps``
-    steps against the one-row step's from the same cache (``llama8b_fp8kv_batch_tokens_equal``)."""
+def batched(X, F, model, s: dict, R: dict, key: str, fp8: tuple | None = None, kv_fp8: bool = True,
+            ctx: int = 1024, steps: int = 8) -> None:
+    """The batched step against the one-row step, 1K: graph-timed ms of 4 / 8 rows over one row's
+    (``llama8b_{key}_batch4_step_ratio`` / ``..._batch8_...``), and every row's greedy tokens over ``steps`` steps
+    against the one-row step's from the same cache (``llama8b_{key}_batch_tokens_equal``). ``fp8``: (scales,
+    act) of an FP8 ``model``; ``kv_fp8``: an E4M3 KV cache."""
     L, max_tokens = s["layers"], ctx + 256
     g = torch.Generator(device="cuda").manual_seed(3)
-    kv = torch.empty(L, 2, 9, max_tokens, s["hkv"], s["d"], dtype=torch.uint8, device="cuda")
+    dt = torch.uint8 if kv_fp8 else torch.bfloat16
+    kv = torch.empty(L, 2, 9, max_tokens, s["hkv"], s["d"], dtype=dt, device="cuda")
     for i in range(L):
         for j, sc in enumerate(KV_SCALES):
-            x = torch.randn(9, max_tokens, s["hkv"], s["d"], device="cuda", generator=g) / sc
-            kv[i, j] = x.clamp(-448, 448).to(torch.float8_e4m3fn).view(torch.uint8)
+            x = torch.randn(9, max_tokens, s["hkv"], s["d"], device="cuda", generator=g)
+            kv[i, j] = (x / sc).clamp(-448, 448).to(torch.float8_e4m3fn).view(torch.uint8) if kv_fp8 else x
     start = kv.clone()
     cos, sin = rope_tables(LLAMA_ROPE, s["d"], max_tokens)
-    opts, kvf = X.FastOptions(), kv8(L)
+    opts, kvf = X.FastOptions(), (kv8(L) if kv_fp8 else {})
+    w8 = dict(fp8_scales=fp8[0], act_fp8=fp8[1]) if fp8 else {}
 
     def single(slot: int):
-        return X.GqaDecoder(model, [kv[i, 0, slot] for i in range(L)], [kv[i, 1, slot] for i in range(L)], cos, sin,
-                            opts, max_steps=max_tokens, **kvf)
+        args = (model, [kv[i, 0, slot] for i in range(L)], [kv[i, 1, slot] for i in range(L)], cos, sin, opts)
+        if fp8:
+            return F.Fp8GqaDecoder(*args, max_steps=max_tokens, scales=fp8[0], act_fp8=fp8[1], **kvf)
+        return X.GqaDecoder(*args, max_steps=max_tokens, **kvf)
 
     def batch(b: int):
         return X.GqaBatchDecoder(model, [kv[i, 0] for i in range(L)], [kv[i, 1] for i in range(L)], cos, sin, b, opts,
-                                 max_steps=max_tokens, scratch_slot=8, **kvf)
+                                 max_steps=max_tokens, scratch_slot=8, **kvf, **w8)
 
     dec = single(0)
     runner = capture(dec.step, 1, before_capture=lambda: dec.set_state(1, ctx))
     dec.set_state(1, ctx)
     one = time_graph(runner, iters=40, warmup=3)
     del runner, dec
+    R[f"llama8b_{key}_single_ms"] = one
     for b in (4, 8):
         kv.copy_(start)
         dec = batch(b)
@@ -174,8 +182,9 @@ def fp8kv_batch(X, model, s: dict, R: dict, ctx: int = 1024, steps: int = 8) -> 
         runner = capture(dec.step, 1, before_capture=arm)
         arm()
         ms = time_graph(runner, iters=40, warmup=3)
-        R[f"llama8b_fp8kv_batch{b}_step_ratio"] = ms / one
-        log(f"  bf16 weights + fp8 KV, 1K: batch {b} {ms:.3f} ms against one row {one:.3f} ms ({ms / one:.3f}x)")
+        R[f"llama8b_{key}_batch{b}_ms"] = ms
+        R[f"llama8b_{key}_batch{b}_step_ratio"] = ms / one
+        log(f"  {key}, 1K: batch {b} {ms:.3f} ms against one row {one:.3f} ms ({ms / one:.3f}x)")
         del runner, dec
     kv.copy_(start)  # tokens: 4 rows together, then each alone from the same cache
     dec = batch(4)
@@ -193,8 +202,8 @@ def fp8kv_batch(X, model, s: dict, R: dict, ctx: int = 1024, steps: int = 8) -> 
             dec.step()
         equal &= dec.out_tokens[:steps].tolist() == together[r]
         del dec
-    R["llama8b_fp8kv_batch_tokens_equal"] = equal
-    log(f"  bf16 weights + fp8 KV: 4 rows together give each row's tokens alone ({steps} steps): {equal}")
+    R[f"llama8b_{key}_batch_tokens_equal"] = equal
+    log(f"  {key}: 4 rows together give each row's tokens alone ({steps} steps): {equal}")
     del kv, start
     torch.cuda.empty_cache()
 
@@ -212,12 +221,14 @@ def run(R: dict) -> None:
     torch.cuda.synchronize()
     bf16_bytes, fp8_bytes = model.weight_bytes(), F.fp8_bytes_per_step(fmodel, scales)
     R["llama8b_bf16_weight_GB"], R["llama8b_fp8_weight_GB"] = bf16_bytes / 1e9, fp8_bytes / 1e9
-    try:
-        fp8kv_batch(X, model, s, R)
-    except Exception:  # noqa: BLE001 - the FP8-weight parts still run
-        R["llama8b_fp8kv_batch_error"] = traceback.format_exc()[-1500:]
-        log(R["llama8b_fp8kv_batch_error"])
-    if os.environ.get("FP8KV_BATCH_ONLY"):  # the batched FP8-KV part alone (a short run)
+    for key, m, f8, kvf in (("fp8kv", model, None, True), ("fp8", fmodel, (scales, True), False),
+                            ("fp8_fp8kv", fmodel, (scales, True), True)):
+        try:  # the batched step: bf16 weights + FP8 KV, FP8 weights + bf16 KV, both FP8
+            batched(X, F, m, s, R, key, fp8=f8, kv_fp8=kvf)
+        except Exception:  # noqa: BLE001 - the other parts still run
+            R[f"llama8b_{key}_batch_error"] = traceback.format_exc()[-1500:]
+            log(R[f"llama8b_{key}_batch_error"])
+    if os.environ.get("FP8_BATCH_ONLY"):  # the batched parts alone (a short run)
         return
     log(f"built + quantized in {time.time() - t0:.1f} s: bf16 step reads {bf16_bytes / 1e9:.3f} GB, "
         f"FP8 step {fp8_bytes / 1e9:.3f} GB (+ KV)")

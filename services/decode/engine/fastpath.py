@@ -7,7 +7,7 @@ Contract:
   the fast path (``None``: it can). The fast path runs decode steps of bfloat16 models on CUDA: Llama-family models (Llama, Mistral, Qwen2/2.5 with qkv bias, Qwen3 with q/k norm; any rope
   scaling the engine reads, tied embeddings; head_dim a power of two), one token per step, with a
   bf16 or FP8 (fp8_e4m3 / fp8_e5m2, vLLM's bytes and scales) KV cache, one slot or a batch of slots a
-  step (FP8 weights: one slot a step; a batch of slots takes the reference step); and
+  step; and
   DeepSeek-V3-family models (with or without q LoRA; noaux_tc routing, group-limited or in one group;
   normalised top-k weights), with MTP drafts (k drafts + one verify per step, greedy acceptance on
   device) when the engine has them. On CPU only when asked for with ``mode="on"`` while Triton's interpreter is active (tests).
@@ -263,10 +263,8 @@ class FastPath:
         self.max_steps = max(max_steps, tokens_per_step, 4 * (self.num_spec + 1))  # out_tokens rows; re-armed when full
         self.decoders: dict[int, tuple] = {}  # slot -> (decoder, {drafts k: GraphedFn})
         self.held: dict[int, tuple[int, int, int]] = {}  # slot -> (token, pos, out index) on device
-        # several Llama-family slots in one step (step_batch), with a bf16 or FP8 KV cache; FP8 weights: the
-        # batch-1 step only (the batched GEMVs read bf16 weights)
-        self.batch_ok = (not self.mla and getattr(model.cfg, "quant", None) is None
-                         and getattr(getattr(model, "tp", None), "size", 1) == 1)
+        # several Llama-family slots in one step (step_batch): bf16 or FP8 weights, bf16 or FP8 KV cache
+        self.batch_ok = not self.mla and getattr(getattr(model, "tp", None), "size", 1) == 1
         self.max_batch = MAX_BATCH if self.batch_ok else 1
         self.batches: dict[int, tuple] = {}  # padded size -> (batch decoder, {graph key: GraphedFn})
         self.synced: dict[int, tuple[int, int]] = {}  # slot -> (token, pos) its bad-word state follows

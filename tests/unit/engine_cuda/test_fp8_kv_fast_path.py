@@ -8,7 +8,8 @@
 - The attention reads fp8 * scale: within fp32 rounding of attention over the dequantized values.
 - Through the Engine API (``kv_cache_dtype``): greedy tokens on the fast path equal the FP8-KV reference
   step's, bf16 and FP8 weights, Llama and Qwen3, with non-unit k/v scales; slots decoding together in
-  the batched step get the tokens and write the K/V bytes they do alone.
+  the batched step (FP8 KV and/or FP8 weights, FP8_DYNAMIC or weight-only) get the tokens and write the
+  K/V bytes they do alone.
 """
 
 from __future__ import annotations
@@ -167,9 +168,16 @@ def test_fp8_kv_fast_path_tokens_equal_the_reference_step(tmp_path, monkeypatch,
             assert a[n:].any() and torch.equal(a, b)
 
 
-@pytest.mark.parametrize("arch,kv", [("llama", "fp8"), ("llama", "fp8_e5m2"), ("qwen3", "fp8_e4m3")])
-def test_fp8_kv_slots_decode_together_with_their_tokens_and_bytes_alone(tmp_path, monkeypatch, arch, kv):
+@pytest.mark.parametrize("arch,weights,kv", [
+    ("llama", "bf16", "fp8"), ("llama", "bf16", "fp8_e5m2"), ("qwen3", "bf16", "fp8_e4m3"),
+    ("llama", "fp8-channel", "fp8"), ("llama", "fp8-channel", "auto"), ("qwen2", "fp8-tensor", "auto"),
+    ("llama", "fp8-channel-weight-only", "auto"),
+])
+def test_fp8_slots_decode_together_with_their_tokens_and_bytes_alone(tmp_path, monkeypatch, arch, weights, kv):
     save_checkpoint(arch, tmp_path, damp=True)
+    if weights != "bf16":
+        scheme = weights.removesuffix("-weight-only")
+        quantize_checkpoint(tmp_path, scheme, activations="none" if weights.endswith("weight-only") else "dynamic")
     monkeypatch.setattr(engine_mod, "checkpoint_scales", lambda raw, n, has, get: [KV_SCALES] * n)
     options = replace(FP8_KV_OPTIONS, batch_tiles=BATCH_TILES)
     prompts = {0: PROMPT, 1: OTHER}
@@ -187,7 +195,7 @@ def test_fp8_kv_slots_decode_together_with_their_tokens_and_bytes_alone(tmp_path
             alone[slot] += alone_engine.step()[slot].token_ids
             assert (alone_engine.last_step_path, alone_engine.last_step_slots) == ("fast", 1)
     engine, got = load(), {}
-    assert engine.fast_path.batch_ok and engine.cache.kv_format is not None
+    assert engine.fast_path.batch_ok and (engine.cache.kv_format is not None) == (kv != "auto")
     for slot in prompts:
         got[slot] = [int(engine.prefill(slot, prompts[slot]).argmax())]
         engine.start(slot, got[slot][0], greedy)

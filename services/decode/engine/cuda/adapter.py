@@ -95,9 +95,12 @@ def gqa_batch_decoder_from_engine(model, batch: int, options: FastOptions | None
     if getattr(getattr(model, "tp", None), "size", 1) > 1:
         raise ValueError("the batched step runs on one GPU: a tensor-parallel engine steps its slots one at a time "
                          "on the fast path, or together on the reference step")
+    scales = _fp8_scales(model)
+    act = scales is not None and any(getattr(getattr(b, n), "act", None) is not None
+                                     for b in model.layers for n in ("wqkv", "wo"))
     return GqaBatchDecoder(_gqa_model(model), cache.k_caches, cache.v_caches, model.cos, model.sin, batch, options,
                            max_steps, scratch_slot=cache.scratch_slot, kv_format=getattr(cache, "kv_format", None),
-                           kv_scales=getattr(cache, "scales", None))
+                           kv_scales=getattr(cache, "scales", None), fp8_scales=scales, act_fp8=act)
 
 
 def _mla_layer(block, moe_inter: int, sparse: bool = False):

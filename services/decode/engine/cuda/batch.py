@@ -20,7 +20,8 @@ Per layer, nine launches whatever the batch (weights read once per step for ever
 The rows' tokens, positions and slots come from the host through ``set_rows`` (one async copy) and
 are applied by the step's first kernel, once per ``set_rows``. An FP8 KV cache (``kv_format``, as
 GqaDecoder): rope_rows writes each row's K/V as vLLM's FP8 bytes and the attention reads them
-(``FastOptions.fp8_kv_attn``'s splits and tile); the fused rope epilogue is not used then.
+(``FastOptions.fp8_kv_attn``'s splits and tile); the fused rope epilogue is not used then. FP8 weights
+(``fp8_scales``, fp8.Fp8Scales per layer; ``act_fp8`` for FP8_DYNAMIC checkpoints): rows_gemv's FP8 mode.
 then final norm + lm_head GEMV with per-row block maxima, and the per-row greedy finish (token,
 ``out_tokens[b, step]``, position + 1, next embedding); or, with ``step(sample=True)``, each row's
 sampling kernels (cuda/sampling.py) over its slot's row of the engine's SamplingBuffers (the row
@@ -49,7 +50,7 @@ import triton.language as tl
 from .attention import DecodeAttention
 from .gemv import gdc_launch_dependents, gdc_wait, interpreting, l2_prefetch_tiles, launch_opts
 from .kernel_helpers import prefetch_l2, rope_pair, round_to_dtype
-from .kvfp8 import inv_scales, kv_fmt
+from .kvfp8 import fp8_kv_load, inv_scales, kv_fmt
 from .llama import FastOptions, GqaModel
 from .moe import mma
 from .smallops import norm_rope_cache_head, rmsnorm_rows, rope_cache_head
@@ -81,9 +82,13 @@ def _rows_gemv_kernel(x_ptr, w_ptr, out_ptr, res_ptr, nw_ptr, bias_ptr, amax_val
                       T: tl.constexpr, T_PAD: tl.constexpr, NORM: tl.constexpr, BIAS: tl.constexpr,
                       RESIDUAL: tl.constexpr, ARGMAX: tl.constexpr, SILU: tl.constexpr, MODE: tl.constexpr,
                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, UPCAST: tl.constexpr,
-                      PDL: tl.constexpr, PREFETCH: tl.constexpr = 0):
+                      PDL: tl.constexpr, PREFETCH: tl.constexpr = 0, ws_ptr=None, FP8: tl.constexpr = False,
+                      ACT: tl.constexpr = False):
     # MODE 0: acc[T, N] = dot(x, w^T); 1: acc^T[N, T] = dot(w, x^T) (the weights as the A operand);
-    # 2: fp32 FMAs into [T, BLOCK_N, BLOCK_K] (T_PAD = next power of two of T, no padding to 16)
+    # 2: fp32 FMAs into [T, BLOCK_N, BLOCK_K] (T_PAD = next power of two of T, no padding to 16).
+    # FP8 (MODE 1): w holds E4M3 bytes with per-row fp32 scales at ws_ptr, read as fp16 (exact); each row of x
+    # enters the fp16 dot as its FP8 rounding with its own scale (ACT: FP8_DYNAMIC, as fp8.py's kernels), or
+    # scaled by a power of two into fp16's range (weight-only); the scales are applied after the dot
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)  # SILU: gate rows; the up rows are rows + N
     rmask = rows < N
@@ -106,6 +111,22 @@ def _rows_gemv_kernel(x_ptr, w_ptr, out_ptr, res_ptr, nw_ptr, bias_ptr, amax_val
                          other=0.0).to(tl.float32)
             ss += tl.sum(xs * xs, axis=1)
         inv = 1.0 / tl.sqrt(ss / K + eps)
+    if FP8:  # each row's largest |x| (its activation scale, or its power-of-two shift into fp16)
+        amax = tl.zeros((T_PAD,), tl.float32)
+        for k in range(0, K, BLOCK_K):
+            offs = k + tl.arange(0, BLOCK_K)
+            xs = tl.load(x_ptr + t[:, None] * stride_x + offs[None, :], mask=tmask[:, None] & (offs < K)[None, :],
+                         other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, tl.max(tl.abs(xs), axis=1))
+        if ACT:
+            x_scale = tl.maximum(amax / 448.0, 1.0 / (448.0 * 512.0))
+            x_inv = 1.0 / x_scale
+        else:
+            x_scale = tl.exp2(tl.maximum(tl.ceil(tl.log2(tl.maximum(amax, 1e-30))) - 14.0, 0.0))
+            x_inv = 1.0 / x_scale
+        ws = tl.load(ws_ptr + rows, mask=rmask, other=0.0)
+        if SILU:
+            ws_u = tl.load(ws_ptr + rows + N, mask=rmask, other=0.0)
     acc = tl.zeros((T_PAD, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((T_PAD, BLOCK_N), dtype=tl.float32)
     acc_t = tl.zeros((BLOCK_N, T_PAD), dtype=tl.float32)
@@ -121,7 +142,14 @@ def _rows_gemv_kernel(x_ptr, w_ptr, out_ptr, res_ptr, nw_ptr, bias_ptr, amax_val
             xr = round_to_dtype(x.to(tl.float32) * inv[:, None], nw.dtype)
             x = round_to_dtype(xr * nw.to(tl.float32)[None, :], nw.dtype)
         w = tl.load(w_ptr + rows[:, None].to(tl.int64) * K + offs[None, :], mask=rmask[:, None] & kmask[None, :],
-                    other=0.0, eviction_policy="evict_first")
+                    other=0, eviction_policy="evict_first")
+        if FP8:
+            w = fp8_kv_load(w, 1)  # Triton's conversion: in the dot operand's layout, fewer moves than unpacking
+            if ACT:
+                x = tl.minimum(tl.maximum(x.to(tl.float32) * x_inv[:, None], -448.0), 448.0).to(
+                    tl.float8e4nv, fp_downcast_rounding="rtne").to(tl.float16)
+            else:
+                x = (x.to(tl.float32) * x_inv[:, None]).to(tl.float16)
         if MODE == 0:
             acc = mma(x, w, acc, UPCAST)
         elif MODE == 1:
@@ -130,7 +158,9 @@ def _rows_gemv_kernel(x_ptr, w_ptr, out_ptr, res_ptr, nw_ptr, bias_ptr, amax_val
             acc3 += w.to(tl.float32)[None, :, :] * x.to(tl.float32)[:, None, :]
         if SILU:
             wu = tl.load(w_ptr + (rows + N)[:, None].to(tl.int64) * K + offs[None, :],
-                         mask=rmask[:, None] & kmask[None, :], other=0.0, eviction_policy="evict_first")
+                         mask=rmask[:, None] & kmask[None, :], other=0, eviction_policy="evict_first")
+            if FP8:
+                wu = fp8_kv_load(wu, 1)
             if MODE == 0:
                 acc_u = mma(x, wu, acc_u, UPCAST)
             elif MODE == 1:
@@ -139,6 +169,10 @@ def _rows_gemv_kernel(x_ptr, w_ptr, out_ptr, res_ptr, nw_ptr, bias_ptr, amax_val
                 acc3_u += wu.to(tl.float32)[None, :, :] * x.to(tl.float32)[:, None, :]
     if PDL:
         gdc_launch_dependents()
+    if FP8:  # the weights' row scales and the rows' input scales, after the dot
+        acc_t = acc_t * ws[:, None] * x_scale[None, :]
+        if SILU:
+            acc_tu = acc_tu * ws_u[:, None] * x_scale[None, :]
     if MODE == 1:
         acc = tl.trans(acc_t)
         acc_u = tl.trans(acc_tu)
@@ -170,12 +204,20 @@ def rows_gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, *, norm_w: to
               eps: float = 1e-5, residual: torch.Tensor | None = None, bias: torch.Tensor | None = None,
               silu: bool = False, argmax_parts: tuple[torch.Tensor, torch.Tensor] | None = None,
               block_n: int = 16, block_k: int = 256, num_warps: int = 4, stages: int = 4,
-              pdl: bool = False, mode: int = 0, prefetch: int = 0) -> torch.Tensor:
+              pdl: bool = False, mode: int = 0, prefetch: int = 0, w_scale: torch.Tensor | None = None,
+              act: bool = False) -> torch.Tensor:
     """out[B, N] = [residual +] round(x'[B, K] @ W[N, K]^T [+ bias]), x' = rmsnorm(x) * norm_w when given;
     ``silu``: W is [2I, K] (gate | up), out[B, I] = silu(gate) * up; ``argmax_parts`` (val fp32, idx int32,
     each [B, >= cdiv(N, block_n)]): every block's max per row, for ``finish_rows``. B <= 16. ``mode``: the
-    kernel's accumulation (0: x @ W^T on tensor cores, rows padded to 16; 1: W @ x^T likewise; 2: fp32 FMAs)."""
+    kernel's accumulation (0: x @ W^T on tensor cores, rows padded to 16; 1: W @ x^T likewise; 2: fp32 FMAs).
+    ``w_scale`` (fp32 [N] or [2I]): W is float8_e4m3fn with these row scales (mode 1); ``act``: each row of x
+    through FP8 with its own scale first (FP8_DYNAMIC, as fp8.gemv_fp8 per token)."""
     b, k = x.shape
+    fp8 = w_scale is not None
+    if fp8:
+        if mode != 1 or norm_w is not None or argmax_parts is not None:
+            raise ValueError("FP8 weights in rows_gemv: mode 1, the rows normalised beforehand, no argmax")
+        w = w.view(torch.uint8)
     n = w.shape[0] // 2 if silu else w.shape[0]
     if b > DOT_ROWS:
         raise ValueError(f"rows_gemv takes at most {DOT_ROWS} rows, got {b}")
@@ -187,7 +229,8 @@ def rows_gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, *, norm_w: to
         NORM=norm_w is not None, BIAS=bias is not None, RESIDUAL=residual is not None,
         ARGMAX=argmax_parts is not None, SILU=silu, MODE=mode,
         BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, UPCAST=interpreting(), PDL=pdl,
-        PREFETCH=l2_prefetch_tiles(prefetch, block_k), num_warps=num_warps, **launch_opts(pdl))
+        PREFETCH=l2_prefetch_tiles(prefetch, block_k), ws_ptr=w_scale if fp8 else x, FP8=fp8, ACT=fp8 and act,
+        num_warps=num_warps, **launch_opts(pdl))
     return out
 
 
@@ -369,7 +412,8 @@ class GqaBatchDecoder:
     def __init__(self, model: GqaModel, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor],
                  cos: torch.Tensor, sin: torch.Tensor, batch: int, options: FastOptions | None = None,
                  max_steps: int = 256, scratch_slot: int | None = None, kv_format: str | None = None,
-                 kv_scales: list[tuple[float, float]] | None = None):
+                 kv_scales: list[tuple[float, float]] | None = None, fp8_scales: list | None = None,
+                 act_fp8: bool = False):
         if not 1 <= batch <= MAX_BATCH:
             raise ValueError(f"batch must be 1..{MAX_BATCH}, got {batch}")
         self.model, self.k_caches, self.v_caches, self.batch = model, k_caches, v_caches, batch
@@ -380,6 +424,13 @@ class GqaBatchDecoder:
         self.kv_inv = inv_scales(self.kv_scales, len(model.layers))
         if self.kv_fmt and k_caches[0].dtype != torch.uint8:
             raise ValueError(f"KV format {kv_format}: the caches must be uint8 (FP8 bytes), got {k_caches[0].dtype}")
+        # FP8 weights (fp8.Fp8Scales per layer: a projection with a scale is float8_e4m3fn): rows_gemv's FP8 mode,
+        # ``act_fp8``: activations through FP8 per row (FP8_DYNAMIC)
+        if fp8_scales is not None and len(fp8_scales) != len(model.layers):
+            raise ValueError(f"{len(fp8_scales)} layers of FP8 scales for {len(model.layers)} layers")
+        self.fp8_scales, self.act_fp8 = fp8_scales, act_fp8
+        if fp8_scales is not None and self.opt.batch_mode != 1:
+            raise ValueError("FP8 weights in the batched step need FastOptions.batch_mode 1 (W @ x^T)")
         dev, dt = model.embed.device, model.embed.dtype
         if self.opt.pdl is None:
             self.opt = replace(self.opt, pdl=dev.type == "cuda" and torch.cuda.get_device_capability(dev)[0] >= 9)
@@ -415,7 +466,8 @@ class GqaBatchDecoder:
         # half (rows of each rope half per program) divides head_dim / 2; else rows_gemv + rope_rows
         pair_n = self.opt.batch_tiles["qkv"][0] // 2
         self.fused_rope = (self.opt.batch_fused_rope and self.opt.batch_mode == 1 and pair_n >= 16
-                           and (d // 2) % pair_n == 0 and not self.kv_fmt)  # (its epilogue writes bf16 K/V)
+                           and (d // 2) % pair_n == 0 and not self.kv_fmt  # (its epilogue writes bf16 K/V
+                           and fp8_scales is None)  # and reads bf16 weights)
         # set_rows' host -> device write: tokens, positions, slots and an armed flag, one pinned buffer and one
         # async copy; the step's first kernel applies them (once: it clears the flag)
         self._ctrl = torch.zeros(3 * b + 1, dtype=torch.int64, device=dev)
@@ -462,6 +514,11 @@ class GqaBatchDecoder:
         return dict(block_n=bn, block_k=bk, num_warps=nw, stages=st, pdl=self.opt.pdl, mode=self.opt.batch_mode,
                     prefetch=self.opt.prefetch_tiles if self.opt.pdl else 0)
 
+    def fp8_kwargs(self, i: int, name: str) -> dict:
+        """rows_gemv's FP8 arguments of layer i's projection ``name`` (none for a bf16 one)."""
+        scale = getattr(self.fp8_scales[i], name) if self.fp8_scales is not None else None
+        return dict(w_scale=scale, act=self.act_fp8) if scale is not None else {}
+
     def layer(self, i: int) -> None:
         m, lw, eps = self.model, self.model.layers[i], self.model.eps
         hq, hkv, d = m.num_q_heads, m.num_kv_heads, m.head_dim
@@ -474,17 +531,20 @@ class GqaBatchDecoder:
                           num_warps=nw, stages=st, pdl=self.opt.pdl,
                           prefetch=self.opt.prefetch_tiles if self.opt.pdl else 0)
         else:
-            rows_gemv(self.xn, lw.wqkv, self.qkv, bias=lw.bqkv, **self.tile_kwargs("qkv"))
+            rows_gemv(self.xn, lw.wqkv, self.qkv, bias=lw.bqkv, **self.tile_kwargs("qkv"), **self.fp8_kwargs(i, "wqkv"))
             rope_rows(self.qkv, self.query, kc, vc, self.pos, self.slots, self.cos, self.sin, num_q_heads=hq,
                       num_kv_heads=hkv, head_dim=d, q_norm=lw.q_norm, k_norm=lw.k_norm, eps=eps, pdl=self.opt.pdl,
                       kv_fmt=self.kv_fmt, inv_k=self.kv_inv[i][0], inv_v=self.kv_inv[i][1])
         self.attn(self.query, kc, vc, self.pos, self.attn_out, stride_kt=hkv * d, stride_vt=hkv * d,
                   slot_ids=self.slots, stride_ks=kc.stride(0), stride_vs=vc.stride(0), kv_fmt=self.kv_fmt,
                   k_scale=self.kv_scales[i][0], v_scale=self.kv_scales[i][1])
-        rows_gemv(self.attn_out, lw.wo, self.residual, residual=self.residual, bias=lw.bo, **self.tile_kwargs("o"))
+        rows_gemv(self.attn_out, lw.wo, self.residual, residual=self.residual, bias=lw.bo, **self.tile_kwargs("o"),
+                  **self.fp8_kwargs(i, "wo"))
         rmsnorm_rows(self.residual, lw.mlp_norm, self.xn, eps, pdl=self.opt.pdl)
-        rows_gemv(self.xn, lw.w_gate_up, self.act, silu=True, **self.tile_kwargs("gate_up"))
-        rows_gemv(self.act, lw.w_down, self.residual, residual=self.residual, **self.tile_kwargs("down"))
+        rows_gemv(self.xn, lw.w_gate_up, self.act, silu=True, **self.tile_kwargs("gate_up"),
+                  **self.fp8_kwargs(i, "w_gate_up"))
+        rows_gemv(self.act, lw.w_down, self.residual, residual=self.residual, **self.tile_kwargs("down"),
+                  **self.fp8_kwargs(i, "w_down"))
 
     def step(self, sample: bool = False) -> None:
         """One decode step of every row: logits, next token (greedy argmax, or with ``sample`` the row's
