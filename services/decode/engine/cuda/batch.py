@@ -21,7 +21,8 @@ The rows' tokens, positions and slots come from the host through ``set_rows`` (o
 are applied by the step's first kernel, once per ``set_rows``. An FP8 KV cache (``kv_format``, as
 GqaDecoder): rope_rows writes each row's K/V as vLLM's FP8 bytes and the attention reads them
 (``FastOptions.fp8_kv_attn``'s splits and tile); the fused rope epilogue is not used then. FP8 weights
-(``fp8_scales``, fp8.Fp8Scales per layer; ``act_fp8`` for FP8_DYNAMIC checkpoints): rows_gemv's FP8 mode.
+(``fp8_scales``, fp8.Fp8Scales per layer; ``act_fp8`` for FP8_DYNAMIC checkpoints): each FP8 GEMV's input
+rows quantized once (quant_rows, one small launch), then rows_gemv's FP8 mode.
 then final norm + lm_head GEMV with per-row block maxima, and the per-row greedy finish (token,
 ``out_tokens[b, step]``, position + 1, next embedding); or, with ``step(sample=True)``, each row's
 sampling kernels (cuda/sampling.py) over its slot's row of the engine's SamplingBuffers (the row
@@ -82,13 +83,12 @@ def _rows_gemv_kernel(x_ptr, w_ptr, out_ptr, res_ptr, nw_ptr, bias_ptr, amax_val
                       T: tl.constexpr, T_PAD: tl.constexpr, NORM: tl.constexpr, BIAS: tl.constexpr,
                       RESIDUAL: tl.constexpr, ARGMAX: tl.constexpr, SILU: tl.constexpr, MODE: tl.constexpr,
                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, UPCAST: tl.constexpr,
-                      PDL: tl.constexpr, PREFETCH: tl.constexpr = 0, ws_ptr=None, FP8: tl.constexpr = False,
-                      ACT: tl.constexpr = False):
+                      PDL: tl.constexpr, PREFETCH: tl.constexpr = 0, ws_ptr=None, xs_ptr=None,
+                      FP8: tl.constexpr = False):
     # MODE 0: acc[T, N] = dot(x, w^T); 1: acc^T[N, T] = dot(w, x^T) (the weights as the A operand);
     # 2: fp32 FMAs into [T, BLOCK_N, BLOCK_K] (T_PAD = next power of two of T, no padding to 16).
-    # FP8 (MODE 1): w holds E4M3 bytes with per-row fp32 scales at ws_ptr, read as fp16 (exact); each row of x
-    # enters the fp16 dot as its FP8 rounding with its own scale (ACT: FP8_DYNAMIC, as fp8.py's kernels), or
-    # scaled by a power of two into fp16's range (weight-only); the scales are applied after the dot
+    # FP8 (MODE 1): w holds E4M3 bytes with per-row fp32 scales at ws_ptr, read as fp16 (exact); x is fp16 rows
+    # from quant_rows (each row over its own scale at xs_ptr); both scales are applied after the dot
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)  # SILU: gate rows; the up rows are rows + N
     rmask = rows < N
@@ -111,19 +111,8 @@ def _rows_gemv_kernel(x_ptr, w_ptr, out_ptr, res_ptr, nw_ptr, bias_ptr, amax_val
                          other=0.0).to(tl.float32)
             ss += tl.sum(xs * xs, axis=1)
         inv = 1.0 / tl.sqrt(ss / K + eps)
-    if FP8:  # each row's largest |x| (its activation scale, or its power-of-two shift into fp16)
-        amax = tl.zeros((T_PAD,), tl.float32)
-        for k in range(0, K, BLOCK_K):
-            offs = k + tl.arange(0, BLOCK_K)
-            xs = tl.load(x_ptr + t[:, None] * stride_x + offs[None, :], mask=tmask[:, None] & (offs < K)[None, :],
-                         other=0.0).to(tl.float32)
-            amax = tl.maximum(amax, tl.max(tl.abs(xs), axis=1))
-        if ACT:
-            x_scale = tl.maximum(amax / 448.0, 1.0 / (448.0 * 512.0))
-            x_inv = 1.0 / x_scale
-        else:
-            x_scale = tl.exp2(tl.maximum(tl.ceil(tl.log2(tl.maximum(amax, 1e-30))) - 14.0, 0.0))
-            x_inv = 1.0 / x_scale
+    if FP8:
+        x_scale = tl.load(xs_ptr + t, mask=tmask, other=1.0)
         ws = tl.load(ws_ptr + rows, mask=rmask, other=0.0)
         if SILU:
             ws_u = tl.load(ws_ptr + rows + N, mask=rmask, other=0.0)
@@ -145,11 +134,6 @@ def _rows_gemv_kernel(x_ptr, w_ptr, out_ptr, res_ptr, nw_ptr, bias_ptr, amax_val
                     other=0, eviction_policy="evict_first")
         if FP8:
             w = fp8_kv_load(w, 1)  # Triton's conversion: in the dot operand's layout, fewer moves than unpacking
-            if ACT:
-                x = tl.minimum(tl.maximum(x.to(tl.float32) * x_inv[:, None], -448.0), 448.0).to(
-                    tl.float8e4nv, fp_downcast_rounding="rtne").to(tl.float16)
-            else:
-                x = (x.to(tl.float32) * x_inv[:, None]).to(tl.float16)
         if MODE == 0:
             acc = mma(x, w, acc, UPCAST)
         elif MODE == 1:
@@ -205,18 +189,18 @@ def rows_gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, *, norm_w: to
               silu: bool = False, argmax_parts: tuple[torch.Tensor, torch.Tensor] | None = None,
               block_n: int = 16, block_k: int = 256, num_warps: int = 4, stages: int = 4,
               pdl: bool = False, mode: int = 0, prefetch: int = 0, w_scale: torch.Tensor | None = None,
-              act: bool = False) -> torch.Tensor:
+              x_scale: torch.Tensor | None = None) -> torch.Tensor:
     """out[B, N] = [residual +] round(x'[B, K] @ W[N, K]^T [+ bias]), x' = rmsnorm(x) * norm_w when given;
     ``silu``: W is [2I, K] (gate | up), out[B, I] = silu(gate) * up; ``argmax_parts`` (val fp32, idx int32,
     each [B, >= cdiv(N, block_n)]): every block's max per row, for ``finish_rows``. B <= 16. ``mode``: the
     kernel's accumulation (0: x @ W^T on tensor cores, rows padded to 16; 1: W @ x^T likewise; 2: fp32 FMAs).
-    ``w_scale`` (fp32 [N] or [2I]): W is float8_e4m3fn with these row scales (mode 1); ``act``: each row of x
-    through FP8 with its own scale first (FP8_DYNAMIC, as fp8.gemv_fp8 per token)."""
+    ``w_scale`` (fp32 [N] or [2I]): W is float8_e4m3fn with these row scales (mode 1), and x the fp16 rows of
+    :func:`quant_rows` with their scales ``x_scale`` (fp32 [B])."""
     b, k = x.shape
     fp8 = w_scale is not None
     if fp8:
-        if mode != 1 or norm_w is not None or argmax_parts is not None:
-            raise ValueError("FP8 weights in rows_gemv: mode 1, the rows normalised beforehand, no argmax")
+        if mode != 1 or norm_w is not None or argmax_parts is not None or x_scale is None:
+            raise ValueError("FP8 weights in rows_gemv: mode 1, x from quant_rows with x_scale, no norm, no argmax")
         w = w.view(torch.uint8)
     n = w.shape[0] // 2 if silu else w.shape[0]
     if b > DOT_ROWS:
@@ -229,9 +213,40 @@ def rows_gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, *, norm_w: to
         NORM=norm_w is not None, BIAS=bias is not None, RESIDUAL=residual is not None,
         ARGMAX=argmax_parts is not None, SILU=silu, MODE=mode,
         BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, UPCAST=interpreting(), PDL=pdl,
-        PREFETCH=l2_prefetch_tiles(prefetch, block_k), ws_ptr=w_scale if fp8 else x, FP8=fp8, ACT=fp8 and act,
-        num_warps=num_warps, **launch_opts(pdl))
+        PREFETCH=l2_prefetch_tiles(prefetch, block_k), ws_ptr=w_scale if fp8 else x,
+        xs_ptr=x_scale if fp8 else x, FP8=fp8, num_warps=num_warps, **launch_opts(pdl))
     return out
+
+
+@triton.jit
+def _quant_rows_kernel(x_ptr, q_ptr, scale_ptr, K, stride_x, stride_q, ACT: tl.constexpr, K_POW2: tl.constexpr,
+                       PDL: tl.constexpr):
+    b = tl.program_id(0)
+    if PDL:  # x comes from the previous kernel; the GEMV after us waits for all of us before reading q
+        gdc_wait()
+        gdc_launch_dependents()
+    offs = tl.arange(0, K_POW2)
+    m = offs < K
+    x = tl.load(x_ptr + b * stride_x + offs, mask=m, other=0.0).to(tl.float32)
+    amax = tl.max(tl.abs(x), axis=0)
+    if ACT:  # FP8_DYNAMIC: the row's FP8 rounding (fp8.py's per-token scale), held as fp16 (exact)
+        s = tl.maximum(amax / 448.0, 1.0 / (448.0 * 512.0))
+        q = tl.minimum(tl.maximum(x * (1.0 / s), -448.0), 448.0).to(tl.float8e4nv, fp_downcast_rounding="rtne")
+    else:  # weight-only: the row's bf16 values shifted by a power of two into fp16's range
+        s = tl.exp2(tl.maximum(tl.ceil(tl.log2(tl.maximum(amax, 1e-30))) - 14.0, 0.0))
+        q = x * (1.0 / s)
+    tl.store(q_ptr + b * stride_q + offs, q.to(tl.float16), mask=m)
+    tl.store(scale_ptr + b, s)
+
+
+def quant_rows(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, act: bool, pdl: bool = False) -> torch.Tensor:
+    """The input rows of an FP8 rows_gemv, once per step and not in every GEMV program: q[b] (fp16) = x[b] over
+    its scale ``scale[b]``, through FP8 (``act``: FP8_DYNAMIC activations, as fp8.py's kernels round them per
+    token) or a power-of-two shift into fp16's range (weight-only FP8: the bf16 values exact)."""
+    k = x.shape[-1]
+    _quant_rows_kernel[(x.shape[0],)](x, q, scale, k, x.stride(0), q.stride(0), ACT=act,
+                                      K_POW2=triton.next_power_of_2(k), PDL=pdl, num_warps=8, **launch_opts(pdl))
+    return q
 
 
 @triton.jit
@@ -431,6 +446,10 @@ class GqaBatchDecoder:
         self.fp8_scales, self.act_fp8 = fp8_scales, act_fp8
         if fp8_scales is not None and self.opt.batch_mode != 1:
             raise ValueError("FP8 weights in the batched step need FastOptions.batch_mode 1 (W @ x^T)")
+        dev0 = model.embed.device
+        widest = max(model.hidden, model.intermediate, model.num_q_heads * model.head_dim)
+        self.xq = torch.zeros(batch, widest if fp8_scales is not None else 0, dtype=torch.float16, device=dev0)
+        self.xscale = torch.ones(batch, dtype=torch.float32, device=dev0)
         dev, dt = model.embed.device, model.embed.dtype
         if self.opt.pdl is None:
             self.opt = replace(self.opt, pdl=dev.type == "cuda" and torch.cuda.get_device_capability(dev)[0] >= 9)
@@ -514,10 +533,16 @@ class GqaBatchDecoder:
         return dict(block_n=bn, block_k=bk, num_warps=nw, stages=st, pdl=self.opt.pdl, mode=self.opt.batch_mode,
                     prefetch=self.opt.prefetch_tiles if self.opt.pdl else 0)
 
-    def fp8_kwargs(self, i: int, name: str) -> dict:
-        """rows_gemv's FP8 arguments of layer i's projection ``name`` (none for a bf16 one)."""
+    def gemv(self, i: int, name: str, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, tile: str, **kw) -> None:
+        """rows_gemv of layer i's projection ``name`` over rows x: bf16 weights as they are; FP8 ones over x's
+        rows quantized once (quant_rows) into self.xq."""
         scale = getattr(self.fp8_scales[i], name) if self.fp8_scales is not None else None
-        return dict(w_scale=scale, act=self.act_fp8) if scale is not None else {}
+        if scale is None:
+            rows_gemv(x, w, out, **kw, **self.tile_kwargs(tile))
+            return
+        xq = self.xq[:, : x.shape[1]]
+        quant_rows(x, xq, self.xscale, self.act_fp8, pdl=self.opt.pdl)
+        rows_gemv(xq, w, out, **kw, **self.tile_kwargs(tile), w_scale=scale, x_scale=self.xscale)
 
     def layer(self, i: int) -> None:
         m, lw, eps = self.model, self.model.layers[i], self.model.eps
@@ -531,20 +556,17 @@ class GqaBatchDecoder:
                           num_warps=nw, stages=st, pdl=self.opt.pdl,
                           prefetch=self.opt.prefetch_tiles if self.opt.pdl else 0)
         else:
-            rows_gemv(self.xn, lw.wqkv, self.qkv, bias=lw.bqkv, **self.tile_kwargs("qkv"), **self.fp8_kwargs(i, "wqkv"))
+            self.gemv(i, "wqkv", self.xn, lw.wqkv, self.qkv, "qkv", bias=lw.bqkv)
             rope_rows(self.qkv, self.query, kc, vc, self.pos, self.slots, self.cos, self.sin, num_q_heads=hq,
                       num_kv_heads=hkv, head_dim=d, q_norm=lw.q_norm, k_norm=lw.k_norm, eps=eps, pdl=self.opt.pdl,
                       kv_fmt=self.kv_fmt, inv_k=self.kv_inv[i][0], inv_v=self.kv_inv[i][1])
         self.attn(self.query, kc, vc, self.pos, self.attn_out, stride_kt=hkv * d, stride_vt=hkv * d,
                   slot_ids=self.slots, stride_ks=kc.stride(0), stride_vs=vc.stride(0), kv_fmt=self.kv_fmt,
                   k_scale=self.kv_scales[i][0], v_scale=self.kv_scales[i][1])
-        rows_gemv(self.attn_out, lw.wo, self.residual, residual=self.residual, bias=lw.bo, **self.tile_kwargs("o"),
-                  **self.fp8_kwargs(i, "wo"))
+        self.gemv(i, "wo", self.attn_out, lw.wo, self.residual, "o", residual=self.residual, bias=lw.bo)
         rmsnorm_rows(self.residual, lw.mlp_norm, self.xn, eps, pdl=self.opt.pdl)
-        rows_gemv(self.xn, lw.w_gate_up, self.act, silu=True, **self.tile_kwargs("gate_up"),
-                  **self.fp8_kwargs(i, "w_gate_up"))
-        rows_gemv(self.act, lw.w_down, self.residual, residual=self.residual, **self.tile_kwargs("down"),
-                  **self.fp8_kwargs(i, "w_down"))
+        self.gemv(i, "w_gate_up", self.xn, lw.w_gate_up, self.act, "gate_up", silu=True)
+        self.gemv(i, "w_down", self.act, lw.w_down, self.residual, "down", residual=self.residual)
 
     def step(self, sample: bool = False) -> None:
         """One decode step of every row: logits, next token (greedy argmax, or with ``sample`` the row's
