@@ -34,6 +34,7 @@ from shared.events import SamplingParams
 from tests.unit.engine.hf_models import save_checkpoint
 from tests.unit.engine_cuda.test_engine_fast_path import OPTIONS, OTHER, PROMPT, run
 from tests.unit.engine_cuda.test_fast_path_batch import OPTIONS as BATCH_OPTIONS
+from tests.unit.engine_cuda.test_fast_path_families import _close
 
 FORMATS = ["fp8_e4m3", "fp8_e5m2"]
 
@@ -210,3 +211,33 @@ def test_fp8_slots_decode_together_with_their_tokens_and_bytes_alone(tmp_path, m
         for caches in ("k_caches", "v_caches"):
             for a, b in zip(getattr(engine.cache, caches), getattr(alone_engine.cache, caches)):
                 assert a[slot, len(prompts[slot]):n].any() and torch.equal(a[slot, :n], b[slot, :n])
+
+
+@pytest.mark.parametrize("act", [True, False])
+@pytest.mark.parametrize("rows", [1, 3, 8])
+def test_quant_rows_and_the_fp8_rows_gemv_follow_the_one_token_twins(act, rows):
+    from services.decode.engine.cuda.batch import quant_rows, rows_gemv
+    from services.decode.engine.cuda.fp8 import gemv_fp8_reference, gemv_fp8_silu_reference
+    from services.decode.engine.fp8 import quantize_activations
+
+    g = torch.Generator().manual_seed(rows)
+    n, k = 48, 96
+    x = (torch.randn(rows, k, generator=g) * torch.logspace(-3, 3, rows)[:, None]).to(torch.bfloat16)
+    w16 = torch.randn(2 * n, k, generator=g) * 0.1
+    ws = w16.abs().amax(dim=1) / 448.0
+    w = (w16 / ws[:, None]).to(torch.float8_e4m3fn)
+    res = torch.randn(rows, n, generator=g).to(torch.bfloat16)
+    q = torch.full((rows, k), float("nan"), dtype=torch.float16)
+    scale = torch.empty(rows)
+    quant_rows(x, q, scale, act)
+    # the rows' values as the GEMV sees them: FP8_DYNAMIC's rounding, or the bf16 values exactly
+    want = quantize_activations(x) if act else x.float()
+    assert torch.equal(q.float() * scale[:, None], want)
+    kw = dict(block_n=16, block_k=32, stages=1, mode=1, w_scale=ws, x_scale=scale)
+    out = res.clone()
+    rows_gemv(q, w[:n], out, residual=out, **kw)
+    silu = torch.full((rows, n), float("nan"), dtype=torch.bfloat16)
+    rows_gemv(q, w, silu, silu=True, **kw)
+    for r in range(rows):
+        _close(out[r], gemv_fp8_reference(x[r], w[:n], ws[:n], residual=res[r], act=act), 1e-2)
+        _close(silu[r], gemv_fp8_silu_reference(x[r], w, ws, act=act), 1e-2)

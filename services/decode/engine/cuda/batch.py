@@ -232,8 +232,9 @@ def _quant_rows_kernel(x_ptr, q_ptr, scale_ptr, K, stride_x, stride_q, ACT: tl.c
     if ACT:  # FP8_DYNAMIC: the row's FP8 rounding (fp8.py's per-token scale), held as fp16 (exact)
         s = tl.maximum(amax / 448.0, 1.0 / (448.0 * 512.0))
         q = tl.minimum(tl.maximum(x * (1.0 / s), -448.0), 448.0).to(tl.float8e4nv, fp_downcast_rounding="rtne")
-    else:  # weight-only: the row's bf16 values shifted by a power of two into fp16's range
-        s = tl.exp2(tl.maximum(tl.ceil(tl.log2(tl.maximum(amax, 1e-30))) - 14.0, 0.0))
+    else:  # weight-only: the row's bf16 values shifted by a power of two that puts its largest at 2^14..2^15, so
+        # that fp16 holds them exactly down to 2^-28 of it (below fp16's normal range a value would lose bits)
+        s = tl.exp2(tl.ceil(tl.log2(tl.maximum(amax, 1e-30))) - 14.0)
         q = x * (1.0 / s)
     tl.store(q_ptr + b * stride_q + offs, q.to(tl.float16), mask=m)
     tl.store(scale_ptr + b, s)
@@ -242,7 +243,8 @@ def _quant_rows_kernel(x_ptr, q_ptr, scale_ptr, K, stride_x, stride_q, ACT: tl.c
 def quant_rows(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, act: bool, pdl: bool = False) -> torch.Tensor:
     """The input rows of an FP8 rows_gemv, once per step and not in every GEMV program: q[b] (fp16) = x[b] over
     its scale ``scale[b]``, through FP8 (``act``: FP8_DYNAMIC activations, as fp8.py's kernels round them per
-    token) or a power-of-two shift into fp16's range (weight-only FP8: the bf16 values exact)."""
+    token) or a power-of-two shift into fp16's range (weight-only FP8: the bf16 values exact, down to 2^-28 of
+    the row's largest)."""
     k = x.shape[-1]
     _quant_rows_kernel[(x.shape[0],)](x, q, scale, k, x.stride(0), q.stride(0), ACT=act,
                                       K_POW2=triton.next_power_of_2(k), PDL=pdl, num_warps=8, **launch_opts(pdl))
