@@ -71,6 +71,11 @@ def _fp8_scales(model) -> list | None:
     return scales
 
 
+def _fp8_act(model) -> bool:
+    """Whether an FP8 engine LlamaModel's checkpoint quantizes activations too (FP8_DYNAMIC)."""
+    return any(getattr(getattr(b, n), "act", None) is not None for b in model.layers for n in ("wqkv", "wo"))
+
+
 def gqa_decoder_from_engine(model, slot: int, options: FastOptions | None = None, max_steps: int = 4096) -> GqaDecoder:
     """GqaDecoder over a bound engine LlamaModel's weights and slot ``slot``'s K/V views (the FP8 step,
     cuda/fp8.py, where the model holds FP8 weights)."""
@@ -83,8 +88,7 @@ def gqa_decoder_from_engine(model, slot: int, options: FastOptions | None = None
         return GqaDecoder(*args, **kv, tp=getattr(model, "tp", None))
     from .fp8 import Fp8GqaDecoder
 
-    act = any(getattr(getattr(b, n), "act", None) is not None for b in model.layers for n in ("wqkv", "wo"))
-    return Fp8GqaDecoder(*args, scales=scales, act_fp8=act, **kv)
+    return Fp8GqaDecoder(*args, scales=scales, act_fp8=_fp8_act(model), **kv)
 
 
 def gqa_batch_decoder_from_engine(model, batch: int, options: FastOptions | None = None,
@@ -96,8 +100,7 @@ def gqa_batch_decoder_from_engine(model, batch: int, options: FastOptions | None
         raise ValueError("the batched step runs on one GPU: a tensor-parallel engine steps its slots one at a time "
                          "on the fast path, or together on the reference step")
     scales = _fp8_scales(model)
-    act = scales is not None and any(getattr(getattr(b, n), "act", None) is not None
-                                     for b in model.layers for n in ("wqkv", "wo"))
+    act = scales is not None and _fp8_act(model)
     return GqaBatchDecoder(_gqa_model(model), cache.k_caches, cache.v_caches, model.cos, model.sin, batch, options,
                            max_steps, scratch_slot=cache.scratch_slot, kv_format=getattr(cache, "kv_format", None),
                            kv_scales=getattr(cache, "scales", None), fp8_scales=scales, act_fp8=act)

@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from .gemv import gdc_launch_dependents, gdc_wait, interpreting, launch_opts
-from .kvfp8 import fp8_kv_load, fp8_kv_unpack
+from .kvfp8 import fp8_kv_load, fp8_kv_read
 from .smallops import norm_rope_rows
 
 
@@ -152,10 +152,7 @@ def _attn_split_kernel(q_ptr, q_pe_ptr, k_ptr, v_ptr, pos_ptr, part_o_ptr, part_
         if SPARSE:  # the cache rows this block of the list names
             offs = tl.load(idx_ptr + offs, mask=smask, other=0)
         kbase = k_ptr + offs[:, None].to(tl.int64) * stride_kt + kvh * D_MAIN
-        if DOT_F32:
-            k = fp8_kv_load(tl.load(kbase + dm[None, :], mask=smask[:, None], other=0), KV_FMT)
-        else:
-            k = fp8_kv_unpack(tl.load(kbase + dm[None, :], mask=smask[:, None], other=0), KV_FMT)
+        k = fp8_kv_read(tl.load(kbase + dm[None, :], mask=smask[:, None], other=0), KV_FMT, DOT_F32)
         if DOT_F32:
             scores = tl.dot(q_op.to(tl.float32), tl.trans(k.to(tl.float32)))
         else:
@@ -178,12 +175,8 @@ def _attn_split_kernel(q_ptr, q_pe_ptr, k_ptr, v_ptr, pos_ptr, part_o_ptr, part_
         if V_IS_K:  # MLA: the values are the latent itself, already loaded as keys
             v = k
         else:
-            v = tl.load(v_ptr + offs[:, None].to(tl.int64) * stride_vt + kvh * D_V_ALL + vchunk * D_V
-                        + dv[None, :], mask=smask[:, None], other=0)
-            if DOT_F32:
-                v = fp8_kv_load(v, KV_FMT)
-            else:
-                v = fp8_kv_unpack(v, KV_FMT)
+            v = fp8_kv_read(tl.load(v_ptr + offs[:, None].to(tl.int64) * stride_vt + kvh * D_V_ALL + vchunk * D_V
+                                    + dv[None, :], mask=smask[:, None], other=0), KV_FMT, DOT_F32)
         if KV_FMT:
             acc = pv_dot(p * P_SCALE_FP8, v, acc * alpha[:, None], DOT_F32)
         else:
@@ -316,12 +309,8 @@ def _gqa_split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, part_o_ptr, part_ml_ptr, cou
                         mask=smask[:, None], other=0)
             v = tl.load(v_ptr + offs[:, None].to(tl.int64) * stride_vt + kvh * D + dm[None, :],
                         mask=smask[:, None], other=0)
-        if DOT_F32:  # names of their own: k / v stay the loop's uint8 (FP8) tiles
-            k_op = fp8_kv_load(k, KV_FMT)
-            v_op = fp8_kv_load(v, KV_FMT)
-        else:
-            k_op = fp8_kv_unpack(k, KV_FMT)
-            v_op = fp8_kv_unpack(v, KV_FMT)
+        k_op = fp8_kv_read(k, KV_FMT, DOT_F32)  # names of their own: k / v stay the loop's uint8 (FP8) tiles
+        v_op = fp8_kv_read(v, KV_FMT, DOT_F32)
         if DOT_F32:
             scores = tl.dot(q_op.to(tl.float32), tl.trans(k_op.to(tl.float32)))
         else:
@@ -342,11 +331,12 @@ def _gqa_split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, part_o_ptr, part_ml_ptr, cou
         m_new = tl.maximum(m, s_pos)
         alpha = tl.exp2(m - m_new)
         p_pos = tl.exp2(s_pos - m_new)
-        if KV_FMT:
-            p_pos = p_pos * P_SCALE_FP8
         v_pos = fp8_kv_load(tl.load(v_ptr + pos.to(tl.int64) * stride_vt + kvh * D + dm), KV_FMT).to(tl.float32)
-        acc = acc * alpha[:, None] + p_pos[:, None] * v_pos[None, :]
-        l = l * alpha + tl.exp2(s_pos - m_new)
+        if KV_FMT:  # acc holds p times P_SCALE_FP8 (pv_dot's callers above)
+            acc = acc * alpha[:, None] + (p_pos * P_SCALE_FP8)[:, None] * v_pos[None, :]
+        else:
+            acc = acc * alpha[:, None] + p_pos[:, None] * v_pos[None, :]
+        l = l * alpha + p_pos
         m = m_new
     if KV_FMT:
         acc = acc * (v_scale / P_SCALE_FP8)

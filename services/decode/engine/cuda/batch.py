@@ -49,9 +49,10 @@ import triton
 import triton.language as tl
 
 from .attention import DecodeAttention
+from .fp8 import act_round, act_scale
 from .gemv import gdc_launch_dependents, gdc_wait, interpreting, l2_prefetch_tiles, launch_opts
 from .kernel_helpers import prefetch_l2, rope_pair, round_to_dtype
-from .kvfp8 import fp8_kv_load, inv_scales, kv_fmt
+from .kvfp8 import fp8_kv_load, kv_cache_setup
 from .llama import FastOptions, GqaModel
 from .moe import mma
 from .smallops import norm_rope_cache_head, rmsnorm_rows, rope_cache_head
@@ -230,8 +231,8 @@ def _quant_rows_kernel(x_ptr, q_ptr, scale_ptr, K, stride_x, stride_q, ACT: tl.c
     x = tl.load(x_ptr + b * stride_x + offs, mask=m, other=0.0).to(tl.float32)
     amax = tl.max(tl.abs(x), axis=0)
     if ACT:  # FP8_DYNAMIC: the row's FP8 rounding (fp8.py's per-token scale), held as fp16 (exact)
-        s = tl.maximum(amax / 448.0, 1.0 / (448.0 * 512.0))
-        q = tl.minimum(tl.maximum(x * (1.0 / s), -448.0), 448.0).to(tl.float8e4nv, fp_downcast_rounding="rtne")
+        s = act_scale(amax)
+        q = act_round(x, 1.0 / s)
     else:  # weight-only: the row's bf16 values shifted by a power of two that puts its largest at 2^14..2^15, so
         # that fp16 holds them exactly down to 2^-28 of it (below fp16's normal range a value would lose bits)
         s = tl.exp2(tl.ceil(tl.log2(tl.maximum(amax, 1e-30))) - 14.0)
@@ -436,11 +437,7 @@ class GqaBatchDecoder:
         self.model, self.k_caches, self.v_caches, self.batch = model, k_caches, v_caches, batch
         self.opt = options or FastOptions()
         # FP8 KV cache (as GqaDecoder): rope_rows writes the rows' K/V as FP8 bytes, the attention reads them
-        self.kv_fmt = kv_fmt(kv_format)
-        self.kv_scales = list(kv_scales) if kv_scales is not None else [(1.0, 1.0)] * len(model.layers)
-        self.kv_inv = inv_scales(self.kv_scales, len(model.layers))
-        if self.kv_fmt and k_caches[0].dtype != torch.uint8:
-            raise ValueError(f"KV format {kv_format}: the caches must be uint8 (FP8 bytes), got {k_caches[0].dtype}")
+        self.kv_fmt, self.kv_scales, self.kv_inv = kv_cache_setup(kv_format, kv_scales, len(model.layers), k_caches)
         # FP8 weights (fp8.Fp8Scales per layer: a projection with a scale is float8_e4m3fn): rows_gemv's FP8 mode,
         # ``act_fp8``: activations through FP8 per row (FP8_DYNAMIC)
         if fp8_scales is not None and len(fp8_scales) != len(model.layers):
@@ -448,11 +445,10 @@ class GqaBatchDecoder:
         self.fp8_scales, self.act_fp8 = fp8_scales, act_fp8
         if fp8_scales is not None and self.opt.batch_mode != 1:
             raise ValueError("FP8 weights in the batched step need FastOptions.batch_mode 1 (W @ x^T)")
-        dev0 = model.embed.device
-        widest = max(model.hidden, model.intermediate, model.num_q_heads * model.head_dim)
-        self.xq = torch.zeros(batch, widest if fp8_scales is not None else 0, dtype=torch.float16, device=dev0)
-        self.xscale = torch.ones(batch, dtype=torch.float32, device=dev0)
         dev, dt = model.embed.device, model.embed.dtype
+        widest = max(model.hidden, model.intermediate, model.num_q_heads * model.head_dim)
+        self.xq = torch.zeros(batch, widest if fp8_scales is not None else 0, dtype=torch.float16, device=dev)
+        self.xscale = torch.ones(batch, dtype=torch.float32, device=dev)
         if self.opt.pdl is None:
             self.opt = replace(self.opt, pdl=dev.type == "cuda" and torch.cuda.get_device_capability(dev)[0] >= 9)
         if dt != torch.bfloat16:
@@ -477,8 +473,7 @@ class GqaBatchDecoder:
         self.num_parts = -(-vocab // self.opt.batch_tiles["lm_head"][0])
         self.amax_val = torch.zeros(b, self.num_parts, dtype=torch.float32, device=dev)
         self.amax_idx = torch.zeros(b, self.num_parts, dtype=torch.int32, device=dev)
-        splits, block_s = ((self.opt.fp8_kv_attn or (self.opt.num_splits, self.opt.block_s)) if self.kv_fmt
-                           else (self.opt.num_splits, self.opt.block_s))
+        splits, block_s = self.opt.attn_tile(self.kv_fmt)
         self.attn = DecodeAttention(num_q_heads=hq, num_kv_heads=hkv, d_main=d, d_v=d, num_splits=splits,
                                     block_s=block_s, num_warps=self.opt.attn_warps, pdl=self.opt.pdl,
                                     device=dev, max_batch=b, one_launch=self.opt.attn_one_launch)

@@ -34,6 +34,18 @@ ACT_MIN_SCALE = 1.0 / (FP8_MAX * 512.0)
 
 
 @triton.jit
+def act_scale(amax):
+    # vLLM's dynamic FP8 activation scale of a token whose largest |x| is amax (engine/fp8.quantize_activations)
+    return tl.maximum(amax / 448.0, 1.0 / (448.0 * 512.0))
+
+
+@triton.jit
+def act_round(x, inv_s):
+    # x over its scale, rounded to FP8 (E4M3, nearest even) as vLLM's W8A8 quantizes activations
+    return tl.minimum(tl.maximum(x * inv_s, -448.0), 448.0).to(tl.float8e4nv, fp_downcast_rounding="rtne")
+
+
+@triton.jit
 def _prologue(x_ptr, nw_ptr, K, eps, NORM: tl.constexpr, ACT: tl.constexpr, K_POW2: tl.constexpr):
     # (1/rms, activation scale, its reciprocal) of the input vector; 1.0 where not asked
     inv_rms = 1.0
@@ -48,7 +60,7 @@ def _prologue(x_ptr, nw_ptr, K, eps, NORM: tl.constexpr, ACT: tl.constexpr, K_PO
             nw = tl.load(nw_ptr + offs, mask=m, other=0.0)
             x = rnd_bf16(rnd_bf16(x * inv_rms) * nw.to(tl.float32))
         if ACT:
-            s = tl.maximum(tl.max(tl.abs(x), axis=0) / 448.0, 1.0 / (448.0 * 512.0))
+            s = act_scale(tl.max(tl.abs(x), axis=0))
             inv_s = 1.0 / s
     return inv_rms, s, inv_s
 
@@ -62,8 +74,7 @@ def _x_tile(x_ptr, nw_ptr, k, K, inv_rms, s, inv_s, NORM: tl.constexpr, ACT: tl.
         nw = tl.load(nw_ptr + offs, mask=kmask, other=0.0)
         x = rnd_bf16(rnd_bf16(x * inv_rms) * nw.to(tl.float32))
     if ACT:
-        q = tl.minimum(tl.maximum(x * inv_s, -448.0), 448.0).to(tl.float8e4nv, fp_downcast_rounding="rtne")
-        x = q.to(tl.float32) * s
+        x = act_round(x, inv_s).to(tl.float32) * s
     return x, offs, kmask
 
 

@@ -16,6 +16,7 @@
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
@@ -34,6 +35,17 @@ def inv_scales(scales: list[tuple[float, float]] | None, num_layers: int) -> lis
     kvquant.quantize rounds its inverse), (1.0, 1.0) without scales."""
     scales = scales if scales is not None else [(1.0, 1.0)] * num_layers
     return [(1.0 / k, 1.0 / v) for k, v in scales]
+
+
+def kv_cache_setup(kv_format: str | None, kv_scales: list[tuple[float, float]] | None, num_layers: int,
+                   k_caches: list[torch.Tensor]) -> tuple[int, list[tuple[float, float]], list[tuple[float, float]]]:
+    """A decode step's KV cache format: (KV_FMT, per-layer (k_scale, v_scale), their inverses); an FP8 format
+    needs uint8 caches (the FP8 bytes)."""
+    fmt = kv_fmt(kv_format)
+    scales = list(kv_scales) if kv_scales is not None else [(1.0, 1.0)] * num_layers
+    if fmt and k_caches[0].dtype != torch.uint8:
+        raise ValueError(f"KV format {kv_format}: the caches must be uint8 (FP8 bytes), got {k_caches[0].dtype}")
+    return fmt, scales, inv_scales(scales, num_layers)
 
 
 @triton.jit
@@ -86,6 +98,15 @@ def fp8_kv_unpack(raw, FMT: tl.constexpr):
             "=r,=r,r", [raw], dtype=tl.float16, is_pure=True, pack=4)
     else:
         return raw
+
+
+@triton.jit
+def fp8_kv_read(raw, FMT: tl.constexpr, INTERPRETED: tl.constexpr):
+    # a loaded cache tile as fp16 values: unpacked in PTX when compiled, Triton's conversion under the interpreter
+    if INTERPRETED:
+        return fp8_kv_load(raw, FMT)
+    else:
+        return fp8_kv_unpack(raw, FMT)
 
 
 @triton.jit

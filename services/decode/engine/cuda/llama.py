@@ -57,7 +57,7 @@ from . import gemv
 from . import smallops
 from . import reference
 from .attention import DecodeAttention
-from .kvfp8 import inv_scales, kv_fmt
+from .kvfp8 import kv_cache_setup
 
 PROJECTIONS = ("qkv", "o", "gate_up", "down", "lm_head")
 
@@ -152,6 +152,10 @@ class FastOptions:
     # a layer, as the bf16 step); False: gemv_fp8 + rope_cache_write
     fp8_qkv_rope: bool = True
 
+    def attn_tile(self, kv_fmt: int) -> tuple[int, int]:
+        """The attention's (num_splits, block_s) over a cache of this format (kvfp8.kv_fmt)."""
+        return (self.fp8_kv_attn or (self.num_splits, self.block_s)) if kv_fmt else (self.num_splits, self.block_s)
+
 
 class GqaDecoder:
     """One slot's batch-1 decode step; ``step()`` is capturable (no host sync, no allocation by us)."""
@@ -164,11 +168,7 @@ class GqaDecoder:
         self.tp = tp if tp is not None and tp.size > 1 else None  # engine/tp.TensorParallel of 2+ ranks
         self.is_first_rank = self.tp is None or self.tp.rank == 0
         self.opt = options or FastOptions()
-        self.kv_fmt = kv_fmt(kv_format)
-        self.kv_scales = list(kv_scales) if kv_scales is not None else [(1.0, 1.0)] * len(model.layers)
-        self.kv_inv = inv_scales(self.kv_scales, len(model.layers))
-        if self.kv_fmt and k_caches[0].dtype != torch.uint8:
-            raise ValueError(f"KV format {kv_format}: the caches must be uint8 (FP8 bytes), got {k_caches[0].dtype}")
+        self.kv_fmt, self.kv_scales, self.kv_inv = kv_cache_setup(kv_format, kv_scales, len(model.layers), k_caches)
         dev, dt = model.embed.device, model.embed.dtype
         if self.opt.pdl is None:
             self.opt = replace(self.opt, pdl=dev.type == "cuda" and torch.cuda.get_device_capability(dev)[0] >= 9)
@@ -201,8 +201,7 @@ class GqaDecoder:
             self.all_val = torch.zeros(n * self.num_parts, dtype=torch.float32, device=dev)
             self.all_idx = torch.zeros(n * self.num_parts, dtype=torch.int32, device=dev)
             self.all_logits = torch.zeros(n * vocab, dtype=torch.float32, device=dev)
-        splits, block_s = ((self.opt.fp8_kv_attn or (self.opt.num_splits, self.opt.block_s)) if self.kv_fmt
-                           else (self.opt.num_splits, self.opt.block_s))
+        splits, block_s = self.opt.attn_tile(self.kv_fmt)
         self.attn = DecodeAttention(num_q_heads=hq, num_kv_heads=hkv, d_main=d, d_v=d,
                                     num_splits=splits, block_s=block_s,
                                     num_warps=self.opt.attn_warps, pdl=self.opt.pdl, device=dev,
