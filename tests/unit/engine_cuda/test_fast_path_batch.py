@@ -287,25 +287,40 @@ def test_rows_gemv_modes_equal_the_one_token_gemv_per_row(mode, rows):
         _close(out[r], residual[r], 1e-2)
 
 
+def decode_alone(engine: Engine, prompts: dict, params: SamplingParams, release: bool = True) -> dict:
+    """Each slot's greedy tokens (first from its prompt) decoding alone: every step the batch-1 fast path."""
+    out = {}
+    for slot, prompt in prompts.items():
+        out[slot] = [int(engine.prefill(slot, prompt).argmax())]
+        engine.start(slot, out[slot][0], params)
+        while engine.active_slots():
+            out[slot] += engine.step()[slot].token_ids
+            assert (engine.last_step_path, engine.last_step_slots) == ("fast", 1)
+        if release:
+            engine.release(slot)
+    return out
+
+
+def decode_together(engine: Engine, prompts: dict, params: SamplingParams) -> dict:
+    """Every slot's tokens with all of them started first: every step one batched fast step of all slots
+    (the same ``max_tokens`` for each, so none leaves early)."""
+    out = {}
+    for slot, prompt in prompts.items():
+        out[slot] = [int(engine.prefill(slot, prompt).argmax())]
+        engine.start(slot, out[slot][0], params)
+    while engine.active_slots():
+        for slot, step in engine.step().items():
+            out[slot] += step.token_ids
+        assert (engine.last_step_path, engine.last_step_slots) == ("fast", len(prompts))
+    return out
+
+
 @pytest.mark.parametrize("variant", ["qwen2", "qwen3"])
 def test_qwen_slots_decode_together_with_their_tokens_alone(tmp_path, variant):
     save_checkpoint(variant, tmp_path, damp=True)
     engine = Engine.load(tmp_path, num_slots=2, max_seq_len=32, dtype="bfloat16", fast_path="on",
                          fast_path_options=OPTIONS)
     greedy = SamplingParams(max_tokens=3, ignore_eos=True)  # 3 batched steps: each feeds the next its tokens
-    alone = {}
-    for slot in (0, 1):
-        alone[slot] = [int(engine.prefill(slot, PROMPTS[slot]).argmax())]
-        engine.start(slot, alone[slot][0], greedy)
-        while engine.active_slots():
-            alone[slot] += engine.step()[slot].token_ids
-        engine.release(slot)
-    got = {}
-    for slot in (0, 1):
-        got[slot] = [int(engine.prefill(slot, PROMPTS[slot]).argmax())]
-        engine.start(slot, got[slot][0], greedy)
-    while engine.active_slots():
-        for slot, out in engine.step().items():
-            got[slot] += out.token_ids
-        assert (engine.last_step_path, engine.last_step_slots) == ("fast", 2)
-    assert got == alone
+    prompts = {slot: PROMPTS[slot] for slot in (0, 1)}
+    alone = decode_alone(engine, prompts, greedy)
+    assert decode_together(engine, prompts, greedy) == alone

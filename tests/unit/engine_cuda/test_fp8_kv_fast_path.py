@@ -33,7 +33,7 @@ from services.decode.engine.kvquant import dequantize, quantize
 from shared.events import SamplingParams
 from tests.unit.engine.hf_models import save_checkpoint
 from tests.unit.engine_cuda.test_engine_fast_path import OPTIONS, OTHER, PROMPT, run
-from tests.unit.engine_cuda.test_fast_path_batch import OPTIONS as BATCH_OPTIONS
+from tests.unit.engine_cuda.test_fast_path_batch import OPTIONS as BATCH_OPTIONS, decode_alone, decode_together
 from tests.unit.engine_cuda.test_fast_path_families import _close
 
 FORMATS = ["fp8_e4m3", "fp8_e5m2"]
@@ -188,23 +188,11 @@ def test_fp8_slots_decode_together_with_their_tokens_and_bytes_alone(tmp_path, m
         return Engine.load(tmp_path, num_slots=2, max_seq_len=48, dtype="bfloat16", fast_path="on",
                            fast_path_options=options, kv_cache_dtype=kv)
 
-    alone_engine, alone = load(), {}
-    for slot in prompts:  # each alone: the batch-1 step
-        alone[slot] = [int(alone_engine.prefill(slot, prompts[slot]).argmax())]
-        alone_engine.start(slot, alone[slot][0], greedy)
-        while alone_engine.active_slots():
-            alone[slot] += alone_engine.step()[slot].token_ids
-            assert (alone_engine.last_step_path, alone_engine.last_step_slots) == ("fast", 1)
-    engine, got = load(), {}
+    alone_engine = load()
+    alone = decode_alone(alone_engine, prompts, greedy, release=False)  # (its caches compared below)
+    engine = load()
     assert engine.fast_path.batch_ok and (engine.cache.kv_format is not None) == (kv != "auto")
-    for slot in prompts:
-        got[slot] = [int(engine.prefill(slot, prompts[slot]).argmax())]
-        engine.start(slot, got[slot][0], greedy)
-    while engine.active_slots():
-        for slot, out in engine.step().items():
-            got[slot] += out.token_ids
-        assert (engine.last_step_path, engine.last_step_slots) == ("fast", 2)
-    assert got == alone
+    assert decode_together(engine, prompts, greedy) == alone
     # the batched step wrote every slot's K/V bytes as its batch-1 step did
     for slot in prompts:
         n = len(prompts[slot]) + 4
