@@ -9,6 +9,8 @@ Contract:
   ``start_new_session=True``, so pgid == pid) in reverse order, SIGKILL the groups still alive after
   ``grace_s``, wait up to ``kill_wait_s`` for them to go; returns the processes whose group needed
   SIGKILL. A group alive even then is the caller's to report (``group_alive``).
+- ``shared_host_omp_env(reserved_cores)``: OpenMP settings for vLLM's CPU build when other busy
+  processes share the host's cores.
 """
 
 from __future__ import annotations
@@ -111,3 +113,15 @@ def stop_process_groups(popens: Sequence[subprocess.Popen], grace_s: float,
         signal_group(p, signal.SIGKILL)
     _wait_gone(killed, kill_wait_s)
     return killed
+
+
+def shared_host_omp_env(reserved_cores: int, cores: int | None = None) -> dict[str, str]:
+    """OpenMP settings for vLLM's CPU build on a host whose cores it shares (``expresslane up``,
+    the tests): ``reserved_cores`` stay for the other busy processes (decode nodes, router, NATS).
+    vLLM's defaults bind one OpenMP thread to every core it is given and let them spin between
+    parallel regions; beside other busy processes each region then waits for a thread whose core
+    is taken (a 5 ms prefill took 30-140 ms at 4 concurrent express requests on 2 cores) and the
+    spinning takes cores from the rest. Here: ``cores - reserved_cores`` threads (at least one),
+    unbound, so the kernel places them where a core is free."""
+    cores = cores if cores is not None else len(os.sched_getaffinity(0))
+    return {"OMP_NUM_THREADS": str(max(1, cores - reserved_cores)), "VLLM_CPU_OMP_THREADS_BIND": "nobind"}

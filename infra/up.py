@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from infra.nats import stopping_with_parent
-from infra.processes import free_port, group_alive, signal_group, stop_process_groups
+from infra.processes import free_port, group_alive, shared_host_omp_env, signal_group, stop_process_groups
 from infra.vllm_flags import check_vllm_args, parser_flags, split_args
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -189,8 +189,12 @@ def plan(args: argparse.Namespace, model: Path, nats_url: str, py: str,
     else:
         missing.append("decode node (services/decode/main.py)")
     prefill_port = args.prefill_port or free_port()
+    # vLLM shares this host's cores with the decode nodes (one busy core each), the router, NATS
+    # and the coordinator (one more): its OpenMP threads take the rest, unbound (what the operator
+    # set in the environment wins)
+    omp = shared_host_omp_env(args.decode_nodes * args.decode_tp + 1)
     vllm_env = {"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
-                "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "0-1"),
+                **{k: os.environ.get(k, v) for k, v in omp.items()},
                 "EXPRESSLANE_NATS_URL": nats_url}
     if have("services.prefill.launch"):
         argv = cli + ["prefill", "--nats-url", nats_url, *bus_args("prefill"), "--model", str(model),

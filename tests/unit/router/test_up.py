@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from infra.processes import shared_host_omp_env
 from infra.up import Proc, build_parser, hold_workdir, main, plan, stop_all
 from services.prefill import launch
 from services.router.config import build_parser as router_parser
@@ -29,6 +30,31 @@ def test_plan_starts_every_piece_in_order(tmp_path):
     prefill_port = procs[3].health_url.rsplit(":", 1)[1].split("/")[0]
     assert router[router.index("--prefill-url") + 1] == f"http://127.0.0.1:{prefill_port}"
     assert all(p.health_url.endswith("/health") for p in procs)
+
+
+@pytest.mark.parametrize("cores, reserved, threads", [
+    (2, 3, "1"),   # two decode nodes + the control plane on two cores: one thread, never none
+    (2, 1, "1"),
+    (8, 3, "5"),
+    (16, 0, "16"),
+])
+def test_shared_host_omp_env_leaves_reserved_cores_and_binds_nothing(cores, reserved, threads):
+    assert shared_host_omp_env(reserved, cores) == {"OMP_NUM_THREADS": threads,
+                                                    "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+
+
+def test_prefill_vllm_gets_the_cores_the_decode_nodes_leave(tmp_path, monkeypatch):
+    (tmp_path / "config.json").write_text('{"model_type": "llama"}')
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(8)))
+    args = build_parser().parse_args(["--decode-nodes", "2", "--decode-tp", "2"])
+    prefill = {p.name: p for p in plan(args, tmp_path, "nats://x:1", sys.executable)[0]}["prefill"]
+    assert prefill.env["OMP_NUM_THREADS"] == "3"  # 8 cores - 4 decode ranks - 1
+    assert prefill.env["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"
+    monkeypatch.setenv("OMP_NUM_THREADS", "6")  # the operator's setting wins
+    prefill = {p.name: p for p in plan(args, tmp_path, "nats://x:1", sys.executable)[0]}["prefill"]
+    assert prefill.env["OMP_NUM_THREADS"] == "6"
 
 
 def test_coordinators_flag_starts_a_leader_and_standbys_first(tmp_path):
