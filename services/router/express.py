@@ -469,7 +469,9 @@ class ExpressStream:
         """Claim and prefill the first leg; returns the prompt's token ids."""
         t0 = time.perf_counter()
         warm = self.deps.warm
-        grant = (warm.take(self.info.name, self._num_prompt_tokens + self.max_tokens, int(time.time() * 1000))
+        now_s = time.monotonic()
+        grant = (warm.take(self.info.name, self._num_prompt_tokens + self.max_tokens, int(time.time() * 1000),
+                           lambda g: self.deps.nodes.serves_target(g.target, now_s))
                  if warm is not None else None)
         self.first_leg_id = grant.request_id if grant is not None else self.request_id
         if grant is not None:  # the trace still shows where the lease came from

@@ -2,9 +2,11 @@
 round trip to the coordinator (docs/design/warm-leases.md says why this and not another way).
 
 Contract (``WarmLeases``):
-- ``take(model, num_tokens, now_ms)``: a held grant for ``model`` whose slot holds ``num_tokens``
-  (prompt + output) and whose transfer deadline is at least half its lifetime away, or None. The
-  grant's request id becomes the id of the request's first leg.
+- ``take(model, num_tokens, now_ms, is_current=None)``: a held grant for ``model`` whose slot holds
+  ``num_tokens`` (prompt + output), whose transfer deadline is at least half its lifetime away and,
+  with ``is_current``, whose node still receives where the grant says (a grant on a node that
+  restarted since is left for ``stale`` to release, never handed out: its prefill's write would
+  fail), or None. The grant's request id becomes the id of the request's first leg.
 - ``wanted(model, free_slots)``: how many warm claims to send now: up to ``size`` held (or in
   flight) per model, and only while each leaves ``RESERVE`` of ``free_slots`` unheld, so that a
   warm lease does not take the last free slot a claim would have queued for. ``free_slots``: the
@@ -45,9 +47,11 @@ class WarmLeases:
     held: dict[str, list[_Held]] = field(default_factory=dict)
     pending: dict[str, int] = field(default_factory=dict)  # claims in flight per model
 
-    def take(self, model: str, num_tokens: int, now_ms: int) -> ClaimGranted | None:
+    def take(self, model: str, num_tokens: int, now_ms: int,
+             is_current: Callable[[ClaimGranted], bool] | None = None) -> ClaimGranted | None:
         for i, h in enumerate(self.held.get(model, [])):
-            if h.fresh(now_ms) and num_tokens <= h.grant.target.layout.max_tokens:
+            if (h.fresh(now_ms) and num_tokens <= h.grant.target.layout.max_tokens
+                    and (is_current is None or is_current(h.grant))):
                 return self.held[model].pop(i).grant
         return None
 

@@ -83,7 +83,9 @@ class World:
         layout = KvLayoutSpec(layout_version=1, kind="gqa", dtype="float32", num_layers=2, max_tokens=256,
                               slot_nbytes=1, segments=[])
         self.heartbeat = NodeAvailable(node_id="n0", model=self.model_dir, protocol_version=1, total_slots=1,
-                                       free_slots=[0], transports=["mooncake"], endpoints={}, slots=[],
+                                       free_slots=[0], transports=["mooncake"],
+                                       endpoints={"mooncake": "127.0.0.1:1"},  # where grants point
+                                       slots=[SlotTarget(slot=i, base_addr=0, nbytes=1) for i in (0, 1)],
                                        layout=layout, heartbeat_interval_ms=60_000, seq=1, sent_at_ms=0)
         self.layout = layout
 

@@ -38,6 +38,17 @@ def test_take(received, now, tokens, taken):
     assert w.take("other-model", 1, now) is None
 
 
+def test_take_skips_a_grant_whose_node_changed_and_leaves_it_for_stale():
+    w = WarmLeases(size=2)
+    w.add("m", grant("old", 31_000), 1000)  # granted before its node restarted
+    w.add("m", grant("new", 31_000), 1000)
+    current = lambda g: g.request_id != "old"  # noqa: E731
+    assert w.take("m", 1, 1000, current).request_id == "new"
+    assert w.take("m", 1, 1000, current) is None
+    assert [g.request_id for g in w.stale(current)] == ["old"]
+    assert w.held_ids() == []
+
+
 # (size, held, in flight, free slots by heartbeat) -> claims to send
 WANTED_CASES = [
     (1, 0, 0, 2, 1),   # one free slot stays unheld
