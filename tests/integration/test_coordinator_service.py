@@ -243,6 +243,8 @@ async def test_last_of_n_plus_one_claims_waits_then_is_granted(stack):
     assert isinstance(third, ClaimGranted) and third.target.slot.slot == grants[0].target.slot.slot
     assert third.generation > max(g.generation for g in grants)
     assert stack.states("r0") == ["claimed", "kv_ready", "decoding", "completed"]
+    # the grant's handoff event goes out after its reply: wait for it to arrive here too
+    await stack.wait_state("r2", "claimed")
     assert stack.states("r2")[:2] == ["queued", "claimed"]
     for g in (grants[1], third):
         _, end = await collect(await run_request(stack, g, prompt_len=8, max_tokens=3))
@@ -336,6 +338,7 @@ async def test_coordinator_restart_mid_handoff_loses_no_lease(stack):
     third = await asyncio.wait_for(waiting, 10)
     assert isinstance(third, ClaimGranted) and third.target.slot.slot == grant.target.slot.slot
     assert third.generation > other.generation  # generations never repeat across the restart
+    await stack.wait_state("r2", "claimed")  # published after the reply
     assert stack.states("r2") == ["queued", "claimed"]
     await stack.coord.wait_healthy(10, until=lambda h: h["leases"] == 2 and h["queued"] == 0)
     for g in (other, third):  # r1's lease survived the restart too
