@@ -265,6 +265,10 @@ class NodeAvailable(Event, tag="node_available"):
     max_seq_len: int = 0
     # A tensor-parallel node's ranks 1..N-1 (the fields above are rank 0's); empty: one rank.
     ranks: list[RankEndpoints] = []
+    # The slot release that made the node beat now (at most one; empty in periodic beats): the
+    # coordinator may free a decoding lease's slot on it at once; the same SlotReleased still
+    # follows through the report stream, which stays the record (docs/design/slot-release.md).
+    released: list["SlotReleased"] = []
 
     @property
     def capacity_tokens(self) -> int:

@@ -28,6 +28,10 @@ Contract:
 - Handoff states: claimed -> kv_ready -> decoding -> completed | failed | cancelled, each published
   as a ``HandoffEvent`` on ``xl.handoff.<request_id>.<state>``; queued and rejected likewise. A
   lease's terminal event also goes to its node, on ``xl.decode.<node>.ended``.
+- Early release: a heartbeat may carry the ``SlotReleased`` that made the node beat; for a lease
+  of that node in state ``decoding`` it is applied at once (the slot goes to a waiting claim
+  without the report stream's round trips), and the same report, when it comes, changes nothing.
+  Any other lease waits for the report, which stays the record (docs/design/slot-release.md).
 - Fencing: a lease whose KV-ready has not arrived fails at the transfer deadline but keeps its slot
   until the transfer deadline + grace (a writer may still be live) unless KvReady/KvFailed shows the
   writer stopped. An ended lease also keeps its slot until the node reports ``SlotReleased`` (or
@@ -86,6 +90,9 @@ from services.coordinator.model import (
 from services.coordinator.registry import NodeRegistry
 
 
+RELEASED_EARLY_REMEMBERED = 1024  # early releases whose report has not come yet
+
+
 class CoordinatorCore:
     """Leases, queue and node registry; every input method returns the effects to perform."""
 
@@ -102,6 +109,7 @@ class CoordinatorCore:
         self.last_tick_ms: int | None = None  # None: no tick since restore (see tick())
         self.last_stall_ms = 0  # what the last tick allowed for the coordinator not listening
         self.counters: Counter[str] = Counter()
+        self.released_early: dict[str, None] = {}  # lease ids freed on a heartbeat, report pending
 
     # ------------------------------------------------------------ restore / inspection
 
@@ -122,7 +130,7 @@ class CoordinatorCore:
     def drop_state(self) -> None:
         """Leadership lost: forget leases, waiting claims and generations (the bucket and the next
         leader own them); keep what heartbeats taught about nodes."""
-        self.leases, self.queue = {}, []
+        self.leases, self.queue, self.released_early = {}, [], {}
         self.next_generation = self.reserved_generation = 1
         self.warmup_until_ms = 0
 
@@ -161,7 +169,23 @@ class CoordinatorCore:
             self.counters["nodes_joined"] += 1
         if self.registry.heartbeat(hb, now_ms):
             effects += self._fail_node_leases(hb.node_id, "node_restarted", now_ms)
+        for msg in hb.released:
+            effects += self._release_early(msg, hb.node_id, now_ms)
         return effects + self._sweep_and_dispatch(now_ms)
+
+    def _release_early(self, msg: SlotReleased, node_id: str, now_ms: int) -> list[Effect]:
+        """A release the node's heartbeat carries: applied now for a decoding lease of that node
+        (its writer is done, its earlier reports are in); anything else waits for the report."""
+        lease = self.leases.get(msg.lease_id)
+        if (lease is None or msg.node_id != node_id or lease.state != "decoding"
+                or (lease.generation, lease.node_id, lease.slot) != (msg.generation, msg.node_id, msg.slot)):
+            return []
+        self.released_early[msg.lease_id] = None
+        while len(self.released_early) > RELEASED_EARLY_REMEMBERED:
+            del self.released_early[next(iter(self.released_early))]
+        self.counters["slots_released_early"] += 1
+        lease.is_node_released = True
+        return self._end(lease, msg.outcome, msg.reason, now_ms) + [PutLease(lease)]
 
     def on_heard(self, node_id: str, now_ms: int) -> None:
         """A message of the node arrived now: proof of life, even while its handling (a heartbeat
@@ -359,6 +383,9 @@ class CoordinatorCore:
                 Observe("handoff", (now_ms - lease.claimed_at_ms) / 1000)]
 
     def on_slot_released(self, msg: SlotReleased, now_ms: int) -> list[Effect]:
+        if msg.lease_id in self.released_early:  # its heartbeat carried it: applied then
+            del self.released_early[msg.lease_id]
+            return []
         lease = self._current(msg.lease_id, msg.generation, msg.node_id, msg.slot)
         if lease is None:
             return []

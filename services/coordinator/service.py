@@ -395,13 +395,16 @@ class CoordinatorService:
         """Never waits: the node is alive now, whatever a state write in progress waits for
         (nats-py hands this subscription its next message only once this returns)."""
         self.core.on_heard(event.node_id, now_ms())
-        self._node_q.put_nowait(event)
+        # a beat carrying a slot release is applied in that lease's trace (the node sent it there)
+        ctx = extract_context(msg.headers) if getattr(event, "released", None) else None
+        self._node_q.put_nowait((event, ctx))
 
     async def _node_loop(self) -> None:
         """Heartbeats and drain notices in arrival order, each applied as it comes (a restart
         fails the node's old leases, freed slots go to waiting claims)."""
         while True:
-            event = await self._node_q.get()
+            event, ctx = await self._node_q.get()
+            token = otel_context.attach(ctx) if ctx is not None else None
             try:
                 if not self.is_serving:
                     self.core.observe_node(event, now_ms())
@@ -411,6 +414,9 @@ class CoordinatorService:
                     await self._apply(self.core.on_draining, event)
             except Exception:
                 self.log.exception("node_message_failed", node_id=event.node_id)
+            finally:
+                if token is not None:
+                    otel_context.detach(token)
 
     async def _on_inbox(self, msg) -> None:
         """Decode and queue a report; the inbox task applies what is waiting in one batch."""

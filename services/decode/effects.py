@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shared.events import Event, SamplingParams
+from shared.events import Event, SamplingParams, SlotReleased
 
 
 @dataclass(frozen=True)
@@ -20,7 +20,11 @@ class Publish:
 
 @dataclass(frozen=True)
 class Heartbeat:
-    """Republish availability now (a slot became busy or free)."""
+    """Republish availability now (a slot became busy or free); ``released``: the release that
+    freed it, carried in the beat so the coordinator can free the slot without waiting for the
+    report stream (the report still follows)."""
+
+    released: SlotReleased | None = None
 
 
 @dataclass(frozen=True)

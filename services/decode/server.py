@@ -187,8 +187,9 @@ class DecodeNode:
             case Publish():
                 with self.traces.use(e.lease_id):  # tokens (by index), ends: replayable
                     await self.bus.publish(e.subject, e.event, replay=True)
-            case Heartbeat():
-                await self.avail.publish()
+            case Heartbeat():  # a release's beat goes out in its lease's trace, as its report
+                with self.traces.use(e.released.lease_id) if e.released else contextlib.nullcontext():
+                    await self.avail.publish(e.released)
             case ReleaseEngine():
                 self.engine.release(e.slot)
             case Finished():

@@ -414,11 +414,13 @@ class SlotCore:
         if s.waiting is not None and s.waiting.lease_id == lease_id:
             s.waiting, was_held = None, True
         self.counters[f"released.{stop.outcome}"] += 1
+        released = SlotReleased(request_id=request_id, lease_id=lease_id, generation=generation,
+                                node_id=self.node_id, slot=slot, outcome=stop.outcome, reason=stop.reason)
         effects: list[Effect] = [
-            Heartbeat(),  # availability first, so the coordinator sees the slot free
-            Publish(subjects.COORD_REPORT, SlotReleased(
-                request_id=request_id, lease_id=lease_id, generation=generation,
-                node_id=self.node_id, slot=slot, outcome=stop.outcome, reason=stop.reason), lease_id),
+            # availability first, carrying the release: the coordinator frees the slot on it
+            # without the report stream's round trips; the report is the record
+            Heartbeat(released),
+            Publish(subjects.COORD_REPORT, released, lease_id),
         ]
         if was_held:
             effects.append(Forget(lease_id))

@@ -68,7 +68,13 @@ class Harness:
     def run(self, t, op, args):
         c = self.core
         if op == "hb":
-            effects = c.on_heartbeat(hb(**args), t)
+            released = [SlotReleased(**self.report_args(rid), outcome="completed")
+                        for rid in args.pop("released", ())]
+            beat = hb(**args)
+            if released:  # the beat a release made (as the node sends it)
+                beat = msgspec.structs.replace(beat, released=[
+                    msgspec.structs.replace(r, node_id=beat.node_id) for r in released])
+            effects = c.on_heartbeat(beat, t)
         elif op == "drain":
             effects = c.on_draining(NodeDraining(node_id=args["node"], sent_at_ms=t), t)
         elif op == "claim":
@@ -230,6 +236,39 @@ CASES = {
         (5, "released", {"rid": "r1"}, {"reply": {"r2": (G, "n1", 0, 2)}, "queue": [],
                                         "events": [("r1", "completed"), ("r2", "claimed")]}),
         *finish("r2", 6),
+    ],
+    "heartbeat_release_grants_the_waiting_claim_and_the_report_changes_nothing": [
+        (0, "hb", {"free": (0,)}, {}),
+        (1, "claim", {"rid": "r1"}, {"reply": {"r1": (G, "n1", 0, 1)}}),
+        (2, "claim", {"rid": "r2"}, {"queue": ["r2"]}),
+        (3, "kv_ready", {"rid": "r1"}, {}),
+        (4, "started", {"rid": "r1"}, {"queue": ["r2"]}),
+        (5, "hb", {"free": (0,), "released": ["r1"]}, {
+            "reply": {"r2": (G, "n1", 0, 2)}, "queue": [], "held": [("n1", 0)],
+            "events": [("r1", "completed"), ("r2", "claimed")]}),
+        (6, "released", {"rid": "r1"}, {"events": [], "stale": 0, "held": [("n1", 0)],
+                                        "state": {"r2": "claimed"}}),
+        *finish("r2", 7),
+    ],
+    "heartbeat_release_before_decoding_waits_for_the_report": [
+        (0, "hb", {"free": (0,)}, {}),
+        (1, "claim", {"rid": "r1"}, {}),
+        (2, "claim", {"rid": "r2"}, {"queue": ["r2"]}),
+        (3, "kv_ready", {"rid": "r1"}, {}),
+        # the node's DecodeStarted is still in the report stream: its order is kept
+        (4, "hb", {"free": (0,), "released": ["r1"]}, {"events": [], "queue": ["r2"],
+                                                        "state": {"r1": "kv_ready"}}),
+        (5, "started", {"rid": "r1"}, {"events": [("r1", "decoding")]}),
+        (6, "released", {"rid": "r1"}, {"events": [("r1", "completed"), ("r2", "claimed")],
+                                        "reply": {"r2": (G, "n1", 0, 2)}}),
+        *finish("r2", 7),
+    ],
+    "heartbeat_release_of_another_nodes_lease_is_ignored": [
+        (0, "hb", {"node": "a", "free": (0,)}, {}),
+        (0, "hb", {"node": "b", "free": (0,)}, {}),
+        *decoding("r1", 1),
+        (2, "hb", {"node": "b", "free": (0,), "released": ["r1"]}, {"events": [], "held": [("a", 0)]}),
+        (3, "released", {"rid": "r1"}, {"events": [("r1", "completed")]}),
     ],
     "gated_dispatch_oldest_first": [
         (0, "hb", {"free": (0,)}, {}),

@@ -48,8 +48,8 @@ def ended(gen, state, slot=0, node=NODE, reason="why"):
 
 def show(e):
     """An effect in a few words (Finished and Forget are checked by the leak check)."""
-    if isinstance(e, Heartbeat):
-        return "hb"
+    if isinstance(e, Heartbeat):  # a beat a release made carries it, as the report that follows
+        return "hb" if e.released is None else ("hb", e.released.lease_id, e.released.outcome, e.released.reason)
     if isinstance(e, ReleaseEngine):
         return ("release_engine", e.slot)
     ev = e.event
@@ -186,7 +186,7 @@ def decoding(gen=1, slot=0, **kw):
 
 
 def released(gen, outcome="completed", reason=""):
-    return ["hb", ("released", f"L{gen}", outcome, reason)]
+    return [("hb", f"L{gen}", outcome, reason), ("released", f"L{gen}", outcome, reason)]
 
 
 CASES = {
