@@ -147,6 +147,23 @@ def test_decoder_follows_the_reference_step(name):
     assert int(dec.pos) == ctx + steps and torch.equal(dec.residual, m.embed[expected[-1]])
 
 
+@pytest.mark.parametrize("name,attn_warps,want", [
+    ("qwen3 (q/k norm in attention)", None, 8),  # the split kernel's prologue normalises q and K
+    ("qwen3 (q/k norm kernel)", None, 4),
+    ("qwen3 on cuBLAS", None, 4),
+    ("qwen2 (qkv bias)", None, 4),
+    ("qwen3 (q/k norm in attention)", 2, 2),  # an explicit choice wins
+])
+def test_attention_warps_follow_where_the_qk_norm_runs(name, attn_warps, want):
+    bias, o_bias, qk_norm, backend, where = DECODERS[name]
+    m, n, d = tiny_model(bias, o_bias, qk_norm), 40, 16
+    g = _gen(1)
+    caches = [[_rand(g, n, 2, d) for _ in m.layers] for _ in range(2)]
+    opts = FastOptions(backends={p: backend for p in TILES}, tiles=TILES, num_splits=4, block_s=16,
+                       qk_norm_in=where, attn_warps=attn_warps)
+    assert GqaDecoder(m, *caches, *_tables(n, d), opts, max_steps=8).attn.num_warps == want
+
+
 # ---------------------------------------------------------------- engine: fast path vs reference step
 
 SMALL = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,

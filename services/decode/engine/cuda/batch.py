@@ -475,7 +475,7 @@ class GqaBatchDecoder:
         self.amax_idx = torch.zeros(b, self.num_parts, dtype=torch.int32, device=dev)
         splits, block_s = self.opt.attn_tile(self.kv_fmt)
         self.attn = DecodeAttention(num_q_heads=hq, num_kv_heads=hkv, d_main=d, d_v=d, num_splits=splits,
-                                    block_s=block_s, num_warps=self.opt.attn_warps, pdl=self.opt.pdl,
+                                    block_s=block_s, num_warps=self.opt.attn_num_warps(False), pdl=self.opt.pdl,
                                     device=dev, max_batch=b, one_launch=self.opt.attn_one_launch)
         self.samplers: list | None = None
         # rope + K/V write in the QKV GEMV's epilogue (rows_qkv_rope): tensor-core mode and a qkv tile whose

@@ -126,7 +126,10 @@ class FastOptions:
     # blocks, best of run K1's sweep at 32K on H200 (233 tok/s against 189 with 16 x 64: a 1-byte tile with its
     # fp8 -> bf16 conversion needs more programs and bytes in flight)
     fp8_kv_attn: tuple[int, int] | None = (32, 128)
-    attn_warps: int = 4
+    # warps of the attention's split kernel; None: 8 where it normalises q/k in its prologue (Qwen3: +0.3-0.5%
+    # in runs Q8a, Q8b and Q12 on H200, its reductions spread over more warps), else 4 (Llama, Qwen2: -0.4%
+    # with 8 in Q12)
+    attn_warps: int | None = None
     # programmatic dependent launch (the next kernel's first weight tile overlaps our tail; -2.8% per step
     # on H200): None = on for sm_90+ CUDA devices
     pdl: bool | None = None
@@ -151,6 +154,12 @@ class FastOptions:
     # FP8 checkpoints (cuda/fp8.py): the rope + q / K / V stores in the FP8 QKV GEMV's epilogue (one launch
     # a layer, as the bf16 step); False: gemv_fp8 + rope_cache_write
     fp8_qkv_rope: bool = True
+
+    def attn_num_warps(self, qk_norm_in_attention: bool) -> int:
+        """The split kernel's warps (``attn_warps``, or its default for where q/k norm runs)."""
+        if self.attn_warps is not None:
+            return self.attn_warps
+        return 8 if qk_norm_in_attention else 4
 
     def attn_tile(self, kv_fmt: int) -> tuple[int, int]:
         """The attention's (num_splits, block_s) over a cache of this format (kvfp8.kv_fmt)."""
@@ -204,7 +213,8 @@ class GqaDecoder:
         splits, block_s = self.opt.attn_tile(self.kv_fmt)
         self.attn = DecodeAttention(num_q_heads=hq, num_kv_heads=hkv, d_main=d, d_v=d,
                                     num_splits=splits, block_s=block_s,
-                                    num_warps=self.opt.attn_warps, pdl=self.opt.pdl, device=dev,
+                                    num_warps=self.opt.attn_num_warps(self._qk_norm_in_attention()),
+                                    pdl=self.opt.pdl, device=dev,
                                     one_launch=self.opt.attn_one_launch,
                                     pos_row_prologue=self.opt.qk_pos_row_prologue,
                                     combine_warps=self.opt.attn_combine_warps)
@@ -268,6 +278,11 @@ class GqaDecoder:
             if lw.q_norm is not None:
                 return (lw.q_norm, lw.k_norm, eps, self.cos, self.sin)
         return None
+
+    def _qk_norm_in_attention(self) -> bool:
+        """Whether the attention's prologue normalises q and K (the last branch of ``_qkv``)."""
+        return (self.model.layers[0].q_norm is not None and self.opt.qk_norm_in == "attention"
+                and not self.kv_fmt and not self._cublas("qkv"))
 
     def kv_kwargs(self, i: int) -> dict:
         """The K/V writers' FP8 arguments for layer i (kv_fmt, inv_k, inv_v)."""
