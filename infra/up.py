@@ -253,7 +253,9 @@ def build_parser() -> argparse.ArgumentParser:
                "'-- --tool-call-parser hermes --enable-auto-tool-choice --reasoning-parser qwen3'. "
                "The router reads the same --tool-call-parser, --reasoning-parser and "
                "--enable-auto-tool-choice, so express-lane tool calls and reasoning are parsed by the "
-               "vLLM parsers the prefill runs; an unknown parser name stops 'up' at start.")
+               "vLLM parsers the prefill runs; an unknown parser name stops 'up' at start. vLLM's CPU "
+               "build gets the cores the decode nodes leave as unbound OpenMP threads (OMP_NUM_THREADS, "
+               "VLLM_CPU_OMP_THREADS_BIND=nobind; one on 2 cores) unless the environment sets them.")
     p.add_argument("--model", type=Path, default=None,
                    help="HF checkpoint directory (default: generate a tiny model)")
     p.add_argument("--arch", default="llama", help="architecture of the generated tiny model")
