@@ -1,8 +1,8 @@
 """What a decode node tells the coordinator and routers about itself: ``NodeAvailable`` on
 ``xl.node.<node>.avail`` (free slots, versions, transport endpoint, slot buffer addresses, layout)
 every ``--heartbeat-ms``, at once when the slot core asks (a slot freed or taken; a freed slot's
-beat carries its ``SlotReleased``) and when NATS comes back; ``NodeDraining`` instead once the node drains. A tensor-parallel node lists its ranks
-1..N-1's receive buffers in ``ranks``. ``seq`` grows with every message, so a
+beat carries its ``SlotReleased``) and when NATS comes back; ``NodeDraining`` instead once the node
+drains. A tensor-parallel node lists its ranks 1..N-1's receive buffers in ``ranks``. ``seq`` grows with every message, so a
 restarted node (seq from 1 again) is told apart from a late message."""
 
 from __future__ import annotations

@@ -164,6 +164,19 @@ def test_attention_warps_follow_where_the_qk_norm_runs(name, attn_warps, want):
     assert GqaDecoder(m, *caches, *_tables(n, d), opts, max_steps=8).attn.num_warps == want
 
 
+@pytest.mark.parametrize("fp8_qkv_rope,want", [(True, 8), (False, 4)])  # False: a rope/norm kernel of its own
+def test_fp8_attention_warps_follow_where_the_qk_norm_runs(fp8_qkv_rope, want):
+    from services.decode.engine.cuda.fp8 import Fp8GqaDecoder, Fp8Scales
+
+    m, n, d = tiny_model(False, False, True), 40, 16
+    g = _gen(1)
+    caches = [[_rand(g, n, 2, d) for _ in m.layers] for _ in range(2)]
+    scales = [Fp8Scales(wqkv=torch.ones(layer.wqkv.shape[0])) for layer in m.layers]
+    opts = FastOptions(tiles=TILES, num_splits=4, block_s=16, fp8_qkv_rope=fp8_qkv_rope)
+    dec = Fp8GqaDecoder(m, *caches, *_tables(n, d), opts, max_steps=8, scales=scales, act_fp8=False)
+    assert dec.attn.num_warps == want
+
+
 # ---------------------------------------------------------------- engine: fast path vs reference step
 
 SMALL = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,

@@ -327,22 +327,28 @@ class Fp8GqaDecoder(GqaDecoder):
     def __init__(self, model, k_caches, v_caches, cos, sin, options=None, max_steps: int = 4096, *,
                  scales: list[Fp8Scales], act_fp8: bool, kv_format: str | None = None,
                  kv_scales: list[tuple[float, float]] | None = None):
-        super().__init__(model, k_caches, v_caches, cos, sin, options, max_steps, kv_format, kv_scales)
         if len(scales) != len(model.layers):
             raise ValueError(f"{len(scales)} layers of FP8 scales for {len(model.layers)} layers")
-        self.scales, self.act_fp8 = scales, act_fp8
+        self.scales, self.act_fp8 = scales, act_fp8  # before the base's set-up, which asks _norms_in_attention
+        super().__init__(model, k_caches, v_caches, cos, sin, options, max_steps, kv_format, kv_scales)
 
     def fp8_tile_kwargs(self, name: str) -> dict:
         """tile_kwargs for projection ``name`` in FP8 (FastOptions.fp8_tiles)."""
         bn, bk, nw, st = self.opt.fp8_tiles[name]
         return dict(block_n=bn, block_k=bk, num_warps=nw, stages=st, pdl=self.opt.pdl)
 
+    def _norms_in_attention(self, i: int) -> bool:
+        if self.scales[i].wqkv is None:
+            return super()._norms_in_attention(i)
+        return (self.model.layers[i].q_norm is not None and self.opt.fp8_qkv_rope
+                and self.opt.qk_norm_in == "attention" and not self.kv_fmt)
+
     def _qkv(self, i: int):
         sc = self.scales[i]
         if sc.wqkv is None:
             return super()._qkv(i)
         m, lw, eps = self.model, self.model.layers[i], self.model.eps
-        if self.opt.fp8_qkv_rope and (lw.q_norm is None or (self.opt.qk_norm_in == "attention" and not self.kv_fmt)):
+        if self.opt.fp8_qkv_rope and (lw.q_norm is None or self._norms_in_attention(i)):
             # one launch; Qwen3's q/k norm + rope then run in the attention (as the bf16 step does). A
             # program's rows lie in one head half: the tile's block_n cut to divide head_dim / 2
             tile = self.fp8_tile_kwargs("qkv")

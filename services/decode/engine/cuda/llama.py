@@ -213,7 +213,7 @@ class GqaDecoder:
         splits, block_s = self.opt.attn_tile(self.kv_fmt)
         self.attn = DecodeAttention(num_q_heads=hq, num_kv_heads=hkv, d_main=d, d_v=d,
                                     num_splits=splits, block_s=block_s,
-                                    num_warps=self.opt.attn_num_warps(self._qk_norm_in_attention()),
+                                    num_warps=self.opt.attn_num_warps(self._norms_in_attention(0)),
                                     pdl=self.opt.pdl, device=dev,
                                     one_launch=self.opt.attn_one_launch,
                                     pos_row_prologue=self.opt.qk_pos_row_prologue,
@@ -266,7 +266,7 @@ class GqaDecoder:
             smallops.rmsnorm(self.residual, lw.attn_norm, self.xn, eps)
             qkv = self._linear_into(self.xn, lw.wqkv, self.tmp[: lw.wqkv.shape[0]], lw.bqkv)
             smallops.rope_cache_write(qkv, self.query, kc, vc, self.pos, self.cos, self.sin, **heads, **norms, **kv)
-        elif lw.q_norm is not None and (self.opt.qk_norm_in == "kernel" or self.kv_fmt):
+        elif lw.q_norm is not None and not self._norms_in_attention(i):
             qkv = gemv.gemv(self.residual, lw.wqkv, self.tmp[: lw.wqkv.shape[0]], norm_w=lw.attn_norm, eps=eps,
                             bias=lw.bqkv, **self.tile_kwargs("qkv"))
             smallops.rope_cache_write(qkv, self.query, kc, vc, self.pos, self.cos, self.sin, **heads, **norms,
@@ -279,10 +279,10 @@ class GqaDecoder:
                 return (lw.q_norm, lw.k_norm, eps, self.cos, self.sin)
         return None
 
-    def _qk_norm_in_attention(self) -> bool:
-        """Whether the attention's prologue normalises q and K (the last branch of ``_qkv``)."""
-        return (self.model.layers[0].q_norm is not None and self.opt.qk_norm_in == "attention"
-                and not self.kv_fmt and not self._cublas("qkv"))
+    def _norms_in_attention(self, i: int) -> bool:
+        """Whether ``_qkv`` leaves layer i's q/k RMSNorm + rope (Qwen3) to the attention's prologue."""
+        return (self.model.layers[i].q_norm is not None and not self._cublas("qkv")
+                and self.opt.qk_norm_in == "attention" and not self.kv_fmt)
 
     def kv_kwargs(self, i: int) -> dict:
         """The K/V writers' FP8 arguments for layer i (kv_fmt, inv_k, inv_v)."""
