@@ -33,7 +33,7 @@ from .cache import KvCache
 from .config import ModelConfig
 from .cuda.reference import limit_to_groups
 from .fp8 import expert, expert_matmul, linear
-from .layers import causal_mask, rms_norm, swiglu, write_cache
+from .layers import cached_rows, causal_mask, rms_norm, swiglu, write_cache
 from .rope import apply_rope, rope_tables, yarn_mscale
 from .tp import ShardPlan, TensorParallel, gather_vocab, plan
 from .weights import is_moe_layer
@@ -177,7 +177,7 @@ class DeepseekModel(nn.Module):
         write_cache(cache, slot_ids, positions, torch.cat([c, k_pe], dim=-1))
         q_c = torch.einsum("bthn,hnr->bhtr", q_nope, blk.w_uk)  # absorbed: [B, H, T, r]
         query = torch.cat([q_c, q_pe.transpose(1, 2)], dim=-1)  # [B, H, T, r + rope]
-        kv = cache[:, : mask.shape[-1]][slot_ids]  # [B, n, r + rope]: one KV head shared by all query heads
+        kv = cached_rows(cache, slot_ids, mask.shape[-1])  # [B, n, r + rope]: one KV head shared by all query heads
         scores = torch.matmul(query.flatten(1, 2), kv.transpose(1, 2)).view(b, nh, t, -1) * self.scale
         probs = scores.masked_fill(~mask, float("-inf")).softmax(dim=-1, dtype=torch.float32).to(kv.dtype)
         out = torch.matmul(probs.flatten(1, 2), kv[..., :r]).view(b, nh, t, r)  # [B, H, T, r]
@@ -198,7 +198,7 @@ class DeepseekModel(nn.Module):
         k = torch.cat([apply_rope(k[:, :, None, :rope], cos, sin, inter)[:, :, 0], k[..., rope:]], dim=-1)
         cache = self.cache.index_k[layer]
         write_cache(cache, slot_ids, positions, k)
-        keys = cache[:, : mask.shape[-1]][slot_ids].float()  # [B, S, d]
+        keys = cached_rows(cache, slot_ids, mask.shape[-1]).float()  # [B, S, d]
         scores = torch.relu(torch.einsum("bthd,bsd->bths", q.float(), keys) * d ** -0.5)
         weights = linear(x, blk.idx_weights).float() * nh ** -0.5  # [B, T, H]
         index = torch.einsum("bth,bths->bts", weights, scores).masked_fill(~mask[:, 0], float("-inf"))

@@ -18,7 +18,7 @@ from .cache import KvCache
 from .config import ModelConfig
 from .fp8 import linear
 from .kvquant import dequantize, quantize
-from .layers import attend, causal_mask, rms_norm, swiglu, write_cache
+from .layers import attend, cached_rows, causal_mask, rms_norm, swiglu, write_cache
 from .rope import apply_rope, rope_tables
 from .tp import ShardPlan, TensorParallel, gather_vocab, plan
 
@@ -71,25 +71,27 @@ class LlamaModel(nn.Module):
         b, t, _ = x.shape
         d, nq, nkv = cfg.head_dim, self.plan.heads, self.plan.kv_heads
         qkv = linear(x, blk.wqkv, blk.bqkv)
-        q, k, v = qkv.split([nq * d, nkv * d, nkv * d], dim=-1)
-        q, k, v = q.view(b, t, nq, d), k.view(b, t, nkv, d), v.view(b, t, nkv, d)
-        if blk.q_norm is not None:
+        v = qkv[..., (nq + nkv) * d:].view(b, t, nkv, d)
+        if blk.q_norm is None:  # q and K rotated in one pass (elementwise: the same values as two)
+            q, k = apply_rope(qkv[..., :(nq + nkv) * d].view(b, t, nq + nkv, d), cos, sin).split([nq, nkv], dim=2)
+        else:
+            q, k = qkv[..., :nq * d].view(b, t, nq, d), qkv[..., nq * d:(nq + nkv) * d].view(b, t, nkv, d)
             q, k = rms_norm(q, blk.q_norm, cfg.rms_norm_eps), rms_norm(k, blk.k_norm, cfg.rms_norm_eps)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         n = mask.shape[-1]  # keys attended: a prefix of the cache covering every position in the step
         fmt = cache.kv_format
         if fmt is None:
             write_cache(cache.k_caches[i], slot_ids, positions, k)
             write_cache(cache.v_caches[i], slot_ids, positions, v)
-            keys = cache.k_caches[i][:, :n].index_select(0, slot_ids).transpose(1, 2)  # [B, Hkv, n, D]
-            values = cache.v_caches[i][:, :n].index_select(0, slot_ids).transpose(1, 2)
+            keys = cached_rows(cache.k_caches[i], slot_ids, n).transpose(1, 2)  # [B, Hkv, n, D]
+            values = cached_rows(cache.v_caches[i], slot_ids, n).transpose(1, 2)
             out = attend(q.transpose(1, 2), keys, values, mask, d**-0.5)  # [B, T, Hq, D]
         else:  # FP8 KV as vLLM's CPU attention: bytes written truncated, read dequantized, attention in fp32
             ks, vs = cache.scales[i]
             write_cache(cache.k_caches[i], slot_ids, positions, quantize(k, ks, fmt))
             write_cache(cache.v_caches[i], slot_ids, positions, quantize(v, vs, fmt))
-            keys = dequantize(cache.k_caches[i][:, :n][slot_ids], ks, fmt).transpose(1, 2)
-            values = dequantize(cache.v_caches[i][:, :n][slot_ids], vs, fmt).transpose(1, 2)
+            keys = dequantize(cached_rows(cache.k_caches[i], slot_ids, n), ks, fmt).transpose(1, 2)
+            values = dequantize(cached_rows(cache.v_caches[i], slot_ids, n), vs, fmt).transpose(1, 2)
             out = attend(q.float().transpose(1, 2), keys, values, mask, d**-0.5).to(x.dtype)
         out = out.reshape(b, t, nq * d)
         if self.tp.size == 1:
