@@ -8,6 +8,8 @@ Its parts:
   flight). Only the scheduler moves FREE -> RESERVED; only the worker moves a slot back to FREE.
   After the slot bytes come 64-bit counters, each written by one side only: ``claimed``,
   ``not_handed_off``, ``decode_started`` (decodes the prefill started itself: scheduler),
+  ``first_token_direct`` (first tokens the scheduler wrote on its own connection, not through
+  the loop thread: scheduler),
   ``kv_ready``, ``kv_failed`` (worker).
 - Tensor parallelism: each staging rank (services.prefill.parallel) has its own pool and its own
   state file, ``rank_path(path, rank)`` (rank 0's is ``path`` itself). The scheduler reserves
@@ -35,7 +37,7 @@ import threading
 
 FREE, RESERVED, SENDING = 0, 1, 2
 STATE_NAMES = {FREE: "free", RESERVED: "reserved", SENDING: "sending"}
-COUNTERS = ("claimed", "not_handed_off", "kv_ready", "kv_failed", "decode_started")
+COUNTERS = ("claimed", "not_handed_off", "kv_ready", "kv_failed", "decode_started", "first_token_direct")
 
 
 def _file_size(num_slots: int) -> int:
@@ -138,7 +140,7 @@ class RankSlotStates:
 
 def read_stats(path: str) -> dict:
     """A running prefill's staging slots and counters: {"total", "free", "reserved", "sending",
-    "claimed", "not_handed_off", "kv_ready", "kv_failed", "decode_started"}. A tensor-parallel
+    "claimed", "not_handed_off", "kv_ready", "kv_failed", "decode_started", "first_token_direct"}. A tensor-parallel
     prefill's ranks are merged: a slot counts as its busiest rank's state, counters add up (so
     ``kv_ready`` counts every rank's KvReady)."""
     merged: list[int] | None = None

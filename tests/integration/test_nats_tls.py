@@ -196,3 +196,39 @@ async def test_prefill_publisher_speaks_over_tls_with_its_files(tls_server, secr
     finally:
         await asyncio.to_thread(publisher.close)
         await tools.close()
+
+
+async def test_the_prefills_direct_connection_speaks_tls_with_its_password(tls_server, secrets, tmp_path):
+    """shared.bus_direct (the first token's connection inside vLLM) over TLS as the prefill user:
+    its messages arrive; a wrong password is refused, and the caller keeps its other path."""
+    from shared.bus_direct import DirectPublisher, wait_connected
+
+    tools = await Bus.connect(tls_server.url, name="tools", auth=auth_for(secrets, "tools"))
+    seen: asyncio.Queue = asyncio.Queue()
+
+    async def watch(msg):
+        await seen.put((msg.subject, msg.data))
+
+    await tools.nc.subscribe(subjects.req_tokens(RID), cb=watch)
+    await tools.flush()
+    direct = DirectPublisher(tls_server.url, name="prefill-first", auth=auth_for(secrets, "prefill"))
+    wrong = tmp_path / "wrong.password"
+    wrong.write_text("not-the-password\n")
+    refused = DirectPublisher(tls_server.url, name="prefill-first",
+                              auth=auth_for(secrets, "prefill", password_file=str(wrong)))
+    try:
+        assert await asyncio.to_thread(wait_connected, direct, WAIT_S)
+        token = ev.PrefillToken(request_id=RID, token_id=5, finish_reason="length", prompt_token_ids=[1])
+        assert direct.publish([(subjects.req_tokens(RID), token, "")])
+        subject, data = await asyncio.wait_for(seen.get(), WAIT_S)
+        assert subject == subjects.req_tokens(RID) and ev.decode_any(data) == token
+        for _ in range(500):
+            if "authorization" in refused.last_error.lower():
+                break
+            await asyncio.sleep(0.02)
+        assert "authorization" in refused.last_error.lower()
+        assert not refused.is_connected and refused.publish([(subjects.req_tokens(RID), token, "")]) is False
+    finally:
+        direct.close()
+        refused.close()
+        await tools.close()
