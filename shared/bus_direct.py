@@ -210,7 +210,7 @@ class DirectPublisher:
                     with self._lock:
                         buf = self._answer(sock, buf)
                     continue
-                ready = select.select([sock], [], [], 1.0)[0] or (isinstance(sock, ssl.SSLSocket) and sock.pending())
+                ready = select.select([sock], [], [], 0.25)[0] or (isinstance(sock, ssl.SSLSocket) and sock.pending())
                 if not ready:
                     continue
                 with self._lock:

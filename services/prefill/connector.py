@@ -44,7 +44,6 @@ from services.prefill.parallel import split_refusal, staging_ranks
 from services.prefill.publisher import Publisher
 from services.prefill.scheduler import ExpressScheduler, SaveRequest
 from services.prefill.staging import RankSlotStates
-from shared.bus_direct import DirectPublisher
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -80,7 +79,6 @@ class ExpressConnector(KVConnectorBase_V1, SupportsHMA):
         self._scheduler: ExpressScheduler | None = None
         self._worker = None
         self._publisher: Publisher | None = None
-        self._direct: DirectPublisher | None = None
         if role == KVConnectorRole.SCHEDULER:
             model = vllm_config.model_config
             kind, tp_size = "mla" if model.use_mla else "gqa", vllm_config.parallel_config.tensor_parallel_size
@@ -90,12 +88,9 @@ class ExpressConnector(KVConnectorBase_V1, SupportsHMA):
             max_tokens = config.staging_max_tokens or model.max_model_len
             self._scheduler = ExpressScheduler(states, max_tokens, refusal)
             # The first token and the decode start leave from here, the moment the scheduler has
-            # them (before vLLM's response carries the token): written by this thread on its own
-            # connection (shared.bus_direct), through the loop thread's while that one is down.
+            # them (before vLLM's response carries the token), written by this thread (publisher.py).
             self._publisher = Publisher(config.nats_url, name=f"prefill-sched-{engine_id[:8]}",
                                         auth=config.bus_auth())
-            self._direct = DirectPublisher(config.nats_url, name=f"prefill-first-{engine_id[:8]}",
-                                           auth=config.bus_auth())
         else:
             from services.prefill.worker import ExpressWorker
 
@@ -127,8 +122,6 @@ class ExpressConnector(KVConnectorBase_V1, SupportsHMA):
             self._worker.shutdown()
         if self._publisher is not None:
             self._publisher.close()
-        if self._direct is not None:
-            self._direct.close()
 
     # ---------------------------------------------------------------- scheduler side
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
@@ -164,9 +157,6 @@ class ExpressConnector(KVConnectorBase_V1, SupportsHMA):
             messages = sched.on_first_token(request.request_id, list(request.output_token_ids),
                                             str(reason) if reason is not None else None,
                                             request.prompt_token_ids or [])
-            if messages and self._direct.publish(messages):
+            if messages and self._publisher.publish_many(messages) == "direct":
                 sched.slots.count("first_token_direct")
-            else:
-                for subject, event, traceparent in messages:
-                    self._publisher.publish_nowait(subject, event, traceparent)
         return sched.on_finished(request.request_id)
