@@ -97,6 +97,13 @@ class ExpressConnector(KVConnectorBase_V1, SupportsHMA):
             self._worker = ExpressWorker(config, vllm_config, kv_cache_config, engine_id)
 
     # ---------------------------------------------------------------- worker side
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        # vLLM binds each step's metadata before its forward: the previous step's extraction
+        # (a thread, with host-memory caches) must have read its blocks before this forward writes.
+        if self._worker is not None:
+            self._worker.wait_extracted()
+        super().bind_connector_metadata(connector_metadata)
+
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self._worker.register_kv_caches(kv_caches)
 

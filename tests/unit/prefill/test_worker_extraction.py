@@ -1,0 +1,78 @@
+"""With the KV cache in host memory the worker stages a step's requests on its extraction thread:
+``wait_for_save`` returns while the copies run, and ``wait_extracted`` (what the connector calls
+when vLLM binds the next step's metadata, before that step's forward) returns only after they have
+read the cache; one step's extraction at a time, in step order."""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+from services.prefill.worker import ExpressWorker
+
+WAIT_S = 10.0
+
+
+def _worker(record: list, gate: threading.Event) -> ExpressWorker:
+    w = ExpressWorker.__new__(ExpressWorker)  # only the parts wait_for_save's dispatch uses
+    w.stages = True
+    w._extractor = ThreadPoolExecutor(1, "test-extract")
+    w._extracting = None
+
+    def save(saves):
+        record.append(("start", saves))
+        assert gate.wait(WAIT_S)
+        record.append(("done", saves))
+
+    w._save = save
+    return w
+
+
+def test_extraction_runs_beside_the_step_and_before_the_next_forward():
+    record, gate = [], threading.Event()
+    w = _worker(record, gate)
+    try:
+        w.wait_for_save(["step-1"])  # returns with the copies still running (the gate is shut)
+        assert ("done", ["step-1"]) not in record
+        waited = threading.Event()
+        t = threading.Thread(target=lambda: (w.wait_extracted(), waited.set()))
+        t.start()
+        assert not waited.wait(0.05) and ("done", ["step-1"]) not in record
+        gate.set()
+        assert waited.wait(WAIT_S)
+        assert record == [("start", ["step-1"]), ("done", ["step-1"])]
+        t.join()
+        w.wait_extracted()  # nothing pending: returns at once
+    finally:
+        gate.set()
+        w._extractor.shutdown(wait=True)
+
+
+def test_steps_are_extracted_one_at_a_time_in_order():
+    record, gate = [], threading.Event()
+    gate.set()
+    w = _worker(record, gate)
+    try:
+        for i in range(5):
+            w.wait_for_save([f"step-{i}"])
+        w.wait_extracted()
+        assert record == [(what, [f"step-{i}"]) for i in range(5) for what in ("start", "done")]
+    finally:
+        w._extractor.shutdown(wait=True)
+
+
+def test_a_failed_extraction_is_logged_not_raised_into_the_step(caplog):
+    w = ExpressWorker.__new__(ExpressWorker)
+    w.stages, w._extracting = True, None
+    w._extractor = ThreadPoolExecutor(1, "test-extract")
+
+    def boom(saves):
+        raise RuntimeError("copy failed")
+
+    w._save = boom
+    try:
+        w.wait_for_save(["step-1"])
+        w.wait_extracted()
+        assert "extraction thread failed" in caplog.text
+    finally:
+        w._extractor.shutdown(wait=True)
