@@ -66,8 +66,8 @@ def hpub(subject: str, payload: bytes, headers: dict[str, str] | None) -> bytes:
     return b"HPUB %s %d %d\r\n%s%s\r\n" % (subject.encode(), len(hdr), len(hdr) + len(payload), hdr, payload)
 
 
-def connect_options(name: str, auth: BusAuth, url: urllib.parse.SplitResult, info: dict) -> dict:
-    """The CONNECT command's options for ``info`` (the server's INFO)."""
+def connect_options(name: str, auth: BusAuth, url: urllib.parse.SplitResult) -> dict:
+    """The CONNECT command's options: the bus's user and password, else credentials in ``url``."""
     options = {"verbose": False, "pedantic": False, "lang": "python3", "version": "expresslane",
                "protocol": 1, "name": name, "headers": True, "no_responders": True}
     if auth.user:
@@ -86,7 +86,6 @@ class DirectPublisher:
 
     def __init__(self, url: str, name: str = "expresslane-direct", auth: BusAuth | None = None,
                  send_timeout_s: float = 0.25) -> None:
-        self.url = url
         self._name = name
         self._auth = auth or BusAuth()
         self._send_timeout_s = send_timeout_s
@@ -188,7 +187,7 @@ class DirectPublisher:
                 sock = self._auth.ssl_context().wrap_socket(raw, server_hostname=server.hostname)
                 reader = _Lines(sock)
             self._max_payload = int(info.get("max_payload", self._max_payload))
-            options = connect_options(self._name, self._auth, server, info)
+            options = connect_options(self._name, self._auth, server)
             sock.sendall(b"CONNECT " + json.dumps(options).encode() + _CRLF + b"PING\r\n")
             while True:  # PONG: the server took CONNECT (a refusal is -ERR, then a close)
                 op, arg = reader.command()
@@ -203,10 +202,11 @@ class DirectPublisher:
             raise
 
     def _serve(self, sock: socket.socket, buf: bytes) -> None:
-        """Answer PINGs until the connection ends (the server closed it, or a write failed)."""
+        """Answer PINGs until the connection ends (the server closed it, or a write failed); ``buf``:
+        what the server sent after the handshake's PONG."""
         while not self._stopping.is_set() and sock is self._sock:
             try:
-                if _CRLF in buf:
+                if _CRLF in buf:  # lines that came with the handshake's PONG
                     with self._lock:
                         buf = self._answer(sock, buf)
                     continue

@@ -74,7 +74,7 @@ class Publisher:
 
     def publish(self, subject: str, event: Event, traceparent: str = "", timeout_s: float = 5.0) -> bool:
         """Publish with ``traceparent`` as the parent context; False when it could not be sent."""
-        if self._direct is not None and self._direct.publish([(subject, event, traceparent)]):
+        if self._written_directly([(subject, event, traceparent)]):
             return True
         if not self._connected.wait(timeout_s):
             log.error("expresslane: dropped %s for %s: NATS at %s not reachable",
@@ -92,8 +92,20 @@ class Publisher:
         """Hand the publish to the bus thread and return at once (the scheduler's loop must not
         wait on the network); events handed on in order leave in that order. False (logged) when
         NATS has not been reachable yet: the caller's slower path covers the event."""
-        if self._direct is not None and self._direct.publish([(subject, event, traceparent)]):
-            return True
+        return self._written_directly([(subject, event, traceparent)]) or self._hand_over(subject, event, traceparent)
+
+    def publish_many(self, messages: list[tuple[str, Event, str]]) -> str:
+        """``(subject, event, traceparent)`` messages, in order, without waiting: "direct" (written
+        in one send on this thread), "loop" (handed to the loop thread) or "" (dropped, logged)."""
+        if self._written_directly(messages):
+            return "direct"
+        return "loop" if all([self._hand_over(*m) for m in messages]) else ""
+
+    def _written_directly(self, messages: list[tuple[str, Event, str]]) -> bool:
+        return self._direct is not None and self._direct.publish(messages)
+
+    def _hand_over(self, subject: str, event: Event, traceparent: str) -> bool:
+        """Queue the publish on the loop thread; False (logged) while NATS has never been reached."""
         if not self._connected.is_set():
             log.warning("expresslane: dropped %s for %s: NATS at %s not connected yet",
                         type(event).__name__, subject, redact_url(self.nats_url))
@@ -102,14 +114,6 @@ class Publisher:
         future.add_done_callback(lambda f: f.cancelled() or f.exception() is None or log.error(
             "expresslane: publish of %s to %s failed: %s", type(event).__name__, subject, f.exception()))
         return True
-
-    def publish_many(self, messages: list[tuple[str, Event, str]]) -> str:
-        """``(subject, event, traceparent)`` messages, in order, without waiting: "direct" (written
-        in one send on this thread), "loop" (handed to the loop thread) or "" (dropped, logged)."""
-        if self._direct is not None and self._direct.publish(messages):
-            return "direct"
-        sent = [self.publish_nowait(*m) for m in messages]
-        return "loop" if all(sent) else ""
 
     async def _publish_now(self, subject: str, event: Event, traceparent: str) -> None:
         token = otel_context.attach(context_from_traceparent(traceparent)) if traceparent else None

@@ -32,9 +32,9 @@ def cached_rows(cache: torch.Tensor, slot_ids: torch.Tensor, num_keys: int) -> t
     (~12% of a tiny model's step at 500 tokens); the values, and so every result, are the same. Elsewhere
     a gather, free of host syncs (CUDA graphs capture it; so is a traced step, on any device)."""
     if cache.device.type == "cpu" and not torch.compiler.is_compiling():
-        first, num = int(slot_ids[0]), slot_ids.numel()
-        if num == 1 or slot_ids.tolist() == list(range(first, first + num)):
-            return cache[first:first + num, :num_keys]
+        ids = slot_ids.tolist()
+        if ids == list(range(ids[0], ids[0] + len(ids))):
+            return cache[ids[0]:ids[0] + len(ids), :num_keys]
     return cache[:, :num_keys].index_select(0, slot_ids)
 
 
