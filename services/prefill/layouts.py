@@ -49,8 +49,20 @@ class LayerAdapter(Protocol):
 
 
 def _gather_tokens(x: torch.Tensor, num_tokens: int, out: torch.Tensor) -> None:
-    """``x`` [nb, B, ...] -> out[:num_tokens] (first tokens of the concatenated blocks)."""
-    out.copy_(x.reshape(-1, *x.shape[2:])[:num_tokens])
+    """``x`` [nb, B, ...] -> out[:num_tokens] (first tokens of the concatenated blocks), copied
+    straight into ``out`` (a permuted ``x`` is not made contiguous on the way: one pass, not two)."""
+    block_size = x.shape[1]
+    full = min(num_tokens // block_size, x.shape[0])
+    if full:
+        out[:full * block_size].view(full, block_size, *x.shape[2:]).copy_(x[:full])
+    rest = num_tokens - full * block_size
+    if rest:
+        out[full * block_size:num_tokens].copy_(x[full, :rest])
+
+
+# Blocks at least this large are copied one by one from the cache into the staging segments (one
+# pass over the bytes); smaller ones are gathered first (one op for all blocks: ~3 us an op matters).
+CPU_BLOCKWISE_MIN_TOKENS = 64
 
 
 @dataclass(frozen=True)
@@ -66,6 +78,16 @@ class CpuVec:
     def __call__(self, kv_layer, block_ids, num_tokens, out):
         num_blocks, num_heads, block_size, two_d = kv_layer.shape
         head_dim = two_d // 2
+        if block_size >= CPU_BLOCKWISE_MIN_TOKENS:  # 675 tokens, 128-token blocks: 0.17 -> 0.14 ms; 4K x 8 heads: 13 -> 6
+            for i, block in enumerate(block_ids.tolist()):
+                lo = i * block_size
+                n = min(block_size, num_tokens - lo)
+                if n <= 0:
+                    break
+                kv = kv_layer[block].view(num_heads, 2, block_size * head_dim)
+                out[0][lo:lo + n].copy_(kv[:, 0].view(num_heads, head_dim, block_size).permute(2, 0, 1)[:n])
+                out[1][lo:lo + n].copy_(kv[:, 1].view(num_heads, block_size, head_dim).permute(1, 0, 2)[:n])
+            return
         blocks = kv_layer.index_select(0, block_ids).view(-1, num_heads, 2, block_size * head_dim)
         k = blocks[:, :, 0].view(-1, num_heads, head_dim, block_size).permute(0, 3, 1, 2)  # [nb, B, H, D]
         v = blocks[:, :, 1].view(-1, num_heads, block_size, head_dim).permute(0, 2, 1, 3)  # [nb, B, H, D]

@@ -35,7 +35,9 @@ def _run(adapter, cache, num_tokens, shape, dtype, n_out=2):
 CPU_CASES = [
     # isa, dtype, block_size, head_dim, num_tokens, adapter
     ("vec", torch.float32, 32, 64, 70, CpuVec()),
-    ("vec", torch.float32, 128, 32, 300, CpuVec()),
+    ("vec", torch.float32, 128, 32, 300, CpuVec()),  # blocks copied one by one (CPU_BLOCKWISE_MIN_TOKENS)
+    ("vec", torch.float32, 64, 32, 128, CpuVec()),  # whole blocks only
+    ("vec", torch.float32, 32, 64, 64, CpuVec()),  # gathered, whole blocks only
     ("vec", torch.bfloat16, 32, 64, 33, CpuVec()),
     ("vec16", torch.float32, 16, 80, 40, CpuVec()),
     ("amx", torch.bfloat16, 32, 64, 70, CpuAmx()),
