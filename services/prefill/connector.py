@@ -91,6 +91,7 @@ class ExpressConnector(KVConnectorBase_V1, SupportsHMA):
 
             in_process.scheduler_in_process(engine_id)
             self._first_tokens_out = lambda: in_process.first_tokens_out(engine_id)
+            self._extraction_done = lambda: in_process.extraction_done(engine_id)
             # The first token and the decode start leave from here, the moment the scheduler has
             # them (before vLLM's response carries the token), written by this thread (publisher.py).
             self._publisher = Publisher(config.nats_url, name=f"prefill-sched-{engine_id[:8]}",
@@ -144,6 +145,9 @@ class ExpressConnector(KVConnectorBase_V1, SupportsHMA):
                                  request.num_prompt_tokens)
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+        # The last step's extraction (host-memory caches, this process's worker) has read its blocks
+        # before this step's cache updates: vLLM may zero or copy blocks before binding the metadata.
+        self._extraction_done()
         sched = self._scheduler
         if not sched.has_work:
             return ExpressConnectorMetadata(saves=[])

@@ -45,9 +45,10 @@ log = logging.getLogger("vllm.expresslane.prefill")
 # Where vLLM's scheduler runs in the worker's process (the "uni" executor the CPU build runs), a
 # step's extraction waits until the scheduler has sent the step's first tokens (the connector's
 # request_finished), so that it does not compete with their sampling and output for the GIL and the
-# cores; the next step's forward starts it at the latest (a request that goes on running). Every
-# claimed request ends in one of the two; FIRST_TOKENS_WAIT_S is the backstop should one not.
-FIRST_TOKENS_WAIT_S = 0.5
+# cores; the scheduler's next build_connector_meta (before the next step writes any block) starts it
+# and waits for it at the latest (a request that goes on running). Every claimed request reaches one
+# of the two; FIRST_TOKENS_WAIT_S is the backstop should one not (logged).
+FIRST_TOKENS_WAIT_S = 2.0
 _schedulers_here: set[str] = set()  # engine ids whose scheduler-side connector lives in this process
 _workers_here: dict[str, "ExpressWorker"] = {}  # engine id -> its worker here with host-memory caches
 
@@ -62,6 +63,14 @@ def first_tokens_out(engine_id: str) -> None:
     worker = _workers_here.get(engine_id)
     if worker is not None:
         worker.first_tokens_out()
+
+
+def extraction_done(engine_id: str) -> None:
+    """The scheduler is about to plan the next step: the last step's extraction has read its blocks
+    when this returns (before the next step's cache updates, even those vLLM makes before binding)."""
+    worker = _workers_here.get(engine_id)
+    if worker is not None:
+        worker.wait_extracted()
 
 
 def _layer_index(name: str) -> int:
@@ -82,7 +91,8 @@ def _backend_name(layer) -> str:
 
 
 class _Go(threading.Event):
-    """Set when a held extraction may start; ``by`` says what started it first."""
+    """Set when a held extraction may start; ``by`` says what started it first. Started from vLLM's
+    engine thread only (the scheduler's and the worker's hooks); the extraction thread waits."""
 
     by = ""
 
@@ -289,6 +299,8 @@ class ExpressWorker:
         go = _Go()
         if self.engine_id not in _schedulers_here:
             go.start("at_once")  # no scheduler here to say when the first tokens are out
+        elif not any(self._reads_cache(save) for save in saves):
+            go.start("at_once")  # failures to report only: nothing competes with the step
         self._go = go
         self._extracting = self._extractor.submit(self._save_when, go, saves)
 
@@ -310,6 +322,10 @@ class ExpressWorker:
                 pending.result()
             except Exception:  # each save's own failures are reported in _save; never fail vLLM's step
                 log.exception("expresslane: extraction thread failed")
+
+    def _reads_cache(self, save: SaveRequest) -> bool:
+        return (save.handoff is not None and save.staging_slot >= 0
+                and not (save.fail_reason or self.refusal))
 
     def _save_when(self, go: _Go, saves: list[SaveRequest]) -> None:
         if not go.wait(FIRST_TOKENS_WAIT_S):

@@ -21,10 +21,11 @@ SHAPE = KvShape(kind="gqa", num_layers=1, num_kv_heads=2, head_dim=32)
 @needs_vllm_cpu_fp8_kv
 @pytest.mark.parametrize("isa,adapter", [("vec", CpuVec), ("amx", CpuAmx)])
 @pytest.mark.parametrize("fmt", ["fp8_e4m3", "fp8_e5m2"])
-def test_cpu_adapters_stage_vllm_fp8_bytes_unchanged(fmt, isa, adapter):
+@pytest.mark.parametrize("t,b", [(40, 32), (150, 128)])  # 128: the vec adapter's block-by-block copy
+def test_cpu_adapters_stage_vllm_fp8_bytes_unchanged(fmt, isa, adapter, t, b):
     ops = pytest.importorskip("vllm._custom_ops")
     skip_unless_vllm_isa(isa)
-    t, b, h, d = 40, 32, SHAPE.num_kv_heads, SHAPE.head_dim
+    h, d = SHAPE.num_kv_heads, SHAPE.head_dim
     gen = torch.Generator().manual_seed(1)
     k, v = (torch.randn(2, t, h, d, generator=gen) * 4).bfloat16()
     cache = torch.zeros(4, h, b, 2 * d, dtype=torch.uint8)  # vLLM's registered FP8 cache of one layer
@@ -32,7 +33,7 @@ def test_cpu_adapters_stage_vllm_fp8_bytes_unchanged(fmt, isa, adapter):
     blocks = [3, 1]  # the request's blocks, out of order
     slots = torch.tensor([blocks[i // b] * b + i % b for i in range(t)])
     ops.cpu_attn_reshape_and_cache(k, v, kc, vc, slots, isa, 0.5, 0.25, fmt)  # AMX's packing: scalar code
-    pool = StagingPool(layout_spec(SHAPE, fmt, max_tokens=64), num_slots=1)
+    pool = StagingPool(layout_spec(SHAPE, fmt, max_tokens=256), num_slots=1)
     views = [x.view(t, h, d) for x in pool.segment_views(0, t)]
     assert all(x.dtype == torch.uint8 for x in views)
     adapter()(cache, torch.tensor(blocks), t, views)

@@ -39,6 +39,7 @@ CPU_CASES = [
     ("vec", torch.float32, 64, 32, 128, CpuVec()),  # whole blocks only
     ("vec", torch.float32, 32, 64, 64, CpuVec()),  # gathered, whole blocks only
     ("vec", torch.bfloat16, 32, 64, 33, CpuVec()),
+    ("vec", torch.bfloat16, 128, 64, 200, CpuVec()),
     ("vec16", torch.float32, 16, 80, 40, CpuVec()),
     ("amx", torch.bfloat16, 32, 64, 70, CpuAmx()),
     ("amx", torch.bfloat16, 64, 128, 129, CpuAmx()),

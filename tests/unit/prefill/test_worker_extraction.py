@@ -15,10 +15,19 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from services.prefill import worker as worker_mod
+from services.prefill.scheduler import SaveRequest
 from services.prefill.worker import ExpressWorker
 
 WAIT_S = 10.0
 _engine_ids = itertools.count()
+
+
+def _step(name: str, *, reads: bool = True) -> list[SaveRequest]:
+    """One step's saves: a claimed request whose blocks are copied, or (``reads`` False) one whose
+    failure is only reported (no staging slot)."""
+    handoff = types.SimpleNamespace(request_id=name)  # only its presence matters here
+    return [SaveRequest(name, handoff, [[0]], 16, staging_slot=0 if reads else -1,
+                        fail_reason="" if reads else "no staging slot free")]
 
 
 class _Counts:
@@ -39,6 +48,7 @@ def _worker(record: list, gate: threading.Event, started: threading.Event | None
     w._extracting = None
     w._go = None
     w.states = _Counts()
+    w.refusal = ""
 
     def save(saves):
         record.append(("start", saves))
@@ -125,27 +135,43 @@ def test_with_the_scheduler_here_extraction_starts_when_the_first_tokens_are_out
     record, gate, started = [], threading.Event(), threading.Event()
     gate.set()
     w = scheduler_here(record, gate, started)
-    w.wait_for_save(["step-1"])
+    step = _step("req-1")
+    w.wait_for_save(step)
     assert not started.wait(0.05) and record == []  # held: the step's sampling and output go first
     worker_mod.first_tokens_out(w.engine_id)  # what the connector's request_finished calls after publishing
     assert started.wait(WAIT_S)
     w.wait_extracted()
-    assert record == [("start", ["step-1"]), ("done", ["step-1"])]
+    assert record == [("start", step), ("done", step)]
     assert w.states.counts == {"extract_after_first_token": 1}
 
 
-def test_the_next_forward_starts_a_held_extraction_and_waits_for_it(scheduler_here):
+def test_the_next_step_starts_a_held_extraction_and_waits_for_it(scheduler_here):
     record, gate, started = [], threading.Event(), threading.Event()
     gate.set()
     w = scheduler_here(record, gate, started)
-    w.wait_for_save(["step-1"])
-    w.wait_extracted()  # no first token came (the request goes on decoding): the next bind starts it
-    assert record == [("start", ["step-1"]), ("done", ["step-1"])]
-    w.wait_for_save(["step-2"])
-    w.wait_for_save(["step-3"])  # a step's wait_for_save waits for the step before it, started first
-    w.wait_extracted()
-    assert record[2:] == [(what, [f"step-{i}"]) for i in (2, 3) for what in ("start", "done")]
+    steps = [_step(f"req-{i}") for i in range(3)]
+    w.wait_for_save(steps[0])
+    # no first token came (the request goes on running): the scheduler planning the next step
+    # starts the copy and returns once it has read the blocks
+    worker_mod.extraction_done(w.engine_id)
+    assert record == [("start", steps[0]), ("done", steps[0])]
+    w.wait_for_save(steps[1])
+    w.wait_for_save(steps[2])  # a step's wait_for_save waits for the step before it, started first
+    w.wait_extracted()  # the worker's own wait when vLLM binds the next step's metadata
+    assert record[2:] == [(what, steps[i]) for i in (1, 2) for what in ("start", "done")]
     assert w.states.counts == {}  # none of them waited for a first token
+    worker_mod.extraction_done(w.engine_id)  # nothing pending: returns at once
+
+
+def test_a_step_with_failures_only_reports_them_at_once(scheduler_here):
+    record, gate, started = [], threading.Event(), threading.Event()
+    gate.set()
+    w = scheduler_here(record, gate, started)
+    step = _step("req-1", reads=False)  # e.g. aborted before its prompt ran: nothing to copy
+    w.wait_for_save(step)
+    assert started.wait(WAIT_S)  # not held for a first token that will not come
+    w.wait_extracted()
+    assert record == [("start", step), ("done", step)] and w.states.counts == {}
 
 
 def test_a_held_extraction_starts_by_itself_after_the_backstop_and_says_so(monkeypatch, caplog):
@@ -154,12 +180,12 @@ def test_a_held_extraction_starts_by_itself_after_the_backstop_and_says_so(monke
     gate.set()
     w = _worker(record, gate, started)
     worker_mod.scheduler_in_process(w.engine_id)
-    saves = [types.SimpleNamespace(request_id="req-1")]
+    step = _step("req-1")
     try:
-        w.wait_for_save(saves)  # no first token, no next step (not a case vLLM's scheduler makes)
+        w.wait_for_save(step)  # no first token, no next step (not a case vLLM's scheduler makes)
         assert started.wait(WAIT_S)
         w.wait_extracted()
-        assert record == [("start", saves), ("done", saves)]
+        assert record == [("start", step), ("done", step)]
         assert "neither a first token nor a next step" in caplog.text and "req-1" in caplog.text
         assert w.states.counts == {}
     finally:
@@ -181,5 +207,6 @@ def test_without_the_scheduler_here_extraction_starts_at_once(monkeypatch):
         w._extractor.shutdown(wait=True)
 
 
-def test_first_tokens_out_for_an_engine_without_a_worker_here_is_a_no_op():
+def test_the_scheduler_side_calls_for_an_engine_without_a_worker_here_are_no_ops():
     worker_mod.first_tokens_out("no-such-engine")
+    worker_mod.extraction_done("no-such-engine")
