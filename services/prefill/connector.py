@@ -87,10 +87,8 @@ class ExpressConnector(KVConnectorBase_V1, SupportsHMA):
                                     staging_ranks(kind, tp_size), create=True)
             max_tokens = config.staging_max_tokens or model.max_model_len
             self._scheduler = ExpressScheduler(states, max_tokens, refusal)
-            from services.prefill import worker as in_process  # the workers of the "uni" executor
+            from services.prefill import worker as in_process  # the worker of the "uni" executor
 
-            in_process.scheduler_in_process(engine_id)
-            self._first_tokens_out = lambda: in_process.first_tokens_out(engine_id)
             self._extraction_done = lambda: in_process.extraction_done(engine_id)
             # The first token and the decode start leave from here, the moment the scheduler has
             # them (before vLLM's response carries the token), written by this thread (publisher.py).
@@ -172,9 +170,6 @@ class ExpressConnector(KVConnectorBase_V1, SupportsHMA):
             messages = sched.on_first_token(request.request_id, list(request.output_token_ids),
                                             str(reason) if reason is not None else None,
                                             request.prompt_token_ids or [])
-            try:
-                if messages and self._publisher.publish_many(messages) == "direct":
-                    sched.slots.count("first_token_direct")
-            finally:  # the step's extraction waited for the first token (worker.py)
-                self._first_tokens_out()
+            if messages and self._publisher.publish_many(messages) == "direct":
+                sched.slots.count("first_token_direct")
         return sched.on_finished(request.request_id)

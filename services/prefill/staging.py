@@ -10,8 +10,7 @@ Its parts:
   ``not_handed_off``, ``decode_started`` (decodes the prefill started itself: scheduler),
   ``first_token_direct`` (first tokens the scheduler wrote on its own connection, not through
   the loop thread: scheduler),
-  ``kv_ready``, ``kv_failed``, ``extract_after_first_token`` (host-memory extractions started
-  once the scheduler had sent the step's first tokens, worker.py: worker).
+  ``kv_ready``, ``kv_failed`` (worker).
 - Tensor parallelism: each staging rank (services.prefill.parallel) has its own pool and its own
   state file, ``rank_path(path, rank)`` (rank 0's is ``path`` itself). The scheduler reserves
   through ``RankSlotStates``: a slot only while it is FREE on every rank, then on every rank at
@@ -38,8 +37,7 @@ import threading
 
 FREE, RESERVED, SENDING = 0, 1, 2
 STATE_NAMES = {FREE: "free", RESERVED: "reserved", SENDING: "sending"}
-COUNTERS = ("claimed", "not_handed_off", "kv_ready", "kv_failed", "decode_started", "first_token_direct",
-            "extract_after_first_token")
+COUNTERS = ("claimed", "not_handed_off", "kv_ready", "kv_failed", "decode_started", "first_token_direct")
 
 
 def _file_size(num_slots: int) -> int:
@@ -142,8 +140,7 @@ class RankSlotStates:
 
 def read_stats(path: str) -> dict:
     """A running prefill's staging slots and counters: {"total", "free", "reserved", "sending",
-    "claimed", "not_handed_off", "kv_ready", "kv_failed", "decode_started", "first_token_direct",
-    "extract_after_first_token"}. A tensor-parallel
+    "claimed", "not_handed_off", "kv_ready", "kv_failed", "decode_started", "first_token_direct"}. A tensor-parallel
     prefill's ranks are merged: a slot counts as its busiest rank's state, counters add up (so
     ``kv_ready`` counts every rank's KvReady)."""
     merged: list[int] | None = None

@@ -19,7 +19,6 @@ The failures the scheduler decided (the same on every rank) are reported by rank
 from __future__ import annotations
 
 import logging
-import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 import time
 
@@ -42,32 +41,14 @@ from services.prefill.staging import FREE, SENDING, SlotStates, StagingPool, ran
 # A child of vLLM's logger, so lines appear in vLLM's log with its format.
 log = logging.getLogger("vllm.expresslane.prefill")
 
-# Where vLLM's scheduler runs in the worker's process (the "uni" executor the CPU build runs), a
-# step's extraction waits until the scheduler has sent the step's first tokens (the connector's
-# request_finished), so that it does not compete with their sampling and output for the GIL and the
-# cores; the scheduler's next build_connector_meta (before the next step writes any block) starts it
-# and waits for it at the latest (a request that goes on running). Every claimed request reaches one
-# of the two; FIRST_TOKENS_WAIT_S is the backstop should one not (logged).
-FIRST_TOKENS_WAIT_S = 2.0
-_schedulers_here: set[str] = set()  # engine ids whose scheduler-side connector lives in this process
-_workers_here: dict[str, "ExpressWorker"] = {}  # engine id -> its worker here with host-memory caches
-
-
-def scheduler_in_process(engine_id: str) -> None:
-    """The scheduler-side connector of ``engine_id`` runs in this process (it says so at start)."""
-    _schedulers_here.add(engine_id)
-
-
-def first_tokens_out(engine_id: str) -> None:
-    """The scheduler has sent a finished request's first token: the step's extraction may start."""
-    worker = _workers_here.get(engine_id)
-    if worker is not None:
-        worker.first_tokens_out()
+_workers_here: dict[str, "ExpressWorker"] = {}  # engine id -> its worker in this process, host-memory caches
 
 
 def extraction_done(engine_id: str) -> None:
-    """The scheduler is about to plan the next step: the last step's extraction has read its blocks
-    when this returns (before the next step's cache updates, even those vLLM makes before binding)."""
+    """Where vLLM's scheduler runs in the worker's process (the "uni" executor the CPU build runs),
+    it calls this before planning a step: the last step's extraction has read its blocks when this
+    returns, before any of the next step's cache updates (vLLM zeroes and copies some blocks before
+    it binds the step's connector metadata, where the worker waits otherwise)."""
     worker = _workers_here.get(engine_id)
     if worker is not None:
         worker.wait_extracted()
@@ -88,18 +69,6 @@ def _backend_name(layer) -> str:
     if backend is None:
         backend = layer.get_attn_backend()
     return backend.get_name()
-
-
-class _Go(threading.Event):
-    """Set when a held extraction may start; ``by`` says what started it first. Started from vLLM's
-    engine thread only (the scheduler's and the worker's hooks); the extraction thread waits."""
-
-    by = ""
-
-    def start(self, by: str) -> None:
-        if not self.is_set():
-            self.by = by
-            self.set()
 
 
 class ExpressWorker:
@@ -130,7 +99,6 @@ class ExpressWorker:
         self.publisher: Publisher | None = None
         self._extractor: ThreadPoolExecutor | None = None  # host-memory KV caches: see wait_for_save
         self._extracting: Future | None = None
-        self._go: _Go | None = None  # the held extraction's start signal (see wait_for_save)
         if self.stages:
             self.states = SlotStates(rank_path(config.stats_file(engine_id), self.tp_rank), config.staging_slots)
             name = f"prefill-{engine_id[:8]}" + (f"-tp{self.tp_rank}" if self.tp_size > 1 else "")
@@ -284,57 +252,27 @@ class ExpressWorker:
     # ---------------------------------------------------------------- per step
     def wait_for_save(self, saves: list[SaveRequest]) -> None:
         """Stage this step's claimed requests and queue their writes. With the KV cache in host
-        memory the copies run on the extraction thread, after the step's first tokens are out where
-        the scheduler shares this process (see FIRST_TOKENS_WAIT_S), else at once beside the step's
-        sampling and output: the first token does not wait for them (~0.4 ms of a tiny model's
-        prefill on 2 cores, ~1 ms with the thread beside the sampling). :meth:`wait_extracted`,
-        before the next forward, keeps them ahead of any write into the blocks they read. On a GPU
-        they are queued on the stream and return at once anyway."""
+        memory the copies run on the extraction thread, beside the step's sampling and output (the
+        first token no longer waits for them: ~0.4 ms of a tiny model's prefill on 2 cores);
+        :meth:`wait_extracted`, before the next forward, keeps them ahead of any write into the
+        blocks they read. On a GPU they are queued on the stream and return at once anyway."""
         if not self.stages:
             return  # MLA rank > 0: rank 0 hands the latent over, and reports its failures
         if self._extractor is None:
             self._save(saves)
             return
         self.wait_extracted()  # one step's at a time, in step order
-        go = _Go()
-        if self.engine_id not in _schedulers_here:
-            go.start("at_once")  # no scheduler here to say when the first tokens are out
-        elif not any(self._reads_cache(save) for save in saves):
-            go.start("at_once")  # failures to report only: nothing competes with the step
-        self._go = go
-        self._extracting = self._extractor.submit(self._save_when, go, saves)
-
-    def first_tokens_out(self) -> None:
-        """The scheduler has sent this step's first token(s): start the step's extraction."""
-        go = self._go
-        if go is not None:
-            go.start("first_token")
+        self._extracting = self._extractor.submit(self._save, saves)
 
     def wait_extracted(self) -> None:
         """Return once the last step's extraction has read the KV cache (its blocks may be given
         to another request when the step ends; the next forward writes them only after this)."""
-        go, self._go = self._go, None
-        if go is not None:
-            go.start("next_step")  # nothing left to wait for: it runs now
         pending, self._extracting = self._extracting, None
         if pending is not None:
             try:
                 pending.result()
             except Exception:  # each save's own failures are reported in _save; never fail vLLM's step
                 log.exception("expresslane: extraction thread failed")
-
-    def _reads_cache(self, save: SaveRequest) -> bool:
-        return (save.handoff is not None and save.staging_slot >= 0
-                and not (save.fail_reason or self.refusal))
-
-    def _save_when(self, go: _Go, saves: list[SaveRequest]) -> None:
-        if not go.wait(FIRST_TOKENS_WAIT_S):
-            log.warning("expresslane: neither a first token nor a next step came %.1f s after a step "
-                        "with claimed requests (%s); extracting their KV now",
-                        FIRST_TOKENS_WAIT_S, ", ".join(s.request_id for s in saves))
-        elif go.by == "first_token" and self.states is not None:
-            self.states.count("extract_after_first_token")
-        self._save(saves)
 
     def _save(self, saves: list[SaveRequest]) -> None:
         for save in saves:
@@ -383,9 +321,8 @@ class ExpressWorker:
 
     def shutdown(self) -> None:
         if self._extractor is not None:
-            self.wait_extracted()
-            self._extractor.shutdown(wait=True)
             _workers_here.pop(self.engine_id, None)
+            self._extractor.shutdown(wait=True)
         if self.sender is not None:
             self.sender.close()
         if self.publisher is not None:

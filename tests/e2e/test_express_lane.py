@@ -54,14 +54,11 @@ async def test_sdk_streaming_chat_equals_vllm_greedy(deployment, arch, request):
     model = str(prefill.model_dir)
     client = _client(deployment)
     for prompt in PROMPTS:
-        before = prefill.stats()
+        started_before = prefill.stats()["decode_started"]
         lane, text, ids, prompt_ids, usage, finish = await _stream_chat(client, model, prompt, "on")
         assert lane == "express"
-        after = prefill.stats()
-        # the prefill's connector started the decode itself, the moment vLLM had the first token,
-        # and copied the KV out of vLLM's host-memory cache after that token had left
-        assert after["decode_started"] == before["decode_started"] + 1
-        assert after["extract_after_first_token"] == before["extract_after_first_token"] + 1
+        # the prefill's connector started the decode itself, the moment vLLM had the first token
+        assert prefill.stats()["decode_started"] == started_before + 1
         assert prompt_ids, "the first chunk carries the prompt's token ids"
         # vLLM alone (no kv_transfer_params: the connector is a strict no-op), same prompt ids
         assert ids == vllm_greedy(prefill.server, prompt_ids, MAX_TOKENS, ignore_eos=True)
