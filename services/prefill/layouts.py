@@ -76,23 +76,30 @@ class CpuVec:
         return kv_layer.shape[2]
 
     def __call__(self, kv_layer, block_ids, num_tokens, out):
-        num_blocks, num_heads, block_size, two_d = kv_layer.shape
-        head_dim = two_d // 2
+        block_size = kv_layer.shape[2]
         if block_size >= CPU_BLOCKWISE_MIN_TOKENS:  # 675 tokens, 128-token blocks: 0.17 -> 0.14 ms; 4K x 8 heads: 13 -> 6
             for i, block in enumerate(block_ids.tolist()):
                 lo = i * block_size
-                n = min(block_size, num_tokens - lo)
-                if n <= 0:
+                if lo >= num_tokens:
                     break
-                kv = kv_layer[block].view(num_heads, 2, block_size * head_dim)
-                out[0][lo:lo + n].copy_(kv[:, 0].view(num_heads, head_dim, block_size).permute(2, 0, 1)[:n])
-                out[1][lo:lo + n].copy_(kv[:, 1].view(num_heads, block_size, head_dim).permute(1, 0, 2)[:n])
+                k, v = self._tokens(kv_layer[block:block + 1])
+                n = min(block_size, num_tokens - lo)
+                out[0][lo:lo + n].copy_(k[0, :n])
+                out[1][lo:lo + n].copy_(v[0, :n])
             return
-        blocks = kv_layer.index_select(0, block_ids).view(-1, num_heads, 2, block_size * head_dim)
-        k = blocks[:, :, 0].view(-1, num_heads, head_dim, block_size).permute(0, 3, 1, 2)  # [nb, B, H, D]
-        v = blocks[:, :, 1].view(-1, num_heads, block_size, head_dim).permute(0, 2, 1, 3)  # [nb, B, H, D]
+        k, v = self._tokens(kv_layer.index_select(0, block_ids))
         _gather_tokens(k, num_tokens, out[0])
         _gather_tokens(v, num_tokens, out[1])
+
+    @staticmethod
+    def _tokens(blocks):
+        """Blocks [nb, H, B, 2D] of this layout -> K and V views [nb, B, H, D]."""
+        nb, num_heads, block_size, two_d = blocks.shape
+        head_dim = two_d // 2
+        kv = blocks.view(nb, num_heads, 2, block_size * head_dim)
+        k = kv[:, :, 0].view(nb, num_heads, head_dim, block_size).permute(0, 3, 1, 2)
+        v = kv[:, :, 1].view(nb, num_heads, block_size, head_dim).permute(0, 2, 1, 3)
+        return k, v
 
 
 @dataclass(frozen=True)
