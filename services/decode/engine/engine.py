@@ -370,7 +370,9 @@ class Engine:
         self.sampling.arm(slot, req, s.output_ids, s.seq_len + 1)
         s.num_valid_drafts, s.is_greedy = 0, req.plain_greedy
         s.num_logprobs, s.grammar = sampling.logprobs, grammar
-        if k and s.has_prefill_hidden:
+        if k and s.has_prefill_hidden and (self._fast is None or s.extra["fast_path_reason"]):
+            # the reference step's first drafts (the fast path drafts from the prefill's hidden itself; a
+            # reference step that takes the slot over later verifies none of them and drafts anew)
             slot_ids = torch.tensor([slot], device=self.device)
             tokens = torch.tensor([[first_token_id]], device=self.device)
             positions = torch.tensor([[s.seq_len - 1]], device=self.device)

@@ -251,3 +251,26 @@ def test_the_block_on_programmatic_dependent_launch_keeps_the_tokens(checkpoint,
             dec, _ = fast.fast_path.decoders[0]
             assert dec.stacks[1].pdl and dec.stacks[1].moe.pdl  # the one-token stack ran with PDL
             assert dec.stacks[1].early == early and not any(st.pdl for n, st in dec.stacks.items() if n > 1)
+
+
+def test_the_fast_drafts_write_the_mtp_rows_the_reference_step_and_vllm_write(checkpoint):
+    """The MTP layer pairs the hidden at position p with the token at p + 1 in its cache row p (vLLM's MTP
+    layer, whose KV the prefill hands over, and the reference step): the fast path's first draft step
+    writes row len(prompt) - 1 from the prefill's hidden and the first token (its start drafts nothing),
+    as the reference engine's start does."""
+    import torch
+
+    n = len(PROMPT)
+    rows = {}
+    for mode in ("on", "off"):
+        engine = load(checkpoint, mode, 1)
+        first = int(engine.prefill(0, PROMPT).argmax())
+        engine.start(0, first, SamplingParams(max_tokens=4, ignore_eos=True))
+        if mode == "on":
+            assert engine.cache.kv[-1][0][n - 1].abs().max() == 0  # no reference drafts at the start
+        engine.step()
+        assert engine.last_step_path == ("fast" if mode == "on" else "reference")
+        rows[mode] = engine.cache.kv[-1][0][: n + 2].float().clone()
+    fast, ref = rows["on"], rows["off"]
+    assert fast[n - 1].abs().max() > 0
+    assert torch.allclose(fast[: n], ref[: n], atol=3e-2, rtol=3e-2), (fast[: n] - ref[: n]).abs().max()

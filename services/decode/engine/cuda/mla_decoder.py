@@ -74,18 +74,22 @@ def _pick_kernel(val_ptr, idx_ptr, num_parts, tok_ptr, out_tokens_ptr, out_idx_p
 def _mtp_prologue_kernel(embed_ptr, tokens_ptr, j, g_ptr, enorm_ptr, hnorm_ptr, cat_ptr, pos_ptr, pos_draft_ptr, H,
                          eps, H_POW2: tl.constexpr):
     # draft j's input: cat[:H] = rmsnorm(embed[tokens[j]]) * enorm, cat[H:] = rmsnorm(g) * hnorm (program 0 / 1,
-    # the rounding points of smallops.rmsnorm_rows); program 0 also sets pos_draft[j] = pos + j
+    # the rounding points of smallops.rmsnorm_rows); program 0 also sets pos_draft[j] = pos + j - 1, the MTP
+    # row of the pair (hidden one position back, token at pos + j) as vLLM's MTP layer and the reference
+    # step place it; at row 0 the token's embedding is zero (vLLM's MTP masks position 0's input)
     half = tl.program_id(0)
     hh = tl.arange(0, H_POW2)
     m = hh < H
+    row = tl.maximum(tl.load(pos_ptr) + j - 1, 0)
     if half == 0:
         src = embed_ptr + tl.load(tokens_ptr + j) * H
         w_ptr = enorm_ptr
-        tl.store(pos_draft_ptr + j, tl.load(pos_ptr) + j)
+        tl.store(pos_draft_ptr + j, row)
     else:
         src = g_ptr
         w_ptr = hnorm_ptr
     x = tl.load(src + hh, mask=m, other=0.0).to(tl.float32)
+    x = x * ((half != 0) | (row > 0)).to(tl.float32)
     inv = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / H + eps)
     w = tl.load(w_ptr + hh, mask=m, other=0.0)
     xr = round_to_dtype(x * inv, w.dtype)
@@ -190,8 +194,8 @@ class MlaDecoder:
                            H_POW2=triton.next_power_of_2(h), EMIT=emit, num_warps=4)
 
     def mtp_draft(self, j: int) -> None:
-        """Draft j: MTP(embed(tokens[j]), mtp_hidden) at pos + j -> tokens[j+1]; mtp_hidden becomes the
-        recycled hidden."""
+        """Draft j: MTP(embed(tokens[j]), mtp_hidden) in the MTP cache's row pos + j - 1 -> tokens[j+1];
+        mtp_hidden becomes the recycled hidden."""
         mt, eps, hd = self.model.mtp, self.model.dims.eps, self.mtp_hidden.shape[1]
         _mtp_prologue_kernel[(2,)](mt.embed, self.tokens, j, self.mtp_hidden, mt.enorm, mt.hnorm, self.mtp_cat,
                                    self.pos, self.pos_draft, hd, eps, H_POW2=triton.next_power_of_2(hd), num_warps=8)
