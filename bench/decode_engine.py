@@ -67,8 +67,9 @@ def engine_tokens_per_s(engine: Engine, prompt: list[int], steps: int, num_slots
             first = int(engine.prefill(slot, prompt).argmax())
             engine.start(slot, first, SamplingParams(max_tokens=8 if warm else steps, **extra))
         sync(str(engine.device))
-        t0, emitted, tokens, paths, itl = time.perf_counter(), 0, [], set(), []
+        t0, emitted, tokens, paths, itl, num_steps = time.perf_counter(), 0, [], set(), [], 0
         while engine.active_slots():
+            num_steps += 1
             t_step = time.perf_counter()
             outs = engine.step()
             n = sum(len(o.token_ids) for o in outs.values())
@@ -86,6 +87,7 @@ def engine_tokens_per_s(engine: Engine, prompt: list[int], steps: int, num_slots
     return {"tokens": emitted, "seconds": elapsed, "tokens_per_s": emitted / elapsed,
             "acceptance": accepted / drafted if drafted else None, "draft_tokens": drafted,
             "itl_p50_ms": statistics.median(itl) * 1e3 if itl else None, "token_ids": tokens,
+            "step_ms": elapsed / num_steps * 1e3 if num_steps else None,
             "paths": sorted(paths)}
 
 
@@ -286,12 +288,21 @@ def bench_cuda_mla(steps: int, context: int) -> dict:
     out: dict = {"device": torch.cuda.get_device_name(), "model": "deepseek-v2-lite-shape, 8 layers (random)",
                  "dtype": "bfloat16", "context": context}
     sampled = dict(temperature=0.7, top_p=0.9, top_k=50, min_p=0.05, repetition_penalty=1.1, seed=3)
+    drafting = {k: v for k, v in sampled.items() if k != "repetition_penalty"}  # penalties never draft
     # (name, drafts, fast path mode, engine options, sampling): random MTP weights, so drafts are (almost)
     # never accepted: fast_mtp3 (adaptive drafting, the default) against fast (no drafts) is what
     # speculation costs a request it does not help; fast_mtp3_every_step drafts regardless
     for name, k, mode, opts, sp in (("fast", 0, "auto", {}, None), ("fast_mtp3", 3, "auto", {}, None),
                                     ("fast_mtp3_every_step", 3, "auto", {"adaptive_speculation": False}, None),
                                     ("fast_sampled", 0, "auto", {}, sampled),
+                                    # speculative sampling: every step drafts (the step's own cost), the
+                                    # default adaptive drafting, and the reference step that served such
+                                    # requests before, against plain sampled steps
+                                    ("fast_mtp3_every_step_sampled", 3, "auto", {"adaptive_speculation": False},
+                                     drafting),
+                                    ("fast_mtp3_sampled", 3, "auto", {}, drafting),
+                                    ("fast_sampled_no_penalty", 0, "auto", {}, drafting),
+                                    ("reference_graph_mtp3_sampled", 3, "off", {}, drafting),
                                     ("reference_graph", 0, "off", {}, None),
                                     ("reference_graph_mtp3", 3, "off", {}, None)):
         engine = Engine.from_hf_tensors(cfg, tensors, max_seq_len=context + steps + 16, device=device, dtype=dtype,
@@ -299,10 +310,11 @@ def bench_cuda_mla(steps: int, context: int) -> dict:
                                         **opts)
         r = engine_tokens_per_s(engine, prompt, steps, k=k, sampling=sp)
         out[name] = {"tok_s": r["tokens_per_s"], "paths": r["paths"], "acceptance": r["acceptance"],
-                     "draft_tokens": r["draft_tokens"], "itl_p50_ms": r["itl_p50_ms"],
+                     "draft_tokens": r["draft_tokens"], "itl_p50_ms": r["itl_p50_ms"], "step_ms": r["step_ms"],
                      "fast_path": engine.fast_path_reason or "on"}
-        print(f"  mla {name:<22} {r['tokens_per_s']:7.1f} tok/s  ITL p50 {r['itl_p50_ms']:.3f} ms  drafts "
-              f"{r['draft_tokens']}  paths {r['paths']}", flush=True)
+        print(f"  mla {name:<28} {r['tokens_per_s']:7.1f} tok/s  ITL p50 {r['itl_p50_ms']:.3f} ms  step "
+              f"{r['step_ms']:.3f} ms  drafts {r['draft_tokens']}  acceptance {r['acceptance']}  paths {r['paths']}",
+              flush=True)
         out[f"{name}_tokens"] = r["token_ids"]
         del engine
         gc.collect()
@@ -311,7 +323,17 @@ def bench_cuda_mla(steps: int, context: int) -> dict:
     out["dsv2lite_unaccepted_spec_itl_ratio_every_step"] = (out["fast_mtp3_every_step"]["itl_p50_ms"]
                                                             / out["fast"]["itl_p50_ms"])
     out["dsv2lite_sampled_over_greedy"] = out["fast_sampled"]["tok_s"] / out["fast"]["tok_s"]
-    out.pop("fast_sampled_tokens")
+    # a k = 3 step drafting and verifying with sampling over the same step greedy; the default (adaptive)
+    # sampled request with drafts on the fast path over the reference step, and over plain sampled steps
+    out["dsv2lite_spec_sampled_step_ratio"] = (out["fast_mtp3_every_step_sampled"]["step_ms"]
+                                               / out["fast_mtp3_every_step"]["step_ms"])
+    out["dsv2lite_spec_sampled_over_reference"] = (out["fast_mtp3_sampled"]["tok_s"]
+                                                   / out["reference_graph_mtp3_sampled"]["tok_s"])
+    out["dsv2lite_spec_sampled_over_plain_sampled"] = (out["fast_mtp3_sampled"]["tok_s"]
+                                                       / out["fast_sampled_no_penalty"]["tok_s"])
+    for name in ("fast_sampled", "fast_mtp3_every_step_sampled", "fast_mtp3_sampled", "fast_sampled_no_penalty",
+                 "reference_graph_mtp3_sampled"):
+        out.pop(f"{name}_tokens")
     ref = out["reference_graph_tokens"]
     for name in ("fast", "fast_mtp3", "fast_mtp3_every_step", "reference_graph_mtp3"):
         toks = out.pop(f"{name}_tokens")

@@ -28,14 +28,15 @@ that slot's batch-1 CUDA-graph decoder (services/decode/engine/cuda) instead,
 ``fast_path_tokens_per_step`` tokens per step with one host sync (DeepSeek family with drafts: one
 graph of k MTP drafts + verify per step), cut at stop ids and max_tokens exactly as the reference
 step cuts them; both families sample there too (cuda/sampling.py, the reference step's tokens;
-the DeepSeek family in plain steps: a sampled request with MTP drafts takes the reference step). A Llama-family step over 2..8
+with MTP drafts by speculative sampling on device, the reference step's distributions and random
+numbers). A Llama-family step over 2..8
 active slots that all decode on the fast path runs them together in one batched CUDA-graph decoder
 (weights read once per step for every slot; each slot its own cache, length and sampling parameters)
 with each slot's tokens as alone; other steps over several slots (more than 8, a slot the fast path
 cannot serve, the DeepSeek family) take the reference step. ``auto``
 uses it where the engine supports it (CUDA, bfloat16, plain Llama-family blocks without drafts, or
 DeepSeek-V3-family blocks) and logs why not otherwise (``fast_path_reason``); ``on``
-raises ValueError for an engine it cannot serve. Requests it cannot serve (sampling with MTP drafts, logprobs
+raises ValueError for an engine it cannot serve. Requests it cannot serve (logprobs
 or grammars on the DeepSeek family, drafts on a Llama-family engine, bad words beyond its buffers) take the reference step in either mode, their reason in
 ``slot_fast_path_reason(slot)``; ``last_step_path`` says which path the last step took ("fast" |
 "reference", for every slot it served) and ``last_step_slots`` how many slots it served.

@@ -9,8 +9,8 @@ Contract:
   bf16 or FP8 (fp8_e4m3 / fp8_e5m2, vLLM's bytes and scales) KV cache, one slot or a batch of slots a
   step; and
   DeepSeek-V3-family models (with or without q LoRA; noaux_tc routing, group-limited or in one group;
-  normalised top-k weights), with MTP drafts (k drafts + one verify per step, greedy acceptance on
-  device) when the engine has them. On CPU only when asked for with ``mode="on"`` while Triton's interpreter is active (tests).
+  normalised top-k weights), with MTP drafts (k drafts + one verify per step, greedy acceptance or
+  speculative sampling on device) when the engine has them. On CPU only when asked for with ``mode="on"`` while Triton's interpreter is active (tests).
   A tensor-parallel Llama-family model (``model.tp.size`` > 1) runs its batch-1 step sharded, with the
   collectives in the graph (cuda/llama.py); several slots together, and the DeepSeek family, take the
   reference step under tensor parallelism.
@@ -19,10 +19,11 @@ Contract:
   parameter and logits processor, by the kernels of cuda/sampling.py after the lm_head GEMV, inside
   a second graph per slot (key ``SAMPLED``) that reads the request's parameters from the engine's
   ``SamplingBuffers`` (so a new request needs no re-capture); plain greedy requests (no logits
-  processor) keep the argmax graph. The DeepSeek-family step samples plain steps only: a sampled
-  request with MTP drafts (speculative sampling) and logprobs or grammar masks take the reference
-  step there (a sampled request with ``num_speculative_tokens=0``, or with penalties or bad words,
-  which draft nothing anyway, decodes on the fast path).
+  processor) keep the argmax graph. A DeepSeek-family request that samples with MTP drafts takes a
+  third graph per slot, k sampled drafts + verify (key ``(SPEC_SAMPLED, k)``, captured on the slot's
+  first such request; MlaDecoder.spec_step(k, sample=True)): speculative sampling with the reference
+  step's distributions and random numbers, whose output keeps the target distribution. Logprobs and
+  grammar masks take the reference step on that family.
 - ``FastPath.step(slot, slot_state, max_seq_len, prev_hidden)``: one engine step of a lone active
   slot (``prev_hidden``: the prefill's last final-normed hidden, the first MTP draft's input).
 - ``FastPath.step_batch([(slot, slot_state), ...], max_seq_len)`` (Llama family, ``batch_ok``): one
@@ -121,7 +122,8 @@ def padded_batch(n: int) -> int:
 def batch_sizes(num_slots: int) -> list[int]:
     """The padded sizes an engine of num_slots slots can need."""
     return sorted({padded_batch(n) for n in range(2, min(num_slots, MAX_BATCH) + 1)})
-SAMPLED = "sampled"  # the runner key of a Llama-family slot's sampling graph
+SAMPLED = "sampled"  # the runner key of a slot's sampling graph (one token a step)
+SPEC_SAMPLED = "spec_sampled"  # ... of a DeepSeek-family slot's k sampled drafts + verify: (SPEC_SAMPLED, k)
 EXTRAS = "extras"  # ... and of its graphs that also apply a grammar mask and/or compute logprobs:
 
 
@@ -198,13 +200,12 @@ def request_reason(greedy: bool, num_spec: int, spec_ok: bool = False, sample_ok
     """Why a request decodes on the reference path; None when the fast path can serve it.
 
     ``greedy``: greedy without logits processors (the argmax of the raw logits); ``sample_ok``: the
-    engine's fast path samples (both families; the DeepSeek family in plain steps, ``spec_sample_ok``
-    False where drafts would run); ``sample_limit``: why the request's parameters do not
+    engine's fast path samples (both families; ``spec_sample_ok``: also with drafts); ``sample_limit``:
+    why the request's parameters do not
     fit the fast path's sampling buffers (bad words beyond its capacity), if they do not;
     ``logprobs`` (SamplingParams.logprobs: None off) / ``grammar``: the request asks for logprobs
     / a grammar, which the fast path serves where ``extras_ok`` (the top MAX_LOGPROBS at most);
-    ``spec_sample_ok`` False (DeepSeek family): a sampled request with drafts (``num_spec`` > 0) is
-    not served (its steps sample plain)."""
+    ``spec_sample_ok`` False: a sampled request with drafts (``num_spec`` > 0) is not served."""
     if (logprobs is not None or grammar) and not extras_ok:
         what = " and ".join(w for w, on in (("logprobs", logprobs is not None), ("a grammar", grammar)) if on)
         return f"{what}: this engine's fast path does not compute logprobs or apply grammar masks"
@@ -216,9 +217,8 @@ def request_reason(greedy: bool, num_spec: int, spec_ok: bool = False, sample_ok
     if not greedy and sample_limit:
         return f"sampling parameters beyond the fast path's buffers: {sample_limit}"
     if not greedy and num_spec and not spec_sample_ok:
-        return ("sampling or logits processors with MTP drafts: the DeepSeek-family fast path samples plain "
-                "steps only (speculative sampling runs on the reference step; num_speculative_tokens=0 "
-                "samples on the fast path)")
+        return ("sampling or logits processors with MTP drafts: this engine's fast path samples without drafts "
+                "only (num_speculative_tokens=0 samples on the fast path)")
     if num_spec and not spec_ok:
         return "speculative decoding requested: the Llama-family fast path decodes one token per step"
     return None
@@ -252,7 +252,9 @@ class FastPath:
         self.spec_ok = self.mla  # the DeepSeek-family step drafts with the MTP layer
         self.sampling = sampling  # the engine's SamplingBuffers: the sampled graph reads slot rows of it
         self.sample_ok = sampling is not None
-        self.spec_sample_ok = not self.mla  # DeepSeek family: sampled requests decode plain steps (no drafts)
+        # DeepSeek family: sampled requests with drafts take a graph of k sampled drafts + verify per slot
+        # (speculative sampling, MlaDecoder.spec_step(k, sample=True)), captured on the slot's first one
+        self.spec_sample_ok = True
         # logprobs and grammar masks on the batch-1 Llama-family path (a third graph per slot, captured
         # on a slot's first such request); a batched step holding such a slot takes the reference step
         self.extras_ok = self.sample_ok and not self.mla
@@ -281,6 +283,8 @@ class FastPath:
 
             if k == SAMPLED:
                 fn = (lambda: dec.plain_step(sample=True)) if self.mla else (lambda: dec.step(sample=True))
+            elif isinstance(k, tuple) and k[0] == SPEC_SAMPLED:
+                fn = lambda drafts=k[1]: dec.spec_step(drafts, sample=True)  # noqa: E731
             elif isinstance(k, tuple) and k[0] == EXTRAS:
                 def fn(mask=k[1], logprobs=k[2]):
                     dec.sampler.mask_on, dec.sampler.logprobs_on = mask, logprobs  # what the capture records
@@ -293,7 +297,7 @@ class FastPath:
             runner = GraphedFn(fn, self.device.type == "cuda", warmup_calls=1, device=self.device,
                                before_capture=lambda: self._arm(dec, token, pos, prev_hidden))
             if isinstance(k, tuple):  # captured mid-request: a failure must not fail the request
-                runner = _captured_or_eager(runner, fn, f"slot extras graph {k[1:]}",
+                runner = _captured_or_eager(runner, fn, f"slot {k[0]} graph {k[1:]}",
                                             lambda: self._arm(dec, token, pos, prev_hidden))
             else:
                 runner.capture()
@@ -582,13 +586,19 @@ class FastPath:
             results.append((out, reason))
         return results
 
-    def spec(self, slot: int, token: int, pos: int, k: int, prev_hidden=None) -> list[int]:
-        """One k-draft step (DeepSeek family): the 1..k+1 tokens it kept (accepted drafts + one); one sync."""
+    def spec(self, slot: int, token: int, pos: int, k: int, prev_hidden=None, s: SlotState | None = None) -> list[int]:
+        """One k-draft step (DeepSeek family): the 1..k+1 tokens it kept (accepted drafts + one); one sync.
+        Greedy, or speculative sampling by the slot's sampling row when ``s`` samples or has logits
+        processors."""
         dec, runners = self.prepare(slot, token, pos)
-        if k not in runners:  # a request with fewer drafts than the engine: captured now, which re-arms
-            self.held.pop(slot, None)
-        runner = self._runner(dec, runners, k, token, pos, prev_hidden)
-        idx = self._start(slot, dec, token, pos, k + 1, prev_hidden)
+        sampled = s is not None and not s.is_greedy
+        if sampled and not self.sample_ok:
+            raise ValueError("this fast path decodes plain greedy requests only")
+        key = (SPEC_SAMPLED, k) if sampled else k
+        if key not in runners:  # a request with fewer drafts than the engine, or its first sampled one:
+            self.held.pop(slot, None)  # captured now, which re-arms
+        runner = self._runner(dec, runners, key, token, pos, prev_hidden)
+        idx = self._start(slot, dec, token, pos, k + 1, prev_hidden, s)
         runner()
         row = torch.cat([dec.out_idx, dec.out_tokens[idx : idx + k + 1]]).tolist()  # the one sync
         n = row[0] - idx
@@ -603,7 +613,7 @@ class FastPath:
         room = min(s.max_tokens - s.num_generated, max_seq_len - 1 - s.seq_len)
         k = min(s.spec_k, self.num_spec)
         if k and room > 0:
-            tokens = self.spec(slot, s.pending, s.seq_len, k, prev_hidden if s.num_generated == 0 else None)
+            tokens = self.spec(slot, s.pending, s.seq_len, k, prev_hidden if s.num_generated == 0 else None, s)
             s.num_steps += 1
             s.num_draft_tokens += k
         else:

@@ -116,8 +116,8 @@ def test_mla_fast_path_refusals_say_why(checkpoint, v3_checkpoint, tmp_path):
         Engine.load(path, num_slots=1, max_seq_len=32, dtype="bfloat16", fast_path="on")
     fast = load(checkpoint, "on", 1)
     fast.prefill(0, PROMPT)
-    fast.start(0, 5, SamplingParams(max_tokens=3, temperature=0.8, seed=1))
-    assert "sampling" in fast.slot_fast_path_reason(0)
+    fast.start(0, 5, SamplingParams(max_tokens=3, temperature=0.8, seed=1, logprobs=1))
+    assert "logprobs" in fast.slot_fast_path_reason(0)
 
 
 def test_mla_fast_path_with_a_reduced_draft_vocabulary_keeps_the_output(checkpoint):

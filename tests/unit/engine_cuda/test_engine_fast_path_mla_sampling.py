@@ -5,8 +5,9 @@ sampled requests (a few parameter mixes, penalties and bad words included) decod
 ``Engine(fast_path="on")``'s fast path (the sampling kernels of cuda/sampling.py after the MTP decoder's
 lm_head) with the tokens of ``Engine(fast_path="off")``'s reference step for the same seed; unseeded
 requests differ; plain greedy requests keep the argmax graph. On an engine with MTP drafts a sampled
-request with drafts takes the reference step (its reason says so) and one with
-``num_speculative_tokens=0`` samples on the fast path.
+request with drafts decodes on the fast path by speculative sampling (a slot's sampled draft + verify
+graph; its distribution is covered in test_spec_sampling.py), and one with ``num_speculative_tokens=0``
+samples plain steps there.
 """
 
 from __future__ import annotations
@@ -83,15 +84,27 @@ def test_greedy_keeps_the_argmax_graph_and_unseeded_requests_differ(fast, monkey
     assert a[1] == b[1] == {"fast"} and len(calls) == 12 and a[0] != b[0]
 
 
-def test_sampled_requests_with_mtp_drafts_take_the_reference_step_and_without_them_the_fast_path(checkpoint,
-                                                                                                   reference):
-    mtp = load(checkpoint, "on", k=1)
-    drafted = SamplingParams(max_tokens=3, temperature=0.8, seed=1, ignore_eos=True)
-    got, paths, reason = run(mtp, drafted)
-    assert paths == {"reference"} and "with MTP drafts" in reason
+def test_sampled_requests_with_mtp_drafts_decode_on_the_fast_path_by_speculative_sampling(checkpoint, reference):
+    mtp, mtp_reference = load(checkpoint, "on", k=2), load(checkpoint, "off", k=2)
+    # temperature 0 with logits processors: one-hot distributions, so speculative sampling keeps exactly the
+    # processed argmax, the reference step's tokens
+    biased = SamplingParams(max_tokens=8, temperature=0.0, logit_bias={5: 0.5, 42: -1.0}, min_tokens=3,
+                            ignore_eos=True)
+    got, paths, reason = run(mtp, biased)
+    assert paths == {"fast"} and reason is None
+    assert got == run(mtp_reference, biased)[0]
+    # sampled with drafts: the fast path's sampled draft + verify graph, the same tokens for the same seed
+    # (the reference step drafts from the MTP layer re-run over the verified tokens, this step from its own
+    # draft chain: both keep the target distribution, their tokens may differ once a draft is rejected)
+    seeded = SamplingParams(max_tokens=8, temperature=0.9, top_p=0.9, top_k=20, min_p=0.05, seed=7, ignore_eos=True)
+    before = dict(mtp.spec_counters)
+    a, b = run(mtp, seeded), run(mtp, seeded)
+    assert a[1] == b[1] == {"fast"} and a[2] is None and a[0] == b[0] and len(a[0]) == 9
+    assert mtp.spec_counters["draft_tokens"] > before["draft_tokens"]
+    assert mtp.spec_counters["accepted_tokens"] > before["accepted_tokens"]
     plain = SamplingParams(max_tokens=6, temperature=0.8, top_k=20, seed=7, ignore_eos=True, num_speculative_tokens=0)
     got, paths, reason = run(mtp, plain)
     assert paths == {"fast"} and reason is None
     assert got == run(reference, plain)[0]
-    with_logprobs = SamplingParams(max_tokens=2, temperature=0.8, seed=1, num_speculative_tokens=0, logprobs=2)
+    with_logprobs = SamplingParams(max_tokens=2, temperature=0.8, seed=1, logprobs=2)
     assert "logprobs" in run(mtp, with_logprobs)[2]

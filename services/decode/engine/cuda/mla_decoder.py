@@ -10,10 +10,18 @@ sampling kernels of sampling.py (``FastSampler.finish``, the Llama-family decode
 slot's row of the engine's SamplingBuffers, Philox keyed by (seed, position)) pick the token and emit
 it as the greedy pick does (out_tokens[out_idx], out_idx += 1, pos += 1; mtp_hidden = the step's hidden).
 
-spec_step(k): k MTP drafts (draft j: token at pos+j and the previous hidden -> next token; the MTP
-head is read once per draft), then one verify forward of the k+1 tokens, greedy acceptance of the
-longest matching prefix, k+1 candidate tokens written, n+1 of them kept. Greedy output is exactly
-the plain steps' output (verify row i is the plain step at pos+i).
+spec_step(k): k MTP drafts (draft j: token at pos+j and the previous hidden -> next token, in the MTP
+cache's row pos+j-1 as vLLM's MTP layer places it; the MTP head is read once per draft), then one
+verify forward of the k+1 tokens, greedy acceptance of the longest matching prefix, k+1 candidate
+tokens written, n+1 of them kept. Greedy output is exactly the plain steps' output (verify row i is
+the plain step at pos+i). ``spec_step(k, sample=True)`` (after ``attach_sampler``): speculative
+sampling, the drafts drawn from the draft head's processed distribution and accepted or redrawn
+against the verify's (torch ops over the slot's sampling row, captured with the graph).
+
+The rows of accepted drafts in the MTP cache hold the draft chain's pairs (the recycled hidden for
+drafts after the first; the last accepted draft's row is left as it was), where the reference step
+re-runs the MTP layer over the verified tokens with the main model's hiddens: fewer MTP passes a
+step, a draft layer that sees slightly different context (acceptance, never output, can differ).
 
 ``draft_vocab=N`` restricts the drafts to token ids ``< N`` (byte-level BPE ids are in merge order,
 so the first ids are the frequent ones): the draft head reads N rows of the MTP head instead of
@@ -35,6 +43,7 @@ from .gemv import gemv
 from .kernel_helpers import round_to_dtype
 from .mla import MlaDims, MlaLayer, MlaStack, MtpWeights
 from .moe import gemv_rows
+from .sampling import philox_u32
 
 
 @dataclass
@@ -96,6 +105,27 @@ def _mtp_prologue_kernel(embed_ptr, tokens_ptr, j, g_ptr, enorm_ptr, hnorm_ptr, 
     tl.store(cat_ptr + half * H + hh, (xr * w.to(tl.float32)).to(w.dtype), mask=m)
 
 
+@triton.jit
+def _uniform_kernel(seed_ptr, pos_ptr, pos_add, stream, out_ptr, n, BLOCK: tl.constexpr):
+    # out[row, i] = U(0, 1) of the counter (i, pos + pos_add + row, stream) under the seed: the numbers of
+    # sampling_state.uniform (the Philox twin of sampling.py), one launch where torch takes ~275 small ops
+    row = tl.program_id(0)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    position = tl.load(pos_ptr).to(tl.int64) + pos_add + row
+    r = philox_u32(tl.load(seed_ptr), offs.to(tl.uint32), position.to(tl.uint32), stream)
+    u = ((r >> 9) * 2 + 1).to(tl.float32) * 5.9604644775390625e-08  # 2**-24
+    tl.store(out_ptr + row * n + offs, u, mask=offs < n)
+
+
+def uniform_rows(seed: torch.Tensor, pos: torch.Tensor, pos_add: int, stream: int, out: torch.Tensor) -> torch.Tensor:
+    """out [rows, n] float32: row r, index i -> sampling_state.uniform(seed, i, pos + pos_add + r, stream);
+    ``seed`` int64 [1] and ``pos`` [1] on the device (read at replay)."""
+    rows, n = out.shape
+    block = min(1024, triton.next_power_of_2(n))
+    _uniform_kernel[(rows, triton.cdiv(n, block))](seed, pos, pos_add, stream, out, n, BLOCK=block, num_warps=4)
+    return out
+
+
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     """argmax over the last dim of [T, V] fp32 logits in two stages (per-chunk max, then over the chunks):
     a one-row torch.argmax over 100K logits runs in one thread block (~30 us on an H200)."""
@@ -139,7 +169,13 @@ class MlaDecoder:
             raise ValueError(f"draft_vocab must be in 1..{vocab} (the vocabulary size), got {draft_vocab}")
         self.draft_vocab = draft_vocab or vocab
         self.draft_head = model.mtp.head[: self.draft_vocab] if model.mtp is not None else None  # a view: no copy
-        self.mtp_logits = torch.zeros(1, self.draft_vocab, dtype=torch.float32, device=dev)
+        # the draft head's logits: the first draft_vocab ids of a whole-vocabulary row whose other ids stay
+        # -inf (what a sampled draft's distribution is taken over)
+        self.mtp_logits_v = torch.full((1, vocab), float("-inf"), dtype=torch.float32, device=dev)
+        self.mtp_logits = self.mtp_logits_v[:, : self.draft_vocab]
+        self.draft_q = torch.zeros(max(max_draft, 1), vocab, dtype=torch.float32, device=dev)  # sampled drafts' q
+        self.noise = torch.zeros(1, vocab, dtype=torch.float32, device=dev)  # their uniforms, and the verify's
+        self.accept_u = torch.zeros(max(max_draft, 1), 1, dtype=torch.float32, device=dev)
         bn = HEAD_TILE[0]
         self.parts_main = (torch.zeros(triton.cdiv(vocab, bn), dtype=torch.float32, device=dev),
                            torch.zeros(triton.cdiv(vocab, bn), dtype=torch.int32, device=dev))
@@ -150,6 +186,7 @@ class MlaDecoder:
         self.accepted = torch.zeros(1, dtype=torch.int64, device=dev)
         self.arange = torch.arange(max_draft + 1, device=dev)
         self.sampler = None  # sampling.FastSampler over the slot's sampling row (attach_sampler)
+        self.spec_sampler = None  # (engine ReferenceSampler over that row, its row index): sampled drafts
 
     def attach_sampler(self, state, **kwargs) -> None:
         """Sample in ``plain_step(sample=True)`` with the request parameters held in ``state`` (a
@@ -160,6 +197,10 @@ class MlaDecoder:
         vocab = self.model.lm_head.shape[0]
         kwargs.setdefault("cap", candidate_cap(vocab))
         self.sampler = FastSampler(state, vocab, self.logits[1].device, **kwargs)
+        from ..sampling import ReferenceSampler
+
+        rows = torch.zeros(1, dtype=torch.int64, device=self.logits[1].device)
+        self.spec_sampler = (ReferenceSampler(_RowBuffers(state)), rows)
 
     def set_state(self, token_id: int, pos: int, prev_hidden: torch.Tensor | None = None) -> None:
         """Host-side (re)start: next token, its position, and the hidden one position back (for MTP)."""
@@ -193,9 +234,10 @@ class MlaDecoder:
                            self.mtp_hidden, self.hid[1], h, PARTS_POW2=triton.next_power_of_2(parts[0].numel()),
                            H_POW2=triton.next_power_of_2(h), EMIT=emit, num_warps=4)
 
-    def mtp_draft(self, j: int) -> None:
-        """Draft j: MTP(embed(tokens[j]), mtp_hidden) in the MTP cache's row pos + j - 1 -> tokens[j+1];
-        mtp_hidden becomes the recycled hidden."""
+    def mtp_draft(self, j: int, pick: bool = True) -> None:
+        """Draft j: MTP(embed(tokens[j]), mtp_hidden) in the MTP cache's row pos + j - 1 -> the draft head's
+        logits (``mtp_logits``) and, with ``pick``, their argmax in tokens[j+1]; mtp_hidden becomes the
+        recycled hidden."""
         mt, eps, hd = self.model.mtp, self.model.dims.eps, self.mtp_hidden.shape[1]
         _mtp_prologue_kernel[(2,)](mt.embed, self.tokens, j, self.mtp_hidden, mt.enorm, mt.hnorm, self.mtp_cat,
                                    self.pos, self.pos_draft, hd, eps, H_POW2=triton.next_power_of_2(hd), num_warps=8)
@@ -203,8 +245,9 @@ class MlaDecoder:
         self.stacks[1].block(mt.layer, self.mtp_x, self.caches[len(self.model.layers)], self.pos_draft[j],
                              self.cos, self.sin, self.index_caches[len(self.model.layers)])
         smallops.rmsnorm_rows(self.mtp_x, mt.head_norm, self.mtp_hidden, eps)
-        self._head(self.mtp_hidden[0], self.draft_head, self.mtp_logits[0], self.parts_draft)
-        self._pick(self.parts_draft, self.tokens[j + 1:j + 2], emit=False)
+        self._head(self.mtp_hidden[0], self.draft_head, self.mtp_logits[0], self.parts_draft if pick else None)
+        if pick:
+            self._pick(self.parts_draft, self.tokens[j + 1:j + 2], emit=False)
 
     def plain_step(self, sample: bool = False) -> None:
         """One token: forward(1), the greedy pick (or with ``sample`` the attached sampler's token), emit,
@@ -220,8 +263,12 @@ class MlaDecoder:
         self.sampler.finish(self.logits[1][0], self.tokens[:1], self.out_tokens, self.out_idx, self.pos)
         self.mtp_hidden.copy_(self.hid[1])
 
-    def spec_step(self, k: int) -> None:
-        """k drafts + one verify of k+1 tokens; keeps the longest greedy-matching prefix plus one."""
+    def spec_step(self, k: int, sample: bool = False) -> None:
+        """k drafts + one verify of k+1 tokens; keeps the longest greedy-matching prefix plus one (with
+        ``sample``: speculative sampling, ``_spec_sampled``)."""
+        if sample:
+            self._spec_sampled(k)
+            return
         for j in range(k):
             self.mtp_draft(j)
         self.forward(k + 1)
@@ -233,6 +280,70 @@ class MlaDecoder:
         self.mtp_hidden.copy_(self.hid[k + 1].index_select(0, n))
         self.tokens[:1].copy_(a.index_select(0, n))
         self.pos.add_((n + 1).to(torch.int32))
+
+
+    def _spec_sampled(self, k: int) -> None:
+        """Speculative sampling (engine/spec.py) with the reference step's distributions and random numbers
+        (after attach_sampler): draft j is drawn from q_j, the slot's processed distribution of the draft
+        head's logits at position pos + 1 + j (stream STREAM_DRAFT); the verify's k + 1 target
+        distributions p_i (positions pos + 1 + i) accept draft i when u_i * q_i(d_i) < p_i(d_i) (u keyed by
+        position, stream STREAM_ACCEPT), the first rejection draws from max(0, p - q) renormalised, and
+        all-accepted from p (Exp noise at pos + 1): the output keeps the target distribution whatever the
+        drafts. Torch ops over the slot's sampling row, captured with the graph: every processor the
+        drafting requests can carry (bias and allowed ids, min_tokens, temperature, min_p, top_k, top_p;
+        penalties and bad words read the output and never draft). A draft whose distribution is empty
+        (every allowed id outside a reduced draft vocabulary) and the drafts after it are not verified."""
+        from ..sampling import sample
+        from ..spec import verify
+        from .sampling_state import GREEDY, I_FLAGS, I_SEED, STREAM_ACCEPT, STREAM_DRAFT, STREAM_SAMPLE
+
+        if self.spec_sampler is None:
+            raise ValueError("spec_step(k, sample=True) needs attach_sampler first")
+        ref, rows = self.spec_sampler
+        iparams = ref.bufs.iparams[0]
+        seeds, greedy = iparams[I_SEED:I_SEED + 1], (iparams[I_FLAGS:I_FLAGS + 1] & GREEDY) != 0
+        pos, noise = self.pos.to(torch.int64), self.noise
+        for j in range(k):
+            self.mtp_draft(j, pick=False)
+            q = ref.probs(self.mtp_logits_v, rows, pos + 1 + j, SPEC_SAMPLING_FLAGS)  # at the draft's position
+            uniform_rows(seeds, self.pos, 1 + j, STREAM_DRAFT, noise)
+            self.tokens[j + 1:j + 2].copy_(sample(q, -torch.log(noise), greedy))
+            self.draft_q[j].copy_(q[0])
+        self.forward(k + 1, parts=False)
+        at = pos + 1 + self.arange[:k + 1]  # of the token after each verified input
+        p = ref.probs(self.logits[k + 1], rows.expand(k + 1), at, SPEC_SAMPLING_FLAGS)
+        q = self.draft_q[:k]
+        num_valid = (q.sum(dim=-1) > 0).to(torch.int64).cumprod(dim=0).sum().view(1)
+        u = uniform_rows(seeds, self.pos, 1, STREAM_ACCEPT, self.accept_u[:k]).view(1, k)
+        uniform_rows(seeds, self.pos, 1, STREAM_SAMPLE, noise)
+        n, nxt = verify(p[None], q[None], self.tokens[None, 1:k + 1], num_valid, u, -torch.log(noise), greedy)
+        cand = torch.cat([self.tokens[1:k + 1], nxt]).scatter(0, n, nxt)  # accepted drafts, then the draw
+        self.out_tokens.index_copy_(0, self.out_idx + self.arange[:k + 1], cand)
+        self.out_idx.add_(n + 1)
+        self.accepted.add_(n)
+        self.mtp_hidden.copy_(self.hid[k + 1].index_select(0, n))
+        self.tokens[:1].copy_(nxt)
+        self.pos.add_((n + 1).to(torch.int32))
+
+
+def _spec_flags() -> int:
+    from .sampling_state import BIAS, MIN_TOKENS, TOP_K, TOP_P
+
+    return BIAS | MIN_TOKENS | TOP_K | TOP_P
+
+
+# every processor a drafting request can carry, each applied per row by its own flag (the reference
+# sampler's flags_any: a superset changes nothing), so one captured graph serves every such request
+SPEC_SAMPLING_FLAGS = _spec_flags()
+
+
+class _RowBuffers:
+    """One slot's row of the engine's SamplingBuffers (a sampling_state.SlotSampling) as [1, ...]
+    buffers for the reference sampler: views, so a replay reads the request armed now."""
+
+    def __init__(self, row):
+        for name in ("fparams", "iparams", "bias", "prompt_mask", "counts", "stop_mask"):
+            setattr(self, name, getattr(row, name)[None])
 
 
 # ---- torch reference of one block and one step (the kernels' twins, same rounding points) ----
