@@ -227,6 +227,7 @@ class Engine:
         # a step's cost by draft count, in plain steps: fixed per engine, so that a seeded sampled
         # request drafts (and samples) the same alone or batched, run after run
         self._spec_costs = spec_policy.costs(self.num_spec)
+        self._spec_costs_sampled = spec_policy.costs(self.num_spec, spec_policy.SAMPLED_COST_PER_DRAFT)
         # totals over the engine's life (node /metrics): steps that verified drafts, drafts verified,
         # drafts accepted, and accepted drafts per position (1-based: position j accepted j-th)
         self.spec_counters = {"steps": 0, "draft_tokens": 0, "accepted_tokens": 0,
@@ -515,7 +516,7 @@ class Engine:
                 for j in range(min(accepted, len(c["accepted_per_pos"]))):
                     c["accepted_per_pos"][j] += 1
             if s.drafting is not None and s.state == "active":
-                k = s.drafting.observe(verified, accepted, self._spec_costs)
+                k = s.drafting.observe(verified, accepted, self._spec_costs if s.is_greedy else self._spec_costs_sampled)
                 s.num_valid_drafts = min(s.num_valid_drafts, k)  # drafts drawn beyond it are not verified
 
     def _step(self, active: list[int]) -> dict[int, StepOutput]:

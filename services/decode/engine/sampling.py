@@ -109,6 +109,57 @@ def resolve(sp, *, vocab: int, eos_token_ids: tuple[int, ...] = (), seq_len: int
         first_out_pos=seq_len - len(sp.output_token_ids))
 
 
+def _chunks(v: int) -> int | None:
+    """Chunks a row of v values splits into for two-stage reductions (None: reduce it whole): on a GPU a
+    reduction over one row of ~100K values runs in one thread block (~20-40 us); over 256 chunks, then
+    over the chunks' results, it spreads over the device. Same results up to float32 summation order."""
+    return next((c for c in (256, 128, 64) if v % c == 0 and v // c >= 32), None)
+
+
+def row_max(x: torch.Tensor) -> torch.Tensor:
+    """x.max(dim=-1, keepdim=True).values of [..., V], two-stage where it splits."""
+    c = _chunks(x.shape[-1])
+    if c is None:
+        return x.max(dim=-1, keepdim=True).values
+    return x.unflatten(-1, (c, -1)).amax(dim=-1).amax(dim=-1, keepdim=True)
+
+
+def row_sum(x: torch.Tensor) -> torch.Tensor:
+    """x.sum(dim=-1, keepdim=True) of [..., V], two-stage where it splits."""
+    c = _chunks(x.shape[-1])
+    if c is None:
+        return x.sum(dim=-1, keepdim=True)
+    return x.unflatten(-1, (c, -1)).sum(dim=-1).sum(dim=-1, keepdim=True)
+
+
+def row_argmax(x: torch.Tensor) -> torch.Tensor:
+    """x.argmax(dim=-1) of [..., V] (ties: the lowest index), two-stage where it splits."""
+    v = x.shape[-1]
+    c = _chunks(v)
+    if c is None:
+        return x.argmax(dim=-1)
+    vals, idx = x.unflatten(-1, (c, -1)).max(dim=-1)  # [..., C]: each chunk's maximum, its first index
+    j = vals.argmax(dim=-1, keepdim=True)  # the first chunk holding the maximum
+    return (j * (v // c) + idx.gather(-1, j))[..., 0]
+
+
+def row_softmax(x: torch.Tensor) -> torch.Tensor:
+    """softmax over the last dim of [..., V] from the two-stage max and sum."""
+    e = torch.exp(x - row_max(x))
+    return e / row_sum(e)
+
+
+def row_cumsum(x: torch.Tensor) -> torch.Tensor:
+    """x.cumsum(dim=-1) of [..., V]: within chunks, then each chunk's offset (the scan over one long row is
+    one slow pass on a GPU)."""
+    c = _chunks(x.shape[-1])
+    if c is None:
+        return x.cumsum(dim=-1)
+    parts = x.unflatten(-1, (c, -1)).cumsum(dim=-1)  # [..., C, V/C]
+    offsets = parts[..., -1].cumsum(dim=-1) - parts[..., -1]  # exclusive scan of the chunks' totals
+    return (parts + offsets[..., None]).flatten(-2)
+
+
 def exponential(seeds: torch.Tensor, positions: torch.Tensor, vocab: int, stream: int = STREAM_SAMPLE) -> torch.Tensor:
     """[N, vocab] Exp(1) noise of the counter-based generator: row i keyed by (seeds[i], positions[i])."""
     from .cuda.sampling_state import uniform
@@ -120,7 +171,7 @@ def exponential(seeds: torch.Tensor, positions: torch.Tensor, vocab: int, stream
 def sample(probs: torch.Tensor, noise: torch.Tensor, greedy: torch.Tensor) -> torch.Tensor:
     """probs [B, ..., V], exponential noise of the same shape, greedy [B] -> tokens [B, ...] (argmax(p / E))."""
     g = greedy.view(-1, *([1] * (probs.dim() - 2)))
-    return torch.where(g, probs.argmax(dim=-1), (probs / noise).argmax(dim=-1))
+    return torch.where(g, row_argmax(probs), row_argmax(probs / noise))
 
 
 class ReferenceSampler:
@@ -169,7 +220,7 @@ class ReferenceSampler:
         greedy = (flags & GREEDY) != 0
         temp = torch.where(greedy, 1.0, b.fparams[rows, F_TEMP])
         x = l / temp[:, None]
-        m = x.max(dim=-1, keepdim=True).values
+        m = row_max(x)
         s0 = (x > float("-inf")) & ((x - m) >= b.fparams[rows, F_LOG_MIN_P][:, None])
         xs = x.masked_fill(~s0, float("-inf"))
         if not flags_any & (TOP_K | TOP_P):
@@ -184,10 +235,10 @@ class ReferenceSampler:
         if flags_any & TOP_P:
             keep_sorted = keep.gather(-1, order)  # a prefix of the sorted order
             e = torch.where(keep_sorted, torch.exp(vals - m), 0.0)
-            z = e.sum(dim=-1, keepdim=True)
-            excl = torch.cat([torch.zeros_like(e[:, :1]), e.cumsum(dim=-1)[:, :-1]], dim=-1)
+            z = row_sum(e)
+            excl = torch.cat([torch.zeros_like(e[:, :1]), row_cumsum(e)[:, :-1]], dim=-1)
             target = b.fparams[rows, F_TOP_P][:, None] * z
-            last = ((excl < target) & keep_sorted).sum(dim=-1, keepdim=True).clamp(min=1) - 1
+            last = row_sum((excl < target) & keep_sorted).clamp(min=1) - 1
             tau = vals.gather(-1, last)
             keep = keep & (~p_on[:, None] | (xs >= tau))
         return x.masked_fill(~keep, float("-inf")), greedy
@@ -198,7 +249,7 @@ class ReferenceSampler:
         seeds = self.bufs.iparams[rows, I_SEED]
         idx = torch.arange(x.shape[-1], device=x.device)[None]
         score = x + gumbel(seeds[:, None], idx, positions[:, None], STREAM_SAMPLE)
-        return torch.where(greedy, l.argmax(dim=-1), score.argmax(dim=-1))
+        return torch.where(greedy, row_argmax(l), row_argmax(score))
 
     def tokens(self, logits: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor, flags_any: int,
                banned: list[list[int]] | None = None) -> torch.Tensor:
@@ -213,6 +264,6 @@ class ReferenceSampler:
         the processed logits for greedy rows (speculative acceptance is then exact for them)."""
         l = self.processed(logits, rows, positions, flags_any, banned)
         x, greedy = self.filtered(l, rows, flags_any)
-        probs = x.softmax(dim=-1)
-        one_hot = torch.zeros_like(probs).scatter(-1, l.argmax(dim=-1, keepdim=True), 1.0)
+        probs = row_softmax(x)
+        one_hot = torch.zeros_like(probs).scatter(-1, row_argmax(l)[..., None], 1.0)
         return torch.where(greedy[:, None], one_hot, probs)

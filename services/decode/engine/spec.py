@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from .sampling import sample
+from .sampling import row_sum, sample
 
 
 def verify(
@@ -34,6 +34,6 @@ def verify(
     p_a = target[rows, num_accepted]
     q_a = draft[rows, num_accepted.clamp(max=k - 1)]
     residual = (p_a - q_a).clamp(min=0)
-    use_residual = (num_accepted < num_valid)[:, None] & (residual.sum(-1, keepdim=True) > 0)
+    use_residual = (num_accepted < num_valid)[:, None] & (row_sum(residual) > 0)
     dist = torch.where(use_residual, residual, p_a)
     return num_accepted, sample(dist, noise, greedy)

@@ -17,7 +17,8 @@ followed measured times would draft differently from run to run, and a seeded sa
 tokens depend on where its drafts were (greedy output never depends on any of this: every draft is
 verified, engine.py). The default (0.35) sits between what the H200 measured for a k-draft step on
 the DeepSeek-V2-Lite shape (1 + 0.1 k when drafts route to the experts the verified token uses, 1 +
-0.32 k with random routing: bench/NOTES-gpu.md).
+0.32 k with random routing: bench/NOTES-gpu.md); requests that sample draft against their own, higher
+table (``SAMPLED_COST_PER_DRAFT``): speculative sampling costs more a draft.
 """
 
 from __future__ import annotations
@@ -29,6 +30,9 @@ PRIOR_ACCEPTED, PRIOR_TRIED = 1.0, 1.5  # a fresh request starts out drafting (p
 MIN_BACKOFF, MAX_BACKOFF = 8, 256  # steps drafting stays off before the next probe
 PROBE_STEPS = 2  # steps a probe drafts (the first may have no drafts to verify yet)
 COST_PER_DRAFT = 0.35  # a k-draft step costs ~ 1 + 0.35 k plain steps
+# ... and ~ 1 + 0.5 k when it samples: each draft and the verify also build their processed distribution
+# over the vocabulary (DeepSeek-family fast path, run SS3 in bench/NOTES-gpu.md: +0.4 ms a draft on the H200)
+SAMPLED_COST_PER_DRAFT = 0.5
 
 
 def tokens_per_step(p: float, k: int) -> float:

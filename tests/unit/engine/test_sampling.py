@@ -183,3 +183,30 @@ def test_speculative_sampling_preserves_the_target_distribution():
     freq = torch.bincount(first, minlength=v).float() / trials
     assert (freq - p).abs().max() < 0.015
     assert abs(float(n.float().mean()) - float(torch.minimum(p, q).sum())) < 0.015
+
+
+ROW_SHAPES = [(1, 102400), (4, 32768), (2, 1000), (3, 97), (2, 129280)]  # two-stage where it splits, whole where not
+
+
+@pytest.mark.parametrize("rows,v", ROW_SHAPES)
+def test_row_reductions_equal_torchs_whole_row_ones(rows, v):
+    """The sampler's two-stage reductions (the whole row in 256/128/64 chunks, then over the chunks) give
+    torch's whole-row results: the same maximum and argmax (ties: the lowest index), sums and scans up to
+    float32 summation order; -inf entries (removed tokens) stay out of every sum."""
+    from services.decode.engine.sampling import row_argmax, row_cumsum, row_max, row_softmax, row_sum
+
+    g = torch.Generator().manual_seed(rows * v)
+    x = torch.randn(rows, v, generator=g) * 3
+    x[:, ::7] = float("-inf")
+    hot = [(r * 7919 + 3) % v for r in range(rows)]
+    for r, col in enumerate(hot):
+        x[r, col] = 50.0
+        x[r, (col + v // 2) % v] = 50.0  # a tie later in the row: the lowest index wins
+    want_hot = [min(c, (c + v // 2) % v) for c in hot]
+    assert row_argmax(x).tolist() == want_hot == torch.argmax(x, dim=-1).tolist()
+    assert torch.equal(row_max(x), x.max(dim=-1, keepdim=True).values)
+    e = torch.exp(x - 50.0)
+    assert torch.allclose(row_sum(e), e.sum(dim=-1, keepdim=True), rtol=1e-5)
+    assert torch.equal(row_sum(x > 0), (x > 0).sum(dim=-1, keepdim=True))
+    assert torch.allclose(row_softmax(x), x.softmax(dim=-1), rtol=1e-5, atol=1e-7)
+    assert torch.allclose(row_cumsum(e), e.cumsum(dim=-1), rtol=1e-5, atol=1e-6)

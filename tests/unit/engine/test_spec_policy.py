@@ -15,6 +15,16 @@ def test_best_k_is_the_draft_count_with_the_most_tokens_per_cost(p, k):
     assert best_k(p, COSTS) == k
 
 
+@pytest.mark.parametrize("p, greedy_k, sampled_k", [(0.4, 1, 0), (0.5, 1, 0), (0.6, 1, 1), (0.8, 3, 2), (0.95, 3, 3)])
+def test_sampled_requests_draft_against_their_dearer_table(p, greedy_k, sampled_k):
+    """Speculative sampling costs more a draft (each draft and the verify build a distribution): at the
+    same acceptance a sampled request drafts as many or fewer."""
+    from services.decode.engine.spec_policy import SAMPLED_COST_PER_DRAFT
+
+    assert best_k(p, COSTS) == greedy_k
+    assert best_k(p, costs(3, SAMPLED_COST_PER_DRAFT)) == sampled_k
+
+
 @pytest.mark.parametrize("p, k, tokens", [(0.0, 3, 1.0), (1.0, 3, 4.0), (0.5, 2, 1.75)])
 def test_tokens_per_step_is_geometric(p, k, tokens):
     assert tokens_per_step(p, k) == pytest.approx(tokens)

@@ -233,14 +233,3 @@ def test_draft_vocab_out_of_range_is_refused(tiny_mla):
     for bad in (0, VOCAB + 1):
         with pytest.raises(ValueError, match="draft_vocab"):
             MlaDecoder(tiny_mla, _mla_caches(8), cos, sin, max_draft=1, max_steps=4, draft_vocab=bad)
-
-
-@pytest.mark.parametrize("t,v,hot", [(1, 102400, [77]), (4, 32768, [5, 32767, 0, 16000]), (2, 1000, [3, 999]),
-                                     (3, 97, [0, 96, 50])])
-def test_argmax_rows_picks_each_rows_maximum(t, v, hot):
-    from services.decode.engine.cuda.mla_decoder import argmax_rows
-    x = torch.randn(t, v, generator=_gen(t + v))
-    for row, col in enumerate(hot):
-        x[row, col] = 100.0
-    assert argmax_rows(x).tolist() == hot
-    assert argmax_rows(x).tolist() == torch.argmax(x, dim=-1).tolist()

@@ -44,6 +44,7 @@ from .kernel_helpers import round_to_dtype
 from .mla import MlaDims, MlaLayer, MlaStack, MtpWeights
 from .moe import gemv_rows
 from .sampling import philox_u32
+from ..sampling import row_argmax
 
 
 @dataclass
@@ -124,18 +125,6 @@ def uniform_rows(seed: torch.Tensor, pos: torch.Tensor, pos_add: int, stream: in
     block = min(1024, triton.next_power_of_2(n))
     _uniform_kernel[(rows, triton.cdiv(n, block))](seed, pos, pos_add, stream, out, n, BLOCK=block, num_warps=4)
     return out
-
-
-def argmax_rows(x: torch.Tensor) -> torch.Tensor:
-    """argmax over the last dim of [T, V] fp32 logits in two stages (per-chunk max, then over the chunks):
-    a one-row torch.argmax over 100K logits runs in one thread block (~30 us on an H200)."""
-    t, v = x.shape
-    c = next((c for c in (256, 128, 64) if v % c == 0 and v // c >= 32), None)
-    if c is None:
-        return torch.argmax(x, dim=-1)
-    vals, idx = x.view(t, c, v // c).max(dim=-1)  # [T, C]
-    j = torch.argmax(vals, dim=-1)  # first chunk holding the maximum
-    return j * (v // c) + idx.gather(1, j[:, None])[:, 0]
 
 
 class MlaDecoder:
@@ -272,7 +261,7 @@ class MlaDecoder:
         for j in range(k):
             self.mtp_draft(j)
         self.forward(k + 1)
-        a = argmax_rows(self.logits[k + 1])  # [k+1]: the model's token after each input
+        a = row_argmax(self.logits[k + 1])  # [k+1]: the model's token after each input (two-stage)
         n = torch.cumprod((a[:k] == self.tokens[1:k + 1]).long(), dim=0).sum().view(1)  # accepted drafts
         self.out_tokens.index_copy_(0, self.out_idx + self.arange[:k + 1], a)
         self.out_idx.add_(n + 1)
