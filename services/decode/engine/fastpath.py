@@ -20,8 +20,8 @@ Contract:
   a second graph per slot (key ``SAMPLED``) that reads the request's parameters from the engine's
   ``SamplingBuffers`` (so a new request needs no re-capture); plain greedy requests (no logits
   processor) keep the argmax graph. A DeepSeek-family request that samples with MTP drafts takes a
-  third graph per slot, k sampled drafts + verify (key ``(SPEC_SAMPLED, k)``, captured on the slot's
-  first such request; MlaDecoder.spec_step(k, sample=True)): speculative sampling with the reference
+  third graph per slot, k sampled drafts + verify (key ``(SPEC_SAMPLED, k)``, captured with the others
+  on a GPU; MlaDecoder.spec_step(k, sample=True)): speculative sampling with the reference
   step's distributions and random numbers, whose output keeps the target distribution. Logprobs and
   grammar masks take the reference step on that family.
 - ``FastPath.step(slot, slot_state, max_seq_len, prev_hidden)``: one engine step of a lone active
@@ -253,7 +253,7 @@ class FastPath:
         self.sampling = sampling  # the engine's SamplingBuffers: the sampled graph reads slot rows of it
         self.sample_ok = sampling is not None
         # DeepSeek family: sampled requests with drafts take a graph of k sampled drafts + verify per slot
-        # (speculative sampling, MlaDecoder.spec_step(k, sample=True)), captured on the slot's first one
+        # (speculative sampling, MlaDecoder.spec_step(k, sample=True)), captured at prepare on a GPU
         self.spec_sample_ok = True
         # logprobs and grammar masks on the batch-1 Llama-family path (a third graph per slot, captured
         # on a slot's first such request); a batched step holding such a slot takes the reference step
@@ -362,7 +362,8 @@ class FastPath:
 
     def prepare(self, slot: int, token: int, pos: int):
         """The slot's (decoder, runners), built and captured on first use (errors propagate): the
-        one-token step, and the k-draft step of a DeepSeek-family engine with drafts."""
+        one-token step, and the k-draft step of a DeepSeek-family engine with drafts (on a GPU its
+        sampled twin too; under Triton's interpreter that one is captured at its first use)."""
         if slot not in self.decoders:
             if self.mla:
                 from .cuda.adapter import mla_decoder_from_engine
@@ -383,6 +384,8 @@ class FastPath:
                 self._runner(dec, runners, SAMPLED, token, pos)
             if self.num_spec:
                 self._runner(dec, runners, self.num_spec, token, pos)
+                if self.sample_ok and self.device.type == "cuda":  # a sampled request's first step: no capture
+                    self._runner(dec, runners, (SPEC_SAMPLED, self.num_spec), token, pos)
             self.held[slot] = (token, pos, 0)
         return self.decoders[slot]
 
