@@ -257,20 +257,26 @@ def test_the_fast_drafts_write_the_mtp_rows_the_reference_step_and_vllm_write(ch
     """The MTP layer pairs the hidden at position p with the token at p + 1 in its cache row p (vLLM's MTP
     layer, whose KV the prefill hands over, and the reference step): the fast path's first draft step
     writes row len(prompt) - 1 from the prefill's hidden and the first token (its start drafts nothing),
-    as the reference engine's start does."""
+    and after each verify the rows of the verified tokens from the main model's hiddens, as the reference
+    engine does, so both draft the same tokens and accept the same drafts."""
     import torch
 
     n = len(PROMPT)
-    rows = {}
+    rows, counts = {}, {}
     for mode in ("on", "off"):
-        engine = load(checkpoint, mode, 1)
+        engine = load(checkpoint, mode, 2)
         first = int(engine.prefill(0, PROMPT).argmax())
-        engine.start(0, first, SamplingParams(max_tokens=4, ignore_eos=True))
+        engine.start(0, first, SamplingParams(max_tokens=12, ignore_eos=True))
         if mode == "on":
             assert engine.cache.kv[-1][0][n - 1].abs().max() == 0  # no reference drafts at the start
-        engine.step()
-        assert engine.last_step_path == ("fast" if mode == "on" else "reference")
-        rows[mode] = engine.cache.kv[-1][0][: n + 2].float().clone()
+        out = [first]
+        for _ in range(3):
+            out += engine.step()[0].token_ids
+            assert engine.last_step_path == ("fast" if mode == "on" else "reference")
+        stats = engine.spec_stats(0)
+        counts[mode] = (out, stats.num_steps, stats.num_accepted_tokens)
+        rows[mode] = engine.cache.kv[-1][0][: n + len(out) - 2].float().clone()  # rows of verified pairs
+    assert counts["on"] == counts["off"] and counts["on"][2] > 0, counts
     fast, ref = rows["on"], rows["off"]
     assert fast[n - 1].abs().max() > 0
-    assert torch.allclose(fast[: n], ref[: n], atol=3e-2, rtol=3e-2), (fast[: n] - ref[: n]).abs().max()
+    assert torch.allclose(fast, ref, atol=3e-2, rtol=3e-2), (fast - ref).abs().max()

@@ -93,13 +93,15 @@ def test_sampled_requests_with_mtp_drafts_decode_on_the_fast_path_by_speculative
     got, paths, reason = run(mtp, biased)
     assert paths == {"fast"} and reason is None
     assert got == run(mtp_reference, biased)[0]
-    # sampled with drafts: the fast path's sampled draft + verify graph, the same tokens for the same seed
-    # (the reference step drafts from the MTP layer re-run over the verified tokens, this step from its own
-    # draft chain: both keep the target distribution, their tokens may differ once a draft is rejected)
+    # sampled with drafts: the fast path's sampled draft + verify graph, the same tokens for the same seed;
+    # it draws with the reference step's distributions, positions and random numbers over the same MTP rows,
+    # so its tokens follow the reference's until bf16 rounding (Triton kernels against torch) flips a draw:
+    # here the last, a redraw after a rejected draft
     seeded = SamplingParams(max_tokens=8, temperature=0.9, top_p=0.9, top_k=20, min_p=0.05, seed=7, ignore_eos=True)
     before = dict(mtp.spec_counters)
     a, b = run(mtp, seeded), run(mtp, seeded)
     assert a[1] == b[1] == {"fast"} and a[2] is None and a[0] == b[0] and len(a[0]) == 9
+    assert a[0][:8] == run(mtp_reference, seeded)[0][:8]
     assert mtp.spec_counters["draft_tokens"] > before["draft_tokens"]
     assert mtp.spec_counters["accepted_tokens"] > before["accepted_tokens"]
     plain = SamplingParams(max_tokens=6, temperature=0.8, top_k=20, seed=7, ignore_eos=True, num_speculative_tokens=0)

@@ -18,10 +18,9 @@ the plain step at pos+i). ``spec_step(k, sample=True)`` (after ``attach_sampler`
 sampling, the drafts drawn from the draft head's processed distribution and accepted or redrawn
 against the verify's (torch ops over the slot's sampling row, captured with the graph).
 
-The rows of accepted drafts in the MTP cache hold the draft chain's pairs (the recycled hidden for
-drafts after the first; the last accepted draft's row is left as it was), where the reference step
-re-runs the MTP layer over the verified tokens with the main model's hiddens: fewer MTP passes a
-step, a draft layer that sees slightly different context (acceptance, never output, can differ).
+After the verify, both run the MTP layer over the k+1 verified rows (``_mtp_over_verified``), as the
+reference step and vLLM's MTP proposer do: the rows of accepted drafts hold the main model's pairs,
+so the draft layer sees the context the reference step's sees and the drafts are the same.
 
 ``draft_vocab=N`` restricts the drafts to token ids ``< N`` (byte-level BPE ids are in merge order,
 so the first ids are the frequent ones): the draft head reads N rows of the MTP head instead of
@@ -154,6 +153,10 @@ class MlaDecoder:
         self.mtp_hidden = torch.zeros(1, hdim, dtype=bf, device=dev)
         self.mtp_cat = torch.zeros(1, 2 * hdim, dtype=bf, device=dev)
         self.mtp_x = torch.zeros(1, hdim, dtype=bf, device=dev)
+        # the MTP layer over a verify's k + 1 rows (_mtp_over_verified): token embeddings, normed input, x
+        self.mtp_emb_rows = {t: torch.zeros(t, hdim, dtype=bf, device=dev) for t in self.stacks if t > 1}
+        self.mtp_cat_rows = {t: torch.zeros(t, 2 * hdim, dtype=bf, device=dev) for t in self.stacks if t > 1}
+        self.mtp_x_rows = {t: torch.zeros(t, hdim, dtype=bf, device=dev) for t in self.stacks if t > 1}
         if draft_vocab is not None and not 0 < draft_vocab <= vocab:
             raise ValueError(f"draft_vocab must be in 1..{vocab} (the vocabulary size), got {draft_vocab}")
         self.draft_vocab = draft_vocab or vocab
@@ -264,12 +267,31 @@ class MlaDecoder:
         a = row_argmax(self.logits[k + 1])  # [k+1]: the model's token after each input (two-stage)
         n = torch.cumprod((a[:k] == self.tokens[1:k + 1]).long(), dim=0).sum().view(1)  # accepted drafts
         self.out_tokens.index_copy_(0, self.out_idx + self.arange[:k + 1], a)
+        self._mtp_over_verified(k, a)  # a[:n] are the accepted drafts, a[n] the step's token
         self.out_idx.add_(n + 1)
         self.accepted.add_(n)
         self.mtp_hidden.copy_(self.hid[k + 1].index_select(0, n))
         self.tokens[:1].copy_(a.index_select(0, n))
         self.pos.add_((n + 1).to(torch.int32))
 
+    def _mtp_over_verified(self, k: int, cand: torch.Tensor) -> None:
+        """The MTP layer over the verify's k + 1 rows, as the reference step and vLLM's MTP proposer run it
+        after a verify: MTP row pos + i pairs the main model's hidden at pos + i with the token at pos + i
+        + 1 (``cand``: the accepted drafts, then the step's token, then rejected drafts, whose rows are
+        rewritten when reached). So the rows of accepted drafts hold the main model's pairs, not the draft
+        chain's, and the next step's drafts see what the reference step's see. The cache rows only: the
+        next step's first draft recomputes row pos + n from the same pair."""
+        t = k + 1
+        mt, eps, hd = self.model.mtp, self.model.dims.eps, self.mtp_hidden.shape[1]
+        if mt is None or t not in self.mtp_x_rows:
+            return
+        cat = self.mtp_cat_rows[t]
+        torch.index_select(mt.embed, 0, cand, out=self.mtp_emb_rows[t])
+        smallops.rmsnorm_rows(self.mtp_emb_rows[t], mt.enorm, cat[:, :hd], eps)
+        smallops.rmsnorm_rows(self.hid[t], mt.hnorm, cat[:, hd:], eps)
+        gemv_rows(cat, mt.eh_proj, self.mtp_x_rows[t])
+        self.stacks[t].block(mt.layer, self.mtp_x_rows[t], self.caches[len(self.model.layers)], self.pos,
+                             self.cos, self.sin, self.index_caches[len(self.model.layers)])
 
     def _spec_sampled(self, k: int) -> None:
         """Speculative sampling (engine/spec.py) with the reference step's distributions and random numbers
@@ -308,6 +330,7 @@ class MlaDecoder:
         n, nxt = verify(p[None], q[None], self.tokens[None, 1:k + 1], num_valid, u, -torch.log(noise), greedy)
         cand = torch.cat([self.tokens[1:k + 1], nxt]).scatter(0, n, nxt)  # accepted drafts, then the draw
         self.out_tokens.index_copy_(0, self.out_idx + self.arange[:k + 1], cand)
+        self._mtp_over_verified(k, cand)
         self.out_idx.add_(n + 1)
         self.accepted.add_(n)
         self.mtp_hidden.copy_(self.hid[k + 1].index_select(0, n))
