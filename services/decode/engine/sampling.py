@@ -182,9 +182,10 @@ class ReferenceSampler:
 
     def processed(self, logits: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor, flags_any: int,
                   banned: list[list[int]] | None = None) -> torch.Tensor:
-        """Step 1 on float32 logits [N, V]: ``rows`` [N] buffer rows, ``positions`` [N] of the sampled
-        tokens, ``flags_any`` the OR of the rows' flags (skips what no row uses), ``banned`` the ids
-        each row's bad words ban now (host side, ``banned_ids``)."""
+        """Step 1 on float32 logits [N, V]: ``rows`` [N] buffer rows (or ``slice(None)`` over buffers of
+        one row, whose parameters broadcast over the N logits rows: views, no gathers), ``positions`` [N]
+        of the sampled tokens, ``flags_any`` the OR of the rows' flags (skips what no row uses),
+        ``banned`` the ids each row's bad words ban now (host side, ``banned_ids``)."""
         b = self.bufs
         if not flags_any & (BIAS | BAD_WORDS | MIN_TOKENS | REP | FREQ_PRES):
             return logits
@@ -229,7 +230,7 @@ class ReferenceSampler:
         v = x.shape[-1]
         k_on = (flags & TOP_K) != 0
         k = b.iparams[rows, I_TOP_K].clamp(min=1, max=v)
-        kth = vals.gather(-1, (k - 1)[:, None])
+        kth = vals.gather(-1, (k - 1)[:, None].expand(vals.shape[0], 1))  # rows may be one broadcast row
         keep = s0 & (~k_on[:, None] | (xs >= kth))
         p_on = (flags & TOP_P) != 0
         if flags_any & TOP_P:

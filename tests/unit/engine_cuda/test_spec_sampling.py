@@ -49,14 +49,15 @@ def _decoder(model, draft_vocab=None):
 
 
 def _fixed_parts(dec, target: torch.Tensor, draft: torch.Tensor):
-    """The verify forward writes ``target`` [K+1, V] (its hidden untouched), each MTP draft ``draft`` [V]."""
+    """The verify forward writes ``target`` [K+1, V] (its hidden untouched), each MTP draft ``draft`` [V];
+    the MTP pass over the verified rows (cache rows only) does nothing."""
     def forward(t, parts=True):
         dec.logits[t].copy_(target[:t])
 
     def mtp_draft(j, pick=True):
         dec.mtp_logits.copy_(draft[None, : dec.mtp_logits.shape[1]])
 
-    dec.forward, dec.mtp_draft = forward, mtp_draft
+    dec.forward, dec.mtp_draft, dec._mtp_over_verified = forward, mtp_draft, lambda k, cand: None
 
 
 def _step(dec, bufs, sp: SamplingParams) -> list[int]:

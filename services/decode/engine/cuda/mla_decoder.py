@@ -178,7 +178,7 @@ class MlaDecoder:
         self.accepted = torch.zeros(1, dtype=torch.int64, device=dev)
         self.arange = torch.arange(max_draft + 1, device=dev)
         self.sampler = None  # sampling.FastSampler over the slot's sampling row (attach_sampler)
-        self.spec_sampler = None  # (engine ReferenceSampler over that row, its row index): sampled drafts
+        self.spec_sampler = None  # (engine ReferenceSampler over that row, its rows: all): sampled drafts
 
     def attach_sampler(self, state, **kwargs) -> None:
         """Sample in ``plain_step(sample=True)`` with the request parameters held in ``state`` (a
@@ -191,8 +191,7 @@ class MlaDecoder:
         self.sampler = FastSampler(state, vocab, self.logits[1].device, **kwargs)
         from ..sampling import ReferenceSampler
 
-        rows = torch.zeros(1, dtype=torch.int64, device=self.logits[1].device)
-        self.spec_sampler = (ReferenceSampler(_RowBuffers(state)), rows)
+        self.spec_sampler = (ReferenceSampler(_RowBuffers(state)), slice(None))  # the one row, as views
 
     def set_state(self, token_id: int, pos: int, prev_hidden: torch.Tensor | None = None) -> None:
         """Host-side (re)start: next token, its position, and the hidden one position back (for MTP)."""
@@ -322,7 +321,7 @@ class MlaDecoder:
             self.draft_q[j].copy_(q[0])
         self.forward(k + 1, parts=False)
         at = pos + 1 + self.arange[:k + 1]  # of the token after each verified input
-        p = ref.probs(self.logits[k + 1], rows.expand(k + 1), at, SPEC_SAMPLING_FLAGS)
+        p = ref.probs(self.logits[k + 1], rows, at, SPEC_SAMPLING_FLAGS)
         q = self.draft_q[:k]
         num_valid = (q.sum(dim=-1) > 0).to(torch.int64).cumprod(dim=0).sum().view(1)
         u = uniform_rows(seeds, self.pos, 1, STREAM_ACCEPT, self.accept_u[:k]).view(1, k)
