@@ -33,10 +33,10 @@ import torch
 from .cuda.sampling_state import (BAD_WORDS, BIAS, F_FREQ, F_LOG_MIN_P, F_PRES, F_REP, F_TEMP, F_TOP_P, FREQ_PRES,
                                   GREEDY, I_FLAGS, I_MIN_POS, I_SEED, I_TOP_K, MIN_TOKENS, REP, SAMPLING_EPS,
                                   STREAM_SAMPLE, TOP_K, TOP_P, TRACK_COUNTS, RequestSampling, SamplingBuffers,
-                                  banned_ids, gumbel)
+                                  banned_ids, gumbel, row_argmax, row_cumsum, row_max, row_softmax, row_sum)
 
 __all__ = ["ReferenceSampler", "RequestSampling", "SamplingBuffers", "banned_ids", "resolve", "sample",
-           "exponential"]
+           "exponential", "row_argmax", "row_cumsum", "row_max", "row_softmax", "row_sum"]
 
 
 def resolve(sp, *, vocab: int, eos_token_ids: tuple[int, ...] = (), seq_len: int = 0,
@@ -107,57 +107,6 @@ def resolve(sp, *, vocab: int, eos_token_ids: tuple[int, ...] = (), seq_len: int
         prompt_ids=list(prompt) if prompt is not None else None,
         min_pos=seq_len + 1 + sp.min_tokens if sp.min_tokens else 0,
         first_out_pos=seq_len - len(sp.output_token_ids))
-
-
-def _chunks(v: int) -> int | None:
-    """Chunks a row of v values splits into for two-stage reductions (None: reduce it whole): on a GPU a
-    reduction over one row of ~100K values runs in one thread block (~20-40 us); over 256 chunks, then
-    over the chunks' results, it spreads over the device. Same results up to float32 summation order."""
-    return next((c for c in (256, 128, 64) if v % c == 0 and v // c >= 32), None)
-
-
-def row_max(x: torch.Tensor) -> torch.Tensor:
-    """x.max(dim=-1, keepdim=True).values of [..., V], two-stage where it splits."""
-    c = _chunks(x.shape[-1])
-    if c is None:
-        return x.max(dim=-1, keepdim=True).values
-    return x.unflatten(-1, (c, -1)).amax(dim=-1).amax(dim=-1, keepdim=True)
-
-
-def row_sum(x: torch.Tensor) -> torch.Tensor:
-    """x.sum(dim=-1, keepdim=True) of [..., V], two-stage where it splits."""
-    c = _chunks(x.shape[-1])
-    if c is None:
-        return x.sum(dim=-1, keepdim=True)
-    return x.unflatten(-1, (c, -1)).sum(dim=-1).sum(dim=-1, keepdim=True)
-
-
-def row_argmax(x: torch.Tensor) -> torch.Tensor:
-    """x.argmax(dim=-1) of [..., V] (ties: the lowest index), two-stage where it splits."""
-    v = x.shape[-1]
-    c = _chunks(v)
-    if c is None:
-        return x.argmax(dim=-1)
-    vals, idx = x.unflatten(-1, (c, -1)).max(dim=-1)  # [..., C]: each chunk's maximum, its first index
-    j = vals.argmax(dim=-1, keepdim=True)  # the first chunk holding the maximum
-    return (j * (v // c) + idx.gather(-1, j))[..., 0]
-
-
-def row_softmax(x: torch.Tensor) -> torch.Tensor:
-    """softmax over the last dim of [..., V] from the two-stage max and sum."""
-    e = torch.exp(x - row_max(x))
-    return e / row_sum(e)
-
-
-def row_cumsum(x: torch.Tensor) -> torch.Tensor:
-    """x.cumsum(dim=-1) of [..., V]: within chunks, then each chunk's offset (the scan over one long row is
-    one slow pass on a GPU)."""
-    c = _chunks(x.shape[-1])
-    if c is None:
-        return x.cumsum(dim=-1)
-    parts = x.unflatten(-1, (c, -1)).cumsum(dim=-1)  # [..., C, V/C]
-    offsets = parts[..., -1].cumsum(dim=-1) - parts[..., -1]  # exclusive scan of the chunks' totals
-    return (parts + offsets[..., None]).flatten(-2)
 
 
 def exponential(seeds: torch.Tensor, positions: torch.Tensor, vocab: int, stream: int = STREAM_SAMPLE) -> torch.Tensor:

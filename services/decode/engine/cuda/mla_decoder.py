@@ -43,7 +43,7 @@ from .kernel_helpers import round_to_dtype
 from .mla import MlaDims, MlaLayer, MlaStack, MtpWeights
 from .moe import gemv_rows
 from .sampling import philox_u32
-from ..sampling import row_argmax
+from .sampling_state import row_argmax
 
 
 @dataclass
@@ -189,8 +189,10 @@ class MlaDecoder:
         vocab = self.model.lm_head.shape[0]
         kwargs.setdefault("cap", candidate_cap(vocab))
         self.sampler = FastSampler(state, vocab, self.logits[1].device, **kwargs)
-        from ..sampling import ReferenceSampler
-
+        try:  # the engine's sampler (engine/sampling.py): not there when this package is loaded on its own
+            from ..sampling import ReferenceSampler
+        except ImportError:
+            return
         self.spec_sampler = (ReferenceSampler(_RowBuffers(state)), slice(None))  # the one row, as views
 
     def set_state(self, token_id: int, pos: int, prev_hidden: torch.Tensor | None = None) -> None:
@@ -308,7 +310,8 @@ class MlaDecoder:
         from .sampling_state import GREEDY, I_FLAGS, I_SEED, STREAM_ACCEPT, STREAM_DRAFT, STREAM_SAMPLE
 
         if self.spec_sampler is None:
-            raise ValueError("spec_step(k, sample=True) needs attach_sampler first")
+            raise ValueError("spec_step(k, sample=True) needs attach_sampler first, within the engine package "
+                             "(services.decode.engine: its sampler and speculative acceptance)")
         ref, rows = self.spec_sampler
         iparams = ref.bufs.iparams[0]
         seeds, greedy = iparams[I_SEED:I_SEED + 1], (iparams[I_FLAGS:I_FLAGS + 1] & GREEDY) != 0

@@ -29,6 +29,10 @@ is ``argmax(x_i - log(-log(u_i)))`` over the kept tokens (x: processed logits / 
 Gumbel-max form of vLLM's ``argmax(p_i / E_i)`` with E = -log(u) ~ Exp(1), the same distribution.
 Keyed by (seed, position), a seeded request draws the same numbers on either path, after a
 migration, and whatever else shares its batch.
+
+Row reductions over the vocabulary (``row_max``, ``row_sum``, ``row_argmax``, ``row_softmax``,
+``row_cumsum``): two-stage where the row splits into 256 / 128 / 64 chunks, for the torch formulations
+both paths run on a GPU (the reference sampler, the speculative step's distributions, the verify's argmax).
 """
 
 from __future__ import annotations
@@ -112,6 +116,57 @@ def uniform(seed: torch.Tensor, index: torch.Tensor, position: torch.Tensor, str
 def gumbel(seed: torch.Tensor, index: torch.Tensor, position: torch.Tensor, stream: int = STREAM_SAMPLE) -> torch.Tensor:
     """-log(E), E = -log(u) ~ Exp(1): argmax(x + gumbel) samples softmax(x)."""
     return -torch.log(-torch.log(uniform(seed, index, position, stream)))
+
+
+def _chunks(v: int) -> int | None:
+    """Chunks a row of v values splits into for two-stage reductions (None: reduce it whole): on a GPU a
+    reduction over one row of ~100K values runs in one thread block (~20-40 us); over 256 chunks, then
+    over the chunks' results, it spreads over the device. Same results up to float32 summation order."""
+    return next((c for c in (256, 128, 64) if v % c == 0 and v // c >= 32), None)
+
+
+def row_max(x: torch.Tensor) -> torch.Tensor:
+    """x.max(dim=-1, keepdim=True).values of [..., V], two-stage where it splits."""
+    c = _chunks(x.shape[-1])
+    if c is None:
+        return x.max(dim=-1, keepdim=True).values
+    return x.unflatten(-1, (c, -1)).amax(dim=-1).amax(dim=-1, keepdim=True)
+
+
+def row_sum(x: torch.Tensor) -> torch.Tensor:
+    """x.sum(dim=-1, keepdim=True) of [..., V], two-stage where it splits."""
+    c = _chunks(x.shape[-1])
+    if c is None:
+        return x.sum(dim=-1, keepdim=True)
+    return x.unflatten(-1, (c, -1)).sum(dim=-1).sum(dim=-1, keepdim=True)
+
+
+def row_argmax(x: torch.Tensor) -> torch.Tensor:
+    """x.argmax(dim=-1) of [..., V] (ties: the lowest index), two-stage where it splits."""
+    v = x.shape[-1]
+    c = _chunks(v)
+    if c is None:
+        return x.argmax(dim=-1)
+    vals, idx = x.unflatten(-1, (c, -1)).max(dim=-1)  # [..., C]: each chunk's maximum, its first index
+    j = vals.argmax(dim=-1, keepdim=True)  # the first chunk holding the maximum
+    return (j * (v // c) + idx.gather(-1, j))[..., 0]
+
+
+def row_softmax(x: torch.Tensor) -> torch.Tensor:
+    """softmax over the last dim of [..., V] from the two-stage max and sum."""
+    e = torch.exp(x - row_max(x))
+    return e / row_sum(e)
+
+
+def row_cumsum(x: torch.Tensor) -> torch.Tensor:
+    """x.cumsum(dim=-1) of [..., V]: within chunks, then each chunk's offset (the scan over one long row is
+    one slow pass on a GPU)."""
+    c = _chunks(x.shape[-1])
+    if c is None:
+        return x.cumsum(dim=-1)
+    parts = x.unflatten(-1, (c, -1)).cumsum(dim=-1)  # [..., C, V/C]
+    offsets = parts[..., -1].cumsum(dim=-1) - parts[..., -1]  # exclusive scan of the chunks' totals
+    return (parts + offsets[..., None]).flatten(-2)
 
 
 def seed_i64(seed: int) -> int:
