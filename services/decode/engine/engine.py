@@ -361,8 +361,7 @@ class Engine:
             req.plain_greedy, k, self._fast is not None and self._fast.spec_ok,
             self._fast is not None and self._fast.sample_ok, req.fast_path_limit(),
             logprobs=sampling.logprobs, grammar=grammar is not None,
-            extras_ok=self._fast is not None and self._fast.extras_ok,
-            spec_sample_ok=self._fast is None or self._fast.spec_sample_ok)
+            extras_ok=self._fast is not None and self._fast.extras_ok)
         if self._fast is not None and s.extra["fast_path_reason"]:
             fastpath.log.debug("slot %d decodes on the reference step: %s", slot, s.extra["fast_path_reason"])
         if self._fast is not None:

@@ -196,16 +196,14 @@ def engine_reason(mode: str, model, device: torch.device, dtype: torch.dtype, nu
 
 def request_reason(greedy: bool, num_spec: int, spec_ok: bool = False, sample_ok: bool = False,
                    sample_limit: str | None = None, *, logprobs: int | None = None, grammar: bool = False,
-                   extras_ok: bool = False, spec_sample_ok: bool = True) -> str | None:
+                   extras_ok: bool = False) -> str | None:
     """Why a request decodes on the reference path; None when the fast path can serve it.
 
     ``greedy``: greedy without logits processors (the argmax of the raw logits); ``sample_ok``: the
-    engine's fast path samples (both families; ``spec_sample_ok``: also with drafts); ``sample_limit``:
-    why the request's parameters do not
-    fit the fast path's sampling buffers (bad words beyond its capacity), if they do not;
+    engine's fast path samples (both families, with MTP drafts too); ``sample_limit``: why the request's
+    parameters do not fit the fast path's sampling buffers (bad words beyond its capacity), if they do not;
     ``logprobs`` (SamplingParams.logprobs: None off) / ``grammar``: the request asks for logprobs
-    / a grammar, which the fast path serves where ``extras_ok`` (the top MAX_LOGPROBS at most);
-    ``spec_sample_ok`` False: a sampled request with drafts (``num_spec`` > 0) is not served."""
+    / a grammar, which the fast path serves where ``extras_ok`` (the top MAX_LOGPROBS at most)."""
     if (logprobs is not None or grammar) and not extras_ok:
         what = " and ".join(w for w, on in (("logprobs", logprobs is not None), ("a grammar", grammar)) if on)
         return f"{what}: this engine's fast path does not compute logprobs or apply grammar masks"
@@ -216,9 +214,6 @@ def request_reason(greedy: bool, num_spec: int, spec_ok: bool = False, sample_ok
                 "(temperature 0, no penalties, bias or bad words)")
     if not greedy and sample_limit:
         return f"sampling parameters beyond the fast path's buffers: {sample_limit}"
-    if not greedy and num_spec and not spec_sample_ok:
-        return ("sampling or logits processors with MTP drafts: this engine's fast path samples without drafts "
-                "only (num_speculative_tokens=0 samples on the fast path)")
     if num_spec and not spec_ok:
         return "speculative decoding requested: the Llama-family fast path decodes one token per step"
     return None
@@ -252,9 +247,6 @@ class FastPath:
         self.spec_ok = self.mla  # the DeepSeek-family step drafts with the MTP layer
         self.sampling = sampling  # the engine's SamplingBuffers: the sampled graph reads slot rows of it
         self.sample_ok = sampling is not None
-        # DeepSeek family: sampled requests with drafts take a graph of k sampled drafts + verify per slot
-        # (speculative sampling, MlaDecoder.spec_step(k, sample=True)), captured at prepare on a GPU
-        self.spec_sample_ok = True
         # logprobs and grammar masks on the batch-1 Llama-family path (a third graph per slot, captured
         # on a slot's first such request); a batched step holding such a slot takes the reference step
         self.extras_ok = self.sample_ok and not self.mla
