@@ -42,8 +42,9 @@ from .gemv import gemv
 from .kernel_helpers import round_to_dtype
 from .mla import MlaDims, MlaLayer, MlaStack, MtpWeights
 from .moe import gemv_rows
-from .sampling import philox_u32
-from .sampling_state import row_argmax
+from .sampling import uniform
+from .sampling_state import (BIAS, GREEDY, I_FLAGS, I_SEED, MIN_TOKENS, STREAM_ACCEPT, STREAM_DRAFT,
+                             STREAM_SAMPLE, TOP_K, TOP_P, row_argmax)
 
 
 @dataclass
@@ -107,14 +108,12 @@ def _mtp_prologue_kernel(embed_ptr, tokens_ptr, j, g_ptr, enorm_ptr, hnorm_ptr, 
 
 @triton.jit
 def _uniform_kernel(seed_ptr, pos_ptr, pos_add, stream, out_ptr, n, BLOCK: tl.constexpr):
-    # out[row, i] = U(0, 1) of the counter (i, pos + pos_add + row, stream) under the seed: the numbers of
-    # sampling_state.uniform (the Philox twin of sampling.py), one launch where torch takes ~275 small ops
+    # out[row, i] = U(0, 1) of the counter (i, pos + pos_add + row, stream) under the seed (sampling.py's
+    # uniform, sampling_state.uniform's numbers): one launch where torch takes ~275 small ops
     row = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     position = tl.load(pos_ptr).to(tl.int64) + pos_add + row
-    r = philox_u32(tl.load(seed_ptr), offs.to(tl.uint32), position.to(tl.uint32), stream)
-    u = ((r >> 9) * 2 + 1).to(tl.float32) * 5.9604644775390625e-08  # 2**-24
-    tl.store(out_ptr + row * n + offs, u, mask=offs < n)
+    tl.store(out_ptr + row * n + offs, uniform(tl.load(seed_ptr), offs, position, stream), mask=offs < n)
 
 
 def uniform_rows(seed: torch.Tensor, pos: torch.Tensor, pos_add: int, stream: int, out: torch.Tensor) -> torch.Tensor:
@@ -267,12 +266,17 @@ class MlaDecoder:
         self.forward(k + 1)
         a = row_argmax(self.logits[k + 1])  # [k+1]: the model's token after each input (two-stage)
         n = torch.cumprod((a[:k] == self.tokens[1:k + 1]).long(), dim=0).sum().view(1)  # accepted drafts
-        self.out_tokens.index_copy_(0, self.out_idx + self.arange[:k + 1], a)
-        self._mtp_over_verified(k, a)  # a[:n] are the accepted drafts, a[n] the step's token
+        self._keep(k, a, n)  # a[:n] are the accepted drafts, a[n] the step's token
+
+    def _keep(self, k: int, cand: torch.Tensor, n: torch.Tensor) -> None:
+        """After a verify: ``cand`` [k+1] (the n accepted drafts, then the step's token) written out, n + 1
+        of them kept; the MTP pass over the verified rows; the next step starts from cand[n]."""
+        self.out_tokens.index_copy_(0, self.out_idx + self.arange[:k + 1], cand)
+        self._mtp_over_verified(k, cand)
         self.out_idx.add_(n + 1)
         self.accepted.add_(n)
         self.mtp_hidden.copy_(self.hid[k + 1].index_select(0, n))
-        self.tokens[:1].copy_(a.index_select(0, n))
+        self.tokens[:1].copy_(cand.index_select(0, n))
         self.pos.add_((n + 1).to(torch.int32))
 
     def _mtp_over_verified(self, k: int, cand: torch.Tensor) -> None:
@@ -307,7 +311,6 @@ class MlaDecoder:
         (every allowed id outside a reduced draft vocabulary) and the drafts after it are not verified."""
         from ..sampling import sample
         from ..spec import verify
-        from .sampling_state import GREEDY, I_FLAGS, I_SEED, STREAM_ACCEPT, STREAM_DRAFT, STREAM_SAMPLE
 
         if self.spec_sampler is None:
             raise ValueError("spec_step(k, sample=True) needs attach_sampler first, within the engine package "
@@ -330,25 +333,12 @@ class MlaDecoder:
         u = uniform_rows(seeds, self.pos, 1, STREAM_ACCEPT, self.accept_u[:k]).view(1, k)
         uniform_rows(seeds, self.pos, 1, STREAM_SAMPLE, noise)
         n, nxt = verify(p[None], q[None], self.tokens[None, 1:k + 1], num_valid, u, -torch.log(noise), greedy)
-        cand = torch.cat([self.tokens[1:k + 1], nxt]).scatter(0, n, nxt)  # accepted drafts, then the draw
-        self.out_tokens.index_copy_(0, self.out_idx + self.arange[:k + 1], cand)
-        self._mtp_over_verified(k, cand)
-        self.out_idx.add_(n + 1)
-        self.accepted.add_(n)
-        self.mtp_hidden.copy_(self.hid[k + 1].index_select(0, n))
-        self.tokens[:1].copy_(nxt)
-        self.pos.add_((n + 1).to(torch.int32))
-
-
-def _spec_flags() -> int:
-    from .sampling_state import BIAS, MIN_TOKENS, TOP_K, TOP_P
-
-    return BIAS | MIN_TOKENS | TOP_K | TOP_P
+        self._keep(k, torch.cat([self.tokens[1:k + 1], nxt]).scatter(0, n, nxt), n)  # accepted drafts, the draw
 
 
 # every processor a drafting request can carry, each applied per row by its own flag (the reference
 # sampler's flags_any: a superset changes nothing), so one captured graph serves every such request
-SPEC_SAMPLING_FLAGS = _spec_flags()
+SPEC_SAMPLING_FLAGS = BIAS | MIN_TOKENS | TOP_K | TOP_P
 
 
 class _RowBuffers:

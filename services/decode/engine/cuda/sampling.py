@@ -119,11 +119,16 @@ def philox_u32(seed, c0, c1, c2):
 
 
 @triton.jit
+def uniform(seed, idx, position, stream):
+    """U(0, 1) of counter (idx, position, stream), sampling_state.uniform's numbers: idx an int block."""
+    r = philox_u32(seed, idx.to(tl.uint32), position.to(tl.uint32), stream)
+    return ((r >> 9) * 2 + 1).to(tl.float32) * 5.9604644775390625e-08  # 2**-24
+
+
+@triton.jit
 def gumbel(seed, idx, position, stream):
     """-log(-log(u)) of counter (idx, position, stream): idx an int block, position/stream scalars."""
-    r = philox_u32(seed, idx.to(tl.uint32), position.to(tl.uint32), stream)
-    u = ((r >> 9) * 2 + 1).to(tl.float32) * 5.9604644775390625e-08  # 2**-24
-    return -tl.log(-tl.log(u))
+    return -tl.log(-tl.log(uniform(seed, idx, position, stream)))
 
 
 @triton.jit
