@@ -176,13 +176,14 @@ def write_checkpoint(cfg: dict, out: Path, device: str, seed: int = 0) -> Path:
 # ---------------------------------------------------------------- the orchestrator
 
 def compose_decode_flags(path: Path) -> list[str]:
-    """The flags docker-compose.yml gives its decode services, less the per-deployment ones (the
-    decode services must agree)."""
+    """The flags docker-compose.yml gives its single-GPU decode services (``decode-*`` in the default
+    profile; ``decode-tp`` and other profiled variants are not what this run measures), less the
+    per-deployment ones. Those services must agree."""
     import yaml
 
     services = yaml.safe_load(path.read_text())["services"]
     flag_sets = []
-    for name in sorted(n for n in services if n.startswith("decode-")):
+    for name in sorted(n for n in services if n.startswith("decode-") and not services[n].get("profiles")):
         cmd = services[name]["command"]
         assert cmd[0] == "decode", f"{name}: command {cmd}"
         flag_sets.append([f for f in cmd[1:] if f.split("=", 1)[0] not in PER_DEPLOYMENT_FLAGS])

@@ -227,3 +227,24 @@ async def test_secure_nats_command_runs_on_the_real_server(secure_stack, nats_se
     finally:
         proc.terminate()
         proc.wait(timeout=10)
+
+
+def test_gpu_node_bench_runs_the_single_gpu_decode_services_flags(tmp_path):
+    """bench/gpu_node.py starts its decode node with the flags of decode-0/decode-1 (the tensor-parallel
+    service under its own profile is another deployment), and refuses a file whose nodes disagree."""
+    import sys
+    sys.path.insert(0, str(ROOT / "bench"))
+    from gpu_node import compose_decode_flags
+
+    services = yaml.safe_load(COMPOSE.read_text())["services"]
+    flags = compose_decode_flags(COMPOSE)
+    assert flags == [f for f in services["decode-0"]["command"][1:]
+                     if f.split("=", 1)[0] not in ("--model", "--node-id", "--transport-host", "--http-host",
+                                                   "--http-port")]
+    assert "--fast-path=on" in flags and not any(f.startswith("--tensor-parallel-size") for f in flags)
+
+    services["decode-1"]["command"] = [*services["decode-1"]["command"], "--fast-path=off"]
+    bad = tmp_path / "compose.yml"
+    bad.write_text(yaml.safe_dump({"services": services}))
+    with pytest.raises(SystemExit, match="disagree"):
+        compose_decode_flags(bad)
