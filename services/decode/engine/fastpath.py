@@ -26,8 +26,10 @@ Contract:
   grammar masks take the reference step on that family.
 - ``FastPath.step(slot, slot_state, max_seq_len, prev_hidden)``: one engine step of a lone active
   slot (``prev_hidden``: the prefill's last final-normed hidden, the first MTP draft's input).
-- ``FastPath.step_batch([(slot, slot_state), ...], max_seq_len)`` (Llama family, ``batch_ok``): one
-  engine step of 2..``max_batch`` (8) active slots in one batched decoder (cuda/batch.py): each replay
+- ``FastPath.step_batch([(slot, slot_state), ...], max_seq_len)`` (``batch_ok``: one GPU, and on the
+  DeepSeek family dense attention): one engine step of 2..``max_batch`` (8; DeepSeek family 4) active slots in one batched
+  decoder (cuda/batch.py; cuda/mla_decoder.py's MlaBatchDecoder, plain steps: a DeepSeek-family slot
+  drafts again once it decodes alone): each replay
   decodes one token of every slot, the weights read once for all, each slot attending to its own cache
   at its own length and sampling with its own parameters (greedy and sampled slots mix: any sampled
   slot takes the batch's sampling graph, where greedy rows take the argmax). One graph (greedy,
@@ -75,6 +77,7 @@ log = logging.getLogger(__name__)
 MODES = ("auto", "on", "off")
 MAX_LOGPROBS = 20  # cuda/sampling_state.MAX_LOGPROBS (torch-only import kept out of this module's top)
 MAX_BATCH = 8  # slots of one batched step (cuda/batch.py)
+MLA_MAX_BATCH = 4  # ... of the DeepSeek family (cuda/mla_decoder.py's MlaBatchDecoder)
 BATCH_SIZES = (2, 4, 8)  # its padded sizes, one graph (greedy, sampled) each
 
 
@@ -119,9 +122,9 @@ def padded_batch(n: int) -> int:
     raise ValueError(f"{n} slots: a batched step takes at most {MAX_BATCH}")
 
 
-def batch_sizes(num_slots: int) -> list[int]:
-    """The padded sizes an engine of num_slots slots can need."""
-    return sorted({padded_batch(n) for n in range(2, min(num_slots, MAX_BATCH) + 1)})
+def batch_sizes(num_slots: int, max_batch: int = MAX_BATCH) -> list[int]:
+    """The padded sizes an engine of num_slots slots can need (batches of at most max_batch slots)."""
+    return sorted({padded_batch(n) for n in range(2, min(num_slots, max_batch) + 1)})
 SAMPLED = "sampled"  # the runner key of a slot's sampling graph (one token a step)
 SPEC_SAMPLED = "spec_sampled"  # ... of a DeepSeek-family slot's k sampled drafts + verify: (SPEC_SAMPLED, k)
 EXTRAS = "extras"  # ... and of its graphs that also apply a grammar mask and/or compute logprobs:
@@ -257,9 +260,16 @@ class FastPath:
         self.max_steps = max(max_steps, tokens_per_step, 4 * (self.num_spec + 1))  # out_tokens rows; re-armed when full
         self.decoders: dict[int, tuple] = {}  # slot -> (decoder, {drafts k: GraphedFn})
         self.held: dict[int, tuple[int, int, int]] = {}  # slot -> (token, pos, out index) on device
-        # several Llama-family slots in one step (step_batch): bf16 or FP8 weights, bf16 or FP8 KV cache
-        self.batch_ok = not self.mla and getattr(getattr(model, "tp", None), "size", 1) == 1
-        self.max_batch = MAX_BATCH if self.batch_ok else 1
+        # several slots in one step (step_batch), on one GPU: the Llama family (bf16 or FP8 weights, bf16 or FP8
+        # KV cache), the DeepSeek family with dense attention (plain steps: no drafts while batched)
+        sparse = bool(getattr(getattr(model, "cfg", None), "index_topk", 0)) if self.mla else False
+        self.batch_ok = not sparse and getattr(getattr(model, "tp", None), "size", 1) == 1
+        # batch graphs built when the engine loads; a DeepSeek-family batch under Triton's interpreter (tests)
+        # at its first use instead (an interpreted warm-up step per graph would slow every load)
+        self.batch_at_load = self.batch_ok and (not self.mla or device.type == "cuda")
+        # the DeepSeek-family block's row GEMVs take up to MLA_MAX_BATCH rows (the verify's k + 1); more active
+        # slots than a batch holds take the reference step together
+        self.max_batch = (MLA_MAX_BATCH if self.mla else MAX_BATCH) if self.batch_ok else 1
         self.batches: dict[int, tuple] = {}  # padded size -> (batch decoder, {graph key: GraphedFn})
         self.synced: dict[int, tuple[int, int]] = {}  # slot -> (token, pos) its bad-word state follows
         # one replay launched ahead of the host (module docstring): the Llama family, one token a step
@@ -452,12 +462,13 @@ class FastPath:
         """The batched decoder of ``size`` rows and its graphs (greedy; sampled where the engine samples),
         built and captured on first use (errors propagate); capture decodes on the scratch slot only."""
         if not self.batch_ok:
-            raise ValueError("the DeepSeek-family fast path decodes one slot per step")
+            raise ValueError("this fast path decodes one slot per step (sparse attention, or tensor parallel)")
         if size not in self.batches:
-            from .cuda.adapter import gqa_batch_decoder_from_engine
+            from .cuda.adapter import gqa_batch_decoder_from_engine, mla_batch_decoder_from_engine
             from .cuda.graph import GraphedFn
 
-            dec = gqa_batch_decoder_from_engine(self.model, size, self.options, self.max_steps)
+            dec = (mla_batch_decoder_from_engine(self.model, size, self.max_steps) if self.mla
+                   else gqa_batch_decoder_from_engine(self.model, size, self.options, self.max_steps))
             keys = [0]
             if self.sample_ok:
                 from .cuda.sampling_state import GREEDY, I_FLAGS

@@ -13,7 +13,7 @@ import torch
 
 from services.decode.engine.cuda import FastOptions, GqaDecoder, GqaLayer, GqaModel, GraphedFn, reference_step
 from services.decode.engine.cuda.mla import MlaDims, MtpWeights, prepare_layer, split_shared
-from services.decode.engine.cuda.mla_decoder import MlaDecoder, MlaModel, reference_forward
+from services.decode.engine.cuda.mla_decoder import MlaBatchDecoder, MlaDecoder, MlaModel, reference_forward
 
 BF = torch.bfloat16
 
@@ -154,6 +154,38 @@ def test_mla_plain_steps_and_verify_follow_reference(tiny_mla):
     ref, hid = reference_forward(tiny_mla, ref_caches, cos, sin, [5, 7, 9], ctx + 5)
     assert ((dec.logits[3] - ref).abs().max() / ref.abs().max()).item() < 1e-6
     assert torch.equal(caches[0][ctx + 5:ctx + 8], ref_caches[0][ctx + 5:ctx + 8])
+
+
+@pytest.mark.parametrize("q_lora", [0, 24])
+def test_mla_batch_rows_follow_the_reference_each_in_its_own_slot(tiny_mla, q_lora):
+    """MlaBatchDecoder: rows at different positions in different slots (one padded row) against
+    reference_forward per slot: logits, the latent row each step writes into its own slot and nowhere else."""
+    n, num_slots = 40, 3
+    model = tiny_mla
+    if q_lora:  # q LoRA and group-limited routing (2 groups of 2 experts, the best one kept)
+        g = _gen(8)
+        dims = MlaDims(H, NH, R, NOPE, ROPE, V, E, K, INTER, SHARED, 1.5, 1e-6, (NOPE + ROPE) ** -0.5,
+                       q_lora_rank=q_lora, n_group=2, topk_group=1)
+        model = MlaModel(dims, [_mla_layer(g, True, q_lora), _mla_layer(g, False, q_lora)],
+                         torch.randn(VOCAB, H, generator=g).to(BF), _nw(g, H), _w(g, VOCAB, H), None, DENSE)
+    g = _gen(9)
+    caches = [torch.randn(num_slots + 1, n, R + ROPE, generator=g).to(BF) for _ in model.layers]
+    ref_caches = [c.clone() for c in caches]
+    cos, sin = _tables(n, ROPE)
+    dec = MlaBatchDecoder(model, caches, cos, sin, batch=4, max_steps=8, num_splits=4)
+    rows = [(2, 3, 20), (0, 7, 5), (1, 11, 33)]  # (slot, token, context length); row 3 is padding
+    dec.set_rows([t for _, t, _ in rows], [c for _, _, c in rows], [s for s, _, _ in rows])
+    toks = [t for _, t, _ in rows]
+    for i in range(2):  # step 2 feeds step 1's tokens
+        dec.step()
+        for r, (slot, _, ctx) in enumerate(rows):
+            ref, _ = reference_forward(model, [c[slot] for c in ref_caches], cos, sin, [toks[r]], ctx + i)
+            assert ((dec.logits[r] - ref[0]).abs().max() / ref.abs().max()).item() < 1e-6
+            toks[r] = int(ref[0].argmax())
+    for c, rc in zip(caches, ref_caches):  # every slot's cache as the reference wrote it; the scratch slot aside
+        assert torch.equal(c[:num_slots], rc[:num_slots])
+    assert dec.out_tokens[:3, 1].tolist() == toks and dec.pos[:3].tolist() == [c + 2 for _, _, c in rows]
+    assert dec.slots.tolist() == [2, 0, 1, num_slots]
 
 
 def test_mla_q_lora_and_group_limited_routing_follow_reference():

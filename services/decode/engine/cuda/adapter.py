@@ -25,7 +25,7 @@ import torch
 from .batch import GqaBatchDecoder
 from .llama import FastOptions, GqaDecoder, GqaLayer, GqaModel
 from .mla import MlaDims, MtpWeights, prepare_layer
-from .mla_decoder import MlaDecoder, MlaModel
+from .mla_decoder import MlaBatchDecoder, MlaDecoder, MlaModel
 
 
 def _params(module: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -117,9 +117,13 @@ def attention_splits(cache_rows: int) -> int:
     return 1 << (max(1, min(16, -(-cache_rows // 64))).bit_length() - 1)
 
 
-def mla_decoder_from_engine(model, slot: int, max_draft: int = 3, max_steps: int = 4096,
-                            draft_vocab: int | None = None) -> MlaDecoder:
-    """MlaDecoder over a bound engine DeepseekModel's weights (and its first MTP layer, if loaded)."""
+def _mla_model(model) -> MlaModel:
+    """The fast path's MlaModel over a bound engine DeepseekModel's weights (and its first MTP layer, if loaded):
+    built once per engine model and shared by every slot's and batch's decoder (what ``prepare_layer`` lays out
+    anew, the fused projections and w_uv transposed, exists once)."""
+    built = getattr(model, "_fast_mla_model", None)
+    if built is not None:
+        return built
     cfg = model.cfg
     dense_inter = cfg.intermediate_size if any(not b.is_moe for b in model.layers) else 0
     dims = MlaDims(cfg.hidden_size, cfg.num_heads, cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim,
@@ -135,7 +139,29 @@ def mla_decoder_from_engine(model, slot: int, max_draft: int = 3, max_steps: int
         m0 = model.mtp[0]
         mtp = MtpWeights(m0.enorm.data, m0.hnorm.data, m0.eh_proj.data, m0.head_norm.data, m0.head.data,
                          m0.embed.data, _mla_layer(m0.block, cfg.moe_intermediate_size, sparse))
-    mm = MlaModel(dims, layers, model.embed.data, model.final_norm.data, model.lm_head.data, mtp, dense_inter)
+    model._fast_mla_model = MlaModel(dims, layers, model.embed.data, model.final_norm.data, model.lm_head.data, mtp,
+                                     dense_inter)
+    return model._fast_mla_model
+
+
+def mla_batch_decoder_from_engine(model, batch: int, max_steps: int = 256) -> MlaBatchDecoder:
+    """MlaBatchDecoder of ``batch`` rows over a bound engine DeepseekModel's weights and every slot's latent
+    cache (the whole per-layer tensors of the main model; padded rows decode on the cache's scratch slot)."""
+    cfg = model.cfg
+    if cfg.index_topk:
+        raise ValueError("sparse attention decodes one slot per step on the fast path")
+    caches = list(model.cache.kv[: len(model.layers)])
+    return MlaBatchDecoder(_mla_model(model), caches, model.cos, model.sin, batch, max_steps=max_steps,
+                           scratch_slot=model.cache.scratch_slot, num_splits=attention_splits(caches[0].shape[1]))
+
+
+def mla_decoder_from_engine(model, slot: int, max_draft: int = 3, max_steps: int = 4096,
+                            draft_vocab: int | None = None) -> MlaDecoder:
+    """MlaDecoder over a bound engine DeepseekModel's weights (and its first MTP layer, if loaded)."""
+    cfg = model.cfg
+    sparse = bool(cfg.index_topk)
+    mm = _mla_model(model)
+    mtp = mm.mtp
     caches = [model.cache.kv[i][slot] for i in range(len(model.cache.kv))]
     index_caches = [model.cache.index_k[i][slot] if i in model.cache.index_k else None for i in range(len(caches))]
     splits = attention_splits(min(caches[0].shape[0], cfg.index_topk) if sparse else caches[0].shape[0])

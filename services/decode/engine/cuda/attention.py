@@ -97,6 +97,7 @@ def _attn_split_kernel(q_ptr, q_pe_ptr, k_ptr, v_ptr, pos_ptr, part_o_ptr, part_
         k_ptr += slot * stride_ks
         v_ptr += slot * stride_vs
         q_ptr += b * stride_qb
+        q_pe_ptr += b * (T * NUM_Q_HEADS * D_ROPE)  # MLA: row b's rope part, [B, T, Hq, D_ROPE]
         pos_ptr += b
         part_o_ptr += b * (T * NUM_Q_HEADS * NUM_SPLITS * D_V_ALL)
         part_ml_ptr += b * (T * NUM_Q_HEADS * NUM_SPLITS * 2)
@@ -425,8 +426,9 @@ class DecodeAttention:
         """q: main part, row (t, head) at t*stride_qt + head*stride_qh (default [T, Hq, D_MAIN] contiguous);
         q_pe [T, Hq, D_ROPE] (MLA); k/v cache storage (token strides in elements); out [T, Hq, D_V].
         ``qk_norm=(q_norm [D], k_norm [D], eps, cos, sin)``: q and K row pos as projected (Qwen3, T == 1).
-        ``slot_ids`` (int32 [B]): a batch of B rows, row b's query at q[b], its position pos[b], its keys and
-        values in slot slot_ids[b] of k / v (slot strides stride_ks / stride_vs elements), out [B, T, Hq, D_V].
+        ``slot_ids`` (int32 [B]): a batch of B rows, row b's query at q[b] (MLA: its rope part at q_pe[b]), its
+        position pos[b], its keys and values in slot slot_ids[b] of k / v (slot strides stride_ks / stride_vs
+        elements), out [B, T, Hq, D_V].
         ``kv_fmt`` (kvfp8.kv_fmt) 1 / 2: k and v hold FP8 bytes, read as their values times ``k_scale`` /
         ``v_scale`` (GQA without a rope part or qk_norm).
         ``sparse=(idx int32 [>= n], n int32 [1])``: one query token attends to the n cache rows listed in

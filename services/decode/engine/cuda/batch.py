@@ -424,66 +424,40 @@ def _apply_rows_kernel(ctrl_ptr, token_ptr, pos_ptr, slot_ptr, step_idx_ptr, emb
         tl.store(ctrl_ptr + 3 * B, tl.zeros((1,), tl.int64).sum(axis=0))
 
 
-class GqaBatchDecoder:
-    """``batch`` rows decoding together; ``step()`` is capturable (no host sync, no allocation by us)."""
+class RowsDecoder:
+    """What every family's batched decoder shares: the rows' control plane (``set_rows``: each row's token,
+    position and slot, applied by the step's first kernel), the per-row samplers, and the step around the
+    family's ``layer(i)``: final norm, lm_head over the rows, the greedy finish or each row's sampling
+    kernels, the next input's embedding into ``residual``. ``step()`` is capturable (no host sync, no
+    allocation by us). A subclass calls ``_init_rows`` and defines ``layer(i)`` over ``residual``."""
 
-    def __init__(self, model: GqaModel, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor],
-                 cos: torch.Tensor, sin: torch.Tensor, batch: int, options: FastOptions | None = None,
-                 max_steps: int = 256, scratch_slot: int | None = None, kv_format: str | None = None,
-                 kv_scales: list[tuple[float, float]] | None = None, fp8_scales: list | None = None,
-                 act_fp8: bool = False):
+    def _init_rows(self, embed: torch.Tensor, final_norm: torch.Tensor, lm_head: torch.Tensor, eps: float,
+                   num_layers: int, batch: int, options: FastOptions | None, max_steps: int,
+                   scratch_slot: int) -> None:
         if not 1 <= batch <= MAX_BATCH:
             raise ValueError(f"batch must be 1..{MAX_BATCH}, got {batch}")
-        self.model, self.k_caches, self.v_caches, self.batch = model, k_caches, v_caches, batch
-        self.opt = options or FastOptions()
-        # FP8 KV cache (as GqaDecoder): rope_rows writes the rows' K/V as FP8 bytes, the attention reads them
-        self.kv_fmt, self.kv_scales, self.kv_inv = kv_cache_setup(kv_format, kv_scales, len(model.layers), k_caches)
-        # FP8 weights (fp8.Fp8Scales per layer: a projection with a scale is float8_e4m3fn): rows_gemv's FP8 mode,
-        # ``act_fp8``: activations through FP8 per row (FP8_DYNAMIC)
-        if fp8_scales is not None and len(fp8_scales) != len(model.layers):
-            raise ValueError(f"{len(fp8_scales)} layers of FP8 scales for {len(model.layers)} layers")
-        self.fp8_scales, self.act_fp8 = fp8_scales, act_fp8
-        if fp8_scales is not None and self.opt.batch_mode != 1:
-            raise ValueError("FP8 weights in the batched step need FastOptions.batch_mode 1 (W @ x^T)")
-        dev, dt = model.embed.device, model.embed.dtype
-        widest = max(model.hidden, model.intermediate, model.num_q_heads * model.head_dim)
-        self.xq = torch.zeros(batch, widest if fp8_scales is not None else 0, dtype=torch.float16, device=dev)
-        self.xscale = torch.ones(batch, dtype=torch.float32, device=dev)
-        if self.opt.pdl is None:
-            self.opt = replace(self.opt, pdl=dev.type == "cuda" and torch.cuda.get_device_capability(dev)[0] >= 9)
+        dev, dt = embed.device, embed.dtype
         if dt != torch.bfloat16:
             raise ValueError(f"the fast CUDA path runs bfloat16 models, got {dt}")
-        self.scratch_slot = k_caches[0].shape[0] - 1 if scratch_slot is None else scratch_slot
-        self.cos, self.sin = cos.to(device=dev, dtype=dt).contiguous(), sin.to(device=dev, dtype=dt).contiguous()
-        hq, hkv, d = model.num_q_heads, model.num_kv_heads, model.head_dim
-        h, inter, vocab = model.hidden, model.intermediate, model.lm_head.shape[0]
-        b = batch
+        self.batch, self.scratch_slot, self.num_layers = batch, scratch_slot, num_layers
+        self.embed, self.final_norm, self.lm_head, self.eps = embed, final_norm, lm_head, eps
+        self.opt = options or FastOptions()
+        if self.opt.pdl is None:
+            self.opt = replace(self.opt, pdl=dev.type == "cuda" and torch.cuda.get_device_capability(dev)[0] >= 9)
+        h, vocab, b = embed.shape[1], lm_head.shape[0], batch
+        self.hidden = h
         self.token = torch.zeros(b, dtype=torch.int64, device=dev)
         self.pos = torch.zeros(b, dtype=torch.int32, device=dev)
-        self.slots = torch.full((b,), self.scratch_slot, dtype=torch.int32, device=dev)
+        self.slots = torch.full((b,), scratch_slot, dtype=torch.int32, device=dev)
         self.step_idx = torch.zeros(b, dtype=torch.int64, device=dev)
         self.out_tokens = torch.zeros(b, max_steps, dtype=torch.int64, device=dev)
         self.residual = torch.zeros(b, h, dtype=dt, device=dev)
-        self.qkv = torch.zeros(b, (hq + 2 * hkv) * d, dtype=dt, device=dev)
-        self.query = torch.zeros(b, hq * d, dtype=dt, device=dev)
-        self.attn_out = torch.zeros(b, hq * d, dtype=dt, device=dev)
-        self.act = torch.zeros(b, inter, dtype=dt, device=dev)
-        self.xn = torch.zeros(b, h, dtype=dt, device=dev)
+        self.hn = torch.zeros(b, h, dtype=dt, device=dev)  # the final-normed rows, the lm_head's input
         self.logits = torch.zeros(b, vocab, dtype=torch.float32, device=dev)
         self.num_parts = -(-vocab // self.opt.batch_tiles["lm_head"][0])
         self.amax_val = torch.zeros(b, self.num_parts, dtype=torch.float32, device=dev)
         self.amax_idx = torch.zeros(b, self.num_parts, dtype=torch.int32, device=dev)
-        splits, block_s = self.opt.attn_tile(self.kv_fmt)
-        self.attn = DecodeAttention(num_q_heads=hq, num_kv_heads=hkv, d_main=d, d_v=d, num_splits=splits,
-                                    block_s=block_s, num_warps=self.opt.attn_num_warps(False), pdl=self.opt.pdl,
-                                    device=dev, max_batch=b, one_launch=self.opt.attn_one_launch)
         self.samplers: list | None = None
-        # rope + K/V write in the QKV GEMV's epilogue (rows_qkv_rope): tensor-core mode and a qkv tile whose
-        # half (rows of each rope half per program) divides head_dim / 2; else rows_gemv + rope_rows
-        pair_n = self.opt.batch_tiles["qkv"][0] // 2
-        self.fused_rope = (self.opt.batch_fused_rope and self.opt.batch_mode == 1 and pair_n >= 16
-                           and (d // 2) % pair_n == 0 and not self.kv_fmt  # (its epilogue writes bf16 K/V
-                           and fp8_scales is None)  # and reads bf16 weights)
         # set_rows' host -> device write: tokens, positions, slots and an armed flag, one pinned buffer and one
         # async copy; the step's first kernel applies them (once: it clears the flag)
         self._ctrl = torch.zeros(3 * b + 1, dtype=torch.int64, device=dev)
@@ -495,7 +469,7 @@ class GqaBatchDecoder:
         ``buffers`` (the engine's SamplingBuffers, read at every replay); kwargs: FastSampler's sizes."""
         from .sampling import FastSampler, candidate_cap
 
-        vocab = self.model.lm_head.shape[0]
+        vocab = self.lm_head.shape[0]
         kwargs.setdefault("cap", candidate_cap(vocab))
         base = buffers.row(0)  # row 0's views start at the buffers' bases; the kernels add slots[b] rows
         self.samplers = [FastSampler(base, vocab, self.logits.device, pdl=self.opt.pdl, row=self.slots[r : r + 1],
@@ -519,8 +493,8 @@ class GqaBatchDecoder:
             self._ctrl_copied.record()
 
     def _apply_rows(self) -> None:
-        h = self.model.hidden
-        _apply_rows_kernel[(1,)](self._ctrl, self.token, self.pos, self.slots, self.step_idx, self.model.embed,
+        h = self.hidden
+        _apply_rows_kernel[(1,)](self._ctrl, self.token, self.pos, self.slots, self.step_idx, self.embed,
                                  self.residual, self.residual.stride(0), h, B=self.batch,
                                  H_POW2=triton.next_power_of_2(h), PDL=self.opt.pdl, num_warps=4,
                                  **launch_opts(self.opt.pdl))
@@ -529,6 +503,77 @@ class GqaBatchDecoder:
         bn, bk, nw, st = self.opt.batch_tiles[name]
         return dict(block_n=bn, block_k=bk, num_warps=nw, stages=st, pdl=self.opt.pdl, mode=self.opt.batch_mode,
                     prefetch=self.opt.prefetch_tiles if self.opt.pdl else 0)
+
+    def layer(self, i: int) -> None:
+        raise NotImplementedError
+
+    def step(self, sample: bool = False) -> None:
+        """One decode step of every row: logits, next token (greedy argmax, or with ``sample`` the row's
+        sampling kernels), out_tokens[b, step_idx[b]], its embedding into residual[b], pos[b] += 1."""
+        if sample and self.samplers is None:
+            raise ValueError("step(sample=True) needs attach_samplers first")
+        self._apply_rows()
+        for i in range(self.num_layers):
+            self.layer(i)
+        rmsnorm_rows(self.residual, self.final_norm, self.hn, self.eps, pdl=self.opt.pdl)
+        if sample:
+            rows_gemv(self.hn, self.lm_head, self.logits, **self.tile_kwargs("lm_head"))
+            for r, sampler in enumerate(self.samplers):
+                sampler.finish(self.logits[r], self.token[r : r + 1], self.out_tokens[r], self.step_idx[r : r + 1],
+                               self.pos[r : r + 1], self.embed, self.residual[r])
+            return
+        rows_gemv(self.hn, self.lm_head, self.logits, argmax_parts=(self.amax_val, self.amax_idx),
+                  **self.tile_kwargs("lm_head"))
+        _finish_rows_kernel[(self.batch,)](
+            self.amax_val, self.amax_idx, self.num_parts, self.amax_val.stride(0), self.token, self.out_tokens,
+            self.out_tokens.stride(0), self.step_idx, self.pos, self.embed, self.residual, self.residual.stride(0),
+            self.hidden, PARTS_POW2=triton.next_power_of_2(self.num_parts), H_POW2=triton.next_power_of_2(self.hidden),
+            PDL=self.opt.pdl, num_warps=8, **launch_opts(self.opt.pdl))
+
+
+class GqaBatchDecoder(RowsDecoder):
+    """``batch`` rows of a Llama-family model decoding together (module docstring)."""
+
+    def __init__(self, model: GqaModel, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor],
+                 cos: torch.Tensor, sin: torch.Tensor, batch: int, options: FastOptions | None = None,
+                 max_steps: int = 256, scratch_slot: int | None = None, kv_format: str | None = None,
+                 kv_scales: list[tuple[float, float]] | None = None, fp8_scales: list | None = None,
+                 act_fp8: bool = False):
+        self.model, self.k_caches, self.v_caches = model, k_caches, v_caches
+        self._init_rows(model.embed, model.final_norm, model.lm_head, model.eps, len(model.layers), batch, options,
+                        max_steps, k_caches[0].shape[0] - 1 if scratch_slot is None else scratch_slot)
+        # FP8 KV cache (as GqaDecoder): rope_rows writes the rows' K/V as FP8 bytes, the attention reads them
+        self.kv_fmt, self.kv_scales, self.kv_inv = kv_cache_setup(kv_format, kv_scales, len(model.layers), k_caches)
+        # FP8 weights (fp8.Fp8Scales per layer: a projection with a scale is float8_e4m3fn): rows_gemv's FP8 mode,
+        # ``act_fp8``: activations through FP8 per row (FP8_DYNAMIC)
+        if fp8_scales is not None and len(fp8_scales) != len(model.layers):
+            raise ValueError(f"{len(fp8_scales)} layers of FP8 scales for {len(model.layers)} layers")
+        self.fp8_scales, self.act_fp8 = fp8_scales, act_fp8
+        if fp8_scales is not None and self.opt.batch_mode != 1:
+            raise ValueError("FP8 weights in the batched step need FastOptions.batch_mode 1 (W @ x^T)")
+        dev, dt = model.embed.device, model.embed.dtype
+        widest = max(model.hidden, model.intermediate, model.num_q_heads * model.head_dim)
+        self.xq = torch.zeros(batch, widest if fp8_scales is not None else 0, dtype=torch.float16, device=dev)
+        self.xscale = torch.ones(batch, dtype=torch.float32, device=dev)
+        self.cos, self.sin = cos.to(device=dev, dtype=dt).contiguous(), sin.to(device=dev, dtype=dt).contiguous()
+        hq, hkv, d = model.num_q_heads, model.num_kv_heads, model.head_dim
+        h, inter, vocab = model.hidden, model.intermediate, model.lm_head.shape[0]
+        b = batch
+        self.qkv = torch.zeros(b, (hq + 2 * hkv) * d, dtype=dt, device=dev)
+        self.query = torch.zeros(b, hq * d, dtype=dt, device=dev)
+        self.attn_out = torch.zeros(b, hq * d, dtype=dt, device=dev)
+        self.act = torch.zeros(b, inter, dtype=dt, device=dev)
+        self.xn = torch.zeros(b, h, dtype=dt, device=dev)
+        splits, block_s = self.opt.attn_tile(self.kv_fmt)
+        self.attn = DecodeAttention(num_q_heads=hq, num_kv_heads=hkv, d_main=d, d_v=d, num_splits=splits,
+                                    block_s=block_s, num_warps=self.opt.attn_num_warps(False), pdl=self.opt.pdl,
+                                    device=dev, max_batch=b, one_launch=self.opt.attn_one_launch)
+        # rope + K/V write in the QKV GEMV's epilogue (rows_qkv_rope): tensor-core mode and a qkv tile whose
+        # half (rows of each rope half per program) divides head_dim / 2; else rows_gemv + rope_rows
+        pair_n = self.opt.batch_tiles["qkv"][0] // 2
+        self.fused_rope = (self.opt.batch_fused_rope and self.opt.batch_mode == 1 and pair_n >= 16
+                           and (d // 2) % pair_n == 0 and not self.kv_fmt  # (its epilogue writes bf16 K/V
+                           and fp8_scales is None)  # and reads bf16 weights)
 
     def gemv(self, i: int, name: str, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, tile: str, **kw) -> None:
         """rows_gemv of layer i's projection ``name`` over rows x: bf16 weights as they are; FP8 ones over x's
@@ -564,27 +609,3 @@ class GqaBatchDecoder:
         rmsnorm_rows(self.residual, lw.mlp_norm, self.xn, eps, pdl=self.opt.pdl)
         self.gemv(i, "w_gate_up", self.xn, lw.w_gate_up, self.act, "gate_up", silu=True)
         self.gemv(i, "w_down", self.act, lw.w_down, self.residual, "down", residual=self.residual)
-
-    def step(self, sample: bool = False) -> None:
-        """One decode step of every row: logits, next token (greedy argmax, or with ``sample`` the row's
-        sampling kernels), out_tokens[b, step_idx[b]], its embedding into residual[b], pos[b] += 1."""
-        m = self.model
-        if sample and self.samplers is None:
-            raise ValueError("step(sample=True) needs attach_samplers first")
-        self._apply_rows()
-        for i in range(len(m.layers)):
-            self.layer(i)
-        rmsnorm_rows(self.residual, m.final_norm, self.xn, m.eps, pdl=self.opt.pdl)
-        if sample:
-            rows_gemv(self.xn, m.lm_head, self.logits, **self.tile_kwargs("lm_head"))
-            for r, sampler in enumerate(self.samplers):
-                sampler.finish(self.logits[r], self.token[r : r + 1], self.out_tokens[r], self.step_idx[r : r + 1],
-                               self.pos[r : r + 1], m.embed, self.residual[r])
-            return
-        rows_gemv(self.xn, m.lm_head, self.logits, argmax_parts=(self.amax_val, self.amax_idx),
-                  **self.tile_kwargs("lm_head"))
-        _finish_rows_kernel[(self.batch,)](
-            self.amax_val, self.amax_idx, self.num_parts, self.amax_val.stride(0), self.token, self.out_tokens,
-            self.out_tokens.stride(0), self.step_idx, self.pos, m.embed, self.residual, self.residual.stride(0),
-            m.hidden, PARTS_POW2=triton.next_power_of_2(self.num_parts), H_POW2=triton.next_power_of_2(m.hidden),
-            PDL=self.opt.pdl, num_warps=8, **launch_opts(self.opt.pdl))

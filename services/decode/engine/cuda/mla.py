@@ -139,9 +139,10 @@ def prepare_layer(p: dict[str, torch.Tensor], moe_inter: int, sparse: bool = Fal
 @triton.jit
 def _mla_prep_kernel(qkv_ptr, q_pe_ptr, cache_ptr, kv_norm_ptr, pos_ptr, cos_ptr, sin_ptr, stride_qkv, eps,
                      NUM_HEADS: tl.constexpr, NOPE: tl.constexpr, ROPE: tl.constexpr, R: tl.constexpr,
-                     PDL: tl.constexpr = False):
+                     PDL: tl.constexpr = False, slot_ptr=None, stride_cs=0, BATCH: tl.constexpr = False):
     # per token t: rope (interleaved pairs) of each head's q_pe -> q_pe[t]; the latent: RMSNorm(c) and
-    # rope(k_pe) -> cache[pos + t]
+    # rope(k_pe) -> cache[pos + t]. BATCH: row t is its own slot's token, at pos[t] in slot slot_ptr[t]
+    # (the cache: every slot's, slot stride stride_cs elements)
     t = tl.program_id(0)
     head = tl.program_id(1)
     if PDL:
@@ -149,7 +150,11 @@ def _mla_prep_kernel(qkv_ptr, q_pe_ptr, cache_ptr, kv_norm_ptr, pos_ptr, cos_ptr
         gdc_launch_dependents()
     HALF: tl.constexpr = ROPE // 2
     QK: tl.constexpr = NOPE + ROPE
-    p = tl.load(pos_ptr) + t
+    if BATCH:
+        p = tl.load(pos_ptr + t)
+        cache_ptr += tl.load(slot_ptr + t).to(tl.int64) * stride_cs
+    else:
+        p = tl.load(pos_ptr) + t
     j = tl.arange(0, HALF)
     cos = tl.load(cos_ptr + p * HALF + j).to(tl.float32)
     sin = tl.load(sin_ptr + p * HALF + j).to(tl.float32)
@@ -318,20 +323,26 @@ class MlaStack:
     ABSORB_BLOCK_R: int = 64
 
     def __init__(self, dims: MlaDims, num_tokens: int, device, num_splits: int = 16, block_s: int = 32,
-                 dense_inter: int = 0, max_tokens: int = 0):
+                 dense_inter: int = 0, max_tokens: int = 0, batch: bool = False):
+        """``batch``: the T rows are T slots' tokens (``block(..., slots=)``: each at its own position in its
+        own slot of the whole cache), not T consecutive tokens of one slot."""
         d, t, dev, bf = dims, num_tokens, device, torch.bfloat16
-        self.dims, self.num_tokens = d, t
+        self.dims, self.num_tokens, self.batch = d, t, batch
+        if batch and t < 2:
+            raise ValueError("a batch stack has 2 or more rows")
+        if batch and d.index_topk:
+            raise ValueError("sparse attention decodes one slot per step (its indexer's lists are per slot)")
         dev_ = torch.device(dev)
         sm90 = dev_.type == "cuda" and torch.cuda.get_device_capability(dev_)[0] >= 9
-        self.pdl = t == 1 and (sm90 if self.PDL is None else bool(self.PDL))
+        self.pdl = t == 1 and not batch and (sm90 if self.PDL is None else bool(self.PDL))
         self.early = self.pdl and self.PDL_EARLY
-        self.absorb = self.ABSORB_KERNEL and t == 1
+        self.absorb = self.ABSORB_KERNEL and t == 1 and not batch
         self.q_c1 = torch.zeros(d.num_heads, 1, d.kv_lora_rank, dtype=bf, device=dev) if self.absorb else None
         self.tiles = dict(self.PLAIN_TILES)
         if d.hidden >= GroupedMoe.WIDE_HIDDEN:
             self.tiles["wo"] = self.WIDE_WO_TILE
-        self.fused_uv = self.FUSED_UV and t == 1
-        self.fused_router = self.FUSED_ROUTER and t == 1
+        self.fused_uv = self.FUSED_UV and t == 1 and not batch
+        self.fused_router = self.FUSED_ROUTER and t == 1 and not batch
         self.router_count = torch.zeros(1, dtype=torch.int32, device=dev)
         self.uv_tile = self.UV_TILE
         self.o1 = torch.zeros(d.num_heads, 1, d.v_dim, dtype=bf, device=dev) if t == 1 else None
@@ -366,19 +377,24 @@ class MlaStack:
         self.wts = torch.zeros(t, max(d.top_k, 1), dtype=torch.float32, device=dev)
         self.router_logits = torch.zeros(t, max(d.num_experts, 1), dtype=torch.float32, device=dev)
         self.attn = DecodeAttention(num_q_heads=d.num_heads, num_kv_heads=1, d_main=d.kv_lora_rank, d_v=d.kv_lora_rank,
-                                    d_rope=d.rope, num_tokens=t, num_splits=num_splits, block_s=block_s,
-                                    sm_scale=d.sm_scale, num_warps=4, v_chunks=max(1, d.kv_lora_rank // 128),
-                                    device=dev, pdl=self.pdl)  # [rows, 128] value slices: no spill at 4 x 16 rows
+                                    d_rope=d.rope, num_tokens=1 if batch else t, num_splits=num_splits,
+                                    block_s=block_s, sm_scale=d.sm_scale, num_warps=4,
+                                    v_chunks=max(1, d.kv_lora_rank // 128), device=dev, pdl=self.pdl,
+                                    max_batch=t if batch else 1)  # [rows, 128] value slices: no spill at 4 x 16 rows
         self.moe = GroupedMoe(num_tokens=t, top_k=d.top_k, num_shared=d.num_shared, hidden=d.hidden,
                               inter=d.moe_inter, device=dev, pdl=self.pdl, early=self.early)
         self.dense = GroupedMoe(num_tokens=t, top_k=0, num_shared=1, hidden=d.hidden, inter=dense_inter,
                                 device=dev, pdl=self.pdl, early=self.early) if dense_inter else None
 
     def block(self, lw: MlaLayer, h: torch.Tensor, cache: torch.Tensor, pos: torch.Tensor,
-              cos: torch.Tensor, sin: torch.Tensor, index_cache: torch.Tensor | None = None) -> None:
+              cos: torch.Tensor, sin: torch.Tensor, index_cache: torch.Tensor | None = None,
+              slots: torch.Tensor | None = None) -> None:
         """h [T, H] += attention; h += MLP/MoE (in place); writes this block's cache rows at pos.. (and
-        with an indexer its key at pos into ``index_cache`` [max_tokens, index_dim])"""
+        with an indexer its key at pos into ``index_cache`` [max_tokens, index_dim]). A batch stack: row t
+        decodes at pos[t] in slot slots[t] of ``cache`` [slots, max_tokens, r + rope]."""
         d, t = self.dims, self.num_tokens
+        if self.batch != (slots is not None):
+            raise ValueError("a batch stack takes the rows' slots (and only it does)")
         r, nope = d.kv_lora_rank, d.nope
         nq = d.num_heads * (nope + d.rope)
         lora = lw.wq_b is not None
@@ -399,7 +415,9 @@ class MlaStack:
                 self._select(lw, q_a, index_cache, pos, cos, sin)
         _mla_prep_kernel[(t, d.num_heads + 1)](self.qkv, self.q_pe, cache, lw.kv_a_norm, pos, cos, sin,
                                                self.qkv.stride(0), d.eps, NUM_HEADS=d.num_heads, NOPE=nope,
-                                               ROPE=d.rope, R=r, PDL=self.pdl, num_warps=4, **launch_opts(self.pdl))
+                                               ROPE=d.rope, R=r, PDL=self.pdl, slot_ptr=slots if self.batch else pos,
+                                               stride_cs=cache.stride(0) if self.batch else 0, BATCH=self.batch,
+                                               num_warps=4, **launch_opts(self.pdl))
         if self.absorb and lw.w_uk.stride(2) == 1:  # absorbed: [Hq, 1, r]
             br = min(self.ABSORB_BLOCK_R, r)
             _absorb_kernel[(d.num_heads, triton.cdiv(r, br))](
@@ -409,7 +427,11 @@ class MlaStack:
         else:
             q_nope = self.qkv[:, :nq].view(t, d.num_heads, nope + d.rope)[..., :nope]
             q_c = torch.matmul(q_nope.transpose(0, 1), lw.w_uk)  # absorbed: [Hq, T, r]
-        if not lw.sparse or t == 1:  # dense, or one token over its indexer's list
+        if self.batch:  # row t: its own query over its own slot's rows 0..pos[t]
+            self.attn(q_c, cache, cache, pos, self.o_lat, stride_kt=r + d.rope, stride_vt=r + d.rope, rope_offset=r,
+                      q_pe=self.q_pe, stride_qt=r, stride_qh=t * r, slot_ids=slots, stride_ks=cache.stride(0),
+                      stride_vs=cache.stride(0))
+        elif not lw.sparse or t == 1:  # dense, or one token over its indexer's list
             sparse = (self.selects[0].idx, self.selects[0].count) if lw.sparse else None
             self.attn(q_c, cache, cache, pos, self.o_lat, stride_kt=r + d.rope, stride_vt=r + d.rope, rope_offset=r,
                       q_pe=self.q_pe, stride_qt=r, stride_qh=t * r, sparse=sparse, combine=not self.fused_uv)

@@ -38,6 +38,7 @@ import triton.language as tl
 
 from . import smallops
 from . import reference
+from .batch import RowsDecoder
 from .gemv import gemv
 from .kernel_helpers import round_to_dtype
 from .mla import MlaDims, MlaLayer, MlaStack, MtpWeights
@@ -339,6 +340,40 @@ class MlaDecoder:
 # every processor a drafting request can carry, each applied per row by its own flag (the reference
 # sampler's flags_any: a superset changes nothing), so one captured graph serves every such request
 SPEC_SAMPLING_FLAGS = BIAS | MIN_TOKENS | TOP_K | TOP_P
+
+
+class MlaBatchDecoder(RowsDecoder):
+    """``batch`` slots of a DeepSeek-family model decoding one token each in one step (one CUDA graph per
+    padded batch size, as the Llama family's GqaBatchDecoder, whose control plane and step it shares:
+    ``set_rows``, ``step(sample=)``, ``out_tokens[b, step]``). The block is the verify's T-row stack
+    (norms, tensor-core projections, the absorbed q by a bmm, the routed rows through the grouped expert
+    GEMVs, every expert's weights read once for all rows) with each row at its own position in its own
+    slot: the latent written by ``_mla_prep_kernel``'s batch form, the attention with ``slot_ids``.
+    ``caches``: the engine's whole per-layer latent caches [num_slots + 1, max_tokens, r + rope] (the
+    main model's layers; padded rows decode on the scratch slot). Plain steps only: no MTP drafts (a
+    slot back alone drafts again), no sparse attention (its indexer decodes one slot per step)."""
+
+    MAX_ROWS = 4  # the T-row stack's GEMVs (moe.gemv_rows) take up to 4 rows
+
+    def __init__(self, model: MlaModel, caches: list[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor,
+                 batch: int, options=None, max_steps: int = 256, scratch_slot: int | None = None,
+                 num_splits: int = 16):
+        if not 2 <= batch <= self.MAX_ROWS:
+            raise ValueError(f"batch must be 2..{self.MAX_ROWS} (the block's row GEMVs), got {batch}")
+        if len(caches) != len(model.layers):
+            raise ValueError(f"{len(caches)} caches for {len(model.layers)} layers")
+        self.model, self.caches = model, caches
+        d = model.dims
+        self._init_rows(model.embed, model.final_norm, model.lm_head, d.eps, len(model.layers), batch, options,
+                        max_steps, caches[0].shape[0] - 1 if scratch_slot is None else scratch_slot)
+        dev, bf = model.embed.device, torch.bfloat16
+        self.cos, self.sin = cos.to(device=dev, dtype=bf).contiguous(), sin.to(device=dev, dtype=bf).contiguous()
+        self.stack = MlaStack(d, batch, dev, num_splits=num_splits, dense_inter=model.dense_inter,
+                              max_tokens=caches[0].shape[1], batch=True)
+
+    def layer(self, i: int) -> None:
+        self.stack.block(self.model.layers[i], self.residual, self.caches[i], self.pos, self.cos, self.sin,
+                         slots=self.slots)
 
 
 class _RowBuffers:

@@ -1,0 +1,140 @@
+"""Several DeepSeek-family slots in one fast-path step (cuda/mla_decoder.py's MlaBatchDecoder), its Triton
+kernels interpreted on CPU, through the Engine API.
+
+Slots at different context lengths decode together in one batched step (each row's latent written into its
+own slot at its own position, its attention over its own slot, its own experts) and emit, per slot, the
+tokens that slot gets decoding alone on the batch-1 fast path: greedy and seeded sampled requests mixed,
+with q LoRA and group-limited routing; a slot with MTP drafts decodes plain steps while batched and drafts
+again alone; a slot joining or leaving changes no one's tokens; the scratch slot takes the padded rows and
+no other slot's cache changes. A sparse-attention model keeps one slot per step.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.decode.engine import Engine
+from shared.events import SamplingParams
+from tests.unit.engine.hf_models import save_checkpoint
+from tests.unit.engine_cuda.test_engine_fast_path_mla import SMALL
+
+PROMPTS = {0: [0, 13, 131, 31], 1: [5, 77, 200, 9, 61, 18, 140], 2: [3, 44]}
+REQUESTS = {
+    0: SamplingParams(max_tokens=4, ignore_eos=True),
+    1: SamplingParams(max_tokens=4, temperature=0.9, top_k=20, top_p=0.9, seed=11, ignore_eos=True),
+    2: SamplingParams(max_tokens=4, temperature=0.0, repetition_penalty=1.5, ignore_eos=True),
+}
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    path = tmp_path_factory.mktemp("fast-batch-v3")
+    save_checkpoint("deepseek_v3", path, **SMALL)  # q LoRA, 2 routing groups of which 1 is kept, an MTP layer
+    return path
+
+
+def load(path, k: int = 0) -> Engine:
+    return Engine.load(path, num_slots=3, max_seq_len=24, dtype="bfloat16", fast_path="on",
+                       num_speculative_tokens=k)
+
+
+def start(engine: Engine, slot: int) -> int:
+    first = int(engine.prefill(slot, PROMPTS[slot]).argmax())
+    engine.start(slot, first, REQUESTS[slot])
+    return first
+
+
+@pytest.fixture(scope="module")
+def alone(checkpoint):
+    """Each request's tokens decoding alone (the batch-1 fast path)."""
+    engine, out = load(checkpoint), {}
+    for slot in REQUESTS:
+        out[slot] = [start(engine, slot)]
+        while engine.active_slots():
+            out[slot] += engine.step()[slot].token_ids
+            assert (engine.last_step_path, engine.last_step_slots) == ("fast", 1)
+        engine.release(slot)
+    return out
+
+
+def test_slots_decode_together_in_one_fast_step_with_their_tokens_alone(checkpoint, alone):
+    engine = load(checkpoint)
+    assert engine.fast_path.batch_ok and not engine.fast_path.batches  # interpreted: built at first use
+    assert engine.fast_path.max_batch == 4  # the block's row GEMVs: more active slots take the reference step
+    before = [kv.clone() for kv in engine.cache.kv]
+    got = {slot: [start(engine, slot)] for slot in REQUESTS}
+    served = []
+    while engine.active_slots():
+        for slot, out in engine.step().items():
+            got[slot] += out.token_ids
+        served.append((engine.last_step_path, engine.last_step_slots))
+    assert got == alone
+    assert served == [("fast", 3)] * 4 and set(engine.fast_path.batches) == {4}
+    for layer, kv in enumerate(engine.cache.kv[: len(engine.model.layers)]):
+        for slot in REQUESTS:  # each slot's rows: the prompt's (prefill) and one per decoded token, nothing past
+            n = len(PROMPTS[slot]) + 4
+            assert kv[slot, n - 1].abs().max() > 0 and torch.equal(kv[slot, n:], before[layer][slot, n:])
+
+
+def test_slots_join_and_leave_without_changing_anyone_s_tokens(checkpoint, alone):
+    engine = load(checkpoint)
+    got = {0: [start(engine, 0)]}
+    schedule = {1: [1], 2: [2]}  # step index -> slots joining before it
+    served, step = [], 0
+    while engine.active_slots() or step <= max(schedule):
+        for slot in schedule.get(step, []):
+            got[slot] = [start(engine, slot)]
+        for slot, out in engine.step().items():
+            got[slot] += out.token_ids
+            if out.finish_reason is not None:
+                engine.release(slot)
+        served.append((engine.last_step_path, engine.last_step_slots))
+        step += 1
+    assert got == alone
+    assert served[:3] == [("fast", 1), ("fast", 2), ("fast", 3)] and {p for p, _ in served} == {"fast"}
+
+
+def test_a_drafting_slot_decodes_plain_steps_while_batched_and_drafts_again_alone(checkpoint):
+    greedy = SamplingParams(max_tokens=8, ignore_eos=True)
+    ref = Engine.load(checkpoint, num_slots=3, max_seq_len=24, dtype="bfloat16", fast_path="off",
+                      num_speculative_tokens=2, adaptive_speculation=False)
+    want = {}
+    for slot in (0, 1):
+        want[slot] = [int(ref.prefill(slot, PROMPTS[slot]).argmax())]
+        ref.start(slot, want[slot][0], SamplingParams(max_tokens=8 if slot == 0 else 2, ignore_eos=True))
+    while ref.active_slots():
+        for slot, out in ref.step().items():
+            want[slot] += out.token_ids
+    engine = Engine.load(checkpoint, num_slots=3, max_seq_len=24, dtype="bfloat16", fast_path="on",
+                         num_speculative_tokens=2, adaptive_speculation=False)
+    got = {slot: [int(engine.prefill(slot, PROMPTS[slot]).argmax())] for slot in (0, 1)}
+    engine.start(0, got[0][0], greedy)
+    engine.start(1, got[1][0], SamplingParams(max_tokens=2, ignore_eos=True))
+    served = []
+    while engine.active_slots():
+        for slot, out in engine.step().items():
+            got[slot] += out.token_ids
+        served.append((engine.last_step_path, engine.last_step_slots))
+    assert got == want
+    assert served[:2] == [("fast", 2), ("fast", 2)] and {p for p, _ in served} == {"fast"}
+    stats = engine.spec_stats(0)
+    # the two batched steps drafted nothing; alone again, k drafts + verify every step
+    assert stats.num_draft_tokens == 2 * (stats.num_steps - 2) > 0 and stats.num_accepted_tokens > 0
+
+
+def test_a_sparse_attention_model_keeps_one_slot_per_step(tmp_path):
+    save_checkpoint("deepseek_v32", tmp_path, **SMALL)
+    engine = Engine.load(tmp_path, num_slots=2, max_seq_len=24, dtype="bfloat16", fast_path="on")
+    assert not engine.fast_path.batch_ok and engine.fast_path.max_batch == 1
+    with pytest.raises(ValueError, match="one slot per step"):
+        engine.fast_path.prepare_batch(2)
+
+
+@pytest.mark.parametrize("num_slots, max_batch, sizes", [(1, 8, []), (3, 8, [2, 4]), (8, 8, [2, 4, 8]),
+                                                         (16, 8, [2, 4, 8]), (8, 4, [2, 4]), (3, 4, [2, 4]),
+                                                         (2, 4, [2])])
+def test_batch_graphs_an_engine_builds(num_slots, max_batch, sizes):
+    from services.decode.engine import fastpath
+
+    assert fastpath.batch_sizes(num_slots, max_batch) == sizes
