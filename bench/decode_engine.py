@@ -60,11 +60,11 @@ def engine_tokens_per_s(engine: Engine, prompt: list[int], steps: int, num_slots
     """Decode ``steps`` tokens per slot in ``num_slots`` slots after a warm-up; aggregate tokens/s,
     slot 0's tokens, the step paths taken ("fast" | "reference") in the measured pass, and the
     inter-token latency p50 (a step emitting m tokens: its time, then m - 1 zeros, as a stream sees
-    them). ``sampling``: SamplingParams fields besides max_tokens (default greedy)."""
+    them; slot 0's stream). ``sampling``: SamplingParams fields besides max_tokens (default greedy)."""
     extra = dict(ignore_eos=True, num_speculative_tokens=k, **(sampling or {}))
     for warm in (True, False):
-        for slot in range(num_slots):
-            first = int(engine.prefill(slot, prompt).argmax())
+        for slot in range(num_slots):  # each slot its own prompt (the first rotated): tokens and routing of their own
+            first = int(engine.prefill(slot, prompt[slot:] + prompt[:slot]).argmax())
             engine.start(slot, first, SamplingParams(max_tokens=8 if warm else steps, **extra))
         sync(str(engine.device))
         t0, emitted, tokens, paths, itl, num_steps = time.perf_counter(), 0, [], set(), [], 0
@@ -73,7 +73,8 @@ def engine_tokens_per_s(engine: Engine, prompt: list[int], steps: int, num_slots
             t_step = time.perf_counter()
             outs = engine.step()
             n = sum(len(o.token_ids) for o in outs.values())
-            itl += [time.perf_counter() - t_step] + [0.0] * (n - 1)
+            n0 = len(outs[0].token_ids) if 0 in outs else 0  # slot 0's stream: its inter-token gaps
+            itl += [time.perf_counter() - t_step] + [0.0] * (n0 - 1) if n0 else []
             emitted += n
             tokens += outs[0].token_ids if 0 in outs else []
             paths.add(engine.last_step_path)
@@ -304,11 +305,15 @@ def bench_cuda_mla(steps: int, context: int) -> dict:
                                     ("fast_sampled_no_penalty", 0, "auto", {}, drafting),
                                     ("reference_graph_mtp3_sampled", 3, "off", {}, drafting),
                                     ("reference_graph", 0, "off", {}, None),
-                                    ("reference_graph_mtp3", 3, "off", {}, None)):
+                                    ("reference_graph_mtp3", 3, "off", {}, None),
+                                    # four requests at once: one batched step of the four slots (MlaBatchDecoder)
+                                    # against one slot's step, and the reference step batching the same four
+                                    ("fast_4slots", 0, "auto", {"num_slots": 4}, None),
+                                    ("reference_graph_4slots", 0, "off", {"num_slots": 4}, None)):
         engine = Engine.from_hf_tensors(cfg, tensors, max_seq_len=context + steps + 16, device=device, dtype=dtype,
                                         model_name="dsv2-lite-shape", num_speculative_tokens=k, fast_path=mode,
                                         **opts)
-        r = engine_tokens_per_s(engine, prompt, steps, k=k, sampling=sp)
+        r = engine_tokens_per_s(engine, prompt, steps, num_slots=opts.get("num_slots", 1), k=k, sampling=sp)
         out[name] = {"tok_s": r["tokens_per_s"], "paths": r["paths"], "acceptance": r["acceptance"],
                      "draft_tokens": r["draft_tokens"], "itl_p50_ms": r["itl_p50_ms"], "step_ms": r["step_ms"],
                      "fast_path": engine.fast_path_reason or "on"}
@@ -331,8 +336,14 @@ def bench_cuda_mla(steps: int, context: int) -> dict:
                                                    / out["reference_graph_mtp3_sampled"]["tok_s"])
     out["dsv2lite_spec_sampled_over_plain_sampled"] = (out["fast_mtp3_sampled"]["tok_s"]
                                                        / out["fast_sampled_no_penalty"]["tok_s"])
+    # four slots a step (aggregate tok/s over 4 x steps tokens): its step time over one slot's, and over the
+    # reference step's four-slot batch
+    out["dsv2lite_engine_batch4_step_ratio"] = out["fast_4slots"]["step_ms"] / out["fast"]["step_ms"]
+    out["dsv2lite_engine_batch4_over_reference"] = (out["fast_4slots"]["tok_s"]
+                                                    / out["reference_graph_4slots"]["tok_s"])
+    out["dsv2lite_engine_batch4_over_one_slot_tok_s"] = out["fast_4slots"]["tok_s"] / out["fast"]["tok_s"]
     for name in ("fast_sampled", "fast_mtp3_every_step_sampled", "fast_mtp3_sampled", "fast_sampled_no_penalty",
-                 "reference_graph_mtp3_sampled"):
+                 "reference_graph_mtp3_sampled", "fast_4slots", "reference_graph_4slots"):
         out.pop(f"{name}_tokens")
     ref = out["reference_graph_tokens"]
     for name in ("fast", "fast_mtp3", "fast_mtp3_every_step", "reference_graph_mtp3"):

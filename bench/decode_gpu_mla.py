@@ -6,7 +6,10 @@ the 4-token verify GEMVs (the best become the run's defaults); graph-timed piece
 profiles of a step; roofline from the bytes a plain step reads (attention weights, the 6 routed experts it picks, the
 shared experts, the dense layer, router, lm_head, KV); the same with every token routed to the same
 experts (the verify reads no extra experts: what correlated routing would give); correctness: plain
-fast path vs the torch reference (teacher-forced) and spec output == plain output.
+fast path vs the torch reference (teacher-forced) and spec output == plain output. Several slots in one
+step (MlaBatchDecoder, 2 / 4 rows at 1K each): step time over one slot's, and the roofline of the bytes
+that step reads (the distinct routed experts its rows touch, every row's KV); ``MLA_BATCH_ONLY=1``: the
+plain step and the batched ones alone.
 """
 
 from __future__ import annotations
@@ -443,6 +446,51 @@ def tiles_ab(X, model, caches, cos, sin, ctx: int, R: dict, tag: str, rounds: in
     log(f"  {tag}plain step by tiles: " + ", ".join(f"{k} {v * 1e3:.1f} us" for k, v in res.items()))
 
 
+def batch_measure(X, model, s: dict, ctx: int, R: dict, tag: str = "dsv2lite_", sizes=(2, 4)) -> None:
+    """Several slots in one step (MlaBatchDecoder), each row at ``ctx`` in its own slot: step time against one
+    slot's plain step (``{tag}plain_ms``, measured before in the same run), and its roofline: the step's bytes
+    with the routed experts the rows actually touch (distinct experts per MoE layer, counted in an eager step
+    before the timed ones) and every row's own KV."""
+    n_layers, dev = len(model.layers), "cuda"
+    mt = ctx + 1024
+    inv = 1.0 / (10000.0 ** (torch.arange(0, s["rope"], 2).float() / s["rope"]))
+    fr = torch.arange(mt, dtype=torch.float32)[:, None] * inv[None, :]
+    cos, sin = fr.cos(), fr.sin()
+    by = step_bytes(model, s, ctx)
+    bw = R.get("copy_bw_TBps", 4.2)
+    per_expert = 3 * s["hidden"] * s["moe_inter"] * 2
+    for b in sizes:
+        caches = [torch.randn(b + 1, mt, s["r"] + s["rope"], device=dev).to(torch.bfloat16) for _ in range(n_layers)]
+        dec = X.mla_decoder.MlaBatchDecoder(model, caches, cos, sin, batch=b, max_steps=4096,
+                                            num_splits=16)
+        toks, slots = [1 + 97 * i for i in range(b)], list(range(b))
+        dec.set_rows(toks, [ctx] * b, slots)
+        dec._apply_rows()  # an eager step, layer by layer: which experts the rows route to
+        distinct = []
+        for i in range(n_layers):
+            dec.layer(i)
+            if model.layers[i].is_moe:
+                distinct.append(int(dec.stack.ids[:b].unique().numel()))
+        torch.cuda.synchronize()
+        runner = capture(dec.step, steps_per_replay=4, before_capture=lambda: dec.set_rows(toks, [ctx] * b, slots))
+        dec.set_rows(toks, [ctx] * b, slots)
+        ms = time_replays(runner, 30) / 4
+        mean_distinct = sum(distinct) / max(len(distinct), 1)
+        total = by["total"] - by["routed_experts"] + sum(distinct) * per_expert + (b - 1) * by["kv"]
+        roof_ms = total / (bw * 1e12) * 1e3
+        R[f"{tag}batch{b}_step_ms"] = ms
+        R[f"{tag}batch{b}_step_ratio"] = ms / R[f"{tag}plain_ms"] if f"{tag}plain_ms" in R else None
+        R[f"{tag}batch{b}_distinct_experts_per_layer"] = mean_distinct
+        R[f"{tag}batch{b}_bytes"] = total
+        R[f"{tag}batch{b}_frac_roofline"] = roof_ms / ms
+        R[f"{tag}batch{b}_tok_s"] = b * 1e3 / ms
+        log(f"  {tag}batch {b}: {ms:.3f} ms a step ({b * 1e3 / ms:.0f} tok/s), "
+            f"{R[f'{tag}batch{b}_step_ratio'] or float('nan'):.2f}x one slot's plain step; {mean_distinct:.1f} distinct "
+            f"experts a layer ({b} x top-{s['top_k']}), {total / 1e9:.2f} GB: {roof_ms / ms:.3f} of roofline")
+        del runner, dec, caches
+        torch.cuda.empty_cache()
+
+
 def run_mla(X, R: dict, ctx: int = 1024) -> None:
     s = DSV2_LITE
     t0 = time.time()
@@ -467,6 +515,14 @@ def run_mla(X, R: dict, ctx: int = 1024) -> None:
         log(f"  dsv2lite of roofline: PDL + early tiles {R['dsv2lite_frac_roofline_pdl_early']:.3f}, PDL "
             f"{R['dsv2lite_frac_roofline_pdl']:.3f}, without "
             f"{R['dsv2lite_frac_roofline_no_pdl']:.3f} (roofline {roof_ms:.3f} ms)")
+        return
+    if os.environ.get("MLA_BATCH_ONLY"):  # one slot's plain step and the batched steps alone (a short run)
+        dec = X.mla_decoder.MlaDecoder(model, caches, cos, sin, max_draft=3, max_steps=4096)
+        R["dsv2lite_plain_ms"] = time_plain_step(dec, ctx, 30)[0]
+        R["dsv2lite_frac_roofline"] = roof_ms / R["dsv2lite_plain_ms"]
+        log(f"  dsv2lite plain step {R['dsv2lite_plain_ms']:.3f} ms ({R['dsv2lite_frac_roofline']:.3f} of roofline)")
+        del dec
+        batch_measure(X, model, s, ctx, R)
         return
     if os.environ.get("MLA_FUSED_AB"):  # the attention middle's variants alone (a short run)
         fused_middle_ab(X, model, caches, cos, sin, ctx, R, "dsv2lite_", variants=list(FUSED_VARIANTS))
@@ -497,6 +553,10 @@ def run_mla(X, R: dict, ctx: int = 1024) -> None:
     except Exception:
         R["dsv2lite_error"] = traceback.format_exc()[-1500:]
         log(R["dsv2lite_error"])
+    try:
+        batch_measure(X, model, s, ctx, R)
+    except Exception:
+        log(traceback.format_exc()[-1500:])
     for tag, fn in (("dsv2lite_draftvocab_", lambda: measure(X, model, caches, cos, sin, ctx, "dsv2lite_draftvocab_", R,
                                                              draft_vocab=DRAFT_VOCAB)),
                     ("dsv2lite_", lambda: breakdown(X, model, caches, cos, sin, ctx, "dsv2lite_", R))):

@@ -12,7 +12,8 @@ kernels under Triton's interpreter; this is the compiled kernels' check on real 
 ``..._fast_path_reason``, and ``all_identical`` (so far: the file is written after each check). Where
 greedy tokens part, the reference's top-2 logit gap at that step is recorded: an exact tie (0.0 in
 its bf16 logits) makes either token right, and ``..._differs_only_at_a_reference_tie`` says so
-(``all_identical`` then still holds).
+(``all_identical`` then still holds). ``--batch``: three requests of each dense-attention family decoding
+together in one batched step against each alone (``<arch>_batch3_tokens_identical``).
 """
 
 from __future__ import annotations
@@ -68,6 +69,37 @@ def run(path: Path, mode: str, k: int, num_tokens: int, prompt: list[int],
     return tokens, sorted(set(paths)), engine.fast_path_reason
 
 
+def run_batch(path: Path, num_tokens: int, prompts: list[list[int]]) -> dict:
+    """Three requests (greedy, seeded sampled, greedy with a repetition penalty) decoding together in one
+    batched fast step against each decoding alone on the batch-1 fast path: tokens, and the (path, slots)
+    of every step."""
+    engine = Engine.load(path, num_slots=len(prompts), max_seq_len=128, dtype="bfloat16", fast_path="on",
+                         device="cuda")
+    params = [SamplingParams(max_tokens=num_tokens, ignore_eos=True),
+              SamplingParams(max_tokens=num_tokens, ignore_eos=True, **SAMPLED),
+              SamplingParams(max_tokens=num_tokens, ignore_eos=True, repetition_penalty=1.3)]
+
+    def begin(slot):
+        first = int(engine.prefill(slot, prompts[slot]).argmax())
+        engine.start(slot, first, params[slot])
+        return [first]
+
+    alone, together, served = {}, {}, []
+    for slot in range(len(prompts)):
+        alone[slot] = begin(slot)
+        while engine.active_slots():
+            alone[slot] += engine.step()[slot].token_ids
+        engine.release(slot)
+    together = {slot: begin(slot) for slot in range(len(prompts))}
+    while engine.active_slots():
+        for slot, out in engine.step().items():
+            together[slot] += out.token_ids
+        served.append((engine.last_step_path, engine.last_step_slots))
+    return {"tokens_identical": together == alone, "steps": sorted(set(served)),
+            "first_difference": {slot: next((i for i, (a, b) in enumerate(zip(together[slot], alone[slot]))
+                                             if a != b), None) for slot in alone}}
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--archs", default=",".join(ARCHS))
@@ -77,6 +109,8 @@ def main() -> int:
     p.add_argument("--kv-cache-dtype", default="auto",
                    help="both engines' KV cache (fp8 / fp8_e4m3 / fp8_e5m2: the fast path's FP8-KV attention "
                         "against the reference step reading the same FP8 bytes); keys get it as a prefix")
+    p.add_argument("--batch", action="store_true",
+                   help="also three requests of each family in one batched step against each alone")
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "gpu_fast_path_check.json")
     args = p.parse_args()
     out: dict = {"bench": "gpu_fast_path_check", "device": torch.cuda.get_device_name(0),
@@ -89,6 +123,16 @@ def main() -> int:
         prompt = PROMPTS.get(arch, PROMPT)
         drafts = (0, 3) if arch in MTP_ARCHS else (0,)
         cases = [(k, False) for k in drafts] + [(0, True)]
+        if args.batch and kv == "auto" and arch not in ("deepseek_v32", "glm_moe_dsa"):  # sparse: one slot a step
+            try:
+                b = run_batch(path, args.tokens, [prompt, [5, 77, 200, 9, 61, 18, 140], [3, 44]])
+                out.update({f"{arch}_batch3_{k2}": v for k2, v in b.items()})
+                ok &= b["tokens_identical"] and b["steps"] == [("fast", 3)]
+            except Exception as exc:  # noqa: BLE001
+                ok = False
+                out[f"{arch}_batch3_error"] = f"{type(exc).__name__}: {exc}"
+                traceback.print_exc()
+            print(f"{arch}_batch3", {k2: v for k2, v in out.items() if k2.startswith(f"{arch}_batch3")}, flush=True)
         for k, sampled in cases:
             key = ("" if kv == "auto" else f"kv_{kv}_") + f"{arch}_k{k}" + ("_sampled" if sampled else "")
             try:
