@@ -7,7 +7,7 @@ profiles of a step; roofline from the bytes a plain step reads (attention weight
 shared experts, the dense layer, router, lm_head, KV); the same with every token routed to the same
 experts (the verify reads no extra experts: what correlated routing would give); correctness: plain
 fast path vs the torch reference (teacher-forced) and spec output == plain output. Several slots in one
-step (MlaBatchDecoder, 2 / 4 rows at 1K each): step time over one slot's, and the roofline of the bytes
+step (MlaBatchDecoder, 2 / 4 / 8 rows at 1K each): step time over one slot's, and the roofline of the bytes
 that step reads (the distinct routed experts its rows touch, every row's KV); ``MLA_BATCH_ONLY=1``: the
 plain step and the batched ones alone.
 """
@@ -446,7 +446,7 @@ def tiles_ab(X, model, caches, cos, sin, ctx: int, R: dict, tag: str, rounds: in
     log(f"  {tag}plain step by tiles: " + ", ".join(f"{k} {v * 1e3:.1f} us" for k, v in res.items()))
 
 
-def batch_measure(X, model, s: dict, ctx: int, R: dict, tag: str = "dsv2lite_", sizes=(2, 4)) -> None:
+def batch_measure(X, model, s: dict, ctx: int, R: dict, tag: str = "dsv2lite_", sizes=(2, 4, 8)) -> None:
     """Several slots in one step (MlaBatchDecoder), each row at ``ctx`` in its own slot: step time against one
     slot's plain step (``{tag}plain_ms``, measured before in the same run), and its roofline: the step's bytes
     with the routed experts the rows actually touch (distinct experts per MoE layer, counted in an eager step

@@ -13,7 +13,7 @@ kernels under Triton's interpreter; this is the compiled kernels' check on real 
 greedy tokens part, the reference's top-2 logit gap at that step is recorded: an exact tie (0.0 in
 its bf16 logits) makes either token right, and ``..._differs_only_at_a_reference_tie`` says so
 (``all_identical`` then still holds). ``--batch``: three requests of each dense-attention family decoding
-together in one batched step against each alone (``<arch>_batch3_tokens_identical``).
+together in one batched step (five slots: the 8-row graph) against each alone (``<arch>_batch5_tokens_identical``).
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ def run(path: Path, mode: str, k: int, num_tokens: int, prompt: list[int],
 
 
 def run_batch(path: Path, num_tokens: int, prompts: list[list[int]]) -> dict:
-    """Three requests (greedy, seeded sampled, greedy with a repetition penalty) decoding together in one
+    """Requests (in turn greedy, seeded sampled, greedy with a repetition penalty) decoding together in one
     batched fast step against each decoding alone on the batch-1 fast path: tokens, and the (path, slots)
     of every step."""
     engine = Engine.load(path, num_slots=len(prompts), max_seq_len=128, dtype="bfloat16", fast_path="on",
@@ -81,7 +81,7 @@ def run_batch(path: Path, num_tokens: int, prompts: list[list[int]]) -> dict:
 
     def begin(slot):
         first = int(engine.prefill(slot, prompts[slot]).argmax())
-        engine.start(slot, first, params[slot])
+        engine.start(slot, first, params[slot % len(params)])
         return [first]
 
     alone, together, served = {}, {}, []
@@ -110,7 +110,7 @@ def main() -> int:
                    help="both engines' KV cache (fp8 / fp8_e4m3 / fp8_e5m2: the fast path's FP8-KV attention "
                         "against the reference step reading the same FP8 bytes); keys get it as a prefix")
     p.add_argument("--batch", action="store_true",
-                   help="also three requests of each family in one batched step against each alone")
+                   help="also five requests of each family in one batched step against each alone")
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "gpu_fast_path_check.json")
     args = p.parse_args()
     out: dict = {"bench": "gpu_fast_path_check", "device": torch.cuda.get_device_name(0),
@@ -125,14 +125,15 @@ def main() -> int:
         cases = [(k, False) for k in drafts] + [(0, True)]
         if args.batch and kv == "auto" and arch not in ("deepseek_v32", "glm_moe_dsa"):  # sparse: one slot a step
             try:
-                b = run_batch(path, args.tokens, [prompt, [5, 77, 200, 9, 61, 18, 140], [3, 44]])
-                out.update({f"{arch}_batch3_{k2}": v for k2, v in b.items()})
-                ok &= b["tokens_identical"] and b["steps"] == [("fast", 3)]
+                prompts = [prompt, [5, 77, 200, 9, 61, 18, 140], [3, 44], [11, 12, 13], [250, 1, 90, 7, 33]]
+                b = run_batch(path, args.tokens, prompts)  # five slots: the batch graph of 8 rows
+                out.update({f"{arch}_batch5_{k2}": v for k2, v in b.items()})
+                ok &= b["tokens_identical"] and b["steps"] == [("fast", 5)]
             except Exception as exc:  # noqa: BLE001
                 ok = False
-                out[f"{arch}_batch3_error"] = f"{type(exc).__name__}: {exc}"
+                out[f"{arch}_batch5_error"] = f"{type(exc).__name__}: {exc}"
                 traceback.print_exc()
-            print(f"{arch}_batch3", {k2: v for k2, v in out.items() if k2.startswith(f"{arch}_batch3")}, flush=True)
+            print(f"{arch}_batch5", {k2: v for k2, v in out.items() if k2.startswith(f"{arch}_batch5")}, flush=True)
         for k, sampled in cases:
             key = ("" if kv == "auto" else f"kv_{kv}_") + f"{arch}_k{k}" + ("_sampled" if sampled else "")
             try:

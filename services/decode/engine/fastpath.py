@@ -27,7 +27,7 @@ Contract:
 - ``FastPath.step(slot, slot_state, max_seq_len, prev_hidden)``: one engine step of a lone active
   slot (``prev_hidden``: the prefill's last final-normed hidden, the first MTP draft's input).
 - ``FastPath.step_batch([(slot, slot_state), ...], max_seq_len)`` (``batch_ok``: one GPU, and on the
-  DeepSeek family dense attention): one engine step of 2..``max_batch`` (8; DeepSeek family 4) active slots in one batched
+  DeepSeek family dense attention): one engine step of 2..``max_batch`` (8) active slots in one batched
   decoder (cuda/batch.py; cuda/mla_decoder.py's MlaBatchDecoder, plain steps: a DeepSeek-family slot
   drafts again once it decodes alone): each replay
   decodes one token of every slot, the weights read once for all, each slot attending to its own cache
@@ -76,8 +76,7 @@ log = logging.getLogger(__name__)
 
 MODES = ("auto", "on", "off")
 MAX_LOGPROBS = 20  # cuda/sampling_state.MAX_LOGPROBS (torch-only import kept out of this module's top)
-MAX_BATCH = 8  # slots of one batched step (cuda/batch.py)
-MLA_MAX_BATCH = 4  # ... of the DeepSeek family (cuda/mla_decoder.py's MlaBatchDecoder)
+MAX_BATCH = 8  # slots of one batched step (cuda/batch.py, cuda/mla_decoder.py's MlaBatchDecoder)
 BATCH_SIZES = (2, 4, 8)  # its padded sizes, one graph (greedy, sampled) each
 
 
@@ -267,9 +266,7 @@ class FastPath:
         # batch graphs built when the engine loads; a DeepSeek-family batch under Triton's interpreter (tests)
         # at its first use instead (an interpreted warm-up step per graph would slow every load)
         self.batch_at_load = self.batch_ok and (not self.mla or device.type == "cuda")
-        # the DeepSeek-family block's row GEMVs take up to MLA_MAX_BATCH rows (the verify's k + 1); more active
-        # slots than a batch holds take the reference step together
-        self.max_batch = (MLA_MAX_BATCH if self.mla else MAX_BATCH) if self.batch_ok else 1
+        self.max_batch = MAX_BATCH if self.batch_ok else 1  # more active slots take the reference step together
         self.batches: dict[int, tuple] = {}  # padded size -> (batch decoder, {graph key: GraphedFn})
         self.synced: dict[int, tuple[int, int]] = {}  # slot -> (token, pos) its bad-word state follows
         # one replay launched ahead of the host (module docstring): the Llama family, one token a step

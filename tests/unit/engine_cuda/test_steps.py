@@ -156,11 +156,16 @@ def test_mla_plain_steps_and_verify_follow_reference(tiny_mla):
     assert torch.equal(caches[0][ctx + 5:ctx + 8], ref_caches[0][ctx + 5:ctx + 8])
 
 
-@pytest.mark.parametrize("q_lora", [0, 24])
-def test_mla_batch_rows_follow_the_reference_each_in_its_own_slot(tiny_mla, q_lora):
-    """MlaBatchDecoder: rows at different positions in different slots (one padded row) against
-    reference_forward per slot: logits, the latent row each step writes into its own slot and nowhere else."""
-    n, num_slots = 40, 3
+@pytest.mark.parametrize("q_lora, batch", [(0, 4), (24, 4), (0, 8)])
+def test_mla_batch_rows_follow_the_reference_each_in_its_own_slot(tiny_mla, q_lora, batch):
+    """MlaBatchDecoder: rows at different positions in different slots (padded rows on the scratch slot)
+    against reference_forward per slot: logits, the latent row each step writes into its own slot and nowhere
+    else."""
+    n = 40
+    rows = [(2, 3, 20), (0, 7, 5), (1, 11, 33)]  # (slot, token, context length); the rest is padding
+    if batch == 8:
+        rows += [(4, 19, 12), (3, 23, 1), (5, 29, 27)]
+    num_slots = len(rows)
     model = tiny_mla
     if q_lora:  # q LoRA and group-limited routing (2 groups of 2 experts, the best one kept)
         g = _gen(8)
@@ -172,8 +177,7 @@ def test_mla_batch_rows_follow_the_reference_each_in_its_own_slot(tiny_mla, q_lo
     caches = [torch.randn(num_slots + 1, n, R + ROPE, generator=g).to(BF) for _ in model.layers]
     ref_caches = [c.clone() for c in caches]
     cos, sin = _tables(n, ROPE)
-    dec = MlaBatchDecoder(model, caches, cos, sin, batch=4, max_steps=8, num_splits=4)
-    rows = [(2, 3, 20), (0, 7, 5), (1, 11, 33)]  # (slot, token, context length); row 3 is padding
+    dec = MlaBatchDecoder(model, caches, cos, sin, batch=batch, max_steps=8, num_splits=4)
     dec.set_rows([t for _, t, _ in rows], [c for _, _, c in rows], [s for s, _, _ in rows])
     toks = [t for _, t, _ in rows]
     for i in range(2):  # step 2 feeds step 1's tokens
@@ -184,8 +188,9 @@ def test_mla_batch_rows_follow_the_reference_each_in_its_own_slot(tiny_mla, q_lo
             toks[r] = int(ref[0].argmax())
     for c, rc in zip(caches, ref_caches):  # every slot's cache as the reference wrote it; the scratch slot aside
         assert torch.equal(c[:num_slots], rc[:num_slots])
-    assert dec.out_tokens[:3, 1].tolist() == toks and dec.pos[:3].tolist() == [c + 2 for _, _, c in rows]
-    assert dec.slots.tolist() == [2, 0, 1, num_slots]
+    m = len(rows)
+    assert dec.out_tokens[:m, 1].tolist() == toks and dec.pos[:m].tolist() == [c + 2 for _, _, c in rows]
+    assert dec.slots.tolist() == [s for s, _, _ in rows] + [num_slots] * (batch - m)
 
 
 def test_mla_q_lora_and_group_limited_routing_follow_reference():

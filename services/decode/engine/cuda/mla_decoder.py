@@ -353,7 +353,7 @@ class MlaBatchDecoder(RowsDecoder):
     main model's layers; padded rows decode on the scratch slot). Plain steps only: no MTP drafts (a
     slot back alone drafts again), no sparse attention (its indexer decodes one slot per step)."""
 
-    MAX_ROWS = 4  # the T-row stack's GEMVs (moe.gemv_rows) take up to 4 rows
+    MAX_ROWS = 8  # the T-row stack's GEMVs (moe.gemv_rows) take up to 8 rows
 
     def __init__(self, model: MlaModel, caches: list[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor,
                  batch: int, options=None, max_steps: int = 256, scratch_slot: int | None = None,

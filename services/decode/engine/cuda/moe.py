@@ -125,6 +125,7 @@ def _gemv_rows_kernel(x_ptr, w_ptr, out_ptr, res_ptr, nw_ptr, N, K, eps, stride_
 
 
 DOT_ROWS = 16  # tokens padded to one tensor-core tile when T > 1
+MAX_ROWS = 8  # gemv_rows' rows: up to 4 verify tokens (3 drafts), up to 8 batched slots
 
 
 def _dot(t: int, w: torch.Tensor) -> bool:
@@ -137,7 +138,7 @@ def gemv_rows(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, *, norm_w: to
               num_warps: int = 4, stages: int = 4, dot: bool | None = None,
               dot_tile: tuple[int, int, int, int] | None = None, heads: bool = False, pdl: bool = False,
               early: bool = True) -> torch.Tensor:
-    """out[T, N] = [residual +] x'[T, K] @ W[N, K]^T, x' = rmsnorm(x) * norm_w when given (T <= 4).
+    """out[T, N] = [residual +] x'[T, K] @ W[N, K]^T, x' = rmsnorm(x) * norm_w when given (T <= MAX_ROWS).
 
     One token: fp32 FMAs over a [BLOCK_N, BLOCK_K] weight tile. Several: tensor-core dots with the tokens
     padded to 16 rows (the same bytes as one token; the FMA form was compute-bound at 4 tokens), with
@@ -155,8 +156,8 @@ def gemv_rows(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, *, norm_w: to
     else:
         (t, k), stride_t, stride_h, hd = x.shape, x.stride(0), 0, 0
     n = w.shape[0]
-    if not 1 <= t <= 4:
-        raise ValueError(f"gemv_rows takes 1..4 tokens (a pending token and up to 3 drafts), got {t}")
+    if not 1 <= t <= MAX_ROWS:
+        raise ValueError(f"gemv_rows takes 1..{MAX_ROWS} rows (a verify's tokens, a batch's slots), got {t}")
     dot = _dot(t, w) if dot is None else (dot and _dot(t, w))
     if dot:
         block_n, block_k, num_warps, stages = dot_tile or (max(16, block_n), block_k, num_warps, stages)
