@@ -5,7 +5,8 @@ Entry points (see each module's docstring for the contract):
   fused weights (attn_norm, wqkv, wo, mlp_norm, w_gate_up, w_down; embed, final_norm, lm_head) and a
   slot's K/V views ``[max_tokens, num_kv_heads, head_dim]`` per layer (shared.kvlayout).
 - ``GqaBatchDecoder`` (batch.py): the same step for 2..8 slots in one launch sequence (weights read once
-  for every row), slots and positions in device tensors.
+  for every row), slots and positions in device tensors; ``RowsDecoder`` there: the rows' control plane
+  and step tail it shares with the DeepSeek family's ``MlaBatchDecoder`` (mla_decoder.py).
 - ``GraphedFn`` (graph.py): the one CUDA-graph runner (the fast path's steps, the engine's reference
   step); eager on CPU.
 - ``gemv``/``attention``/``smallops``/``moe``: the kernels; ``reference``: their torch twins (same
@@ -14,7 +15,8 @@ Entry points (see each module's docstring for the contract):
   ``GqaDecoder.attach_sampler``), reading a slot's row of ``sampling_state.SamplingBuffers`` (torch only:
   the layout shared with the engine's reference sampler, and the Philox twin).
 - ``mla.py`` / ``mla_decoder.py``: the DeepSeek-V3-family step (absorbed MLA, grouped-expert MoE, MTP
-  draft + verify in one graph) over the engine's deepseek.py weights (``prepare_layer``).
+  draft + verify in one graph) over the engine's deepseek.py weights (``prepare_layer``), and its batched
+  step of 2..8 slots (``MlaBatchDecoder``).
 
 Importing this package needs torch and triton only (no other engine module), so GPU benchmarks can
 load it on a machine that has nothing else of the project installed. Submodules load on first use:
