@@ -26,6 +26,9 @@ so the draft layer sees the context the reference step's sees and the drafts are
 so the first ids are the frequent ones): the draft head reads N rows of the MTP head instead of
 all V. Drafts stay verified by the full-vocabulary main model, so output does not change; only a
 token outside the first N can never be drafted (that draft is rejected like any wrong one).
+
+``MlaBatchDecoder``: 2..8 slots, one plain step each in one graph (the verify's T-row block with each row
+in its own slot at its own position; the rows' control plane and step tail are batch.py's ``RowsDecoder``).
 """
 
 from __future__ import annotations
