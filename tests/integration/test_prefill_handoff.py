@@ -149,7 +149,14 @@ async def test_no_free_staging_slot_is_reported_not_blocked(llama, bus):
             held = [handoff_params(rx, layout, node_id) for rx in stopped]
             for _, params in held:
                 await llama.complete(client, PROMPT_B, kv_transfer_params=params)
-            assert llama.stats()["sending"] == STAGING_SLOTS
+            # the response can come before the sender takes its slot from reserved to sending (extraction
+            # and the write run beside the step): wait for both writes to be in flight, which they stay
+            # until the stopped receivers time out
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + TRANSFER_TIMEOUT_S
+            while llama.stats()["sending"] != STAGING_SLOTS and loop.time() < deadline:
+                await asyncio.sleep(0.01)
+            assert llama.stats()["sending"] == STAGING_SLOTS, llama.stats()
             h, params = handoff_params(receivers[-1], layout, node_id)
             # Not blocked behind the writes: had the response waited for one of them to end,
             # its staging slot would have been free again.
