@@ -238,8 +238,7 @@ class Engine:
             for slot in range(num_slots if self._fast is not None else 0):
                 if not self._fast_build(slot, 0, 0):  # its CUDA warm-up step writes row 0 of an empty slot
                     break
-            for size in (fastpath.batch_sizes(num_slots, self._fast.max_batch)
-                         if self._fast is not None and self._fast.batch_at_load else ()):
+            for size in fastpath.batch_sizes(num_slots) if self._fast is not None and self._fast.batch_at_load else ():
                 if not self._fast_build_batch(size):  # captured on the scratch slot
                     break
 

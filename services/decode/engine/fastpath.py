@@ -121,9 +121,9 @@ def padded_batch(n: int) -> int:
     raise ValueError(f"{n} slots: a batched step takes at most {MAX_BATCH}")
 
 
-def batch_sizes(num_slots: int, max_batch: int = MAX_BATCH) -> list[int]:
-    """The padded sizes an engine of num_slots slots can need (batches of at most max_batch slots)."""
-    return sorted({padded_batch(n) for n in range(2, min(num_slots, max_batch) + 1)})
+def batch_sizes(num_slots: int) -> list[int]:
+    """The padded sizes an engine of num_slots slots can need."""
+    return sorted({padded_batch(n) for n in range(2, min(num_slots, MAX_BATCH) + 1)})
 SAMPLED = "sampled"  # the runner key of a slot's sampling graph (one token a step)
 SPEC_SAMPLED = "spec_sampled"  # ... of a DeepSeek-family slot's k sampled drafts + verify: (SPEC_SAMPLED, k)
 EXTRAS = "extras"  # ... and of its graphs that also apply a grammar mask and/or compute logprobs:

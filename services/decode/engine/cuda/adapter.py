@@ -147,9 +147,6 @@ def _mla_model(model) -> MlaModel:
 def mla_batch_decoder_from_engine(model, batch: int, max_steps: int = 256) -> MlaBatchDecoder:
     """MlaBatchDecoder of ``batch`` rows over a bound engine DeepseekModel's weights and every slot's latent
     cache (the whole per-layer tensors of the main model; padded rows decode on the cache's scratch slot)."""
-    cfg = model.cfg
-    if cfg.index_topk:
-        raise ValueError("sparse attention decodes one slot per step on the fast path")
     caches = list(model.cache.kv[: len(model.layers)])
     return MlaBatchDecoder(_mla_model(model), caches, model.cos, model.sin, batch, max_steps=max_steps,
                            scratch_slot=model.cache.scratch_slot, num_splits=attention_splits(caches[0].shape[1]))

@@ -432,8 +432,8 @@ class RowsDecoder:
     allocation by us). A subclass calls ``_init_rows`` and defines ``layer(i)`` over ``residual``."""
 
     def _init_rows(self, embed: torch.Tensor, final_norm: torch.Tensor, lm_head: torch.Tensor, eps: float,
-                   num_layers: int, batch: int, options: FastOptions | None, max_steps: int,
-                   scratch_slot: int) -> None:
+                   num_layers: int, cos: torch.Tensor, sin: torch.Tensor, batch: int, options: FastOptions | None,
+                   max_steps: int, scratch_slot: int) -> None:
         if not 1 <= batch <= MAX_BATCH:
             raise ValueError(f"batch must be 1..{MAX_BATCH}, got {batch}")
         dev, dt = embed.device, embed.dtype
@@ -441,6 +441,7 @@ class RowsDecoder:
             raise ValueError(f"the fast CUDA path runs bfloat16 models, got {dt}")
         self.batch, self.scratch_slot, self.num_layers = batch, scratch_slot, num_layers
         self.embed, self.final_norm, self.lm_head, self.eps = embed, final_norm, lm_head, eps
+        self.cos, self.sin = cos.to(device=dev, dtype=dt).contiguous(), sin.to(device=dev, dtype=dt).contiguous()
         self.opt = options or FastOptions()
         if self.opt.pdl is None:
             self.opt = replace(self.opt, pdl=dev.type == "cuda" and torch.cuda.get_device_capability(dev)[0] >= 9)
@@ -540,8 +541,8 @@ class GqaBatchDecoder(RowsDecoder):
                  kv_scales: list[tuple[float, float]] | None = None, fp8_scales: list | None = None,
                  act_fp8: bool = False):
         self.model, self.k_caches, self.v_caches = model, k_caches, v_caches
-        self._init_rows(model.embed, model.final_norm, model.lm_head, model.eps, len(model.layers), batch, options,
-                        max_steps, k_caches[0].shape[0] - 1 if scratch_slot is None else scratch_slot)
+        self._init_rows(model.embed, model.final_norm, model.lm_head, model.eps, len(model.layers), cos, sin, batch,
+                        options, max_steps, k_caches[0].shape[0] - 1 if scratch_slot is None else scratch_slot)
         # FP8 KV cache (as GqaDecoder): rope_rows writes the rows' K/V as FP8 bytes, the attention reads them
         self.kv_fmt, self.kv_scales, self.kv_inv = kv_cache_setup(kv_format, kv_scales, len(model.layers), k_caches)
         # FP8 weights (fp8.Fp8Scales per layer: a projection with a scale is float8_e4m3fn): rows_gemv's FP8 mode,
@@ -555,7 +556,6 @@ class GqaBatchDecoder(RowsDecoder):
         widest = max(model.hidden, model.intermediate, model.num_q_heads * model.head_dim)
         self.xq = torch.zeros(batch, widest if fp8_scales is not None else 0, dtype=torch.float16, device=dev)
         self.xscale = torch.ones(batch, dtype=torch.float32, device=dev)
-        self.cos, self.sin = cos.to(device=dev, dtype=dt).contiguous(), sin.to(device=dev, dtype=dt).contiguous()
         hq, hkv, d = model.num_q_heads, model.num_kv_heads, model.head_dim
         h, inter, vocab = model.hidden, model.intermediate, model.lm_head.shape[0]
         b = batch

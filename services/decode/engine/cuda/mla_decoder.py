@@ -356,22 +356,16 @@ class MlaBatchDecoder(RowsDecoder):
     main model's layers; padded rows decode on the scratch slot). Plain steps only: no MTP drafts (a
     slot back alone drafts again), no sparse attention (its indexer decodes one slot per step)."""
 
-    MAX_ROWS = 8  # the T-row stack's GEMVs (moe.gemv_rows) take up to 8 rows
-
     def __init__(self, model: MlaModel, caches: list[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor,
                  batch: int, options=None, max_steps: int = 256, scratch_slot: int | None = None,
                  num_splits: int = 16):
-        if not 2 <= batch <= self.MAX_ROWS:
-            raise ValueError(f"batch must be 2..{self.MAX_ROWS} (the block's row GEMVs), got {batch}")
         if len(caches) != len(model.layers):
             raise ValueError(f"{len(caches)} caches for {len(model.layers)} layers")
         self.model, self.caches = model, caches
         d = model.dims
-        self._init_rows(model.embed, model.final_norm, model.lm_head, d.eps, len(model.layers), batch, options,
-                        max_steps, caches[0].shape[0] - 1 if scratch_slot is None else scratch_slot)
-        dev, bf = model.embed.device, torch.bfloat16
-        self.cos, self.sin = cos.to(device=dev, dtype=bf).contiguous(), sin.to(device=dev, dtype=bf).contiguous()
-        self.stack = MlaStack(d, batch, dev, num_splits=num_splits, dense_inter=model.dense_inter,
+        self._init_rows(model.embed, model.final_norm, model.lm_head, d.eps, len(model.layers), cos, sin, batch,
+                        options, max_steps, caches[0].shape[0] - 1 if scratch_slot is None else scratch_slot)
+        self.stack = MlaStack(d, batch, model.embed.device, num_splits=num_splits, dense_inter=model.dense_inter,
                               max_tokens=caches[0].shape[1], batch=True)
 
     def layer(self, i: int) -> None:
