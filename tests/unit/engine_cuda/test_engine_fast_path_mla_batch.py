@@ -18,6 +18,7 @@ from services.decode.engine import Engine
 from shared.events import SamplingParams
 from tests.unit.engine.hf_models import save_checkpoint
 from tests.unit.engine_cuda.test_engine_fast_path_mla import SMALL
+from tests.unit.engine_cuda.test_fast_path_batch import decode_alone, decode_together
 
 PROMPTS = {0: [0, 13, 131, 31], 1: [5, 77, 200, 9, 61, 18, 140], 2: [3, 44]}
 REQUESTS = {
@@ -48,14 +49,7 @@ def start(engine: Engine, slot: int) -> int:
 @pytest.fixture(scope="module")
 def alone(checkpoint):
     """Each request's tokens decoding alone (the batch-1 fast path)."""
-    engine, out = load(checkpoint), {}
-    for slot in REQUESTS:
-        out[slot] = [start(engine, slot)]
-        while engine.active_slots():
-            out[slot] += engine.step()[slot].token_ids
-            assert (engine.last_step_path, engine.last_step_slots) == ("fast", 1)
-        engine.release(slot)
-    return out
+    return decode_alone(load(checkpoint), PROMPTS, REQUESTS)
 
 
 def test_slots_decode_together_in_one_fast_step_with_their_tokens_alone(checkpoint, alone):
@@ -63,14 +57,9 @@ def test_slots_decode_together_in_one_fast_step_with_their_tokens_alone(checkpoi
     assert engine.fast_path.batch_ok and not engine.fast_path.batches  # interpreted: built at first use
     assert engine.fast_path.max_batch == 8  # more active slots take the reference step together
     before = [kv.clone() for kv in engine.cache.kv]
-    got = {slot: [start(engine, slot)] for slot in REQUESTS}
-    served = []
-    while engine.active_slots():
-        for slot, out in engine.step().items():
-            got[slot] += out.token_ids
-        served.append((engine.last_step_path, engine.last_step_slots))
-    assert got == alone
-    assert served == [("fast", 3)] * 4 and set(engine.fast_path.batches) == {4}
+    got = decode_together(engine, PROMPTS, REQUESTS)  # every step ("fast", 3)
+    assert got == alone and all(len(t) == 5 for t in got.values())
+    assert set(engine.fast_path.batches) == {4}
     for layer, kv in enumerate(engine.cache.kv[: len(engine.model.layers)]):
         for slot in REQUESTS:  # each slot's rows: the prompt's (prefill) and one per decoded token, nothing past
             n = len(PROMPTS[slot]) + 4
@@ -131,10 +120,8 @@ def test_a_sparse_attention_model_keeps_one_slot_per_step(tmp_path):
         engine.fast_path.prepare_batch(2)
 
 
-@pytest.mark.parametrize("num_slots, max_batch, sizes", [(1, 8, []), (3, 8, [2, 4]), (8, 8, [2, 4, 8]),
-                                                         (16, 8, [2, 4, 8]), (8, 4, [2, 4]), (3, 4, [2, 4]),
-                                                         (2, 4, [2])])
-def test_batch_graphs_an_engine_builds(num_slots, max_batch, sizes):
+@pytest.mark.parametrize("num_slots, sizes", [(1, []), (2, [2]), (3, [2, 4]), (8, [2, 4, 8]), (16, [2, 4, 8])])
+def test_batch_graphs_an_engine_builds(num_slots, sizes):
     from services.decode.engine import fastpath
 
-    assert fastpath.batch_sizes(num_slots, max_batch) == sizes
+    assert fastpath.batch_sizes(num_slots) == sizes

@@ -287,12 +287,17 @@ def test_rows_gemv_modes_equal_the_one_token_gemv_per_row(mode, rows):
         _close(out[r], residual[r], 1e-2)
 
 
-def decode_alone(engine: Engine, prompts: dict, params: SamplingParams, release: bool = True) -> dict:
-    """Each slot's greedy tokens (first from its prompt) decoding alone: every step the batch-1 fast path."""
+def _params_of(params: SamplingParams | dict, slot: int) -> SamplingParams:
+    return params[slot] if isinstance(params, dict) else params
+
+
+def decode_alone(engine: Engine, prompts: dict, params: SamplingParams | dict, release: bool = True) -> dict:
+    """Each slot's tokens (first from its prompt) decoding alone: every step the batch-1 fast path.
+    ``params``: every slot's, or a dict of each slot's."""
     out = {}
     for slot, prompt in prompts.items():
         out[slot] = [int(engine.prefill(slot, prompt).argmax())]
-        engine.start(slot, out[slot][0], params)
+        engine.start(slot, out[slot][0], _params_of(params, slot))
         while engine.active_slots():
             out[slot] += engine.step()[slot].token_ids
             assert (engine.last_step_path, engine.last_step_slots) == ("fast", 1)
@@ -301,13 +306,13 @@ def decode_alone(engine: Engine, prompts: dict, params: SamplingParams, release:
     return out
 
 
-def decode_together(engine: Engine, prompts: dict, params: SamplingParams) -> dict:
+def decode_together(engine: Engine, prompts: dict, params: SamplingParams | dict) -> dict:
     """Every slot's tokens with all of them started first: every step one batched fast step of all slots
-    (the same ``max_tokens`` for each, so none leaves early)."""
+    (the same ``max_tokens`` for each, so none leaves early). ``params`` as decode_alone's."""
     out = {}
     for slot, prompt in prompts.items():
         out[slot] = [int(engine.prefill(slot, prompt).argmax())]
-        engine.start(slot, out[slot][0], params)
+        engine.start(slot, out[slot][0], _params_of(params, slot))
     while engine.active_slots():
         for slot, step in engine.step().items():
             out[slot] += step.token_ids

@@ -167,12 +167,8 @@ def test_mla_batch_rows_follow_the_reference_each_in_its_own_slot(tiny_mla, q_lo
         rows += [(4, 19, 12), (3, 23, 1), (5, 29, 27)]
     num_slots = len(rows)
     model = tiny_mla
-    if q_lora:  # q LoRA and group-limited routing (2 groups of 2 experts, the best one kept)
-        g = _gen(8)
-        dims = MlaDims(H, NH, R, NOPE, ROPE, V, E, K, INTER, SHARED, 1.5, 1e-6, (NOPE + ROPE) ** -0.5,
-                       q_lora_rank=q_lora, n_group=2, topk_group=1)
-        model = MlaModel(dims, [_mla_layer(g, True, q_lora), _mla_layer(g, False, q_lora)],
-                         torch.randn(VOCAB, H, generator=g).to(BF), _nw(g, H), _w(g, VOCAB, H), None, DENSE)
+    if q_lora:
+        model = _q_lora_mla(q_lora)
     g = _gen(9)
     caches = [torch.randn(num_slots + 1, n, R + ROPE, generator=g).to(BF) for _ in model.layers]
     ref_caches = [c.clone() for c in caches]
@@ -193,12 +189,18 @@ def test_mla_batch_rows_follow_the_reference_each_in_its_own_slot(tiny_mla, q_lo
     assert dec.slots.tolist() == [s for s, _, _ in rows] + [num_slots] * (batch - m)
 
 
-def test_mla_q_lora_and_group_limited_routing_follow_reference():
-    g, n, ctx, q_lora = _gen(8), 40, 12, 24
+def _q_lora_mla(q_lora: int) -> MlaModel:
+    """A tiny model with q LoRA and group-limited routing (2 groups of 2 experts, the best one kept), no MTP."""
+    g = _gen(8)
     dims = MlaDims(H, NH, R, NOPE, ROPE, V, E, K, INTER, SHARED, 1.5, 1e-6, (NOPE + ROPE) ** -0.5,
-                   q_lora_rank=q_lora, n_group=2, topk_group=1)  # 2 groups of 2 experts, the best one kept
+                   q_lora_rank=q_lora, n_group=2, topk_group=1)
     layers = [_mla_layer(g, True, q_lora), _mla_layer(g, False, q_lora)]
-    model = MlaModel(dims, layers, torch.randn(VOCAB, H, generator=g).to(BF), _nw(g, H), _w(g, VOCAB, H), None, DENSE)
+    return MlaModel(dims, layers, torch.randn(VOCAB, H, generator=g).to(BF), _nw(g, H), _w(g, VOCAB, H), None, DENSE)
+
+
+def test_mla_q_lora_and_group_limited_routing_follow_reference():
+    n, ctx = 40, 12
+    model = _q_lora_mla(24)
     caches = _mla_caches(n)[:2]
     ref_caches = [c.clone() for c in caches]
     cos, sin = _tables(n, ROPE)
