@@ -2,7 +2,7 @@
 
 The unit tests (pure cores, the fast path's kernels under Triton's interpreter) are single-threaded
 Python and need no servers of their own, so ``pytest-xdist`` runs them on up to 8 workers at once (on a
-2-core machine: 9 minutes -> 5.5). The integration and end-to-end tests then run in one process, as
+2-core machine: 9 minutes -> 5). The integration and end-to-end tests then run in one process, as
 before: they share session-wide vLLM servers that ``tests/fixtures/vllm_plan.py`` starts ahead of the
 modules that use them, which one process per core would each start again.
 
@@ -60,7 +60,8 @@ def main(argv: list[str]) -> int:
     if names_paths(argv):
         return subprocess.call([*pytest, *argv], cwd=ROOT)
     workers = unit_workers()
-    unit = [*pytest, UNIT, *argv] + (["-n", str(workers)] if workers > 1 else [])
+    # worksteal: an idle worker takes queued tests from a busy one (the interpreted kernel tests vary 100x)
+    unit = [*pytest, UNIT, *argv] + (["-n", str(workers), "--dist", "worksteal"] if workers > 1 else [])
     codes = [subprocess.call(unit, cwd=ROOT)]
     codes.append(subprocess.call([*pytest, *REST, *argv], cwd=ROOT))
     return combine(codes)
