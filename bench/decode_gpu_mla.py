@@ -446,11 +446,18 @@ def tiles_ab(X, model, caches, cos, sin, ctx: int, R: dict, tag: str, rounds: in
     log(f"  {tag}plain step by tiles: " + ", ".join(f"{k} {v * 1e3:.1f} us" for k, v in res.items()))
 
 
-def batch_measure(X, model, s: dict, ctx: int, R: dict, tag: str = "dsv2lite_", sizes=(2, 4, 8)) -> None:
+# the batched block's forms (MlaStack class attributes while the decoder is built): the product's default first
+BATCH_VARIANTS = {"bmm": {}, "chain_pdl": {"BATCH_CHAIN": True}, "chain_no_pdl": {"BATCH_CHAIN": True, "PDL": False}}
+
+
+def batch_measure(X, model, s: dict, ctx: int, R: dict, tag: str = "dsv2lite_", sizes=(2, 4, 8),
+                  variants=("chain_pdl",), rounds: int = 1) -> None:
     """Several slots in one step (MlaBatchDecoder), each row at ``ctx`` in its own slot: step time against one
     slot's plain step (``{tag}plain_ms``, measured before in the same run), and its roofline: the step's bytes
     with the routed experts the rows actually touch (distinct experts per MoE layer, counted in an eager step
-    before the timed ones) and every row's own KV."""
+    before the timed ones) and every row's own KV. ``variants`` (BATCH_VARIANTS' names, the first one the
+    published keys'), alternated ``rounds`` times, best of the rounds: ``{tag}batch{b}_variants`` (ms) and
+    ``{tag}batch{b}_variants_tokens_equal`` (the chain forms' greedy tokens over 8 steps equal)."""
     n_layers, dev = len(model.layers), "cuda"
     mt = ctx + 1024
     inv = 1.0 / (10000.0 ** (torch.arange(0, s["rope"], 2).float() / s["rope"]))
@@ -459,22 +466,42 @@ def batch_measure(X, model, s: dict, ctx: int, R: dict, tag: str = "dsv2lite_", 
     by = step_bytes(model, s, ctx)
     bw = R.get("copy_bw_TBps", 4.2)
     per_expert = 3 * s["hidden"] * s["moe_inter"] * 2
+    st = X.mla.MlaStack
     for b in sizes:
         caches = [torch.randn(b + 1, mt, s["r"] + s["rope"], device=dev).to(torch.bfloat16) for _ in range(n_layers)]
-        dec = X.mla_decoder.MlaBatchDecoder(model, caches, cos, sin, batch=b, max_steps=4096,
-                                            num_splits=16)
         toks, slots = [1 + 97 * i for i in range(b)], list(range(b))
-        dec.set_rows(toks, [ctx] * b, slots)
-        dec._apply_rows()  # an eager step, layer by layer: which experts the rows route to
-        distinct = []
-        for i in range(n_layers):
-            dec.layer(i)
-            if model.layers[i].is_moe:
-                distinct.append(int(dec.stack.ids[:b].unique().numel()))
-        torch.cuda.synchronize()
-        runner = capture(dec.step, steps_per_replay=4, before_capture=lambda: dec.set_rows(toks, [ctx] * b, slots))
-        dec.set_rows(toks, [ctx] * b, slots)
-        ms = time_replays(runner, 30) / 4
+        times, tokens, distinct = {v: [] for v in variants}, {}, []
+        for _ in range(rounds):
+            for name in variants:
+                saved = {k: getattr(st, k) for k in BATCH_VARIANTS[name]}
+                for k, v in BATCH_VARIANTS[name].items():
+                    setattr(st, k, v)
+                try:
+                    dec = X.mla_decoder.MlaBatchDecoder(model, caches, cos, sin, batch=b, max_steps=4096,
+                                                        num_splits=16)
+                finally:
+                    for k, v in saved.items():
+                        setattr(st, k, v)
+                dec.set_rows(toks, [ctx] * b, slots)
+                dec._apply_rows()  # an eager step, layer by layer: which experts the rows route to
+                distinct = []
+                for i in range(n_layers):
+                    dec.layer(i)
+                    if model.layers[i].is_moe:
+                        distinct.append(int(dec.stack.ids[:b].unique().numel()))
+                torch.cuda.synchronize()
+                runner = capture(dec.step, steps_per_replay=4,
+                                 before_capture=lambda: dec.set_rows(toks, [ctx] * b, slots))
+                dec.set_rows(toks, [ctx] * b, slots)
+                times[name].append(time_replays(runner, 30) / 4)
+                dec.set_rows(toks, [ctx] * b, slots)
+                for _ in range(2):  # 8 steps from the same rows
+                    runner()
+                torch.cuda.synchronize()
+                tokens[name] = dec.out_tokens[:b, :8].tolist()
+                del runner, dec
+                torch.cuda.empty_cache()
+        ms = min(times[variants[0]])
         mean_distinct = sum(distinct) / max(len(distinct), 1)
         total = by["total"] - by["routed_experts"] + sum(distinct) * per_expert + (b - 1) * by["kv"]
         roof_ms = total / (bw * 1e12) * 1e3
@@ -487,7 +514,16 @@ def batch_measure(X, model, s: dict, ctx: int, R: dict, tag: str = "dsv2lite_", 
         log(f"  {tag}batch {b}: {ms:.3f} ms a step ({b * 1e3 / ms:.0f} tok/s), "
             f"{R[f'{tag}batch{b}_step_ratio'] or float('nan'):.2f}x one slot's plain step; {mean_distinct:.1f} distinct "
             f"experts a layer ({b} x top-{s['top_k']}), {total / 1e9:.2f} GB: {roof_ms / ms:.3f} of roofline")
-        del runner, dec, caches
+        if len(variants) > 1:
+            R[f"{tag}batch{b}_variants"] = res = {v: min(t) for v, t in times.items()}
+            R[f"{tag}batch{b}_variants_frac_roofline"] = {v: roof_ms / t for v, t in res.items()}
+            # PDL only reorders launches: the chain's forms give the same tokens (the bmm form rounds q . w_uk and
+            # o . w_uv otherwise, and random weights turn an ulp into another greedy token after a few steps)
+            chain = [v for v in variants if v.startswith("chain")] or list(variants)
+            R[f"{tag}batch{b}_variants_tokens_equal"] = eq = all(tokens[v] == tokens[chain[0]] for v in chain)
+            log(f"  {tag}batch {b} forms: " + ", ".join(f"{v} {t:.3f} ms ({roof_ms / t:.3f})" for v, t in res.items())
+                + f"; tokens equal {eq}")
+        del caches
         torch.cuda.empty_cache()
 
 
@@ -522,7 +558,9 @@ def run_mla(X, R: dict, ctx: int = 1024) -> None:
         R["dsv2lite_frac_roofline"] = roof_ms / R["dsv2lite_plain_ms"]
         log(f"  dsv2lite plain step {R['dsv2lite_plain_ms']:.3f} ms ({R['dsv2lite_frac_roofline']:.3f} of roofline)")
         del dec
-        batch_measure(X, model, s, ctx, R)
+        ab = bool(os.environ.get("MLA_BATCH_AB"))  # the batched block's forms alternated (BATCH_VARIANTS)
+        batch_measure(X, model, s, ctx, R, sizes=(4, 8) if ab else (2, 4, 8),
+                      variants=tuple(BATCH_VARIANTS) if ab else ("bmm",), rounds=3 if ab else 1)
         return
     if os.environ.get("MLA_FUSED_AB"):  # the attention middle's variants alone (a short run)
         fused_middle_ab(X, model, caches, cos, sin, ctx, R, "dsv2lite_", variants=list(FUSED_VARIANTS))

@@ -111,8 +111,14 @@ def main() -> int:
                         "against the reference step reading the same FP8 bytes); keys get it as a prefix")
     p.add_argument("--batch", action="store_true",
                    help="also five requests of each family in one batched step against each alone")
+    p.add_argument("--mla-batch-chain", action="store_true",
+                   help="the DeepSeek family's batched block as one chain of Triton kernels (MlaStack.BATCH_CHAIN)")
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "gpu_fast_path_check.json")
     args = p.parse_args()
+    if args.mla_batch_chain:
+        from services.decode.engine.cuda import mla
+
+        mla.MlaStack.BATCH_CHAIN = True
     out: dict = {"bench": "gpu_fast_path_check", "device": torch.cuda.get_device_name(0),
                  "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "tokens": args.tokens}
     ok = True

@@ -133,7 +133,7 @@ def pdl_interpreted(monkeypatch):
     """Kernels launched with programmatic dependent launch (PDL=True) under the interpreter: its programs
     run one after another, so griddepcontrol's wait and launch_dependents are no-ops here; what this covers
     is the PDL variants' own code (loads moved before the wait, peeled first iterations)."""
-    for mod in (attention, fp8, gemv, mla, moe):
+    for mod in (attention, fp8, gemv, mla, moe, smallops):
         for name in ("gdc_wait", "gdc_launch_dependents"):
             if hasattr(mod, name):
                 monkeypatch.setattr(mod, name, _griddep_noop)

@@ -52,7 +52,13 @@ def alone(checkpoint):
     return decode_alone(load(checkpoint), PROMPTS, REQUESTS)
 
 
-def test_slots_decode_together_in_one_fast_step_with_their_tokens_alone(checkpoint, alone):
+@pytest.mark.parametrize("chain", [False, True])
+def test_slots_decode_together_in_one_fast_step_with_their_tokens_alone(checkpoint, alone, chain, monkeypatch):
+    # chain: the batched block as one chain of Triton kernels (MlaStack.BATCH_CHAIN: absorb and merge + w_uv
+    # kernels over every row) instead of cuBLAS bmms
+    from services.decode.engine.cuda import mla
+
+    monkeypatch.setattr(mla.MlaStack, "BATCH_CHAIN", chain)
     engine = load(checkpoint)
     assert engine.fast_path.batch_ok and not engine.fast_path.batches  # interpreted: built at first use
     assert engine.fast_path.max_batch == 8  # more active slots take the reference step together
@@ -60,6 +66,7 @@ def test_slots_decode_together_in_one_fast_step_with_their_tokens_alone(checkpoi
     got = decode_together(engine, PROMPTS, REQUESTS)  # every step ("fast", 3)
     assert got == alone and all(len(t) == 5 for t in got.values())
     assert set(engine.fast_path.batches) == {4}
+    assert engine.fast_path.batches[4][0].stack.absorb is chain
     for layer, kv in enumerate(engine.cache.kv[: len(engine.model.layers)]):
         for slot in REQUESTS:  # each slot's rows: the prompt's (prefill) and one per decoded token, nothing past
             n = len(PROMPTS[slot]) + 4

@@ -1,7 +1,8 @@
-"""The one-token MLA step's ``_combine_uv_kernel`` (the attention splits' merge + o . w_uv in one launch;
-Triton interpreter) against the merge kernel's arithmetic and the torch matmul it replaces, over shapes of
-the tiny test models and DeepSeek-V2-Lite/V3 (heads cut to keep the interpreter quick), with empty
-splits, in latent chunks and in one."""
+"""The MLA step's ``_combine_uv_kernel`` (the attention splits' merge + o . w_uv in one launch; Triton
+interpreter) against the merge kernel's arithmetic and the torch matmul it replaces, over shapes of the tiny
+test models and DeepSeek-V2-Lite/V3 (heads cut to keep the interpreter quick), with empty splits, in latent
+chunks and in one; with ``_absorb_kernel`` for one token and for a batch's rows (each row its own slot's
+partials and query)."""
 
 from __future__ import annotations
 
@@ -13,28 +14,31 @@ from services.decode.engine.cuda.mla import _absorb_kernel, _combine_uv_kernel
 BF = torch.bfloat16
 
 
+@pytest.mark.parametrize("rows", [1, 3])
 @pytest.mark.parametrize("heads,splits,r,v,empty,chunk", [
     (2, 4, 32, 24, (), 32),  # the tiny test models: a value width that is not a power of two
     (4, 16, 512, 128, (3, 9), 512),  # V2-Lite/V3 latent and values, the product's one chunk, empty splits
     (4, 16, 512, 128, (), 128),  # ... in four chunks
     (3, 8, 64, 40, (0,), 32),
 ])
-def test_combine_uv_equals_the_merge_then_the_bmm(heads, splits, r, v, empty, chunk):
+def test_combine_uv_equals_the_merge_then_the_bmm(heads, splits, r, v, empty, chunk, rows):
+    # partial rows t * heads + h (the attention's batch layout), out [heads, rows, v] (the wo GEMV's heads input)
     g = torch.Generator().manual_seed(heads + splits + r)
-    part_o = torch.randn(heads, splits, r, generator=g)
-    m = torch.randn(heads, splits, generator=g) * 3
-    l = torch.rand(heads, splits, generator=g) + 0.5
+    part_o = torch.randn(rows * heads, splits, r, generator=g)
+    m = torch.randn(rows * heads, splits, generator=g) * 3
+    l = torch.rand(rows * heads, splits, generator=g) + 0.5
     for s in empty:  # a split past the sequence: no keys, max -inf, sum 0
         m[:, s], l[:, s], part_o[:, s] = float("-inf"), 0.0, 0.0
     part_ml = torch.stack([m, l], dim=-1).contiguous()
     w_uv_t = (torch.randn(heads, r, v, generator=g) * r ** -0.5).to(BF)
-    out = torch.zeros(heads, 1, v, dtype=BF)
+    out = torch.zeros(heads, rows, v, dtype=BF)
     bv = min(32, 1 << (v - 1).bit_length())
-    _combine_uv_kernel[(heads, -(-v // bv))](part_o, part_ml, w_uv_t, out, NUM_SPLITS=splits, R=r, V=v, BLOCK_V=bv,
-                                             CHUNK_R=chunk)
+    _combine_uv_kernel[(heads, -(-v // bv), rows)](part_o, part_ml, w_uv_t, out, NUM_SPLITS=splits, R=r, V=v,
+                                                   BLOCK_V=bv, CHUNK_R=chunk, T=rows, NUM_HEADS=heads)
     w = torch.where(m == float("-inf"), torch.zeros_like(m), torch.exp2(m - m.max(dim=1, keepdim=True).values))
     o_lat = ((part_o * w[..., None]).sum(1) / (w * l).sum(1, keepdim=True)).to(BF)  # the merge kernel's bf16 output
-    want = (o_lat.float()[:, None] @ w_uv_t.float()).to(BF)
+    o_lat = o_lat.view(rows, heads, r).transpose(0, 1)  # [heads, rows, r]
+    want = (o_lat.float() @ w_uv_t.float()).to(BF)
     assert (out.float() - want.float()).abs().max().item() <= 2 ** -7 * want.float().abs().max().item()
 
 
@@ -67,17 +71,20 @@ def test_fused_router_equals_norm_then_router(experts, top_k, n_group, topk_grou
     assert count.item() == 0 and len(set(ids_a[0].tolist())) == top_k
 
 
-@pytest.mark.parametrize("heads,nope,rope,r,block_r,early", [(2, 16, 8, 32, 32, False), (4, 128, 64, 512, 64, False),
-                                                            (3, 32, 16, 64, 16, True)])
-def test_absorb_kernel_is_the_bmm(heads, nope, rope, r, block_r, early, pdl_interpreted):
-    # q_c[h] = q_nope[h] @ w_uk[h] from the QKV GEMV's row ([q_nope | q_pe] per head), one bf16 rounding of the
-    # fp32 sums as torch's bf16 bmm; the EARLY variant (w_uk's tile before the wait) the same
+@pytest.mark.parametrize("heads,nope,rope,r,block_r,early,rows", [
+    (2, 16, 8, 32, 32, False, 1), (4, 128, 64, 512, 64, False, 1), (3, 32, 16, 64, 16, True, 1),
+    (2, 16, 8, 32, 32, True, 4),  # a batch's rows: each row's query, the w_uk tile read once for them
+    (3, 32, 16, 64, 16, False, 3)])
+def test_absorb_kernel_is_the_bmm(heads, nope, rope, r, block_r, early, rows, pdl_interpreted):
+    # q_c[h, t] = q_nope[t, h] @ w_uk[h] from the QKV GEMV's rows ([q_nope | q_pe] per head), one bf16 rounding
+    # of the fp32 sums as torch's bf16 bmm; the EARLY variant (w_uk's tile before the wait) the same
     g = torch.Generator().manual_seed(heads + r)
-    qkv = torch.randn(1, heads * (nope + rope) + 40, generator=g).to(BF)
+    qkv = torch.randn(rows, heads * (nope + rope) + 40, generator=g).to(BF)
     w_uk = (torch.randn(heads, nope, r, generator=g) * nope ** -0.5).to(BF)
-    out = torch.full((heads, 1, r), float("nan"), dtype=BF)
+    out = torch.full((heads, rows, r), float("nan"), dtype=BF)
     _absorb_kernel[(heads, r // block_r)](qkv, w_uk, out, w_uk.stride(0), w_uk.stride(1), NOPE=nope, QK=nope + rope,
-                                          R=r, BLOCK_R=block_r, PDL=early, EARLY=early)
-    q_nope = qkv[:, :heads * (nope + rope)].view(1, heads, nope + rope)[..., :nope]
-    want = (q_nope.float().transpose(0, 1) @ w_uk.float()).to(BF)  # [H, 1, r]
+                                          R=r, BLOCK_R=block_r, PDL=early, EARLY=early, T=rows,
+                                          stride_qkv=qkv.stride(0))
+    q_nope = qkv[:, :heads * (nope + rope)].view(rows, heads, nope + rope)[..., :nope]
+    want = (q_nope.float().transpose(0, 1) @ w_uk.float()).to(BF)  # [H, rows, r]
     assert torch.equal(out, want) or ((out.float() - want.float()).abs().max() <= want.float().abs().max() * 2**-7)

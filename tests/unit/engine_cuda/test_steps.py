@@ -156,11 +156,20 @@ def test_mla_plain_steps_and_verify_follow_reference(tiny_mla):
     assert torch.equal(caches[0][ctx + 5:ctx + 8], ref_caches[0][ctx + 5:ctx + 8])
 
 
-@pytest.mark.parametrize("q_lora, batch", [(0, 4), (24, 4), (0, 8)])
-def test_mla_batch_rows_follow_the_reference_each_in_its_own_slot(tiny_mla, q_lora, batch):
+@pytest.mark.parametrize("q_lora, batch, form", [(0, 4, "chain"), (24, 4, "chain"), (0, 8, "chain"),
+                                                  (24, 4, "pdl"), (0, 4, "bmm")])
+def test_mla_batch_rows_follow_the_reference_each_in_its_own_slot(tiny_mla, q_lora, batch, form, request,
+                                                                  monkeypatch):
     """MlaBatchDecoder: rows at different positions in different slots (padded rows on the scratch slot)
     against reference_forward per slot: logits, the latent row each step writes into its own slot and nowhere
-    else."""
+    else. The block as one chain of Triton kernels (the absorb kernel, merge + w_uv; "pdl": launched as
+    programmatic dependents, MlaStack.PDL, the GPU's default) and as norms + cuBLAS bmms (BATCH_CHAIN off)."""
+    from services.decode.engine.cuda import mla
+
+    if form == "pdl":
+        request.getfixturevalue("pdl_interpreted")
+        monkeypatch.setattr(mla.MlaStack, "PDL", True)
+    monkeypatch.setattr(mla.MlaStack, "BATCH_CHAIN", form != "bmm")
     n = 40
     rows = [(2, 3, 20), (0, 7, 5), (1, 11, 33)]  # (slot, token, context length); the rest is padding
     if batch == 8:
@@ -174,6 +183,8 @@ def test_mla_batch_rows_follow_the_reference_each_in_its_own_slot(tiny_mla, q_lo
     ref_caches = [c.clone() for c in caches]
     cos, sin = _tables(n, ROPE)
     dec = MlaBatchDecoder(model, caches, cos, sin, batch=batch, max_steps=8, num_splits=4)
+    st = dec.stack
+    assert (st.absorb, st.fused_uv, st.pdl, st.early) == ((form != "bmm",) * 2 + (form == "pdl",) * 2)
     dec.set_rows([t for _, t, _ in rows], [c for _, _, c in rows], [s for s, _, _ in rows])
     toks = [t for _, t, _ in rows]
     for i in range(2):  # step 2 feeds step 1's tokens

@@ -18,6 +18,10 @@ attention, merge + w_uv, o GEMV + residual, norm + router + top-k, experts gate/
 chain of Triton kernels on programmatic dependent launch on sm_90 (``MlaStack.PDL``): each launches while
 the one before finishes, loads what no kernel writes (its first weight tile: ``PDL_EARLY``) and waits
 before its first read of an earlier kernel's output (run P3 in bench/NOTES-gpu.md: -5% a V2-Lite step).
+A batch stack (several slots' tokens, ``MlaBatchDecoder``) can be the same kind of chain (``BATCH_CHAIN``, off
+until measured): the norms are launches of their own, the projections tensor-core dots, q_nope . w_uk and
+merge + w_uv take every row, and only the router's top-k is a plain launch. A verify's T-row block (and a
+batch's by default) runs cuBLAS bmms without PDL.
 """
 
 from __future__ import annotations
@@ -181,10 +185,12 @@ def _mla_prep_kernel(qkv_ptr, q_pe_ptr, cache_ptr, kv_norm_ptr, pos_ptr, cos_ptr
 
 @triton.jit
 def _absorb_kernel(qkv_ptr, w_ptr, out_ptr, stride_wh, stride_wn, NOPE: tl.constexpr, QK: tl.constexpr,
-                   R: tl.constexpr, BLOCK_R: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr):
-    # one token: the absorbed query q_c[h] = q_nope[h] @ w_uk[h] (fp32 sums, one rounding, as the bf16 bmm),
-    # BLOCK_R latent columns a program. EARLY (with PDL): the w_uk tile loaded before the wait, while the
-    # previous kernel finishes; q_nope (the QKV GEMV's output, two kernels back) after it
+                   R: tl.constexpr, BLOCK_R: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr,
+                   T: tl.constexpr = 1, stride_qkv=0):
+    # the absorbed query q_c[h, t] = q_nope[t, h] @ w_uk[h] (fp32 sums, one rounding, as the bf16 bmm) of T
+    # rows (one token, or a batch's slots: rows stride_qkv apart), BLOCK_R latent columns a program, the w_uk
+    # tile read once for every row. EARLY (with PDL): the w_uk tile loaded before the wait, while the previous
+    # kernel finishes; q_nope (the QKV GEMV's output, two kernels back) after it
     head = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
     n = tl.arange(0, NOPE)
@@ -195,22 +201,27 @@ def _absorb_kernel(qkv_ptr, w_ptr, out_ptr, stride_wh, stride_wn, NOPE: tl.const
         gdc_wait()
     if not EARLY:
         w = tl.load(wp)
-    q = tl.load(qkv_ptr + head * QK + n).to(tl.float32)
     if PDL:
         gdc_launch_dependents()
-    acc = tl.sum(q[:, None] * w.to(tl.float32), axis=0)
-    tl.store(out_ptr + head * R + cols, acc.to(out_ptr.dtype.element_ty))
+    for t in tl.static_range(T):
+        q = tl.load(qkv_ptr + t * stride_qkv + head * QK + n).to(tl.float32)
+        acc = tl.sum(q[:, None] * w.to(tl.float32), axis=0)
+        tl.store(out_ptr + (head * T + t) * R + cols, acc.to(out_ptr.dtype.element_ty))
 
 
 @triton.jit
 def _combine_uv_kernel(part_o_ptr, part_ml_ptr, w_uv_ptr, out_ptr, NUM_SPLITS: tl.constexpr, R: tl.constexpr,
                        V: tl.constexpr, BLOCK_V: tl.constexpr, CHUNK_R: tl.constexpr, PDL: tl.constexpr = False,
-                       EARLY: tl.constexpr = False):
-    # one token (T = 1): the attention's merge of its splits (log-sum-exp, as _attn_combine_kernel: the
-    # latent output rounded to bf16) and the value up-projection in one launch. Program (h, vb):
-    # out[h, vb-th BLOCK_V columns] = o_lat[h] @ w_uv_t[h][:, those columns] (fp32 sum, one rounding)
+                       EARLY: tl.constexpr = False, T: tl.constexpr = 1, NUM_HEADS: tl.constexpr = 1):
+    # one token, or a batch of T slots' tokens: the attention's merge of its splits (log-sum-exp, as
+    # _attn_combine_kernel: the latent output rounded to bf16) and the value up-projection in one launch.
+    # Program (h, vb, t): out[h, t, vb-th BLOCK_V columns] = o_lat[t, h] @ w_uv_t[h][:, those columns] (fp32
+    # sum, one rounding); row t's partials are the attention's rows t * NUM_HEADS + h
     head = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
+    t = tl.program_id(2)
+    prow = t * NUM_HEADS + head
+    out_ptr += (head * T + t) * V
     sp = tl.arange(0, NUM_SPLITS)
     cmask = cols < V
     FIRST: tl.constexpr = CHUNK_R if EARLY else 0  # EARLY (with PDL): chunk 0 of w_uv loaded before the wait
@@ -220,22 +231,22 @@ def _combine_uv_kernel(part_o_ptr, part_ml_ptr, w_uv_ptr, out_ptr, NUM_SPLITS: t
                      other=0.0)
     if PDL:  # the partials come from the attention
         gdc_wait()
-    wgt, denom = split_weights(part_ml_ptr, head, NUM_SPLITS)
+    wgt, denom = split_weights(part_ml_ptr, prow, NUM_SPLITS)
     acc = tl.zeros((BLOCK_V,), tl.float32)
     if EARLY:
-        o = tl.load(part_o_ptr + (head * NUM_SPLITS + sp)[:, None] * R + r0_[None, :])
+        o = tl.load(part_o_ptr + (prow * NUM_SPLITS + sp)[:, None] * R + r0_[None, :])
         o_lat = rnd_bf16(tl.sum(o * wgt[:, None], axis=0) / denom)
         acc += tl.sum(o_lat[:, None] * w0.to(tl.float32), axis=0)
     for r0 in range(FIRST, R, CHUNK_R):
         rr = r0 + tl.arange(0, CHUNK_R)
-        o = tl.load(part_o_ptr + (head * NUM_SPLITS + sp)[:, None] * R + rr[None, :])
+        o = tl.load(part_o_ptr + (prow * NUM_SPLITS + sp)[:, None] * R + rr[None, :])
         o_lat = rnd_bf16(tl.sum(o * wgt[:, None], axis=0) / denom)
         w = tl.load(w_uv_ptr + (head * R + rr)[:, None].to(tl.int64) * V + cols[None, :], mask=cmask[None, :],
                     other=0.0).to(tl.float32)
         acc += tl.sum(o_lat[:, None] * w, axis=0)
     if PDL:
         gdc_launch_dependents()
-    tl.store(out_ptr + head * V + cols, acc.to(out_ptr.dtype.element_ty), mask=cmask)
+    tl.store(out_ptr + cols, acc.to(out_ptr.dtype.element_ty), mask=cmask)
 
 
 @triton.jit
@@ -315,6 +326,11 @@ class MlaStack:
     # one token: the block's Triton kernels with programmatic dependent launch (each starts while the one before
     # finishes, gemv.py's GQA step does the same); None: on for sm_90+ CUDA devices, False: off
     PDL: bool | None = None
+    # True: a batch stack (several slots' tokens) as well: PDL, the absorb kernel and the merge + w_uv kernel over
+    # every row, so its block is one chain of Triton kernels too (but the router's top-k, a plain launch). Off
+    # until measured on a GPU (run MB4 in bench/NOTES-gpu.md): norms + dots + cuBLAS bmms without PDL, as a
+    # verify's block (run MB3's 4-slot step)
+    BATCH_CHAIN: bool = False
     # with PDL: each GEMV's first weight tile (and merge + w_uv's first latent chunk) loaded before the wait
     PDL_EARLY: bool = True
     # one token: q_nope . w_uk by _absorb_kernel (64 latent columns a program; on PDL, w_uk's tile loaded before
@@ -334,18 +350,19 @@ class MlaStack:
             raise ValueError("sparse attention decodes one slot per step (its indexer's lists are per slot)")
         dev_ = torch.device(dev)
         sm90 = dev_.type == "cuda" and torch.cuda.get_device_capability(dev_)[0] >= 9
-        self.pdl = t == 1 and not batch and (sm90 if self.PDL is None else bool(self.PDL))
+        chain = t == 1 or (batch and self.BATCH_CHAIN)  # one token or a batch: one chain of Triton kernels
+        self.pdl = chain and (sm90 if self.PDL is None else bool(self.PDL))
         self.early = self.pdl and self.PDL_EARLY
-        self.absorb = self.ABSORB_KERNEL and t == 1 and not batch
-        self.q_c1 = torch.zeros(d.num_heads, 1, d.kv_lora_rank, dtype=bf, device=dev) if self.absorb else None
+        self.absorb = self.ABSORB_KERNEL and chain
+        self.q_c1 = torch.zeros(d.num_heads, t, d.kv_lora_rank, dtype=bf, device=dev) if self.absorb else None
         self.tiles = dict(self.PLAIN_TILES)
         if d.hidden >= GroupedMoe.WIDE_HIDDEN:
             self.tiles["wo"] = self.WIDE_WO_TILE
-        self.fused_uv = self.FUSED_UV and t == 1 and not batch
+        self.fused_uv = self.FUSED_UV and chain
         self.fused_router = self.FUSED_ROUTER and t == 1 and not batch
         self.router_count = torch.zeros(1, dtype=torch.int32, device=dev)
         self.uv_tile = self.UV_TILE
-        self.o1 = torch.zeros(d.num_heads, 1, d.v_dim, dtype=bf, device=dev) if t == 1 else None
+        self.o1 = torch.zeros(d.num_heads, t, d.v_dim, dtype=bf, device=dev) if self.fused_uv else None
         nq = d.num_heads * (d.nope + d.rope)
         # [q | c, k_pe | q_a | k_idx, head weights]: q LoRA's q_a (normed, then q_b into the q columns) after
         # the latent; sparse attention's indexer key and head weights last
@@ -402,15 +419,17 @@ class MlaStack:
         if t == 1:
             gemv_rows(h, lw.wqkv_a, a_out, norm_w=lw.attn_norm, eps=d.eps, **self._tile("wqkv_a"))
         else:  # the norm first: a norm prologue in each of the GEMV's programs loops over 16 padded rows
-            smallops.rmsnorm_rows(h, lw.attn_norm, self.xn, d.eps)
-            gemv_rows(self.xn, lw.wqkv_a, a_out, dot=self.PROJ_DOT, dot_tile=self.DOT_TILE)
+            smallops.rmsnorm_rows(h, lw.attn_norm, self.xn, d.eps, pdl=self.pdl)
+            gemv_rows(self.xn, lw.wqkv_a, a_out, dot=self.PROJ_DOT, dot_tile=self.DOT_TILE, pdl=self.pdl,
+                      early=self.early)
         if lora:  # q = q_b(RMSNorm(q_a)) into the q columns (row views: strided rows, contiguous columns)
             q_a = self.qkv[:, nq + r + d.rope:nq + r + d.rope + d.q_lora_rank]
             if t == 1:
                 gemv_rows(q_a, lw.wq_b, self.qkv[:, :nq], norm_w=lw.q_a_norm, eps=d.eps, **self._tile("wq_b"))
             else:
-                smallops.rmsnorm_rows(q_a, lw.q_a_norm, self.q_an, d.eps)
-                gemv_rows(self.q_an, lw.wq_b, self.qkv[:, :nq], dot=self.PROJ_DOT, dot_tile=self.DOT_TILE)
+                smallops.rmsnorm_rows(q_a, lw.q_a_norm, self.q_an, d.eps, pdl=self.pdl)
+                gemv_rows(self.q_an, lw.wq_b, self.qkv[:, :nq], dot=self.PROJ_DOT, dot_tile=self.DOT_TILE,
+                          pdl=self.pdl, early=self.early)
             if lw.index is not None:  # sparse attention: this layer's indexer picks each token's rows
                 self._select(lw, q_a, index_cache, pos, cos, sin)
         _mla_prep_kernel[(t, d.num_heads + 1)](self.qkv, self.q_pe, cache, lw.kv_a_norm, pos, cos, sin,
@@ -422,7 +441,8 @@ class MlaStack:
             br = min(self.ABSORB_BLOCK_R, r)
             _absorb_kernel[(d.num_heads, triton.cdiv(r, br))](
                 self.qkv, lw.w_uk, self.q_c1, lw.w_uk.stride(0), lw.w_uk.stride(1), NOPE=nope, QK=nope + d.rope,
-                R=r, BLOCK_R=br, PDL=self.pdl, EARLY=self.early, num_warps=4, **launch_opts(self.pdl))
+                R=r, BLOCK_R=br, PDL=self.pdl, EARLY=self.early, T=t, stride_qkv=self.qkv.stride(0), num_warps=4,
+                **launch_opts(self.pdl))
             q_c = self.q_c1
         else:
             q_nope = self.qkv[:, :nq].view(t, d.num_heads, nope + d.rope)[..., :nope]
@@ -430,7 +450,7 @@ class MlaStack:
         if self.batch:  # row t: its own query over its own slot's rows 0..pos[t]
             self.attn(q_c, cache, cache, pos, self.o_lat, stride_kt=r + d.rope, stride_vt=r + d.rope, rope_offset=r,
                       q_pe=self.q_pe, stride_qt=r, stride_qh=t * r, slot_ids=slots, stride_ks=cache.stride(0),
-                      stride_vs=cache.stride(0))
+                      stride_vs=cache.stride(0), combine=not self.fused_uv)
         elif not lw.sparse or t == 1:  # dense, or one token over its indexer's list
             sparse = (self.selects[0].idx, self.selects[0].count) if lw.sparse else None
             self.attn(q_c, cache, cache, pos, self.o_lat, stride_kt=r + d.rope, stride_vt=r + d.rope, rope_offset=r,
@@ -440,30 +460,31 @@ class MlaStack:
                 self.attn1(q_c[:, j], cache, cache, self.pos_t[j:j + 1], self.o_lat[j], stride_kt=r + d.rope,
                            stride_vt=r + d.rope, rope_offset=r, q_pe=self.q_pe[j], stride_qt=r, stride_qh=t * r,
                            sparse=(sel.idx, sel.count))
-        if self.fused_uv:  # the splits merged and up-projected: [Hq, 1, v]
+        if self.fused_uv:  # the splits merged and up-projected: [Hq, T, v]
             bv, cr, nw = self.uv_tile
             bv = min(bv, triton.next_power_of_2(d.v_dim))
-            _combine_uv_kernel[(d.num_heads, triton.cdiv(d.v_dim, bv))](
+            _combine_uv_kernel[(d.num_heads, triton.cdiv(d.v_dim, bv), t)](
                 self.attn.part_o, self.attn.part_ml, lw.w_uv_t, self.o1, NUM_SPLITS=self.attn.num_splits, R=r,
-                V=d.v_dim, BLOCK_V=bv, CHUNK_R=min(cr, r), PDL=self.pdl, EARLY=self.early, num_warps=nw,
-                **launch_opts(self.pdl))
+                V=d.v_dim, BLOCK_V=bv, CHUNK_R=min(cr, r), PDL=self.pdl, EARLY=self.early, T=t,
+                NUM_HEADS=d.num_heads, num_warps=nw, **launch_opts(self.pdl))
             o = self.o1
         else:
             o = torch.matmul(self.o_lat.transpose(0, 1), lw.w_uv_t)  # [Hq, T, v]
         if t == 1:
             gemv_rows(o.view(1, -1), lw.wo, h, residual=h, **self._tile("wo"))
         else:  # [Hq, T, v] read in place (its [T, Hq * v] transpose would be one more copy kernel)
-            gemv_rows(o, lw.wo, h, residual=h, dot=self.PROJ_DOT, dot_tile=self.DOT_TILE, heads=True)
+            gemv_rows(o, lw.wo, h, residual=h, dot=self.PROJ_DOT, dot_tile=self.DOT_TILE, heads=True, pdl=self.pdl,
+                      early=self.early)
         route = dict(n_group=d.n_group, topk_group=d.topk_group)
         if lw.is_moe and self.fused_router:  # one token: the MLP's norm, the router and its top-k in one launch
             router(h, lw.router, lw.router_bias, self.ids, self.wts, d.top_k, d.routed_scale, self.router_logits,
                    norm_w=lw.mlp_norm, eps=d.eps, xn_out=self.xn, count=self.router_count, pdl=self.pdl,
                    early=self.early, **route)
         else:
-            smallops.rmsnorm_rows(h, lw.mlp_norm, self.xn, d.eps)
+            smallops.rmsnorm_rows(h, lw.mlp_norm, self.xn, d.eps, pdl=self.pdl)
             if lw.is_moe:
                 router(self.xn, lw.router, lw.router_bias, self.ids, self.wts, d.top_k, d.routed_scale,
-                       self.router_logits, **route)
+                       self.router_logits, pdl=self.pdl, early=self.early, **route)
         mlp = self.moe if lw.is_moe else self.dense
         mlp(self.xn, self.ids, self.wts, lw.gate_up, lw.down, lw.shared_gate_up, lw.shared_down, h)
 

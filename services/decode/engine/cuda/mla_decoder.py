@@ -348,10 +348,13 @@ SPEC_SAMPLING_FLAGS = BIAS | MIN_TOKENS | TOP_K | TOP_P
 class MlaBatchDecoder(RowsDecoder):
     """``batch`` slots of a DeepSeek-family model decoding one token each in one step (one CUDA graph per
     padded batch size, as the Llama family's GqaBatchDecoder, whose control plane and step it shares:
-    ``set_rows``, ``step(sample=)``, ``out_tokens[b, step]``). The block is the verify's T-row stack
-    (norms, tensor-core projections, the absorbed q by a bmm, the routed rows through the grouped expert
-    GEMVs, every expert's weights read once for all rows) with each row at its own position in its own
-    slot: the latent written by ``_mla_prep_kernel``'s batch form, the attention with ``slot_ids``.
+    ``set_rows``, ``step(sample=)``, ``out_tokens[b, step]``). The block is a T-row stack (norms,
+    tensor-core projections, the absorbed q and w_uv by bmm, the routed rows through the grouped expert
+    GEMVs, every expert's weights read once for all rows; ``MlaStack.BATCH_CHAIN``: the absorbed q and
+    merge + w_uv by the one-token block's kernels over every row, on sm_90 one chain on programmatic
+    dependent launch, not yet measured) with each row at its own
+    position in its own slot: the latent written by ``_mla_prep_kernel``'s batch form, the attention with
+    ``slot_ids``.
     ``caches``: the engine's whole per-layer latent caches [num_slots + 1, max_tokens, r + rope] (the
     main model's layers; padded rows decode on the scratch slot). Plain steps only: no MTP drafts (a
     slot back alone drafts again), no sparse attention (its indexer decodes one slot per step)."""
