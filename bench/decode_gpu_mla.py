@@ -528,6 +528,9 @@ def batch_measure(X, model, s: dict, ctx: int, R: dict, tag: str = "dsv2lite_", 
 
 
 def run_mla(X, R: dict, ctx: int = 1024) -> None:
+    if os.environ.get("MLA_VERIFY_CHAIN"):  # the verify's block as one chain of Triton kernels (a variant's run)
+        X.mla.MlaStack.VERIFY_CHAIN = True
+        R["mla_verify_chain"] = True
     s = DSV2_LITE
     t0 = time.time()
     model = build(X, s)

@@ -79,8 +79,13 @@ def test_mla_fast_path_greedy_tokens_equal_the_reference_engine(checkpoint, k):
         assert stats.num_draft_tokens == 0 and len(per_step) == 9
 
 
-@pytest.mark.parametrize("k", [0, 2])
-def test_deepseek_v3_with_q_lora_and_group_limited_routing_decodes_on_the_fast_path(v3_checkpoint, k):
+@pytest.mark.parametrize("k, verify_chain", [(0, False), (2, False), (2, True)])
+def test_deepseek_v3_with_q_lora_and_group_limited_routing_decodes_on_the_fast_path(v3_checkpoint, k, verify_chain,
+                                                                                  monkeypatch):
+    # verify_chain: the verify's block as one chain of Triton kernels (MlaStack.VERIFY_CHAIN)
+    from services.decode.engine.cuda import mla
+
+    monkeypatch.setattr(mla.MlaStack, "VERIFY_CHAIN", verify_chain)
     greedy = SamplingParams(max_tokens=7, ignore_eos=True)
     fast = load(v3_checkpoint, "on", k)
     assert fast.fast_path_reason is None

@@ -133,12 +133,22 @@ def test_split_shared_is_the_same_mlp():
     assert torch.allclose(full, parts, atol=1e-5)
 
 
-def test_mla_plain_steps_and_verify_follow_reference(tiny_mla):
+@pytest.mark.parametrize("form", ["bmm", "chain", "pdl"])
+def test_mla_plain_steps_and_verify_follow_reference(tiny_mla, form, request, monkeypatch):
+    # the verify's T-row block with cuBLAS bmms (the default) or as one chain of Triton kernels
+    # (MlaStack.VERIFY_CHAIN), on PDL ("pdl")
+    from services.decode.engine.cuda import mla
+
+    if form == "pdl":
+        request.getfixturevalue("pdl_interpreted")
+        monkeypatch.setattr(mla.MlaStack, "PDL", True)
+    monkeypatch.setattr(mla.MlaStack, "VERIFY_CHAIN", form != "bmm")
     n, ctx = 40, 12
     caches = _mla_caches(n)
     ref_caches = [c.clone() for c in caches]
     cos, sin = _tables(n, ROPE)
     dec = MlaDecoder(tiny_mla, caches, cos, sin, max_draft=2, max_steps=8, num_splits=4)
+    assert (dec.stacks[3].absorb, dec.stacks[3].fused_uv, dec.stacks[3].pdl) == (form != "bmm",) * 2 + (form == "pdl",)
     dec.set_state(3, ctx)
     tok = 3
     for i in range(2):
@@ -243,7 +253,12 @@ def plain_greedy(tiny_mla):
     return dec.out_tokens[:SPEC_WANT].tolist(), dec.hid[1][0].clone()
 
 
-def test_mtp_spec_output_equals_plain_greedy_output(tiny_mla, plain_greedy):
+@pytest.mark.parametrize("verify_chain", [False, True])
+def test_mtp_spec_output_equals_plain_greedy_output(tiny_mla, plain_greedy, verify_chain, monkeypatch):
+    # verify_chain: the verify's block as one chain of Triton kernels (MlaStack.VERIFY_CHAIN)
+    from services.decode.engine.cuda import mla
+
+    monkeypatch.setattr(mla.MlaStack, "VERIFY_CHAIN", verify_chain)
     n, ctx, want = SPEC_N, SPEC_CTX, SPEC_WANT
     cos, sin = _tables(n, ROPE)
     dec = MlaDecoder(tiny_mla, _mla_caches(n), cos, sin, max_draft=1, max_steps=16, num_splits=4)

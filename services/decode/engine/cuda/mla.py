@@ -20,8 +20,8 @@ the one before finishes, loads what no kernel writes (its first weight tile: ``P
 before its first read of an earlier kernel's output (run P3 in bench/NOTES-gpu.md: -5% a V2-Lite step).
 A batch stack (several slots' tokens, ``MlaBatchDecoder``) can be the same kind of chain (``BATCH_CHAIN``, off
 until measured): the norms are launches of their own, the projections tensor-core dots, q_nope . w_uk and
-merge + w_uv take every row, and only the router's top-k is a plain launch. A verify's T-row block (and a
-batch's by default) runs cuBLAS bmms without PDL.
+merge + w_uv take every row, and only the router's top-k is a plain launch; so can a verify's T-row block
+(``VERIFY_CHAIN``). By default both run cuBLAS bmms without PDL.
 """
 
 from __future__ import annotations
@@ -331,6 +331,9 @@ class MlaStack:
     # until measured on a GPU (run MB4 in bench/NOTES-gpu.md): norms + dots + cuBLAS bmms without PDL, as a
     # verify's block (run MB3's 4-slot step)
     BATCH_CHAIN: bool = False
+    # True: a verify's T-row block (the target pass over MTP drafts, dense attention) the same chain; off until
+    # measured (bench/decode_gpu_mla.py's MTP step ratios with MLA_VERIFY_CHAIN=1)
+    VERIFY_CHAIN: bool = False
     # with PDL: each GEMV's first weight tile (and merge + w_uv's first latent chunk) loaded before the wait
     PDL_EARLY: bool = True
     # one token: q_nope . w_uk by _absorb_kernel (64 latent columns a program; on PDL, w_uk's tile loaded before
@@ -350,7 +353,8 @@ class MlaStack:
             raise ValueError("sparse attention decodes one slot per step (its indexer's lists are per slot)")
         dev_ = torch.device(dev)
         sm90 = dev_.type == "cuda" and torch.cuda.get_device_capability(dev_)[0] >= 9
-        chain = t == 1 or (batch and self.BATCH_CHAIN)  # one token or a batch: one chain of Triton kernels
+        # one token, a batch or a verify: one chain of Triton kernels (a sparse verify attends token by token)
+        chain = t == 1 or (self.BATCH_CHAIN if batch else self.VERIFY_CHAIN and not d.index_topk)
         self.pdl = chain and (sm90 if self.PDL is None else bool(self.PDL))
         self.early = self.pdl and self.PDL_EARLY
         self.absorb = self.ABSORB_KERNEL and chain
