@@ -18,7 +18,7 @@ from services.decode.engine import Engine
 from shared.events import SamplingParams
 from tests.unit.engine.hf_models import save_checkpoint
 from tests.unit.engine_cuda.test_engine_fast_path_mla import SMALL
-from tests.unit.engine_cuda.test_fast_path_batch import decode_alone, decode_together
+from tests.unit.engine_cuda.test_fast_path_batch import decode_alone, decode_on_schedule, decode_together
 
 PROMPTS = {0: [0, 13, 131, 31], 1: [5, 77, 200, 9, 61, 18, 140], 2: [3, 44]}
 REQUESTS = {
@@ -38,12 +38,6 @@ def checkpoint(tmp_path_factory):
 def load(path, k: int = 0) -> Engine:
     return Engine.load(path, num_slots=3, max_seq_len=24, dtype="bfloat16", fast_path="on",
                        num_speculative_tokens=k)
-
-
-def start(engine: Engine, slot: int) -> int:
-    first = int(engine.prefill(slot, PROMPTS[slot]).argmax())
-    engine.start(slot, first, REQUESTS[slot])
-    return first
 
 
 @pytest.fixture(scope="module")
@@ -75,18 +69,7 @@ def test_slots_decode_together_in_one_fast_step_with_their_tokens_alone(checkpoi
 
 def test_slots_join_and_leave_without_changing_anyone_s_tokens(checkpoint, alone):
     engine = load(checkpoint)
-    got = {0: [start(engine, 0)]}
-    schedule = {1: [1], 2: [2]}  # step index -> slots joining before it
-    served, step = [], 0
-    while engine.active_slots() or step <= max(schedule):
-        for slot in schedule.get(step, []):
-            got[slot] = [start(engine, slot)]
-        for slot, out in engine.step().items():
-            got[slot] += out.token_ids
-            if out.finish_reason is not None:
-                engine.release(slot)
-        served.append((engine.last_step_path, engine.last_step_slots))
-        step += 1
+    got, served = decode_on_schedule(engine, PROMPTS, REQUESTS, {0: [0], 1: [1], 2: [2]})
     assert got == alone
     assert served[:3] == [("fast", 1), ("fast", 2), ("fast", 3)] and {p for p, _ in served} == {"fast"}
 

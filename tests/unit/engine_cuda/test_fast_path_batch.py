@@ -154,18 +154,7 @@ def test_slots_join_and_leave_mid_run_without_changing_anyone_s_tokens(checkpoin
     """One token a step: every step of a request with room left runs the next one ahead (run-ahead);
     a slot joining or leaving discards it, a continuing step uses it, and no token changes."""
     engine = load(checkpoint, tokens_per_step=tokens_per_step)
-    got = {0: [start(engine, 0)]}
-    schedule = {1: [1], 2: [2, 3]}  # step index -> slots joining before it
-    served, step = [], 0
-    while engine.active_slots() or step <= max(schedule):
-        for slot in schedule.get(step, []):
-            got[slot] = [start(engine, slot)]
-        for slot, out in engine.step().items():
-            got[slot] += out.token_ids
-            if out.finish_reason is not None:
-                engine.release(slot)  # leaves; the others keep decoding in the same graphs
-        served.append((engine.last_step_path, engine.last_step_slots))
-        step += 1
+    got, served = decode_on_schedule(engine, PROMPTS, REQUESTS, {0: [0], 1: [1], 2: [2, 3]})
     assert got == alone
     assert served[:3] == [("fast", 1), ("fast", 2), ("fast", 4)]
     assert {n for _, n in served} >= {1, 2, 4} and {p for p, _ in served} == {"fast"}
@@ -304,6 +293,25 @@ def decode_alone(engine: Engine, prompts: dict, params: SamplingParams | dict, r
         if release:
             engine.release(slot)
     return out
+
+
+def decode_on_schedule(engine: Engine, prompts: dict, params: SamplingParams | dict,
+                       schedule: dict[int, list[int]]) -> tuple[dict, list]:
+    """Slots joining as ``schedule`` says (step index -> the slots started before that step) and each
+    leaving when it finishes while the others keep decoding in the same graphs: (each slot's tokens, each
+    step's (path, active slots)). ``params`` as decode_alone's."""
+    out, served, step = {}, [], 0
+    while engine.active_slots() or step <= max(schedule):
+        for slot in schedule.get(step, []):
+            out[slot] = [int(engine.prefill(slot, prompts[slot]).argmax())]
+            engine.start(slot, out[slot][0], _params_of(params, slot))
+        for slot, result in engine.step().items():
+            out[slot] += result.token_ids
+            if result.finish_reason is not None:
+                engine.release(slot)
+        served.append((engine.last_step_path, engine.last_step_slots))
+        step += 1
+    return out, served
 
 
 def decode_together(engine: Engine, prompts: dict, params: SamplingParams | dict) -> dict:

@@ -557,7 +557,7 @@ class GqaBatchDecoder(RowsDecoder):
         self.xq = torch.zeros(batch, widest if fp8_scales is not None else 0, dtype=torch.float16, device=dev)
         self.xscale = torch.ones(batch, dtype=torch.float32, device=dev)
         hq, hkv, d = model.num_q_heads, model.num_kv_heads, model.head_dim
-        h, inter, vocab = model.hidden, model.intermediate, model.lm_head.shape[0]
+        h, inter = model.hidden, model.intermediate
         b = batch
         self.qkv = torch.zeros(b, (hq + 2 * hkv) * d, dtype=dt, device=dev)
         self.query = torch.zeros(b, hq * d, dtype=dt, device=dev)
