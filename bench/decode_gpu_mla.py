@@ -392,6 +392,20 @@ PDL_VARIANTS = {"pdl_early": (True, True, True), "pdl_early_bmm": (True, True, F
                 "no_pdl": (False, False, True), "no_pdl_bmm": (False, False, False)}
 
 
+def built_with(X, attrs: dict, build):
+    """``build()`` with MlaStack's class attributes ``attrs`` set while it runs (its stacks read them when they
+    are made), the previous values back afterwards."""
+    st = X.mla.MlaStack
+    saved = {k: getattr(st, k) for k in attrs}
+    for k, v in attrs.items():
+        setattr(st, k, v)
+    try:
+        return build()
+    finally:
+        for k, v in saved.items():
+            setattr(st, k, v)
+
+
 def pdl_ab(X, model, caches, cos, sin, ctx: int, R: dict, tag: str, rounds: int = 3) -> None:
     """The one-token step with the block's kernels on programmatic dependent launch (MlaStack.PDL, the default
     on sm_90) with and without their first weight tiles before the wait (MlaStack.PDL_EARLY), and without
@@ -400,12 +414,8 @@ def pdl_ab(X, model, caches, cos, sin, ctx: int, R: dict, tag: str, rounds: int 
     out, toks = {k: [] for k in PDL_VARIANTS}, {}
     for _ in range(rounds):
         for name, (pdl, early, absorb) in PDL_VARIANTS.items():
-            st = X.mla.MlaStack
-            st.PDL, st.PDL_EARLY, st.ABSORB_KERNEL = pdl, early, absorb
-            try:
-                dec = X.mla_decoder.MlaDecoder(model, caches, cos, sin, max_draft=0, max_steps=4096)
-            finally:
-                st.PDL, st.PDL_EARLY, st.ABSORB_KERNEL = None, True, True
+            dec = built_with(X, dict(PDL=pdl, PDL_EARLY=early, ABSORB_KERNEL=absorb),
+                             lambda: X.mla_decoder.MlaDecoder(model, caches, cos, sin, max_draft=0, max_steps=4096))
             ms, runner = time_plain_step(dec, ctx)
             out[name].append(ms)
             dec.set_state(1, ctx)
@@ -466,22 +476,15 @@ def batch_measure(X, model, s: dict, ctx: int, R: dict, tag: str = "dsv2lite_", 
     by = step_bytes(model, s, ctx)
     bw = R.get("copy_bw_TBps", 4.2)
     per_expert = 3 * s["hidden"] * s["moe_inter"] * 2
-    st = X.mla.MlaStack
     for b in sizes:
         caches = [torch.randn(b + 1, mt, s["r"] + s["rope"], device=dev).to(torch.bfloat16) for _ in range(n_layers)]
         toks, slots = [1 + 97 * i for i in range(b)], list(range(b))
         times, tokens, distinct = {v: [] for v in variants}, {}, []
         for _ in range(rounds):
             for name in variants:
-                saved = {k: getattr(st, k) for k in BATCH_VARIANTS[name]}
-                for k, v in BATCH_VARIANTS[name].items():
-                    setattr(st, k, v)
-                try:
-                    dec = X.mla_decoder.MlaBatchDecoder(model, caches, cos, sin, batch=b, max_steps=4096,
-                                                        num_splits=16)
-                finally:
-                    for k, v in saved.items():
-                        setattr(st, k, v)
+                dec = built_with(X, BATCH_VARIANTS[name],
+                                 lambda: X.mla_decoder.MlaBatchDecoder(model, caches, cos, sin, batch=b,
+                                                                       max_steps=4096, num_splits=16))
                 dec.set_rows(toks, [ctx] * b, slots)
                 dec._apply_rows()  # an eager step, layer by layer: which experts the rows route to
                 distinct = []
