@@ -9,6 +9,8 @@ Contract:
 - ``count_prompt_tokens(info, req)``: the prompt's length the way vLLM renders it (chat template
   with the generation prompt, BOS for text completions). Used for the claim and for the context
   check before the prefill; vLLM's own count (``prompt_token_ids``) is authoritative afterwards.
+- ``prompt_tokens_at_most(info, req)``: an upper bound on that count without the tokenizer (the
+  rendered text's length where it is ASCII), or None; the router uses it where it decides the same.
 - ``sampling_defaults``: what vLLM applies when a request leaves temperature/top_p/top_k unset
   (``generation_config.json``, else 1.0 / 1.0 / off), so both lanes sample alike.
 """
@@ -135,6 +137,18 @@ def _text_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+def _chat_template(info: ModelInfo, req: ParsedRequest, tokenize: bool) -> Any:
+    body = req.body
+    return info.tokenizer.apply_chat_template(
+        _text_messages(req.messages or []),
+        add_generation_prompt=body.get("add_generation_prompt", True),
+        continue_final_message=body.get("continue_final_message", False),
+        tools=body.get("tools") or None,
+        tokenize=tokenize,
+        **(body.get("chat_template_kwargs") or {}),
+    )
+
+
 def count_prompt_tokens(info: ModelInfo, req: ParsedRequest) -> int:
     """The prompt's length in tokens as vLLM will render it."""
     tok = info.tokenizer
@@ -142,19 +156,38 @@ def count_prompt_tokens(info: ModelInfo, req: ParsedRequest) -> int:
         if isinstance(req.prompt, list):
             return len(req.prompt)
         return len(tok.encode(req.prompt or ""))
-    body = req.body
     try:
-        ids = tok.apply_chat_template(
-            _text_messages(req.messages or []),
-            add_generation_prompt=body.get("add_generation_prompt", True),
-            continue_final_message=body.get("continue_final_message", False),
-            tools=body.get("tools") or None,
-            tokenize=True,
-            **(body.get("chat_template_kwargs") or {}),
-        )
+        ids = _chat_template(info, req, tokenize=True)
     except Exception:
         text = "\n".join(m["content"] for m in _text_messages(req.messages or []))
         return len(tok.encode(text))
     if hasattr(ids, "keys"):
         ids = ids["input_ids"]
     return len(ids)
+
+
+# Tokens a tokenizer may add beside the text's own: BOS/EOS of a text completion, a prefix space.
+_SPECIAL_MARGIN = 4
+
+
+def prompt_tokens_at_most(info: ModelInfo, req: ParsedRequest) -> int | None:
+    """An upper bound on ``count_prompt_tokens`` without running the tokenizer (which costs ~0.5 ms
+    a thousand tokens, on every request), or None where no cheap bound holds.
+
+    The bound is the rendered text's length for ASCII text: tokenizer normalizers (NFC, NFKC,
+    sentencepiece's space marker) map ASCII one character to one, and every token the model's
+    tokenization emits covers at least one character of it, so a prompt of n ASCII characters is
+    at most n tokens plus what the tokenizer adds around it. Non-ASCII text (where a normalizer
+    can expand a character, and byte-level tokens cover less than one) has no such bound here."""
+    if req.endpoint == "completions":
+        if isinstance(req.prompt, list):
+            return len(req.prompt)
+        text = req.prompt or ""
+    else:
+        try:
+            text = _chat_template(info, req, tokenize=False)
+        except Exception:
+            return None
+        if not isinstance(text, str):
+            return None
+    return len(text) + _SPECIAL_MARGIN if text.isascii() else None

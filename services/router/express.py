@@ -226,6 +226,7 @@ class ExpressStream:
         self.failed_nodes: set[str] = set()  # nodes where a leg of this request failed
         self.timings: dict[str, float] = {}
         self.first_leg_id = request_id  # a warm lease's own request id when one served
+        self._warm_grant: ClaimGranted | None = None  # logged once the first token is out
 
     @property
     def stop_ids(self) -> list[int]:
@@ -479,8 +480,7 @@ class ExpressStream:
             self.deps.tracer.start_span("router.claim", context=self._ctx, attributes={
                 "request_id": self.first_leg_id, "warm_lease": True, "lease_id": grant.lease_id,
                 "node_id": grant.node_id}).end()
-            _log.info("express_warm_lease", leg_id=self.first_leg_id, lease_id=grant.lease_id,
-                      node_id=grant.node_id)
+            self._warm_grant = grant
         # The prefill starts the decode itself (no round trip through here) when a token is left
         # for the node after the prefill's one.
         start = (self._engine_sampling(self.max_tokens - 1, [-1])
@@ -510,6 +510,7 @@ class ExpressStream:
                 # The token first, then the node's start: the client's first token does not wait
                 # for the publish, nor share the host with the node's first step where it does.
                 yield batch
+                self._log_warm_lease()  # off the first token's path
                 await self._start_decode(leg, batch.token_ids[0],
                                          len(self.prompt_ids) + len(generated) - 1, remaining, generated)
                 try:
@@ -536,8 +537,18 @@ class ExpressStream:
                         yield item
                     return
         finally:
+            self._log_warm_lease()
             if leg is not None:
                 self._cancel(leg, "client_disconnected")
+
+    def _log_warm_lease(self) -> None:
+        """The warm lease the first leg took, logged once the first token is out (the stream's
+        task: the request's ids given, not inherited)."""
+        if (grant := self._warm_grant) is not None:
+            self._warm_grant = None
+            with trace.use_span(trace.get_current_span(self._ctx), end_on_exit=False):
+                _log.info("express_warm_lease", request_id=self.request_id, leg_id=self.first_leg_id,
+                          lease_id=grant.lease_id, node_id=grant.node_id)
 
     async def _migrate(self, generated: list[int]) -> tuple[_Leg | None, TokenBatch | None]:
         """Another express node for the rest of the request, or (None, None): the standard lane."""

@@ -12,6 +12,7 @@ import time
 import httpx
 import msgspec
 import pytest
+import structlog.testing
 
 from services.router.app import Router, create_app
 from services.router.config import RouterConfig
@@ -302,8 +303,12 @@ async def test_a_warm_lease_serves_a_request_without_a_claim_round_trip(harness)
         await asyncio.sleep(0.01)
     (warm,) = world.claims
     assert warm.wait_ms == 0 and router.warm.held_ids() == [warm.request_id]
-    r = await client.post("/v1/chat/completions", json=_chat(max_tokens=4, return_token_ids=True))
+    with structlog.testing.capture_logs() as logs:
+        r = await client.post("/v1/chat/completions", json=_chat(max_tokens=4, return_token_ids=True))
     assert r.headers["x-expresslane-lane"] == "express" and r.headers["x-expresslane-leg"] == warm.request_id
+    # said once, after the first token, under the request's own id
+    (said,) = [line for line in logs if line["event"] == "express_warm_lease"]
+    assert (said["request_id"], said["leg_id"]) == (r.headers["x-request-id"], warm.request_id)
     assert r.json()["choices"][0]["token_ids"] == world.answer[:4]
     assert world.starts[0].request_id == warm.request_id  # the request's leg is the warm lease
     handoff = world.prefill_bodies[0]["kv_transfer_params"]["expresslane"]
