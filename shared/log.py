@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import sys
+import threading
 from collections.abc import Iterator
 
 import structlog
@@ -105,10 +106,13 @@ class _StderrLogger:
     def __init__(self, name: str = "", *_args) -> None:
         self.name = name
 
+    _lock = threading.Lock()  # one line at a time from every thread, as stdlib's handler locks
+
     def msg(self, message: str) -> None:
-        stream = sys.stderr
-        stream.write(message + "\n")
-        stream.flush()
+        with self._lock:
+            stream = sys.stderr
+            stream.write(message + "\n")
+            stream.flush()
 
     debug = info = warning = warn = error = critical = exception = fatal = failure = err = log = msg
 
