@@ -289,8 +289,12 @@ class Router:
                 structured=prepared.structured if prepared is not None else None)
             try:
                 await es.open()
-                response = await express_response(es, req, info, request_id, span, t_arrival, self.metrics,
-                                                  self.surface, prepared)
+                try:
+                    response = await express_response(es, req, info, request_id, span, t_arrival, self.metrics,
+                                                      self.surface, prepared)
+                except BaseException:  # the legs opened must not outlive a response never sent
+                    es.close()
+                    raise
                 response.headers["x-expresslane-leg"] = es.first_leg_id
                 return response, "express", decision.reason
             except LaneFallback as exc:

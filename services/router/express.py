@@ -42,7 +42,7 @@ from services.router.metrics import RouterMetrics
 from services.router.nodes import NodeTable
 from services.router.standard import TokenBatch, UpstreamError, continuation_body, continue_tokens, unreachable
 from shared import subjects
-from shared.bus import Bus, BusNoResponders, BusTimeout
+from shared.bus import Bus, BusError, BusNoResponders, BusTimeout
 from shared.events import (
     CancelRequest, ClaimGranted, ClaimReply, ClaimRejected, ClaimRequest, DecodeStart, HandoffEvent,
     PrefillToken, RequestFailed, RequestFinished, SamplingParams, StructuredOutput, TokenLogprobs,
@@ -227,6 +227,7 @@ class ExpressStream:
         self.timings: dict[str, float] = {}
         self.first_leg_id = request_id  # a warm lease's own request id when one served
         self._warm_grant: ClaimGranted | None = None  # logged once the first token is out
+        self._legs: list[_Leg] = []  # every leg opened, for close()
 
     @property
     def stop_ids(self) -> list[int]:
@@ -301,6 +302,7 @@ class ExpressStream:
             self.deps.dispatcher.close(leg_id)
             raise
         leg = _Leg(id=leg_id, grant=grant, queue=queue)
+        self._legs.append(leg)
         try:
             first, prompt_ids = await self._prefill(leg, path, body, start)
         except BaseException:
@@ -541,6 +543,15 @@ class ExpressStream:
             if leg is not None:
                 self._cancel(leg, "client_disconnected")
 
+    def close(self) -> None:
+        """End the request's express side in whatever state it is (idempotent): every leg not yet
+        finished is cancelled as the client's, its dispatcher queue and slot given up. For the
+        response's owner: a streamed body that never started (the client left before the first
+        chunk) runs no ``finally`` of its own."""
+        self._log_warm_lease()
+        for leg in self._legs:
+            self._cancel(leg, "client_disconnected")
+
     def _log_warm_lease(self) -> None:
         """The warm lease the first leg took, logged once the first token is out (the stream's
         task: the request's ids given, not inherited)."""
@@ -566,7 +577,7 @@ class ExpressStream:
                     remaining, self.deps.cfg.migrate_wait_ms)
                 self.deps.metrics.migrations.labels("express").inc()
                 return leg, first
-            except (LaneFallback, ApiError, UpstreamError) as exc:
+            except (LaneFallback, ApiError, UpstreamError, BusError, httpx.HTTPError) as exc:
                 _log.warning("express_migration_fell_back", request_id=self.request_id, error=str(exc))
         self.deps.metrics.migrations.labels("standard").inc()
         return None, None

@@ -9,11 +9,12 @@ one matches, the token source is closed, which cancels the decode on the node.
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from opentelemetry import trace
+from starlette.background import BackgroundTask
 
 from services.router import standard
 from services.router.backend import ModelInfo
@@ -23,6 +24,9 @@ from services.router.express import ExpressStream
 from services.router.metrics import RouterMetrics
 from services.router.stream import ResponseBuilder, sse_error, usage_dict
 from services.router.validate import ParsedRequest
+from shared.log import get_logger
+
+_log = get_logger("services.router.respond")
 
 
 async def express_response(es: ExpressStream, req: ParsedRequest, info: ModelInfo, request_id: str,
@@ -40,8 +44,9 @@ async def express_response(es: ExpressStream, req: ParsedRequest, info: ModelInf
                         stop=req.stop, include_stop_str_in_output=req.include_stop_str_in_output,
                         stop_token_ids=es.stop_ids)
     if req.stream:
-        return StreamingResponse(_stream_body(es, detok, builder, span, t_arrival, metrics),
-                                 media_type="text/event-stream")
+        close = _closer(es, span)
+        return StreamingResponse(_stream_body(es, detok, builder, close, t_arrival, metrics),
+                                 media_type="text/event-stream", background=BackgroundTask(_after, close))
     text, finish, stop_reason = "", None, None
     async for delta, _, _, finish, stop_reason in _run(es, detok, metrics):
         text += delta
@@ -72,7 +77,36 @@ async def _run(es: ExpressStream, detok: Detokenizer, metrics: RouterMetrics
         await gen.aclose()
 
 
-async def _stream_body(es: ExpressStream, detok: Detokenizer, builder: ResponseBuilder, span: trace.Span,
+def _closer(es: ExpressStream, span: trace.Span) -> Callable[[], None]:
+    """Once, however the streamed response ends: the stream's legs closed and the request's span
+    ended. The body's ``finally`` calls it, and the response's background task after the response:
+    Starlette cancels a body that has not started when the client is gone already (it left while
+    the first token was awaited), and a generator that never started runs no ``finally``."""
+    done = False
+
+    def close() -> None:
+        nonlocal done
+        if not done:
+            done = True
+            try:
+                es.close()
+            finally:
+                span.end()
+
+    return close
+
+
+def _internal_error(es: ExpressStream, exc: Exception) -> bytes:
+    _log.exception("express_stream_failed", request_id=es.request_id, leg_id=es.first_leg_id)
+    return sse_error(ApiError(500, f"internal error in the router: {type(exc).__name__}",
+                              code="internal_error").body())
+
+
+async def _after(close: Callable[[], None]) -> None:
+    close()  # on the event loop (a plain function would run in a worker thread)
+
+
+async def _stream_body(es: ExpressStream, detok: Detokenizer, builder: ResponseBuilder, close: Callable[[], None],
                        t_arrival: float, metrics: RouterMetrics) -> AsyncIterator[bytes]:
     first = True
     try:
@@ -90,8 +124,10 @@ async def _stream_body(es: ExpressStream, detok: Detokenizer, builder: ResponseB
         yield sse_error(exc.body())
     except standard.UpstreamError as exc:
         yield sse_error(ApiError(exc.status, exc.body.decode(errors="replace")[:500]).body())
+    except Exception as exc:  # a bug: the client still gets an error event, not a cut stream
+        yield _internal_error(es, exc)
     finally:
-        span.end()
+        close()
 
 
 async def _vllm_response(es: ExpressStream, req: ParsedRequest, info: ModelInfo, response_id: str,
@@ -120,13 +156,17 @@ async def _vllm_response(es: ExpressStream, req: ParsedRequest, info: ModelInfo,
 
     rendered = surface.render(prepared, info, response_id, es.prompt_ids, outputs())
     if req.stream:
+        close = _closer(es, span)
+
         async def body() -> AsyncIterator[bytes]:
             try:
                 async for line in rendered:
                     yield line.encode()
+            except Exception as exc:  # as _stream_body
+                yield _internal_error(es, exc)
             finally:
-                span.end()
-        return StreamingResponse(body(), media_type="text/event-stream")
+                close()
+        return StreamingResponse(body(), media_type="text/event-stream", background=BackgroundTask(_after, close))
     result = await rendered
     data = result.model_dump()
     if "error" in data and "choices" not in data:

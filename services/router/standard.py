@@ -151,6 +151,15 @@ def continuation_body(
     }
 
 
+async def _lines(upstream: httpx.Response, url: str) -> AsyncIterator[str]:
+    """The response's lines; a connection that breaks or times out mid-stream is ApiError (503)."""
+    try:
+        async for line in upstream.aiter_lines():
+            yield line
+    except httpx.HTTPError as exc:
+        raise unreachable(url, exc) from None
+
+
 async def continue_tokens(
     client: httpx.AsyncClient,
     url: str,
@@ -170,7 +179,7 @@ async def continue_tokens(
     try:
         if upstream.status_code >= 400:
             raise UpstreamError(upstream.status_code, await upstream.aread())
-        async for line in upstream.aiter_lines():
+        async for line in _lines(upstream, url):
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             chunk = json.loads(line[6:])

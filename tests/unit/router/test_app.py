@@ -316,6 +316,44 @@ async def test_a_warm_lease_serves_a_request_without_a_claim_round_trip(harness)
     assert all(c.request_id != r.headers["x-request-id"] for c in world.claims)  # never claimed itself
 
 
+async def test_a_client_gone_before_its_first_chunk_leaves_no_leg_behind(harness):
+    """The client hangs up while its first token is awaited: Starlette cancels the streamed body
+    before it starts where the server yields on the response's first write (a generator never
+    started runs no ``finally``); the leg is cancelled as the client's all the same, and its queue
+    and slot are given up."""
+    world, client, router, _ = harness
+    body = json.dumps(_chat(max_tokens=8, stream=True, return_token_ids=True)).encode()
+    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
+             "method": "POST", "scheme": "http", "path": "/v1/chat/completions",
+             "raw_path": b"/v1/chat/completions", "query_string": b"", "root_path": "",
+             "headers": [(b"content-type", b"application/json"), (b"x-expresslane", b"on")],
+             "client": ("127.0.0.1", 1), "server": ("router", 80)}
+    requested = False
+
+    async def receive() -> dict:
+        nonlocal requested
+        if not requested:
+            requested = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return {"type": "http.disconnect"}  # gone by the time the response starts
+
+    sent: list[dict] = []
+
+    async def send(message: dict) -> None:  # a server that yields on writes (backpressure)
+        sent.append(message)
+        await asyncio.sleep(0)
+
+    await client._transport.app(scope, receive, send)
+    (claim,) = world.claims  # the leg's id
+    deadline = time.monotonic() + 30
+    while not any(c.request_id == claim.request_id for c in world.cancels):
+        assert time.monotonic() < deadline, "the leg was never cancelled"
+        await asyncio.sleep(0.01)
+    cancel = next(c for c in world.cancels if c.request_id == claim.request_id)
+    assert cancel.reason == "client_disconnected"
+    assert router.dispatcher.num_open == 0 and router.dispatcher.slots_in_use() == set()
+
+
 async def test_client_leaving_while_its_claim_waits_cancels_the_claim_before_prefill(harness):
     world, client, router, _ = harness
     world.hold_claims = True
