@@ -264,7 +264,8 @@ class Router:
             raise ApiError(404, f"The model `{req.model}` does not exist.", param="model",
                            code="model_not_found")
         capacity = self.nodes.slot_capacity(info.aliases, time.monotonic()) if self.bus else None
-        num_prompt = _prompt_tokens(info, req, capacity)
+        num_prompt = _prompt_tokens(info, req, self.nodes.smallest_slot_capacity(info.aliases, time.monotonic())
+                                    if self.bus else None)
         max_tokens = req.max_tokens or max(info.max_model_len - num_prompt, 1)
         if info.max_model_len and num_prompt + max_tokens > info.max_model_len:
             raise ApiError(400, (
@@ -338,16 +339,17 @@ class Router:
                            metrics=self.metrics, tracer=self.tracer, spawn=self.spawn, cfg=self.cfg,
                            warm=self.warm)
 
-def _prompt_tokens(info: backend.ModelInfo, req: ParsedRequest, capacity: int | None) -> int:
+def _prompt_tokens(info: backend.ModelInfo, req: ParsedRequest, smallest_slot: int | None) -> int:
     """The prompt's length for the checks before the prefill (the model's context, a decode slot,
     the claim): a cheap upper bound where it passes each check (so the exact count would too: the
-    request names max_tokens and fits both the model and, with a live node, a slot), else the exact
-    count. The tokenizer costs ~0.5 ms a thousand tokens on the first token's way; the bound is
-    only ever larger, so a claim sized by it fits the prompt and vLLM's count stays authoritative."""
+    request names max_tokens and fits both the model and, with a live node, every live node's slot,
+    ``smallest_slot``, so that a claim sized by it excludes no node the exact count would fit), else
+    the exact count. The tokenizer costs ~0.5 ms a thousand tokens on the first token's way; the
+    bound is only ever larger, and vLLM's count stays authoritative after the prefill."""
     if req.max_tokens:
         bound = backend.prompt_tokens_at_most(info, req)
         if (bound is not None and (not info.max_model_len or bound + req.max_tokens <= info.max_model_len)
-                and (capacity is None or bound + req.max_tokens <= capacity)):
+                and (smallest_slot is None or bound + req.max_tokens <= smallest_slot)):
             return bound
     return backend.count_prompt_tokens(info, req)
 

@@ -64,6 +64,10 @@ class NodeTable:
         nodes = self.live(now_s, aliases)
         return max((n.capacity_tokens for n in nodes), default=None)
 
+    def smallest_slot_capacity(self, aliases: Collection[str], now_s: float) -> int | None:
+        """Tokens the smallest slot among the live nodes serving the model holds; None when none is live."""
+        return min((n.capacity_tokens for n in self.live(now_s, aliases)), default=None)
+
     def serves_target(self, target: TransferTarget, now_s: float) -> bool:
         """Whether the target's node is live and still receives there (endpoint and slot buffer):
         a restarted node process registers other ones."""

@@ -41,6 +41,20 @@ def test_capacity(events, now, capacity):
     assert table.slot_capacity(ALIASES, now) == capacity
 
 
+@pytest.mark.parametrize("events,now,smallest", [
+    ([], 0.0, None),
+    ([(hb(), 0.0), (hb(node="n1", max_tokens=1024), 0.0)], 0.1, 512),
+    ([(hb(), 0.0), (hb(node="n1", max_tokens=1024), 0.0), (NodeDraining(node_id="n0", sent_at_ms=1), 0.1)],
+     0.2, 1024),  # a draining node takes no claim: it does not bound them
+    ([(hb(), 0.0), (hb(node="n1", max_tokens=1024, model="other"), 0.0)], 0.1, 512),
+])
+def test_smallest_slot_of_the_live_nodes(events, now, smallest):
+    table = NodeTable()
+    for event, at in events:
+        table.observe(event, at)
+    assert table.smallest_slot_capacity(ALIASES, now) == smallest
+
+
 @pytest.mark.parametrize("node_model,ok", [
     ("tiny-llama", True), ("/m/tiny-llama", True), ("/other/dir/tiny-llama/", True), ("llama", False),
 ])

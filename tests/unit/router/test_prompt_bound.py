@@ -63,23 +63,23 @@ def test_no_bound_for_text_a_normalizer_may_expand(info, text):
 LONG = "Tell me about express lanes. " * 30  # ~900 characters, far fewer tokens
 
 
-@pytest.mark.parametrize("max_tokens, max_model_len, capacity, content, counted", [
+@pytest.mark.parametrize("max_tokens, max_model_len, smallest_slot, content, counted", [
     (64, 2048, 2048, LONG, False),     # fits everything: the bound is used
     (64, 2048, None, LONG, False),     # no live node: only the model's context decides
     (64, 0, 2048, LONG, False),        # the server did not say its context
     (None, 2048, 2048, LONG, True),    # max_tokens defaults to what the context leaves: exact
     (64, 600, 2048, LONG, True),       # the bound passes the context, exact may: exact
-    (64, 2048, 600, LONG, True),       # the bound passes the slot, exact may: exact
+    (64, 2048, 600, LONG, True),       # the bound passes the smallest live slot, exact may: exact
     (64, 2048, 2048, "日本語", True),  # no bound
 ])
 def test_the_exact_count_runs_only_where_the_bound_cannot_decide(info, monkeypatch, max_tokens, max_model_len,
-                                                                 capacity, content, counted):
+                                                                 smallest_slot, content, counted):
     calls = []
     real = backend.count_prompt_tokens
     monkeypatch.setattr(backend, "count_prompt_tokens", lambda i, r: calls.append(1) or real(i, r))
     model = backend.ModelInfo(**{**info.__dict__, "max_model_len": max_model_len})
     req = _chat([{"role": "user", "content": content}], **({"max_tokens": max_tokens} if max_tokens else {}))
-    n = _prompt_tokens(model, req, capacity)
+    n = _prompt_tokens(model, req, smallest_slot)
     assert bool(calls) == counted
     exact = real(model, req)
     assert n == exact if counted else n >= exact
