@@ -247,10 +247,8 @@ class Sender:
         while (job := self._queue.get()) is not None:
             try:
                 self._handle(job)
-            except Exception:  # never let a bad job kill the thread
+            except Exception:  # never let a bad job kill the thread (_handle has freed its slot)
                 log.exception("expresslane sender: unexpected error")
-                if job.staging_slot >= 0:
-                    self.states.set(job.staging_slot, FREE)
 
     def _handle(self, job: SendJob) -> None:
         h = job.handoff
@@ -260,17 +258,22 @@ class Sender:
             span.set_attribute("expresslane.node_id", h.target.node_id)
             transfer_ms, nbytes, reason, writes = 0.0, 0, job.fail_reason, []
             if not reason:
-                t0 = time.perf_counter()
-                writes, reason = self._plan(job)
-                if not reason:
-                    self._prewarm(job, writes)
-                self.pool.wait_staged(job.staging_slot)  # GPU staging: its copies have landed
-                job.extract_ms += (time.perf_counter() - t0) * 1e3  # extraction ends when they have
-                if not reason:
+                try:
                     t0 = time.perf_counter()
-                    nbytes, reason = self._write(job, writes)
-                    transfer_ms = (time.perf_counter() - t0) * 1e3 - job.checksum_ms  # the write alone
-                self.states.set(job.staging_slot, FREE)
+                    writes, reason = self._plan(job)
+                    if not reason:
+                        self._prewarm(job, writes)
+                    self.pool.wait_staged(job.staging_slot)  # GPU staging: its copies have landed
+                    job.extract_ms += (time.perf_counter() - t0) * 1e3  # extraction ends when they have
+                    if not reason:
+                        t0 = time.perf_counter()
+                        nbytes, reason = self._write(job, writes)
+                        transfer_ms = (time.perf_counter() - t0) * 1e3 - job.checksum_ms  # the write alone
+                except Exception as exc:  # a device or binding error: still one KvFailed, the slot freed once
+                    log.exception("expresslane sender: hand-off of %s failed", h.request_id)
+                    reason = f"the prefill's sender failed: {type(exc).__name__}: {exc}"
+                finally:
+                    self.states.set(job.staging_slot, FREE)
             base = dict(request_id=h.request_id, lease_id=h.lease_id, generation=h.generation,
                         node_id=h.target.node_id, slot=h.target.slot.slot)
             if reason:
@@ -354,7 +357,7 @@ class Sender:
         try:
             transport.write(first.rank.endpoint, [(local, remote, min(nbytes, PREWARM_BYTES))],
                             first.rank.nixl_metadata_b64, timeout_s=timeout_s)
-        except TransferError as exc:
+        except Exception as exc:  # a warm-up only: whatever it meets, the write proper decides
             log.info("expresslane sender: prewarm write for %s failed (%s); the write proper decides",
                      job.handoff.request_id, exc)
 

@@ -278,26 +278,44 @@ class ExpressWorker:
         for save in saves:
             if save.handoff is None:
                 continue  # unparseable params: reported in the response, nowhere to send an event
-            reason = save.fail_reason or self.refusal
-            if reason or save.staging_slot < 0:
-                if save.staging_slot >= 0:
-                    self.states.set(save.staging_slot, FREE)
-                if self.tp_rank == 0:  # the same on every rank: one KvFailed for the request
-                    self.sender.submit(SendJob(save.handoff, -1, 0, fail_reason=reason))
-                continue
+            holds = [save.staging_slot >= 0]  # this save still holds its staging slot
             try:
-                with self.tracer.start_as_current_span(
-                        "prefill.extract", context=context_from_traceparent(save.handoff.traceparent),
-                        attributes={"expresslane.request_id": save.handoff.request_id,
-                                    "expresslane.num_tokens": save.num_tokens}):
-                    extract_ms = self._stage(save)
-            except Exception as exc:
-                log.exception("expresslane: extraction failed for %s", save.request_id)
+                self._save_one(save, holds)
+            except Exception as exc:  # never into vLLM's step, never the other saves' slots
+                log.exception("expresslane: handing off %s failed", save.request_id)
+                if holds[0]:  # freed once: a slot given up may be another request's already
+                    self.states.set(save.staging_slot, FREE)
+                try:
+                    self.sender.submit(SendJob(save.handoff, -1, 0, fail_reason=f"hand-off failed: {exc}"))
+                except Exception:
+                    log.exception("expresslane: could not report the failed hand-off of %s", save.request_id)
+
+    def _save_one(self, save: SaveRequest, holds: list[bool]) -> None:
+        """One claimed request's staging and send (or its KvFailed); ``holds[0]`` goes False once
+        the staging slot is freed or handed to the sender."""
+        reason = save.fail_reason or self.refusal
+        if reason or save.staging_slot < 0:
+            if save.staging_slot >= 0:
                 self.states.set(save.staging_slot, FREE)
-                self.sender.submit(SendJob(save.handoff, -1, 0, fail_reason=f"extraction failed: {exc}"))
-                continue
-            self.states.set(save.staging_slot, SENDING)
-            self.sender.submit(SendJob(save.handoff, save.staging_slot, save.num_tokens, extract_ms))
+                holds[0] = False
+            if self.tp_rank == 0:  # the same on every rank: one KvFailed for the request
+                self.sender.submit(SendJob(save.handoff, -1, 0, fail_reason=reason))
+            return
+        try:
+            with self.tracer.start_as_current_span(
+                    "prefill.extract", context=context_from_traceparent(save.handoff.traceparent),
+                    attributes={"expresslane.request_id": save.handoff.request_id,
+                                "expresslane.num_tokens": save.num_tokens}):
+                extract_ms = self._stage(save)
+        except Exception as exc:
+            log.exception("expresslane: extraction failed for %s", save.request_id)
+            self.states.set(save.staging_slot, FREE)
+            holds[0] = False
+            self.sender.submit(SendJob(save.handoff, -1, 0, fail_reason=f"extraction failed: {exc}"))
+            return
+        self.states.set(save.staging_slot, SENDING)
+        self.sender.submit(SendJob(save.handoff, save.staging_slot, save.num_tokens, extract_ms))
+        holds[0] = False  # the sender frees it
 
     def _stage(self, save: SaveRequest) -> float:
         t0 = time.perf_counter()

@@ -130,3 +130,49 @@ def test_a_slot_is_written_only_after_its_staging_copies_finish(tmp_path):
     assert isinstance(event, KvReady) and len(transport.writes) == 1
     assert np.array_equal(slot[: SPEC.segments[0].bytes_per_token * NUM_TOKENS],
                           pool.slot_bytes(0)[: SPEC.segments[0].bytes_per_token * NUM_TOKENS])
+
+
+class BrokenBinding(MemcpyTransport):
+    """A transport whose binding raises something other than TransferError (a device error, a
+    binding's own exception type)."""
+
+    def write(self, endpoint, ops, nixl_metadata_b64="", timeout_s=None) -> None:
+        raise ValueError("cudaErrorIllegalAddress")
+
+
+def test_an_unexpected_error_in_the_write_is_one_kv_failed_and_the_slot_freed(tmp_path):
+    from shared.events import KvFailed
+
+    (event,), _ = send(tmp_path, 1, transport=BrokenBinding())  # send() asserts the slot is FREE
+    assert isinstance(event, KvFailed) and "ValueError: cudaErrorIllegalAddress" in event.reason
+
+
+class ReservingPublisher(Publisher):
+    """The slot is taken again by the next request before the KvFailed leaves, then the publish fails."""
+
+    def __init__(self, states: SlotStates) -> None:
+        super().__init__()
+        self.states = states
+
+    def publish(self, subject, event, traceparent="") -> bool:
+        self.states.set(0, SENDING)  # the scheduler reserved the freed slot for another request
+        self.events.append(event)
+        raise RuntimeError("encoder bug")
+
+
+def test_a_failure_after_the_slot_was_freed_never_frees_it_again(tmp_path):
+    states = SlotStates(str(tmp_path / "states"), 1, create=True)
+    pool, publisher = StagingPool(SPEC, 1), ReservingPublisher(states)
+    sender = Sender({"mooncake": BrokenBinding()}, pool, states, publisher, 5.0, num_threads=1)
+    target = TransferTarget(node_id="d1", transport="mooncake", endpoint="e", layout=SPEC,
+                            slot=SlotTarget(slot=0, base_addr=0, nbytes=SPEC.slot_nbytes))
+    try:
+        states.set(0, SENDING)
+        sender.submit(SendJob(Handoff(request_id="r0", lease_id="L0", generation=1, target=target), 0, NUM_TOKENS))
+        deadline = time.monotonic() + 30
+        while not publisher.events:
+            assert time.monotonic() < deadline, "the sender never published"
+            time.sleep(0.001)
+    finally:
+        sender.close()  # joins the thread: its error handling is done
+    assert states.snapshot() == [SENDING]  # the other request's reservation stands

@@ -98,3 +98,42 @@ def test_the_scheduler_here_waits_for_the_copy_before_planning_the_next_step(mon
     finally:
         gate.set()
         w._extractor.shutdown(wait=True)
+
+
+def test_one_save_that_fails_to_hand_off_neither_stops_the_others_nor_reaches_the_step(tmp_path):
+    """The sender refuses the first request's job (a device error fencing its copies): that slot is
+    freed once and a KvFailed queued for it; the second request is staged and sent as usual."""
+    from opentelemetry import trace
+
+    from services.prefill.scheduler import SaveRequest
+    from services.prefill.staging import FREE, RESERVED, SENDING, SlotStates
+    from shared.events import SlotTarget, TransferTarget
+    from shared.handoff import Handoff
+    from shared.kvlayout import KvShape, layout_spec
+
+    spec = layout_spec(KvShape(kind="gqa", num_layers=1, num_kv_heads=1, head_dim=4), "float32", 8)
+
+    class Sender:
+        jobs = []
+
+        def submit(self, job) -> None:
+            if job.staging_slot == 0:
+                raise RuntimeError("cudaEventRecord failed")
+            self.jobs.append(job)
+
+    w = ExpressWorker.__new__(ExpressWorker)
+    w.states = SlotStates(str(tmp_path / "states"), 2, create=True)
+    w.sender, w.tracer, w.tp_rank, w.refusal = Sender(), trace.NoOpTracer(), 0, ""
+    w._stage = lambda save: 0.1
+    saves = []
+    for slot in (0, 1):
+        w.states.set(slot, RESERVED)
+        target = TransferTarget(node_id="d1", transport="mooncake", endpoint="e", layout=spec,
+                                slot=SlotTarget(slot=0, base_addr=0, nbytes=spec.slot_nbytes))
+        saves.append(SaveRequest(f"r{slot}", Handoff(request_id=f"r{slot}", lease_id=f"L{slot}", generation=1,
+                                                     target=target), [[0]], 4, staging_slot=slot))
+    w._save(saves)  # raises nothing
+    assert w.states.snapshot() == [FREE, SENDING]
+    failed, sent = w.sender.jobs
+    assert (failed.handoff.request_id, failed.staging_slot) == ("r0", -1) and "cudaEventRecord" in failed.fail_reason
+    assert (sent.handoff.request_id, sent.staging_slot, sent.fail_reason) == ("r1", 1, "")
