@@ -29,6 +29,7 @@ reason, where the model's KV heads do not split over the ranks.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -58,6 +59,9 @@ if TYPE_CHECKING:
 METADATA_VERSION = 1
 
 
+log = logging.getLogger("vllm.expresslane.prefill")
+
+
 @dataclasses.dataclass
 class ExpressConnectorMetadata(KVConnectorMetadata):
     """Scheduler -> worker, once per step: the claimed requests to stage now."""
@@ -82,7 +86,10 @@ class ExpressConnector(KVConnectorBase_V1, SupportsHMA):
         if role == KVConnectorRole.SCHEDULER:
             model = vllm_config.model_config
             kind, tp_size = "mla" if model.use_mla else "gqa", vllm_config.parallel_config.tensor_parallel_size
-            refusal = "" if kind == "mla" else split_refusal(kind, model.get_total_num_kv_heads(), tp_size)
+            refusal = split_refusal(kind, 0 if kind == "mla" else model.get_total_num_kv_heads(), tp_size,
+                                    vllm_config.parallel_config.pipeline_parallel_size)
+            if refusal:
+                log.error("expresslane: %s", refusal)
             states = RankSlotStates(config.stats_file(engine_id), config.staging_slots,
                                     staging_ranks(kind, tp_size), create=True)
             max_tokens = config.staging_max_tokens or model.max_model_len

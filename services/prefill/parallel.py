@@ -28,8 +28,13 @@ def vllm_tensor_parallel() -> tuple[int, int]:
             parallel_state.get_tensor_model_parallel_rank())
 
 
-def split_refusal(kind: str, num_kv_heads: int, tp_size: int) -> str:
-    """Why a prefill of ``tp_size`` ranks cannot hand its KV over ("" when it can)."""
+def split_refusal(kind: str, num_kv_heads: int, tp_size: int, pp_size: int = 1) -> str:
+    """Why a prefill of ``tp_size`` ranks (and ``pp_size`` pipeline stages) cannot hand its KV over
+    ("" when it can)."""
+    if pp_size > 1:  # each stage holds its own layers, numbered from 0, and would send them as the first ones
+        return (f"express lane off on this prefill: vLLM's --pipeline-parallel-size {pp_size} splits the "
+                f"layers over stages and a hand-off carries a request's whole KV from one; run vLLM "
+                f"without pipeline parallelism (tensor parallelism is supported)")
     if kind != "gqa" or tp_size == 1 or (num_kv_heads >= tp_size and num_kv_heads % tp_size == 0):
         return ""
     how = "replicates them on every rank" if num_kv_heads < tp_size else "cannot split them evenly"

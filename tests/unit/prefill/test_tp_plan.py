@@ -134,6 +134,13 @@ def test_splits_vllm_cannot_shard_by_heads_are_refused(kind, heads, tp, reason):
     assert (reason in got and f"divides {heads}" in got) if reason else got == ""
 
 
+@pytest.mark.parametrize("kind,heads,tp", [("gqa", 8, 1), ("gqa", 8, 2), ("mla", 0, 1), ("mla", 0, 8)])
+def test_pipeline_stages_are_refused_whatever_the_split(kind, heads, tp):
+    assert split_refusal(kind, heads, tp, pp_size=1) == ""
+    got = split_refusal(kind, heads, tp, pp_size=2)
+    assert "--pipeline-parallel-size 2" in got and "without pipeline parallelism" in got
+
+
 def test_mla_stages_on_rank_zero_only():
     assert [stages("mla", r) for r in range(3)] == [True, False, False]
     assert [stages("gqa", r) for r in range(3)] == [True] * 3
