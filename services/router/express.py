@@ -258,6 +258,8 @@ class ExpressStream:
                     await asyncio.sleep(CLAIM_RETRY_S)
                 except BusTimeout as exc:
                     raise ClaimUnanswered(f"coordinator: {exc}") from None
+                except BusError as exc:  # the bus is down or refused: as unanswered (the standard lane)
+                    raise ClaimUnanswered(f"bus: {exc}") from None
         self.deps.metrics.claim_ms.observe((time.perf_counter() - t0) * 1000)
         if isinstance(reply, ClaimRejected):
             if reply.reason not in CAPACITY_REASONS:  # no express node can take it: not back-pressure

@@ -389,6 +389,24 @@ async def test_unanswered_claim_goes_standard_and_is_cancelled_before_prefill(ha
         world.claims[0].request_id, "claim_abandoned", True)
 
 
+async def test_a_claim_the_bus_refuses_goes_standard_not_a_500(harness, monkeypatch):
+    from shared.bus import BusUnavailable
+
+    world, client, router, _ = harness
+    real = router.bus.request
+
+    async def request(subject, *args, **kw):
+        if subject == subjects.CLAIM:
+            raise BusUnavailable("not connected to NATS")
+        return await real(subject, *args, **kw)
+
+    monkeypatch.setattr(router.bus, "request", request)
+    r = await client.post("/v1/chat/completions", json=_chat(max_tokens=4, return_token_ids=True))
+    assert r.status_code == 200 and r.headers["x-expresslane-lane"] == "standard"
+    assert "not connected to NATS" in r.headers["x-expresslane-reason"]
+    assert r.json()["choices"][0]["token_ids"] == world.answer[:4]
+
+
 async def test_claim_outlasts_a_coordinator_failover_and_stays_express(harness):
     world, client, router, _ = harness
     router.cfg = RouterConfig(**{**router.cfg.__dict__, "claim_wait_ms": 60_000})
