@@ -188,13 +188,20 @@ def write_timeout_s(timeout_s: float, expires_at_ms: int, now_ms: float) -> floa
     return min(timeout_s, (expires_at_ms - now_ms) / 1000)
 
 
+# How long a write that gave up may take to stop touching its buffers (Mooncake's own transfer timeout,
+# MC_TRANSFER_TIMEOUT, is 30 s by default) before its staging slot is written off.
+SETTLE_TIMEOUT_S = 60.0
+
+
 class Sender:
     """A small pool of sender threads fed by a queue."""
 
     def __init__(self, transports: dict[str, Transport], pool, states, publisher, timeout_s: float,
                  num_threads: int = 2, tracer: trace.Tracer | None = None, checksum: bool = False,
-                 num_checksum_threads: int = 4, fault_flip_every: int = 0, prewarm: bool = True) -> None:
+                 num_checksum_threads: int = 4, fault_flip_every: int = 0, prewarm: bool = True,
+                 settle_timeout_s: float = SETTLE_TIMEOUT_S) -> None:
         self.prewarm = prewarm
+        self.settle_timeout_s = settle_timeout_s
         self._said_no_tp_checksums = False
         self.tracer = tracer or trace.get_tracer("expresslane.prefill")
         self.checksum = checksum
@@ -257,6 +264,7 @@ class Sender:
             span.set_attribute("expresslane.request_id", h.request_id)
             span.set_attribute("expresslane.node_id", h.target.node_id)
             transfer_ms, nbytes, reason, writes = 0.0, 0, job.fail_reason, []
+            stuck = False  # a write gave up with parts of it still reading the slot
             if not reason:
                 try:
                     t0 = time.perf_counter()
@@ -267,13 +275,19 @@ class Sender:
                     job.extract_ms += (time.perf_counter() - t0) * 1e3  # extraction ends when they have
                     if not reason:
                         t0 = time.perf_counter()
-                        nbytes, reason = self._write(job, writes)
+                        nbytes, reason, stuck = self._write(job, writes)
                         transfer_ms = (time.perf_counter() - t0) * 1e3 - job.checksum_ms  # the write alone
                 except Exception as exc:  # a device or binding error: still one KvFailed, the slot freed once
                     log.exception("expresslane sender: hand-off of %s failed", h.request_id)
                     reason = f"the prefill's sender failed: {type(exc).__name__}: {exc}"
                 finally:
-                    self.states.set(job.staging_slot, FREE)
+                    if not stuck:
+                        self.states.set(job.staging_slot, FREE)
+                    else:  # losing one staging slot beats reusing bytes a write still reads
+                        log.error("expresslane sender: staging slot %d stays out of use: the write of %s "
+                                  "did not stop within %.0f s of giving up", job.staging_slot,
+                                  h.request_id, self.settle_timeout_s)
+                        self.states.count("staging_slot_quarantined")
             base = dict(request_id=h.request_id, lease_id=h.lease_id, generation=h.generation,
                         node_id=h.target.node_id, slot=h.target.slot.slot)
             if reason:
@@ -314,14 +328,17 @@ class Sender:
         for transport in self.transports.values():
             transport.register(addr, nbytes)
 
-    def _write(self, job: SendJob, writes: list[RankWrite]) -> tuple[int, str]:
+    def _write(self, job: SendJob, writes: list[RankWrite]) -> tuple[int, str, bool]:
         """Pack where a decode rank holds fewer heads, then write each rank in turn, all within one
-        deadline (the transfer timeout, cut to the lease)."""
+        deadline (the transfer timeout, cut to the lease): (bytes, why it failed, whether a failed
+        write still has parts in flight after ``settle_timeout_s``). A write that gave up with parts
+        in flight is waited for before the failure is reported, so that the staging slot is reused,
+        and the decode slot given to another lease, only once nothing more lands there."""
         target = job.handoff.target
         transport = self.transports[target.transport]
         timeout_s = write_timeout_s(self.timeout_s, job.handoff.expires_at_ms, time.time() * 1000)
         if timeout_s <= 0:
-            return 0, "lease expired before the write could start"
+            return 0, "lease expired before the write could start", False
         deadline = time.monotonic() + timeout_s
         if self.checksum:
             self._checksum_single_writer(job, writes)
@@ -330,17 +347,18 @@ class Sender:
                 try:
                     self.pool.pack_heads(job.staging_slot, w.staged, w.scratch_offset, job.num_tokens)
                 except RuntimeError as exc:  # a device error: report it as the hand-off's failure
-                    return 0, f"packing the KV heads of decode rank {w.rank.tp_rank} failed: {exc}"
+                    return 0, f"packing the KV heads of decode rank {w.rank.tp_rank} failed: {exc}", False
         for w in writes:
             left_s = deadline - time.monotonic()
             where = f" (decode rank {w.rank.tp_rank})" if len(writes) > 1 else ""
             if left_s <= 0:
-                return 0, f"transfer failed{where}: not started within the {timeout_s:.1f} s left to write"
+                return 0, f"transfer failed{where}: not started within the {timeout_s:.1f} s left to write", False
             try:
                 transport.write(w.rank.endpoint, w.ops, w.rank.nixl_metadata_b64, timeout_s=left_s)
             except TransferError as exc:
-                return 0, f"transfer failed{where}: {exc}"
-        return sum(op[2] for w in writes for op in w.ops), ""
+                stuck = exc.settle is not None and not exc.settle(self.settle_timeout_s)
+                return 0, f"transfer failed{where}: {exc}", stuck
+        return sum(op[2] for w in writes for op in w.ops), "", False
 
     def _prewarm(self, job: SendJob, writes: list[RankWrite]) -> None:
         """With GPU staging, a tiny write into the first decode rank written while the staging

@@ -10,7 +10,8 @@ Its parts:
   ``not_handed_off``, ``decode_started`` (decodes the prefill started itself: scheduler),
   ``first_token_direct`` (first tokens the scheduler wrote on its own connection, not through
   the loop thread: scheduler),
-  ``kv_ready``, ``kv_failed`` (worker).
+  ``kv_ready``, ``kv_failed``, ``staging_slot_quarantined`` (slots kept SENDING for good: a failed
+  write still read them after the sender's settle timeout) (worker).
 - Tensor parallelism: each staging rank (services.prefill.parallel) has its own pool and its own
   state file, ``rank_path(path, rank)`` (rank 0's is ``path`` itself). The scheduler reserves
   through ``RankSlotStates``: a slot only while it is FREE on every rank, then on every rank at
@@ -37,7 +38,8 @@ import threading
 
 FREE, RESERVED, SENDING = 0, 1, 2
 STATE_NAMES = {FREE: "free", RESERVED: "reserved", SENDING: "sending"}
-COUNTERS = ("claimed", "not_handed_off", "kv_ready", "kv_failed", "decode_started", "first_token_direct")
+COUNTERS = ("claimed", "not_handed_off", "kv_ready", "kv_failed", "decode_started", "first_token_direct",
+            "staging_slot_quarantined")
 
 
 def _file_size(num_slots: int) -> int:
@@ -140,7 +142,8 @@ class RankSlotStates:
 
 def read_stats(path: str) -> dict:
     """A running prefill's staging slots and counters: {"total", "free", "reserved", "sending",
-    "claimed", "not_handed_off", "kv_ready", "kv_failed", "decode_started", "first_token_direct"}. A tensor-parallel
+    "claimed", "not_handed_off", "kv_ready", "kv_failed", "decode_started", "first_token_direct",
+    "staging_slot_quarantined"}. A tensor-parallel
     prefill's ranks are merged: a slot counts as its busiest rank's state, counters add up (so
     ``kv_ready`` counts every rank's KvReady)."""
     merged: list[int] | None = None

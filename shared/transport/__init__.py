@@ -28,6 +28,8 @@ Both are imported lazily, so importing this package needs neither library.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from typing import Protocol, runtime_checkable
 
 __all__ = ["TransferError", "Transport", "create_transport", "TRANSPORTS"]
@@ -36,7 +38,16 @@ TRANSPORTS = ("mooncake", "nixl")
 
 
 class TransferError(Exception):
-    """A one-sided write did not complete (remote gone, timeout, unregistered memory)."""
+    """A one-sided write did not complete (remote gone, timeout, unregistered memory).
+
+    ``settle``: set where the write gave up with parts of it still in flight (they go on reading
+    the local buffer and writing the remote one): ``settle(timeout_s) -> bool`` waits up to
+    ``timeout_s`` for them to end and says whether they did. Until then neither buffer may be
+    reused."""
+
+    def __init__(self, message: str, settle: Callable[[float], bool] | None = None) -> None:
+        super().__init__(message)
+        self.settle = settle
 
 
 @runtime_checkable

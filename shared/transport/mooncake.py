@@ -179,22 +179,22 @@ class MooncakeTransport:
         delay_s = 20e-6
         while pending:
             still = []
-            for batch_id in pending:
+            for i, batch_id in enumerate(pending):
                 status = engine.transfer_check_status(batch_id)
                 if status == _PENDING:
                     still.append(batch_id)
                 elif status != _DONE:
                     what = "timed out inside mooncake" if status == -2 else "failed"
                     raise TransferError(
-                        f"mooncake write of {nbytes} bytes to {remote_endpoint} {what} (status {status})"
-                    )
+                        f"mooncake write of {nbytes} bytes to {remote_endpoint} {what} (status {status})",
+                        settle=_settler(engine, still + pending[i + 1:]))
             pending = still
             if not pending:
                 return
             if time.monotonic() > deadline:
                 raise TransferError(
                     f"mooncake write of {nbytes} bytes to {remote_endpoint} did not complete "
-                    f"within {timeout_s:.1f} s"
+                    f"within {timeout_s:.1f} s", settle=_settler(engine, pending)
                 )
             time.sleep(delay_s)
             delay_s = min(delay_s * 2, 1e-3)
@@ -208,6 +208,20 @@ class MooncakeTransport:
             for addr in list(self._regions):
                 self._engine.unregister_memory(addr)
             self._regions.clear()
+
+
+def _settler(engine, batch_ids: list[int]):
+    """TransferError.settle for batches a write left in flight: True once none is pending."""
+    def settle(timeout_s: float) -> bool:
+        pending, deadline = list(batch_ids), time.monotonic() + timeout_s
+        while True:
+            pending = [b for b in pending if engine.transfer_check_status(b) == _PENDING]
+            if not pending:
+                return True
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(1e-3)
+    return settle if batch_ids else None
 
 
 def _register(engine, addr: int, nbytes: int) -> None:

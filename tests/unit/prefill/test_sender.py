@@ -176,3 +176,50 @@ def test_a_failure_after_the_slot_was_freed_never_frees_it_again(tmp_path):
     finally:
         sender.close()  # joins the thread: its error handling is done
     assert states.snapshot() == [SENDING]  # the other request's reservation stands
+
+
+class GaveUpInFlight(MemcpyTransport):
+    """A write that gives up (its deadline) with parts still in flight, which end once ``stops`` is
+    set (never, unset): the sender must not reuse the slot, nor say so, before they have."""
+
+    def __init__(self, stops: bool) -> None:
+        self.stops = threading.Event()
+        if stops:
+            threading.Timer(0.05, self.stops.set).start()
+        self.settle_calls = []
+
+    def write(self, endpoint, ops, nixl_metadata_b64="", timeout_s=None) -> None:
+        from shared.transport import TransferError
+
+        def settle(timeout_s: float) -> bool:
+            self.settle_calls.append(timeout_s)
+            return self.stops.wait(timeout_s)
+
+        raise TransferError("did not complete within 0.1 s", settle=settle)
+
+
+@pytest.mark.parametrize("stops, state_after", [(True, FREE), (False, SENDING)])
+def test_a_write_that_gave_up_in_flight_frees_its_slot_only_once_it_stopped(tmp_path, stops, state_after):
+    from shared.events import KvFailed
+
+    states = SlotStates(str(tmp_path / "states"), 1, create=True)
+    publisher, transport = Publisher(), GaveUpInFlight(stops)
+    sender = Sender({"mooncake": transport}, StagingPool(SPEC, 1), states, publisher, 5.0, num_threads=1,
+                    settle_timeout_s=0.5)
+    target = TransferTarget(node_id="d1", transport="mooncake", endpoint="e", layout=SPEC,
+                            slot=SlotTarget(slot=0, base_addr=0, nbytes=SPEC.slot_nbytes))
+    try:
+        states.set(0, SENDING)
+        sender.submit(SendJob(Handoff(request_id="r0", lease_id="L0", generation=1, target=target), 0, NUM_TOKENS))
+        deadline = time.monotonic() + 30
+        while not publisher.events:
+            assert time.monotonic() < deadline, "the sender never published"
+            time.sleep(0.001)
+        # KvFailed only after the settle: the slot is already in its final state when it is out
+        (event,) = publisher.events
+        assert isinstance(event, KvFailed) and "did not complete" in event.reason
+        assert states.snapshot() == [state_after] and transport.settle_calls == [0.5]
+    finally:
+        sender.close()
+    from services.prefill.staging import read_stats
+    assert read_stats(str(tmp_path / "states"))["staging_slot_quarantined"] == (0 if stops else 1)

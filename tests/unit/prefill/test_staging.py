@@ -24,7 +24,8 @@ def test_slot_states_are_shared_through_the_file(tmp_path):
     scheduler.count("decode_started")
     worker.count("kv_ready")
     assert read_stats(path) == {"total": 3, "free": 1, "reserved": 1, "sending": 1, "claimed": 2,
-                                "not_handed_off": 0, "kv_ready": 1, "kv_failed": 0, "decode_started": 1, "first_token_direct": 0}
+                                "not_handed_off": 0, "kv_ready": 1, "kv_failed": 0, "decode_started": 1, "first_token_direct": 0,
+                                "staging_slot_quarantined": 0}
     worker.set(0, FREE)
     worker.set(1, FREE)
     assert scheduler.reserve() == 0

@@ -210,7 +210,8 @@ def test_stats_merge_the_ranks_and_forget_an_earlier_runs_larger_split(tmp_path)
     for w in workers:
         w.count("kv_ready")
     assert read_stats(path) == {"total": 2, "free": 1, "reserved": 0, "sending": 1, "claimed": 1,
-                                "not_handed_off": 0, "kv_ready": 2, "kv_failed": 0, "decode_started": 0, "first_token_direct": 0}
+                                "not_handed_off": 0, "kv_ready": 2, "kv_failed": 0, "decode_started": 0, "first_token_direct": 0,
+                                "staging_slot_quarantined": 0}
 
 
 # ---------------------------------------------------------------- packing a reader's heads
