@@ -147,6 +147,18 @@ def test_an_unexpected_error_in_the_write_is_one_kv_failed_and_the_slot_freed(tm
     assert isinstance(event, KvFailed) and "ValueError: cudaErrorIllegalAddress" in event.reason
 
 
+def send_one(sender: Sender, states: SlotStates, publisher: Publisher) -> None:
+    """Staging slot 0 (SENDING) handed to the sender for request r0; returns once it published."""
+    target = TransferTarget(node_id="d1", transport="mooncake", endpoint="e", layout=SPEC,
+                            slot=SlotTarget(slot=0, base_addr=0, nbytes=SPEC.slot_nbytes))
+    states.set(0, SENDING)
+    sender.submit(SendJob(Handoff(request_id="r0", lease_id="L0", generation=1, target=target), 0, NUM_TOKENS))
+    deadline = time.monotonic() + 30
+    while not publisher.events:
+        assert time.monotonic() < deadline, "the sender never published"
+        time.sleep(0.001)
+
+
 class ReservingPublisher(Publisher):
     """The slot is taken again by the next request before the KvFailed leaves, then the publish fails."""
 
@@ -164,15 +176,8 @@ def test_a_failure_after_the_slot_was_freed_never_frees_it_again(tmp_path):
     states = SlotStates(str(tmp_path / "states"), 1, create=True)
     pool, publisher = StagingPool(SPEC, 1), ReservingPublisher(states)
     sender = Sender({"mooncake": BrokenBinding()}, pool, states, publisher, 5.0, num_threads=1)
-    target = TransferTarget(node_id="d1", transport="mooncake", endpoint="e", layout=SPEC,
-                            slot=SlotTarget(slot=0, base_addr=0, nbytes=SPEC.slot_nbytes))
     try:
-        states.set(0, SENDING)
-        sender.submit(SendJob(Handoff(request_id="r0", lease_id="L0", generation=1, target=target), 0, NUM_TOKENS))
-        deadline = time.monotonic() + 30
-        while not publisher.events:
-            assert time.monotonic() < deadline, "the sender never published"
-            time.sleep(0.001)
+        send_one(sender, states, publisher)
     finally:
         sender.close()  # joins the thread: its error handling is done
     assert states.snapshot() == [SENDING]  # the other request's reservation stands
@@ -206,15 +211,8 @@ def test_a_write_that_gave_up_in_flight_frees_its_slot_only_once_it_stopped(tmp_
     publisher, transport = Publisher(), GaveUpInFlight(stops)
     sender = Sender({"mooncake": transport}, StagingPool(SPEC, 1), states, publisher, 5.0, num_threads=1,
                     settle_timeout_s=0.5)
-    target = TransferTarget(node_id="d1", transport="mooncake", endpoint="e", layout=SPEC,
-                            slot=SlotTarget(slot=0, base_addr=0, nbytes=SPEC.slot_nbytes))
     try:
-        states.set(0, SENDING)
-        sender.submit(SendJob(Handoff(request_id="r0", lease_id="L0", generation=1, target=target), 0, NUM_TOKENS))
-        deadline = time.monotonic() + 30
-        while not publisher.events:
-            assert time.monotonic() < deadline, "the sender never published"
-            time.sleep(0.001)
+        send_one(sender, states, publisher)
         # KvFailed only after the settle: the slot is already in its final state when it is out
         (event,) = publisher.events
         assert isinstance(event, KvFailed) and "did not complete" in event.reason
