@@ -146,12 +146,12 @@ async def _drain(upstream: httpx.Response, lines: AsyncIterator[str]) -> None:
         await upstream.aclose()
 
 
-async def _finish_quietly(streamed: asyncio.Future, leg_id: str) -> None:
+async def _finish_quietly(streamed: asyncio.Future, request_id: str, leg_id: str) -> None:
     """Let a prefill stream whose first token came over the bus end on its own."""
     try:
         await streamed
     except Exception as exc:  # the token is out already; the KV's fate comes over the bus
-        _log.info("express_prefill_stream_after_bus_token", request_id=leg_id, error=str(exc))
+        _log.info("express_prefill_stream_after_bus_token", request_id=request_id, leg_id=leg_id, error=str(exc))
 
 
 class LaneFallback(Exception):
@@ -384,7 +384,7 @@ class ExpressStream:
         if not from_bus.done() or streamed.done() and streamed.exception() is not None:
             from_bus.cancel()
             return streamed.result()  # vLLM's answer (or its error) came first
-        self.deps.spawn(_finish_quietly(streamed, leg.id))
+        self.deps.spawn(_finish_quietly(streamed, self.request_id, leg.id))
         token: PrefillToken = from_bus.result()
         leg.first_from_bus = True
         finish = "stop" if token.finish_reason == "stop" else None
@@ -526,8 +526,8 @@ class ExpressStream:
                             return
                     return
                 except _LegFailed as exc:
-                    _log.warning("express_leg_failed", request_id=leg.id, node_id=leg.grant.node_id,
-                                 error=str(exc))
+                    _log.warning("express_leg_failed", request_id=self.request_id, leg_id=leg.id,
+                                 node_id=leg.grant.node_id, error=str(exc))
                     self.failed_nodes.add(leg.grant.node_id)
                     self._cancel(leg, "migrating")
                     leg = None

@@ -271,11 +271,14 @@ async def test_node_failure_migrates_without_loss(harness, with_event):
     world, client, router, _ = harness
     world.fail_after, world.fail_with_event = 3, with_event
     with_silence_timeout(router)
-    r = await client.post("/v1/chat/completions", json=_chat(stream=True, max_tokens=10, return_token_ids=True))
+    with structlog.testing.capture_logs() as logs:
+        r = await client.post("/v1/chat/completions", json=_chat(stream=True, max_tokens=10, return_token_ids=True))
     events = _sse(r.text)
     ids = [t for e in events[:-1] for c in e["choices"] for t in c.get("token_ids") or []]
     assert ids == world.answer[:10]
     assert [c.request_id.endswith("-m1") for c in world.claims] == [False, True]
+    (failed,) = [line for line in logs if line["event"] == "express_leg_failed"]  # the client's id, and the leg's
+    assert (failed["request_id"], failed["leg_id"]) == (r.headers["x-request-id"], world.claims[0].request_id)
     assert [c.exclude_nodes for c in world.claims] == [[], ["n0"]]  # never back to the failed node
     assert world.starts[1].num_prompt_tokens == len(PROMPT_IDS) + 4
 
