@@ -24,13 +24,15 @@ Contract:
   TLS with the configured CA and client certificate, credentials in the URL. An nkey / JWT
   credentials file is not spoken here: ``is_connected`` stays False and callers keep their other
   path (logged once).
-- Delivery is NATS core's at-most-once, like any publish: a message written just before the
-  server dies is lost, and nothing here replays it (shared.bus does for ``replay=True``). Callers
-  use it only for messages that have a slower second path (see services/prefill/connector.py).
+- Delivery as shared.bus's ``replay=True``: what was written in the last ``REPLAY_WINDOW_S`` is
+  written again first on the next connection after one is lost (a message written just before
+  the server died may have died with it), so readers see it at least once and must drop
+  duplicates, as they do for the bus's replays (``num_replayed`` counts them).
 """
 
 from __future__ import annotations
 
+import collections
 import json
 import logging
 import select
@@ -43,7 +45,7 @@ import urllib.parse
 from opentelemetry import context as otel_context
 
 from shared import events
-from shared.bus import redact_url
+from shared.bus import REPLAY_WINDOW_S, redact_url
 from shared.bus_auth import BusAuth, read_secret
 from shared.tracing import context_from_traceparent, inject_headers
 
@@ -97,6 +99,8 @@ class DirectPublisher:
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
         self.num_connects = 0  # handshakes completed
+        self.num_replayed = 0  # messages written again after a reconnect
+        self._recent: collections.deque[tuple[float, bytes]] = collections.deque()  # (sent at, bytes)
         self.num_pongs = 0  # server PINGs answered
         self.last_error = ""  # why the last connect failed or the last connection ended
         if self._auth.creds_file:
@@ -124,15 +128,20 @@ class DirectPublisher:
             if len(data) > self._max_payload:
                 return False  # the loop client reports the server's limit
             out.append(hpub(subject, data, _headers(traceparent)))
+        data = b"".join(out)
         with self._lock:
             if sock is not self._sock:
                 return False
             try:
-                sock.sendall(b"".join(out))
-                return True
+                sock.sendall(data)
             except OSError as exc:
                 self._drop(sock, f"write failed: {exc}")
                 return False
+            now = time.monotonic()
+            while self._recent and self._recent[0][0] < now - REPLAY_WINDOW_S:
+                self._recent.popleft()
+            self._recent.append((now, data))
+            return True
 
     def close(self) -> None:
         self._stopping.set()
@@ -161,6 +170,15 @@ class DirectPublisher:
                 continue
             num_failures = 0
             with self._lock:
+                try:  # what may have died with the last connection, ahead of anything newer
+                    recent = [data for at, data in self._recent if at >= time.monotonic() - REPLAY_WINDOW_S]
+                    if recent:
+                        sock.sendall(b"".join(recent))
+                        self.num_replayed += len(recent)
+                except OSError as exc:
+                    _close_quietly(sock)
+                    self.last_error = f"write failed: {exc}"
+                    continue
                 self._sock = sock
                 self.num_connects += 1
             self._serve(sock, after)

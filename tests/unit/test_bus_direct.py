@@ -1,11 +1,15 @@
 """shared.bus_direct on a real nats-server: messages written in order with the bus's trace headers,
 the server's PINGs answered (the connection outlives missed-ping limits), a restart survived, and
 the cases where it must not connect (nothing listening, TLS configured against a plaintext server)
-leave the caller its other path."""
+leave the caller its other path. Against a stand-in server that dies right after a write: what
+was written is written again, first, on the next connection."""
 
 from __future__ import annotations
 
 import asyncio
+import socket
+import threading
+import time
 
 import pytest
 
@@ -133,3 +137,72 @@ def test_the_trace_header_is_the_traceparent_given():
     assert headers is not None and headers["traceparent"].split("-")[1] == TRACEPARENT.split("-")[1]
     assert context_from_traceparent(headers["traceparent"]) is not None
     assert _headers("") is None
+
+
+class DroppingServer:
+    """A NATS server stand-in whose first connection takes the client's messages and dies without
+    routing them (as a server that crashes right after a write); later connections record what the
+    client writes."""
+
+    def __init__(self) -> None:
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.url = f"nats://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.received: list[bytes] = []  # per connection after the handshake
+        self.first_got_data = threading.Event()
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        index = 0
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            with conn:
+                conn.sendall(b'INFO {"server_id":"fake","max_payload":1048576,"headers":true}\r\n')
+                buf = b""
+                while b"PING\r\n" not in buf:
+                    buf += conn.recv(65536)
+                conn.sendall(b"PONG\r\n")
+                buf = buf.split(b"PING\r\n", 1)[1]
+                if index == 0:
+                    while not buf:
+                        buf += conn.recv(65536)
+                    self.received.append(buf)
+                    self.first_got_data.set()
+                else:
+                    conn.settimeout(0.5)
+                    try:
+                        while len(buf) < 64 or b"decode" not in buf:
+                            data = conn.recv(65536)
+                            if not data:
+                                break
+                            buf += data
+                    except OSError:
+                        pass
+                    self.received.append(buf)
+                    return
+            index += 1
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def test_messages_written_before_the_connection_died_are_written_again_after_the_reconnect():
+    server = DroppingServer()
+    direct = DirectPublisher(server.url, name="test-replay")
+    try:
+        assert wait_connected(direct, WAIT_S)
+        assert direct.publish(_messages("r-lost"))
+        assert server.first_got_data.wait(WAIT_S)  # the server had the bytes, then died
+        deadline = time.monotonic() + WAIT_S
+        while len(server.received) < 2:
+            assert time.monotonic() < deadline, "no reconnect"
+            time.sleep(0.01)
+        replayed = server.received[1]
+        assert replayed.index(subjects.req_tokens("r-lost").encode()) < replayed.index(subjects.decode_start("n0").encode())
+        assert direct.num_replayed == 1 and direct.num_connects == 2
+    finally:
+        direct.close()
+        server.close()
