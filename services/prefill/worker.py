@@ -278,28 +278,26 @@ class ExpressWorker:
         for save in saves:
             if save.handoff is None:
                 continue  # unparseable params: reported in the response, nowhere to send an event
-            holds = [save.staging_slot >= 0]  # this save still holds its staging slot
             try:
-                self._save_one(save, holds)
+                self._save_one(save)
             except Exception as exc:  # never into vLLM's step, never the other saves' slots
                 log.exception("expresslane: handing off %s failed", save.request_id)
-                if holds[0]:  # freed once: a slot given up may be another request's already
+                if save.staging_slot >= 0:  # _save_one gives the slot up last: it still holds it
                     self.states.set(save.staging_slot, FREE)
                 try:
                     self.sender.submit(SendJob(save.handoff, -1, 0, fail_reason=f"hand-off failed: {exc}"))
                 except Exception:
                     log.exception("expresslane: could not report the failed hand-off of %s", save.request_id)
 
-    def _save_one(self, save: SaveRequest, holds: list[bool]) -> None:
-        """One claimed request's staging and send (or its KvFailed); ``holds[0]`` goes False once
-        the staging slot is freed or handed to the sender."""
+    def _save_one(self, save: SaveRequest) -> None:
+        """One claimed request's staging and send (or its KvFailed). The staging slot is given up
+        (freed, or handed to the sender) by each path's last step, so a raise leaves it held."""
         reason = save.fail_reason or self.refusal
         if reason or save.staging_slot < 0:
-            if save.staging_slot >= 0:
-                self.states.set(save.staging_slot, FREE)
-                holds[0] = False
             if self.tp_rank == 0:  # the same on every rank: one KvFailed for the request
                 self.sender.submit(SendJob(save.handoff, -1, 0, fail_reason=reason))
+            if save.staging_slot >= 0:
+                self.states.set(save.staging_slot, FREE)
             return
         try:
             with self.tracer.start_as_current_span(
@@ -309,13 +307,11 @@ class ExpressWorker:
                 extract_ms = self._stage(save)
         except Exception as exc:
             log.exception("expresslane: extraction failed for %s", save.request_id)
-            self.states.set(save.staging_slot, FREE)
-            holds[0] = False
             self.sender.submit(SendJob(save.handoff, -1, 0, fail_reason=f"extraction failed: {exc}"))
+            self.states.set(save.staging_slot, FREE)
             return
         self.states.set(save.staging_slot, SENDING)
-        self.sender.submit(SendJob(save.handoff, save.staging_slot, save.num_tokens, extract_ms))
-        holds[0] = False  # the sender frees it
+        self.sender.submit(SendJob(save.handoff, save.staging_slot, save.num_tokens, extract_ms))  # it frees it
 
     def _stage(self, save: SaveRequest) -> float:
         t0 = time.perf_counter()
