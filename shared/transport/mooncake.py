@@ -172,7 +172,7 @@ class MooncakeTransport:
             if batch_id is None or batch_id <= 0:
                 raise TransferError(
                     f"mooncake could not submit a write to {remote_endpoint} (rc {batch_id}): "
-                    "is the receiver running and its memory registered?"
+                    "is the receiver running and its memory registered?", settle=_settler(engine, pending)
                 )
             pending.append(batch_id)
         deadline = time.monotonic() + timeout_s

@@ -14,11 +14,11 @@ class Engine:
     """Batch ``i`` stays pending for ``polls[i]`` status checks (None: for good), then is done;
     ``fail``: the batch that reports a failure on its first check."""
 
-    def __init__(self, polls: list[int | None], fail: int | None = None) -> None:
-        self.polls, self.fail, self.checks = list(polls), fail, []
+    def __init__(self, polls: list[int | None], fail: int | None = None, refuse: int | None = None) -> None:
+        self.polls, self.fail, self.refuse, self.checks = list(polls), fail, refuse, []
 
     def transfer_submit_write(self, endpoint, local, remote, nbytes) -> int:
-        return 100 + local  # a batch id per op
+        return -1 if local == self.refuse else 100 + local  # a batch id per op
 
     def transfer_check_status(self, batch_id: int) -> int:
         i = batch_id - 100
@@ -61,3 +61,15 @@ def test_a_failed_batch_leaves_the_others_to_settle():
 
 def test_nothing_in_flight_nothing_to_settle():
     assert mooncake._settler(Engine([]), []) is None
+
+
+def test_a_refused_submit_leaves_the_batches_submitted_before_it_to_settle():
+    engine = Engine([None, None, 0], refuse=2)
+    err = _write(engine, 5.0)
+    assert "could not submit" in str(err) and not err.settle(0.01)
+    engine.polls[0] = engine.polls[1] = 0
+    assert err.settle(1.0)
+
+
+def test_a_first_submit_refused_has_nothing_in_flight():
+    assert _write(Engine([0, 0], refuse=0), 5.0).settle is None
