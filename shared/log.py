@@ -65,6 +65,7 @@ def setup_logging(service: str, level: str = "INFO", json: bool = True) -> None:
         if json
         else structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty())
     )
+    exc_info = structlog.processors.format_exc_info if json else _identity
     # The services' own lines are rendered by structlog and written straight to stderr: no stdlib
     # LogRecord, caller lookup, handler lock or logger registry on the way (a request's lines are
     # on its first token's path; through stdlib logging one cost ~0.25 ms there).
@@ -74,7 +75,7 @@ def setup_logging(service: str, level: str = "INFO", json: bool = True) -> None:
             _add_logger_name,
             *common,
             structlog.processors.StackInfoRenderer(),
-            structlog.processors.format_exc_info if json else _identity,
+            exc_info,
             renderer,
         ],
         logger_factory=_StderrLogger,
@@ -86,7 +87,7 @@ def setup_logging(service: str, level: str = "INFO", json: bool = True) -> None:
         foreign_pre_chain=[structlog.stdlib.add_log_level, structlog.stdlib.add_logger_name, *common],
         processors=[
             structlog.stdlib.ProcessorFormatter.remove_processors_meta,
-            structlog.processors.format_exc_info if json else _identity,
+            exc_info,
             renderer,
         ],
     )

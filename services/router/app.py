@@ -263,8 +263,9 @@ class Router:
         if info is None:
             raise ApiError(404, f"The model `{req.model}` does not exist.", param="model",
                            code="model_not_found")
-        capacity = self.nodes.slot_capacity(info.aliases, time.monotonic()) if self.bus else None
-        num_prompt = _prompt_tokens(info, req, self.nodes.smallest_slot_capacity(info.aliases, time.monotonic())
+        now_s = time.monotonic()
+        capacity = self.nodes.slot_capacity(info.aliases, now_s) if self.bus else None
+        num_prompt = _prompt_tokens(info, req, self.nodes.smallest_slot_capacity(info.aliases, now_s)
                                     if self.bus else None)
         max_tokens = req.max_tokens or max(info.max_model_len - num_prompt, 1)
         if info.max_model_len and num_prompt + max_tokens > info.max_model_len:

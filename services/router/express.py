@@ -541,9 +541,7 @@ class ExpressStream:
                         yield item
                     return
         finally:
-            self._log_warm_lease()
-            if leg is not None:
-                self._cancel(leg, "client_disconnected")
+            self.close()  # the live leg, if any, as the client's (the others are finished already)
 
     def close(self) -> None:
         """End the request's express side in whatever state it is (idempotent): every leg not yet
