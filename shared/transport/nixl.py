@@ -148,10 +148,11 @@ class NixlTransport:
             delay_s = 20e-6
             while state == "PROC":
                 t = time.monotonic()
-                if t > deadline:
+                if t > deadline:  # still in flight: the handle is the settle's to release once it has ended
+                    inflight, handle = handle, None
                     raise TransferError(
                         f"nixl write of {nbytes} bytes to {remote_endpoint} did not complete "
-                        f"within {timeout_s:.1f} s"
+                        f"within {timeout_s:.1f} s", settle=self._settler(inflight)
                     )
                 if t < spin_until:
                     _yield()
@@ -178,6 +179,26 @@ class NixlTransport:
         finally:
             if handle is not None:
                 self._release(handle)
+
+    def _settler(self, handle):
+        """TransferError.settle for a write given up while in flight: True once NIXL no longer reports it in
+        progress (done, or failed: the writer forgot the agent, which ends its requests), and then its
+        handle is released; False while it still is."""
+        def settle(timeout_s: float) -> bool:
+            deadline = time.monotonic() + timeout_s
+            while True:
+                try:
+                    state = self._agent.check_xfer_state(handle)
+                except Exception:  # the request is gone with its agent
+                    state = "ERR"
+                if state != "PROC":
+                    self._release(handle)
+                    return True
+                if time.monotonic() > deadline:
+                    return False
+                time.sleep(POLL_MAX_S * 20)
+
+        return settle
 
     def _release(self, handle) -> None:
         try:

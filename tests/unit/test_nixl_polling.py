@@ -71,3 +71,17 @@ def test_a_failed_write_raises_and_releases_its_handle(sleeps):
     with pytest.raises(TransferError, match="failed"):
         transport(agent).write("node", [(1, 2, 3)], "meta", timeout_s=5)
     assert agent.released == 1
+
+
+def test_a_write_given_up_in_flight_leaves_its_handle_to_settle(sleeps):
+    # past its deadline the write is still in flight (NIXL reads the staging buffer, writes the remote slot):
+    # the writer raises without releasing the handle (UCX may not cancel it); TransferError.settle says when it
+    # has ended, and only then is the handle released, once
+    agent = FakeAgent(polls_in_flight=10**9)
+    with pytest.raises(TransferError, match="did not complete") as err:
+        transport(agent).write("node", [(1, 2, 3)], "meta", timeout_s=-1.0)
+    settle = err.value.settle
+    assert settle is not None and agent.released == 0
+    assert settle(-1.0) is False and agent.released == 0  # still in flight: nothing may be reused yet
+    agent.polls_left = 1  # the next poll reports it ended
+    assert settle(5.0) is True and agent.released == 1
