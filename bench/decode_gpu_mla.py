@@ -456,6 +456,43 @@ def tiles_ab(X, model, caches, cos, sin, ctx: int, R: dict, tag: str, rounds: in
     log(f"  {tag}plain step by tiles: " + ", ".join(f"{k} {v * 1e3:.1f} us" for k, v in res.items()))
 
 
+def verify_ab(X, model, caches, cos, sin, ctx: int, R: dict, tag: str, rounds: int = 3) -> None:
+    """The MTP spec steps (k = 1..3) with the verify's T-row block in its default form and as one PDL chain of
+    Triton kernels (``MlaStack.VERIFY_CHAIN``), alternated ``rounds`` times, best of the rounds:
+    ``{tag}verify_ab`` = {form: {k: ms}} and each form's k-step over its own plain step
+    (``{tag}verify_ab_ratio``); ``{tag}verify_ab_tokens_equal``: the spec steps' tokens of both forms equal."""
+    forms = {"bmm": {"VERIFY_CHAIN": False}, "chain": {"VERIFY_CHAIN": True}}
+    times = {f: {k: [] for k in (0, 1, 2, 3)} for f in forms}
+    tokens = {}
+    for _ in range(rounds):
+        for name, attrs in forms.items():
+            dec = built_with(X, attrs, lambda: X.mla_decoder.MlaDecoder(model, caches, cos, sin, max_draft=3,
+                                                                         max_steps=4096))
+            ms, plain = time_plain_step(dec, ctx, 30)
+            times[name][0].append(ms)
+            del plain
+            for k in (1, 2, 3):
+                sp = capture(lambda k=k: dec.spec_step(k), before_capture=lambda: dec.set_state(1, ctx))
+                dec.set_state(1, ctx)
+                times[name][k].append(time_replays(sp, 30))
+                if k == 3:
+                    dec.set_state(1, ctx)
+                    for _ in range(4):
+                        sp()
+                    torch.cuda.synchronize()
+                    tokens[name] = dec.out_tokens[:16].tolist() if hasattr(dec, "out_tokens") else None
+                del sp
+            del dec
+            torch.cuda.empty_cache()
+    R[f"{tag}verify_ab"] = res = {f: {k: min(v) for k, v in t.items()} for f, t in times.items()}
+    R[f"{tag}verify_ab_ratio"] = {f: {k: r[k] / r[0] for k in (1, 2, 3)} for f, r in res.items()}
+    R[f"{tag}verify_ab_tokens_equal"] = tokens.get("bmm") == tokens.get("chain")
+    for f, r in res.items():
+        log(f"  {tag}verify {f}: plain {r[0]:.3f} ms, " + ", ".join(f"k={k} {r[k]:.3f} ms ({r[k] / r[0]:.2f}x)"
+                                                                   for k in (1, 2, 3)))
+    log(f"  {tag}verify forms' tokens equal: {R[f'{tag}verify_ab_tokens_equal']}")
+
+
 # the batched block's forms (MlaStack class attributes while the decoder is built): the product's default first
 BATCH_VARIANTS = {"bmm": {}, "chain_pdl": {"BATCH_CHAIN": True}, "chain_no_pdl": {"BATCH_CHAIN": True, "PDL": False}}
 
@@ -530,6 +567,89 @@ def batch_measure(X, model, s: dict, ctx: int, R: dict, tag: str = "dsv2lite_", 
         torch.cuda.empty_cache()
 
 
+# (name, MlaStack / GroupedMoe class attributes, MlaBatchDecoder arguments) of the batched step's sweep: the
+# grouped experts' tiles (gate/up, down: run SW1 swept both together, SW2 down alone), the projections'
+# tensor-core tile, the attention's splits
+_GU = (32, 128, 4, 4)
+BATCH_TILE_VARIANTS = [
+    ("default", {}, {}, {}),
+    ("down_16x128", {}, {"DOT_TILES": (_GU, (16, 128, 4, 4))}, {}),
+    ("down_64x128", {}, {"DOT_TILES": (_GU, (64, 128, 4, 4))}, {}),
+    ("down_32x64_s6", {}, {"DOT_TILES": (_GU, (32, 64, 4, 6))}, {}),
+    ("down_32x128_s6", {}, {"DOT_TILES": (_GU, (32, 128, 4, 6))}, {}),
+    ("down_32x256_s3", {}, {"DOT_TILES": (_GU, (32, 256, 4, 3))}, {}),
+    ("down_64x64_s6", {}, {"DOT_TILES": (_GU, (64, 64, 4, 6))}, {}),
+    ("down_16x64_s8", {}, {"DOT_TILES": (_GU, (16, 64, 4, 8))}, {}),
+    ("down_32x128_w8", {}, {"DOT_TILES": (_GU, (32, 128, 8, 4))}, {}),
+    ("down_64x128_w8", {}, {"DOT_TILES": (_GU, (64, 128, 8, 4))}, {}),
+    ("splits_8", {}, {}, {"num_splits": 8}),
+    ("splits_32", {}, {}, {"num_splits": 32}),
+]
+
+
+def batch_sweep(X, model, s: dict, ctx: int, R: dict, b: int = 4, tag: str = "dsv2lite_") -> None:
+    """The b-slot step (the product's default form) under each of BATCH_TILE_VARIANTS, two rounds, best of
+    the rounds (``{tag}batch{b}_tiles``, ms), then the per-kernel device time of an eager b-slot step with
+    PDL off, so that each kernel's time is its own (``{tag}batch{b}_profile``: name, launches, us a step)."""
+    n_layers, dev = len(model.layers), "cuda"
+    mt = ctx + 1024
+    inv = 1.0 / (10000.0 ** (torch.arange(0, s["rope"], 2).float() / s["rope"]))
+    fr = torch.arange(mt, dtype=torch.float32)[:, None] * inv[None, :]
+    cos, sin = fr.cos(), fr.sin()
+    caches = [torch.randn(b + 1, mt, s["r"] + s["rope"], device=dev).to(torch.bfloat16) for _ in range(n_layers)]
+    toks, slots = [1 + 97 * i for i in range(b)], list(range(b))
+    moe_cls = X.moe.GroupedMoe
+    times: dict = {}
+    for _ in range(2):
+        for name, stack_attrs, moe_attrs, kwargs in BATCH_TILE_VARIANTS:
+            saved = {k: getattr(moe_cls, k) for k in moe_attrs}
+            try:
+                for k, v in moe_attrs.items():
+                    setattr(moe_cls, k, v)
+                dec = built_with(X, stack_attrs, lambda: X.mla_decoder.MlaBatchDecoder(
+                    model, caches, cos, sin, batch=b, max_steps=4096, **{"num_splits": 16, **kwargs}))
+                runner = capture(dec.step, steps_per_replay=4,
+                                 before_capture=lambda: dec.set_rows(toks, [ctx] * b, slots))
+                dec.set_rows(toks, [ctx] * b, slots)
+                times.setdefault(name, []).append(time_replays(runner, 30) / 4)
+                del runner, dec
+            except Exception:
+                times.setdefault(name, []).append(float("inf"))
+                log(f"  {name}: " + traceback.format_exc()[-600:])
+            finally:
+                for k, v in saved.items():
+                    setattr(moe_cls, k, v)
+            torch.cuda.empty_cache()
+    R[f"{tag}batch{b}_tiles"] = res = {k: min(v) for k, v in times.items()}
+    log(f"  {tag}batch {b} tiles: " + ", ".join(f"{k} {v:.3f} ms" for k, v in res.items()))
+    try:
+        from torch.profiler import ProfilerActivity, profile
+        dec = built_with(X, {"PDL": False}, lambda: X.mla_decoder.MlaBatchDecoder(
+            model, caches, cos, sin, batch=b, max_steps=4096, num_splits=16))
+        dec.set_rows(toks, [ctx] * b, slots)
+        dec.step()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(3):
+                dec.set_rows(toks, [ctx] * b, slots)
+                dec.step()
+            torch.cuda.synchronize()
+        rows = []
+        for e in prof.key_averages():
+            t = getattr(e, "self_device_time_total", 0) or getattr(e, "self_cuda_time_total", 0)
+            if t > 0:
+                rows.append((e.key[:70], e.count // 3, round(t / 3, 1)))
+        rows.sort(key=lambda r: -r[2])
+        R[f"{tag}batch{b}_profile"] = rows[:30]
+        log(f"  {tag}batch {b} profile (PDL off): total {sum(r[2] for r in rows):.0f} us in "
+            f"{sum(r[1] for r in rows)} kernels; " + "; ".join(f"{n} x{c} {t}us" for n, c, t in rows[:16]))
+        del dec
+    except Exception:
+        log(traceback.format_exc()[-800:])
+    del caches
+    torch.cuda.empty_cache()
+
+
 def run_mla(X, R: dict, ctx: int = 1024) -> None:
     if os.environ.get("MLA_VERIFY_CHAIN"):  # the verify's block as one chain of Triton kernels (a variant's run)
         X.mla.MlaStack.VERIFY_CHAIN = True
@@ -557,6 +677,13 @@ def run_mla(X, R: dict, ctx: int = 1024) -> None:
         log(f"  dsv2lite of roofline: PDL + early tiles {R['dsv2lite_frac_roofline_pdl_early']:.3f}, PDL "
             f"{R['dsv2lite_frac_roofline_pdl']:.3f}, without "
             f"{R['dsv2lite_frac_roofline_no_pdl']:.3f} (roofline {roof_ms:.3f} ms)")
+        return
+    if os.environ.get("MLA_VERIFY_AB"):  # the verify's block, bmm form against the chain, alternated (a short run)
+        verify_ab(X, model, caches, cos, sin, ctx, R, "dsv2lite_")
+        return
+    if os.environ.get("MLA_BATCH_SWEEP"):  # the batched step's tiles and per-kernel profile alone (a short run)
+        for b in (4, 8):
+            batch_sweep(X, model, s, ctx, R, b=b)
         return
     if os.environ.get("MLA_BATCH_ONLY"):  # one slot's plain step and the batched steps alone (a short run)
         dec = X.mla_decoder.MlaDecoder(model, caches, cos, sin, max_draft=3, max_steps=4096)

@@ -113,12 +113,16 @@ def main() -> int:
                    help="also five requests of each family in one batched step against each alone")
     p.add_argument("--mla-batch-chain", action="store_true",
                    help="the DeepSeek family's batched block as one chain of Triton kernels (MlaStack.BATCH_CHAIN)")
+    p.add_argument("--mla-verify-chain", action="store_true",
+                   help="the DeepSeek family's verify block (MTP drafts) as one chain of Triton kernels "
+                        "(MlaStack.VERIFY_CHAIN)")
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "gpu_fast_path_check.json")
     args = p.parse_args()
-    if args.mla_batch_chain:
+    if args.mla_batch_chain or args.mla_verify_chain:
         from services.decode.engine.cuda import mla
 
-        mla.MlaStack.BATCH_CHAIN = True
+        mla.MlaStack.BATCH_CHAIN = mla.MlaStack.BATCH_CHAIN or args.mla_batch_chain
+        mla.MlaStack.VERIFY_CHAIN = mla.MlaStack.VERIFY_CHAIN or args.mla_verify_chain
     out: dict = {"bench": "gpu_fast_path_check", "device": torch.cuda.get_device_name(0),
                  "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "tokens": args.tokens}
     ok = True

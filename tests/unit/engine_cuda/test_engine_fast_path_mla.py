@@ -242,6 +242,7 @@ def test_the_block_on_programmatic_dependent_launch_keeps_the_tokens(checkpoint,
                                                                      monkeypatch, early):
     # MlaStack.PDL (on by default on sm_90): the block's kernels, with (PDL_EARLY) their first weight tiles
     # before the wait and the first iteration peeled, give the reference step's tokens, without and with drafts
+    # (the verify's block a chain too: MlaStack.VERIFY_CHAIN, the default)
     from services.decode.engine.cuda import mla
 
     monkeypatch.setattr(mla.MlaStack, "PDL", True)
@@ -255,7 +256,8 @@ def test_the_block_on_programmatic_dependent_launch_keeps_the_tokens(checkpoint,
             assert "fast" in paths and tokens == ref
             dec, _ = fast.fast_path.decoders[0]
             assert dec.stacks[1].pdl and dec.stacks[1].moe.pdl  # the one-token stack ran with PDL
-            assert dec.stacks[1].early == early and not any(st.pdl for n, st in dec.stacks.items() if n > 1)
+            # the verify's stacks (k drafts) are the same chain by default (VERIFY_CHAIN), on PDL as well
+            assert dec.stacks[1].early == early and all(st.pdl for st in dec.stacks.values())
 
 
 def test_the_fast_drafts_write_the_mtp_rows_the_reference_step_and_vllm_write(checkpoint):

@@ -18,10 +18,11 @@ attention, merge + w_uv, o GEMV + residual, norm + router + top-k, experts gate/
 chain of Triton kernels on programmatic dependent launch on sm_90 (``MlaStack.PDL``): each launches while
 the one before finishes, loads what no kernel writes (its first weight tile: ``PDL_EARLY``) and waits
 before its first read of an earlier kernel's output (run P3 in bench/NOTES-gpu.md: -5% a V2-Lite step).
-A batch stack (several slots' tokens, ``MlaBatchDecoder``) can be the same kind of chain (``BATCH_CHAIN``, off
-until measured): the norms are launches of their own, the projections tensor-core dots, q_nope . w_uk and
-merge + w_uv take every row, and only the router's top-k is a plain launch; so can a verify's T-row block
-(``VERIFY_CHAIN``). By default both run cuBLAS bmms without PDL.
+A batch stack (several slots' tokens, ``MlaBatchDecoder``) is the same kind of chain (``BATCH_CHAIN``): the
+norms are launches of their own, the projections tensor-core dots, q_nope . w_uk and merge + w_uv take every
+row, and only the router's top-k is a plain launch; so is a verify's T-row block (``VERIFY_CHAIN``). Run MB4:
+4 slots -2.6% a step, a k = 3 verify step -2.3% against their cuBLAS-bmm forms without PDL (still there: both
+flags False).
 """
 
 from __future__ import annotations
@@ -327,13 +328,13 @@ class MlaStack:
     # finishes, gemv.py's GQA step does the same); None: on for sm_90+ CUDA devices, False: off
     PDL: bool | None = None
     # True: a batch stack (several slots' tokens) as well: PDL, the absorb kernel and the merge + w_uv kernel over
-    # every row, so its block is one chain of Triton kernels too (but the router's top-k, a plain launch). Off
-    # until measured on a GPU (run MB4 in bench/NOTES-gpu.md): norms + dots + cuBLAS bmms without PDL, as a
-    # verify's block (run MB3's 4-slot step)
-    BATCH_CHAIN: bool = False
-    # True: a verify's T-row block (the target pass over MTP drafts, dense attention) the same chain; off until
-    # measured (bench/decode_gpu_mla.py's MTP step ratios with MLA_VERIFY_CHAIN=1)
-    VERIFY_CHAIN: bool = False
+    # every row, so its block is one chain of Triton kernels too (but the router's top-k, a plain launch). Run
+    # MB4 (bench/NOTES-gpu.md): 4 slots 4.177 -> 4.068 ms, 8 slots unchanged; False: norms + dots + cuBLAS bmms
+    # without PDL (run MB3's form)
+    BATCH_CHAIN: bool = True
+    # True: a verify's T-row block (the target pass over MTP drafts, dense attention) the same chain (run MB4:
+    # k = 1 / 2 / 3 steps 1.67 / 2.01 / 2.29x -> 1.57 / 1.91 / 2.21x a plain step)
+    VERIFY_CHAIN: bool = True
     # with PDL: each GEMV's first weight tile (and merge + w_uv's first latent chunk) loaded before the wait
     PDL_EARLY: bool = True
     # one token: q_nope . w_uk by _absorb_kernel (64 latent columns a program; on PDL, w_uk's tile loaded before
