@@ -584,7 +584,30 @@ BATCH_TILE_VARIANTS = [
     ("down_64x128_w8", {}, {"DOT_TILES": (_GU, (64, 128, 8, 4))}, {}),
     ("splits_8", {}, {}, {"num_splits": 8}),
     ("splits_32", {}, {}, {"num_splits": 32}),
+    ("router_3_launches", {"FUSED_ROUTER": False}, {}, {}),  # norm, router GEMV, top-k as before SW2
+    ("reduce_launch", {}, {"FUSED_REDUCE": False}, {}),  # the experts' reduce in a launch of its own
 ]
+
+
+def plain_reduce_ab(X, model, caches, cos, sin, ctx: int, R: dict, tag: str = "dsv2lite_", rounds: int = 3) -> None:
+    """The one-token plain step with the experts' reduce in the down kernel's last programs (GroupedMoe's
+    FUSED_REDUCE, the default) and as a launch of its own, alternated: ``{tag}plain_reduce_ab`` (ms, best)."""
+    moe_cls = X.moe.GroupedMoe
+    times: dict = {"fused": [], "launch": []}
+    for _ in range(rounds):
+        for name in times:
+            saved = moe_cls.FUSED_REDUCE
+            moe_cls.FUSED_REDUCE = name == "fused"
+            try:
+                dec = X.mla_decoder.MlaDecoder(model, caches, cos, sin, max_draft=3, max_steps=4096)
+            finally:
+                moe_cls.FUSED_REDUCE = saved
+            ms, runner = time_plain_step(dec, ctx, 30)
+            times[name].append(ms)
+            del runner, dec
+            torch.cuda.empty_cache()
+    R[f"{tag}plain_reduce_ab"] = res = {k: min(v) for k, v in times.items()}
+    log(f"  {tag}plain step, experts' reduce: " + ", ".join(f"{k} {v:.3f} ms" for k, v in res.items()))
 
 
 def batch_sweep(X, model, s: dict, ctx: int, R: dict, b: int = 4, tag: str = "dsv2lite_") -> None:
@@ -682,6 +705,7 @@ def run_mla(X, R: dict, ctx: int = 1024) -> None:
         verify_ab(X, model, caches, cos, sin, ctx, R, "dsv2lite_")
         return
     if os.environ.get("MLA_BATCH_SWEEP"):  # the batched step's tiles and per-kernel profile alone (a short run)
+        plain_reduce_ab(X, model, caches, cos, sin, ctx, R)
         for b in (4, 8):
             batch_sweep(X, model, s, ctx, R, b=b)
         return

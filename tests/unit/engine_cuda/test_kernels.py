@@ -205,3 +205,30 @@ def test_router_and_grouped_moe_read_each_expert_once_and_match_twin():
     full_sd = torch.cat(list(sd), dim=1)
     ref = reference.moe(xn, rid, rw, gate_up, down, full_sg, full_sd)
     close(hbuf, before + ref, tol=1e-2 / 8)  # shared halves summed in fp32 before rounding: 1 ulp at most
+
+
+@pytest.mark.parametrize("t,k,shared,dot", [(1, 2, 2, False), (3, 2, 2, False), (4, 3, 1, True), (2, 0, 1, True)])
+def test_grouped_moe_fused_reduce_is_the_reduce_launch(t, k, shared, dot):
+    # the down kernel's last program of each column block adds the weighted pairs' rows into h (FUSED_REDUCE):
+    # the same h, bit for bit, as the reduce kernel's launch, with rows sharing an expert (a dense MLP: k = 0),
+    # on the one-token FMA path and the tensor-core path; its counts go back to 0 for the next call
+    h, e, inter = 32, 8, 16
+    xn, router_w, bias = rand(t, h, seed=t), rand(e, h, std=0.3, seed=k + 1), torch.zeros(e)
+    bias[3] = 10.0  # every token picks expert 3
+    ids, wts = torch.zeros(t, max(k, 1), dtype=torch.int32), torch.zeros(t, max(k, 1))
+    if k:
+        moe.router(xn, router_w, bias, ids, wts, k, 2.5)
+    gate_up, down = rand(e, 2 * inter, h, std=0.2, seed=3), rand(e, h, inter, std=0.2, seed=4)
+    sg, sd = rand(shared, 2 * inter, h, std=0.2, seed=5), rand(shared, h, inter, std=0.2, seed=6)
+    tiles = ((16, 16, 4, 1), (16, 16, 4, 1)) if dot else ((8, 16, 4, 1), (8, 16, 4, 1))
+    out = {}
+    for fused in (False, True):
+        hbuf = rand(t, h, seed=9)
+        grouped = moe.GroupedMoe(num_tokens=t, top_k=k, num_shared=shared, hidden=h, inter=inter, device="cpu",
+                                 tiles=tiles, fused_reduce=fused)
+        assert grouped.dot == (t > 1)
+        for _ in range(2):  # twice: the counts were reset by the first call
+            grouped(xn, ids, wts, gate_up, down, sg, sd, hbuf)
+        out[fused] = hbuf
+        assert grouped.count.eq(0).all()
+    assert torch.equal(out[True], out[False])

@@ -42,33 +42,40 @@ def test_combine_uv_equals_the_merge_then_the_bmm(heads, splits, r, v, empty, ch
     assert (out.float() - want.float()).abs().max().item() <= 2 ** -7 * want.float().abs().max().item()
 
 
-@pytest.mark.parametrize("experts,top_k,n_group,topk_group,hidden", [
-    (8, 2, 1, 1, 32),  # the tiny test models
-    (64, 6, 1, 1, 256),  # DeepSeek-V2-Lite's routing (hidden cut)
-    (256, 8, 8, 4, 256),  # DeepSeek-V3's group-limited routing
-    (384, 8, 1, 1, 128),  # Kimi-K2's expert count, not a power of two
+@pytest.mark.parametrize("experts,top_k,n_group,topk_group,hidden,rows", [
+    (8, 2, 1, 1, 32, 1),  # the tiny test models
+    (64, 6, 1, 1, 256, 1),  # DeepSeek-V2-Lite's routing (hidden cut)
+    (256, 8, 8, 4, 256, 1),  # DeepSeek-V3's group-limited routing
+    (384, 8, 1, 1, 128, 1),  # Kimi-K2's expert count, not a power of two
+    (64, 6, 1, 1, 256, 3),  # a batch's (or a verify's) rows: each its own norm, GEMV and top-k
+    (256, 8, 8, 4, 128, 4),
 ])
-def test_fused_router_equals_norm_then_router(experts, top_k, n_group, topk_group, hidden):
-    """One token: router(norm_w=...) (norm + GEMV + top-k in one launch, the last program picking) gives the
-    experts, weights and normed input of rmsnorm_rows + the two-launch router, and leaves its count at 0."""
+def test_fused_router_equals_norm_then_router(experts, top_k, n_group, topk_group, hidden, rows):
+    """router(norm_w=...) (norm + GEMV + top-k of every row in one launch, each row's last program picking)
+    gives the experts, weights and normed input of rmsnorm_rows + the two-launch router, and leaves its
+    counts at 0."""
     from services.decode.engine.cuda import smallops
     from services.decode.engine.cuda.moe import router
 
-    g = torch.Generator().manual_seed(experts + hidden)
-    h = torch.randn(1, hidden, generator=g).to(BF)
+    g = torch.Generator().manual_seed(experts + hidden + rows)
+    h = torch.randn(rows, hidden, generator=g).to(BF)
     norm_w = (1 + 0.1 * torch.randn(hidden, generator=g)).to(BF)
     w = (torch.randn(experts, hidden, generator=g) * hidden ** -0.5).to(BF)
     bias = torch.randn(experts, generator=g) * 0.1
-    xn_a, xn_b = torch.zeros(1, hidden, dtype=BF), torch.zeros(1, hidden, dtype=BF)
-    ids_a, ids_b = torch.zeros(1, top_k, dtype=torch.int32), torch.zeros(1, top_k, dtype=torch.int32)
-    wts_a, wts_b = torch.zeros(1, top_k), torch.zeros(1, top_k)
-    count = torch.zeros(1, dtype=torch.int32)
+    xn_a, xn_b = torch.zeros(rows, hidden, dtype=BF), torch.zeros(rows, hidden, dtype=BF)
+    ids_a, ids_b = torch.zeros(rows, top_k, dtype=torch.int32), torch.zeros(rows, top_k, dtype=torch.int32)
+    wts_a, wts_b = torch.zeros(rows, top_k), torch.zeros(rows, top_k)
+    count = torch.zeros(rows, dtype=torch.int32)
     router(h, w, bias, ids_a, wts_a, top_k, 2.5, n_group=n_group, topk_group=topk_group, norm_w=norm_w, eps=1e-6,
            xn_out=xn_a, count=count)
     smallops.rmsnorm_rows(h, norm_w, xn_b, 1e-6)
     router(xn_b, w, bias, ids_b, wts_b, top_k, 2.5, n_group=n_group, topk_group=topk_group)
     assert torch.equal(xn_a, xn_b) and torch.equal(ids_a, ids_b) and torch.equal(wts_a, wts_b)
-    assert count.item() == 0 and len(set(ids_a[0].tolist())) == top_k
+    assert count.eq(0).all() and all(len(set(r)) == top_k for r in ids_a.tolist())
+    if rows > 1:  # the rows route differently (else a row-offset slip could pass)
+        assert len({tuple(r) for r in ids_a.tolist()}) > 1
+    with pytest.raises(ValueError, match="count of"):
+        router(h, w, bias, ids_a, wts_a, top_k, 2.5, norm_w=norm_w, xn_out=xn_a, count=count[:rows - 1])
 
 
 @pytest.mark.parametrize("heads,nope,rope,r,block_r,early,rows", [

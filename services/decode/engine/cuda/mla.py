@@ -321,7 +321,8 @@ class MlaStack:
     # merge kernel + a cuBLAS bmm (run F7 on the H200: -62 us a V2-Lite step); False: those two
     FUSED_UV: bool = True
     UV_TILE: tuple[int, int, int] = (32, 512, 4)  # _combine_uv_kernel's (value columns, latent chunk, warps)
-    # one token: the MLP's RMSNorm, the router GEMV and its top-k in one launch (moe.router(norm_w=...))
+    # a chain's rows (one token; a batch or a verify in the chain form): the MLP's RMSNorm, the router GEMV and
+    # the top-k of every row in one launch (moe.router(norm_w=...))
     FUSED_ROUTER: bool = True
     PROJ_DOT: bool = True  # False: the attention projections of T > 1 tokens on fp32 FMAs (bench comparison)
     # one token: the block's Triton kernels with programmatic dependent launch (each starts while the one before
@@ -364,8 +365,10 @@ class MlaStack:
         if d.hidden >= GroupedMoe.WIDE_HIDDEN:
             self.tiles["wo"] = self.WIDE_WO_TILE
         self.fused_uv = self.FUSED_UV and chain
-        self.fused_router = self.FUSED_ROUTER and t == 1 and not batch
-        self.router_count = torch.zeros(1, dtype=torch.int32, device=dev)
+        # a chain (one token, a batch or a verify in the chain form): the MLP's norm, router and top-k of every
+        # row in one launch; the bmm forms keep the three (run MB3's form)
+        self.fused_router = self.FUSED_ROUTER and chain
+        self.router_count = torch.zeros(t, dtype=torch.int32, device=dev)
         self.uv_tile = self.UV_TILE
         self.o1 = torch.zeros(d.num_heads, t, d.v_dim, dtype=bf, device=dev) if self.fused_uv else None
         nq = d.num_heads * (d.nope + d.rope)
@@ -481,7 +484,7 @@ class MlaStack:
             gemv_rows(o, lw.wo, h, residual=h, dot=self.PROJ_DOT, dot_tile=self.DOT_TILE, heads=True, pdl=self.pdl,
                       early=self.early)
         route = dict(n_group=d.n_group, topk_group=d.topk_group)
-        if lw.is_moe and self.fused_router:  # one token: the MLP's norm, the router and its top-k in one launch
+        if lw.is_moe and self.fused_router:  # the MLP's norm, the router and its top-k in one launch
             router(h, lw.router, lw.router_bias, self.ids, self.wts, d.top_k, d.routed_scale, self.router_logits,
                    norm_w=lw.mlp_norm, eps=d.eps, xn_out=self.xn, count=self.router_count, pdl=self.pdl,
                    early=self.early, **route)

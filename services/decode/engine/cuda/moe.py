@@ -218,7 +218,7 @@ def _router_topk_kernel(logits_ptr, bias_ptr, ids_ptr, wts_ptr, scale, E: tl.con
 
 @triton.jit
 def _router_x(h_ptr, nw_ptr, xn_ptr, pid, k, K, inv, BLOCK_K: tl.constexpr):
-    # columns [k, k + BLOCK_K) of the normed residual (program 0 also stores them for the experts)
+    # columns [k, k + BLOCK_K) of the token's normed residual (program 0 also stores them for the experts)
     offs = k + tl.arange(0, BLOCK_K)
     kmask = offs < K
     nw = tl.load(nw_ptr + offs, mask=kmask, other=0.0)
@@ -231,14 +231,17 @@ def _router_x(h_ptr, nw_ptr, xn_ptr, pid, k, K, inv, BLOCK_K: tl.constexpr):
 
 @triton.jit
 def _router_fused_kernel(h_ptr, nw_ptr, xn_ptr, w_ptr, bias_ptr, logits_ptr, count_ptr, ids_ptr, wts_ptr, scale,
-                         eps, K, E: tl.constexpr, TOPK: tl.constexpr, N_GROUP: tl.constexpr,
+                         eps, K, stride_h, stride_xn, E: tl.constexpr, TOPK: tl.constexpr, N_GROUP: tl.constexpr,
                          TOPK_GROUP: tl.constexpr, E_POW2: tl.constexpr, K_POW2: tl.constexpr,
                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
                          PDL: tl.constexpr = False, EARLY: tl.constexpr = False):
-    # one token: the MLP's RMSNorm (its output -> xn_ptr, by program 0, for the experts), the router GEMV
-    # (BLOCK_N experts a program, as gemv_rows' one-token form: the same rounding points) and, in the last
-    # program to finish, the top-k (_topk_body): one launch instead of three
+    # token t = program_id(1): the MLP's RMSNorm of its row (its output -> xn, by program 0, for the experts),
+    # the router GEMV (BLOCK_N experts a program, as gemv_rows' one-token form: the same rounding points) and,
+    # in the last of the token's programs to finish, its top-k (_topk_body): one launch instead of three
     pid = tl.program_id(0)
+    t = tl.program_id(1)
+    h_row = h_ptr + t * stride_h
+    xn_row = xn_ptr + t * stride_xn
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     rmask = rows < E
     FIRST: tl.constexpr = BLOCK_K if EARLY else 0  # EARLY (with PDL): weight tile 0 loaded before the wait
@@ -249,26 +252,26 @@ def _router_fused_kernel(h_ptr, nw_ptr, xn_ptr, w_ptr, bias_ptr, logits_ptr, cou
     if PDL:  # h comes from the previous kernel (and xn / logits / ids may still be read by it)
         gdc_wait()
     kk = tl.arange(0, K_POW2)
-    xs = tl.load(h_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)
+    xs = tl.load(h_row + kk, mask=kk < K, other=0.0).to(tl.float32)
     inv = 1.0 / tl.sqrt(tl.sum(xs * xs, axis=0) / K + eps)
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     if EARLY:
-        x0 = _router_x(h_ptr, nw_ptr, xn_ptr, pid, 0, K, inv, BLOCK_K)
+        x0 = _router_x(h_row, nw_ptr, xn_row, pid, 0, K, inv, BLOCK_K)
         acc += w0.to(tl.float32) * x0[None, :]
     for k in tl.range(FIRST, K, BLOCK_K, num_stages=STAGES):
-        x = _router_x(h_ptr, nw_ptr, xn_ptr, pid, k, K, inv, BLOCK_K)
+        x = _router_x(h_row, nw_ptr, xn_row, pid, k, K, inv, BLOCK_K)
         offs = k + tl.arange(0, BLOCK_K)
         w = tl.load(w_ptr + rows[:, None].to(tl.int64) * K + offs[None, :], mask=rmask[:, None] & (offs < K)[None, :],
                     other=0.0, eviction_policy="evict_first")
         acc += w.to(tl.float32) * x[None, :]
     if PDL:
         gdc_launch_dependents()
-    tl.store(logits_ptr + rows, tl.sum(acc, axis=1), mask=rmask)
+    tl.store(logits_ptr + t * E + rows, tl.sum(acc, axis=1), mask=rmask)
     tl.debug_barrier()  # every thread's logits stored before the count
-    done = tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu")
+    done = tl.atomic_add(count_ptr + t, 1, sem="acq_rel", scope="gpu")
     if done == tl.num_programs(0) - 1:
-        tl.store(count_ptr, 0)  # reset for the next call
-        _topk_body(logits_ptr, bias_ptr, ids_ptr, wts_ptr, scale, 0, E, TOPK, N_GROUP, TOPK_GROUP, E_POW2)
+        tl.store(count_ptr + t, 0)  # reset for the next call
+        _topk_body(logits_ptr, bias_ptr, ids_ptr, wts_ptr, scale, t, E, TOPK, N_GROUP, TOPK_GROUP, E_POW2)
 
 
 def router(xn: torch.Tensor, w: torch.Tensor, bias: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor,
@@ -282,12 +285,14 @@ def router(xn: torch.Tensor, w: torch.Tensor, bias: torch.Tensor, ids: torch.Ten
     Two launches: the router GEMV spread over the experts (one program per 2 experts; a single program
     per token reading all E x H weights was latency-bound at ~23 us), then top-k per token (the group
     choice in the same program). ``logits``: an fp32 [T, E] scratch buffer (allocated when not given).
-    One token with ``norm_w``: ``xn`` is the residual stream, normed here (RMSNorm, ``eps``) into ``xn_out``
-    for the experts, and the GEMV and top-k are one launch (``count``: an int32 [1] zero the last program
-    resets; allocated when not given)."""
+    With ``norm_w``: ``xn`` is the residual stream [T, H], normed here (RMSNorm, ``eps``) into ``xn_out`` for
+    the experts, and the norm, GEMV and top-k of every token are one launch (``count``: an int32 [>= T] of
+    zeros, a token's entry reset by its last program; allocated when not given)."""
     t, e = xn.shape[0], w.shape[0]
-    if norm_w is not None and (t != 1 or xn_out is None):
-        raise ValueError("router(norm_w=...) takes one token and an xn_out for its normed input")
+    if norm_w is not None and xn_out is None:
+        raise ValueError("router(norm_w=...) takes an xn_out for its normed input")
+    if norm_w is not None and count is not None and count.numel() < t:
+        raise ValueError(f"router(norm_w=...) of {t} tokens needs a count of {t} entries, not {count.numel()}")
     grouped = n_group > 1 and topk_group < n_group
     if grouped and (e % n_group or e // n_group < 2 or top_k > topk_group * (e // n_group)):
         raise ValueError(f"group-limited routing: {e} experts in {n_group} groups (2+ each), top {topk_group} "
@@ -296,10 +301,11 @@ def router(xn: torch.Tensor, w: torch.Tensor, bias: torch.Tensor, ids: torch.Ten
         logits = torch.empty(t, e, dtype=torch.float32, device=xn.device)
     if norm_w is not None:
         if count is None:
-            count = torch.zeros(1, dtype=torch.int32, device=xn.device)
+            count = torch.zeros(t, dtype=torch.int32, device=xn.device)
         k = xn.shape[1]
-        _router_fused_kernel[(triton.cdiv(e, 2),)](
-            xn, norm_w, xn_out, w, bias, logits, count, ids, wts, scale, eps, k, E=e, TOPK=top_k,
+        _router_fused_kernel[(triton.cdiv(e, 2), t)](
+            xn, norm_w, xn_out, w, bias, logits, count, ids, wts, scale, eps, k, xn.stride(0), xn_out.stride(0),
+            E=e, TOPK=top_k,
             N_GROUP=n_group if grouped else 1, TOPK_GROUP=topk_group if grouped else 1,
             E_POW2=triton.next_power_of_2(e), K_POW2=triton.next_power_of_2(k), BLOCK_N=2, BLOCK_K=512, STAGES=2,
             PDL=pdl, EARLY=pdl and early, num_warps=4, **launch_opts(pdl))
@@ -390,10 +396,12 @@ def _moe_down_kernel(act_ptr, ids_ptr, w_ptr, ws_ptr, y_ptr, H, I, stride_e,
                      T: tl.constexpr, T_PAD: tl.constexpr, TOPK: tl.constexpr, SLOTS: tl.constexpr,
                      SLOTS_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
                      DOT: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr = False,
-                     EARLY: tl.constexpr = False):
+                     EARLY: tl.constexpr = False, wts_ptr=None, h_ptr=None, count_ptr=None,
+                     NUM_SHARED: tl.constexpr = 0, REDUCE: tl.constexpr = False):
     # the router's ids are read before any wait (with PDL: the router finished before the gate/up kernel that
     # let us launch passed its own wait); EARLY (with PDL): the expert's first weight tile too. The
-    # activations wait
+    # activations wait. REDUCE: the last of a column block's programs (every pair's, counted in count_ptr) adds
+    # the weighted pairs' rows of those columns into h, as _moe_reduce_kernel would (one launch less)
     p = tl.program_id(0)
     expert, is_first, pair_of, is_routed = _owner(ids_ptr, p, T, TOPK, SLOTS, SLOTS_PAD, T_PAD)
     if is_routed:
@@ -440,6 +448,36 @@ def _moe_down_kernel(act_ptr, ids_ptr, w_ptr, ws_ptr, y_ptr, H, I, stride_e,
         else:
             y = tl.sum(acc, axis=2)  # fp32, unrounded: the shared halves are summed before rounding
         tl.store(y_ptr + pair_of[:, None].to(tl.int64) * H + rows[None, :], y, mask=uses[:, None] & rmask[None, :])
+    if REDUCE:
+        tl.debug_barrier()  # every thread's rows stored before the count
+        done = tl.atomic_add(count_ptr + tl.program_id(1), 1, sem="acq_rel", scope="gpu")
+        if done == tl.num_programs(0) - 1:
+            tl.store(count_ptr + tl.program_id(1), 0)  # reset for the next call
+            for t in tl.static_range(T):
+                _reduce_cols(y_ptr, wts_ptr, h_ptr, t, rows, rmask, H, TOPK, NUM_SHARED, ".cg")
+
+
+@triton.jit
+def _reduce_cols(y_ptr, wts_ptr, h_ptr, t, cols, cmask, H, TOPK: tl.constexpr, NUM_SHARED: tl.constexpr,
+                 CM: tl.constexpr):
+    # h[t, cols] += routed pairs' rows (each rounded, times its rounded weight, rounded) + the shared experts'
+    # rows (fp32 sum, one rounding), in that order of roundings; CM ".cg": the rows were stored by other
+    # programs of this launch (read past L1)
+    SLOTS: tl.constexpr = TOPK + NUM_SHARED
+    dt = h_ptr.dtype.element_ty
+    routed = tl.zeros(cols.shape, tl.float32)
+    for k in tl.static_range(TOPK):
+        w = round_to_dtype(tl.load(wts_ptr + t * TOPK + k), dt)
+        yk = round_to_dtype(tl.load(y_ptr + (t * SLOTS + k) * H + cols, mask=cmask, other=0.0, cache_modifier=CM), dt)
+        routed += round_to_dtype(yk * w, dt)
+    shared = tl.zeros(cols.shape, tl.float32)
+    for s in tl.static_range(NUM_SHARED):
+        shared += tl.load(y_ptr + (t * SLOTS + TOPK + s) * H + cols, mask=cmask, other=0.0, cache_modifier=CM)
+    out = round_to_dtype(shared, dt)
+    if TOPK > 0:
+        out = round_to_dtype(round_to_dtype(routed, dt) + out, dt)
+    h = tl.load(h_ptr + t * H + cols, mask=cmask, other=0.0).to(tl.float32)
+    tl.store(h_ptr + t * H + cols, (h + out).to(dt), mask=cmask)
 
 
 @triton.jit
@@ -450,22 +488,7 @@ def _moe_reduce_kernel(y_ptr, wts_ptr, h_ptr, H, TOPK: tl.constexpr, NUM_SHARED:
         gdc_wait()
         gdc_launch_dependents()
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    cmask = cols < H
-    SLOTS: tl.constexpr = TOPK + NUM_SHARED
-    dt = h_ptr.dtype.element_ty
-    routed = tl.zeros((BLOCK,), tl.float32)
-    for k in tl.static_range(TOPK):
-        w = round_to_dtype(tl.load(wts_ptr + t * TOPK + k), dt)
-        yk = round_to_dtype(tl.load(y_ptr + (t * SLOTS + k) * H + cols, mask=cmask, other=0.0), dt)
-        routed += round_to_dtype(yk * w, dt)
-    shared = tl.zeros((BLOCK,), tl.float32)
-    for s in tl.static_range(NUM_SHARED):
-        shared += tl.load(y_ptr + (t * SLOTS + TOPK + s) * H + cols, mask=cmask, other=0.0)
-    out = round_to_dtype(shared, dt)
-    if TOPK > 0:
-        out = round_to_dtype(round_to_dtype(routed, dt) + out, dt)
-    h = tl.load(h_ptr + t * H + cols, mask=cmask, other=0.0).to(tl.float32)
-    tl.store(h_ptr + t * H + cols, (h + out).to(dt), mask=cmask)
+    _reduce_cols(y_ptr, wts_ptr, h_ptr, t, cols, cols < H, H, TOPK, NUM_SHARED, "")
 
 
 class GroupedMoe:
@@ -479,10 +502,13 @@ class GroupedMoe:
     # steps 31 us faster on T1's down and wo tiles than on T2's, which won on V2-Lite's 2048 (run D1)
     WIDE_HIDDEN: int = 4096
     WIDE_DOWN_TILE: tuple[int, int, int, int] = (32, 256, 4, 3)
+    # the weighted sum of the pairs' rows into h by the down kernel's last program of each column block
+    # (_moe_down_kernel's REDUCE) instead of a launch of its own (_moe_reduce_kernel); None in __init__: this
+    FUSED_REDUCE: bool = True
 
     def __init__(self, *, num_tokens: int, top_k: int, num_shared: int, hidden: int, inter: int,
                  device: torch.device | str, tiles: tuple[tuple[int, int, int, int], ...] | None = None,
-                 pdl: bool = False, early: bool = True):
+                 pdl: bool = False, early: bool = True, fused_reduce: bool | None = None):
         self.num_tokens, self.top_k, self.num_shared = num_tokens, top_k, num_shared
         self.pdl, self.early = pdl, pdl and early
         self.hidden, self.inter = hidden, inter
@@ -498,6 +524,9 @@ class GroupedMoe:
         self.tiles = tiles or default
         self.act = torch.zeros(num_tokens * self.slots * inter, dtype=torch.bfloat16, device=device)
         self.out_rows = torch.zeros(num_tokens * self.slots * hidden, dtype=torch.float32, device=device)
+        self.fused_reduce = self.FUSED_REDUCE if fused_reduce is None else fused_reduce
+        # finished programs per column block of the down kernel (fused_reduce), back to 0 after each call
+        self.count = torch.zeros(triton.cdiv(hidden, self.tiles[1][0]), dtype=torch.int32, device=device)
 
     def __call__(self, xn: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor, w_gate_up: torch.Tensor,
                  w_down: torch.Tensor, shared_gate_up: torch.Tensor, shared_down: torch.Tensor, h: torch.Tensor) -> None:
@@ -512,6 +541,12 @@ class GroupedMoe:
         _moe_gate_up_kernel[(pairs, triton.cdiv(inter, bn))](
             xn, ids, w_gate_up, shared_gate_up, self.act, inter, hid, 2 * inter * hid, **common,
             BLOCK_N=bn, BLOCK_K=bk, STAGES=st, num_warps=nw)
+        if self.fused_reduce:  # the last program of each column block adds the pairs' rows into h
+            _moe_down_kernel[(pairs, triton.cdiv(hid, bn2))](
+                self.act, ids, w_down, shared_down, self.out_rows, hid, inter, hid * inter, **common,
+                BLOCK_N=bn2, BLOCK_K=bk2, STAGES=st2, EARLY=self.early, num_warps=nw2, wts_ptr=wts, h_ptr=h,
+                count_ptr=self.count, NUM_SHARED=self.num_shared, REDUCE=True)
+            return
         _moe_down_kernel[(pairs, triton.cdiv(hid, bn2))](
             self.act, ids, w_down, shared_down, self.out_rows, hid, inter, hid * inter, **common,
             BLOCK_N=bn2, BLOCK_K=bk2, STAGES=st2, EARLY=self.early, num_warps=nw2)
