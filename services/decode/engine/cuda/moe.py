@@ -495,15 +495,18 @@ class GroupedMoe:
     """Launch plan of one MoE (or dense, TOPK = 0 with the MLP as the one shared expert) for T tokens."""
 
     # (block_n, block_k, num_warps, num_stages) of gate/up and down on the tensor-core path (T > 1)
-    DOT_TILES: tuple[tuple[int, int, int, int], tuple[int, int, int, int]] = ((32, 128, 4, 4), (32, 128, 4, 4))  # H200 sweep
+    # (H200 sweeps; down 64 wide since run SW2: -1.1% a 4-slot step, -1.0% an 8-slot one against 32 x 128)
+    DOT_TILES: tuple[tuple[int, int, int, int], tuple[int, int, int, int]] = ((32, 128, 4, 4), (64, 128, 4, 4))
     # ... and of one token (fp32 FMAs): best of bench/decode_gpu_mla.py's plain_tile_sweep (H200, runs T1, T2 on PDL)
     PLAIN_TILES: tuple[tuple[int, int, int, int], tuple[int, int, int, int]] = ((8, 512, 4, 3), (8, 512, 4, 3))
     # ... down's of one token where the hidden size is WIDE_HIDDEN or more: the DeepSeek-V3 shape (hidden 7168)
     # steps 31 us faster on T1's down and wo tiles than on T2's, which won on V2-Lite's 2048 (run D1)
     WIDE_HIDDEN: int = 4096
     WIDE_DOWN_TILE: tuple[int, int, int, int] = (32, 256, 4, 3)
-    # the weighted sum of the pairs' rows into h by the down kernel's last program of each column block
-    # (_moe_down_kernel's REDUCE) instead of a launch of its own (_moe_reduce_kernel); None in __init__: this
+    # one token: the weighted sum of the pairs' rows into h by the down kernel's last program of each column
+    # block (_moe_down_kernel's REDUCE) instead of a launch of its own (_moe_reduce_kernel). Run SW2: a plain
+    # step 2.188 -> 2.151 ms; but 4 slots 3.967 -> 4.036 (the down kernel's tail waits for its last programs'
+    # 32 pairs), so several tokens keep the launch. None in __init__: this
     FUSED_REDUCE: bool = True
 
     def __init__(self, *, num_tokens: int, top_k: int, num_shared: int, hidden: int, inter: int,
@@ -524,7 +527,7 @@ class GroupedMoe:
         self.tiles = tiles or default
         self.act = torch.zeros(num_tokens * self.slots * inter, dtype=torch.bfloat16, device=device)
         self.out_rows = torch.zeros(num_tokens * self.slots * hidden, dtype=torch.float32, device=device)
-        self.fused_reduce = self.FUSED_REDUCE if fused_reduce is None else fused_reduce
+        self.fused_reduce = self.FUSED_REDUCE and num_tokens == 1 if fused_reduce is None else fused_reduce
         # finished programs per column block of the down kernel (fused_reduce), back to 0 after each call
         self.count = torch.zeros(triton.cdiv(hidden, self.tiles[1][0]), dtype=torch.int32, device=device)
 
