@@ -20,6 +20,7 @@ Needs torch only (no Triton), so the engine's reference step imports it without 
 
 from __future__ import annotations
 
+import gc
 import logging
 from collections.abc import Callable
 
@@ -88,10 +89,20 @@ class GraphedFn:
         torch.cuda.synchronize(self.device)
         if self.before_capture is not None:
             self.before_capture()  # restore the state the warm-up calls advanced
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            for _ in range(self.steps_per_replay):
-                out = self.fn(*static_in)
+        # Python's cyclic GC must not run inside the capture: freeing an unreachable CUDA graph there (an
+        # engine or decoder let go of earlier) is a call the capturing stream refuses, and it invalidates
+        # the capture (seen on an H200 after another engine in the same process). Collect now, pause it.
+        gc.collect()
+        gc_on = gc.isenabled()
+        gc.disable()
+        try:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                for _ in range(self.steps_per_replay):
+                    out = self.fn(*static_in)
+        finally:
+            if gc_on:
+                gc.enable()
         torch.cuda.synchronize(self.device)
         self.pool = graph.pool()
         if self.before_capture is not None:
