@@ -155,6 +155,16 @@ def measure(X, model, caches, cos, sin, ctx: int, tag: str, R: dict, draft_vocab
     del dec
 
 
+def kernel_rows(prof, calls: int) -> list[tuple[str, int, float]]:
+    """(kernel name, launches a call, us a call) of a torch profiler over ``calls`` calls, slowest first."""
+    rows = []
+    for e in prof.key_averages():
+        t = getattr(e, "self_device_time_total", 0) or getattr(e, "self_cuda_time_total", 0)
+        if t > 0:
+            rows.append((e.key[:70], e.count // calls, round(t / calls, 1)))
+    return sorted(rows, key=lambda r: -r[2])
+
+
 def breakdown(X, model, caches, cos, sin, ctx: int, tag: str, R: dict, draft_vocab: int | None = None) -> None:
     """Graph-timed pieces of a spec step (main forward over 1/2/4 tokens, one block, one draft, the heads)
     and the per-kernel device time of one eager spec_step(3) (torch profiler)."""
@@ -196,12 +206,7 @@ def breakdown(X, model, caches, cos, sin, ctx: int, tag: str, R: dict, draft_voc
                 for _ in range(3):
                     fn()
                 torch.cuda.synchronize()
-            rows = []
-            for e in prof.key_averages():
-                t = getattr(e, "self_device_time_total", 0) or getattr(e, "self_cuda_time_total", 0)
-                if t > 0:
-                    rows.append((e.key[:70], e.count // 3, round(t / 3, 1)))
-            rows.sort(key=lambda r: -r[2])
+            rows = kernel_rows(prof, 3)
             R[f"{tag}profile_{name}"] = rows[:25]
             log(f"  {tag}profile {name}: total {sum(r[2] for r in rows):.0f} us in {sum(r[1] for r in rows)} "
                 f"kernels; top: " + "; ".join(f"{n} x{c} {t}us" for n, c, t in rows[:14]))
@@ -657,12 +662,7 @@ def batch_sweep(X, model, s: dict, ctx: int, R: dict, b: int = 4, tag: str = "ds
                 dec.set_rows(toks, [ctx] * b, slots)
                 dec.step()
             torch.cuda.synchronize()
-        rows = []
-        for e in prof.key_averages():
-            t = getattr(e, "self_device_time_total", 0) or getattr(e, "self_cuda_time_total", 0)
-            if t > 0:
-                rows.append((e.key[:70], e.count // 3, round(t / 3, 1)))
-        rows.sort(key=lambda r: -r[2])
+        rows = kernel_rows(prof, 3)
         R[f"{tag}batch{b}_profile"] = rows[:30]
         log(f"  {tag}batch {b} profile (PDL off): total {sum(r[2] for r in rows):.0f} us in "
             f"{sum(r[1] for r in rows)} kernels; " + "; ".join(f"{n} x{c} {t}us" for n, c, t in rows[:16]))
