@@ -81,6 +81,11 @@ SHAPES = {
     "qwen25_7b": (QWEN25_7B, {"tokens_per_step_8": PER_STEP_8, "no_run_ahead": NO_AHEAD, "attn_warps_8": ATTN_WARPS_8,
                               "llama_twin": {"config": TWIN}}),
     "qwen3_8b": (QWEN3_8B, {"qk_norm_kernel": {"engine": {"fast_path_options": FastOptions(qk_norm_in="kernel")}},
+                            # q/k norm + rope by the QKV GEMV's last program of each head; the attention as Llama's
+                            "qk_norm_qkv": {"engine": {"fast_path_options": FastOptions(qk_norm_in="qkv")},
+                                            "profile": True},
+                            "qk_norm_qkv_warps_8": {"engine": {"fast_path_options": FastOptions(
+                                qk_norm_in="qkv", attn_warps=8)}},
                             "attention_one_launch": {"engine": {"fast_path_options": FastOptions(
                                 attn_one_launch=True)}},
                             "before_q8": {"engine": {"fast_path_options": FastOptions(qk_pos_row_prologue=False)}},

@@ -2,7 +2,7 @@
 
 Kernels: the GEMV's bias epilogue and the attention kernel's q/k norm + rope prologue vs their torch twins.
 Decoder (table): GqaDecoder with Qwen2's q/k/v bias, an o_proj bias, Qwen3's q/k norm (in the attention
-kernel or in its own kernel), on Triton and on cuBLAS-style backends, vs ``cuda.llama.reference_step``:
+kernel, in the QKV GEMV's last program of each head or in its own kernel), on Triton and on cuBLAS-style backends, vs ``cuda.llama.reference_step``:
 logits, this step's K/V rows and greedy tokens, step by step.
 Engine (table): tiny checkpoints of every Llama-family variant the engine's reference step accepts
 (Qwen2 with tied embeddings, Qwen3, Mistral, Llama with llama3 / yarn / linear / no rope scaling, Llama
@@ -64,6 +64,37 @@ def test_gemv_bias_joins_the_sum_before_its_rounding(residual):
     _close(out, res + lin if residual else lin)
 
 
+@pytest.mark.parametrize("block_n", [1, 4, 16])  # 16, 4 or 1 programs a head (the last one normalises it)
+@pytest.mark.parametrize("bias", [False, True])
+def test_qkv_gemv_normalises_each_head_in_its_last_program(block_n, bias):
+    # the QKV GEMV with qk_norm (one launch) writes what the plain GEMV + the norm/rope/cache kernel write
+    from services.decode.engine.cuda import smallops
+
+    g, hq, hkv, d, h, n, pos = _gen(4), 4, 2, 32, 64, 12, 7
+    nh = hq + 2 * hkv
+    x, w, nw = _rand(g, h), _rand(g, nh * d, h, std=h ** -0.5), _norm_w(g, h)
+    b = _rand(g, nh * d, std=0.5) if bias else None
+    qn, kn = _norm_w(g, d), _norm_w(g, d)
+    cos, sin = (t.to(BF) for t in _tables(n, d))
+    kc, vc = _rand(g, n, hkv, d), _rand(g, n, hkv, d)
+    pos_t = torch.tensor([pos], dtype=torch.int32)
+    qkv = gemv.gemv(x, w, torch.empty(nh * d, dtype=BF), norm_w=nw, eps=1e-5, bias=b, block_n=8, block_k=32)
+    q_ref, k_ref, v_ref = torch.empty(hq * d, dtype=BF), kc.clone(), vc.clone()
+    smallops.rope_cache_write(qkv, q_ref, k_ref, v_ref, pos_t, cos, sin, num_q_heads=hq, num_kv_heads=hkv,
+                              head_dim=d, q_norm=qn, k_norm=kn, eps=1e-6)
+    q_out, raw = torch.full((hq * d,), float("nan"), dtype=BF), torch.zeros((hq + hkv) * d, dtype=BF)
+    count = torch.zeros(hq + hkv, dtype=torch.int32)
+    for _ in range(2):  # the counts are back at zero: a second call (the next layer) works alike
+        gemv.gemv_qkv_rope(x, w, nw, 1e-5, q_out, kc, vc, pos_t, cos, sin, num_q_heads=hq, num_kv_heads=hkv,
+                           head_dim=d, bias=b, rope=False, block_n=block_n, block_k=32,
+                           qk_norm=(qn, kn, raw, count))
+        assert torch.equal(q_out, q_ref) and torch.equal(kc, k_ref) and torch.equal(vc, v_ref)
+        assert count.tolist() == [0] * (hq + hkv)
+    with pytest.raises(ValueError, match="rope=False"):
+        gemv.gemv_qkv_rope(x, w, nw, 1e-5, q_out, kc, vc, pos_t, cos, sin, num_q_heads=hq, num_kv_heads=hkv,
+                           head_dim=d, rope=True, qk_norm=(qn, kn, raw, count))
+
+
 @pytest.mark.parametrize("pos_row_prologue", [True, False])  # V row pos loaded early, K row stored late, or not
 @pytest.mark.parametrize("pos", [21, 16, 0])  # row pos after keys of its split, first of its split, alone
 def test_attention_normalises_and_ropes_q_and_this_steps_k_row(pos, pos_row_prologue):
@@ -94,6 +125,8 @@ DECODERS = {
     "qwen2 (qkv bias)": (True, False, False, "triton", "attention"),
     "qwen3 (q/k norm in attention)": (False, False, True, "triton", "attention"),
     "qwen3 (q/k norm kernel)": (False, False, True, "triton", "kernel"),
+    "qwen3 (q/k norm in the QKV GEMV)": (False, False, True, "triton", "qkv"),
+    "bias + q/k norm in the QKV GEMV": (True, True, True, "triton", "qkv"),
     "qwen3 (q/k norm in attention, K row pos stored before the loop)": (False, False, True, "triton", "early_store"),
     "llama attention_bias (qkv + o bias)": (True, True, False, "triton", "attention"),
     "bias + q/k norm": (True, True, True, "triton", "attention"),
@@ -128,7 +161,8 @@ def test_decoder_follows_the_reference_step(name):
     vc = [_rand(g, n, 2, d) for _ in m.layers]
     kr, vr = [k.clone() for k in kc], [v.clone() for v in vc]
     cos, sin = _tables(n, d)
-    opts = FastOptions(backends={p: backend for p in TILES}, tiles=TILES, num_splits=4, block_s=16,
+    tiles = {**TILES, "qkv": (2, 32, 4, 2)} if where == "qkv" else TILES  # 4 programs a head, the last normalising
+    opts = FastOptions(backends={p: backend for p in TILES}, tiles=tiles, num_splits=4, block_s=16,
                        qk_norm_in="attention" if where == "early_store" else where,
                        qk_pos_row_prologue=where != "early_store")
     dec = GqaDecoder(m, kc, vc, cos, sin, opts, max_steps=8)
@@ -150,6 +184,7 @@ def test_decoder_follows_the_reference_step(name):
 @pytest.mark.parametrize("name,attn_warps,want", [
     ("qwen3 (q/k norm in attention)", None, 8),  # the split kernel's prologue normalises q and K
     ("qwen3 (q/k norm kernel)", None, 4),
+    ("qwen3 (q/k norm in the QKV GEMV)", None, 4),  # the attention is the Llama one
     ("qwen3 on cuBLAS", None, 4),
     ("qwen2 (qkv bias)", None, 4),
     ("qwen3 (q/k norm in attention)", 2, 2),  # an explicit choice wins

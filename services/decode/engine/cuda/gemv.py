@@ -14,8 +14,8 @@ Fusions (all optional, compile-time flags):
 - paired rows (``gemv_qkv_rope``): rows ``d`` and ``d + D/2`` of one head of ``wqkv``, applies
   rotary embedding (neox pairing) to q and k heads and writes q to a buffer, k and v straight into
   the KV cache at the position held in a device tensor (no host sync). Without ``ROPE`` (Qwen3: its
-  per-head q/k RMSNorm needs the whole head, which the attention kernel holds) q and k are written
-  as projected (+ bias) and the attention kernel normalises and rotates them.
+  per-head q/k RMSNorm needs the whole head) q and k are written as projected (+ bias) and the attention
+  kernel normalises and rotates them, or (``qk_norm``) the last of a head's programs to finish does.
 
 Their torch twins (same rounding order) are in reference.py; CPU tests run the kernels under
 ``TRITON_INTERPRET=1`` against them.
@@ -31,6 +31,7 @@ import triton.language as tl
 
 from .kernel_helpers import load_first_pair_tile, prefetch_l2, rope_pair, round_to_dtype
 from .kvfp8 import kv_store_row
+from .qknorm import norm_rope_cache_head
 
 try:  # programmatic dependent launch (sm_90): the next kernel starts its weight loads during our tail
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
@@ -195,7 +196,10 @@ def _gemv_qkv_rope_kernel(x_ptr, w_ptr, nw_ptr, bias_ptr, q_ptr, k_cache_ptr, v_
                           NORM: tl.constexpr, BIAS: tl.constexpr, ROPE: tl.constexpr, K_POW2: tl.constexpr,
                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr,
                           POS_EARLY: tl.constexpr = False, PREFETCH: tl.constexpr = 0, KV_FMT: tl.constexpr = 0,
-                          inv_k=1.0, inv_v=1.0):
+                          inv_k=1.0, inv_v=1.0, raw_ptr=None, count_ptr=None, qn_ptr=None, kn_ptr=None,
+                          QK_NORM: tl.constexpr = False):
+    # QK_NORM (Qwen3, no ROPE): q and k heads go as projected to raw_ptr; the last program of a head to finish
+    # (count_ptr[head], atomically counted and reset) normalises + rotates the whole head into q / the K cache
     HALF: tl.constexpr = HEAD_DIM // 2
     pid = tl.program_id(0)
     per_head: tl.constexpr = HALF // BLOCK_N
@@ -234,8 +238,24 @@ def _gemv_qkv_rope_kernel(x_ptr, w_ptr, nw_ptr, bias_ptr, q_ptr, k_cache_ptr, v_
     if not ROPE:
         cos = 0.0
         sin = 0.0
-    qkv_store(a, b, head, j, pos, cos, sin, q_ptr, k_cache_ptr, v_cache_ptr, inv_k, inv_v, NUM_Q_HEADS,
-              NUM_KV_HEADS, HEAD_DIM, ROPE, KV_FMT)
+    if QK_NORM:
+        if head < NUM_Q_HEADS + NUM_KV_HEADS:
+            dt = raw_ptr.dtype.element_ty
+            tl.store(raw_ptr + head * HEAD_DIM + j, a.to(dt))
+            tl.store(raw_ptr + head * HEAD_DIM + HALF + j, b.to(dt))
+            tl.debug_barrier()  # every thread's rows stored before the count
+            done = tl.atomic_add(count_ptr + head, 1, sem="acq_rel", scope="gpu")
+            if done == per_head - 1:
+                tl.store(count_ptr + head, 0)  # reset for the next layer / step
+                norm_rope_cache_head(raw_ptr, q_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, cos_ptr, sin_ptr, qn_ptr,
+                                     kn_ptr, eps, head, NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, KV_FMT, inv_k, inv_v,
+                                     ".cg")
+        else:
+            qkv_store(a, b, head, j, pos, cos, sin, q_ptr, k_cache_ptr, v_cache_ptr, inv_k, inv_v, NUM_Q_HEADS,
+                      NUM_KV_HEADS, HEAD_DIM, ROPE, KV_FMT)
+    else:
+        qkv_store(a, b, head, j, pos, cos, sin, q_ptr, k_cache_ptr, v_cache_ptr, inv_k, inv_v, NUM_Q_HEADS,
+                  NUM_KV_HEADS, HEAD_DIM, ROPE, KV_FMT)
 
 
 @triton.jit
@@ -313,9 +333,14 @@ def gemv_qkv_rope(x: torch.Tensor, wqkv: torch.Tensor, norm_w: torch.Tensor | No
                   cos: torch.Tensor, sin: torch.Tensor, *, num_q_heads: int, num_kv_heads: int, head_dim: int,
                   bias: torch.Tensor | None = None, rope: bool = True, block_n: int = 16, block_k: int = 512,
                   num_warps: int = 4, stages: int = 1, pdl: bool = False, pos_early: bool = False,
-                  prefetch: int = 0, kv_fmt: int = 0, inv_k: float = 1.0, inv_v: float = 1.0) -> None:
+                  prefetch: int = 0, kv_fmt: int = 0, inv_k: float = 1.0, inv_v: float = 1.0,
+                  qk_norm: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:
     """Fused norm + QKV projection (+ bias) + rope; q -> q_out[Hq*D], k/v -> caches [max_tokens, Hkv, D] at
-    pos[0] (``kv_fmt`` 1 / 2: FP8 bytes of k * inv_k and v * inv_v, kvfp8.fp8_kv_bits). ``rope=False``: q and k unrotated (the attention kernel normalises and rotates them).
+    pos[0] (``kv_fmt`` 1 / 2: FP8 bytes of k * inv_k and v * inv_v, kvfp8.fp8_kv_bits). ``rope=False``: q and k
+    unrotated (the attention kernel normalises and rotates them). ``qk_norm`` (Qwen3; with ``rope=False``):
+    (q_norm [D], k_norm [D], raw [(Hq + Hkv) * D] of the model dtype, count [Hq + Hkv] int32, zero): q and k
+    heads as projected go to ``raw``, and the last program of each head normalises + rotates it
+    (qknorm.norm_rope_cache_head) into q_out / the K cache; ``count`` is left zero.
     ``pos_early``: read pos before waiting on the previous kernel (PDL), which must not be the one that
     writes it (the step's first layer follows the finish kernel that advances pos: False there)."""
     half = head_dim // 2
@@ -325,9 +350,17 @@ def gemv_qkv_rope(x: torch.Tensor, wqkv: torch.Tensor, norm_w: torch.Tensor | No
     if wqkv.shape[0] != num_heads * head_dim:
         raise ValueError(f"wqkv has {wqkv.shape[0]} rows, expected (Hq + 2*Hkv) * D = {num_heads * head_dim}")
     grid = (num_heads * (half // block_n),)
+    qn = kn = raw = count = None
+    if qk_norm is not None:
+        if rope:
+            raise ValueError("qk_norm rotates q and k after their norm: call with rope=False")
+        qn, kn, raw, count = qk_norm
+        if raw.numel() < (num_q_heads + num_kv_heads) * head_dim or count.numel() < num_q_heads + num_kv_heads:
+            raise ValueError("qk_norm's raw / count buffers are smaller than the q and k heads")
     _gemv_qkv_rope_kernel[grid](
         x, wqkv, norm_w if norm_w is not None else x, bias if bias is not None else x, q_out, k_cache, v_cache,
         pos, cos, sin, wqkv.shape[1], eps, NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
         NORM=norm_w is not None, BIAS=bias is not None, ROPE=rope, K_POW2=_pow2(wqkv.shape[1]), BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, PDL=pdl,
         POS_EARLY=pos_early, PREFETCH=l2_prefetch_tiles(prefetch, block_k), KV_FMT=kv_fmt, inv_k=inv_k, inv_v=inv_v,
+        raw_ptr=raw, count_ptr=count, qn_ptr=qn, kn_ptr=kn, QK_NORM=qk_norm is not None,
         num_warps=num_warps, **launch_opts(pdl))

@@ -24,8 +24,11 @@ Model variants (the engine's reference step accepts them all): Qwen2's q/k/v bia
 bias) is added to the fp32 sum in the GEMV's epilogue, before its one rounding. Qwen3's per-head q/k
 RMSNorm needs a whole head, which a QKV GEMV program (2 x block_n rows of one head) does not hold:
 with ``FastOptions.qk_norm_in`` "attention" (default) launch 1 writes q and K as projected and the
-attention kernel normalises + rotates them as it loads them (no extra launch); "kernel" runs a plain
-QKV GEMV and one small norm + rope + cache-write kernel (smallops.rope_cache_write), one launch more.
+attention kernel normalises + rotates them as it loads them (no extra launch); "qkv" has the QKV GEMV
+write q and k heads as projected to a scratch row, and the last of a head's programs to finish (a
+per-head counter, atomically counted and reset) normalises + rotates the whole head into q and the K
+cache (no extra launch, and the attention is the Llama one); "kernel" runs a plain QKV GEMV and one small
+norm + rope + cache-write kernel (smallops.rope_cache_write), one launch more.
 Rope scaling (linear, llama3, yarn incl. its attention factor) lives in the cos/sin tables; tied
 embeddings are the same tensor as embed and lm_head.
 
@@ -133,7 +136,8 @@ class FastOptions:
     # programmatic dependent launch (the next kernel's first weight tile overlaps our tail; -2.8% per step
     # on H200): None = on for sm_90+ CUDA devices
     pdl: bool | None = None
-    # where Qwen3's q/k RMSNorm + rope run next to a Triton QKV GEMV: "attention" (its prologue) | "kernel"
+    # where Qwen3's q/k RMSNorm + rope run next to a Triton QKV GEMV: "attention" (its prologue) | "qkv" (the
+    # QKV GEMV's last program of each head) | "kernel" (a launch of its own)
     qk_norm_in: str = "attention"
     # with qk_norm_in="attention" (two-launch attention): the split kernel loads V row pos in its prologue and
     # stores the normalised K row pos after its loop, so its loop's first loads wait on no store (run Q8)
@@ -185,8 +189,8 @@ class GqaDecoder:
             raise ValueError(f"the fast CUDA path runs bfloat16 models, got {dt}: use the engine's torch path")
         if model.head_dim & (model.head_dim - 1) or model.head_dim < 16:
             raise ValueError(f"head_dim {model.head_dim}: the fast path's kernels need a power of two >= 16")
-        if self.opt.qk_norm_in not in ("attention", "kernel"):
-            raise ValueError(f"qk_norm_in must be 'attention' or 'kernel', got {self.opt.qk_norm_in!r}")
+        if self.opt.qk_norm_in not in ("attention", "qkv", "kernel"):
+            raise ValueError(f"qk_norm_in must be 'attention', 'qkv' or 'kernel', got {self.opt.qk_norm_in!r}")
         self.cos, self.sin = cos.to(device=dev, dtype=dt).contiguous(), sin.to(device=dev, dtype=dt).contiguous()
         hq, hkv, d = model.num_q_heads, model.num_kv_heads, model.head_dim
         h, inter, vocab = model.hidden, model.intermediate, model.lm_head.shape[0]
@@ -200,6 +204,7 @@ class GqaDecoder:
         self.attn_out = torch.zeros(hq * d, dtype=dt, device=dev)
         self.act = torch.zeros(inter, dtype=dt, device=dev)
         self.tmp = torch.zeros(max((hq + 2 * hkv) * d, 2 * inter, h), dtype=dt, device=dev)
+        self.qk_count = torch.zeros(hq + hkv, dtype=torch.int32, device=dev)  # qk_norm_in "qkv": per-head counts
         self.logits = torch.zeros(vocab, dtype=torch.float32, device=dev)
         self.num_parts = -(-vocab // self.opt.tiles["lm_head"][0])
         self.amax_val = torch.zeros(self.num_parts, dtype=torch.float32, device=dev)
@@ -266,18 +271,25 @@ class GqaDecoder:
             smallops.rmsnorm(self.residual, lw.attn_norm, self.xn, eps)
             qkv = self._linear_into(self.xn, lw.wqkv, self.tmp[: lw.wqkv.shape[0]], lw.bqkv)
             smallops.rope_cache_write(qkv, self.query, kc, vc, self.pos, self.cos, self.sin, **heads, **norms, **kv)
-        elif lw.q_norm is not None and not self._norms_in_attention(i):
+        elif lw.q_norm is not None and not self._norms_in_attention(i) and not self._norms_in_qkv(i):
             qkv = gemv.gemv(self.residual, lw.wqkv, self.tmp[: lw.wqkv.shape[0]], norm_w=lw.attn_norm, eps=eps,
                             bias=lw.bqkv, **self.tile_kwargs("qkv"))
             smallops.rope_cache_write(qkv, self.query, kc, vc, self.pos, self.cos, self.sin, **heads, **norms,
                                       pdl=self.opt.pdl, **kv)
-        else:  # q/k norm (Qwen3): q and K as projected, normalised + rotated by the attention kernel
+        else:  # q/k norm (Qwen3): normalised + rotated by the GEMV's last program of each head, or else
+            # written as projected and normalised + rotated by the attention kernel
+            in_qkv = self._norms_in_qkv(i)
             gemv.gemv_qkv_rope(self.residual, lw.wqkv, lw.attn_norm, eps, self.query, kc, vc, self.pos,
                                self.cos, self.sin, **heads, bias=lw.bqkv, rope=lw.q_norm is None,
-                               pos_early=i > 0, **self.tile_kwargs("qkv"), **kv)
-            if lw.q_norm is not None:
+                               pos_early=i > 0, **self.tile_kwargs("qkv"), **kv,
+                               qk_norm=(lw.q_norm, lw.k_norm, self.tmp, self.qk_count) if in_qkv else None)
+            if lw.q_norm is not None and not in_qkv:
                 return (lw.q_norm, lw.k_norm, eps, self.cos, self.sin)
         return None
+
+    def _norms_in_qkv(self, i: int) -> bool:
+        """Whether ``_qkv``'s GEMV normalises + rotates layer i's q/k heads (Qwen3, ``qk_norm_in`` "qkv")."""
+        return self.model.layers[i].q_norm is not None and not self._cublas("qkv") and self.opt.qk_norm_in == "qkv"
 
     def _norms_in_attention(self, i: int) -> bool:
         """Whether ``_qkv`` leaves layer i's q/k RMSNorm + rope (Qwen3) to the attention's prologue."""

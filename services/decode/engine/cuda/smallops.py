@@ -1,9 +1,9 @@
 """Small fused Triton ops for the steps whose GEMVs run on cuBLAS: RMSNorm, rope + cache write, SiLU-mul.
 
 Each has the same rounding points as the fused GEMV epilogues in ``gemv.py`` (and their torch twins),
-so every backend mix computes the same numbers up to fp32 summation order. ``norm_rope_rows`` is
-Qwen3's per-head q/k RMSNorm + rope on whole heads, shared by the rope + cache write here and by the
-attention kernel's prologue (attention.py).
+so every backend mix computes the same numbers up to fp32 summation order. Qwen3's per-head q/k
+RMSNorm + rope on whole heads (``norm_rope_rows``, ``norm_rope_cache_head``) lives in qknorm.py, shared
+with the QKV GEMV and the attention kernel.
 """
 
 from __future__ import annotations
@@ -13,8 +13,9 @@ import triton
 import triton.language as tl
 
 from .gemv import gdc_launch_dependents, gdc_wait, launch_opts
-from .kernel_helpers import rnd_bf16, rope_pair, round_to_dtype
+from .kernel_helpers import rope_pair, round_to_dtype
 from .kvfp8 import kv_store_row
+from .qknorm import norm_rope_cache_head, norm_rope_rows  # noqa: F401 (attention.py, batch.py)
 
 
 @triton.jit
@@ -33,26 +34,6 @@ def _rmsnorm_kernel(x_ptr, w_ptr, out_ptr, K, eps, stride_x, stride_o, K_POW2: t
     w = tl.load(w_ptr + offs, mask=mask, other=0.0)
     xr = round_to_dtype(x * inv, w.dtype)
     tl.store(out_ptr + offs, (xr * w.to(tl.float32)).to(w.dtype), mask=mask)
-
-
-@triton.jit
-def norm_rope_rows(x, xp, w_ptr, cos_ptr, sin_ptr, pos, eps, HEAD_DIM: tl.constexpr):
-    # x [R, D]: rows of whole heads as projected (bf16); xp: the same rows with their halves swapped
-    # (column d holds x[(d + D/2) % D]), the rope partners, loaded so instead of shuffled in registers.
-    # RMSNorm per row (fp32 statistics, rounded, times w: reference.rms_norm), then neox rope, each op
-    # rounded like eager bf16 torch; returns fp32 values of bf16 numbers.
-    HALF: tl.constexpr = HEAD_DIM // 2
-    d = tl.arange(0, HEAD_DIM)
-    xf = x.to(tl.float32)
-    inv = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=1) / HEAD_DIM + eps)
-    w = tl.load(w_ptr + d).to(tl.float32)
-    wp = tl.load(w_ptr + (d + HALF) % HEAD_DIM).to(tl.float32)
-    xn = rnd_bf16(rnd_bf16(xf * inv[:, None]) * w[None, :])
-    pn = rnd_bf16(rnd_bf16(xp.to(tl.float32) * inv[:, None]) * wp[None, :])
-    cos = tl.load(cos_ptr + pos * HALF + d % HALF).to(tl.float32)
-    sin = tl.load(sin_ptr + pos * HALF + d % HALF).to(tl.float32)
-    rot = rnd_bf16(pn * sin[None, :])
-    return rnd_bf16(rnd_bf16(xn * cos[None, :]) + tl.where(d < HALF, -rot, rot))  # x1 cos - x2 sin | x2 cos + x1 sin
 
 
 @triton.jit
@@ -102,28 +83,6 @@ def rope_cache_head(qkv_ptr, q_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, cos_ptr, 
         base = v_cache_ptr + pos.to(tl.int64) * (NUM_KV_HEADS * HEAD_DIM) + (head - NUM_Q_HEADS - NUM_KV_HEADS) * HEAD_DIM
         kv_store_row(base + j, a, inv_v, dt, KV_FMT)
         kv_store_row(base + HALF + j, b, inv_v, dt, KV_FMT)
-
-
-@triton.jit
-def norm_rope_cache_head(qkv_ptr, q_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, cos_ptr, sin_ptr, qn_ptr, kn_ptr, eps,
-                          head, NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                          KV_FMT: tl.constexpr = 0, inv_k=1.0, inv_v=1.0):
-    HALF: tl.constexpr = HEAD_DIM // 2
-    d = tl.arange(0, HEAD_DIM)[None, :]  # [1, D]: one row
-    pos = tl.load(pos_ptr)
-    row = (pos.to(tl.int64) * NUM_KV_HEADS + (head - NUM_Q_HEADS) % NUM_KV_HEADS) * HEAD_DIM
-    x = tl.load(qkv_ptr + head * HEAD_DIM + d)
-    dt = x.dtype
-    if head < NUM_Q_HEADS + NUM_KV_HEADS:
-        xp = tl.load(qkv_ptr + head * HEAD_DIM + (d + HALF) % HEAD_DIM)
-        if head < NUM_Q_HEADS:
-            y = norm_rope_rows(x, xp, qn_ptr, cos_ptr, sin_ptr, pos, eps, HEAD_DIM)
-            tl.store(q_ptr + head * HEAD_DIM + d, y.to(dt))
-        else:
-            y = norm_rope_rows(x, xp, kn_ptr, cos_ptr, sin_ptr, pos, eps, HEAD_DIM)
-            kv_store_row(k_cache_ptr + row + d, y, inv_k, dt, KV_FMT)
-    else:
-        kv_store_row(v_cache_ptr + row + d, x.to(tl.float32), inv_v, dt, KV_FMT)
 
 
 @triton.jit
