@@ -22,6 +22,7 @@ embedding row is negligible) + the KV of the 1K context, over the copy bandwidth
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import os
 import statistics
@@ -62,6 +63,7 @@ TWIN = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "attention
 PER_STEP_8 = {"engine": {"fast_path_tokens_per_step": 8}}
 NO_AHEAD = {"engine": {"fast_path_run_ahead": False}}  # each token read before the next replay
 ATTN_WARPS_8 = {"engine": {"fast_path_options": FastOptions(attn_warps=8)}}
+ONE_LAUNCH = {"engine": {"fast_path_options": FastOptions(attn_one_launch=True)}}  # the last split merging
 SPLITS_8 = {"engine": {"fast_path_options": FastOptions(num_splits=8)}}  # attention: 8 splits of 2 blocks
 SPLITS_8_BLOCK_128 = {"engine": {"fast_path_options": FastOptions(num_splits=8, block_s=128)}}
 
@@ -79,26 +81,24 @@ TILE_VARIANTS = {"qkv_4x512": tiles(qkv=(4, 512, 4, 6)), "qkv_16x256": tiles(qkv
 # key -> (config, variants measured besides the default: engine keyword arguments, config overrides)
 SHAPES = {
     "qwen25_7b": (QWEN25_7B, {"tokens_per_step_8": PER_STEP_8, "no_run_ahead": NO_AHEAD, "attn_warps_8": ATTN_WARPS_8,
+                              "attention_one_launch": ONE_LAUNCH,
                               "llama_twin": {"config": TWIN}}),
     "qwen3_8b": (QWEN3_8B, {"qk_norm_kernel": {"engine": {"fast_path_options": FastOptions(qk_norm_in="kernel")}},
-                            # q/k norm + rope by the QKV GEMV's last program of each head; the attention as Llama's
-                            "qk_norm_qkv": {"engine": {"fast_path_options": FastOptions(qk_norm_in="qkv")},
-                                            "profile": True},
-                            "qk_norm_qkv_warps_8": {"engine": {"fast_path_options": FastOptions(
-                                qk_norm_in="qkv", attn_warps=8)}},
-                            "attention_one_launch": {"engine": {"fast_path_options": FastOptions(
-                                attn_one_launch=True)}},
-                            "before_q8": {"engine": {"fast_path_options": FastOptions(qk_pos_row_prologue=False)}},
+                            # before run N1: q/k norm + rope in the attention's prologue (8 warps there)
+                            "qk_norm_attention": {"engine": {"fast_path_options": FastOptions(
+                                qk_norm_in="attention")}, "profile": True},
+                            "attention_one_launch": ONE_LAUNCH,
+                            "before_q8": {"engine": {"fast_path_options": FastOptions(
+                                qk_norm_in="attention", qk_pos_row_prologue=False)}},
                             "combine_warps_1": {"engine": {"fast_path_options": FastOptions(attn_combine_warps=1)}},
-                            "attn_warps_8_combine_1": {"engine": {"fast_path_options": FastOptions(
-                                attn_warps=8, attn_combine_warps=1)}},
                             "attn_warps_2": {"engine": {"fast_path_options": FastOptions(attn_warps=2)}},
                             "attn_warps_8": ATTN_WARPS_8,
                             "tokens_per_step_8": PER_STEP_8, "no_run_ahead": NO_AHEAD,
                             "splits_8": SPLITS_8, "splits_8_block_128": SPLITS_8_BLOCK_128,
                             "llama_twin": {"config": TWIN, "profile": True}, **TILE_VARIANTS,
                             "down_8x512": tiles(down=(8, 512, 4, 5))}),
-    "llama3_8b": (LLAMA3_8B, {"no_run_ahead": NO_AHEAD, "attn_warps_8": ATTN_WARPS_8, **TILE_VARIANTS}),
+    "llama3_8b": (LLAMA3_8B, {"no_run_ahead": NO_AHEAD, "attn_warps_8": ATTN_WARPS_8, "attention_one_launch": ONE_LAUNCH,
+                              **TILE_VARIANTS}),
 }
 PROFILED = ("qwen25_7b", "qwen3_8b")  # their defaults' kernels profiled too
 
@@ -163,7 +163,8 @@ def kernel_profile(engine: Engine, token: int, pos: int, steps: int = 4) -> dict
     """GPU us per step of each kernel name, eager steps of a PDL-free decoder over the engine's slot 0."""
     from torch.profiler import ProfilerActivity, profile
 
-    dec = gqa_decoder_from_engine(engine.model, 0, FastOptions(pdl=False), max_steps=16)
+    opts = getattr(engine._fast, "options", None) or FastOptions()  # the variant's own options, PDL off
+    dec = gqa_decoder_from_engine(engine.model, 0, dataclasses.replace(opts, pdl=False), max_steps=16)
     dec.set_state(token, pos)
     for _ in range(2):
         dec.step()

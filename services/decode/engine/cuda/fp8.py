@@ -341,7 +341,7 @@ class Fp8GqaDecoder(GqaDecoder):
         if self.scales[i].wqkv is None:
             return super()._norms_in_attention(i)
         return (self.model.layers[i].q_norm is not None and self.opt.fp8_qkv_rope
-                and self.opt.qk_norm_in == "attention" and not self.kv_fmt)
+                and self.opt.qk_norm_in in ("attention", "qkv") and not self.kv_fmt)  # no last-program norm in FP8
 
     def _qkv(self, i: int):
         sc = self.scales[i]

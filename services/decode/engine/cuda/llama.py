@@ -23,11 +23,11 @@ is "cublas" runs torch.matmul (torch.addmm with a bias) instead, with the small 
 Model variants (the engine's reference step accepts them all): Qwen2's q/k/v bias (and an o_proj
 bias) is added to the fp32 sum in the GEMV's epilogue, before its one rounding. Qwen3's per-head q/k
 RMSNorm needs a whole head, which a QKV GEMV program (2 x block_n rows of one head) does not hold:
-with ``FastOptions.qk_norm_in`` "attention" (default) launch 1 writes q and K as projected and the
+with ``FastOptions.qk_norm_in`` "attention" launch 1 writes q and K as projected and the
 attention kernel normalises + rotates them as it loads them (no extra launch); "qkv" has the QKV GEMV
 write q and k heads as projected to a scratch row, and the last of a head's programs to finish (a
 per-head counter, atomically counted and reset) normalises + rotates the whole head into q and the K
-cache (no extra launch, and the attention is the Llama one); "kernel" runs a plain QKV GEMV and one small
+cache (no extra launch, and the attention is the Llama one; the default); "kernel" runs a plain QKV GEMV and one small
 norm + rope + cache-write kernel (smallops.rope_cache_write), one launch more.
 Rope scaling (linear, llama3, yarn incl. its attention factor) lives in the cos/sin tables; tied
 embeddings are the same tensor as embed and lm_head.
@@ -136,9 +136,10 @@ class FastOptions:
     # programmatic dependent launch (the next kernel's first weight tile overlaps our tail; -2.8% per step
     # on H200): None = on for sm_90+ CUDA devices
     pdl: bool | None = None
-    # where Qwen3's q/k RMSNorm + rope run next to a Triton QKV GEMV: "attention" (its prologue) | "qkv" (the
-    # QKV GEMV's last program of each head) | "kernel" (a launch of its own)
-    qk_norm_in: str = "attention"
+    # where Qwen3's q/k RMSNorm + rope run next to a Triton QKV GEMV: "qkv" (the QKV GEMV's last program of each
+    # head; the attention is then Llama's: Qwen3-8B +0.7% over "attention" on H200, run N1) | "attention" (the
+    # split kernel's prologue; the FP8 QKV GEMV's form under "qkv" too) | "kernel" (a launch of its own)
+    qk_norm_in: str = "qkv"
     # with qk_norm_in="attention" (two-launch attention): the split kernel loads V row pos in its prologue and
     # stores the normalised K row pos after its loop, so its loop's first loads wait on no store (run Q8)
     qk_pos_row_prologue: bool = True
@@ -289,7 +290,8 @@ class GqaDecoder:
 
     def _norms_in_qkv(self, i: int) -> bool:
         """Whether ``_qkv``'s GEMV normalises + rotates layer i's q/k heads (Qwen3, ``qk_norm_in`` "qkv")."""
-        return self.model.layers[i].q_norm is not None and not self._cublas("qkv") and self.opt.qk_norm_in == "qkv"
+        return (self.model.layers[i].q_norm is not None and not self._cublas("qkv") and self.opt.qk_norm_in == "qkv"
+                and not self._norms_in_attention(i))
 
     def _norms_in_attention(self, i: int) -> bool:
         """Whether ``_qkv`` leaves layer i's q/k RMSNorm + rope (Qwen3) to the attention's prologue."""
