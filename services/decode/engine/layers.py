@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from .cuda.reference import rms_norm, silu_mul
 from .fp8 import linear
 
-__all__ = ["attend", "cached_rows", "causal_mask", "rms_norm", "swiglu", "write_cache"]
+__all__ = ["attend", "cached_rows", "causal_mask", "lone_run", "rms_norm", "swiglu", "write_cache"]
 
 
 def swiglu(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
@@ -21,8 +21,23 @@ def swiglu(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> to
     return linear(silu_mul(linear(x, w_gate_up)), w_down)
 
 
-def write_cache(cache: torch.Tensor, slot_ids: torch.Tensor, positions: torch.Tensor, values: torch.Tensor) -> None:
-    """cache [N, S, ...][slot_ids[b], positions[b, t]] = values[b, t]."""
+def lone_run(slot_ids: torch.Tensor, positions: torch.Tensor) -> tuple[int, int] | None:
+    """(slot, first position) as host ints where one slot's step writes consecutive positions and the
+    tensors live on the CPU (reading them costs no device sync there); else None. With it the CPU step
+    writes its cache rows by slicing (an index_put cost ~6 us a write on the tiny model) and, for one
+    token attending to exactly its own prefix, needs no mask."""
+    if slot_ids.device.type != "cpu" or slot_ids.numel() != 1 or torch.compiler.is_compiling():
+        return None
+    p = positions.view(-1).tolist()
+    return (int(slot_ids[0]), p[0]) if p == list(range(p[0], p[0] + len(p))) else None
+
+
+def write_cache(cache: torch.Tensor, slot_ids: torch.Tensor, positions: torch.Tensor, values: torch.Tensor,
+                run: tuple[int, int] | None = None) -> None:
+    """cache [N, S, ...][slot_ids[b], positions[b, t]] = values[b, t] (``run``: :func:`lone_run`'s answer)."""
+    if run is not None:
+        cache[run[0], run[1]:run[1] + values.shape[1]] = values[0]
+        return
     cache[slot_ids[:, None], positions] = values.to(cache.dtype)
 
 
@@ -44,7 +59,8 @@ def causal_mask(positions: torch.Tensor, capacity: int) -> torch.Tensor:
     return (keys[None, None, :] <= positions[:, :, None])[:, None]
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
-    """q [B, Hq, T, D], k [B, Hkv, S, D], v [B, Hkv, S, Dv] -> [B, T, Hq, Dv] (GQA by head groups)."""
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """q [B, Hq, T, D], k [B, Hkv, S, D], v [B, Hkv, S, Dv] -> [B, T, Hq, Dv] (GQA by head groups; mask None:
+    every key visible to every query)."""
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
     return out.transpose(1, 2)

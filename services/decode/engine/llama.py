@@ -18,8 +18,8 @@ from .cache import KvCache
 from .config import ModelConfig
 from .fp8 import linear
 from .kvquant import dequantize, quantize
-from .layers import attend, cached_rows, causal_mask, rms_norm, swiglu, write_cache
-from .rope import apply_rope, rope_tables
+from .layers import attend, cached_rows, causal_mask, lone_run, rms_norm, swiglu, write_cache
+from .rope import rope_factors, rope_tables, rotate
 from .tp import ShardPlan, TensorParallel, gather_vocab, plan
 
 
@@ -66,30 +66,31 @@ class LlamaModel(nn.Module):
         self.cache = cache
         self.cos, self.sin = rope_tables(self.cfg.rope, self.cfg.head_dim, cache.max_tokens, self.embed.device)
 
-    def _attention(self, i: int, blk: GqaBlock, x: torch.Tensor, cos, sin, mask, slot_ids, positions) -> torch.Tensor:
+    def _attention(self, i: int, blk: GqaBlock, x: torch.Tensor, cos, sin, mask, slot_ids, positions, n: int,
+                   run=None) -> torch.Tensor:
+        # cos / sin: rope.rope_factors of x's dtype; mask None: every key of the prefix n visible; run: lone_run's
         cfg, cache = self.cfg, self.cache
         b, t, _ = x.shape
         d, nq, nkv = cfg.head_dim, self.plan.heads, self.plan.kv_heads
         qkv = linear(x, blk.wqkv, blk.bqkv)
         v = qkv[..., (nq + nkv) * d:].view(b, t, nkv, d)
         if blk.q_norm is None:  # q and K rotated in one pass (elementwise: the same values as two)
-            q, k = apply_rope(qkv[..., :(nq + nkv) * d].view(b, t, nq + nkv, d), cos, sin).split([nq, nkv], dim=2)
+            q, k = rotate(qkv[..., :(nq + nkv) * d].view(b, t, nq + nkv, d), cos, sin).split([nq, nkv], dim=2)
         else:
             q, k = qkv[..., :nq * d].view(b, t, nq, d), qkv[..., nq * d:(nq + nkv) * d].view(b, t, nkv, d)
             q, k = rms_norm(q, blk.q_norm, cfg.rms_norm_eps), rms_norm(k, blk.k_norm, cfg.rms_norm_eps)
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        n = mask.shape[-1]  # keys attended: a prefix of the cache covering every position in the step
+            q, k = rotate(q, cos, sin), rotate(k, cos, sin)
         fmt = cache.kv_format
         if fmt is None:
-            write_cache(cache.k_caches[i], slot_ids, positions, k)
-            write_cache(cache.v_caches[i], slot_ids, positions, v)
+            write_cache(cache.k_caches[i], slot_ids, positions, k, run)
+            write_cache(cache.v_caches[i], slot_ids, positions, v, run)
             keys = cached_rows(cache.k_caches[i], slot_ids, n).transpose(1, 2)  # [B, Hkv, n, D]
             values = cached_rows(cache.v_caches[i], slot_ids, n).transpose(1, 2)
             out = attend(q.transpose(1, 2), keys, values, mask, d**-0.5)  # [B, T, Hq, D]
         else:  # FP8 KV as vLLM's CPU attention: bytes written truncated, read dequantized, attention in fp32
             ks, vs = cache.scales[i]
-            write_cache(cache.k_caches[i], slot_ids, positions, quantize(k, ks, fmt))
-            write_cache(cache.v_caches[i], slot_ids, positions, quantize(v, vs, fmt))
+            write_cache(cache.k_caches[i], slot_ids, positions, quantize(k, ks, fmt), run)
+            write_cache(cache.v_caches[i], slot_ids, positions, quantize(v, vs, fmt), run)
             keys = dequantize(cached_rows(cache.k_caches[i], slot_ids, n), ks, fmt).transpose(1, 2)
             values = dequantize(cached_rows(cache.v_caches[i], slot_ids, n), vs, fmt).transpose(1, 2)
             out = attend(q.float().transpose(1, 2), keys, values, mask, d**-0.5).to(x.dtype)
@@ -103,11 +104,15 @@ class LlamaModel(nn.Module):
                 num_keys: int | None = None) -> torch.Tensor:
         """Hidden states after the final norm, [B, T, hidden]; ``num_keys`` > every position (default: all)."""
         x = F.embedding(tokens, self.embed)
-        cos, sin = self.cos[positions], self.sin[positions]  # [B, T, D/2]
-        mask = causal_mask(positions, num_keys or self.cache.max_tokens)
+        cos, sin = rope_factors(self.cos[positions], self.sin[positions], x.dtype)  # [B, T, 1, D/2]
+        n = num_keys or self.cache.max_tokens  # keys attended: a prefix of the cache covering every position
+        run = lone_run(slot_ids, positions)  # the CPU's one slot: host ints, sliced cache writes
+        # one token seeing exactly its prefix (the CPU's plain step): no mask, the same attention
+        mask = None if run is not None and tokens.shape[1] == 1 and n == run[1] + 1 else causal_mask(positions, n)
         eps = self.cfg.rms_norm_eps
         for i, blk in enumerate(self.layers):
-            x = x + self._attention(i, blk, rms_norm(x, blk.attn_norm, eps), cos, sin, mask, slot_ids, positions)
+            x = x + self._attention(i, blk, rms_norm(x, blk.attn_norm, eps), cos, sin, mask, slot_ids, positions, n,
+                                    run)
             x = x + self.tp.all_reduce(swiglu(rms_norm(x, blk.mlp_norm, eps), blk.w_gate_up, blk.w_down))
         return rms_norm(x, self.final_norm, eps)
 

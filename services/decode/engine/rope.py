@@ -79,9 +79,19 @@ def rope_tables(params: dict[str, Any], dim: int, max_pos: int, device: torch.de
     return (freqs.cos() * scale).to(device), (freqs.sin() * scale).to(device)
 
 
+def rope_factors(cos: torch.Tensor, sin: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin [..., T, dim/2] as :func:`rotate` takes them ([..., T, 1, dim/2] in ``dtype``): once a step,
+    not once a layer."""
+    return cos.unsqueeze(-2).to(dtype), sin.unsqueeze(-2).to(dtype)
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool = False) -> torch.Tensor:
     """Rotate ``x`` [..., T, H, dim] with cos/sin [..., T, dim/2]; returns x's dtype."""
-    cos, sin = cos.unsqueeze(-2).to(x.dtype), sin.unsqueeze(-2).to(x.dtype)
+    return rotate(x, *rope_factors(cos, sin, x.dtype), interleave)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool = False) -> torch.Tensor:
+    """:func:`apply_rope` with factors from :func:`rope_factors` (x's dtype)."""
     if interleave:  # rotated evens then rotated odds, as HF transformers returns them
         x1, x2 = x[..., 0::2], x[..., 1::2]
     else:

@@ -102,8 +102,8 @@ def test_fp8_kv_steps_equal_a_float32_cache_of_the_dequantized_values(hf_checkpo
     from services.decode.engine import llama as llama_mod
 
     plain_write = llama_mod.write_cache
-    monkeypatch.setattr(llama_mod, "write_cache", lambda cache, slots, pos, values: plain_write(
-        cache, slots, pos, dequantize(quantize(values, scale, fmt), scale, fmt)))
+    monkeypatch.setattr(llama_mod, "write_cache", lambda cache, slots, pos, values, run=None: plain_write(
+        cache, slots, pos, dequantize(quantize(values, scale, fmt), scale, fmt), run))
     ref = Engine.load(path, num_slots=1, max_seq_len=64, dtype=torch.float32)
     want_logits, want = _greedy(ref)
     assert rel(got_logits, want_logits) < 1e-4
@@ -119,8 +119,8 @@ def test_fp8_kv_bfloat16_model_within_2pct_of_the_dequantized_reference(llama, m
     from services.decode.engine import llama as llama_mod
 
     plain_write = llama_mod.write_cache
-    monkeypatch.setattr(llama_mod, "write_cache", lambda cache, slots, pos, values: plain_write(
-        cache, slots, pos, dequantize(quantize(values, 1.0, fmt), 1.0, fmt)))
+    monkeypatch.setattr(llama_mod, "write_cache", lambda cache, slots, pos, values, run=None: plain_write(
+        cache, slots, pos, dequantize(quantize(values, 1.0, fmt), 1.0, fmt), run))
     want = Engine.load(llama, num_slots=1, max_seq_len=64, dtype=torch.bfloat16).prefill(0, PROMPT)
     assert rel(got, want) < 0.02
 
