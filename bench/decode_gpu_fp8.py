@@ -49,6 +49,7 @@ NAMES = ("wqkv", "wo", "w_gate_up", "w_down")
 FP8_VARIANTS = {
     "product": {},
     "qkv_unfused": {"fp8_qkv_rope": False},
+    "attn_one_launch": {"attn_one_launch": True},  # the attention's merge by its last split (run N2)
 }
 
 
