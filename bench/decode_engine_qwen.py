@@ -242,10 +242,11 @@ def measure_shape(key: str, steps: int, context: int, bandwidth: float, prompt: 
     return out
 
 
-def bench_cuda_qwen(steps: int, context: int, result: dict, save=lambda: None) -> None:
-    """Adds cuda_qwen (every measurement) and the headline keys to ``result`` (decode_engine.json); ``save()``
-    after each shape."""
-    bandwidth = copy_bandwidth_bytes_per_s("cuda")
+def bench_cuda_qwen(steps: int, context: int, result: dict, save=lambda: None, bandwidth: float | None = None) -> None:
+    """Adds cuda_qwen (every measurement) and the headline keys to ``result`` (decode_engine.json or
+    decode_gpu.json); ``save()`` after each shape. ``bandwidth``: the run's copy bandwidth (bytes/s), measured
+    here when not given."""
+    bandwidth = bandwidth or copy_bandwidth_bytes_per_s("cuda")
     prompt = [int(t) for t in torch.randint(2, 150000, (context,), generator=torch.Generator().manual_seed(0))]
     q = result["cuda_qwen"] = {"device": torch.cuda.get_device_name(), "copy_bandwidth_tb_s": bandwidth / 1e12}
     log(f"\n{q['device']}: copy bandwidth {bandwidth / 1e12:.2f} TB/s; roofline = bytes a step reads "

@@ -11,10 +11,14 @@ repetition_penalty 1.1, through the Engine API where it imports, else on the dec
 ``llama8b_sampled_tok_s``, ``llama8b_sampled_over_greedy``, ``llama8b_sampled_path``); several slots in one
 step (part "batch", bench/decode_gpu_batch.py: the batched decoder's graphs at 2 / 4 / 8 rows, then engine
 step time with 4 / 8 active slots at 1K context each over one slot's: ``llama8b_batch4_step_ratio``,
-``llama8b_batch8_step_ratio``, ``llama8b_batch_path``; not in the default parts).
+``llama8b_batch8_step_ratio``, ``llama8b_batch_path``; not in the default parts); the Qwen2.5-7B and Qwen3-8B
+shapes through the Engine API (part "qwen", bench/decode_engine_qwen.py, over this run's copy bandwidth:
+``qwen25_7b_ctx1k_tok_s``, ``qwen25_7b_ctx1k_frac_roofline``, ``qwen3_8b_ctx1k_*``, ``*_tokens_identical``,
+``*_path``; ``QWEN_VARIANTS`` picks its variants, none but the default unless set).
 Prints a table; writes --out (default bench/results/decode_gpu.json).
 
-    python bench/decode_gpu.py [--parts copy,micro,llama,correct,hf,ctx,mla,dsv3,dsv32,sampled,batch] [--out PATH]
+    python bench/decode_gpu.py [--parts copy,micro,llama,correct,hf,ctx,mla,dsv3,dsv32,sampled,batch,qwen]
+        [--out PATH]
 """
 
 from __future__ import annotations
@@ -434,6 +438,20 @@ def main(argv: list[str] | None = None) -> int:
         except Exception:
             R["batch_error"] = traceback.format_exc()[-1500:]
             log(R["batch_error"])
+        save()
+    if "qwen" in parts:
+        try:
+            import os
+
+            sys.path.insert(0, str(ROOT))
+            os.environ.setdefault("QWEN_VARIANTS", "default")
+            from decode_engine_qwen import bench_cuda_qwen  # bench/ is on sys.path when run as a script
+
+            bandwidth = R["copy_bw_TBps"] * 1e12 if "copy_bw_TBps" in R else None
+            bench_cuda_qwen(128, 1024, R, save, bandwidth=bandwidth)
+        except Exception:
+            R["qwen_error"] = traceback.format_exc()[-1500:]
+            log(R["qwen_error"])
         save()
     if "hf_graph_tok_s" in R and "llama8b_ctx1k_tok_s" in R:
         R["speedup_vs_hf_graph"] = R["llama8b_ctx1k_tok_s"] / R["hf_graph_tok_s"]
