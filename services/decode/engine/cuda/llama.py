@@ -145,8 +145,9 @@ class FastOptions:
     qk_pos_row_prologue: bool = True
     attn_combine_warps: int = 4  # the two-launch attention's merge kernel
     # one-token attention as one launch (K/V prefetched before the PDL wait, the last split merging);
-    # False: split kernel + merge kernel (the general path MLA and multi-token queries take). Off until an
-    # H200 run shows it faster: run F1 (bench/NOTES-gpu.md) timed it +0.2 ms a step with a serial merge
+    # False: split kernel + merge kernel (the general path MLA and multi-token queries take). Off: on the H200
+    # it cost +0.2 ms a step with a serial merge (run F1) and +0.15-0.18 ms with the straight-line one on every
+    # Llama-family shape (run N2, bench/NOTES-gpu.md)
     attn_one_launch: bool = False
     # the batched step's rope + K/V write in its QKV GEMV's epilogue (rows_qkv_rope); False: rope_rows after.
     # Off: on the H200 the epilogue's paired-row tile made the 4-row step 38-48 us slower than the extra launch
