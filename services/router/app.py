@@ -19,6 +19,7 @@ Contract:
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 import uuid
@@ -86,7 +87,7 @@ class Router:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    @property
+    @functools.cached_property
     def _surface_wanted(self) -> bool:
         return self.cfg.vllm_surface == "on" or (self.cfg.vllm_surface == "auto" and vllm_surface.available())
 
@@ -190,9 +191,14 @@ class Router:
 
     @property
     def is_ready(self) -> bool:
-        # parsers configured: vLLM's serving code must be loaded before the lane answers
-        surface_ok = self.surface.ready or not (self.cfg.tool_call_parser or self.cfg.reasoning_parser
-                                                or self.cfg.vllm_surface == "on")
+        # parsers configured (or --vllm-surface on): vLLM's serving code must be loaded before the lane answers.
+        # Otherwise, where it is wanted, its load must have ended (loaded or given up): the import holds the GIL
+        # and a core for seconds, and requests answered meanwhile stall behind it (first tokens 20-300 ms late
+        # on a 2-core host, the first ~2 s after health said ok)
+        if self.cfg.tool_call_parser or self.cfg.reasoning_parser or self.cfg.vllm_surface == "on":
+            surface_ok = self.surface.ready
+        else:
+            surface_ok = self.surface.ready or bool(self.surface.error) or not self._surface_wanted
         return self.discovered == set(self.cfg.prefill_urls) and surface_ok
 
     def express_capacity(self) -> dict[str, int | None]:

@@ -111,7 +111,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--vllm-surface", default=d.vllm_surface, choices=["auto", "on", "off"],
                    help="render tools, structured output, logprobs and reasoning of express "
                         "requests with vLLM's serving code, imported in the router: auto (when "
-                        "vLLM is installed), on (required), off (such requests use the standard lane)")
+                        "vLLM is installed), on (required), off (such requests use the standard lane); "
+                        "with auto or on, /health says ok once the import has ended (seconds)")
     p.add_argument("--claim-wait-ms", type=int, default=d.claim_wait_ms,
                    help="how long a claim may queue for a free decode slot")
     p.add_argument("--prefill-timeout-s", type=float, default=d.prefill_timeout_s)
