@@ -66,6 +66,8 @@ ATTN_WARPS_8 = {"engine": {"fast_path_options": FastOptions(attn_warps=8)}}
 ONE_LAUNCH = {"engine": {"fast_path_options": FastOptions(attn_one_launch=True)}}  # the last split merging
 SPLITS_8 = {"engine": {"fast_path_options": FastOptions(num_splits=8)}}  # attention: 8 splits of 2 blocks
 SPLITS_8_BLOCK_128 = {"engine": {"fast_path_options": FastOptions(num_splits=8, block_s=128)}}
+# the QKV and gate/up GEMVs' RMSNorm folded into their weight stream (not HF's rounding points)
+NORM_LATE = {"engine": {"fast_path_options": FastOptions(norm_late=True)}, "profile": True}
 
 
 def tiles(**kw) -> dict:
@@ -81,13 +83,13 @@ TILE_VARIANTS = {"qkv_4x512": tiles(qkv=(4, 512, 4, 6)), "qkv_16x256": tiles(qkv
 # key -> (config, variants measured besides the default: engine keyword arguments, config overrides)
 SHAPES = {
     "qwen25_7b": (QWEN25_7B, {"tokens_per_step_8": PER_STEP_8, "no_run_ahead": NO_AHEAD, "attn_warps_8": ATTN_WARPS_8,
-                              "attention_one_launch": ONE_LAUNCH,
+                              "attention_one_launch": ONE_LAUNCH, "norm_late": NORM_LATE,
                               "llama_twin": {"config": TWIN}}),
     "qwen3_8b": (QWEN3_8B, {"qk_norm_kernel": {"engine": {"fast_path_options": FastOptions(qk_norm_in="kernel")}},
                             # before run N1: q/k norm + rope in the attention's prologue (8 warps there)
                             "qk_norm_attention": {"engine": {"fast_path_options": FastOptions(
                                 qk_norm_in="attention")}, "profile": True},
-                            "attention_one_launch": ONE_LAUNCH,
+                            "attention_one_launch": ONE_LAUNCH, "norm_late": NORM_LATE,
                             "before_q8": {"engine": {"fast_path_options": FastOptions(
                                 qk_norm_in="attention", qk_pos_row_prologue=False)}},
                             "combine_warps_1": {"engine": {"fast_path_options": FastOptions(attn_combine_warps=1)}},
@@ -98,7 +100,7 @@ SHAPES = {
                             "llama_twin": {"config": TWIN, "profile": True}, **TILE_VARIANTS,
                             "down_8x512": tiles(down=(8, 512, 4, 5))}),
     "llama3_8b": (LLAMA3_8B, {"no_run_ahead": NO_AHEAD, "attn_warps_8": ATTN_WARPS_8, "attention_one_launch": ONE_LAUNCH,
-                              **TILE_VARIANTS}),
+                              "norm_late": NORM_LATE, **TILE_VARIANTS}),
 }
 PROFILED = ("qwen25_7b", "qwen3_8b")  # their defaults' kernels profiled too
 

@@ -165,10 +165,55 @@ def _gemv_pair_loop(x_ptr, nw_ptr, w_ptr, rows_a, rows_b, K, inv_rms, wa0, wb0,
 
 
 @triton.jit
+def _gemv_pair_loop_late_norm(x_ptr, nw_ptr, w_ptr, rows_a, rows_b, K, eps, wa0, wb0,
+                              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
+    # RMSNorm folded into the stream: W @ (x * nw) and sum(x^2) in the same loop, the sums scaled by
+    # 1 / rms after it, so the weight stream starts without waiting on a reduction of x. Not HF's rounding
+    # points (x * inv_rms and its product with nw are not rounded to the model dtype): results move by ~1 ulp
+    k0 = tl.arange(0, BLOCK_K)
+    m0 = k0 < K
+    xr = tl.load(x_ptr + k0, mask=m0, other=0.0).to(tl.float32)
+    ss = xr * xr
+    xw = xr * tl.load(nw_ptr + k0, mask=m0, other=0.0).to(tl.float32)
+    acc_a = wa0.to(tl.float32) * xw[None, :]
+    acc_b = wb0.to(tl.float32) * xw[None, :]
+    for k in tl.range(BLOCK_K, K, BLOCK_K, num_stages=STAGES):
+        offs = k + k0
+        kmask = offs < K
+        xr = tl.load(x_ptr + offs, mask=kmask, other=0.0).to(tl.float32)
+        ss += xr * xr
+        xw = xr * tl.load(nw_ptr + offs, mask=kmask, other=0.0).to(tl.float32)
+        wa = tl.load(w_ptr + rows_a[:, None].to(tl.int64) * K + offs[None, :], mask=kmask[None, :], other=0.0,
+                     eviction_policy="evict_first")
+        wb = tl.load(w_ptr + rows_b[:, None].to(tl.int64) * K + offs[None, :], mask=kmask[None, :], other=0.0,
+                     eviction_policy="evict_first")
+        acc_a += wa.to(tl.float32) * xw[None, :]
+        acc_b += wb.to(tl.float32) * xw[None, :]
+    inv_rms = 1.0 / tl.sqrt(tl.sum(ss, axis=0) / K + eps)
+    return tl.sum(acc_a, axis=1) * inv_rms, tl.sum(acc_b, axis=1) * inv_rms
+
+
+@triton.jit
+def _pair_gemv(x_ptr, nw_ptr, w_ptr, rows_a, rows_b, K, eps, wa0, wb0, NORM: tl.constexpr, NORM_LATE: tl.constexpr,
+               K_POW2: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
+    # the paired-row GEMV after the PDL wait: the norm first (HF's rounding points) or folded into the stream
+    if NORM and NORM_LATE:
+        a, b = _gemv_pair_loop_late_norm(x_ptr, nw_ptr, w_ptr, rows_a, rows_b, K, eps, wa0, wb0, BLOCK_N, BLOCK_K,
+                                         STAGES)
+    else:
+        inv_rms = 1.0
+        if NORM:
+            inv_rms = _inv_rms(x_ptr, K, eps, K_POW2)
+        a, b = _gemv_pair_loop(x_ptr, nw_ptr, w_ptr, rows_a, rows_b, K, inv_rms, wa0, wb0, NORM, BLOCK_N, BLOCK_K,
+                               STAGES)
+    return a, b
+
+
+@triton.jit
 def _gemv_silu_kernel(x_ptr, w_ptr, out_ptr, nw_ptr, I, K, eps,
                       NORM: tl.constexpr, K_POW2: tl.constexpr,
                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr,
-                      PREFETCH: tl.constexpr = 0):
+                      PREFETCH: tl.constexpr = 0, NORM_LATE: tl.constexpr = False):
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)  # I % BLOCK_N == 0
     wa0, wb0 = load_first_pair_tile(w_ptr, rows, rows + I, K, BLOCK_K)
@@ -177,10 +222,8 @@ def _gemv_silu_kernel(x_ptr, w_ptr, out_ptr, nw_ptr, I, K, eps,
         prefetch_l2(w_ptr, rows + I, rows < I, K, PREFETCH, BLOCK_K)
     if PDL:
         gdc_wait()
-    inv_rms = 1.0
-    if NORM:
-        inv_rms = _inv_rms(x_ptr, K, eps, K_POW2)
-    g, u = _gemv_pair_loop(x_ptr, nw_ptr, w_ptr, rows, rows + I, K, inv_rms, wa0, wb0, NORM, BLOCK_N, BLOCK_K, STAGES)
+    g, u = _pair_gemv(x_ptr, nw_ptr, w_ptr, rows, rows + I, K, eps, wa0, wb0, NORM, NORM_LATE, K_POW2, BLOCK_N,
+                      BLOCK_K, STAGES)
     if PDL:
         gdc_launch_dependents()
     dt = out_ptr.dtype.element_ty
@@ -197,7 +240,7 @@ def _gemv_qkv_rope_kernel(x_ptr, w_ptr, nw_ptr, bias_ptr, q_ptr, k_cache_ptr, v_
                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr,
                           POS_EARLY: tl.constexpr = False, PREFETCH: tl.constexpr = 0, KV_FMT: tl.constexpr = 0,
                           inv_k=1.0, inv_v=1.0, raw_ptr=None, count_ptr=None, qn_ptr=None, kn_ptr=None,
-                          QK_NORM: tl.constexpr = False):
+                          QK_NORM: tl.constexpr = False, NORM_LATE: tl.constexpr = False):
     # QK_NORM (Qwen3, no ROPE): q and k heads go as projected to raw_ptr; the last program of a head to finish
     # (count_ptr[head], atomically counted and reset) normalises + rotates the whole head into q / the K cache
     HALF: tl.constexpr = HEAD_DIM // 2
@@ -220,11 +263,8 @@ def _gemv_qkv_rope_kernel(x_ptr, w_ptr, nw_ptr, bias_ptr, q_ptr, k_cache_ptr, v_
             sin = tl.load(sin_ptr + pos * HALF + j).to(tl.float32)
     if PDL:
         gdc_wait()
-    inv_rms = 1.0
-    if NORM:
-        inv_rms = _inv_rms(x_ptr, K, eps, K_POW2)
-    a, b = _gemv_pair_loop(x_ptr, nw_ptr, w_ptr, rows_a, rows_a + HALF, K, inv_rms, wa0, wb0, NORM, BLOCK_N, BLOCK_K,
-                           STAGES)
+    a, b = _pair_gemv(x_ptr, nw_ptr, w_ptr, rows_a, rows_a + HALF, K, eps, wa0, wb0, NORM, NORM_LATE, K_POW2,
+                      BLOCK_N, BLOCK_K, STAGES)
     if PDL:
         gdc_launch_dependents()
     if BIAS:
@@ -315,8 +355,9 @@ def l2_prefetch_tiles(tiles: int, block_k: int) -> int:
 
 def gemv_silu(x: torch.Tensor, w_gate_up: torch.Tensor, out: torch.Tensor, *, norm_w: torch.Tensor | None = None,
               eps: float = 1e-5, block_n: int = 16, block_k: int = 512, num_warps: int = 4, stages: int = 1,
-              pdl: bool = False, prefetch: int = 0) -> torch.Tensor:
-    """out[I] = silu(W[:I] @ x') * (W[I:] @ x'), x' = rmsnorm(x) * norm_w when norm_w is given."""
+              pdl: bool = False, prefetch: int = 0, norm_late: bool = False) -> torch.Tensor:
+    """out[I] = silu(W[:I] @ x') * (W[I:] @ x'), x' = rmsnorm(x) * norm_w when norm_w is given (``norm_late``:
+    the norm folded into the weight stream, _gemv_pair_loop_late_norm)."""
     two_i, k = w_gate_up.shape
     inter = two_i // 2
     if inter % block_n:
@@ -324,7 +365,7 @@ def gemv_silu(x: torch.Tensor, w_gate_up: torch.Tensor, out: torch.Tensor, *, no
     _gemv_silu_kernel[(inter // block_n,)](
         x, w_gate_up, out, norm_w if norm_w is not None else x, inter, k, eps,
         NORM=norm_w is not None, K_POW2=_pow2(k), BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, PDL=pdl,
-        PREFETCH=l2_prefetch_tiles(prefetch, block_k), num_warps=num_warps, **launch_opts(pdl))
+        PREFETCH=l2_prefetch_tiles(prefetch, block_k), NORM_LATE=norm_late, num_warps=num_warps, **launch_opts(pdl))
     return out
 
 
@@ -334,7 +375,8 @@ def gemv_qkv_rope(x: torch.Tensor, wqkv: torch.Tensor, norm_w: torch.Tensor | No
                   bias: torch.Tensor | None = None, rope: bool = True, block_n: int = 16, block_k: int = 512,
                   num_warps: int = 4, stages: int = 1, pdl: bool = False, pos_early: bool = False,
                   prefetch: int = 0, kv_fmt: int = 0, inv_k: float = 1.0, inv_v: float = 1.0,
-                  qk_norm: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:
+                  qk_norm: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+                  norm_late: bool = False) -> None:
     """Fused norm + QKV projection (+ bias) + rope; q -> q_out[Hq*D], k/v -> caches [max_tokens, Hkv, D] at
     pos[0] (``kv_fmt`` 1 / 2: FP8 bytes of k * inv_k and v * inv_v, kvfp8.fp8_kv_bits). ``rope=False``: q and k
     unrotated (the attention kernel normalises and rotates them). ``qk_norm`` (Qwen3; with ``rope=False``):
@@ -342,7 +384,8 @@ def gemv_qkv_rope(x: torch.Tensor, wqkv: torch.Tensor, norm_w: torch.Tensor | No
     heads as projected go to ``raw``, and the last program of each head normalises + rotates it
     (qknorm.norm_rope_cache_head) into q_out / the K cache; ``count`` is left zero.
     ``pos_early``: read pos before waiting on the previous kernel (PDL), which must not be the one that
-    writes it (the step's first layer follows the finish kernel that advances pos: False there)."""
+    writes it (the step's first layer follows the finish kernel that advances pos: False there).
+    ``norm_late``: the RMSNorm folded into the weight stream (_gemv_pair_loop_late_norm)."""
     half = head_dim // 2
     if half % block_n:
         raise ValueError(f"head_dim/2 = {half} is not a multiple of block_n {block_n}")
@@ -362,5 +405,5 @@ def gemv_qkv_rope(x: torch.Tensor, wqkv: torch.Tensor, norm_w: torch.Tensor | No
         pos, cos, sin, wqkv.shape[1], eps, NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
         NORM=norm_w is not None, BIAS=bias is not None, ROPE=rope, K_POW2=_pow2(wqkv.shape[1]), BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, PDL=pdl,
         POS_EARLY=pos_early, PREFETCH=l2_prefetch_tiles(prefetch, block_k), KV_FMT=kv_fmt, inv_k=inv_k, inv_v=inv_v,
-        raw_ptr=raw, count_ptr=count, qn_ptr=qn, kn_ptr=kn, QK_NORM=qk_norm is not None,
+        raw_ptr=raw, count_ptr=count, qn_ptr=qn, kn_ptr=kn, QK_NORM=qk_norm is not None, NORM_LATE=norm_late,
         num_warps=num_warps, **launch_opts(pdl))

@@ -157,6 +157,11 @@ class FastOptions:
     # prefetches into L2 before its PDL wait (0, 1, 2 or 4; a hint: results unchanged; only with PDL).
     # Off: 2 tiles cost +0.12 ms a batch-1 step on the H200 (run F1)
     prefetch_tiles: int = 0
+    # the QKV and gate/up GEMVs' RMSNorm folded into their weight stream (sum of squares beside the dot, the sums
+    # scaled by 1 / rms after the loop) instead of reduced before it: the stream starts right after the PDL
+    # wait, at the cost of HF's rounding points (results move by ~1 ulp of the model dtype). Off until an H200
+    # run shows it faster (bench/gpu_norm_prologue.py bounds the gain)
+    norm_late: bool = False
     # FP8 checkpoints (cuda/fp8.py): the rope + q / K / V stores in the FP8 QKV GEMV's epilogue (one launch
     # a layer, as the bf16 step); False: gemv_fp8 + rope_cache_write
     fp8_qkv_rope: bool = True
@@ -283,7 +288,7 @@ class GqaDecoder:
             in_qkv = self._norms_in_qkv(i)
             gemv.gemv_qkv_rope(self.residual, lw.wqkv, lw.attn_norm, eps, self.query, kc, vc, self.pos,
                                self.cos, self.sin, **heads, bias=lw.bqkv, rope=lw.q_norm is None,
-                               pos_early=i > 0, **self.tile_kwargs("qkv"), **kv,
+                               pos_early=i > 0, **self.tile_kwargs("qkv"), **kv, norm_late=self.opt.norm_late,
                                qk_norm=(lw.q_norm, lw.k_norm, self.tmp, self.qk_count) if in_qkv else None)
             if lw.q_norm is not None and not in_qkv:
                 return (lw.q_norm, lw.k_norm, eps, self.cos, self.sin)
@@ -328,7 +333,7 @@ class GqaDecoder:
             smallops.silu_mul(gu, self.act)
         else:
             gemv.gemv_silu(self.residual, lw.w_gate_up, self.act, norm_w=lw.mlp_norm, eps=eps,
-                           **self.tile_kwargs("gate_up"))
+                           norm_late=self.opt.norm_late, **self.tile_kwargs("gate_up"))
         if self._cublas("down"):
             self._add_part(self._linear_into(self.act, lw.w_down, self.tmp[: m.hidden]))
         else:
