@@ -4,7 +4,8 @@ Contract:
 - Starts, in order, each as its own process group with its log under ``WORKDIR/logs``: an embedded
   nats-server (JetStream), ``--coordinators`` coordinators (the first leads, the others stand by
   to take over: services.coordinator.leadership), ``--decode-nodes`` decode nodes, the vLLM prefill
-  with the express connector, and the router; waits for each one's health before the next.
+  with the express connector, and the router; waits for each one's health before the next, except that the
+  router starts beside vLLM (its import of vLLM's serving code, seconds of one core, overlaps vLLM's start).
 - Without ``--model`` it writes a tiny checkpoint (``infra.tinymodel``, ``--arch``) under WORKDIR.
 - A piece whose module is not in this build is reported as missing and skipped (vLLM then runs
   without the connector and the router serves the standard lane only).
@@ -393,12 +394,18 @@ def main(argv: list[str]) -> int:
         nats.start(timeout_s=15.0)
         print(f"nats-server    {nats.url}", flush=True)
         todo, missing = plan(args, model, nats.url, sys.executable, bus_args)
-        for proc in todo:
+        waiting: list[Proc] = []
+        for i, proc in enumerate(todo):
             proc.start(log_dir)
             procs.append(proc)
+            waiting.append(proc)
             print(f"{proc.name:<14} starting (log {proc.log_path})", flush=True)
-            proc.wait_healthy(args.start_timeout_s)
-            print(f"{proc.name:<14} ready", flush=True)
+            if proc.name == "prefill" and i + 1 < len(todo) and todo[i + 1].name == "router":
+                continue  # the router comes up beside vLLM: it answers once vLLM does
+            for p in waiting:
+                p.wait_healthy(args.start_timeout_s)
+                print(f"{p.name:<14} ready", flush=True)
+            waiting = []
         print(_banner(args, model, nats.url, missing, log_dir, bus_args), flush=True)
         print(f"  endpoints:     {write_stack_file(args, model, nats.url, procs)}", flush=True)
         supervise(procs, log_dir, args.start_timeout_s)
