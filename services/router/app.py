@@ -57,6 +57,8 @@ from shared.tracing import extract_context, inject_headers, setup_tracing
 
 _log = get_logger("services.router")
 _PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
+# --vllm-surface auto: how long /health waits for vLLM's serving code to load before saying ok without it
+SURFACE_READY_WAIT_S = 120.0
 WARM_INTERVAL_S = 0.1  # how often warm leases are topped up and aged ones released
 
 
@@ -76,6 +78,7 @@ class Router:
         self.tracer = setup_tracing("router")
         self._tasks: set[asyncio.Task] = set()
         self._next_decode = -1
+        self._surface_load_started = time.monotonic()  # reset when start() begins the load
         self.warm = WarmLeases(cfg.warm_leases)
         self.surface = Surface(cfg.tool_call_parser, cfg.reasoning_parser, cfg.enable_auto_tool_choice,
                                cfg.tool_strict_level)
@@ -93,6 +96,7 @@ class Router:
 
     async def start(self) -> None:
         if self._surface_wanted:
+            self._surface_load_started = time.monotonic()
             self.spawn(asyncio.to_thread(self.surface.load))
         self.spawn(self._connect_bus())
         for url in self.cfg.prefill_urls:
@@ -197,8 +201,10 @@ class Router:
         # on a 2-core host, the first ~2 s after health said ok)
         if self.cfg.tool_call_parser or self.cfg.reasoning_parser or self.cfg.vllm_surface == "on":
             surface_ok = self.surface.ready
-        else:
-            surface_ok = self.surface.ready or bool(self.surface.error) or not self._surface_wanted
+        else:  # a load that hangs past SURFACE_READY_WAIT_S stops holding the router back (those requests
+            # keep the standard lane until it ends), as a router without vLLM would serve
+            surface_ok = (self.surface.ready or bool(self.surface.error) or not self._surface_wanted
+                          or time.monotonic() - self._surface_load_started > SURFACE_READY_WAIT_S)
         return self.discovered == set(self.cfg.prefill_urls) and surface_ok
 
     def express_capacity(self) -> dict[str, int | None]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.router import vllm_surface
+from services.router import app, vllm_surface
 from services.router.app import Router
 from services.router.config import RouterConfig
 
@@ -17,6 +17,8 @@ CASES = {
     "auto, vLLM here, loaded": ("auto", False, True, "loaded", True),
     "auto, vLLM here, import failed: ready without it": ("auto", False, True, "failed", True),
     "auto, no vLLM: nothing to wait for": ("auto", False, False, "loading", True),
+    "auto, import hanging past the wait: ready without it": ("auto", False, True, "hanging", True),
+    "on, import hanging: still starting": ("on", False, True, "hanging", False),
     "on, importing: starting": ("on", False, True, "loading", False),
     "on, import failed: never ready": ("on", False, True, "failed", False),
     "on, loaded": ("on", False, True, "loaded", True),
@@ -35,6 +37,8 @@ async def test_ready_waits_for_the_surface_where_wanted(monkeypatch, mode, parse
         router.discovered.add(URL)
         router.surface.ready = state == "loaded"
         router.surface.error = "ImportError: boom" if state == "failed" else ""
+        if state == "hanging":  # the load began longer ago than the router waits for it
+            router._surface_load_started -= app.SURFACE_READY_WAIT_S + 1
         assert router.is_ready is ready
         router.discovered.clear()  # and never before the prefill is discovered
         assert router.is_ready is False
