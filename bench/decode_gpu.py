@@ -27,6 +27,7 @@ import argparse
 import importlib.util
 import json
 import math
+import os
 import sys
 import time
 import traceback
@@ -441,8 +442,6 @@ def main(argv: list[str] | None = None) -> int:
         save()
     if "qwen" in parts:
         try:
-            import os
-
             sys.path.insert(0, str(ROOT))
             os.environ.setdefault("QWEN_VARIANTS", "default")
             from decode_engine_qwen import bench_cuda_qwen  # bench/ is on sys.path when run as a script

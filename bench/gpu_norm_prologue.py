@@ -18,11 +18,12 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-from decode_gpu import copy_bandwidth, load_cuda_pkg, log, time_graph, capture  # bench/ is on sys.path
+from decode_gpu import capture, copy_bandwidth, load_cuda_pkg, log, time_graph  # bench/ is on sys.path
 
 SHAPES = {
     "qwen3_8b": dict(hidden=4096, layers=36, hq=32, hkv=8, d=128, inter=12288),
@@ -31,7 +32,7 @@ SHAPES = {
 }
 
 
-def chain(X, s: dict, norm: str, opts, dev: str = "cuda") -> tuple[callable, int]:
+def chain(X, s: dict, norm: str, opts, dev: str = "cuda") -> tuple[Callable[[], None], int]:
     G = X.gemv
     dt = torch.bfloat16
     h, hq, hkv, d, inter = s["hidden"], s["hq"], s["hkv"], s["d"], s["inter"]
