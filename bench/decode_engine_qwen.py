@@ -80,6 +80,10 @@ def tiles(**kw) -> dict:
 TILE_VARIANTS = {"qkv_4x512": tiles(qkv=(4, 512, 4, 6)), "qkv_16x256": tiles(qkv=(16, 256, 4, 6)),
                  "qkv_8x512_s4": tiles(qkv=(8, 512, 4, 4)), "qkv_8x128_s8": tiles(qkv=(8, 128, 4, 8)),
                  "qkv_8x256_w8": tiles(qkv=(8, 256, 8, 6))}
+# the o GEMV (~9.7 us a Qwen3-8B layer against ~8.0 of bytes, run N3): half / twice its default rows a program,
+# and longer K tiles with fewer stages (the tile was last swept before the step ran on PDL)
+O_TILE_VARIANTS = {"o_8x256": tiles(o=(8, 256, 4, 6)), "o_32x256_s4": tiles(o=(32, 256, 4, 4)),
+                   "o_16x512_s4": tiles(o=(16, 512, 4, 4))}
 # key -> (config, variants measured besides the default: engine keyword arguments, config overrides)
 SHAPES = {
     "qwen25_7b": (QWEN25_7B, {"tokens_per_step_8": PER_STEP_8, "no_run_ahead": NO_AHEAD, "attn_warps_8": ATTN_WARPS_8,
@@ -98,7 +102,7 @@ SHAPES = {
                             "tokens_per_step_8": PER_STEP_8, "no_run_ahead": NO_AHEAD,
                             "splits_8": SPLITS_8, "splits_8_block_128": SPLITS_8_BLOCK_128,
                             "llama_twin": {"config": TWIN, "profile": True}, **TILE_VARIANTS,
-                            "down_8x512": tiles(down=(8, 512, 4, 5))}),
+                            "down_8x512": tiles(down=(8, 512, 4, 5)), **O_TILE_VARIANTS}),
     "llama3_8b": (LLAMA3_8B, {"no_run_ahead": NO_AHEAD, "attn_warps_8": ATTN_WARPS_8, "attention_one_launch": ONE_LAUNCH,
                               "norm_late": NORM_LATE, **TILE_VARIANTS}),
 }
