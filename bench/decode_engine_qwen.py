@@ -66,8 +66,8 @@ ATTN_WARPS_8 = {"engine": {"fast_path_options": FastOptions(attn_warps=8)}}
 ONE_LAUNCH = {"engine": {"fast_path_options": FastOptions(attn_one_launch=True)}}  # the last split merging
 SPLITS_8 = {"engine": {"fast_path_options": FastOptions(num_splits=8)}}  # attention: 8 splits of 2 blocks
 SPLITS_8_BLOCK_128 = {"engine": {"fast_path_options": FastOptions(num_splits=8, block_s=128)}}
-# the QKV and gate/up GEMVs' RMSNorm folded into their weight stream (not HF's rounding points)
-NORM_LATE = {"engine": {"fast_path_options": FastOptions(norm_late=True)}, "profile": True}
+# the QKV and gate/up GEMVs with their RMSNorm first, at HF's rounding points (the default folds it: run N4)
+NORM_FIRST = {"engine": {"fast_path_options": FastOptions(norm_late=False)}, "profile": True}
 
 
 def tiles(**kw) -> dict:
@@ -87,13 +87,13 @@ O_TILE_VARIANTS = {"o_8x256": tiles(o=(8, 256, 4, 6)), "o_32x256_s4": tiles(o=(3
 # key -> (config, variants measured besides the default: engine keyword arguments, config overrides)
 SHAPES = {
     "qwen25_7b": (QWEN25_7B, {"tokens_per_step_8": PER_STEP_8, "no_run_ahead": NO_AHEAD, "attn_warps_8": ATTN_WARPS_8,
-                              "attention_one_launch": ONE_LAUNCH, "norm_late": NORM_LATE,
+                              "attention_one_launch": ONE_LAUNCH, "norm_first": NORM_FIRST,
                               "llama_twin": {"config": TWIN}}),
     "qwen3_8b": (QWEN3_8B, {"qk_norm_kernel": {"engine": {"fast_path_options": FastOptions(qk_norm_in="kernel")}},
                             # before run N1: q/k norm + rope in the attention's prologue (8 warps there)
                             "qk_norm_attention": {"engine": {"fast_path_options": FastOptions(
                                 qk_norm_in="attention")}, "profile": True},
-                            "attention_one_launch": ONE_LAUNCH, "norm_late": NORM_LATE,
+                            "attention_one_launch": ONE_LAUNCH, "norm_first": NORM_FIRST,
                             "before_q8": {"engine": {"fast_path_options": FastOptions(
                                 qk_norm_in="attention", qk_pos_row_prologue=False)}},
                             "combine_warps_1": {"engine": {"fast_path_options": FastOptions(attn_combine_warps=1)}},
@@ -104,7 +104,7 @@ SHAPES = {
                             "llama_twin": {"config": TWIN, "profile": True}, **TILE_VARIANTS,
                             "down_8x512": tiles(down=(8, 512, 4, 5)), **O_TILE_VARIANTS}),
     "llama3_8b": (LLAMA3_8B, {"no_run_ahead": NO_AHEAD, "attn_warps_8": ATTN_WARPS_8, "attention_one_launch": ONE_LAUNCH,
-                              "norm_late": NORM_LATE, **TILE_VARIANTS}),
+                              "norm_first": NORM_FIRST, **TILE_VARIANTS}),
 }
 PROFILED = ("qwen25_7b", "qwen3_8b")  # their defaults' kernels profiled too
 

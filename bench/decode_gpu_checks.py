@@ -158,7 +158,8 @@ def diagnose(X, model, s, ctx: int = 1024) -> dict:
     layers = {}
     for i in range(len(L)):
         dec.layer(i)
-        h = X.llama.reference_layer(model, i, h, kr_[i], vr_[i], cb[ctx], sb[ctx], ctx)
+        h = X.llama.reference_layer(model, i, h, kr_[i], vr_[i], cb[ctx], sb[ctx], ctx,
+                                    norm_late=X.FastOptions().norm_late)
         if i in (0, 1, 2, 3, 7, 15, 31):
             layers[i] = _cmp(dec.residual, h)
     out["layers"] = layers

@@ -20,6 +20,7 @@ import torch
 
 from services.decode.engine import Engine
 from services.decode.engine.cuda import FastOptions, GqaDecoder, GqaLayer, GqaModel, gemv, reference, reference_step
+from services.decode.engine.cuda.llama import folds_norm
 from services.decode.engine.cuda.adapter import gqa_decoder_from_engine
 from services.decode.engine.cuda.attention import DecodeAttention
 from services.decode.engine.fastpath import engine_reason
@@ -166,10 +167,13 @@ def test_decoder_follows_the_reference_step(name):
                        qk_norm_in="attention" if where == "early_store" else where,
                        qk_pos_row_prologue=where != "early_store")
     dec = GqaDecoder(m, kc, vc, cos, sin, opts, max_steps=8)
+    late = (folds_norm(opts, "qkv", qk_norm, 0), folds_norm(opts, "gate_up", False, 0))  # the default: norm_late
+    assert late == ((backend == "triton" and where != "kernel") if qk_norm else backend == "triton",
+                    backend == "triton")
     dec.set_state(3, ctx)
     tok, expected = 3, []
     for i in range(steps):
-        ref = reference_step(m, kr, vr, cos, sin, tok, ctx + i)
+        ref = reference_step(m, kr, vr, cos, sin, tok, ctx + i, norm_late=late)
         dec.step()
         tok = int(ref.argmax())
         expected.append(tok)

@@ -17,10 +17,10 @@ BF = torch.bfloat16
 
 
 def _late_twin(x, w, nw, eps):
-    """fp32 W @ (x * nw) / rms(x), one rounding at the end (the late form's arithmetic)."""
+    """fp32 W @ round(x * nw) / rms(x), one rounding at the end (the late form's arithmetic)."""
     xf = x.float()
     inv = 1.0 / torch.sqrt((xf * xf).mean() + eps)
-    return (w.float() @ (xf * nw.float())) * inv
+    return (w.float() @ (xf * nw.float()).to(x.dtype).float()) * inv
 
 
 def _rel(a, b):
@@ -74,8 +74,33 @@ def test_a_decoder_with_the_late_norm_follows_the_reference_step():
     dec.set_state(3, ctx)
     tok = 3
     for i in range(steps):
-        ref = reference_step(m, kr, vr, cos, sin, tok, ctx + i)
+        ref = reference_step(m, kr, vr, cos, sin, tok, ctx + i, norm_late=True)
+        hf = reference_step(m, [k.clone() for k in kr], [v.clone() for v in vr], cos, sin, tok, ctx + i)
         dec.step()
         tok = int(ref.argmax())
-        assert _rel(dec.logits, ref) <= 3e-2
+        assert _rel(dec.logits, ref) <= 1e-6  # the folded form's twin
+        assert _rel(dec.logits, hf) <= 3e-2  # and within the model dtype's rounding of HF's form
         assert int(dec.out_tokens[i]) == tok
+        for layer in range(2):
+            assert torch.equal(kc[layer][ctx + i], kr[layer][ctx + i])
+            assert torch.equal(vc[layer][ctx + i], vr[layer][ctx + i])
+
+
+@pytest.mark.parametrize("mode", [0, 1, 2])
+def test_the_batched_gemv_folds_the_norm_as_the_one_token_gemv(mode):
+    """rows_gemv(norm_late) over 3 rows: each row's gate/up output equals the one-token late GEMV's on that row
+    (the batched step decodes a row as it decodes alone), and differs from the norm-first form."""
+    from services.decode.engine.cuda.batch import rows_gemv
+
+    k, inter = 96, 24
+    g = _gen(5)
+    x, w = _rand(g, 3, k, std=2.0), _rand(g, 2 * inter, k, std=0.2)
+    nw = (1 + 0.1 * torch.randn(k, generator=g)).to(BF)
+    late, early = torch.empty(3, inter, dtype=BF), torch.empty(3, inter, dtype=BF)
+    rows_gemv(x, w, late, norm_w=nw, eps=1e-5, silu=True, block_n=8, block_k=32, stages=1, mode=mode, norm_late=True)
+    rows_gemv(x, w, early, norm_w=nw, eps=1e-5, silu=True, block_n=8, block_k=32, stages=1, mode=mode)
+    for r in range(3):
+        one = torch.empty(inter, dtype=BF)
+        gemv.gemv_silu(x[r], w, one, norm_w=nw, eps=1e-5, block_n=8, block_k=32, stages=2, norm_late=True)
+        assert torch.equal(late[r], one), r
+    assert not torch.equal(late, early)

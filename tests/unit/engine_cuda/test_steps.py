@@ -61,7 +61,7 @@ def test_gqa_decoder_follows_reference_tokens_and_advances_state(backend):
     dec.set_state(3, ctx)
     tok, expected = 3, []
     for i in range(steps):
-        ref = reference_step(m, kr, vr, cos, sin, tok, ctx + i)
+        ref = reference_step(m, kr, vr, cos, sin, tok, ctx + i, norm_late=backend == "triton")  # opts.norm_late
         step()
         tok = int(ref.argmax())
         expected.append(tok)

@@ -53,7 +53,7 @@ from .fp8 import act_round, act_scale
 from .gemv import gdc_launch_dependents, gdc_wait, interpreting, l2_prefetch_tiles, launch_opts
 from .kernel_helpers import prefetch_l2, rope_pair, round_to_dtype
 from .kvfp8 import fp8_kv_load, kv_cache_setup
-from .llama import FastOptions, GqaModel
+from .llama import FastOptions, GqaModel, folds_norm
 from .moe import mma
 from .smallops import norm_rope_cache_head, rmsnorm_rows, rope_cache_head
 
@@ -85,11 +85,13 @@ def _rows_gemv_kernel(x_ptr, w_ptr, out_ptr, res_ptr, nw_ptr, bias_ptr, amax_val
                       RESIDUAL: tl.constexpr, ARGMAX: tl.constexpr, SILU: tl.constexpr, MODE: tl.constexpr,
                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, UPCAST: tl.constexpr,
                       PDL: tl.constexpr, PREFETCH: tl.constexpr = 0, ws_ptr=None, xs_ptr=None,
-                      FP8: tl.constexpr = False):
+                      FP8: tl.constexpr = False, NORM_LATE: tl.constexpr = False):
     # MODE 0: acc[T, N] = dot(x, w^T); 1: acc^T[N, T] = dot(w, x^T) (the weights as the A operand);
     # 2: fp32 FMAs into [T, BLOCK_N, BLOCK_K] (T_PAD = next power of two of T, no padding to 16).
     # FP8 (MODE 1): w holds E4M3 bytes with per-row fp32 scales at ws_ptr, read as fp16 (exact); x is fp16 rows
-    # from quant_rows (each row over its own scale at xs_ptr); both scales are applied after the dot
+    # from quant_rows (each row over its own scale at xs_ptr); both scales are applied after the dot.
+    # NORM_LATE (with NORM): the one-token GEMVs' folded norm (gemv._gemv_pair_loop_late_norm): round(x * nw) as
+    # the operand and sum(x^2) in the same loop, each row's sums scaled by its 1 / rms after it
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)  # SILU: gate rows; the up rows are rows + N
     rmask = rows < N
@@ -104,7 +106,8 @@ def _rows_gemv_kernel(x_ptr, w_ptr, out_ptr, res_ptr, nw_ptr, bias_ptr, amax_val
     if PDL:
         gdc_wait()
     inv = tl.full((T_PAD,), 1.0, tl.float32)
-    if NORM:  # RMSNorm statistics per row, tile by tile
+    ss = tl.zeros((T_PAD,), tl.float32)
+    if NORM and not NORM_LATE:  # RMSNorm statistics per row, tile by tile
         ss = tl.zeros((T_PAD,), tl.float32)
         for k in range(0, K, BLOCK_K):
             offs = k + tl.arange(0, BLOCK_K)
@@ -112,6 +115,7 @@ def _rows_gemv_kernel(x_ptr, w_ptr, out_ptr, res_ptr, nw_ptr, bias_ptr, amax_val
                          other=0.0).to(tl.float32)
             ss += tl.sum(xs * xs, axis=1)
         inv = 1.0 / tl.sqrt(ss / K + eps)
+        ss = tl.zeros((T_PAD,), tl.float32)
     if FP8:
         x_scale = tl.load(xs_ptr + t, mask=tmask, other=1.0)
         ws = tl.load(ws_ptr + rows, mask=rmask, other=0.0)
@@ -127,7 +131,12 @@ def _rows_gemv_kernel(x_ptr, w_ptr, out_ptr, res_ptr, nw_ptr, bias_ptr, amax_val
         offs = k + tl.arange(0, BLOCK_K)
         kmask = offs < K
         x = tl.load(x_ptr + t[:, None] * stride_x + offs[None, :], mask=tmask[:, None] & kmask[None, :], other=0.0)
-        if NORM:
+        if NORM and NORM_LATE:
+            nw = tl.load(nw_ptr + offs, mask=kmask, other=0.0)
+            xf = x.to(tl.float32)
+            ss += tl.sum(xf * xf, axis=1)
+            x = round_to_dtype(xf * nw.to(tl.float32)[None, :], nw.dtype)
+        elif NORM:
             nw = tl.load(nw_ptr + offs, mask=kmask, other=0.0)
             xr = round_to_dtype(x.to(tl.float32) * inv[:, None], nw.dtype)
             x = round_to_dtype(xr * nw.to(tl.float32)[None, :], nw.dtype)
@@ -164,6 +173,10 @@ def _rows_gemv_kernel(x_ptr, w_ptr, out_ptr, res_ptr, nw_ptr, bias_ptr, amax_val
     elif MODE == 2:
         acc = tl.sum(acc3, axis=2)
         acc_u = tl.sum(acc3_u, axis=2)
+    if NORM and NORM_LATE:
+        inv = 1.0 / tl.sqrt(ss / K + eps)
+        acc = acc * inv[:, None]
+        acc_u = acc_u * inv[:, None]
     dt = out_ptr.dtype.element_ty
     omask = tmask[:, None] & rmask[None, :]
     if SILU:
@@ -190,13 +203,14 @@ def rows_gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, *, norm_w: to
               silu: bool = False, argmax_parts: tuple[torch.Tensor, torch.Tensor] | None = None,
               block_n: int = 16, block_k: int = 256, num_warps: int = 4, stages: int = 4,
               pdl: bool = False, mode: int = 0, prefetch: int = 0, w_scale: torch.Tensor | None = None,
-              x_scale: torch.Tensor | None = None) -> torch.Tensor:
+              x_scale: torch.Tensor | None = None, norm_late: bool = False) -> torch.Tensor:
     """out[B, N] = [residual +] round(x'[B, K] @ W[N, K]^T [+ bias]), x' = rmsnorm(x) * norm_w when given;
     ``silu``: W is [2I, K] (gate | up), out[B, I] = silu(gate) * up; ``argmax_parts`` (val fp32, idx int32,
     each [B, >= cdiv(N, block_n)]): every block's max per row, for ``finish_rows``. B <= 16. ``mode``: the
     kernel's accumulation (0: x @ W^T on tensor cores, rows padded to 16; 1: W @ x^T likewise; 2: fp32 FMAs).
     ``w_scale`` (fp32 [N] or [2I]): W is float8_e4m3fn with these row scales (mode 1), and x the fp16 rows of
-    :func:`quant_rows` with their scales ``x_scale`` (fp32 [B])."""
+    :func:`quant_rows` with their scales ``x_scale`` (fp32 [B]). ``norm_late`` (with ``norm_w``): the norm folded
+    into the weight stream as the one-token GEMVs fold it (FastOptions.norm_late)."""
     b, k = x.shape
     fp8 = w_scale is not None
     if fp8:
@@ -215,7 +229,8 @@ def rows_gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, *, norm_w: to
         ARGMAX=argmax_parts is not None, SILU=silu, MODE=mode,
         BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, UPCAST=interpreting(), PDL=pdl,
         PREFETCH=l2_prefetch_tiles(prefetch, block_k), ws_ptr=w_scale if fp8 else x,
-        xs_ptr=x_scale if fp8 else x, FP8=fp8, num_warps=num_warps, **launch_opts(pdl))
+        xs_ptr=x_scale if fp8 else x, FP8=fp8, NORM_LATE=norm_late and norm_w is not None, num_warps=num_warps,
+        **launch_opts(pdl))
     return out
 
 
@@ -573,7 +588,8 @@ class GqaBatchDecoder(RowsDecoder):
         pair_n = self.opt.batch_tiles["qkv"][0] // 2
         self.fused_rope = (self.opt.batch_fused_rope and self.opt.batch_mode == 1 and pair_n >= 16
                            and (d // 2) % pair_n == 0 and not self.kv_fmt  # (its epilogue writes bf16 K/V
-                           and fp8_scales is None)  # and reads bf16 weights)
+                           and fp8_scales is None  # and reads bf16 weights)
+                           and not self.opt.norm_late)  # (and takes rows normed before it)
 
     def gemv(self, i: int, name: str, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, tile: str, **kw) -> None:
         """rows_gemv of layer i's projection ``name`` over rows x: bf16 weights as they are; FP8 ones over x's
@@ -586,18 +602,39 @@ class GqaBatchDecoder(RowsDecoder):
         quant_rows(x, xq, self.xscale, self.act_fp8, pdl=self.opt.pdl)
         rows_gemv(xq, w, out, **kw, **self.tile_kwargs(tile), w_scale=scale, x_scale=self.xscale)
 
+    def _norm_late(self, i: int, name: str) -> bool:
+        """Whether layer i's ``name`` ("wqkv" / "w_gate_up") folds its norm into its GEMV: where the one-token
+        step does (FastOptions.norm_late, a bf16 projection; an FP8 layer's bf16 gate/up keeps the norm first, as
+        fp8.Fp8GqaDecoder.layer), so that a row decodes the same batched or alone."""
+        proj = "qkv" if name == "wqkv" else "gate_up"
+        if not folds_norm(self.opt, proj, self.model.layers[i].q_norm is not None, self.kv_fmt):
+            return False
+        if self.fp8_scales is None:
+            return True
+        sc = self.fp8_scales[i]
+        if name == "wqkv":
+            return sc.wqkv is None
+        return sc.wqkv is None and sc.wo is None and sc.w_gate_up is None and sc.w_down is None
+
     def layer(self, i: int) -> None:
         m, lw, eps = self.model, self.model.layers[i], self.model.eps
         hq, hkv, d = m.num_q_heads, m.num_kv_heads, m.head_dim
         kc, vc = self.k_caches[i], self.v_caches[i]
-        rmsnorm_rows(self.residual, lw.attn_norm, self.xn, eps, pdl=self.opt.pdl)
-        if self.fused_rope and lw.q_norm is None:
+        if self._norm_late(i, "wqkv"):  # the norm in the GEMV's weight stream, as the one-token step's
+            self.gemv(i, "wqkv", self.residual, lw.wqkv, self.qkv, "qkv", bias=lw.bqkv, norm_w=lw.attn_norm, eps=eps,
+                      norm_late=True)
+            rope_rows(self.qkv, self.query, kc, vc, self.pos, self.slots, self.cos, self.sin, num_q_heads=hq,
+                      num_kv_heads=hkv, head_dim=d, q_norm=lw.q_norm, k_norm=lw.k_norm, eps=eps, pdl=self.opt.pdl,
+                      kv_fmt=self.kv_fmt, inv_k=self.kv_inv[i][0], inv_v=self.kv_inv[i][1])
+        elif self.fused_rope and lw.q_norm is None:
+            rmsnorm_rows(self.residual, lw.attn_norm, self.xn, eps, pdl=self.opt.pdl)
             bn, bk, nw, st = self.opt.batch_tiles["qkv"]
             rows_qkv_rope(self.xn, lw.wqkv, self.query, kc, vc, self.pos, self.slots, self.cos, self.sin,
                           num_q_heads=hq, num_kv_heads=hkv, head_dim=d, bias=lw.bqkv, block_n=bn // 2, block_k=bk,
                           num_warps=nw, stages=st, pdl=self.opt.pdl,
                           prefetch=self.opt.prefetch_tiles if self.opt.pdl else 0)
         else:
+            rmsnorm_rows(self.residual, lw.attn_norm, self.xn, eps, pdl=self.opt.pdl)
             self.gemv(i, "wqkv", self.xn, lw.wqkv, self.qkv, "qkv", bias=lw.bqkv)
             rope_rows(self.qkv, self.query, kc, vc, self.pos, self.slots, self.cos, self.sin, num_q_heads=hq,
                       num_kv_heads=hkv, head_dim=d, q_norm=lw.q_norm, k_norm=lw.k_norm, eps=eps, pdl=self.opt.pdl,
@@ -606,6 +643,10 @@ class GqaBatchDecoder(RowsDecoder):
                   slot_ids=self.slots, stride_ks=kc.stride(0), stride_vs=vc.stride(0), kv_fmt=self.kv_fmt,
                   k_scale=self.kv_scales[i][0], v_scale=self.kv_scales[i][1])
         self.gemv(i, "wo", self.attn_out, lw.wo, self.residual, "o", residual=self.residual, bias=lw.bo)
-        rmsnorm_rows(self.residual, lw.mlp_norm, self.xn, eps, pdl=self.opt.pdl)
-        self.gemv(i, "w_gate_up", self.xn, lw.w_gate_up, self.act, "gate_up", silu=True)
+        if self._norm_late(i, "w_gate_up"):
+            self.gemv(i, "w_gate_up", self.residual, lw.w_gate_up, self.act, "gate_up", silu=True, norm_w=lw.mlp_norm,
+                      eps=eps, norm_late=True)
+        else:
+            rmsnorm_rows(self.residual, lw.mlp_norm, self.xn, eps, pdl=self.opt.pdl)
+            self.gemv(i, "w_gate_up", self.xn, lw.w_gate_up, self.act, "gate_up", silu=True)
         self.gemv(i, "w_down", self.act, lw.w_down, self.residual, "down", residual=self.residual)

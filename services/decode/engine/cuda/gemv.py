@@ -167,14 +167,16 @@ def _gemv_pair_loop(x_ptr, nw_ptr, w_ptr, rows_a, rows_b, K, inv_rms, wa0, wb0,
 @triton.jit
 def _gemv_pair_loop_late_norm(x_ptr, nw_ptr, w_ptr, rows_a, rows_b, K, eps, wa0, wb0,
                               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
-    # RMSNorm folded into the stream: W @ (x * nw) and sum(x^2) in the same loop, the sums scaled by
+    # RMSNorm folded into the stream: W @ round(x * nw) and sum(x^2) in the same loop, the sums scaled by
     # 1 / rms after it, so the weight stream starts without waiting on a reduction of x. Not HF's rounding
-    # points (x * inv_rms and its product with nw are not rounded to the model dtype): results move by ~1 ulp
+    # points (x * nw is rounded to the model dtype, x * inv_rms is not): results move by ~1 ulp. The batched
+    # step's rows_gemv (norm_late) takes the same operand and scale, so a row decodes as it does alone
     k0 = tl.arange(0, BLOCK_K)
     m0 = k0 < K
-    xr = tl.load(x_ptr + k0, mask=m0, other=0.0).to(tl.float32)
+    x0 = tl.load(x_ptr + k0, mask=m0, other=0.0)
+    xr = x0.to(tl.float32)
     ss = xr * xr
-    xw = xr * tl.load(nw_ptr + k0, mask=m0, other=0.0).to(tl.float32)
+    xw = round_to_dtype(xr * tl.load(nw_ptr + k0, mask=m0, other=0.0).to(tl.float32), x0.dtype)
     acc_a = wa0.to(tl.float32) * xw[None, :]
     acc_b = wb0.to(tl.float32) * xw[None, :]
     for k in tl.range(BLOCK_K, K, BLOCK_K, num_stages=STAGES):
@@ -182,7 +184,7 @@ def _gemv_pair_loop_late_norm(x_ptr, nw_ptr, w_ptr, rows_a, rows_b, K, eps, wa0,
         kmask = offs < K
         xr = tl.load(x_ptr + offs, mask=kmask, other=0.0).to(tl.float32)
         ss += xr * xr
-        xw = xr * tl.load(nw_ptr + offs, mask=kmask, other=0.0).to(tl.float32)
+        xw = round_to_dtype(xr * tl.load(nw_ptr + offs, mask=kmask, other=0.0).to(tl.float32), x0.dtype)
         wa = tl.load(w_ptr + rows_a[:, None].to(tl.int64) * K + offs[None, :], mask=kmask[None, :], other=0.0,
                      eviction_policy="evict_first")
         wb = tl.load(w_ptr + rows_b[:, None].to(tl.int64) * K + offs[None, :], mask=kmask[None, :], other=0.0,

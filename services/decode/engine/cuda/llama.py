@@ -157,11 +157,11 @@ class FastOptions:
     # prefetches into L2 before its PDL wait (0, 1, 2 or 4; a hint: results unchanged; only with PDL).
     # Off: 2 tiles cost +0.12 ms a batch-1 step on the H200 (run F1)
     prefetch_tiles: int = 0
-    # the QKV and gate/up GEMVs' RMSNorm folded into their weight stream (sum of squares beside the dot, the sums
-    # scaled by 1 / rms after the loop) instead of reduced before it: the stream starts right after the PDL
-    # wait, at the cost of HF's rounding points (results move by ~1 ulp of the model dtype). Off until an H200
-    # run shows it faster (bench/gpu_norm_prologue.py bounds the gain)
-    norm_late: bool = False
+    # the QKV and gate/up GEMVs' RMSNorm folded into their weight stream (W @ round(x * nw) and sum(x^2) in one
+    # loop, the sums scaled by 1 / rms after it) instead of reduced before it: the stream starts right after the
+    # PDL wait, at the cost of HF's rounding points (results move by ~1 ulp of the model dtype; the batched step
+    # folds it the same way). On: +1.9% Qwen3-8B, +1.1% Llama-3-8B on the H200 (run N4, bench/NOTES-gpu.md)
+    norm_late: bool = True
     # FP8 checkpoints (cuda/fp8.py): the rope + q / K / V stores in the FP8 QKV GEMV's epilogue (one launch
     # a layer, as the bf16 step); False: gemv_fp8 + rope_cache_write
     fp8_qkv_rope: bool = True
@@ -175,6 +175,18 @@ class FastOptions:
     def attn_tile(self, kv_fmt: int) -> tuple[int, int]:
         """The attention's (num_splits, block_s) over a cache of this format (kvfp8.kv_fmt)."""
         return (self.fp8_kv_attn or (self.num_splits, self.block_s)) if kv_fmt else (self.num_splits, self.block_s)
+
+
+def folds_norm(opt: FastOptions, name: str, has_q_norm: bool, kv_fmt: int) -> bool:
+    """Whether projection ``name`` ("qkv" / "gate_up") of a bf16 layer takes its RMSNorm folded into its GEMV
+    (``opt.norm_late``): not on cuBLAS, and for a Qwen3 QKV only where its q/k norm runs in the attention or the
+    QKV GEMV's last programs (the "kernel" form, and the attention form over an FP8 cache, take the plain GEMV
+    with the norm first). One rule for the one-token and the batched step, so that a row decodes alike in both."""
+    if not opt.norm_late or opt.backends.get(name, "triton") == "cublas":
+        return False
+    if name == "qkv" and has_q_norm:
+        return opt.qk_norm_in == "qkv" or (opt.qk_norm_in == "attention" and not kv_fmt)
+    return True
 
 
 class GqaDecoder:
@@ -288,7 +300,8 @@ class GqaDecoder:
             in_qkv = self._norms_in_qkv(i)
             gemv.gemv_qkv_rope(self.residual, lw.wqkv, lw.attn_norm, eps, self.query, kc, vc, self.pos,
                                self.cos, self.sin, **heads, bias=lw.bqkv, rope=lw.q_norm is None,
-                               pos_early=i > 0, **self.tile_kwargs("qkv"), **kv, norm_late=self.opt.norm_late,
+                               pos_early=i > 0, **self.tile_kwargs("qkv"), **kv,
+                               norm_late=folds_norm(self.opt, "qkv", lw.q_norm is not None, self.kv_fmt),
                                qk_norm=(lw.q_norm, lw.k_norm, self.tmp, self.qk_count) if in_qkv else None)
             if lw.q_norm is not None and not in_qkv:
                 return (lw.q_norm, lw.k_norm, eps, self.cos, self.sin)
@@ -333,7 +346,7 @@ class GqaDecoder:
             smallops.silu_mul(gu, self.act)
         else:
             gemv.gemv_silu(self.residual, lw.w_gate_up, self.act, norm_w=lw.mlp_norm, eps=eps,
-                           norm_late=self.opt.norm_late, **self.tile_kwargs("gate_up"))
+                           norm_late=folds_norm(self.opt, "gate_up", False, self.kv_fmt), **self.tile_kwargs("gate_up"))
         if self._cublas("down"):
             self._add_part(self._linear_into(self.act, lw.w_down, self.tmp[: m.hidden]))
         else:
@@ -410,11 +423,26 @@ def _linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.T
     return (x.float() @ w.float().T + b.float()).to(x.dtype)
 
 
+def _norm_linear(h: torch.Tensor, nw: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, eps: float,
+                 late: bool) -> torch.Tensor:
+    """linear(rmsnorm(h) * nw) (+ b): HF's rounding points, or ``late`` (FastOptions.norm_late) the folded form:
+    fp32 W @ round(h * nw) scaled by 1 / rms(h) (+ b), one rounding at the end."""
+    if not late:
+        return _linear(reference.rms_norm(h, nw, eps), w, b)
+    hf = h.float()
+    inv = 1.0 / torch.sqrt((hf * hf).mean() + eps)
+    y = (w.float() @ (hf * nw.float()).to(h.dtype).float()) * inv
+    return (y if b is None else y + b.float()).to(h.dtype)
+
+
 def reference_layer(model: GqaModel, i: int, h: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    cos_p: torch.Tensor, sin_p: torch.Tensor, pos: int) -> torch.Tensor:
-    """One layer of the torch reference on the residual stream h [H]; writes K/V at pos."""
+                    cos_p: torch.Tensor, sin_p: torch.Tensor, pos: int,
+                    norm_late: bool | tuple[bool, bool] = False) -> torch.Tensor:
+    """One layer of the torch reference on the residual stream h [H]; writes K/V at pos. ``norm_late``: the QKV
+    and gate/up projections (a pair: each its own) take their norm in the folded form (folds_norm)."""
     hq, hkv, d, eps, lw = model.num_q_heads, model.num_kv_heads, model.head_dim, model.eps, model.layers[i]
-    qkv = _linear(reference.rms_norm(h, lw.attn_norm, eps), lw.wqkv, lw.bqkv).view(hq + 2 * hkv, d)
+    qkv_late, gu_late = norm_late if isinstance(norm_late, tuple) else (norm_late, norm_late)
+    qkv = _norm_linear(h, lw.attn_norm, lw.wqkv, lw.bqkv, eps, qkv_late).view(hq + 2 * hkv, d)
     q, k = qkv[:hq], qkv[hq:hq + hkv]
     if lw.q_norm is not None:  # Qwen3: per-head RMSNorm before rope
         q, k = reference.rms_norm(q, lw.q_norm, eps), reference.rms_norm(k, lw.k_norm, eps)
@@ -423,17 +451,19 @@ def reference_layer(model: GqaModel, i: int, h: torch.Tensor, k_cache: torch.Ten
     v_cache[pos] = qkv[hq + hkv:]
     o = reference.attention(q[None], k_cache, v_cache, pos, d ** -0.5)[0].reshape(-1)
     h = h + _linear(o, lw.wo, lw.bo)
-    gu = reference.linear(reference.rms_norm(h, lw.mlp_norm, eps), lw.w_gate_up)
+    gu = _norm_linear(h, lw.mlp_norm, lw.w_gate_up, None, eps, gu_late)
     return h + reference.linear(reference.silu_mul(gu), lw.w_down)
 
 
 def reference_step(model: GqaModel, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor],
-                   cos: torch.Tensor, sin: torch.Tensor, token: int, pos: int) -> torch.Tensor:
-    """Plain torch decode step (same rounding points as the fast path); writes K/V at pos; fp32 logits."""
+                   cos: torch.Tensor, sin: torch.Tensor, token: int, pos: int,
+                   norm_late: bool | tuple[bool, bool] = False) -> torch.Tensor:
+    """Plain torch decode step (same rounding points as the fast path; ``norm_late``: as the fast path with
+    FastOptions.norm_late); writes K/V at pos; fp32 logits."""
     dt = model.embed.dtype
     cos_p, sin_p = cos[pos].to(dt), sin[pos].to(dt)
     h = model.embed[token]
     for i in range(len(model.layers)):
-        h = reference_layer(model, i, h, k_caches[i], v_caches[i], cos_p, sin_p, pos)
+        h = reference_layer(model, i, h, k_caches[i], v_caches[i], cos_p, sin_p, pos, norm_late)
     x = reference.rms_norm(h, model.final_norm, model.eps)
     return x.float() @ model.lm_head.float().T
