@@ -108,14 +108,12 @@ def _rows_gemv_kernel(x_ptr, w_ptr, out_ptr, res_ptr, nw_ptr, bias_ptr, amax_val
     inv = tl.full((T_PAD,), 1.0, tl.float32)
     ss = tl.zeros((T_PAD,), tl.float32)
     if NORM and not NORM_LATE:  # RMSNorm statistics per row, tile by tile
-        ss = tl.zeros((T_PAD,), tl.float32)
         for k in range(0, K, BLOCK_K):
             offs = k + tl.arange(0, BLOCK_K)
             xs = tl.load(x_ptr + t[:, None] * stride_x + offs[None, :], mask=tmask[:, None] & (offs < K)[None, :],
                          other=0.0).to(tl.float32)
             ss += tl.sum(xs * xs, axis=1)
         inv = 1.0 / tl.sqrt(ss / K + eps)
-        ss = tl.zeros((T_PAD,), tl.float32)
     if FP8:
         x_scale = tl.load(xs_ptr + t, mask=tmask, other=1.0)
         ws = tl.load(ws_ptr + rows, mask=rmask, other=0.0)
@@ -603,18 +601,11 @@ class GqaBatchDecoder(RowsDecoder):
         rows_gemv(xq, w, out, **kw, **self.tile_kwargs(tile), w_scale=scale, x_scale=self.xscale)
 
     def _norm_late(self, i: int, name: str) -> bool:
-        """Whether layer i's ``name`` ("wqkv" / "w_gate_up") folds its norm into its GEMV: where the one-token
-        step does (FastOptions.norm_late, a bf16 projection; an FP8 layer's bf16 gate/up keeps the norm first, as
-        fp8.Fp8GqaDecoder.layer), so that a row decodes the same batched or alone."""
+        """Whether layer i's ``name`` ("wqkv" / "w_gate_up") folds its norm into its GEMV: a bf16 projection where
+        the one-token step folds it (llama.folds_norm), so that a row decodes the same batched or alone."""
         proj = "qkv" if name == "wqkv" else "gate_up"
-        if not folds_norm(self.opt, proj, self.model.layers[i].q_norm is not None, self.kv_fmt):
-            return False
-        if self.fp8_scales is None:
-            return True
-        sc = self.fp8_scales[i]
-        if name == "wqkv":
-            return sc.wqkv is None
-        return sc.wqkv is None and sc.wo is None and sc.w_gate_up is None and sc.w_down is None
+        bf16 = self.fp8_scales is None or getattr(self.fp8_scales[i], name) is None
+        return bf16 and folds_norm(self.opt, proj, self.model.layers[i].q_norm is not None, self.kv_fmt)
 
     def layer(self, i: int) -> None:
         m, lw, eps = self.model, self.model.layers[i], self.model.eps

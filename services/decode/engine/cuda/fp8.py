@@ -27,7 +27,7 @@ import triton.language as tl
 from . import gemv, reference, smallops
 from .gemv import gdc_launch_dependents, gdc_wait, launch_opts, qkv_store
 from .kernel_helpers import rnd_bf16, round_to_dtype
-from .llama import GqaDecoder
+from .llama import GqaDecoder, folds_norm
 
 FP8_MAX = 448.0
 ACT_MIN_SCALE = 1.0 / (FP8_MAX * 512.0)
@@ -384,7 +384,7 @@ class Fp8GqaDecoder(GqaDecoder):
                           **self.fp8_tile_kwargs("gate_up"))
         else:
             gemv.gemv_silu(self.residual, lw.w_gate_up, self.act, norm_w=lw.mlp_norm, eps=eps,
-                           **self.tile_kwargs("gate_up"))
+                           norm_late=folds_norm(self.opt, "gate_up", False, self.kv_fmt), **self.tile_kwargs("gate_up"))
         if sc.w_down is not None:
             gemv_fp8(self.act, lw.w_down, sc.w_down, self.residual, residual=self.residual, act=act,
                      **self.fp8_tile_kwargs("down"))
