@@ -23,7 +23,7 @@ import pytest
 
 from infra.processes import free_port
 from shared import subjects
-from shared.bus import Bus
+from shared.bus import Bus, BusNoResponders
 from shared.events import (
     CancelRequest, ClaimGranted, ClaimRejected, ClaimReply, ClaimRequest, DecodeStart,
     HandoffEvent, KvReady, RequestFailed, RequestFinished, SamplingParams, TokenMessage, TokensGenerated,
@@ -143,9 +143,18 @@ class Stack:
         return p
 
     async def claim(self, rid: str, wait_ms: int = 5000, timeout_s: float = 10.0):
+        """Claim as the router does: while no coordinator listens (a leader that stepped down on a
+        slow renewal, until it or a standby takes the key again), ask again within the claim's wait."""
         claim = ClaimRequest(request_id=rid, model=self.model_dir.name, num_prompt_tokens=8,
                              max_tokens=16, wait_ms=wait_ms)
-        return await self.bus.request(subjects.CLAIM, claim, ClaimReply, timeout_s)
+        deadline = time.monotonic() + max(wait_ms / 1000, timeout_s)
+        while True:
+            try:
+                return await self.bus.request(subjects.CLAIM, claim, ClaimReply, timeout_s)
+            except BusNoResponders:
+                if time.monotonic() > deadline:
+                    raise
+                await asyncio.sleep(0.05)
 
     def states(self, rid: str) -> list[str]:
         return [e.state for e in self.events if e.request_id == rid]
