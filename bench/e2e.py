@@ -71,6 +71,11 @@ The router's own histograms over the same run (/metrics, mean = sum / count of t
 ``router_claim_ms_mean`` (claim round trip, the warm claims made in the background included) and
 ``router_prefill_ms_mean`` (prefill leg).
 
+Collector pauses (``gc_pauses``; ``router_gc_full_collections``, ``router_gc_pause_max_le_ms``, the same for
+``decode``): the router's and the decode nodes' ``*_gc_pause_seconds`` histograms (shared.gcheap) at the end
+of the run, since each process froze its heap at start: collections per generation, their total, and the
+bucket bound on the longest one (a full collection of an unfrozen router heap took 0.3-0.4 s).
+
 vLLM's own load client (skip with ``--no-vllm-bench``): ``vllm bench serve`` (backend
 openai-chat, random dataset, 256 input and 64 output tokens, ``--ignore-eos``, temperature 0,
 ``--vllm-bench-prompts`` prompts, ``--max-concurrency`` 1 and 4) against the router with
@@ -309,6 +314,26 @@ def histogram(snap: Snapshot, name: str, scale: float = 1.0) -> dict:
             "p50_bucket": median * scale}
 
 
+def gc_pauses(snap: Snapshot, name: str) -> dict:
+    """The collector's pauses (shared.gcheap) per generation since the processes froze their heaps: count, total
+    and the bound on the longest (the smallest bucket holding every pause), in ms."""
+    out: dict = {}
+    for (n, labels), v in snap.items():
+        gen = dict(labels).get("generation")
+        if gen is None or not n.startswith(name):
+            continue
+        g = out.setdefault(f"gen{gen}", {"count": 0, "sum_ms": 0.0, "max_le_ms": 0.0})
+        if n == f"{name}_count":
+            g["count"] += int(v)
+        elif n == f"{name}_sum":
+            g["sum_ms"] += v * 1000.0
+    for key, g in out.items():
+        les = sorted(float(dict(labels)["le"]) for (n, labels), v in snap.items()
+                     if n == f"{name}_bucket" and f"gen{dict(labels)['generation']}" == key and v >= g["count"])
+        g["max_le_ms"] = les[0] * 1000.0 if les and g["count"] else 0.0
+    return out
+
+
 def lanes_served(snap: Snapshot) -> dict[str, int]:
     """The router's requests counter: requests per lane and status over a run."""
     out: dict[str, int] = {}
@@ -485,6 +510,9 @@ async def run(args: argparse.Namespace, urls: dict) -> dict:
             out["runs"]["c1"]["express_json_schema"] = lane_stats(r)
         if not args.no_vllm_bench:
             out["vllm_bench_serve"] = await vllm_bench(client, args, urls, router_metrics, watch)
+        # over the whole run (a decode node sums over the nodes; a bucket bound is the longest node's)
+        out["gc_pauses"] = {"router": gc_pauses(await scrape(client, router_metrics), "expresslane_router_gc_pause_seconds"),
+                            "decode": gc_pauses(await scrape(client, urls["decode_metrics"]), "xl_decode_gc_pause_seconds")}
     await watch.close()
     return out
 
@@ -566,6 +594,9 @@ def flatten(result: dict) -> dict:
         flat["express_token_overhead_ms"] = flat["express_itl_p50_ms"] - flat["engine_step_ms"]
         flat["express_itl_mean_ms"] = result["runs"]["c1"]["express"]["itl_mean_ms"]
         flat["express_token_overhead_mean_ms"] = flat["express_itl_mean_ms"] - flat["engine_step_ms"]
+    for proc, gens in result.get("gc_pauses", {}).items():
+        flat[f"{proc}_gc_full_collections"] = gens.get("gen2", {}).get("count", 0)
+        flat[f"{proc}_gc_pause_max_le_ms"] = max((g["max_le_ms"] for g in gens.values()), default=0.0)
     for ckey, s in steps.items():
         if ckey != "c1":
             flat[f"engine_step_ms_{ckey}"] = s["mean_ms"]
@@ -601,6 +632,10 @@ def report(result: dict) -> None:
               f"{itl - s['mean_ms']:.3f} (ITL p50 - step mean), {itl_mean - s['mean_ms']:.3f} (mean - mean) ms")
     for ckey, h in result["handoff"].items():
         print_handoff(f"handoff ({ckey}, express", h)
+    for proc, gens in result.get("gc_pauses", {}).items():
+        print(f"{proc} GC pauses over the run (heap frozen at start): " + ", ".join(
+            f"{gen} {g['count']} x, {g['sum_ms']:.1f} ms in all, longest <= {g['max_le_ms']:g} ms"
+            for gen, g in sorted(gens.items())))
     vb = result.get("vllm_bench_serve")
     if vb:
         print(f"\n{'vllm bench serve':<16}{'TTFT p50':>10}{'TTFT p99':>10}{'TPOT p50':>10}{'TPOT p99':>10}"

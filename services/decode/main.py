@@ -17,6 +17,7 @@ from services.decode.config import DecodeConfig, parse
 from services.decode.receiver import Receiver
 from services.decode.server import DecodeNode
 from shared.bus import Bus, BusUnavailable
+from shared.gcheap import GcPauses, freeze_heap
 from shared.log import setup_logging
 from shared.tracing import setup_tracing
 
@@ -60,6 +61,9 @@ async def _run(config: DecodeConfig, argv: list[str]) -> int:
         engine, receiver = await asyncio.to_thread(_load, config)
     try:
         node = DecodeNode(engine, receiver, bus, config, ranks=others)
+        # the model and the imports live as long as the process: out of the collector's walks (shared.gcheap)
+        node.log.info("gc_heap_frozen", **freeze_heap())
+        GcPauses(node.status.registry, "xl_decode")  # the pauses while serving
         stop = asyncio.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
             asyncio.get_running_loop().add_signal_handler(sig, stop.set)
@@ -96,6 +100,7 @@ def _follow(config: DecodeConfig, rank: int) -> int:
         signal.signal(sig, signal.SIG_IGN)  # rank 0 drives the shutdown; this rank dies with it
     group = ranks.Group(rank, config.tensor_parallel_size, ranks.rank_device(config.engine.device, rank))
     engine, receiver, _ = _load_ranks(config, group)
+    freeze_heap()  # a follower's pause stalls every rank's step
     try:
         return ranks.follow(engine, group)
     finally:

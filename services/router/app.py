@@ -52,6 +52,7 @@ from services.router.sampling import bad_words_token_ids
 from shared import subjects
 from shared.bus import Bus, BusError, BusUnavailable
 from shared.events import CancelRequest, ClaimGranted, ClaimReply, NodeMessage
+from shared.gcheap import GcPauses, freeze_heap
 from shared.log import get_logger
 from shared.tracing import extract_context, inject_headers, setup_tracing
 
@@ -65,9 +66,14 @@ WARM_INTERVAL_S = 0.1  # how often warm leases are topped up and aged ones relea
 class Router:
     """The router's state: config, bus, HTTP client, models, nodes."""
 
-    def __init__(self, cfg: RouterConfig) -> None:
+    def __init__(self, cfg: RouterConfig, settle_heap: bool = False) -> None:
+        """``settle_heap`` (the router process's own entry point): measure the collector's pauses, and freeze
+        the heap once everything is loaded, before /health says ready (shared.gcheap)."""
         self.cfg = cfg
         self.metrics = RouterMetrics()
+        self._settle_heap = settle_heap
+        self.heap_settled = False
+        self.gc_pauses: GcPauses | None = None  # from the freeze on: the pauses while serving
         self.nodes = NodeTable()
         self.dispatcher = Dispatcher()
         self.models: dict[str, backend.ModelInfo] = {}
@@ -101,6 +107,15 @@ class Router:
         self.spawn(self._connect_bus())
         for url in self.cfg.prefill_urls:
             self.spawn(self._discover(url))
+        if self._settle_heap:
+            self.spawn(self._freeze_when_loaded())
+
+    async def _freeze_when_loaded(self) -> None:
+        while not self._loaded:
+            await asyncio.sleep(0.05)
+        _log.info("gc_heap_frozen", **freeze_heap())  # one pause (~0.3 s on 2 cores), before ready
+        self.gc_pauses = GcPauses(self.metrics.registry, "expresslane_router")
+        self.heap_settled = True
 
     async def stop(self) -> None:
         if self.bus is not None:
@@ -112,6 +127,8 @@ class Router:
         if self.bus is not None:
             await self.bus.close()
         await self.http.aclose()
+        if self.gc_pauses is not None:
+            self.gc_pauses.close()
 
     async def _connect_bus(self) -> None:
         while True:
@@ -195,6 +212,10 @@ class Router:
 
     @property
     def is_ready(self) -> bool:
+        return self._loaded and (self.heap_settled or not self._settle_heap)
+
+    @property
+    def _loaded(self) -> bool:
         # parsers configured (or --vllm-surface on): vLLM's serving code must be loaded before the lane answers.
         # Otherwise, where it is wanted, its load must have ended (loaded or given up): the import holds the GIL
         # and a core for seconds, and requests answered meanwhile stall behind it (first tokens 20-300 ms late
@@ -372,8 +393,8 @@ def _header_text(text: str) -> str:
     return " ".join(text.encode("latin-1", "replace").decode("latin-1").split())[:300]
 
 
-def create_app(cfg: RouterConfig) -> FastAPI:
-    router = Router(cfg)
+def create_app(cfg: RouterConfig, settle_heap: bool = False) -> FastAPI:
+    router = Router(cfg, settle_heap=settle_heap)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -464,7 +485,7 @@ def main(argv: list[str]) -> int:
         parser.error(str(exc))
     setup_logging("router", level=args.log_level, json=args.log_format == "json")
     logging.getLogger("httpx").setLevel(logging.WARNING)
-    app = create_app(cfg)
+    app = create_app(cfg, settle_heap=True)
     server = uvicorn.Server(uvicorn.Config(app, host=cfg.host, port=cfg.port, log_config=None,
                                            access_log=False, timeout_graceful_shutdown=5))
     server.run()

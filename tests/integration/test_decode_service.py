@@ -7,6 +7,7 @@ Real nats-server, real coordinator and decode processes (see test_coordinator_se
 from __future__ import annotations
 
 import asyncio
+import re
 import uuid
 
 import httpx
@@ -121,6 +122,10 @@ async def test_full_handoff_streams_the_engines_greedy_tokens(stack, transport, 
     metrics = httpx.get(f"http://127.0.0.1:{node.port}/metrics", timeout=5).text
     assert 'xl_decode_requests_total{path="reference"} 1.0' in metrics
     assert f'xl_decode_steps_total{{path="reference"}} {float(NUM_TOKENS)}' in metrics
+    # the model and the imports frozen out of the collector's walks before the node took leases
+    frozen = re.search(r"^xl_decode_gc_frozen_objects (\S+)$", metrics, re.M)
+    assert frozen and float(frozen.group(1)) > 10_000, metrics
+    assert "# TYPE xl_decode_gc_pause_seconds histogram" in metrics
 
     # Stale halves of the finished lease are ignored and counted, nothing is decoded.
     before = (await node.wait_healthy(5))["stale_ignored"]

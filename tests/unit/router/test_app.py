@@ -5,6 +5,8 @@ prefill body, DecodeStart, relay), back-pressure, stop strings, migration and ca
 from __future__ import annotations
 
 import asyncio
+import gc
+import re
 import contextlib
 import json
 import time
@@ -569,3 +571,33 @@ def test_metrics_key_flag_needs_api_keys():
         from_args(args)
     cfg = from_args(build_parser().parse_args(["--metrics-require-api-key", "--api-keys", "k=t"]))
     assert cfg.metrics_require_api_key and cfg.api_keys == {"k": "t"}
+
+
+async def test_the_router_process_freezes_its_heap_before_it_says_ready(nats_url, model_dir):
+    from transformers import AutoTokenizer
+
+    world = World(AutoTokenizer.from_pretrained(model_dir), model_dir)
+    app = create_app(RouterConfig(prefill_urls=("http://vllm",), nats_url=nats_url, vllm_surface="off"),
+                     settle_heap=True)
+    router: Router = app.state.router
+    await router.http.aclose()
+    router.http = httpx.AsyncClient(transport=httpx.MockTransport(world.handler))
+    await router.start()
+    try:
+        deadline = time.monotonic() + 60
+        while not router.is_ready:
+            assert time.monotonic() < deadline, "the router never became ready"
+            assert not (router._loaded and not router.heap_settled and router.is_ready)
+            await asyncio.sleep(0.01)
+        assert router.heap_settled and gc.get_freeze_count() > 0
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://router") as client:
+            assert (await client.get("/health")).status_code == 200
+            gc.collect(2)  # a full collection while serving is measured
+            text = (await client.get("/metrics")).text
+        full = re.search(r'^expresslane_router_gc_pause_seconds_count\{generation="2"\} (\S+)$', text, re.M)
+        assert full and float(full.group(1)) >= 1, text
+        assert "expresslane_router_gc_frozen_objects" in text
+    finally:
+        await router.stop()
+        gc.unfreeze()
+    assert router.gc_pauses._on_gc not in gc.callbacks
