@@ -10,11 +10,12 @@ created lives as long as the process; :func:`freeze_heap` moves it into the perm
 (``gc.freeze``), so later collections walk only what requests create. Reference counting still frees
 everything as before; only cycles among the frozen objects are never collected.
 
-Process entry points call these (the decode node's ``main``, the router's); library objects do not,
-so tests that build many nodes in one process pay nothing.
+Process entry points call these (the decode node's, the router's, the coordinator's; vLLM's engine core
+freezes its own heap the same way); library objects do not, so tests that build many nodes in one process
+pay nothing.
 
 Metrics (on the service's registry, under its prefix): ``<prefix>_gc_pause_seconds{generation}`` (each
-collection's duration) and ``<prefix>_gc_frozen_objects`` (``xl_decode_``, ``expresslane_router_``).
+collection's duration) and ``<prefix>_gc_frozen_objects`` (``xl_decode``, ``expresslane_router``, ``xl_coord``).
 """
 
 from __future__ import annotations

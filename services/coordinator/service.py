@@ -69,6 +69,7 @@ from shared.events import (
     CancelRequest, ClaimRejected, ClaimRequest, DecodeStarted, HandoffEvent, KvFailed, KvReady, NodeAvailable,
     NodeDraining, NodeMessage, SlotReleased, decoder, encode,
 )
+from shared.gcheap import GcPauses, freeze_heap
 from shared.http_status import serve_status
 from shared.log import get_logger, setup_logging
 from shared.tracing import extract_context, setup_tracing
@@ -565,6 +566,8 @@ async def _quietly(coro) -> None:
 async def _run(config: CoordinatorServiceConfig) -> int:
     bus = await Bus.connect(config.nats_url, name="coordinator", auth=config.bus_auth)
     service = CoordinatorService(bus, CoordinatorCore(config.core), config)
+    service.log.info("gc_heap_frozen", **freeze_heap())  # the imports out of the collector's walks (shared.gcheap)
+    GcPauses(service.metrics.registry, "xl_coord")
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -245,6 +245,7 @@ async def test_last_of_n_plus_one_claims_waits_then_is_granted(stack):
     assert not waiting.done()
     metrics = httpx.get(f"http://127.0.0.1:{stack.coord.port}/metrics", timeout=5).text
     assert "xl_coord_queue_depth 1.0" in metrics and "xl_coord_free_slots 0.0" in metrics
+    assert "# TYPE xl_coord_gc_pause_seconds histogram" in metrics and "xl_coord_gc_frozen_objects" in metrics
     tokens, end = await collect(await run_request(stack, grants[0], prompt_len=8, max_tokens=4))
     assert isinstance(end, RequestFinished) and len(tokens) == 4
     assert (end.finish_reason, end.usage.completion_tokens) == ("length", 5)
