@@ -1,7 +1,8 @@
 """Grammars compile off the decode loop, ahead of need: the engine's grammar compiler (the
-tokenizer's vocabulary) once at start, and a request's grammar in a worker thread as soon as its
-``DecodeStart`` arrives, while its KV travels, so the start finds it in the compiler's cache. An
-engine without grammars (``engine.grammars`` absent) makes both no-ops."""
+tokenizer's vocabulary) once at start (the node process builds it before it freezes its heap and
+serves), and a request's grammar in a worker thread as soon as its ``DecodeStart`` arrives, while its
+KV travels, so the start finds it in the compiler's cache. An engine without grammars
+(``engine.grammars`` absent) makes both no-ops."""
 
 from __future__ import annotations
 
@@ -18,6 +19,12 @@ class CompileAhead:
     def warm(self) -> None:
         if getattr(self.engine, "grammars", None) is not None:
             self._spawn(self._warm)
+
+    async def warm_now(self) -> None:
+        """The compiler built before the node serves (the process's entry point, so that what it loads
+        is in the heap it freezes); :meth:`warm` then finds it built."""
+        if getattr(self.engine, "grammars", None) is not None:
+            await asyncio.to_thread(self._warm)
 
     def prepare(self, msg: DecodeStart) -> None:
         prepare = getattr(self.engine, "prepare_grammar", None)

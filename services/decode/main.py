@@ -62,6 +62,7 @@ async def _run(config: DecodeConfig, argv: list[str]) -> int:
     try:
         node = DecodeNode(engine, receiver, bus, config, ranks=others)
         # the model and the imports live as long as the process: out of the collector's walks (shared.gcheap)
+        await node.compile_ahead.warm_now()  # xgrammar and the vocabulary: ~40k objects, into the frozen heap
         node.log.info("gc_heap_frozen", **freeze_heap())
         GcPauses(node.status.registry, "xl_decode")  # the pauses while serving
         stop = asyncio.Event()

@@ -96,8 +96,9 @@ def philox(seed: torch.Tensor, c0: torch.Tensor, c1: torch.Tensor, c2: int | tor
     zero = torch.zeros_like(c0)  # no tensor from a host scalar: the engine captures this in a CUDA graph
     c1 = (c1.to(torch.int64) & _M32) if isinstance(c1, torch.Tensor) else zero + (c1 & _M32)
     c2 = (c2.to(torch.int64) & _M32) if isinstance(c2, torch.Tensor) else zero + (c2 & _M32)
-    shape = torch.broadcast_shapes(k0.shape, c0.shape, c1.shape, c2.shape)
-    c0, c1, c2 = c0.expand(shape), c1.expand(shape), c2.expand(shape)
+    # broadcast_tensors, not broadcast_shapes: the latter is Python over torch._refs (3x slower a call) and
+    # its first call imports sympy (~40k objects, mid-request, into the collector's long-lived generation)
+    c0, c1, c2, _ = torch.broadcast_tensors(c0, c1, c2, k0)
     c3 = torch.zeros_like(c0)
     for _ in range(rounds):
         hi_a, lo_a = _mulhilo(c0, _PHILOX_A)
