@@ -121,6 +121,7 @@ def batch_step_ms(X, model, s: dict, batch: int, ctx: int, opts) -> float:
 # A/B in the same run: the batched QKV with the rope in its epilogue (off by default: runs F2, B5), and the
 # one-launch attention (FastOptions.attn_one_launch, off by default) on the single and the 4-row step
 FUSED_ROPE = dict(batch_fused_rope=True)
+NORM_FIRST = dict(norm_late=False)  # the RMSNorms before the GEMVs (the default folds them in: run N4)
 ONE_LAUNCH = dict(attn_one_launch=True)
 
 
@@ -134,6 +135,14 @@ def decoder_timing(X, model, s: dict, ctx: int = 1024, sweep_tiles: bool = False
         f"batch {b} {res[f'batch{b}_ms']:.3f} ms ({res[f'batch{b}_ratio']:.3f}x)" for b in (2, 4, 8)))
     for b in (4, 8):
         res[f"fused_rope_batch{b}_ms"] = batch_step_ms(X, model, s, b, ctx, replace(opts, **FUSED_ROPE))
+    first = replace(opts, **NORM_FIRST)
+    res["norm_first_single_ms"] = step_timing(X, model, s, ctx, first, steps_per_replay=1)
+    for b in (4, 8):
+        res[f"norm_first_batch{b}_ms"] = batch_step_ms(X, model, s, b, ctx, first)
+        res[f"norm_first_batch{b}_ratio"] = res[f"norm_first_batch{b}_ms"] / res["norm_first_single_ms"]
+    log(f"  norms before the GEMVs (norm_late=False): single {res['norm_first_single_ms']:.3f} ms, batch 4 "
+        f"{res['norm_first_batch4_ms']:.3f} ({res['norm_first_batch4_ratio']:.3f}x), batch 8 "
+        f"{res['norm_first_batch8_ms']:.3f} ({res['norm_first_batch8_ratio']:.3f}x)")
     one = replace(opts, **ONE_LAUNCH)
     res["one_launch_single_ms"] = step_timing(X, model, s, ctx, one, steps_per_replay=1)
     res["one_launch_batch4_ms"] = batch_step_ms(X, model, s, 4, ctx, one)

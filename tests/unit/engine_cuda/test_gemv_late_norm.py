@@ -104,3 +104,32 @@ def test_the_batched_gemv_folds_the_norm_as_the_one_token_gemv(mode):
         gemv.gemv_silu(x[r], w, one, norm_w=nw, eps=1e-5, block_n=8, block_k=32, stages=2, norm_late=True)
         assert torch.equal(late[r], one), r
     assert not torch.equal(late, early)
+
+
+@pytest.mark.parametrize("mode", [0, 1, 2])
+def test_the_folded_norm_computed_once_a_step_gives_the_folded_gemv_s_rows(mode):
+    """norm_late_rows (round(x * nw) and 1 / rms, once a step) + rows_gemv(row_scale): the batched step's form
+    of the folded norm, every program reading the operand instead of recomputing it. Each row equals the
+    one-token late GEMV's (a row decodes batched as alone), for the gate/up GEMV and the QKV one with its bias."""
+    from services.decode.engine.cuda.batch import norm_late_rows, rows_gemv
+
+    k, inter = 96, 24
+    g = _gen(7)
+    x, w = _rand(g, 3, k, std=2.0), _rand(g, 2 * inter, k, std=0.2)
+    nw = (1 + 0.1 * torch.randn(k, generator=g)).to(BF)
+    bias = _rand(g, 2 * inter, std=0.1)
+    xn, inv = torch.empty(3, k, dtype=BF), torch.empty(3, dtype=torch.float32)
+    norm_late_rows(x, nw, xn, inv, 1e-5)
+    xf = x.float()
+    assert torch.equal(xn, (xf * nw.float()).to(BF))
+    assert torch.allclose(inv, torch.rsqrt(xf.pow(2).mean(-1) + 1e-5), rtol=1e-6)
+    act, qkv = torch.empty(3, inter, dtype=BF), torch.empty(3, 2 * inter, dtype=BF)
+    rows_gemv(xn, w, act, silu=True, row_scale=inv, block_n=8, block_k=32, stages=1, mode=mode)
+    rows_gemv(xn, w, qkv, bias=bias, row_scale=inv, block_n=8, block_k=32, stages=1, mode=mode)
+    for r in range(3):
+        one = torch.empty(inter, dtype=BF)
+        gemv.gemv_silu(x[r], w, one, norm_w=nw, eps=1e-5, block_n=8, block_k=32, stages=2, norm_late=True)
+        assert torch.equal(act[r], one), r
+    folded = torch.empty(3, 2 * inter, dtype=BF)
+    rows_gemv(x, w, folded, bias=bias, norm_w=nw, eps=1e-5, block_n=8, block_k=32, stages=1, mode=mode, norm_late=True)
+    assert torch.equal(qkv, folded)

@@ -85,13 +85,15 @@ def _rows_gemv_kernel(x_ptr, w_ptr, out_ptr, res_ptr, nw_ptr, bias_ptr, amax_val
                       RESIDUAL: tl.constexpr, ARGMAX: tl.constexpr, SILU: tl.constexpr, MODE: tl.constexpr,
                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, UPCAST: tl.constexpr,
                       PDL: tl.constexpr, PREFETCH: tl.constexpr = 0, ws_ptr=None, xs_ptr=None,
-                      FP8: tl.constexpr = False, NORM_LATE: tl.constexpr = False):
+                      FP8: tl.constexpr = False, NORM_LATE: tl.constexpr = False, rs_ptr=None,
+                      ROW_SCALE: tl.constexpr = False):
     # MODE 0: acc[T, N] = dot(x, w^T); 1: acc^T[N, T] = dot(w, x^T) (the weights as the A operand);
     # 2: fp32 FMAs into [T, BLOCK_N, BLOCK_K] (T_PAD = next power of two of T, no padding to 16).
     # FP8 (MODE 1): w holds E4M3 bytes with per-row fp32 scales at ws_ptr, read as fp16 (exact); x is fp16 rows
     # from quant_rows (each row over its own scale at xs_ptr); both scales are applied after the dot.
     # NORM_LATE (with NORM): the one-token GEMVs' folded norm (gemv._gemv_pair_loop_late_norm): round(x * nw) as
-    # the operand and sum(x^2) in the same loop, each row's sums scaled by its 1 / rms after it
+    # the operand and sum(x^2) in the same loop, each row's sums scaled by its 1 / rms after it.
+    # ROW_SCALE: each row's sums times rs_ptr[t] after the loop (norm_late_rows' 1 / rms, x its round(x * nw))
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)  # SILU: gate rows; the up rows are rows + N
     rmask = rows < N
@@ -175,6 +177,10 @@ def _rows_gemv_kernel(x_ptr, w_ptr, out_ptr, res_ptr, nw_ptr, bias_ptr, amax_val
         inv = 1.0 / tl.sqrt(ss / K + eps)
         acc = acc * inv[:, None]
         acc_u = acc_u * inv[:, None]
+    if ROW_SCALE:
+        inv = tl.load(rs_ptr + t, mask=tmask, other=1.0)
+        acc = acc * inv[:, None]
+        acc_u = acc_u * inv[:, None]
     dt = out_ptr.dtype.element_ty
     omask = tmask[:, None] & rmask[None, :]
     if SILU:
@@ -201,14 +207,17 @@ def rows_gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, *, norm_w: to
               silu: bool = False, argmax_parts: tuple[torch.Tensor, torch.Tensor] | None = None,
               block_n: int = 16, block_k: int = 256, num_warps: int = 4, stages: int = 4,
               pdl: bool = False, mode: int = 0, prefetch: int = 0, w_scale: torch.Tensor | None = None,
-              x_scale: torch.Tensor | None = None, norm_late: bool = False) -> torch.Tensor:
+              x_scale: torch.Tensor | None = None, norm_late: bool = False,
+              row_scale: torch.Tensor | None = None) -> torch.Tensor:
     """out[B, N] = [residual +] round(x'[B, K] @ W[N, K]^T [+ bias]), x' = rmsnorm(x) * norm_w when given;
     ``silu``: W is [2I, K] (gate | up), out[B, I] = silu(gate) * up; ``argmax_parts`` (val fp32, idx int32,
     each [B, >= cdiv(N, block_n)]): every block's max per row, for ``finish_rows``. B <= 16. ``mode``: the
     kernel's accumulation (0: x @ W^T on tensor cores, rows padded to 16; 1: W @ x^T likewise; 2: fp32 FMAs).
     ``w_scale`` (fp32 [N] or [2I]): W is float8_e4m3fn with these row scales (mode 1), and x the fp16 rows of
     :func:`quant_rows` with their scales ``x_scale`` (fp32 [B]). ``norm_late`` (with ``norm_w``): the norm folded
-    into the weight stream as the one-token GEMVs fold it (FastOptions.norm_late)."""
+    into the weight stream as the one-token GEMVs fold it (FastOptions.norm_late). ``row_scale`` (fp32 [B]): each
+    row's sums times it before the epilogue (x and row_scale from :func:`norm_late_rows`: the folded norm's
+    operand and 1 / rms computed once for every program, the same values)."""
     b, k = x.shape
     fp8 = w_scale is not None
     if fp8:
@@ -227,9 +236,37 @@ def rows_gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, *, norm_w: to
         ARGMAX=argmax_parts is not None, SILU=silu, MODE=mode,
         BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, UPCAST=interpreting(), PDL=pdl,
         PREFETCH=l2_prefetch_tiles(prefetch, block_k), ws_ptr=w_scale if fp8 else x,
-        xs_ptr=x_scale if fp8 else x, FP8=fp8, NORM_LATE=norm_late and norm_w is not None, num_warps=num_warps,
+        xs_ptr=x_scale if fp8 else x, FP8=fp8, NORM_LATE=norm_late and norm_w is not None,
+        rs_ptr=row_scale if row_scale is not None else x, ROW_SCALE=row_scale is not None, num_warps=num_warps,
         **launch_opts(pdl))
     return out
+
+
+@triton.jit
+def _norm_late_rows_kernel(x_ptr, nw_ptr, xn_ptr, inv_ptr, K, eps, stride_x, stride_xn, K_POW2: tl.constexpr,
+                           PDL: tl.constexpr):
+    b = tl.program_id(0)
+    if PDL:  # x comes from the previous kernel; the GEMV after us waits for all of us before reading xn
+        gdc_wait()
+        gdc_launch_dependents()
+    offs = tl.arange(0, K_POW2)
+    m = offs < K
+    x = tl.load(x_ptr + b * stride_x + offs, mask=m, other=0.0)
+    xf = x.to(tl.float32)
+    nw = tl.load(nw_ptr + offs, mask=m, other=0.0)
+    tl.store(xn_ptr + b * stride_xn + offs, round_to_dtype(xf * nw.to(tl.float32), nw.dtype).to(x.dtype), mask=m)
+    tl.store(inv_ptr + b, 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / K + eps))
+
+
+def norm_late_rows(x: torch.Tensor, norm_w: torch.Tensor, xn: torch.Tensor, inv: torch.Tensor, eps: float,
+                   pdl: bool = False) -> None:
+    """The folded RMSNorm's two halves for each row, once a step instead of in every GEMV program (rows_gemv's
+    ``norm_late`` recomputes both in each of its N / block_n programs): xn[b] = round(x[b] * norm_w) (the GEMV's
+    operand) and inv[b] = 1 / rms(x[b]) (fp32, its ``row_scale``). The same operand as the fold inside the GEMV,
+    the sum of squares in another order (within an ulp of fp32)."""
+    k = x.shape[-1]
+    _norm_late_rows_kernel[(x.shape[0],)](x, norm_w, xn, inv, k, eps, x.stride(0), xn.stride(0),
+                                          K_POW2=triton.next_power_of_2(k), PDL=pdl, num_warps=8, **launch_opts(pdl))
 
 
 @triton.jit
@@ -577,6 +614,7 @@ class GqaBatchDecoder(RowsDecoder):
         self.attn_out = torch.zeros(b, hq * d, dtype=dt, device=dev)
         self.act = torch.zeros(b, inter, dtype=dt, device=dev)
         self.xn = torch.zeros(b, h, dtype=dt, device=dev)
+        self.inv_rms = torch.ones(b, dtype=torch.float32, device=dev)  # norm_late_rows' 1 / rms of each row
         splits, block_s = self.opt.attn_tile(self.kv_fmt)
         self.attn = DecodeAttention(num_q_heads=hq, num_kv_heads=hkv, d_main=d, d_v=d, num_splits=splits,
                                     block_s=block_s, num_warps=self.opt.attn_num_warps(False), pdl=self.opt.pdl,
@@ -611,9 +649,9 @@ class GqaBatchDecoder(RowsDecoder):
         m, lw, eps = self.model, self.model.layers[i], self.model.eps
         hq, hkv, d = m.num_q_heads, m.num_kv_heads, m.head_dim
         kc, vc = self.k_caches[i], self.v_caches[i]
-        if self._norm_late(i, "wqkv"):  # the norm in the GEMV's weight stream, as the one-token step's
-            self.gemv(i, "wqkv", self.residual, lw.wqkv, self.qkv, "qkv", bias=lw.bqkv, norm_w=lw.attn_norm, eps=eps,
-                      norm_late=True)
+        if self._norm_late(i, "wqkv"):  # the norm folded as the one-token step folds it, its halves computed once
+            norm_late_rows(self.residual, lw.attn_norm, self.xn, self.inv_rms, eps, pdl=self.opt.pdl)
+            self.gemv(i, "wqkv", self.xn, lw.wqkv, self.qkv, "qkv", bias=lw.bqkv, row_scale=self.inv_rms)
             rope_rows(self.qkv, self.query, kc, vc, self.pos, self.slots, self.cos, self.sin, num_q_heads=hq,
                       num_kv_heads=hkv, head_dim=d, q_norm=lw.q_norm, k_norm=lw.k_norm, eps=eps, pdl=self.opt.pdl,
                       kv_fmt=self.kv_fmt, inv_k=self.kv_inv[i][0], inv_v=self.kv_inv[i][1])
@@ -635,8 +673,8 @@ class GqaBatchDecoder(RowsDecoder):
                   k_scale=self.kv_scales[i][0], v_scale=self.kv_scales[i][1])
         self.gemv(i, "wo", self.attn_out, lw.wo, self.residual, "o", residual=self.residual, bias=lw.bo)
         if self._norm_late(i, "w_gate_up"):
-            self.gemv(i, "w_gate_up", self.residual, lw.w_gate_up, self.act, "gate_up", silu=True, norm_w=lw.mlp_norm,
-                      eps=eps, norm_late=True)
+            norm_late_rows(self.residual, lw.mlp_norm, self.xn, self.inv_rms, eps, pdl=self.opt.pdl)
+            self.gemv(i, "w_gate_up", self.xn, lw.w_gate_up, self.act, "gate_up", silu=True, row_scale=self.inv_rms)
         else:
             rmsnorm_rows(self.residual, lw.mlp_norm, self.xn, eps, pdl=self.opt.pdl)
             self.gemv(i, "w_gate_up", self.xn, lw.w_gate_up, self.act, "gate_up", silu=True)
