@@ -72,7 +72,6 @@ class Router:
         self.cfg = cfg
         self.metrics = RouterMetrics()
         self._settle_heap = settle_heap
-        self.heap_settled = False
         self.gc_pauses: GcPauses | None = None  # from the freeze on: the pauses while serving
         self.nodes = NodeTable()
         self.dispatcher = Dispatcher()
@@ -115,7 +114,6 @@ class Router:
             await asyncio.sleep(0.05)
         _log.info("gc_heap_frozen", **freeze_heap())  # one pause (~0.3 s on 2 cores), before ready
         self.gc_pauses = GcPauses(self.metrics.registry, "expresslane_router")
-        self.heap_settled = True
 
     async def stop(self) -> None:
         if self.bus is not None:
@@ -209,6 +207,11 @@ class Router:
             except Exception:
                 _log.exception("model_discovery_failed", url=url)
                 await asyncio.sleep(2.0)
+
+    @property
+    def heap_settled(self) -> bool:
+        """The heap is frozen (and the pauses measured) since everything loaded."""
+        return self.gc_pauses is not None
 
     @property
     def is_ready(self) -> bool:

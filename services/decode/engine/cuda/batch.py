@@ -55,7 +55,7 @@ from .kernel_helpers import prefetch_l2, rope_pair, round_to_dtype
 from .kvfp8 import fp8_kv_load, kv_cache_setup
 from .llama import FastOptions, GqaModel, folds_norm
 from .moe import mma
-from .smallops import norm_rope_cache_head, rmsnorm_rows, rope_cache_head
+from .smallops import norm_late_rows, norm_rope_cache_head, rmsnorm_rows, rope_cache_head
 
 MAX_BATCH = 8
 BATCH_SIZES = (2, 4, 8)  # padded batch sizes, one graph each
@@ -85,15 +85,13 @@ def _rows_gemv_kernel(x_ptr, w_ptr, out_ptr, res_ptr, nw_ptr, bias_ptr, amax_val
                       RESIDUAL: tl.constexpr, ARGMAX: tl.constexpr, SILU: tl.constexpr, MODE: tl.constexpr,
                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, UPCAST: tl.constexpr,
                       PDL: tl.constexpr, PREFETCH: tl.constexpr = 0, ws_ptr=None, xs_ptr=None,
-                      FP8: tl.constexpr = False, NORM_LATE: tl.constexpr = False, rs_ptr=None,
-                      ROW_SCALE: tl.constexpr = False):
+                      FP8: tl.constexpr = False, rs_ptr=None, ROW_SCALE: tl.constexpr = False):
     # MODE 0: acc[T, N] = dot(x, w^T); 1: acc^T[N, T] = dot(w, x^T) (the weights as the A operand);
     # 2: fp32 FMAs into [T, BLOCK_N, BLOCK_K] (T_PAD = next power of two of T, no padding to 16).
     # FP8 (MODE 1): w holds E4M3 bytes with per-row fp32 scales at ws_ptr, read as fp16 (exact); x is fp16 rows
     # from quant_rows (each row over its own scale at xs_ptr); both scales are applied after the dot.
-    # NORM_LATE (with NORM): the one-token GEMVs' folded norm (gemv._gemv_pair_loop_late_norm): round(x * nw) as
-    # the operand and sum(x^2) in the same loop, each row's sums scaled by its 1 / rms after it.
-    # ROW_SCALE: each row's sums times rs_ptr[t] after the loop (norm_late_rows' 1 / rms, x its round(x * nw))
+    # ROW_SCALE: each row's sums times rs_ptr[t] after the loop (the folded norm: x = round(x * nw) and rs = 1 / rms
+    # from smallops.norm_late_rows, as the one-token GEMVs fold it, gemv._gemv_pair_loop_late_norm)
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)  # SILU: gate rows; the up rows are rows + N
     rmask = rows < N
@@ -108,8 +106,8 @@ def _rows_gemv_kernel(x_ptr, w_ptr, out_ptr, res_ptr, nw_ptr, bias_ptr, amax_val
     if PDL:
         gdc_wait()
     inv = tl.full((T_PAD,), 1.0, tl.float32)
-    ss = tl.zeros((T_PAD,), tl.float32)
-    if NORM and not NORM_LATE:  # RMSNorm statistics per row, tile by tile
+    if NORM:  # RMSNorm statistics per row, tile by tile
+        ss = tl.zeros((T_PAD,), tl.float32)
         for k in range(0, K, BLOCK_K):
             offs = k + tl.arange(0, BLOCK_K)
             xs = tl.load(x_ptr + t[:, None] * stride_x + offs[None, :], mask=tmask[:, None] & (offs < K)[None, :],
@@ -131,12 +129,7 @@ def _rows_gemv_kernel(x_ptr, w_ptr, out_ptr, res_ptr, nw_ptr, bias_ptr, amax_val
         offs = k + tl.arange(0, BLOCK_K)
         kmask = offs < K
         x = tl.load(x_ptr + t[:, None] * stride_x + offs[None, :], mask=tmask[:, None] & kmask[None, :], other=0.0)
-        if NORM and NORM_LATE:
-            nw = tl.load(nw_ptr + offs, mask=kmask, other=0.0)
-            xf = x.to(tl.float32)
-            ss += tl.sum(xf * xf, axis=1)
-            x = round_to_dtype(xf * nw.to(tl.float32)[None, :], nw.dtype)
-        elif NORM:
+        if NORM:
             nw = tl.load(nw_ptr + offs, mask=kmask, other=0.0)
             xr = round_to_dtype(x.to(tl.float32) * inv[:, None], nw.dtype)
             x = round_to_dtype(xr * nw.to(tl.float32)[None, :], nw.dtype)
@@ -173,10 +166,6 @@ def _rows_gemv_kernel(x_ptr, w_ptr, out_ptr, res_ptr, nw_ptr, bias_ptr, amax_val
     elif MODE == 2:
         acc = tl.sum(acc3, axis=2)
         acc_u = tl.sum(acc3_u, axis=2)
-    if NORM and NORM_LATE:
-        inv = 1.0 / tl.sqrt(ss / K + eps)
-        acc = acc * inv[:, None]
-        acc_u = acc_u * inv[:, None]
     if ROW_SCALE:
         inv = tl.load(rs_ptr + t, mask=tmask, other=1.0)
         acc = acc * inv[:, None]
@@ -207,17 +196,15 @@ def rows_gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, *, norm_w: to
               silu: bool = False, argmax_parts: tuple[torch.Tensor, torch.Tensor] | None = None,
               block_n: int = 16, block_k: int = 256, num_warps: int = 4, stages: int = 4,
               pdl: bool = False, mode: int = 0, prefetch: int = 0, w_scale: torch.Tensor | None = None,
-              x_scale: torch.Tensor | None = None, norm_late: bool = False,
-              row_scale: torch.Tensor | None = None) -> torch.Tensor:
+              x_scale: torch.Tensor | None = None, row_scale: torch.Tensor | None = None) -> torch.Tensor:
     """out[B, N] = [residual +] round(x'[B, K] @ W[N, K]^T [+ bias]), x' = rmsnorm(x) * norm_w when given;
     ``silu``: W is [2I, K] (gate | up), out[B, I] = silu(gate) * up; ``argmax_parts`` (val fp32, idx int32,
     each [B, >= cdiv(N, block_n)]): every block's max per row, for ``finish_rows``. B <= 16. ``mode``: the
     kernel's accumulation (0: x @ W^T on tensor cores, rows padded to 16; 1: W @ x^T likewise; 2: fp32 FMAs).
     ``w_scale`` (fp32 [N] or [2I]): W is float8_e4m3fn with these row scales (mode 1), and x the fp16 rows of
-    :func:`quant_rows` with their scales ``x_scale`` (fp32 [B]). ``norm_late`` (with ``norm_w``): the norm folded
-    into the weight stream as the one-token GEMVs fold it (FastOptions.norm_late). ``row_scale`` (fp32 [B]): each
-    row's sums times it before the epilogue (x and row_scale from :func:`norm_late_rows`: the folded norm's
-    operand and 1 / rms computed once for every program, the same values)."""
+    :func:`quant_rows` with their scales ``x_scale`` (fp32 [B]). ``row_scale`` (fp32 [B]): each row's sums times it
+    before the epilogue; with x and row_scale from smallops.norm_late_rows, the RMSNorm folded as the one-token
+    GEMVs fold it (FastOptions.norm_late), its operand and 1 / rms computed once a step."""
     b, k = x.shape
     fp8 = w_scale is not None
     if fp8:
@@ -236,37 +223,9 @@ def rows_gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, *, norm_w: to
         ARGMAX=argmax_parts is not None, SILU=silu, MODE=mode,
         BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, UPCAST=interpreting(), PDL=pdl,
         PREFETCH=l2_prefetch_tiles(prefetch, block_k), ws_ptr=w_scale if fp8 else x,
-        xs_ptr=x_scale if fp8 else x, FP8=fp8, NORM_LATE=norm_late and norm_w is not None,
-        rs_ptr=row_scale if row_scale is not None else x, ROW_SCALE=row_scale is not None, num_warps=num_warps,
-        **launch_opts(pdl))
+        xs_ptr=x_scale if fp8 else x, FP8=fp8, rs_ptr=row_scale if row_scale is not None else x,
+        ROW_SCALE=row_scale is not None, num_warps=num_warps, **launch_opts(pdl))
     return out
-
-
-@triton.jit
-def _norm_late_rows_kernel(x_ptr, nw_ptr, xn_ptr, inv_ptr, K, eps, stride_x, stride_xn, K_POW2: tl.constexpr,
-                           PDL: tl.constexpr):
-    b = tl.program_id(0)
-    if PDL:  # x comes from the previous kernel; the GEMV after us waits for all of us before reading xn
-        gdc_wait()
-        gdc_launch_dependents()
-    offs = tl.arange(0, K_POW2)
-    m = offs < K
-    x = tl.load(x_ptr + b * stride_x + offs, mask=m, other=0.0)
-    xf = x.to(tl.float32)
-    nw = tl.load(nw_ptr + offs, mask=m, other=0.0)
-    tl.store(xn_ptr + b * stride_xn + offs, round_to_dtype(xf * nw.to(tl.float32), nw.dtype).to(x.dtype), mask=m)
-    tl.store(inv_ptr + b, 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / K + eps))
-
-
-def norm_late_rows(x: torch.Tensor, norm_w: torch.Tensor, xn: torch.Tensor, inv: torch.Tensor, eps: float,
-                   pdl: bool = False) -> None:
-    """The folded RMSNorm's two halves for each row, once a step instead of in every GEMV program (rows_gemv's
-    ``norm_late`` recomputes both in each of its N / block_n programs): xn[b] = round(x[b] * norm_w) (the GEMV's
-    operand) and inv[b] = 1 / rms(x[b]) (fp32, its ``row_scale``). The same operand as the fold inside the GEMV,
-    the sum of squares in another order (within an ulp of fp32)."""
-    k = x.shape[-1]
-    _norm_late_rows_kernel[(x.shape[0],)](x, norm_w, xn, inv, k, eps, x.stride(0), xn.stride(0),
-                                          K_POW2=triton.next_power_of_2(k), PDL=pdl, num_warps=8, **launch_opts(pdl))
 
 
 @triton.jit

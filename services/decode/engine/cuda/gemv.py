@@ -170,7 +170,7 @@ def _gemv_pair_loop_late_norm(x_ptr, nw_ptr, w_ptr, rows_a, rows_b, K, eps, wa0,
     # RMSNorm folded into the stream: W @ round(x * nw) and sum(x^2) in the same loop, the sums scaled by
     # 1 / rms after it, so the weight stream starts without waiting on a reduction of x. Not HF's rounding
     # points (x * nw is rounded to the model dtype, x * inv_rms is not): results move by ~1 ulp. The batched
-    # step's rows_gemv (norm_late) takes the same operand and scale, so a row decodes as it does alone
+    # step's GEMVs take the same operand and scale (smallops.norm_late_rows), so a row decodes as it does alone
     k0 = tl.arange(0, BLOCK_K)
     m0 = k0 < K
     x0 = tl.load(x_ptr + k0, mask=m0, other=0.0)

@@ -20,7 +20,8 @@ from .qknorm import norm_rope_cache_head, norm_rope_rows  # noqa: F401 (attentio
 
 @triton.jit
 def _rmsnorm_kernel(x_ptr, w_ptr, out_ptr, K, eps, stride_x, stride_o, K_POW2: tl.constexpr,
-                    PDL: tl.constexpr = False):
+                    PDL: tl.constexpr = False, inv_ptr=None, LATE: tl.constexpr = False):
+    # LATE: the folded form's two halves, out = round(x * w) and inv_ptr[row] = 1 / rms (norm_late_rows)
     row = tl.program_id(0)
     if PDL:
         gdc_wait()
@@ -32,8 +33,12 @@ def _rmsnorm_kernel(x_ptr, w_ptr, out_ptr, K, eps, stride_x, stride_o, K_POW2: t
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     inv = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / K + eps)
     w = tl.load(w_ptr + offs, mask=mask, other=0.0)
-    xr = round_to_dtype(x * inv, w.dtype)
-    tl.store(out_ptr + offs, (xr * w.to(tl.float32)).to(w.dtype), mask=mask)
+    if LATE:
+        tl.store(out_ptr + offs, round_to_dtype(x * w.to(tl.float32), w.dtype).to(w.dtype), mask=mask)
+        tl.store(inv_ptr + row, inv)
+    else:
+        xr = round_to_dtype(x * inv, w.dtype)
+        tl.store(out_ptr + offs, (xr * w.to(tl.float32)).to(w.dtype), mask=mask)
 
 
 @triton.jit
@@ -109,6 +114,17 @@ def rmsnorm_rows(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, eps: float
     k = x.shape[-1]
     _rmsnorm_kernel[(x.shape[0],)](x, w, out, k, eps, x.stride(0), out.stride(0),
                                    K_POW2=triton.next_power_of_2(k), PDL=pdl, num_warps=8, **launch_opts(pdl))
+    return out
+
+
+def norm_late_rows(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, inv: torch.Tensor, eps: float,
+                   pdl: bool = False) -> torch.Tensor:
+    """The folded RMSNorm's two halves for each row of x [T, K], once a step (the batched step's GEMVs read them
+    instead of each program recomputing them): out[t] = round(x[t] * w), the GEMV's operand, and inv[t] =
+    1 / rms(x[t]) (fp32), its ``row_scale`` (batch.rows_gemv): the norm as the one-token GEMVs fold it."""
+    k = x.shape[-1]
+    _rmsnorm_kernel[(x.shape[0],)](x, w, out, k, eps, x.stride(0), out.stride(0), K_POW2=triton.next_power_of_2(k),
+                                   PDL=pdl, inv_ptr=inv, LATE=True, num_warps=8, **launch_opts(pdl))
     return out
 
 
