@@ -17,7 +17,7 @@ shapes through the Engine API (part "qwen", bench/decode_engine_qwen.py, over th
 ``*_path``; ``QWEN_VARIANTS`` picks its variants, none but the default unless set).
 Prints a table; writes --out (default bench/results/decode_gpu.json).
 
-    python bench/decode_gpu.py [--parts copy,micro,llama,correct,hf,ctx,mla,dsv3,dsv32,sampled,batch,qwen]
+    python bench/decode_gpu.py [--parts copy,micro,llama,correct,hf,ctx,mla,dsv3,dsv3fp8,dsv32,sampled,batch,qwen]
         [--out PATH]
 """
 
@@ -418,6 +418,13 @@ def main(argv: list[str] | None = None) -> int:
             R["dsv3_error"] = traceback.format_exc()[-1500:]
             log(R["dsv3_error"])
         save()
+    if "dsv3fp8" in parts:
+        try:
+            from decode_gpu_mla import run_dsv3_fp8  # bench/ is on sys.path when run as a script
+            run_dsv3_fp8(X, R)
+        except Exception:
+            R["dsv3fp8_error"] = traceback.format_exc()[-1500:]
+            log(R["dsv3fp8_error"])
     if "dsv32" in parts:
         try:
             from decode_gpu_mla import run_dsv32  # bench/ is on sys.path when run as a script

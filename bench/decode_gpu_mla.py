@@ -38,14 +38,35 @@ def log(*a):
     print(*a, flush=True)
 
 
-def build(X, s: dict, seed: int = 0):
+def build(X, s: dict, seed: int = 0, fp8: bool = False):
+    """The model of shape ``s`` with random weights; ``fp8``: every projection DeepSeek-V3's FP8 checkpoints quantize
+    (q/kv/o projections, experts, shared experts, the dense MLP, the MTP block) as block-scaled FP8 in 128 x 128
+    blocks with activations rounded per block (fp8block.BlockFp8), kv_b (w_uk, w_uv), router, heads and eh_proj bf16."""
     M = X.mla
     g = torch.Generator(device="cuda").manual_seed(seed)
     bf = torch.bfloat16
     out_scale = (2 * s["layers"]) ** -0.5
 
-    def w(*shape, sc=1.0):  # scaled in place: a V3 layer's experts are 22.5 GB, a scaled copy would not fit
+    def wb(*shape, sc=1.0):  # scaled in place: a V3 layer's experts are 22.5 GB, a scaled copy would not fit
         return torch.randn(*shape, device="cuda", dtype=bf, generator=g).mul_(sc * shape[-1] ** -0.5)
+
+    def wq(*shape, sc=1.0):  # a quantized projection: bf16 drawn and quantized a few experts at a time
+        if not fp8:
+            return wb(*shape, sc=sc)
+        from services.decode.engine.cuda.fp8block import BlockFp8, quantize
+
+        if len(shape) == 2:
+            return quantize(wb(*shape, sc=sc))
+        e, n, k = shape
+        out = torch.empty(shape, dtype=torch.float8_e4m3fn, device="cuda")
+        scale = torch.empty(e, -(-n // 128), -(-k // 128), dtype=torch.float32, device="cuda")
+        for a in range(0, e, 16):
+            q = quantize(wb(min(16, e - a), n, k, sc=sc))
+            out[a:a + q.w.shape[0]], scale[a:a + q.w.shape[0]] = q.w, q.scale
+            del q
+        return BlockFp8(out, scale, 128, 128, True)
+
+    w = wb
 
     def nw(n):
         return (1 + 0.1 * torch.randn(n, device="cuda", generator=g)).to(bf)
@@ -57,22 +78,22 @@ def build(X, s: dict, seed: int = 0):
     ih, idim = s.get("index_heads", 0), s.get("index_dim", 0)
 
     def layer(idx):
-        p = dict(attn_norm=nw(h), wkv_a=w(r + rope, h), kv_a_norm=nw(r),
-                 w_uk=w(nh, nope, r), w_uv=w(nh, v, r), wo=w(h, nh * v, sc=out_scale), mlp_norm=nw(h))
+        p = dict(attn_norm=nw(h), wkv_a=wq(r + rope, h), kv_a_norm=nw(r),
+                 w_uk=w(nh, nope, r), w_uv=w(nh, v, r), wo=wq(h, nh * v, sc=out_scale), mlp_norm=nw(h))
         if ih:  # sparse attention's indexer
             p.update(idx_wq_b=w(ih * idim, ql), idx_wk=w(idim, h), idx_k_norm=nw(idim),
                      idx_k_norm_bias=(0.1 * torch.randn(idim, device="cuda", generator=g)).to(bf),
                      idx_weights=w(ih, h))
         if ql:
-            p.update(wq_a=w(ql, h), q_a_norm=nw(ql), wq_b=w(nh * (nope + rope), ql))
+            p.update(wq_a=wq(ql, h), q_a_norm=nw(ql), wq_b=wq(nh * (nope + rope), ql))
         else:
-            p["wq"] = w(nh * (nope + rope), h)
+            p["wq"] = wq(nh * (nope + rope), h)
         if idx == 0:
-            p.update(w_gate_up=w(2 * s["dense_inter"], h), w_down=w(h, s["dense_inter"], sc=out_scale))
+            p.update(w_gate_up=wq(2 * s["dense_inter"], h), w_down=wq(h, s["dense_inter"], sc=out_scale))
         else:
-            p.update(router=w(e, h), router_bias=torch.zeros(e, device="cuda"), experts_gate_up=w(e, 2 * i, h),
-                     experts_down=w(e, h, i, sc=out_scale), shared_gate_up=w(2 * sh * i, h),
-                     shared_down=w(h, sh * i, sc=out_scale))
+            p.update(router=w(e, h), router_bias=torch.zeros(e, device="cuda"), experts_gate_up=wq(e, 2 * i, h),
+                     experts_down=wq(e, h, i, sc=out_scale), shared_gate_up=wq(2 * sh * i, h),
+                     shared_down=wq(h, sh * i, sc=out_scale))
         return M.prepare_layer(p, i, sparse=bool(ih))
 
     dims = M.MlaDims(h, nh, r, nope, rope, v, e, s["top_k"], i, sh, s["scale"], s["eps"], (nope + rope) ** -0.5,
@@ -84,26 +105,32 @@ def build(X, s: dict, seed: int = 0):
     return X.mla_decoder.MlaModel(dims, layers, embed, nw(h), w(s["vocab"], h), mtp, s["dense_inter"])
 
 
+def nbytes(x) -> int:
+    """Bytes a step reads of a weight: bf16 elements, or block-scaled FP8 bytes with their float32 scales."""
+    if x is None:
+        return 0
+    return x.nbytes() if hasattr(x, "scale") else x.numel() * x.element_size()
+
+
 def step_bytes(model, s: dict, ctx: int) -> dict:
-    """Bytes one plain step must read, by part."""
+    """Bytes one plain step must read, by part (FP8 weights at a byte an element plus their scales)."""
     L, b = model.layers, 2
 
-    def q_b(l):  # q LoRA's second projection (absent without q LoRA)
-        return l.wq_b.numel() if l.wq_b is not None else 0
+    def attn_of(l):  # q LoRA's second projection is absent without q LoRA
+        return nbytes(l.wqkv_a) + nbytes(l.wq_b) + nbytes(l.w_uk) + nbytes(l.w_uv_t) + nbytes(l.wo)
 
-    attn = sum((l.wqkv_a.numel() + q_b(l) + l.w_uk.numel() + l.w_uv_t.numel() + l.wo.numel()) * b for l in L)
-    per_expert = 3 * s["hidden"] * s["moe_inter"] * b
+    attn = sum(attn_of(l) for l in L)
     moe = [l for l in L if l.is_moe]
+    per_expert = (nbytes(moe[0].gate_up) + nbytes(moe[0].down)) // s["experts"]
     routed = len(moe) * s["top_k"] * per_expert
-    shared = len(moe) * s["shared"] * per_expert
-    dense = sum((l.gate_up.numel() + l.down.numel()) * b for l in L if not l.is_moe)
-    router = sum(l.router.numel() * b for l in moe)
-    lm_head = model.lm_head.numel() * b
+    shared = sum(nbytes(l.shared_gate_up) + nbytes(l.shared_down) for l in moe)
+    dense = sum(nbytes(l.gate_up) + nbytes(l.down) for l in L if not l.is_moe)
+    router = sum(nbytes(l.router) for l in moe)
+    lm_head = nbytes(model.lm_head)
     kv = s["layers"] * ctx * (s["r"] + s["rope"]) * b
     mt = model.mtp
-    draft = (mt.eh_proj.numel() + mt.layer.wqkv_a.numel() + q_b(mt.layer) + mt.layer.w_uk.numel() + mt.layer.w_uv_t.numel()
-             + mt.layer.wo.numel() + mt.layer.router.numel()) * b + (s["top_k"] + s["shared"]) * per_expert \
-        + mt.head.numel() * b + ctx * (s["r"] + s["rope"]) * b
+    draft = nbytes(mt.eh_proj) + attn_of(mt.layer) + nbytes(mt.layer.router) + s["top_k"] * per_expert \
+        + nbytes(mt.layer.shared_gate_up) + nbytes(mt.layer.shared_down) + nbytes(mt.head) + ctx * (s["r"] + s["rope"]) * b
     total = attn + routed + shared + dense + router + lm_head + kv
     return {"attention": attn, "routed_experts": routed, "shared_experts": shared, "dense_mlp": dense,
             "router": router, "lm_head": lm_head, "kv": kv, "total": total, "mtp_draft": draft}
@@ -837,6 +864,44 @@ def run_dsv3(X, R: dict, ctx: int = 1024) -> None:
             R["dsv3_shape_layer_frac_roofline"] = per_layer_bytes / (bw * 1e12) * 1e6 / moe_us
     except Exception:
         log(traceback.format_exc()[-1500:])
+    del model, caches
+    torch.cuda.empty_cache()
+
+
+def run_dsv3_fp8(X, R: dict, ctx: int = 1024) -> None:
+    """DeepSeek-V3's layer shapes with its FP8 checkpoint's format on the fast path (``build(fp8=True)``: 128 x 128
+    block scales, activations rounded per block): the plain step against the bytes it reads
+    (``dsv3_shape_fp8_*``; FP8 weights + scales, bf16 kv_b / router / lm_head, KV), and the bf16 figure of the
+    same shape when this run measured it (``dsv3_shape_fp8_over_bf16``)."""
+    s = DSV3_CUT
+    t0 = time.time()
+    model = build(X, s, fp8=True)
+    log(f"deepseek-v3-shaped FP8 model ({s['layers']} layers) built in {time.time() - t0:.1f} s, "
+        f"{torch.cuda.memory_allocated() / 2**30:.1f} GiB")
+    mt = ctx + 1024
+    caches = [torch.randn(mt, s["r"] + s["rope"], device="cuda").to(torch.bfloat16) for _ in range(s["layers"] + 1)]
+    inv = 1.0 / (10000.0 ** (torch.arange(0, s["rope"], 2).float() / s["rope"]))
+    fr = torch.arange(mt, dtype=torch.float32)[:, None] * inv[None, :]
+    cos, sin = fr.cos(), fr.sin()
+    by = step_bytes(model, s, ctx)
+    R["dsv3_shape_fp8_step_bytes"] = by
+    bw = R.get("copy_bw_TBps", 4.2)
+    roof_ms = by["total"] / (bw * 1e12) * 1e3
+    R["dsv3_shape_fp8_roofline_tok_s"] = 1e3 / roof_ms
+    try:
+        dec = X.mla_decoder.MlaDecoder(model, caches, cos, sin, max_draft=0, max_steps=4096)
+        ms, runner = time_plain_step(dec, ctx)
+        R["dsv3_shape_fp8_plain_ms"], R["dsv3_shape_fp8_tok_s"] = ms, 1e3 / ms
+        R["dsv3_shape_fp8_frac_roofline"] = roof_ms / ms
+        if "dsv3_shape_plain_ms" in R:
+            R["dsv3_shape_fp8_over_bf16"] = R["dsv3_shape_plain_ms"] / ms
+        toks = dec.out_tokens[:8].tolist()
+        R["dsv3_shape_fp8_tokens_finite"] = all(0 <= t < s["vocab"] for t in toks)
+        log(f"  dsv3 shape FP8: plain {ms:.3f} ms, roofline {roof_ms:.3f} ms ({by['total'] / 1e9:.2f} GB), "
+            f"{R['dsv3_shape_fp8_frac_roofline']:.3f} of it; tokens {toks}")
+    except Exception:
+        R["dsv3_shape_fp8_error"] = traceback.format_exc()[-1500:]
+        log(R["dsv3_shape_fp8_error"])
     del model, caches
     torch.cuda.empty_cache()
 

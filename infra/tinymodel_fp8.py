@@ -53,15 +53,16 @@ def quantized_module(name: str, ignore: tuple[str, ...] = ()) -> str | None:
     return module
 
 
-def quantize(w, scheme: str, scale_dtype):
-    """(float8_e4m3fn weight, scale in ``scale_dtype``) of a float weight [N, K] under ``scheme``."""
+def quantize(w, scheme: str, scale_dtype, block: tuple[int, int] = BLOCK):
+    """(float8_e4m3fn weight, scale in ``scale_dtype``) of a float weight [N, K] under ``scheme`` (``block``: the
+    fp8-block scheme's block)."""
     import torch
 
     w = w.float()
     fp8_max = torch.finfo(torch.float8_e4m3fn).max
     n, k = w.shape
     if scheme == "fp8-block":
-        bn, bk = BLOCK
+        bn, bk = block
         nb, kb = -(-n // bn), -(-k // bk)
         padded = torch.zeros(nb * bn, kb * bk)
         padded[:n, :k] = w
@@ -77,11 +78,12 @@ def quantize(w, scheme: str, scale_dtype):
     return q, scale
 
 
-def quantization_config(scheme: str, ignore: tuple[str, ...], activations: str = "dynamic") -> dict:
+def quantization_config(scheme: str, ignore: tuple[str, ...], activations: str = "dynamic",
+                        block: tuple[int, int] = BLOCK) -> dict:
     """The ``quantization_config`` of config.json for ``scheme``."""
     if scheme == "fp8-block":
         return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                "weight_block_size": list(BLOCK), **({"ignored_layers": list(ignore)} if ignore else {})}
+                "weight_block_size": list(block), **({"ignored_layers": list(ignore)} if ignore else {})}
     weights = {"type": "float", "num_bits": 8, "symmetric": True, "dynamic": False, "group_size": None,
                "strategy": scheme.removeprefix("fp8-"), "block_structure": None, "actorder": None,
                "observer": "minmax", "observer_kwargs": {}}
@@ -99,8 +101,10 @@ def _write_json(path: Path, obj: dict) -> None:
 
 
 def quantize_checkpoint(model_dir: Path | str, scheme: str, ignore: tuple[str, ...] = (),
-                        activations: str = "dynamic") -> Path:
-    """Quantize the checkpoint in ``model_dir`` in place (see the module docstring); returns it."""
+                        activations: str = "dynamic", block: tuple[int, int] = BLOCK) -> Path:
+    """Quantize the checkpoint in ``model_dir`` in place (see the module docstring); returns it. ``block``: the
+    fp8-block scheme's block (DeepSeek-V3's 128 x 128 by default; tests of tiny models use smaller ones, which
+    the engine reads and vLLM's CPU build may not)."""
     import torch
     from safetensors.torch import load_file, save_file
 
@@ -123,9 +127,9 @@ def quantize_checkpoint(model_dir: Path | str, scheme: str, ignore: tuple[str, .
             if module is None or t.dim() != 2:
                 out[name] = t
                 continue
-            out[name], out[f"{module}.{suffix}"] = quantize(t, scheme, scale_dtype)
+            out[name], out[f"{module}.{suffix}"] = quantize(t, scheme, scale_dtype, block)
         save_file({k: v.contiguous() for k, v in out.items()}, str(f), metadata={"format": "pt"})
-    config["quantization_config"] = quantization_config(scheme, tuple(ignore), activations)
+    config["quantization_config"] = quantization_config(scheme, tuple(ignore), activations, block)
     _write_json(model_dir / "config.json", config)
     return model_dir
 

@@ -176,9 +176,15 @@ def engine_reason(mode: str, model, device: torch.device, dtype: torch.dtype, nu
     else:
         return f"{cfg.model_type}: the engine drives the fast path for Llama- and DeepSeek-V3-family models only"
     q = getattr(cfg, "quant", None)
-    if q is not None and not (family == "gqa" and q.method == "compressed-tensors" and q.strategy in ("channel", "tensor")):
-        return (f"{q.method} FP8 weights ({q.strategy} scales): the fast path reads FP8 only as compressed-tensors "
-                "per-channel or per-tensor scales on Llama-family models")
+    if q is not None:
+        gqa_fp8 = family == "gqa" and q.method == "compressed-tensors" and q.strategy in ("channel", "tensor")
+        mla_fp8 = family == "mla" and q.strategy == "block" and all(b > 0 and b & (b - 1) == 0 for b in q.block)
+        if not (gqa_fp8 or mla_fp8):
+            return (f"{q.method} FP8 weights ({q.strategy} scales{'' if q.block is None else ' %dx%d' % q.block}): "
+                    "the fast path reads FP8 as compressed-tensors per-channel or per-tensor scales on Llama-family "
+                    "models, and as power-of-two block scales (DeepSeek-V3's 128x128) on DeepSeek-family models")
+        if family == "mla" and getattr(getattr(model, "lm_head", None), "dtype", None) == torch.float8_e4m3fn:
+            return "an FP8 lm_head is not on the fast path: keep lm_head in the checkpoint's ignore list"
     if dtype != torch.bfloat16:
         return f"dtype {str(dtype).removeprefix('torch.')}: the fast path runs bfloat16 only"
     if device.type != "cuda" and not (device.type == "cpu" and mode == "on" and _interpreting()):

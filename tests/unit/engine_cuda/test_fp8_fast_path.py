@@ -2,7 +2,8 @@
 kernels interpreted on CPU (conftest.py): greedy tokens through
 ``Engine(fast_path="on")`` equal the reference step's (``fast_path="off"``, which dequantizes in
 torch), with and without FP8 activations, and for Qwen3's q/k norm; what the FP8 step does not read
-(block scales, the DeepSeek family) keeps the reference step and says why.
+(block scales on a Llama-family model) keeps the reference step and says why; block-scaled DeepSeek-family
+checkpoints: test_fp8_block_fast_path.py.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ def test_block_scaled_fp8_keeps_the_reference_step(tmp_path):
     save_checkpoint("llama", tmp_path, damp=True)
     quantize_checkpoint(tmp_path, "fp8-block")
     engine = load(tmp_path, "auto")
-    assert engine.fast_path is None and "fp8 FP8 weights (block scales)" in engine.fast_path_reason
+    assert engine.fast_path is None and "fp8 FP8 weights (block scales 128x128)" in engine.fast_path_reason
     with pytest.raises(ValueError, match="per-channel or per-tensor scales on Llama-family"):
         load(tmp_path, "on")
 

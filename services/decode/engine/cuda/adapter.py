@@ -106,8 +106,21 @@ def gqa_batch_decoder_from_engine(model, batch: int, options: FastOptions | None
                            kv_scales=getattr(cache, "scales", None), fp8_scales=scales, act_fp8=act)
 
 
+def _mla_params(module: torch.nn.Module) -> dict:
+    """A DeepSeek-family block's parameters for prepare_layer: block-scaled FP8 ones as fp8block.BlockFp8 (their
+    bytes and the ``<name>_scale`` buffers engine/fp8.attach registered)."""
+    from ..fp8 import is_fp8
+    from .fp8block import weight_of
+
+    out = {}
+    for name, p in module.named_parameters(recurse=False):
+        out[name] = (weight_of(p.data, getattr(module, name + "_scale"), p.block, p.act) if is_fp8(p)
+                     else p.data)
+    return out
+
+
 def _mla_layer(block, moe_inter: int, sparse: bool = False):
-    return prepare_layer(_params(block), moe_inter, sparse)
+    return prepare_layer(_mla_params(block), moe_inter, sparse)
 
 
 def attention_splits(cache_rows: int) -> int:
@@ -137,7 +150,7 @@ def _mla_model(model) -> MlaModel:
     mtp = None
     if model.has_mtp:
         m0 = model.mtp[0]
-        mtp = MtpWeights(m0.enorm.data, m0.hnorm.data, m0.eh_proj.data, m0.head_norm.data, m0.head.data,
+        mtp = MtpWeights(m0.enorm.data, m0.hnorm.data, _mla_params(m0)["eh_proj"], m0.head_norm.data, m0.head.data,
                          m0.embed.data, _mla_layer(m0.block, cfg.moe_intermediate_size, sparse))
     model._fast_mla_model = MlaModel(dims, layers, model.embed.data, model.final_norm.data, model.lm_head.data, mtp,
                                      dense_inter)

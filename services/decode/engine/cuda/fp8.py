@@ -26,23 +26,11 @@ import triton.language as tl
 
 from . import gemv, reference, smallops
 from .gemv import gdc_launch_dependents, gdc_wait, launch_opts, qkv_store
-from .kernel_helpers import rnd_bf16, round_to_dtype
+from .kernel_helpers import act_round, act_scale, rnd_bf16, round_to_dtype
 from .llama import GqaDecoder, folds_norm
 
 FP8_MAX = 448.0
 ACT_MIN_SCALE = 1.0 / (FP8_MAX * 512.0)
-
-
-@triton.jit
-def act_scale(amax):
-    # vLLM's dynamic FP8 activation scale of a token whose largest |x| is amax (engine/fp8.quantize_activations)
-    return tl.maximum(amax / 448.0, 1.0 / (448.0 * 512.0))
-
-
-@triton.jit
-def act_round(x, inv_s):
-    # x over its scale, rounded to FP8 (E4M3, nearest even) as vLLM's W8A8 quantizes activations
-    return tl.minimum(tl.maximum(x * inv_s, -448.0), 448.0).to(tl.float8e4nv, fp_downcast_rounding="rtne")
 
 
 @triton.jit

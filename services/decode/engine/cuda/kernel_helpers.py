@@ -1,4 +1,5 @@
-"""Triton helpers shared by the fast path's kernels: bf16 rounding points and paired-row weight loads."""
+"""Triton helpers shared by the fast path's kernels: bf16 rounding points, vLLM's FP8 activation rounding and
+paired-row weight loads."""
 
 from __future__ import annotations
 
@@ -20,6 +21,19 @@ def round_to_dtype(x, dt):
     # the rounding points of eager bf16 torch spelled out; a float round trip x.to(bf16).to(fp32) is
     # not used because the compiler may drop it (seen on sm_90)
     return rnd_bf16(x)
+
+
+@triton.jit
+def act_scale(amax):
+    # vLLM's dynamic FP8 activation scale of a token (or a group of its features) whose largest |x| is amax
+    # (engine/fp8.quantize_activations)
+    return tl.maximum(amax / 448.0, 1.0 / (448.0 * 512.0))
+
+
+@triton.jit
+def act_round(x, inv_s):
+    # x over its scale, rounded to FP8 (E4M3, nearest even) as vLLM's W8A8 quantizes activations
+    return tl.minimum(tl.maximum(x * inv_s, -448.0), 448.0).to(tl.float8e4nv, fp_downcast_rounding="rtne")
 
 
 @triton.jit

@@ -33,8 +33,9 @@ import torch
 import triton
 import triton.language as tl
 
-from . import smallops
+from . import fp8block, smallops
 from .attention import DecodeAttention, split_weights
+from .fp8block import BlockFp8
 from .gemv import gdc_launch_dependents, gdc_wait, launch_opts
 from .kernel_helpers import rnd_bf16, rope_pair, round_to_dtype
 from .moe import GroupedMoe, gemv_rows, router
@@ -114,7 +115,13 @@ class MtpWeights:
 
 
 def split_shared(gate_up: torch.Tensor, down: torch.Tensor, inter: int):
-    """A shared MLP [2 S I, H] / [H, S I] as S routed-size experts [S, 2I, H] / [S, H, I]."""
+    """A shared MLP [2 S I, H] / [H, S I] as S routed-size experts [S, 2I, H] / [S, H, I] (block-scaled FP8 with its
+    scales where the blocks split with it, else dequantized to bf16)."""
+    if isinstance(gate_up, BlockFp8) or isinstance(down, BlockFp8):
+        split = fp8block.split_experts(gate_up, down, inter)
+        if split is not None:
+            return split
+        gate_up, down = fp8block.plain(gate_up), fp8block.plain(down)
     s = gate_up.shape[0] // (2 * inter)
     gate, up = gate_up.view(2, s, inter, -1).unbind(0)
     return torch.cat([gate, up], dim=1).contiguous(), down.view(down.shape[0], s, inter).permute(1, 0, 2).contiguous()
@@ -127,6 +134,7 @@ def prepare_layer(p: dict[str, torch.Tensor], moe_inter: int, sparse: bool = Fal
     if moe:
         sg, sd = split_shared(p["shared_gate_up"], p["shared_down"], moe_inter) if "shared_gate_up" in p else (None, None)
         gate_up, down = p["experts_gate_up"], p["experts_down"]
+        gate_up, down, sg, sd = _same_experts(gate_up, down, sg, sd)
     else:
         sg, sd = p["w_gate_up"][None], p["w_down"][None]  # the dense MLP is the one "shared expert"
         gate_up, down = sg, sd
@@ -136,9 +144,21 @@ def prepare_layer(p: dict[str, torch.Tensor], moe_inter: int, sparse: bool = Fal
     if sparse and "idx_wq_b" in p:  # the indexer's key and head weights read the same normed input
         rows += [p["idx_wk"], p["idx_weights"]]
         index = MlaIndexer(p["idx_wq_b"], p["idx_k_norm"], p["idx_k_norm_bias"])
-    return MlaLayer(p["attn_norm"], torch.cat(rows).contiguous(), p["kv_a_norm"], p["w_uk"],
+    return MlaLayer(p["attn_norm"], fp8block.cat_rows(rows), p["kv_a_norm"], p["w_uk"],
                     p["w_uv"].transpose(1, 2).contiguous(), p["wo"], p["mlp_norm"], gate_up, down, sg, sd,
                     p.get("router"), p.get("router_bias"), p.get("q_a_norm"), p.get("wq_b"), index, sparse)
+
+
+def _same_experts(gate_up, down, sg, sd):
+    """Routed and shared experts in one form for the grouped kernels: all four block-scaled FP8 in the same blocks,
+    or all four bf16 (the FP8 ones dequantized) where a checkpoint mixes them."""
+    parts = [x for x in (gate_up, down, sg, sd) if x is not None]
+    fp8 = [x for x in parts if isinstance(x, BlockFp8)]
+    if not fp8 or (len(fp8) == len(parts) and len({(x.rows, x.cols, x.act) for x in fp8}) == 1
+                   and (sg is None or sg.scale.shape[1:] == gate_up.scale.shape[1:]
+                        and sd.scale.shape[1:] == down.scale.shape[1:])):
+        return gate_up, down, sg, sd
+    return tuple(None if x is None else fp8block.plain(x) for x in (gate_up, down, sg, sd))
 
 
 @triton.jit

@@ -24,6 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .fp8block import BlockFp8, act_groups, col_scales, fp8_block_dot, fp8_cols, kernel_args
+from .fp8block import tile as fp8_tile
 from .gemv import gdc_launch_dependents, gdc_wait, interpreting, launch_opts
 from .kernel_helpers import load_first_pair_tile, round_to_dtype
 
@@ -63,8 +65,12 @@ def _gemv_rows_kernel(x_ptr, w_ptr, out_ptr, res_ptr, nw_ptr, N, K, eps, stride_
                       HEAD_DIM: tl.constexpr, T: tl.constexpr, T_PAD: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr,
                       K_POW2: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
                       DOT: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr = False,
-                      EARLY: tl.constexpr = False):
+                      EARLY: tl.constexpr = False, FP8: tl.constexpr = False, s_ptr=None, KB=0,
+                      SG: tl.constexpr = 1, SK: tl.constexpr = 1, ACT: tl.constexpr = False):
+    # FP8: W is block-scaled FP8 (fp8block.py), its scales s_ptr [ceil(N / SG), KB] per SG rows x SK columns (the
+    # program's rows in one scale row); on the tensor-core path BLOCK_K == SK
     pid = tl.program_id(0)
+    srow = (pid * BLOCK_N) // SG
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     rmask = rows < N
     t = tl.arange(0, T_PAD)
@@ -99,8 +105,13 @@ def _gemv_rows_kernel(x_ptr, w_ptr, out_ptr, res_ptr, nw_ptr, N, K, eps, stride_
     if EARLY:
         x0 = _rows_x(x_ptr, nw_ptr, 0, K, t, tmask, inv, stride_x, stride_xh, HEAD_DIM, NORM, BLOCK_K)
         if DOT:
-            acc2 = mma(x0, w0, acc2, UPCAST)
+            if FP8:
+                acc2 = fp8_block_dot(x0, w0, acc2, tl.load(s_ptr + srow * KB), ACT, UPCAST)
+            else:
+                acc2 = mma(x0, w0, acc2, UPCAST)
         else:
+            if FP8:
+                x0 = fp8_cols(x0, s_ptr, srow, 0, K, KB, T_PAD, SK, ACT, BLOCK_K)
             acc += w0.to(tl.float32)[None, :, :] * x0.to(tl.float32)[:, None, :]
     for k in tl.range(FIRST, K, BLOCK_K, num_stages=STAGES):
         x = _rows_x(x_ptr, nw_ptr, k, K, t, tmask, inv, stride_x, stride_xh, HEAD_DIM, NORM, BLOCK_K)
@@ -108,8 +119,13 @@ def _gemv_rows_kernel(x_ptr, w_ptr, out_ptr, res_ptr, nw_ptr, N, K, eps, stride_
         w = tl.load(w_ptr + rows[:, None].to(tl.int64) * K + offs[None, :], mask=rmask[:, None] & (offs < K)[None, :],
                     other=0.0, eviction_policy="evict_first")
         if DOT:
-            acc2 = mma(x, w, acc2, UPCAST)
+            if FP8:
+                acc2 = fp8_block_dot(x, w, acc2, tl.load(s_ptr + srow * KB + k // SK), ACT, UPCAST)
+            else:
+                acc2 = mma(x, w, acc2, UPCAST)
         else:
+            if FP8:
+                x = fp8_cols(x, s_ptr, srow, k, K, KB, T_PAD, SK, ACT, BLOCK_K)
             acc += w.to(tl.float32)[None, :, :] * x.to(tl.float32)[:, None, :]
     if PDL:
         gdc_launch_dependents()
@@ -128,9 +144,9 @@ DOT_ROWS = 16  # tokens padded to one tensor-core tile when T > 1
 MAX_ROWS = 8  # gemv_rows' rows: up to 4 verify tokens (3 drafts), up to 8 batched slots
 
 
-def _dot(t: int, w: torch.Tensor) -> bool:
-    """Whether T tokens over weights w take the tensor-core path (bf16/fp16 weights, T > 1)."""
-    return t > 1 and w.dtype in (torch.bfloat16, torch.float16)
+def _dot(t: int, w) -> bool:
+    """Whether T tokens over weights w take the tensor-core path (bf16/fp16 or block-scaled FP8 weights, T > 1)."""
+    return t > 1 and (isinstance(w, BlockFp8) or w.dtype in (torch.bfloat16, torch.float16))
 
 
 def gemv_rows(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, *, norm_w: torch.Tensor | None = None,
@@ -138,7 +154,8 @@ def gemv_rows(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, *, norm_w: to
               num_warps: int = 4, stages: int = 4, dot: bool | None = None,
               dot_tile: tuple[int, int, int, int] | None = None, heads: bool = False, pdl: bool = False,
               early: bool = True) -> torch.Tensor:
-    """out[T, N] = [residual +] x'[T, K] @ W[N, K]^T, x' = rmsnorm(x) * norm_w when given (T <= MAX_ROWS).
+    """out[T, N] = [residual +] x'[T, K] @ W[N, K]^T, x' = rmsnorm(x) * norm_w when given (T <= MAX_ROWS);
+    ``w`` a bf16 tensor or block-scaled FP8 (fp8block.BlockFp8, its scales applied in the kernel).
 
     One token: fp32 FMAs over a [BLOCK_N, BLOCK_K] weight tile. Several: tensor-core dots with the tokens
     padded to 16 rows (the same bytes as one token; the FMA form was compute-bound at 4 tokens), with
@@ -163,12 +180,15 @@ def gemv_rows(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, *, norm_w: to
         block_n, block_k, num_warps, stages = dot_tile or (max(16, block_n), block_k, num_warps, stages)
     else:
         block_k = max(32, block_k // triton.next_power_of_2(t))  # the [T, BLOCK_N, BLOCK_K] accumulator in registers
+    block_n, block_k = fp8_tile(w, block_n, block_k, dot)
+    fp8 = kernel_args(w)
+    w = w.w if fp8 else w
     _gemv_rows_kernel[(triton.cdiv(n, block_n),)](
         x, w, out, residual if residual is not None else out, norm_w if norm_w is not None else x, n, k, eps,
         stride_t, out.stride(0), stride_h, HEAD_DIM=hd, T=t, T_PAD=DOT_ROWS if dot else triton.next_power_of_2(t), NORM=norm_w is not None,
         RESIDUAL=residual is not None, K_POW2=triton.next_power_of_2(k), BLOCK_N=block_n, BLOCK_K=block_k,
         STAGES=stages, num_warps=num_warps, DOT=dot, UPCAST=interpreting(), PDL=pdl, EARLY=pdl and early,
-        **launch_opts(pdl))
+        **fp8, **launch_opts(pdl))
     return out
 
 
@@ -345,7 +365,11 @@ def _owner(ids_ptr, p, T: tl.constexpr, TOPK: tl.constexpr, SLOTS: tl.constexpr,
 def _moe_gate_up_kernel(x_ptr, ids_ptr, w_ptr, ws_ptr, act_ptr, I, K, stride_e,
                         T: tl.constexpr, T_PAD: tl.constexpr, TOPK: tl.constexpr, SLOTS: tl.constexpr,
                         SLOTS_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
-                        DOT: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr = False):
+                        DOT: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr = False,
+                        FP8: tl.constexpr = False, s_ptr=None, ss_ptr=None, stride_se=0, KB=0, SG: tl.constexpr = 1,
+                        SK: tl.constexpr = 1, ACT: tl.constexpr = False):
+    # FP8: block-scaled FP8 experts (fp8block.py), scales s_ptr / ss_ptr [E, ceil(2I / SG), KB] (gate's and up's
+    # rows of a program each in one scale row: I a multiple of BLOCK_N)
     p = tl.program_id(0)
     if PDL:  # the router's ids and the input rows come from earlier kernels
         gdc_wait()
@@ -353,8 +377,14 @@ def _moe_gate_up_kernel(x_ptr, ids_ptr, w_ptr, ws_ptr, act_ptr, I, K, stride_e,
     if is_first:
         if is_routed:
             base = w_ptr + expert.to(tl.int64) * stride_e
+            if FP8:
+                sbase = s_ptr + expert.to(tl.int64) * stride_se
         else:
             base = ws_ptr + (expert - 100000).to(tl.int64) * stride_e
+            if FP8:
+                sbase = ss_ptr + (expert - 100000).to(tl.int64) * stride_se
+        srow_a = (tl.program_id(1) * BLOCK_N) // SG
+        srow_b = (tl.program_id(1) * BLOCK_N + I) // SG
         rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         rmask = rows < I
         tt = tl.arange(0, T_PAD)
@@ -372,11 +402,22 @@ def _moe_gate_up_kernel(x_ptr, ids_ptr, w_ptr, ws_ptr, act_ptr, I, K, stride_e,
             wa = tl.load(base + rows[:, None].to(tl.int64) * K + offs[None, :], mask=wmask, other=0.0)
             wb = tl.load(base + (rows + I)[:, None].to(tl.int64) * K + offs[None, :], mask=wmask, other=0.0)
             if DOT:
-                dot_a = mma(x, wa, dot_a, UPCAST)
-                dot_b = mma(x, wb, dot_b, UPCAST)
+                if FP8:
+                    dot_a = fp8_block_dot(x, wa, dot_a, tl.load(sbase + srow_a * KB + k // SK), ACT, UPCAST)
+                    dot_b = fp8_block_dot(x, wb, dot_b, tl.load(sbase + srow_b * KB + k // SK), ACT, UPCAST)
+                else:
+                    dot_a = mma(x, wa, dot_a, UPCAST)
+                    dot_b = mma(x, wb, dot_b, UPCAST)
             else:
-                acc_a += wa.to(tl.float32)[None, :, :] * x.to(tl.float32)[:, None, :]
-                acc_b += wb.to(tl.float32)[None, :, :] * x.to(tl.float32)[:, None, :]
+                if FP8:  # the input rounded once, each half's block scales on its own copy
+                    xq = act_groups(x, T_PAD, SK, ACT, BLOCK_K)
+                    xa = xq * col_scales(sbase, srow_a, k, K, KB, SK, BLOCK_K)[None, :]
+                    xb = xq * col_scales(sbase, srow_b, k, K, KB, SK, BLOCK_K)[None, :]
+                else:
+                    xa = x.to(tl.float32)
+                    xb = xa
+                acc_a += wa.to(tl.float32)[None, :, :] * xa[:, None, :]
+                acc_b += wb.to(tl.float32)[None, :, :] * xb[:, None, :]
         if PDL:
             gdc_launch_dependents()
         dt = act_ptr.dtype.element_ty
@@ -397,7 +438,9 @@ def _moe_down_kernel(act_ptr, ids_ptr, w_ptr, ws_ptr, y_ptr, H, I, stride_e,
                      SLOTS_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
                      DOT: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr = False,
                      EARLY: tl.constexpr = False, wts_ptr=None, h_ptr=None, count_ptr=None,
-                     NUM_SHARED: tl.constexpr = 0, REDUCE: tl.constexpr = False):
+                     NUM_SHARED: tl.constexpr = 0, REDUCE: tl.constexpr = False, FP8: tl.constexpr = False,
+                     s_ptr=None, ss_ptr=None, stride_se=0, KB=0, SG: tl.constexpr = 1, SK: tl.constexpr = 1,
+                     ACT: tl.constexpr = False):
     # the router's ids are read before any wait (with PDL: the router finished before the gate/up kernel that
     # let us launch passed its own wait); EARLY (with PDL): the expert's first weight tile too. The
     # activations wait. REDUCE: the last of a column block's programs (every pair's, counted in count_ptr) adds
@@ -406,8 +449,13 @@ def _moe_down_kernel(act_ptr, ids_ptr, w_ptr, ws_ptr, y_ptr, H, I, stride_e,
     expert, is_first, pair_of, is_routed = _owner(ids_ptr, p, T, TOPK, SLOTS, SLOTS_PAD, T_PAD)
     if is_routed:
         base = w_ptr + expert.to(tl.int64) * stride_e
+        if FP8:
+            sbase = s_ptr + expert.to(tl.int64) * stride_se
     else:
         base = ws_ptr + (expert - 100000).to(tl.int64) * stride_e
+        if FP8:
+            sbase = ss_ptr + (expert - 100000).to(tl.int64) * stride_se
+    srow = (tl.program_id(1) * BLOCK_N) // SG
     rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     rmask = rows < H
     FIRST: tl.constexpr = BLOCK_K if EARLY else 0
@@ -429,8 +477,13 @@ def _moe_down_kernel(act_ptr, ids_ptr, w_ptr, ws_ptr, y_ptr, H, I, stride_e,
             k0 = tl.arange(0, BLOCK_K)
             x0 = tl.load(act_ptr + src[:, None] + k0[None, :], mask=uses[:, None] & (k0 < I)[None, :], other=0.0)
             if DOT:
-                acc2 = mma(x0, w0, acc2, UPCAST)
+                if FP8:
+                    acc2 = fp8_block_dot(x0, w0, acc2, tl.load(sbase + srow * KB), ACT, UPCAST)
+                else:
+                    acc2 = mma(x0, w0, acc2, UPCAST)
             else:
+                if FP8:
+                    x0 = fp8_cols(x0, sbase, srow, 0, I, KB, T_PAD, SK, ACT, BLOCK_K)
                 acc += w0.to(tl.float32)[None, :, :] * x0.to(tl.float32)[:, None, :]
         for k in tl.range(FIRST, I, BLOCK_K, num_stages=STAGES):
             offs = k + tl.arange(0, BLOCK_K)
@@ -438,8 +491,13 @@ def _moe_down_kernel(act_ptr, ids_ptr, w_ptr, ws_ptr, y_ptr, H, I, stride_e,
             w = tl.load(base + rows[:, None].to(tl.int64) * I + offs[None, :], mask=rmask[:, None] & (offs < I)[None, :],
                         other=0.0)
             if DOT:
-                acc2 = mma(x, w, acc2, UPCAST)
+                if FP8:
+                    acc2 = fp8_block_dot(x, w, acc2, tl.load(sbase + srow * KB + k // SK), ACT, UPCAST)
+                else:
+                    acc2 = mma(x, w, acc2, UPCAST)
             else:
+                if FP8:
+                    x = fp8_cols(x, sbase, srow, k, I, KB, T_PAD, SK, ACT, BLOCK_K)
                 acc += w.to(tl.float32)[None, :, :] * x.to(tl.float32)[:, None, :]
         if PDL:
             gdc_launch_dependents()
@@ -528,31 +586,53 @@ class GroupedMoe:
         self.act = torch.zeros(num_tokens * self.slots * inter, dtype=torch.bfloat16, device=device)
         self.out_rows = torch.zeros(num_tokens * self.slots * hidden, dtype=torch.float32, device=device)
         self.fused_reduce = self.FUSED_REDUCE and num_tokens == 1 if fused_reduce is None else fused_reduce
-        # finished programs per column block of the down kernel (fused_reduce), back to 0 after each call
-        self.count = torch.zeros(triton.cdiv(hidden, self.tiles[1][0]), dtype=torch.int32, device=device)
+        # finished programs per column block of the down kernel (fused_reduce), back to 0 after each call (FP8
+        # experts may cut the tile's rows to their scale rows: room for 16-row blocks)
+        self.count = torch.zeros(triton.cdiv(hidden, min(self.tiles[1][0], 16)), dtype=torch.int32, device=device)
 
     def __call__(self, xn: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor, w_gate_up: torch.Tensor,
                  w_down: torch.Tensor, shared_gate_up: torch.Tensor, shared_down: torch.Tensor, h: torch.Tensor) -> None:
-        """h[T, H] += MoE(xn); routed weights [E, 2I, H] / [E, H, I], shared [S, 2I, H] / [S, H, I]."""
+        """h[T, H] += MoE(xn); routed weights [E, 2I, H] / [E, H, I], shared [S, 2I, H] / [S, H, I]; bf16, or
+        block-scaled FP8 (fp8block.BlockFp8, routed and shared alike: mla.prepare_layer lays them out so)."""
         t, hid, inter = self.num_tokens, self.hidden, self.inter
-        dot = self.dot and w_gate_up.dtype in (torch.bfloat16, torch.float16)
+        fp8 = isinstance(w_gate_up, BlockFp8)
+        dot = self.dot and (fp8 or w_gate_up.dtype in (torch.bfloat16, torch.float16))
         common = dict(T=t, T_PAD=DOT_ROWS if dot else triton.next_power_of_2(t), TOPK=self.top_k,
                       SLOTS=self.slots, SLOTS_PAD=triton.next_power_of_2(self.slots), DOT=dot,
                       UPCAST=interpreting(), PDL=self.pdl, **launch_opts(self.pdl))
         (bn, bk, nw, st), (bn2, bk2, nw2, st2) = self.tiles
+        up_args, down_args = {}, {}
+        if fp8:
+            if shared_gate_up is None:  # no shared experts: the kernels' shared pointers are never read
+                shared_gate_up, shared_down = w_gate_up, w_down
+            bn, bk = fp8_tile(w_gate_up, bn, bk, dot)
+            bn2, bk2 = fp8_tile(w_down, bn2, bk2, dot)
+            up_args = dict(_expert_scales(w_gate_up, shared_gate_up))
+            down_args = dict(_expert_scales(w_down, shared_down))
+            w_gate_up, shared_gate_up, w_down, shared_down = w_gate_up.w, shared_gate_up.w, w_down.w, shared_down.w
         pairs = t * self.slots
         _moe_gate_up_kernel[(pairs, triton.cdiv(inter, bn))](
             xn, ids, w_gate_up, shared_gate_up, self.act, inter, hid, 2 * inter * hid, **common,
-            BLOCK_N=bn, BLOCK_K=bk, STAGES=st, num_warps=nw)
+            BLOCK_N=bn, BLOCK_K=bk, STAGES=st, num_warps=nw, **up_args)
         if self.fused_reduce:  # the last program of each column block adds the pairs' rows into h
             _moe_down_kernel[(pairs, triton.cdiv(hid, bn2))](
                 self.act, ids, w_down, shared_down, self.out_rows, hid, inter, hid * inter, **common,
                 BLOCK_N=bn2, BLOCK_K=bk2, STAGES=st2, EARLY=self.early, num_warps=nw2, wts_ptr=wts, h_ptr=h,
-                count_ptr=self.count, NUM_SHARED=self.num_shared, REDUCE=True)
+                count_ptr=self.count, NUM_SHARED=self.num_shared, REDUCE=True, **down_args)
             return
         _moe_down_kernel[(pairs, triton.cdiv(hid, bn2))](
             self.act, ids, w_down, shared_down, self.out_rows, hid, inter, hid * inter, **common,
-            BLOCK_N=bn2, BLOCK_K=bk2, STAGES=st2, EARLY=self.early, num_warps=nw2)
+            BLOCK_N=bn2, BLOCK_K=bk2, STAGES=st2, EARLY=self.early, num_warps=nw2, **down_args)
         _moe_reduce_kernel[(t, triton.cdiv(hid, 1024))](self.out_rows, wts, h, hid, TOPK=self.top_k,
                                                         NUM_SHARED=self.num_shared, BLOCK=1024, PDL=self.pdl,
                                                         num_warps=4, **launch_opts(self.pdl))
+
+
+def _expert_scales(routed: BlockFp8, shared: BlockFp8) -> dict:
+    """The grouped expert kernels' FP8 arguments: routed and shared experts in the same blocks."""
+    if not isinstance(shared, BlockFp8) or (shared.rows, shared.cols, shared.act) != (routed.rows, routed.cols, routed.act) \
+            or shared.scale.shape[1:] != routed.scale.shape[1:]:
+        raise ValueError("FP8 routed experts need their shared experts in the same FP8 blocks (mla.prepare_layer)")
+    args = kernel_args(routed)
+    del args["FP8"]
+    return dict(FP8=True, ss_ptr=shared.scale, stride_se=routed.scale.stride(0), **args)

@@ -1,0 +1,131 @@
+"""Block-scaled FP8 weights (DeepSeek-V3's ``fp8`` format) in the DeepSeek-family GEMVs, under Triton's interpreter.
+
+``gemv_rows`` and the grouped expert kernels read the FP8 bytes and apply the block scales (and, where the checkpoint
+quantizes activations, vLLM's per-group FP8 rounding of the input) in the kernel; their torch twin is the engine's
+reference linear (engine/fp8.py: x rounded per group, the weight dequantized, float32 sums). Stacked projections
+with their own scales (q LoRA's wkv_a | wq_a) keep their bytes with finer scale rows.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.decode.engine import fp8 as engine_fp8
+from services.decode.engine.cuda import fp8block, moe, reference
+from services.decode.engine.cuda.fp8block import BlockFp8, cat_rows, linear_reference, quantize, split_experts
+
+BF = torch.bfloat16
+
+
+def rand(*shape, std=1.0, seed=0):
+    g = torch.Generator().manual_seed(seed + sum(shape))
+    return (torch.randn(*shape, generator=g) * std).to(BF)
+
+
+def rel(a, b) -> float:
+    a, b = a.float(), b.float()
+    assert torch.isfinite(a).all()
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-12)).item()
+
+
+@pytest.mark.parametrize("t,act,norm,residual", [
+    (1, True, True, False), (1, False, False, True), (3, True, False, True), (4, False, True, False),
+])
+def test_gemv_rows_reads_block_fp8(t, act, norm, residual):
+    # 48 rows in 16-row blocks, K = 80: a partial last column block (the reference pads it with zeros)
+    w = quantize(rand(48, 80, std=0.2), (16, 32), act=act)
+    x, nw, res = rand(t, 80), 1 + rand(80, std=0.1), rand(t, 48)
+    out = res.clone() if residual else torch.full((t, 48), float("nan"), dtype=BF)
+    moe.gemv_rows(x, w, out, norm_w=nw if norm else None, residual=out if residual else None, block_n=8, block_k=32)
+    xin = reference.rms_norm(x, nw, 1e-6) if norm else x
+    want = linear_reference(xin, w).to(BF)
+    assert rel(out, res + want if residual else want) <= 1e-2 / 4  # one bf16 rounding apart at most
+    # and the linear the engine's reference step runs on the same bytes: the same function with activations
+    # rounded (W8A8, the DeepSeek-V3 checkpoints' scheme); weight-only, the reference rounds the dequantized
+    # weight to bf16 first, which the kernel's float32 product does not
+    wt = w.w.clone()
+    wt.scale, wt.block, wt.act = w.scale, (16, 32), 32 if act else None
+    if act:
+        assert torch.equal(linear_reference(xin, w).to(BF), engine_fp8.linear(xin, wt))
+    else:
+        assert rel(linear_reference(xin, w).to(BF), engine_fp8.linear(xin, wt)) <= 1e-2
+
+
+def test_block_fp8_activations_are_rounded_per_group():
+    # one huge feature in the first 32-wide group must not coarsen the second group's rounding (the output reads
+    # the second group only: the first group's weights are zero)
+    wf = rand(16, 64, std=0.2)
+    wf[:, :32] = 0
+    w = quantize(wf, (16, 32), act=True)
+    x = rand(1, 64, std=0.01)
+    x[0, 3] = 300.0
+    out = torch.empty(1, 16, dtype=BF)
+    moe.gemv_rows(x, w, out, block_n=8, block_k=64)
+    assert rel(out, linear_reference(x, w).to(BF)) <= 1e-2 / 4
+    per_token = engine_fp8.quantize_activations(x) @ w.dequantize(torch.float32).T
+    assert rel(out, per_token.to(BF)) > 1e-2  # the per-token form rounds the small group coarsely
+
+
+def test_stacked_projections_keep_their_bytes_with_finer_scale_rows():
+    a, b = quantize(rand(24, 64, std=0.2, seed=1), (16, 32)), quantize(rand(32, 64, std=0.2, seed=2), (16, 32))
+    both = cat_rows([a, b])  # b's first row sits mid-block of a's last scale row: 8-row scale rows
+    assert not isinstance(both, BlockFp8)  # 8 < MIN_ROWS: dequantized, still exact
+    assert torch.equal(both, torch.cat([a.dequantize(), b.dequantize()]))
+    a = quantize(rand(48, 64, std=0.2, seed=1), (32, 32))
+    both = cat_rows([a, b])
+    assert isinstance(both, BlockFp8) and both.rows == 16 and both.scale.shape == (5, 2)
+    assert torch.equal(both.dequantize(), torch.cat([a.dequantize(), b.dequantize()]))
+    x, out = rand(2, 64), torch.empty(2, 80, dtype=BF)
+    for t in (1, 2):
+        moe.gemv_rows(x[:t], both, out[:t], block_n=8, block_k=32)
+        assert rel(out[:t], linear_reference(x[:t], both).to(BF)) <= 1e-2 / 4
+
+
+def test_shared_experts_split_with_their_scales():
+    inter, h, s = 16, 64, 2
+    gu, dn = quantize(rand(2 * s * inter, h, std=0.2), (16, 16)), quantize(rand(h, s * inter, std=0.2), (16, 16))
+    sg, sd = split_experts(gu, dn, inter)
+    full_g, full_u = gu.dequantize().view(2, s, inter, h).unbind(0)
+    for e in range(s):
+        assert torch.equal(sg[e].dequantize(), torch.cat([full_g[e], full_u[e]]))
+        assert torch.equal(sd[e].dequantize(), dn.dequantize()[:, e * inter:(e + 1) * inter])
+    assert split_experts(gu, quantize(rand(h, s * inter, std=0.2), (16, 32)), inter) is None  # 16 % 32: no split
+
+
+@pytest.mark.parametrize("t,k,act", [(1, 2, True), (1, 3, False), (3, 2, True)])
+def test_grouped_moe_reads_block_fp8_experts(t, k, act):
+    h, e, inter, shared = 64, 8, 32, 1
+    xn, router_w, bias = rand(t, h, seed=t), rand(e, h, std=0.3, seed=k), torch.zeros(e)
+    bias[2] = 10.0  # every token picks expert 2: one program serves them all
+    ids, wts = torch.zeros(t, k, dtype=torch.int32), torch.zeros(t, k)
+    moe.router(xn, router_w, bias, ids, wts, k, 2.5)
+    gate_up = quantize(rand(e, 2 * inter, h, std=0.2, seed=3), (16, 32), act)
+    down = quantize(rand(e, h, inter, std=0.2, seed=4), (16, 32), act)
+    sg = quantize(rand(shared, 2 * inter, h, std=0.2, seed=5), (16, 32), act)
+    sd = quantize(rand(shared, h, inter, std=0.2, seed=6), (16, 32), act)
+    hbuf = rand(t, h, seed=9)
+    before = hbuf.clone()
+    tiles = ((16, 64, 4, 1), (32, 64, 4, 1)) if t > 1 else ((8, 64, 4, 1), (8, 32, 4, 1))
+    grouped = moe.GroupedMoe(num_tokens=t, top_k=k, num_shared=shared, hidden=h, inter=inter, device="cpu",
+                             tiles=tiles)
+    grouped(xn, ids, wts, gate_up, down, sg, sd, hbuf)
+
+    def lin(x, w):  # the engine's reference linear on one expert, rounded as eager bf16
+        return linear_reference(x, w).to(BF)
+
+    y = torch.stack([torch.stack([lin(reference.silu_mul(lin(xn[i:i + 1], gate_up[j])), down[j])[0]
+                                  for j in ids[i].tolist()]) for i in range(t)])
+    routed = (y * wts[..., None].to(BF)).sum(dim=1)
+    shared_out = lin(reference.silu_mul(lin(xn, sg[0])), sd[0])
+    assert rel(hbuf - before, routed + shared_out) <= 2e-2
+
+
+def test_weight_of_reads_the_engine_attributes():
+    w = quantize(rand(32, 64, std=0.2), (16, 32))
+    assert isinstance(fp8block.weight_of(w.w, w.scale, (16, 32), 32), BlockFp8)
+    assert fp8block.weight_of(rand(4, 4), None, None, None).dtype == BF
+    with pytest.raises(ValueError, match="only block scales"):
+        fp8block.weight_of(w.w, torch.ones(32), None, None)
+    with pytest.raises(ValueError, match="powers of two"):
+        BlockFp8(w.w, torch.ones(3, 2), 12, 32)
