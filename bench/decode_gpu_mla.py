@@ -53,8 +53,7 @@ def build(X, s: dict, seed: int = 0, fp8: bool = False):
     def wq(*shape, sc=1.0):  # a quantized projection: bf16 drawn and quantized a few experts at a time
         if not fp8:
             return wb(*shape, sc=sc)
-        from services.decode.engine.cuda.fp8block import BlockFp8, quantize
-
+        BlockFp8, quantize = X.fp8block.BlockFp8, X.fp8block.quantize  # the package the bench loaded (decode_gpu.py)
         if len(shape) == 2:
             return quantize(wb(*shape, sc=sc))
         e, n, k = shape
@@ -134,6 +133,15 @@ def step_bytes(model, s: dict, ctx: int) -> dict:
     total = attn + routed + shared + dense + router + lm_head + kv
     return {"attention": attn, "routed_experts": routed, "shared_experts": shared, "dense_mlp": dense,
             "router": router, "lm_head": lm_head, "kv": kv, "total": total, "mtp_draft": draft}
+
+
+def latent_setup(s: dict, ctx: int):
+    """(random latent caches of ctx + 1024 rows for every layer and the MTP layer, rope cos, sin) of shape ``s``."""
+    mt = ctx + 1024
+    caches = [torch.randn(mt, s["r"] + s["rope"], device="cuda").to(torch.bfloat16) for _ in range(s["layers"] + 1)]
+    inv = 1.0 / (10000.0 ** (torch.arange(0, s["rope"], 2).float() / s["rope"]))
+    fr = torch.arange(mt, dtype=torch.float32)[:, None] * inv[None, :]
+    return caches, fr.cos(), fr.sin()
 
 
 def time_replays(runner, iters: int) -> float:
@@ -708,11 +716,7 @@ def run_mla(X, R: dict, ctx: int = 1024) -> None:
     t0 = time.time()
     model = build(X, s)
     log(f"deepseek-v2-lite-like model built in {time.time() - t0:.1f} s")
-    mt = ctx + 1024
-    caches = [torch.randn(mt, s["r"] + s["rope"], device="cuda").to(torch.bfloat16) for _ in range(s["layers"] + 1)]
-    inv = 1.0 / (10000.0 ** (torch.arange(0, s["rope"], 2).float() / s["rope"]))
-    fr = torch.arange(mt, dtype=torch.float32)[:, None] * inv[None, :]
-    cos, sin = fr.cos(), fr.sin()
+    caches, cos, sin = latent_setup(s, ctx)
     by = step_bytes(model, s, ctx)
     R["dsv2lite_step_bytes"] = by
     bw = R.get("copy_bw_TBps", 4.2)
@@ -823,11 +827,7 @@ def run_dsv3(X, R: dict, ctx: int = 1024) -> None:
     t0 = time.time()
     model = build(X, s)
     log(f"deepseek-v3-shaped model ({s['layers']} layers) built in {time.time() - t0:.1f} s")
-    mt = ctx + 1024
-    caches = [torch.randn(mt, s["r"] + s["rope"], device="cuda").to(torch.bfloat16) for _ in range(s["layers"] + 1)]
-    inv = 1.0 / (10000.0 ** (torch.arange(0, s["rope"], 2).float() / s["rope"]))
-    fr = torch.arange(mt, dtype=torch.float32)[:, None] * inv[None, :]
-    cos, sin = fr.cos(), fr.sin()
+    caches, cos, sin = latent_setup(s, ctx)
     by = step_bytes(model, s, ctx)
     R["dsv3_shape_config"] = {k: v for k, v in s.items()}
     R["dsv3_shape_step_bytes"] = by
@@ -878,11 +878,7 @@ def run_dsv3_fp8(X, R: dict, ctx: int = 1024) -> None:
     model = build(X, s, fp8=True)
     log(f"deepseek-v3-shaped FP8 model ({s['layers']} layers) built in {time.time() - t0:.1f} s, "
         f"{torch.cuda.memory_allocated() / 2**30:.1f} GiB")
-    mt = ctx + 1024
-    caches = [torch.randn(mt, s["r"] + s["rope"], device="cuda").to(torch.bfloat16) for _ in range(s["layers"] + 1)]
-    inv = 1.0 / (10000.0 ** (torch.arange(0, s["rope"], 2).float() / s["rope"]))
-    fr = torch.arange(mt, dtype=torch.float32)[:, None] * inv[None, :]
-    cos, sin = fr.cos(), fr.sin()
+    caches, cos, sin = latent_setup(s, ctx)
     by = step_bytes(model, s, ctx)
     R["dsv3_shape_fp8_step_bytes"] = by
     bw = R.get("copy_bw_TBps", 4.2)

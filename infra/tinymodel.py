@@ -308,7 +308,11 @@ def main(argv: list[str]) -> int:
                         help="stored weight dtype and config torch_dtype (default float32)")
     parser.add_argument("--quantize", choices=("fp8-channel", "fp8-tensor", "fp8-block"), default=None,
                         help="write FP8 weights (infra.tinymodel_fp8): compressed-tensors per channel or per "
-                             "tensor, or the fp8 method with 128x128 block scales")
+                             "tensor, or the fp8 method with block scales (--block)")
+    parser.add_argument("--block", default="128x128", metavar="ROWSxCOLS",
+                        help="fp8-block's block (default 128x128, as DeepSeek-V3 ships; the decode engine's fast "
+                             "path reads powers of two, and a tiny model's 32-64-wide projections keep distinct "
+                             "block scales only with small blocks such as 16x16)")
     parser.add_argument("--plant", choices=tuple(PLANTS), default=None,
                         help="a variant that greedily emits a fixed continuation after the chat "
                              "template's assistant header: a Hermes <tool_call> (tool-call), a <think> "
@@ -316,12 +320,18 @@ def main(argv: list[str]) -> int:
                              f"{', '.join(PLANT_ARCHS)}")
     args = parser.parse_args(argv)
     try:
+        block = tuple(int(v) for v in args.block.lower().split("x"))
+        if len(block) != 2 or min(block) < 1:
+            raise ValueError
+    except ValueError:
+        parser.error(f"--block {args.block!r}: give ROWSxCOLS, e.g. 128x128")
+    try:
         out = make_model(args.arch, args.out, seed=args.seed, dtype=args.dtype, plant=args.plant)
     except ValueError as exc:
         parser.error(str(exc))
     if args.quantize:
         from infra.tinymodel_fp8 import quantize_checkpoint
 
-        quantize_checkpoint(out, args.quantize)
+        quantize_checkpoint(out, args.quantize, block=block)
     print(out)
     return 0

@@ -177,12 +177,14 @@ def engine_reason(mode: str, model, device: torch.device, dtype: torch.dtype, nu
         return f"{cfg.model_type}: the engine drives the fast path for Llama- and DeepSeek-V3-family models only"
     q = getattr(cfg, "quant", None)
     if q is not None:
-        gqa_fp8 = family == "gqa" and q.method == "compressed-tensors" and q.strategy in ("channel", "tensor")
-        mla_fp8 = family == "mla" and q.strategy == "block" and all(b > 0 and b & (b - 1) == 0 for b in q.block)
-        if not (gqa_fp8 or mla_fp8):
+        channel = family == "gqa" and q.method == "compressed-tensors" and q.strategy in ("channel", "tensor")
+        block = q.strategy == "block" and all(b > 0 and b & (b - 1) == 0 for b in q.block)
+        if not (channel or block):
             return (f"{q.method} FP8 weights ({q.strategy} scales{'' if q.block is None else ' %dx%d' % q.block}): "
-                    "the fast path reads FP8 as compressed-tensors per-channel or per-tensor scales on Llama-family "
-                    "models, and as power-of-two block scales (DeepSeek-V3's 128x128) on DeepSeek-family models")
+                    "the fast path reads FP8 as power-of-two block scales (DeepSeek-V3's and Qwen's 128x128), and "
+                    "as compressed-tensors per-channel or per-tensor scales on Llama-family models")
+        if block and family == "gqa" and (cfg.qkv_bias or cfg.o_bias):
+            return "block-scaled FP8 with q/k/v or o biases is not on the fast path (the bias is added before rounding)"
         if family == "mla" and getattr(getattr(model, "lm_head", None), "dtype", None) == torch.float8_e4m3fn:
             return "an FP8 lm_head is not on the fast path: keep lm_head in the checkpoint's ignore list"
     if dtype != torch.bfloat16:
@@ -265,10 +267,13 @@ class FastPath:
         self.max_steps = max(max_steps, tokens_per_step, 4 * (self.num_spec + 1))  # out_tokens rows; re-armed when full
         self.decoders: dict[int, tuple] = {}  # slot -> (decoder, {drafts k: GraphedFn})
         self.held: dict[int, tuple[int, int, int]] = {}  # slot -> (token, pos, out index) on device
-        # several slots in one step (step_batch), on one GPU: the Llama family (bf16 or FP8 weights, bf16 or FP8
-        # KV cache), the DeepSeek family with dense attention (plain steps: no drafts while batched)
+        # several slots in one step (step_batch), on one GPU: the Llama family (bf16 or per-channel / per-tensor FP8
+        # weights, bf16 or FP8 KV cache), the DeepSeek family with dense attention (plain steps: no drafts while
+        # batched; bf16 or block-scaled FP8)
         sparse = bool(getattr(getattr(model, "cfg", None), "index_topk", 0)) if self.mla else False
-        self.batch_ok = not sparse and getattr(getattr(model, "tp", None), "size", 1) == 1
+        quant = getattr(getattr(model, "cfg", None), "quant", None)
+        gqa_block = not self.mla and quant is not None and quant.strategy == "block"  # one slot a step (fp8.py)
+        self.batch_ok = not sparse and not gqa_block and getattr(getattr(model, "tp", None), "size", 1) == 1
         # batch graphs built when the engine loads; a DeepSeek-family batch under Triton's interpreter (tests)
         # at its first use instead (an interpreted warm-up step per graph would slow every load)
         self.batch_at_load = self.batch_ok and (not self.mla or device.type == "cuda")

@@ -207,3 +207,17 @@ def test_make_model_quantize_flag_and_loading_progress(tmp_path, capsys):
     names = [n for n, _ in iter_engine_params(out, cfg, progress=True)]
     assert "layers.1.experts_down_scale" in names and "mtp.0.block.wq_b_scale" in names
     assert f"loading {out.name}" in capsys.readouterr().err
+
+
+def test_make_model_block_flag(tmp_path):
+    from infra.cli import main as cli
+
+    out = tmp_path / "block16"
+    assert cli(["make-model", "--arch", "llama", "--out", str(out), "--quantize", "fp8-block", "--block", "16x32"]) == 0
+    assert json.loads((out / "config.json").read_text())["quantization_config"]["weight_block_size"] == [16, 32]
+    scale = load_file(str(out / "model.safetensors"))["model.layers.0.self_attn.q_proj.weight_scale_inv"]
+    q = load_file(str(out / "model.safetensors"))["model.layers.0.self_attn.q_proj.weight"]
+    assert scale.shape == (-(-q.shape[0] // 16), -(-q.shape[1] // 32))
+    with pytest.raises(SystemExit) as exc:
+        cli(["make-model", "--arch", "llama", "--out", str(tmp_path / "bad"), "--quantize", "fp8-block", "--block", "16"])
+    assert exc.value.code == 2

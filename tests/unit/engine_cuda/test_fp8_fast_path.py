@@ -1,9 +1,10 @@
 """FP8 (compressed-tensors per-channel / per-tensor) Llama-family models on the fast path, its Triton
 kernels interpreted on CPU (conftest.py): greedy tokens through
 ``Engine(fast_path="on")`` equal the reference step's (``fast_path="off"``, which dequantizes in
-torch), with and without FP8 activations, and for Qwen3's q/k norm; what the FP8 step does not read
-(block scales on a Llama-family model) keeps the reference step and says why; block-scaled DeepSeek-family
-checkpoints: test_fp8_block_fast_path.py.
+torch), with and without FP8 activations, and for Qwen3's q/k norm; block-scaled checkpoints (the ``fp8`` method,
+Qwen's FP8 releases) through the block-scaled GEMVs one slot a step; what the FP8 step does not read (block
+scales with biases, blocks not a power of two) keeps the reference step and says why. Block-scaled
+DeepSeek-family checkpoints: test_fp8_block_fast_path.py.
 """
 
 from __future__ import annotations
@@ -39,13 +40,38 @@ def test_fp8_fast_path_tokens_equal_the_reference_step(tmp_path, arch, scheme, a
     assert tokens == run(ref, 0, PROMPT, greedy)[0]
 
 
-def test_block_scaled_fp8_keeps_the_reference_step(tmp_path):
-    save_checkpoint("llama", tmp_path, damp=True)
-    quantize_checkpoint(tmp_path, "fp8-block")
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_block_scaled_fp8_fast_path_tokens_equal_the_reference_step(tmp_path, arch):
+    # the fp8 method with weight_block_size (Qwen's and DeepSeek's FP8 releases; 16 x 16 blocks on the tiny
+    # model, whose blocks' scales spread_blocks makes differ): the batch-1 step runs the block-scaled GEMVs, with
+    # the reference step's per-128-feature (here 16) activation rounding; several slots step on the reference step
+    from tests.unit.engine_cuda.test_fp8_block_fast_path import spread_blocks
+
+    save_checkpoint(arch, tmp_path, damp=True)
+    spread_blocks(tmp_path)
+    quantize_checkpoint(tmp_path, "fp8-block", block=(16, 16))
+    fast, ref = load(tmp_path, "on"), load(tmp_path, "off")
+    assert fast.fast_path_reason is None and not fast.fast_path.batch_ok
+    greedy = SamplingParams(max_tokens=6, ignore_eos=True)
+    tokens, _, paths = run(fast, 0, PROMPT, greedy)
+    assert paths == {"fast"}
+    assert tokens == run(ref, 0, PROMPT, greedy)[0]
+
+
+def test_block_scaled_fp8_with_biases_keeps_the_reference_step(tmp_path):
+    save_checkpoint("qwen2", tmp_path, damp=True)
+    quantize_checkpoint(tmp_path, "fp8-block", block=(16, 16))
     engine = load(tmp_path, "auto")
-    assert engine.fast_path is None and "fp8 FP8 weights (block scales 128x128)" in engine.fast_path_reason
-    with pytest.raises(ValueError, match="per-channel or per-tensor scales on Llama-family"):
+    assert engine.fast_path is None and "biases" in engine.fast_path_reason
+    with pytest.raises(ValueError, match="biases"):
         load(tmp_path, "on")
+
+
+def test_non_power_of_two_blocks_keep_the_reference_step(tmp_path):
+    save_checkpoint("llama", tmp_path, damp=True)
+    quantize_checkpoint(tmp_path, "fp8-block", block=(24, 24))
+    engine = load(tmp_path, "auto")
+    assert engine.fast_path is None and "fp8 FP8 weights (block scales 24x24)" in engine.fast_path_reason
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])

@@ -17,6 +17,9 @@ Entry points (see each module's docstring for the contract):
 - ``mla.py`` / ``mla_decoder.py``: the DeepSeek-V3-family step (absorbed MLA, grouped-expert MoE, MTP
   draft + verify in one graph) over the engine's deepseek.py weights (``prepare_layer``), and its batched
   step of 2..8 slots (``MlaBatchDecoder``).
+- ``fp8.py`` / ``fp8block.py``: FP8 weights: per-channel / per-tensor scales on the Llama family
+  (``Fp8GqaDecoder``), and block scales (``BlockFp8``, DeepSeek-V3's and Qwen's 128 x 128) read by moe.py's
+  GEMVs for both families.
 
 Importing this package needs torch and triton only (no other engine module), so GPU benchmarks can
 load it on a machine that has nothing else of the project installed. Submodules load on first use:
@@ -25,8 +28,8 @@ load it on a machine that has nothing else of the project installed. Submodules 
 
 import importlib
 
-_MODULES = ("adapter", "attention", "batch", "gemv", "graph", "llama", "mla", "mla_decoder", "moe", "reference", "sampling",
-            "sampling_state", "smallops")
+_MODULES = ("adapter", "attention", "batch", "fp8", "fp8block", "gemv", "graph", "llama", "mla", "mla_decoder", "moe",
+            "reference", "sampling", "sampling_state", "smallops")
 _NAMES = {"FastOptions": "llama", "GqaBatchDecoder": "batch", "GqaDecoder": "llama", "GqaLayer": "llama", "GqaModel": "llama",
           "reference_step": "llama", "GraphedFn": "graph"}
 

@@ -58,15 +58,20 @@ def _fp8_scales(model) -> list | None:
         return None
     if is_fp8(model.lm_head):
         raise ValueError("an FP8 lm_head is not on the fast path: keep lm_head in the checkpoint's ignore list")
+    from .fp8block import weight_of
+
     scales = []
     for b in model.layers:
         per = {}
         for n in names:
             w = getattr(b, n)
-            if is_fp8(w) and w.block is not None:
-                raise ValueError(f"block-scaled FP8 ({n}) is not on the Llama-family fast path: per-channel or "
-                                 "per-tensor scales only")
-            per[n] = w.scale if is_fp8(w) else None
+            if is_fp8(w) and w.block is not None:  # block scales: the projection itself as BlockFp8
+                if b.bqkv is not None or b.bo is not None:
+                    raise ValueError("block-scaled FP8 with q/k/v or o biases is not on the fast path (the bias "
+                                     "is added before the output's rounding there)")
+                per[n] = weight_of(w.data, w.scale, w.block, w.act)
+            else:
+                per[n] = w.scale if is_fp8(w) else None
         scales.append(Fp8Scales(**per))
     return scales
 
@@ -100,6 +105,8 @@ def gqa_batch_decoder_from_engine(model, batch: int, options: FastOptions | None
         raise ValueError("the batched step runs on one GPU: a tensor-parallel engine steps its slots one at a time "
                          "on the fast path, or together on the reference step")
     scales = _fp8_scales(model)
+    if scales is not None and any(sc.blocked() for sc in scales):
+        raise ValueError("several slots of a block-scaled FP8 model step together on the reference step")
     act = scales is not None and _fp8_act(model)
     return GqaBatchDecoder(_gqa_model(model), cache.k_caches, cache.v_caches, model.cos, model.sin, batch, options,
                            max_steps, scratch_slot=cache.scratch_slot, kv_format=getattr(cache, "kv_format", None),

@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from . import gemv, reference, smallops
+from .fp8block import BlockFp8
 from .gemv import gdc_launch_dependents, gdc_wait, launch_opts, qkv_store
 from .kernel_helpers import act_round, act_scale, rnd_bf16, round_to_dtype
 from .llama import GqaDecoder, folds_norm
@@ -298,10 +299,15 @@ def gemv_fp8_silu_reference(x, w_gate_up, w_scale, *, norm_w=None, eps=1e-5, act
 
 # ---------------------------------------------------------------- the FP8 batch-1 Llama-family step
 class Fp8Scales:
-    """One layer's per-row float32 scales (None: that projection is bf16, e.g. ``ignore``d)."""
+    """One layer's per-row float32 scales (None: that projection is bf16, e.g. ``ignore``d), or, for a
+    block-scaled checkpoint (the ``fp8`` method with ``weight_block_size``, as Qwen's and DeepSeek's FP8 releases
+    ship), the projection itself as fp8block.BlockFp8 (its bytes and block scales)."""
 
     def __init__(self, wqkv=None, wo=None, w_gate_up=None, w_down=None):
         self.wqkv, self.wo, self.w_gate_up, self.w_down = wqkv, wo, w_gate_up, w_down
+
+    def blocked(self) -> bool:
+        return any(isinstance(v, BlockFp8) for v in vars(self).values())
 
 
 class Fp8GqaDecoder(GqaDecoder):
@@ -328,6 +334,8 @@ class Fp8GqaDecoder(GqaDecoder):
     def _norms_in_attention(self, i: int) -> bool:
         if self.scales[i].wqkv is None:
             return super()._norms_in_attention(i)
+        if isinstance(self.scales[i].wqkv, BlockFp8):
+            return False  # the block-scaled QKV's rope kernel norms q/k (_block_layer)
         return (self.model.layers[i].q_norm is not None and self.opt.fp8_qkv_rope
                 and self.opt.qk_norm_in in ("attention", "qkv") and not self.kv_fmt)  # no last-program norm in FP8
 
@@ -359,6 +367,8 @@ class Fp8GqaDecoder(GqaDecoder):
         sc = self.scales[i]
         if sc.wqkv is None and sc.wo is None and sc.w_gate_up is None and sc.w_down is None:
             return super().layer(i)
+        if sc.blocked():
+            return self._block_layer(i)
         m, lw, eps, act = self.model, self.model.layers[i], self.model.eps, self.act_fp8
         qk_norm = self._qkv(i)
         self.attend(i, qk_norm)
@@ -380,8 +390,41 @@ class Fp8GqaDecoder(GqaDecoder):
             gemv.gemv(self.act, lw.w_down, self.residual, residual=self.residual, **self.tile_kwargs("down"))
 
 
+    # block-scaled FP8 (one token): the DeepSeek-family block's GEMV (moe.gemv_rows: the FP8 bytes, the block scales
+    # and the per-128-feature activation rounding in the kernel), each with its norm in the prologue and the
+    # residual in the epilogue; rope, q/k norm and the cache write in one small kernel, SiLU . up in torch
+    BLOCK_TILE = (8, 512, 4, 3)  # (block_n, block_k, warps, stages): the DeepSeek-family one-token projections'
+
+    def _block_gemv(self, x: torch.Tensor, w, out: torch.Tensor, **kw) -> torch.Tensor:
+        from .moe import gemv_rows
+
+        bn, bk, nw, st = self.BLOCK_TILE
+        return gemv_rows(x.view(1, -1), w, out.view(1, -1), block_n=bn, block_k=bk, num_warps=nw, stages=st,
+                         pdl=self.opt.pdl, **kw)
+
+    def _block_layer(self, i: int) -> None:
+        m, lw, sc, eps = self.model, self.model.layers[i], self.scales[i], self.model.eps
+        pick = {n: getattr(sc, n) if getattr(sc, n) is not None else getattr(lw, n)
+                for n in ("wqkv", "wo", "w_gate_up", "w_down")}
+        qkv = self.tmp[: pick["wqkv"].shape[0]]
+        self._block_gemv(self.residual, pick["wqkv"], qkv, norm_w=lw.attn_norm, eps=eps)
+        smallops.rope_cache_write(qkv, self.query, self.k_caches[i], self.v_caches[i], self.pos, self.cos, self.sin,
+                                  num_q_heads=m.num_q_heads, num_kv_heads=m.num_kv_heads, head_dim=m.head_dim,
+                                  q_norm=lw.q_norm, k_norm=lw.k_norm, eps=eps, pdl=self.opt.pdl, **self.kv_kwargs(i))
+        self.attend(i, None)
+        self._block_gemv(self.attn_out, pick["wo"], self.residual, residual=self.residual.view(1, -1))
+        gu = self.tmp[: pick["w_gate_up"].shape[0]]
+        self._block_gemv(self.residual, pick["w_gate_up"], gu, norm_w=lw.mlp_norm, eps=eps)
+        gate, up = gu.chunk(2)
+        torch.mul(torch.nn.functional.silu(gate), up, out=self.act)  # reference.silu_mul's rounding points
+        self._block_gemv(self.act, pick["w_down"], self.residual, residual=self.residual.view(1, -1))
+
+
 def fp8_bytes_per_step(model, scales: list[Fp8Scales]) -> int:
     """Bytes one batch-1 step reads from weights: GqaModel.weight_bytes (FP8 weights at one byte, bf16
     modules at two) plus the FP8 scales."""
-    return model.weight_bytes() + sum(t.numel() * t.element_size() for sc in scales for t in vars(sc).values()
-                                      if t is not None)
+    def scale_bytes(t) -> int:
+        t = t.scale if isinstance(t, BlockFp8) else t
+        return t.numel() * t.element_size()
+
+    return model.weight_bytes() + sum(scale_bytes(t) for sc in scales for t in vars(sc).values() if t is not None)
