@@ -52,6 +52,17 @@ def test_gemv_rows_reads_block_fp8(t, act, norm, residual):
         assert rel(linear_reference(xin, w).to(BF), engine_fp8.linear(xin, wt)) <= 1e-2
 
 
+@pytest.mark.parametrize("widen", [2, 4])
+def test_wider_one_token_fp8_tiles_compute_the_same(monkeypatch, widen):
+    # fp8block.FMA_WIDEN (the one-token tile's K width over FP8 weights, a GPU run's choice): same function
+    monkeypatch.setattr(fp8block, "FMA_WIDEN", widen)
+    assert fp8block.tile(quantize(rand(16, 64), (16, 32)), 8, 64, dot=False) == (8, 64 * widen)
+    w = quantize(rand(48, 200, std=0.2), (16, 32), act=True)
+    x, out = rand(1, 200), torch.empty(1, 48, dtype=BF)
+    moe.gemv_rows(x, w, out, block_n=8, block_k=32)
+    assert rel(out, linear_reference(x, w).to(BF)) <= 1e-2 / 4
+
+
 def test_block_fp8_activations_are_rounded_per_group():
     # one huge feature in the first 32-wide group must not coarsen the second group's rounding (the output reads
     # the second group only: the first group's weights are zero)

@@ -174,15 +174,22 @@ def linear_reference(x: torch.Tensor, w: BlockFp8) -> torch.Tensor:
     return xf @ w.dequantize(torch.float32).T
 
 
+# the one-token (FMA) tile's K width over FP8 weights as a multiple of the bf16 tile's: 2 keeps a bf16 tile's bytes in
+# flight a program (the Llama-family FP8 GEMVs gained from wider tiles, run P1); 1 until a GPU run picks
+# (bench/decode_gpu.py --parts dsv3fp8 times both)
+FMA_WIDEN = 1
+
+
 def tile(w, block_n: int, block_k: int, dot: bool) -> tuple[int, int]:
     """(block_n, block_k) of a GEMV tile over ``w``: for BlockFp8 the rows cut to a divisor of its scale rows, and
-    K one block at a time on the tensor-core path (each block's dot scaled on its own) or a whole number of
-    blocks where the activations are grouped."""
+    K one block at a time on the tensor-core path (each block's dot scaled on its own) or, one token, FMA_WIDEN
+    times the bf16 tile's and a whole number of blocks where the activations are grouped."""
     if not isinstance(w, BlockFp8):
         return block_n, block_k
     block_n = min(block_n, w.rows)
     if dot:
         return block_n, w.cols
+    block_k *= FMA_WIDEN
     return block_n, max(block_k, w.cols) if w.act else block_k
 
 
