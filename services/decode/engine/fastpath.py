@@ -267,13 +267,10 @@ class FastPath:
         self.max_steps = max(max_steps, tokens_per_step, 4 * (self.num_spec + 1))  # out_tokens rows; re-armed when full
         self.decoders: dict[int, tuple] = {}  # slot -> (decoder, {drafts k: GraphedFn})
         self.held: dict[int, tuple[int, int, int]] = {}  # slot -> (token, pos, out index) on device
-        # several slots in one step (step_batch), on one GPU: the Llama family (bf16 or per-channel / per-tensor FP8
-        # weights, bf16 or FP8 KV cache), the DeepSeek family with dense attention (plain steps: no drafts while
-        # batched; bf16 or block-scaled FP8)
+        # several slots in one step (step_batch), on one GPU: the Llama family (bf16 or FP8 weights, bf16 or FP8 KV
+        # cache), the DeepSeek family with dense attention (plain steps: no drafts while batched)
         sparse = bool(getattr(getattr(model, "cfg", None), "index_topk", 0)) if self.mla else False
-        quant = getattr(getattr(model, "cfg", None), "quant", None)
-        gqa_block = not self.mla and quant is not None and quant.strategy == "block"  # one slot a step (fp8.py)
-        self.batch_ok = not sparse and not gqa_block and getattr(getattr(model, "tp", None), "size", 1) == 1
+        self.batch_ok = not sparse and getattr(getattr(model, "tp", None), "size", 1) == 1
         # batch graphs built when the engine loads; a DeepSeek-family batch under Triton's interpreter (tests)
         # at its first use instead (an interpreted warm-up step per graph would slow every load)
         self.batch_at_load = self.batch_ok and (not self.mla or device.type == "cuda")

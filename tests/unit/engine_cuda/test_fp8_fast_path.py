@@ -2,7 +2,7 @@
 kernels interpreted on CPU (conftest.py): greedy tokens through
 ``Engine(fast_path="on")`` equal the reference step's (``fast_path="off"``, which dequantizes in
 torch), with and without FP8 activations, and for Qwen3's q/k norm; block-scaled checkpoints (the ``fp8`` method,
-Qwen's FP8 releases) through the block-scaled GEMVs one slot a step; what the FP8 step does not read (block
+Qwen's FP8 releases) through the block-scaled GEMVs, one slot a step or several; what the FP8 step does not read (block
 scales with biases, blocks not a power of two) keeps the reference step and says why. Block-scaled
 DeepSeek-family checkpoints: test_fp8_block_fast_path.py.
 """
@@ -44,18 +44,26 @@ def test_fp8_fast_path_tokens_equal_the_reference_step(tmp_path, arch, scheme, a
 def test_block_scaled_fp8_fast_path_tokens_equal_the_reference_step(tmp_path, arch):
     # the fp8 method with weight_block_size (Qwen's and DeepSeek's FP8 releases; 16 x 16 blocks on the tiny
     # model, whose blocks' scales spread_blocks makes differ): the batch-1 step runs the block-scaled GEMVs, with
-    # the reference step's per-128-feature (here 16) activation rounding; several slots step on the reference step
+    # the reference step's per-128-feature (here 16) activation rounding, one slot a step or several together
     from tests.unit.engine_cuda.test_fp8_block_fast_path import spread_blocks
 
     save_checkpoint(arch, tmp_path, damp=True)
     spread_blocks(tmp_path)
     quantize_checkpoint(tmp_path, "fp8-block", block=(16, 16))
     fast, ref = load(tmp_path, "on"), load(tmp_path, "off")
-    assert fast.fast_path_reason is None and not fast.fast_path.batch_ok
+    assert fast.fast_path_reason is None and fast.fast_path.batch_ok
     greedy = SamplingParams(max_tokens=6, ignore_eos=True)
     tokens, _, paths = run(fast, 0, PROMPT, greedy)
     assert paths == {"fast"}
     assert tokens == run(ref, 0, PROMPT, greedy)[0]
+    # two slots in the batched step (the few-row block-scaled GEMVs' tensor-core dots): each slot's tokens alone
+    from tests.unit.engine_cuda.test_fast_path_batch import decode_alone, decode_together
+
+    engine = Engine.load(tmp_path, num_slots=2, max_seq_len=48, dtype="bfloat16", fast_path="on",
+                         fast_path_options=OPTIONS)
+    prompts = {0: PROMPT, 1: [5, 77, 200, 9, 61]}
+    short = SamplingParams(max_tokens=3, ignore_eos=True)
+    assert decode_together(engine, prompts, short) == decode_alone(engine, prompts, short)
 
 
 def test_block_scaled_fp8_with_biases_keeps_the_reference_step(tmp_path):

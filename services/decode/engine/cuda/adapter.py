@@ -105,8 +105,6 @@ def gqa_batch_decoder_from_engine(model, batch: int, options: FastOptions | None
         raise ValueError("the batched step runs on one GPU: a tensor-parallel engine steps its slots one at a time "
                          "on the fast path, or together on the reference step")
     scales = _fp8_scales(model)
-    if scales is not None and any(sc.blocked() for sc in scales):
-        raise ValueError("several slots of a block-scaled FP8 model step together on the reference step")
     act = scales is not None and _fp8_act(model)
     return GqaBatchDecoder(_gqa_model(model), cache.k_caches, cache.v_caches, model.cos, model.sin, batch, options,
                            max_steps, scratch_slot=cache.scratch_slot, kv_format=getattr(cache, "kv_format", None),

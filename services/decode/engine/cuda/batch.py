@@ -50,6 +50,7 @@ import triton.language as tl
 
 from .attention import DecodeAttention
 from .fp8 import act_round, act_scale
+from .fp8block import BlockFp8
 from .gemv import gdc_launch_dependents, gdc_wait, interpreting, l2_prefetch_tiles, launch_opts
 from .kernel_helpers import prefetch_l2, rope_pair, round_to_dtype
 from .kvfp8 import fp8_kv_load, kv_cache_setup
@@ -565,6 +566,8 @@ class GqaBatchDecoder(RowsDecoder):
         widest = max(model.hidden, model.intermediate, model.num_q_heads * model.head_dim)
         self.xq = torch.zeros(batch, widest if fp8_scales is not None else 0, dtype=torch.float16, device=dev)
         self.xscale = torch.ones(batch, dtype=torch.float32, device=dev)
+        blocked = fp8_scales is not None and any(sc.blocked() for sc in fp8_scales)
+        self.gate_up_rows = torch.zeros(batch, 2 * model.intermediate if blocked else 0, dtype=dt, device=dev)
         hq, hkv, d = model.num_q_heads, model.num_kv_heads, model.head_dim
         h, inter = model.hidden, model.intermediate
         b = batch
@@ -588,10 +591,25 @@ class GqaBatchDecoder(RowsDecoder):
 
     def gemv(self, i: int, name: str, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, tile: str, **kw) -> None:
         """rows_gemv of layer i's projection ``name`` over rows x: bf16 weights as they are; FP8 ones over x's
-        rows quantized once (quant_rows) into self.xq."""
+        rows quantized once (quant_rows) into self.xq; block-scaled FP8 (fp8block.BlockFp8, no bias) by the
+        DeepSeek family's few-row GEMV (moe.gemv_rows: per-block tensor-core dots, the rows' groups rounded to FP8
+        in the kernel), SiLU . up after it in torch."""
         scale = getattr(self.fp8_scales[i], name) if self.fp8_scales is not None else None
         if scale is None:
             rows_gemv(x, w, out, **kw, **self.tile_kwargs(tile))
+            return
+        if isinstance(scale, BlockFp8):
+            from .moe import gemv_rows
+
+            if kw.get("bias") is not None or "row_scale" in kw:
+                raise ValueError("block-scaled FP8 GEMVs take no bias and no folded norm")
+            if not kw.get("silu"):
+                gemv_rows(x, scale, out, residual=kw.get("residual"), pdl=self.opt.pdl)
+                return
+            gu = self.gate_up_rows[:, : scale.shape[0]]
+            gemv_rows(x, scale, gu, pdl=self.opt.pdl)
+            gate, up = gu.chunk(2, dim=-1)
+            torch.mul(torch.nn.functional.silu(gate), up, out=out)  # reference.silu_mul's rounding points
             return
         xq = self.xq[:, : x.shape[1]]
         quant_rows(x, xq, self.xscale, self.act_fp8, pdl=self.opt.pdl)
