@@ -178,10 +178,10 @@ def engine_reason(mode: str, model, device: torch.device, dtype: torch.dtype, nu
     q = getattr(cfg, "quant", None)
     if q is not None:
         channel = family == "gqa" and q.method == "compressed-tensors" and q.strategy in ("channel", "tensor")
-        block = q.strategy == "block" and all(b > 0 and b & (b - 1) == 0 for b in q.block)
+        block = q.strategy == "block" and all(b >= 16 and b & (b - 1) == 0 for b in q.block)
         if not (channel or block):
             return (f"{q.method} FP8 weights ({q.strategy} scales{'' if q.block is None else ' %dx%d' % q.block}): "
-                    "the fast path reads FP8 as power-of-two block scales (DeepSeek-V3's and Qwen's 128x128), and "
+                    "the fast path reads FP8 as block scales of powers of two >= 16 (DeepSeek-V3's and Qwen's 128x128), and "
                     "as compressed-tensors per-channel or per-tensor scales on Llama-family models")
         if block and family == "gqa" and (cfg.qkv_bias or cfg.o_bias):
             return "block-scaled FP8 with q/k/v or o biases is not on the fast path (the bias is added before rounding)"

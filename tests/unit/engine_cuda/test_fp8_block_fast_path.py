@@ -84,8 +84,23 @@ def test_block_fp8_slots_decode_together_with_their_tokens_alone(checkpoint):
     assert decode_together(engine, prompts, greedy) == alone  # the tensor-core path's per-block dots
 
 
+def test_block_fp8_sparse_attention_tokens_equal_the_reference_step(tmp_path):
+    # DeepSeek-V3.2: the indexer's key and head-weight rows (bf16 in the engine) beside the FP8 wkv_a | wq_a stack
+    # run as a GEMV of their own into the columns after it
+    save_checkpoint("deepseek_v32", tmp_path, **SMALL)
+    spread_blocks(tmp_path)
+    quantize_checkpoint(tmp_path, "fp8-block", block=(16, 16))
+    fast = load(tmp_path, "on")
+    greedy = SamplingParams(max_tokens=6, ignore_eos=True)
+    got, _, paths, _, _ = run(fast, V3_PROMPT, greedy)
+    lw = fast.model._fast_mla_model.layers[-1]
+    assert isinstance(lw.wqkv_a, BlockFp8) and lw.w_idx_rows is not None
+    want, _, _, _, _ = run(load(tmp_path, "off"), V3_PROMPT, greedy)
+    assert paths == {"fast"} and got == want
+
+
 def test_per_channel_fp8_deepseek_keeps_the_reference_step(tmp_path):
     save_checkpoint("deepseek_v3", tmp_path, **SMALL)
     quantize_checkpoint(tmp_path, "fp8-channel")
     engine = load(tmp_path, "auto")
-    assert engine.fast_path is None and "power-of-two block scales" in engine.fast_path_reason
+    assert engine.fast_path is None and "block scales of powers of two" in engine.fast_path_reason

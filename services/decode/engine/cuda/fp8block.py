@@ -9,9 +9,12 @@ block path), and the kernels round each input group to FP8 the same way.
 
 The GEMV kernels (moe.py: ``gemv_rows``, the grouped experts) read the FP8 bytes and apply the scales in the
 kernel: a program's rows lie in one scale row (its ``BLOCK_N`` divides ``rows``), so on the one-token FMA path each
-input column is multiplied by its block's scale once per program (:func:`fp8_cols`) and the weight streams as
+input column is multiplied by its block's scale once per program (:func:`fp8_fma`) and the weight streams as
 bytes; on the tensor-core path (several tokens) the K loop steps one block at a time and scales each block's partial
-dot (:func:`fp8_block_dot`). The weight is never widened in memory: a step reads half the bytes of bf16.
+dot (:func:`fp8_block_dot`). The weight is never widened in memory: a step reads half the bytes of bf16. Numerics
+are the engine's reference linear's (engine/fp8.py): with ``act`` the input rounded per group and the weight's exact
+FP8 values times its scales; weight-only, the weight dequantized to bf16 (a dequantized checkpoint). Blocks are
+powers of two of 16 or more (the tensor-core tiles' least side).
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .kernel_helpers import act_round, act_scale
+from .kernel_helpers import act_round, act_scale, rnd_bf16
 
 FP8_MAX = 448.0
 ACT_MIN_SCALE = 1.0 / (FP8_MAX * 512.0)  # vLLM's floor for dynamic activation scales
@@ -68,8 +71,9 @@ class BlockFp8:
             raise ValueError(f"BlockFp8 takes float8_e4m3fn weights and float32 scales, got {self.w.dtype} / "
                              f"{self.scale.dtype}")
         for v in (self.rows, self.cols):
-            if v < 1 or v & (v - 1):
-                raise ValueError(f"block scales of {self.rows} x {self.cols}: the kernels need powers of two")
+            if v < MIN_ROWS or v & (v - 1):
+                raise ValueError(f"block scales of {self.rows} x {self.cols}: the kernels need powers of two of "
+                                 f"{MIN_ROWS} or more")
         want = (*self.w.shape[:-2], -(-self.w.shape[-2] // self.rows), -(-self.w.shape[-1] // self.cols))
         if tuple(self.scale.shape) != want:
             raise ValueError(f"scale {tuple(self.scale.shape)} does not cover {tuple(self.w.shape)} in "
@@ -114,13 +118,22 @@ def weight_of(w: torch.Tensor, scale: torch.Tensor | None, block: tuple[int, int
 
 
 def plain(w: "torch.Tensor | BlockFp8", dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    return w.dequantize(dtype) if isinstance(w, BlockFp8) else w
+    """``w`` as a bf16 weight for the bf16 kernels: only a weight-only FP8 one, whose reference numerics are its
+    dequantized bf16 weight; activations rounded to FP8 have no bf16 form (ValueError: the reference step serves it)."""
+    if not isinstance(w, BlockFp8):
+        return w
+    if w.act:
+        raise ValueError(f"block-scaled FP8 weights {tuple(w.shape)} in {w.rows} x {w.cols} blocks cannot keep their "
+                         "bytes in this layout (stacked parts whose boundaries split a block, or experts of a size "
+                         "the blocks do not divide), and their activation rounding has no bf16 form: the reference "
+                         "step serves this checkpoint")
+    return w.dequantize(dtype)
 
 
 def cat_rows(parts: list["torch.Tensor | BlockFp8"]) -> "torch.Tensor | BlockFp8":
     """Weights stacked on their output rows (dim -2). FP8 parts with the same block width keep their bytes, with
     scale rows of the largest height that divides every part's boundary (rows repeated where finer); otherwise
-    (a bf16 part among them, or boundaries finer than MIN_ROWS) every part is dequantized to bf16."""
+    (a bf16 part among them, or boundaries finer than MIN_ROWS) every part as :func:`plain` gives it."""
     fp8 = [p for p in parts if isinstance(p, BlockFp8)]
     if not fp8:
         return torch.cat(parts).contiguous()
@@ -169,9 +182,11 @@ def quantize(w: torch.Tensor, block: tuple[int, int] = (128, 128), act: bool = T
 
 def linear_reference(x: torch.Tensor, w: BlockFp8) -> torch.Tensor:
     """x [T, K] @ w^T in float32 as the engine's reference step computes a block-scaled FP8 linear (the kernels'
-    torch twin): x through vLLM's per-group FP8 rounding when ``w.act``, the weight dequantized."""
-    xf = quantize_groups(x, w.cols) if w.act else x.float()
-    return xf @ w.dequantize(torch.float32).T
+    torch twin): x through vLLM's per-group FP8 rounding and the weight dequantized when ``w.act``; weight-only,
+    x against the weight dequantized to bf16."""
+    if w.act:
+        return quantize_groups(x, w.cols) @ w.dequantize(torch.float32).T
+    return x.float() @ w.dequantize(torch.bfloat16).float().T
 
 
 # the one-token (FMA) tile's K width over FP8 weights as a multiple of the bf16 tile's: 2 keeps a bf16 tile's bytes in
@@ -220,26 +235,37 @@ def col_scales(s_ptr, srow, k, K, KB, SK: tl.constexpr, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
-def fp8_cols(x, s_ptr, srow, k, K, KB, T_PAD: tl.constexpr, SK: tl.constexpr, ACT: tl.constexpr,
-             BLOCK_K: tl.constexpr):
-    """Input columns [k, k + BLOCK_K) of T_PAD rows (bf16 values) as the FMA path multiplies them into FP8 weight
-    bytes: :func:`act_groups`, then times the weight block's scale of scale row ``srow`` (float32)."""
-    return act_groups(x, T_PAD, SK, ACT, BLOCK_K) * col_scales(s_ptr, srow, k, K, KB, SK, BLOCK_K)[None, :]
+def fp8_fma(acc, w, x, s_ptr, srow, k, K, KB, T_PAD: tl.constexpr, SK: tl.constexpr, ACT: tl.constexpr,
+            BLOCK_K: tl.constexpr):
+    """acc [T_PAD, BLOCK_N, BLOCK_K] + the products of an FP8 weight tile w [BLOCK_N, BLOCK_K] (scale row ``srow``,
+    columns [k, k + BLOCK_K)) and x [T_PAD, BLOCK_K] (bf16 values), as the engine's reference linear computes them:
+    ACT, x rounded per SK group (:func:`act_groups`) and times the block scales (the weight streams as bytes);
+    weight-only, the weight dequantized to bf16 (a dequantized checkpoint's weights) times x."""
+    sw = col_scales(s_ptr, srow, k, K, KB, SK, BLOCK_K)
+    if ACT:
+        upd = w.to(tl.float32)[None, :, :] * (act_groups(x, T_PAD, SK, ACT, BLOCK_K) * sw[None, :])[:, None, :]
+    else:
+        upd = rnd_bf16(w.to(tl.float32) * sw[None, :])[None, :, :] * x.to(tl.float32)[:, None, :]
+    return acc + upd
 
 
 @triton.jit
 def fp8_block_dot(x, w, acc, sw, ACT: tl.constexpr, UPCAST: tl.constexpr):
-    """acc + (x [M, SK] @ w [N, SK]^T) * scales over one weight block: FP8 bytes widened to bf16 (exact), x rounded
-    to FP8 per row when ACT (its scale applied after the dot), fp32 sums; fp32 operands under the interpreter."""
+    """acc + x [M, SK] @ (w [N, SK] * sw)^T over one weight block, fp32 sums (fp32 operands under the interpreter):
+    ACT, x rounded to FP8 per row (its scale and the block's applied to the partial dot) against the FP8 bytes
+    widened to bf16 (exact); weight-only, the block dequantized to bf16 against x, as the reference linear."""
     xf = x.to(tl.float32)
     if ACT:
         sx = act_scale(tl.max(tl.abs(xf), axis=1))
         xo = act_round(xf, 1.0 / sx[:, None]).to(tl.float32)
+        wo = w.to(tl.float32)
+        post = sx * sw
     else:
-        sx = tl.max(tl.abs(xf), axis=1) * 0.0 + 1.0
         xo = xf
+        wo = rnd_bf16(w.to(tl.float32) * sw)
+        post = tl.max(tl.abs(xf), axis=1) * 0.0 + 1.0
     if UPCAST:
-        part = tl.dot(xo, tl.trans(w.to(tl.float32)), input_precision="ieee")
+        part = tl.dot(xo, tl.trans(wo), input_precision="ieee")
     else:
-        part = tl.dot(xo.to(tl.bfloat16), tl.trans(w.to(tl.bfloat16)))
-    return acc + part * (sx * sw)[:, None]
+        part = tl.dot(xo.to(tl.bfloat16), tl.trans(wo.to(tl.bfloat16)))
+    return acc + part * post[:, None]

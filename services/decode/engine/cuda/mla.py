@@ -90,6 +90,9 @@ class MlaLayer:
     # choice of the last layer before it with an indexer (GLM's shared layers)
     index: "MlaIndexer | None" = None
     sparse: bool = False
+    # sparse attention over a block-scaled FP8 stack: the indexer's key and head-weight rows (bf16, as the engine
+    # keeps them) in a GEMV of their own, into the columns after wqkv_a's
+    w_idx_rows: torch.Tensor | None = None
 
     @property
     def is_moe(self) -> bool:
@@ -140,18 +143,23 @@ def prepare_layer(p: dict[str, torch.Tensor], moe_inter: int, sparse: bool = Fal
         gate_up, down = sg, sd
     lora = "wq_a" in p  # q LoRA: the latent's and q_a's projections fused, q_b a second GEMV
     rows = [p["wkv_a"], p["wq_a"]] if lora else [p["wq"], p["wkv_a"]]
-    index = None
+    index = idx_rows = None
     if sparse and "idx_wq_b" in p:  # the indexer's key and head weights read the same normed input
-        rows += [p["idx_wk"], p["idx_weights"]]
+        extra = [p["idx_wk"], p["idx_weights"]]
+        if any(isinstance(w, BlockFp8) for w in rows):  # bf16 rows beside FP8 ones: a GEMV of their own
+            idx_rows = torch.cat(extra).contiguous()
+        else:
+            rows += extra
         index = MlaIndexer(p["idx_wq_b"], p["idx_k_norm"], p["idx_k_norm_bias"])
     return MlaLayer(p["attn_norm"], fp8block.cat_rows(rows), p["kv_a_norm"], p["w_uk"],
                     p["w_uv"].transpose(1, 2).contiguous(), p["wo"], p["mlp_norm"], gate_up, down, sg, sd,
-                    p.get("router"), p.get("router_bias"), p.get("q_a_norm"), p.get("wq_b"), index, sparse)
+                    p.get("router"), p.get("router_bias"), p.get("q_a_norm"), p.get("wq_b"), index, sparse, idx_rows)
 
 
 def _same_experts(gate_up, down, sg, sd):
     """Routed and shared experts in one form for the grouped kernels: all four block-scaled FP8 in the same blocks,
-    or all four bf16 (the FP8 ones dequantized) where a checkpoint mixes them."""
+    or all four bf16 where a checkpoint mixes them (weight-only FP8 dequantized; with FP8 activations, ValueError:
+    fp8block.plain)."""
     parts = [x for x in (gate_up, down, sg, sd) if x is not None]
     fp8 = [x for x in parts if isinstance(x, BlockFp8)]
     if not fp8 or (len(fp8) == len(parts) and len({(x.rows, x.cols, x.act) for x in fp8}) == 1
@@ -444,12 +452,18 @@ class MlaStack:
         nq = d.num_heads * (nope + d.rope)
         lora = lw.wq_b is not None
         a_out = self.qkv[:, nq:] if lora else self.qkv  # q LoRA: [c, k_pe | q_a]; else [q | c, k_pe]
-        if t == 1:
-            gemv_rows(h, lw.wqkv_a, a_out, norm_w=lw.attn_norm, eps=d.eps, **self._tile("wqkv_a"))
-        else:  # the norm first: a norm prologue in each of the GEMV's programs loops over 16 padded rows
-            smallops.rmsnorm_rows(h, lw.attn_norm, self.xn, d.eps, pdl=self.pdl)
-            gemv_rows(self.xn, lw.wqkv_a, a_out, dot=self.PROJ_DOT, dot_tile=self.DOT_TILE, pdl=self.pdl,
-                      early=self.early)
+        for w, out in ((lw.wqkv_a, a_out), (lw.w_idx_rows, None)):
+            if w is None:
+                continue
+            if out is None:  # the indexer's bf16 rows after a block-scaled FP8 stack's
+                n0 = lw.wqkv_a.shape[0]
+                out = a_out[:, n0:n0 + w.shape[0]]
+            if t == 1:
+                gemv_rows(h, w, out, norm_w=lw.attn_norm, eps=d.eps, **self._tile("wqkv_a"))
+            else:  # the norm first: a norm prologue in each of the GEMV's programs loops over 16 padded rows
+                if w is lw.wqkv_a:
+                    smallops.rmsnorm_rows(h, lw.attn_norm, self.xn, d.eps, pdl=self.pdl)
+                gemv_rows(self.xn, w, out, dot=self.PROJ_DOT, dot_tile=self.DOT_TILE, pdl=self.pdl, early=self.early)
         if lora:  # q = q_b(RMSNorm(q_a)) into the q columns (row views: strided rows, contiguous columns)
             q_a = self.qkv[:, nq + r + d.rope:nq + r + d.rope + d.q_lora_rank]
             if t == 1:

@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .fp8block import BlockFp8, act_groups, col_scales, fp8_block_dot, fp8_cols, kernel_args
+from .fp8block import BlockFp8, act_groups, col_scales, fp8_block_dot, fp8_fma, kernel_args
 from .fp8block import tile as fp8_tile
 from .gemv import gdc_launch_dependents, gdc_wait, interpreting, launch_opts
 from .kernel_helpers import load_first_pair_tile, round_to_dtype
@@ -111,8 +111,9 @@ def _gemv_rows_kernel(x_ptr, w_ptr, out_ptr, res_ptr, nw_ptr, N, K, eps, stride_
                 acc2 = mma(x0, w0, acc2, UPCAST)
         else:
             if FP8:
-                x0 = fp8_cols(x0, s_ptr, srow, 0, K, KB, T_PAD, SK, ACT, BLOCK_K)
-            acc += w0.to(tl.float32)[None, :, :] * x0.to(tl.float32)[:, None, :]
+                acc = fp8_fma(acc, w0, x0, s_ptr, srow, 0, K, KB, T_PAD, SK, ACT, BLOCK_K)
+            else:
+                acc += w0.to(tl.float32)[None, :, :] * x0.to(tl.float32)[:, None, :]
     for k in tl.range(FIRST, K, BLOCK_K, num_stages=STAGES):
         x = _rows_x(x_ptr, nw_ptr, k, K, t, tmask, inv, stride_x, stride_xh, HEAD_DIM, NORM, BLOCK_K)
         offs = k + tl.arange(0, BLOCK_K)
@@ -125,8 +126,9 @@ def _gemv_rows_kernel(x_ptr, w_ptr, out_ptr, res_ptr, nw_ptr, N, K, eps, stride_
                 acc2 = mma(x, w, acc2, UPCAST)
         else:
             if FP8:
-                x = fp8_cols(x, s_ptr, srow, k, K, KB, T_PAD, SK, ACT, BLOCK_K)
-            acc += w.to(tl.float32)[None, :, :] * x.to(tl.float32)[:, None, :]
+                acc = fp8_fma(acc, w, x, s_ptr, srow, k, K, KB, T_PAD, SK, ACT, BLOCK_K)
+            else:
+                acc += w.to(tl.float32)[None, :, :] * x.to(tl.float32)[:, None, :]
     if PDL:
         gdc_launch_dependents()
     if DOT:
@@ -409,15 +411,19 @@ def _moe_gate_up_kernel(x_ptr, ids_ptr, w_ptr, ws_ptr, act_ptr, I, K, stride_e,
                     dot_a = mma(x, wa, dot_a, UPCAST)
                     dot_b = mma(x, wb, dot_b, UPCAST)
             else:
-                if FP8:  # the input rounded once, each half's block scales on its own copy
-                    xq = act_groups(x, T_PAD, SK, ACT, BLOCK_K)
-                    xa = xq * col_scales(sbase, srow_a, k, K, KB, SK, BLOCK_K)[None, :]
-                    xb = xq * col_scales(sbase, srow_b, k, K, KB, SK, BLOCK_K)[None, :]
+                if FP8:
+                    if ACT:  # the input rounded once, each half's block scales on its own copy
+                        xq = act_groups(x, T_PAD, SK, ACT, BLOCK_K)
+                        xa = xq * col_scales(sbase, srow_a, k, K, KB, SK, BLOCK_K)[None, :]
+                        xb = xq * col_scales(sbase, srow_b, k, K, KB, SK, BLOCK_K)[None, :]
+                        acc_a += wa.to(tl.float32)[None, :, :] * xa[:, None, :]
+                        acc_b += wb.to(tl.float32)[None, :, :] * xb[:, None, :]
+                    else:
+                        acc_a = fp8_fma(acc_a, wa, x, sbase, srow_a, k, K, KB, T_PAD, SK, ACT, BLOCK_K)
+                        acc_b = fp8_fma(acc_b, wb, x, sbase, srow_b, k, K, KB, T_PAD, SK, ACT, BLOCK_K)
                 else:
-                    xa = x.to(tl.float32)
-                    xb = xa
-                acc_a += wa.to(tl.float32)[None, :, :] * xa[:, None, :]
-                acc_b += wb.to(tl.float32)[None, :, :] * xb[:, None, :]
+                    acc_a += wa.to(tl.float32)[None, :, :] * x.to(tl.float32)[:, None, :]
+                    acc_b += wb.to(tl.float32)[None, :, :] * x.to(tl.float32)[:, None, :]
         if PDL:
             gdc_launch_dependents()
         dt = act_ptr.dtype.element_ty
@@ -483,8 +489,9 @@ def _moe_down_kernel(act_ptr, ids_ptr, w_ptr, ws_ptr, y_ptr, H, I, stride_e,
                     acc2 = mma(x0, w0, acc2, UPCAST)
             else:
                 if FP8:
-                    x0 = fp8_cols(x0, sbase, srow, 0, I, KB, T_PAD, SK, ACT, BLOCK_K)
-                acc += w0.to(tl.float32)[None, :, :] * x0.to(tl.float32)[:, None, :]
+                    acc = fp8_fma(acc, w0, x0, sbase, srow, 0, I, KB, T_PAD, SK, ACT, BLOCK_K)
+                else:
+                    acc += w0.to(tl.float32)[None, :, :] * x0.to(tl.float32)[:, None, :]
         for k in tl.range(FIRST, I, BLOCK_K, num_stages=STAGES):
             offs = k + tl.arange(0, BLOCK_K)
             x = tl.load(act_ptr + src[:, None] + offs[None, :], mask=uses[:, None] & (offs < I)[None, :], other=0.0)
@@ -497,8 +504,9 @@ def _moe_down_kernel(act_ptr, ids_ptr, w_ptr, ws_ptr, y_ptr, H, I, stride_e,
                     acc2 = mma(x, w, acc2, UPCAST)
             else:
                 if FP8:
-                    x = fp8_cols(x, sbase, srow, k, I, KB, T_PAD, SK, ACT, BLOCK_K)
-                acc += w.to(tl.float32)[None, :, :] * x.to(tl.float32)[:, None, :]
+                    acc = fp8_fma(acc, w, x, sbase, srow, k, I, KB, T_PAD, SK, ACT, BLOCK_K)
+                else:
+                    acc += w.to(tl.float32)[None, :, :] * x.to(tl.float32)[:, None, :]
         if PDL:
             gdc_launch_dependents()
         if DOT:
@@ -605,6 +613,8 @@ class GroupedMoe:
         if fp8:
             if shared_gate_up is None:  # no shared experts: the kernels' shared pointers are never read
                 shared_gate_up, shared_down = w_gate_up, w_down
+            if inter % w_gate_up.rows:  # each half's rows in whole scale rows (the up half's start, srow_b)
+                raise ValueError(f"FP8 experts of {inter} rows in {w_gate_up.rows}-row scale blocks")
             bn, bk = fp8_tile(w_gate_up, bn, bk, dot)
             bn2, bk2 = fp8_tile(w_down, bn2, bk2, dot)
             up_args = dict(_expert_scales(w_gate_up, shared_gate_up))
@@ -633,6 +643,9 @@ def _expert_scales(routed: BlockFp8, shared: BlockFp8) -> dict:
     if not isinstance(shared, BlockFp8) or (shared.rows, shared.cols, shared.act) != (routed.rows, routed.cols, routed.act) \
             or shared.scale.shape[1:] != routed.scale.shape[1:]:
         raise ValueError("FP8 routed experts need their shared experts in the same FP8 blocks (mla.prepare_layer)")
+    if not (routed.scale.is_contiguous() and shared.scale.is_contiguous() and routed.w.is_contiguous()
+            and shared.w.is_contiguous()):
+        raise ValueError("FP8 experts and their scales must be contiguous (the kernels index them by shape)")
     args = kernel_args(routed)
     del args["FP8"]
     return dict(FP8=True, ss_ptr=shared.scale, stride_se=routed.scale.stride(0), **args)
