@@ -10,6 +10,8 @@ copy is the reference. Parts, all in one call:
   ``llama8b_fp8_ctx1k_tok_s``, ``llama8b_fp8_ctx1k_frac_roofline`` (bytes the step reads: FP8 weights +
   their scales + bf16 norms, lm_head and one embedding row + KV), ``llama8b_fp8_over_bf16``;
   weight-only FP8 (no activation rounding) as a variant;
+- block-scaled FP8 (128 x 128, activations rounded per block: Qwen's FP8 releases' format) one slot at 1K:
+  ``llama8b_fp8block_ctx1k_tok_s``, ``_frac_roofline``, ``_over_bf16``, its logits against its dequantized reference;
 - correctness, 64 steps teacher-forced at 1K: FP8 logits against the dequantized bf16 reference step
   (``llama8b_fp8_logits_max_rel_err`` < 0.02), greedy tokens identical, both activation modes;
 - 32K context, FP8 weights and bf16 KV: ``llama8b_fp8_ctx32k_tok_s`` (and bf16's);
@@ -72,6 +74,45 @@ def fp8_models(X, F, model):
     args = (model.embed, model.final_norm, model.lm_head, model.num_q_heads, model.num_kv_heads, model.head_dim,
             model.eps)
     return X.GqaModel(fl, *args), scales, X.GqaModel(dl, *args)
+
+
+def fp8_block_models(X, F, model):
+    """(FP8 GqaModel, its per-layer Fp8Scales holding fp8block.BlockFp8 projections, the dequantized bf16 GqaModel)
+    of a bf16 GqaModel quantized in 128 x 128 blocks with activations rounded per block (Qwen's FP8 releases'
+    format)."""
+    fl, dl, scales = [], [], []
+    for lw in model.layers:
+        b = {n: X.fp8block.quantize(getattr(lw, n)) for n in NAMES}
+        fl.append(replace(lw, **{n: v.w for n, v in b.items()}))
+        dl.append(replace(lw, **{n: v.dequantize(torch.bfloat16) for n, v in b.items()}))
+        scales.append(F.Fp8Scales(**b))
+    args = (model.embed, model.final_norm, model.lm_head, model.num_q_heads, model.num_kv_heads, model.head_dim,
+            model.eps)
+    return X.GqaModel(fl, *args), scales, X.GqaModel(dl, *args)
+
+
+def block_part(X, F, model, s: dict, R: dict, ms_bf16: float, bw: float) -> None:
+    """Block-scaled FP8 (``llama8b_fp8block_*``): the one-slot step (Fp8GqaDecoder's block layer: the DeepSeek
+    family's block-scaled GEMVs) at 1K against the bytes it reads and the bf16 step of this run, and its logits
+    against its dequantized bf16 reference step."""
+    bmodel, bscales, bdmodel = fp8_block_models(X, F, model)
+    ctx, mt = 1024, 2048
+    nbytes = F.fp8_bytes_per_step(bmodel, bscales)
+    roof = (nbytes + kv_bytes(s, ctx)) / (bw * 1e12) * 1e3
+
+    def dec(kc, vc, cos, sin, mt_):
+        return F.Fp8GqaDecoder(bmodel, kc, vc, cos, sin, X.FastOptions(), max_steps=mt_, scales=bscales, act_fp8=True)
+
+    slot = make_slot(s, mt, ctx)
+    ms = min(timing(dec, s, ctx, slot, mt) for _ in range(2))
+    del slot
+    R["llama8b_fp8block_ctx1k_tok_s"], R["llama8b_fp8block_ctx1k_frac_roofline"] = 1e3 / ms, roof / ms
+    R["llama8b_fp8block_over_bf16"] = ms_bf16 / ms
+    log(f"  fp8 block-scaled {ms:.3f} ms {1e3 / ms:.1f} tok/s {roof / ms:.1%} of roofline, {ms_bf16 / ms:.2f}x bf16")
+    R["llama8b_fp8block_correctness"] = c = correctness(X, dec, bdmodel, s, ctx, steps=32)
+    log(f"  llama8b_fp8block_correctness: {c}")
+    del bmodel, bscales, bdmodel
+    torch.cuda.empty_cache()
 
 
 KV_SCALES = (0.05, 0.02)  # per-layer (k_scale, v_scale) of the FP8-KV runs: N(0, 1) K/V land in E4M3's range
@@ -308,6 +349,11 @@ def run(R: dict) -> None:
     R["llama8b_fp8_tokens_identical"] = c.get("tokens_identical")
     del dmodel
     torch.cuda.empty_cache()
+    try:
+        block_part(X, F, model, s, R, ms_bf16, bw)
+    except Exception:
+        R["llama8b_fp8block_error"] = traceback.format_exc()[-1500:]
+        log(R["llama8b_fp8block_error"])
     ctx, mt = 32768, 32768 + 512
     try:
         slot = make_slot(s, mt, ctx)
