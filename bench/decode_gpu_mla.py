@@ -144,6 +144,21 @@ def latent_setup(s: dict, ctx: int):
     return caches, fr.cos(), fr.sin()
 
 
+def shape_setup(X, s: dict, ctx: int, R: dict, tag: str, what: str, fp8: bool = False):
+    """(model, latent caches, cos, sin, step bytes, copy TB/s, roofline ms) of shape ``s`` at ``ctx``, built (``fp8``:
+    block-scaled) and logged, its bytes and roofline recorded under ``tag``."""
+    t0 = time.time()
+    model = build(X, s, fp8=fp8)
+    log(f"{what} built in {time.time() - t0:.1f} s, {torch.cuda.memory_allocated() / 2**30:.1f} GiB")
+    caches, cos, sin = latent_setup(s, ctx)
+    by = step_bytes(model, s, ctx)
+    R[f"{tag}step_bytes"] = by
+    bw = R.get("copy_bw_TBps", 4.2)
+    roof_ms = by["total"] / (bw * 1e12) * 1e3
+    R[f"{tag}roofline_tok_s"] = 1e3 / roof_ms
+    return model, caches, cos, sin, by, bw, roof_ms
+
+
 def time_replays(runner, iters: int) -> float:
     for _ in range(3):
         runner()
@@ -713,15 +728,7 @@ def run_mla(X, R: dict, ctx: int = 1024) -> None:
         X.mla.MlaStack.VERIFY_CHAIN = True
         R["mla_verify_chain"] = True
     s = DSV2_LITE
-    t0 = time.time()
-    model = build(X, s)
-    log(f"deepseek-v2-lite-like model built in {time.time() - t0:.1f} s")
-    caches, cos, sin = latent_setup(s, ctx)
-    by = step_bytes(model, s, ctx)
-    R["dsv2lite_step_bytes"] = by
-    bw = R.get("copy_bw_TBps", 4.2)
-    roof_ms = by["total"] / (bw * 1e12) * 1e3
-    R["dsv2lite_roofline_tok_s"] = 1e3 / roof_ms
+    model, caches, cos, sin, by, bw, roof_ms = shape_setup(X, s, ctx, R, "dsv2lite_", "deepseek-v2-lite-like model")
     if os.environ.get("MLA_PDL_AB"):  # PDL on / off alone (a short run)
         pdl_ab(X, model, caches, cos, sin, ctx, R, "dsv2lite_")
         tiles_ab(X, model, caches, cos, sin, ctx, R, "dsv2lite_", rounds=2)
@@ -824,16 +831,9 @@ def run_dsv3(X, R: dict, ctx: int = 1024) -> None:
     ``dsv3_shape_layer_us`` (the MoE layer's share of the graph-timed pieces) is the figure that carries
     over to the full model."""
     s = DSV3_CUT
-    t0 = time.time()
-    model = build(X, s)
-    log(f"deepseek-v3-shaped model ({s['layers']} layers) built in {time.time() - t0:.1f} s")
-    caches, cos, sin = latent_setup(s, ctx)
-    by = step_bytes(model, s, ctx)
+    model, caches, cos, sin, by, bw, roof_ms = shape_setup(X, s, ctx, R, "dsv3_shape_",
+                                                           f"deepseek-v3-shaped model ({s['layers']} layers)")
     R["dsv3_shape_config"] = {k: v for k, v in s.items()}
-    R["dsv3_shape_step_bytes"] = by
-    bw = R.get("copy_bw_TBps", 4.2)
-    roof_ms = by["total"] / (bw * 1e12) * 1e3
-    R["dsv3_shape_roofline_tok_s"] = 1e3 / roof_ms
     if os.environ.get("MLA_PDL_AB"):  # PDL / absorb variants and the T2 tiles against T1's (a short run)
         pdl_ab(X, model, caches, cos, sin, ctx, R, "dsv3_shape_", rounds=2)
         tiles_ab(X, model, caches, cos, sin, ctx, R, "dsv3_shape_", rounds=2)
@@ -874,16 +874,9 @@ def run_dsv3_fp8(X, R: dict, ctx: int = 1024) -> None:
     (``dsv3_shape_fp8_*``; FP8 weights + scales, bf16 kv_b / router / lm_head, KV), and the bf16 figure of the
     same shape when this run measured it (``dsv3_shape_fp8_over_bf16``)."""
     s = DSV3_CUT
-    t0 = time.time()
-    model = build(X, s, fp8=True)
-    log(f"deepseek-v3-shaped FP8 model ({s['layers']} layers) built in {time.time() - t0:.1f} s, "
-        f"{torch.cuda.memory_allocated() / 2**30:.1f} GiB")
-    caches, cos, sin = latent_setup(s, ctx)
-    by = step_bytes(model, s, ctx)
-    R["dsv3_shape_fp8_step_bytes"] = by
-    bw = R.get("copy_bw_TBps", 4.2)
-    roof_ms = by["total"] / (bw * 1e12) * 1e3
-    R["dsv3_shape_fp8_roofline_tok_s"] = 1e3 / roof_ms
+    model, caches, cos, sin, by, bw, roof_ms = shape_setup(X, s, ctx, R, "dsv3_shape_fp8_",
+                                                           f"deepseek-v3-shaped FP8 model ({s['layers']} layers)",
+                                                           fp8=True)
     default = X.fp8block.FMA_WIDEN
     try:
         for widen in dict.fromkeys((default, 1, 2)):  # the product's default first, then the one-token K widths
