@@ -1,4 +1,5 @@
-"""Block-scaled FP8 weights on the DeepSeek-family fast path (DeepSeek-V3 / R1 ``fp8`` checkpoints: 128 x 128 blocks).
+"""Block-scaled FP8 weights on the fast path (the ``fp8`` method's checkpoints: DeepSeek-V3 / R1 and Qwen's FP8
+releases, 128 x 128 blocks), for the DeepSeek family's GEMVs and through them the Llama family's block-scaled step.
 
 A :class:`BlockFp8` is a weight's float8_e4m3fn bytes ``w`` [..., N, K] and its float32 dequantization
 multipliers ``scale`` [..., ceil(N / rows), ceil(K / cols)] (``w = fp8 * scale`` blockwise, engine/fp8.py):
@@ -31,8 +32,8 @@ from .kernel_helpers import act_round, act_scale, rnd_bf16
 FP8_MAX = 448.0
 ACT_MIN_SCALE = 1.0 / (FP8_MAX * 512.0)  # vLLM's floor for dynamic activation scales
 
-# the fewest weight rows a scale row may cover: the tensor-core tiles are 16 rows high; a stack whose parts
-# would need finer scale rows is dequantized to bf16 (slower, same numerics as the reference step's weight-only)
+# the fewest weight rows (and columns) a scale block may cover: the tensor-core tiles' least side; a stack whose
+# parts would need finer scale rows takes plain() (weight-only: dequantized to bf16, the reference's numerics)
 MIN_ROWS = 16
 
 
@@ -92,9 +93,10 @@ class BlockFp8:
         return self.w.device
 
     def __getitem__(self, i) -> "BlockFp8":
-        if i is None:  # w[None]: one leading dim more (a dense MLP as the one shared expert)
+        """One expert (or a leading-dim slice) of stacked weights; ``[None]``: one leading dim more (a dense MLP
+        as the one shared expert)."""
+        if i is None:
             return BlockFp8(self.w[None], self.scale[None], self.rows, self.cols, self.act)
-        """One expert (or a leading-dim slice) of stacked weights."""
         return BlockFp8(self.w[i], self.scale[i], self.rows, self.cols, self.act)
 
     def dequantize(self, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
