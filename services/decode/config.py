@@ -149,8 +149,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the tokenizer's directory for grammars (structured output), as vLLM's --tokenizer "
                         "(default: the model directory)")
     p.add_argument("--fast-path", choices=["auto", "on", "off"], default="auto",
-                   help="batch-1 CUDA-graph decode for a lone greedy request (auto: where the "
-                        "model, dtype and device allow; on: refuse to start otherwise)")
+                   help="the CUDA fast path: fused Triton kernels replayed as CUDA graphs for Llama/Qwen- and "
+                        "DeepSeek-V3-family models (bf16, or FP8 weights with per-channel, per-tensor or "
+                        "block scales), greedy and sampled requests, 1-8 slots a step (auto: wherever the "
+                        "model, dtype and device allow, the node logs why not; on: refuse to start otherwise; "
+                        "off: the reference step)")
     p.add_argument("--torch-threads", type=int, default=1, metavar="N",
                    help="torch intra-op threads for the engine's CPU work (default 1): a decode step is "
                         "many small ops, which more threads slow down (their barriers) and which then "
