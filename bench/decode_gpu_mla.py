@@ -872,7 +872,9 @@ def run_dsv3_fp8(X, R: dict, ctx: int = 1024) -> None:
     """DeepSeek-V3's layer shapes with its FP8 checkpoint's format on the fast path (``build(fp8=True)``: 128 x 128
     block scales, activations rounded per block): the plain step against the bytes it reads
     (``dsv3_shape_fp8_*``; FP8 weights + scales, bf16 kv_b / router / lm_head, KV), and the bf16 figure of the
-    same shape when this run measured it (``dsv3_shape_fp8_over_bf16``)."""
+    same shape when this run measured it (``dsv3_shape_fp8_over_bf16``), and 16 teacher-forced steps against the torch
+    twins over the same bytes (``dsv3_shape_fp8_correctness``: activations rounded per block, weights dequantized in
+    float32, as the engine's reference step)."""
     s = DSV3_CUT
     model, caches, cos, sin, by, bw, roof_ms = shape_setup(X, s, ctx, R, "dsv3_shape_fp8_",
                                                            f"deepseek-v3-shaped FP8 model ({s['layers']} layers)",
@@ -901,6 +903,12 @@ def run_dsv3_fp8(X, R: dict, ctx: int = 1024) -> None:
         log(R["dsv3_shape_fp8_error"])
     finally:
         X.fp8block.FMA_WIDEN = default
+    try:  # the compiled kernels against their torch twins over the same FP8 bytes (reference.linear reads BlockFp8)
+        R["dsv3_shape_fp8_correctness"] = c = correctness(X, model, caches, cos, sin, ctx, steps=16)
+        log(f"  dsv3 shape FP8 correctness: {c}")
+    except Exception:
+        R["dsv3_shape_fp8_correctness"] = {"error": traceback.format_exc()[-800:]}
+        log(traceback.format_exc()[-1500:])
     del model, caches
     torch.cuda.empty_cache()
 

@@ -105,6 +105,11 @@ class BlockFp8:
     def nbytes(self) -> int:
         return self.w.numel() + self.scale.numel() * 4
 
+    def matmul_f32(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, K] @ w^T in float32 as the reference step computes it (:func:`linear_reference`): the torch
+        twins (reference.py) call this on weights that have it."""
+        return linear_reference(x, self)
+
 
 def weight_of(w: torch.Tensor, scale: torch.Tensor | None, block: tuple[int, int] | None,
               act: int | None) -> "torch.Tensor | BlockFp8":

@@ -410,8 +410,8 @@ def reference_block(d: MlaDims, lw: MlaLayer, h: torch.Tensor, cache: torch.Tens
     h = h + reference.linear(o, lw.wo)
     xn = reference.rms_norm(h, lw.mlp_norm, d.eps)
     # the shared MLP split in experts of the routed size (as laid out for the kernel), summed in fp32
-    shared = sum(reference.silu_mul(reference.linear(xn, lw.shared_gate_up[s])).float()
-                 @ lw.shared_down[s].float().T for s in range(lw.shared_gate_up.shape[0])).to(h.dtype)
+    shared = sum(reference.matmul_f32(reference.silu_mul(reference.linear(xn, lw.shared_gate_up[s])), lw.shared_down[s])
+                 for s in range(lw.shared_gate_up.shape[0])).to(h.dtype)
     if not lw.is_moe:
         return h + shared
     ids, wts = reference.router(xn, lw.router, lw.router_bias, d.top_k, d.routed_scale, d.n_group, d.topk_group)

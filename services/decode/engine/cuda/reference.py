@@ -20,9 +20,17 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * xf.to(x.dtype)
 
 
-def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+def matmul_f32(x: torch.Tensor, w) -> torch.Tensor:
+    """x @ W^T in float32; a block-scaled FP8 W (fp8block.BlockFp8, which has ``matmul_f32``) as the engine's
+    reference linear computes it."""
+    if hasattr(w, "matmul_f32"):
+        return w.matmul_f32(x)
+    return x.float() @ w.float().T
+
+
+def linear(x: torch.Tensor, w) -> torch.Tensor:
     """x @ W^T with fp32 accumulation, rounded to the input dtype."""
-    return (x.float() @ w.float().T).to(x.dtype)
+    return matmul_f32(x, w).to(x.dtype)
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
