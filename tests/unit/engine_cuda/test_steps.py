@@ -219,9 +219,9 @@ def _q_lora_mla(q_lora: int) -> MlaModel:
     return MlaModel(dims, layers, torch.randn(VOCAB, H, generator=g).to(BF), _nw(g, H), _w(g, VOCAB, H), None, DENSE)
 
 
-def test_mla_q_lora_and_group_limited_routing_follow_reference():
+def _plain_and_verify_follow_reference(model) -> None:
+    # a plain step at ctx, then a 3-token verify at ctx + 1: logits, tokens and the latent rows each writes
     n, ctx = 40, 12
-    model = _q_lora_mla(24)
     caches = _mla_caches(n)[:2]
     ref_caches = [c.clone() for c in caches]
     cos, sin = _tables(n, ROPE)
@@ -235,12 +235,18 @@ def test_mla_q_lora_and_group_limited_routing_follow_reference():
     dec.forward(3)  # pos advanced to ctx + 1
     ref, _ = reference_forward(model, ref_caches, cos, sin, [5, 7, 9], ctx + 1)
     assert ((dec.logits[3] - ref).abs().max() / ref.abs().max()).item() < 1e-6
+    assert dec.logits[3].argmax(-1).tolist() == ref.argmax(-1).tolist()
     assert torch.equal(caches[0][ctx + 1:ctx + 4], ref_caches[0][ctx + 1:ctx + 4])
+
+
+def test_mla_q_lora_and_group_limited_routing_follow_reference():
+    _plain_and_verify_follow_reference(_q_lora_mla(24))
 
 
 def test_mla_block_fp8_steps_follow_reference():
     # block-scaled FP8 projections and experts (16 x 16 blocks, activations rounded per block): the plain step and
-    # a 3-token verify against the torch twins over the same bytes (reference.linear reads BlockFp8)
+    # a 3-token verify (the tensor-core form: each block's dot scaled on its own) against the torch twins over the
+    # same bytes (reference.linear reads BlockFp8)
     from services.decode.engine.cuda.fp8block import BlockFp8, quantize
 
     model = _q_lora_mla(32)
@@ -250,21 +256,7 @@ def test_mla_block_fp8_steps_follow_reference():
             # columns scaled by their 16-block's index: the blocks' scales differ along K as well as N
             setattr(lw, name, quantize(w.float() * (1 + torch.arange(w.shape[-1]) // 16)[None, :] / 2, (16, 16)))
     assert isinstance(model.layers[1].gate_up, BlockFp8) and model.layers[1].wqkv_a.act
-    n, ctx = 40, 12
-    caches = _mla_caches(n)[:2]
-    ref_caches = [c.clone() for c in caches]
-    cos, sin = _tables(n, ROPE)
-    dec = MlaDecoder(model, caches, cos, sin, max_draft=2, max_steps=8, num_splits=4)
-    dec.set_state(3, ctx)
-    dec.plain_step()
-    ref, _ = reference_forward(model, ref_caches, cos, sin, [3], ctx)
-    assert ((dec.logits[1] - ref).abs().max() / ref.abs().max()).item() < 1e-6
-    assert int(dec.tokens[0]) == int(ref[0].argmax())
-    dec.tokens[:3] = torch.tensor([5, 7, 9])
-    dec.forward(3)  # the tensor-core form: each block's dot scaled on its own
-    ref, _ = reference_forward(model, ref_caches, cos, sin, [5, 7, 9], ctx + 1)
-    assert ((dec.logits[3] - ref).abs().max() / ref.abs().max()).item() < 1e-6
-    assert dec.logits[3].argmax(-1).tolist() == ref.argmax(-1).tolist()
+    _plain_and_verify_follow_reference(model)
 
 
 SPEC_N, SPEC_CTX, SPEC_WANT = 40, 12, 5  # the speculative tests: slot size, context, tokens compared
