@@ -28,10 +28,6 @@ from .mla import MlaDims, MtpWeights, prepare_layer
 from .mla_decoder import MlaBatchDecoder, MlaDecoder, MlaModel
 
 
-def _params(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {name: p.data for name, p in module.named_parameters(recurse=False)}
-
-
 def _gqa_model(model) -> GqaModel:
     cfg = model.cfg
 

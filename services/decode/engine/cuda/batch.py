@@ -48,6 +48,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import reference
 from .attention import DecodeAttention
 from .fp8 import act_round, act_scale
 from .fp8block import BlockFp8
@@ -55,7 +56,7 @@ from .gemv import gdc_launch_dependents, gdc_wait, interpreting, l2_prefetch_til
 from .kernel_helpers import prefetch_l2, rope_pair, round_to_dtype
 from .kvfp8 import fp8_kv_load, kv_cache_setup
 from .llama import FastOptions, GqaModel, folds_norm
-from .moe import mma
+from .moe import gemv_rows, mma
 from .smallops import norm_late_rows, norm_rope_cache_head, rmsnorm_rows, rope_cache_head
 
 MAX_BATCH = 8
@@ -599,8 +600,6 @@ class GqaBatchDecoder(RowsDecoder):
             rows_gemv(x, w, out, **kw, **self.tile_kwargs(tile))
             return
         if isinstance(scale, BlockFp8):
-            from .moe import gemv_rows
-
             if kw.get("bias") is not None or "row_scale" in kw:
                 raise ValueError("block-scaled FP8 GEMVs take no bias and no folded norm")
             if not kw.get("silu"):
@@ -608,8 +607,7 @@ class GqaBatchDecoder(RowsDecoder):
                 return
             gu = self.gate_up_rows[:, : scale.shape[0]]
             gemv_rows(x, scale, gu, pdl=self.opt.pdl)
-            gate, up = gu.chunk(2, dim=-1)
-            torch.mul(torch.nn.functional.silu(gate), up, out=out)  # reference.silu_mul's rounding points
+            reference.silu_mul(gu, out=out)
             return
         xq = self.xq[:, : x.shape[1]]
         quant_rows(x, xq, self.xscale, self.act_fp8, pdl=self.opt.pdl)

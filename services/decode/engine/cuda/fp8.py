@@ -29,6 +29,7 @@ from .fp8block import BlockFp8
 from .gemv import gdc_launch_dependents, gdc_wait, launch_opts, qkv_store
 from .kernel_helpers import act_round, act_scale, rnd_bf16, round_to_dtype
 from .llama import GqaDecoder, folds_norm
+from .moe import gemv_rows
 
 FP8_MAX = 448.0
 ACT_MIN_SCALE = 1.0 / (FP8_MAX * 512.0)
@@ -395,11 +396,9 @@ class Fp8GqaDecoder(GqaDecoder):
     # residual in the epilogue; rope, q/k norm and the cache write in one small kernel, SiLU . up in torch
     BLOCK_TILE = (8, 512, 4, 3)  # (block_n, block_k, warps, stages): the DeepSeek-family one-token projections'
 
-    def _block_gemv(self, x: torch.Tensor, w, out: torch.Tensor, **kw) -> torch.Tensor:
-        from .moe import gemv_rows
-
+    def _block_gemv(self, x: torch.Tensor, w, out: torch.Tensor, **kw) -> None:
         bn, bk, nw, st = self.BLOCK_TILE
-        return gemv_rows(x.view(1, -1), w, out.view(1, -1), block_n=bn, block_k=bk, num_warps=nw, stages=st,
+        gemv_rows(x.view(1, -1), w, out.view(1, -1), block_n=bn, block_k=bk, num_warps=nw, stages=st,
                          pdl=self.opt.pdl, **kw)
 
     def _block_layer(self, i: int) -> None:
@@ -415,8 +414,7 @@ class Fp8GqaDecoder(GqaDecoder):
         self._block_gemv(self.attn_out, pick["wo"], self.residual, residual=self.residual.view(1, -1))
         gu = self.tmp[: pick["w_gate_up"].shape[0]]
         self._block_gemv(self.residual, pick["w_gate_up"], gu, norm_w=lw.mlp_norm, eps=eps)
-        gate, up = gu.chunk(2)
-        torch.mul(torch.nn.functional.silu(gate), up, out=self.act)  # reference.silu_mul's rounding points
+        reference.silu_mul(gu, out=self.act)
         self._block_gemv(self.act, pick["w_down"], self.residual, residual=self.residual.view(1, -1))
 
 

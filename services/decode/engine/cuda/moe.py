@@ -617,8 +617,8 @@ class GroupedMoe:
                 raise ValueError(f"FP8 experts of {inter} rows in {w_gate_up.rows}-row scale blocks")
             bn, bk = fp8_tile(w_gate_up, bn, bk, dot)
             bn2, bk2 = fp8_tile(w_down, bn2, bk2, dot)
-            up_args = dict(_expert_scales(w_gate_up, shared_gate_up))
-            down_args = dict(_expert_scales(w_down, shared_down))
+            up_args = _expert_scales(w_gate_up, shared_gate_up)
+            down_args = _expert_scales(w_down, shared_down)
             w_gate_up, shared_gate_up, w_down, shared_down = w_gate_up.w, shared_gate_up.w, w_down.w, shared_down.w
         pairs = t * self.slots
         _moe_gate_up_kernel[(pairs, triton.cdiv(inter, bn))](
@@ -646,6 +646,4 @@ def _expert_scales(routed: BlockFp8, shared: BlockFp8) -> dict:
     if not (routed.scale.is_contiguous() and shared.scale.is_contiguous() and routed.w.is_contiguous()
             and shared.w.is_contiguous()):
         raise ValueError("FP8 experts and their scales must be contiguous (the kernels index them by shape)")
-    args = kernel_args(routed)
-    del args["FP8"]
-    return dict(FP8=True, ss_ptr=shared.scale, stride_se=routed.scale.stride(0), **args)
+    return dict(kernel_args(routed), ss_ptr=shared.scale, stride_se=routed.scale.stride(0))

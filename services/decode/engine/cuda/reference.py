@@ -33,10 +33,11 @@ def linear(x: torch.Tensor, w) -> torch.Tensor:
     return matmul_f32(x, w).to(x.dtype)
 
 
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up of a fused [..., 2*I] projection, each op rounded like eager torch."""
+def silu_mul(gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """silu(gate) * up of a fused [..., 2*I] projection, each op rounded like eager torch (into ``out`` when given:
+    the block-scaled FP8 steps' SiLU after their gate/up GEMV)."""
     gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate) * up
+    return torch.mul(F.silu(gate), up, out=out)
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
