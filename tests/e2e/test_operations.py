@@ -52,8 +52,12 @@ async def test_one_trace_per_request_across_every_hop(deployment, otlp_receiver)
             return False
         mine = [s for s in spans if s.trace_id == roots[0].trace_id]
         services = {s.service_name for s in mine}
+        by_id = {s.span_id: s for s in mine}
+        # and every span's parent arrived: each process exports its spans when they end, in batches, so a
+        # child (the coordinator's KvReady) can reach the receiver before its parent in the prefill's connector
         return ({"router", "coordinator", "decode"} <= services
-                and any(_is_prefill(s) for s in mine))
+                and any(_is_prefill(s) for s in mine)
+                and all(None not in _ancestors(s, by_id) for s in mine))
 
     spans = otlp_receiver.wait_for(complete, timeout_s=30.0)
     root = next(s for s in spans if s.name == "router.request" and s.attributes.get("request_id") == rid)
