@@ -425,6 +425,7 @@ def main(argv: list[str] | None = None) -> int:
         except Exception:
             R["dsv3fp8_error"] = traceback.format_exc()[-1500:]
             log(R["dsv3fp8_error"])
+        save()
     if "dsv32" in parts:
         try:
             from decode_gpu_mla import run_dsv32  # bench/ is on sys.path when run as a script
