@@ -45,7 +45,9 @@ from shared.events import KvLayoutSpec, KvSegment
 LAYOUT_VERSION = 1
 
 DTYPE_SIZES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8_e4m3": 1, "fp8_e5m2": 1}
-FP8_DTYPES = ("fp8_e4m3", "fp8_e5m2")  # GQA only: the layout names of vLLM's FP8 KV cache formats
+FP8_DTYPES = ("fp8_e4m3", "fp8_e5m2")  # the layout names of vLLM's FP8 KV cache formats
+# MLA's: vLLM's CUDA MLA backends keep an FP8 latent as E4M3 only ([latent, k_pe] / k_scale, one byte each)
+MLA_FP8_DTYPES = ("fp8_e4m3",)
 
 
 def kv_dtype_for_cache(cache_dtype: str, model_dtype: str) -> str:
@@ -65,11 +67,11 @@ def kv_cache_dtype_flag(dtype: str) -> str:
 
 def kv_cache_dtypes_pair(cache_dtype: str, layout: KvLayoutSpec) -> bool:
     """Whether a prefill vLLM run with ``--kv-cache-dtype cache_dtype`` stages KV a slot of ``layout``
-    keeps. GQA: FP8 caches are handed over as their bytes, so the FP8 format must be the slot's, and
+    keeps. FP8 caches are handed over as their bytes, so the FP8 format must be the slot's, and
     auto pairs with any model dtype (the sender compares those); a cache dtype without an
-    expresslane layout pairs with nothing. MLA: prefill adapters dequantize quantized latent caches
-    into the slot's dtype, so every cache dtype pairs."""
-    if layout.kind == "mla":
+    expresslane layout pairs with nothing. Sparse-attention MLA (index-key segments): the prefill
+    adapters dequantize vLLM's fp8_ds_mla latent into the slot's model dtype, so every cache dtype pairs."""
+    if layout.kind == "mla" and any(s.name == "index_k" for s in layout.segments):
         return True
     if cache_dtype == "auto":  # the model dtype, which the sender compares
         return layout.dtype not in FP8_DTYPES
@@ -171,8 +173,9 @@ def layout_spec(shape: KvShape, dtype: str, max_tokens: int, tp_size: int = 1, t
     ``tp_size``: its share of the KV heads for GQA, the whole latent for MLA)."""
     if dtype not in DTYPE_SIZES:
         raise ValueError(f"dtype {dtype!r} not supported: use one of {sorted(DTYPE_SIZES)}")
-    if dtype in FP8_DTYPES and shape.kind != "gqa":
-        raise ValueError(f"an {dtype} KV layout is built for GQA models only, not {shape.kind}")
+    if dtype in FP8_DTYPES and shape.kind == "mla" and (dtype not in MLA_FP8_DTYPES or shape.index_layers):
+        raise ValueError(f"an {dtype} MLA latent layout is built for dense MLA in fp8_e4m3 only (sparse attention "
+                         "keeps its latent in the model dtype: the prefill dequantizes vLLM's fp8_ds_mla)")
     if max_tokens <= 0:
         raise ValueError(f"max_tokens must be positive, got {max_tokens}")
     elt = DTYPE_SIZES[dtype]

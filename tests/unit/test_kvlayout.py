@@ -94,8 +94,19 @@ def test_kv_dtype_follows_vllms_kv_cache_dtype(cache_dtype, model_dtype, layout_
 def test_kv_dtypes_without_a_layout_are_refused():
     with pytest.raises(ValueError, match="fp8_per_token_head.*use one of auto, .*fp8_e5m2"):
         kv_dtype_for_cache("fp8_per_token_head", "bfloat16")
-    with pytest.raises(ValueError, match="GQA models only"):
-        layout_spec(KvShape("mla", 1, kv_lora_rank=8, qk_rope_head_dim=8), "fp8_e4m3", 4)
+    with pytest.raises(ValueError, match="dense MLA in fp8_e4m3 only"):
+        layout_spec(KvShape("mla", 1, kv_lora_rank=8, qk_rope_head_dim=8), "fp8_e5m2", 4)
+    with pytest.raises(ValueError, match="sparse attention keeps its latent in the model dtype"):
+        layout_spec(KvShape("mla", 1, kv_lora_rank=8, qk_rope_head_dim=8, index_head_dim=8, index_layers=(0,)),
+                    "fp8_e4m3", 4)
+
+
+def test_an_fp8_mla_slot_holds_one_byte_per_latent_element():
+    shape = KvShape("mla", 2, kv_lora_rank=8, qk_rope_head_dim=4)
+    spec = layout_spec(shape, "fp8_e4m3", 5)
+    assert spec.dtype == "fp8_e4m3"
+    assert [s.bytes_per_token for s in spec.segments] == [12, 12]
+    assert spec.slot_nbytes == 2 * 5 * 12 == layout_spec(shape, "bfloat16", 5).slot_nbytes // 2
 
 
 @pytest.mark.parametrize("cache_dtype, layout_dtype, pairs", [
@@ -111,6 +122,17 @@ def test_which_prefill_kv_cache_dtype_pairs_with_which_gqa_slot(cache_dtype, lay
 
 
 @pytest.mark.parametrize("cache_dtype", ["auto", "fp8", "fp8_ds_mla"])
-def test_mla_slots_pair_with_any_cache_dtype_the_prefill_dequantizes(cache_dtype):
-    mla = layout_spec(KvShape("mla", 1, kv_lora_rank=8, qk_rope_head_dim=8), "bfloat16", 4)
+def test_sparse_mla_slots_pair_with_any_cache_dtype_the_prefill_dequantizes(cache_dtype):
+    mla = layout_spec(KvShape("mla", 1, kv_lora_rank=8, qk_rope_head_dim=8, index_head_dim=8, index_layers=(0,)),
+                      "bfloat16", 4)
     assert kv_cache_dtypes_pair(cache_dtype, mla)
+
+
+@pytest.mark.parametrize("cache_dtype, layout_dtype, pairs", [
+    ("auto", "bfloat16", True), ("fp8", "fp8_e4m3", True), ("fp8_e4m3", "fp8_e4m3", True),
+    # an FP8 latent is handed over as its bytes: a bf16 slot cannot take it, nor an FP8 slot a bf16 latent
+    ("fp8", "bfloat16", False), ("auto", "fp8_e4m3", False), ("fp8_e5m2", "fp8_e4m3", False),
+])
+def test_which_prefill_kv_cache_dtype_pairs_with_which_dense_mla_slot(cache_dtype, layout_dtype, pairs):
+    mla = layout_spec(KvShape("mla", 1, kv_lora_rank=8, qk_rope_head_dim=8), layout_dtype, 4)
+    assert kv_cache_dtypes_pair(cache_dtype, mla) is pairs

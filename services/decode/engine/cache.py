@@ -10,7 +10,8 @@ Per cache layer (main layers first, then MTP layers):
   ``kv_dtype`` (fp8_e4m3 | fp8_e5m2) they are uint8, vLLM's FP8 bytes, and ``scales[layer]`` is the
   layer's (k_scale, v_scale) (kvquant.py says how they are written and read)
 - MLA: ``kv[layer]``: [num_slots + 1, max_tokens, kv_lora_rank + qk_rope_head_dim], the normalized
-  latent then the roped shared key. With ``rope_interleave`` (DeepSeek-V3) the rope part holds
+  latent then the roped shared key; with ``kv_dtype`` fp8_e4m3 uint8, vLLM's FP8 latent bytes (the row
+  divided by ``scales[layer][0]``, its k_scale, rounded to nearest: kvquant.quantize_nearest). With ``rope_interleave`` (DeepSeek-V3) the rope part holds
   the rotated even elements then the rotated odd ones, as HF transformers' cache does (vLLM keeps
   the rotated pairs adjacent; the prefill adapter de-interleaves them). With sparse attention
   (deepseek_v32, glm_moe_dsa) also ``index_k[layer]`` for each layer with its own indexer:

@@ -33,6 +33,7 @@ from .cache import KvCache
 from .config import ModelConfig
 from .cuda.reference import limit_to_groups
 from .fp8 import expert, expert_matmul, linear
+from .kvquant import dequantize, quantize_nearest
 from .layers import cached_rows, causal_mask, rms_norm, swiglu, write_cache
 from .rope import apply_rope, rope_tables, yarn_mscale
 from .tp import ShardPlan, TensorParallel, gather_vocab, plan
@@ -173,14 +174,21 @@ class DeepseekModel(nn.Module):
         c = rms_norm(c, blk.kv_a_norm, cfg.rms_norm_eps)
         q_pe = apply_rope(q_pe, cos, sin, cfg.rope_interleave)
         k_pe = apply_rope(k_pe[:, :, None], cos, sin, cfg.rope_interleave)[:, :, 0]
-        cache = self.cache.kv[layer]
-        write_cache(cache, slot_ids, positions, torch.cat([c, k_pe], dim=-1))
+        cache, fmt = self.cache.kv[layer], self.cache.kv_format
+        row = torch.cat([c, k_pe], dim=-1)
         q_c = torch.einsum("bthn,hnr->bhtr", q_nope, blk.w_uk)  # absorbed: [B, H, T, r]
         query = torch.cat([q_c, q_pe.transpose(1, 2)], dim=-1)  # [B, H, T, r + rope]
-        kv = cached_rows(cache, slot_ids, mask.shape[-1])  # [B, n, r + rope]: one KV head shared by all query heads
+        if fmt is None:
+            write_cache(cache, slot_ids, positions, row)
+            kv = cached_rows(cache, slot_ids, mask.shape[-1])  # [B, n, r + rope]: one KV head shared by all query heads
+        else:  # an FP8 latent as vLLM's CUDA MLA backends keep it: bytes rounded to nearest, attended in float32
+            k_scale = self.cache.scales[layer][0]
+            write_cache(cache, slot_ids, positions, quantize_nearest(row, k_scale))
+            kv = dequantize(cached_rows(cache, slot_ids, mask.shape[-1]), k_scale, fmt)
+            query = query.float()
         scores = torch.matmul(query.flatten(1, 2), kv.transpose(1, 2)).view(b, nh, t, -1) * self.scale
         probs = scores.masked_fill(~mask, float("-inf")).softmax(dim=-1, dtype=torch.float32).to(kv.dtype)
-        out = torch.matmul(probs.flatten(1, 2), kv[..., :r]).view(b, nh, t, r)  # [B, H, T, r]
+        out = torch.matmul(probs.flatten(1, 2), kv[..., :r]).view(b, nh, t, r).to(x.dtype)  # [B, H, T, r]
         out = torch.einsum("bhtr,hvr->bthv", out, blk.w_uv)
         return linear(out.reshape(b, t, -1), blk.wo)
 

@@ -66,7 +66,9 @@ KV cache dtype (``kv_cache_dtype``, vLLM's ``--kv-cache-dtype`` names): ``auto``
 model dtype; ``fp8`` / ``fp8_e4m3`` / ``fp8_e5m2`` (Llama/Qwen family) keep the bytes vLLM's FP8 KV cache
 holds, with the checkpoint's per-layer k/v scales as vLLM reads them, and the layout says so
 (kvquant.py): the reference step writes each token's K/V as vLLM's CPU writer does and attends over
-the dequantized values in float32 as vLLM's CPU attention does. The fast path (bf16 and FP8-weight
+the dequantized values in float32 as vLLM's CPU attention does. Dense MLA models (DeepSeek family) take
+``fp8`` / ``fp8_e4m3``: the latent in E4M3 bytes as vLLM's CUDA MLA backends keep it (rounded to nearest,
+one k_scale a layer), attended over dequantized in float32. The fast path (bf16 and FP8-weight
 batch-1 steps) writes the same bytes (cuda/kvfp8.py) and reads fp8 * scale in its attention kernels;
 several slots in one step (the batched decoder) take the reference step with an FP8 KV cache.
 ``mtp_draft_vocab=N``: the fast path's MTP drafts propose token ids < N only (its draft head reads N
@@ -144,12 +146,13 @@ def _torch_dtype(dtype, checkpoint_dtype: str) -> torch.dtype:
 def _kv_scales(config: EngineConfig, raw_config: dict, cfg, reader, converted: bool = False
                ) -> list[tuple[float, float]] | None:
     """vLLM's per-layer FP8 KV scales of the checkpoint (None for a cache in the model dtype)."""
-    if config.kv_cache_dtype == "auto" or cfg.family != "gqa":
+    if config.kv_cache_dtype == "auto":
         return None
     if converted and (raw_config.get("quantization_config") or raw_config.get("compression_config")):
         raise ValueError(f"kv_cache_dtype={config.kv_cache_dtype!r} takes vLLM's KV scales from the HF checkpoint, "
                          "which a converted checkpoint does not keep: serve the HF checkpoint directory")
-    return checkpoint_scales(raw_config, cfg.num_layers, reader.has, reader.get)
+    num_layers = kv_shape_from_hf_config(raw_config).num_layers  # MTP layers' scales too (same names)
+    return checkpoint_scales(raw_config, num_layers, reader.has, reader.get)
 
 
 def _shards(cfg, named, tp: TensorParallel | None, config: EngineConfig):
@@ -198,9 +201,12 @@ class Engine:
             model.has_mtp = False
         kv_dtype = kv_dtype_for_cache(config.kv_cache_dtype, dtype_name(self.dtype))
         kv_shape = kv_shape_from_hf_config(raw_config, include_mtp=self.num_spec > 0)
-        if kv_dtype in FP8_DTYPES and getattr(model, "family", "") != "gqa":
-            raise ValueError(f"kv_cache_dtype={config.kv_cache_dtype!r}: an FP8 KV cache is built for "
-                             f"Llama/Qwen-family (GQA) models, not {cfg.model_type}; use kv_cache_dtype='auto'")
+        if kv_dtype in FP8_DTYPES and kv_shape.kind == "mla" and (kv_dtype != "fp8_e4m3" or kv_shape.index_layers):
+            raise ValueError(f"kv_cache_dtype={config.kv_cache_dtype!r}: an MLA model keeps an FP8 latent as vLLM's "
+                             "CUDA MLA backends do, E4M3 (use kv_cache_dtype='fp8'), and a sparse-attention model "
+                             f"({cfg.model_type}) its latent in the model dtype (use kv_cache_dtype='auto')")
+        if kv_scales is not None:  # the checkpoint's (MTP layers included) for the layers this cache keeps
+            kv_scales = (list(kv_scales) + [(1.0, 1.0)] * kv_shape.num_layers)[:kv_shape.num_layers]
         self.cache = KvCache(kv_shape, num_slots, max_seq_len + self.num_spec, self.dtype, self.device,
                              kv_dtype=kv_dtype, scales=kv_scales if kv_dtype in FP8_DTYPES else None,
                              tp_size=self.tp.size, tp_rank=self.tp.rank)

@@ -133,10 +133,7 @@ def test_layout_carries_the_kv_dtype(llama):
     assert [s.bytes_per_token * 2 for s in spec["fp8"].segments] == [s.bytes_per_token for s in spec["auto"].segments]
 
 
-def test_fp8_kv_is_refused_for_mla_and_unknown_names(hf_checkpoint, llama):
-    with pytest.raises(ValueError, match="GQA"):
-        Engine.load(hf_checkpoint("deepseek_v3")[0], num_slots=1, max_seq_len=64, dtype=torch.float32,
-                    kv_cache_dtype="fp8")
+def test_unknown_kv_cache_dtype_names_are_refused(llama):  # MLA's FP8 latent: test_kv_fp8_mla.py
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
         Engine.load(llama, num_slots=1, max_seq_len=64, kv_cache_dtype="int8")
 
