@@ -168,7 +168,8 @@ class FlashInfer:
 
 @dataclass(frozen=True)
 class MlaLatent:
-    """MLA latent cache [NB, B, kv_lora_rank + rope_dim], one row per token.
+    """MLA latent cache [NB, B, kv_lora_rank + rope_dim], one row per token: model-dtype values, or with
+    ``--kv-cache-dtype fp8`` E4M3 bytes (uint8; the row divided by the layer's k_scale), staged as they are.
 
     vLLM ropes DeepSeek's ``k_pe`` GPT-J style (rotated pairs stay adjacent); the engine, like HF
     transformers with ``rope_interleave``, keeps the rotated evens then the rotated odds. With
@@ -191,6 +192,11 @@ class MlaLatent:
     def __call__(self, kv_layer, block_ids, num_tokens, out):
         rows = self._blocks(kv_layer).index_select(0, block_ids)
         rows = rows.reshape(-1, rows.shape[-1])[:num_tokens]  # [n, Dl + Dr] on the cache's device
+        if rows.dtype in (torch.uint8, torch.float8_e4m3fn):  # an FP8 latent (--kv-cache-dtype fp8): its bytes
+            if out[0].dtype != torch.uint8:
+                raise ValueError(f"an FP8 MLA latent cache stages into an FP8 slot layout, not {out[0].dtype}: "
+                                 "run the decode node with --kv-cache-dtype fp8 (the claim pairs only those)")
+            rows = rows.view(torch.uint8)
         if self.deinterleave_rope and self.rope_dim:
             pe = rows[:, -self.rope_dim:]
             rows = torch.cat((rows[:, : -self.rope_dim], pe[:, 0::2], pe[:, 1::2]), dim=-1)

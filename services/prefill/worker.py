@@ -23,12 +23,14 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import time
 
 import torch
-from shared.kvlayout import DSA_TYPES, DTYPE_SIZES, KvShape, dsa_indexer_layers, kv_dtype_for_cache, layout_spec
+from shared.kvlayout import (
+    DSA_TYPES, DTYPE_SIZES, FP8_DTYPES, KvShape, dsa_indexer_layers, kv_dtype_for_cache, layout_spec,
+)
 from shared.tracing import build_tracer_provider, context_from_traceparent
 from shared.transport import create_transport
 
 from services.prefill.config import ExpressConfig
-from services.prefill.layouts import LayerAdapter, adapter_for, kernel_block_ids
+from services.prefill.layouts import MLA_BACKENDS, LayerAdapter, adapter_for, kernel_block_ids
 from services.prefill.layouts_dsa import (
     INDEXER_BACKENDS, SPARSE_MLA_BACKENDS, DsaIndexerKeys, sparse_mla_adapter,
 )
@@ -121,11 +123,11 @@ class ExpressWorker:
         dtype = str(self.layers[0][1].dtype).removeprefix("torch.")
         model_dtype = str(self.vllm_config.model_config.dtype).removeprefix("torch.")
         cache_dtype = self.vllm_config.cache_config.cache_dtype
-        if self.shape.kind == "gqa" and cache_dtype != "auto":
-            # vLLM's FP8 KV cache (uint8): staged as its bytes, in the layout's FP8 dtype
+        if cache_dtype != "auto" and not self.shape.index_layers:
+            # vLLM's FP8 KV cache (GQA K/V, a dense MLA latent; uint8): staged as its bytes, in the layout's FP8 dtype
             dtype = kv_dtype_for_cache(cache_dtype, model_dtype)
         if self.shape.kind == "mla" and dtype not in DTYPE_SIZES:
-            # a quantized latent cache (fp8_ds_mla, fp8): its adapter stages it dequantized
+            # sparse attention's quantized latent cache (fp8_ds_mla, fp8): its adapter stages it dequantized
             dtype = model_dtype
         if not self.stages:
             log.info("expresslane: tensor-parallel rank %d of %d holds the same MLA latent as rank 0, "
@@ -245,6 +247,10 @@ class ExpressWorker:
                 from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
                 isa = _get_attn_isa(cache.dtype, cache.shape[2], cache.shape[3] // 2)
+            if (backend in MLA_BACKENDS and getattr(self, "spec", None) is not None and self.spec.dtype in FP8_DTYPES
+                    and fp8_dtype != torch.float8_e4m3fn):
+                raise ValueError(f"an FP8 MLA latent in {fp8_dtype} (this platform's FP8) is not the OCP E4M3 a "
+                                 "decode slot keeps: serve with --kv-cache-dtype auto")
             adapters.append(adapter_for(backend, isa=isa, rope_dim=rope_dim, rope_interleave=rope_interleave))
         log.info("expresslane: layout adapters %s", sorted({type(a).__name__ for a in adapters}))
         return adapters

@@ -156,6 +156,28 @@ def test_mla_latent_and_rope_order(writer, dtype, block_size):
     assert torch.equal(raw[:, rank:], k_pe_vllm)
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.uint8, torch.float8_e4m3fn])
+def test_fp8_mla_latent_is_staged_as_its_bytes(cache_dtype):
+    """vLLM's CUDA MLA backends with --kv-cache-dtype fp8: each row [latent, k_pe (GPT-J pairs)] / k_scale in
+    E4M3 (concat_and_cache_mla). The adapter hands those bytes over, the rope part in the engine's order: the
+    bytes the decode engine writes for the same values (kvquant.quantize_nearest), no round trip through bf16."""
+    from services.decode.engine.kvquant import quantize_nearest
+
+    num_tokens, rank, rope, block_size, k_scale = 45, 512, 64, 64, 0.03
+    g = torch.Generator().manual_seed(11)
+    latent = torch.randn(num_tokens, rank, generator=g).to(torch.bfloat16)
+    k_pe_engine = torch.randn(num_tokens, rope, generator=g).to(torch.bfloat16)
+    cache = torch.zeros(NUM_BLOCKS, block_size, rank + rope, dtype=torch.uint8)
+    cache.view(-1, rank + rope)[_slots(num_tokens, block_size)] = quantize_nearest(
+        torch.cat([latent, _gptj_interleave(k_pe_engine)], dim=-1), k_scale)
+    out = [torch.zeros(num_tokens, rank + rope, dtype=torch.uint8)]
+    MlaLatent(rope_dim=rope)(cache.view(cache_dtype), torch.tensor(BLOCK_IDS), num_tokens, out)
+    assert torch.equal(out[0], quantize_nearest(torch.cat([latent, k_pe_engine], dim=-1), k_scale))
+    with pytest.raises(ValueError, match="--kv-cache-dtype fp8"):  # never bytes read as numbers into a bf16 slot
+        MlaLatent(rope_dim=rope)(cache.view(cache_dtype), torch.tensor(BLOCK_IDS), num_tokens,
+                                 [torch.zeros(num_tokens, rank + rope, dtype=torch.bfloat16)])
+
+
 SELECT_CASES = [
     ("CPU_ATTN", "vec", CpuVec), ("CPU_ATTN", "vec16", CpuVec), ("CPU_ATTN", "amx", CpuAmx),
     ("FLASH_ATTN", None, FlashAttn), ("FLASHINFER", None, FlashInfer), ("CPU_MLA", None, MlaLatent),
