@@ -160,8 +160,8 @@ def engine_reason(mode: str, model, device: torch.device, dtype: torch.dtype, nu
             return (f"tensor-parallel decode: vocabulary {cfg.vocab_size} does not split evenly over {tp.size} "
                     "ranks; the fast path's argmax needs equal shards (the reference step pads them)")
     cache = getattr(model, "cache", None)
-    if getattr(cache, "kv_format", None) and family != "gqa":
-        return f"KV cache in {cache.kv_format}: FP8 KV is on the fast path for Llama-family models only"
+    if getattr(cache, "kv_format", None) and family not in ("gqa", "mla"):
+        return f"KV cache in {cache.kv_format}: FP8 KV is on the fast path for Llama- and DeepSeek-family models"
     if family == "mla":
         if cfg.index_topk and not cfg.q_lora_rank:
             return f"{cfg.model_type}: sparse attention (DSA) without q LoRA is not on the fast path"

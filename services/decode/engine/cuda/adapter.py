@@ -163,7 +163,13 @@ def mla_batch_decoder_from_engine(model, batch: int, max_steps: int = 256) -> Ml
     cache (the whole per-layer tensors of the main model; padded rows decode on the cache's scratch slot)."""
     caches = list(model.cache.kv[: len(model.layers)])
     return MlaBatchDecoder(_mla_model(model), caches, model.cos, model.sin, batch, max_steps=max_steps,
-                           scratch_slot=model.cache.scratch_slot, num_splits=attention_splits(caches[0].shape[1]))
+                           scratch_slot=model.cache.scratch_slot, num_splits=attention_splits(caches[0].shape[1]),
+                           kv_scales=_latent_scales(model.cache))
+
+
+def _latent_scales(cache) -> list[float] | None:
+    """Each cache layer's k_scale of an FP8 latent cache (None: the latent in the model dtype)."""
+    return [k for k, _ in cache.scales] if cache.kv_format else None
 
 
 def mla_decoder_from_engine(model, slot: int, max_draft: int = 3, max_steps: int = 4096,
@@ -178,4 +184,4 @@ def mla_decoder_from_engine(model, slot: int, max_draft: int = 3, max_steps: int
     splits = attention_splits(min(caches[0].shape[0], cfg.index_topk) if sparse else caches[0].shape[0])
     return MlaDecoder(mm, caches, model.cos, model.sin, max_draft=max_draft if mtp else 0,
                       max_steps=max_steps, num_splits=splits, draft_vocab=draft_vocab if mtp else None,
-                      index_caches=index_caches)
+                      index_caches=index_caches, kv_scales=_latent_scales(model.cache))

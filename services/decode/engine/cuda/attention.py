@@ -38,12 +38,14 @@ from .smallops import norm_rope_rows
 
 
 @triton.jit
-def qk_operand(q, KV_FMT: tl.constexpr):
+def qk_operand(q, KV_FMT: tl.constexpr, amax_more=0.0):
     # q as the score dot's left operand and the factor the dot's results take back: as it is over a
     # model-dtype cache; over FP8 K (fp16 tiles, kvfp8.fp8_kv_load) q in fp16, every bf16 q value exact there
-    # once a power of two keeps the largest |q| at most 2^14 (a scale of 1 for any usual model)
+    # once a power of two keeps the largest |q| (and ``amax_more``: MLA's rope part, scaled by the same power)
+    # at most 2^14 (a scale of 1 for any usual model)
     if KV_FMT:
-        shift = tl.maximum(tl.ceil(tl.log2(tl.max(tl.max(tl.abs(q.to(tl.float32)), axis=1), axis=0))) - 14.0, 0.0)
+        amax = tl.maximum(tl.max(tl.max(tl.abs(q.to(tl.float32)), axis=1), axis=0), amax_more)
+        shift = tl.maximum(tl.ceil(tl.log2(amax)) - 14.0, 0.0)
         return (q.to(tl.float32) * tl.exp2(-shift)).to(tl.float16), tl.exp2(shift)
     else:
         return q, 1.0
@@ -77,7 +79,8 @@ def _attn_split_kernel(q_ptr, q_pe_ptr, k_ptr, v_ptr, pos_ptr, part_o_ptr, part_
                        HEAD_BLOCKS: tl.constexpr = 1, POS_ROW_PROLOGUE: tl.constexpr = False,
                        KV_FMT: tl.constexpr = 0, k_scale=1.0, v_scale=1.0,
                        idx_ptr=None, nidx_ptr=None, SPARSE: tl.constexpr = False):
-    # KV_FMT 1 / 2: K/V are FP8 bytes (kvfp8.py) read as fp8 * k_scale / v_scale (no rope part, no qk norm)
+    # KV_FMT 1 / 2: K/V are FP8 bytes (kvfp8.py) read as fp8 * k_scale / v_scale (no qk norm; MLA: the rope
+    # part too, q_pe in fp16 by q's power of two)
     # SPARSE (one query token, sparse attention): the keys are the nidx_ptr[0] cache rows listed at idx_ptr
     # (the indexer's top-k, any order; a listed row past pos is not visible), split like a dense sequence
     # D_V is the width of this program's slice of the values: chunk program_id(2) of V_CHUNKS.
@@ -139,7 +142,11 @@ def _attn_split_kernel(q_ptr, q_pe_ptr, k_ptr, v_ptr, pos_ptr, part_o_ptr, part_
                        mask=rvalid[:, None], other=0.0)
     dv = tl.arange(0, D_V)
     qk_scale = sm_scale * 1.4426950408889634
-    q_op, q_back = qk_operand(q, KV_FMT)
+    if D_ROPE > 0 and KV_FMT:  # one power of two for both parts of q: the score is one sum
+        q_op, q_back = qk_operand(q, KV_FMT, tl.max(tl.max(tl.abs(q_pe.to(tl.float32)), axis=1), axis=0))
+        q_pe = (q_pe.to(tl.float32) * (1.0 / q_back)).to(tl.float16)
+    else:
+        q_op, q_back = qk_operand(q, KV_FMT)
     dot_scale = qk_scale * q_back
     if KV_FMT:
         dot_scale = dot_scale * k_scale
@@ -159,8 +166,8 @@ def _attn_split_kernel(q_ptr, q_pe_ptr, k_ptr, v_ptr, pos_ptr, part_o_ptr, part_
         else:
             scores = tl.dot(q_op, tl.trans(k))
         if D_ROPE > 0:
-            k_pe = tl.load(k_ptr + offs[:, None].to(tl.int64) * stride_kt + rope_offset + dr[None, :],
-                           mask=smask[:, None], other=0.0)
+            k_pe = fp8_kv_read(tl.load(k_ptr + offs[:, None].to(tl.int64) * stride_kt + rope_offset + dr[None, :],
+                                       mask=smask[:, None], other=0), KV_FMT, DOT_F32)
             if DOT_F32:
                 scores += tl.dot(q_pe.to(tl.float32), tl.trans(k_pe.to(tl.float32)))
             else:
@@ -430,7 +437,7 @@ class DecodeAttention:
         position pos[b], its keys and values in slot slot_ids[b] of k / v (slot strides stride_ks / stride_vs
         elements), out [B, T, Hq, D_V].
         ``kv_fmt`` (kvfp8.kv_fmt) 1 / 2: k and v hold FP8 bytes, read as their values times ``k_scale`` /
-        ``v_scale`` (GQA without a rope part or qk_norm).
+        ``v_scale`` (without qk_norm; MLA: the rope part of the key rows too).
         ``sparse=(idx int32 [>= n], n int32 [1])``: one query token attends to the n cache rows listed in
         idx (sparse attention's top-k, any order; rows past pos are masked), not to rows 0..pos.
         ``combine=False`` (two-launch form): the split kernel only; its partials stay in ``part_o``
@@ -442,8 +449,8 @@ class DecodeAttention:
                                     or self.head_blocks != 1):
             raise ValueError("qk_norm runs with one query token, no rope part, separate values, one value chunk "
                              "and one head block")
-        if kv_fmt and (qk_norm is not None or self.d_rope or self.v_is_k):
-            raise ValueError("FP8 K/V are read by GQA attention without qk_norm (its K row arrives normalised)")
+        if kv_fmt and (qk_norm is not None or self.v_is_k):
+            raise ValueError("FP8 K/V are read without qk_norm (its K row arrives normalised) and as separate values")
         qn, kn, qk_eps, cos, sin = qk_norm if qk_norm is not None else (q, q, 0.0, q, q)
         batch = 1 if slot_ids is None else slot_ids.shape[0]
         if batch > self.max_batch:

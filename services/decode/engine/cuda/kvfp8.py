@@ -84,6 +84,30 @@ def fp8_kv_bits(x, inv_scale, FMT: tl.constexpr):
 
 
 @triton.jit
+def fp8_e4m3_nearest_bits(x, inv_scale):
+    # uint8 E4M3 bytes of fp32 x * inv_scale rounded to nearest (ties to even), saturated at 448, sign of zero
+    # kept: kvquant.quantize_nearest, the MLA latent as vLLM's CUDA cache writer stores it, in integer arithmetic
+    v = tl.minimum(tl.maximum(x * inv_scale, -448.0), 448.0)
+    bits = v.to(tl.int32, bitcast=True)
+    sign = (bits >> 24) & 0x80
+    e = (bits >> 23) & 0xFF  # biased exponent
+    mant = bits & 0x7FFFFF
+    # normal E4M3 (|v| >= 2^-6, e >= 121): 3 mantissa bits kept, the 20 dropped rounded; a carry rolls into the
+    # exponent (448 = 0x7E is the largest value the clamp lets through, so none reaches 0x7F)
+    base = ((e - 120) << 3) | (mant >> 20)
+    rem = mant & 0xFFFFF
+    normal = base + ((rem > 0x80000) | ((rem == 0x80000) & ((base & 1) == 1))).to(tl.int32)
+    # subnormal E4M3: |v| in units of 2^-9 is full * 2^(e - 141), rounded (1 << 31 of e = 0 would overflow: 30)
+    full = tl.where(e > 0, mant | 0x800000, mant)
+    sh = tl.minimum(tl.maximum(141 - e, 21), 30)
+    r = full >> sh
+    rest = full - (r << sh)
+    half = 1 << (sh - 1)
+    r = r + ((rest > half) | ((rest == half) & ((r & 1) == 1))).to(tl.int32)
+    return (sign | tl.where(e >= 121, normal, r)).to(tl.uint8)
+
+
+@triton.jit
 def fp8_kv_unpack(raw, FMT: tl.constexpr):
     # FP8 bytes -> fp16 on a CUDA device, four bytes (one register) per instance, in the layout the tile was
     # loaded in (rows contiguous). E4M3: the register's two halves widened by one cvt each (sm_89+: the engine

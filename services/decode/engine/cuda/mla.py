@@ -38,6 +38,7 @@ from .attention import DecodeAttention, split_weights
 from .fp8block import BlockFp8
 from .gemv import gdc_launch_dependents, gdc_wait, launch_opts
 from .kernel_helpers import rnd_bf16, rope_pair, round_to_dtype
+from .kvfp8 import fp8_e4m3_nearest_bits
 from .moe import GroupedMoe, gemv_rows, router
 
 
@@ -172,10 +173,12 @@ def _same_experts(gate_up, down, sg, sd):
 @triton.jit
 def _mla_prep_kernel(qkv_ptr, q_pe_ptr, cache_ptr, kv_norm_ptr, pos_ptr, cos_ptr, sin_ptr, stride_qkv, eps,
                      NUM_HEADS: tl.constexpr, NOPE: tl.constexpr, ROPE: tl.constexpr, R: tl.constexpr,
-                     PDL: tl.constexpr = False, slot_ptr=None, stride_cs=0, BATCH: tl.constexpr = False):
+                     PDL: tl.constexpr = False, slot_ptr=None, stride_cs=0, BATCH: tl.constexpr = False,
+                     KV_FMT: tl.constexpr = 0, inv_scale=1.0):
     # per token t: rope (interleaved pairs) of each head's q_pe -> q_pe[t]; the latent: RMSNorm(c) and
     # rope(k_pe) -> cache[pos + t]. BATCH: row t is its own slot's token, at pos[t] in slot slot_ptr[t]
-    # (the cache: every slot's, slot stride stride_cs elements)
+    # (the cache: every slot's, slot stride stride_cs elements). KV_FMT 1: the cache holds E4M3 bytes, the row's
+    # model-dtype values times inv_scale (1 / k_scale) rounded to nearest (kvfp8.fp8_e4m3_nearest_bits)
     t = tl.program_id(0)
     head = tl.program_id(1)
     if PDL:
@@ -194,22 +197,31 @@ def _mla_prep_kernel(qkv_ptr, q_pe_ptr, cache_ptr, kv_norm_ptr, pos_ptr, cos_ptr
     row = qkv_ptr + t * stride_qkv
     if head < NUM_HEADS:
         src = row + head * QK + NOPE
-        dst = q_pe_ptr + (t * NUM_HEADS + head) * ROPE
     else:
         src = row + NUM_HEADS * QK + R
-        dst = cache_ptr + p.to(tl.int64) * (R + ROPE) + R
+    a = tl.load(src + 2 * j).to(tl.float32)
+    b = tl.load(src + 2 * j + 1).to(tl.float32)
+    dt = q_pe_ptr.dtype.element_ty
+    a, b = rope_pair(a, b, cos, sin)
+    if head < NUM_HEADS:
+        dst = q_pe_ptr + (t * NUM_HEADS + head) * ROPE
+        tl.store(dst + j, a.to(dt))
+        tl.store(dst + HALF + j, b.to(dt))
+    else:
+        crow = cache_ptr + p.to(tl.int64) * (R + ROPE)
         r = tl.arange(0, R)
         c = tl.load(row + NUM_HEADS * QK + r).to(tl.float32)
         inv = 1.0 / tl.sqrt(tl.sum(c * c, axis=0) / R + eps)
         nw = tl.load(kv_norm_ptr + r)
         cn = round_to_dtype(round_to_dtype(c * inv, nw.dtype) * nw.to(tl.float32), nw.dtype)
-        tl.store(cache_ptr + p.to(tl.int64) * (R + ROPE) + r, cn.to(nw.dtype))
-    a = tl.load(src + 2 * j).to(tl.float32)
-    b = tl.load(src + 2 * j + 1).to(tl.float32)
-    dt = q_pe_ptr.dtype.element_ty
-    a, b = rope_pair(a, b, cos, sin)
-    tl.store(dst + j, a.to(dt))
-    tl.store(dst + HALF + j, b.to(dt))
+        if KV_FMT:  # the model-dtype row (the reference step's), then its bytes
+            tl.store(crow + r, fp8_e4m3_nearest_bits(cn, inv_scale))
+            tl.store(crow + R + j, fp8_e4m3_nearest_bits(round_to_dtype(a, dt), inv_scale))
+            tl.store(crow + R + HALF + j, fp8_e4m3_nearest_bits(round_to_dtype(b, dt), inv_scale))
+        else:
+            tl.store(crow + r, cn.to(nw.dtype))
+            tl.store(crow + R + j, a.to(dt))
+            tl.store(crow + R + HALF + j, b.to(dt))
 
 
 @triton.jit
@@ -441,13 +453,19 @@ class MlaStack:
 
     def block(self, lw: MlaLayer, h: torch.Tensor, cache: torch.Tensor, pos: torch.Tensor,
               cos: torch.Tensor, sin: torch.Tensor, index_cache: torch.Tensor | None = None,
-              slots: torch.Tensor | None = None) -> None:
+              slots: torch.Tensor | None = None, k_scale: float = 1.0) -> None:
         """h [T, H] += attention; h += MLP/MoE (in place); writes this block's cache rows at pos.. (and
         with an indexer its key at pos into ``index_cache`` [max_tokens, index_dim]). A batch stack: row t
-        decodes at pos[t] in slot slots[t] of ``cache`` [slots, max_tokens, r + rope]."""
+        decodes at pos[t] in slot slots[t] of ``cache`` [slots, max_tokens, r + rope]. A uint8 ``cache`` holds
+        the latent as E4M3 bytes (vLLM's FP8 MLA cache): rows written as the values / ``k_scale`` rounded to
+        nearest, read as fp8 * ``k_scale``."""
         d, t = self.dims, self.num_tokens
         if self.batch != (slots is not None):
             raise ValueError("a batch stack takes the rows' slots (and only it does)")
+        fmt = 1 if cache.dtype == torch.uint8 else 0
+        if fmt and lw.sparse:
+            raise ValueError("sparse attention keeps its latent in the model dtype (an FP8 latent: dense MLA)")
+        kv = dict(kv_fmt=fmt, k_scale=k_scale, v_scale=k_scale)
         r, nope = d.kv_lora_rank, d.nope
         nq = d.num_heads * (nope + d.rope)
         lora = lw.wq_b is not None
@@ -478,7 +496,8 @@ class MlaStack:
                                                self.qkv.stride(0), d.eps, NUM_HEADS=d.num_heads, NOPE=nope,
                                                ROPE=d.rope, R=r, PDL=self.pdl, slot_ptr=slots if self.batch else pos,
                                                stride_cs=cache.stride(0) if self.batch else 0, BATCH=self.batch,
-                                               num_warps=4, **launch_opts(self.pdl))
+                                               KV_FMT=fmt, inv_scale=1.0 / k_scale, num_warps=4,
+                                               **launch_opts(self.pdl))
         if self.absorb and lw.w_uk.stride(2) == 1:  # absorbed: [Hq, 1, r]
             br = min(self.ABSORB_BLOCK_R, r)
             _absorb_kernel[(d.num_heads, triton.cdiv(r, br))](
@@ -492,11 +511,11 @@ class MlaStack:
         if self.batch:  # row t: its own query over its own slot's rows 0..pos[t]
             self.attn(q_c, cache, cache, pos, self.o_lat, stride_kt=r + d.rope, stride_vt=r + d.rope, rope_offset=r,
                       q_pe=self.q_pe, stride_qt=r, stride_qh=t * r, slot_ids=slots, stride_ks=cache.stride(0),
-                      stride_vs=cache.stride(0), combine=not self.fused_uv)
+                      stride_vs=cache.stride(0), combine=not self.fused_uv, **kv)
         elif not lw.sparse or t == 1:  # dense, or one token over its indexer's list
             sparse = (self.selects[0].idx, self.selects[0].count) if lw.sparse else None
             self.attn(q_c, cache, cache, pos, self.o_lat, stride_kt=r + d.rope, stride_vt=r + d.rope, rope_offset=r,
-                      q_pe=self.q_pe, stride_qt=r, stride_qh=t * r, sparse=sparse, combine=not self.fused_uv)
+                      q_pe=self.q_pe, stride_qt=r, stride_qh=t * r, sparse=sparse, combine=not self.fused_uv, **kv)
         else:  # token j: its query rows (q_c[:, j], q_pe[j]) over its own list, causal at pos + j
             for j, sel in enumerate(self.selects):
                 self.attn1(q_c[:, j], cache, cache, self.pos_t[j:j + 1], self.o_lat[j], stride_kt=r + d.rope,

@@ -136,10 +136,12 @@ class MlaDecoder:
 
     def __init__(self, model: MlaModel, caches: list[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor,
                  max_draft: int = 3, max_steps: int = 4096, num_splits: int = 16, draft_vocab: int | None = None,
-                 index_caches: list[torch.Tensor | None] | None = None):
+                 index_caches: list[torch.Tensor | None] | None = None, kv_scales: list[float] | None = None):
         """``index_caches``: sparse attention's indexer key cache [max_tokens, index_dim] of each layer with an
-        indexer (MTP layer last, as ``caches``), None for the others."""
+        indexer (MTP layer last, as ``caches``), None for the others. uint8 ``caches`` hold an FP8 latent (E4M3),
+        ``kv_scales`` each layer's k_scale (default 1.0)."""
         self.model, self.caches = model, caches
+        self.k_scales = list(kv_scales) if kv_scales is not None else [1.0] * len(caches)
         d, dev, bf = model.dims, model.embed.device, torch.bfloat16
         self.index_caches = index_caches or [None] * len(caches)
         self.cos, self.sin = cos.to(device=dev, dtype=bf).contiguous(), sin.to(device=dev, dtype=bf).contiguous()
@@ -212,7 +214,8 @@ class MlaDecoder:
         m, h = self.model, self.residual[t]
         torch.index_select(m.embed, 0, self.tokens[:t], out=h)
         for i, lw in enumerate(m.layers):
-            self.stacks[t].block(lw, h, self.caches[i], self.pos, self.cos, self.sin, self.index_caches[i])
+            self.stacks[t].block(lw, h, self.caches[i], self.pos, self.cos, self.sin, self.index_caches[i],
+                                 k_scale=self.k_scales[i])
         smallops.rmsnorm_rows(h, m.final_norm, self.hid[t], m.dims.eps)
         if t == 1:  # with each block's maximum, for _pick_kernel
             self._head(self.hid[1][0], m.lm_head, self.logits[1][0], self.parts_main if parts else None)
@@ -238,8 +241,9 @@ class MlaDecoder:
         _mtp_prologue_kernel[(2,)](mt.embed, self.tokens, j, self.mtp_hidden, mt.enorm, mt.hnorm, self.mtp_cat,
                                    self.pos, self.pos_draft, hd, eps, H_POW2=triton.next_power_of_2(hd), num_warps=8)
         gemv_rows(self.mtp_cat, mt.eh_proj, self.mtp_x)
-        self.stacks[1].block(mt.layer, self.mtp_x, self.caches[len(self.model.layers)], self.pos_draft[j],
-                             self.cos, self.sin, self.index_caches[len(self.model.layers)])
+        n = len(self.model.layers)
+        self.stacks[1].block(mt.layer, self.mtp_x, self.caches[n], self.pos_draft[j], self.cos, self.sin,
+                             self.index_caches[n], k_scale=self.k_scales[n])
         smallops.rmsnorm_rows(self.mtp_x, mt.head_norm, self.mtp_hidden, eps)
         self._head(self.mtp_hidden[0], self.draft_head, self.mtp_logits[0], self.parts_draft if pick else None)
         if pick:
@@ -299,8 +303,9 @@ class MlaDecoder:
         smallops.rmsnorm_rows(self.mtp_emb_rows[t], mt.enorm, cat[:, :hd], eps)
         smallops.rmsnorm_rows(self.hid[t], mt.hnorm, cat[:, hd:], eps)
         gemv_rows(cat, mt.eh_proj, self.mtp_x_rows[t])
-        self.stacks[t].block(mt.layer, self.mtp_x_rows[t], self.caches[len(self.model.layers)], self.pos,
-                             self.cos, self.sin, self.index_caches[len(self.model.layers)])
+        n = len(self.model.layers)
+        self.stacks[t].block(mt.layer, self.mtp_x_rows[t], self.caches[n], self.pos, self.cos, self.sin,
+                             self.index_caches[n], k_scale=self.k_scales[n])
 
     def _spec_sampled(self, k: int) -> None:
         """Speculative sampling (engine/spec.py) with the reference step's distributions and random numbers
@@ -361,10 +366,11 @@ class MlaBatchDecoder(RowsDecoder):
 
     def __init__(self, model: MlaModel, caches: list[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor,
                  batch: int, options=None, max_steps: int = 256, scratch_slot: int | None = None,
-                 num_splits: int = 16):
+                 num_splits: int = 16, kv_scales: list[float] | None = None):
         if len(caches) != len(model.layers):
             raise ValueError(f"{len(caches)} caches for {len(model.layers)} layers")
         self.model, self.caches = model, caches
+        self.k_scales = list(kv_scales) if kv_scales is not None else [1.0] * len(caches)  # uint8 caches: FP8
         d = model.dims
         self._init_rows(model.embed, model.final_norm, model.lm_head, d.eps, len(model.layers), cos, sin, batch,
                         options, max_steps, caches[0].shape[0] - 1 if scratch_slot is None else scratch_slot)
@@ -373,7 +379,7 @@ class MlaBatchDecoder(RowsDecoder):
 
     def layer(self, i: int) -> None:
         self.stack.block(self.model.layers[i], self.residual, self.caches[i], self.pos, self.cos, self.sin,
-                         slots=self.slots)
+                         slots=self.slots, k_scale=self.k_scales[i])
 
 
 class _RowBuffers:
