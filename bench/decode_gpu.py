@@ -410,6 +410,14 @@ def main(argv: list[str] | None = None) -> int:
             R["mla_error"] = traceback.format_exc()[-1500:]
             log(R["mla_error"])
         save()
+    if "mlafp8kv" in parts:
+        try:
+            from decode_gpu_mla import run_mla_fp8kv  # bench/ is on sys.path when run as a script
+            run_mla_fp8kv(X, R)
+        except Exception:
+            R["mlafp8kv_error"] = traceback.format_exc()[-1500:]
+            log(R["mlafp8kv_error"])
+        save()
     if "dsv3" in parts:
         try:
             from decode_gpu_mla import run_dsv3  # bench/ is on sys.path when run as a script

@@ -824,6 +824,48 @@ def run_mla(X, R: dict, ctx: int = 1024) -> None:
     torch.cuda.empty_cache()
 
 
+def fp8_latent(caches: list, k_scale: float) -> list:
+    """The latent caches as vLLM's CUDA MLA writer keeps them with --kv-cache-dtype fp8: E4M3 bytes of each row /
+    k_scale, rounded to nearest (the engine's kvquant.quantize_nearest)."""
+    return [(c.float() * (1.0 / k_scale)).clamp(-448, 448).to(torch.float8_e4m3fn).view(torch.uint8) for c in caches]
+
+
+def run_mla_fp8kv(X, R: dict, ctx: int = 32768) -> None:
+    """The DeepSeek-V2-Lite shape at a long context with the latent in bf16 and in FP8 (``dsv2lite_ctx32k_*``,
+    ``dsv2lite_fp8kv_ctx32k_*``, same model and run): the plain step's time, tok/s and fraction of the roofline of
+    the bytes each reads (the latent at one byte an element for FP8), and the FP8 latent's first tokens against the
+    bf16 one's (random weights: near ties may part; the CPU tests hold the FP8 step to its reference)."""
+    s = DSV2_LITE
+    model, caches, cos, sin, by, bw, roof_ms = shape_setup(X, s, ctx, R, "dsv2lite_ctx32k_",
+                                                           f"deepseek-v2-lite-like model at {ctx} tokens")
+    k_scale = float(max(c.abs().max().item() for c in caches)) / 448.0  # vLLM-style calibrated: max maps to 448
+    kv8 = by["kv"] // 2  # the latent at one byte an element
+    roof8 = (by["total"] - by["kv"] + kv8) / (bw * 1e12) * 1e3
+    R["dsv2lite_fp8kv_ctx32k_roofline_tok_s"] = 1e3 / roof8
+    out = {}
+    for tag, cs, scales in (("dsv2lite_ctx32k_", caches, None),
+                            ("dsv2lite_fp8kv_ctx32k_", fp8_latent(caches, k_scale), [k_scale] * len(caches))):
+        try:
+            dec = X.mla_decoder.MlaDecoder(model, cs, cos, sin, max_draft=0, max_steps=4096,
+                                           num_splits=X.adapter.attention_splits(ctx + 1024), kv_scales=scales)
+            ms, runner = time_plain_step(dec, ctx)
+            out[tag] = dec.out_tokens[:8].tolist()
+            R[f"{tag}plain_ms"], R[f"{tag}tok_s"] = ms, 1e3 / ms
+            R[f"{tag}frac_roofline"] = (roof8 if scales else roof_ms) / ms
+            log(f"  {tag}: plain {ms:.3f} ms = {1e3 / ms:.1f} tok/s, {R[f'{tag}frac_roofline']:.3f} of its roofline; "
+                f"tokens {out[tag]}")
+            del dec, runner
+        except Exception:
+            R[f"{tag}error"] = traceback.format_exc()[-1500:]
+            log(R[f"{tag}error"])
+    if len(out) == 2:
+        R["dsv2lite_fp8kv_over_bf16_ctx32k"] = R["dsv2lite_ctx32k_plain_ms"] / R["dsv2lite_fp8kv_ctx32k_plain_ms"]
+        R["dsv2lite_fp8kv_ctx32k_tokens_equal_bf16"] = out["dsv2lite_ctx32k_"] == out["dsv2lite_fp8kv_ctx32k_"]
+        R["dsv2lite_fp8kv_ctx32k_k_scale"] = k_scale
+    del model, caches
+    torch.cuda.empty_cache()
+
+
 def run_dsv3(X, R: dict, ctx: int = 1024) -> None:
     """DeepSeek-V3's layer shapes (DSV3_CUT) on the fast path: plain step against the bytes it reads, the
     MTP spec steps, the per-kernel profile (``dsv3_shape_*``). The roofline counts what a plain step of
