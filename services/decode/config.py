@@ -130,9 +130,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default=None, help="model dtype (default: the checkpoint's)")
     p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
-                   help="slot K/V as vLLM's --kv-cache-dtype (Llama/Qwen family): auto keeps the model dtype; "
-                        "fp8 (= fp8_e4m3) or fp8_e5m2 keep vLLM's FP8 KV bytes with the checkpoint's k/v scales. "
-                        "Must equal the prefill vLLM's, else its handoffs are refused (default auto)")
+                   help="slot K/V as vLLM's --kv-cache-dtype: auto keeps the model dtype; fp8 (= fp8_e4m3) or "
+                        "fp8_e5m2 keep vLLM's FP8 KV bytes with the checkpoint's k/v scales (Llama/Qwen family); "
+                        "a dense MLA model (DeepSeek family) keeps its latent in fp8 (E4M3, as vLLM's CUDA MLA "
+                        "backends). Must equal the prefill vLLM's, else its handoffs are refused (default auto)")
     p.add_argument("--num-speculative-tokens", type=int, default=None,
                    help="MTP draft tokens per step, 0 to 3 (default: one per MTP layer of the "
                         "model, 0 for models without MTP layers)")
