@@ -330,17 +330,19 @@ def dot_tile_sweep(X, model, caches, cos, sin, ctx: int, R: dict) -> None:
     del dec
 
 
-def correctness(X, model, caches, cos, sin, ctx: int, steps: int = 48) -> dict:
+def correctness(X, model, caches, cos, sin, ctx: int, steps: int = 48, kv_scales: list | None = None) -> dict:
+    """Teacher-forced plain steps against the torch twins (``kv_scales``: uint8 caches hold an FP8 latent), then
+    MTP k = 3 output against the plain output."""
     D = X.mla_decoder
     ref_caches = [c.clone() for c in caches]
-    dec = D.MlaDecoder(model, caches, cos, sin, max_draft=3, max_steps=4096)
+    dec = D.MlaDecoder(model, caches, cos, sin, max_draft=3, max_steps=4096, kv_scales=kv_scales)
     plain = capture(dec.plain_step, before_capture=lambda: dec.set_state(5, ctx))
     dec.set_state(5, ctx)
     tok, mism, max_rel, gaps = 5, 0, 0.0, []
     cb, sb = cos.cuda(), sin.cuda()
     for i in range(steps):
         plain()
-        ref, _ = D.reference_forward(model, ref_caches, cb, sb, [tok], ctx + i)
+        ref, _ = D.reference_forward(model, ref_caches, cb, sb, [tok], ctx + i, kv_scales)
         max_rel = max(max_rel, ((dec.logits[1][0] - ref[0]).abs().max() / ref.abs().max()).item())
         ft = int(dec.tokens[0].item())
         if ft != int(ref[0].argmax().item()):
@@ -863,6 +865,15 @@ def run_mla_fp8kv(X, R: dict, ctx: int = 32768) -> None:
             except Exception:
                 R[f"{tag}error"] = traceback.format_exc()[-1500:]
                 log(R[f"{tag}error"])
+    try:  # the compiled FP8-latent step against the torch twins over the same bytes
+        kv8 = fp8_latent(caches, k_scale)
+        R["dsv2lite_fp8kv_ctx32k_correctness"] = c = correctness(X, model, kv8, cos, sin, ctx, steps=16,
+                                                                 kv_scales=[k_scale] * len(kv8))
+        log(f"  dsv2lite FP8 latent correctness: {c}")
+        del kv8
+    except Exception:
+        R["dsv2lite_fp8kv_ctx32k_correctness"] = {"error": traceback.format_exc()[-800:]}
+        log(traceback.format_exc()[-1500:])
     if len(out) == 2:
         R["dsv2lite_fp8kv_over_bf16_ctx32k"] = R["dsv2lite_ctx32k_plain_ms"] / R["dsv2lite_fp8kv_ctx32k_plain_ms"]
         R["dsv2lite_fp8kv_ctx32k_tokens_equal_bf16"] = out["dsv2lite_ctx32k_"] == out["dsv2lite_fp8kv_ctx32k_"]

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.decode.engine.cuda import FastOptions, GqaDecoder, GqaLayer, GqaModel, GraphedFn, reference_step
+from services.decode.engine.cuda import FastOptions, GqaDecoder, GqaLayer, GqaModel, GraphedFn, reference, reference_step
 from services.decode.engine.cuda.mla import MlaDims, MtpWeights, prepare_layer, split_shared
 from services.decode.engine.cuda.mla_decoder import MlaBatchDecoder, MlaDecoder, MlaModel, reference_forward
 
@@ -219,21 +219,24 @@ def _q_lora_mla(q_lora: int) -> MlaModel:
     return MlaModel(dims, layers, torch.randn(VOCAB, H, generator=g).to(BF), _nw(g, H), _w(g, VOCAB, H), None, DENSE)
 
 
-def _plain_and_verify_follow_reference(model) -> None:
+def _plain_and_verify_follow_reference(model, k_scales: list[float] | None = None) -> None:
     # a plain step at ctx, then a 3-token verify at ctx + 1: logits, tokens and the latent rows each writes
+    # (k_scales: the latent in FP8, each layer's k_scale)
     n, ctx = 40, 12
     caches = _mla_caches(n)[:2]
+    if k_scales:
+        caches = [reference.fp8_latent_bytes(c, s) for c, s in zip(caches, k_scales)]
     ref_caches = [c.clone() for c in caches]
     cos, sin = _tables(n, ROPE)
-    dec = MlaDecoder(model, caches, cos, sin, max_draft=2, max_steps=8, num_splits=4)
+    dec = MlaDecoder(model, caches, cos, sin, max_draft=2, max_steps=8, num_splits=4, kv_scales=k_scales)
     dec.set_state(3, ctx)
     dec.plain_step()
-    ref, _ = reference_forward(model, ref_caches, cos, sin, [3], ctx)
+    ref, _ = reference_forward(model, ref_caches, cos, sin, [3], ctx, k_scales)
     assert ((dec.logits[1] - ref).abs().max() / ref.abs().max()).item() < 1e-6
     assert torch.equal(caches[1][ctx], ref_caches[1][ctx]) and int(dec.tokens[0]) == int(ref[0].argmax())
     dec.tokens[:3] = torch.tensor([5, 7, 9])
     dec.forward(3)  # pos advanced to ctx + 1
-    ref, _ = reference_forward(model, ref_caches, cos, sin, [5, 7, 9], ctx + 1)
+    ref, _ = reference_forward(model, ref_caches, cos, sin, [5, 7, 9], ctx + 1, k_scales)
     assert ((dec.logits[3] - ref).abs().max() / ref.abs().max()).item() < 1e-6
     assert dec.logits[3].argmax(-1).tolist() == ref.argmax(-1).tolist()
     assert torch.equal(caches[0][ctx + 1:ctx + 4], ref_caches[0][ctx + 1:ctx + 4])
@@ -241,6 +244,12 @@ def _plain_and_verify_follow_reference(model) -> None:
 
 def test_mla_q_lora_and_group_limited_routing_follow_reference():
     _plain_and_verify_follow_reference(_q_lora_mla(24))
+
+
+def test_mla_fp8_latent_steps_follow_reference():
+    # the latent in FP8 (E4M3 bytes, a k_scale a layer): the plain step and a 3-token verify against the torch
+    # twins over the same bytes; the rows each writes byte for byte
+    _plain_and_verify_follow_reference(_q_lora_mla(24), k_scales=[0.01, 0.03])
 
 
 def test_mla_block_fp8_steps_follow_reference():

@@ -394,8 +394,9 @@ class _RowBuffers:
 # ---- torch reference of one block and one step (the kernels' twins, same rounding points) ----
 
 def reference_block(d: MlaDims, lw: MlaLayer, h: torch.Tensor, cache: torch.Tensor, pos: int,
-                    cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """One block on h [T, H] at positions pos..; writes cache rows; returns the new h."""
+                    cos: torch.Tensor, sin: torch.Tensor, k_scale: float = 1.0) -> torch.Tensor:
+    """One block on h [T, H] at positions pos..; writes cache rows; returns the new h. A uint8 ``cache``: an
+    FP8 latent (rows written as E4M3 bytes of row / k_scale, attended over in fp32 as fp8 * k_scale)."""
     t, nh, r, nope = h.shape[0], d.num_heads, d.kv_lora_rank, d.nope
     nq = nh * (nope + d.rope)
     xa = reference.rms_norm(h, lw.attn_norm, d.eps)
@@ -409,9 +410,16 @@ def reference_block(d: MlaDims, lw: MlaLayer, h: torch.Tensor, cache: torch.Tens
     cp, sp = cos[pos:pos + t].to(h.dtype), sin[pos:pos + t].to(h.dtype)
     q_pe = reference.rope_interleave(q[..., nope:], cp[:, None], sp[:, None])
     k_pe = reference.rope_interleave(qkv[:, nq + r:nq + r + d.rope], cp, sp)
-    cache[pos:pos + t] = torch.cat([reference.rms_norm(qkv[:, nq:nq + r], lw.kv_a_norm, d.eps), k_pe], dim=-1)
+    row = torch.cat([reference.rms_norm(qkv[:, nq:nq + r], lw.kv_a_norm, d.eps), k_pe], dim=-1)
     q_c = torch.matmul(q[..., :nope].transpose(0, 1), lw.w_uk).transpose(0, 1)  # [T, Hq, r]
-    o_lat = reference.attention(torch.cat([q_c, q_pe], dim=-1), cache[:, None], cache[:, None, :r], pos, d.sm_scale)
+    query = torch.cat([q_c, q_pe], dim=-1)
+    if cache.dtype == torch.uint8:
+        cache[pos:pos + t] = reference.fp8_latent_bytes(row, k_scale)
+        kv = reference.fp8_latent_values(cache[:pos + t], k_scale)
+        o_lat = reference.attention(query.float(), kv[:, None], kv[:, None, :r], pos, d.sm_scale).to(h.dtype)
+    else:
+        cache[pos:pos + t] = row
+        o_lat = reference.attention(query, cache[:, None], cache[:, None, :r], pos, d.sm_scale)
     o = torch.matmul(o_lat.transpose(0, 1), lw.w_uv_t).transpose(0, 1).reshape(t, -1)
     h = h + reference.linear(o, lw.wo)
     xn = reference.rms_norm(h, lw.mlp_norm, d.eps)
@@ -425,10 +433,12 @@ def reference_block(d: MlaDims, lw: MlaLayer, h: torch.Tensor, cache: torch.Tens
 
 
 def reference_forward(model: MlaModel, caches: list[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor,
-                      tokens: list[int], pos: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(logits [T, V] fp32, final-normed hidden [T, H]) of the main model over tokens at pos.."""
+                      tokens: list[int], pos: int, kv_scales: list[float] | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logits [T, V] fp32, final-normed hidden [T, H]) of the main model over tokens at pos.. (uint8 caches: an
+    FP8 latent, ``kv_scales`` each layer's k_scale)."""
     h = model.embed[torch.tensor(tokens, device=model.embed.device)]
     for i, lw in enumerate(model.layers):
-        h = reference_block(model.dims, lw, h, caches[i], pos, cos, sin)
+        h = reference_block(model.dims, lw, h, caches[i], pos, cos, sin, kv_scales[i] if kv_scales else 1.0)
     hid = reference.rms_norm(h, model.final_norm, model.dims.eps)
     return hid.float() @ model.lm_head.float().T, hid

@@ -68,6 +68,18 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: int, sm_sc
     return torch.einsum("hts,shd->thd", p, vf).to(q.dtype)
 
 
+def fp8_latent_bytes(x: torch.Tensor, k_scale: float) -> torch.Tensor:
+    """uint8 E4M3 bytes of x / k_scale rounded to nearest, saturated (vLLM's CUDA MLA writer; the fast path's
+    kvfp8.fp8_e4m3_nearest_bits; engine/kvquant.quantize_nearest)."""
+    v = x.float() * torch.tensor(1.0 / k_scale, dtype=torch.float32).item()
+    return v.clamp(-448.0, 448.0).to(torch.float8_e4m3fn).view(torch.uint8)
+
+
+def fp8_latent_values(q: torch.Tensor, k_scale: float) -> torch.Tensor:
+    """fp32 values of E4M3 latent bytes times k_scale (what the MLA attention reads)."""
+    return q.view(torch.float8_e4m3fn).float() * k_scale
+
+
 def limit_to_groups(choice: torch.Tensor, n_group: int, topk_group: int) -> torch.Tensor:
     """Biased expert scores [N, E] with every expert outside the ``topk_group`` best of ``n_group``
     groups set to -inf; a group scores the sum of its two best (noaux_tc, deepseek.route)."""
