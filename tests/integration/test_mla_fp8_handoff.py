@@ -30,14 +30,14 @@ from services.decode.engine import Engine
 from services.prefill.config import ExpressConfig
 from services.prefill.scheduler import SaveRequest
 from services.prefill.staging import RESERVED, read_stats
-from shared.events import SamplingParams, SlotTarget, TransferTarget
+from shared.events import SlotTarget, TransferTarget
 from shared.handoff import Handoff
+from tests.integration.test_dsa_handoff import _decode  # STEPS greedy steps, teacher-forced when fed
 from tests.unit.prefill.vllm_dsa_twin import gptj
 
 MAX_SEQ_LEN = 192
 NUM_BLOCKS, BLOCK_SIZE = 8, 64
 BLOCKS = [5, 2, 6]  # the request's block table
-STEPS = 8
 K_SCALE = 0.03125  # each layer's _k_scale_float (a checkpoint's calibrated scale)
 
 
@@ -105,20 +105,6 @@ def _hand_over(engine: Engine, target_layout, path: Path, n: int, nats_url: str,
     finally:
         worker.shutdown()
         rx.close()
-
-
-def _decode(engine: Engine, slot: int, first: int, fed: list[int] | None = None) -> tuple[torch.Tensor, list[int]]:
-    """STEPS greedy steps of one slot, alone; with ``fed`` each step's input token forced (teacher forcing)."""
-    engine.start(slot, first, SamplingParams(max_tokens=STEPS, ignore_eos=True, num_speculative_tokens=0))
-    logits, inputs = [], []
-    while engine.active_slots():
-        if fed is not None:
-            engine.slots[slot].pending = fed[len(inputs)]
-        inputs.append(engine.slots[slot].pending)
-        engine.step()
-        logits.append(engine.last_logits[0, 0].clone())
-    engine.release(slot)
-    return torch.stack(logits), inputs
 
 
 def test_fp8_latent_lands_in_the_decode_slot_as_its_bytes(checkpoint, nats_url, tmp_path):

@@ -19,13 +19,7 @@ from safetensors.torch import load_file, save_file
 
 from services.decode.engine import Engine
 from services.decode.engine.kvquant import dequantize, quantize_nearest
-from shared.events import SamplingParams
-
-PROMPT = [3, 17, 42, 99, 5, 250, 7, 12, 64, 31, 8, 2]
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a - b).abs().max() / b.abs().max()).item()
+from tests.unit.engine.test_kv_fp8 import PROMPT, _greedy, rel
 
 
 @pytest.mark.parametrize("x, scale, byte", [
@@ -55,15 +49,6 @@ def test_quantize_nearest_is_the_nearest_e4m3_value():
 @pytest.fixture(scope="module")
 def deepseek(hf_checkpoint):
     return hf_checkpoint("deepseek_v3")[0]
-
-
-def _greedy(engine: Engine, max_tokens: int = 12) -> tuple[torch.Tensor, list[int]]:
-    logits = engine.prefill(0, PROMPT)
-    engine.start(0, int(logits.argmax()), SamplingParams(max_tokens=max_tokens, ignore_eos=True))
-    tokens = [int(logits.argmax())]
-    while engine.active_slots():
-        tokens += engine.step()[0].token_ids
-    return logits, tokens
 
 
 @pytest.mark.parametrize("k", [0, 2])
