@@ -828,7 +828,7 @@ def run_mla(X, R: dict, ctx: int = 1024) -> None:
 
 def fp8_latent(caches: list, k_scale: float) -> list:
     """The latent caches as vLLM's CUDA MLA writer keeps them with --kv-cache-dtype fp8: E4M3 bytes of each row /
-    k_scale, rounded to nearest (the engine's kvquant.quantize_nearest)."""
+    k_scale, rounded to nearest (the engine's kvquant.quantize(nearest=True))."""
     return [(c.float() * (1.0 / k_scale)).clamp(-448, 448).to(torch.float8_e4m3fn).view(torch.uint8) for c in caches]
 
 

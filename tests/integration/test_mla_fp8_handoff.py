@@ -3,7 +3,7 @@ decode slot that keeps it in FP8, as its bytes.
 
 vLLM's CPU build keeps the MLA latent in the model dtype only, so the prefill is the decode engine's own with
 an FP8 latent: its reference step writes each row as vLLM's CUDA ``concat_and_cache_mla`` writes it for
-``fp8`` (the row divided by the layer's k_scale, rounded to nearest: kvquant.quantize_nearest) and attends over
+``fp8`` (the row divided by the layer's k_scale, rounded to nearest: kvquant.quantize(nearest=True)) and attends over
 them as the decode step does. Those rows, the rope part in vLLM's GPT-J pair order, fill a FLASHMLA cache
 (``[blocks, 64, 576]`` uint8, 64-token kernel blocks, the block table out of order). From there everything is
 the product's: vLLM's backend class names the layers' backend, the connector's worker picks its adapter and

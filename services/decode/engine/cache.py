@@ -11,7 +11,7 @@ Per cache layer (main layers first, then MTP layers):
   layer's (k_scale, v_scale) (kvquant.py says how they are written and read)
 - MLA: ``kv[layer]``: [num_slots + 1, max_tokens, kv_lora_rank + qk_rope_head_dim], the normalized
   latent then the roped shared key; with ``kv_dtype`` fp8_e4m3 uint8, vLLM's FP8 latent bytes (the row
-  divided by ``scales[layer][0]``, its k_scale, rounded to nearest: kvquant.quantize_nearest). With ``rope_interleave`` (DeepSeek-V3) the rope part holds
+  divided by ``scales[layer][0]``, its k_scale, rounded to nearest: kvquant.quantize(nearest=True)). With ``rope_interleave`` (DeepSeek-V3) the rope part holds
   the rotated even elements then the rotated odd ones, as HF transformers' cache does (vLLM keeps
   the rotated pairs adjacent; the prefill adapter de-interleaves them). With sparse attention
   (deepseek_v32, glm_moe_dsa) also ``index_k[layer]`` for each layer with its own indexer:
@@ -43,13 +43,15 @@ class KvCache:
 
     def __init__(self, shape: KvShape, num_slots: int, max_tokens: int, dtype: torch.dtype, device: torch.device | str,
                  kv_dtype: str | None = None, scales: list[tuple[float, float]] | None = None,
-                 tp_size: int = 1, tp_rank: int = 0):
+                 tp_size: int = 1, tp_rank: int = 0, kv_nearest: bool = False):
         self.shape = shape
         self.num_slots = num_slots
         self.scratch_slot = num_slots
         self.max_tokens = max_tokens
         kv_dtype = kv_dtype or dtype_name(dtype)
         self.kv_format = kv_dtype if kv_dtype in FP8_DTYPES else None  # None: K/V in the model dtype
+        # FP8 bytes written rounded to nearest (vLLM's CUDA cache writers) rather than truncated (its CPU writer)
+        self.kv_nearest = bool(self.kv_format) and kv_nearest
         self.scales = list(scales) if scales is not None else [(1.0, 1.0)] * shape.num_layers
         if len(self.scales) != shape.num_layers:
             raise ValueError(f"{len(self.scales)} KV scale pairs for {shape.num_layers} cache layers")

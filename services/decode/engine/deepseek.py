@@ -33,7 +33,7 @@ from .cache import KvCache
 from .config import ModelConfig
 from .cuda.reference import limit_to_groups
 from .fp8 import expert, expert_matmul, linear
-from .kvquant import dequantize, quantize_nearest
+from .kvquant import dequantize, quantize
 from .layers import cached_rows, causal_mask, rms_norm, swiglu, write_cache
 from .rope import apply_rope, rope_tables, yarn_mscale
 from .tp import ShardPlan, TensorParallel, gather_vocab, plan
@@ -183,7 +183,7 @@ class DeepseekModel(nn.Module):
             kv = cached_rows(cache, slot_ids, mask.shape[-1])  # [B, n, r + rope]: one KV head shared by all query heads
         else:  # an FP8 latent as vLLM's CUDA MLA backends keep it: bytes rounded to nearest, attended in float32
             k_scale = self.cache.scales[layer][0]
-            write_cache(cache, slot_ids, positions, quantize_nearest(row, k_scale))
+            write_cache(cache, slot_ids, positions, quantize(row, k_scale, fmt, nearest=self.cache.kv_nearest))
             kv = dequantize(cached_rows(cache, slot_ids, mask.shape[-1]), k_scale, fmt)
             query = query.float()
         scores = torch.matmul(query.flatten(1, 2), kv.transpose(1, 2)).view(b, nh, t, -1) * self.scale

@@ -65,8 +65,9 @@ draft position too), as vLLM's spec-decode metrics.
 KV cache dtype (``kv_cache_dtype``, vLLM's ``--kv-cache-dtype`` names): ``auto`` keeps slot K/V in the
 model dtype; ``fp8`` / ``fp8_e4m3`` / ``fp8_e5m2`` (Llama/Qwen family) keep the bytes vLLM's FP8 KV cache
 holds, with the checkpoint's per-layer k/v scales as vLLM reads them, and the layout says so
-(kvquant.py): the reference step writes each token's K/V as vLLM's CPU writer does and attends over
-the dequantized values in float32 as vLLM's CPU attention does. Dense MLA models (DeepSeek family) take
+(kvquant.py): the reference step writes each token's K/V as the vLLM it pairs with writes the prompt's
+(on CPU truncated as vLLM's CPU writer, on a GPU rounded to nearest as its CUDA writers: ``fp8_kv_nearest``)
+and attends over the dequantized values in float32 as vLLM's CPU attention does. Dense MLA models (DeepSeek family) take
 ``fp8`` / ``fp8_e4m3``: the latent in E4M3 bytes as vLLM's CUDA MLA backends keep it (rounded to nearest,
 one k_scale a layer), attended over dequantized in float32. The fast path (bf16 and FP8-weight
 batch-1 steps) writes the same bytes (cuda/kvfp8.py) and reads fp8 * scale in its attention kernels;
@@ -143,6 +144,13 @@ def _torch_dtype(dtype, checkpoint_dtype: str) -> torch.dtype:
     return dtype or TORCH_DTYPES.get(checkpoint_dtype, torch.float32)
 
 
+def fp8_kv_nearest(kv_shape, device: torch.device) -> bool:
+    """Whether this node writes FP8 KV bytes rounded to nearest, as the vLLM it pairs with writes its prompt's: vLLM's
+    CUDA cache writers round (an MLA latent exists in FP8 on CUDA only), its CPU writer truncates; a decode node on
+    a GPU pairs with GPU prefills, one on CPU with vLLM's CPU build."""
+    return kv_shape.kind == "mla" or device.type == "cuda"
+
+
 def _kv_scales(config: EngineConfig, raw_config: dict, cfg, reader, converted: bool = False
                ) -> list[tuple[float, float]] | None:
     """vLLM's per-layer FP8 KV scales of the checkpoint (None for a cache in the model dtype)."""
@@ -209,7 +217,7 @@ class Engine:
             kv_scales = (list(kv_scales) + [(1.0, 1.0)] * kv_shape.num_layers)[:kv_shape.num_layers]
         self.cache = KvCache(kv_shape, num_slots, max_seq_len + self.num_spec, self.dtype, self.device,
                              kv_dtype=kv_dtype, scales=kv_scales if kv_dtype in FP8_DTYPES else None,
-                             tp_size=self.tp.size, tp_rank=self.tp.rank)
+                             tp_size=self.tp.size, tp_rank=self.tp.rank, kv_nearest=fp8_kv_nearest(kv_shape, self.device))
         model.bind(self.cache)
         on_cuda = self.device.type == "cuda" and config.use_cuda_graphs
         self._forward = GraphedFn(lambda t, p, s, n: _with_logits(model, model(t, p, s, n)), on_cuda)

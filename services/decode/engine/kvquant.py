@@ -32,7 +32,7 @@ vllm/v1/attention/backends/cpu_attn.py and csrc/cpu/cpu_attn_fp8.hpp, cpu_attn_v
 
 MLA (DeepSeek family): vLLM's CUDA MLA backends keep an FP8 latent cache as E4M3 (``--kv-cache-dtype fp8``;
 its CPU MLA backend has no FP8 cache): each token's ``[latent, k_pe]`` row divided by the layer's ``k_scale``
-(one per-tensor scale, ``v_scale`` unused), rounded to nearest (:func:`quantize_nearest`), and attention
+(one per-tensor scale, ``v_scale`` unused), rounded to nearest (:func:`quantize`'s ``nearest``), and attention
 reads ``fp8(byte) * k_scale`` for both the keys and the values (the latent).
 
 The engine's reference step does the same: :func:`quantize` is a byte-exact torch twin of vLLM's
@@ -51,11 +51,17 @@ FP8_FORMATS = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 _MAX = {"fp8_e4m3": 448.0, "fp8_e5m2": 57344.0}
 
 
-def quantize(x: torch.Tensor, scale: float, fmt: str) -> torch.Tensor:
-    """uint8 bytes of ``x / scale`` in ``fmt`` (fp8_e4m3 | fp8_e5m2), as vLLM's CPU cache writer stores them."""
+def quantize(x: torch.Tensor, scale: float, fmt: str, nearest: bool = False) -> torch.Tensor:
+    """uint8 bytes of ``x / scale`` in ``fmt`` (fp8_e4m3 | fp8_e5m2): truncated toward zero as vLLM's CPU cache
+    writer stores them, or with ``nearest`` rounded to nearest (ties to even) as its CUDA writers do
+    (``reshape_and_cache_flash``, ``concat_and_cache_mla``: ``__nv_cvt_float_to_fp8(x / scale, __NV_SATFINITE,
+    ...)``); both saturate at the format's max. The quotient is ``x`` times the fp32 inverse (vLLM's CUDA
+    writers divide: the two can part at an exact rounding tie of the quotient)."""
     v = x.float() * torch.tensor(1.0 / scale, dtype=torch.float32).item()  # fp32 inverse, as the kernel's
     m = _MAX[fmt]
     v = v.clamp(-m, m)
+    if nearest:
+        return v.to(FP8_FORMATS[fmt]).view(torch.uint8)
     if fmt == "fp8_e4m3":
         bits = (v * 2.0**-120).view(torch.int32)
         sign = (bits >> 24) & 0x80
@@ -71,15 +77,6 @@ def quantize(x: torch.Tensor, scale: float, fmt: str) -> torch.Tensor:
         sub = torch.where(shift + 21 >= 32, sign, sign | mant.clamp(max=3))
         out = torch.where(exp < -14, sub, normal)
     return torch.where(v == 0, torch.zeros_like(out), out).to(torch.uint8)
-
-
-def quantize_nearest(x: torch.Tensor, scale: float) -> torch.Tensor:
-    """uint8 E4M3 bytes of ``x / scale`` rounded to nearest (ties to even) and saturated at 448, as vLLM's CUDA
-    cache writers store an FP8 MLA latent (``concat_and_cache_mla``: ``__nv_cvt_float_to_fp8(x / scale,
-    __NV_SATFINITE, E4M3)``). The quotient is ``x`` times the fp32 inverse, as :func:`quantize` and the fast
-    path's writer compute it (vLLM divides: the two can part at an exact rounding tie of the quotient)."""
-    v = x.float() * torch.tensor(1.0 / scale, dtype=torch.float32).item()
-    return v.clamp(-448.0, 448.0).to(torch.float8_e4m3fn).view(torch.uint8)
 
 
 def dequantize(q: torch.Tensor, scale: float, fmt: str) -> torch.Tensor:
@@ -120,4 +117,4 @@ def checkpoint_scales(raw_config: dict, num_layers: int, has: Callable[[str], bo
     return out
 
 
-__all__ = ["FP8_FORMATS", "checkpoint_scales", "dequantize", "quantize", "quantize_nearest"]
+__all__ = ["FP8_FORMATS", "checkpoint_scales", "dequantize", "quantize"]

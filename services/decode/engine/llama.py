@@ -87,10 +87,10 @@ class LlamaModel(nn.Module):
             keys = cached_rows(cache.k_caches[i], slot_ids, n).transpose(1, 2)  # [B, Hkv, n, D]
             values = cached_rows(cache.v_caches[i], slot_ids, n).transpose(1, 2)
             out = attend(q.transpose(1, 2), keys, values, mask, d**-0.5)  # [B, T, Hq, D]
-        else:  # FP8 KV as vLLM's CPU attention: bytes written truncated, read dequantized, attention in fp32
+        else:  # FP8 KV as vLLM's attention: bytes written as its writer (cache.kv_nearest), read dequantized, in fp32
             ks, vs = cache.scales[i]
-            write_cache(cache.k_caches[i], slot_ids, positions, quantize(k, ks, fmt), run)
-            write_cache(cache.v_caches[i], slot_ids, positions, quantize(v, vs, fmt), run)
+            write_cache(cache.k_caches[i], slot_ids, positions, quantize(k, ks, fmt, cache.kv_nearest), run)
+            write_cache(cache.v_caches[i], slot_ids, positions, quantize(v, vs, fmt, cache.kv_nearest), run)
             keys = dequantize(cached_rows(cache.k_caches[i], slot_ids, n), ks, fmt).transpose(1, 2)
             values = dequantize(cached_rows(cache.v_caches[i], slot_ids, n), vs, fmt).transpose(1, 2)
             out = attend(q.float().transpose(1, 2), keys, values, mask, d**-0.5).to(x.dtype)

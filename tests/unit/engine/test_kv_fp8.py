@@ -197,3 +197,27 @@ def test_fp8_kv_slots_decode_together_as_alone(llama):
         for slot, out in engine.step().items():
             together[slot] += out.token_ids
     assert together == alone
+
+
+@pytest.mark.parametrize("kind,device,nearest", [
+    ("gqa", "cpu", False),  # vLLM's CPU writer truncates
+    ("gqa", "cuda", True),  # its CUDA writers round to nearest
+    ("mla", "cpu", True), ("mla", "cuda", True),  # an FP8 latent exists in vLLM's CUDA MLA backends only
+])
+def test_fp8_kv_bytes_are_rounded_as_the_paired_vllm_writes_them(kind, device, nearest):
+    from services.decode.engine.engine import fp8_kv_nearest
+    from shared.kvlayout import KvShape
+
+    assert fp8_kv_nearest(KvShape(kind, 1), torch.device(device)) is nearest
+
+
+@pytest.mark.parametrize("fmt", ["fp8_e4m3", "fp8_e5m2"])
+def test_quantize_nearest_is_the_nearest_value_and_saturates(fmt):
+    fp8 = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}[fmt]
+    top = torch.finfo(fp8).max
+    x = torch.cat([torch.linspace(-2 * top, 2 * top, 4001), torch.logspace(-20, 0, 200)])
+    got = dequantize(quantize(x, 1.0, fmt, nearest=True), 1.0, fmt)
+    every = torch.arange(256, dtype=torch.uint8).view(fp8).float()
+    values = every[torch.isfinite(every)].unique()
+    nearest = (x.clamp(-top, top)[:, None] - values[None, :]).abs().min(dim=1).values
+    assert torch.equal((x.clamp(-top, top) - got).abs(), nearest)

@@ -1,6 +1,6 @@
 """FP8 MLA latent on the reference step (DeepSeek family): slots keep vLLM's CUDA MLA FP8 bytes.
 
-- ``kvquant.quantize_nearest`` writes what vLLM's ``concat_and_cache_mla`` writes for ``fp8``: the row
+- ``kvquant.quantize(nearest=True)`` writes what vLLM's ``concat_and_cache_mla`` writes for ``fp8``: the row
   divided by the layer's k_scale, rounded to nearest (ties to even), saturated at 448, sign of zero kept.
 - The FP8-latent engine's steps (plain and MTP draft + verify) attend over the dequantized bytes: with a
   float32 model its logits are within 1e-4 of the same model whose float32 cache holds each latent value
@@ -18,8 +18,12 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from services.decode.engine import Engine
-from services.decode.engine.kvquant import dequantize, quantize_nearest
+from services.decode.engine.kvquant import dequantize, quantize
 from tests.unit.engine.test_kv_fp8 import PROMPT, _greedy, rel
+
+
+def quantize_nearest(x: torch.Tensor, scale: float) -> torch.Tensor:
+    return quantize(x, scale, "fp8_e4m3", nearest=True)
 
 
 @pytest.mark.parametrize("x, scale, byte", [

@@ -1,8 +1,8 @@
 """FP8 KV cache on the Llama-family fast path, its Triton kernels interpreted on CPU (conftest.py).
 
-- ``kvfp8.fp8_kv_bits`` stores the bytes ``kvquant.quantize`` (vLLM's CPU cache writer) stores, for every
-  finite bf16 value (bf16 subnormals aside, below 2^-126: a compiled multiply may flush them) and random
-  ones, E4M3 and E5M2, unit and non-unit scales.
+- ``kvfp8.fp8_kv_bits`` stores the bytes ``kvquant.quantize`` stores (truncated as vLLM's CPU cache writer,
+  or rounded to nearest as its CUDA writers), for every finite bf16 value (bf16 subnormals aside, below
+  2^-126: a compiled multiply may flush them) and random ones, E4M3 and E5M2, unit and non-unit scales.
 - The step's K/V writers (the QKV GEMV epilogue, the rope + cache-write kernel, with and without Qwen3's
   q/k norm) write the bytes of the bf16 K/V they write to a bf16 cache, quantized as the reference does.
 - The attention reads fp8 * scale: within fp32 rounding of attention over the dequantized values.
@@ -56,13 +56,14 @@ def _bf16_values() -> torch.Tensor:
     return torch.cat([every, rnd])
 
 
+@pytest.mark.parametrize("nearest", [False, True])  # vLLM's CPU writer truncates, its CUDA writers round
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("scale", [1.0, 0.37, 0.0123, 300.0])
-def test_fp8_kv_bits_are_kvquant_bytes(fmt, scale):
+def test_fp8_kv_bits_are_kvquant_bytes(fmt, scale, nearest):
     x = _bf16_values()
     out = torch.zeros(x.numel(), dtype=torch.uint8)
-    _bits_kernel[(triton.cdiv(x.numel(), 8192),)](x, out, 1.0 / scale, x.numel(), FMT=kv_fmt(fmt), B=8192)
-    assert torch.equal(out, quantize(x, scale, fmt))
+    _bits_kernel[(triton.cdiv(x.numel(), 8192),)](x, out, 1.0 / scale, x.numel(), FMT=kv_fmt(fmt, nearest), B=8192)
+    assert torch.equal(out, quantize(x, scale, fmt, nearest))
 
 
 def _caches(t: int, hkv: int, d: int, fp8: bool):
@@ -137,11 +138,14 @@ def _load(path, mode: str, kv: str, num_slots: int = 1) -> Engine:
                        fast_path_options=replace(FP8_KV_OPTIONS, norm_late=False), kv_cache_dtype=kv)
 
 
-@pytest.mark.parametrize("arch,weights,kv", [
-    ("llama", "bf16", "fp8"), ("llama", "bf16", "fp8_e5m2"), ("qwen3", "bf16", "fp8_e4m3"),
-    ("llama", "fp8-channel", "fp8"),
+@pytest.mark.parametrize("arch,weights,kv,nearest", [
+    ("llama", "bf16", "fp8", False), ("llama", "bf16", "fp8_e5m2", False), ("qwen3", "bf16", "fp8_e4m3", False),
+    ("llama", "fp8-channel", "fp8", False),
+    # a node on a GPU writes its tokens' K/V rounded to nearest, as vLLM's CUDA writers write the prompt's
+    ("llama", "bf16", "fp8", True), ("qwen3", "bf16", "fp8_e5m2", True),
 ])
-def test_fp8_kv_fast_path_tokens_equal_the_reference_step(tmp_path, monkeypatch, arch, weights, kv):
+def test_fp8_kv_fast_path_tokens_equal_the_reference_step(tmp_path, monkeypatch, arch, weights, kv, nearest):
+    monkeypatch.setattr(engine_mod, "fp8_kv_nearest", lambda shape, device: nearest)
     save_checkpoint(arch, tmp_path, damp=True)
     if weights == "bf16":  # no quantization config: vLLM keeps 1.0; non-unit scales set here for both engines
         monkeypatch.setattr(engine_mod, "checkpoint_scales", lambda raw, n, has, get: [KV_SCALES] * n)
@@ -156,6 +160,7 @@ def test_fp8_kv_fast_path_tokens_equal_the_reference_step(tmp_path, monkeypatch,
         save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
     fast, ref = _load(tmp_path, "on", kv), _load(tmp_path, "off", kv)
     assert fast.fast_path_reason is None and fast.cache.kv_format is not None
+    assert fast.cache.kv_nearest == ref.cache.kv_nearest == nearest
     assert fast.cache.scales[0] == pytest.approx(KV_SCALES) and fast.cache.scales == ref.cache.scales
     greedy = SamplingParams(max_tokens=8, ignore_eos=True)
     tokens, _, paths = run(fast, 0, PROMPT, greedy)

@@ -1,7 +1,5 @@
 """FP8 MLA latent on the DeepSeek-family fast path, its Triton kernels interpreted on CPU (conftest.py).
 
-- ``kvfp8.fp8_e4m3_nearest_bits`` stores the bytes ``kvquant.quantize_nearest`` (vLLM's CUDA MLA cache writer)
-  stores, for every finite bf16 value (bf16 subnormals aside) and random ones, unit and non-unit scales.
 - ``_mla_prep_kernel`` writes the bytes of the bf16 latent row it writes to a bf16 cache (normed latent, roped
   k_pe), quantized as the reference does; the split attention reads fp8 * k_scale for the latent and its rope
   part, within fp32 rounding of attention over the dequantized rows.
@@ -15,39 +13,21 @@ from __future__ import annotations
 
 import pytest
 import torch
-import triton
-import triton.language as tl
 
 from services.decode.engine import Engine
 from services.decode.engine import engine as engine_mod
 from services.decode.engine.cuda import reference
 from services.decode.engine.cuda.attention import DecodeAttention
-from services.decode.engine.cuda.kvfp8 import fp8_e4m3_nearest_bits
+from services.decode.engine.cuda.kvfp8 import kv_fmt
 from services.decode.engine.cuda.mla import _mla_prep_kernel
-from services.decode.engine.kvquant import dequantize, quantize_nearest
+from services.decode.engine.kvquant import dequantize
 from shared.events import SamplingParams
 from tests.unit.engine.hf_models import save_checkpoint
 from tests.unit.engine_cuda.test_engine_fast_path_mla import SMALL, V3_PROMPT, run
 from tests.unit.engine_cuda.test_fast_path_batch import decode_alone, decode_together
-from tests.unit.engine_cuda.test_fp8_kv_fast_path import _bf16_values
+from tests.unit.engine.test_kv_fp8_mla import quantize_nearest
 
 K_SCALE = 0.05  # non-unit: the tiny model's latent lands in E4M3's normal range, and a missing scale shows
-
-
-@triton.jit
-def _bits_kernel(x_ptr, o_ptr, inv, N, B: tl.constexpr):
-    r = tl.program_id(0) * B + tl.arange(0, B)
-    m = r < N
-    x = tl.load(x_ptr + r, mask=m, other=0.0).to(tl.float32)
-    tl.store(o_ptr + r, fp8_e4m3_nearest_bits(x, inv), mask=m)
-
-
-@pytest.mark.parametrize("scale", [1.0, 0.37, 0.0123, 300.0])
-def test_nearest_bits_are_quantize_nearest_bytes(scale):
-    x = _bf16_values()
-    out = torch.zeros(x.numel(), dtype=torch.uint8)
-    _bits_kernel[(triton.cdiv(x.numel(), 8192),)](x, out, 1.0 / scale, x.numel(), B=8192)
-    assert torch.equal(out, quantize_nearest(x, scale))
 
 
 def test_prep_kernel_writes_the_bf16_rows_bytes():
@@ -64,7 +44,8 @@ def test_prep_kernel_writes_the_bf16_rows_bytes():
         cache = torch.zeros(16, r + rope, dtype=torch.uint8 if fp8 else bf)
         q_pe = torch.zeros(t, heads, rope, dtype=bf)
         _mla_prep_kernel[(t, heads + 1)](qkv, q_pe, cache, nw, p, cos, sin, qkv.stride(0), 1e-6, NUM_HEADS=heads,
-                                         NOPE=nope, ROPE=rope, R=r, KV_FMT=int(fp8), inv_scale=1.0 / K_SCALE)
+                                         NOPE=nope, ROPE=rope, R=r, KV_FMT=kv_fmt("fp8_e4m3", nearest=True) if fp8 else 0,
+                                         inv_scale=1.0 / K_SCALE)
         rows.append((q_pe, cache))
     (q16, c16), (q8, c8) = rows
     assert torch.equal(q8, q16)
@@ -83,7 +64,8 @@ def test_attention_reads_the_fp8_latent_times_its_scale(q_gain):
     attn = DecodeAttention(num_q_heads=hq, num_kv_heads=1, d_main=r, d_v=r, d_rope=rope, num_splits=2, block_s=32,
                            v_chunks=1, sm_scale=0.1)
     attn(q_c, cache, cache, torch.tensor([pos], dtype=torch.int32), out, stride_kt=r + rope, stride_vt=r + rope,
-         rope_offset=r, q_pe=q_pe, stride_qt=r, stride_qh=r, kv_fmt=1, k_scale=K_SCALE, v_scale=K_SCALE)
+         rope_offset=r, q_pe=q_pe, stride_qt=r, stride_qh=r, kv_fmt=kv_fmt("fp8_e4m3", nearest=True), k_scale=K_SCALE,
+         v_scale=K_SCALE)
     kv = dequantize(cache, K_SCALE, "fp8_e4m3")
     query = torch.cat([q_c[:, 0].float(), q_pe[0].float()], dim=-1)  # [Hq, r + rope]
     want = reference.attention(query[None], kv[:, None], kv[:, None, :r], pos, 0.1)[0]

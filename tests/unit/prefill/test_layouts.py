@@ -160,8 +160,8 @@ def test_mla_latent_and_rope_order(writer, dtype, block_size):
 def test_fp8_mla_latent_is_staged_as_its_bytes(cache_dtype):
     """vLLM's CUDA MLA backends with --kv-cache-dtype fp8: each row [latent, k_pe (GPT-J pairs)] / k_scale in
     E4M3 (concat_and_cache_mla). The adapter hands those bytes over, the rope part in the engine's order: the
-    bytes the decode engine writes for the same values (kvquant.quantize_nearest), no round trip through bf16."""
-    from services.decode.engine.kvquant import quantize_nearest
+    bytes the decode engine writes for the same values (kvquant.quantize(nearest=True)), no round trip through bf16."""
+    from tests.unit.engine.test_kv_fp8_mla import quantize_nearest
 
     num_tokens, rank, rope, block_size, k_scale = 45, 512, 64, 64, 0.03
     g = torch.Generator().manual_seed(11)

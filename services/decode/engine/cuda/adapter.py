@@ -83,7 +83,8 @@ def gqa_decoder_from_engine(model, slot: int, options: FastOptions | None = None
     cfg, cache = model.cfg, model.cache
     args = (_gqa_model(model), [cache.k_caches[i][slot] for i in range(cfg.num_layers)],
             [cache.v_caches[i][slot] for i in range(cfg.num_layers)], model.cos, model.sin, options, max_steps)
-    kv = dict(kv_format=getattr(cache, "kv_format", None), kv_scales=getattr(cache, "scales", None))
+    kv = dict(kv_format=getattr(cache, "kv_format", None), kv_scales=getattr(cache, "scales", None),
+              kv_nearest=getattr(cache, "kv_nearest", False))
     scales = _fp8_scales(model)
     if scales is None:
         return GqaDecoder(*args, **kv, tp=getattr(model, "tp", None))
@@ -104,7 +105,8 @@ def gqa_batch_decoder_from_engine(model, batch: int, options: FastOptions | None
     act = scales is not None and _fp8_act(model)
     return GqaBatchDecoder(_gqa_model(model), cache.k_caches, cache.v_caches, model.cos, model.sin, batch, options,
                            max_steps, scratch_slot=cache.scratch_slot, kv_format=getattr(cache, "kv_format", None),
-                           kv_scales=getattr(cache, "scales", None), fp8_scales=scales, act_fp8=act)
+                           kv_scales=getattr(cache, "scales", None), fp8_scales=scales, act_fp8=act,
+                           kv_nearest=getattr(cache, "kv_nearest", False))
 
 
 def _mla_params(module: torch.nn.Module) -> dict:

@@ -550,12 +550,13 @@ class GqaBatchDecoder(RowsDecoder):
                  cos: torch.Tensor, sin: torch.Tensor, batch: int, options: FastOptions | None = None,
                  max_steps: int = 256, scratch_slot: int | None = None, kv_format: str | None = None,
                  kv_scales: list[tuple[float, float]] | None = None, fp8_scales: list | None = None,
-                 act_fp8: bool = False):
+                 act_fp8: bool = False, kv_nearest: bool = False):
         self.model, self.k_caches, self.v_caches = model, k_caches, v_caches
         self._init_rows(model.embed, model.final_norm, model.lm_head, model.eps, len(model.layers), cos, sin, batch,
                         options, max_steps, k_caches[0].shape[0] - 1 if scratch_slot is None else scratch_slot)
         # FP8 KV cache (as GqaDecoder): rope_rows writes the rows' K/V as FP8 bytes, the attention reads them
-        self.kv_fmt, self.kv_scales, self.kv_inv = kv_cache_setup(kv_format, kv_scales, len(model.layers), k_caches)
+        self.kv_fmt, self.kv_scales, self.kv_inv = kv_cache_setup(kv_format, kv_scales, len(model.layers), k_caches,
+                                                                  kv_nearest)
         # FP8 weights (fp8.Fp8Scales per layer: a projection with a scale is float8_e4m3fn): rows_gemv's FP8 mode,
         # ``act_fp8``: activations through FP8 per row (FP8_DYNAMIC)
         if fp8_scales is not None and len(fp8_scales) != len(model.layers):

@@ -321,11 +321,12 @@ class Fp8GqaDecoder(GqaDecoder):
 
     def __init__(self, model, k_caches, v_caches, cos, sin, options=None, max_steps: int = 4096, *,
                  scales: list[Fp8Scales], act_fp8: bool, kv_format: str | None = None,
-                 kv_scales: list[tuple[float, float]] | None = None):
+                 kv_scales: list[tuple[float, float]] | None = None, kv_nearest: bool = False):
         if len(scales) != len(model.layers):
             raise ValueError(f"{len(scales)} layers of FP8 scales for {len(model.layers)} layers")
         self.scales, self.act_fp8 = scales, act_fp8  # before the base's set-up, which asks _norms_in_attention
-        super().__init__(model, k_caches, v_caches, cos, sin, options, max_steps, kv_format, kv_scales)
+        super().__init__(model, k_caches, v_caches, cos, sin, options, max_steps, kv_format, kv_scales,
+                         kv_nearest=kv_nearest)
 
     def fp8_tile_kwargs(self, name: str) -> dict:
         """tile_kwargs for projection ``name`` in FP8 (FastOptions.fp8_tiles)."""

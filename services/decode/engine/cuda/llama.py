@@ -195,12 +195,13 @@ class GqaDecoder:
     def __init__(self, model: GqaModel, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor],
                  cos: torch.Tensor, sin: torch.Tensor, options: FastOptions | None = None,
                  max_steps: int = 4096, kv_format: str | None = None,
-                 kv_scales: list[tuple[float, float]] | None = None, tp=None):
+                 kv_scales: list[tuple[float, float]] | None = None, tp=None, kv_nearest: bool = False):
         self.model, self.k_caches, self.v_caches = model, k_caches, v_caches
         self.tp = tp if tp is not None and tp.size > 1 else None  # engine/tp.TensorParallel of 2+ ranks
         self.is_first_rank = self.tp is None or self.tp.rank == 0
         self.opt = options or FastOptions()
-        self.kv_fmt, self.kv_scales, self.kv_inv = kv_cache_setup(kv_format, kv_scales, len(model.layers), k_caches)
+        self.kv_fmt, self.kv_scales, self.kv_inv = kv_cache_setup(kv_format, kv_scales, len(model.layers), k_caches,
+                                                                  kv_nearest)
         dev, dt = model.embed.device, model.embed.dtype
         if self.opt.pdl is None:
             self.opt = replace(self.opt, pdl=dev.type == "cuda" and torch.cuda.get_device_capability(dev)[0] >= 9)

@@ -70,7 +70,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: int, sm_sc
 
 def fp8_latent_bytes(x: torch.Tensor, k_scale: float) -> torch.Tensor:
     """uint8 E4M3 bytes of x / k_scale rounded to nearest, saturated (vLLM's CUDA MLA writer; the fast path's
-    kvfp8.fp8_e4m3_nearest_bits; engine/kvquant.quantize_nearest)."""
+    kvfp8.fp8_kv_bits of E4M3 + NEAREST; engine/kvquant.quantize(nearest=True))."""
     v = x.float() * torch.tensor(1.0 / k_scale, dtype=torch.float32).item()
     return v.clamp(-448.0, 448.0).to(torch.float8_e4m3fn).view(torch.uint8)
 
