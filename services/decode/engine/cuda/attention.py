@@ -79,7 +79,7 @@ def _attn_split_kernel(q_ptr, q_pe_ptr, k_ptr, v_ptr, pos_ptr, part_o_ptr, part_
                        HEAD_BLOCKS: tl.constexpr = 1, POS_ROW_PROLOGUE: tl.constexpr = False,
                        KV_FMT: tl.constexpr = 0, k_scale=1.0, v_scale=1.0,
                        idx_ptr=None, nidx_ptr=None, SPARSE: tl.constexpr = False):
-    # KV_FMT 1 / 2: K/V are FP8 bytes (kvfp8.py) read as fp8 * k_scale / v_scale (no qk norm; MLA: the rope
+    # KV_FMT > 0: K/V are FP8 bytes (kvfp8.kv_fmt) read as fp8 * k_scale / v_scale (no qk norm; MLA: the rope
     # part too, q_pe in fp16 by q's power of two)
     # SPARSE (one query token, sparse attention): the keys are the nidx_ptr[0] cache rows listed at idx_ptr
     # (the indexer's top-k, any order; a listed row past pos is not visible), split like a dense sequence
@@ -436,7 +436,7 @@ class DecodeAttention:
         ``slot_ids`` (int32 [B]): a batch of B rows, row b's query at q[b] (MLA: its rope part at q_pe[b]), its
         position pos[b], its keys and values in slot slot_ids[b] of k / v (slot strides stride_ks / stride_vs
         elements), out [B, T, Hq, D_V].
-        ``kv_fmt`` (kvfp8.kv_fmt) 1 / 2: k and v hold FP8 bytes, read as their values times ``k_scale`` /
+        ``kv_fmt`` (kvfp8.kv_fmt) > 0: k and v hold FP8 bytes, read as their values times ``k_scale`` /
         ``v_scale`` (without qk_norm; MLA: the rope part of the key rows too).
         ``sparse=(idx int32 [>= n], n int32 [1])``: one query token attends to the n cache rows listed in
         idx (sparse attention's top-k, any order; rows past pos are masked), not to rows 0..pos.

@@ -380,7 +380,7 @@ def rope_rows(qkv: torch.Tensor, q_out: torch.Tensor, k_cache: torch.Tensor, v_c
               k_norm: torch.Tensor | None = None, eps: float = 1e-6, pdl: bool = False, kv_fmt: int = 0,
               inv_k: float = 1.0, inv_v: float = 1.0) -> None:
     """Per row b of qkv [B, (Hq+2Hkv)*D]: [q/k RMSNorm (Qwen3),] rope of q and k, q -> q_out[b], K/V into
-    slot slots[b] of the caches [slots, max_tokens, Hkv, D] at pos[b]; ``kv_fmt`` (kvfp8.kv_fmt) 1 / 2: the
+    slot slots[b] of the caches [slots, max_tokens, Hkv, D] at pos[b]; ``kv_fmt`` (kvfp8.kv_fmt) > 0: the
     caches hold FP8 bytes, written as value times ``inv_k`` / ``inv_v`` (the layer's 1 / scale)."""
     qk_norm = q_norm is not None
     _rope_rows_kernel[(num_q_heads + 2 * num_kv_heads, qkv.shape[0])](
