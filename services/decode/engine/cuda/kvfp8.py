@@ -57,18 +57,22 @@ def kv_cache_setup(kv_format: str | None, kv_scales: list[tuple[float, float]] |
 
 
 @triton.jit
-def fp8_kv_bits(x, inv_scale, FMT: tl.constexpr):
-    # uint8 bytes of fp32 x (values of bf16 numbers) / scale, as kvquant.quantize writes them
-    if FMT > 2:
-        return _fp8_nearest_bits(x, inv_scale, FMT == 3)
-    if FMT == 1:
+def _scaled_fields(x, inv_scale, E4M3: tl.constexpr):
+    # x * inv_scale clamped to the format's max, as fp32 bits: (bits, sign byte 0x80 or 0, biased exponent, mantissa)
+    if E4M3:
         v = tl.minimum(tl.maximum(x * inv_scale, -448.0), 448.0)
     else:
         v = tl.minimum(tl.maximum(x * inv_scale, -57344.0), 57344.0)
     bits = v.to(tl.int32, bitcast=True)
-    sign = (bits >> 24) & 0x80
-    e = (bits >> 23) & 0xFF  # biased exponent
-    mant = bits & 0x7FFFFF
+    return bits, (bits >> 24) & 0x80, (bits >> 23) & 0xFF, bits & 0x7FFFFF
+
+
+@triton.jit
+def fp8_kv_bits(x, inv_scale, FMT: tl.constexpr):
+    # uint8 bytes of fp32 x (values of bf16 numbers) / scale, as kvquant.quantize writes them
+    if FMT > 2:
+        return _fp8_nearest_bits(x, inv_scale, FMT == 3)
+    bits, sign, e, mant = _scaled_fields(x, inv_scale, FMT == 1)
     if FMT == 1:
         # bits [26:20] of w = v * 2^-120: normal w (e > 120) keeps v's mantissa with exponent e - 120;
         # subnormal w holds round-to-nearest-even(|v| * 2^29) in units of 2^-149
@@ -109,14 +113,7 @@ def _fp8_nearest_bits(x, inv_scale, E4M3: tl.constexpr):
     # A normal FP8 value keeps the top mantissa bits with the dropped ones rounded (a carry rolls into the
     # exponent; the clamp keeps it off the format's NaN / inf codes); a subnormal one counts units of its
     # smallest step (E4M3 2^-9, E5M2 2^-16): full * 2^(e - 150) / unit, rounded (shift capped at 30: int32)
-    if E4M3:
-        v = tl.minimum(tl.maximum(x * inv_scale, -448.0), 448.0)
-    else:
-        v = tl.minimum(tl.maximum(x * inv_scale, -57344.0), 57344.0)
-    bits = v.to(tl.int32, bitcast=True)
-    sign = (bits >> 24) & 0x80
-    e = (bits >> 23) & 0xFF  # biased exponent
-    mant = bits & 0x7FFFFF
+    bits, sign, e, mant = _scaled_fields(x, inv_scale, E4M3)
     full = tl.where(e > 0, mant | 0x800000, mant)
     if E4M3:  # normal from 2^-6 (e >= 121): 3 mantissa bits of 23
         normal = _round_half_even(((e - 120) << 23) | mant, 20)
