@@ -38,7 +38,7 @@ from .attention import DecodeAttention, split_weights
 from .fp8block import BlockFp8
 from .gemv import gdc_launch_dependents, gdc_wait, launch_opts
 from .kernel_helpers import rnd_bf16, rope_pair, round_to_dtype
-from .kvfp8 import NEAREST, fp8_kv_bits
+from .kvfp8 import fp8_kv_bits, kv_fmt
 from .moe import GroupedMoe, gemv_rows, router
 
 
@@ -178,7 +178,7 @@ def _mla_prep_kernel(qkv_ptr, q_pe_ptr, cache_ptr, kv_norm_ptr, pos_ptr, cos_ptr
     # per token t: rope (interleaved pairs) of each head's q_pe -> q_pe[t]; the latent: RMSNorm(c) and
     # rope(k_pe) -> cache[pos + t]. BATCH: row t is its own slot's token, at pos[t] in slot slot_ptr[t]
     # (the cache: every slot's, slot stride stride_cs elements). KV_FMT 3: the cache holds E4M3 bytes, the row's
-    # model-dtype values times inv_scale (1 / k_scale) rounded to nearest (kvfp8.fp8_kv_bits of E4M3 + NEAREST)
+    # model-dtype values times inv_scale (1 / k_scale) rounded to nearest (kvfp8.fp8_kv_bits)
     t = tl.program_id(0)
     head = tl.program_id(1)
     if PDL:
@@ -462,7 +462,7 @@ class MlaStack:
         d, t = self.dims, self.num_tokens
         if self.batch != (slots is not None):
             raise ValueError("a batch stack takes the rows' slots (and only it does)")
-        fmt = 1 + NEAREST if cache.dtype == torch.uint8 else 0  # an FP8 latent: E4M3 rounded to nearest
+        fmt = kv_fmt("fp8_e4m3", nearest=True) if cache.dtype == torch.uint8 else 0  # an FP8 latent
         if fmt and lw.sparse:
             raise ValueError("sparse attention keeps its latent in the model dtype (an FP8 latent: dense MLA)")
         kv = dict(kv_fmt=fmt, k_scale=k_scale, v_scale=k_scale)
