@@ -90,6 +90,10 @@ STREAM_NAME_IN_USE = 10058  # add_stream of a stream that exists with other sett
 TRANSIENT_JS_ERRORS = (10005, 10008)
 
 
+class StateWriteFailed(NotLeading):
+    """A state write failed after the store's retries: the core's memory is ahead of the store."""
+
+
 class CoordinatorBusy(RuntimeError):
     """The coordinator cannot run here: nats-server has no JetStream."""
 
@@ -490,23 +494,39 @@ class CoordinatorService:
             return applied if await self._perform_leading(effects, contexts) else None
 
     async def _perform_leading(self, effects: list[Effect], contexts: list | None = None) -> bool:
+        """Perform the effects; False when they were not made: this coordinator no longer leads,
+        or its state write failed. Either way it steps down: the core has already moved past what
+        the store holds, so nothing more may be granted, acknowledged or sent from that memory
+        until the state is restored from the store (the leadership loop drops it and takes over
+        again when the key is still free to take)."""
         try:
             await self._perform(effects, contexts)
         except NotLeading as exc:
-            self.leadership.step_down(
-                "key_taken" if isinstance(exc, LeaderKeyTaken) else "lease_expired")
+            reason = ("key_taken" if isinstance(exc, LeaderKeyTaken)
+                      else "state_write_failed" if isinstance(exc, StateWriteFailed) else "lease_expired")
+            self.leadership.step_down(reason)
             self._wake.set()
-            self.log.warning("not_leading", error=str(exc))
+            self.log.warning("not_leading", error=str(exc), reason=reason)
             return False
         return True
 
     async def _perform(self, effects: list[Effect], contexts: list | None = None) -> None:
         """State first (see StateStore.write), then replies and events in order; only while
         leading (checked here, and by the store's conditional writes). ``contexts``: per effect,
-        the trace context to send it under (a batch's effects come from different traces)."""
-        if effects and not self.leadership.is_leading(mono_ms()):
+        the trace context to send it under (a batch's effects come from different traces).
+
+        Also an input with no effects counts only while leading: its handler may have read memory
+        that an earlier, unperformed input changed (a heartbeat's slot release applied in memory
+        whose write never happened makes that release's report a no-op), and its report must
+        then stay unacknowledged for the next leader, which reads the store."""
+        if not self.leadership.is_leading(mono_ms()):
             raise NotLeading("the leader lease ran out")
-        await self.store.write(effects)
+        try:
+            await self.store.write(effects)
+        except NotLeading:
+            raise
+        except Exception as exc:  # the store's retries ran out (logged there)
+            raise StateWriteFailed(f"the state write failed: {exc!r}") from exc
         for i, e in enumerate(effects):
             token = otel_context.attach(contexts[i]) if contexts else None
             try:
