@@ -5,7 +5,8 @@ Contract: ``send(effect)`` queues the report and returns at once: the decode loo
 the stream's acknowledgement (a start would hold the first step, and every other slot's step, for
 that round trip). ``run()`` publishes the queue one report at a time, each after the one before it
 was stored, retrying while the stream has no leader (``Bus.publish_stored``: a NATS member died, a
-new leader is being elected), so no report is lost and none overtakes another. Token streams never
+new leader is being elected; after each of its windows, again), so no report is lost and none
+overtakes another. Token streams never
 wait for it. ``flush(timeout_s)`` waits for the queue to empty (at shutdown). Each queued report
 keeps its lease's trace context.
 """
@@ -18,7 +19,7 @@ import contextlib
 from opentelemetry import context as otel_context
 
 from services.decode.effects import Publish
-from shared.bus import Bus
+from shared.bus import Bus, BusTimeout
 from shared.log import get_logger
 
 
@@ -36,12 +37,33 @@ class Reports:
             e, trace_context = await self._queue.get()
             token = otel_context.attach(trace_context)  # the lease's span, as when it was queued
             try:
-                await self.bus.publish_stored(e.subject, e.event)
-            except Exception:
-                self.log.exception("report_failed", event=type(e.event).__name__)
+                await self._store(e)
             finally:
                 otel_context.detach(token)
                 self._queue.task_done()
+
+    async def _store(self, e: Publish) -> None:
+        """Publish until stored: a stream without a leader for longer than one try's window (a
+        cluster re-electing after losing members) delays this report and those behind it, it never
+        drops one. Only a report that cannot be sent at all (not encodable) is logged and left."""
+        attempts = 0
+        while True:
+            try:
+                await self.bus.publish_stored(e.subject, e.event)
+                if attempts:
+                    self.log.info("report_stored", report=type(e.event).__name__,
+                                  request_id=getattr(e.event, "request_id", ""), attempts=attempts + 1)
+                return
+            except BusTimeout as exc:
+                attempts += 1
+                self.log.warning("report_waiting", report=type(e.event).__name__,
+                                 request_id=getattr(e.event, "request_id", ""), error=str(exc),
+                                 hint="the coordinator's report stream is not storing (no leader, or "
+                                      "NATS unreachable); retrying, later reports wait behind this one")
+            except Exception:
+                self.log.exception("report_failed", report=type(e.event).__name__,
+                                   request_id=getattr(e.event, "request_id", ""))
+                return
 
     async def flush(self, timeout_s: float) -> None:
         with contextlib.suppress(asyncio.TimeoutError):
