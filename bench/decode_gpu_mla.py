@@ -967,6 +967,11 @@ def run_dsv3_fp8(X, R: dict, ctx: int = 1024) -> None:
     except Exception:
         R["dsv3_shape_fp8_correctness"] = {"error": traceback.format_exc()[-800:]}
         log(traceback.format_exc()[-1500:])
+    if os.environ.get("MLA_FP8_BREAKDOWN"):  # graph-timed pieces and the per-kernel profile (profile last)
+        try:
+            breakdown(X, model, caches, cos, sin, ctx, "dsv3_shape_fp8_", R)
+        except Exception:
+            log(traceback.format_exc()[-1500:])
     del model, caches
     torch.cuda.empty_cache()
 
