@@ -292,7 +292,10 @@ class Bus:
             while self._recent and self._recent[0][0] < now - REPLAY_WINDOW_S:
                 self._recent.popleft()
             self._recent.append((now, subject, data, headers))
-        await self.nc.publish(subject, data, headers=headers)
+        try:
+            await self.nc.publish(subject, data, headers=headers)
+        except nats.errors.Error as exc:  # closed, or the reconnect buffer is full: callers handle BusError
+            raise BusError(f"could not publish on {subject}: {exc!r}") from exc
 
     async def publish_stored(self, subject: str, event: events.Event, retry_s: float = 10.0) -> None:
         """Publish ``event`` to the JetStream stream that captures ``subject`` and return once the
@@ -378,6 +381,8 @@ class Bus:
             raise BusNoResponders(f"no service listens on {subject}") from exc
         except nats.errors.TimeoutError as exc:
             raise BusTimeout(f"no reply on {subject} within {timeout_s:g} s") from exc
+        except nats.errors.Error as exc:  # the connection closed or its buffer is full: not sent
+            raise BusError(f"could not request on {subject}: {exc!r}") from exc
         return events.decoder(reply_kind).decode(msg.data)
 
     async def respond(self, msg: Msg, event: events.Event) -> None:

@@ -91,9 +91,16 @@ class Router:
     # ---------------------------------------------------------------- lifecycle
 
     def spawn(self, coro: Any) -> None:
+        """Run ``coro`` in the background (kept referenced until done); a failure is logged, not lost."""
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(self._task_done)
+
+    def _task_done(self, task: asyncio.Task) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            exc = task.exception()
+            _log.warning("background_task_failed", task=task.get_coro().__qualname__, error=repr(exc))
 
     @functools.cached_property
     def _surface_wanted(self) -> bool:

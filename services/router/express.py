@@ -278,8 +278,8 @@ class ExpressStream:
             return
         leg.finished = True
         self.deps.metrics.cancels.labels(reason).inc()
-        self.deps.spawn(self.deps.bus.publish(subjects.req_cancel(leg.id),
-                                              CancelRequest(request_id=leg.id, reason=reason)))
+        self.deps.spawn(self.deps.bus.publish(subjects.req_cancel(leg.id),  # idempotent: sent again after a
+                                              CancelRequest(request_id=leg.id, reason=reason), replay=True))
 
     async def _open_leg(self, leg_id: str, path: str, body: dict[str, Any], num_prompt: int,
                         max_tokens: int, wait_ms: int, grant: ClaimGranted | None = None,
@@ -298,7 +298,7 @@ class ExpressStream:
             self.deps.dispatcher.close(leg_id)
             reason = "client_disconnected" if isinstance(exc, asyncio.CancelledError) else "claim_abandoned"
             self.deps.spawn(self.deps.bus.publish(subjects.req_cancel(leg_id), CancelRequest(
-                request_id=leg_id, reason=reason, is_before_prefill=True)))
+                request_id=leg_id, reason=reason, is_before_prefill=True), replay=True))
             raise
         except BaseException:
             self.deps.dispatcher.close(leg_id)
