@@ -32,6 +32,8 @@ import torch
 from shared.events import StructuredOutput
 
 COMPILE_TIMEOUT_S = 5.0  # vLLM's VLLM_REGEX_COMPILATION_TIMEOUT_S default
+MAX_ABANDONED_COMPILES = 2  # regex compiles left running past their timeout before regexes are refused
+MAX_TIMED_OUT_REMEMBERED = 256  # patterns that timed out, refused at once when asked again
 
 
 class GrammarError(ValueError):
@@ -84,6 +86,10 @@ class Grammars:
         self._compiler = None
         self._lock = threading.Lock()
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="grammar")
+        # regexes that ran past the timeout (refused at once if asked again), and their compiles still running
+        # (a thread cannot be stopped: each went on in a pool of its own, the next regex gets a fresh one)
+        self._timed_out: dict[str, None] = {}
+        self._abandoned: list[concurrent.futures.Future] = []
 
     def compiler(self):
         with self._lock:
@@ -152,14 +158,36 @@ class Grammars:
         try:
             if spec.kind != "regex":
                 return self._compile_now(spec)
-            future = self._pool.submit(self._compile_now, spec)
+            future = self._submit_regex(spec)
             return future.result(timeout=COMPILE_TIMEOUT_S)
         except concurrent.futures.TimeoutError:
+            self._abandon(spec, future)
             raise GrammarError(f"regex did not compile within {COMPILE_TIMEOUT_S:g} s: simplify it") from None
         except GrammarError:
             raise
         except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError / ValueError with its reason
             raise GrammarError(f"{spec.kind} grammar does not compile: {type(e).__name__}: {e}") from None
+
+    def _submit_regex(self, spec: StructuredOutput) -> concurrent.futures.Future:
+        with self._lock:
+            if spec.regex in self._timed_out:
+                raise GrammarError(f"regex did not compile within {COMPILE_TIMEOUT_S:g} s before: simplify it")
+            self._abandoned = [f for f in self._abandoned if not f.done()]
+            if len(self._abandoned) >= MAX_ABANDONED_COMPILES:
+                raise GrammarError(f"{len(self._abandoned)} earlier regexes are still compiling past their timeout "
+                                   "on this node: retry later, or send a simpler pattern")
+            return self._pool.submit(self._compile_now, spec)
+
+    def _abandon(self, spec: StructuredOutput, future: concurrent.futures.Future) -> None:
+        """A regex ran past its timeout: its compile goes on (a thread cannot be stopped) in a pool left to it;
+        later regexes get a fresh worker instead of queueing behind it, and this pattern is refused at once."""
+        with self._lock:
+            self._abandoned.append(future)
+            self._pool.shutdown(wait=False)
+            self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="grammar")
+            self._timed_out[spec.regex] = None
+            while len(self._timed_out) > MAX_TIMED_OUT_REMEMBERED:
+                del self._timed_out[next(iter(self._timed_out))]
 
     def matcher(self, compiled, stop_token_ids: list[int], max_rollback: int) -> SlotGrammar:
         import xgrammar as xgr
