@@ -865,6 +865,16 @@ def run_mla_fp8kv(X, R: dict, ctx: int = 32768) -> None:
             except Exception:
                 R[f"{tag}error"] = traceback.format_exc()[-1500:]
                 log(R[f"{tag}error"])
+    # a 1K context in this long slot: the product's splits (most of them empty: mla.SPLIT_MIN_ROWS) against 16
+    for splits in dict.fromkeys((16, product)):
+        try:
+            dec = X.mla_decoder.MlaDecoder(model, caches, cos, sin, max_draft=0, max_steps=4096, num_splits=splits)
+            ms, runner = time_plain_step(dec, 1024)
+            R.setdefault("dsv2lite_ctx1k_in_32k_slot_splits_ms", {})[splits] = ms
+            log(f"  1K context in the 32K slot, {splits} splits: plain {ms:.3f} ms")
+            del dec, runner
+        except Exception:
+            log(traceback.format_exc()[-1500:])
     try:  # the compiled FP8-latent step against the torch twins over the same bytes
         kv8 = fp8_latent(caches, k_scale)
         R["dsv2lite_fp8kv_ctx32k_correctness"] = c = correctness(X, model, kv8, cos, sin, ctx, steps=16,

@@ -60,7 +60,8 @@ def test_mla_fast_path_lays_out_q_lora_and_group_limited_routing(checkpoint):
 
 @pytest.mark.parametrize("rows,splits", [
     (1, 1), (64, 1), (65, 2), (131, 2),  # a 128-token slot with 3 draft rows: 3 splits were refused on the GPU
-    (193, 4), (300, 4), (513, 8), (1027, 16), (16387, 16),
+    (193, 4), (300, 4), (513, 8), (1027, 16), (8192, 16),  # long slots: more splits (their rows, not the
+    (8193, 32), (16384, 32), (16387, 64), (131072, 64),      # context: a short one leaves the rest empty)
 ])
 def test_mla_attention_splits_are_a_power_of_two(rows, splits):
     assert attention_splits(rows) == splits

@@ -68,3 +68,31 @@ def test_gqa_attention_over_head_blocks_matches_twin():
 
 def test_default_limit_keeps_deepseek_v2_lite_in_one_block():
     assert head_blocks(16, 4, 576) == 1 and MAX_ROW_ELEMS == 64 * 576
+
+
+@pytest.mark.parametrize("pos,min_chunk,active", [
+    (21, 0, 2),  # 24 keys over 16 splits of one 16-row block: the first two take them
+    (21, 32, 1),  # at least 32 keys a split: one split holds them all, fifteen are empty
+    (100, 32, 4),  # 101 keys: four splits of 32, the rest empty
+    (300, 32, 10),  # 301 keys: 16 splits would take 32 each (a block of 16 rounds 19 up): ten fill
+])
+def test_mla_attention_with_a_least_split_matches_twin(pos, min_chunk, active):
+    """Many splits in a long slot (adapter.attention_splits) over a short context: with ``min_chunk`` each
+    split takes at least that many keys and the later splits stay empty (their partials weigh nothing in the
+    merge); the output is the twin's either way."""
+    hq, r, rope, t = 4, 32, 16, 1
+    q_c, q_pe, lat = rand(hq, t, r), rand(t, hq, rope, seed=3), rand(pos + t + 2, 1, r + rope, seed=4)
+    attn = DecodeAttention(num_q_heads=hq, num_kv_heads=1, d_main=r, d_v=r, d_rope=rope, num_tokens=t,
+                           num_splits=16, block_s=16, v_is_k=True, min_chunk=min_chunk)
+    out = torch.full((t, hq, r), float("nan"), dtype=BF)
+    attn(q_c, lat, lat, torch.tensor([pos], dtype=torch.int32), out, stride_kt=r + rope, stride_vt=r + rope,
+         rope_offset=r, q_pe=q_pe, stride_qt=r, stride_qh=t * r)
+    ref = reference.attention(torch.cat([q_c.transpose(0, 1), q_pe], -1), lat, lat[..., :r], pos, (r + rope) ** -0.5)
+    close(out, ref)
+    sums = attn.part_ml.view(t, hq, 16, 2)[..., 1]  # each split's softmax sum: 0 where it took no key
+    assert (sums[0, 0] > 0).sum().item() == active
+
+
+def test_least_split_is_whole_key_blocks():
+    with pytest.raises(ValueError, match="min_chunk 40 is not a multiple of block_s 16"):
+        DecodeAttention(num_q_heads=4, num_kv_heads=1, d_main=32, d_v=32, d_rope=16, block_s=16, min_chunk=40)

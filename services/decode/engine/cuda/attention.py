@@ -78,11 +78,13 @@ def _attn_split_kernel(q_ptr, q_pe_ptr, k_ptr, v_ptr, pos_ptr, part_o_ptr, part_
                        DOT_F32: tl.constexpr, V_IS_K: tl.constexpr, V_CHUNKS: tl.constexpr, PDL: tl.constexpr,
                        HEAD_BLOCKS: tl.constexpr = 1, POS_ROW_PROLOGUE: tl.constexpr = False,
                        KV_FMT: tl.constexpr = 0, k_scale=1.0, v_scale=1.0,
-                       idx_ptr=None, nidx_ptr=None, SPARSE: tl.constexpr = False):
+                       idx_ptr=None, nidx_ptr=None, SPARSE: tl.constexpr = False, MIN_CHUNK: tl.constexpr = 0):
     # KV_FMT > 0: K/V are FP8 bytes (kvfp8.kv_fmt) read as fp8 * k_scale / v_scale (no qk norm; MLA: the rope
     # part too, q_pe in fp16 by q's power of two)
     # SPARSE (one query token, sparse attention): the keys are the nidx_ptr[0] cache rows listed at idx_ptr
     # (the indexer's top-k, any order; a listed row past pos is not visible), split like a dense sequence
+    # MIN_CHUNK: the fewest keys a split takes (a multiple of BLOCK_S); a short sequence leaves the later splits
+    # empty (their partials weigh nothing in the merge) rather than cut into many tiny pieces
     # D_V is the width of this program's slice of the values: chunk program_id(2) of V_CHUNKS.
     # program_id(0) = kv head * HEAD_BLOCKS + head block: each program takes GROUP / HEAD_BLOCKS of the
     # group's query heads (MLA with 128 heads: all of them in one program would not fit shared memory)
@@ -108,7 +110,7 @@ def _attn_split_kernel(q_ptr, q_pe_ptr, k_ptr, v_ptr, pos_ptr, part_o_ptr, part_
     seq_len = pos + T  # keys valid after this step's writes
     if SPARSE:
         seq_len = tl.load(nidx_ptr)  # listed rows
-    chunk = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_S) * BLOCK_S
+    chunk = tl.maximum(tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_S) * BLOCK_S, MIN_CHUNK)
     start = split * chunk
     end = tl.minimum(start + chunk, seq_len)
 
@@ -397,13 +399,16 @@ class DecodeAttention:
                  num_warps: int = 4, v_is_k: bool = False, v_chunks: int = 1, pdl: bool = False,
                  device: torch.device | str = "cpu", max_batch: int = 1, one_launch: bool = True,
                  max_row_elems: int = MAX_ROW_ELEMS, pos_row_prologue: bool = False,
-                 combine_warps: int = 4):
+                 combine_warps: int = 4, min_chunk: int = 0):
         self.hq, self.hkv, self.num_tokens = num_q_heads, num_kv_heads, num_tokens
         self.d_main, self.d_v, self.d_rope = d_main, d_v, d_rope
         self.group = num_q_heads // num_kv_heads
         self.head_blocks = head_blocks(self.group, num_tokens, d_main + d_rope, max_row_elems)
         self.rows = max(16, triton.next_power_of_2(self.group // self.head_blocks * num_tokens))
         self.num_splits, self.block_s, self.num_warps, self.v_is_k = num_splits, block_s, num_warps, v_is_k
+        if min_chunk % block_s:
+            raise ValueError(f"min_chunk {min_chunk} is not a multiple of block_s {block_s}")
+        self.min_chunk = min_chunk  # two-launch form: the fewest keys a split takes (later splits stay empty)
         if v_is_k and (d_v != d_main or v_chunks != 1):
             raise ValueError("v_is_k needs d_v == d_main and one value chunk (MLA: values are the latent)")
         if d_v % v_chunks:
@@ -479,7 +484,7 @@ class DecodeAttention:
             HEAD_BLOCKS=self.head_blocks, POS_ROW_PROLOGUE=self.pos_row_prologue and qk_norm is not None,
             KV_FMT=kv_fmt, k_scale=k_scale, v_scale=v_scale,
             idx_ptr=sparse[0] if sparse is not None else pos, nidx_ptr=sparse[1] if sparse is not None else pos,
-            SPARSE=sparse is not None, num_warps=self.num_warps, **launch_opts(self.pdl))
+            SPARSE=sparse is not None, MIN_CHUNK=self.min_chunk, num_warps=self.num_warps, **launch_opts(self.pdl))
         if not combine:
             return None
         _attn_combine_kernel[(batch * self.num_tokens * self.hq,)](

@@ -42,6 +42,11 @@ from .kvfp8 import fp8_kv_bits, kv_fmt
 from .moe import GroupedMoe, gemv_rows, router
 
 
+# the fewest latent rows an attention split takes: a short context in a long slot keeps the 1K-tuned ~16 splits
+# of 64 rows (its later splits stay empty) while a long one spreads over all of them (adapter.attention_splits)
+SPLIT_MIN_ROWS = 64
+
+
 @dataclass
 class MlaDims:
     hidden: int
@@ -415,6 +420,7 @@ class MlaStack:
         # [q | c, k_pe | q_a | k_idx, head weights]: q LoRA's q_a (normed, then q_b into the q columns) after
         # the latent; sparse attention's indexer key and head weights last
         extra = d.index_dim + d.index_heads if d.index_topk else 0
+        min_chunk = -(-SPLIT_MIN_ROWS // block_s) * block_s  # whole key blocks
         self.qkv = torch.zeros(t, nq + d.kv_lora_rank + d.rope + d.q_lora_rank + extra, dtype=bf, device=dev)
         self.selects: list = []
         if d.index_topk:  # the indexer's queries, head weights and a top-k list per token
@@ -433,7 +439,8 @@ class MlaStack:
             self.attn1 = DecodeAttention(num_q_heads=d.num_heads, num_kv_heads=1, d_main=d.kv_lora_rank,
                                          d_v=d.kv_lora_rank, d_rope=d.rope, num_tokens=1, num_splits=num_splits,
                                          block_s=block_s, sm_scale=d.sm_scale, num_warps=4,
-                                         v_chunks=max(1, d.kv_lora_rank // 128), device=dev) if t > 1 else None
+                                         v_chunks=max(1, d.kv_lora_rank // 128), min_chunk=min_chunk,
+                                         device=dev) if t > 1 else None
         self.q_an = torch.zeros(t, d.q_lora_rank, dtype=bf, device=dev) if d.q_lora_rank and t > 1 else None
         self.q_pe = torch.zeros(t, d.num_heads, d.rope, dtype=bf, device=dev)
         self.o_lat = torch.zeros(t, d.num_heads, d.kv_lora_rank, dtype=bf, device=dev)
@@ -444,7 +451,7 @@ class MlaStack:
         self.attn = DecodeAttention(num_q_heads=d.num_heads, num_kv_heads=1, d_main=d.kv_lora_rank, d_v=d.kv_lora_rank,
                                     d_rope=d.rope, num_tokens=1 if batch else t, num_splits=num_splits,
                                     block_s=block_s, sm_scale=d.sm_scale, num_warps=4,
-                                    v_chunks=max(1, d.kv_lora_rank // 128), device=dev, pdl=self.pdl,
+                                    v_chunks=max(1, d.kv_lora_rank // 128), min_chunk=min_chunk, device=dev, pdl=self.pdl,
                                     max_batch=t if batch else 1)  # [rows, 128] value slices: no spill at 4 x 16 rows
         self.moe = GroupedMoe(num_tokens=t, top_k=d.top_k, num_shared=d.num_shared, hidden=d.hidden,
                               inter=d.moe_inter, device=dev, pdl=self.pdl, early=self.early)
