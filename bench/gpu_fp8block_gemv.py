@@ -22,9 +22,46 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
 from gpu_fp8_gemv import copy_gbs, time_graph  # noqa: E402
 from services.decode.engine.cuda import fp8block, moe  # noqa: E402
 from services.decode.engine.cuda.fp8 import gemv_fp8  # noqa: E402
+from services.decode.engine.cuda.kernel_helpers import act_round, act_scale  # noqa: E402
+
+
+@triton.jit
+def _block_fma_3d_kernel(x_ptr, w_ptr, s_ptr, out_ptr, N, K, KB, BLOCK_N: tl.constexpr, G: tl.constexpr,
+                         STAGES: tl.constexpr):
+    # variant: the weight tile loaded as [BLOCK_N, G, 128] and x as [G, 128], so the per-group rounding needs no
+    # reshape (a layout conversion through shared memory every K step in gemv_rows' FMA path); one token, ACT
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    srow = (pid * BLOCK_N) // 128
+    gi = tl.arange(0, G)
+    c = tl.arange(0, 128)
+    acc = tl.zeros((BLOCK_N, G, 128), tl.float32)
+    for k in tl.range(0, K, G * 128, num_stages=STAGES):
+        offs = k + gi[:, None] * 128 + c[None, :]
+        x = tl.load(x_ptr + offs).to(tl.float32)
+        sx = act_scale(tl.max(tl.abs(x), axis=1))
+        sw = tl.load(s_ptr + srow * KB + k // 128 + gi)
+        xs = act_round(x, 1.0 / sx[:, None]).to(tl.float32) * (sx * sw)[:, None]
+        w = tl.load(w_ptr + rows[:, None, None].to(tl.int64) * K + offs[None, :, :], eviction_policy="evict_first")
+        acc += w.to(tl.float32) * xs[None, :, :]
+    y = tl.sum(tl.sum(acc, axis=2), axis=1)
+    tl.store(out_ptr + rows, y.to(out_ptr.dtype.element_ty))
+
+
+def block_fma_3d(x, w: fp8block.BlockFp8, out, block_n=8, groups=4, num_warps=4, stages=3):
+    n, k = w.shape
+    _block_fma_3d_kernel[(n // block_n,)](x, w.w, w.scale, out, n, k, w.scale.shape[-1], BLOCK_N=block_n, G=groups,
+                                          STAGES=stages, num_warps=num_warps)
+    return out
+
+
+TILES_3D = [(bn, g, 4, st) for bn in (8, 16, 32) for g in (2, 4, 8) for st in (3, 4)]
 
 SHAPES = {"llama_qkv": (6144, 4096), "llama_o": (4096, 4096), "llama_gate_up": (28672, 4096),
           "llama_down": (4096, 14336), "v3_wq_b": (24576, 1536), "v3_wo": (7168, 16384),
@@ -66,6 +103,20 @@ def main() -> None:
                 print(f"  {name} {(bn, bk, nw, st)}: {type(exc).__name__}: {str(exc)[:160]}", flush=True)
                 continue
             rows.append({"tile": [bn, bk, nw, st], "us": ms * 1e3, "gbs": nbytes / ms / 1e6, "rel_err": err})
+        rows3 = []
+        for bn, g, nw, st in TILES_3D:
+            def fn3(i, bn=bn, g=g, nw=nw, st=st):
+                block_fma_3d(x, ws[i], y, block_n=bn, groups=g, num_warps=nw, stages=st)
+            try:
+                fn3(0)
+                torch.cuda.synchronize()
+                err = ((y.float() - want).abs().max() / want.abs().max()).item()
+                ms = time_graph(fn3, copies)
+            except Exception as exc:
+                print(f"  {name} 3d {(bn, g, nw, st)}: {type(exc).__name__}: {str(exc)[:160]}", flush=True)
+                continue
+            rows3.append({"tile": [bn, g * 128, nw, st], "us": ms * 1e3, "gbs": nbytes / ms / 1e6, "rel_err": err})
+        best3 = max(rows3, key=lambda r: r["gbs"]) if rows3 else None
         # the per-channel FP8 kernel and the bf16 gemv_rows over the same shape, for the same bytes a weight
         rs = (w32.abs().amax(dim=1) / 448.0).float()
         wc = [(w32 / rs[:, None]).to(torch.float8_e4m3fn) for _ in range(copies)]
@@ -84,7 +135,10 @@ def main() -> None:
               f"{best['rel_err']:.1e} | product tile (8,512,4,3) {prod and round(prod['us'], 1)} us | channel FP8 "
               f"{ref['channel_fp8']['us']:.1f} us {ref['channel_fp8']['gbs']:.0f} GB/s | bf16 {ref['bf16']['us']:.1f} us "
               f"{ref['bf16']['gbs']:.0f} GB/s", flush=True)
-        out["shapes"][name] = {"n": n, "k": k, "best": best, "rows": rows, **ref}
+        if best3:
+            print(f"{'':18s} 3-D variant best {best3['tile']} {best3['us']:7.1f} us {best3['gbs']:6.0f} GB/s err "
+                  f"{best3['rel_err']:.1e}", flush=True)
+        out["shapes"][name] = {"n": n, "k": k, "best": best, "rows": rows, "best_3d": best3, "rows_3d": rows3, **ref}
         del ws, w8, w32
         torch.cuda.empty_cache()
     Path(args.out).write_text(json.dumps(out, indent=1))
