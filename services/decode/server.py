@@ -45,7 +45,7 @@ from services.decode.reports import Reports
 from services.decode.slots import SlotCore
 from shared import subjects
 from shared.bus import Bus
-from shared.events import CancelRequest, DecodeStart, HandoffEvent, KvMessage, KvReady
+from shared.events import CancelRequest, DecodeStart, HandoffEvent, KvMessage, KvReady, SpecStats
 from shared.http_status import serve_status
 from shared.log import get_logger
 
@@ -211,8 +211,7 @@ class DecodeNode:
             try:
                 while self.core.has_engine_work:
                     for work in self.core.take_engine_work():
-                        await self._apply(await self._start(work) if isinstance(work, StartEngine)
-                                          else self._stop(work))
+                        await self._apply(await self._engine_work(work))
                 if not self.core.is_decoding:
                     continue
                 if self.core.fault_stall_due(self.config.fault_stall_after_tokens):
@@ -247,6 +246,19 @@ class DecodeNode:
                                       getattr(out, "logprobs", None))
         if not await self._apply(effects) and current is not None:  # that request stops, no other
             await self._apply(self.core.on_emit_failed(slot, current.lease_id))
+
+    async def _engine_work(self, work: StartEngine | StopEngine) -> list[Effect]:
+        """One start or stop; whatever it raises ends that lease's phase in the core (failed, or stopped), so a
+        batch of work taken from the core never leaves a slot 'starting' or 'stopping' for good."""
+        try:
+            return await self._start(work) if isinstance(work, StartEngine) else self._stop(work)
+        except Exception as exc:
+            self.log.exception("engine_work_failed", lease_id=work.lease_id, slot=work.slot,
+                               work=type(work).__name__)
+            if isinstance(work, StartEngine):
+                return self.core.on_engine_failed(work.slot, work.lease_id, f"engine_error: {exc}",
+                                                  time.perf_counter())
+            return self.core.on_engine_stopped(work.slot, work.lease_id, SpecStats(), time.perf_counter())
 
     def _stop(self, work: StopEngine) -> list[Effect]:
         self.engine.cancel(work.slot)
