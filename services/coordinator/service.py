@@ -64,7 +64,7 @@ from services.coordinator.model import Effect, Observe, Publish, Reply
 from services.coordinator.store import LeaderKeyTaken, StateStore
 from shared import config as shared_config
 from shared import subjects
-from shared.bus import Bus, BusUnavailable
+from shared.bus import Bus, BusError, BusUnavailable
 from shared.events import (
     CancelRequest, ClaimRejected, ClaimRequest, DecodeStarted, HandoffEvent, KvFailed, KvReady, NodeAvailable,
     NodeDraining, NodeMessage, SlotReleased, decoder, encode,
@@ -531,6 +531,10 @@ class CoordinatorService:
             token = otel_context.attach(contexts[i]) if contexts else None
             try:
                 await self._send(e)
+            except BusError as exc:  # one message not sent (the connection is down, its buffer full): the
+                # others still go; the state is written, so deadlines and a retrying sender recover this one
+                self.log.warning("send_failed", effect=type(e).__name__, error=str(exc),
+                                 request_id=getattr(getattr(e, "event", None), "request_id", ""))
             finally:
                 if token is not None:
                     otel_context.detach(token)

@@ -17,6 +17,7 @@ from services.coordinator.core import CoordinatorCore
 from services.coordinator.model import DeleteLease, Lease, PutLease, PutMeta
 from services.coordinator.service import CoordinatorService, mono_ms
 from shared import subjects
+from shared.bus import BusError
 from shared.events import ClaimGranted, ClaimRequest, DecodeStarted, HandoffEvent, KvReady, SlotReleased
 from tests.unit.coordinator.test_core import CFG, hb
 
@@ -139,3 +140,23 @@ async def test_no_input_is_taken_once_the_lease_ran_out():
                                            generation=grant.generation, node_id="n1", slot=0)) is None
     assert not await svc._apply(svc.core.tick)
     assert len(bus.sent) == sent
+
+
+async def test_a_message_that_cannot_be_sent_does_not_stop_the_rest():
+    """The state is written, then replies and events go out in order; one the bus refuses (BusError: the
+    connection down, its buffer full) is logged and the others still go."""
+
+    class RefusingBus(Bus):
+        async def publish(self, subject, event, replay=False) -> None:
+            if subject.startswith("inbox."):
+                raise BusError("could not publish on inbox.r1: OutboundBufferLimitError()")
+            await super().publish(subject, event, replay)
+
+    bus, store = RefusingBus(), Store()
+    svc = leader(store, bus)
+    assert await svc._apply(svc.core.on_heartbeat, hb(free=(0,)))
+    claim = ClaimRequest(request_id="r1", model="m", num_prompt_tokens=8, max_tokens=4, wait_ms=0,
+                         protocol_version=1, transports=["mooncake"])
+    assert await svc._apply(svc.core.on_claim, claim, "inbox.r1")
+    assert bus.states("r1") == ["claimed"]  # the grant's reply was refused; the event after it went out
+    assert [lease.state for lease in store.stored()] == ["claimed"]
