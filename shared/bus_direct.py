@@ -17,8 +17,9 @@ Contract:
     direct.num_connects, direct.num_pongs, direct.last_error   # what the connection thread saw
     direct.close()
 
-- Connecting, reconnecting (every ``RETRY_S``, through the servers of a comma-separated URL) and
-  answering the server's PINGs happen on a daemon thread; ``publish`` never connects and never
+- Connecting, reconnecting (every ``RETRY_S``, through the servers of a comma-separated URL),
+  answering the server's PINGs and sending its own (a server that stops answering is dropped within
+  ~``PING_INTERVAL_S * MAX_PINGS_OUT``) happen on a daemon thread; ``publish`` never connects and never
   waits longer than ``send_timeout_s`` (a full socket buffer: the server is not reading).
 - Authentication as the bus's: user + password file (sent only over TLS when TLS is configured),
   TLS with the configured CA and client certificate, credentials in the URL. An nkey / JWT
@@ -53,6 +54,10 @@ log = logging.getLogger("expresslane.bus_direct")
 
 RETRY_S = 1.0
 HANDSHAKE_TIMEOUT_S = 2.0
+# The client's own PINGs: a server gone without closing the socket (its host died, a partition) is noticed
+# within ~PING_INTERVAL_S * MAX_PINGS_OUT, inside the replay window, instead of when TCP gives up (minutes)
+PING_INTERVAL_S = 0.5
+MAX_PINGS_OUT = 3
 _CRLF = b"\r\n"
 
 
@@ -102,6 +107,7 @@ class DirectPublisher:
         self.num_replayed = 0  # messages written again after a reconnect
         self._recent: collections.deque[tuple[float, bytes]] = collections.deque()  # (sent at, bytes)
         self.num_pongs = 0  # server PINGs answered
+        self._pings_out = 0  # our PINGs the server has not answered yet
         self.last_error = ""  # why the last connect failed or the last connection ended
         if self._auth.creds_file:
             self.last_error = "nkey/JWT credentials are not spoken here"
@@ -221,9 +227,22 @@ class DirectPublisher:
 
     def _serve(self, sock: socket.socket, buf: bytes) -> None:
         """Answer PINGs until the connection ends (the server closed it, or a write failed); ``buf``:
-        what the server sent after the handshake's PONG."""
+        what the server sent after the handshake's PONG. Sends a PING every PING_INTERVAL_S and drops the
+        connection when MAX_PINGS_OUT of them go unanswered."""
+        self._pings_out, last_ping = 0, time.monotonic()
         while not self._stopping.is_set() and sock is self._sock:
             try:
+                if time.monotonic() - last_ping >= PING_INTERVAL_S:
+                    with self._lock:
+                        if sock is not self._sock:
+                            return
+                        if self._pings_out >= MAX_PINGS_OUT:
+                            self._drop(sock, f"no PONG to {self._pings_out} PINGs in "
+                                             f"{self._pings_out * PING_INTERVAL_S:g} s")
+                            return
+                        sock.sendall(b"PING\r\n")
+                        self._pings_out += 1
+                    last_ping = time.monotonic()
                 if _CRLF in buf:  # lines that came with the handshake's PONG
                     with self._lock:
                         buf = self._answer(sock, buf)
@@ -254,6 +273,8 @@ class DirectPublisher:
             if line == b"PING":
                 sock.sendall(b"PONG\r\n")
                 self.num_pongs += 1
+            elif line == b"PONG":  # an answer to our own PINGs: the server is alive
+                self._pings_out = 0
             elif line.startswith(b"-ERR"):
                 log.warning("expresslane: %s: NATS says %s", self._name, line.decode(errors="replace"))
         return buf

@@ -210,3 +210,47 @@ def test_messages_written_before_the_connection_died_are_written_again_after_the
     finally:
         direct.close()
         server.close()
+
+
+class SilentServer:
+    """A NATS server stand-in that completes the handshake and then never answers again, with the socket left
+    open (as a server whose host died or was cut off): what a dead connection looks like to the client."""
+
+    def __init__(self) -> None:
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.url = f"nats://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.conns: list[socket.socket] = []
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            self.conns.append(conn)
+            conn.sendall(b'INFO {"server_id":"silent","max_payload":1048576,"headers":true}\r\n')
+            buf = b""
+            while b"PING\r\n" not in buf:
+                buf += conn.recv(65536)
+            conn.sendall(b"PONG\r\n")  # the handshake's answer, then nothing
+
+    def close(self) -> None:
+        self.sock.close()
+        for conn in self.conns:
+            conn.close()
+
+
+def test_a_server_that_stops_answering_is_dropped_and_the_client_reconnects():
+    server = SilentServer()
+    direct = DirectPublisher(server.url, name="test-silent")
+    try:
+        assert wait_connected(direct, WAIT_S)
+        deadline = time.monotonic() + WAIT_S
+        while direct.num_connects < 2:  # its PINGs went unanswered: dropped, then a new connection
+            assert time.monotonic() < deadline, (direct.num_connects, direct.last_error)
+            time.sleep(0.01)
+        assert direct.last_error == "no PONG to 3 PINGs in 1.5 s"
+    finally:
+        direct.close()
+        server.close()
