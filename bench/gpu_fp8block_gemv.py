@@ -61,7 +61,7 @@ def block_fma_3d(x, w: fp8block.BlockFp8, out, block_n=8, groups=4, num_warps=4,
     return out
 
 
-TILES_3D = [(bn, g, 4, st) for bn in (8, 16, 32) for g in (2, 4, 8) for st in (3, 4)]
+TILES_3D = [(bn, g * 128, 4, st) for bn in (8, 16, 32) for g in (2, 4, 8) for st in (3, 4)]  # block_k = G x 128
 
 SHAPES = {"llama_qkv": (6144, 4096), "llama_o": (4096, 4096), "llama_gate_up": (28672, 4096),
           "llama_down": (4096, 14336), "v3_wq_b": (24576, 1536), "v3_wo": (7168, 16384),
@@ -90,32 +90,25 @@ def main() -> None:
         x = (torch.randn(k, device="cuda") * 3).to(torch.bfloat16)
         y = torch.empty(n, device="cuda", dtype=torch.bfloat16)
         want = fp8block.quantize_groups(x.float()[None], 128)[0] @ ws[0].dequantize(torch.float32).T
-        rows = []
-        for bn, bk, nw, st in TILES:
-            def fn(i, bn=bn, bk=bk, nw=nw, st=st):
-                moe.gemv_rows(x.view(1, -1), ws[i], y.view(1, -1), block_n=bn, block_k=bk, num_warps=nw, stages=st)
-            try:
-                fn(0)
-                torch.cuda.synchronize()
-                err = ((y.float() - want).abs().max() / want.abs().max()).item()
-                ms = time_graph(fn, copies)
-            except Exception as exc:
-                print(f"  {name} {(bn, bk, nw, st)}: {type(exc).__name__}: {str(exc)[:160]}", flush=True)
-                continue
-            rows.append({"tile": [bn, bk, nw, st], "us": ms * 1e3, "gbs": nbytes / ms / 1e6, "rel_err": err})
-        rows3 = []
-        for bn, g, nw, st in TILES_3D:
-            def fn3(i, bn=bn, g=g, nw=nw, st=st):
-                block_fma_3d(x, ws[i], y, block_n=bn, groups=g, num_warps=nw, stages=st)
-            try:
-                fn3(0)
-                torch.cuda.synchronize()
-                err = ((y.float() - want).abs().max() / want.abs().max()).item()
-                ms = time_graph(fn3, copies)
-            except Exception as exc:
-                print(f"  {name} 3d {(bn, g, nw, st)}: {type(exc).__name__}: {str(exc)[:160]}", flush=True)
-                continue
-            rows3.append({"tile": [bn, g * 128, nw, st], "us": ms * 1e3, "gbs": nbytes / ms / 1e6, "rel_err": err})
+        def sweep(tiles, run, label: str) -> list[dict]:
+            """Each tile's output error against the twin and its time; ``run(i, tile)`` reads weight copy i."""
+            out_rows = []
+            for tile in tiles:
+                try:
+                    run(0, tile)
+                    torch.cuda.synchronize()
+                    err = ((y.float() - want).abs().max() / want.abs().max()).item()
+                    ms = time_graph(lambda i: run(i, tile), copies)
+                except Exception as exc:  # a tile the compiler refuses
+                    print(f"  {name} {label} {tile}: {type(exc).__name__}: {str(exc)[:160]}", flush=True)
+                    continue
+                out_rows.append({"tile": list(tile), "us": ms * 1e3, "gbs": nbytes / ms / 1e6, "rel_err": err})
+            return out_rows
+
+        rows = sweep(TILES, lambda i, t: moe.gemv_rows(x.view(1, -1), ws[i], y.view(1, -1), block_n=t[0], block_k=t[1],
+                                                       num_warps=t[2], stages=t[3]), "gemv_rows")
+        rows3 = sweep(TILES_3D, lambda i, t: block_fma_3d(x, ws[i], y, block_n=t[0], groups=t[1] // 128, num_warps=t[2],
+                                                          stages=t[3]), "3d")
         best3 = max(rows3, key=lambda r: r["gbs"]) if rows3 else None
         # the per-channel FP8 kernel and the bf16 gemv_rows over the same shape, for the same bytes a weight
         rs = (w32.abs().amax(dim=1) / 448.0).float()
