@@ -55,7 +55,7 @@ def test_gemv_rows_reads_block_fp8(t, act, norm, residual):
 def test_wider_one_token_fp8_tiles_compute_the_same(monkeypatch, widen):
     # fp8block.FMA_WIDEN (the one-token tile's K width over FP8 weights, a GPU run's choice): same function
     monkeypatch.setattr(fp8block, "FMA_WIDEN", widen)
-    assert fp8block.tile(quantize(rand(16, 64), (16, 32)), 8, 64, dot=False) == (8, 64 * widen)
+    assert fp8block.tile(quantize(rand(16, 64), (16, 32)), 8, 64, dot=False) == (16, 64 * widen)  # rows: a scale row
     w = quantize(rand(48, 200, std=0.2), (16, 32), act=True)
     x, out = rand(1, 200), torch.empty(1, 48, dtype=BF)
     moe.gemv_rows(x, w, out, block_n=8, block_k=32)
@@ -143,3 +143,21 @@ def test_weight_of_reads_the_engine_attributes():
         BlockFp8(w.w, torch.ones(3, 2), 12, 32)
     with pytest.raises(ValueError, match="of 16 or more"):  # the tensor-core tiles' least side
         BlockFp8(w.w, torch.ones(4, 2), 8, 32)
+
+
+def _blocks(rows: int, cols: int, act: bool) -> fp8block.BlockFp8:
+    return fp8block.BlockFp8(torch.zeros(2 * rows, 4 * cols, dtype=torch.float8_e4m3fn), torch.ones(2, 4), rows, cols,
+                             act=act)
+
+
+@pytest.mark.parametrize("rows,cols,act,dot,accumulators,asked,want", [
+    (128, 128, True, False, 1, (8, 512), (32, 512)),  # one token, grouped activations: 32 rows a program
+    (128, 128, True, False, 2, (8, 512), (32, 256)),  # gate and up in one program: K halved for the registers
+    (64, 128, True, False, 1, (8, 512), (32, 512)),  # the fused wkv_a | wq_a stack's 64-row scale rows
+    (16, 16, True, False, 1, (8, 64), (16, 64)),  # the tiny test models' blocks: rows cut to a scale row
+    (128, 128, True, False, 1, (8, 128), (32, 128)),  # never below one whole group of columns
+    (128, 128, False, False, 1, (8, 512), (8, 512)),  # weight-only: the bf16 tile
+    (128, 128, True, True, 1, (16, 256), (16, 128)),  # tensor cores: K one block at a time
+])
+def test_fp8_tiles(rows, cols, act, dot, accumulators, asked, want):
+    assert fp8block.tile(_blocks(rows, cols, act), *asked, dot=dot, accumulators=accumulators) == want

@@ -615,7 +615,7 @@ class GroupedMoe:
                 shared_gate_up, shared_down = w_gate_up, w_down
             if inter % w_gate_up.rows:  # each half's rows in whole scale rows (the up half's start, srow_b)
                 raise ValueError(f"FP8 experts of {inter} rows in {w_gate_up.rows}-row scale blocks")
-            bn, bk = fp8_tile(w_gate_up, bn, bk, dot)
+            bn, bk = fp8_tile(w_gate_up, bn, bk, dot, accumulators=2)  # gate and up rows a program
             bn2, bk2 = fp8_tile(w_down, bn2, bk2, dot)
             up_args = _expert_scales(w_gate_up, shared_gate_up)
             down_args = _expert_scales(w_down, shared_down)
