@@ -947,6 +947,20 @@ def run_dsv3_fp8(X, R: dict, ctx: int = 1024) -> None:
     model, caches, cos, sin, by, bw, roof_ms = shape_setup(X, s, ctx, R, "dsv3_shape_fp8_",
                                                            f"deepseek-v3-shaped FP8 model ({s['layers']} layers)",
                                                            fp8=True)
+    if os.environ.get("FP8_TILE_SWEEP"):  # "rows:acc_elems,...": the one-token block-FP8 tile policy (fp8block.tile)
+        base = (X.fp8block.FMA_ACT_BLOCK_N, X.fp8block.ACC_ELEMS)
+        for spec in os.environ["FP8_TILE_SWEEP"].split(","):
+            rows, acc = (int(v) for v in spec.split(":"))
+            X.fp8block.FMA_ACT_BLOCK_N, X.fp8block.ACC_ELEMS = rows, acc
+            try:
+                dec = X.mla_decoder.MlaDecoder(model, caches, cos, sin, max_draft=0, max_steps=4096)
+                ms, runner = time_plain_step(dec, ctx)
+                R.setdefault("dsv3_shape_fp8_tile_sweep_ms", {})[spec] = ms
+                log(f"  dsv3 shape FP8 tiles {spec}: plain {ms:.3f} ms, {roof_ms / ms:.3f} of roofline")
+                del dec, runner
+            except Exception:
+                log(traceback.format_exc()[-800:])
+        X.fp8block.FMA_ACT_BLOCK_N, X.fp8block.ACC_ELEMS = base
     default = X.fp8block.FMA_WIDEN
     try:
         for widen in dict.fromkeys((default, 1, 2)):  # the product's default first, then the one-token K widths
