@@ -239,7 +239,8 @@ def _attn_combine_kernel(part_o_ptr, part_ml_ptr, out_ptr, NUM_SPLITS: tl.conste
     sp = tl.arange(0, NUM_SPLITS)
     w, denom = split_weights(part_ml_ptr, row, NUM_SPLITS)
     dv = tl.arange(0, D_V)
-    o = tl.load(part_o_ptr + (row * NUM_SPLITS + sp)[:, None] * D_V + dv[None, :])
+    # a split that saw no key weighs nothing: its partial is not read (a short context in a long slot leaves most)
+    o = tl.load(part_o_ptr + (row * NUM_SPLITS + sp)[:, None] * D_V + dv[None, :], mask=(w > 0)[:, None], other=0.0)
     o = tl.sum(o * w[:, None], axis=0) / denom
     tl.store(out_ptr + row * D_V + dv, o.to(out_ptr.dtype.element_ty))
 

@@ -278,14 +278,15 @@ def _combine_uv_kernel(part_o_ptr, part_ml_ptr, w_uv_ptr, out_ptr, NUM_SPLITS: t
     if PDL:  # the partials come from the attention
         gdc_wait()
     wgt, denom = split_weights(part_ml_ptr, prow, NUM_SPLITS)
+    seen = wgt > 0  # splits that saw a key: only their partials are read (most are empty for a short context)
     acc = tl.zeros((BLOCK_V,), tl.float32)
     if EARLY:
-        o = tl.load(part_o_ptr + (prow * NUM_SPLITS + sp)[:, None] * R + r0_[None, :])
+        o = tl.load(part_o_ptr + (prow * NUM_SPLITS + sp)[:, None] * R + r0_[None, :], mask=seen[:, None], other=0.0)
         o_lat = rnd_bf16(tl.sum(o * wgt[:, None], axis=0) / denom)
         acc += tl.sum(o_lat[:, None] * w0.to(tl.float32), axis=0)
     for r0 in range(FIRST, R, CHUNK_R):
         rr = r0 + tl.arange(0, CHUNK_R)
-        o = tl.load(part_o_ptr + (prow * NUM_SPLITS + sp)[:, None] * R + rr[None, :])
+        o = tl.load(part_o_ptr + (prow * NUM_SPLITS + sp)[:, None] * R + rr[None, :], mask=seen[:, None], other=0.0)
         o_lat = rnd_bf16(tl.sum(o * wgt[:, None], axis=0) / denom)
         w = tl.load(w_uv_ptr + (head * R + rr)[:, None].to(tl.int64) * V + cols[None, :], mask=cmask[None, :],
                     other=0.0).to(tl.float32)
