@@ -515,11 +515,13 @@ class CoordinatorService:
         leading (checked here, and by the store's conditional writes). ``contexts``: per effect,
         the trace context to send it under (a batch's effects come from different traces).
 
-        Also an input with no effects counts only while leading: its handler may have read memory
-        that an earlier, unperformed input changed (a heartbeat's slot release applied in memory
-        whose write never happened makes that release's report a no-op), and its report must
-        then stay unacknowledged for the next leader, which reads the store."""
-        if not self.leadership.is_leading(mono_ms()):
+        An input with no effects passes while the lease is only late (a renewal still on its way can
+        prove nobody took over: _renew), but not once an earlier input's effects were refused and
+        this coordinator stepped down: that input had already changed the core's memory (a
+        heartbeat's slot release applied in memory whose write never happened makes the release's
+        report a no-op), so nothing more is taken from it and the report stays unacknowledged for
+        the next leader, which reads the store."""
+        if not self.leadership.is_leading(mono_ms()) and (effects or self.leadership.role != "leader"):
             raise NotLeading("the leader lease ran out")
         try:
             await self.store.write(effects)

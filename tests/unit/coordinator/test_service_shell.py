@@ -128,16 +128,24 @@ async def test_a_release_applied_only_in_memory_leaves_its_report_for_the_next_l
     assert store.stored() == [] and svc.core.leases == {}  # the slot is free again
 
 
-async def test_no_input_is_taken_once_the_lease_ran_out():
-    """Not leading: even an input with nothing to write (a repeated report, a quiet tick) is not
-    taken, so its report is not acknowledged, and nothing is sent."""
+async def test_once_stepped_down_no_input_is_taken_and_a_late_lease_alone_refuses_only_writes():
+    """The lease only late (its renewal may still prove nobody took over): an input with nothing to write
+    passes, one with effects is refused and steps down. From then on even an input with nothing to write
+    (a repeated report, a quiet tick) is not taken, so its report is not acknowledged, and nothing is sent."""
     bus, store = Bus(), Store()
     svc = leader(store, bus)
     grant = await decoding(svc, bus)
     sent = len(bus.sent)
+    started = DecodeStarted(request_id="r1", lease_id=grant.lease_id, generation=grant.generation,
+                            node_id="n1", slot=0)
     svc.leadership.valid_until_ms = 0
-    assert await report(svc, DecodeStarted(request_id="r1", lease_id=grant.lease_id,
-                                           generation=grant.generation, node_id="n1", slot=0)) is None
+    assert await report(svc, started) == [True]  # a repeat: nothing to write, nothing changed
+    assert svc.leadership.role == "leader"
+    claim = ClaimRequest(request_id="r2", model="m", num_prompt_tokens=8, max_tokens=4, wait_ms=0,
+                         protocol_version=1, transports=["mooncake"])
+    assert not await svc._apply(svc.core.on_claim, claim, "inbox.r2")  # a write: refused, stepped down
+    assert svc.leadership.role == "standby"
+    assert await report(svc, started) is None
     assert not await svc._apply(svc.core.tick)
     assert len(bus.sent) == sent
 
