@@ -6,8 +6,7 @@ the stream's acknowledgement (a start would hold the first step, and every other
 that round trip). ``run()`` publishes the queue one report at a time, each after the one before it
 was stored, retrying while the stream has no leader (``Bus.publish_stored``: a NATS member died, a
 new leader is being elected; after each of its windows, again), so no report is lost and none
-overtakes another. Token streams never
-wait for it. ``flush(timeout_s)`` waits for the queue to empty (at shutdown). Each queued report
+overtakes another. Token streams never wait for it. ``flush(timeout_s)`` waits for the queue to empty (at shutdown). Each queued report
 keeps its lease's trace context.
 """
 
@@ -46,23 +45,21 @@ class Reports:
         """Publish until stored: a stream without a leader for longer than one try's window (a
         cluster re-electing after losing members) delays this report and those behind it, it never
         drops one. Only a report that cannot be sent at all (not encodable) is logged and left."""
+        which = dict(report=type(e.event).__name__, request_id=getattr(e.event, "request_id", ""))
         attempts = 0
         while True:
             try:
                 await self.bus.publish_stored(e.subject, e.event)
                 if attempts:
-                    self.log.info("report_stored", report=type(e.event).__name__,
-                                  request_id=getattr(e.event, "request_id", ""), attempts=attempts + 1)
+                    self.log.info("report_stored", **which, attempts=attempts + 1)
                 return
             except BusTimeout as exc:
                 attempts += 1
-                self.log.warning("report_waiting", report=type(e.event).__name__,
-                                 request_id=getattr(e.event, "request_id", ""), error=str(exc),
+                self.log.warning("report_waiting", **which, error=str(exc),
                                  hint="the coordinator's report stream is not storing (no leader, or "
                                       "NATS unreachable); retrying, later reports wait behind this one")
             except Exception:
-                self.log.exception("report_failed", report=type(e.event).__name__,
-                                   request_id=getattr(e.event, "request_id", ""))
+                self.log.exception("report_failed", **which)
                 return
 
     async def flush(self, timeout_s: float) -> None:

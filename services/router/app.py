@@ -98,8 +98,7 @@ class Router:
 
     def _task_done(self, task: asyncio.Task) -> None:
         self._tasks.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            exc = task.exception()
+        if not task.cancelled() and (exc := task.exception()) is not None:
             _log.warning("background_task_failed", task=task.get_coro().__qualname__, error=repr(exc))
 
     @functools.cached_property

@@ -452,8 +452,8 @@ class MlaStack:
         self.attn = DecodeAttention(num_q_heads=d.num_heads, num_kv_heads=1, d_main=d.kv_lora_rank, d_v=d.kv_lora_rank,
                                     d_rope=d.rope, num_tokens=1 if batch else t, num_splits=num_splits,
                                     block_s=block_s, sm_scale=d.sm_scale, num_warps=4,
-                                    v_chunks=max(1, d.kv_lora_rank // 128), min_chunk=min_chunk, device=dev, pdl=self.pdl,
-                                    max_batch=t if batch else 1)  # [rows, 128] value slices: no spill at 4 x 16 rows
+                                    v_chunks=max(1, d.kv_lora_rank // 128), min_chunk=min_chunk, device=dev,
+                                    pdl=self.pdl, max_batch=t if batch else 1)  # [rows, 128] value slices: no spill at 4 x 16 rows
         self.moe = GroupedMoe(num_tokens=t, top_k=d.top_k, num_shared=d.num_shared, hidden=d.hidden,
                               inter=d.moe_inter, device=dev, pdl=self.pdl, early=self.early)
         self.dense = GroupedMoe(num_tokens=t, top_k=0, num_shared=1, hidden=d.hidden, inter=dense_inter,
