@@ -961,30 +961,32 @@ def run_dsv3_fp8(X, R: dict, ctx: int = 1024) -> None:
             except Exception:
                 log(traceback.format_exc()[-800:])
         X.fp8block.FMA_ACT_BLOCK_N, X.fp8block.ACC_ELEMS = base
-    default = X.fp8block.FMA_WIDEN
+    default = X.fp8block.GROUPED
     try:
-        for widen in dict.fromkeys((default, 1, 2)):  # the product's default first, then the one-token K widths
-            X.fp8block.FMA_WIDEN = widen
+        # the product's default first, then the one-token tiles' other layout ([rows, groups, 128] against
+        # [rows, K]: fp8block.GROUPED)
+        for grouped in dict.fromkeys((default, True, False)):
+            X.fp8block.GROUPED = grouped
             dec = X.mla_decoder.MlaDecoder(model, caches, cos, sin, max_draft=0, max_steps=4096)
             ms, runner = time_plain_step(dec, ctx)
-            R.setdefault("dsv3_shape_fp8_widen_ms", {})[widen] = ms
+            R.setdefault("dsv3_shape_fp8_grouped_ms", {})[str(grouped)] = ms
             toks = dec.out_tokens[:8].tolist()
-            log(f"  dsv3 shape FP8 (one-token K x{widen}): plain {ms:.3f} ms, {roof_ms / ms:.3f} of the roofline "
+            log(f"  dsv3 shape FP8 (grouped tiles {grouped}): plain {ms:.3f} ms, {roof_ms / ms:.3f} of the roofline "
                 f"{roof_ms:.3f} ms ({by['total'] / 1e9:.2f} GB); tokens {toks}")
-            if widen == default:
+            if grouped == default:
                 R["dsv3_shape_fp8_plain_ms"], R["dsv3_shape_fp8_tok_s"] = ms, 1e3 / ms
                 R["dsv3_shape_fp8_frac_roofline"] = roof_ms / ms
                 if "dsv3_shape_plain_ms" in R:
                     R["dsv3_shape_fp8_over_bf16"] = R["dsv3_shape_plain_ms"] / ms
                 R["dsv3_shape_fp8_tokens"] = toks
-            elif R["dsv3_shape_fp8_tokens"] != toks:  # another K width sums in another order: a near tie may part
-                R.setdefault("dsv3_shape_fp8_token_mismatch", []).append(widen)
+            elif R["dsv3_shape_fp8_tokens"] != toks:  # another tile sums in another order: a near tie may part
+                R.setdefault("dsv3_shape_fp8_token_mismatch", []).append(grouped)
             del dec, runner
     except Exception:
         R["dsv3_shape_fp8_error"] = traceback.format_exc()[-1500:]
         log(R["dsv3_shape_fp8_error"])
     finally:
-        X.fp8block.FMA_WIDEN = default
+        X.fp8block.GROUPED = default
     try:  # the compiled kernels against their torch twins over the same FP8 bytes (reference.linear reads BlockFp8)
         R["dsv3_shape_fp8_correctness"] = c = correctness(X, model, caches, cos, sin, ctx, steps=16)
         log(f"  dsv3 shape FP8 correctness: {c}")

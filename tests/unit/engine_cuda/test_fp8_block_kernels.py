@@ -62,6 +62,48 @@ def test_wider_one_token_fp8_tiles_compute_the_same(monkeypatch, widen):
     assert rel(out, linear_reference(x, w).to(BF)) <= 1e-2 / 4
 
 
+@pytest.mark.parametrize("k,norm,residual,heads", [
+    (200, True, False, False),  # K past the last whole tile, a partial last group
+    (256, False, True, False),
+    (256, False, True, True),  # the value projection's [heads, T, D] input
+])
+def test_grouped_one_token_tiles_compute_what_flat_tiles_do(monkeypatch, k, norm, residual, heads):
+    # fp8block.GROUPED: one token over grouped activations in [rows, groups, cols] tiles, the same arithmetic and
+    # rounding order per element as the [rows, K] tiles (only the fp32 sum's order differs); against the twin too
+    w = quantize(rand(64, k, std=0.2), (32, 32), act=True)
+    x, nw, res = rand(1, k), 1 + rand(k, std=0.1), rand(1, 64)
+    xin = x.view(k // 64, 1, 64) if heads else x
+    assert fp8block.groups(w, 1, False, 128) == 4 and fp8block.groups(w, 2, False, 128) == 0
+    outs = {}
+    for grouped in (True, False):
+        monkeypatch.setattr(fp8block, "GROUPED", grouped)
+        out = res.clone() if residual else torch.full((1, 64), float("nan"), dtype=BF)
+        moe.gemv_rows(xin, w, out, norm_w=nw if norm else None, residual=out if residual else None, block_n=8,
+                      block_k=128, heads=heads)
+        outs[grouped] = out
+    assert rel(outs[True], outs[False]) <= 1e-2 / 4
+    want = linear_reference(reference.rms_norm(x, nw, 1e-6) if norm else x, w).to(BF)
+    assert rel(outs[True], res + want if residual else want) <= 1e-2 / 4
+
+
+@pytest.mark.parametrize("fused_reduce", [True, False])
+def test_grouped_one_token_expert_tiles_compute_what_flat_tiles_do(monkeypatch, fused_reduce):
+    h, e, inter, k = 128, 8, 64, 2
+    xn, router_w, bias = rand(1, h, seed=1), rand(e, h, std=0.3, seed=2), torch.zeros(e)
+    ids, wts = torch.zeros(1, k, dtype=torch.int32), torch.zeros(1, k)
+    moe.router(xn, router_w, bias, ids, wts, k, 2.5)
+    parts = [quantize(rand(*shape, std=0.2, seed=seed), (32, 32), True)
+             for shape, seed in (((e, 2 * inter, h), 3), ((e, h, inter), 4), ((1, 2 * inter, h), 5), ((1, h, inter), 6))]
+    outs = {}
+    for grouped in (True, False):
+        monkeypatch.setattr(fp8block, "GROUPED", grouped)
+        hbuf = rand(1, h, seed=9)
+        moe.GroupedMoe(num_tokens=1, top_k=k, num_shared=1, hidden=h, inter=inter, device="cpu",
+                       tiles=((8, 64, 4, 1), (8, 64, 4, 1)), fused_reduce=fused_reduce)(xn, ids, wts, *parts, hbuf)
+        outs[grouped] = hbuf
+    assert rel(outs[True], outs[False]) <= 1e-2 / 4
+
+
 def test_block_fp8_activations_are_rounded_per_group():
     # one huge feature in the first 32-wide group must not coarsen the second group's rounding (the output reads
     # the second group only: the first group's weights are zero)

@@ -24,7 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .fp8block import BlockFp8, act_groups, col_scales, fp8_block_dot, fp8_fma, kernel_args
+from .fp8block import BlockFp8, act_groups, col_scales, fp8_block_dot, fp8_fma, fp8_fma_grouped, group_offs, kernel_args
+from .fp8block import groups as fp8_groups
 from .fp8block import tile as fp8_tile
 from .gemv import gdc_launch_dependents, gdc_wait, interpreting, launch_opts
 from .kernel_helpers import load_first_pair_tile, round_to_dtype
@@ -61,14 +62,31 @@ def _rows_x(x_ptr, nw_ptr, k, K, t, tmask, inv, stride_x, stride_xh, HEAD_DIM: t
 
 
 @triton.jit
+def _group_x(x_ptr, nw_ptr, offs, K, inv, stride_xh, HEAD_DIM: tl.constexpr, NORM: tl.constexpr):
+    # one token's input columns ``offs`` [G, SK] (fp8block.group_offs) as _rows_x reads them (bf16 values)
+    kmask = offs < K
+    if HEAD_DIM:
+        xcol = (offs // HEAD_DIM) * stride_xh + offs % HEAD_DIM
+    else:
+        xcol = offs
+    x = tl.load(x_ptr + xcol, mask=kmask, other=0.0)
+    if NORM:
+        nw = tl.load(nw_ptr + offs, mask=kmask, other=0.0)
+        xr = round_to_dtype(x.to(tl.float32) * inv, nw.dtype)
+        x = round_to_dtype(xr * nw.to(tl.float32), nw.dtype)
+    return x
+
+
+@triton.jit
 def _gemv_rows_kernel(x_ptr, w_ptr, out_ptr, res_ptr, nw_ptr, N, K, eps, stride_x, stride_o, stride_xh,
                       HEAD_DIM: tl.constexpr, T: tl.constexpr, T_PAD: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr,
                       K_POW2: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
                       DOT: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr = False,
                       EARLY: tl.constexpr = False, FP8: tl.constexpr = False, s_ptr=None, KB=0,
-                      SG: tl.constexpr = 1, SK: tl.constexpr = 1, ACT: tl.constexpr = False):
+                      SG: tl.constexpr = 1, SK: tl.constexpr = 1, ACT: tl.constexpr = False, GROUPS: tl.constexpr = 0):
     # FP8: W is block-scaled FP8 (fp8block.py), its scales s_ptr [ceil(N / SG), KB] per SG rows x SK columns (the
-    # program's rows in one scale row); on the tensor-core path BLOCK_K == SK
+    # program's rows in one scale row); on the tensor-core path BLOCK_K == SK. GROUPS (one token, grouped
+    # activations): the FMA tiles as [BLOCK_N, GROUPS, SK], GROUPS * SK == BLOCK_K (fp8block.fp8_fma_grouped)
     pid = tl.program_id(0)
     srow = (pid * BLOCK_N) // SG
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -77,9 +95,14 @@ def _gemv_rows_kernel(x_ptr, w_ptr, out_ptr, res_ptr, nw_ptr, N, K, eps, stride_
     tmask = t < T
     FIRST: tl.constexpr = BLOCK_K if EARLY else 0  # EARLY (with PDL): tile 0 before the wait, the loop from tile 1
     if EARLY:  # weights are never written: the first tile's round trip overlaps the previous kernel's tail
-        k0 = tl.arange(0, BLOCK_K)
-        w0 = tl.load(w_ptr + rows[:, None].to(tl.int64) * K + k0[None, :], mask=rmask[:, None] & (k0 < K)[None, :],
-                     other=0.0, eviction_policy="evict_first")
+        if GROUPS:
+            g0 = group_offs(0, GROUPS, SK)
+            w0 = tl.load(w_ptr + rows[:, None, None].to(tl.int64) * K + g0[None, :, :],
+                         mask=rmask[:, None, None] & (g0 < K)[None, :, :], other=0.0, eviction_policy="evict_first")
+        else:
+            k0 = tl.arange(0, BLOCK_K)
+            w0 = tl.load(w_ptr + rows[:, None].to(tl.int64) * K + k0[None, :], mask=rmask[:, None] & (k0 < K)[None, :],
+                         other=0.0, eviction_policy="evict_first")
     if PDL:  # x (and the residual) come from the previous kernel
         gdc_wait()
     inv = tl.full((T_PAD,), 1.0, tl.float32)
@@ -98,48 +121,69 @@ def _gemv_rows_kernel(x_ptr, w_ptr, out_ptr, res_ptr, nw_ptr, N, K, eps, stride_
             xs = tl.load(x_ptr + t[:, None] * stride_x + kk[None, :], mask=tmask[:, None] & (kk < K)[None, :],
                          other=0.0).to(tl.float32)
             inv = 1.0 / tl.sqrt(tl.sum(xs * xs, axis=1) / K + eps)
-    if DOT:  # several tokens: tensor-core dots [16, BLOCK_K] x [BLOCK_K, BLOCK_N], bf16 in, fp32 sums
-        acc2 = tl.zeros((T_PAD, BLOCK_N), dtype=tl.float32)
+    if GROUPS:  # one token over grouped-activation FP8 blocks
+        inv1 = tl.sum(inv, axis=0)
+        acc3 = tl.zeros((BLOCK_N, GROUPS, SK), dtype=tl.float32)
+        if EARLY:
+            x0 = _group_x(x_ptr, nw_ptr, g0, K, inv1, stride_xh, HEAD_DIM, NORM)
+            acc3 = fp8_fma_grouped(acc3, w0, x0, s_ptr, srow, 0, K, KB, GROUPS, SK)
+        for k in tl.range(FIRST, K, BLOCK_K, num_stages=STAGES):
+            offs = group_offs(k, GROUPS, SK)
+            x = _group_x(x_ptr, nw_ptr, offs, K, inv1, stride_xh, HEAD_DIM, NORM)
+            w = tl.load(w_ptr + rows[:, None, None].to(tl.int64) * K + offs[None, :, :],
+                        mask=rmask[:, None, None] & (offs < K)[None, :, :], other=0.0, eviction_policy="evict_first")
+            acc3 = fp8_fma_grouped(acc3, w, x, s_ptr, srow, k, K, KB, GROUPS, SK)
+        if PDL:
+            gdc_launch_dependents()
+        y = tl.sum(tl.sum(acc3, axis=2), axis=1)[None, :]  # [1, BLOCK_N]
+        omask = tmask[:, None] & rmask[None, :]
+        if RESIDUAL:
+            r = tl.load(res_ptr + t[:, None] * stride_o + rows[None, :], mask=omask, other=0.0)
+            y = r.to(tl.float32) + round_to_dtype(y, r.dtype)
+        tl.store(out_ptr + t[:, None] * stride_o + rows[None, :], y.to(out_ptr.dtype.element_ty), mask=omask)
     else:
-        acc = tl.zeros((T_PAD, BLOCK_N, BLOCK_K), dtype=tl.float32)
-    if EARLY:
-        x0 = _rows_x(x_ptr, nw_ptr, 0, K, t, tmask, inv, stride_x, stride_xh, HEAD_DIM, NORM, BLOCK_K)
-        if DOT:
-            if FP8:
-                acc2 = fp8_block_dot(x0, w0, acc2, tl.load(s_ptr + srow * KB), ACT, UPCAST)
-            else:
-                acc2 = mma(x0, w0, acc2, UPCAST)
+        if DOT:  # several tokens: tensor-core dots [16, BLOCK_K] x [BLOCK_K, BLOCK_N], bf16 in, fp32 sums
+            acc2 = tl.zeros((T_PAD, BLOCK_N), dtype=tl.float32)
         else:
-            if FP8:
-                acc = fp8_fma(acc, w0, x0, s_ptr, srow, 0, K, KB, T_PAD, SK, ACT, BLOCK_K)
+            acc = tl.zeros((T_PAD, BLOCK_N, BLOCK_K), dtype=tl.float32)
+        if EARLY:
+            x0 = _rows_x(x_ptr, nw_ptr, 0, K, t, tmask, inv, stride_x, stride_xh, HEAD_DIM, NORM, BLOCK_K)
+            if DOT:
+                if FP8:
+                    acc2 = fp8_block_dot(x0, w0, acc2, tl.load(s_ptr + srow * KB), ACT, UPCAST)
+                else:
+                    acc2 = mma(x0, w0, acc2, UPCAST)
             else:
-                acc += w0.to(tl.float32)[None, :, :] * x0.to(tl.float32)[:, None, :]
-    for k in tl.range(FIRST, K, BLOCK_K, num_stages=STAGES):
-        x = _rows_x(x_ptr, nw_ptr, k, K, t, tmask, inv, stride_x, stride_xh, HEAD_DIM, NORM, BLOCK_K)
-        offs = k + tl.arange(0, BLOCK_K)
-        w = tl.load(w_ptr + rows[:, None].to(tl.int64) * K + offs[None, :], mask=rmask[:, None] & (offs < K)[None, :],
-                    other=0.0, eviction_policy="evict_first")
+                if FP8:
+                    acc = fp8_fma(acc, w0, x0, s_ptr, srow, 0, K, KB, T_PAD, SK, ACT, BLOCK_K)
+                else:
+                    acc += w0.to(tl.float32)[None, :, :] * x0.to(tl.float32)[:, None, :]
+        for k in tl.range(FIRST, K, BLOCK_K, num_stages=STAGES):
+            x = _rows_x(x_ptr, nw_ptr, k, K, t, tmask, inv, stride_x, stride_xh, HEAD_DIM, NORM, BLOCK_K)
+            offs = k + tl.arange(0, BLOCK_K)
+            w = tl.load(w_ptr + rows[:, None].to(tl.int64) * K + offs[None, :], mask=rmask[:, None] & (offs < K)[None, :],
+                        other=0.0, eviction_policy="evict_first")
+            if DOT:
+                if FP8:
+                    acc2 = fp8_block_dot(x, w, acc2, tl.load(s_ptr + srow * KB + k // SK), ACT, UPCAST)
+                else:
+                    acc2 = mma(x, w, acc2, UPCAST)
+            else:
+                if FP8:
+                    acc = fp8_fma(acc, w, x, s_ptr, srow, k, K, KB, T_PAD, SK, ACT, BLOCK_K)
+                else:
+                    acc += w.to(tl.float32)[None, :, :] * x.to(tl.float32)[:, None, :]
+        if PDL:
+            gdc_launch_dependents()
         if DOT:
-            if FP8:
-                acc2 = fp8_block_dot(x, w, acc2, tl.load(s_ptr + srow * KB + k // SK), ACT, UPCAST)
-            else:
-                acc2 = mma(x, w, acc2, UPCAST)
+            y = acc2
         else:
-            if FP8:
-                acc = fp8_fma(acc, w, x, s_ptr, srow, k, K, KB, T_PAD, SK, ACT, BLOCK_K)
-            else:
-                acc += w.to(tl.float32)[None, :, :] * x.to(tl.float32)[:, None, :]
-    if PDL:
-        gdc_launch_dependents()
-    if DOT:
-        y = acc2
-    else:
-        y = tl.sum(acc, axis=2)  # [T_PAD, BLOCK_N]
-    omask = tmask[:, None] & rmask[None, :]
-    if RESIDUAL:
-        r = tl.load(res_ptr + t[:, None] * stride_o + rows[None, :], mask=omask, other=0.0)
-        y = r.to(tl.float32) + round_to_dtype(y, r.dtype)
-    tl.store(out_ptr + t[:, None] * stride_o + rows[None, :], y.to(out_ptr.dtype.element_ty), mask=omask)
+            y = tl.sum(acc, axis=2)  # [T_PAD, BLOCK_N]
+        omask = tmask[:, None] & rmask[None, :]
+        if RESIDUAL:
+            r = tl.load(res_ptr + t[:, None] * stride_o + rows[None, :], mask=omask, other=0.0)
+            y = r.to(tl.float32) + round_to_dtype(y, r.dtype)
+        tl.store(out_ptr + t[:, None] * stride_o + rows[None, :], y.to(out_ptr.dtype.element_ty), mask=omask)
 
 
 DOT_ROWS = 16  # tokens padded to one tensor-core tile when T > 1
@@ -184,6 +228,8 @@ def gemv_rows(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, *, norm_w: to
         block_k = max(32, block_k // triton.next_power_of_2(t))  # the [T, BLOCK_N, BLOCK_K] accumulator in registers
     block_n, block_k = fp8_tile(w, block_n, block_k, dot)
     fp8 = kernel_args(w)
+    if fp8:
+        fp8["GROUPS"] = fp8_groups(w, t, dot, block_k)
     w = w.w if fp8 else w
     _gemv_rows_kernel[(triton.cdiv(n, block_n),)](
         x, w, out, residual if residual is not None else out, norm_w if norm_w is not None else x, n, k, eps,
@@ -369,9 +415,10 @@ def _moe_gate_up_kernel(x_ptr, ids_ptr, w_ptr, ws_ptr, act_ptr, I, K, stride_e,
                         SLOTS_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
                         DOT: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr = False,
                         FP8: tl.constexpr = False, s_ptr=None, ss_ptr=None, stride_se=0, KB=0, SG: tl.constexpr = 1,
-                        SK: tl.constexpr = 1, ACT: tl.constexpr = False):
+                        SK: tl.constexpr = 1, ACT: tl.constexpr = False, GROUPS: tl.constexpr = 0):
     # FP8: block-scaled FP8 experts (fp8block.py), scales s_ptr / ss_ptr [E, ceil(2I / SG), KB] (gate's and up's
-    # rows of a program each in one scale row: I a multiple of BLOCK_N)
+    # rows of a program each in one scale row: I a multiple of BLOCK_N); GROUPS: one token's grouped-activation
+    # tiles [BLOCK_N, GROUPS, SK] (gemv_rows' GROUPS)
     p = tl.program_id(0)
     if PDL:  # the router's ids and the input rows come from earlier kernels
         gdc_wait()
@@ -391,43 +438,59 @@ def _moe_gate_up_kernel(x_ptr, ids_ptr, w_ptr, ws_ptr, act_ptr, I, K, stride_e,
         rmask = rows < I
         tt = tl.arange(0, T_PAD)
         uses = pair_of >= 0
-        if DOT:
+        if GROUPS:
+            acc_a3 = tl.zeros((BLOCK_N, GROUPS, SK), tl.float32)
+            acc_b3 = tl.zeros((BLOCK_N, GROUPS, SK), tl.float32)
+        elif DOT:
             dot_a = tl.zeros((T_PAD, BLOCK_N), tl.float32)
             dot_b = tl.zeros((T_PAD, BLOCK_N), tl.float32)
         else:
             acc_a = tl.zeros((T_PAD, BLOCK_N, BLOCK_K), tl.float32)
             acc_b = tl.zeros((T_PAD, BLOCK_N, BLOCK_K), tl.float32)
         for k in tl.range(0, K, BLOCK_K, num_stages=STAGES):
-            offs = k + tl.arange(0, BLOCK_K)
-            x = tl.load(x_ptr + tt[:, None] * K + offs[None, :], mask=uses[:, None] & (offs < K)[None, :], other=0.0)
-            wmask = rmask[:, None] & (offs < K)[None, :]
-            wa = tl.load(base + rows[:, None].to(tl.int64) * K + offs[None, :], mask=wmask, other=0.0)
-            wb = tl.load(base + (rows + I)[:, None].to(tl.int64) * K + offs[None, :], mask=wmask, other=0.0)
-            if DOT:
-                if FP8:
-                    dot_a = fp8_block_dot(x, wa, dot_a, tl.load(sbase + srow_a * KB + k // SK), ACT, UPCAST)
-                    dot_b = fp8_block_dot(x, wb, dot_b, tl.load(sbase + srow_b * KB + k // SK), ACT, UPCAST)
-                else:
-                    dot_a = mma(x, wa, dot_a, UPCAST)
-                    dot_b = mma(x, wb, dot_b, UPCAST)
+            if GROUPS:  # one token (its row is used: is_first)
+                go = group_offs(k, GROUPS, SK)
+                xg = tl.load(x_ptr + go, mask=go < K, other=0.0)
+                gmask = rmask[:, None, None] & (go < K)[None, :, :]
+                wa3 = tl.load(base + rows[:, None, None].to(tl.int64) * K + go[None, :, :], mask=gmask, other=0.0)
+                wb3 = tl.load(base + (rows + I)[:, None, None].to(tl.int64) * K + go[None, :, :], mask=gmask,
+                              other=0.0)
+                acc_a3 = fp8_fma_grouped(acc_a3, wa3, xg, sbase, srow_a, k, K, KB, GROUPS, SK)
+                acc_b3 = fp8_fma_grouped(acc_b3, wb3, xg, sbase, srow_b, k, K, KB, GROUPS, SK)
             else:
-                if FP8:
-                    if ACT:  # the input rounded once, each half's block scales on its own copy
-                        xq = act_groups(x, T_PAD, SK, ACT, BLOCK_K)
-                        xa = xq * col_scales(sbase, srow_a, k, K, KB, SK, BLOCK_K)[None, :]
-                        xb = xq * col_scales(sbase, srow_b, k, K, KB, SK, BLOCK_K)[None, :]
-                        acc_a += wa.to(tl.float32)[None, :, :] * xa[:, None, :]
-                        acc_b += wb.to(tl.float32)[None, :, :] * xb[:, None, :]
+                offs = k + tl.arange(0, BLOCK_K)
+                x = tl.load(x_ptr + tt[:, None] * K + offs[None, :], mask=uses[:, None] & (offs < K)[None, :], other=0.0)
+                wmask = rmask[:, None] & (offs < K)[None, :]
+                wa = tl.load(base + rows[:, None].to(tl.int64) * K + offs[None, :], mask=wmask, other=0.0)
+                wb = tl.load(base + (rows + I)[:, None].to(tl.int64) * K + offs[None, :], mask=wmask, other=0.0)
+                if DOT:
+                    if FP8:
+                        dot_a = fp8_block_dot(x, wa, dot_a, tl.load(sbase + srow_a * KB + k // SK), ACT, UPCAST)
+                        dot_b = fp8_block_dot(x, wb, dot_b, tl.load(sbase + srow_b * KB + k // SK), ACT, UPCAST)
                     else:
-                        acc_a = fp8_fma(acc_a, wa, x, sbase, srow_a, k, K, KB, T_PAD, SK, ACT, BLOCK_K)
-                        acc_b = fp8_fma(acc_b, wb, x, sbase, srow_b, k, K, KB, T_PAD, SK, ACT, BLOCK_K)
+                        dot_a = mma(x, wa, dot_a, UPCAST)
+                        dot_b = mma(x, wb, dot_b, UPCAST)
                 else:
-                    acc_a += wa.to(tl.float32)[None, :, :] * x.to(tl.float32)[:, None, :]
-                    acc_b += wb.to(tl.float32)[None, :, :] * x.to(tl.float32)[:, None, :]
+                    if FP8:
+                        if ACT:  # the input rounded once, each half's block scales on its own copy
+                            xq = act_groups(x, T_PAD, SK, ACT, BLOCK_K)
+                            xa = xq * col_scales(sbase, srow_a, k, K, KB, SK, BLOCK_K)[None, :]
+                            xb = xq * col_scales(sbase, srow_b, k, K, KB, SK, BLOCK_K)[None, :]
+                            acc_a += wa.to(tl.float32)[None, :, :] * xa[:, None, :]
+                            acc_b += wb.to(tl.float32)[None, :, :] * xb[:, None, :]
+                        else:
+                            acc_a = fp8_fma(acc_a, wa, x, sbase, srow_a, k, K, KB, T_PAD, SK, ACT, BLOCK_K)
+                            acc_b = fp8_fma(acc_b, wb, x, sbase, srow_b, k, K, KB, T_PAD, SK, ACT, BLOCK_K)
+                    else:
+                        acc_a += wa.to(tl.float32)[None, :, :] * x.to(tl.float32)[:, None, :]
+                        acc_b += wb.to(tl.float32)[None, :, :] * x.to(tl.float32)[:, None, :]
         if PDL:
             gdc_launch_dependents()
         dt = act_ptr.dtype.element_ty
-        if DOT:
+        if GROUPS:
+            g = round_to_dtype(tl.sum(tl.sum(acc_a3, axis=2), axis=1)[None, :], dt)
+            u = round_to_dtype(tl.sum(tl.sum(acc_b3, axis=2), axis=1)[None, :], dt)
+        elif DOT:
             g = round_to_dtype(dot_a, dt)
             u = round_to_dtype(dot_b, dt)
         else:
@@ -446,7 +509,7 @@ def _moe_down_kernel(act_ptr, ids_ptr, w_ptr, ws_ptr, y_ptr, H, I, stride_e,
                      EARLY: tl.constexpr = False, wts_ptr=None, h_ptr=None, count_ptr=None,
                      NUM_SHARED: tl.constexpr = 0, REDUCE: tl.constexpr = False, FP8: tl.constexpr = False,
                      s_ptr=None, ss_ptr=None, stride_se=0, KB=0, SG: tl.constexpr = 1, SK: tl.constexpr = 1,
-                     ACT: tl.constexpr = False):
+                     ACT: tl.constexpr = False, GROUPS: tl.constexpr = 0):
     # the router's ids are read before any wait (with PDL: the router finished before the gate/up kernel that
     # let us launch passed its own wait); EARLY (with PDL): the expert's first weight tile too. The
     # activations wait. REDUCE: the last of a column block's programs (every pair's, counted in count_ptr) adds
@@ -466,50 +529,70 @@ def _moe_down_kernel(act_ptr, ids_ptr, w_ptr, ws_ptr, y_ptr, H, I, stride_e,
     rmask = rows < H
     FIRST: tl.constexpr = BLOCK_K if EARLY else 0
     if EARLY:
-        k0 = tl.arange(0, BLOCK_K)
         load0 = rmask & (tl.zeros((BLOCK_N,), tl.int32) + is_first.to(tl.int32) > 0)  # a duplicate pair: none
-        w0 = tl.load(base + rows[:, None].to(tl.int64) * I + k0[None, :], mask=load0[:, None] & (k0 < I)[None, :],
-                     other=0.0)
+        if GROUPS:  # one token's grouped-activation tiles (gemv_rows' GROUPS)
+            g0 = group_offs(0, GROUPS, SK)
+            w0 = tl.load(base + rows[:, None, None].to(tl.int64) * I + g0[None, :, :],
+                         mask=load0[:, None, None] & (g0 < I)[None, :, :], other=0.0)
+        else:
+            k0 = tl.arange(0, BLOCK_K)
+            w0 = tl.load(base + rows[:, None].to(tl.int64) * I + k0[None, :], mask=load0[:, None] & (k0 < I)[None, :],
+                         other=0.0)
     if PDL:
         gdc_wait()
     if is_first:
         uses = pair_of >= 0
         src = tl.where(uses, pair_of, 0).to(tl.int64) * I
-        if DOT:
-            acc2 = tl.zeros((T_PAD, BLOCK_N), tl.float32)
+        if GROUPS:
+            src1 = tl.sum(src, axis=0)  # the one token's pair row
+            acc3 = tl.zeros((BLOCK_N, GROUPS, SK), tl.float32)
+            if EARLY:
+                x0 = tl.load(act_ptr + src1 + g0, mask=g0 < I, other=0.0)
+                acc3 = fp8_fma_grouped(acc3, w0, x0, sbase, srow, 0, I, KB, GROUPS, SK)
+            for k in tl.range(FIRST, I, BLOCK_K, num_stages=STAGES):
+                go = group_offs(k, GROUPS, SK)
+                x = tl.load(act_ptr + src1 + go, mask=go < I, other=0.0)
+                w = tl.load(base + rows[:, None, None].to(tl.int64) * I + go[None, :, :],
+                            mask=rmask[:, None, None] & (go < I)[None, :, :], other=0.0)
+                acc3 = fp8_fma_grouped(acc3, w, x, sbase, srow, k, I, KB, GROUPS, SK)
         else:
-            acc = tl.zeros((T_PAD, BLOCK_N, BLOCK_K), tl.float32)
-        if EARLY:
-            k0 = tl.arange(0, BLOCK_K)
-            x0 = tl.load(act_ptr + src[:, None] + k0[None, :], mask=uses[:, None] & (k0 < I)[None, :], other=0.0)
             if DOT:
-                if FP8:
-                    acc2 = fp8_block_dot(x0, w0, acc2, tl.load(sbase + srow * KB), ACT, UPCAST)
-                else:
-                    acc2 = mma(x0, w0, acc2, UPCAST)
+                acc2 = tl.zeros((T_PAD, BLOCK_N), tl.float32)
             else:
-                if FP8:
-                    acc = fp8_fma(acc, w0, x0, sbase, srow, 0, I, KB, T_PAD, SK, ACT, BLOCK_K)
+                acc = tl.zeros((T_PAD, BLOCK_N, BLOCK_K), tl.float32)
+            if EARLY:
+                k0 = tl.arange(0, BLOCK_K)
+                x0 = tl.load(act_ptr + src[:, None] + k0[None, :], mask=uses[:, None] & (k0 < I)[None, :], other=0.0)
+                if DOT:
+                    if FP8:
+                        acc2 = fp8_block_dot(x0, w0, acc2, tl.load(sbase + srow * KB), ACT, UPCAST)
+                    else:
+                        acc2 = mma(x0, w0, acc2, UPCAST)
                 else:
-                    acc += w0.to(tl.float32)[None, :, :] * x0.to(tl.float32)[:, None, :]
-        for k in tl.range(FIRST, I, BLOCK_K, num_stages=STAGES):
-            offs = k + tl.arange(0, BLOCK_K)
-            x = tl.load(act_ptr + src[:, None] + offs[None, :], mask=uses[:, None] & (offs < I)[None, :], other=0.0)
-            w = tl.load(base + rows[:, None].to(tl.int64) * I + offs[None, :], mask=rmask[:, None] & (offs < I)[None, :],
-                        other=0.0)
-            if DOT:
-                if FP8:
-                    acc2 = fp8_block_dot(x, w, acc2, tl.load(sbase + srow * KB + k // SK), ACT, UPCAST)
+                    if FP8:
+                        acc = fp8_fma(acc, w0, x0, sbase, srow, 0, I, KB, T_PAD, SK, ACT, BLOCK_K)
+                    else:
+                        acc += w0.to(tl.float32)[None, :, :] * x0.to(tl.float32)[:, None, :]
+            for k in tl.range(FIRST, I, BLOCK_K, num_stages=STAGES):
+                offs = k + tl.arange(0, BLOCK_K)
+                x = tl.load(act_ptr + src[:, None] + offs[None, :], mask=uses[:, None] & (offs < I)[None, :], other=0.0)
+                w = tl.load(base + rows[:, None].to(tl.int64) * I + offs[None, :], mask=rmask[:, None] & (offs < I)[None, :],
+                            other=0.0)
+                if DOT:
+                    if FP8:
+                        acc2 = fp8_block_dot(x, w, acc2, tl.load(sbase + srow * KB + k // SK), ACT, UPCAST)
+                    else:
+                        acc2 = mma(x, w, acc2, UPCAST)
                 else:
-                    acc2 = mma(x, w, acc2, UPCAST)
-            else:
-                if FP8:
-                    acc = fp8_fma(acc, w, x, sbase, srow, k, I, KB, T_PAD, SK, ACT, BLOCK_K)
-                else:
-                    acc += w.to(tl.float32)[None, :, :] * x.to(tl.float32)[:, None, :]
+                    if FP8:
+                        acc = fp8_fma(acc, w, x, sbase, srow, k, I, KB, T_PAD, SK, ACT, BLOCK_K)
+                    else:
+                        acc += w.to(tl.float32)[None, :, :] * x.to(tl.float32)[:, None, :]
         if PDL:
             gdc_launch_dependents()
-        if DOT:
+        if GROUPS:
+            y = tl.sum(tl.sum(acc3, axis=2), axis=1)[None, :]
+        elif DOT:
             y = acc2
         else:
             y = tl.sum(acc, axis=2)  # fp32, unrounded: the shared halves are summed before rounding
@@ -617,8 +700,8 @@ class GroupedMoe:
                 raise ValueError(f"FP8 experts of {inter} rows in {w_gate_up.rows}-row scale blocks")
             bn, bk = fp8_tile(w_gate_up, bn, bk, dot, accumulators=2)  # gate and up rows a program
             bn2, bk2 = fp8_tile(w_down, bn2, bk2, dot)
-            up_args = _expert_scales(w_gate_up, shared_gate_up)
-            down_args = _expert_scales(w_down, shared_down)
+            up_args = dict(_expert_scales(w_gate_up, shared_gate_up), GROUPS=fp8_groups(w_gate_up, t, dot, bk))
+            down_args = dict(_expert_scales(w_down, shared_down), GROUPS=fp8_groups(w_down, t, dot, bk2))
             w_gate_up, shared_gate_up, w_down, shared_down = w_gate_up.w, shared_gate_up.w, w_down.w, shared_down.w
         pairs = t * self.slots
         _moe_gate_up_kernel[(pairs, triton.cdiv(inter, bn))](
