@@ -143,6 +143,32 @@ def timing(make_dec, s: dict, ctx: int, slot, max_tokens: int, steps_per_replay:
     return ms
 
 
+def profile_steps(X, F, R: dict, s: dict, ctx: int, slot, max_tokens: int, decs: dict) -> None:
+    """Per-kernel device time of 3 eager steps of each decoder in ``decs`` (name -> make_dec), torch profiler:
+    ``llama8b_profile_<name>`` rows (kernel, launches a step, us a step), slowest first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from decode_gpu_mla import kernel_rows  # bench/ is on sys.path when run as a script
+
+    _, kc, vc = slot
+    cos, sin = rope_tables(LLAMA_ROPE, s["d"], max_tokens)
+    for name, make_dec in decs.items():
+        dec = make_dec(kc, vc, cos, sin, max_tokens)
+        dec.set_state(1, ctx)
+        dec.step()
+        torch.cuda.synchronize()
+        dec.set_state(1, ctx)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(3):
+                dec.step()
+            torch.cuda.synchronize()
+        rows = kernel_rows(prof, 3)
+        R[f"llama8b_profile_{name}"] = rows[:20]
+        log(f"  profile {name}: {sum(r[2] for r in rows):.0f} us in {sum(r[1] for r in rows)} kernels a step; "
+            + "; ".join(f"{n} x{c} {t}us" for n, c, t in rows[:12]))
+        del dec
+
+
 def correctness(X, make_dec, ref_model, s: dict, ctx: int, steps: int = 64, kv_fp8: bool = False) -> dict:
     """The FP8 step (graph, one step a replay) against the dequantized reference step, teacher-forced
     (``kv_fp8``: the step over an FP8 cache, the reference over the same cache dequantized to bf16, its
@@ -263,8 +289,9 @@ def run(R: dict) -> None:
     torch.cuda.synchronize()
     bf16_bytes, fp8_bytes = model.weight_bytes(), F.fp8_bytes_per_step(fmodel, scales)
     R["llama8b_bf16_weight_GB"], R["llama8b_fp8_weight_GB"] = bf16_bytes / 1e9, fp8_bytes / 1e9
-    for key, m, f8, kvf in (("fp8kv", model, None, True), ("fp8", fmodel, (scales, True), False),
-                            ("fp8_fp8kv", fmodel, (scales, True), True)):
+    batch_parts = () if os.environ.get("FP8_PROFILE") else (
+        ("fp8kv", model, None, True), ("fp8", fmodel, (scales, True), False), ("fp8_fp8kv", fmodel, (scales, True), True))
+    for key, m, f8, kvf in batch_parts:
         try:  # the batched step: bf16 weights + FP8 KV, FP8 weights + bf16 KV, both FP8
             batched(X, F, m, s, R, key, fp8=f8, kv_fp8=kvf)
         except Exception:  # noqa: BLE001 - the other parts still run
@@ -314,6 +341,10 @@ def run(R: dict) -> None:
     R["llama8b_fp8_ctx1k_tok_s"] = ok[best]["tok_s"]
     R["llama8b_fp8_ctx1k_frac_roofline"] = ok[best]["frac_roofline"]
     R["llama8b_fp8_over_bf16"] = ms_bf16 / ok[best]["ms"]
+    if os.environ.get("FP8_PROFILE"):  # per-kernel device time of eager steps (PDL off: each kernel alone), then stop
+        profile_steps(X, F, R, s, ctx, slot, mt, {"fp8": fp8_dec(replace(bopts, pdl=False)),
+                                                  "bf16": lambda *a: bf16_dec(*a, opts=replace(base, pdl=False))})
+        return
     try:
         ms = min(timing(fp8_dec(bopts, act=False), s, ctx, slot, mt) for _ in range(2))
         R["llama8b_fp8_weight_only_ctx1k_tok_s"] = 1e3 / ms

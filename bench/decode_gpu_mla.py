@@ -993,6 +993,19 @@ def run_dsv3_fp8(X, R: dict, ctx: int = 1024) -> None:
     except Exception:
         R["dsv3_shape_fp8_correctness"] = {"error": traceback.format_exc()[-800:]}
         log(traceback.format_exc()[-1500:])
+    moe_layers = [l for l in model.layers + ([model.mtp.layer] if model.mtp else []) if l.is_moe]
+    try:  # the same with every token routed to the same experts: random 256-expert grouped routing flips on
+        # differences far below a kernel error, which this check then no longer mistakes for one
+        for l in moe_layers:
+            l.router_bias[: s["top_k"]] += 100.0
+        R["dsv3_shape_fp8_correctness_samerouting"] = c = correctness(X, model, caches, cos, sin, ctx, steps=16)
+        log(f"  dsv3 shape FP8 correctness, same routing: {c}")
+    except Exception:
+        R["dsv3_shape_fp8_correctness_samerouting"] = {"error": traceback.format_exc()[-800:]}
+        log(traceback.format_exc()[-1500:])
+    finally:
+        for l in moe_layers:
+            l.router_bias[: s["top_k"]] -= 100.0
     if os.environ.get("MLA_FP8_BREAKDOWN"):  # graph-timed pieces and the per-kernel profile (profile last)
         try:
             breakdown(X, model, caches, cos, sin, ctx, "dsv3_shape_fp8_", R)
