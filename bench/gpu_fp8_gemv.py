@@ -105,7 +105,14 @@ def copy_gbs() -> float:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=str(ROOT / "bench/results/gpu_fp8_gemv.json"))
+    p.add_argument("--quick", action="store_true", help="the product's tiles and a few neighbours (cvt only)")
     args = p.parse_args()
+    kinds = [("cvt", CVT, lambda i, v: gemv_fp8(x, ws[i], scale, y, act=True, **v)),
+             ("dot", DOT, lambda i, v: gemv_fp8_dot(x, ws[i], scale, y, **v))]
+    if args.quick:
+        quick = [dict(block_n=bn, block_k=bk, num_warps=4, stages=st) for bn, bk, st in
+                 ((16, 512, 3), (32, 256, 6), (16, 1024, 3), (32, 512, 4), (64, 256, 4), (16, 256, 6))]
+        kinds = [("cvt", quick, kinds[0][2])]
     torch.manual_seed(0)
     copy = copy_gbs()
     print(f"copy {copy:.0f} GB/s  {torch.cuda.get_device_name()}", flush=True)
@@ -121,8 +128,7 @@ def main() -> None:
         y = torch.empty(n, device="cuda", dtype=torch.bfloat16)
         want = gemv_fp8_reference(x, w8, scale, act=True).float()
         rows = []
-        for kind, variants, fn in (("cvt", CVT, lambda i, v: gemv_fp8(x, ws[i], scale, y, act=True, **v)),
-                                   ("dot", DOT, lambda i, v: gemv_fp8_dot(x, ws[i], scale, y, **v))):
+        for kind, variants, fn in kinds:
             for v in variants:
                 try:
                     fn(0, v)
@@ -135,7 +141,7 @@ def main() -> None:
                 gbs = nbytes / ms / 1e6
                 rows.append({"kind": kind, **v, "us": ms * 1e3, "gbs": gbs, "frac_copy": gbs / copy, "rel_err": err})
         best = {kind: max((r for r in rows if r["kind"] == kind), key=lambda r: r["gbs"], default=None)
-                for kind in ("cvt", "dot")}
+                for kind in [k_[0] for k_ in kinds]}
         for kind, r in best.items():
             if r:
                 print(f"{name:8s} {kind}: {r['us']:7.1f} us {r['gbs']:6.0f} GB/s {r['frac_copy']:.3f} of copy "
