@@ -378,12 +378,18 @@ def plain_tile_sweep(X, model, caches, cos, sin, ctx: int, R: dict, tag: str = "
     projections (wqkv_a, wo; wq_b with q LoRA). Plain step ms (graph-timed) per candidate under
     ``{tag}plain_tile_sweep``; the best whole as ``{tag}plain_ms_tuned``."""
     S = R[f"{tag}plain_tile_sweep"] = {}
-    product = {"gate_up": X.moe.GroupedMoe.PLAIN_TILES[0], "down": X.moe.GroupedMoe.PLAIN_TILES[1], "splits": 16,
+    product = {"gate_up": X.moe.GroupedMoe.PLAIN_TILES[0], "down": X.moe.GroupedMoe.PLAIN_TILES[1],
+               "splits": (16, X.mla.SPLIT_MIN_ROWS),
                **X.mla.MlaStack.PLAIN_TILES}
     best = dict(product)
 
     def time_cfg(cfg) -> float:
-        dec = X.mla_decoder.MlaDecoder(model, caches, cos, sin, max_draft=0, max_steps=4096, num_splits=cfg["splits"])
+        splits, min_rows = cfg["splits"]  # the split count and the fewest latent rows a split takes
+        keep, X.mla.SPLIT_MIN_ROWS = X.mla.SPLIT_MIN_ROWS, min_rows
+        try:
+            dec = X.mla_decoder.MlaDecoder(model, caches, cos, sin, max_draft=0, max_steps=4096, num_splits=splits)
+        finally:
+            X.mla.SPLIT_MIN_ROWS = keep
         st = dec.stacks[1]
         st.moe.tiles = (cfg["gate_up"], cfg["down"])
         st.tiles = {k: cfg[k] for k in ("wqkv_a", "wo", "wq_b")}
@@ -394,7 +400,7 @@ def plain_tile_sweep(X, model, caches, cos, sin, ctx: int, R: dict, tag: str = "
     base = time_cfg(best)
     S["default"] = base
     log(f"  {tag}plain tiles: product default {base * 1e3:.1f} us")
-    groups = [("gate_up", MOE_GATE_UP_TILES), ("down", MOE_DOWN_TILES), ("splits", [8, 16, 32]),
+    groups = [("gate_up", MOE_GATE_UP_TILES), ("down", MOE_DOWN_TILES), ("splits", [(8, 64), (16, 64), (32, 32), (64, 16), (16, 32)]),
               ("wqkv_a", PROJ_TILES), ("wo", PROJ_TILES)]
     if model.layers[-1].wq_b is not None:
         groups.append(("wq_b", PROJ_TILES))
@@ -423,6 +429,33 @@ FUSED_VARIANTS = {  # (the merge + o . w_uv fused, its (value columns, latent ch
     "unfused": (False, None, False), "fused": (True, None, True), "uv_only": (True, None, False),
     "router_only": (False, None, True), "uv_four_chunks": (True, (32, 128, 4), True),
 }
+
+
+def shared_router_ab(X, model, caches, cos, sin, ctx: int, R: dict, tag: str, roof_ms: float) -> None:
+    """The plain step with the shared experts' gate/up in the fused router's launch (MlaStack.SHARED_IN_ROUTER, the
+    default) and in the grouped experts' launch, alternated three times in one process (best of each), with the
+    greedy tokens of each (``{tag}shared_in_router``)."""
+    S = X.mla.MlaStack
+    keep = S.SHARED_IN_ROUTER
+    out: dict = {"True": [], "False": []}
+    toks = {}
+    try:
+        for _ in range(3):
+            for on in (True, False):
+                S.SHARED_IN_ROUTER = on
+                dec = X.mla_decoder.MlaDecoder(model, caches, cos, sin, max_draft=0, max_steps=4096)
+                ms, runner = time_plain_step(dec, ctx)
+                out[str(on)].append(ms)
+                toks[str(on)] = dec.out_tokens[:8].tolist()
+                del runner, dec
+    finally:
+        S.SHARED_IN_ROUTER = keep
+    best = {k: min(v) for k, v in out.items()}
+    R[f"{tag}shared_in_router"] = {"ms": out, "best_ms": best, "frac_roofline": {k: roof_ms / v for k, v in best.items()},
+                                   "tokens": toks, "tokens_equal": toks["True"] == toks["False"]}
+    log(f"  {tag}shared experts in the router's launch: {best['True'] * 1e3:.1f} us ({roof_ms / best['True']:.3f}) "
+        f"against {best['False'] * 1e3:.1f} us ({roof_ms / best['False']:.3f}); tokens equal "
+        f"{toks['True'] == toks['False']}")
 
 
 def fused_middle_ab(X, model, caches, cos, sin, ctx: int, R: dict, tag: str, variants=None) -> None:
@@ -762,6 +795,9 @@ def run_mla(X, R: dict, ctx: int = 1024) -> None:
     if os.environ.get("MLA_FUSED_AB"):  # the attention middle's variants alone (a short run)
         fused_middle_ab(X, model, caches, cos, sin, ctx, R, "dsv2lite_", variants=list(FUSED_VARIANTS))
         return
+    if os.environ.get("MLA_SHARED_AB"):  # the shared experts' gate/up in the router's launch or in the experts'
+        shared_router_ab(X, model, caches, cos, sin, ctx, R, "dsv2lite_", roof_ms)
+        return
     if os.environ.get("MLA_PLAIN_SWEEP_ONLY"):  # the one-token tile sweep alone (a short run)
         fused_middle_ab(X, model, caches, cos, sin, ctx, R, "dsv2lite_")
         plain_tile_sweep(X, model, caches, cos, sin, ctx, R)
@@ -907,6 +943,9 @@ def run_dsv3(X, R: dict, ctx: int = 1024) -> None:
         tiles_ab(X, model, caches, cos, sin, ctx, R, "dsv3_shape_", rounds=2)
         R["dsv3_shape_frac_roofline"] = roof_ms / R["dsv3_shape_pdl_ab"]["pdl_early"]
         log(f"  dsv3 shape of roofline on the defaults: {R['dsv3_shape_frac_roofline']:.3f} (roofline {roof_ms:.3f} ms)")
+        return
+    if os.environ.get("MLA_SHARED_AB"):
+        shared_router_ab(X, model, caches, cos, sin, ctx, R, "dsv3_shape_", roof_ms)
         return
     if os.environ.get("MLA_QUICK"):  # the plain step only, fused middle against unfused (a short run)
         fused_middle_ab(X, model, caches, cos, sin, ctx, R, "dsv3_shape_")

@@ -95,3 +95,44 @@ def test_absorb_kernel_is_the_bmm(heads, nope, rope, r, block_r, early, rows, pd
     q_nope = qkv[:, :heads * (nope + rope)].view(rows, heads, nope + rope)[..., :nope]
     want = (q_nope.float().transpose(0, 1) @ w_uk.float()).to(BF)  # [H, rows, r]
     assert torch.equal(out, want) or ((out.float() - want.float()).abs().max() <= want.float().abs().max() * 2**-7)
+
+
+@pytest.mark.parametrize("experts,top_k,n_group,topk_group,hidden,inter,shared,tile", [
+    (8, 2, 1, 1, 32, 24, 1, (8, 16, 4, 1)),  # the tiny test models
+    (64, 6, 1, 1, 256, 40, 2, (16, 64, 4, 2)),  # V2-Lite's routing and two shared experts; a partial row block
+    (256, 8, 8, 4, 128, 32, 1, (8, 512, 4, 3)),  # V3's group-limited routing; K in one tile
+])
+@pytest.mark.parametrize("pdl", [False, True])
+def test_shared_experts_in_the_router_launch_equal_their_gate_up_launch(experts, top_k, n_group, topk_group,
+                                                                       hidden, inter, shared, tile, pdl,
+                                                                       pdl_interpreted):
+    """router(shared=...) runs the shared experts' gate/up + SiLU beside the router (moe.SharedGateUp), and the
+    grouped gate/up launch then covers the routed pairs only: the experts, the act rows and the MoE's output equal
+    the router + a gate/up launch over every pair, bit for bit; the router's count is back at 0."""
+    from services.decode.engine.cuda.moe import GroupedMoe, router
+
+    g = torch.Generator().manual_seed(experts + hidden + inter)
+    h0 = torch.randn(1, hidden, generator=g).to(BF)
+    norm_w = (1 + 0.1 * torch.randn(hidden, generator=g)).to(BF)
+    w = (torch.randn(experts, hidden, generator=g) * hidden ** -0.5).to(BF)
+    bias = torch.randn(experts, generator=g) * 0.1
+    gate_up = (torch.randn(experts, 2 * inter, hidden, generator=g) * hidden ** -0.5).to(BF)
+    down = (torch.randn(experts, hidden, inter, generator=g) * inter ** -0.5).to(BF)
+    sg = (torch.randn(shared, 2 * inter, hidden, generator=g) * hidden ** -0.5).to(BF)
+    sd = (torch.randn(shared, hidden, inter, generator=g) * inter ** -0.5).to(BF)
+    out = {}
+    for together in (False, True):
+        moe = GroupedMoe(num_tokens=1, top_k=top_k, num_shared=shared, hidden=hidden, inter=inter, device="cpu",
+                         tiles=(tile, (8, 32, 4, 1)), pdl=pdl)
+        h, xn = h0.clone(), torch.zeros(1, hidden, dtype=BF)
+        ids, wts, count = torch.zeros(1, top_k, dtype=torch.int32), torch.zeros(1, top_k), torch.zeros(1, dtype=torch.int32)
+        sh = moe.shared_gate_up(sg) if together else None
+        assert (sh is not None) == together
+        router(h, w, bias, ids, wts, top_k, 2.5, n_group=n_group, topk_group=topk_group, norm_w=norm_w, eps=1e-6,
+               xn_out=xn, count=count, pdl=pdl, shared=sh)
+        moe(xn, ids, wts, gate_up, down, sg, sd, h, shared_done=together)
+        assert count.eq(0).all()
+        out[together] = (ids, wts, xn, moe.act.clone(), h)
+    for a, b in zip(out[False], out[True]):
+        assert torch.equal(a, b)
+    assert out[True][4].ne(h0).any()  # the MoE added something

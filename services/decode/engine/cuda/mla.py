@@ -370,6 +370,9 @@ class MlaStack:
     # a chain's rows (one token; a batch or a verify in the chain form): the MLP's RMSNorm, the router GEMV and
     # the top-k of every row in one launch (moe.router(norm_w=...))
     FUSED_ROUTER: bool = True
+    # one token: the shared experts' gate/up + SiLU run in the fused router's launch (moe.SharedGateUp), their
+    # weights streaming while the router's norm, GEMV and top-k (latency-bound, ~5-7 us a layer) run
+    SHARED_IN_ROUTER: bool = True
     PROJ_DOT: bool = True  # False: the attention projections of T > 1 tokens on fp32 FMAs (bench comparison)
     # one token: the block's Triton kernels with programmatic dependent launch (each starts while the one before
     # finishes, gemv.py's GQA step does the same); None: on for sm_90+ CUDA devices, False: off
@@ -545,17 +548,21 @@ class MlaStack:
             gemv_rows(o, lw.wo, h, residual=h, dot=self.PROJ_DOT, dot_tile=self.DOT_TILE, heads=True, pdl=self.pdl,
                       early=self.early)
         route = dict(n_group=d.n_group, topk_group=d.topk_group)
+        shared = None
         if lw.is_moe and self.fused_router:  # the MLP's norm, the router and its top-k in one launch
+            if self.SHARED_IN_ROUTER:  # (one token) with the shared experts' gate/up streaming beside them
+                shared = self.moe.shared_gate_up(lw.shared_gate_up)
             router(h, lw.router, lw.router_bias, self.ids, self.wts, d.top_k, d.routed_scale, self.router_logits,
                    norm_w=lw.mlp_norm, eps=d.eps, xn_out=self.xn, count=self.router_count, pdl=self.pdl,
-                   early=self.early, **route)
+                   early=self.early, shared=shared, **route)
         else:
             smallops.rmsnorm_rows(h, lw.mlp_norm, self.xn, d.eps, pdl=self.pdl)
             if lw.is_moe:
                 router(self.xn, lw.router, lw.router_bias, self.ids, self.wts, d.top_k, d.routed_scale,
                        self.router_logits, pdl=self.pdl, early=self.early, **route)
         mlp = self.moe if lw.is_moe else self.dense
-        mlp(self.xn, self.ids, self.wts, lw.gate_up, lw.down, lw.shared_gate_up, lw.shared_down, h)
+        mlp(self.xn, self.ids, self.wts, lw.gate_up, lw.down, lw.shared_gate_up, lw.shared_down, h,
+            shared_done=shared is not None)
 
     def _tile(self, name: str) -> dict:
         bn, bk, nw, st = self.tiles[name]

@@ -20,6 +20,8 @@ one launch once its weight stream is issued (``gdc_launch_dependents``), as gemv
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -298,18 +300,88 @@ def _router_x(h_ptr, nw_ptr, xn_ptr, pid, k, K, inv, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
+def _shared_gate_up(h_row, nw_ptr, sw_ptr, act_ptr, j, I, K, eps, stride_se, TOPK: tl.constexpr,
+                    K_POW2: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
+                    PDL: tl.constexpr, EARLY: tl.constexpr):
+    # one token's shared expert j // (I / BLOCK_N), rows block j % (I / BLOCK_N): silu(gate) * up over the normed
+    # residual as _moe_gate_up_kernel's one-token FMA path computes it from xn (the same normed values, products and
+    # roundings), into its pair's act row (TOPK + the expert's index)
+    per = tl.cdiv(I, BLOCK_N)
+    e = j // per
+    rows = (j % per) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rmask = rows < I
+    base = sw_ptr + e.to(tl.int64) * stride_se
+    FIRST: tl.constexpr = BLOCK_K if EARLY else 0
+    if EARLY:  # shared weights are never written: their first tiles before the wait
+        k0 = tl.arange(0, BLOCK_K)
+        m0 = rmask[:, None] & (k0 < K)[None, :]
+        wa0 = tl.load(base + rows[:, None].to(tl.int64) * K + k0[None, :], mask=m0, other=0.0)
+        wb0 = tl.load(base + (rows + I)[:, None].to(tl.int64) * K + k0[None, :], mask=m0, other=0.0)
+    if PDL:
+        gdc_wait()
+    kk = tl.arange(0, K_POW2)
+    xs = tl.load(h_row + kk, mask=kk < K, other=0.0).to(tl.float32)
+    inv = 1.0 / tl.sqrt(tl.sum(xs * xs, axis=0) / K + eps)
+    acc_a = tl.zeros((1, BLOCK_N, BLOCK_K), tl.float32)
+    acc_b = tl.zeros((1, BLOCK_N, BLOCK_K), tl.float32)
+    if EARLY:
+        x0 = _router_x(h_row, nw_ptr, h_row, 1, 0, K, inv, BLOCK_K)
+        acc_a += wa0.to(tl.float32)[None, :, :] * x0.to(tl.float32)[None, None, :]
+        acc_b += wb0.to(tl.float32)[None, :, :] * x0.to(tl.float32)[None, None, :]
+    for k in tl.range(FIRST, K, BLOCK_K, num_stages=STAGES):
+        x = _router_x(h_row, nw_ptr, h_row, 1, k, K, inv, BLOCK_K)  # pid 1: never stores
+        offs = k + tl.arange(0, BLOCK_K)
+        wmask = rmask[:, None] & (offs < K)[None, :]
+        wa = tl.load(base + rows[:, None].to(tl.int64) * K + offs[None, :], mask=wmask, other=0.0)
+        wb = tl.load(base + (rows + I)[:, None].to(tl.int64) * K + offs[None, :], mask=wmask, other=0.0)
+        acc_a += wa.to(tl.float32)[None, :, :] * x.to(tl.float32)[None, None, :]
+        acc_b += wb.to(tl.float32)[None, :, :] * x.to(tl.float32)[None, None, :]
+    if PDL:
+        gdc_launch_dependents()
+    dt = act_ptr.dtype.element_ty
+    g = round_to_dtype(tl.sum(acc_a, axis=2), dt)
+    u = round_to_dtype(tl.sum(acc_b, axis=2), dt)
+    sg = round_to_dtype(g / (1.0 + tl.exp(-g)), dt)
+    tl.store(act_ptr + (TOPK + e).to(tl.int64) * I + rows[None, :], (sg * u).to(dt), mask=rmask[None, :])
+
+
+@triton.jit
 def _router_fused_kernel(h_ptr, nw_ptr, xn_ptr, w_ptr, bias_ptr, logits_ptr, count_ptr, ids_ptr, wts_ptr, scale,
                          eps, K, stride_h, stride_xn, E: tl.constexpr, TOPK: tl.constexpr, N_GROUP: tl.constexpr,
                          TOPK_GROUP: tl.constexpr, E_POW2: tl.constexpr, K_POW2: tl.constexpr,
                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
-                         PDL: tl.constexpr = False, EARLY: tl.constexpr = False):
+                         PDL: tl.constexpr = False, EARLY: tl.constexpr = False, sw_ptr=None, act_ptr=None, I=0,
+                         stride_se=0, SHARED: tl.constexpr = False, S_BLOCK_N: tl.constexpr = 8,
+                         S_BLOCK_K: tl.constexpr = 512, S_STAGES: tl.constexpr = 3):
     # token t = program_id(1): the MLP's RMSNorm of its row (its output -> xn, by program 0, for the experts),
     # the router GEMV (BLOCK_N experts a program, as gemv_rows' one-token form: the same rounding points) and,
-    # in the last of the token's programs to finish, its top-k (_topk_body): one launch instead of three
+    # in the last of the token's programs to finish, its top-k (_topk_body): one launch instead of three.
+    # SHARED (one token): programs past the router's also run the shared experts' gate/up + SiLU
+    # (_shared_gate_up), so their weights stream while the router's latency-bound chain runs
     pid = tl.program_id(0)
     t = tl.program_id(1)
     h_row = h_ptr + t * stride_h
     xn_row = xn_ptr + t * stride_xn
+    R_PROGRAMS: tl.constexpr = (E + BLOCK_N - 1) // BLOCK_N
+    if SHARED:
+        if pid >= R_PROGRAMS:
+            _shared_gate_up(h_row, nw_ptr, sw_ptr, act_ptr, pid - R_PROGRAMS, I, K, eps, stride_se, TOPK, K_POW2,
+                            S_BLOCK_N, S_BLOCK_K, S_STAGES, PDL, EARLY)
+        else:
+            _router_program(h_row, nw_ptr, xn_row, w_ptr, bias_ptr, logits_ptr, count_ptr, ids_ptr, wts_ptr, scale,
+                            eps, K, pid, t, R_PROGRAMS, E, TOPK, N_GROUP, TOPK_GROUP, E_POW2, K_POW2, BLOCK_N,
+                            BLOCK_K, STAGES, PDL, EARLY)
+    else:
+        _router_program(h_row, nw_ptr, xn_row, w_ptr, bias_ptr, logits_ptr, count_ptr, ids_ptr, wts_ptr, scale, eps,
+                        K, pid, t, R_PROGRAMS, E, TOPK, N_GROUP, TOPK_GROUP, E_POW2, K_POW2, BLOCK_N, BLOCK_K,
+                        STAGES, PDL, EARLY)
+
+
+@triton.jit
+def _router_program(h_row, nw_ptr, xn_row, w_ptr, bias_ptr, logits_ptr, count_ptr, ids_ptr, wts_ptr, scale, eps, K,
+                    pid, t, R_PROGRAMS: tl.constexpr, E: tl.constexpr, TOPK: tl.constexpr, N_GROUP: tl.constexpr,
+                    TOPK_GROUP: tl.constexpr, E_POW2: tl.constexpr, K_POW2: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr):
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     rmask = rows < E
     FIRST: tl.constexpr = BLOCK_K if EARLY else 0  # EARLY (with PDL): weight tile 0 loaded before the wait
@@ -337,7 +409,7 @@ def _router_fused_kernel(h_ptr, nw_ptr, xn_ptr, w_ptr, bias_ptr, logits_ptr, cou
     tl.store(logits_ptr + t * E + rows, tl.sum(acc, axis=1), mask=rmask)
     tl.debug_barrier()  # every thread's logits stored before the count
     done = tl.atomic_add(count_ptr + t, 1, sem="acq_rel", scope="gpu")
-    if done == tl.num_programs(0) - 1:
+    if done == R_PROGRAMS - 1:
         tl.store(count_ptr + t, 0)  # reset for the next call
         _topk_body(logits_ptr, bias_ptr, ids_ptr, wts_ptr, scale, t, E, TOPK, N_GROUP, TOPK_GROUP, E_POW2)
 
@@ -346,7 +418,7 @@ def router(xn: torch.Tensor, w: torch.Tensor, bias: torch.Tensor, ids: torch.Ten
            top_k: int, scale: float, logits: torch.Tensor | None = None, *, n_group: int = 1,
            topk_group: int = 1, norm_w: torch.Tensor | None = None, eps: float = 1e-6,
            xn_out: torch.Tensor | None = None, count: torch.Tensor | None = None, pdl: bool = False,
-           early: bool = True) -> None:
+           early: bool = True, shared: "SharedGateUp | None" = None) -> None:
     """ids [T, k] int32 (best first), wts [T, k] fp32 from normed x [T, H] (noaux_tc; group-limited to
     the ``topk_group`` best of ``n_group`` expert groups when fewer than all: reference.router).
 
@@ -355,7 +427,9 @@ def router(xn: torch.Tensor, w: torch.Tensor, bias: torch.Tensor, ids: torch.Ten
     choice in the same program). ``logits``: an fp32 [T, E] scratch buffer (allocated when not given).
     With ``norm_w``: ``xn`` is the residual stream [T, H], normed here (RMSNorm, ``eps``) into ``xn_out`` for
     the experts, and the norm, GEMV and top-k of every token are one launch (``count``: an int32 [>= T] of
-    zeros, a token's entry reset by its last program; allocated when not given)."""
+    zeros, a token's entry reset by its last program; allocated when not given). ``shared`` (with ``norm_w``, one
+    token, bf16 shared experts): the same launch also runs the shared experts' gate/up + SiLU into their act rows
+    (GroupedMoe(..., shared_done=True) then runs the routed pairs only)."""
     t, e = xn.shape[0], w.shape[0]
     if norm_w is not None and xn_out is None:
         raise ValueError("router(norm_w=...) takes an xn_out for its normed input")
@@ -371,18 +445,42 @@ def router(xn: torch.Tensor, w: torch.Tensor, bias: torch.Tensor, ids: torch.Ten
         if count is None:
             count = torch.zeros(t, dtype=torch.int32, device=xn.device)
         k = xn.shape[1]
-        _router_fused_kernel[(triton.cdiv(e, 2), t)](
+        extra, programs = {}, triton.cdiv(e, 2)
+        if shared is not None:
+            if t != 1:
+                raise ValueError(f"router(shared=...) runs one token's shared experts, not {t} tokens'")
+            extra = dict(sw_ptr=shared.w, act_ptr=shared.act, I=shared.inter, stride_se=shared.w.stride(0),
+                         SHARED=True, S_BLOCK_N=shared.block_n, S_BLOCK_K=shared.block_k, S_STAGES=shared.stages)
+            programs += shared.programs
+        _router_fused_kernel[(programs, t)](
             xn, norm_w, xn_out, w, bias, logits, count, ids, wts, scale, eps, k, xn.stride(0), xn_out.stride(0),
             E=e, TOPK=top_k,
             N_GROUP=n_group if grouped else 1, TOPK_GROUP=topk_group if grouped else 1,
             E_POW2=triton.next_power_of_2(e), K_POW2=triton.next_power_of_2(k), BLOCK_N=2, BLOCK_K=512, STAGES=2,
-            PDL=pdl, EARLY=pdl and early, num_warps=4, **launch_opts(pdl))
+            PDL=pdl, EARLY=pdl and early, num_warps=4, **extra, **launch_opts(pdl))
         return
     # 512-wide K tiles for any T (gemv_rows narrows block_k by T): 4 dependent loads, not 16
     gemv_rows(xn, w, logits, block_n=2, block_k=512 * triton.next_power_of_2(t), stages=2, dot=False, pdl=pdl,
               early=early)
     _router_topk_kernel[(t,)](logits, bias, ids, wts, scale, E=e, TOPK=top_k, N_GROUP=n_group if grouped else 1,
                               TOPK_GROUP=topk_group if grouped else 1, E_POW2=triton.next_power_of_2(e), num_warps=1)
+
+
+@dataclass
+class SharedGateUp:
+    """One token's shared experts' gate/up for the router's launch (router(shared=...)): bf16 weights [S, 2I, H],
+    the GroupedMoe's act buffer (their rows after the routed pairs'), the gate/up tile's rows, K width and stages
+    (its warps: the router's 4)."""
+    w: torch.Tensor
+    act: torch.Tensor
+    inter: int
+    block_n: int
+    block_k: int
+    stages: int
+
+    @property
+    def programs(self) -> int:
+        return self.w.shape[0] * triton.cdiv(self.inter, self.block_n)
 
 
 @triton.jit
@@ -682,9 +780,12 @@ class GroupedMoe:
         self.count = torch.zeros(triton.cdiv(hidden, min(self.tiles[1][0], 16)), dtype=torch.int32, device=device)
 
     def __call__(self, xn: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor, w_gate_up: torch.Tensor,
-                 w_down: torch.Tensor, shared_gate_up: torch.Tensor, shared_down: torch.Tensor, h: torch.Tensor) -> None:
+                 w_down: torch.Tensor, shared_gate_up: torch.Tensor, shared_down: torch.Tensor, h: torch.Tensor,
+                 shared_done: bool = False) -> None:
         """h[T, H] += MoE(xn); routed weights [E, 2I, H] / [E, H, I], shared [S, 2I, H] / [S, H, I]; bf16, or
-        block-scaled FP8 (fp8block.BlockFp8, routed and shared alike: mla.prepare_layer lays them out so)."""
+        block-scaled FP8 (fp8block.BlockFp8, routed and shared alike: mla.prepare_layer lays them out so).
+        ``shared_done``: the shared experts' act rows are written already (:meth:`shared_gate_up` given to the
+        router's launch): the gate/up launch covers the routed pairs only."""
         t, hid, inter = self.num_tokens, self.hidden, self.inter
         fp8 = isinstance(w_gate_up, BlockFp8)
         dot = self.dot and (fp8 or w_gate_up.dtype in (torch.bfloat16, torch.float16))
@@ -704,7 +805,9 @@ class GroupedMoe:
             down_args = dict(_expert_scales(w_down, shared_down), GROUPS=fp8_groups(w_down, t, dot, bk2))
             w_gate_up, shared_gate_up, w_down, shared_down = w_gate_up.w, shared_gate_up.w, w_down.w, shared_down.w
         pairs = t * self.slots
-        _moe_gate_up_kernel[(pairs, triton.cdiv(inter, bn))](
+        if shared_done and t != 1:
+            raise ValueError("shared_done: one token's shared experts run in the router's launch, not several's")
+        _moe_gate_up_kernel[(t * self.top_k if shared_done else pairs, triton.cdiv(inter, bn))](
             xn, ids, w_gate_up, shared_gate_up, self.act, inter, hid, 2 * inter * hid, **common,
             BLOCK_N=bn, BLOCK_K=bk, STAGES=st, num_warps=nw, **up_args)
         if self.fused_reduce:  # the last program of each column block adds the pairs' rows into h
@@ -719,6 +822,16 @@ class GroupedMoe:
         _moe_reduce_kernel[(t, triton.cdiv(hid, 1024))](self.out_rows, wts, h, hid, TOPK=self.top_k,
                                                         NUM_SHARED=self.num_shared, BLOCK=1024, PDL=self.pdl,
                                                         num_warps=4, **launch_opts(self.pdl))
+
+
+    def shared_gate_up(self, w_shared: torch.Tensor) -> "SharedGateUp | None":
+        """The router-launch form of this MoE's shared experts' gate/up (router(shared=...)), where it applies: one
+        token, bf16 shared experts, a gate/up tile of 4 warps (the router's); else None."""
+        bn, bk, nw, st = self.tiles[0]
+        if self.num_tokens != 1 or w_shared is None or isinstance(w_shared, BlockFp8) or nw != 4 \
+                or w_shared.dtype not in (torch.bfloat16, torch.float16) or not w_shared.is_contiguous():
+            return None
+        return SharedGateUp(w_shared, self.act, self.inter, bn, bk, st)
 
 
 def _expert_scales(routed: BlockFp8, shared: BlockFp8) -> dict:
