@@ -431,31 +431,49 @@ FUSED_VARIANTS = {  # (the merge + o . w_uv fused, its (value columns, latent ch
 }
 
 
+ONE_TOKEN_VARIANTS = {  # name -> class attributes set for the run (MLA_SHARED_AB): the product's defaults first
+    "product": {},
+    "shared_in_experts": {("mla.MlaStack", "SHARED_IN_ROUTER"): False},
+    "down_by_pairs": {("moe.GroupedMoe", "DOWN_ROWS_TILE"): None},
+    "down_rows_2x4x3": {("moe.GroupedMoe", "DOWN_ROWS_TILE"): (2, 4, 3)},
+    "down_rows_8x4x2": {("moe.GroupedMoe", "DOWN_ROWS_TILE"): (8, 4, 2)},
+    "down_rows_8x8x2": {("moe.GroupedMoe", "DOWN_ROWS_TILE"): (8, 8, 2)},
+    "down_rows_16x8x1": {("moe.GroupedMoe", "DOWN_ROWS_TILE"): (16, 8, 1)},
+}
+
+
 def shared_router_ab(X, model, caches, cos, sin, ctx: int, R: dict, tag: str, roof_ms: float) -> None:
-    """The plain step with the shared experts' gate/up in the fused router's launch (MlaStack.SHARED_IN_ROUTER, the
-    default) and in the grouped experts' launch, alternated three times in one process (best of each), with the
-    greedy tokens of each (``{tag}shared_in_router``)."""
-    S = X.mla.MlaStack
-    keep = S.SHARED_IN_ROUTER
-    out: dict = {"True": [], "False": []}
+    """The plain step on the product's defaults and on ONE_TOKEN_VARIANTS (the shared experts' gate/up in the
+    experts' launch, the down projections by pairs or by rows in other tiles), alternated three times in one
+    process (best of each), with the greedy tokens of each (``{tag}one_token_variants``)."""
+    out: dict = {k: [] for k in ONE_TOKEN_VARIANTS}
     toks = {}
-    try:
-        for _ in range(3):
-            for on in (True, False):
-                S.SHARED_IN_ROUTER = on
+    for _ in range(3):
+        for name, attrs in ONE_TOKEN_VARIANTS.items():
+            keep = {}
+            try:
+                for (mod, attr), v in attrs.items():
+                    m, c = mod.split(".")
+                    cls = getattr(getattr(X, m), c)
+                    keep[(cls, attr)] = getattr(cls, attr)
+                    setattr(cls, attr, v)
                 dec = X.mla_decoder.MlaDecoder(model, caches, cos, sin, max_draft=0, max_steps=4096)
                 ms, runner = time_plain_step(dec, ctx)
-                out[str(on)].append(ms)
-                toks[str(on)] = dec.out_tokens[:8].tolist()
+                out[name].append(ms)
+                toks[name] = dec.out_tokens[:8].tolist()
                 del runner, dec
-    finally:
-        S.SHARED_IN_ROUTER = keep
+            except Exception as exc:  # a tile that does not compile
+                out[name].append(float("inf"))
+                toks[name] = repr(exc)[:200]
+            finally:
+                for (cls, attr), v in keep.items():
+                    setattr(cls, attr, v)
     best = {k: min(v) for k, v in out.items()}
-    R[f"{tag}shared_in_router"] = {"ms": out, "best_ms": best, "frac_roofline": {k: roof_ms / v for k, v in best.items()},
-                                   "tokens": toks, "tokens_equal": toks["True"] == toks["False"]}
-    log(f"  {tag}shared experts in the router's launch: {best['True'] * 1e3:.1f} us ({roof_ms / best['True']:.3f}) "
-        f"against {best['False'] * 1e3:.1f} us ({roof_ms / best['False']:.3f}); tokens equal "
-        f"{toks['True'] == toks['False']}")
+    R[f"{tag}one_token_variants"] = {"ms": out, "best_ms": best,
+                                     "frac_roofline": {k: roof_ms / v for k, v in best.items()}, "tokens": toks}
+    log(f"  {tag}one-token variants (best of 3, us; roofline {roof_ms * 1e3:.1f}): "
+        + ", ".join(f"{k} {v * 1e3:.1f} ({roof_ms / v:.3f})" for k, v in best.items())
+        + f"; tokens equal {len({str(t) for t in toks.values()}) == 1}")
 
 
 def fused_middle_ab(X, model, caches, cos, sin, ctx: int, R: dict, tag: str, variants=None) -> None:

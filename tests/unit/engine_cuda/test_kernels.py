@@ -226,9 +226,39 @@ def test_grouped_moe_fused_reduce_is_the_reduce_launch(t, k, shared, dot):
         hbuf = rand(t, h, seed=9)
         grouped = moe.GroupedMoe(num_tokens=t, top_k=k, num_shared=shared, hidden=h, inter=inter, device="cpu",
                                  tiles=tiles, fused_reduce=fused)
+        grouped.DOWN_ROWS_TILE = None  # the down kernel by pairs (one token takes the rows kernel by default)
         assert grouped.dot == (t > 1)
         for _ in range(2):  # twice: the counts were reset by the first call
             grouped(xn, ids, wts, gate_up, down, sg, sd, hbuf)
         out[fused] = hbuf
         assert grouped.count.eq(0).all()
     assert torch.equal(out[True], out[False])
+
+
+@pytest.mark.parametrize("k,shared,inter,tile,pdl", [
+    (2, 2, 24, (4, 4, 2), False),  # routed and shared pairs; I not a power of two (a masked tile)
+    (6, 2, 40, (8, 4, 3), True),  # V2-Lite's pairs; the first pair's tile before the wait
+    (0, 1, 32, (2, 4, 1), True),  # a dense MLP (the one shared expert)
+    (3, 1, 16, (16, 4, 2), False),  # rows past H masked (H = 40)
+])
+def test_down_by_rows_is_the_down_kernel_and_its_reduce(k, shared, inter, tile, pdl, pdl_interpreted):
+    # _moe_down_rows_kernel (a program's rows over every pair, the reduce in its epilogue) gives h bit for bit as the
+    # down kernel by pairs + the reduce launch, whose K tile here spans I (the same fp32 sums)
+    h, e, t = 40, 8, 1
+    xn, router_w, bias = rand(t, h, seed=2), rand(e, h, std=0.3, seed=k + 7), torch.zeros(e)
+    ids, wts = torch.zeros(t, max(k, 1), dtype=torch.int32), torch.zeros(t, max(k, 1))
+    if k:
+        moe.router(xn, router_w, bias, ids, wts, k, 2.5)
+    gate_up, down = rand(e, 2 * inter, h, std=0.2, seed=3), rand(e, h, inter, std=0.2, seed=4)
+    sg, sd = rand(shared, 2 * inter, h, std=0.2, seed=5), rand(shared, h, inter, std=0.2, seed=6)
+    bk = 1 << (inter - 1).bit_length()
+    out = {}
+    for rows in (False, True):
+        hbuf = rand(t, h, seed=9)
+        grouped = moe.GroupedMoe(num_tokens=t, top_k=k, num_shared=shared, hidden=h, inter=inter, device="cpu",
+                                 tiles=((8, 16, 4, 1), (8, bk, 4, 1)), fused_reduce=False, pdl=pdl)
+        grouped.DOWN_ROWS_TILE = tile if rows else None
+        grouped(xn, ids, wts, gate_up, down, sg, sd, hbuf)
+        out[rows] = hbuf
+    assert torch.equal(out[True], out[False])
+    assert out[True].ne(rand(t, h, seed=9)).any()

@@ -728,6 +728,63 @@ def _reduce_cols(y_ptr, wts_ptr, h_ptr, t, cols, cmask, H, TOPK: tl.constexpr, N
 
 
 @triton.jit
+def _moe_down_rows_kernel(act_ptr, ids_ptr, w_ptr, ws_ptr, wts_ptr, h_ptr, H, I, stride_e, TOPK: tl.constexpr,
+                          NUM_SHARED: tl.constexpr, SLOTS_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+                          BLOCK_K: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr = False,
+                          EARLY: tl.constexpr = False):
+    # one token's down projections and their reduce by output rows: a program owns BLOCK_N rows of h and walks
+    # every pair (routed, then shared), one [BLOCK_N, I] tile a pair (BLOCK_K >= I), so its stream is all the
+    # layer's pairs back to back and no other program's rows are waited for; the sums are combined as
+    # _reduce_cols combines the down kernel's rows (each routed row rounded, times its rounded weight, rounded;
+    # the shared rows summed in fp32, one rounding). The router's ids are read before the wait (the router
+    # finished before the gate/up kernel that let this one launch passed its own wait)
+    SLOTS: tl.constexpr = TOPK + NUM_SHARED
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rmask = rows < H
+    offs = tl.arange(0, BLOCK_K)
+    kmask = offs < I
+    wmask = rmask[:, None] & kmask[None, :]
+    dt = h_ptr.dtype.element_ty
+    sj = tl.arange(0, SLOTS_PAD)
+    ids = tl.load(ids_ptr + sj, mask=sj < TOPK, other=0, cache_modifier=".cg")  # the pairs' experts, loop-invariant
+    wts = tl.load(wts_ptr + sj, mask=sj < TOPK, other=0.0, cache_modifier=".cg")
+    if EARLY:  # the first pair's weight tile before the wait
+        e0 = tl.sum(tl.where(sj == 0, ids, 0))
+        b0 = (w_ptr + e0.to(tl.int64) * stride_e) if TOPK > 0 else ws_ptr
+        w0 = tl.load(b0 + rows[:, None].to(tl.int64) * I + offs[None, :], mask=wmask, other=0.0)
+    if PDL:
+        gdc_wait()
+    routed = tl.zeros((BLOCK_N,), tl.float32)
+    shared = tl.zeros((BLOCK_N,), tl.float32)
+    FIRST: tl.constexpr = 1 if EARLY else 0
+    if EARLY:
+        x0 = tl.load(act_ptr + offs, mask=kmask, other=0.0)
+        y0 = tl.sum(w0.to(tl.float32) * x0.to(tl.float32)[None, :], axis=1)
+        if TOPK > 0:
+            routed += round_to_dtype(round_to_dtype(y0, dt) * round_to_dtype(tl.sum(tl.where(sj == 0, wts, 0.0)), dt),
+                                     dt)
+        else:
+            shared += y0
+    for sl in tl.range(FIRST, SLOTS, num_stages=STAGES):
+        is_routed = sl < TOPK
+        e = tl.sum(tl.where(sj == sl, ids, 0))
+        base = tl.where(is_routed, w_ptr + e.to(tl.int64) * stride_e, ws_ptr + tl.cast(sl - TOPK, tl.int64) * stride_e)
+        w = tl.load(base + rows[:, None].to(tl.int64) * I + offs[None, :], mask=wmask, other=0.0)
+        x = tl.load(act_ptr + tl.cast(sl, tl.int64) * I + offs, mask=kmask, other=0.0)
+        y = tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
+        wt = round_to_dtype(tl.sum(tl.where(sj == sl, wts, 0.0)), dt)
+        routed += tl.where(is_routed, round_to_dtype(round_to_dtype(y, dt) * wt, dt), 0.0)
+        shared += tl.where(is_routed, 0.0, y)
+    if PDL:
+        gdc_launch_dependents()
+    out = round_to_dtype(shared, dt)
+    if TOPK > 0:
+        out = round_to_dtype(round_to_dtype(routed, dt) + out, dt)
+    h = tl.load(h_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
+    tl.store(h_ptr + rows, (h + out).to(dt), mask=rmask)
+
+
+@triton.jit
 def _moe_reduce_kernel(y_ptr, wts_ptr, h_ptr, H, TOPK: tl.constexpr, NUM_SHARED: tl.constexpr,
                        BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     t = tl.program_id(0)
@@ -750,6 +807,11 @@ class GroupedMoe:
     # steps 31 us faster on T1's down and wo tiles than on T2's, which won on V2-Lite's 2048 (run D1)
     WIDE_HIDDEN: int = 4096
     WIDE_DOWN_TILE: tuple[int, int, int, int] = (32, 256, 4, 3)
+    # one token's down projections with their reduce by output rows (_moe_down_rows_kernel: a program's rows over
+    # every pair, one [rows, I] tile a pair): (rows, warps, stages); None: the down kernel by pairs and its last
+    # program's reduce (also where I > DOWN_ROWS_MAX_I, FP8 experts, several tokens)
+    DOWN_ROWS_TILE: tuple[int, int, int] | None = (4, 4, 3)
+    DOWN_ROWS_MAX_I: int = 2048
     # one token: the weighted sum of the pairs' rows into h by the down kernel's last program of each column
     # block (_moe_down_kernel's REDUCE) instead of a launch of its own (_moe_reduce_kernel). Run SW2: a plain
     # step 2.188 -> 2.151 ms; but 4 slots 3.967 -> 4.036 (the down kernel's tail waits for its last programs'
@@ -810,6 +872,15 @@ class GroupedMoe:
         _moe_gate_up_kernel[(t * self.top_k if shared_done else pairs, triton.cdiv(inter, bn))](
             xn, ids, w_gate_up, shared_gate_up, self.act, inter, hid, 2 * inter * hid, **common,
             BLOCK_N=bn, BLOCK_K=bk, STAGES=st, num_warps=nw, **up_args)
+        if self.DOWN_ROWS_TILE and t == 1 and not fp8 and inter <= self.DOWN_ROWS_MAX_I:
+            rbn, rnw, rst = self.DOWN_ROWS_TILE
+            _moe_down_rows_kernel[(triton.cdiv(hid, rbn),)](
+                self.act, ids, w_down, shared_down if shared_down is not None else w_down, wts, h, hid, inter,
+                hid * inter, TOPK=self.top_k, NUM_SHARED=self.num_shared,
+                SLOTS_PAD=triton.next_power_of_2(self.slots), BLOCK_N=rbn,
+                BLOCK_K=triton.next_power_of_2(inter), STAGES=rst, PDL=self.pdl, EARLY=self.early, num_warps=rnw,
+                **launch_opts(self.pdl))
+            return
         if self.fused_reduce:  # the last program of each column block adds the pairs' rows into h
             _moe_down_kernel[(pairs, triton.cdiv(hid, bn2))](
                 self.act, ids, w_down, shared_down, self.out_rows, hid, inter, hid * inter, **common,
