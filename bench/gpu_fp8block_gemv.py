@@ -162,6 +162,22 @@ SHAPES = {"llama_qkv": (6144, 4096), "llama_o": (4096, 4096), "llama_gate_up": (
 TILES = [(bn, bk, 4, st) for bn in (8, 16, 32) for bk in (512, 1024, 2048) for st in (3, 4)]
 
 
+def sweep_tiles(name: str, label: str, tiles, run, y, want, copies: int, nbytes: int) -> list[dict]:
+    """Each tile's output ``y`` error against ``want`` and its time; ``run(i, tile)`` reads weight copy i."""
+    out_rows = []
+    for tile in tiles:
+        try:
+            run(0, tile)
+            torch.cuda.synchronize()
+            err = ((y.float() - want).abs().max() / want.abs().max()).item()
+            ms = time_graph(lambda i: run(i, tile), copies)
+        except Exception as exc:  # a tile the compiler refuses
+            print(f"  {name} {label} {tile}: {type(exc).__name__}: {str(exc)[:160]}", flush=True)
+            continue
+        out_rows.append({"tile": list(tile), "us": ms * 1e3, "gbs": nbytes / ms / 1e6, "rel_err": err})
+    return out_rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=str(ROOT / "bench/results/gpu_fp8block_gemv.json"))
@@ -193,19 +209,7 @@ def main() -> None:
         y = torch.empty(n, device="cuda", dtype=torch.bfloat16)
         want = fp8block.quantize_groups(x.float()[None], 128)[0] @ ws[0].dequantize(torch.float32).T
         def sweep(tiles, run, label: str) -> list[dict]:
-            """Each tile's output error against the twin and its time; ``run(i, tile)`` reads weight copy i."""
-            out_rows = []
-            for tile in tiles:
-                try:
-                    run(0, tile)
-                    torch.cuda.synchronize()
-                    err = ((y.float() - want).abs().max() / want.abs().max()).item()
-                    ms = time_graph(lambda i: run(i, tile), copies)
-                except Exception as exc:  # a tile the compiler refuses
-                    print(f"  {name} {label} {tile}: {type(exc).__name__}: {str(exc)[:160]}", flush=True)
-                    continue
-                out_rows.append({"tile": list(tile), "us": ms * 1e3, "gbs": nbytes / ms / 1e6, "rel_err": err})
-            return out_rows
+            return sweep_tiles(name, label, tiles, run, y, want, copies, nbytes)
 
         rows = sweep(TILES, lambda i, t: moe.gemv_rows(x.view(1, -1), ws[i], y.view(1, -1), block_n=t[0], block_k=t[1],
                                                        num_warps=t[2], stages=t[3]), "gemv_rows")
@@ -222,19 +226,9 @@ def main() -> None:
         ms = time_graph(lambda i: gemv_fp8(x, wc[i], rs, y, act=True, block_n=16, block_k=512, stages=3), copies)
         ref["channel_fp8"] = {"us": ms * 1e3, "gbs": (n * k + 4 * n) / ms / 1e6}
         want = y.float().clone()  # the per-channel kernel's output: the swapped kernel's per-channel form against it
-        cbytes = n * k + 4 * n
-        ch_rows = []
-        for tile in TILES_SWAP:
-            try:
-                block_dot_swap(x, wc[0], rs, y, block_n=tile[0], num_warps=tile[2], stages=tile[3], channel=True)
-                torch.cuda.synchronize()
-                err = ((y.float() - want).abs().max() / want.abs().max()).item()
-                ms = time_graph(lambda i: block_dot_swap(x, wc[i], rs, y, block_n=tile[0], num_warps=tile[2],
-                                                         stages=tile[3], channel=True), copies)
-            except Exception as exc:
-                print(f"  {name} swap channel {tile}: {type(exc).__name__}: {str(exc)[:160]}", flush=True)
-                continue
-            ch_rows.append({"tile": list(tile), "us": ms * 1e3, "gbs": cbytes / ms / 1e6, "rel_err": err})
+        ch_rows = sweep_tiles(name, "swap channel", TILES_SWAP,
+                              lambda i, t: block_dot_swap(x, wc[i], rs, y, block_n=t[0], num_warps=t[2], stages=t[3],
+                                                          channel=True), y, want, copies, n * k + 4 * n)
         ref["channel_swap_best"] = max(ch_rows, key=lambda r: r["gbs"]) if ch_rows else None
         ref["channel_swap_rows"] = ch_rows
         del wc
@@ -277,17 +271,7 @@ def main() -> None:
                     x.view(1, -1), wb[i], y.view(1, -1), block_n=t[0], block_k=t[1], num_warps=t[2], stages=t[3])),
                 ("swap", TILES_BF16_SWAP, lambda i, t: bf16_dot_swap(x, wb[i], y, block_n=t[0], block_k=t[1],
                                                                       num_warps=t[2], stages=t[3]))):
-            rs = []
-            for tile in tiles:
-                try:
-                    run(0, tile)
-                    torch.cuda.synchronize()
-                    err = ((y.float() - want).abs().max() / want.abs().max()).item()
-                    ms = time_graph(lambda i: run(i, tile), copies)
-                except Exception as exc:
-                    print(f"  {name} {label} {tile}: {type(exc).__name__}: {str(exc)[:160]}", flush=True)
-                    continue
-                rs.append({"tile": list(tile), "us": ms * 1e3, "gbs": 2 * n * k / ms / 1e6, "rel_err": err})
+            rs = sweep_tiles(name, label, tiles, run, y, want, copies, 2 * n * k)
             res[label] = rs
             b = max(rs, key=lambda r: r["gbs"]) if rs else None
             if b:
