@@ -366,10 +366,12 @@ def correctness(X, model, caches, cos, sin, ctx: int, steps: int = 48, kv_scales
 
 MOE_GATE_UP_TILES = [(8, 512, 4, 3), (8, 256, 4, 4), (4, 256, 4, 4), (4, 512, 4, 4), (16, 256, 4, 4),
                      (16, 128, 4, 6), (8, 128, 4, 6), (8, 256, 4, 6), (4, 256, 2, 4), (16, 512, 8, 3)]
-MOE_DOWN_TILES = [(32, 256, 4, 3), (8, 256, 4, 4), (16, 256, 4, 4), (32, 128, 4, 4), (16, 512, 4, 3), (8, 512, 4, 3),
-                  (16, 128, 4, 6), (4, 512, 4, 4), (32, 512, 8, 3)]
 PROJ_TILES = [(8, 256, 4, 4), (16, 256, 4, 4), (4, 512, 4, 4), (8, 512, 4, 3), (16, 128, 4, 6), (32, 256, 4, 3),
-              (4, 256, 4, 6)]
+              (4, 256, 4, 6),
+              # a row block's whole K in one tile (V2-Lite's K = 2048): on PDL all of a program's weight loads are
+              # issued before its wait, while the kernel before it (the merge + w_uv, the previous layer's down) runs
+              (2, 2048, 4, 1), (4, 2048, 4, 1), (8, 2048, 8, 1), (4, 1024, 4, 2)]
+DOWN_ROWS_TILES = [(4, 4, 3), (2, 4, 3), (4, 4, 2), (4, 4, 4), (2, 4, 4), (8, 4, 3)]  # GroupedMoe.DOWN_ROWS_TILE
 
 
 def plain_tile_sweep(X, model, caches, cos, sin, ctx: int, R: dict, tag: str = "dsv2lite_") -> None:
@@ -378,7 +380,7 @@ def plain_tile_sweep(X, model, caches, cos, sin, ctx: int, R: dict, tag: str = "
     projections (wqkv_a, wo; wq_b with q LoRA). Plain step ms (graph-timed) per candidate under
     ``{tag}plain_tile_sweep``; the best whole as ``{tag}plain_ms_tuned``."""
     S = R[f"{tag}plain_tile_sweep"] = {}
-    product = {"gate_up": X.moe.GroupedMoe.PLAIN_TILES[0], "down": X.moe.GroupedMoe.PLAIN_TILES[1],
+    product = {"gate_up": X.moe.GroupedMoe.PLAIN_TILES[0], "down_rows": X.moe.GroupedMoe.DOWN_ROWS_TILE,
                "splits": (16, X.mla.SPLIT_MIN_ROWS),
                **X.mla.MlaStack.PLAIN_TILES}
     best = dict(product)
@@ -391,7 +393,8 @@ def plain_tile_sweep(X, model, caches, cos, sin, ctx: int, R: dict, tag: str = "
         finally:
             X.mla.SPLIT_MIN_ROWS = keep
         st = dec.stacks[1]
-        st.moe.tiles = (cfg["gate_up"], cfg["down"])
+        st.moe.tiles = (cfg["gate_up"], st.moe.tiles[1])
+        st.moe.DOWN_ROWS_TILE = cfg["down_rows"]
         st.tiles = {k: cfg[k] for k in ("wqkv_a", "wo", "wq_b")}
         ms, runner = time_plain_step(dec, ctx)
         del runner, dec
@@ -400,7 +403,8 @@ def plain_tile_sweep(X, model, caches, cos, sin, ctx: int, R: dict, tag: str = "
     base = time_cfg(best)
     S["default"] = base
     log(f"  {tag}plain tiles: product default {base * 1e3:.1f} us")
-    groups = [("gate_up", MOE_GATE_UP_TILES), ("down", MOE_DOWN_TILES), ("splits", [(8, 64), (16, 64), (32, 32), (64, 16), (16, 32)]),
+    groups = [("gate_up", MOE_GATE_UP_TILES), ("down_rows", DOWN_ROWS_TILES),
+              ("splits", [(8, 64), (16, 64), (32, 32), (64, 16), (16, 32)]),
               ("wqkv_a", PROJ_TILES), ("wo", PROJ_TILES)]
     if model.layers[-1].wq_b is not None:
         groups.append(("wq_b", PROJ_TILES))
