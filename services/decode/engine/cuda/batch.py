@@ -53,7 +53,7 @@ from .attention import DecodeAttention
 from .fp8 import act_round, act_scale
 from .fp8block import BlockFp8
 from .gemv import gdc_launch_dependents, gdc_wait, interpreting, l2_prefetch_tiles, launch_opts
-from .kernel_helpers import prefetch_l2, rope_pair, round_to_dtype
+from .kernel_helpers import prefetch_l2, rms_scaled, rope_pair, round_to_dtype
 from .kvfp8 import fp8_kv_load, kv_cache_setup
 from .llama import FastOptions, GqaModel, folds_norm
 from .moe import gemv_rows, mma
@@ -133,8 +133,7 @@ def _rows_gemv_kernel(x_ptr, w_ptr, out_ptr, res_ptr, nw_ptr, bias_ptr, amax_val
         x = tl.load(x_ptr + t[:, None] * stride_x + offs[None, :], mask=tmask[:, None] & kmask[None, :], other=0.0)
         if NORM:
             nw = tl.load(nw_ptr + offs, mask=kmask, other=0.0)
-            xr = round_to_dtype(x.to(tl.float32) * inv[:, None], nw.dtype)
-            x = round_to_dtype(xr * nw.to(tl.float32)[None, :], nw.dtype)
+            x = rms_scaled(x, inv[:, None], nw[None, :])
         w = tl.load(w_ptr + rows[:, None].to(tl.int64) * K + offs[None, :], mask=rmask[:, None] & kmask[None, :],
                     other=0, eviction_policy="evict_first")
         if FP8:

@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .kernel_helpers import load_first_pair_tile, prefetch_l2, rope_pair, round_to_dtype
+from .kernel_helpers import load_first_pair_tile, prefetch_l2, rms_scaled, rope_pair, round_to_dtype
 from .kvfp8 import kv_store_row
 from .qknorm import norm_rope_cache_head
 
@@ -64,8 +64,7 @@ def _load_x(x_ptr, nw_ptr, k, K, inv_rms, NORM: tl.constexpr, BLOCK_K: tl.conste
     x = tl.load(x_ptr + offs, mask=kmask, other=0.0)
     if NORM:
         nw = tl.load(nw_ptr + offs, mask=kmask, other=0.0)
-        xr = round_to_dtype(x.to(tl.float32) * inv_rms, nw.dtype)
-        x = round_to_dtype(xr * nw.to(tl.float32), nw.dtype)
+        x = rms_scaled(x, inv_rms, nw)
     return x.to(tl.float32), offs, kmask
 
 

@@ -24,6 +24,13 @@ def round_to_dtype(x, dt):
 
 
 @triton.jit
+def rms_scaled(x, inv, nw):
+    # x normed at HF's RMSNorm rounding points: x / rms rounded to the weight's dtype, times the weight, rounded
+    # again (``inv`` and ``nw`` broadcast to x's shape by the caller)
+    return round_to_dtype(round_to_dtype(x.to(tl.float32) * inv, nw.dtype) * nw.to(tl.float32), nw.dtype)
+
+
+@triton.jit
 def act_scale(amax):
     # vLLM's dynamic FP8 activation scale of a token (or a group of its features) whose largest |x| is amax
     # (engine/fp8.quantize_activations)

@@ -37,7 +37,7 @@ from . import fp8block, smallops
 from .attention import DecodeAttention, split_weights
 from .fp8block import BlockFp8
 from .gemv import gdc_launch_dependents, gdc_wait, launch_opts
-from .kernel_helpers import rnd_bf16, rope_pair, round_to_dtype
+from .kernel_helpers import rms_scaled, rnd_bf16, rope_pair, round_to_dtype
 from .kvfp8 import fp8_kv_bits, kv_fmt
 from .moe import GroupedMoe, gemv_rows, router
 
@@ -218,7 +218,7 @@ def _mla_prep_kernel(qkv_ptr, q_pe_ptr, cache_ptr, kv_norm_ptr, pos_ptr, cos_ptr
         c = tl.load(row + NUM_HEADS * QK + r).to(tl.float32)
         inv = 1.0 / tl.sqrt(tl.sum(c * c, axis=0) / R + eps)
         nw = tl.load(kv_norm_ptr + r)
-        cn = round_to_dtype(round_to_dtype(c * inv, nw.dtype) * nw.to(tl.float32), nw.dtype)
+        cn = rms_scaled(c, inv, nw)
         if KV_FMT:  # the model-dtype row (the reference step's), then its bytes
             tl.store(crow + r, fp8_kv_bits(cn, inv_scale, KV_FMT))
             tl.store(crow + R + j, fp8_kv_bits(round_to_dtype(a, dt), inv_scale, KV_FMT))

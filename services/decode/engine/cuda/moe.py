@@ -30,7 +30,7 @@ from .fp8block import BlockFp8, act_groups, col_scales, fp8_block_dot, fp8_fma, 
 from .fp8block import groups as fp8_groups
 from .fp8block import tile as fp8_tile
 from .gemv import gdc_launch_dependents, gdc_wait, interpreting, launch_opts
-from .kernel_helpers import load_first_pair_tile, round_to_dtype
+from .kernel_helpers import load_first_pair_tile, rms_scaled, round_to_dtype
 
 
 # The few-token kernels below spell out their dot-or-FMA accumulation each: a jit helper returning a
@@ -51,31 +51,29 @@ def _rows_x(x_ptr, nw_ptr, k, K, t, tmask, inv, stride_x, stride_xh, HEAD_DIM: t
     # input columns [k, k + BLOCK_K) of the T rows as loaded, or normed when NORM (bf16 values, in fp32)
     offs = k + tl.arange(0, BLOCK_K)
     kmask = offs < K
-    if HEAD_DIM:  # x is [heads, T, HEAD_DIM] (a batched matmul's output): column k = head k // HEAD_DIM
-        xcol = (offs // HEAD_DIM) * stride_xh + offs % HEAD_DIM
-    else:
-        xcol = offs
+    xcol = _x_cols(offs, stride_xh, HEAD_DIM)
     x = tl.load(x_ptr + t[:, None] * stride_x + xcol[None, :], mask=tmask[:, None] & kmask[None, :], other=0.0)
     if NORM:
-        nw = tl.load(nw_ptr + offs, mask=kmask, other=0.0)
-        xr = round_to_dtype(x.to(tl.float32) * inv[:, None], nw.dtype)
-        x = round_to_dtype(xr * nw.to(tl.float32)[None, :], nw.dtype)
+        x = rms_scaled(x, inv[:, None], tl.load(nw_ptr + offs, mask=kmask, other=0.0)[None, :])
     return x
+
+
+@triton.jit
+def _x_cols(offs, stride_xh, HEAD_DIM: tl.constexpr):
+    # where input column ``offs`` lies in x: with HEAD_DIM, x is [heads, T, HEAD_DIM] (a batched matmul's output)
+    # and column k is head k // HEAD_DIM's
+    if HEAD_DIM:
+        return (offs // HEAD_DIM) * stride_xh + offs % HEAD_DIM
+    return offs
 
 
 @triton.jit
 def _group_x(x_ptr, nw_ptr, offs, K, inv, stride_xh, HEAD_DIM: tl.constexpr, NORM: tl.constexpr):
     # one token's input columns ``offs`` [G, SK] (fp8block.group_offs) as _rows_x reads them (bf16 values)
     kmask = offs < K
-    if HEAD_DIM:
-        xcol = (offs // HEAD_DIM) * stride_xh + offs % HEAD_DIM
-    else:
-        xcol = offs
-    x = tl.load(x_ptr + xcol, mask=kmask, other=0.0)
+    x = tl.load(x_ptr + _x_cols(offs, stride_xh, HEAD_DIM), mask=kmask, other=0.0)
     if NORM:
-        nw = tl.load(nw_ptr + offs, mask=kmask, other=0.0)
-        xr = round_to_dtype(x.to(tl.float32) * inv, nw.dtype)
-        x = round_to_dtype(xr * nw.to(tl.float32), nw.dtype)
+        x = rms_scaled(x, inv, tl.load(nw_ptr + offs, mask=kmask, other=0.0))
     return x
 
 
@@ -291,9 +289,7 @@ def _router_x(h_ptr, nw_ptr, xn_ptr, pid, k, K, inv, BLOCK_K: tl.constexpr):
     # columns [k, k + BLOCK_K) of the token's normed residual (program 0 also stores them for the experts)
     offs = k + tl.arange(0, BLOCK_K)
     kmask = offs < K
-    nw = tl.load(nw_ptr + offs, mask=kmask, other=0.0)
-    xr = round_to_dtype(tl.load(h_ptr + offs, mask=kmask, other=0.0).to(tl.float32) * inv, nw.dtype)
-    x = round_to_dtype(xr * nw.to(tl.float32), nw.dtype)
+    x = rms_scaled(tl.load(h_ptr + offs, mask=kmask, other=0.0), inv, tl.load(nw_ptr + offs, mask=kmask, other=0.0))
     if pid == 0:
         tl.store(xn_ptr + offs, x.to(xn_ptr.dtype.element_ty), mask=kmask)
     return x
@@ -893,7 +889,6 @@ class GroupedMoe:
         _moe_reduce_kernel[(t, triton.cdiv(hid, 1024))](self.out_rows, wts, h, hid, TOPK=self.top_k,
                                                         NUM_SHARED=self.num_shared, BLOCK=1024, PDL=self.pdl,
                                                         num_warps=4, **launch_opts(self.pdl))
-
 
     def shared_gate_up(self, w_shared: torch.Tensor) -> "SharedGateUp | None":
         """The router-launch form of this MoE's shared experts' gate/up (router(shared=...)), where it applies: one
