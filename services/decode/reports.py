@@ -6,8 +6,8 @@ the stream's acknowledgement (a start would hold the first step, and every other
 that round trip). ``run()`` publishes the queue one report at a time, each after the one before it
 was stored, retrying while the stream has no leader (``Bus.publish_stored``: a NATS member died, a
 new leader is being elected; after each of its windows, again), so no report is lost and none
-overtakes another. Token streams never wait for it. ``flush(timeout_s)`` waits for the queue to empty (at shutdown). Each queued report
-keeps its lease's trace context.
+overtakes another. Token streams never wait for it. ``flush(timeout_s)`` waits for the queue to
+empty (at shutdown). Each queued report keeps its lease's trace context.
 """
 
 from __future__ import annotations
