@@ -446,7 +446,7 @@ ONE_TOKEN_VARIANTS = {  # name -> class attributes set for the run (MLA_SHARED_A
 }
 
 
-def shared_router_ab(X, model, caches, cos, sin, ctx: int, R: dict, tag: str, roof_ms: float) -> None:
+def one_token_variants_ab(X, model, caches, cos, sin, ctx: int, R: dict, tag: str, roof_ms: float) -> None:
     """The plain step on the product's defaults and on ONE_TOKEN_VARIANTS (the shared experts' gate/up in the
     experts' launch, the down projections by pairs or by rows in other tiles), alternated three times in one
     process (best of each), with the greedy tokens of each (``{tag}one_token_variants``)."""
@@ -817,8 +817,8 @@ def run_mla(X, R: dict, ctx: int = 1024) -> None:
     if os.environ.get("MLA_FUSED_AB"):  # the attention middle's variants alone (a short run)
         fused_middle_ab(X, model, caches, cos, sin, ctx, R, "dsv2lite_", variants=list(FUSED_VARIANTS))
         return
-    if os.environ.get("MLA_SHARED_AB"):  # the shared experts' gate/up in the router's launch or in the experts'
-        shared_router_ab(X, model, caches, cos, sin, ctx, R, "dsv2lite_", roof_ms)
+    if os.environ.get("MLA_SHARED_AB"):  # the one-token step's forms (ONE_TOKEN_VARIANTS) alternated (a short run)
+        one_token_variants_ab(X, model, caches, cos, sin, ctx, R, "dsv2lite_", roof_ms)
         return
     if os.environ.get("MLA_PLAIN_SWEEP_ONLY"):  # the one-token tile sweep alone (a short run)
         fused_middle_ab(X, model, caches, cos, sin, ctx, R, "dsv2lite_")
@@ -967,7 +967,7 @@ def run_dsv3(X, R: dict, ctx: int = 1024) -> None:
         log(f"  dsv3 shape of roofline on the defaults: {R['dsv3_shape_frac_roofline']:.3f} (roofline {roof_ms:.3f} ms)")
         return
     if os.environ.get("MLA_SHARED_AB"):
-        shared_router_ab(X, model, caches, cos, sin, ctx, R, "dsv3_shape_", roof_ms)
+        one_token_variants_ab(X, model, caches, cos, sin, ctx, R, "dsv3_shape_", roof_ms)
         return
     if os.environ.get("MLA_QUICK"):  # the plain step only, fused middle against unfused (a short run)
         fused_middle_ab(X, model, caches, cos, sin, ctx, R, "dsv3_shape_")

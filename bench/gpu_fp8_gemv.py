@@ -102,6 +102,24 @@ def copy_gbs() -> float:
     return 2 * src.numel() / ms / 1e6
 
 
+def sweep_tiles(name: str, label: str, tiles, run, y, want, copies: int, nbytes: int) -> list[dict]:
+    """Each tile's output ``y`` error against ``want`` and its time (``nbytes`` a launch); ``run(i, tile)`` reads
+    weight copy i; a tile the compiler refuses is reported and left out."""
+    out_rows = []
+    for tile in tiles:
+        try:
+            run(0, tile)
+            torch.cuda.synchronize()
+            err = ((y.float() - want).abs().max() / want.abs().max()).item()
+            ms = time_graph(lambda i: run(i, tile), copies)
+        except Exception as exc:  # a tile the compiler refuses
+            print(f"  {name} {label} {tile}: {type(exc).__name__}: {str(exc)[:160]}", flush=True)
+            continue
+        out_rows.append({"tile": tile if isinstance(tile, dict) else list(tile), "us": ms * 1e3,
+                         "gbs": nbytes / ms / 1e6, "rel_err": err})
+    return out_rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=str(ROOT / "bench/results/gpu_fp8_gemv.json"))
@@ -129,17 +147,8 @@ def main() -> None:
         want = gemv_fp8_reference(x, w8, scale, act=True).float()
         rows = []
         for kind, variants, fn in kinds:
-            for v in variants:
-                try:
-                    fn(0, v)
-                    torch.cuda.synchronize()
-                    err = ((y.float() - want).abs().max() / want.abs().max()).item()
-                    ms = time_graph(lambda i: fn(i, v), copies)
-                except Exception as exc:  # a tile the compiler refuses
-                    print(f"  {name} {kind} {v}: {type(exc).__name__}: {str(exc)[:120]}", flush=True)
-                    continue
-                gbs = nbytes / ms / 1e6
-                rows.append({"kind": kind, **v, "us": ms * 1e3, "gbs": gbs, "frac_copy": gbs / copy, "rel_err": err})
+            for r in sweep_tiles(name, kind, variants, fn, y, want, copies, nbytes):
+                rows.append({"kind": kind, **r.pop("tile"), **r, "frac_copy": r["gbs"] / copy})
         best = {kind: max((r for r in rows if r["kind"] == kind), key=lambda r: r["gbs"], default=None)
                 for kind in [k_[0] for k_ in kinds]}
         for kind, r in best.items():

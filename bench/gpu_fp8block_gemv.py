@@ -25,7 +25,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from gpu_fp8_gemv import copy_gbs, time_graph  # noqa: E402
+from gpu_fp8_gemv import copy_gbs, sweep_tiles, time_graph  # noqa: E402
 from services.decode.engine.cuda import fp8block, moe  # noqa: E402
 from services.decode.engine.cuda.fp8 import gemv_fp8  # noqa: E402
 from services.decode.engine.cuda.gemv import interpreting  # noqa: E402
@@ -100,7 +100,8 @@ def _block_dot_swap_kernel(x_ptr, w_ptr, s_ptr, out_ptr, N, K, KB, BLOCK_N: tl.c
         else:
             sx = act_scale(tl.max(tl.abs(x), axis=0))
             xq = act_round(x, 1.0 / sx)
-            part = _dot8(w, tl.trans(tl.broadcast_to(xq[None, :], (16, 128))), tl.zeros((BLOCK_N, 16), tl.float32), UPCAST)
+            part = _dot8(w, tl.trans(tl.broadcast_to(xq[None, :], (16, 128))), tl.zeros((BLOCK_N, 16), tl.float32),
+                         UPCAST)
             acc += part * (tl.load(s_ptr + srow * KB + k // 128) * sx)
     y = tl.sum(tl.where(c16[None, :] == 0, acc, 0.0), axis=1)
     if CHANNEL:
@@ -160,22 +161,6 @@ SHAPES = {"llama_qkv": (6144, 4096), "llama_o": (4096, 4096), "llama_gate_up": (
           "llama_down": (4096, 14336), "v3_wq_b": (24576, 1536), "v3_wo": (7168, 16384),
           "v3_expert_gate_up": (4096, 7168), "v3_expert_down": (7168, 2048)}
 TILES = [(bn, bk, 4, st) for bn in (8, 16, 32) for bk in (512, 1024, 2048) for st in (3, 4)]
-
-
-def sweep_tiles(name: str, label: str, tiles, run, y, want, copies: int, nbytes: int) -> list[dict]:
-    """Each tile's output ``y`` error against ``want`` and its time; ``run(i, tile)`` reads weight copy i."""
-    out_rows = []
-    for tile in tiles:
-        try:
-            run(0, tile)
-            torch.cuda.synchronize()
-            err = ((y.float() - want).abs().max() / want.abs().max()).item()
-            ms = time_graph(lambda i: run(i, tile), copies)
-        except Exception as exc:  # a tile the compiler refuses
-            print(f"  {name} {label} {tile}: {type(exc).__name__}: {str(exc)[:160]}", flush=True)
-            continue
-        out_rows.append({"tile": list(tile), "us": ms * 1e3, "gbs": nbytes / ms / 1e6, "rel_err": err})
-    return out_rows
 
 
 def main() -> None:
