@@ -141,7 +141,7 @@ def test_mla_latent_and_rope_order(writer, dtype, block_size):
     if writer == "amx_mla":
         import vllm._custom_ops as ops
 
-        if not vllm_has_op("amx_mla_concat_and_cache"):
+        if not vllm_has_op("concat_and_cache_mla_cpu"):  # the op vLLM's amx_mla_concat_and_cache calls
             pytest.skip(f"vLLM's {vllm_cpu_build()} kernels have no AMX MLA cache writer on this CPU")
         ops.amx_mla_concat_and_cache(latent, k_pe_vllm, cache, slots)
     else:  # CPU_MLA's do_kv_cache_update and the GPU MLA caches: one row per token
