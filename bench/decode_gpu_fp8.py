@@ -52,6 +52,7 @@ FP8_VARIANTS = {
     "product": {},
     "qkv_unfused": {"fp8_qkv_rope": False},
     "attn_one_launch": {"attn_one_launch": True},  # the attention's merge by its last split (run N2)
+    "early_tiles_2": {"fp8_early_tiles": 2},  # two weight tiles a program before the norm / act-scale prologue
 }
 
 
@@ -323,7 +324,10 @@ def run(R: dict) -> None:
     R["llama8b_bf16_ctx1k_tok_s"], R["llama8b_bf16_ctx1k_frac_roofline"] = 1e3 / ms_bf16, roof_bf16 / ms_bf16
     log(f"  bf16 step {ms_bf16:.3f} ms {1e3 / ms_bf16:.1f} tok/s {roof_bf16 / ms_bf16:.1%} of roofline")
     R["llama8b_fp8_variants"] = V = {}
+    only = os.environ.get("FP8_VARIANTS_ONLY")  # "a,b": these variants alone (a short run)
     for name, fields in FP8_VARIANTS.items():
+        if only and name not in only.split(","):
+            continue
         opts = replace(base, **fields)
         try:
             ms = min(timing(fp8_dec(opts), s, ctx, slot, mt) for _ in range(2))

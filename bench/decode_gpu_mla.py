@@ -435,33 +435,48 @@ FUSED_VARIANTS = {  # (the merge + o . w_uv fused, its (value columns, latent ch
 }
 
 
-ONE_TOKEN_VARIANTS = {  # name -> class attributes set for the run (MLA_SHARED_AB): the product's defaults first
+ONE_TOKEN_VARIANTS = {  # name -> what the run sets: ("mod.Class", attr) class attributes, ("mod", attr) module
+    # attributes, ("decoder", kwarg) MlaDecoder arguments; the product's defaults first (MLA_SHARED_AB)
     "product": {},
     "shared_in_experts": {("mla.MlaStack", "SHARED_IN_ROUTER"): False},
     "down_by_pairs": {("moe.GroupedMoe", "DOWN_ROWS_TILE"): None},
-    "down_rows_2x4x3": {("moe.GroupedMoe", "DOWN_ROWS_TILE"): (2, 4, 3)},
-    "down_rows_8x4x2": {("moe.GroupedMoe", "DOWN_ROWS_TILE"): (8, 4, 2)},
-    "down_rows_8x8x2": {("moe.GroupedMoe", "DOWN_ROWS_TILE"): (8, 8, 2)},
-    "down_rows_16x8x1": {("moe.GroupedMoe", "DOWN_ROWS_TILE"): (16, 8, 1)},
+    "splits32_min32": {("mla", "SPLIT_MIN_ROWS"): 32, ("decoder", "num_splits"): 32},
+}
+ATTN_VARIANTS = {  # the attention's split count, fewest rows a split and program form (MLA_ATTN_AB; run G13's first
+    # round also timed one program a split (value chunks 1) at 16, 32 and 64 splits and 16-row key blocks: all slower)
+    "product": {},
+    "splits32_min32": {("mla", "SPLIT_MIN_ROWS"): 32, ("decoder", "num_splits"): 32},
+    "splits32_vc2": {("mla", "SPLIT_MIN_ROWS"): 32, ("decoder", "num_splits"): 32,
+                     ("mla.MlaStack", "ATTN_FORM"): (2, 32, 4)},
+    "splits16_vc2": {("mla.MlaStack", "ATTN_FORM"): (2, 32, 4)},
+    "splits32_vc2_w8": {("mla", "SPLIT_MIN_ROWS"): 32, ("decoder", "num_splits"): 32,
+                        ("mla.MlaStack", "ATTN_FORM"): (2, 32, 8)},
+    "splits64_min16_vc2": {("mla", "SPLIT_MIN_ROWS"): 16, ("decoder", "num_splits"): 64,
+                           ("mla.MlaStack", "ATTN_FORM"): (2, 16, 4)},
 }
 
 
-def one_token_variants_ab(X, model, caches, cos, sin, ctx: int, R: dict, tag: str, roof_ms: float) -> None:
-    """The plain step on the product's defaults and on ONE_TOKEN_VARIANTS (the shared experts' gate/up in the
-    experts' launch, the down projections by pairs or by rows in other tiles), alternated three times in one
-    process (best of each), with the greedy tokens of each (``{tag}one_token_variants``)."""
-    out: dict = {k: [] for k in ONE_TOKEN_VARIANTS}
+def one_token_variants_ab(X, model, caches, cos, sin, ctx: int, R: dict, tag: str, roof_ms: float,
+                          variants: dict | None = None, key: str = "one_token_variants") -> None:
+    """The plain step on the product's defaults and on ``variants`` (ONE_TOKEN_VARIANTS: the shared experts'
+    gate/up in the experts' launch, the down projections by pairs, the attention's splits), alternated three
+    times in one process (best of each), with the greedy tokens of each (``{tag}{key}``)."""
+    variants = variants or ONE_TOKEN_VARIANTS
+    out: dict = {k: [] for k in variants}
     toks = {}
     for _ in range(3):
-        for name, attrs in ONE_TOKEN_VARIANTS.items():
-            keep = {}
+        for name, attrs in variants.items():
+            keep, kwargs = {}, {}
             try:
                 for (mod, attr), v in attrs.items():
-                    m, c = mod.split(".")
-                    cls = getattr(getattr(X, m), c)
-                    keep[(cls, attr)] = getattr(cls, attr)
-                    setattr(cls, attr, v)
-                dec = X.mla_decoder.MlaDecoder(model, caches, cos, sin, max_draft=0, max_steps=4096)
+                    if mod == "decoder":
+                        kwargs[attr] = v
+                        continue
+                    m, _, c = mod.partition(".")
+                    owner = getattr(getattr(X, m), c) if c else getattr(X, m)
+                    keep[(owner, attr)] = getattr(owner, attr)
+                    setattr(owner, attr, v)
+                dec = X.mla_decoder.MlaDecoder(model, caches, cos, sin, max_draft=0, max_steps=4096, **kwargs)
                 ms, runner = time_plain_step(dec, ctx)
                 out[name].append(ms)
                 toks[name] = dec.out_tokens[:8].tolist()
@@ -470,12 +485,12 @@ def one_token_variants_ab(X, model, caches, cos, sin, ctx: int, R: dict, tag: st
                 out[name].append(float("inf"))
                 toks[name] = repr(exc)[:200]
             finally:
-                for (cls, attr), v in keep.items():
-                    setattr(cls, attr, v)
+                for (owner, attr), v in keep.items():
+                    setattr(owner, attr, v)
     best = {k: min(v) for k, v in out.items()}
-    R[f"{tag}one_token_variants"] = {"ms": out, "best_ms": best,
-                                     "frac_roofline": {k: roof_ms / v for k, v in best.items()}, "tokens": toks}
-    log(f"  {tag}one-token variants (best of 3, us; roofline {roof_ms * 1e3:.1f}): "
+    R[f"{tag}{key}"] = {"ms": out, "best_ms": best,
+                        "frac_roofline": {k: roof_ms / v for k, v in best.items()}, "tokens": toks}
+    log(f"  {tag}{key} (best of 3, us; roofline {roof_ms * 1e3:.1f}): "
         + ", ".join(f"{k} {v * 1e3:.1f} ({roof_ms / v:.3f})" for k, v in best.items())
         + f"; tokens equal {len({str(t) for t in toks.values()}) == 1}")
 
@@ -820,6 +835,9 @@ def run_mla(X, R: dict, ctx: int = 1024) -> None:
     if os.environ.get("MLA_SHARED_AB"):  # the one-token step's forms (ONE_TOKEN_VARIANTS) alternated (a short run)
         one_token_variants_ab(X, model, caches, cos, sin, ctx, R, "dsv2lite_", roof_ms)
         return
+    if os.environ.get("MLA_ATTN_AB"):  # the attention's splits and program forms (ATTN_VARIANTS) alternated
+        one_token_variants_ab(X, model, caches, cos, sin, ctx, R, "dsv2lite_", roof_ms, ATTN_VARIANTS, "attn_variants")
+        return
     if os.environ.get("MLA_PLAIN_SWEEP_ONLY"):  # the one-token tile sweep alone (a short run)
         fused_middle_ab(X, model, caches, cos, sin, ctx, R, "dsv2lite_")
         plain_tile_sweep(X, model, caches, cos, sin, ctx, R)
@@ -968,6 +986,10 @@ def run_dsv3(X, R: dict, ctx: int = 1024) -> None:
         return
     if os.environ.get("MLA_SHARED_AB"):
         one_token_variants_ab(X, model, caches, cos, sin, ctx, R, "dsv3_shape_", roof_ms)
+        return
+    if os.environ.get("MLA_ATTN_AB"):
+        one_token_variants_ab(X, model, caches, cos, sin, ctx, R, "dsv3_shape_", roof_ms, ATTN_VARIANTS,
+                              "attn_variants")
         return
     if os.environ.get("MLA_QUICK"):  # the plain step only, fused middle against unfused (a short run)
         fused_middle_ab(X, model, caches, cos, sin, ctx, R, "dsv3_shape_")

@@ -391,8 +391,12 @@ class MlaStack:
     # the wait) instead of a cuBLAS bmm, which cannot join the PDL chain; False: the bmm
     ABSORB_KERNEL: bool = True
     ABSORB_BLOCK_R: int = 64
+    # the attention's programs a split: (value chunks, key rows a block, warps). Chunks > 1: each of a split's
+    # programs accumulates kv_lora_rank / chunks value columns and reads its split's keys (again, from L2);
+    # 1: one program a split, the values taken from the key tiles it already holds (no second read)
+    ATTN_FORM: tuple[int, int, int] = (4, 32, 4)
 
-    def __init__(self, dims: MlaDims, num_tokens: int, device, num_splits: int = 16, block_s: int = 32,
+    def __init__(self, dims: MlaDims, num_tokens: int, device, num_splits: int = 16,
                  dense_inter: int = 0, max_tokens: int = 0, batch: bool = False):
         """``batch``: the T rows are T slots' tokens (``block(..., slots=)``: each at its own position in its
         own slot of the whole cache), not T consecutive tokens of one slot."""
@@ -424,6 +428,8 @@ class MlaStack:
         # [q | c, k_pe | q_a | k_idx, head weights]: q LoRA's q_a (normed, then q_b into the q columns) after
         # the latent; sparse attention's indexer key and head weights last
         extra = d.index_dim + d.index_heads if d.index_topk else 0
+        v_chunks, block_s, attn_warps = self.ATTN_FORM
+        v_chunks = max(1, min(v_chunks, d.kv_lora_rank // 128))
         min_chunk = -(-SPLIT_MIN_ROWS // block_s) * block_s  # whole key blocks
         self.qkv = torch.zeros(t, nq + d.kv_lora_rank + d.rope + d.q_lora_rank + extra, dtype=bf, device=dev)
         self.selects: list = []
@@ -454,8 +460,8 @@ class MlaStack:
         self.router_logits = torch.zeros(t, max(d.num_experts, 1), dtype=torch.float32, device=dev)
         self.attn = DecodeAttention(num_q_heads=d.num_heads, num_kv_heads=1, d_main=d.kv_lora_rank, d_v=d.kv_lora_rank,
                                     d_rope=d.rope, num_tokens=1 if batch else t, num_splits=num_splits,
-                                    block_s=block_s, sm_scale=d.sm_scale, num_warps=4,
-                                    v_chunks=max(1, d.kv_lora_rank // 128), min_chunk=min_chunk, device=dev,
+                                    block_s=block_s, sm_scale=d.sm_scale, num_warps=attn_warps,
+                                    v_chunks=v_chunks, v_is_k=v_chunks == 1, min_chunk=min_chunk, device=dev,
                                     pdl=self.pdl, max_batch=t if batch else 1)  # [rows, 128] value slices: no spill at 4 x 16 rows
         self.moe = GroupedMoe(num_tokens=t, top_k=d.top_k, num_shared=d.num_shared, hidden=d.hidden,
                               inter=d.moe_inter, device=dev, pdl=self.pdl, early=self.early)
