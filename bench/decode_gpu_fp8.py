@@ -52,7 +52,6 @@ FP8_VARIANTS = {
     "product": {},
     "qkv_unfused": {"fp8_qkv_rope": False},
     "attn_one_launch": {"attn_one_launch": True},  # the attention's merge by its last split (run N2)
-    "early_tiles_2": {"fp8_early_tiles": 2},  # two weight tiles a program before the norm / act-scale prologue
 }
 
 

@@ -381,17 +381,19 @@ def plain_tile_sweep(X, model, caches, cos, sin, ctx: int, R: dict, tag: str = "
     ``{tag}plain_tile_sweep``; the best whole as ``{tag}plain_ms_tuned``."""
     S = R[f"{tag}plain_tile_sweep"] = {}
     product = {"gate_up": X.moe.GroupedMoe.PLAIN_TILES[0], "down_rows": X.moe.GroupedMoe.DOWN_ROWS_TILE,
-               "splits": (16, X.mla.SPLIT_MIN_ROWS),
+               "attn": (32, 32, 2),  # (splits, fewest rows a split, value chunks): the one-token few-heads form
                **X.mla.MlaStack.PLAIN_TILES}
     best = dict(product)
 
     def time_cfg(cfg) -> float:
-        splits, min_rows = cfg["splits"]  # the split count and the fewest latent rows a split takes
-        keep, X.mla.SPLIT_MIN_ROWS = X.mla.SPLIT_MIN_ROWS, min_rows
+        splits, min_rows, chunks = cfg["attn"]  # the split count, the fewest latent rows a split takes, value chunks
+        st_cls = X.mla.MlaStack
+        keep = X.mla.SPLIT_MIN_ROWS, st_cls.FEW_ROWS_ATTN, st_cls.ATTN_FORM
+        X.mla.SPLIT_MIN_ROWS, st_cls.FEW_ROWS_ATTN, st_cls.ATTN_FORM = min_rows, None, (chunks, 32, 4)
         try:
             dec = X.mla_decoder.MlaDecoder(model, caches, cos, sin, max_draft=0, max_steps=4096, num_splits=splits)
         finally:
-            X.mla.SPLIT_MIN_ROWS = keep
+            X.mla.SPLIT_MIN_ROWS, st_cls.FEW_ROWS_ATTN, st_cls.ATTN_FORM = keep
         st = dec.stacks[1]
         st.moe.tiles = (cfg["gate_up"], st.moe.tiles[1])
         st.moe.DOWN_ROWS_TILE = cfg["down_rows"]
@@ -404,7 +406,7 @@ def plain_tile_sweep(X, model, caches, cos, sin, ctx: int, R: dict, tag: str = "
     S["default"] = base
     log(f"  {tag}plain tiles: product default {base * 1e3:.1f} us")
     groups = [("gate_up", MOE_GATE_UP_TILES), ("down_rows", DOWN_ROWS_TILES),
-              ("splits", [(8, 64), (16, 64), (32, 32), (64, 16), (16, 32)]),
+              ("attn", [(16, 64, 4), (32, 32, 2), (32, 32, 4), (16, 64, 2), (64, 16, 2)]),
               ("wqkv_a", PROJ_TILES), ("wo", PROJ_TILES)]
     if model.layers[-1].wq_b is not None:
         groups.append(("wq_b", PROJ_TILES))
@@ -440,19 +442,13 @@ ONE_TOKEN_VARIANTS = {  # name -> what the run sets: ("mod.Class", attr) class a
     "product": {},
     "shared_in_experts": {("mla.MlaStack", "SHARED_IN_ROUTER"): False},
     "down_by_pairs": {("moe.GroupedMoe", "DOWN_ROWS_TILE"): None},
-    "splits32_min32": {("mla", "SPLIT_MIN_ROWS"): 32, ("decoder", "num_splits"): 32},
 }
-ATTN_VARIANTS = {  # the attention's split count, fewest rows a split and program form (MLA_ATTN_AB; run G13's first
-    # round also timed one program a split (value chunks 1) at 16, 32 and 64 splits and 16-row key blocks: all slower)
+ATTN_VARIANTS = {  # the one-token attention's form (MLA_ATTN_AB). Run G13 also timed one program a split (value
+    # chunks 1) at 16, 32 and 64 splits, 16-row key blocks and 8 warps: all slower than the forms below
     "product": {},
-    "splits32_min32": {("mla", "SPLIT_MIN_ROWS"): 32, ("decoder", "num_splits"): 32},
-    "splits32_vc2": {("mla", "SPLIT_MIN_ROWS"): 32, ("decoder", "num_splits"): 32,
-                     ("mla.MlaStack", "ATTN_FORM"): (2, 32, 4)},
-    "splits16_vc2": {("mla.MlaStack", "ATTN_FORM"): (2, 32, 4)},
-    "splits32_vc2_w8": {("mla", "SPLIT_MIN_ROWS"): 32, ("decoder", "num_splits"): 32,
-                        ("mla.MlaStack", "ATTN_FORM"): (2, 32, 8)},
-    "splits64_min16_vc2": {("mla", "SPLIT_MIN_ROWS"): 16, ("decoder", "num_splits"): 64,
-                           ("mla.MlaStack", "ATTN_FORM"): (2, 16, 4)},
+    "splits16_min64_vc4": {("mla.MlaStack", "FEW_ROWS_ATTN"): None},  # the product before run G14
+    "splits32_min32_vc4": {("mla.MlaStack", "FEW_ROWS_ATTN"): (4, 32, 4, 32)},
+    "splits32_min32_vc2_w8": {("mla.MlaStack", "FEW_ROWS_ATTN"): (2, 32, 8, 32)},
 }
 
 

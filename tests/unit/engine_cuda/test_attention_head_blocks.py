@@ -96,3 +96,24 @@ def test_mla_attention_with_a_least_split_matches_twin(pos, min_chunk, active):
 def test_least_split_is_whole_key_blocks():
     with pytest.raises(ValueError, match="min_chunk 40 is not a multiple of block_s 16"):
         DecodeAttention(num_q_heads=4, num_kv_heads=1, d_main=32, d_v=32, d_rope=16, block_s=16, min_chunk=40)
+
+
+@pytest.mark.parametrize("heads,r,tokens,batch,slot_splits,want", [
+    # (splits, value chunks, fewest rows a split): one token over at most 16 heads takes twice the slot's
+    # splits of 32 rows in 2 value chunks (MlaStack.FEW_ROWS_ATTN); the rest keep ATTN_FORM and SPLIT_MIN_ROWS
+    (16, 512, 1, False, 16, (32, 2, 32)),  # DeepSeek-V2-Lite, one token, a slot up to 8K rows
+    (16, 512, 1, False, 64, (64, 2, 32)),  # ... a 32K slot: at most 64 splits
+    (16, 512, 4, False, 16, (16, 4, 64)),  # ... its 4-token verify
+    (16, 512, 4, True, 16, (16, 4, 64)),  # ... 4 slots' batch
+    (128, 512, 1, False, 16, (16, 4, 64)),  # DeepSeek-V3: 128 heads, 64 rows a program
+    (2, 32, 1, False, 16, (32, 1, 32)),  # a tiny latent: one value chunk (its keys' tiles are the values)
+])
+def test_mla_attention_form_by_query_rows(heads, r, tokens, batch, slot_splits, want):
+    from services.decode.engine.cuda.mla import MlaDims, MlaStack
+
+    dims = MlaDims(hidden=64, num_heads=heads, kv_lora_rank=r, nope=16, rope=16, v_dim=16, num_experts=0, top_k=0,
+                   moe_inter=0, num_shared=0, routed_scale=1.0, eps=1e-6, sm_scale=0.1)
+    st = MlaStack(dims, tokens, "cpu", num_splits=slot_splits, batch=batch)
+    a = st.attn
+    assert (a.num_splits, a.v_chunks, a.min_chunk) == want
+    assert a.v_is_k == (a.v_chunks == 1) and a.d_v == r

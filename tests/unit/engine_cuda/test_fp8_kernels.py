@@ -101,37 +101,3 @@ def test_fp8_qkv_rope_is_the_gemv_then_the_rope_kernel(qk_norm, kv_fp8, act, bia
     for a, b_ in zip(got, want):
         assert torch.equal(a, b_)
     assert got[1][pos].any() and not got[1][:pos].any()
-
-
-@pytest.mark.parametrize("kernel,k,block_k", [("gemv", 96, 32), ("gemv", 96, 64), ("silu", 96, 32),
-                                              ("silu", 48, 64), ("qkv", 128, 32), ("qkv", 128, 64)])
-def test_two_early_weight_tiles_compute_the_same_bits(kernel, k, block_k):
-    # early_tiles=2: a program's second weight tile is loaded before the prologue too; the sums keep their
-    # order, so every output equals the one-early-tile kernel's (K under two tiles: the second is masked off)
-    x, nw, res = rand(k).to(BF), (1 + rand(k, std=0.1)).to(BF), rand(40).to(BF)
-    outs = []
-    for early in (1, 2):
-        if kernel == "gemv":
-            w, scale = quantized(40, k, seed=5)
-            out = fp8.gemv_fp8(x, w, scale, torch.full((40,), float("nan"), dtype=BF), norm_w=nw, residual=res.clone(),
-                               act=True, block_n=8, block_k=block_k, early_tiles=early)
-            outs.append([out])
-        elif kernel == "silu":
-            w, scale = quantized(64, k, seed=6)
-            out = fp8.gemv_fp8_silu(x, w, scale, torch.full((32,), float("nan"), dtype=BF), norm_w=nw, act=True,
-                                    block_n=8, block_k=block_k, early_tiles=early)
-            outs.append([out])
-        else:
-            hq, hkv, d, t = 4, 2, 32, 8
-            w, scale = quantized((hq + 2 * hkv) * d, k, seed=7)
-            cos, sin = rand(t, d // 2, seed=1).to(BF), rand(t, d // 2, seed=2).to(BF)
-            kc, vc, q = torch.zeros(t, hkv, d, dtype=BF), torch.zeros(t, hkv, d, dtype=BF), torch.zeros(hq * d, dtype=BF)
-            fp8.gemv_fp8_qkv_rope(x, w, scale, nw, 1e-5, q, kc, vc, torch.tensor([3], dtype=torch.int32), cos, sin,
-                                  num_q_heads=hq, num_kv_heads=hkv, head_dim=d, act=True, block_n=8, block_k=block_k,
-                                  early_tiles=early)
-            outs.append([q, kc, vc])
-    for a, b in zip(*outs):
-        assert torch.isfinite(a.float()).all() and a.float().abs().sum() > 0
-        assert torch.equal(a, b)
-    with pytest.raises(ValueError, match="early_tiles"):
-        fp8.gemv_fp8(x, *quantized(40, k), torch.zeros(40, dtype=BF), early_tiles=3)

@@ -131,7 +131,8 @@ def attention_splits(cache_rows: int) -> int:
     slots up to 8K rows (16 is best at 1K on the H200), 32 up to 16K and 64 beyond (the V2-Lite shape at 32K:
     64 splits 1.67x faster than 16 on the H100, bench/NOTES-gpu.md run G1); always a power of two (the
     combine kernel's ``tl.arange`` over them must be). A context shorter than the slot uses as many of them
-    as it fills with mla.SPLIT_MIN_ROWS rows each; the rest stay empty."""
+    as it fills with mla.SPLIT_MIN_ROWS rows each; the rest stay empty. A one-token stack over at most 16 heads
+    takes twice as many, of fewer rows each (mla.MlaStack.FEW_ROWS_ATTN)."""
     cap = 16 if cache_rows <= 8192 else 32 if cache_rows <= 16384 else 64
     return 1 << (max(1, min(cap, -(-cache_rows // 64))).bit_length() - 1)
 

@@ -69,24 +69,20 @@ def _x_tile(x_ptr, nw_ptr, k, K, inv_rms, s, inv_s, NORM: tl.constexpr, ACT: tl.
 
 
 @triton.jit
-def _first_tile(w_ptr, rows, rmask, K, BLOCK_K: tl.constexpr, k: tl.constexpr = 0):
-    # BLOCK_K columns of these rows from column k (the first tiles), issued before the PDL wait and the input's
-    # prologue so that the weight stream's first DRAM round trips overlap them (as gemv.py's kernels do)
-    k0 = k + tl.arange(0, BLOCK_K)
+def _first_tile(w_ptr, rows, rmask, K, BLOCK_K: tl.constexpr):
+    # the first BLOCK_K columns of these rows, issued before the PDL wait and the input's prologue so
+    # that the weight stream's first DRAM round trip overlaps them (as gemv.py's kernels do)
+    k0 = tl.arange(0, BLOCK_K)
     return tl.load(w_ptr + rows[:, None].to(tl.int64) * K + k0[None, :], mask=rmask[:, None] & (k0 < K)[None, :],
                    other=0.0, eviction_policy="evict_first")
 
 
 @triton.jit
-def _rows_dot(x_ptr, nw_ptr, w_ptr, rows, rmask, K, inv_rms, s, inv_s, w0, w1, NORM: tl.constexpr, ACT: tl.constexpr,
-              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, EARLY: tl.constexpr = 1):
-    # w0 (and with EARLY == 2 w1): the first tiles, loaded before the prologue; the loop from tile EARLY
+def _rows_dot(x_ptr, nw_ptr, w_ptr, rows, rmask, K, inv_rms, s, inv_s, w0, NORM: tl.constexpr, ACT: tl.constexpr,
+              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
     x0, _, _ = _x_tile(x_ptr, nw_ptr, 0, K, inv_rms, s, inv_s, NORM, ACT, BLOCK_K)
     acc = w0.to(tl.float32) * x0[None, :]
-    if EARLY == 2:
-        x1, _, _ = _x_tile(x_ptr, nw_ptr, BLOCK_K, K, inv_rms, s, inv_s, NORM, ACT, BLOCK_K)
-        acc += w1.to(tl.float32) * x1[None, :]
-    for k in tl.range(EARLY * BLOCK_K, K, BLOCK_K, num_stages=STAGES):
+    for k in tl.range(BLOCK_K, K, BLOCK_K, num_stages=STAGES):
         x, offs, kmask = _x_tile(x_ptr, nw_ptr, k, K, inv_rms, s, inv_s, NORM, ACT, BLOCK_K)
         w = tl.load(w_ptr + rows[:, None].to(tl.int64) * K + offs[None, :], mask=rmask[:, None] & kmask[None, :],
                     other=0.0, eviction_policy="evict_first")
@@ -98,21 +94,18 @@ def _rows_dot(x_ptr, nw_ptr, w_ptr, rows, rmask, K, inv_rms, s, inv_s, w0, w1, N
 def _gemv_fp8_kernel(x_ptr, w_ptr, ws_ptr, out_ptr, res_ptr, nw_ptr, bias_ptr, N, K, eps,
                      NORM: tl.constexpr, RESIDUAL: tl.constexpr, BIAS: tl.constexpr, ACT: tl.constexpr,
                      K_POW2: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
-                     PDL: tl.constexpr, EARLY: tl.constexpr = 1):
-    # EARLY: weight tiles (1 or 2) a program loads before the PDL wait and the input's prologue
+                     PDL: tl.constexpr):
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     rmask = rows < N
     w0 = _first_tile(w_ptr, rows, rmask, K, BLOCK_K)
-    w1 = _first_tile(w_ptr, rows, rmask, K, BLOCK_K, BLOCK_K) if EARLY == 2 else w0
     ws = tl.load(ws_ptr + rows, mask=rmask, other=0.0)
     if BIAS:
         bias = tl.load(bias_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
     if PDL:  # weights and scales are never written: only x and the outputs wait for the previous kernel
         gdc_wait()
     inv_rms, s, inv_s = _prologue(x_ptr, nw_ptr, K, eps, NORM, ACT, K_POW2)
-    y = _rows_dot(x_ptr, nw_ptr, w_ptr, rows, rmask, K, inv_rms, s, inv_s, w0, w1, NORM, ACT, BLOCK_N, BLOCK_K, STAGES,
-                  EARLY)
+    y = _rows_dot(x_ptr, nw_ptr, w_ptr, rows, rmask, K, inv_rms, s, inv_s, w0, NORM, ACT, BLOCK_N, BLOCK_K, STAGES)
     if PDL:
         gdc_launch_dependents()
     y = y * ws
@@ -125,18 +118,13 @@ def _gemv_fp8_kernel(x_ptr, w_ptr, ws_ptr, out_ptr, res_ptr, nw_ptr, bias_ptr, N
 
 
 @triton.jit
-def _pair_dot(x_ptr, nw_ptr, w_ptr, rows_a, rows_b, K, inv_rms, s, inv_s, wa0, wb0, wa1, wb1, NORM: tl.constexpr,
-              ACT: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, EARLY: tl.constexpr = 1):
-    # fp32 sums of two row sets (gate/up, or a head's rope halves) against the input, every weight read once;
-    # their first EARLY tiles (wa0 / wb0, and wa1 / wb1) were loaded before the prologue
+def _pair_dot(x_ptr, nw_ptr, w_ptr, rows_a, rows_b, K, inv_rms, s, inv_s, wa0, wb0, NORM: tl.constexpr,
+              ACT: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
+    # fp32 sums of two row sets (gate/up, or a head's rope halves) against the input, every weight read once
     x0, _, _ = _x_tile(x_ptr, nw_ptr, 0, K, inv_rms, s, inv_s, NORM, ACT, BLOCK_K)
     acc_a = wa0.to(tl.float32) * x0[None, :]
     acc_b = wb0.to(tl.float32) * x0[None, :]
-    if EARLY == 2:
-        x1, _, _ = _x_tile(x_ptr, nw_ptr, BLOCK_K, K, inv_rms, s, inv_s, NORM, ACT, BLOCK_K)
-        acc_a += wa1.to(tl.float32) * x1[None, :]
-        acc_b += wb1.to(tl.float32) * x1[None, :]
-    for k in tl.range(EARLY * BLOCK_K, K, BLOCK_K, num_stages=STAGES):
+    for k in tl.range(BLOCK_K, K, BLOCK_K, num_stages=STAGES):
         x, offs, kmask = _x_tile(x_ptr, nw_ptr, k, K, inv_rms, s, inv_s, NORM, ACT, BLOCK_K)
         wa = tl.load(w_ptr + rows_a[:, None].to(tl.int64) * K + offs[None, :], mask=kmask[None, :], other=0.0,
                      eviction_policy="evict_first")
@@ -150,21 +138,18 @@ def _pair_dot(x_ptr, nw_ptr, w_ptr, rows_a, rows_b, K, inv_rms, s, inv_s, wa0, w
 @triton.jit
 def _gemv_fp8_silu_kernel(x_ptr, w_ptr, ws_ptr, out_ptr, nw_ptr, I, K, eps,
                           NORM: tl.constexpr, ACT: tl.constexpr, K_POW2: tl.constexpr, BLOCK_N: tl.constexpr,
-                          BLOCK_K: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr = 1):
+                          BLOCK_K: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr):
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)  # I % BLOCK_N == 0
     all_rows = rows >= 0
     wg0 = _first_tile(w_ptr, rows, all_rows, K, BLOCK_K)
     wu0 = _first_tile(w_ptr, rows + I, all_rows, K, BLOCK_K)
-    wg1 = _first_tile(w_ptr, rows, all_rows, K, BLOCK_K, BLOCK_K) if EARLY == 2 else wg0
-    wu1 = _first_tile(w_ptr, rows + I, all_rows, K, BLOCK_K, BLOCK_K) if EARLY == 2 else wu0
     ws_g = tl.load(ws_ptr + rows)
     ws_u = tl.load(ws_ptr + rows + I)
     if PDL:
         gdc_wait()
     inv_rms, s, inv_s = _prologue(x_ptr, nw_ptr, K, eps, NORM, ACT, K_POW2)
-    g, u = _pair_dot(x_ptr, nw_ptr, w_ptr, rows, rows + I, K, inv_rms, s, inv_s, wg0, wu0, wg1, wu1, NORM, ACT,
-                     BLOCK_K, STAGES, EARLY)
+    g, u = _pair_dot(x_ptr, nw_ptr, w_ptr, rows, rows + I, K, inv_rms, s, inv_s, wg0, wu0, NORM, ACT, BLOCK_K, STAGES)
     if PDL:
         gdc_launch_dependents()
     dt = out_ptr.dtype.element_ty
@@ -180,8 +165,7 @@ def _gemv_fp8_qkv_rope_kernel(x_ptr, w_ptr, ws_ptr, nw_ptr, bias_ptr, q_ptr, k_c
                               HEAD_DIM: tl.constexpr, NORM: tl.constexpr, BIAS: tl.constexpr, ROPE: tl.constexpr,
                               ACT: tl.constexpr, K_POW2: tl.constexpr, BLOCK_N: tl.constexpr,
                               BLOCK_K: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr,
-                              POS_EARLY: tl.constexpr, KV_FMT: tl.constexpr, inv_k=1.0, inv_v=1.0,
-                              EARLY: tl.constexpr = 1):
+                              POS_EARLY: tl.constexpr, KV_FMT: tl.constexpr, inv_k=1.0, inv_v=1.0):
     # gemv.py's _gemv_qkv_rope_kernel over an FP8 wqkv: program = BLOCK_N rows of one head's first half
     # and their rope partners; the epilogue (scale, bias, rounding, rope, q / cache stores) is gemv.qkv_store's
     HALF: tl.constexpr = HEAD_DIM // 2
@@ -193,8 +177,6 @@ def _gemv_fp8_qkv_rope_kernel(x_ptr, w_ptr, ws_ptr, nw_ptr, bias_ptr, q_ptr, k_c
     all_rows = rows_a >= 0
     wa0 = _first_tile(w_ptr, rows_a, all_rows, K, BLOCK_K)
     wb0 = _first_tile(w_ptr, rows_a + HALF, all_rows, K, BLOCK_K)
-    wa1 = _first_tile(w_ptr, rows_a, all_rows, K, BLOCK_K, BLOCK_K) if EARLY == 2 else wa0
-    wb1 = _first_tile(w_ptr, rows_a + HALF, all_rows, K, BLOCK_K, BLOCK_K) if EARLY == 2 else wb0
     ws_a = tl.load(ws_ptr + rows_a)
     ws_b = tl.load(ws_ptr + rows_a + HALF)
     if BIAS:
@@ -208,8 +190,8 @@ def _gemv_fp8_qkv_rope_kernel(x_ptr, w_ptr, ws_ptr, nw_ptr, bias_ptr, q_ptr, k_c
     if PDL:
         gdc_wait()
     inv_rms, s, inv_s = _prologue(x_ptr, nw_ptr, K, eps, NORM, ACT, K_POW2)
-    a, b = _pair_dot(x_ptr, nw_ptr, w_ptr, rows_a, rows_a + HALF, K, inv_rms, s, inv_s, wa0, wb0, wa1, wb1, NORM,
-                     ACT, BLOCK_K, STAGES, EARLY)
+    a, b = _pair_dot(x_ptr, nw_ptr, w_ptr, rows_a, rows_a + HALF, K, inv_rms, s, inv_s, wa0, wb0, NORM, ACT,
+                     BLOCK_K, STAGES)
     if PDL:
         gdc_launch_dependents()
     a = a * ws_a
@@ -233,33 +215,25 @@ def _pow2(n: int) -> int:
     return triton.next_power_of_2(n)
 
 
-def _early(tiles: int) -> int:
-    if tiles not in (1, 2):
-        raise ValueError(f"early_tiles takes 1 or 2 weight tiles, got {tiles}")
-    return tiles
-
-
 def gemv_fp8(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, out: torch.Tensor, *,
              norm_w: torch.Tensor | None = None, eps: float = 1e-5, residual: torch.Tensor | None = None,
              bias: torch.Tensor | None = None, act: bool = False, block_n: int = 16, block_k: int = 512,
-             num_warps: int = 4, stages: int = 1, pdl: bool = False, prefetch: int = 0,
-             early_tiles: int = 1) -> torch.Tensor:
+             num_warps: int = 4, stages: int = 1, pdl: bool = False, prefetch: int = 0) -> torch.Tensor:
     """out[N] = [residual +] round(scale * (W8[N, K] @ q([rmsnorm(x) * norm_w | x])) [+ bias]); q is the FP8
-    activation rounding when ``act``. ``prefetch`` is accepted for gemv.py's tile kwargs and unused.
-    ``early_tiles`` (1 or 2): weight tiles a program loads before the PDL wait and the input's prologue."""
+    activation rounding when ``act``. ``prefetch`` is accepted for gemv.py's tile kwargs and unused."""
     n, k = w.shape
     _gemv_fp8_kernel[(triton.cdiv(n, block_n),)](
         x, w, w_scale, out, residual if residual is not None else out, norm_w if norm_w is not None else x,
         bias if bias is not None else x, n, k, eps, NORM=norm_w is not None, RESIDUAL=residual is not None,
         BIAS=bias is not None, ACT=act, K_POW2=_pow2(k), BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, PDL=pdl,
-        EARLY=_early(early_tiles), num_warps=num_warps, **launch_opts(pdl))
+        num_warps=num_warps, **launch_opts(pdl))
     return out
 
 
 def gemv_fp8_silu(x: torch.Tensor, w_gate_up: torch.Tensor, w_scale: torch.Tensor, out: torch.Tensor, *,
                   norm_w: torch.Tensor | None = None, eps: float = 1e-5, act: bool = False, block_n: int = 16,
                   block_k: int = 512, num_warps: int = 4, stages: int = 1, pdl: bool = False,
-                  prefetch: int = 0, early_tiles: int = 1) -> torch.Tensor:
+                  prefetch: int = 0) -> torch.Tensor:
     """out[I] = silu(gate) * up of the FP8 [2I, K] weight, as gemv.gemv_silu computes it from bf16."""
     two_i, k = w_gate_up.shape
     inter = two_i // 2
@@ -267,8 +241,8 @@ def gemv_fp8_silu(x: torch.Tensor, w_gate_up: torch.Tensor, w_scale: torch.Tenso
         raise ValueError(f"intermediate size {inter} is not a multiple of block_n {block_n}")
     _gemv_fp8_silu_kernel[(inter // block_n,)](
         x, w_gate_up, w_scale, out, norm_w if norm_w is not None else x, inter, k, eps, NORM=norm_w is not None,
-        ACT=act, K_POW2=_pow2(k), BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, PDL=pdl, EARLY=_early(early_tiles),
-        num_warps=num_warps, **launch_opts(pdl))
+        ACT=act, K_POW2=_pow2(k), BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, PDL=pdl, num_warps=num_warps,
+        **launch_opts(pdl))
     return out
 
 
@@ -278,7 +252,7 @@ def gemv_fp8_qkv_rope(x: torch.Tensor, wqkv: torch.Tensor, w_scale: torch.Tensor
                       num_kv_heads: int, head_dim: int, bias: torch.Tensor | None = None, rope: bool = True,
                       act: bool = False, block_n: int = 16, block_k: int = 512, num_warps: int = 4,
                       stages: int = 1, pdl: bool = False, pos_early: bool = False, kv_fmt: int = 0,
-                      inv_k: float = 1.0, inv_v: float = 1.0, early_tiles: int = 1) -> None:
+                      inv_k: float = 1.0, inv_v: float = 1.0) -> None:
     """gemv.gemv_qkv_rope over an FP8 wqkv with per-row scales (and the FP8 activation rounding when ``act``):
     one launch where gemv_fp8 + smallops.rope_cache_write take two, the same values."""
     half = head_dim // 2
@@ -293,7 +267,7 @@ def gemv_fp8_qkv_rope(x: torch.Tensor, wqkv: torch.Tensor, w_scale: torch.Tensor
         v_cache, pos, cos, sin, k, eps, NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
         NORM=norm_w is not None, BIAS=bias is not None, ROPE=rope, ACT=act, K_POW2=_pow2(k), BLOCK_N=block_n,
         BLOCK_K=block_k, STAGES=stages, PDL=pdl, POS_EARLY=pos_early, KV_FMT=kv_fmt, inv_k=inv_k, inv_v=inv_v,
-        EARLY=_early(early_tiles), num_warps=num_warps, **launch_opts(pdl))
+        num_warps=num_warps, **launch_opts(pdl))
 
 
 # ---------------------------------------------------------------- torch twins
@@ -357,8 +331,7 @@ class Fp8GqaDecoder(GqaDecoder):
     def fp8_tile_kwargs(self, name: str) -> dict:
         """tile_kwargs for projection ``name`` in FP8 (FastOptions.fp8_tiles)."""
         bn, bk, nw, st = self.opt.fp8_tiles[name]
-        return dict(block_n=bn, block_k=bk, num_warps=nw, stages=st, pdl=self.opt.pdl,
-                    early_tiles=self.opt.fp8_early_tiles)
+        return dict(block_n=bn, block_k=bk, num_warps=nw, stages=st, pdl=self.opt.pdl)
 
     def _norms_in_attention(self, i: int) -> bool:
         if self.scales[i].wqkv is None:

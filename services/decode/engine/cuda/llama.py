@@ -116,9 +116,6 @@ class FastOptions:
     # flight differ; best of bench/gpu_fp8_gemv.py's sweep on H200 (FP8_DYNAMIC activations)
     fp8_tiles: dict[str, tuple[int, int, int, int]] = field(default_factory=lambda: {
         "qkv": (16, 512, 4, 3), "o": (16, 512, 4, 3), "gate_up": (32, 256, 4, 6), "down": (16, 1024, 4, 3)})
-    # weight tiles (1 or 2) each FP8 GEMV program loads before its PDL wait and its input's norm / activation-scale
-    # prologue, so that HBM streams while those reductions run
-    fp8_early_tiles: int = 1
     # the batched step's GEMVs (cuda/batch.py rows_gemv: mode 1 = W @ x^T on tensor cores over the rows
     # padded to 16, block_n >= 16): per projection the best of bench/decode_gpu_batch.py's sweep at 2 and 8
     # rows on H200 (run B3; the run's end-to-end numbers took (32, 128, 4, 6) everywhere)

@@ -395,6 +395,12 @@ class MlaStack:
     # programs accumulates kv_lora_rank / chunks value columns and reads its split's keys (again, from L2);
     # 1: one program a split, the values taken from the key tiles it already holds (no second read)
     ATTN_FORM: tuple[int, int, int] = (4, 32, 4)
+    # one token of a model with at most 16 heads (DeepSeek-V2-Lite; a program's 16 query rows): twice the slot's
+    # splits (at most 64) of at least this many rows, in this form: (value chunks, key block, warps, fewest rows a
+    # split). Runs G13-G14 on the H100: 32 splits of 32 rows in 2 chunks -30..-38 us a V2-Lite step against 16 of
+    # 64 in 4; the V3 shape (128 heads, 64 rows a program) keeps ATTN_FORM (2 chunks do not fit its shared
+    # memory, 32 splits were slower). None: ATTN_FORM and SPLIT_MIN_ROWS for every stack
+    FEW_ROWS_ATTN: tuple[int, int, int, int] | None = (2, 32, 4, 32)
 
     def __init__(self, dims: MlaDims, num_tokens: int, device, num_splits: int = 16,
                  dense_inter: int = 0, max_tokens: int = 0, batch: bool = False):
@@ -428,9 +434,14 @@ class MlaStack:
         # [q | c, k_pe | q_a | k_idx, head weights]: q LoRA's q_a (normed, then q_b into the q columns) after
         # the latent; sparse attention's indexer key and head weights last
         extra = d.index_dim + d.index_heads if d.index_topk else 0
-        v_chunks, block_s, attn_warps = self.ATTN_FORM
+        slot_splits = num_splits  # the slot's (adapter.attention_splits): the verify and batch stacks' count
+        if t == 1 and not batch and d.num_heads <= 16 and self.FEW_ROWS_ATTN is not None:
+            v_chunks, block_s, attn_warps, min_rows = self.FEW_ROWS_ATTN
+            num_splits = min(2 * num_splits, 64)
+        else:
+            (v_chunks, block_s, attn_warps), min_rows = self.ATTN_FORM, SPLIT_MIN_ROWS
         v_chunks = max(1, min(v_chunks, d.kv_lora_rank // 128))
-        min_chunk = -(-SPLIT_MIN_ROWS // block_s) * block_s  # whole key blocks
+        min_chunk = -(-min_rows // block_s) * block_s  # whole key blocks
         self.qkv = torch.zeros(t, nq + d.kv_lora_rank + d.rope + d.q_lora_rank + extra, dtype=bf, device=dev)
         self.selects: list = []
         if d.index_topk:  # the indexer's queries, head weights and a top-k list per token
@@ -447,7 +458,7 @@ class MlaStack:
             self.pos_t = torch.zeros(t, dtype=torch.int32, device=dev)
             self.steps_t = torch.arange(t, dtype=torch.int32, device=dev)
             self.attn1 = DecodeAttention(num_q_heads=d.num_heads, num_kv_heads=1, d_main=d.kv_lora_rank,
-                                         d_v=d.kv_lora_rank, d_rope=d.rope, num_tokens=1, num_splits=num_splits,
+                                         d_v=d.kv_lora_rank, d_rope=d.rope, num_tokens=1, num_splits=slot_splits,
                                          block_s=block_s, sm_scale=d.sm_scale, num_warps=4,
                                          v_chunks=max(1, d.kv_lora_rank // 128), min_chunk=min_chunk,
                                          device=dev) if t > 1 else None
