@@ -449,6 +449,11 @@ ATTN_VARIANTS = {  # the one-token attention's form (MLA_ATTN_AB). Run G13 also 
     "splits16_min64_vc4": {("mla.MlaStack", "FEW_ROWS_ATTN"): None},  # the product before run G14
     "splits32_min32_vc4": {("mla.MlaStack", "FEW_ROWS_ATTN"): (4, 32, 4, 32)},
     "splits32_min32_vc2_w8": {("mla.MlaStack", "FEW_ROWS_ATTN"): (2, 32, 8, 32)},
+    # the merge + o . w_uv over the splits' partials (value columns a program) and q . w_uk (latent columns)
+    "uv_16_cols": {("mla.MlaStack", "UV_TILE"): (16, 512, 4)},
+    "uv_64_cols": {("mla.MlaStack", "UV_TILE"): (64, 512, 4)},
+    "absorb_32_cols": {("mla.MlaStack", "ABSORB_BLOCK_R"): 32},
+    "absorb_128_cols": {("mla.MlaStack", "ABSORB_BLOCK_R"): 128},
 }
 
 

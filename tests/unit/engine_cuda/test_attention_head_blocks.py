@@ -106,7 +106,7 @@ def test_least_split_is_whole_key_blocks():
     (16, 512, 4, False, 16, (16, 4, 64)),  # ... its 4-token verify
     (16, 512, 4, True, 16, (16, 4, 64)),  # ... 4 slots' batch
     (128, 512, 1, False, 16, (16, 4, 64)),  # DeepSeek-V3: 128 heads, 64 rows a program
-    (2, 32, 1, False, 16, (32, 1, 32)),  # a tiny latent: one value chunk (its keys' tiles are the values)
+    (2, 32, 1, False, 16, (32, 1, 32)),  # a tiny latent: one value chunk
 ])
 def test_mla_attention_form_by_query_rows(heads, r, tokens, batch, slot_splits, want):
     from services.decode.engine.cuda.mla import MlaDims, MlaStack
@@ -116,4 +116,4 @@ def test_mla_attention_form_by_query_rows(heads, r, tokens, batch, slot_splits, 
     st = MlaStack(dims, tokens, "cpu", num_splits=slot_splits, batch=batch)
     a = st.attn
     assert (a.num_splits, a.v_chunks, a.min_chunk) == want
-    assert a.v_is_k == (a.v_chunks == 1) and a.d_v == r
+    assert not a.v_is_k and a.d_v == r  # the values read as their own tiles (an FP8 latent needs that)

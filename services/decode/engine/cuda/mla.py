@@ -391,9 +391,9 @@ class MlaStack:
     # the wait) instead of a cuBLAS bmm, which cannot join the PDL chain; False: the bmm
     ABSORB_KERNEL: bool = True
     ABSORB_BLOCK_R: int = 64
-    # the attention's programs a split: (value chunks, key rows a block, warps). Chunks > 1: each of a split's
-    # programs accumulates kv_lora_rank / chunks value columns and reads its split's keys (again, from L2);
-    # 1: one program a split, the values taken from the key tiles it already holds (no second read)
+    # the attention's programs a split: (value chunks, key rows a block, warps): each of a split's programs
+    # accumulates kv_lora_rank / chunks value columns and reads its split's keys (the second and later from L2).
+    # One program a split (the values taken from its key tiles) was slower at 16-64 splits (run G13)
     ATTN_FORM: tuple[int, int, int] = (4, 32, 4)
     # one token of a model with at most 16 heads (DeepSeek-V2-Lite; a program's 16 query rows): twice the slot's
     # splits (at most 64) of at least this many rows, in this form: (value chunks, key block, warps, fewest rows a
@@ -472,7 +472,7 @@ class MlaStack:
         self.attn = DecodeAttention(num_q_heads=d.num_heads, num_kv_heads=1, d_main=d.kv_lora_rank, d_v=d.kv_lora_rank,
                                     d_rope=d.rope, num_tokens=1 if batch else t, num_splits=num_splits,
                                     block_s=block_s, sm_scale=d.sm_scale, num_warps=attn_warps,
-                                    v_chunks=v_chunks, v_is_k=v_chunks == 1, min_chunk=min_chunk, device=dev,
+                                    v_chunks=v_chunks, min_chunk=min_chunk, device=dev,
                                     pdl=self.pdl, max_batch=t if batch else 1)  # [rows, 128] value slices: no spill at 4 x 16 rows
         self.moe = GroupedMoe(num_tokens=t, top_k=d.top_k, num_shared=d.num_shared, hidden=d.hidden,
                               inter=d.moe_inter, device=dev, pdl=self.pdl, early=self.early)
