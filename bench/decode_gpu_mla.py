@@ -442,6 +442,9 @@ ONE_TOKEN_VARIANTS = {  # name -> what the run sets: ("mod.Class", attr) class a
     "product": {},
     "shared_in_experts": {("mla.MlaStack", "SHARED_IN_ROUTER"): False},
     "down_by_pairs": {("moe.GroupedMoe", "DOWN_ROWS_TILE"): None},
+    "down_early_pairs_2": {("moe.GroupedMoe", "DOWN_ROWS_EARLY_PAIRS"): 2},
+    "down_rows_2x4x3_early_pairs_2": {("moe.GroupedMoe", "DOWN_ROWS_EARLY_PAIRS"): 2,
+                                      ("moe.GroupedMoe", "DOWN_ROWS_TILE"): (2, 4, 3)},
 }
 ATTN_VARIANTS = {  # the one-token attention's form (MLA_ATTN_AB). Run G13 also timed one program a split (value
     # chunks 1) at 16, 32 and 64 splits, 16-row key blocks and 8 warps: all slower than the forms below
@@ -622,11 +625,14 @@ def verify_ab(X, model, caches, cos, sin, ctx: int, R: dict, tag: str, rounds: i
 
 
 # the batched block's forms (MlaStack class attributes while the decoder is built): the product's default first
-BATCH_VARIANTS = {"bmm": {}, "chain_pdl": {"BATCH_CHAIN": True}, "chain_no_pdl": {"BATCH_CHAIN": True, "PDL": False}}
+# the batched block's forms (MLA_BATCH_AB): MlaStack attributes over the product's ("product": the chain of Triton
+# kernels on PDL); "bmm": norms + dots + cuBLAS bmms (run MB3's form); "few_rows_attn": the one-token stack's
+# attention form (MlaStack.FEW_ROWS_ATTN: twice the splits, 2 value chunks) for the batch's rows too
+BATCH_VARIANTS = {"product": {}, "bmm": {"BATCH_CHAIN": False}, "few_rows_attn": {"FEW_ROWS_BATCH": True}}
 
 
 def batch_measure(X, model, s: dict, ctx: int, R: dict, tag: str = "dsv2lite_", sizes=(2, 4, 8),
-                  variants=("chain_pdl",), rounds: int = 1) -> None:
+                  variants=("product",), rounds: int = 1) -> None:
     """Several slots in one step (MlaBatchDecoder), each row at ``ctx`` in its own slot: step time against one
     slot's plain step (``{tag}plain_ms``, measured before in the same run), and its roofline: the step's bytes
     with the routed experts the rows actually touch (distinct experts per MoE layer, counted in an eager step
@@ -828,7 +834,7 @@ def run_mla(X, R: dict, ctx: int = 1024) -> None:
         del dec
         ab = bool(os.environ.get("MLA_BATCH_AB"))  # the batched block's forms alternated (BATCH_VARIANTS)
         batch_measure(X, model, s, ctx, R, sizes=(4, 8) if ab else (2, 4, 8),
-                      variants=tuple(BATCH_VARIANTS) if ab else ("bmm",), rounds=3 if ab else 1)
+                      variants=tuple(BATCH_VARIANTS) if ab else ("product",), rounds=3 if ab else 1)
         return
     if os.environ.get("MLA_FUSED_AB"):  # the attention middle's variants alone (a short run)
         fused_middle_ab(X, model, caches, cos, sin, ctx, R, "dsv2lite_", variants=list(FUSED_VARIANTS))
