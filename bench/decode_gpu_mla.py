@@ -442,9 +442,6 @@ ONE_TOKEN_VARIANTS = {  # name -> what the run sets: ("mod.Class", attr) class a
     "product": {},
     "shared_in_experts": {("mla.MlaStack", "SHARED_IN_ROUTER"): False},
     "down_by_pairs": {("moe.GroupedMoe", "DOWN_ROWS_TILE"): None},
-    "down_early_pairs_2": {("moe.GroupedMoe", "DOWN_ROWS_EARLY_PAIRS"): 2},
-    "down_rows_2x4x3_early_pairs_2": {("moe.GroupedMoe", "DOWN_ROWS_EARLY_PAIRS"): 2,
-                                      ("moe.GroupedMoe", "DOWN_ROWS_TILE"): (2, 4, 3)},
 }
 ATTN_VARIANTS = {  # the one-token attention's form (MLA_ATTN_AB). Run G13 also timed one program a split (value
     # chunks 1) at 16, 32 and 64 splits, 16-row key blocks and 8 warps: all slower than the forms below
@@ -626,9 +623,9 @@ def verify_ab(X, model, caches, cos, sin, ctx: int, R: dict, tag: str, rounds: i
 
 # the batched block's forms (MlaStack class attributes while the decoder is built): the product's default first
 # the batched block's forms (MLA_BATCH_AB): MlaStack attributes over the product's ("product": the chain of Triton
-# kernels on PDL); "bmm": norms + dots + cuBLAS bmms (run MB3's form); "few_rows_attn": the one-token stack's
-# attention form (MlaStack.FEW_ROWS_ATTN: twice the splits, 2 value chunks) for the batch's rows too
-BATCH_VARIANTS = {"product": {}, "bmm": {"BATCH_CHAIN": False}, "few_rows_attn": {"FEW_ROWS_BATCH": True}}
+# kernels on PDL); "bmm": norms + dots + cuBLAS bmms (run MB3's form). Run G15 also timed the one-token stack's
+# few-rows attention form for the batch's rows: 4 slots 5.124 against 5.026 ms, 8 slots 7.575 against 7.525
+BATCH_VARIANTS = {"product": {}, "bmm": {"BATCH_CHAIN": False}}
 
 
 def batch_measure(X, model, s: dict, ctx: int, R: dict, tag: str = "dsv2lite_", sizes=(2, 4, 8),

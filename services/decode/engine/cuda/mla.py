@@ -401,7 +401,6 @@ class MlaStack:
     # 64 in 4; the V3 shape (128 heads, 64 rows a program) keeps ATTN_FORM (2 chunks do not fit its shared
     # memory, 32 splits were slower). None: ATTN_FORM and SPLIT_MIN_ROWS for every stack
     FEW_ROWS_ATTN: tuple[int, int, int, int] | None = (2, 32, 4, 32)
-    FEW_ROWS_BATCH: bool = False  # True: a batch stack over at most 16 heads takes that form too (its rows' programs)
 
     def __init__(self, dims: MlaDims, num_tokens: int, device, num_splits: int = 16,
                  dense_inter: int = 0, max_tokens: int = 0, batch: bool = False):
@@ -436,7 +435,7 @@ class MlaStack:
         # the latent; sparse attention's indexer key and head weights last
         extra = d.index_dim + d.index_heads if d.index_topk else 0
         slot_splits = num_splits  # the slot's (adapter.attention_splits): the verify and batch stacks' count
-        if (t == 1 or batch and self.FEW_ROWS_BATCH) and d.num_heads <= 16 and self.FEW_ROWS_ATTN is not None:
+        if t == 1 and not batch and d.num_heads <= 16 and self.FEW_ROWS_ATTN is not None:
             v_chunks, block_s, attn_warps, min_rows = self.FEW_ROWS_ATTN
             num_splits = min(2 * num_splits, 64)
         else:

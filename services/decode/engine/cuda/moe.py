@@ -727,7 +727,7 @@ def _reduce_cols(y_ptr, wts_ptr, h_ptr, t, cols, cmask, H, TOPK: tl.constexpr, N
 def _moe_down_rows_kernel(act_ptr, ids_ptr, w_ptr, ws_ptr, wts_ptr, h_ptr, H, I, stride_e, TOPK: tl.constexpr,
                           NUM_SHARED: tl.constexpr, SLOTS_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
                           BLOCK_K: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr = False,
-                          EARLY: tl.constexpr = False, EARLY_PAIRS: tl.constexpr = 1):
+                          EARLY: tl.constexpr = False):
     # one token's down projections and their reduce by output rows: a program owns BLOCK_N rows of h and walks
     # every pair (routed, then shared), one [BLOCK_N, I] tile a pair (BLOCK_K >= I), so its stream is all the
     # layer's pairs back to back and no other program's rows are waited for; the sums are combined as
@@ -744,21 +744,15 @@ def _moe_down_rows_kernel(act_ptr, ids_ptr, w_ptr, ws_ptr, wts_ptr, h_ptr, H, I,
     sj = tl.arange(0, SLOTS_PAD)
     ids = tl.load(ids_ptr + sj, mask=sj < TOPK, other=0, cache_modifier=".cg")  # the pairs' experts, loop-invariant
     wts = tl.load(wts_ptr + sj, mask=sj < TOPK, other=0.0, cache_modifier=".cg")
-    # EARLY: the first pair's weight tile before the wait (EARLY_PAIRS == 2: the second pair's too)
-    TWO: tl.constexpr = EARLY and EARLY_PAIRS == 2 and SLOTS > 1
-    if EARLY:
+    if EARLY:  # the first pair's weight tile before the wait
         e0 = tl.sum(tl.where(sj == 0, ids, 0))
         b0 = (w_ptr + e0.to(tl.int64) * stride_e) if TOPK > 0 else ws_ptr
         w0 = tl.load(b0 + rows[:, None].to(tl.int64) * I + offs[None, :], mask=wmask, other=0.0)
-    if TWO:
-        e1 = tl.sum(tl.where(sj == 1, ids, 0))
-        b1 = (w_ptr + e1.to(tl.int64) * stride_e) if TOPK > 1 else ws_ptr + (1 - TOPK) * stride_e
-        w1 = tl.load(b1 + rows[:, None].to(tl.int64) * I + offs[None, :], mask=wmask, other=0.0)
     if PDL:
         gdc_wait()
     routed = tl.zeros((BLOCK_N,), tl.float32)
     shared = tl.zeros((BLOCK_N,), tl.float32)
-    FIRST: tl.constexpr = 2 if TWO else 1 if EARLY else 0
+    FIRST: tl.constexpr = 1 if EARLY else 0
     if EARLY:
         x0 = tl.load(act_ptr + offs, mask=kmask, other=0.0)
         y0 = tl.sum(w0.to(tl.float32) * x0.to(tl.float32)[None, :], axis=1)
@@ -767,14 +761,6 @@ def _moe_down_rows_kernel(act_ptr, ids_ptr, w_ptr, ws_ptr, wts_ptr, h_ptr, H, I,
                                      dt)
         else:
             shared += y0
-    if TWO:
-        x1 = tl.load(act_ptr + I + offs, mask=kmask, other=0.0)
-        y1 = tl.sum(w1.to(tl.float32) * x1.to(tl.float32)[None, :], axis=1)
-        if TOPK > 1:
-            routed += round_to_dtype(round_to_dtype(y1, dt) * round_to_dtype(tl.sum(tl.where(sj == 1, wts, 0.0)), dt),
-                                     dt)
-        else:
-            shared += y1
     for sl in tl.range(FIRST, SLOTS, num_stages=STAGES):
         is_routed = sl < TOPK
         e = tl.sum(tl.where(sj == sl, ids, 0))
@@ -821,7 +807,6 @@ class GroupedMoe:
     # every pair, one [rows, I] tile a pair): (rows, warps, stages); None: the down kernel by pairs and its last
     # program's reduce (also where I > DOWN_ROWS_MAX_I, FP8 experts, several tokens)
     DOWN_ROWS_TILE: tuple[int, int, int] | None = (4, 4, 3)
-    DOWN_ROWS_EARLY_PAIRS: int = 1  # pairs whose weight tiles the rows kernel loads before its wait (1 or 2; PDL)
     DOWN_ROWS_MAX_I: int = 2048
     # one token: the weighted sum of the pairs' rows into h by the down kernel's last program of each column
     # block (_moe_down_kernel's REDUCE) instead of a launch of its own (_moe_reduce_kernel). Run SW2: a plain
@@ -889,8 +874,8 @@ class GroupedMoe:
                 self.act, ids, w_down, shared_down if shared_down is not None else w_down, wts, h, hid, inter,
                 hid * inter, TOPK=self.top_k, NUM_SHARED=self.num_shared,
                 SLOTS_PAD=triton.next_power_of_2(self.slots), BLOCK_N=rbn,
-                BLOCK_K=triton.next_power_of_2(inter), STAGES=rst, PDL=self.pdl, EARLY=self.early,
-                EARLY_PAIRS=self.DOWN_ROWS_EARLY_PAIRS, num_warps=rnw, **launch_opts(self.pdl))
+                BLOCK_K=triton.next_power_of_2(inter), STAGES=rst, PDL=self.pdl, EARLY=self.early, num_warps=rnw,
+                **launch_opts(self.pdl))
             return
         if self.fused_reduce:  # the last program of each column block adds the pairs' rows into h
             _moe_down_kernel[(pairs, triton.cdiv(hid, bn2))](
