@@ -454,6 +454,8 @@ ATTN_VARIANTS = {  # the one-token attention's form (MLA_ATTN_AB). Run G13 also 
     "uv_64_cols": {("mla.MlaStack", "UV_TILE"): (64, 512, 4)},
     "absorb_32_cols": {("mla.MlaStack", "ABSORB_BLOCK_R"): 32},
     "absorb_128_cols": {("mla.MlaStack", "ABSORB_BLOCK_R"): 128},
+    "attn_stages_1": {("mla.MlaStack", "ATTN_STAGES"): 1},
+    "attn_stages_2": {("mla.MlaStack", "ATTN_STAGES"): 2},
 }
 
 
