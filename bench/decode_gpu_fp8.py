@@ -55,8 +55,13 @@ FP8_VARIANTS = {
 }
 # gate/up tiles in the step (its prologue - the input's norm and activation scale - runs once a program, so once a
 # wave of resident programs: the product's 448 programs of 96 KB of pipeline buffers take two waves on 132 SMs)
-for _tile in ((32, 256, 4, 3), (32, 256, 4, 4), (64, 256, 4, 3), (32, 512, 4, 2), (64, 128, 4, 4)):
-    FP8_VARIANTS["gate_up_" + "x".join(map(str, _tile))] = {"fp8_tiles": {"gate_up": _tile}}  # over the product's
+# (run G16: (32, 256, 4, 3) 3.519 ms, the product since; (32, 256, 4, 6) 3.615, (32, 256, 4, 4) 3.531,
+# (64, 128, 4, 4) 3.688, (32, 512, 4, 2) 4.494, (64, 256, 4, 3) 8.180); the other projections' tiles likewise
+for _name, _tile in (("gate_up", (16, 256, 4, 3)), ("o", (8, 512, 4, 3)), ("o", (16, 256, 4, 4)),
+                     ("o", (8, 256, 4, 4)), ("down", (8, 1024, 4, 3)), ("down", (16, 512, 4, 4)),
+                     ("down", (32, 512, 4, 3)), ("down", (8, 512, 4, 4)), ("qkv", (8, 512, 4, 3)),
+                     ("qkv", (16, 256, 4, 4))):
+    FP8_VARIANTS[f"{_name}_" + "x".join(map(str, _tile))] = {"fp8_tiles": {_name: _tile}}  # over the product's
 
 
 def quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -454,9 +454,7 @@ ATTN_VARIANTS = {  # the one-token attention's form (MLA_ATTN_AB). Run G13 also 
     "uv_64_cols": {("mla.MlaStack", "UV_TILE"): (64, 512, 4)},
     "absorb_32_cols": {("mla.MlaStack", "ABSORB_BLOCK_R"): 32},
     "absorb_128_cols": {("mla.MlaStack", "ABSORB_BLOCK_R"): 128},
-    "attn_stages_1": {("mla.MlaStack", "ATTN_STAGES"): 1},
-    "attn_stages_2": {("mla.MlaStack", "ATTN_STAGES"): 2},
-}
+}  # run G16 also timed the split kernel on 1 and 2 pipeline stages (Triton's default 3): +120 / +164 us
 
 
 def one_token_variants_ab(X, model, caches, cos, sin, ctx: int, R: dict, tag: str, roof_ms: float,

@@ -400,7 +400,7 @@ class DecodeAttention:
                  num_warps: int = 4, v_is_k: bool = False, v_chunks: int = 1, pdl: bool = False,
                  device: torch.device | str = "cpu", max_batch: int = 1, one_launch: bool = True,
                  max_row_elems: int = MAX_ROW_ELEMS, pos_row_prologue: bool = False,
-                 combine_warps: int = 4, min_chunk: int = 0, num_stages: int | None = None):
+                 combine_warps: int = 4, min_chunk: int = 0):
         self.hq, self.hkv, self.num_tokens = num_q_heads, num_kv_heads, num_tokens
         self.d_main, self.d_v, self.d_rope = d_main, d_v, d_rope
         self.group = num_q_heads // num_kv_heads
@@ -416,8 +416,6 @@ class DecodeAttention:
             raise ValueError(f"d_v {d_v} is not a multiple of v_chunks {v_chunks}")
         self.v_chunks = v_chunks  # programs per split, each accumulating d_v / v_chunks value columns
         self.pdl = pdl
-        # the two-launch split kernel's software-pipeline stages (None: Triton's default)
-        self.stages = {"num_stages": num_stages} if num_stages else {}
         # qk_norm, two launches: V row pos loaded in the split kernel's prologue, K row pos stored after its loop
         self.pos_row_prologue = pos_row_prologue
         self.combine_warps = combine_warps
@@ -487,8 +485,7 @@ class DecodeAttention:
             HEAD_BLOCKS=self.head_blocks, POS_ROW_PROLOGUE=self.pos_row_prologue and qk_norm is not None,
             KV_FMT=kv_fmt, k_scale=k_scale, v_scale=v_scale,
             idx_ptr=sparse[0] if sparse is not None else pos, nidx_ptr=sparse[1] if sparse is not None else pos,
-            SPARSE=sparse is not None, MIN_CHUNK=self.min_chunk, num_warps=self.num_warps, **self.stages,
-            **launch_opts(self.pdl))
+            SPARSE=sparse is not None, MIN_CHUNK=self.min_chunk, num_warps=self.num_warps, **launch_opts(self.pdl))
         if not combine:
             return None
         _attn_combine_kernel[(batch * self.num_tokens * self.hq,)](
