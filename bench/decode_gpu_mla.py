@@ -442,11 +442,7 @@ ONE_TOKEN_VARIANTS = {  # name -> what the run sets: ("mod.Class", attr) class a
     "product": {},
     "shared_in_experts": {("mla.MlaStack", "SHARED_IN_ROUTER"): False},
     "down_by_pairs": {("moe.GroupedMoe", "DOWN_ROWS_TILE"): None},
-    "shared_tile_4x512x3": {("moe.GroupedMoe", "SHARED_TILE"): (4, 512, 3)},
-    "shared_tile_16x512x3": {("moe.GroupedMoe", "SHARED_TILE"): (16, 512, 3)},
-    "shared_tile_8x256x4": {("moe.GroupedMoe", "SHARED_TILE"): (8, 256, 4)},
-    "shared_tile_8x1024x2": {("moe.GroupedMoe", "SHARED_TILE"): (8, 1024, 2)},
-}
+}  # run G17 also timed the router-launch shared experts in (4|16, 512, 3), (8, 256, 4), (8, 1024, 2) tiles: +24..+58 us
 ATTN_VARIANTS = {  # the one-token attention's form (MLA_ATTN_AB). Run G13 also timed one program a split (value
     # chunks 1) at 16, 32 and 64 splits, 16-row key blocks and 8 warps: all slower than the forms below
     "product": {},

@@ -808,8 +808,6 @@ class GroupedMoe:
     # program's reduce (also where I > DOWN_ROWS_MAX_I, FP8 experts, several tokens)
     DOWN_ROWS_TILE: tuple[int, int, int] | None = (4, 4, 3)
     DOWN_ROWS_MAX_I: int = 2048
-    # one token: (block_n, block_k, stages) of the shared experts' gate/up in the router's launch (None: the gate/up tile)
-    SHARED_TILE: tuple[int, int, int] | None = None
     # one token: the weighted sum of the pairs' rows into h by the down kernel's last program of each column
     # block (_moe_down_kernel's REDUCE) instead of a launch of its own (_moe_reduce_kernel). Run SW2: a plain
     # step 2.188 -> 2.151 ms; but 4 slots 3.967 -> 4.036 (the down kernel's tail waits for its last programs'
@@ -896,8 +894,6 @@ class GroupedMoe:
         """The router-launch form of this MoE's shared experts' gate/up (router(shared=...)), where it applies: one
         token, bf16 shared experts, a gate/up tile of 4 warps (the router's); else None."""
         bn, bk, nw, st = self.tiles[0]
-        if self.SHARED_TILE is not None:
-            bn, bk, st = self.SHARED_TILE
         if self.num_tokens != 1 or w_shared is None or isinstance(w_shared, BlockFp8) or nw != 4 \
                 or w_shared.dtype not in (torch.bfloat16, torch.float16) or not w_shared.is_contiguous():
             return None
