@@ -454,6 +454,7 @@ ATTN_VARIANTS = {  # the one-token attention's form (MLA_ATTN_AB). Run G13 also 
     "uv_64_cols": {("mla.MlaStack", "UV_TILE"): (64, 512, 4)},
     "absorb_32_cols": {("mla.MlaStack", "ABSORB_BLOCK_R"): 32},
     "absorb_128_cols": {("mla.MlaStack", "ABSORB_BLOCK_R"): 128},
+    "pos_row_in_loop": {("mla.MlaStack", "POS_ROW_LAST"): False},  # row pos read by the splits' loops
 }  # run G16 also timed the split kernel on 1 and 2 pipeline stages (Triton's default 3): +120 / +164 us
 
 
@@ -804,6 +805,7 @@ def run_mla(X, R: dict, ctx: int = 1024) -> None:
         X.mla.MlaStack.VERIFY_CHAIN = True
         R["mla_verify_chain"] = True
     s = DSV2_LITE
+    ctx = int(os.environ.get("MLA_CTX", ctx))  # another context for a variant's run (the published keys: 1K)
     model, caches, cos, sin, by, bw, roof_ms = shape_setup(X, s, ctx, R, "dsv2lite_", "deepseek-v2-lite-like model")
     if os.environ.get("MLA_PDL_AB"):  # PDL on / off alone (a short run)
         pdl_ab(X, model, caches, cos, sin, ctx, R, "dsv2lite_")

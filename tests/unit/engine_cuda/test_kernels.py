@@ -128,6 +128,38 @@ def test_mla_attention_latent_is_value_and_rope_part_separate(v_is_k, v_chunks):
     close(out, ref, tol=1e-5)
 
 
+@pytest.mark.parametrize("pos,splits,min_chunk", [
+    (0, 4, 16),  # the first token: no earlier row, only row pos (split 0)
+    (64, 4, 16),  # 64 earlier rows fill 4 splits of 16 exactly: row pos joins the last split's softmax
+    (37, 4, 16),  # row pos in the last active split's block
+    (20, 8, 16),  # a short context: later splits empty, row pos in the second
+    (70, 2, 16),  # several blocks a split
+])
+@pytest.mark.parametrize("v_chunks", [1, 2])
+def test_mla_attention_with_row_pos_after_the_loop(pos, splits, min_chunk, v_chunks):
+    # pos_last: the splits walk rows 0..pos-1 and row pos joins after the loop; the same attention as the twin's
+    hq, r, rope = 16, 64, 16
+    q_c, q_pe, lat = rand(hq, 1, r), rand(1, hq, rope, seed=3), rand(pos + 3, 1, r + rope, seed=4)
+    ref = reference.attention(torch.cat([q_c.transpose(0, 1), q_pe], -1), lat, lat[..., :r], pos, (r + rope) ** -0.5)
+    outs = {}
+    for last in (True, False):
+        attn = DecodeAttention(num_q_heads=hq, num_kv_heads=1, d_main=r, d_v=r, d_rope=rope, num_splits=splits,
+                               block_s=16, v_chunks=v_chunks, min_chunk=min_chunk, pos_last=last)
+        out = outs[last] = torch.full((1, hq, r), float("nan"), dtype=BF)
+        attn(q_c, lat, lat, torch.tensor([pos], dtype=torch.int32), out, stride_kt=r + rope, stride_vt=r + rope,
+             rope_offset=r, q_pe=q_pe, stride_qt=r, stride_qh=r)
+        close(out, ref, tol=1e-5)
+        # the splits that saw a key: with pos_last the rows 0..pos-1 spread over them and row pos joins the split
+        # it falls in (at 64 = 4 x 16 rows: all 4 splits, the last with 17 keys, not 3 splits of 32)
+        rows = pos if last else pos + 1
+        chunk = max(-(-(-(-rows // splits)) // 16) * 16, min_chunk)
+        want = {i for i in range(splits) if i * chunk < rows}
+        if last:
+            want.add(min(pos // chunk, splits - 1))
+        seen = attn.part_ml.view(hq, splits, 2)[0, :, 0] > float("-inf")
+        assert {i for i in range(splits) if seen[i]} == want
+
+
 @pytest.mark.parametrize("t,norm,residual", [(1, True, False), (3, False, True), (4, True, True)])
 def test_gemv_rows_matches_twin(t, norm, residual):
     x, w, nw, res = rand(t, 48), rand(20, 48, std=0.2), 1 + rand(48, std=0.1), rand(t, 20)

@@ -78,11 +78,16 @@ def _attn_split_kernel(q_ptr, q_pe_ptr, k_ptr, v_ptr, pos_ptr, part_o_ptr, part_
                        DOT_F32: tl.constexpr, V_IS_K: tl.constexpr, V_CHUNKS: tl.constexpr, PDL: tl.constexpr,
                        HEAD_BLOCKS: tl.constexpr = 1, POS_ROW_PROLOGUE: tl.constexpr = False,
                        KV_FMT: tl.constexpr = 0, k_scale=1.0, v_scale=1.0,
-                       idx_ptr=None, nidx_ptr=None, SPARSE: tl.constexpr = False, MIN_CHUNK: tl.constexpr = 0):
+                       idx_ptr=None, nidx_ptr=None, SPARSE: tl.constexpr = False, MIN_CHUNK: tl.constexpr = 0,
+                       POS_LAST: tl.constexpr = False):
     # KV_FMT > 0: K/V are FP8 bytes (kvfp8.kv_fmt) read as fp8 * k_scale / v_scale (no qk norm; MLA: the rope
     # part too, q_pe in fp16 by q's power of two)
     # SPARSE (one query token, sparse attention): the keys are the nidx_ptr[0] cache rows listed at idx_ptr
     # (the indexer's top-k, any order; a listed row past pos is not visible), split like a dense sequence
+    # POS_LAST (one query token, dense, model-dtype K/V): the splits share the rows of earlier steps (0..pos-1),
+    # and this step's row pos joins the softmax of the split it falls in (the last, past them) after its loop, as
+    # one online update: at a context of a multiple of BLOCK_S * NUM_SPLITS rows the row past them no longer
+    # costs every split a block of its own
     # MIN_CHUNK: the fewest keys a split takes (a multiple of BLOCK_S); a short sequence leaves the later splits
     # empty (their partials weigh nothing in the merge) rather than cut into many tiny pieces
     # D_V is the width of this program's slice of the values: chunk program_id(2) of V_CHUNKS.
@@ -110,6 +115,8 @@ def _attn_split_kernel(q_ptr, q_pe_ptr, k_ptr, v_ptr, pos_ptr, part_o_ptr, part_
     seq_len = pos + T  # keys valid after this step's writes
     if SPARSE:
         seq_len = tl.load(nidx_ptr)  # listed rows
+    if POS_LAST:  # the loop over rows 0..pos-1; row pos after it, in the split it falls in (the last one past them)
+        seq_len = pos
     chunk = tl.maximum(tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_S) * BLOCK_S, MIN_CHUNK)
     start = split * chunk
     end = tl.minimum(start + chunk, seq_len)
@@ -192,6 +199,21 @@ def _attn_split_kernel(q_ptr, q_pe_ptr, k_ptr, v_ptr, pos_ptr, part_o_ptr, part_
         else:
             acc = pv_dot(p, v, acc * alpha[:, None], DOT_F32)
         m = m_new
+    if POS_LAST:
+        if split == tl.minimum(pos // tl.maximum(chunk, BLOCK_S), NUM_SPLITS - 1):  # row pos (every query row sees it), one update
+            prow_k = k_ptr + pos.to(tl.int64) * stride_kt
+            s_pos = tl.sum(q.to(tl.float32) * tl.load(prow_k + kvh * D_MAIN + dm).to(tl.float32)[None, :], axis=1)
+            if D_ROPE > 0:
+                s_pos += tl.sum(q_pe.to(tl.float32) * tl.load(prow_k + rope_offset + dr).to(tl.float32)[None, :],
+                                axis=1)
+            s_pos = s_pos * dot_scale
+            m_new = tl.maximum(m, s_pos)
+            alpha = tl.exp2(m - m_new)
+            p_pos = tl.exp2(s_pos - m_new)
+            v_pos = tl.load(v_ptr + pos.to(tl.int64) * stride_vt + kvh * D_V_ALL + vchunk * D_V + dv).to(tl.float32)
+            acc = acc * alpha[:, None] + p_pos[:, None] * v_pos[None, :]
+            l = l * alpha + p_pos
+            m = m_new
     if QK_NORM:
         if holds_pos:  # the key at pos (every query row sees it: T == 1), one online-softmax update
             s_pos = tl.sum(q.to(tl.float32) * k_new.to(tl.float32), axis=1) * qk_scale
@@ -400,7 +422,7 @@ class DecodeAttention:
                  num_warps: int = 4, v_is_k: bool = False, v_chunks: int = 1, pdl: bool = False,
                  device: torch.device | str = "cpu", max_batch: int = 1, one_launch: bool = True,
                  max_row_elems: int = MAX_ROW_ELEMS, pos_row_prologue: bool = False,
-                 combine_warps: int = 4, min_chunk: int = 0):
+                 combine_warps: int = 4, min_chunk: int = 0, pos_last: bool = False):
         self.hq, self.hkv, self.num_tokens = num_q_heads, num_kv_heads, num_tokens
         self.d_main, self.d_v, self.d_rope = d_main, d_v, d_rope
         self.group = num_q_heads // num_kv_heads
@@ -410,6 +432,9 @@ class DecodeAttention:
         if min_chunk % block_s:
             raise ValueError(f"min_chunk {min_chunk} is not a multiple of block_s {block_s}")
         self.min_chunk = min_chunk  # two-launch form: the fewest keys a split takes (later splits stay empty)
+        # two-launch form, one query token over a dense model-dtype cache: the row at pos after the splits' loops
+        # (_attn_split_kernel's POS_LAST)
+        self.pos_last = pos_last and num_tokens == 1
         if v_is_k and (d_v != d_main or v_chunks != 1):
             raise ValueError("v_is_k needs d_v == d_main and one value chunk (MLA: values are the latent)")
         if d_v % v_chunks:
@@ -485,7 +510,9 @@ class DecodeAttention:
             HEAD_BLOCKS=self.head_blocks, POS_ROW_PROLOGUE=self.pos_row_prologue and qk_norm is not None,
             KV_FMT=kv_fmt, k_scale=k_scale, v_scale=v_scale,
             idx_ptr=sparse[0] if sparse is not None else pos, nidx_ptr=sparse[1] if sparse is not None else pos,
-            SPARSE=sparse is not None, MIN_CHUNK=self.min_chunk, num_warps=self.num_warps, **launch_opts(self.pdl))
+            SPARSE=sparse is not None, MIN_CHUNK=self.min_chunk,
+            POS_LAST=self.pos_last and sparse is None and not kv_fmt and qk_norm is None, num_warps=self.num_warps,
+            **launch_opts(self.pdl))
         if not combine:
             return None
         _attn_combine_kernel[(batch * self.num_tokens * self.hq,)](

@@ -401,6 +401,10 @@ class MlaStack:
     # 64 in 4; the V3 shape (128 heads, 64 rows a program) keeps ATTN_FORM (2 chunks do not fit its shared
     # memory, 32 splits were slower). None: ATTN_FORM and SPLIT_MIN_ROWS for every stack
     FEW_ROWS_ATTN: tuple[int, int, int, int] | None = (2, 32, 4, 32)
+    # one token over a model-dtype latent: the splits share the rows of earlier steps and this step's row joins the
+    # last one's softmax after its loop (attention.py's POS_LAST), so a context of a multiple of the splits' rows
+    # does not cost every split one more key block
+    POS_ROW_LAST: bool = True
 
     def __init__(self, dims: MlaDims, num_tokens: int, device, num_splits: int = 16,
                  dense_inter: int = 0, max_tokens: int = 0, batch: bool = False):
@@ -473,6 +477,7 @@ class MlaStack:
                                     d_rope=d.rope, num_tokens=1 if batch else t, num_splits=num_splits,
                                     block_s=block_s, sm_scale=d.sm_scale, num_warps=attn_warps,
                                     v_chunks=v_chunks, min_chunk=min_chunk, device=dev,
+                                    pos_last=self.POS_ROW_LAST and t == 1 and not batch,
                                     pdl=self.pdl, max_batch=t if batch else 1)  # [rows, 128] value slices: no spill at 4 x 16 rows
         self.moe = GroupedMoe(num_tokens=t, top_k=d.top_k, num_shared=d.num_shared, hidden=d.hidden,
                               inter=d.moe_inter, device=dev, pdl=self.pdl, early=self.early)
