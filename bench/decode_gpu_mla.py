@@ -454,7 +454,8 @@ ATTN_VARIANTS = {  # the one-token attention's form (MLA_ATTN_AB). Run G13 also 
     "uv_64_cols": {("mla.MlaStack", "UV_TILE"): (64, 512, 4)},
     "absorb_32_cols": {("mla.MlaStack", "ABSORB_BLOCK_R"): 32},
     "absorb_128_cols": {("mla.MlaStack", "ABSORB_BLOCK_R"): 128},
-    "pos_row_in_loop": {("mla.MlaStack", "POS_ROW_LAST"): False},  # row pos read by the splits' loops
+    "pos_row_in_loop": {("mla.MlaStack", "POS_ROW_LAST"): False},  # row pos read by the splits' loops (G18's before)
+    "kv_after_wait": {("mla.MlaStack", "EARLY_KV"): False},  # the first key block loaded after the PDL wait (G18's)
 }  # run G16 also timed the split kernel on 1 and 2 pipeline stages (Triton's default 3): +120 / +164 us
 
 

@@ -68,6 +68,34 @@ P_SCALE_FP8 = tl.constexpr(4096.0)
 
 
 @triton.jit
+def _online_block(q_op, q_pe, k, k_pe, v, offs, smask, limit, m, l, acc, dot_scale, D_ROPE: tl.constexpr,
+                  KV_FMT: tl.constexpr, DOT_F32: tl.constexpr):
+    # one key block's scores (main part, and MLA's rope part) and its online-softmax update of (m, l, acc)
+    if DOT_F32:
+        scores = tl.dot(q_op.to(tl.float32), tl.trans(k.to(tl.float32)))
+    else:
+        scores = tl.dot(q_op, tl.trans(k))
+    if D_ROPE > 0:
+        if DOT_F32:
+            scores += tl.dot(q_pe.to(tl.float32), tl.trans(k_pe.to(tl.float32)))
+        else:
+            scores += tl.dot(q_pe, tl.trans(k_pe))
+    scores = scores * dot_scale
+    visible = smask[None, :] & (offs[None, :] <= limit[:, None])
+    scores = tl.where(visible, scores, float("-inf"))
+    m_new = tl.maximum(m, tl.max(scores, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(scores - m_safe[:, None])
+    alpha = tl.exp2(m - m_safe)
+    l = l * alpha + tl.sum(p, axis=1)
+    if KV_FMT:
+        acc = pv_dot(p * P_SCALE_FP8, v, acc * alpha[:, None], DOT_F32)
+    else:
+        acc = pv_dot(p, v, acc * alpha[:, None], DOT_F32)
+    return m_new, l, acc
+
+
+@triton.jit
 def _attn_split_kernel(q_ptr, q_pe_ptr, k_ptr, v_ptr, pos_ptr, part_o_ptr, part_ml_ptr, sm_scale,
                        stride_qt, stride_qh, stride_kt, stride_vt, rope_offset,
                        qn_ptr, kn_ptr, cos_ptr, sin_ptr, qk_eps, slot_ptr, stride_ks, stride_vs, stride_qb,
@@ -79,7 +107,7 @@ def _attn_split_kernel(q_ptr, q_pe_ptr, k_ptr, v_ptr, pos_ptr, part_o_ptr, part_
                        HEAD_BLOCKS: tl.constexpr = 1, POS_ROW_PROLOGUE: tl.constexpr = False,
                        KV_FMT: tl.constexpr = 0, k_scale=1.0, v_scale=1.0,
                        idx_ptr=None, nidx_ptr=None, SPARSE: tl.constexpr = False, MIN_CHUNK: tl.constexpr = 0,
-                       POS_LAST: tl.constexpr = False):
+                       POS_LAST: tl.constexpr = False, EARLY_KV: tl.constexpr = False):
     # KV_FMT > 0: K/V are FP8 bytes (kvfp8.kv_fmt) read as fp8 * k_scale / v_scale (no qk norm; MLA: the rope
     # part too, q_pe in fp16 by q's power of two)
     # SPARSE (one query token, sparse attention): the keys are the nidx_ptr[0] cache rows listed at idx_ptr
@@ -87,7 +115,8 @@ def _attn_split_kernel(q_ptr, q_pe_ptr, k_ptr, v_ptr, pos_ptr, part_o_ptr, part_
     # POS_LAST (one query token, dense, model-dtype K/V): the splits share the rows of earlier steps (0..pos-1),
     # and this step's row pos joins the softmax of the split it falls in (the last, past them) after its loop, as
     # one online update: at a context of a multiple of BLOCK_S * NUM_SPLITS rows the row past them no longer
-    # costs every split a block of its own
+    # costs every split a block of its own. EARLY_KV (with POS_LAST and PDL, one slot): the loop reads only rows of
+    # earlier steps, so the split's first key block is loaded before the wait, while the previous kernel finishes
     # MIN_CHUNK: the fewest keys a split takes (a multiple of BLOCK_S); a short sequence leaves the later splits
     # empty (their partials weigh nothing in the merge) rather than cut into many tiny pieces
     # D_V is the width of this program's slice of the values: chunk program_id(2) of V_CHUNKS.
@@ -99,7 +128,7 @@ def _attn_split_kernel(q_ptr, q_pe_ptr, k_ptr, v_ptr, pos_ptr, part_o_ptr, part_
     split = tl.program_id(1)
     vchunk = tl.program_id(2) % V_CHUNKS
     D_V_ALL: tl.constexpr = D_V * V_CHUNKS
-    if PDL:  # q and this step's K/V rows come from the previous kernel
+    if PDL and not EARLY_KV:  # q and this step's K/V rows come from the previous kernel
         gdc_wait()
     if BATCH:  # batch row b: its query, position and partials; the K/V of its slot (slot_ptr[b])
         b = tl.program_id(2) // V_CHUNKS
@@ -127,7 +156,18 @@ def _attn_split_kernel(q_ptr, q_pe_ptr, k_ptr, v_ptr, pos_ptr, part_o_ptr, part_
     rvalid = r < T * GB
     q_row = q_ptr + t_of * stride_qt + head * stride_qh
     dm = tl.arange(0, D_MAIN)
+    if EARLY_KV:  # pos was final before the kernel two back (prep) could start; rows < pos were written by earlier
+        # steps: the first block's K (main and rope part) and V slice before the wait
+        offs0 = start + tl.arange(0, BLOCK_S)
+        smask0 = offs0 < end
+        krow0 = k_ptr + offs0[:, None].to(tl.int64) * stride_kt
+        k0 = tl.load(krow0 + kvh * D_MAIN + dm[None, :], mask=smask0[:, None], other=0)
+        kpe0 = tl.load(krow0 + rope_offset + tl.arange(0, D_ROPE)[None, :], mask=smask0[:, None], other=0)
+        v0 = tl.load(v_ptr + offs0[:, None].to(tl.int64) * stride_vt + kvh * D_V_ALL + vchunk * D_V
+                     + tl.arange(0, D_V)[None, :], mask=smask0[:, None], other=0)
+        gdc_wait()
     q = tl.load(q_row[:, None] + dm[None, :], mask=rvalid[:, None], other=0.0)
+    q_pe = q  # (no rope part: unused)
     if QK_NORM:  # Qwen3, T == 1: q rows and this step's K row (pos) normalised + rotated here
         HALF: tl.constexpr = D_MAIN // 2
         swapped = ((dm + HALF) % D_MAIN)[None, :]
@@ -163,44 +203,33 @@ def _attn_split_kernel(q_ptr, q_pe_ptr, k_ptr, v_ptr, pos_ptr, part_o_ptr, part_
     l = tl.zeros((ROWS,), tl.float32)
     acc = tl.zeros((ROWS, D_V), tl.float32)
     limit = pos + t_of  # last key index each row may see
-    for s in range(start, end, BLOCK_S):
+    first = start
+    if EARLY_KV:  # the block loaded before the wait
+        k0 = fp8_kv_read(k0, KV_FMT, DOT_F32)
+        m, l, acc = _online_block(q_op, q_pe, k0, fp8_kv_read(kpe0, KV_FMT, DOT_F32),
+                                  k0 if V_IS_K else fp8_kv_read(v0, KV_FMT, DOT_F32), offs0, smask0, limit, m, l,
+                                  acc, dot_scale, D_ROPE, KV_FMT, DOT_F32)
+        first = start + BLOCK_S
+    for s in range(first, end, BLOCK_S):
         offs = s + tl.arange(0, BLOCK_S)
         smask = offs < end
         if SPARSE:  # the cache rows this block of the list names
             offs = tl.load(idx_ptr + offs, mask=smask, other=0)
         kbase = k_ptr + offs[:, None].to(tl.int64) * stride_kt + kvh * D_MAIN
         k = fp8_kv_read(tl.load(kbase + dm[None, :], mask=smask[:, None], other=0), KV_FMT, DOT_F32)
-        if DOT_F32:
-            scores = tl.dot(q_op.to(tl.float32), tl.trans(k.to(tl.float32)))
-        else:
-            scores = tl.dot(q_op, tl.trans(k))
+        k_pe = k
         if D_ROPE > 0:
             k_pe = fp8_kv_read(tl.load(k_ptr + offs[:, None].to(tl.int64) * stride_kt + rope_offset + dr[None, :],
                                        mask=smask[:, None], other=0), KV_FMT, DOT_F32)
-            if DOT_F32:
-                scores += tl.dot(q_pe.to(tl.float32), tl.trans(k_pe.to(tl.float32)))
-            else:
-                scores += tl.dot(q_pe, tl.trans(k_pe))
-        scores = scores * dot_scale
-        visible = smask[None, :] & (offs[None, :] <= limit[:, None])
-        scores = tl.where(visible, scores, float("-inf"))
-        m_new = tl.maximum(m, tl.max(scores, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(scores - m_safe[:, None])
-        alpha = tl.exp2(m - m_safe)
-        l = l * alpha + tl.sum(p, axis=1)
         if V_IS_K:  # MLA: the values are the latent itself, already loaded as keys
             v = k
         else:
             v = fp8_kv_read(tl.load(v_ptr + offs[:, None].to(tl.int64) * stride_vt + kvh * D_V_ALL + vchunk * D_V
                                     + dv[None, :], mask=smask[:, None], other=0), KV_FMT, DOT_F32)
-        if KV_FMT:
-            acc = pv_dot(p * P_SCALE_FP8, v, acc * alpha[:, None], DOT_F32)
-        else:
-            acc = pv_dot(p, v, acc * alpha[:, None], DOT_F32)
-        m = m_new
+        m, l, acc = _online_block(q_op, q_pe, k, k_pe, v, offs, smask, limit, m, l, acc, dot_scale, D_ROPE, KV_FMT,
+                                  DOT_F32)
     if POS_LAST:
-        if split == tl.minimum(pos // tl.maximum(chunk, BLOCK_S), NUM_SPLITS - 1):  # row pos (every query row sees it), one update
+        if split == tl.minimum(pos // tl.maximum(chunk, BLOCK_S), NUM_SPLITS - 1):  # row pos: one update
             prow_k = k_ptr + pos.to(tl.int64) * stride_kt
             s_pos = tl.sum(q.to(tl.float32) * tl.load(prow_k + kvh * D_MAIN + dm).to(tl.float32)[None, :], axis=1)
             if D_ROPE > 0:
@@ -422,7 +451,7 @@ class DecodeAttention:
                  num_warps: int = 4, v_is_k: bool = False, v_chunks: int = 1, pdl: bool = False,
                  device: torch.device | str = "cpu", max_batch: int = 1, one_launch: bool = True,
                  max_row_elems: int = MAX_ROW_ELEMS, pos_row_prologue: bool = False,
-                 combine_warps: int = 4, min_chunk: int = 0, pos_last: bool = False):
+                 combine_warps: int = 4, min_chunk: int = 0, pos_last: bool = False, early_kv: bool = False):
         self.hq, self.hkv, self.num_tokens = num_q_heads, num_kv_heads, num_tokens
         self.d_main, self.d_v, self.d_rope = d_main, d_v, d_rope
         self.group = num_q_heads // num_kv_heads
@@ -435,6 +464,8 @@ class DecodeAttention:
         # two-launch form, one query token over a dense model-dtype cache: the row at pos after the splits' loops
         # (_attn_split_kernel's POS_LAST)
         self.pos_last = pos_last and num_tokens == 1
+        # ... and with PDL, one slot, a rope part (MLA): the split's first key block loaded before the wait (EARLY_KV)
+        self.early_kv = early_kv and self.pos_last and pdl and d_rope > 0
         if v_is_k and (d_v != d_main or v_chunks != 1):
             raise ValueError("v_is_k needs d_v == d_main and one value chunk (MLA: values are the latent)")
         if d_v % v_chunks:
@@ -500,6 +531,7 @@ class DecodeAttention:
                 BLOCK_S=self.block_s, DOT_F32=interpreting(), PDL=self.pdl, KV_FMT=kv_fmt, k_scale=k_scale,
                 v_scale=v_scale, num_warps=self.num_warps, **launch_opts(self.pdl))
             return out
+        pos_last = self.pos_last and sparse is None and not kv_fmt and qk_norm is None
         _attn_split_kernel[(self.hkv * self.head_blocks, self.num_splits, self.v_chunks * batch)](
             q, q_pe if q_pe is not None else q, k, v, pos, self.part_o, self.part_ml, self.sm_scale, sqt, sqh,
             stride_kt, stride_vt, rope_offset, qn, kn, cos, sin, qk_eps, slot_ids if slot_ids is not None else pos,
@@ -511,7 +543,7 @@ class DecodeAttention:
             KV_FMT=kv_fmt, k_scale=k_scale, v_scale=v_scale,
             idx_ptr=sparse[0] if sparse is not None else pos, nidx_ptr=sparse[1] if sparse is not None else pos,
             SPARSE=sparse is not None, MIN_CHUNK=self.min_chunk,
-            POS_LAST=self.pos_last and sparse is None and not kv_fmt and qk_norm is None, num_warps=self.num_warps,
+            POS_LAST=pos_last, EARLY_KV=pos_last and self.early_kv and slot_ids is None, num_warps=self.num_warps,
             **launch_opts(self.pdl))
         if not combine:
             return None

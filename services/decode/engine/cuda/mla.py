@@ -405,6 +405,8 @@ class MlaStack:
     # last one's softmax after its loop (attention.py's POS_LAST), so a context of a multiple of the splits' rows
     # does not cost every split one more key block
     POS_ROW_LAST: bool = True
+    # ... then, on PDL, each split's first key block is loaded before its wait (its rows are earlier steps')
+    EARLY_KV: bool = True
 
     def __init__(self, dims: MlaDims, num_tokens: int, device, num_splits: int = 16,
                  dense_inter: int = 0, max_tokens: int = 0, batch: bool = False):
@@ -477,7 +479,7 @@ class MlaStack:
                                     d_rope=d.rope, num_tokens=1 if batch else t, num_splits=num_splits,
                                     block_s=block_s, sm_scale=d.sm_scale, num_warps=attn_warps,
                                     v_chunks=v_chunks, min_chunk=min_chunk, device=dev,
-                                    pos_last=self.POS_ROW_LAST and t == 1 and not batch,
+                                    pos_last=self.POS_ROW_LAST and t == 1 and not batch, early_kv=self.EARLY_KV,
                                     pdl=self.pdl, max_batch=t if batch else 1)  # [rows, 128] value slices: no spill at 4 x 16 rows
         self.moe = GroupedMoe(num_tokens=t, top_k=d.top_k, num_shared=d.num_shared, hidden=d.hidden,
                               inter=d.moe_inter, device=dev, pdl=self.pdl, early=self.early)
