@@ -456,6 +456,7 @@ ATTN_VARIANTS = {  # the one-token attention's form (MLA_ATTN_AB). Run G13 also 
     "absorb_128_cols": {("mla.MlaStack", "ABSORB_BLOCK_R"): 128},
     "pos_row_in_loop": {("mla.MlaStack", "POS_ROW_LAST"): False},  # row pos read by the splits' loops (G18's before)
     "kv_after_wait": {("mla.MlaStack", "EARLY_KV"): False},  # the first key block loaded after the PDL wait (G18's)
+    "prep_absorb_two_launches": {("mla.MlaStack", "PREP_ABSORB_ONE_LAUNCH"): False},
 }  # run G16 also timed the split kernel on 1 and 2 pipeline stages (Triton's default 3): +120 / +164 us
 
 

@@ -9,7 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.decode.engine.cuda.mla import _absorb_kernel, _combine_uv_kernel
+from services.decode.engine.cuda.kvfp8 import kv_fmt
+from services.decode.engine.cuda.mla import _absorb_kernel, _combine_uv_kernel, _mla_prep_kernel, _prep_absorb_kernel
 
 BF = torch.bfloat16
 
@@ -95,6 +96,42 @@ def test_absorb_kernel_is_the_bmm(heads, nope, rope, r, block_r, early, rows, pd
     q_nope = qkv[:, :heads * (nope + rope)].view(rows, heads, nope + rope)[..., :nope]
     want = (q_nope.float().transpose(0, 1) @ w_uk.float()).to(BF)  # [H, rows, r]
     assert torch.equal(out, want) or ((out.float() - want.float()).abs().max() <= want.float().abs().max() * 2**-7)
+
+
+@pytest.mark.parametrize("heads,nope,rope,r,block_r,early,fp8", [
+    (2, 16, 8, 32, 32, False, False),  # the tiny test models
+    (4, 128, 64, 512, 64, True, False),  # V2-Lite / V3 heads' shapes (heads cut), w_uk's tile before the wait
+    (3, 32, 16, 64, 16, True, True),  # an FP8 latent cache
+])
+def test_prep_and_absorb_in_one_launch_write_what_the_two_kernels_write(heads, nope, rope, r, block_r, early, fp8,
+                                                                        pdl_interpreted):
+    # _prep_absorb_kernel (one token): q_pe roped, the latent row normed + roped into the cache at pos, and q . w_uk,
+    # bit for bit as _mla_prep_kernel then _absorb_kernel
+    g = torch.Generator().manual_seed(heads + r)
+    qkv = torch.randn(1, heads * (nope + rope) + r + rope, generator=g).to(BF)
+    w_uk = (torch.randn(heads, nope, r, generator=g) * nope ** -0.5).to(BF)
+    nw = (1 + 0.1 * torch.randn(r, generator=g)).to(BF)
+    cos, sin = torch.randn(16, rope // 2, generator=g).to(BF), torch.randn(16, rope // 2, generator=g).to(BF)
+    pos = torch.tensor([5], dtype=torch.int32)
+    fmt = dict(KV_FMT=kv_fmt("fp8_e4m3", nearest=True), inv_scale=20.0) if fp8 else {}
+    got = []
+    for one in (True, False):
+        cache = torch.zeros(16, r + rope, dtype=torch.uint8 if fp8 else BF)
+        q_pe = torch.zeros(1, heads, rope, dtype=BF)
+        q_c = torch.full((heads, 1, r), float("nan"), dtype=BF)
+        if one:
+            _prep_absorb_kernel[(heads + 1 + heads * (r // block_r),)](
+                qkv, q_pe, cache, nw, pos, cos, sin, qkv.stride(0), 1e-6, w_uk, q_c, w_uk.stride(0), w_uk.stride(1),
+                NUM_HEADS=heads, NOPE=nope, ROPE=rope, R=r, BLOCK_R=block_r, PDL=early, EARLY=early, **fmt)
+        else:
+            _mla_prep_kernel[(1, heads + 1)](qkv, q_pe, cache, nw, pos, cos, sin, qkv.stride(0), 1e-6,
+                                             NUM_HEADS=heads, NOPE=nope, ROPE=rope, R=r, **fmt)
+            _absorb_kernel[(heads, r // block_r)](qkv, w_uk, q_c, w_uk.stride(0), w_uk.stride(1), NOPE=nope,
+                                                  QK=nope + rope, R=r, BLOCK_R=block_r, PDL=False, EARLY=False)
+        got.append((q_pe, cache, q_c))
+    for a, b in zip(*got):
+        assert torch.equal(a, b)
+    assert got[0][1][5].any() and not got[0][1][:5].any() and not torch.isnan(got[0][2].float()).any()
 
 
 @pytest.mark.parametrize("experts,top_k,n_group,topk_group,hidden,inter,shared,tile", [

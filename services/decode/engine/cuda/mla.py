@@ -184,8 +184,15 @@ def _mla_prep_kernel(qkv_ptr, q_pe_ptr, cache_ptr, kv_norm_ptr, pos_ptr, cos_ptr
     # rope(k_pe) -> cache[pos + t]. BATCH: row t is its own slot's token, at pos[t] in slot slot_ptr[t]
     # (the cache: every slot's, slot stride stride_cs elements). KV_FMT 3: the cache holds E4M3 bytes, the row's
     # model-dtype values times inv_scale (1 / k_scale) rounded to nearest (kvfp8.fp8_kv_bits)
-    t = tl.program_id(0)
-    head = tl.program_id(1)
+    _mla_prep_program(tl.program_id(0), tl.program_id(1), qkv_ptr, q_pe_ptr, cache_ptr, kv_norm_ptr, pos_ptr, cos_ptr,
+                      sin_ptr, stride_qkv, eps, NUM_HEADS, NOPE, ROPE, R, PDL, slot_ptr, stride_cs, BATCH, KV_FMT,
+                      inv_scale)
+
+
+@triton.jit
+def _mla_prep_program(t, head, qkv_ptr, q_pe_ptr, cache_ptr, kv_norm_ptr, pos_ptr, cos_ptr, sin_ptr, stride_qkv, eps,
+                      NUM_HEADS: tl.constexpr, NOPE: tl.constexpr, ROPE: tl.constexpr, R: tl.constexpr,
+                      PDL: tl.constexpr, slot_ptr, stride_cs, BATCH: tl.constexpr, KV_FMT: tl.constexpr, inv_scale):
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
@@ -237,8 +244,15 @@ def _absorb_kernel(qkv_ptr, w_ptr, out_ptr, stride_wh, stride_wn, NOPE: tl.const
     # rows (one token, or a batch's slots: rows stride_qkv apart), BLOCK_R latent columns a program, the w_uk
     # tile read once for every row. EARLY (with PDL): the w_uk tile loaded before the wait, while the previous
     # kernel finishes; q_nope (the QKV GEMV's output, two kernels back) after it
-    head = tl.program_id(0)
-    cols = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
+    _absorb_program(tl.program_id(0), tl.program_id(1), qkv_ptr, w_ptr, out_ptr, stride_wh, stride_wn, NOPE, QK, R,
+                    BLOCK_R, PDL, EARLY, T, stride_qkv)
+
+
+@triton.jit
+def _absorb_program(head, cb, qkv_ptr, w_ptr, out_ptr, stride_wh, stride_wn, NOPE: tl.constexpr, QK: tl.constexpr,
+                    R: tl.constexpr, BLOCK_R: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr, T: tl.constexpr,
+                    stride_qkv):
+    cols = cb * BLOCK_R + tl.arange(0, BLOCK_R)
     n = tl.arange(0, NOPE)
     wp = w_ptr + head.to(tl.int64) * stride_wh + n[:, None] * stride_wn + cols[None, :]
     if EARLY:
@@ -253,6 +267,25 @@ def _absorb_kernel(qkv_ptr, w_ptr, out_ptr, stride_wh, stride_wn, NOPE: tl.const
         q = tl.load(qkv_ptr + t * stride_qkv + head * QK + n).to(tl.float32)
         acc = tl.sum(q[:, None] * w.to(tl.float32), axis=0)
         tl.store(out_ptr + (head * T + t) * R + cols, acc.to(out_ptr.dtype.element_ty))
+
+
+@triton.jit
+def _prep_absorb_kernel(qkv_ptr, q_pe_ptr, cache_ptr, kv_norm_ptr, pos_ptr, cos_ptr, sin_ptr, stride_qkv, eps,
+                        w_ptr, out_ptr, stride_wh, stride_wn, NUM_HEADS: tl.constexpr, NOPE: tl.constexpr,
+                        ROPE: tl.constexpr, R: tl.constexpr, BLOCK_R: tl.constexpr, PDL: tl.constexpr,
+                        EARLY: tl.constexpr, KV_FMT: tl.constexpr = 0, inv_scale=1.0):
+    # one token: _mla_prep_kernel's programs (the heads' q_pe rope, the latent's norm + k_pe rope into the cache)
+    # and _absorb_kernel's (q_nope . w_uk) in one launch: both read only the QKV GEMV's output, so neither waits
+    # on the other, and the attention waits on one launch instead of two in a row
+    pid = tl.program_id(0)
+    if pid < NUM_HEADS + 1:
+        _mla_prep_program(0, pid, qkv_ptr, q_pe_ptr, cache_ptr, kv_norm_ptr, pos_ptr, cos_ptr, sin_ptr, stride_qkv,
+                          eps, NUM_HEADS, NOPE, ROPE, R, PDL, pos_ptr, 0, False, KV_FMT, inv_scale)
+    else:
+        NB: tl.constexpr = R // BLOCK_R
+        a = pid - (NUM_HEADS + 1)
+        _absorb_program(a // NB, a % NB, qkv_ptr, w_ptr, out_ptr, stride_wh, stride_wn, NOPE, NOPE + ROPE, R, BLOCK_R,
+                        PDL, EARLY, 1, stride_qkv)
 
 
 @triton.jit
@@ -391,6 +424,8 @@ class MlaStack:
     # the wait) instead of a cuBLAS bmm, which cannot join the PDL chain; False: the bmm
     ABSORB_KERNEL: bool = True
     ABSORB_BLOCK_R: int = 64
+    # one token with the absorb kernel: the latent prep's programs and the absorb's in one launch (_prep_absorb_kernel)
+    PREP_ABSORB_ONE_LAUNCH: bool = True
     # the attention's programs a split: (value chunks, key rows a block, warps): each of a split's programs
     # accumulates kv_lora_rank / chunks value columns and reads its split's keys (the second and later from L2).
     # One program a split (the values taken from its key tiles) was slower at 16-64 splits (run G13)
@@ -527,18 +562,27 @@ class MlaStack:
                           pdl=self.pdl, early=self.early)
             if lw.index is not None:  # sparse attention: this layer's indexer picks each token's rows
                 self._select(lw, q_a, index_cache, pos, cos, sin)
-        _mla_prep_kernel[(t, d.num_heads + 1)](self.qkv, self.q_pe, cache, lw.kv_a_norm, pos, cos, sin,
+        br = min(self.ABSORB_BLOCK_R, r)
+        absorb = self.absorb and lw.w_uk.stride(2) == 1  # absorbed q: [Hq, T, r]
+        if absorb and t == 1 and not self.batch and self.PREP_ABSORB_ONE_LAUNCH and r % br == 0:
+            _prep_absorb_kernel[(d.num_heads + 1 + d.num_heads * (r // br),)](
+                self.qkv, self.q_pe, cache, lw.kv_a_norm, pos, cos, sin, self.qkv.stride(0), d.eps, lw.w_uk, self.q_c1,
+                lw.w_uk.stride(0), lw.w_uk.stride(1), NUM_HEADS=d.num_heads, NOPE=nope, ROPE=d.rope, R=r, BLOCK_R=br,
+                PDL=self.pdl, EARLY=self.early, KV_FMT=fmt, inv_scale=1.0 / k_scale, num_warps=4,
+                **launch_opts(self.pdl))
+        else:
+            _mla_prep_kernel[(t, d.num_heads + 1)](self.qkv, self.q_pe, cache, lw.kv_a_norm, pos, cos, sin,
                                                self.qkv.stride(0), d.eps, NUM_HEADS=d.num_heads, NOPE=nope,
                                                ROPE=d.rope, R=r, PDL=self.pdl, slot_ptr=slots if self.batch else pos,
                                                stride_cs=cache.stride(0) if self.batch else 0, BATCH=self.batch,
                                                KV_FMT=fmt, inv_scale=1.0 / k_scale, num_warps=4,
                                                **launch_opts(self.pdl))
-        if self.absorb and lw.w_uk.stride(2) == 1:  # absorbed: [Hq, 1, r]
-            br = min(self.ABSORB_BLOCK_R, r)
-            _absorb_kernel[(d.num_heads, triton.cdiv(r, br))](
-                self.qkv, lw.w_uk, self.q_c1, lw.w_uk.stride(0), lw.w_uk.stride(1), NOPE=nope, QK=nope + d.rope,
-                R=r, BLOCK_R=br, PDL=self.pdl, EARLY=self.early, T=t, stride_qkv=self.qkv.stride(0), num_warps=4,
-                **launch_opts(self.pdl))
+            if absorb:
+                _absorb_kernel[(d.num_heads, triton.cdiv(r, br))](
+                    self.qkv, lw.w_uk, self.q_c1, lw.w_uk.stride(0), lw.w_uk.stride(1), NOPE=nope, QK=nope + d.rope,
+                    R=r, BLOCK_R=br, PDL=self.pdl, EARLY=self.early, T=t, stride_qkv=self.qkv.stride(0), num_warps=4,
+                    **launch_opts(self.pdl))
+        if absorb:
             q_c = self.q_c1
         else:
             q_nope = self.qkv[:, :nq].view(t, d.num_heads, nope + d.rope)[..., :nope]
