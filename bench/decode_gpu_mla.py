@@ -443,20 +443,16 @@ ONE_TOKEN_VARIANTS = {  # name -> what the run sets: ("mod.Class", attr) class a
     "shared_in_experts": {("mla.MlaStack", "SHARED_IN_ROUTER"): False},
     "down_by_pairs": {("moe.GroupedMoe", "DOWN_ROWS_TILE"): None},
 }  # run G17 also timed the router-launch shared experts in (4|16, 512, 3), (8, 256, 4), (8, 1024, 2) tiles: +24..+58 us
-ATTN_VARIANTS = {  # the one-token attention's form (MLA_ATTN_AB). Run G13 also timed one program a split (value
-    # chunks 1) at 16, 32 and 64 splits, 16-row key blocks and 8 warps: all slower than the forms below
+ATTN_VARIANTS = {  # the one-token attention's forms (MLA_ATTN_AB). Run G13 also timed one program a split (value
+    # chunks 1) at 16, 32 and 64 splits, 16-row key blocks and 8 warps; G14-G18 the merge + w_uv in 16 / 64 value
+    # columns, q . w_uk in 32 / 128 latent columns, 32 splits in 4 chunks and in 2 on 8 warps: all slower
     "product": {},
     "splits16_min64_vc4": {("mla.MlaStack", "FEW_ROWS_ATTN"): None},  # the product before run G14
-    "splits32_min32_vc4": {("mla.MlaStack", "FEW_ROWS_ATTN"): (4, 32, 4, 32)},
-    "splits32_min32_vc2_w8": {("mla.MlaStack", "FEW_ROWS_ATTN"): (2, 32, 8, 32)},
-    # the merge + o . w_uv over the splits' partials (value columns a program) and q . w_uk (latent columns)
-    "uv_16_cols": {("mla.MlaStack", "UV_TILE"): (16, 512, 4)},
-    "uv_64_cols": {("mla.MlaStack", "UV_TILE"): (64, 512, 4)},
-    "absorb_32_cols": {("mla.MlaStack", "ABSORB_BLOCK_R"): 32},
-    "absorb_128_cols": {("mla.MlaStack", "ABSORB_BLOCK_R"): 128},
     "pos_row_in_loop": {("mla.MlaStack", "POS_ROW_LAST"): False},  # row pos read by the splits' loops (G18's before)
     "kv_after_wait": {("mla.MlaStack", "EARLY_KV"): False},  # the first key block loaded after the PDL wait (G18's)
     "prep_absorb_two_launches": {("mla.MlaStack", "PREP_ABSORB_ONE_LAUNCH"): False},
+    "g17_form": {("mla.MlaStack", "POS_ROW_LAST"): False, ("mla.MlaStack", "EARLY_KV"): False,
+                 ("mla.MlaStack", "PREP_ABSORB_ONE_LAUNCH"): False},
 }  # run G16 also timed the split kernel on 1 and 2 pipeline stages (Triton's default 3): +120 / +164 us
 
 
