@@ -449,11 +449,10 @@ ATTN_VARIANTS = {  # the one-token attention's forms (MLA_ATTN_AB). Run G13 also
     "product": {},
     "splits16_min64_vc4": {("mla.MlaStack", "FEW_ROWS_ATTN"): None},  # the product before run G14
     "pos_row_in_loop": {("mla.MlaStack", "POS_ROW_LAST"): False},  # row pos read by the splits' loops (G18's before)
-    "kv_after_wait": {("mla.MlaStack", "EARLY_KV"): False},  # the first key block loaded after the PDL wait (G18's)
     "prep_absorb_two_launches": {("mla.MlaStack", "PREP_ABSORB_ONE_LAUNCH"): False},
-    "g17_form": {("mla.MlaStack", "POS_ROW_LAST"): False, ("mla.MlaStack", "EARLY_KV"): False,
-                 ("mla.MlaStack", "PREP_ABSORB_ONE_LAUNCH"): False},
-}  # run G16 also timed the split kernel on 1 and 2 pipeline stages (Triton's default 3): +120 / +164 us
+    "g17_form": {("mla.MlaStack", "POS_ROW_LAST"): False, ("mla.MlaStack", "PREP_ABSORB_ONE_LAUNCH"): False},
+}  # runs G16 / G19 also timed the split kernel on 1 and 2 pipeline stages (Triton's default 3): +120 / +164 us; each
+# split's first key block loaded before the PDL wait: no gain (V2-Lite 2399-2438 against 2408 us)
 
 
 def one_token_variants_ab(X, model, caches, cos, sin, ctx: int, R: dict, tag: str, roof_ms: float,

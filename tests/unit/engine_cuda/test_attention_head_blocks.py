@@ -117,3 +117,4 @@ def test_mla_attention_form_by_query_rows(heads, r, tokens, batch, slot_splits, 
     a = st.attn
     assert (a.num_splits, a.v_chunks, a.min_chunk) == want
     assert not a.v_is_k and a.d_v == r  # the values read as their own tiles (an FP8 latent needs that)
+    assert a.pos_last == (tokens == 1 and not batch and heads <= 16)  # row pos after the loops: the few-rows form

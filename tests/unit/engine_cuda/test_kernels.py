@@ -135,19 +135,16 @@ def test_mla_attention_latent_is_value_and_rope_part_separate(v_is_k, v_chunks):
     (20, 8, 16),  # a short context: later splits empty, row pos in the second
     (70, 2, 16),  # several blocks a split
 ])
-@pytest.mark.parametrize("v_chunks,early", [(1, False), (2, False), (2, True)])
-def test_mla_attention_with_row_pos_after_the_loop(pos, splits, min_chunk, v_chunks, early, pdl_interpreted):
-    # pos_last: the splits walk rows 0..pos-1 and row pos joins after the loop; the same attention as the twin's.
-    # early (on PDL): each split's first key block loaded before the wait, the loop from its second
+@pytest.mark.parametrize("v_chunks", [1, 2])
+def test_mla_attention_with_row_pos_after_the_loop(pos, splits, min_chunk, v_chunks):
+    # pos_last: the splits walk rows 0..pos-1 and row pos joins after the loop; the same attention as the twin's
     hq, r, rope = 16, 64, 16
     q_c, q_pe, lat = rand(hq, 1, r), rand(1, hq, rope, seed=3), rand(pos + 3, 1, r + rope, seed=4)
     ref = reference.attention(torch.cat([q_c.transpose(0, 1), q_pe], -1), lat, lat[..., :r], pos, (r + rope) ** -0.5)
     outs = {}
     for last in (True, False):
         attn = DecodeAttention(num_q_heads=hq, num_kv_heads=1, d_main=r, d_v=r, d_rope=rope, num_splits=splits,
-                               block_s=16, v_chunks=v_chunks, min_chunk=min_chunk, pos_last=last, pdl=early,
-                               early_kv=early)
-        assert attn.early_kv == (early and last)
+                               block_s=16, v_chunks=v_chunks, min_chunk=min_chunk, pos_last=last)
         out = outs[last] = torch.full((1, hq, r), float("nan"), dtype=BF)
         attn(q_c, lat, lat, torch.tensor([pos], dtype=torch.int32), out, stride_kt=r + rope, stride_vt=r + rope,
              rope_offset=r, q_pe=q_pe, stride_qt=r, stride_qh=r)

@@ -107,7 +107,7 @@ def _attn_split_kernel(q_ptr, q_pe_ptr, k_ptr, v_ptr, pos_ptr, part_o_ptr, part_
                        HEAD_BLOCKS: tl.constexpr = 1, POS_ROW_PROLOGUE: tl.constexpr = False,
                        KV_FMT: tl.constexpr = 0, k_scale=1.0, v_scale=1.0,
                        idx_ptr=None, nidx_ptr=None, SPARSE: tl.constexpr = False, MIN_CHUNK: tl.constexpr = 0,
-                       POS_LAST: tl.constexpr = False, EARLY_KV: tl.constexpr = False):
+                       POS_LAST: tl.constexpr = False):
     # KV_FMT > 0: K/V are FP8 bytes (kvfp8.kv_fmt) read as fp8 * k_scale / v_scale (no qk norm; MLA: the rope
     # part too, q_pe in fp16 by q's power of two)
     # SPARSE (one query token, sparse attention): the keys are the nidx_ptr[0] cache rows listed at idx_ptr
@@ -115,8 +115,7 @@ def _attn_split_kernel(q_ptr, q_pe_ptr, k_ptr, v_ptr, pos_ptr, part_o_ptr, part_
     # POS_LAST (one query token, dense, model-dtype K/V): the splits share the rows of earlier steps (0..pos-1),
     # and this step's row pos joins the softmax of the split it falls in (the last, past them) after its loop, as
     # one online update: at a context of a multiple of BLOCK_S * NUM_SPLITS rows the row past them no longer
-    # costs every split a block of its own. EARLY_KV (with POS_LAST and PDL, one slot): the loop reads only rows of
-    # earlier steps, so the split's first key block is loaded before the wait, while the previous kernel finishes
+    # costs every split a block of its own
     # MIN_CHUNK: the fewest keys a split takes (a multiple of BLOCK_S); a short sequence leaves the later splits
     # empty (their partials weigh nothing in the merge) rather than cut into many tiny pieces
     # D_V is the width of this program's slice of the values: chunk program_id(2) of V_CHUNKS.
@@ -128,7 +127,7 @@ def _attn_split_kernel(q_ptr, q_pe_ptr, k_ptr, v_ptr, pos_ptr, part_o_ptr, part_
     split = tl.program_id(1)
     vchunk = tl.program_id(2) % V_CHUNKS
     D_V_ALL: tl.constexpr = D_V * V_CHUNKS
-    if PDL and not EARLY_KV:  # q and this step's K/V rows come from the previous kernel
+    if PDL:  # q and this step's K/V rows come from the previous kernel
         gdc_wait()
     if BATCH:  # batch row b: its query, position and partials; the K/V of its slot (slot_ptr[b])
         b = tl.program_id(2) // V_CHUNKS
@@ -156,16 +155,6 @@ def _attn_split_kernel(q_ptr, q_pe_ptr, k_ptr, v_ptr, pos_ptr, part_o_ptr, part_
     rvalid = r < T * GB
     q_row = q_ptr + t_of * stride_qt + head * stride_qh
     dm = tl.arange(0, D_MAIN)
-    if EARLY_KV:  # pos was final before the kernel two back (prep) could start; rows < pos were written by earlier
-        # steps: the first block's K (main and rope part) and V slice before the wait
-        offs0 = start + tl.arange(0, BLOCK_S)
-        smask0 = offs0 < end
-        krow0 = k_ptr + offs0[:, None].to(tl.int64) * stride_kt
-        k0 = tl.load(krow0 + kvh * D_MAIN + dm[None, :], mask=smask0[:, None], other=0)
-        kpe0 = tl.load(krow0 + rope_offset + tl.arange(0, D_ROPE)[None, :], mask=smask0[:, None], other=0)
-        v0 = tl.load(v_ptr + offs0[:, None].to(tl.int64) * stride_vt + kvh * D_V_ALL + vchunk * D_V
-                     + tl.arange(0, D_V)[None, :], mask=smask0[:, None], other=0)
-        gdc_wait()
     q = tl.load(q_row[:, None] + dm[None, :], mask=rvalid[:, None], other=0.0)
     q_pe = q  # (no rope part: unused)
     if QK_NORM:  # Qwen3, T == 1: q rows and this step's K row (pos) normalised + rotated here
@@ -203,14 +192,7 @@ def _attn_split_kernel(q_ptr, q_pe_ptr, k_ptr, v_ptr, pos_ptr, part_o_ptr, part_
     l = tl.zeros((ROWS,), tl.float32)
     acc = tl.zeros((ROWS, D_V), tl.float32)
     limit = pos + t_of  # last key index each row may see
-    first = start
-    if EARLY_KV:  # the block loaded before the wait
-        k0 = fp8_kv_read(k0, KV_FMT, DOT_F32)
-        m, l, acc = _online_block(q_op, q_pe, k0, fp8_kv_read(kpe0, KV_FMT, DOT_F32),
-                                  k0 if V_IS_K else fp8_kv_read(v0, KV_FMT, DOT_F32), offs0, smask0, limit, m, l,
-                                  acc, dot_scale, D_ROPE, KV_FMT, DOT_F32)
-        first = start + BLOCK_S
-    for s in range(first, end, BLOCK_S):
+    for s in range(start, end, BLOCK_S):
         offs = s + tl.arange(0, BLOCK_S)
         smask = offs < end
         if SPARSE:  # the cache rows this block of the list names
@@ -451,7 +433,7 @@ class DecodeAttention:
                  num_warps: int = 4, v_is_k: bool = False, v_chunks: int = 1, pdl: bool = False,
                  device: torch.device | str = "cpu", max_batch: int = 1, one_launch: bool = True,
                  max_row_elems: int = MAX_ROW_ELEMS, pos_row_prologue: bool = False,
-                 combine_warps: int = 4, min_chunk: int = 0, pos_last: bool = False, early_kv: bool = False):
+                 combine_warps: int = 4, min_chunk: int = 0, pos_last: bool = False):
         self.hq, self.hkv, self.num_tokens = num_q_heads, num_kv_heads, num_tokens
         self.d_main, self.d_v, self.d_rope = d_main, d_v, d_rope
         self.group = num_q_heads // num_kv_heads
@@ -464,8 +446,6 @@ class DecodeAttention:
         # two-launch form, one query token over a dense model-dtype cache: the row at pos after the splits' loops
         # (_attn_split_kernel's POS_LAST)
         self.pos_last = pos_last and num_tokens == 1
-        # ... and with PDL, one slot, a rope part (MLA): the split's first key block loaded before the wait (EARLY_KV)
-        self.early_kv = early_kv and self.pos_last and pdl and d_rope > 0
         if v_is_k and (d_v != d_main or v_chunks != 1):
             raise ValueError("v_is_k needs d_v == d_main and one value chunk (MLA: values are the latent)")
         if d_v % v_chunks:
@@ -543,8 +523,7 @@ class DecodeAttention:
             KV_FMT=kv_fmt, k_scale=k_scale, v_scale=v_scale,
             idx_ptr=sparse[0] if sparse is not None else pos, nidx_ptr=sparse[1] if sparse is not None else pos,
             SPARSE=sparse is not None, MIN_CHUNK=self.min_chunk,
-            POS_LAST=pos_last, EARLY_KV=pos_last and self.early_kv and slot_ids is None, num_warps=self.num_warps,
-            **launch_opts(self.pdl))
+            POS_LAST=pos_last, num_warps=self.num_warps, **launch_opts(self.pdl))
         if not combine:
             return None
         _attn_combine_kernel[(batch * self.num_tokens * self.hq,)](

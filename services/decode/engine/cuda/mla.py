@@ -436,12 +436,11 @@ class MlaStack:
     # 64 in 4; the V3 shape (128 heads, 64 rows a program) keeps ATTN_FORM (2 chunks do not fit its shared
     # memory, 32 splits were slower). None: ATTN_FORM and SPLIT_MIN_ROWS for every stack
     FEW_ROWS_ATTN: tuple[int, int, int, int] | None = (2, 32, 4, 32)
-    # one token over a model-dtype latent: the splits share the rows of earlier steps and this step's row joins the
-    # last one's softmax after its loop (attention.py's POS_LAST), so a context of a multiple of the splits' rows
-    # does not cost every split one more key block
+    # with FEW_ROWS_ATTN (one token, at most 16 heads) over a model-dtype latent: the splits share the rows of
+    # earlier steps and this step's row joins the last one's softmax after its loop (attention.py's POS_LAST), so a
+    # context of a multiple of the splits' rows does not cost every split one more key block (run G18: V2-Lite -36
+    # us at 1K and at 1000; G19 neutral; the V3 cut's 64-row programs +8..+20 us: not there)
     POS_ROW_LAST: bool = True
-    # ... then, on PDL, each split's first key block is loaded before its wait (its rows are earlier steps')
-    EARLY_KV: bool = True
 
     def __init__(self, dims: MlaDims, num_tokens: int, device, num_splits: int = 16,
                  dense_inter: int = 0, max_tokens: int = 0, batch: bool = False):
@@ -476,7 +475,8 @@ class MlaStack:
         # the latent; sparse attention's indexer key and head weights last
         extra = d.index_dim + d.index_heads if d.index_topk else 0
         slot_splits = num_splits  # the slot's (adapter.attention_splits): the verify and batch stacks' count
-        if t == 1 and not batch and d.num_heads <= 16 and self.FEW_ROWS_ATTN is not None:
+        few_rows = t == 1 and not batch and d.num_heads <= 16 and self.FEW_ROWS_ATTN is not None
+        if few_rows:
             v_chunks, block_s, attn_warps, min_rows = self.FEW_ROWS_ATTN
             num_splits = min(2 * num_splits, 64)
         else:
@@ -514,7 +514,7 @@ class MlaStack:
                                     d_rope=d.rope, num_tokens=1 if batch else t, num_splits=num_splits,
                                     block_s=block_s, sm_scale=d.sm_scale, num_warps=attn_warps,
                                     v_chunks=v_chunks, min_chunk=min_chunk, device=dev,
-                                    pos_last=self.POS_ROW_LAST and t == 1 and not batch, early_kv=self.EARLY_KV,
+                                    pos_last=self.POS_ROW_LAST and few_rows,
                                     pdl=self.pdl, max_batch=t if batch else 1)  # [rows, 128] value slices: no spill at 4 x 16 rows
         self.moe = GroupedMoe(num_tokens=t, top_k=d.top_k, num_shared=d.num_shared, hidden=d.hidden,
                               inter=d.moe_inter, device=dev, pdl=self.pdl, early=self.early)
