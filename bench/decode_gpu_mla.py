@@ -442,12 +442,7 @@ ONE_TOKEN_VARIANTS = {  # name -> what the run sets: ("mod.Class", attr) class a
     "product": {},
     "shared_in_experts": {("mla.MlaStack", "SHARED_IN_ROUTER"): False},
     "down_by_pairs": {("moe.GroupedMoe", "DOWN_ROWS_TILE"): None},
-    "down_rows_unrolled": {("moe.GroupedMoe", "DOWN_ROWS_UNROLL"): True},
-    "down_rows_unrolled_2x4x3": {("moe.GroupedMoe", "DOWN_ROWS_UNROLL"): True,
-                                 ("moe.GroupedMoe", "DOWN_ROWS_TILE"): (2, 4, 3)},
-    "down_rows_unrolled_8x4x3": {("moe.GroupedMoe", "DOWN_ROWS_UNROLL"): True,
-                                 ("moe.GroupedMoe", "DOWN_ROWS_TILE"): (8, 4, 3)},
-}  # run G17 also timed the router-launch shared experts in (4|16, 512, 3), (8, 256, 4), (8, 1024, 2) tiles: +24..+58 us
+}  # run G20 also timed the rows kernel's pairs unrolled, each tile loaded one pair ahead: +20..+184 us (V2-Lite)  # run G17 also timed the router-launch shared experts in (4|16, 512, 3), (8, 256, 4), (8, 1024, 2) tiles: +24..+58 us
 ATTN_VARIANTS = {  # the one-token attention's forms (MLA_ATTN_AB). Run G13 also timed one program a split (value
     # chunks 1) at 16, 32 and 64 splits, 16-row key blocks and 8 warps; G14-G18 the merge + w_uv in 16 / 64 value
     # columns, q . w_uk in 32 / 128 latent columns, 32 splits in 4 chunks and in 2 on 8 warps: all slower

@@ -273,8 +273,7 @@ def test_grouped_moe_fused_reduce_is_the_reduce_launch(t, k, shared, dot):
     (0, 1, 32, (2, 4, 1), True),  # a dense MLP (the one shared expert)
     (3, 1, 16, (16, 4, 2), False),  # rows past H masked (H = 40)
 ])
-@pytest.mark.parametrize("unroll", [False, True])
-def test_down_by_rows_is_the_down_kernel_and_its_reduce(k, shared, inter, tile, pdl, unroll, pdl_interpreted):
+def test_down_by_rows_is_the_down_kernel_and_its_reduce(k, shared, inter, tile, pdl, pdl_interpreted):
     # _moe_down_rows_kernel (a program's rows over every pair, the reduce in its epilogue) gives h bit for bit as the
     # down kernel by pairs + the reduce launch, whose K tile here spans I (the same fp32 sums)
     h, e, t = 40, 8, 1
@@ -291,7 +290,6 @@ def test_down_by_rows_is_the_down_kernel_and_its_reduce(k, shared, inter, tile, 
         grouped = moe.GroupedMoe(num_tokens=t, top_k=k, num_shared=shared, hidden=h, inter=inter, device="cpu",
                                  tiles=((8, 16, 4, 1), (8, bk, 4, 1)), fused_reduce=False, pdl=pdl)
         grouped.DOWN_ROWS_TILE = tile if rows else None
-        grouped.DOWN_ROWS_UNROLL = unroll  # the pairs unrolled, each tile loaded one pair ahead
         grouped(xn, ids, wts, gate_up, down, sg, sd, hbuf)
         out[rows] = hbuf
     assert torch.equal(out[True], out[False])

@@ -724,31 +724,10 @@ def _reduce_cols(y_ptr, wts_ptr, h_ptr, t, cols, cmask, H, TOPK: tl.constexpr, N
 
 
 @triton.jit
-def _down_pair_tile(w_ptr, ws_ptr, ids, sj, sl, rows, offs, wmask, I, stride_e, TOPK: tl.constexpr):
-    # pair sl's [rows, I] tile of its down weight (routed: expert ids[sl]; shared: sl - TOPK)
-    e = tl.sum(tl.where(sj == sl, ids, 0))
-    base = tl.where(sl < TOPK, w_ptr + e.to(tl.int64) * stride_e, ws_ptr + tl.cast(sl - TOPK, tl.int64) * stride_e)
-    return tl.load(base + rows[:, None].to(tl.int64) * I + offs[None, :], mask=wmask, other=0.0)
-
-
-@triton.jit
-def _down_pair_sum(w, act_ptr, wts, sj, sl, offs, kmask, I, routed, shared, TOPK: tl.constexpr, dt: tl.constexpr):
-    # pair sl's rows (fp32 sums over its act row) into the routed (rounded, times its rounded weight, rounded) or the
-    # shared (fp32) sum, as _reduce_cols combines them
-    is_routed = sl < TOPK
-    x = tl.load(act_ptr + tl.cast(sl, tl.int64) * I + offs, mask=kmask, other=0.0)
-    y = tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
-    wt = round_to_dtype(tl.sum(tl.where(sj == sl, wts, 0.0)), dt)
-    routed += tl.where(is_routed, round_to_dtype(round_to_dtype(y, dt) * wt, dt), 0.0)
-    shared += tl.where(is_routed, 0.0, y)
-    return routed, shared
-
-
-@triton.jit
 def _moe_down_rows_kernel(act_ptr, ids_ptr, w_ptr, ws_ptr, wts_ptr, h_ptr, H, I, stride_e, TOPK: tl.constexpr,
                           NUM_SHARED: tl.constexpr, SLOTS_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
                           BLOCK_K: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr = False,
-                          EARLY: tl.constexpr = False, UNROLL: tl.constexpr = False):
+                          EARLY: tl.constexpr = False):
     # one token's down projections and their reduce by output rows: a program owns BLOCK_N rows of h and walks
     # every pair (routed, then shared), one [BLOCK_N, I] tile a pair (BLOCK_K >= I), so its stream is all the
     # layer's pairs back to back and no other program's rows are waited for; the sums are combined as
@@ -782,19 +761,16 @@ def _moe_down_rows_kernel(act_ptr, ids_ptr, w_ptr, ws_ptr, wts_ptr, h_ptr, H, I,
                                      dt)
         else:
             shared += y0
-    if UNROLL:  # the pairs unrolled, each pair's tile loaded one pair ahead (a gathered address: the loop form's
-        # loads are not software-pipelined, so a program's pairs stream one DRAM round trip at a time)
-        if FIRST < SLOTS:
-            w_next = _down_pair_tile(w_ptr, ws_ptr, ids, sj, FIRST, rows, offs, wmask, I, stride_e, TOPK)
-        for sl in tl.static_range(FIRST, SLOTS):
-            w = w_next
-            if sl + 1 < SLOTS:
-                w_next = _down_pair_tile(w_ptr, ws_ptr, ids, sj, sl + 1, rows, offs, wmask, I, stride_e, TOPK)
-            routed, shared = _down_pair_sum(w, act_ptr, wts, sj, sl, offs, kmask, I, routed, shared, TOPK, dt)
-    else:
-        for sl in tl.range(FIRST, SLOTS, num_stages=STAGES):
-            w = _down_pair_tile(w_ptr, ws_ptr, ids, sj, sl, rows, offs, wmask, I, stride_e, TOPK)
-            routed, shared = _down_pair_sum(w, act_ptr, wts, sj, sl, offs, kmask, I, routed, shared, TOPK, dt)
+    for sl in tl.range(FIRST, SLOTS, num_stages=STAGES):
+        is_routed = sl < TOPK
+        e = tl.sum(tl.where(sj == sl, ids, 0))
+        base = tl.where(is_routed, w_ptr + e.to(tl.int64) * stride_e, ws_ptr + tl.cast(sl - TOPK, tl.int64) * stride_e)
+        w = tl.load(base + rows[:, None].to(tl.int64) * I + offs[None, :], mask=wmask, other=0.0)
+        x = tl.load(act_ptr + tl.cast(sl, tl.int64) * I + offs, mask=kmask, other=0.0)
+        y = tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
+        wt = round_to_dtype(tl.sum(tl.where(sj == sl, wts, 0.0)), dt)
+        routed += tl.where(is_routed, round_to_dtype(round_to_dtype(y, dt) * wt, dt), 0.0)
+        shared += tl.where(is_routed, 0.0, y)
     if PDL:
         gdc_launch_dependents()
     out = round_to_dtype(shared, dt)
@@ -832,7 +808,6 @@ class GroupedMoe:
     # program's reduce (also where I > DOWN_ROWS_MAX_I, FP8 experts, several tokens)
     DOWN_ROWS_TILE: tuple[int, int, int] | None = (4, 4, 3)
     DOWN_ROWS_MAX_I: int = 2048
-    DOWN_ROWS_UNROLL: bool = False  # the rows kernel's pairs unrolled, each tile loaded one pair ahead
     # one token: the weighted sum of the pairs' rows into h by the down kernel's last program of each column
     # block (_moe_down_kernel's REDUCE) instead of a launch of its own (_moe_reduce_kernel). Run SW2: a plain
     # step 2.188 -> 2.151 ms; but 4 slots 3.967 -> 4.036 (the down kernel's tail waits for its last programs'
@@ -899,8 +874,8 @@ class GroupedMoe:
                 self.act, ids, w_down, shared_down if shared_down is not None else w_down, wts, h, hid, inter,
                 hid * inter, TOPK=self.top_k, NUM_SHARED=self.num_shared,
                 SLOTS_PAD=triton.next_power_of_2(self.slots), BLOCK_N=rbn,
-                BLOCK_K=triton.next_power_of_2(inter), STAGES=rst, PDL=self.pdl, EARLY=self.early,
-                UNROLL=self.DOWN_ROWS_UNROLL, num_warps=rnw, **launch_opts(self.pdl))
+                BLOCK_K=triton.next_power_of_2(inter), STAGES=rst, PDL=self.pdl, EARLY=self.early, num_warps=rnw,
+                **launch_opts(self.pdl))
             return
         if self.fused_reduce:  # the last program of each column block adds the pairs' rows into h
             _moe_down_kernel[(pairs, triton.cdiv(hid, bn2))](
