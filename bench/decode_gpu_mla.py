@@ -440,10 +440,12 @@ FUSED_VARIANTS = {  # (the merge + o . w_uv fused, its (value columns, latent ch
 ONE_TOKEN_VARIANTS = {  # name -> what the run sets: ("mod.Class", attr) class attributes, ("mod", attr) module
     # attributes, ("decoder", kwarg) MlaDecoder arguments; the product's defaults first (MLA_SHARED_AB)
     "product": {},
-    "shared_in_experts": {("mla.MlaStack", "SHARED_IN_ROUTER"): False, ("moe.GroupedMoe", "PREFETCH_SHARED_TILES"): 0},
-    "shared_in_experts_l2": {("mla.MlaStack", "SHARED_IN_ROUTER"): False},  # their weights asked of L2 first
-    "shared_split_1": {("moe.GroupedMoe", "SHARED_IN_EXPERTS"): 1},  # the first in the experts' launch (+ L2)
-    "shared_split_1_no_l2": {("moe.GroupedMoe", "SHARED_IN_EXPERTS"): 1, ("moe.GroupedMoe", "PREFETCH_SHARED_TILES"): 0},
+    "shared_in_experts": {("mla.MlaStack", "SHARED_IN_ROUTER"): False},
+    "shared_in_experts_l2": {("mla.MlaStack", "SHARED_IN_ROUTER"): False,  # their weights asked of L2 first
+                             ("moe.GroupedMoe", "PREFETCH_SHARED_TILES"): 4},
+    "shared_split_1_l2": {("moe.GroupedMoe", "SHARED_IN_EXPERTS"): 1,  # the first in the experts' launch
+                          ("moe.GroupedMoe", "PREFETCH_SHARED_TILES"): 4},
+    "shared_split_1": {("moe.GroupedMoe", "SHARED_IN_EXPERTS"): 1},
     "down_by_pairs": {("moe.GroupedMoe", "DOWN_ROWS_TILE"): None},
 }  # run G20 also timed the rows kernel's pairs unrolled, each tile loaded one pair ahead: +20..+184 us (V2-Lite)  # run G17 also timed the router-launch shared experts in (4|16, 512, 3), (8, 256, 4), (8, 1024, 2) tiles: +24..+58 us
 ATTN_VARIANTS = {  # the one-token attention's forms (MLA_ATTN_AB). Run G13 also timed one program a split (value

@@ -823,9 +823,10 @@ class GroupedMoe:
     DOWN_ROWS_TILE: tuple[int, int, int] | None = (4, 4, 3)
     DOWN_ROWS_MAX_I: int = 2048
     # one token with the shared experts beside the router (MlaStack.SHARED_IN_ROUTER): how many of them (the first)
-    # the experts' launch keeps instead, and the K tiles of their weights it asks of L2 before its wait
+    # the experts' launch keeps instead; and (bf16, on PDL) the K tiles of the shared pairs' weights the experts'
+    # launch asks of L2 before its wait. Not yet timed on a GPU (bench/NOTES-gpu.md, "Next"): off
     SHARED_IN_EXPERTS: int = 0
-    PREFETCH_SHARED_TILES: int = 4
+    PREFETCH_SHARED_TILES: int = 0
     # one token: the weighted sum of the pairs' rows into h by the down kernel's last program of each column
     # block (_moe_down_kernel's REDUCE) instead of a launch of its own (_moe_reduce_kernel). Run SW2: a plain
     # step 2.188 -> 2.151 ms; but 4 slots 3.967 -> 4.036 (the down kernel's tail waits for its last programs'
@@ -886,7 +887,8 @@ class GroupedMoe:
             raise ValueError("shared_done: one token's shared experts run in the router's launch, not several's")
         if shared_done:  # the last n shared experts' act rows are written (True: all of them)
             pairs = self.top_k + self.num_shared - (self.num_shared if shared_done is True else int(shared_done))
-        if self.pdl and not fp8 and not interpreting() and t == 1 and pairs > t * self.top_k:
+        if self.PREFETCH_SHARED_TILES and self.pdl and not fp8 and not interpreting() and t == 1 \
+                and pairs > t * self.top_k:
             up_args["PREFETCH_SHARED"] = self.PREFETCH_SHARED_TILES  # shared pairs' weights into L2 before the wait
         _moe_gate_up_kernel[(pairs, triton.cdiv(inter, bn))](
             xn, ids, w_gate_up, shared_gate_up, self.act, inter, hid, 2 * inter * hid, **common,
