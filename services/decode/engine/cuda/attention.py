@@ -69,8 +69,9 @@ P_SCALE_FP8 = tl.constexpr(4096.0)
 
 @triton.jit
 def _online_block(q_op, q_pe, k, k_pe, v, offs, smask, limit, m, l, acc, dot_scale, D_ROPE: tl.constexpr,
-                  KV_FMT: tl.constexpr, DOT_F32: tl.constexpr):
-    # one key block's scores (main part, and MLA's rope part) and its online-softmax update of (m, l, acc)
+                  KV_FMT: tl.constexpr, DOT_F32: tl.constexpr, CAUSAL: tl.constexpr = True):
+    # one key block's scores (main part, and MLA's rope part) and its online-softmax update of (m, l, acc); CAUSAL:
+    # query row r sees keys up to limit[r] (else every key of the block's mask)
     if DOT_F32:
         scores = tl.dot(q_op.to(tl.float32), tl.trans(k.to(tl.float32)))
     else:
@@ -81,8 +82,10 @@ def _online_block(q_op, q_pe, k, k_pe, v, offs, smask, limit, m, l, acc, dot_sca
         else:
             scores += tl.dot(q_pe, tl.trans(k_pe))
     scores = scores * dot_scale
-    visible = smask[None, :] & (offs[None, :] <= limit[:, None])
-    scores = tl.where(visible, scores, float("-inf"))
+    if CAUSAL:
+        scores = tl.where(smask[None, :] & (offs[None, :] <= limit[:, None]), scores, float("-inf"))
+    else:
+        scores = tl.where(smask[None, :], scores, float("-inf"))
     m_new = tl.maximum(m, tl.max(scores, axis=1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     p = tl.exp2(scores - m_safe[:, None])
@@ -355,21 +358,8 @@ def _gqa_split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, part_o_ptr, part_ml_ptr, cou
                         mask=smask[:, None], other=0)
         k_op = fp8_kv_read(k, KV_FMT, DOT_F32)  # names of their own: k / v stay the loop's uint8 (FP8) tiles
         v_op = fp8_kv_read(v, KV_FMT, DOT_F32)
-        if DOT_F32:
-            scores = tl.dot(q_op.to(tl.float32), tl.trans(k_op.to(tl.float32)))
-        else:
-            scores = tl.dot(q_op, tl.trans(k_op))
-        scores = tl.where(smask[None, :], scores * dot_scale, float("-inf"))
-        m_new = tl.maximum(m, tl.max(scores, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(scores - m_safe[:, None])
-        alpha = tl.exp2(m - m_safe)
-        l = l * alpha + tl.sum(p, axis=1)
-        if KV_FMT:
-            acc = pv_dot(p * P_SCALE_FP8, v_op, acc * alpha[:, None], DOT_F32)
-        else:
-            acc = pv_dot(p, v_op, acc * alpha[:, None], DOT_F32)
-        m = m_new
+        m, l, acc = _online_block(q_op, q_op, k_op, k_op, v_op, offs, smask, smask, m, l, acc, dot_scale, 0, KV_FMT,
+                                  DOT_F32, CAUSAL=False)  # one query token: every row before pos is visible
     if holds_pos:  # the key at pos, one online-softmax update
         s_pos = tl.sum(q.to(tl.float32) * k_new.to(tl.float32), axis=1) * qk_scale
         m_new = tl.maximum(m, s_pos)
