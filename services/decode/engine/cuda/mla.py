@@ -432,7 +432,7 @@ class MlaStack:
     ATTN_FORM: tuple[int, int, int] = (4, 32, 4)
     # one token of a model with at most 16 heads (DeepSeek-V2-Lite; a program's 16 query rows): twice the slot's
     # splits (at most 64) of at least this many rows, in this form: (value chunks, key block, warps, fewest rows a
-    # split). Runs G13-G14 on the H100: 32 splits of 32 rows in 2 chunks -30..-38 us a V2-Lite step against 16 of
+    # split). Runs G13-G14 on the H100: 32 splits of 32 rows in 2 chunks -30..-70 us a V2-Lite step against 16 of
     # 64 in 4; the V3 shape (128 heads, 64 rows a program) keeps ATTN_FORM (2 chunks do not fit its shared
     # memory, 32 splits were slower). None: ATTN_FORM and SPLIT_MIN_ROWS for every stack
     FEW_ROWS_ATTN: tuple[int, int, int, int] | None = (2, 32, 4, 32)
