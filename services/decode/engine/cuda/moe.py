@@ -885,15 +885,14 @@ class GroupedMoe:
         pairs = t * self.slots
         if shared_done and t != 1:
             raise ValueError("shared_done: one token's shared experts run in the router's launch, not several's")
-        if shared_done:  # the last n shared experts' act rows are written (True: all of them)
-            pairs = self.top_k + self.num_shared - (self.num_shared if shared_done is True else int(shared_done))
+        # the gate/up launch's pairs: all, or without the last n shared experts, whose act rows are written already
+        up_pairs = pairs - (self.num_shared if shared_done is True else int(shared_done))
         if self.PREFETCH_SHARED_TILES and self.pdl and not fp8 and not interpreting() and t == 1 \
-                and pairs > t * self.top_k:
+                and up_pairs > t * self.top_k:
             up_args["PREFETCH_SHARED"] = self.PREFETCH_SHARED_TILES  # shared pairs' weights into L2 before the wait
-        _moe_gate_up_kernel[(pairs, triton.cdiv(inter, bn))](
+        _moe_gate_up_kernel[(up_pairs, triton.cdiv(inter, bn))](
             xn, ids, w_gate_up, shared_gate_up, self.act, inter, hid, 2 * inter * hid, **common,
             BLOCK_N=bn, BLOCK_K=bk, STAGES=st, num_warps=nw, **up_args)
-        pairs = t * self.slots
         if self.DOWN_ROWS_TILE and t == 1 and not fp8 and inter <= self.DOWN_ROWS_MAX_I:
             rbn, rnw, rst = self.DOWN_ROWS_TILE
             _moe_down_rows_kernel[(triton.cdiv(hid, rbn),)](
