@@ -381,19 +381,20 @@ def plain_tile_sweep(X, model, caches, cos, sin, ctx: int, R: dict, tag: str = "
     ``{tag}plain_tile_sweep``; the best whole as ``{tag}plain_ms_tuned``."""
     S = R[f"{tag}plain_tile_sweep"] = {}
     product = {"gate_up": X.moe.GroupedMoe.PLAIN_TILES[0], "down_rows": X.moe.GroupedMoe.DOWN_ROWS_TILE,
-               "attn": (32, 32, 2),  # (splits, fewest rows a split, value chunks): the one-token few-heads form
+               # (splits, fewest rows a split, value chunks) of the one-token few-heads form: twice the decoder's 16
+               "attn": (32, X.mla.MlaStack.FEW_ROWS_ATTN[3], X.mla.MlaStack.FEW_ROWS_ATTN[0]),
                **X.mla.MlaStack.PLAIN_TILES}
     best = dict(product)
 
     def time_cfg(cfg) -> float:
         splits, min_rows, chunks = cfg["attn"]  # the split count, the fewest latent rows a split takes, value chunks
         st_cls = X.mla.MlaStack
-        keep = X.mla.SPLIT_MIN_ROWS, st_cls.FEW_ROWS_ATTN, st_cls.ATTN_FORM
-        X.mla.SPLIT_MIN_ROWS, st_cls.FEW_ROWS_ATTN, st_cls.ATTN_FORM = min_rows, None, (chunks, 32, 4)
-        try:
-            dec = X.mla_decoder.MlaDecoder(model, caches, cos, sin, max_draft=0, max_steps=4096, num_splits=splits)
+        keep, st_cls.FEW_ROWS_ATTN = st_cls.FEW_ROWS_ATTN, (chunks, 32, 4, min_rows)
+        try:  # the one-token stack takes twice the slot's splits
+            dec = X.mla_decoder.MlaDecoder(model, caches, cos, sin, max_draft=0, max_steps=4096,
+                                           num_splits=splits // 2)
         finally:
-            X.mla.SPLIT_MIN_ROWS, st_cls.FEW_ROWS_ATTN, st_cls.ATTN_FORM = keep
+            st_cls.FEW_ROWS_ATTN = keep
         st = dec.stacks[1]
         st.moe.tiles = (cfg["gate_up"], st.moe.tiles[1])
         st.moe.DOWN_ROWS_TILE = cfg["down_rows"]
@@ -447,7 +448,9 @@ ONE_TOKEN_VARIANTS = {  # name -> what the run sets: ("mod.Class", attr) class a
                           ("moe.GroupedMoe", "PREFETCH_SHARED_TILES"): 4},
     "shared_split_1": {("moe.GroupedMoe", "SHARED_IN_EXPERTS"): 1},
     "down_by_pairs": {("moe.GroupedMoe", "DOWN_ROWS_TILE"): None},
-}  # run G20 also timed the rows kernel's pairs unrolled, each tile loaded one pair ahead: +20..+184 us (V2-Lite)  # run G17 also timed the router-launch shared experts in (4|16, 512, 3), (8, 256, 4), (8, 1024, 2) tiles: +24..+58 us
+}
+# run G17 also timed the router-launch shared experts in (4|16, 512, 3), (8, 256, 4), (8, 1024, 2) tiles: +24..+58 us;
+# G20 the rows kernel's pairs unrolled, each tile loaded one pair ahead: +20..+184 us (V2-Lite)
 ATTN_VARIANTS = {  # the one-token attention's forms (MLA_ATTN_AB). Run G13 also timed one program a split (value
     # chunks 1) at 16, 32 and 64 splits, 16-row key blocks and 8 warps; G14-G18 the merge + w_uv in 16 / 64 value
     # columns, q . w_uk in 32 / 128 latent columns, 32 splits in 4 chunks and in 2 on 8 warps: all slower
@@ -624,7 +627,6 @@ def verify_ab(X, model, caches, cos, sin, ctx: int, R: dict, tag: str, rounds: i
     log(f"  {tag}verify forms' tokens equal: {R[f'{tag}verify_ab_tokens_equal']}")
 
 
-# the batched block's forms (MlaStack class attributes while the decoder is built): the product's default first
 # the batched block's forms (MLA_BATCH_AB): MlaStack attributes over the product's ("product": the chain of Triton
 # kernels on PDL); "bmm": norms + dots + cuBLAS bmms (run MB3's form). Run G15 also timed the one-token stack's
 # few-rows attention form for the batch's rows: 4 slots 5.124 against 5.026 ms, 8 slots 7.575 against 7.525
