@@ -442,13 +442,12 @@ ONE_TOKEN_VARIANTS = {  # name -> what the run sets: ("mod.Class", attr) class a
     # attributes, ("decoder", kwarg) MlaDecoder arguments; the product's defaults first (MLA_SHARED_AB)
     "product": {},
     "shared_in_experts": {("mla.MlaStack", "SHARED_IN_ROUTER"): False},
-    "shared_in_experts_l2": {("mla.MlaStack", "SHARED_IN_ROUTER"): False,  # their weights asked of L2 first
-                             ("moe.GroupedMoe", "PREFETCH_SHARED_TILES"): 4},
-    "shared_split_1_l2": {("moe.GroupedMoe", "SHARED_IN_EXPERTS"): 1,  # the first in the experts' launch
-                          ("moe.GroupedMoe", "PREFETCH_SHARED_TILES"): 4},
-    "shared_split_1": {("moe.GroupedMoe", "SHARED_IN_EXPERTS"): 1},
     "down_by_pairs": {("moe.GroupedMoe", "DOWN_ROWS_TILE"): None},
 }
+# run G21 also timed the first shared expert in the experts' launch and the second beside the router, with and without
+# the experts' launch asking L2 for its weights before its wait: +47..+63 us (V2-Lite), +6..+7 (V3 cut); G22-G23 the
+# prep + absorb launch's last programs asking L2 for wo's, the router's and the shared experts' weights (2-40 MB; bulk
+# prefetches of 4 KB-1 MB, or one a 128-byte line): +24..+830 us, no gain from the bytes (2 MB as slow as 24 MB)
 # run G17 also timed the router-launch shared experts in (4|16, 512, 3), (8, 256, 4), (8, 1024, 2) tiles: +24..+58 us;
 # G20 the rows kernel's pairs unrolled, each tile loaded one pair ahead: +20..+184 us (V2-Lite)
 ATTN_VARIANTS = {  # the one-token attention's forms (MLA_ATTN_AB). Run G13 also timed one program a split (value

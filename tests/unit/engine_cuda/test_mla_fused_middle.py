@@ -140,14 +140,12 @@ def test_prep_and_absorb_in_one_launch_write_what_the_two_kernels_write(heads, n
     (256, 8, 8, 4, 128, 32, 1, (8, 512, 4, 3)),  # V3's group-limited routing; K in one tile
 ])
 @pytest.mark.parametrize("pdl", [False, True])
-@pytest.mark.parametrize("in_experts", [0, 1])
 def test_shared_experts_in_the_router_launch_equal_their_gate_up_launch(experts, top_k, n_group, topk_group,
-                                                                       hidden, inter, shared, tile, pdl, in_experts,
+                                                                       hidden, inter, shared, tile, pdl,
                                                                        pdl_interpreted):
     """router(shared=...) runs the shared experts' gate/up + SiLU beside the router (moe.SharedGateUp), and the
-    grouped gate/up launch then covers the routed pairs only (``in_experts`` = 1: and the first shared expert, the
-    rest beside the router): the experts, the act rows and the MoE's output equal the router + a gate/up launch over
-    every pair, bit for bit; the router's count is back at 0."""
+    grouped gate/up launch then covers the routed pairs only: the experts, the act rows and the MoE's output equal
+    the router + a gate/up launch over every pair, bit for bit; the router's count is back at 0."""
     from services.decode.engine.cuda.moe import GroupedMoe, router
 
     g = torch.Generator().manual_seed(experts + hidden + inter)
@@ -163,15 +161,13 @@ def test_shared_experts_in_the_router_launch_equal_their_gate_up_launch(experts,
     for together in (False, True):
         moe = GroupedMoe(num_tokens=1, top_k=top_k, num_shared=shared, hidden=hidden, inter=inter, device="cpu",
                          tiles=(tile, (8, 32, 4, 1)), pdl=pdl)
-        moe.SHARED_IN_EXPERTS = in_experts
         h, xn = h0.clone(), torch.zeros(1, hidden, dtype=BF)
         ids, wts, count = torch.zeros(1, top_k, dtype=torch.int32), torch.zeros(1, top_k), torch.zeros(1, dtype=torch.int32)
         sh = moe.shared_gate_up(sg) if together else None
-        assert (sh is not None) == (together and in_experts < shared)
-        assert sh is None or sh.count == shared - in_experts
+        assert (sh is not None) == together
         router(h, w, bias, ids, wts, top_k, 2.5, n_group=n_group, topk_group=topk_group, norm_w=norm_w, eps=1e-6,
                xn_out=xn, count=count, pdl=pdl, shared=sh)
-        moe(xn, ids, wts, gate_up, down, sg, sd, h, shared_done=sh.count if sh is not None else 0)
+        moe(xn, ids, wts, gate_up, down, sg, sd, h, shared_done=together)
         assert count.eq(0).all()
         out[together] = (ids, wts, xn, moe.act.clone(), h)
     for a, b in zip(out[False], out[True]):

@@ -630,7 +630,7 @@ class MlaStack:
                        self.router_logits, pdl=self.pdl, early=self.early, **route)
         mlp = self.moe if lw.is_moe else self.dense
         mlp(self.xn, self.ids, self.wts, lw.gate_up, lw.down, lw.shared_gate_up, lw.shared_down, h,
-            shared_done=shared.count if shared is not None else 0)
+            shared_done=shared is not None)
 
     def _tile(self, name: str) -> dict:
         bn, bk, nw, st = self.tiles[name]

@@ -30,7 +30,7 @@ from .fp8block import BlockFp8, act_groups, col_scales, fp8_block_dot, fp8_fma, 
 from .fp8block import groups as fp8_groups
 from .fp8block import tile as fp8_tile
 from .gemv import gdc_launch_dependents, gdc_wait, interpreting, launch_opts
-from .kernel_helpers import load_first_pair_tile, prefetch_l2, rms_scaled, round_to_dtype
+from .kernel_helpers import load_first_pair_tile, rms_scaled, round_to_dtype
 
 
 # The few-token kernels below spell out their dot-or-FMA accumulation each: a jit helper returning a
@@ -425,7 +425,7 @@ def router(xn: torch.Tensor, w: torch.Tensor, bias: torch.Tensor, ids: torch.Ten
     the experts, and the norm, GEMV and top-k of every token are one launch (``count``: an int32 [>= T] of
     zeros, a token's entry reset by its last program; allocated when not given). ``shared`` (with ``norm_w``, one
     token, bf16 shared experts): the same launch also runs the shared experts' gate/up + SiLU into their act rows
-    (GroupedMoe(..., shared_done=shared.count) then runs the routed pairs and the other shared experts)."""
+    (GroupedMoe(..., shared_done=True) then runs the routed pairs only)."""
     t, e = xn.shape[0], w.shape[0]
     if norm_w is not None and xn_out is None:
         raise ValueError("router(norm_w=...) takes an xn_out for its normed input")
@@ -464,9 +464,9 @@ def router(xn: torch.Tensor, w: torch.Tensor, bias: torch.Tensor, ids: torch.Ten
 
 @dataclass
 class SharedGateUp:
-    """One token's shared experts' gate/up for the router's launch (router(shared=...)): bf16 weights [S, 2I, H]
-    (the last S of the layer's), the GroupedMoe's act buffer from the first of them (their rows after the routed
-    pairs'), the gate/up tile's rows, K width and stages (its warps: the router's 4)."""
+    """One token's shared experts' gate/up for the router's launch (router(shared=...)): bf16 weights [S, 2I, H],
+    the GroupedMoe's act buffer (their rows after the routed pairs'), the gate/up tile's rows, K width and stages
+    (its warps: the router's 4)."""
     w: torch.Tensor
     act: torch.Tensor
     inter: int
@@ -477,11 +477,6 @@ class SharedGateUp:
     @property
     def programs(self) -> int:
         return self.w.shape[0] * triton.cdiv(self.inter, self.block_n)
-
-    @property
-    def count(self) -> int:
-        """Shared experts it runs (GroupedMoe.__call__'s shared_done)."""
-        return self.w.shape[0]
 
 
 @triton.jit
@@ -514,20 +509,11 @@ def _moe_gate_up_kernel(x_ptr, ids_ptr, w_ptr, ws_ptr, act_ptr, I, K, stride_e,
                         SLOTS_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
                         DOT: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr = False,
                         FP8: tl.constexpr = False, s_ptr=None, ss_ptr=None, stride_se=0, KB=0, SG: tl.constexpr = 1,
-                        SK: tl.constexpr = 1, ACT: tl.constexpr = False, GROUPS: tl.constexpr = 0,
-                        PREFETCH_SHARED: tl.constexpr = 0):
-    # PREFETCH_SHARED (one token, on PDL): a shared pair's program (p >= TOPK: its expert is p - TOPK, known before
-    # the router's ids) asks L2 for its rows' first PREFETCH_SHARED K tiles of gate and up before the wait
+                        SK: tl.constexpr = 1, ACT: tl.constexpr = False, GROUPS: tl.constexpr = 0):
     # FP8: block-scaled FP8 experts (fp8block.py), scales s_ptr / ss_ptr [E, ceil(2I / SG), KB] (gate's and up's
     # rows of a program each in one scale row: I a multiple of BLOCK_N); GROUPS: one token's grouped-activation
     # tiles [BLOCK_N, GROUPS, SK] (gemv_rows' GROUPS)
     p = tl.program_id(0)
-    if PREFETCH_SHARED:
-        if p >= TOPK:
-            prow = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-            sbase_w = ws_ptr + (p - TOPK).to(tl.int64) * stride_e
-            prefetch_l2(sbase_w, prow, prow < I, K, PREFETCH_SHARED, BLOCK_K, 0)
-            prefetch_l2(sbase_w, prow + I, prow < I, K, PREFETCH_SHARED, BLOCK_K, 0)
     if PDL:  # the router's ids and the input rows come from earlier kernels
         gdc_wait()
     expert, is_first, pair_of, is_routed = _owner(ids_ptr, p, T, TOPK, SLOTS, SLOTS_PAD, T_PAD)
@@ -822,11 +808,6 @@ class GroupedMoe:
     # program's reduce (also where I > DOWN_ROWS_MAX_I, FP8 experts, several tokens)
     DOWN_ROWS_TILE: tuple[int, int, int] | None = (4, 4, 3)
     DOWN_ROWS_MAX_I: int = 2048
-    # one token with the shared experts beside the router (MlaStack.SHARED_IN_ROUTER): how many of them (the first)
-    # the experts' launch keeps instead; and (bf16, on PDL) the K tiles of the shared pairs' weights the experts'
-    # launch asks of L2 before its wait. Not yet timed on a GPU (bench/NOTES-gpu.md, "Next"): off
-    SHARED_IN_EXPERTS: int = 0
-    PREFETCH_SHARED_TILES: int = 0
     # one token: the weighted sum of the pairs' rows into h by the down kernel's last program of each column
     # block (_moe_down_kernel's REDUCE) instead of a launch of its own (_moe_reduce_kernel). Run SW2: a plain
     # step 2.188 -> 2.151 ms; but 4 slots 3.967 -> 4.036 (the down kernel's tail waits for its last programs'
@@ -858,12 +839,11 @@ class GroupedMoe:
 
     def __call__(self, xn: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor, w_gate_up: torch.Tensor,
                  w_down: torch.Tensor, shared_gate_up: torch.Tensor, shared_down: torch.Tensor, h: torch.Tensor,
-                 shared_done: bool | int = False) -> None:
+                 shared_done: bool = False) -> None:
         """h[T, H] += MoE(xn); routed weights [E, 2I, H] / [E, H, I], shared [S, 2I, H] / [S, H, I]; bf16, or
         block-scaled FP8 (fp8block.BlockFp8, routed and shared alike: mla.prepare_layer lays them out so).
-        ``shared_done`` (one token): the last n shared experts' act rows are written already (True: all of them;
-        :meth:`shared_gate_up` given to the router's launch): the gate/up launch covers the routed pairs and the
-        shared experts before those."""
+        ``shared_done``: the shared experts' act rows are written already (:meth:`shared_gate_up` given to the
+        router's launch): the gate/up launch covers the routed pairs only."""
         t, hid, inter = self.num_tokens, self.hidden, self.inter
         fp8 = isinstance(w_gate_up, BlockFp8)
         dot = self.dot and (fp8 or w_gate_up.dtype in (torch.bfloat16, torch.float16))
@@ -885,11 +865,7 @@ class GroupedMoe:
         pairs = t * self.slots
         if shared_done and t != 1:
             raise ValueError("shared_done: one token's shared experts run in the router's launch, not several's")
-        # the gate/up launch's pairs: all, or without the last n shared experts, whose act rows are written already
-        up_pairs = pairs - (self.num_shared if shared_done is True else int(shared_done))
-        if self.PREFETCH_SHARED_TILES and self.pdl and not fp8 and not interpreting() and t == 1 \
-                and up_pairs > t * self.top_k:
-            up_args["PREFETCH_SHARED"] = self.PREFETCH_SHARED_TILES  # shared pairs' weights into L2 before the wait
+        up_pairs = t * self.top_k if shared_done else pairs  # the gate/up launch's (the routed ones only)
         _moe_gate_up_kernel[(up_pairs, triton.cdiv(inter, bn))](
             xn, ids, w_gate_up, shared_gate_up, self.act, inter, hid, 2 * inter * hid, **common,
             BLOCK_N=bn, BLOCK_K=bk, STAGES=st, num_warps=nw, **up_args)
@@ -917,17 +893,12 @@ class GroupedMoe:
 
     def shared_gate_up(self, w_shared: torch.Tensor) -> "SharedGateUp | None":
         """The router-launch form of this MoE's shared experts' gate/up (router(shared=...)), where it applies: one
-        token, bf16 shared experts, a gate/up tile of 4 warps (the router's); else None. With
-        ``SHARED_IN_EXPERTS`` > 0 the first that many stay in the experts' launch (``__call__(shared_done=n)`` with
-        n the returned form's ``count``), their weights asked of L2 before its wait."""
+        token, bf16 shared experts, a gate/up tile of 4 warps (the router's); else None."""
         bn, bk, nw, st = self.tiles[0]
         if self.num_tokens != 1 or w_shared is None or isinstance(w_shared, BlockFp8) or nw != 4 \
                 or w_shared.dtype not in (torch.bfloat16, torch.float16) or not w_shared.is_contiguous():
             return None
-        first = min(self.SHARED_IN_EXPERTS, w_shared.shape[0])
-        if first == w_shared.shape[0]:
-            return None
-        return SharedGateUp(w_shared[first:], self.act[first * self.inter:], self.inter, bn, bk, st)
+        return SharedGateUp(w_shared, self.act, self.inter, bn, bk, st)
 
 
 def _expert_scales(routed: BlockFp8, shared: BlockFp8) -> dict:
