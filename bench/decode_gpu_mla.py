@@ -448,6 +448,8 @@ ONE_TOKEN_VARIANTS = {  # name -> what the run sets: ("mod.Class", attr) class a
 # the experts' launch asking L2 for its weights before its wait: +47..+63 us (V2-Lite), +6..+7 (V3 cut); G22-G23 the
 # prep + absorb launch's last programs asking L2 for wo's, the router's and the shared experts' weights (2-40 MB; bulk
 # prefetches of 4 KB-1 MB, or one a 128-byte line): +24..+830 us, no gain from the bytes (2 MB as slow as 24 MB)
+# G28 the shared experts' down projections in the routed gate/up launch (its last row of programs, the rows kernel's
+# tiles; bit-equal), the rows kernel then walking the routed pairs only: +10..+53 us (V2-Lite), -5 (V3 cut)
 # run G17 also timed the router-launch shared experts in (4|16, 512, 3), (8, 256, 4), (8, 1024, 2) tiles: +24..+58 us;
 # G20 the rows kernel's pairs unrolled, each tile loaded one pair ahead: +20..+184 us (V2-Lite)
 ATTN_VARIANTS = {  # the one-token attention's forms (MLA_ATTN_AB). Run G13 also timed one program a split (value
