@@ -101,10 +101,45 @@ def fp8_block_models(X, F, model):
     return X.GqaModel(fl, *args), scales, X.GqaModel(dl, *args)
 
 
-def block_part(X, F, model, s: dict, R: dict, ms_bf16: float, bw: float) -> None:
+PROJ = ("wqkv", "wo", "w_gate_up", "w_down")
+# the block-scaled step's tiles (FP8_BLOCK_ONLY): name -> (Fp8GqaDecoder.BLOCK_TILES over the product's,
+# BLOCK_ACT_ROWS over the product's)
+BLOCK_VARIANTS = {
+    "product": ({}, {}),
+    "g29_form": ({"w_gate_up": (8, 512, 4, 3)}, {"w_gate_up": 32}),  # gate/up at 32 x 512 (before run G33)
+    "g33_form": ({"w_gate_up": (8, 256, 4, 4)}, {"w_gate_up": 64}),  # 64 x 256
+    "gate_up_rows128_s6": ({"w_gate_up": (8, 128, 4, 6)}, {}),
+}
+# run G30 timed 8 and 16 rows a program for QKV, o and down (K 512 or 1024) and 16 for all four: +6..+34%; G31 32
+# rows over K tiles of 256 or 128 (+3%, +31%), on 8 warps (+55%), 256 x 8 warps (+1%), 64 x 256 for all four -8.5%;
+# G32 128 rows over 128 (+43..+44%; 8 warps +33%), 64 x 256 on 8 warps (+6%); G33 64 x 256 for gate/up alone -12.2%,
+# with down too -6.8%, all four -8.5% (3 / 6 stages: -7.9 / -7.5%); G34 128 x 128 for gate/up alone -15.7% against
+# G29's form; G35 (the product since): 4.622 against G29's form 5.515 and G33's 4.907 ms (6 stages 4.676)
+def block_variants(X, F, dec_of, s: dict, R: dict, ctx: int, slot, mt: int, roof: float) -> None:
+    """The block-scaled step on each of BLOCK_VARIANTS, alternated twice (``llama8b_fp8block_variants``: ms, best)."""
+    cls = F.Fp8GqaDecoder
+    base = (dict(cls.BLOCK_TILES), dict(cls.BLOCK_ACT_ROWS))
+    out: dict = {k: [] for k in BLOCK_VARIANTS}
+    for _ in range(2):
+        for name, (tiles, rows) in BLOCK_VARIANTS.items():
+            cls.BLOCK_TILES, cls.BLOCK_ACT_ROWS = {**base[0], **tiles}, {**base[1], **rows}
+            try:
+                out[name].append(timing(dec_of, s, ctx, slot, mt))
+            except Exception:  # noqa: BLE001 - a tile that does not compile
+                out[name].append(float("inf"))
+                log(traceback.format_exc()[-800:])
+            finally:
+                cls.BLOCK_TILES, cls.BLOCK_ACT_ROWS = dict(base[0]), dict(base[1])
+    best = {k: min(v) for k, v in out.items()}
+    R["llama8b_fp8block_variants"] = {"ms": out, "best_ms": best, "frac_roofline": {k: roof / v for k, v in best.items()}}
+    log("  fp8 block-scaled variants (best of 2, ms): " + ", ".join(f"{k} {v:.3f} ({roof / v:.3f})"
+                                                                   for k, v in best.items()))
+
+
+def block_part(X, F, model, s: dict, R: dict, ms_bf16: float, bw: float, profile: bool = False) -> None:
     """Block-scaled FP8 (``llama8b_fp8block_*``): the one-slot step (Fp8GqaDecoder's block layer: the DeepSeek
     family's block-scaled GEMVs) at 1K against the bytes it reads and the bf16 step of this run, and its logits
-    against its dequantized bf16 reference step."""
+    against its dequantized bf16 reference step; ``profile``: its eager per-kernel time too (PDL off)."""
     bmodel, bscales, bdmodel = fp8_block_models(X, F, model)
     ctx, mt = 1024, 2048
     nbytes = F.fp8_bytes_per_step(bmodel, bscales)
@@ -115,6 +150,10 @@ def block_part(X, F, model, s: dict, R: dict, ms_bf16: float, bw: float) -> None
 
     slot = make_slot(s, mt, ctx)
     ms = min(timing(dec, s, ctx, slot, mt) for _ in range(2))
+    if profile:
+        profile_steps(X, F, R, s, ctx, slot, mt, {"fp8block": lambda kc, vc, cos, sin, mt_: F.Fp8GqaDecoder(
+            bmodel, kc, vc, cos, sin, X.FastOptions(pdl=False), max_steps=mt_, scales=bscales, act_fp8=True)})
+        block_variants(X, F, dec, s, R, ctx, slot, mt, roof)
     del slot
     R["llama8b_fp8block_ctx1k_tok_s"], R["llama8b_fp8block_ctx1k_frac_roofline"] = 1e3 / ms, roof / ms
     R["llama8b_fp8block_over_bf16"] = ms_bf16 / ms
@@ -332,6 +371,9 @@ def run(R: dict) -> None:
     ms_bf16 = min(timing(bf16_dec, s, ctx, slot, mt) for _ in range(2))
     R["llama8b_bf16_ctx1k_tok_s"], R["llama8b_bf16_ctx1k_frac_roofline"] = 1e3 / ms_bf16, roof_bf16 / ms_bf16
     log(f"  bf16 step {ms_bf16:.3f} ms {1e3 / ms_bf16:.1f} tok/s {roof_bf16 / ms_bf16:.1%} of roofline")
+    if os.environ.get("FP8_BLOCK_ONLY"):  # the block-scaled part alone, with its per-kernel profile (a short run)
+        block_part(X, F, model, s, R, ms_bf16, bw, profile=True)
+        return
     R["llama8b_fp8_variants"] = V = {}
     made = {}
     only = os.environ.get("FP8_VARIANTS_ONLY")  # "a,b": these variants alone (a short run)

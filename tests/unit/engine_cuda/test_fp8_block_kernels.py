@@ -62,6 +62,29 @@ def test_wider_one_token_fp8_tiles_compute_the_same(monkeypatch, widen):
     assert rel(out, linear_reference(x, w).to(BF)) <= 1e-2 / 4
 
 
+@pytest.mark.parametrize("act,block_n,block_k,act_rows,want", [
+    (True, 8, 512, None, (32, 512)),  # grouped activations: FMA_ACT_BLOCK_N rows at least, K kept near ACC_ELEMS
+    (True, 8, 128, 128, (128, 128)),  # Fp8GqaDecoder's gate/up: 128 rows over one 128-wide block
+    (True, 8, 512, 64, (64, 256)),  # 64 rows: K cut to 256 (ACC_ELEMS)
+    (True, 8, 512, 8, (8, 512)),  # a floor under the default
+    (True, 8, 512, 256, (128, 128)),  # rows never past a scale row
+    (False, 8, 512, 64, (8, 512)),  # weight-only: no floor
+])
+def test_one_token_block_fp8_tile_rows(act, block_n, block_k, act_rows, want):
+    # fp8block.tile's rows a program (gemv_rows' fp8_rows) over 128 x 128 blocks
+    w = quantize(rand(256, 512, std=0.2), (128, 128), act=act)
+    assert fp8block.tile(w, block_n, block_k, dot=False, act_rows=act_rows) == want
+
+
+@pytest.mark.parametrize("fp8_rows", [8, 64])
+def test_gemv_rows_fewest_rows_compute_the_same(fp8_rows):
+    # gemv_rows(fp8_rows=...): another tiling of the same function (48 rows in 16-row scale blocks: 64 is cut to 16)
+    w = quantize(rand(48, 200, std=0.2), (16, 32), act=True)
+    x, nw, out = rand(1, 200), 1 + rand(200, std=0.1), torch.empty(1, 48, dtype=BF)
+    moe.gemv_rows(x, w, out, norm_w=nw, block_n=8, block_k=64, fp8_rows=fp8_rows)
+    assert rel(out, linear_reference(reference.rms_norm(x, nw, 1e-6), w).to(BF)) <= 1e-2 / 4
+
+
 @pytest.mark.parametrize("k,norm,residual,heads", [
     (200, True, False, False),  # K past the last whole tile, a partial last group
     (256, False, True, False),

@@ -395,28 +395,35 @@ class Fp8GqaDecoder(GqaDecoder):
     # block-scaled FP8 (one token): the DeepSeek-family block's GEMV (moe.gemv_rows: the FP8 bytes, the block scales
     # and the per-128-feature activation rounding in the kernel), each with its norm in the prologue and the
     # residual in the epilogue; rope, q/k norm and the cache write in one small kernel, SiLU . up in torch
-    BLOCK_TILE = (8, 512, 4, 3)  # (block_n, block_k, warps, stages): the DeepSeek-family one-token projections'
+    # each projection's (block_n, block_k, warps, stages): the DeepSeek-family one-token projections' tile; and
+    # with activations rounded per group, the fewest rows a program (gemv_rows' fp8_rows). gate/up: 128 rows (one
+    # scale row) over one 128-wide block a K step, each program's group rounding shared by 4x the rows (H100, run
+    # G35: a Llama-3-8B step 5.515 -> 4.622 ms, 0.49 -> 0.59 of roofline; 64 x 256 4.907). QKV, o and down keep 32
+    # rows: at 8, 16 or 64 their steps were slower (runs G30-G33; 128 x 128 for all four +44%)
+    BLOCK_TILES: dict[str, tuple[int, int, int, int]] = {
+        "wqkv": (8, 512, 4, 3), "wo": (8, 512, 4, 3), "w_gate_up": (8, 128, 4, 4), "w_down": (8, 512, 4, 3)}
+    BLOCK_ACT_ROWS: dict[str, int] = {"wqkv": 32, "wo": 32, "w_gate_up": 128, "w_down": 32}
 
-    def _block_gemv(self, x: torch.Tensor, w, out: torch.Tensor, **kw) -> None:
-        bn, bk, nw, st = self.BLOCK_TILE
+    def _block_gemv(self, name: str, x: torch.Tensor, w, out: torch.Tensor, **kw) -> None:
+        bn, bk, nw, st = self.BLOCK_TILES[name]
         gemv_rows(x.view(1, -1), w, out.view(1, -1), block_n=bn, block_k=bk, num_warps=nw, stages=st,
-                         pdl=self.opt.pdl, **kw)
+                  pdl=self.opt.pdl, fp8_rows=self.BLOCK_ACT_ROWS[name], **kw)
 
     def _block_layer(self, i: int) -> None:
         m, lw, sc, eps = self.model, self.model.layers[i], self.scales[i], self.model.eps
         pick = {n: getattr(sc, n) if getattr(sc, n) is not None else getattr(lw, n)
                 for n in ("wqkv", "wo", "w_gate_up", "w_down")}
         qkv = self.tmp[: pick["wqkv"].shape[0]]
-        self._block_gemv(self.residual, pick["wqkv"], qkv, norm_w=lw.attn_norm, eps=eps)
+        self._block_gemv("wqkv", self.residual, pick["wqkv"], qkv, norm_w=lw.attn_norm, eps=eps)
         smallops.rope_cache_write(qkv, self.query, self.k_caches[i], self.v_caches[i], self.pos, self.cos, self.sin,
                                   num_q_heads=m.num_q_heads, num_kv_heads=m.num_kv_heads, head_dim=m.head_dim,
                                   q_norm=lw.q_norm, k_norm=lw.k_norm, eps=eps, pdl=self.opt.pdl, **self.kv_kwargs(i))
         self.attend(i, None)
-        self._block_gemv(self.attn_out, pick["wo"], self.residual, residual=self.residual.view(1, -1))
+        self._block_gemv("wo", self.attn_out, pick["wo"], self.residual, residual=self.residual.view(1, -1))
         gu = self.tmp[: pick["w_gate_up"].shape[0]]
-        self._block_gemv(self.residual, pick["w_gate_up"], gu, norm_w=lw.mlp_norm, eps=eps)
+        self._block_gemv("w_gate_up", self.residual, pick["w_gate_up"], gu, norm_w=lw.mlp_norm, eps=eps)
         reference.silu_mul(gu, out=self.act)
-        self._block_gemv(self.act, pick["w_down"], self.residual, residual=self.residual.view(1, -1))
+        self._block_gemv("w_down", self.act, pick["w_down"], self.residual, residual=self.residual.view(1, -1))
 
 
 def fp8_bytes_per_step(model, scales: list[Fp8Scales]) -> int:

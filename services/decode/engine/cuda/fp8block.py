@@ -212,12 +212,13 @@ ACC_ELEMS = 16384
 GROUPED = True
 
 
-def tile(w, block_n: int, block_k: int, dot: bool, accumulators: int = 1) -> tuple[int, int]:
+def tile(w, block_n: int, block_k: int, dot: bool, accumulators: int = 1,
+         act_rows: int | None = None) -> tuple[int, int]:
     """(block_n, block_k) of a GEMV tile over ``w``: for BlockFp8 the rows cut to a divisor of its scale rows, and
     K one block at a time on the tensor-core path (each block's dot scaled on its own) or, one token, FMA_WIDEN
     times the bf16 tile's and a whole number of blocks where the activations are grouped, with at least
-    FMA_ACT_BLOCK_N rows a program and K cut so that the kernel's ``accumulators`` (gate and up: 2) stay near
-    ACC_ELEMS elements."""
+    ``act_rows`` (default FMA_ACT_BLOCK_N) rows a program and K cut so that the kernel's ``accumulators`` (gate and
+    up: 2) stay near ACC_ELEMS elements."""
     if not isinstance(w, BlockFp8):
         return block_n, block_k
     block_n = min(block_n, w.rows)
@@ -226,7 +227,7 @@ def tile(w, block_n: int, block_k: int, dot: bool, accumulators: int = 1) -> tup
     block_k *= FMA_WIDEN
     if not w.act:
         return block_n, block_k
-    block_n = min(max(block_n, FMA_ACT_BLOCK_N), w.rows)
+    block_n = min(max(block_n, FMA_ACT_BLOCK_N if act_rows is None else act_rows), w.rows)
     return block_n, max(w.cols, min(block_k, ACC_ELEMS // (block_n * accumulators)))
 
 

@@ -199,7 +199,7 @@ def gemv_rows(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, *, norm_w: to
               eps: float = 1e-6, residual: torch.Tensor | None = None, block_n: int = 8, block_k: int = 256,
               num_warps: int = 4, stages: int = 4, dot: bool | None = None,
               dot_tile: tuple[int, int, int, int] | None = None, heads: bool = False, pdl: bool = False,
-              early: bool = True) -> torch.Tensor:
+              early: bool = True, fp8_rows: int | None = None) -> torch.Tensor:
     """out[T, N] = [residual +] x'[T, K] @ W[N, K]^T, x' = rmsnorm(x) * norm_w when given (T <= MAX_ROWS);
     ``w`` a bf16 tensor or block-scaled FP8 (fp8block.BlockFp8, its scales applied in the kernel).
 
@@ -208,7 +208,9 @@ def gemv_rows(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, *, norm_w: to
     ``dot_tile`` (block_n >= 16, block_k, num_warps, stages) when given; ``dot=False`` keeps FMAs
     (small matrices such as the router, where 16-row tiles leave too few programs). ``heads=True``: x is
     [heads, T, D] (the per-head value projection's output), read as [T, heads * D] in place. ``pdl``: launched
-    as a programmatic dependent of the previous kernel, with (``early``) its first weight tile before the wait."""
+    as a programmatic dependent of the previous kernel, with (``early``) its first weight tile before the wait.
+    ``fp8_rows``: one token over block-scaled FP8 with grouped activations, the fewest rows a program (default
+    fp8block.FMA_ACT_BLOCK_N)."""
     if heads:  # x [heads, T, D] read as [T, heads * D] without a copy
         if norm_w is not None:
             raise ValueError("gemv_rows: heads=True takes no norm_w")
@@ -226,7 +228,7 @@ def gemv_rows(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, *, norm_w: to
         block_n, block_k, num_warps, stages = dot_tile or (max(16, block_n), block_k, num_warps, stages)
     else:
         block_k = max(32, block_k // triton.next_power_of_2(t))  # the [T, BLOCK_N, BLOCK_K] accumulator in registers
-    block_n, block_k = fp8_tile(w, block_n, block_k, dot)
+    block_n, block_k = fp8_tile(w, block_n, block_k, dot, act_rows=fp8_rows)
     fp8 = kernel_args(w)
     if fp8:
         fp8["GROUPS"] = fp8_groups(w, t, dot, block_k)
