@@ -131,7 +131,8 @@ def block_variants(X, F, dec_of, s: dict, R: dict, ctx: int, slot, mt: int, roof
             finally:
                 cls.BLOCK_TILES, cls.BLOCK_ACT_ROWS = dict(base[0]), dict(base[1])
     best = {k: min(v) for k, v in out.items()}
-    R["llama8b_fp8block_variants"] = {"ms": out, "best_ms": best, "frac_roofline": {k: roof / v for k, v in best.items()}}
+    R["llama8b_fp8block_variants"] = {"ms": out, "best_ms": best,
+                                      "frac_roofline": {k: roof / v for k, v in best.items()}}
     log("  fp8 block-scaled variants (best of 2, ms): " + ", ".join(f"{k} {v:.3f} ({roof / v:.3f})"
                                                                    for k, v in best.items()))
 
