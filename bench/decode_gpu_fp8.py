@@ -115,6 +115,8 @@ BLOCK_VARIANTS = {
 # G32 128 rows over 128 (+43..+44%; 8 warps +33%), 64 x 256 on 8 warps (+6%); G33 64 x 256 for gate/up alone -12.2%,
 # with down too -6.8%, all four -8.5% (3 / 6 stages: -7.9 / -7.5%); G34 128 x 128 for gate/up alone -15.7% against
 # G29's form; G35 (the product since): 4.622 against G29's form 5.515 and G33's 4.907 ms (6 stages 4.676)
+
+
 def block_variants(X, F, dec_of, s: dict, R: dict, ctx: int, slot, mt: int, roof: float) -> None:
     """The block-scaled step on each of BLOCK_VARIANTS, alternated twice (``llama8b_fp8block_variants``: ms, best)."""
     cls = F.Fp8GqaDecoder
@@ -140,7 +142,8 @@ def block_variants(X, F, dec_of, s: dict, R: dict, ctx: int, slot, mt: int, roof
 def block_part(X, F, model, s: dict, R: dict, ms_bf16: float, bw: float, profile: bool = False) -> None:
     """Block-scaled FP8 (``llama8b_fp8block_*``): the one-slot step (Fp8GqaDecoder's block layer: the DeepSeek
     family's block-scaled GEMVs) at 1K against the bytes it reads and the bf16 step of this run, and its logits
-    against its dequantized bf16 reference step; ``profile``: its eager per-kernel time too (PDL off)."""
+    against its dequantized bf16 reference step; ``profile``: its eager per-kernel time (PDL off) and the step on
+    each of BLOCK_VARIANTS too (FP8_BLOCK_ONLY)."""
     bmodel, bscales, bdmodel = fp8_block_models(X, F, model)
     ctx, mt = 1024, 2048
     nbytes = F.fp8_bytes_per_step(bmodel, bscales)
