@@ -109,6 +109,39 @@ def test_grouped_one_token_tiles_compute_what_flat_tiles_do(monkeypatch, k, norm
     assert rel(outs[True], res + want if residual else want) <= 1e-2 / 4
 
 
+@pytest.mark.parametrize("k,norm,block_n,block_k", [
+    (256, True, 16, 64),  # 2 groups a K step, two gate scale rows in one 32-row scale block
+    (200, False, 32, 128),  # K past the last whole tile, a partial last group; a program's rows a whole scale row
+])
+def test_block_fp8_gate_up_silu_in_one_launch_equals_gemv_rows_then_torch_silu(k, norm, block_n, block_k):
+    # fp8.gemv_fp8block_silu (the block-scaled Llama/Qwen step's gate/up): gate rows and their up rows in one program,
+    # the input rounded once for both, SiLU . up in the epilogue; bit-equal to gemv_rows over the same K tile and
+    # reference.silu_mul, and near the twin. Rows scaled per 32-row block by 1/4, 1 or 4, so that up rows read
+    # with gate's scale row (or a neighbour's) change the output
+    from services.decode.engine.cuda import fp8
+
+    inter = 64
+    wf = rand(2 * inter, k, std=0.2) * torch.tensor([0.25, 1.0, 4.0]).repeat(2)[:, None].repeat_interleave(32, 0)[:2 * inter]
+    w = quantize(wf, (32, 32), act=True)
+    x, nw = rand(k), 1 + rand(k, std=0.1)
+    got = torch.full((inter,), float("nan"), dtype=BF)
+    fp8.gemv_fp8block_silu(x, w, got, norm_w=nw if norm else None, block_n=block_n, block_k=block_k)
+    gu = torch.empty(1, 2 * inter, dtype=BF)
+    moe.gemv_rows(x.view(1, -1), w, gu, norm_w=nw if norm else None, block_n=8, block_k=block_k, fp8_rows=32)
+    assert torch.equal(got, reference.silu_mul(gu[0]))
+    xin = reference.rms_norm(x, nw, 1e-6) if norm else x
+    assert rel(got, reference.silu_mul(linear_reference(xin.view(1, -1), w).to(BF))[0]) <= 2e-2
+
+
+def test_block_fp8_gate_up_silu_refuses_what_it_cannot_tile():
+    from services.decode.engine.cuda import fp8
+
+    with pytest.raises(ValueError, match="weight-only"):
+        fp8.gemv_fp8block_silu(rand(64), quantize(rand(64, 64), (16, 16), act=False), torch.empty(32, dtype=BF))
+    with pytest.raises(ValueError, match="multiple of 16 rows"):  # 24 gate rows, programs of 16
+        fp8.gemv_fp8block_silu(rand(64), quantize(rand(48, 64), (16, 16), act=True), torch.empty(24, dtype=BF))
+
+
 @pytest.mark.parametrize("fused_reduce", [True, False])
 def test_grouped_one_token_expert_tiles_compute_what_flat_tiles_do(monkeypatch, fused_reduce):
     h, e, inter, k = 128, 8, 64, 2

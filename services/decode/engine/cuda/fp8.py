@@ -25,9 +25,10 @@ import triton
 import triton.language as tl
 
 from . import gemv, reference, smallops
-from .fp8block import BlockFp8
+from . import fp8block
+from .fp8block import BlockFp8, fp8_fma_rounded, group_offs, round_groups
 from .gemv import gdc_launch_dependents, gdc_wait, launch_opts, qkv_store
-from .kernel_helpers import act_round, act_scale, rnd_bf16, round_to_dtype
+from .kernel_helpers import act_round, act_scale, rms_scaled, rnd_bf16, round_to_dtype
 from .llama import GqaDecoder, folds_norm
 from .moe import gemv_rows
 
@@ -270,6 +271,86 @@ def gemv_fp8_qkv_rope(x: torch.Tensor, wqkv: torch.Tensor, w_scale: torch.Tensor
         num_warps=num_warps, **launch_opts(pdl))
 
 
+# ---------------------------------------------------------------- block-scaled gate/up + SiLU, one token
+@triton.jit
+def _x_groups(x_ptr, nw_ptr, offs, K, inv, NORM: tl.constexpr):
+    # one token's input columns ``offs`` [G, SK], normed at HF's rounding points when NORM (bf16 values)
+    kmask = offs < K
+    x = tl.load(x_ptr + offs, mask=kmask, other=0.0)
+    if NORM:
+        x = rms_scaled(x, inv, tl.load(nw_ptr + offs, mask=kmask, other=0.0))
+    return x
+
+
+@triton.jit
+def _gemv_fp8block_silu_kernel(x_ptr, w_ptr, s_ptr, out_ptr, nw_ptr, I, K, KB, eps, NORM: tl.constexpr,
+                               K_POW2: tl.constexpr, BLOCK_N: tl.constexpr, G: tl.constexpr, SK: tl.constexpr,
+                               SG: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr):
+    # program p: gate rows [p BLOCK_N, (p + 1) BLOCK_N) and their up rows (+ I), each set in one scale row; the
+    # input's groups rounded once a K step for both (moe.gemv_rows' grouped tile and arithmetic otherwise)
+    BLOCK_K: tl.constexpr = G * SK
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)  # I % BLOCK_N == 0
+    srow_g = (pid * BLOCK_N) // SG
+    srow_u = (pid * BLOCK_N + I) // SG
+    offs = group_offs(0, G, SK)
+    kmask = (offs < K)[None, :, :]
+    # the first tile before the wait: weights are never written, only x comes from the previous kernel
+    wg = tl.load(w_ptr + rows[:, None, None].to(tl.int64) * K + offs[None, :, :], mask=kmask, other=0.0,
+                 eviction_policy="evict_first")
+    wu = tl.load(w_ptr + (rows + I)[:, None, None].to(tl.int64) * K + offs[None, :, :], mask=kmask, other=0.0,
+                 eviction_policy="evict_first")
+    if PDL:
+        gdc_wait()
+    inv = 1.0
+    if NORM:
+        kk = tl.arange(0, K_POW2)
+        xs = tl.load(x_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)
+        inv = 1.0 / tl.sqrt(tl.sum(xs * xs, axis=0) / K + eps)
+    xq = round_groups(_x_groups(x_ptr, nw_ptr, offs, K, inv, NORM))
+    acc_g = fp8_fma_rounded(tl.zeros((BLOCK_N, G, SK), tl.float32), wg, xq, s_ptr, srow_g, 0, K, KB, G, SK)
+    acc_u = fp8_fma_rounded(tl.zeros((BLOCK_N, G, SK), tl.float32), wu, xq, s_ptr, srow_u, 0, K, KB, G, SK)
+    for k in tl.range(BLOCK_K, K, BLOCK_K, num_stages=STAGES):
+        offs = group_offs(k, G, SK)
+        kmask = (offs < K)[None, :, :]
+        wg = tl.load(w_ptr + rows[:, None, None].to(tl.int64) * K + offs[None, :, :], mask=kmask, other=0.0,
+                     eviction_policy="evict_first")
+        wu = tl.load(w_ptr + (rows + I)[:, None, None].to(tl.int64) * K + offs[None, :, :], mask=kmask, other=0.0,
+                     eviction_policy="evict_first")
+        xq = round_groups(_x_groups(x_ptr, nw_ptr, offs, K, inv, NORM))
+        acc_g = fp8_fma_rounded(acc_g, wg, xq, s_ptr, srow_g, k, K, KB, G, SK)
+        acc_u = fp8_fma_rounded(acc_u, wu, xq, s_ptr, srow_u, k, K, KB, G, SK)
+    if PDL:
+        gdc_launch_dependents()
+    # gemv_rows' row sums and bf16 outputs, then torch's silu(gate) * up rounding points (reference.silu_mul)
+    g = rnd_bf16(tl.sum(tl.sum(acc_g, axis=2), axis=1))
+    u = rnd_bf16(tl.sum(tl.sum(acc_u, axis=2), axis=1))
+    sg = rnd_bf16(g / (1.0 + tl.exp(-g)))
+    tl.store(out_ptr + rows, (sg * u).to(out_ptr.dtype.element_ty))
+
+
+def gemv_fp8block_silu(x: torch.Tensor, w: BlockFp8, out: torch.Tensor, *, norm_w: torch.Tensor | None = None,
+                       eps: float = 1e-6, block_n: int = 64, block_k: int = 128, num_warps: int = 4, stages: int = 4,
+                       pdl: bool = False) -> torch.Tensor:
+    """out[I] = silu(gate) * up of one token over a block-scaled FP8 gate/up [2I, K] whose activations are rounded per
+    group (W8A8 block checkpoints: Qwen's FP8 releases): one launch where ``gemv_rows`` + ``reference.silu_mul`` take
+    three, the same values (with the same K tile). ``block_n`` gate rows (and as many up rows) a program, cut to the
+    scale rows; ``block_k`` cut as fp8block.tile cuts it for two accumulators."""
+    if not w.act:
+        raise ValueError("gemv_fp8block_silu: weight-only block FP8 takes gemv_rows (its weights dequantized to bf16)")
+    two_i, k = w.shape
+    inter = two_i // 2
+    block_n, block_k = fp8block.tile(w, min(block_n, w.rows), block_k, dot=False, accumulators=2,
+                                     act_rows=min(block_n, w.rows))
+    if inter % block_n:
+        raise ValueError(f"intermediate size {inter} is not a multiple of {block_n} rows a program")
+    _gemv_fp8block_silu_kernel[(inter // block_n,)](
+        x, w.w, w.scale, out, norm_w if norm_w is not None else x, inter, k, w.scale.shape[-1], eps,
+        NORM=norm_w is not None, K_POW2=_pow2(k), BLOCK_N=block_n, G=block_k // w.cols, SK=w.cols, SG=w.rows,
+        STAGES=stages, PDL=pdl, num_warps=num_warps, **launch_opts(pdl))
+    return out
+
+
 # ---------------------------------------------------------------- torch twins
 def quantize_act(x: torch.Tensor) -> torch.Tensor:
     """vLLM's dynamic per-token FP8 rounding of a vector, back in fp32."""
@@ -394,7 +475,8 @@ class Fp8GqaDecoder(GqaDecoder):
 
     # block-scaled FP8 (one token): the DeepSeek-family block's GEMV (moe.gemv_rows: the FP8 bytes, the block scales
     # and the per-128-feature activation rounding in the kernel), each with its norm in the prologue and the
-    # residual in the epilogue; rope, q/k norm and the cache write in one small kernel, SiLU . up in torch
+    # residual in the epilogue; rope, q/k norm and the cache write in one small kernel; gate/up and SiLU . up in
+    # one launch (weight-only checkpoints: SiLU . up in torch)
     # each projection's (block_n, block_k, warps, stages): the DeepSeek-family one-token projections' tile; and
     # with activations rounded per group, the fewest rows a program (gemv_rows' fp8_rows). gate/up: 128 rows (one
     # scale row) over one 128-wide block a K step, each program's group rounding shared by 4x the rows (H100, run
@@ -403,6 +485,10 @@ class Fp8GqaDecoder(GqaDecoder):
     BLOCK_TILES: dict[str, tuple[int, int, int, int]] = {
         "wqkv": (8, 512, 4, 3), "wo": (8, 512, 4, 3), "w_gate_up": (8, 128, 4, 4), "w_down": (8, 512, 4, 3)}
     BLOCK_ACT_ROWS: dict[str, int] = {"wqkv": 32, "wo": 32, "w_gate_up": 128, "w_down": 32}
+    # gate/up with activations rounded per group: one launch with the SiLU (gemv_fp8block_silu), 64 gate and 64 up
+    # rows a program over one 128-wide block a K step (w_gate_up's 128 rows, split between the halves), where
+    # gemv_rows + torch's silu and mul took three; None: those three (bench A/B)
+    SILU_TILE: tuple[int, int, int, int] | None = (64, 128, 4, 4)
 
     def _block_gemv(self, name: str, x: torch.Tensor, w, out: torch.Tensor, **kw) -> None:
         bn, bk, nw, st = self.BLOCK_TILES[name]
@@ -420,9 +506,15 @@ class Fp8GqaDecoder(GqaDecoder):
                                   q_norm=lw.q_norm, k_norm=lw.k_norm, eps=eps, pdl=self.opt.pdl, **self.kv_kwargs(i))
         self.attend(i, None)
         self._block_gemv("wo", self.attn_out, pick["wo"], self.residual, residual=self.residual.view(1, -1))
-        gu = self.tmp[: pick["w_gate_up"].shape[0]]
-        self._block_gemv("w_gate_up", self.residual, pick["w_gate_up"], gu, norm_w=lw.mlp_norm, eps=eps)
-        reference.silu_mul(gu, out=self.act)
+        gw = pick["w_gate_up"]
+        if self.SILU_TILE is not None and isinstance(gw, BlockFp8) and gw.act:
+            bn, bk, nw, st = self.SILU_TILE
+            gemv_fp8block_silu(self.residual, gw, self.act, norm_w=lw.mlp_norm, eps=eps, block_n=bn, block_k=bk,
+                               num_warps=nw, stages=st, pdl=self.opt.pdl)
+        else:
+            gu = self.tmp[: gw.shape[0]]
+            self._block_gemv("w_gate_up", self.residual, gw, gu, norm_w=lw.mlp_norm, eps=eps)
+            reference.silu_mul(gu, out=self.act)
         self._block_gemv("w_down", self.act, pick["w_down"], self.residual, residual=self.residual.view(1, -1))
 
 

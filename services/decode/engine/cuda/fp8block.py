@@ -288,16 +288,29 @@ def group_offs(k, G: tl.constexpr, SK: tl.constexpr):
 
 
 @triton.jit
+def round_groups(x):
+    """One token's x [G, SK] (bf16 values) through vLLM's FP8 rounding per group (a row each), back in float32."""
+    xf = x.to(tl.float32)
+    sx = act_scale(tl.max(tl.abs(xf), axis=1))
+    return act_round(xf, 1.0 / sx[:, None]).to(tl.float32) * sx[:, None]
+
+
+@triton.jit
+def fp8_fma_rounded(acc, w, xq, s_ptr, srow, k, K, KB, G: tl.constexpr, SK: tl.constexpr):
+    """acc [BLOCK_N, G, SK] + the products of an FP8 weight tile w [BLOCK_N, G, SK] (scale row ``srow``, columns
+    :func:`group_offs` (k)) and x already rounded per group (:func:`round_groups`) times the block scales: where
+    two row sets in different scale rows read one input (gate and up), x is rounded once."""
+    gi = tl.arange(0, G)
+    sw = tl.load(s_ptr + srow * KB + k // SK + gi, mask=k + gi * SK < K, other=0.0)
+    return acc + w.to(tl.float32) * (xq * sw[:, None])[None, :, :]
+
+
+@triton.jit
 def fp8_fma_grouped(acc, w, x, s_ptr, srow, k, K, KB, G: tl.constexpr, SK: tl.constexpr):
     """acc [BLOCK_N, G, SK] + the products of an FP8 weight tile w [BLOCK_N, G, SK] (scale row ``srow``, columns
     :func:`group_offs` (k)) and one token's x [G, SK] (bf16 values) rounded per group: :func:`fp8_fma`'s ACT
     arithmetic, rounding order included, with each group a row of its own (its amax a row reduction, no reshape)."""
-    xf = x.to(tl.float32)
-    sx = act_scale(tl.max(tl.abs(xf), axis=1))
-    gi = tl.arange(0, G)
-    sw = tl.load(s_ptr + srow * KB + k // SK + gi, mask=k + gi * SK < K, other=0.0)
-    xs = (act_round(xf, 1.0 / sx[:, None]).to(tl.float32) * sx[:, None]) * sw[:, None]
-    return acc + w.to(tl.float32) * xs[None, :, :]
+    return fp8_fma_rounded(acc, w, round_groups(x), s_ptr, srow, k, K, KB, G, SK)
 
 
 @triton.jit
