@@ -350,3 +350,42 @@ def test_engine_reason_gates_e4m3_kv_on_the_gpu_generation(monkeypatch, kv_forma
     monkeypatch.setitem(sys.modules, "triton", sys.modules.get("triton") or SimpleNamespace())
     reason = engine_reason("auto", model, torch.device("cuda"), BF, 0)
     assert (reason is None) if words is None else (words in reason)
+
+
+def test_fp8_step_takes_o_and_down_scales_from_their_producers():
+    # FastOptions.fp8_amax_by_producer (per-channel FP8 with FP8 activations): the o and down GEMVs read their
+    # activation scale from the attention's merge and the gate/up GEMV; steps bit-equal to each GEMV reducing its
+    # own input, and after every step o's slots are back to 0 (down zeroed them) while down's hold max |act|
+    from dataclasses import replace
+
+    from services.decode.engine.cuda.fp8 import Fp8GqaDecoder, Fp8Scales
+
+    m, n, d, ctx = tiny_model(False, False, False), 40, 16, 20
+    layers, scales = [], []
+    for lw in m.layers:
+        q, s = {}, {}
+        for name in ("wqkv", "wo", "w_gate_up", "w_down"):
+            w = getattr(lw, name).float()
+            s[name] = w.abs().amax(dim=1) / 448.0
+            q[name] = (w / s[name][:, None]).to(torch.float8_e4m3fn)
+        layers.append(replace(lw, **q))
+        scales.append(Fp8Scales(**s))
+    fm = GqaModel(layers, m.embed, m.final_norm, m.lm_head, m.num_q_heads, m.num_kv_heads, d, m.eps)
+    runs = {}
+    for producer in (True, False):
+        g = _gen(1)
+        caches = [[_rand(g, n, 2, d) for _ in m.layers] for _ in range(2)]
+        opts = FastOptions(tiles=TILES, num_splits=4, block_s=16, fp8_amax_by_producer=producer)
+        dec = Fp8GqaDecoder(fm, *caches, *_tables(n, d), opts, max_steps=8, scales=scales, act_fp8=True)
+        assert (dec.amax is not None) == producer
+        dec.set_state(3, ctx)
+        logits = []
+        for _ in range(3):
+            dec.step()
+            logits.append(dec.logits.clone())
+            if producer:
+                assert not dec.amax[:, 0].any()
+                assert dec.amax[-1, 1].item() == dec.act.float().abs().max().item() > 0
+        runs[producer] = (logits, dec.out_tokens[:3].tolist())
+    assert runs[True][1] == runs[False][1]
+    assert all(torch.equal(a, b) for a, b in zip(runs[True][0], runs[False][0]))

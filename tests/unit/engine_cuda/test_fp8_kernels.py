@@ -101,3 +101,44 @@ def test_fp8_qkv_rope_is_the_gemv_then_the_rope_kernel(qk_norm, kv_fp8, act, bia
     for a, b_ in zip(got, want):
         assert torch.equal(a, b_)
     assert got[1][pos].any() and not got[1][:pos].any()
+
+
+def test_down_gemv_reads_its_activation_scale_from_the_gate_up_gemv():
+    # FastOptions.fp8_amax_by_producer: gate/up + SiLU raises a float to max |act| (an atomic max over its programs);
+    # the down GEMV takes its FP8 activation scale from it instead of reducing act itself: bit-equal outputs. The
+    # zero it is given is set to 0 (a later kernel's amax)
+    x, nw, res = rand(96).to(BF), (1 + rand(96, std=0.1)).to(BF), rand(40).to(BF)
+    wg, sg = quantized(128, 96, seed=3)
+    wd, sd = quantized(40, 64, seed=4)
+    act = torch.full((64,), float("nan"), dtype=BF)
+    amax, other = torch.zeros(1), torch.full((1,), 7.0)
+    fp8.gemv_fp8_silu(x, wg, sg, act, norm_w=nw, act=True, block_n=8, block_k=32, amax=amax)
+    assert amax.item() == act.float().abs().max().item() > 0
+    got = fp8.gemv_fp8(act, wd, sd, torch.empty(40, dtype=BF), residual=res.clone(), act=True, block_n=8,
+                       block_k=32, amax=amax, zero=other)
+    want = fp8.gemv_fp8(act, wd, sd, torch.empty(40, dtype=BF), residual=res.clone(), act=True, block_n=8,
+                        block_k=32)
+    assert torch.equal(got, want) and other.item() == 0.0
+    # a scale that is not the input's changes the output: the kernel reads it
+    wrong = fp8.gemv_fp8(act, wd, sd, torch.empty(40, dtype=BF), residual=res.clone(), act=True, block_n=8,
+                         block_k=32, amax=amax * 3)
+    assert not torch.equal(wrong, want)
+    with pytest.raises(ValueError, match="unnormed"):
+        fp8.gemv_fp8(act, wd, sd, torch.empty(40, dtype=BF), act=True, norm_w=nw[:64], amax=amax)
+
+
+def test_the_attention_merge_raises_the_o_gemvs_activation_scale():
+    # the two-launch attention's merge (DecodeAttention(amax=...)) leaves max |attn_out| for the FP8 o GEMV
+    from services.decode.engine.cuda.attention import DecodeAttention
+
+    hq, hkv, d, t, pos = 4, 2, 32, 40, 33
+    attn = DecodeAttention(num_q_heads=hq, num_kv_heads=hkv, d_main=d, d_v=d, num_splits=4, block_s=16,
+                           one_launch=False)
+    q = rand(hq * d, seed=1).to(BF)
+    kc, vc = rand(t, hkv, d, seed=2).to(BF), (rand(t, hkv, d, seed=3) * 3).to(BF)
+    out, amax = torch.zeros(hq * d, dtype=BF), torch.zeros(1)
+    attn(q, kc, vc, torch.tensor([pos], dtype=torch.int32), out, stride_kt=hkv * d, stride_vt=hkv * d, amax=amax)
+    assert amax.item() == out.float().abs().max().item() > 0
+    with pytest.raises(ValueError, match="two-launch"):
+        DecodeAttention(num_q_heads=hq, num_kv_heads=hkv, d_main=d, d_v=d, num_splits=4, block_s=16)(
+            q, kc, vc, torch.tensor([pos], dtype=torch.int32), out, stride_kt=hkv * d, stride_vt=hkv * d, amax=amax)
