@@ -411,9 +411,13 @@ def run(R: dict) -> None:
     R["llama8b_fp8_ctx1k_tok_s"] = ok[head]["tok_s"]
     R["llama8b_fp8_ctx1k_frac_roofline"] = ok[head]["frac_roofline"]
     R["llama8b_fp8_over_bf16"] = ms_bf16 / ok[head]["ms"]
-    if os.environ.get("FP8_PROFILE"):  # per-kernel device time of eager steps (PDL off: each kernel alone), then stop
+    if os.environ.get("FP8_PROFILE"):  # per-kernel device time of eager steps (PDL off: each kernel alone), and the
+        # headline's logits against the dequantized reference; then stop
         profile_steps(X, F, R, s, ctx, slot, mt, {"fp8": fp8_dec(replace(bopts, pdl=False)),
                                                   "bf16": lambda *a: bf16_dec(*a, opts=replace(base, pdl=False))})
+        del slot
+        R["llama8b_fp8_correctness"] = c = correctness(X, fp8_dec(bopts), dmodel, s, ctx)
+        log(f"  llama8b_fp8_correctness: {c}")
         return
     try:
         ms = min(timing(fp8_dec(bopts, act=False), s, ctx, slot, mt) for _ in range(2))
