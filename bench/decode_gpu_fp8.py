@@ -52,7 +52,6 @@ FP8_VARIANTS = {
     "product": {},
     "qkv_unfused": {"fp8_qkv_rope": False},
     "attn_one_launch": {"attn_one_launch": True},  # the attention's merge by its last split (run N2)
-    "amax_in_gemv": {"fp8_amax_by_producer": False},  # o and down reduce their own input for its scale
 }
 # gate/up tiles in the step (its prologue - the input's norm and activation scale - runs once a program, so once a
 # wave of resident programs: the product's 448 programs of 96 KB of pipeline buffers take two waves on 132 SMs)

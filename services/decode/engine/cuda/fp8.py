@@ -95,10 +95,7 @@ def _rows_dot(x_ptr, nw_ptr, w_ptr, rows, rmask, K, inv_rms, s, inv_s, w0, NORM:
 def _gemv_fp8_kernel(x_ptr, w_ptr, ws_ptr, out_ptr, res_ptr, nw_ptr, bias_ptr, N, K, eps,
                      NORM: tl.constexpr, RESIDUAL: tl.constexpr, BIAS: tl.constexpr, ACT: tl.constexpr,
                      K_POW2: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
-                     PDL: tl.constexpr, AMAX_IN: tl.constexpr = False, amax_ptr=None, ZERO: tl.constexpr = False,
-                     zero_ptr=None):
-    # AMAX_IN (ACT, no NORM): the input's largest |value| is amax_ptr[0], raised by the kernel that wrote the input;
-    # ZERO: program 0 zeroes zero_ptr[0] after the wait (a later kernel's amax, whose last reader has finished)
+                     PDL: tl.constexpr):
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     rmask = rows < N
@@ -108,14 +105,7 @@ def _gemv_fp8_kernel(x_ptr, w_ptr, ws_ptr, out_ptr, res_ptr, nw_ptr, bias_ptr, N
         bias = tl.load(bias_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
     if PDL:  # weights and scales are never written: only x and the outputs wait for the previous kernel
         gdc_wait()
-    if ZERO:
-        tl.store(zero_ptr, 0.0, mask=pid == 0)
-    if AMAX_IN:
-        inv_rms = 1.0
-        s = act_scale(tl.load(amax_ptr))
-        inv_s = 1.0 / s
-    else:
-        inv_rms, s, inv_s = _prologue(x_ptr, nw_ptr, K, eps, NORM, ACT, K_POW2)
+    inv_rms, s, inv_s = _prologue(x_ptr, nw_ptr, K, eps, NORM, ACT, K_POW2)
     y = _rows_dot(x_ptr, nw_ptr, w_ptr, rows, rmask, K, inv_rms, s, inv_s, w0, NORM, ACT, BLOCK_N, BLOCK_K, STAGES)
     if PDL:
         gdc_launch_dependents()
@@ -149,10 +139,7 @@ def _pair_dot(x_ptr, nw_ptr, w_ptr, rows_a, rows_b, K, inv_rms, s, inv_s, wa0, w
 @triton.jit
 def _gemv_fp8_silu_kernel(x_ptr, w_ptr, ws_ptr, out_ptr, nw_ptr, I, K, eps,
                           NORM: tl.constexpr, ACT: tl.constexpr, K_POW2: tl.constexpr, BLOCK_N: tl.constexpr,
-                          BLOCK_K: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr,
-                          AMAX_OUT: tl.constexpr = False, amax_ptr=None):
-    # AMAX_OUT: the largest |output| of the program joins amax_ptr[0] (atomic max: the same in any order), the down
-    # GEMV's activation scale (its AMAX_IN)
+                          BLOCK_K: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr):
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)  # I % BLOCK_N == 0
     all_rows = rows >= 0
@@ -170,10 +157,7 @@ def _gemv_fp8_silu_kernel(x_ptr, w_ptr, ws_ptr, out_ptr, nw_ptr, I, K, eps,
     g = round_to_dtype(g * ws_g, dt)
     u = round_to_dtype(u * ws_u, dt)
     sg = round_to_dtype(g / (1.0 + tl.exp(-g)), dt)
-    out = (sg * u).to(dt)
-    tl.store(out_ptr + rows, out)
-    if AMAX_OUT:
-        tl.atomic_max(amax_ptr, tl.max(tl.abs(out.to(tl.float32)), axis=0))
+    tl.store(out_ptr + rows, (sg * u).to(dt))
 
 
 @triton.jit
@@ -235,38 +219,31 @@ def _pow2(n: int) -> int:
 def gemv_fp8(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, out: torch.Tensor, *,
              norm_w: torch.Tensor | None = None, eps: float = 1e-5, residual: torch.Tensor | None = None,
              bias: torch.Tensor | None = None, act: bool = False, block_n: int = 16, block_k: int = 512,
-             num_warps: int = 4, stages: int = 1, pdl: bool = False, prefetch: int = 0,
-             amax: torch.Tensor | None = None, zero: torch.Tensor | None = None) -> torch.Tensor:
+             num_warps: int = 4, stages: int = 1, pdl: bool = False, prefetch: int = 0) -> torch.Tensor:
     """out[N] = [residual +] round(scale * (W8[N, K] @ q([rmsnorm(x) * norm_w | x])) [+ bias]); q is the FP8
-    activation rounding when ``act``. ``amax`` (float32 [1], ``act`` without ``norm_w``): max |x|, as the kernel
-    that wrote x left it, in place of each program's reduction over x. ``zero`` (float32 [1]): set to 0 once x is
-    ready (a later kernel's amax). ``prefetch`` is accepted for gemv.py's tile kwargs and unused."""
-    if amax is not None and (not act or norm_w is not None):
-        raise ValueError("gemv_fp8: amax is the scale of an unnormed input whose activations are rounded")
+    activation rounding when ``act``. ``prefetch`` is accepted for gemv.py's tile kwargs and unused."""
     n, k = w.shape
     _gemv_fp8_kernel[(triton.cdiv(n, block_n),)](
         x, w, w_scale, out, residual if residual is not None else out, norm_w if norm_w is not None else x,
         bias if bias is not None else x, n, k, eps, NORM=norm_w is not None, RESIDUAL=residual is not None,
         BIAS=bias is not None, ACT=act, K_POW2=_pow2(k), BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, PDL=pdl,
-        AMAX_IN=amax is not None, amax_ptr=amax, ZERO=zero is not None, zero_ptr=zero, num_warps=num_warps,
-        **launch_opts(pdl))
+        num_warps=num_warps, **launch_opts(pdl))
     return out
 
 
 def gemv_fp8_silu(x: torch.Tensor, w_gate_up: torch.Tensor, w_scale: torch.Tensor, out: torch.Tensor, *,
                   norm_w: torch.Tensor | None = None, eps: float = 1e-5, act: bool = False, block_n: int = 16,
                   block_k: int = 512, num_warps: int = 4, stages: int = 1, pdl: bool = False,
-                  prefetch: int = 0, amax: torch.Tensor | None = None) -> torch.Tensor:
-    """out[I] = silu(gate) * up of the FP8 [2I, K] weight, as gemv.gemv_silu computes it from bf16. ``amax``
-    (float32 [1], zero before): raised to max |out| (the down GEMV's ``amax``)."""
+                  prefetch: int = 0) -> torch.Tensor:
+    """out[I] = silu(gate) * up of the FP8 [2I, K] weight, as gemv.gemv_silu computes it from bf16."""
     two_i, k = w_gate_up.shape
     inter = two_i // 2
     if inter % block_n:
         raise ValueError(f"intermediate size {inter} is not a multiple of block_n {block_n}")
     _gemv_fp8_silu_kernel[(inter // block_n,)](
         x, w_gate_up, w_scale, out, norm_w if norm_w is not None else x, inter, k, eps, NORM=norm_w is not None,
-        ACT=act, K_POW2=_pow2(k), BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, PDL=pdl,
-        AMAX_OUT=amax is not None, amax_ptr=amax, num_warps=num_warps, **launch_opts(pdl))
+        ACT=act, K_POW2=_pow2(k), BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, PDL=pdl, num_warps=num_warps,
+        **launch_opts(pdl))
     return out
 
 
@@ -431,12 +408,6 @@ class Fp8GqaDecoder(GqaDecoder):
         self.scales, self.act_fp8 = scales, act_fp8  # before the base's set-up, which asks _norms_in_attention
         super().__init__(model, k_caches, v_caches, cos, sin, options, max_steps, kv_format, kv_scales,
                          kv_nearest=kv_nearest)
-        # fp8_amax_by_producer: per layer, max |attn_out| (raised by the attention's merge, read by o) and max |act|
-        # (raised by gate/up, read by down). Each reader zeroes the other's: o's after down has read it (o runs after
-        # the previous step's down), down's after o has read it; so both are 0 before their writers at every step
-        self.amax = None
-        if act_fp8 and self.opt.fp8_amax_by_producer and not self.attn.one_launch:
-            self.amax = torch.zeros(len(model.layers), 2, dtype=torch.float32, device=model.embed.device)
 
     def fp8_tile_kwargs(self, name: str) -> dict:
         """tile_kwargs for projection ``name`` in FP8 (FastOptions.fp8_tiles)."""
@@ -482,26 +453,22 @@ class Fp8GqaDecoder(GqaDecoder):
         if sc.blocked():
             return self._block_layer(i)
         m, lw, eps, act = self.model, self.model.layers[i], self.model.eps, self.act_fp8
-        # the producers' amax where both ends of a pair are FP8 GEMVs (a bf16 o or gate/up keeps the prologue)
-        am_o = self.amax[i, 0:1] if self.amax is not None and sc.wo is not None and sc.w_down is not None else None
-        am_d = (self.amax[i, 1:2] if self.amax is not None and sc.w_gate_up is not None and sc.w_down is not None
-                and sc.wo is not None else None)
         qk_norm = self._qkv(i)
-        self.attend(i, qk_norm, amax=am_o)
+        self.attend(i, qk_norm)
         if sc.wo is not None:
             gemv_fp8(self.attn_out, lw.wo, sc.wo, self.residual, residual=self.residual, bias=lw.bo, act=act,
-                     amax=am_o, zero=am_d, **self.fp8_tile_kwargs("o"))
+                     **self.fp8_tile_kwargs("o"))
         else:
             gemv.gemv(self.attn_out, lw.wo, self.residual, residual=self.residual, bias=lw.bo, **self.tile_kwargs("o"))
         if sc.w_gate_up is not None:
             gemv_fp8_silu(self.residual, lw.w_gate_up, sc.w_gate_up, self.act, norm_w=lw.mlp_norm, eps=eps, act=act,
-                          amax=am_d, **self.fp8_tile_kwargs("gate_up"))
+                          **self.fp8_tile_kwargs("gate_up"))
         else:
             gemv.gemv_silu(self.residual, lw.w_gate_up, self.act, norm_w=lw.mlp_norm, eps=eps,
                            norm_late=folds_norm(self.opt, "gate_up", False, self.kv_fmt), **self.tile_kwargs("gate_up"))
         if sc.w_down is not None:
             gemv_fp8(self.act, lw.w_down, sc.w_down, self.residual, residual=self.residual, act=act,
-                     amax=am_d, zero=am_o, **self.fp8_tile_kwargs("down"))
+                     **self.fp8_tile_kwargs("down"))
         else:
             gemv.gemv(self.act, lw.w_down, self.residual, residual=self.residual, **self.tile_kwargs("down"))
 

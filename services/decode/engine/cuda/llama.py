@@ -167,10 +167,6 @@ class FastOptions:
     # FP8 checkpoints (cuda/fp8.py): the rope + q / K / V stores in the FP8 QKV GEMV's epilogue (one launch
     # a layer, as the bf16 step); False: gemv_fp8 + rope_cache_write
     fp8_qkv_rope: bool = True
-    # FP8 activations (FP8_DYNAMIC): the o and down GEMVs' input scale from the kernel that writes their input
-    # (the attention's merge, the gate/up GEMV: an atomic max of the values they store), not reduced over the
-    # whole input by every program after its wait; the same scale. Needs the two-launch attention
-    fp8_amax_by_producer: bool = True
 
     def attn_num_warps(self, qk_norm_in_attention: bool) -> int:
         """The split kernel's warps (``attn_warps``, or its default for where q/k norm runs)."""
@@ -328,14 +324,13 @@ class GqaDecoder:
         """The K/V writers' FP8 arguments for layer i (kv_fmt, inv_k, inv_v)."""
         return dict(kv_fmt=self.kv_fmt, inv_k=self.kv_inv[i][0], inv_v=self.kv_inv[i][1])
 
-    def attend(self, i: int, qk_norm, amax: torch.Tensor | None = None) -> None:
-        """Launches 2-3: the attention of layer i over the slot's cache into ``attn_out`` (``amax``: raised to
-        its largest |value|, DecodeAttention's)."""
+    def attend(self, i: int, qk_norm) -> None:
+        """Launches 2-3: the attention of layer i over the slot's cache into ``attn_out``."""
         m = self.model
         ks, vs = self.kv_scales[i]
         self.attn(self.query, self.k_caches[i], self.v_caches[i], self.pos, self.attn_out,
                   stride_kt=m.num_kv_heads * m.head_dim, stride_vt=m.num_kv_heads * m.head_dim, qk_norm=qk_norm,
-                  kv_fmt=self.kv_fmt, k_scale=ks, v_scale=vs, amax=amax)
+                  kv_fmt=self.kv_fmt, k_scale=ks, v_scale=vs)
 
     def layer(self, i: int) -> None:
         """One transformer layer on the residual stream ``self.residual`` (in place)."""
