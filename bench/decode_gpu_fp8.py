@@ -334,6 +334,17 @@ def batched(X, F, model, s: dict, R: dict, key: str, fp8: tuple | None = None, k
 def run(R: dict) -> None:
     X = load_cuda_pkg()
     F = importlib.import_module("xl_cuda.fp8")
+    if os.environ.get("FP8_PROBE_NO_ACT_ROUND"):  # a timing probe, not a product form (its logits are wrong): the
+        # block-scaled GEMVs without the per-group activation rounding, so what that rounding costs in the step
+        import triton
+        import triton.language as tl
+
+        @triton.jit
+        def unrounded(x):
+            return x.to(tl.float32)
+
+        importlib.import_module("xl_cuda.fp8block").round_groups = F.round_groups = unrounded
+        R["probe_no_act_round"] = True
     s = LLAMA8B
     R["copy_bw_TBps"] = bw = copy_bandwidth()
     log(f"copy bandwidth {bw:.3f} TB/s")
