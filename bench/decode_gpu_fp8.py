@@ -102,38 +102,44 @@ def fp8_block_models(X, F, model):
 
 
 PROJ = ("wqkv", "wo", "w_gate_up", "w_down")
-# the block-scaled step's tiles (FP8_BLOCK_ONLY): name -> (Fp8GqaDecoder.BLOCK_TILES over the product's,
-# BLOCK_ACT_ROWS over the product's[, SILU_TILE])
+# the block-scaled step's variants (FP8_BLOCK_ONLY): name -> Fp8GqaDecoder class attributes over the product's (a
+# dict merges over the product's dict, None replaces it)
 BLOCK_VARIANTS = {
-    "product": ({}, {}),
-    "silu_torch": ({}, {}, None),  # gate/up by gemv_rows (128 x 128), SiLU . up in torch (before the fused launch)
-    "silu_rows32": ({}, {}, (32, 128, 4, 4)),
-    "silu_s6": ({}, {}, (64, 128, 4, 6)),
-    "silu_w8": ({}, {}, (64, 128, 8, 4)),
+    "product": {},
+    "xq_off": {"XQ_TILES": None},  # each GEMV rounds its input itself (the form before quant_groups)
+    "xq_off_silu_torch": {"XQ_TILES": None, "SILU_TILE": None},  # and SiLU . up in torch (run G35's form)
+    "xq_rows8": {"XQ_TILES": {"wqkv": (8, 512, 4, 3), "wo": (8, 512, 4, 3), "w_down": (8, 1024, 4, 3)}},
+    "xq_rows32": {"XQ_TILES": {"wqkv": (32, 512, 4, 3), "wo": (32, 512, 4, 3), "w_down": (32, 512, 4, 3)}},
+    "xq_k256": {"XQ_TILES": {"wqkv": (16, 256, 4, 4), "wo": (16, 256, 4, 4), "w_down": (16, 512, 4, 4)}},
+    "xq_gate_up_32x256": {"XQ_TILES": {"w_gate_up": (32, 256, 4, 3)}},
+    "xq_gate_up_16x512": {"XQ_TILES": {"w_gate_up": (16, 512, 4, 3)}},
 }
 # run G30 timed 8 and 16 rows a program for QKV, o and down (K 512 or 1024) and 16 for all four: +6..+34%; G31 32
 # rows over K tiles of 256 or 128 (+3%, +31%), on 8 warps (+55%), 256 x 8 warps (+1%), 64 x 256 for all four -8.5%;
 # G32 128 rows over 128 (+43..+44%; 8 warps +33%), 64 x 256 on 8 warps (+6%); G33 64 x 256 for gate/up alone -12.2%,
 # with down too -6.8%, all four -8.5% (3 / 6 stages: -7.9 / -7.5%); G34 128 x 128 for gate/up alone -15.7% against
 # G29's form; G35 (gate/up 128 x 128 by gemv_rows): 4.622 against G29's form 5.515 and G33's 4.907 ms (6 stages 4.676)
+# (those with each GEMV rounding its own input per group: the tiles of BLOCK_TILES / BLOCK_ACT_ROWS)
 
 
 def block_variants(X, F, dec_of, s: dict, R: dict, ctx: int, slot, mt: int, roof: float) -> None:
     """The block-scaled step on each of BLOCK_VARIANTS, alternated twice (``llama8b_fp8block_variants``: ms, best)."""
     cls = F.Fp8GqaDecoder
-    base = (dict(cls.BLOCK_TILES), dict(cls.BLOCK_ACT_ROWS), cls.SILU_TILE)
+    names = {a for v in BLOCK_VARIANTS.values() for a in v}
+    base = {a: getattr(cls, a) for a in names}
     out: dict = {k: [] for k in BLOCK_VARIANTS}
     for _ in range(2):
-        for name, (tiles, rows, *silu) in BLOCK_VARIANTS.items():
-            cls.BLOCK_TILES, cls.BLOCK_ACT_ROWS = {**base[0], **tiles}, {**base[1], **rows}
-            cls.SILU_TILE = silu[0] if silu else base[2]
+        for name, attrs in BLOCK_VARIANTS.items():
+            for a, v in attrs.items():
+                setattr(cls, a, {**base[a], **v} if isinstance(v, dict) and base[a] is not None else v)
             try:
                 out[name].append(timing(dec_of, s, ctx, slot, mt))
             except Exception:  # noqa: BLE001 - a tile that does not compile
                 out[name].append(float("inf"))
                 log(traceback.format_exc()[-800:])
             finally:
-                cls.BLOCK_TILES, cls.BLOCK_ACT_ROWS, cls.SILU_TILE = dict(base[0]), dict(base[1]), base[2]
+                for a, v in base.items():
+                    setattr(cls, a, v)
     best = {k: min(v) for k, v in out.items()}
     R["llama8b_fp8block_variants"] = {"ms": out, "best_ms": best,
                                       "frac_roofline": {k: roof / v for k, v in best.items()}}

@@ -133,6 +133,36 @@ def test_block_fp8_gate_up_silu_in_one_launch_equals_gemv_rows_then_torch_silu(k
     assert rel(got, reference.silu_mul(linear_reference(xin.view(1, -1), w).to(BF))[0]) <= 2e-2
 
 
+@pytest.mark.parametrize("k,norm", [(256, True), (200, False)])
+def test_an_input_rounded_once_gives_the_gemvs_their_values(k, norm):
+    # fp8.quant_groups rounds a GEMV input per group once (norm first), as round_groups does inside each GEMV
+    # program: FP8 values and a scale a group equal to the twin's; gemv_fp8block_xq and gemv_fp8block_silu(xs=...)
+    # over it are bit-equal to gemv_rows and the SiLU kernel rounding it themselves (same K tile)
+    from services.decode.engine.cuda import fp8
+
+    x, nw = rand(k, seed=5), 1 + rand(k, std=0.1, seed=6)
+    groups = -(-k // 32)
+    q, xs = torch.zeros(k, dtype=torch.float8_e4m3fn), torch.full((groups,), float("nan"))
+    fp8.quant_groups(x, q, xs, 32, norm_w=nw if norm else None)
+    xin = reference.rms_norm(x, nw, 1e-6) if norm else x
+    twin = fp8block.quantize_groups(xin.view(1, -1), 32)[0]
+    assert torch.equal(q.float() * xs.repeat_interleave(32)[:k], twin)
+    # a row set in each of three scale rows scaled 1/4, 1 and 4 (scale rows read for the wrong rows show)
+    wf = rand(96, k, std=0.2, seed=7) * torch.tensor([0.25, 1.0, 4.0]).repeat_interleave(32)[:, None]
+    w = quantize(wf, (32, 32), act=True)
+    res = rand(96, seed=8)
+    got = fp8.gemv_fp8block_xq(q, xs, w, torch.empty(96, dtype=BF), residual=res.clone(), block_n=16, block_k=64)
+    want = torch.empty(1, 96, dtype=BF)
+    moe.gemv_rows(x.view(1, -1), w, want, norm_w=nw if norm else None, residual=res.view(1, -1).clone(), block_n=8,
+                  block_k=64, fp8_rows=32)
+    assert torch.equal(got, want[0])
+    wg = quantize(rand(64, k, std=0.2, seed=9), (32, 32), act=True)
+    silu_q, silu_x = torch.empty(32, dtype=BF), torch.empty(32, dtype=BF)
+    fp8.gemv_fp8block_silu(q, wg, silu_q, xs=xs, block_n=16, block_k=64)
+    fp8.gemv_fp8block_silu(x, wg, silu_x, norm_w=nw if norm else None, block_n=16, block_k=64)
+    assert torch.equal(silu_q, silu_x)
+
+
 def test_block_fp8_gate_up_silu_refuses_what_it_cannot_tile():
     from services.decode.engine.cuda import fp8
 

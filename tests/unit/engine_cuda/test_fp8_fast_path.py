@@ -14,7 +14,7 @@ import torch
 
 from infra.tinymodel_fp8 import quantize_checkpoint
 from services.decode.engine import Engine
-from services.decode.engine.cuda.fp8 import gemv_fp8block_silu
+from services.decode.engine.cuda.fp8 import gemv_fp8block_silu, quant_groups
 from services.decode.engine.fp8 import is_fp8
 from shared.events import SamplingParams
 from tests.unit.engine.hf_models import save_checkpoint
@@ -44,8 +44,8 @@ def test_fp8_fast_path_tokens_equal_the_reference_step(tmp_path, arch, scheme, a
 def test_block_scaled_fp8_fast_path_tokens_equal_the_reference_step(tmp_path, arch, monkeypatch):
     # the fp8 method with weight_block_size (Qwen's and DeepSeek's FP8 releases; 16 x 16 blocks on the tiny
     # model, whose blocks' scales spread_blocks makes differ): the batch-1 step runs the block-scaled GEMVs, with
-    # the reference step's per-128-feature (here 16) activation rounding, gate/up and SiLU in one launch, one slot
-    # a step or several together
+    # the reference step's per-128-feature (here 16) activation rounding (once a GEMV input), gate/up and SiLU in one
+    # launch, one slot a step or several together
     from services.decode.engine.cuda import fp8
     from tests.unit.engine_cuda.test_fp8_block_fast_path import spread_blocks
 
@@ -54,11 +54,13 @@ def test_block_scaled_fp8_fast_path_tokens_equal_the_reference_step(tmp_path, ar
     quantize_checkpoint(tmp_path, "fp8-block", block=(16, 16))
     fast, ref = load(tmp_path, "on"), load(tmp_path, "off")
     assert fast.fast_path_reason is None and fast.fast_path.batch_ok
-    fused = []
+    fused, rounded = [], []
     monkeypatch.setattr(fp8, "gemv_fp8block_silu", lambda *a, **kw: fused.append(1) or gemv_fp8block_silu(*a, **kw))
+    monkeypatch.setattr(fp8, "quant_groups", lambda *a, **kw: rounded.append(1) or quant_groups(*a, **kw))
     greedy = SamplingParams(max_tokens=6, ignore_eos=True)
     tokens, _, paths = run(fast, 0, PROMPT, greedy)
-    assert paths == {"fast"} and fused  # the one-launch gate/up + SiLU served the plain steps
+    # the plain steps: each GEMV input rounded once (quant_groups), gate/up + SiLU in one launch
+    assert paths == {"fast"} and fused and len(rounded) == 4 * len(fused)
     assert tokens == run(ref, 0, PROMPT, greedy)[0]
     # two slots in the batched step (the few-row block-scaled GEMVs' tensor-core dots): each slot's tokens alone
     from tests.unit.engine_cuda.test_fast_path_batch import decode_alone, decode_together
