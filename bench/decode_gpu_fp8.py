@@ -107,6 +107,7 @@ PROJ = ("wqkv", "wo", "w_gate_up", "w_down")
 BLOCK_VARIANTS = {
     "product": {},
     "xq_off": {"XQ_TILES": None},  # each GEMV rounds its input itself (the form before quant_groups)
+    "xq_o_by_kernel": {"XQ_IN_ATTENTION": False},  # o's input rounded by quant_groups, not by the attention's merge
     "xq_off_silu_torch": {"XQ_TILES": None, "SILU_TILE": None},  # and SiLU . up in torch (run G35's form)
     "xq_rows8": {"XQ_TILES": {"wqkv": (8, 512, 4, 3), "wo": (8, 512, 4, 3), "w_down": (8, 1024, 4, 3)}},
     "xq_rows32": {"XQ_TILES": {"wqkv": (32, 512, 4, 3), "wo": (32, 512, 4, 3), "w_down": (32, 512, 4, 3)}},

@@ -163,6 +163,30 @@ def test_an_input_rounded_once_gives_the_gemvs_their_values(k, norm):
     assert torch.equal(silu_q, silu_x)
 
 
+def test_the_attention_merge_rounds_o_s_input_a_head_at_a_time():
+    # DecodeAttention(quant=(q, xs)): the merge also rounds each head's output (one 32-wide activation group of the
+    # o GEMV here) to FP8: the values quant_groups makes of attn_out
+    from services.decode.engine.cuda import fp8
+    from services.decode.engine.cuda.attention import DecodeAttention
+
+    hq, hkv, d, t, pos = 4, 2, 32, 40, 33
+    attn = DecodeAttention(num_q_heads=hq, num_kv_heads=hkv, d_main=d, d_v=d, num_splits=4, block_s=16,
+                           one_launch=False)
+    q_in = rand(hq * d, seed=1)
+    kc, vc = rand(t, hkv, d, seed=2), rand(t, hkv, d, seed=3) * torch.arange(1, hkv + 1).to(BF)[None, :, None]
+    out, q, xs = torch.zeros(hq * d, dtype=BF), torch.zeros(hq * d, dtype=torch.float8_e4m3fn), torch.zeros(hq)
+    attn(q_in, kc, vc, torch.tensor([pos], dtype=torch.int32), out, stride_kt=hkv * d, stride_vt=hkv * d,
+         quant=(q, xs))
+    want_q, want_xs = torch.zeros_like(q), torch.zeros(hq)
+    fp8.quant_groups(out, want_q, want_xs, d)
+    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(xs, want_xs)
+    assert len(set(xs.tolist())) == hq  # a scale a head
+    with pytest.raises(ValueError, match="two-launch"):
+        DecodeAttention(num_q_heads=hq, num_kv_heads=hkv, d_main=d, d_v=d, num_splits=4, block_s=16)(
+            q_in, kc, vc, torch.tensor([pos], dtype=torch.int32), out, stride_kt=hkv * d, stride_vt=hkv * d,
+            quant=(q, xs))
+
+
 def test_block_fp8_gate_up_silu_refuses_what_it_cannot_tile():
     from services.decode.engine.cuda import fp8
 

@@ -602,6 +602,8 @@ class Fp8GqaDecoder(GqaDecoder):
     XQ_TILES: dict[str, tuple[int, int, int, int]] | None = {
         "wqkv": (16, 512, 4, 3), "wo": (16, 512, 4, 3), "w_gate_up": (64, 128, 4, 4), "w_down": (16, 1024, 4, 3)}
 
+    XQ_IN_ATTENTION = True  # o's input rounded by the attention's merge where a head is one group
+
     def _xq_buffers(self, k: int, group: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The rounded input's FP8 values [k] and scales [ceil(k / group)] (one pair of buffers, reused by every
         GEMV of the step: each rounding runs after the GEMV that read the last one)."""
@@ -612,9 +614,10 @@ class Fp8GqaDecoder(GqaDecoder):
         return self._xq[:k], self._xs[: -(-k // group)]
 
     def _xq_gemv(self, name: str, x: torch.Tensor, w: BlockFp8, out: torch.Tensor, norm_w=None,
-                 residual: torch.Tensor | None = None) -> None:
+                 residual: torch.Tensor | None = None, rounded: bool = False) -> None:
         q, xs = self._xq_buffers(x.numel(), w.cols)
-        quant_groups(x, q, xs, w.cols, norm_w=norm_w, eps=self.model.eps, pdl=self.opt.pdl)
+        if not rounded:  # (rounded: the kernel that wrote x did it)
+            quant_groups(x, q, xs, w.cols, norm_w=norm_w, eps=self.model.eps, pdl=self.opt.pdl)
         bn, bk, nw, st = self.XQ_TILES[name]
         if name == "w_gate_up":
             gemv_fp8block_silu(q, w, out, block_n=bn, block_k=bk, num_warps=nw, stages=st, pdl=self.opt.pdl, xs=xs)
@@ -633,8 +636,10 @@ class Fp8GqaDecoder(GqaDecoder):
                                       self.sin, num_q_heads=m.num_q_heads, num_kv_heads=m.num_kv_heads,
                                       head_dim=m.head_dim, q_norm=lw.q_norm, k_norm=lw.k_norm, eps=eps,
                                       pdl=self.opt.pdl, **self.kv_kwargs(i))
-            self.attend(i, None)
-            self._xq_gemv("wo", self.attn_out, pick["wo"], self.residual, residual=self.residual)
+            # o's input rounded by the attention's merge where a head is one activation group (Llama-3, Qwen3: 128)
+            merged = self.XQ_IN_ATTENTION and m.head_dim == pick["wo"].cols and not self.attn.one_launch
+            self.attend(i, None, quant=self._xq_buffers(self.attn_out.numel(), pick["wo"].cols) if merged else None)
+            self._xq_gemv("wo", self.attn_out, pick["wo"], self.residual, residual=self.residual, rounded=merged)
             self._xq_gemv("w_gate_up", self.residual, pick["w_gate_up"], self.act, norm_w=lw.mlp_norm)
             self._xq_gemv("w_down", self.act, pick["w_down"], self.residual, residual=self.residual)
             return

@@ -324,13 +324,14 @@ class GqaDecoder:
         """The K/V writers' FP8 arguments for layer i (kv_fmt, inv_k, inv_v)."""
         return dict(kv_fmt=self.kv_fmt, inv_k=self.kv_inv[i][0], inv_v=self.kv_inv[i][1])
 
-    def attend(self, i: int, qk_norm) -> None:
-        """Launches 2-3: the attention of layer i over the slot's cache into ``attn_out``."""
+    def attend(self, i: int, qk_norm, quant: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+        """Launches 2-3: the attention of layer i over the slot's cache into ``attn_out`` (``quant``: also rounded
+        to FP8 a head at a time, DecodeAttention's)."""
         m = self.model
         ks, vs = self.kv_scales[i]
         self.attn(self.query, self.k_caches[i], self.v_caches[i], self.pos, self.attn_out,
                   stride_kt=m.num_kv_heads * m.head_dim, stride_vt=m.num_kv_heads * m.head_dim, qk_norm=qk_norm,
-                  kv_fmt=self.kv_fmt, k_scale=ks, v_scale=vs)
+                  kv_fmt=self.kv_fmt, k_scale=ks, v_scale=vs, quant=quant)
 
     def layer(self, i: int) -> None:
         """One transformer layer on the residual stream ``self.residual`` (in place)."""
