@@ -114,6 +114,10 @@ BLOCK_VARIANTS = {
     "xq_k256": {"XQ_TILES": {"wqkv": (16, 256, 4, 4), "wo": (16, 256, 4, 4), "w_down": (16, 512, 4, 4)}},
     "xq_gate_up_32x256": {"XQ_TILES": {"w_gate_up": (32, 256, 4, 3)}},
     "xq_gate_up_16x512": {"XQ_TILES": {"w_gate_up": (16, 512, 4, 3)}},
+    # 128 gate rows a program (down's 128-wide group): the gate/up kernel rounds down's input, one launch less
+    "xq_gate_up_128_w8": {"XQ_TILES": {"w_gate_up": (128, 128, 8, 4)}},
+    "xq_gate_up_128_w8_s3": {"XQ_TILES": {"w_gate_up": (128, 128, 8, 3)}},
+    "xq_gate_up_64_w8": {"XQ_TILES": {"w_gate_up": (64, 128, 8, 4)}},
 }
 # run G30 timed 8 and 16 rows a program for QKV, o and down (K 512 or 1024) and 16 for all four: +6..+34%; G31 32
 # rows over K tiles of 256 or 128 (+3%, +31%), on 8 warps (+55%), 256 x 8 warps (+1%), 64 x 256 for all four -8.5%;

@@ -158,9 +158,16 @@ def test_an_input_rounded_once_gives_the_gemvs_their_values(k, norm):
     assert torch.equal(got, want[0])
     wg = quantize(rand(64, k, std=0.2, seed=9), (32, 32), act=True)
     silu_q, silu_x = torch.empty(32, dtype=BF), torch.empty(32, dtype=BF)
-    fp8.gemv_fp8block_silu(q, wg, silu_q, xs=xs, block_n=16, block_k=64)
+    down_q, down_xs = torch.zeros(32, dtype=torch.float8_e4m3fn), torch.zeros(2)
+    fp8.gemv_fp8block_silu(q, wg, silu_q, xs=xs, block_n=16, block_k=64, quant=(down_q, down_xs))
     fp8.gemv_fp8block_silu(x, wg, silu_x, norm_w=nw if norm else None, block_n=16, block_k=64)
     assert torch.equal(silu_q, silu_x)
+    # and (quant=...) its output rounded in groups of a program's 16 rows, as quant_groups rounds it for down
+    want_q, want_xs = torch.zeros(32, dtype=torch.float8_e4m3fn), torch.zeros(2)
+    fp8.quant_groups(silu_q, want_q, want_xs, 16)
+    assert torch.equal(down_q.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(down_xs, want_xs)
+    with pytest.raises(ValueError, match="2 groups: 1 of 32"):
+        fp8.gemv_fp8block_silu(q, wg, silu_q, xs=xs, block_n=32, block_k=64, quant=(down_q, down_xs))
 
 
 def test_the_attention_merge_rounds_o_s_input_a_head_at_a_time():

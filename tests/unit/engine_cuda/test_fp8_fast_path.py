@@ -61,11 +61,12 @@ def test_block_scaled_fp8_fast_path_tokens_equal_the_reference_step(tmp_path, ar
     monkeypatch.setattr(fp8, "quant_groups", lambda *a, **kw: rounded.append(1) or quant_groups(*a, **kw))
     greedy = SamplingParams(max_tokens=6, ignore_eos=True)
     tokens, _, paths = run(fast, 0, PROMPT, greedy)
-    # the plain steps: each GEMV input rounded once, gate/up + SiLU in one launch; QKV's, gate/up's and down's inputs
-    # by quant_groups, o's by the attention's merge where a head is one 16-wide group (else quant_groups too)
+    # the plain steps: each GEMV input rounded once, gate/up + SiLU in one launch; QKV's and gate/up's inputs by
+    # quant_groups, down's by the gate/up kernel (16 gate rows a program: one 16-wide group), o's by the attention's
+    # merge where a head is one 16-wide group (else by quant_groups too)
     cfg = json.loads((tmp_path / "config.json").read_text())
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-    assert paths == {"fast"} and fused and len(rounded) == (3 if head_dim == 16 else 4) * len(fused)
+    assert paths == {"fast"} and fused and len(rounded) == (2 if head_dim == 16 else 3) * len(fused)
     assert tokens == run(ref, 0, PROMPT, greedy)[0]
     # two slots in the batched step (the few-row block-scaled GEMVs' tensor-core dots): each slot's tokens alone
     from tests.unit.engine_cuda.test_fast_path_batch import decode_alone, decode_together

@@ -381,10 +381,11 @@ def gemv_fp8block_xq(q: torch.Tensor, xs: torch.Tensor, w: BlockFp8, out: torch.
 def _gemv_fp8block_silu_kernel(x_ptr, w_ptr, s_ptr, out_ptr, nw_ptr, I, K, KB, eps, NORM: tl.constexpr,
                                K_POW2: tl.constexpr, BLOCK_N: tl.constexpr, G: tl.constexpr, SK: tl.constexpr,
                                SG: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr, XQ: tl.constexpr = False,
-                               xs_ptr=None):
+                               xs_ptr=None, QUANT: tl.constexpr = False, q_out_ptr=None, xs_out_ptr=None):
     # program p: gate rows [p BLOCK_N, (p + 1) BLOCK_N) and their up rows (+ I), each set in one scale row; the
     # input's groups rounded once a K step for both (moe.gemv_rows' grouped tile and arithmetic otherwise). XQ: the
-    # input arrives rounded (x_ptr its FP8 values, xs_ptr a scale a group: _quant_groups_kernel)
+    # input arrives rounded (x_ptr its FP8 values, xs_ptr a scale a group: _quant_groups_kernel). QUANT: the
+    # program's BLOCK_N outputs are one activation group of the next GEMV: also rounded, into q_out_ptr / xs_out_ptr
     BLOCK_K: tl.constexpr = G * SK
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)  # I % BLOCK_N == 0
@@ -423,17 +424,26 @@ def _gemv_fp8block_silu_kernel(x_ptr, w_ptr, s_ptr, out_ptr, nw_ptr, I, K, KB, e
     g = rnd_bf16(tl.sum(tl.sum(acc_g, axis=2), axis=1))
     u = rnd_bf16(tl.sum(tl.sum(acc_u, axis=2), axis=1))
     sg = rnd_bf16(g / (1.0 + tl.exp(-g)))
-    tl.store(out_ptr + rows, (sg * u).to(out_ptr.dtype.element_ty))
+    out = (sg * u).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + rows, out)
+    if QUANT:
+        of = out.to(tl.float32)
+        sx = act_scale(tl.max(tl.abs(of), axis=0))
+        tl.store(q_out_ptr + rows, act_round(of, 1.0 / sx))
+        tl.store(xs_out_ptr + pid, sx)
 
 
 def gemv_fp8block_silu(x: torch.Tensor, w: BlockFp8, out: torch.Tensor, *, norm_w: torch.Tensor | None = None,
                        eps: float = 1e-6, block_n: int = 64, block_k: int = 128, num_warps: int = 4, stages: int = 4,
-                       pdl: bool = False, xs: torch.Tensor | None = None) -> torch.Tensor:
+                       pdl: bool = False, xs: torch.Tensor | None = None,
+                       quant: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """out[I] = silu(gate) * up of one token over a block-scaled FP8 gate/up [2I, K] whose activations are rounded per
     group (W8A8 block checkpoints: Qwen's FP8 releases): one launch where ``gemv_rows`` + ``reference.silu_mul`` take
     three, the same values (with the same K tile). ``block_n`` gate rows (and as many up rows) a program, cut to the
     scale rows; ``block_k`` cut as fp8block.tile cuts it for two accumulators. With ``xs``, x is the input as
-    :func:`quant_groups` rounded it (FP8 values, ``xs`` a scale a group; no ``norm_w``: the rounding normed it)."""
+    :func:`quant_groups` rounded it (FP8 values, ``xs`` a scale a group; no ``norm_w``: the rounding normed it).
+    ``quant=(q, xs_out)``: out also rounded in groups of ``block_n`` (the down GEMV's input, when its block width is a
+    program's rows), what quant_groups would make of it."""
     if not w.act:
         raise ValueError("gemv_fp8block_silu: weight-only block FP8 takes gemv_rows (its weights dequantized to bf16)")
     if xs is not None and norm_w is not None:
@@ -444,10 +454,15 @@ def gemv_fp8block_silu(x: torch.Tensor, w: BlockFp8, out: torch.Tensor, *, norm_
                                      act_rows=min(block_n, w.rows))
     if inter % block_n:
         raise ValueError(f"intermediate size {inter} is not a multiple of {block_n} rows a program")
+    if quant is not None and quant[1].numel() != inter // block_n:
+        raise ValueError(f"quant's scales hold {quant[1].numel()} groups: {inter // block_n} of {block_n} rows a "
+                         "program are written")
     _gemv_fp8block_silu_kernel[(inter // block_n,)](
         x, w.w, w.scale, out, norm_w if norm_w is not None else x, inter, k, w.scale.shape[-1], eps,
         NORM=norm_w is not None, K_POW2=_pow2(k), BLOCK_N=block_n, G=block_k // w.cols, SK=w.cols, SG=w.rows,
-        STAGES=stages, PDL=pdl, XQ=xs is not None, xs_ptr=xs, num_warps=num_warps, **launch_opts(pdl))
+        STAGES=stages, PDL=pdl, XQ=xs is not None, xs_ptr=xs, QUANT=quant is not None,
+        q_out_ptr=quant[0] if quant is not None else None, xs_out_ptr=quant[1] if quant is not None else None,
+        num_warps=num_warps, **launch_opts(pdl))
     return out
 
 
@@ -604,23 +619,34 @@ class Fp8GqaDecoder(GqaDecoder):
 
     XQ_IN_ATTENTION = True  # o's input rounded by the attention's merge where a head is one group
 
-    def _xq_buffers(self, k: int, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The rounded input's FP8 values [k] and scales [ceil(k / group)] (one pair of buffers, reused by every
-        GEMV of the step: each rounding runs after the GEMV that read the last one)."""
-        if getattr(self, "_xq", None) is None or self._xq.numel() < k or self._xs.numel() < -(-k // group):
-            dev = self.residual.device
-            self._xq = torch.zeros(k, dtype=torch.float8_e4m3fn, device=dev)
-            self._xs = torch.zeros(-(-k // group), dtype=torch.float32, device=dev)
-        return self._xq[:k], self._xs[: -(-k // group)]
+    def _xq_buffers(self, k: int, group: int, alt: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """A rounded input's FP8 values [k] and scales [ceil(k / group)]: two pairs of buffers, each reused by the
+        step's GEMVs (a rounding runs after the GEMV that read the pair's last one); ``alt``, the second pair, for
+        the down GEMV's input when the gate/up kernel, which reads the first, rounds it."""
+        pairs = getattr(self, "_xq_pairs", None)
+        if pairs is None or pairs[0][0].numel() < k or pairs[0][1].numel() < -(-k // group):
+            dev, n = self.residual.device, max(k, self.model.hidden, self.model.intermediate,
+                                               self.model.num_q_heads * self.model.head_dim)
+            pairs = self._xq_pairs = [(torch.zeros(n, dtype=torch.float8_e4m3fn, device=dev),
+                                       torch.zeros(-(-n // fp8block.MIN_ROWS), dtype=torch.float32, device=dev))
+                                      for _ in range(2)]
+        q, xs = pairs[int(alt)]
+        return q[:k], xs[: -(-k // group)]
 
     def _xq_gemv(self, name: str, x: torch.Tensor, w: BlockFp8, out: torch.Tensor, norm_w=None,
-                 residual: torch.Tensor | None = None, rounded: bool = False) -> None:
-        q, xs = self._xq_buffers(x.numel(), w.cols)
-        if not rounded:  # (rounded: the kernel that wrote x did it)
+                 residual: torch.Tensor | None = None, rounded: bool = False, down_group: int = 0) -> None:
+        # ``rounded``: the kernel that wrote x rounded it (the attention's merge into the first pair, the gate/up
+        # kernel into the second); gate/up (``down_group``: the down GEMV's group width) rounds the down GEMV's
+        # input where a program's gate rows are one of its groups
+        alt = rounded and name == "w_down"
+        q, xs = self._xq_buffers(x.numel(), w.cols, alt)
+        if not rounded:
             quant_groups(x, q, xs, w.cols, norm_w=norm_w, eps=self.model.eps, pdl=self.opt.pdl)
         bn, bk, nw, st = self.XQ_TILES[name]
         if name == "w_gate_up":
-            gemv_fp8block_silu(q, w, out, block_n=bn, block_k=bk, num_warps=nw, stages=st, pdl=self.opt.pdl, xs=xs)
+            rows = min(bn, w.rows)  # gemv_fp8block_silu's cut
+            gemv_fp8block_silu(q, w, out, block_n=bn, block_k=bk, num_warps=nw, stages=st, pdl=self.opt.pdl, xs=xs,
+                               quant=self._xq_buffers(out.numel(), rows, True) if down_group == rows else None)
         else:
             gemv_fp8block_xq(q, xs, w, out, residual=residual, block_n=bn, block_k=bk, num_warps=nw, stages=st,
                              pdl=self.opt.pdl)
@@ -640,8 +666,12 @@ class Fp8GqaDecoder(GqaDecoder):
             merged = self.XQ_IN_ATTENTION and m.head_dim == pick["wo"].cols and not self.attn.one_launch
             self.attend(i, None, quant=self._xq_buffers(self.attn_out.numel(), pick["wo"].cols) if merged else None)
             self._xq_gemv("wo", self.attn_out, pick["wo"], self.residual, residual=self.residual, rounded=merged)
-            self._xq_gemv("w_gate_up", self.residual, pick["w_gate_up"], self.act, norm_w=lw.mlp_norm)
-            self._xq_gemv("w_down", self.act, pick["w_down"], self.residual, residual=self.residual)
+            down_cols = pick["w_down"].cols
+            self._xq_gemv("w_gate_up", self.residual, pick["w_gate_up"], self.act, norm_w=lw.mlp_norm,
+                          down_group=down_cols)
+            silu_rows = min(self.XQ_TILES["w_gate_up"][0], pick["w_gate_up"].rows)
+            self._xq_gemv("w_down", self.act, pick["w_down"], self.residual, residual=self.residual,
+                          rounded=silu_rows == down_cols)
             return
         qkv = self.tmp[: pick["wqkv"].shape[0]]
         self._block_gemv("wqkv", self.residual, pick["wqkv"], qkv, norm_w=lw.attn_norm, eps=eps)
