@@ -107,18 +107,18 @@ PROJ = ("wqkv", "wo", "w_gate_up", "w_down")
 BLOCK_VARIANTS = {
     "product": {},
     "xq_off": {"XQ_TILES": None},  # each GEMV rounds its input itself (the form before quant_groups)
-    "xq_o_by_kernel": {"XQ_IN_ATTENTION": False},  # o's input rounded by quant_groups, not by the attention's merge
-    "xq_off_silu_torch": {"XQ_TILES": None, "SILU_TILE": None},  # and SiLU . up in torch (run G35's form)
+    "xq_gate_up_64": {"XQ_TILES": {"w_gate_up": (64, 128, 4, 4)}},  # run G38's first product: down's input by a launch
+    "xq_gate_up_128_s2": {"XQ_TILES": {"w_gate_up": (128, 128, 8, 2)}},
+    "xq_gate_up_128_s4": {"XQ_TILES": {"w_gate_up": (128, 128, 8, 4)}},
     "xq_rows8": {"XQ_TILES": {"wqkv": (8, 512, 4, 3), "wo": (8, 512, 4, 3), "w_down": (8, 1024, 4, 3)}},
     "xq_rows32": {"XQ_TILES": {"wqkv": (32, 512, 4, 3), "wo": (32, 512, 4, 3), "w_down": (32, 512, 4, 3)}},
-    "xq_k256": {"XQ_TILES": {"wqkv": (16, 256, 4, 4), "wo": (16, 256, 4, 4), "w_down": (16, 512, 4, 4)}},
-    "xq_gate_up_32x256": {"XQ_TILES": {"w_gate_up": (32, 256, 4, 3)}},
-    "xq_gate_up_16x512": {"XQ_TILES": {"w_gate_up": (16, 512, 4, 3)}},
-    # 128 gate rows a program (down's 128-wide group): the gate/up kernel rounds down's input, one launch less
-    "xq_gate_up_128_w8": {"XQ_TILES": {"w_gate_up": (128, 128, 8, 4)}},
-    "xq_gate_up_128_w8_s3": {"XQ_TILES": {"w_gate_up": (128, 128, 8, 3)}},
-    "xq_gate_up_64_w8": {"XQ_TILES": {"w_gate_up": (64, 128, 8, 4)}},
+    "xq_qkv_o_rows8": {"XQ_TILES": {"wqkv": (8, 512, 4, 3), "wo": (8, 512, 4, 3)}},
+    "xq_down_rows32": {"XQ_TILES": {"w_down": (32, 512, 4, 3)}},
+    "xq_down_16x512": {"XQ_TILES": {"w_down": (16, 512, 4, 3)}},
 }
+# run G38 (gate/up (64, 128, 4, 4) then, ms): product 3.809, xq_off 4.533, o's input by quant_groups 3.857, xq_off with
+# SiLU in torch 4.632, QKV / o / down at 8 rows 3.771, at 32 rows 3.770, K 256 3.901; gate/up (32, 256, 4, 3) 3.622,
+# (16, 512, 4, 3) 3.694, (128, 128, 8, 4) 3.574, (128, 128, 8, 3) 3.567 (the product since), (64, 128, 8, 4) 3.647
 # run G30 timed 8 and 16 rows a program for QKV, o and down (K 512 or 1024) and 16 for all four: +6..+34%; G31 32
 # rows over K tiles of 256 or 128 (+3%, +31%), on 8 warps (+55%), 256 x 8 warps (+1%), 64 x 256 for all four -8.5%;
 # G32 128 rows over 128 (+43..+44%; 8 warps +33%), 64 x 256 on 8 warps (+6%); G33 64 x 256 for gate/up alone -12.2%,

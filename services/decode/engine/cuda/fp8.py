@@ -611,11 +611,12 @@ class Fp8GqaDecoder(GqaDecoder):
                   pdl=self.opt.pdl, fp8_rows=self.BLOCK_ACT_ROWS[name], **kw)
 
     # every projection block-scaled with activations rounded per group (Qwen's FP8 releases): each GEMV input
-    # rounded once, by quant_groups (norm included), not by every program of the GEMV a K step (a probe without
-    # the rounding: -0.51 ms a Llama-3-8B step on the H100); the o, gate/up and down GEMVs then stream from their
-    # wait. (block_n, block_k, warps, stages) of the GEMVs over a rounded input; None: the rounding in the GEMVs
+    # rounded once, by quant_groups (norm included), the attention's merge (o's) or the gate/up kernel (down's), not
+    # by every program of the GEMV a K step; the GEMVs then stream from their wait (H100, run G38: a Llama-3-8B step
+    # 4.533 -> 3.809 ms; gate/up at 128 gate rows a program on 8 warps, which rounds down's input, 3.567).
+    # (block_n, block_k, warps, stages) of the GEMVs over a rounded input; None: the rounding in the GEMVs
     XQ_TILES: dict[str, tuple[int, int, int, int]] | None = {
-        "wqkv": (16, 512, 4, 3), "wo": (16, 512, 4, 3), "w_gate_up": (64, 128, 4, 4), "w_down": (16, 1024, 4, 3)}
+        "wqkv": (16, 512, 4, 3), "wo": (16, 512, 4, 3), "w_gate_up": (128, 128, 8, 3), "w_down": (16, 1024, 4, 3)}
 
     XQ_IN_ATTENTION = True  # o's input rounded by the attention's merge where a head is one group
 
