@@ -523,6 +523,9 @@ class Fp8GqaDecoder(GqaDecoder):
         self.scales, self.act_fp8 = scales, act_fp8  # before the base's set-up, which asks _norms_in_attention
         super().__init__(model, k_caches, v_caches, cos, sin, options, max_steps, kv_format, kv_scales,
                          kv_nearest=kv_nearest)
+        self._xq_pairs = None
+        if any(sc.blocked() for sc in scales):  # the rounded inputs' buffers, before any graph capture
+            self._xq_buffers(model.hidden, fp8block.MIN_ROWS)
 
     def fp8_tile_kwargs(self, name: str) -> dict:
         """tile_kwargs for projection ``name`` in FP8 (FastOptions.fp8_tiles)."""
@@ -624,7 +627,7 @@ class Fp8GqaDecoder(GqaDecoder):
         """A rounded input's FP8 values [k] and scales [ceil(k / group)]: two pairs of buffers, each reused by the
         step's GEMVs (a rounding runs after the GEMV that read the pair's last one); ``alt``, the second pair, for
         the down GEMV's input when the gate/up kernel, which reads the first, rounds it."""
-        pairs = getattr(self, "_xq_pairs", None)
+        pairs = self._xq_pairs
         if pairs is None or pairs[0][0].numel() < k or pairs[0][1].numel() < -(-k // group):
             dev, n = self.residual.device, max(k, self.model.hidden, self.model.intermediate,
                                                self.model.num_q_heads * self.model.head_dim)
