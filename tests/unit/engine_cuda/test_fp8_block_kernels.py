@@ -194,6 +194,38 @@ def test_the_attention_merge_rounds_o_s_input_a_head_at_a_time():
             quant=(q, xs))
 
 
+@pytest.mark.parametrize("kv_fp8,block", [(False, (32, 32)), (True, (16, 32))])
+def test_block_fp8_qkv_rope_is_the_gemv_then_the_rope_kernel(kv_fp8, block):
+    # gemv_fp8block_xq_qkv_rope stores q and this position's K/V exactly as gemv_fp8block_xq + rope_cache_write do;
+    # 16-row scale blocks put a head's halves (16 rows each) in different scale rows
+    from services.decode.engine.cuda import fp8, smallops
+    from services.decode.engine.cuda.kvfp8 import kv_fmt
+
+    hq, hkv, d, h, t, pos = 4, 2, 32, 128, 8, 5
+    n = (hq + 2 * hkv) * d
+    x, nw = rand(h, seed=11), 1 + rand(h, std=0.1, seed=12)
+    w = quantize(rand(n, h, std=0.2, seed=13) * (1 + torch.arange(n) // 16 % 3)[:, None], block, act=True)
+    q, xs = torch.zeros(h, dtype=torch.float8_e4m3fn), torch.zeros(h // 32)
+    fp8.quant_groups(x, q, xs, 32, norm_w=nw)
+    cos, sin = rand(t, d // 2, seed=1), rand(t, d // 2, seed=2)
+    p = torch.tensor([pos], dtype=torch.int32)
+    heads = dict(num_q_heads=hq, num_kv_heads=hkv, head_dim=d)
+    kv = dict(kv_fmt=kv_fmt("fp8_e4m3"), inv_k=1 / 0.05, inv_v=1 / 0.02) if kv_fp8 else {}
+    cdt = torch.uint8 if kv_fp8 else BF
+    outs = []
+    for fused in (True, False):
+        kc, vc, qo = torch.zeros(t, hkv, d, dtype=cdt), torch.zeros(t, hkv, d, dtype=cdt), torch.zeros(hq * d, dtype=BF)
+        if fused:
+            fp8.gemv_fp8block_xq_qkv_rope(q, xs, w, qo, kc, vc, p, cos, sin, **heads, block_n=8, block_k=64, **kv)
+        else:
+            qkv = fp8.gemv_fp8block_xq(q, xs, w, torch.zeros(n, dtype=BF), block_n=8, block_k=64)
+            smallops.rope_cache_write(qkv, qo, kc, vc, p, cos, sin, **heads, **kv)
+        outs.append((qo, kc, vc))
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
+    assert outs[0][1][pos].any() and not outs[0][1][:pos].any()
+
+
 def test_block_fp8_gate_up_silu_refuses_what_it_cannot_tile():
     from services.decode.engine.cuda import fp8
 

@@ -16,7 +16,7 @@ import torch
 
 from infra.tinymodel_fp8 import quantize_checkpoint
 from services.decode.engine import Engine
-from services.decode.engine.cuda.fp8 import gemv_fp8block_silu, quant_groups
+from services.decode.engine.cuda.fp8 import gemv_fp8block_silu, gemv_fp8block_xq_qkv_rope, quant_groups
 from services.decode.engine.fp8 import is_fp8
 from shared.events import SamplingParams
 from tests.unit.engine.hf_models import save_checkpoint
@@ -56,9 +56,11 @@ def test_block_scaled_fp8_fast_path_tokens_equal_the_reference_step(tmp_path, ar
     quantize_checkpoint(tmp_path, "fp8-block", block=(16, 16))
     fast, ref = load(tmp_path, "on"), load(tmp_path, "off")
     assert fast.fast_path_reason is None and fast.fast_path.batch_ok
-    fused, rounded = [], []
+    fused, rounded, roped = [], [], []
     monkeypatch.setattr(fp8, "gemv_fp8block_silu", lambda *a, **kw: fused.append(1) or gemv_fp8block_silu(*a, **kw))
     monkeypatch.setattr(fp8, "quant_groups", lambda *a, **kw: rounded.append(1) or quant_groups(*a, **kw))
+    monkeypatch.setattr(fp8, "gemv_fp8block_xq_qkv_rope",
+                        lambda *a, **kw: roped.append(1) or gemv_fp8block_xq_qkv_rope(*a, **kw))
     greedy = SamplingParams(max_tokens=6, ignore_eos=True)
     tokens, _, paths = run(fast, 0, PROMPT, greedy)
     # the plain steps: each GEMV input rounded once, gate/up + SiLU in one launch; QKV's and gate/up's inputs by
@@ -67,6 +69,8 @@ def test_block_scaled_fp8_fast_path_tokens_equal_the_reference_step(tmp_path, ar
     cfg = json.loads((tmp_path / "config.json").read_text())
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
     assert paths == {"fast"} and fused and len(rounded) == (2 if head_dim == 16 else 3) * len(fused)
+    # rope and the q / K / V stores in the QKV GEMV where there is no q/k norm (Llama; Qwen3's rope kernel norms)
+    assert len(roped) == (len(fused) if arch == "llama" else 0)
     assert tokens == run(ref, 0, PROMPT, greedy)[0]
     # two slots in the batched step (the few-row block-scaled GEMVs' tensor-core dots): each slot's tokens alone
     from tests.unit.engine_cuda.test_fast_path_batch import decode_alone, decode_together

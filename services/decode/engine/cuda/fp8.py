@@ -378,6 +378,85 @@ def gemv_fp8block_xq(q: torch.Tensor, xs: torch.Tensor, w: BlockFp8, out: torch.
 
 
 @triton.jit
+def _gemv_fp8block_xq_qkv_rope_kernel(q_ptr, xs_ptr, w_ptr, s_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, pos_ptr,
+                                      cos_ptr, sin_ptr, K, KB, NUM_Q_HEADS: tl.constexpr,
+                                      NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
+                                      G: tl.constexpr, SK: tl.constexpr, SG: tl.constexpr, STAGES: tl.constexpr,
+                                      PDL: tl.constexpr, POS_EARLY: tl.constexpr, KV_FMT: tl.constexpr, inv_k=1.0,
+                                      inv_v=1.0):
+    # _gemv_fp8block_xq_kernel over wqkv as the per-channel _gemv_fp8_qkv_rope_kernel reads it: a program takes
+    # BLOCK_N rows of one head's first half and their rope partners (each set in its scale row), the epilogue is
+    # gemv.qkv_store's (rounding, rope, q and the K / V rows at pos)
+    HALF: tl.constexpr = HEAD_DIM // 2
+    BLOCK_K: tl.constexpr = G * SK
+    pid = tl.program_id(0)
+    per_head: tl.constexpr = HALF // BLOCK_N
+    head = pid // per_head
+    j = (pid % per_head) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows_a = head * HEAD_DIM + j
+    srow_a = (head * HEAD_DIM + (pid % per_head) * BLOCK_N) // SG
+    srow_b = (head * HEAD_DIM + HALF + (pid % per_head) * BLOCK_N) // SG
+    offs = group_offs(0, G, SK)
+    kmask = (offs < K)[None, :, :]
+    wa = tl.load(w_ptr + rows_a[:, None, None].to(tl.int64) * K + offs[None, :, :], mask=kmask, other=0.0,
+                 eviction_policy="evict_first")
+    wb = tl.load(w_ptr + (rows_a + HALF)[:, None, None].to(tl.int64) * K + offs[None, :, :], mask=kmask, other=0.0,
+                 eviction_policy="evict_first")
+    if POS_EARLY:  # the position and its rope rows before the wait (not in a step's first layer)
+        pos = tl.load(pos_ptr)
+        cos = tl.load(cos_ptr + pos * HALF + j).to(tl.float32)
+        sin = tl.load(sin_ptr + pos * HALF + j).to(tl.float32)
+    if PDL:
+        gdc_wait()
+    xq = _rounded_groups(q_ptr, xs_ptr, q_ptr, offs, 0, K, 1.0, False, True, G, SK)
+    acc_a = fp8_fma_rounded(tl.zeros((BLOCK_N, G, SK), tl.float32), wa, xq, s_ptr, srow_a, 0, K, KB, G, SK)
+    acc_b = fp8_fma_rounded(tl.zeros((BLOCK_N, G, SK), tl.float32), wb, xq, s_ptr, srow_b, 0, K, KB, G, SK)
+    for k in tl.range(BLOCK_K, K, BLOCK_K, num_stages=STAGES):
+        offs = group_offs(k, G, SK)
+        kmask = (offs < K)[None, :, :]
+        wa = tl.load(w_ptr + rows_a[:, None, None].to(tl.int64) * K + offs[None, :, :], mask=kmask, other=0.0,
+                     eviction_policy="evict_first")
+        wb = tl.load(w_ptr + (rows_a + HALF)[:, None, None].to(tl.int64) * K + offs[None, :, :], mask=kmask,
+                     other=0.0, eviction_policy="evict_first")
+        xq = _rounded_groups(q_ptr, xs_ptr, q_ptr, offs, k, K, 1.0, False, True, G, SK)
+        acc_a = fp8_fma_rounded(acc_a, wa, xq, s_ptr, srow_a, k, K, KB, G, SK)
+        acc_b = fp8_fma_rounded(acc_b, wb, xq, s_ptr, srow_b, k, K, KB, G, SK)
+    if PDL:
+        gdc_launch_dependents()
+    if not POS_EARLY:
+        pos = tl.load(pos_ptr)
+        cos = tl.load(cos_ptr + pos * HALF + j).to(tl.float32)
+        sin = tl.load(sin_ptr + pos * HALF + j).to(tl.float32)
+    qkv_store(tl.sum(tl.sum(acc_a, axis=2), axis=1), tl.sum(tl.sum(acc_b, axis=2), axis=1), head, j, pos, cos, sin,
+              q_out_ptr, k_cache_ptr, v_cache_ptr, inv_k, inv_v, NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, True, KV_FMT)
+
+
+def gemv_fp8block_xq_qkv_rope(q: torch.Tensor, xs: torch.Tensor, wqkv: BlockFp8, q_out: torch.Tensor,
+                              k_cache: torch.Tensor, v_cache: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor,
+                              sin: torch.Tensor, *, num_q_heads: int, num_kv_heads: int, head_dim: int,
+                              block_n: int = 16, block_k: int = 512, num_warps: int = 4, stages: int = 3,
+                              pdl: bool = False, pos_early: bool = False, kv_fmt: int = 0, inv_k: float = 1.0,
+                              inv_v: float = 1.0) -> None:
+    """gemv_fp8block_xq over wqkv with the rope and the q / K / V stores in its epilogue (a model without q/k norm):
+    one launch where gemv_fp8block_xq + smallops.rope_cache_write take two, the same values. ``block_n`` rows of a
+    head's half a program, cut to divide head_dim / 2 and the scale rows."""
+    if not wqkv.act:
+        raise ValueError("gemv_fp8block_xq_qkv_rope: the input is rounded per group only where the checkpoint does")
+    half = head_dim // 2
+    block_n = math.gcd(min(block_n, wqkv.rows), half)
+    num_heads = num_q_heads + 2 * num_kv_heads
+    if wqkv.shape[0] != num_heads * head_dim:
+        raise ValueError(f"wqkv has {wqkv.shape[0]} rows, expected (Hq + 2*Hkv) * D = {num_heads * head_dim}")
+    k = wqkv.shape[1]
+    block_k = max(wqkv.cols, block_k // wqkv.cols * wqkv.cols)
+    _gemv_fp8block_xq_qkv_rope_kernel[(num_heads * (half // block_n),)](
+        q, xs, wqkv.w, wqkv.scale, q_out, k_cache, v_cache, pos, cos, sin, k, wqkv.scale.shape[-1],
+        NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_N=block_n,
+        G=block_k // wqkv.cols, SK=wqkv.cols, SG=wqkv.rows, STAGES=stages, PDL=pdl, POS_EARLY=pos_early,
+        KV_FMT=kv_fmt, inv_k=inv_k, inv_v=inv_v, num_warps=num_warps, **launch_opts(pdl))
+
+
+@triton.jit
 def _gemv_fp8block_silu_kernel(x_ptr, w_ptr, s_ptr, out_ptr, nw_ptr, I, K, KB, eps, NORM: tl.constexpr,
                                K_POW2: tl.constexpr, BLOCK_N: tl.constexpr, G: tl.constexpr, SK: tl.constexpr,
                                SG: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr, XQ: tl.constexpr = False,
@@ -622,6 +701,7 @@ class Fp8GqaDecoder(GqaDecoder):
         "wqkv": (16, 512, 4, 3), "wo": (16, 512, 4, 3), "w_gate_up": (128, 128, 8, 3), "w_down": (16, 1024, 4, 3)}
 
     XQ_IN_ATTENTION = True  # o's input rounded by the attention's merge where a head is one group
+    XQ_QKV_ROPE = True  # without q/k norm: rope + q / K / V stores in the QKV GEMV (gemv_fp8block_xq_qkv_rope)
 
     def _xq_buffers(self, k: int, group: int, alt: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """A rounded input's FP8 values [k] and scales [ceil(k / group)]: two pairs of buffers, each reused by the
@@ -660,12 +740,23 @@ class Fp8GqaDecoder(GqaDecoder):
         pick = {n: getattr(sc, n) if getattr(sc, n) is not None else getattr(lw, n)
                 for n in ("wqkv", "wo", "w_gate_up", "w_down")}
         if self.XQ_TILES is not None and all(isinstance(w, BlockFp8) and w.act for w in pick.values()):
-            qkv = self.tmp[: pick["wqkv"].shape[0]]
-            self._xq_gemv("wqkv", self.residual, pick["wqkv"], qkv, norm_w=lw.attn_norm)
-            smallops.rope_cache_write(qkv, self.query, self.k_caches[i], self.v_caches[i], self.pos, self.cos,
-                                      self.sin, num_q_heads=m.num_q_heads, num_kv_heads=m.num_kv_heads,
-                                      head_dim=m.head_dim, q_norm=lw.q_norm, k_norm=lw.k_norm, eps=eps,
-                                      pdl=self.opt.pdl, **self.kv_kwargs(i))
+            wqkv = pick["wqkv"]
+            if lw.q_norm is None and self.XQ_QKV_ROPE:  # rope and the stores in the QKV GEMV's epilogue
+                q, xs = self._xq_buffers(self.residual.numel(), wqkv.cols)
+                quant_groups(self.residual, q, xs, wqkv.cols, norm_w=lw.attn_norm, eps=eps, pdl=self.opt.pdl)
+                bn, bk, nw, st = self.XQ_TILES["wqkv"]
+                gemv_fp8block_xq_qkv_rope(q, xs, wqkv, self.query, self.k_caches[i], self.v_caches[i], self.pos,
+                                          self.cos, self.sin, num_q_heads=m.num_q_heads,
+                                          num_kv_heads=m.num_kv_heads, head_dim=m.head_dim, block_n=bn, block_k=bk,
+                                          num_warps=nw, stages=st, pdl=self.opt.pdl, pos_early=i > 0,
+                                          **self.kv_kwargs(i))
+            else:  # Qwen3's q/k norm in the rope kernel
+                qkv = self.tmp[: wqkv.shape[0]]
+                self._xq_gemv("wqkv", self.residual, wqkv, qkv, norm_w=lw.attn_norm)
+                smallops.rope_cache_write(qkv, self.query, self.k_caches[i], self.v_caches[i], self.pos, self.cos,
+                                          self.sin, num_q_heads=m.num_q_heads, num_kv_heads=m.num_kv_heads,
+                                          head_dim=m.head_dim, q_norm=lw.q_norm, k_norm=lw.k_norm, eps=eps,
+                                          pdl=self.opt.pdl, **self.kv_kwargs(i))
             # o's input rounded by the attention's merge where a head is one activation group (Llama-3, Qwen3: 128)
             merged = self.XQ_IN_ATTENTION and m.head_dim == pick["wo"].cols and not self.attn.one_launch
             self.attend(i, None, quant=self._xq_buffers(self.attn_out.numel(), pick["wo"].cols) if merged else None)
