@@ -107,7 +107,7 @@ PROJ = ("wqkv", "wo", "w_gate_up", "w_down")
 BLOCK_VARIANTS = {
     "product": {},
     "xq_off": {"XQ_TILES": None},  # each GEMV rounds its input itself (the form before quant_groups)
-    "xq_qkv_rope_off": {"XQ_QKV_ROPE": False},  # the rope + stores by rope_cache_write after the QKV GEMV
+    "xq_qkv_rope_on": {"XQ_QKV_ROPE": True},  # the rope + stores in the QKV GEMV, not by rope_cache_write
     "xq_gate_up_64": {"XQ_TILES": {"w_gate_up": (64, 128, 4, 4)}},  # run G38's first product: down's input by a launch
     "xq_gate_up_128_s2": {"XQ_TILES": {"w_gate_up": (128, 128, 8, 2)}},
     "xq_gate_up_128_s4": {"XQ_TILES": {"w_gate_up": (128, 128, 8, 4)}},
