@@ -295,6 +295,34 @@ def _rounded_groups(x_ptr, xs_ptr, nw_ptr, offs, k, K, inv, NORM: tl.constexpr, 
 
 
 @triton.jit
+def _block_tile(w_ptr, rows, offs, K):
+    # rows x columns ``offs`` [G, SK] of an FP8 W [N, K] (every row valid), streamed once
+    return tl.load(w_ptr + rows[:, None, None].to(tl.int64) * K + offs[None, :, :], mask=(offs < K)[None, :, :],
+                   other=0.0, eviction_policy="evict_first")
+
+
+@triton.jit
+def _pair_rows_block(x_ptr, xs_ptr, nw_ptr, w_ptr, s_ptr, rows_a, rows_b, srow_a, srow_b, wa, wb, K, KB, inv,
+                     NORM: tl.constexpr, XQ: tl.constexpr, BLOCK_N: tl.constexpr, G: tl.constexpr, SK: tl.constexpr,
+                     STAGES: tl.constexpr):
+    # fp32 row sums of two row sets of a block-scaled FP8 W (gate and up, or a head's rope halves; each set in its
+    # scale row) against one token's input rounded per group once a K step for both (_rounded_groups); the first
+    # tiles wa / wb loaded by the caller (before its wait)
+    BLOCK_K: tl.constexpr = G * SK
+    xq = _rounded_groups(x_ptr, xs_ptr, nw_ptr, group_offs(0, G, SK), 0, K, inv, NORM, XQ, G, SK)
+    acc_a = fp8_fma_rounded(tl.zeros((BLOCK_N, G, SK), tl.float32), wa, xq, s_ptr, srow_a, 0, K, KB, G, SK)
+    acc_b = fp8_fma_rounded(tl.zeros((BLOCK_N, G, SK), tl.float32), wb, xq, s_ptr, srow_b, 0, K, KB, G, SK)
+    for k in tl.range(BLOCK_K, K, BLOCK_K, num_stages=STAGES):
+        offs = group_offs(k, G, SK)
+        wa = _block_tile(w_ptr, rows_a, offs, K)
+        wb = _block_tile(w_ptr, rows_b, offs, K)
+        xq = _rounded_groups(x_ptr, xs_ptr, nw_ptr, offs, k, K, inv, NORM, XQ, G, SK)
+        acc_a = fp8_fma_rounded(acc_a, wa, xq, s_ptr, srow_a, k, K, KB, G, SK)
+        acc_b = fp8_fma_rounded(acc_b, wb, xq, s_ptr, srow_b, k, K, KB, G, SK)
+    return tl.sum(tl.sum(acc_a, axis=2), axis=1), tl.sum(tl.sum(acc_b, axis=2), axis=1)
+
+
+@triton.jit
 def _quant_groups_kernel(x_ptr, nw_ptr, q_ptr, xs_ptr, K, eps, NORM: tl.constexpr, K_POW2: tl.constexpr,
                          SK: tl.constexpr, PDL: tl.constexpr):
     # program g: input group g ([g SK, (g + 1) SK), normed first when NORM: each program sums the whole input's
@@ -388,7 +416,6 @@ def _gemv_fp8block_xq_qkv_rope_kernel(q_ptr, xs_ptr, w_ptr, s_ptr, q_out_ptr, k_
     # BLOCK_N rows of one head's first half and their rope partners (each set in its scale row), the epilogue is
     # gemv.qkv_store's (rounding, rope, q and the K / V rows at pos)
     HALF: tl.constexpr = HEAD_DIM // 2
-    BLOCK_K: tl.constexpr = G * SK
     pid = tl.program_id(0)
     per_head: tl.constexpr = HALF // BLOCK_N
     head = pid // per_head
@@ -397,38 +424,24 @@ def _gemv_fp8block_xq_qkv_rope_kernel(q_ptr, xs_ptr, w_ptr, s_ptr, q_out_ptr, k_
     srow_a = (head * HEAD_DIM + (pid % per_head) * BLOCK_N) // SG
     srow_b = (head * HEAD_DIM + HALF + (pid % per_head) * BLOCK_N) // SG
     offs = group_offs(0, G, SK)
-    kmask = (offs < K)[None, :, :]
-    wa = tl.load(w_ptr + rows_a[:, None, None].to(tl.int64) * K + offs[None, :, :], mask=kmask, other=0.0,
-                 eviction_policy="evict_first")
-    wb = tl.load(w_ptr + (rows_a + HALF)[:, None, None].to(tl.int64) * K + offs[None, :, :], mask=kmask, other=0.0,
-                 eviction_policy="evict_first")
+    wa = _block_tile(w_ptr, rows_a, offs, K)
+    wb = _block_tile(w_ptr, rows_a + HALF, offs, K)
     if POS_EARLY:  # the position and its rope rows before the wait (not in a step's first layer)
         pos = tl.load(pos_ptr)
         cos = tl.load(cos_ptr + pos * HALF + j).to(tl.float32)
         sin = tl.load(sin_ptr + pos * HALF + j).to(tl.float32)
     if PDL:
         gdc_wait()
-    xq = _rounded_groups(q_ptr, xs_ptr, q_ptr, offs, 0, K, 1.0, False, True, G, SK)
-    acc_a = fp8_fma_rounded(tl.zeros((BLOCK_N, G, SK), tl.float32), wa, xq, s_ptr, srow_a, 0, K, KB, G, SK)
-    acc_b = fp8_fma_rounded(tl.zeros((BLOCK_N, G, SK), tl.float32), wb, xq, s_ptr, srow_b, 0, K, KB, G, SK)
-    for k in tl.range(BLOCK_K, K, BLOCK_K, num_stages=STAGES):
-        offs = group_offs(k, G, SK)
-        kmask = (offs < K)[None, :, :]
-        wa = tl.load(w_ptr + rows_a[:, None, None].to(tl.int64) * K + offs[None, :, :], mask=kmask, other=0.0,
-                     eviction_policy="evict_first")
-        wb = tl.load(w_ptr + (rows_a + HALF)[:, None, None].to(tl.int64) * K + offs[None, :, :], mask=kmask,
-                     other=0.0, eviction_policy="evict_first")
-        xq = _rounded_groups(q_ptr, xs_ptr, q_ptr, offs, k, K, 1.0, False, True, G, SK)
-        acc_a = fp8_fma_rounded(acc_a, wa, xq, s_ptr, srow_a, k, K, KB, G, SK)
-        acc_b = fp8_fma_rounded(acc_b, wb, xq, s_ptr, srow_b, k, K, KB, G, SK)
+    a, b = _pair_rows_block(q_ptr, xs_ptr, q_ptr, w_ptr, s_ptr, rows_a, rows_a + HALF, srow_a, srow_b, wa, wb, K, KB,
+                            1.0, False, True, BLOCK_N, G, SK, STAGES)
     if PDL:
         gdc_launch_dependents()
     if not POS_EARLY:
         pos = tl.load(pos_ptr)
         cos = tl.load(cos_ptr + pos * HALF + j).to(tl.float32)
         sin = tl.load(sin_ptr + pos * HALF + j).to(tl.float32)
-    qkv_store(tl.sum(tl.sum(acc_a, axis=2), axis=1), tl.sum(tl.sum(acc_b, axis=2), axis=1), head, j, pos, cos, sin,
-              q_out_ptr, k_cache_ptr, v_cache_ptr, inv_k, inv_v, NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, True, KV_FMT)
+    qkv_store(a, b, head, j, pos, cos, sin, q_out_ptr, k_cache_ptr, v_cache_ptr, inv_k, inv_v, NUM_Q_HEADS,
+              NUM_KV_HEADS, HEAD_DIM, True, KV_FMT)
 
 
 def gemv_fp8block_xq_qkv_rope(q: torch.Tensor, xs: torch.Tensor, wqkv: BlockFp8, q_out: torch.Tensor,
@@ -465,18 +478,14 @@ def _gemv_fp8block_silu_kernel(x_ptr, w_ptr, s_ptr, out_ptr, nw_ptr, I, K, KB, e
     # input's groups rounded once a K step for both (moe.gemv_rows' grouped tile and arithmetic otherwise). XQ: the
     # input arrives rounded (x_ptr its FP8 values, xs_ptr a scale a group: _quant_groups_kernel). QUANT: the
     # program's BLOCK_N outputs are one activation group of the next GEMV: also rounded, into q_out_ptr / xs_out_ptr
-    BLOCK_K: tl.constexpr = G * SK
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)  # I % BLOCK_N == 0
     srow_g = (pid * BLOCK_N) // SG
     srow_u = (pid * BLOCK_N + I) // SG
+    # the first tiles before the wait: weights are never written, only x comes from the previous kernel
     offs = group_offs(0, G, SK)
-    kmask = (offs < K)[None, :, :]
-    # the first tile before the wait: weights are never written, only x comes from the previous kernel
-    wg = tl.load(w_ptr + rows[:, None, None].to(tl.int64) * K + offs[None, :, :], mask=kmask, other=0.0,
-                 eviction_policy="evict_first")
-    wu = tl.load(w_ptr + (rows + I)[:, None, None].to(tl.int64) * K + offs[None, :, :], mask=kmask, other=0.0,
-                 eviction_policy="evict_first")
+    wg = _block_tile(w_ptr, rows, offs, K)
+    wu = _block_tile(w_ptr, rows + I, offs, K)
     if PDL:
         gdc_wait()
     inv = 1.0
@@ -484,24 +493,13 @@ def _gemv_fp8block_silu_kernel(x_ptr, w_ptr, s_ptr, out_ptr, nw_ptr, I, K, KB, e
         kk = tl.arange(0, K_POW2)
         xs = tl.load(x_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)
         inv = 1.0 / tl.sqrt(tl.sum(xs * xs, axis=0) / K + eps)
-    xq = _rounded_groups(x_ptr, xs_ptr, nw_ptr, offs, 0, K, inv, NORM, XQ, G, SK)
-    acc_g = fp8_fma_rounded(tl.zeros((BLOCK_N, G, SK), tl.float32), wg, xq, s_ptr, srow_g, 0, K, KB, G, SK)
-    acc_u = fp8_fma_rounded(tl.zeros((BLOCK_N, G, SK), tl.float32), wu, xq, s_ptr, srow_u, 0, K, KB, G, SK)
-    for k in tl.range(BLOCK_K, K, BLOCK_K, num_stages=STAGES):
-        offs = group_offs(k, G, SK)
-        kmask = (offs < K)[None, :, :]
-        wg = tl.load(w_ptr + rows[:, None, None].to(tl.int64) * K + offs[None, :, :], mask=kmask, other=0.0,
-                     eviction_policy="evict_first")
-        wu = tl.load(w_ptr + (rows + I)[:, None, None].to(tl.int64) * K + offs[None, :, :], mask=kmask, other=0.0,
-                     eviction_policy="evict_first")
-        xq = _rounded_groups(x_ptr, xs_ptr, nw_ptr, offs, k, K, inv, NORM, XQ, G, SK)
-        acc_g = fp8_fma_rounded(acc_g, wg, xq, s_ptr, srow_g, k, K, KB, G, SK)
-        acc_u = fp8_fma_rounded(acc_u, wu, xq, s_ptr, srow_u, k, K, KB, G, SK)
+    g, u = _pair_rows_block(x_ptr, xs_ptr, nw_ptr, w_ptr, s_ptr, rows, rows + I, srow_g, srow_u, wg, wu, K, KB, inv,
+                            NORM, XQ, BLOCK_N, G, SK, STAGES)
     if PDL:
         gdc_launch_dependents()
     # gemv_rows' row sums and bf16 outputs, then torch's silu(gate) * up rounding points (reference.silu_mul)
-    g = rnd_bf16(tl.sum(tl.sum(acc_g, axis=2), axis=1))
-    u = rnd_bf16(tl.sum(tl.sum(acc_u, axis=2), axis=1))
+    g = rnd_bf16(g)
+    u = rnd_bf16(u)
     sg = rnd_bf16(g / (1.0 + tl.exp(-g)))
     out = (sg * u).to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + rows, out)
