@@ -27,7 +27,7 @@ import triton.language as tl
 from . import gemv, reference, smallops
 from . import fp8block
 from .fp8block import BlockFp8, fp8_fma_rounded, group_offs, round_groups
-from .gemv import gdc_launch_dependents, gdc_wait, launch_opts, qkv_store
+from .gemv import _inv_rms, gdc_launch_dependents, gdc_wait, launch_opts, qkv_store
 from .kernel_helpers import act_round, act_scale, rms_scaled, rnd_bf16, round_to_dtype
 from .llama import GqaDecoder, folds_norm
 from .moe import gemv_rows
@@ -334,9 +334,7 @@ def _quant_groups_kernel(x_ptr, nw_ptr, q_ptr, xs_ptr, K, eps, NORM: tl.constexp
         gdc_launch_dependents()
     inv = 1.0
     if NORM:
-        kk = tl.arange(0, K_POW2)
-        xa = tl.load(x_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)
-        inv = 1.0 / tl.sqrt(tl.sum(xa * xa, axis=0) / K + eps)
+        inv = _inv_rms(x_ptr, K, eps, K_POW2)
     offs = g * SK + tl.arange(0, SK)
     x = _x_groups(x_ptr, nw_ptr, offs, K, inv, NORM).to(tl.float32)
     sx = act_scale(tl.max(tl.abs(x), axis=0))
@@ -490,9 +488,7 @@ def _gemv_fp8block_silu_kernel(x_ptr, w_ptr, s_ptr, out_ptr, nw_ptr, I, K, KB, e
         gdc_wait()
     inv = 1.0
     if NORM:
-        kk = tl.arange(0, K_POW2)
-        xs = tl.load(x_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)
-        inv = 1.0 / tl.sqrt(tl.sum(xs * xs, axis=0) / K + eps)
+        inv = _inv_rms(x_ptr, K, eps, K_POW2)
     g, u = _pair_rows_block(x_ptr, xs_ptr, nw_ptr, w_ptr, s_ptr, rows, rows + I, srow_g, srow_u, wg, wu, K, KB, inv,
                             NORM, XQ, BLOCK_N, G, SK, STAGES)
     if PDL:
