@@ -107,16 +107,14 @@ PROJ = ("wqkv", "wo", "w_gate_up", "w_down")
 BLOCK_VARIANTS = {
     "product": {},
     "xq_off": {"XQ_TILES": None},  # each GEMV rounds its input itself (the form before quant_groups)
-    "xq_qkv_rope_on": {"XQ_QKV_ROPE": True},  # the rope + stores in the QKV GEMV, not by rope_cache_write
-    "xq_gate_up_64": {"XQ_TILES": {"w_gate_up": (64, 128, 4, 4)}},  # run G38's first product: down's input by a launch
-    "xq_gate_up_128_s2": {"XQ_TILES": {"w_gate_up": (128, 128, 8, 2)}},
-    "xq_gate_up_128_s4": {"XQ_TILES": {"w_gate_up": (128, 128, 8, 4)}},
+    "xq_qkv_rope_off": {"XQ_QKV_ROPE": False},  # the rope + stores by rope_cache_write after the QKV GEMV
+    "xq_qkv_o_rows8": {"XQ_TILES": {"wqkv": (8, 512, 4, 3), "wo": (8, 512, 4, 3)}},  # G39: noisy, -0.6 / -2.8%
     "xq_rows8": {"XQ_TILES": {"wqkv": (8, 512, 4, 3), "wo": (8, 512, 4, 3), "w_down": (8, 1024, 4, 3)}},
-    "xq_rows32": {"XQ_TILES": {"wqkv": (32, 512, 4, 3), "wo": (32, 512, 4, 3), "w_down": (32, 512, 4, 3)}},
-    "xq_qkv_o_rows8": {"XQ_TILES": {"wqkv": (8, 512, 4, 3), "wo": (8, 512, 4, 3)}},
-    "xq_down_rows32": {"XQ_TILES": {"w_down": (32, 512, 4, 3)}},
-    "xq_down_16x512": {"XQ_TILES": {"w_down": (16, 512, 4, 3)}},
 }
+# run G39 (the rope kernel then, ms, two alternated rounds): product 3.675 / 3.685, rope in the QKV GEMV 3.628 / 3.632
+# (the product since), xq_off 4.605, gate/up 64 rows 3.911, (128, 128, 8, 2) 3.920, (128, 128, 8, 4) 3.698, QKV / o /
+# down at 8 rows 3.645 / 3.641, at 32 rows 3.665, QKV and o at 8 rows 3.653 / 3.581, down at 32 rows 3.690, down
+# (16, 512) 3.672.
 # run G38 (gate/up (64, 128, 4, 4) then, ms): product 3.809, xq_off 4.533, o's input by quant_groups 3.857, xq_off with
 # SiLU in torch 4.632, QKV / o / down at 8 rows 3.771, at 32 rows 3.770, K 256 3.901; gate/up (32, 256, 4, 3) 3.622,
 # (16, 512, 4, 3) 3.694, (128, 128, 8, 4) 3.574, (128, 128, 8, 3) 3.567 (the product since), (64, 128, 8, 4) 3.647

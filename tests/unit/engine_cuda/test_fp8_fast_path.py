@@ -61,7 +61,6 @@ def test_block_scaled_fp8_fast_path_tokens_equal_the_reference_step(tmp_path, ar
     monkeypatch.setattr(fp8, "quant_groups", lambda *a, **kw: rounded.append(1) or quant_groups(*a, **kw))
     monkeypatch.setattr(fp8, "gemv_fp8block_xq_qkv_rope",
                         lambda *a, **kw: roped.append(1) or gemv_fp8block_xq_qkv_rope(*a, **kw))
-    monkeypatch.setattr(fp8.Fp8GqaDecoder, "XQ_QKV_ROPE", True)  # (the option's GPU default aside)
     greedy = SamplingParams(max_tokens=6, ignore_eos=True)
     tokens, _, paths = run(fast, 0, PROMPT, greedy)
     # the plain steps: each GEMV input rounded once, gate/up + SiLU in one launch; QKV's and gate/up's inputs by
