@@ -12,8 +12,16 @@ scale per token, ``s = max(amax / 448, 1 / (448 * 512))``, ``x = fp8(x / s) * s`
 engine's reference step (engine/fp8.quantize_activations) and vLLM's W8A8 prefill do; every program
 computes the vector's amax itself from L2 (the vector is 4-28 KB), so there is no extra launch.
 
-Torch twins: :func:`gemv_fp8_reference`, :func:`gemv_fp8_silu_reference`; CPU tests run the kernels
-under ``TRITON_INTERPRET=1`` against them.
+Block-scaled checkpoints (fp8block.BlockFp8: Qwen's FP8 releases, 128 x 128 blocks, activations rounded per 128
+features) take the one-token step's other kernels here. With every projection rounding its activations, each GEMV
+input is rounded once - by :func:`quant_groups` (QKV's and gate/up's inputs, the norm first), by the attention's merge
+(o's, where a head is one group) or by the gate/up kernel's epilogue (down's, where a program's gate rows are one
+group) - into FP8 values and a scale a group, and the GEMVs (:func:`gemv_fp8block_xq`, the SiLU and QKV + rope pair
+kernels) read those: the same values as a GEMV that rounds its input tile itself, without a reduction in its weight
+loop. Weight-only block checkpoints take moe.gemv_rows.
+
+Torch twins: :func:`gemv_fp8_reference`, :func:`gemv_fp8_silu_reference` (block-scaled: fp8block.linear_reference and
+quantize_groups); CPU tests run the kernels under ``TRITON_INTERPRET=1`` against them.
 """
 
 from __future__ import annotations
