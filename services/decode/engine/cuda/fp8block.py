@@ -14,10 +14,9 @@ input column is multiplied by its block's scale once per program (:func:`fp8_fma
 bytes; on the tensor-core path (several tokens) the K loop steps one block at a time and scales each block's partial
 dot (:func:`fp8_block_dot`). The Llama family's one-token step rounds each GEMV input once instead (fp8.py,
 :func:`round_groups`' values, read by :func:`fp8_fma_rounded`). The weight is never widened in memory: a step reads
-half the bytes of bf16. Numerics
-are the engine's reference linear's (engine/fp8.py): with ``act`` the input rounded per group and the weight's exact
-FP8 values times its scales; weight-only, the weight dequantized to bf16 (a dequantized checkpoint). Blocks are
-powers of two of 16 or more (the tensor-core tiles' least side).
+half the bytes of bf16. Numerics are the engine's reference linear's (engine/fp8.py): with ``act`` the input rounded
+per group and the weight's exact FP8 values times its scales; weight-only, the weight dequantized to bf16 (a
+dequantized checkpoint). Blocks are powers of two of 16 or more (the tensor-core tiles' least side).
 """
 
 from __future__ import annotations
