@@ -36,7 +36,7 @@ from . import gemv, reference, smallops
 from . import fp8block
 from .fp8block import BlockFp8, fp8_fma_rounded, group_offs, round_groups
 from .gemv import _inv_rms, gdc_launch_dependents, gdc_wait, launch_opts, qkv_store
-from .kernel_helpers import act_round, act_scale, rms_scaled, rnd_bf16, round_to_dtype
+from .kernel_helpers import act_round, act_scale, head_half_rows, rms_scaled, rnd_bf16, round_to_dtype
 from .llama import GqaDecoder, folds_norm
 from .moe import gemv_rows
 
@@ -178,11 +178,7 @@ def _gemv_fp8_qkv_rope_kernel(x_ptr, w_ptr, ws_ptr, nw_ptr, bias_ptr, q_ptr, k_c
     # gemv.py's _gemv_qkv_rope_kernel over an FP8 wqkv: program = BLOCK_N rows of one head's first half
     # and their rope partners; the epilogue (scale, bias, rounding, rope, q / cache stores) is gemv.qkv_store's
     HALF: tl.constexpr = HEAD_DIM // 2
-    pid = tl.program_id(0)
-    per_head: tl.constexpr = HALF // BLOCK_N
-    head = pid // per_head
-    j = (pid % per_head) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rows_a = head * HEAD_DIM + j
+    head, j, rows_a = head_half_rows(HEAD_DIM, BLOCK_N)
     all_rows = rows_a >= 0
     wa0 = _first_tile(w_ptr, rows_a, all_rows, K, BLOCK_K)
     wb0 = _first_tile(w_ptr, rows_a + HALF, all_rows, K, BLOCK_K)
@@ -422,13 +418,10 @@ def _gemv_fp8block_xq_qkv_rope_kernel(q_ptr, xs_ptr, w_ptr, s_ptr, q_out_ptr, k_
     # BLOCK_N rows of one head's first half and their rope partners (each set in its scale row), the epilogue is
     # gemv.qkv_store's (rounding, rope, q and the K / V rows at pos)
     HALF: tl.constexpr = HEAD_DIM // 2
-    pid = tl.program_id(0)
-    per_head: tl.constexpr = HALF // BLOCK_N
-    head = pid // per_head
-    j = (pid % per_head) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rows_a = head * HEAD_DIM + j
-    srow_a = (head * HEAD_DIM + (pid % per_head) * BLOCK_N) // SG
-    srow_b = (head * HEAD_DIM + HALF + (pid % per_head) * BLOCK_N) // SG
+    head, j, rows_a = head_half_rows(HEAD_DIM, BLOCK_N)
+    first = head * HEAD_DIM + (tl.program_id(0) % (HALF // BLOCK_N)) * BLOCK_N  # rows_a's first row
+    srow_a = first // SG
+    srow_b = (first + HALF) // SG
     offs = group_offs(0, G, SK)
     wa = _block_tile(w_ptr, rows_a, offs, K)
     wb = _block_tile(w_ptr, rows_a + HALF, offs, K)

@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .kernel_helpers import load_first_pair_tile, prefetch_l2, rms_scaled, rope_pair, round_to_dtype
+from .kernel_helpers import head_half_rows, load_first_pair_tile, prefetch_l2, rms_scaled, rope_pair, round_to_dtype
 from .kvfp8 import kv_store_row
 from .qknorm import norm_rope_cache_head
 
@@ -245,11 +245,8 @@ def _gemv_qkv_rope_kernel(x_ptr, w_ptr, nw_ptr, bias_ptr, q_ptr, k_cache_ptr, v_
     # QK_NORM (Qwen3, no ROPE): q and k heads go as projected to raw_ptr; the last program of a head to finish
     # (count_ptr[head], atomically counted and reset) normalises + rotates the whole head into q / the K cache
     HALF: tl.constexpr = HEAD_DIM // 2
-    pid = tl.program_id(0)
     per_head: tl.constexpr = HALF // BLOCK_N
-    head = pid // per_head
-    j = (pid % per_head) * BLOCK_N + tl.arange(0, BLOCK_N)  # index inside the first half
-    rows_a = head * HEAD_DIM + j
+    head, j, rows_a = head_half_rows(HEAD_DIM, BLOCK_N)  # j: index inside the first half
     wa0, wb0 = load_first_pair_tile(w_ptr, rows_a, rows_a + HALF, K, BLOCK_K)
     if BIAS:  # a weight: loaded with the first tile, not after the weight stream
         bias_a = tl.load(bias_ptr + rows_a).to(tl.float32)

@@ -73,3 +73,14 @@ def prefetch_l2(w_ptr, rows, rmask, K, TILES: tl.constexpr, BLOCK_K: tl.constexp
     ptrs = tl.where(rmask[:, None] & (c < K)[None, :], ptrs, w_ptr)
     tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
                               is_pure=False, pack=1)
+
+
+@triton.jit
+def head_half_rows(HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr):
+    # a QKV kernel's program: BLOCK_N rows of one head's first half and (+ HEAD_DIM / 2) their rope partners;
+    # (head, j: the rows' indices inside the half, rows_a: the first half's rows of wqkv)
+    per_head: tl.constexpr = HEAD_DIM // 2 // BLOCK_N
+    pid = tl.program_id(0)
+    head = pid // per_head
+    j = (pid % per_head) * BLOCK_N + tl.arange(0, BLOCK_N)
+    return head, j, head * HEAD_DIM + j
