@@ -597,9 +597,14 @@ class Fp8GqaDecoder(GqaDecoder):
         self.scales, self.act_fp8 = scales, act_fp8  # before the base's set-up, which asks _norms_in_attention
         super().__init__(model, k_caches, v_caches, cos, sin, options, max_steps, kv_format, kv_scales,
                          kv_nearest=kv_nearest)
+        # the rounded inputs' buffers (_xq_buffers), before any graph capture: two pairs of FP8 values and a scale a
+        # group (groups of 16 features at least), as long as the longest GEMV input
         self._xq_pairs = None
-        if any(sc.blocked() for sc in scales):  # the rounded inputs' buffers, before any graph capture
-            self._xq_buffers(model.hidden, fp8block.MIN_ROWS)
+        if any(sc.blocked() for sc in scales):
+            n = max(model.hidden, model.intermediate, model.num_q_heads * model.head_dim)
+            self._xq_pairs = [(torch.zeros(n, dtype=torch.float8_e4m3fn, device=model.embed.device),
+                               torch.zeros(-(-n // fp8block.MIN_ROWS), dtype=torch.float32, device=model.embed.device))
+                              for _ in range(2)]
 
     def fp8_tile_kwargs(self, name: str) -> dict:
         """tile_kwargs for projection ``name`` in FP8 (FastOptions.fp8_tiles)."""
@@ -704,33 +709,31 @@ class Fp8GqaDecoder(GqaDecoder):
         """A rounded input's FP8 values [k] and scales [ceil(k / group)]: two pairs of buffers, each reused by the
         step's GEMVs (a rounding runs after the GEMV that read the pair's last one); ``alt``, the second pair, for
         the down GEMV's input when the gate/up kernel, which reads the first, rounds it."""
-        pairs = self._xq_pairs
-        if pairs is None or pairs[0][0].numel() < k or pairs[0][1].numel() < -(-k // group):
-            dev, n = self.residual.device, max(k, self.model.hidden, self.model.intermediate,
-                                               self.model.num_q_heads * self.model.head_dim)
-            pairs = self._xq_pairs = [(torch.zeros(n, dtype=torch.float8_e4m3fn, device=dev),
-                                       torch.zeros(-(-n // fp8block.MIN_ROWS), dtype=torch.float32, device=dev))
-                                      for _ in range(2)]
-        q, xs = pairs[int(alt)]
+        q, xs = self._xq_pairs[int(alt)]
         return q[:k], xs[: -(-k // group)]
 
-    def _xq_gemv(self, name: str, x: torch.Tensor, w: BlockFp8, out: torch.Tensor, norm_w=None,
-                 residual: torch.Tensor | None = None, rounded: bool = False, down_group: int = 0) -> None:
+    def _xq_gemv(self, name: str, x: torch.Tensor, w: BlockFp8, out: torch.Tensor | None, norm_w=None,
+                 residual: torch.Tensor | None = None, rounded: bool = False, round_down: bool = False,
+                 rope_layer: int | None = None) -> None:
         # ``rounded``: the kernel that wrote x rounded it (the attention's merge into the first pair, the gate/up
-        # kernel into the second); gate/up (``down_group``: the down GEMV's group width) rounds the down GEMV's
-        # input where a program's gate rows are one of its groups
-        alt = rounded and name == "w_down"
-        q, xs = self._xq_buffers(x.numel(), w.cols, alt)
+        # kernel into the second); ``round_down``: the gate/up kernel rounds the down GEMV's input (a program's gate
+        # rows are one of its groups); ``rope_layer``: QKV with the rope and the q / K / V stores of that layer in its
+        # epilogue (no ``out``)
+        q, xs = self._xq_buffers(x.numel(), w.cols, rounded and name == "w_down")
         if not rounded:
             quant_groups(x, q, xs, w.cols, norm_w=norm_w, eps=self.model.eps, pdl=self.opt.pdl)
         bn, bk, nw, st = self.XQ_TILES[name]
+        tile = dict(block_n=bn, block_k=bk, num_warps=nw, stages=st, pdl=self.opt.pdl)
         if name == "w_gate_up":
-            rows = min(bn, w.rows)  # gemv_fp8block_silu's cut
-            gemv_fp8block_silu(q, w, out, block_n=bn, block_k=bk, num_warps=nw, stages=st, pdl=self.opt.pdl, xs=xs,
-                               quant=self._xq_buffers(out.numel(), rows, True) if down_group == rows else None)
+            gemv_fp8block_silu(q, w, out, xs=xs, quant=self._xq_buffers(out.numel(), min(bn, w.rows), True)
+                               if round_down else None, **tile)
+        elif rope_layer is not None:
+            m, i = self.model, rope_layer
+            gemv_fp8block_xq_qkv_rope(q, xs, w, self.query, self.k_caches[i], self.v_caches[i], self.pos, self.cos,
+                                      self.sin, num_q_heads=m.num_q_heads, num_kv_heads=m.num_kv_heads,
+                                      head_dim=m.head_dim, pos_early=i > 0, **tile, **self.kv_kwargs(i))
         else:
-            gemv_fp8block_xq(q, xs, w, out, residual=residual, block_n=bn, block_k=bk, num_warps=nw, stages=st,
-                             pdl=self.opt.pdl)
+            gemv_fp8block_xq(q, xs, w, out, residual=residual, **tile)
 
     def _block_layer(self, i: int) -> None:
         m, lw, sc, eps = self.model, self.model.layers[i], self.scales[i], self.model.eps
@@ -739,14 +742,7 @@ class Fp8GqaDecoder(GqaDecoder):
         if self.XQ_TILES is not None and all(isinstance(w, BlockFp8) and w.act for w in pick.values()):
             wqkv = pick["wqkv"]
             if lw.q_norm is None and self.XQ_QKV_ROPE:  # rope and the stores in the QKV GEMV's epilogue
-                q, xs = self._xq_buffers(self.residual.numel(), wqkv.cols)
-                quant_groups(self.residual, q, xs, wqkv.cols, norm_w=lw.attn_norm, eps=eps, pdl=self.opt.pdl)
-                bn, bk, nw, st = self.XQ_TILES["wqkv"]
-                gemv_fp8block_xq_qkv_rope(q, xs, wqkv, self.query, self.k_caches[i], self.v_caches[i], self.pos,
-                                          self.cos, self.sin, num_q_heads=m.num_q_heads,
-                                          num_kv_heads=m.num_kv_heads, head_dim=m.head_dim, block_n=bn, block_k=bk,
-                                          num_warps=nw, stages=st, pdl=self.opt.pdl, pos_early=i > 0,
-                                          **self.kv_kwargs(i))
+                self._xq_gemv("wqkv", self.residual, wqkv, None, norm_w=lw.attn_norm, rope_layer=i)
             else:  # Qwen3's q/k norm in the rope kernel
                 qkv = self.tmp[: wqkv.shape[0]]
                 self._xq_gemv("wqkv", self.residual, wqkv, qkv, norm_w=lw.attn_norm)
@@ -758,12 +754,13 @@ class Fp8GqaDecoder(GqaDecoder):
             merged = self.XQ_IN_ATTENTION and m.head_dim == pick["wo"].cols and not self.attn.one_launch
             self.attend(i, None, quant=self._xq_buffers(self.attn_out.numel(), pick["wo"].cols) if merged else None)
             self._xq_gemv("wo", self.attn_out, pick["wo"], self.residual, residual=self.residual, rounded=merged)
-            down_cols = pick["w_down"].cols
-            self._xq_gemv("w_gate_up", self.residual, pick["w_gate_up"], self.act, norm_w=lw.mlp_norm,
-                          down_group=down_cols)
-            silu_rows = min(self.XQ_TILES["w_gate_up"][0], pick["w_gate_up"].rows)
+            # down's input rounded by the gate/up kernel where its programs' gate rows (the tile's, cut to the scale
+            # rows as gemv_fp8block_silu cuts them) are one of down's groups
+            gu = pick["w_gate_up"]
+            round_down = min(self.XQ_TILES["w_gate_up"][0], gu.rows) == pick["w_down"].cols
+            self._xq_gemv("w_gate_up", self.residual, gu, self.act, norm_w=lw.mlp_norm, round_down=round_down)
             self._xq_gemv("w_down", self.act, pick["w_down"], self.residual, residual=self.residual,
-                          rounded=silu_rows == down_cols)
+                          rounded=round_down)
             return
         qkv = self.tmp[: pick["wqkv"].shape[0]]
         self._block_gemv("wqkv", self.residual, pick["wqkv"], qkv, norm_w=lw.attn_norm, eps=eps)
