@@ -62,5 +62,10 @@ def causal_mask(positions: torch.Tensor, capacity: int) -> torch.Tensor:
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
     """q [B, Hq, T, D], k [B, Hkv, S, D], v [B, Hkv, S, Dv] -> [B, T, Hq, Dv] (GQA by head groups; mask None:
     every key visible to every query)."""
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
+    b, hq, t, _ = q.shape
+    hkv = k.shape[1]
+    if t == 1 and hq != hkv:  # one token: a K/V head's query heads as its rows (half the time of enable_gqa on CPU)
+        out = F.scaled_dot_product_attention(q.reshape(b, hkv, hq // hkv, -1), k, v, attn_mask=mask, scale=scale)
+        return out.reshape(b, hq, 1, -1).transpose(1, 2)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=hkv != hq)
     return out.transpose(1, 2)

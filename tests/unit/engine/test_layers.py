@@ -37,3 +37,28 @@ def test_one_token_over_its_prefix_attends_alike_without_the_mask(dtype):
     k, v = (torch.randn(1, 2, 9, 16, generator=g).to(dtype) for _ in range(2))
     masked = attend(q, k, v, causal_mask(torch.tensor([[8]]), 9), 0.25)
     assert torch.equal(attend(q, k, v, None, 0.25), masked)
+
+
+@pytest.mark.parametrize("hq,hkv,masked", [(4, 2, False), (4, 2, True), (8, 1, False), (6, 3, True), (4, 4, False)])
+def test_one_tokens_query_heads_as_rows_of_their_kv_head_attend_as_enable_gqa(hq, hkv, masked):
+    # one token's grouped form against SDPA's enable_gqa: the same head mapping (query head i reads K/V head
+    # i // (hq / hkv)), values equal up to the summation order
+    g = torch.Generator().manual_seed(2)
+    q = torch.randn(2, hq, 1, 16, generator=g)
+    k, v = (torch.randn(2, hkv, 9, 16, generator=g) * 3 for _ in range(2))
+    mask = causal_mask(torch.tensor([[6], [8]]), 9) if masked else None
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.25,
+                                                            enable_gqa=hq != hkv).transpose(1, 2)
+    got = attend(q, k, v, mask, 0.25)
+    assert got.shape == (2, 1, hq, 16)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 256), (3, 2, 64), (2, 1, 4, 128), (5, 7168)])
+def test_fp32_rms_norm_in_one_op_is_the_four_op_form(shape):
+    from services.decode.engine.cuda.reference import rms_norm
+
+    g = torch.Generator().manual_seed(3)
+    x, w = torch.randn(*shape, generator=g) * 4, torch.randn(shape[-1], generator=g) + 1
+    want = w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
+    assert torch.equal(rms_norm(x, w, 1e-6), want)

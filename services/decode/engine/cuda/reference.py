@@ -15,6 +15,10 @@ import torch.nn.functional as F
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm with fp32 statistics, rounded to the input dtype, times the weight (as HF transformers)."""
+    if x.dtype == torch.float32 and weight.dtype == torch.float32:
+        # one op where nothing is rounded between the steps: the same values as the four below (tested), a third
+        # of a tiny CPU step's norm time
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(x.dtype)
