@@ -45,6 +45,7 @@ from services.router.nodes import NodeTable
 from services.router import vllm_surface
 from services.router.policy import HEADER, LaneDecision, LaneInputs, choose_lane
 from services.router.respond import express_response
+from services.router.transport import AiohttpTransport
 from services.router.validate import ParsedRequest, parse_body, parse_request
 from services.router.vllm_surface import Surface
 from services.router.warm import WarmLeases
@@ -78,8 +79,7 @@ class Router:
         self.models: dict[str, backend.ModelInfo] = {}
         self.discovered: set[str] = set()
         self.bus: Bus | None = None
-        self.http = httpx.AsyncClient(limits=httpx.Limits(max_connections=1000,
-                                                          max_keepalive_connections=100))
+        self.http = httpx.AsyncClient(transport=AiohttpTransport(max_connections=1000))  # transport.py: why
         self.tracer = setup_tracing("router")
         self._tasks: set[asyncio.Task] = set()
         self._next_decode = -1
