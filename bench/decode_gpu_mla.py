@@ -443,6 +443,8 @@ ONE_TOKEN_VARIANTS = {  # name -> what the run sets: ("mod.Class", attr) class a
     "product": {},
     "shared_in_experts": {("mla.MlaStack", "SHARED_IN_ROUTER"): False},
     "down_by_pairs": {("moe.GroupedMoe", "DOWN_ROWS_TILE"): None},
+    # the router's launch, the routed gate/up and the down kernel on flags, not each on the previous one's end
+    "moe_flags": {("moe.GroupedMoe", "SYNC"): True},
 }
 # run G21 also timed the first shared expert in the experts' launch and the second beside the router, with and without
 # the experts' launch asking L2 for its weights before its wait: +47..+63 us (V2-Lite), +6..+7 (V3 cut); G22-G23 the
@@ -470,6 +472,9 @@ def one_token_variants_ab(X, model, caches, cos, sin, ctx: int, R: dict, tag: st
     gate/up in the experts' launch, the down projections by pairs, the attention's splits), alternated three
     times in one process (best of each), with the greedy tokens of each (``{tag}{key}``)."""
     variants = variants or ONE_TOKEN_VARIANTS
+    only = os.environ.get("MLA_AB_ONLY")  # "product,moe_flags": these forms alone (a shorter run)
+    if only:
+        variants = {k: v for k, v in variants.items() if k in only.split(",")}
     out: dict = {k: [] for k in variants}
     toks = {}
     for _ in range(3):

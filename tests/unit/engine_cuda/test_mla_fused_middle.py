@@ -145,7 +145,8 @@ def test_shared_experts_in_the_router_launch_equal_their_gate_up_launch(experts,
                                                                        pdl_interpreted):
     """router(shared=...) runs the shared experts' gate/up + SiLU beside the router (moe.SharedGateUp), and the
     grouped gate/up launch then covers the routed pairs only: the experts, the act rows and the MoE's output equal
-    the router + a gate/up launch over every pair, bit for bit; the router's count is back at 0."""
+    the router + a gate/up launch over every pair, bit for bit; the router's count is back at 0. The same with the
+    three launches on flags (GroupedMoe.SYNC): the flags back at 0 after the call, as the next layer needs them."""
     from services.decode.engine.cuda.moe import GroupedMoe, router
 
     g = torch.Generator().manual_seed(experts + hidden + inter)
@@ -158,18 +159,41 @@ def test_shared_experts_in_the_router_launch_equal_their_gate_up_launch(experts,
     sg = (torch.randn(shared, 2 * inter, hidden, generator=g) * hidden ** -0.5).to(BF)
     sd = (torch.randn(shared, hidden, inter, generator=g) * inter ** -0.5).to(BF)
     out = {}
-    for together in (False, True):
+    for form in ("apart", "together", "flags"):
+        together = form != "apart"
         moe = GroupedMoe(num_tokens=1, top_k=top_k, num_shared=shared, hidden=hidden, inter=inter, device="cpu",
                          tiles=(tile, (8, 32, 4, 1)), pdl=pdl)
+        moe.SYNC = form == "flags"
         h, xn = h0.clone(), torch.zeros(1, hidden, dtype=BF)
         ids, wts, count = torch.zeros(1, top_k, dtype=torch.int32), torch.zeros(1, top_k), torch.zeros(1, dtype=torch.int32)
         sh = moe.shared_gate_up(sg) if together else None
-        assert (sh is not None) == together
+        assert (sh is not None) == together and moe.syncs(sh) == (form == "flags")
+        sync = torch.zeros(4, dtype=torch.int32) if form == "flags" else None
         router(h, w, bias, ids, wts, top_k, 2.5, n_group=n_group, topk_group=topk_group, norm_w=norm_w, eps=1e-6,
-               xn_out=xn, count=count, pdl=pdl, shared=sh)
-        moe(xn, ids, wts, gate_up, down, sg, sd, h, shared_done=together)
-        assert count.eq(0).all()
-        out[together] = (ids, wts, xn, moe.act.clone(), h)
-    for a, b in zip(out[False], out[True]):
-        assert torch.equal(a, b)
-    assert out[True][4].ne(h0).any()  # the MoE added something
+               xn_out=xn, count=count, pdl=pdl, shared=sh, sync=sync)
+        if sync is not None:  # the launches' flags as the down kernel finds them: ids written, every act row counted
+            assert sync[0] == 1 and sync[1] == sh.programs
+        moe(xn, ids, wts, gate_up, down, sg, sd, h, shared_done=together,
+            sync=(sync, sh.programs) if sync is not None else None)
+        assert count.eq(0).all() and (sync is None or sync.eq(0).all())
+        out[form] = (ids, wts, xn, moe.act.clone(), h)
+    for form in ("together", "flags"):
+        for a, b in zip(out["apart"], out[form]):
+            assert torch.equal(a, b)
+    assert out["flags"][4].ne(h0).any()  # the MoE added something
+
+
+def test_flags_need_the_shared_experts_in_the_router_launch():
+    from services.decode.engine.cuda.moe import GroupedMoe, router
+
+    moe = GroupedMoe(num_tokens=1, top_k=2, num_shared=1, hidden=32, inter=24, device="cpu")
+    moe.SYNC = True
+    assert not moe.syncs(None)
+    sync = torch.zeros(4, dtype=torch.int32)
+    x = torch.zeros(1, 32, dtype=BF)
+    with pytest.raises(ValueError, match="shared="):
+        router(x, torch.zeros(8, 32, dtype=BF), torch.zeros(8), torch.zeros(1, 2, dtype=torch.int32),
+               torch.zeros(1, 2), 2, 1.0, norm_w=torch.ones(32, dtype=BF), xn_out=x.clone(), sync=sync)
+    with pytest.raises(ValueError, match="down by rows"):
+        moe(x, torch.zeros(1, 2, dtype=torch.int32), torch.zeros(1, 2), torch.zeros(8, 48, 32, dtype=BF),
+            torch.zeros(8, 32, 24, dtype=BF), None, None, x.clone(), shared_done=False, sync=(sync, 3))

@@ -468,6 +468,7 @@ class MlaStack:
         # row in one launch; the bmm forms keep the three (run MB3's form)
         self.fused_router = self.FUSED_ROUTER and chain
         self.router_count = torch.zeros(t, dtype=torch.int32, device=dev)
+        self.moe_sync = torch.zeros(4, dtype=torch.int32, device=dev)  # GroupedMoe.SYNC's flags, zero between launches
         self.uv_tile = self.UV_TILE
         self.o1 = torch.zeros(d.num_heads, t, d.v_dim, dtype=bf, device=dev) if self.fused_uv else None
         nq = d.num_heads * (d.nope + d.rope)
@@ -616,13 +617,14 @@ class MlaStack:
             gemv_rows(o, lw.wo, h, residual=h, dot=self.PROJ_DOT, dot_tile=self.DOT_TILE, heads=True, pdl=self.pdl,
                       early=self.early)
         route = dict(n_group=d.n_group, topk_group=d.topk_group)
-        shared = None
+        shared = sync = None
         if lw.is_moe and self.fused_router:  # the MLP's norm, the router and its top-k in one launch
             if self.SHARED_IN_ROUTER:  # (one token) with the shared experts' gate/up streaming beside them
                 shared = self.moe.shared_gate_up(lw.shared_gate_up)
+            sync = self.moe_sync if self.moe.syncs(shared) else None
             router(h, lw.router, lw.router_bias, self.ids, self.wts, d.top_k, d.routed_scale, self.router_logits,
                    norm_w=lw.mlp_norm, eps=d.eps, xn_out=self.xn, count=self.router_count, pdl=self.pdl,
-                   early=self.early, shared=shared, **route)
+                   early=self.early, shared=shared, sync=sync, **route)
         else:
             smallops.rmsnorm_rows(h, lw.mlp_norm, self.xn, d.eps, pdl=self.pdl)
             if lw.is_moe:
@@ -630,7 +632,7 @@ class MlaStack:
                        self.router_logits, pdl=self.pdl, early=self.early, **route)
         mlp = self.moe if lw.is_moe else self.dense
         mlp(self.xn, self.ids, self.wts, lw.gate_up, lw.down, lw.shared_gate_up, lw.shared_down, h,
-            shared_done=shared is not None)
+            shared_done=shared is not None, sync=(self.moe_sync, shared.programs) if sync is not None else None)
 
     def _tile(self, name: str) -> dict:
         bn, bk, nw, st = self.tiles[name]

@@ -300,7 +300,7 @@ def _router_x(h_ptr, nw_ptr, xn_ptr, pid, k, K, inv, BLOCK_K: tl.constexpr):
 @triton.jit
 def _shared_gate_up(h_row, nw_ptr, sw_ptr, act_ptr, j, I, K, eps, stride_se, TOPK: tl.constexpr,
                     K_POW2: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
-                    PDL: tl.constexpr, EARLY: tl.constexpr):
+                    PDL: tl.constexpr, EARLY: tl.constexpr, FLAGS: tl.constexpr = False, sync_ptr=None):
     # one token's shared expert j // (I / BLOCK_N), rows block j % (I / BLOCK_N): silu(gate) * up over the normed
     # residual as _moe_gate_up_kernel's one-token FMA path computes it from xn (the same normed values, products and
     # roundings), into its pair's act row (TOPK + the expert's index)
@@ -317,6 +317,8 @@ def _shared_gate_up(h_row, nw_ptr, sw_ptr, act_ptr, j, I, K, eps, stride_se, TOP
         wb0 = tl.load(base + (rows + I)[:, None].to(tl.int64) * K + k0[None, :], mask=m0, other=0.0)
     if PDL:
         gdc_wait()
+        if FLAGS:  # the routed gate/up launch waits on the router's flag, not on this launch's end
+            gdc_launch_dependents()
     kk = tl.arange(0, K_POW2)
     xs = tl.load(h_row + kk, mask=kk < K, other=0.0).to(tl.float32)
     inv = 1.0 / tl.sqrt(tl.sum(xs * xs, axis=0) / K + eps)
@@ -334,13 +336,16 @@ def _shared_gate_up(h_row, nw_ptr, sw_ptr, act_ptr, j, I, K, eps, stride_se, TOP
         wb = tl.load(base + (rows + I)[:, None].to(tl.int64) * K + offs[None, :], mask=wmask, other=0.0)
         acc_a += wa.to(tl.float32)[None, :, :] * x.to(tl.float32)[None, None, :]
         acc_b += wb.to(tl.float32)[None, :, :] * x.to(tl.float32)[None, None, :]
-    if PDL:
+    if PDL and not FLAGS:
         gdc_launch_dependents()
     dt = act_ptr.dtype.element_ty
     g = round_to_dtype(tl.sum(acc_a, axis=2), dt)
     u = round_to_dtype(tl.sum(acc_b, axis=2), dt)
     sg = round_to_dtype(g / (1.0 + tl.exp(-g)), dt)
     tl.store(act_ptr + (TOPK + e).to(tl.int64) * I + rows[None, :], (sg * u).to(dt), mask=rmask[None, :])
+    if FLAGS:  # this program's act rows are written: counted for the down kernel
+        tl.debug_barrier()
+        tl.atomic_add(sync_ptr + 1, 1, sem="release", scope="gpu")
 
 
 @triton.jit
@@ -350,12 +355,15 @@ def _router_fused_kernel(h_ptr, nw_ptr, xn_ptr, w_ptr, bias_ptr, logits_ptr, cou
                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
                          PDL: tl.constexpr = False, EARLY: tl.constexpr = False, sw_ptr=None, act_ptr=None, I=0,
                          stride_se=0, SHARED: tl.constexpr = False, S_BLOCK_N: tl.constexpr = 8,
-                         S_BLOCK_K: tl.constexpr = 512, S_STAGES: tl.constexpr = 3):
+                         S_BLOCK_K: tl.constexpr = 512, S_STAGES: tl.constexpr = 3, FLAGS: tl.constexpr = False,
+                         sync_ptr=None):
     # token t = program_id(1): the MLP's RMSNorm of its row (its output -> xn, by program 0, for the experts),
     # the router GEMV (BLOCK_N experts a program, as gemv_rows' one-token form: the same rounding points) and,
     # in the last of the token's programs to finish, its top-k (_topk_body): one launch instead of three.
     # SHARED (one token): programs past the router's also run the shared experts' gate/up + SiLU
-    # (_shared_gate_up), so their weights stream while the router's latency-bound chain runs
+    # (_shared_gate_up), so their weights stream while the router's latency-bound chain runs. FLAGS (with SHARED):
+    # the top-k's program sets sync[0] once the ids are written and each shared program counts its act rows in
+    # sync[1], so the experts' launches wait on those (GroupedMoe(sync=...)) rather than on this launch's end
     pid = tl.program_id(0)
     t = tl.program_id(1)
     h_row = h_ptr + t * stride_h
@@ -364,11 +372,11 @@ def _router_fused_kernel(h_ptr, nw_ptr, xn_ptr, w_ptr, bias_ptr, logits_ptr, cou
     if SHARED:
         if pid >= R_PROGRAMS:
             _shared_gate_up(h_row, nw_ptr, sw_ptr, act_ptr, pid - R_PROGRAMS, I, K, eps, stride_se, TOPK, K_POW2,
-                            S_BLOCK_N, S_BLOCK_K, S_STAGES, PDL, EARLY)
+                            S_BLOCK_N, S_BLOCK_K, S_STAGES, PDL, EARLY, FLAGS, sync_ptr)
         else:
             _router_program(h_row, nw_ptr, xn_row, w_ptr, bias_ptr, logits_ptr, count_ptr, ids_ptr, wts_ptr, scale,
                             eps, K, pid, t, R_PROGRAMS, E, TOPK, N_GROUP, TOPK_GROUP, E_POW2, K_POW2, BLOCK_N,
-                            BLOCK_K, STAGES, PDL, EARLY)
+                            BLOCK_K, STAGES, PDL, EARLY, FLAGS, sync_ptr)
     else:
         _router_program(h_row, nw_ptr, xn_row, w_ptr, bias_ptr, logits_ptr, count_ptr, ids_ptr, wts_ptr, scale, eps,
                         K, pid, t, R_PROGRAMS, E, TOPK, N_GROUP, TOPK_GROUP, E_POW2, K_POW2, BLOCK_N, BLOCK_K,
@@ -379,7 +387,8 @@ def _router_fused_kernel(h_ptr, nw_ptr, xn_ptr, w_ptr, bias_ptr, logits_ptr, cou
 def _router_program(h_row, nw_ptr, xn_row, w_ptr, bias_ptr, logits_ptr, count_ptr, ids_ptr, wts_ptr, scale, eps, K,
                     pid, t, R_PROGRAMS: tl.constexpr, E: tl.constexpr, TOPK: tl.constexpr, N_GROUP: tl.constexpr,
                     TOPK_GROUP: tl.constexpr, E_POW2: tl.constexpr, K_POW2: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr):
+                    BLOCK_K: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr,
+                    FLAGS: tl.constexpr = False, sync_ptr=None):
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     rmask = rows < E
     FIRST: tl.constexpr = BLOCK_K if EARLY else 0  # EARLY (with PDL): weight tile 0 loaded before the wait
@@ -389,6 +398,8 @@ def _router_program(h_row, nw_ptr, xn_row, w_ptr, bias_ptr, logits_ptr, count_pt
                      other=0.0, eviction_policy="evict_first")
     if PDL:  # h comes from the previous kernel (and xn / logits / ids may still be read by it)
         gdc_wait()
+        if FLAGS:
+            gdc_launch_dependents()
     kk = tl.arange(0, K_POW2)
     xs = tl.load(h_row + kk, mask=kk < K, other=0.0).to(tl.float32)
     inv = 1.0 / tl.sqrt(tl.sum(xs * xs, axis=0) / K + eps)
@@ -402,7 +413,7 @@ def _router_program(h_row, nw_ptr, xn_row, w_ptr, bias_ptr, logits_ptr, count_pt
         w = tl.load(w_ptr + rows[:, None].to(tl.int64) * K + offs[None, :], mask=rmask[:, None] & (offs < K)[None, :],
                     other=0.0, eviction_policy="evict_first")
         acc += w.to(tl.float32) * x[None, :]
-    if PDL:
+    if PDL and not FLAGS:
         gdc_launch_dependents()
     tl.store(logits_ptr + t * E + rows, tl.sum(acc, axis=1), mask=rmask)
     tl.debug_barrier()  # every thread's logits stored before the count
@@ -410,13 +421,16 @@ def _router_program(h_row, nw_ptr, xn_row, w_ptr, bias_ptr, logits_ptr, count_pt
     if done == R_PROGRAMS - 1:
         tl.store(count_ptr + t, 0)  # reset for the next call
         _topk_body(logits_ptr, bias_ptr, ids_ptr, wts_ptr, scale, t, E, TOPK, N_GROUP, TOPK_GROUP, E_POW2)
+        if FLAGS:  # the ids, weights and xn are written (xn by program 0, before its count): the experts may start
+            tl.debug_barrier()
+            tl.atomic_xchg(sync_ptr, 1, sem="release", scope="gpu")
 
 
 def router(xn: torch.Tensor, w: torch.Tensor, bias: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor,
            top_k: int, scale: float, logits: torch.Tensor | None = None, *, n_group: int = 1,
            topk_group: int = 1, norm_w: torch.Tensor | None = None, eps: float = 1e-6,
            xn_out: torch.Tensor | None = None, count: torch.Tensor | None = None, pdl: bool = False,
-           early: bool = True, shared: "SharedGateUp | None" = None) -> None:
+           early: bool = True, shared: "SharedGateUp | None" = None, sync: torch.Tensor | None = None) -> None:
     """ids [T, k] int32 (best first), wts [T, k] fp32 from normed x [T, H] (noaux_tc; group-limited to
     the ``topk_group`` best of ``n_group`` expert groups when fewer than all: reference.router).
 
@@ -427,7 +441,8 @@ def router(xn: torch.Tensor, w: torch.Tensor, bias: torch.Tensor, ids: torch.Ten
     the experts, and the norm, GEMV and top-k of every token are one launch (``count``: an int32 [>= T] of
     zeros, a token's entry reset by its last program; allocated when not given). ``shared`` (with ``norm_w``, one
     token, bf16 shared experts): the same launch also runs the shared experts' gate/up + SiLU into their act rows
-    (GroupedMoe(..., shared_done=True) then runs the routed pairs only)."""
+    (GroupedMoe(..., shared_done=True) then runs the routed pairs only). ``sync`` (with ``shared``): an int32 [4]
+    of zeros shared with that GroupedMoe call (:data:`GroupedMoe.SYNC` explains it)."""
     t, e = xn.shape[0], w.shape[0]
     if norm_w is not None and xn_out is None:
         raise ValueError("router(norm_w=...) takes an xn_out for its normed input")
@@ -444,11 +459,14 @@ def router(xn: torch.Tensor, w: torch.Tensor, bias: torch.Tensor, ids: torch.Ten
             count = torch.zeros(t, dtype=torch.int32, device=xn.device)
         k = xn.shape[1]
         extra, programs = {}, triton.cdiv(e, 2)
+        if sync is not None and shared is None:
+            raise ValueError("router(sync=...) flags the shared experts' act rows: it takes shared=")
         if shared is not None:
             if t != 1:
                 raise ValueError(f"router(shared=...) runs one token's shared experts, not {t} tokens'")
             extra = dict(sw_ptr=shared.w, act_ptr=shared.act, I=shared.inter, stride_se=shared.w.stride(0),
-                         SHARED=True, S_BLOCK_N=shared.block_n, S_BLOCK_K=shared.block_k, S_STAGES=shared.stages)
+                         SHARED=True, S_BLOCK_N=shared.block_n, S_BLOCK_K=shared.block_k, S_STAGES=shared.stages,
+                         FLAGS=sync is not None, sync_ptr=sync)
             programs += shared.programs
         _router_fused_kernel[(programs, t)](
             xn, norm_w, xn_out, w, bias, logits, count, ids, wts, scale, eps, k, xn.stride(0), xn_out.stride(0),
@@ -511,12 +529,19 @@ def _moe_gate_up_kernel(x_ptr, ids_ptr, w_ptr, ws_ptr, act_ptr, I, K, stride_e,
                         SLOTS_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
                         DOT: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr = False,
                         FP8: tl.constexpr = False, s_ptr=None, ss_ptr=None, stride_se=0, KB=0, SG: tl.constexpr = 1,
-                        SK: tl.constexpr = 1, ACT: tl.constexpr = False, GROUPS: tl.constexpr = 0):
+                        SK: tl.constexpr = 1, ACT: tl.constexpr = False, GROUPS: tl.constexpr = 0,
+                        FLAGS: tl.constexpr = False, sync_ptr=None):
     # FP8: block-scaled FP8 experts (fp8block.py), scales s_ptr / ss_ptr [E, ceil(2I / SG), KB] (gate's and up's
     # rows of a program each in one scale row: I a multiple of BLOCK_N); GROUPS: one token's grouped-activation
     # tiles [BLOCK_N, GROUPS, SK] (gemv_rows' GROUPS)
+    # FLAGS (GroupedMoe.SYNC): the router's flag in place of the wait, this program's act rows counted after them
     p = tl.program_id(0)
-    if PDL:  # the router's ids and the input rows come from earlier kernels
+    if FLAGS:  # the router's ids and xn are written once its top-k program set the flag
+        while tl.atomic_add(sync_ptr, 0, sem="acquire", scope="gpu") == 0:
+            pass
+        if PDL:  # the down kernel waits on the count, not on this launch's end
+            gdc_launch_dependents()
+    elif PDL:  # the router's ids and the input rows come from earlier kernels
         gdc_wait()
     expert, is_first, pair_of, is_routed = _owner(ids_ptr, p, T, TOPK, SLOTS, SLOTS_PAD, T_PAD)
     if is_first:
@@ -580,7 +605,7 @@ def _moe_gate_up_kernel(x_ptr, ids_ptr, w_ptr, ws_ptr, act_ptr, I, K, stride_e,
                     else:
                         acc_a += wa.to(tl.float32)[None, :, :] * x.to(tl.float32)[:, None, :]
                         acc_b += wb.to(tl.float32)[None, :, :] * x.to(tl.float32)[:, None, :]
-        if PDL:
+        if PDL and not FLAGS:
             gdc_launch_dependents()
         dt = act_ptr.dtype.element_ty
         if GROUPS:
@@ -595,6 +620,9 @@ def _moe_gate_up_kernel(x_ptr, ids_ptr, w_ptr, ws_ptr, act_ptr, I, K, stride_e,
         s = round_to_dtype(g / (1.0 + tl.exp(-g)), dt)
         tl.store(act_ptr + pair_of[:, None].to(tl.int64) * I + rows[None, :], (s * u).to(dt),
                  mask=uses[:, None] & rmask[None, :])
+    if FLAGS:  # every program counts, written rows or not
+        tl.debug_barrier()
+        tl.atomic_add(sync_ptr + 1, 1, sem="release", scope="gpu")
 
 
 @triton.jit
@@ -729,13 +757,15 @@ def _reduce_cols(y_ptr, wts_ptr, h_ptr, t, cols, cmask, H, TOPK: tl.constexpr, N
 def _moe_down_rows_kernel(act_ptr, ids_ptr, w_ptr, ws_ptr, wts_ptr, h_ptr, H, I, stride_e, TOPK: tl.constexpr,
                           NUM_SHARED: tl.constexpr, SLOTS_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
                           BLOCK_K: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr = False,
-                          EARLY: tl.constexpr = False):
+                          EARLY: tl.constexpr = False, FLAGS: tl.constexpr = False, sync_ptr=None, N_ACT=0):
     # one token's down projections and their reduce by output rows: a program owns BLOCK_N rows of h and walks
     # every pair (routed, then shared), one [BLOCK_N, I] tile a pair (BLOCK_K >= I), so its stream is all the
     # layer's pairs back to back and no other program's rows are waited for; the sums are combined as
     # _reduce_cols combines the down kernel's rows (each routed row rounded, times its rounded weight, rounded;
     # the shared rows summed in fp32, one rounding). The router's ids are read before the wait (the router
-    # finished before the gate/up kernel that let this one launch passed its own wait)
+    # finished before the gate/up kernel that let this one launch passed its own wait). FLAGS (GroupedMoe.SYNC): the
+    # router's flag before the ids, the count of written act programs (N_ACT) in place of the wait; the last
+    # program to pass resets the flags
     SLOTS: tl.constexpr = TOPK + NUM_SHARED
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rmask = rows < H
@@ -744,13 +774,23 @@ def _moe_down_rows_kernel(act_ptr, ids_ptr, w_ptr, ws_ptr, wts_ptr, h_ptr, H, I,
     wmask = rmask[:, None] & kmask[None, :]
     dt = h_ptr.dtype.element_ty
     sj = tl.arange(0, SLOTS_PAD)
+    if FLAGS:
+        while tl.atomic_add(sync_ptr, 0, sem="acquire", scope="gpu") == 0:
+            pass
     ids = tl.load(ids_ptr + sj, mask=sj < TOPK, other=0, cache_modifier=".cg")  # the pairs' experts, loop-invariant
     wts = tl.load(wts_ptr + sj, mask=sj < TOPK, other=0.0, cache_modifier=".cg")
     if EARLY:  # the first pair's weight tile before the wait
         e0 = tl.sum(tl.where(sj == 0, ids, 0))
         b0 = (w_ptr + e0.to(tl.int64) * stride_e) if TOPK > 0 else ws_ptr
         w0 = tl.load(b0 + rows[:, None].to(tl.int64) * I + offs[None, :], mask=wmask, other=0.0)
-    if PDL:
+    if FLAGS:
+        while tl.atomic_add(sync_ptr + 1, 0, sem="acquire", scope="gpu") < N_ACT:
+            pass
+        if tl.atomic_add(sync_ptr + 2, 1, sem="relaxed", scope="gpu") == tl.num_programs(0) - 1:
+            tl.atomic_xchg(sync_ptr, 0, sem="relaxed", scope="gpu")  # every program is past both waits
+            tl.atomic_xchg(sync_ptr + 1, 0, sem="relaxed", scope="gpu")
+            tl.atomic_xchg(sync_ptr + 2, 0, sem="relaxed", scope="gpu")
+    elif PDL:
         gdc_wait()
     routed = tl.zeros((BLOCK_N,), tl.float32)
     shared = tl.zeros((BLOCK_N,), tl.float32)
@@ -815,6 +855,14 @@ class GroupedMoe:
     # step 2.188 -> 2.151 ms; but 4 slots 3.967 -> 4.036 (the down kernel's tail waits for its last programs'
     # 32 pairs), so several tokens keep the launch. None in __init__: this
     FUSED_REDUCE: bool = True
+    # one token, the shared experts in the router's launch, down by rows: the router's launch, the routed gate/up
+    # and the down kernel synchronised by flags in an int32 [4] (``sync``), not each by the previous launch's end:
+    # [0] set by the top-k's program once the ids are written (the gate/up programs wait on it, so the routed
+    # weights stream while the shared experts' still do), [1] the programs whose act rows are written (the down
+    # programs wait for all of them, so they start as the gate/up programs end), [2] the down programs past their
+    # waits (the last resets all three). Each launch lets the next one launch once its programs have passed their
+    # own wait: every program a later one waits on has started, so no wait can hold an SM another one needs.
+    SYNC: bool = False
 
     def __init__(self, *, num_tokens: int, top_k: int, num_shared: int, hidden: int, inter: int,
                  device: torch.device | str, tiles: tuple[tuple[int, int, int, int], ...] | None = None,
@@ -841,11 +889,13 @@ class GroupedMoe:
 
     def __call__(self, xn: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor, w_gate_up: torch.Tensor,
                  w_down: torch.Tensor, shared_gate_up: torch.Tensor, shared_down: torch.Tensor, h: torch.Tensor,
-                 shared_done: bool = False) -> None:
+                 shared_done: bool = False, sync: tuple[torch.Tensor, int] | None = None) -> None:
         """h[T, H] += MoE(xn); routed weights [E, 2I, H] / [E, H, I], shared [S, 2I, H] / [S, H, I]; bf16, or
         block-scaled FP8 (fp8block.BlockFp8, routed and shared alike: mla.prepare_layer lays them out so).
         ``shared_done``: the shared experts' act rows are written already (:meth:`shared_gate_up` given to the
-        router's launch): the gate/up launch covers the routed pairs only."""
+        router's launch): the gate/up launch covers the routed pairs only. ``sync`` (with ``shared_done``, where
+        :meth:`syncs` says so): the flags given to the router's launch and how many shared programs it ran
+        (:data:`SYNC`)."""
         t, hid, inter = self.num_tokens, self.hidden, self.inter
         fp8 = isinstance(w_gate_up, BlockFp8)
         dot = self.dot and (fp8 or w_gate_up.dtype in (torch.bfloat16, torch.float16))
@@ -868,16 +918,22 @@ class GroupedMoe:
         if shared_done and t != 1:
             raise ValueError("shared_done: one token's shared experts run in the router's launch, not several's")
         up_pairs = t * self.top_k if shared_done else pairs  # the gate/up launch's (the routed ones only)
-        _moe_gate_up_kernel[(up_pairs, triton.cdiv(inter, bn))](
+        rows_down = self._rows_down(fp8)
+        if sync is not None and not (shared_done and rows_down):
+            raise ValueError("GroupedMoe(sync=...): one token, shared experts in the router's launch, down by rows")
+        flags = dict(FLAGS=True, sync_ptr=sync[0]) if sync is not None else {}
+        up_grid = (up_pairs, triton.cdiv(inter, bn))
+        _moe_gate_up_kernel[up_grid](
             xn, ids, w_gate_up, shared_gate_up, self.act, inter, hid, 2 * inter * hid, **common,
-            BLOCK_N=bn, BLOCK_K=bk, STAGES=st, num_warps=nw, **up_args)
-        if self.DOWN_ROWS_TILE and t == 1 and not fp8 and inter <= self.DOWN_ROWS_MAX_I:
+            BLOCK_N=bn, BLOCK_K=bk, STAGES=st, num_warps=nw, **up_args, **flags)
+        if rows_down:
             rbn, rnw, rst = self.DOWN_ROWS_TILE
             _moe_down_rows_kernel[(triton.cdiv(hid, rbn),)](
                 self.act, ids, w_down, shared_down if shared_down is not None else w_down, wts, h, hid, inter,
                 hid * inter, TOPK=self.top_k, NUM_SHARED=self.num_shared,
                 SLOTS_PAD=triton.next_power_of_2(self.slots), BLOCK_N=rbn,
                 BLOCK_K=triton.next_power_of_2(inter), STAGES=rst, PDL=self.pdl, EARLY=self.early, num_warps=rnw,
+                **flags, **(dict(N_ACT=up_grid[0] * up_grid[1] + sync[1]) if sync is not None else {}),
                 **launch_opts(self.pdl))
             return
         if self.fused_reduce:  # the last program of each column block adds the pairs' rows into h
@@ -892,6 +948,13 @@ class GroupedMoe:
         _moe_reduce_kernel[(t, triton.cdiv(hid, 1024))](self.out_rows, wts, h, hid, TOPK=self.top_k,
                                                         NUM_SHARED=self.num_shared, BLOCK=1024, PDL=self.pdl,
                                                         num_warps=4, **launch_opts(self.pdl))
+
+    def _rows_down(self, fp8: bool) -> bool:
+        return bool(self.DOWN_ROWS_TILE) and self.num_tokens == 1 and not fp8 and self.inter <= self.DOWN_ROWS_MAX_I
+
+    def syncs(self, shared: "SharedGateUp | None") -> bool:
+        """Whether this MoE's launches run on flags (:data:`SYNC`) with ``shared`` in the router's launch."""
+        return self.SYNC and shared is not None and self._rows_down(False)
 
     def shared_gate_up(self, w_shared: torch.Tensor) -> "SharedGateUp | None":
         """The router-launch form of this MoE's shared experts' gate/up (router(shared=...)), where it applies: one
