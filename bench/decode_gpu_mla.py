@@ -445,6 +445,8 @@ ONE_TOKEN_VARIANTS = {  # name -> what the run sets: ("mod.Class", attr) class a
     "down_by_pairs": {("moe.GroupedMoe", "DOWN_ROWS_TILE"): None},
     # the router's launch, the routed gate/up and the down kernel on flags, not each on the previous one's end
     "moe_flags": {("moe.GroupedMoe", "SYNC"): True},
+    # ... and the router's launch on the wo GEMV's counted programs, not on its end
+    "moe_flags_wo": {("moe.GroupedMoe", "SYNC"): True, ("mla.MlaStack", "WO_COUNT"): True},
 }
 # run G21 also timed the first shared expert in the experts' launch and the second beside the router, with and without
 # the experts' launch asking L2 for its weights before its wait: +47..+63 us (V2-Lite), +6..+7 (V3 cut); G22-G23 the

@@ -117,13 +117,14 @@ def main() -> int:
                    help="the DeepSeek family's verify block (MTP drafts) as one chain of Triton kernels "
                         "(MlaStack.VERIFY_CHAIN)")
     p.add_argument("--moe-flags", action="store_true",
-                   help="the DeepSeek family's one-token MoE launches synchronised by flags (GroupedMoe.SYNC)")
+                   help="the DeepSeek family's one-token MoE launches synchronised by flags (GroupedMoe.SYNC, "
+                        "MlaStack.WO_COUNT)")
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "gpu_fast_path_check.json")
     args = p.parse_args()
     if args.moe_flags:
-        from services.decode.engine.cuda import moe
+        from services.decode.engine.cuda import mla, moe
 
-        moe.GroupedMoe.SYNC = True
+        moe.GroupedMoe.SYNC = mla.MlaStack.WO_COUNT = True
     if args.mla_batch_chain or args.mla_verify_chain:
         from services.decode.engine.cuda import mla
 

@@ -289,20 +289,23 @@ def test_the_fast_drafts_write_the_mtp_rows_the_reference_step_and_vllm_write(ch
     assert torch.allclose(fast, ref, atol=3e-2, rtol=3e-2), (fast - ref).abs().max()
 
 
-def test_the_moe_launches_on_flags_keep_the_tokens(checkpoint, v3_checkpoint, pdl_interpreted, monkeypatch):
+@pytest.mark.parametrize("wo_count", [False, True])
+def test_the_moe_launches_on_flags_keep_the_tokens(checkpoint, v3_checkpoint, pdl_interpreted, monkeypatch, wo_count):
     # GroupedMoe.SYNC: the router's launch, the routed gate/up and the down kernel synchronised by flags (one token,
     # the shared experts in the router's launch) give the reference step's tokens; a spy on the router's calls says
-    # the flags served every MoE layer's one-token step (plain and draft), and they are back at 0 after each step
+    # the flags served every MoE layer's one-token step (plain and draft), and they are back at 0 after each step;
+    # with MlaStack.WO_COUNT the router's launch waits on the wo GEMV's counted programs too
     from services.decode.engine.cuda import mla, moe
 
     monkeypatch.setattr(mla.MlaStack, "PDL", True)
     monkeypatch.setattr(moe.GroupedMoe, "SYNC", True)
+    monkeypatch.setattr(mla.MlaStack, "WO_COUNT", wo_count)
     flagged = []
     real = mla.router
 
-    def spy(*args, sync=None, **kw):
-        flagged.append((args[0].shape[0], sync is not None))  # (the stack's tokens, on flags)
-        real(*args, sync=sync, **kw)
+    def spy(*args, sync=None, wait_rows=0, **kw):
+        flagged.append((args[0].shape[0], sync is not None and (wait_rows > 0) == wo_count))  # (tokens, on flags)
+        real(*args, sync=sync, wait_rows=wait_rows, **kw)
         if sync is not None:
             assert sync[0] == 1  # the ids flag stays up until the down kernel's last program
 

@@ -83,8 +83,11 @@ def _gemv_rows_kernel(x_ptr, w_ptr, out_ptr, res_ptr, nw_ptr, N, K, eps, stride_
                       K_POW2: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
                       DOT: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr = False,
                       EARLY: tl.constexpr = False, FP8: tl.constexpr = False, s_ptr=None, KB=0,
-                      SG: tl.constexpr = 1, SK: tl.constexpr = 1, ACT: tl.constexpr = False, GROUPS: tl.constexpr = 0):
-    # FP8: W is block-scaled FP8 (fp8block.py), its scales s_ptr [ceil(N / SG), KB] per SG rows x SK columns (the
+                      SG: tl.constexpr = 1, SK: tl.constexpr = 1, ACT: tl.constexpr = False, GROUPS: tl.constexpr = 0,
+                      COUNT: tl.constexpr = False, count_ptr=None):
+    # COUNT (one token, bf16): each program counts its written rows in count_ptr (release), and the next launch,
+    # which waits on that count (the router's, moe.router(wait_rows=...)), may launch once every program is past
+    # the wait. FP8: W is block-scaled FP8 (fp8block.py), its scales s_ptr [ceil(N / SG), KB] per SG rows x SK columns (the
     # program's rows in one scale row); on the tensor-core path BLOCK_K == SK. GROUPS (one token, grouped
     # activations): the FMA tiles as [BLOCK_N, GROUPS, SK], GROUPS * SK == BLOCK_K (fp8block.fp8_fma_grouped)
     pid = tl.program_id(0)
@@ -105,6 +108,8 @@ def _gemv_rows_kernel(x_ptr, w_ptr, out_ptr, res_ptr, nw_ptr, N, K, eps, stride_
                          other=0.0, eviction_policy="evict_first")
     if PDL:  # x (and the residual) come from the previous kernel
         gdc_wait()
+        if COUNT:
+            gdc_launch_dependents()
     inv = tl.full((T_PAD,), 1.0, tl.float32)
     if NORM:
         if DOT:  # T_PAD = 16 rows: sum the squares tile by tile (a [16, K] tile would not fit in registers;
@@ -173,7 +178,7 @@ def _gemv_rows_kernel(x_ptr, w_ptr, out_ptr, res_ptr, nw_ptr, N, K, eps, stride_
                     acc = fp8_fma(acc, w, x, s_ptr, srow, k, K, KB, T_PAD, SK, ACT, BLOCK_K)
                 else:
                     acc += w.to(tl.float32)[None, :, :] * x.to(tl.float32)[:, None, :]
-        if PDL:
+        if PDL and not COUNT:
             gdc_launch_dependents()
         if DOT:
             y = acc2
@@ -184,6 +189,9 @@ def _gemv_rows_kernel(x_ptr, w_ptr, out_ptr, res_ptr, nw_ptr, N, K, eps, stride_
             r = tl.load(res_ptr + t[:, None] * stride_o + rows[None, :], mask=omask, other=0.0)
             y = r.to(tl.float32) + round_to_dtype(y, r.dtype)
         tl.store(out_ptr + t[:, None] * stride_o + rows[None, :], y.to(out_ptr.dtype.element_ty), mask=omask)
+        if COUNT:
+            tl.debug_barrier()
+            tl.atomic_add(count_ptr, 1, sem="release", scope="gpu")
 
 
 DOT_ROWS = 16  # tokens padded to one tensor-core tile when T > 1
@@ -199,7 +207,7 @@ def gemv_rows(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, *, norm_w: to
               eps: float = 1e-6, residual: torch.Tensor | None = None, block_n: int = 8, block_k: int = 256,
               num_warps: int = 4, stages: int = 4, dot: bool | None = None,
               dot_tile: tuple[int, int, int, int] | None = None, heads: bool = False, pdl: bool = False,
-              early: bool = True, fp8_rows: int | None = None) -> torch.Tensor:
+              early: bool = True, fp8_rows: int | None = None, count: torch.Tensor | None = None) -> torch.Tensor:
     """out[T, N] = [residual +] x'[T, K] @ W[N, K]^T, x' = rmsnorm(x) * norm_w when given (T <= MAX_ROWS);
     ``w`` a bf16 tensor or block-scaled FP8 (fp8block.BlockFp8, its scales applied in the kernel).
 
@@ -210,7 +218,8 @@ def gemv_rows(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, *, norm_w: to
     [heads, T, D] (the per-head value projection's output), read as [T, heads * D] in place. ``pdl``: launched
     as a programmatic dependent of the previous kernel, with (``early``) its first weight tile before the wait.
     ``fp8_rows``: one token over block-scaled FP8 with grouped activations, the fewest rows a program (default
-    fp8block.FMA_ACT_BLOCK_N)."""
+    fp8block.FMA_ACT_BLOCK_N). ``count`` (one token, bf16 weights): an int32 entry each program adds 1 to once its
+    rows are written (:func:`rows_programs` of them), for a next launch that waits on it."""
     if heads:  # x [heads, T, D] read as [T, heads * D] without a copy
         if norm_w is not None:
             raise ValueError("gemv_rows: heads=True takes no norm_w")
@@ -232,7 +241,11 @@ def gemv_rows(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, *, norm_w: to
     fp8 = kernel_args(w)
     if fp8:
         fp8["GROUPS"] = fp8_groups(w, t, dot, block_k)
-    w = w.w if fp8 else w
+    if count is not None:
+        if t != 1 or fp8:
+            raise ValueError("gemv_rows(count=...) counts one token's bf16 programs")
+        fp8 = dict(COUNT=True, count_ptr=count)
+    w = w.w if isinstance(w, BlockFp8) else w
     _gemv_rows_kernel[(triton.cdiv(n, block_n),)](
         x, w, out, residual if residual is not None else out, norm_w if norm_w is not None else x, n, k, eps,
         stride_t, out.stride(0), stride_h, HEAD_DIM=hd, T=t, T_PAD=DOT_ROWS if dot else triton.next_power_of_2(t), NORM=norm_w is not None,
@@ -298,9 +311,23 @@ def _router_x(h_ptr, nw_ptr, xn_ptr, pid, k, K, inv, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
+def _wait_input(sync_ptr, N_ROWS, PDL: tl.constexpr, FLAGS: tl.constexpr, WAIT_ROWS: tl.constexpr):
+    # the router's launch: the previous GEMV's N_ROWS programs counted in sync[3] (WAIT_ROWS) or its end; with FLAGS
+    # the experts' launch may then start
+    if WAIT_ROWS:
+        while tl.atomic_add(sync_ptr + 3, 0, sem="acquire", scope="gpu") < N_ROWS:
+            pass
+    elif PDL:
+        gdc_wait()
+    if PDL and FLAGS:  # the routed gate/up launch waits on the router's flag, not on this launch's end
+        gdc_launch_dependents()
+
+
+@triton.jit
 def _shared_gate_up(h_row, nw_ptr, sw_ptr, act_ptr, j, I, K, eps, stride_se, TOPK: tl.constexpr,
                     K_POW2: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
-                    PDL: tl.constexpr, EARLY: tl.constexpr, FLAGS: tl.constexpr = False, sync_ptr=None):
+                    PDL: tl.constexpr, EARLY: tl.constexpr, FLAGS: tl.constexpr = False, sync_ptr=None,
+                    WAIT_ROWS: tl.constexpr = False, N_ROWS=0):
     # one token's shared expert j // (I / BLOCK_N), rows block j % (I / BLOCK_N): silu(gate) * up over the normed
     # residual as _moe_gate_up_kernel's one-token FMA path computes it from xn (the same normed values, products and
     # roundings), into its pair's act row (TOPK + the expert's index)
@@ -315,10 +342,7 @@ def _shared_gate_up(h_row, nw_ptr, sw_ptr, act_ptr, j, I, K, eps, stride_se, TOP
         m0 = rmask[:, None] & (k0 < K)[None, :]
         wa0 = tl.load(base + rows[:, None].to(tl.int64) * K + k0[None, :], mask=m0, other=0.0)
         wb0 = tl.load(base + (rows + I)[:, None].to(tl.int64) * K + k0[None, :], mask=m0, other=0.0)
-    if PDL:
-        gdc_wait()
-        if FLAGS:  # the routed gate/up launch waits on the router's flag, not on this launch's end
-            gdc_launch_dependents()
+    _wait_input(sync_ptr, N_ROWS, PDL, FLAGS, WAIT_ROWS)
     kk = tl.arange(0, K_POW2)
     xs = tl.load(h_row + kk, mask=kk < K, other=0.0).to(tl.float32)
     inv = 1.0 / tl.sqrt(tl.sum(xs * xs, axis=0) / K + eps)
@@ -356,14 +380,16 @@ def _router_fused_kernel(h_ptr, nw_ptr, xn_ptr, w_ptr, bias_ptr, logits_ptr, cou
                          PDL: tl.constexpr = False, EARLY: tl.constexpr = False, sw_ptr=None, act_ptr=None, I=0,
                          stride_se=0, SHARED: tl.constexpr = False, S_BLOCK_N: tl.constexpr = 8,
                          S_BLOCK_K: tl.constexpr = 512, S_STAGES: tl.constexpr = 3, FLAGS: tl.constexpr = False,
-                         sync_ptr=None):
+                         sync_ptr=None, WAIT_ROWS: tl.constexpr = False, N_ROWS=0):
     # token t = program_id(1): the MLP's RMSNorm of its row (its output -> xn, by program 0, for the experts),
     # the router GEMV (BLOCK_N experts a program, as gemv_rows' one-token form: the same rounding points) and,
     # in the last of the token's programs to finish, its top-k (_topk_body): one launch instead of three.
     # SHARED (one token): programs past the router's also run the shared experts' gate/up + SiLU
     # (_shared_gate_up), so their weights stream while the router's latency-bound chain runs. FLAGS (with SHARED):
     # the top-k's program sets sync[0] once the ids are written and each shared program counts its act rows in
-    # sync[1], so the experts' launches wait on those (GroupedMoe(sync=...)) rather than on this launch's end
+    # sync[1], so the experts' launches wait on those (GroupedMoe(sync=...)) rather than on this launch's end;
+    # WAIT_ROWS: this launch's programs wait for the previous GEMV's N_ROWS programs in sync[3] (gemv_rows(count=))
+    # rather than for its end
     pid = tl.program_id(0)
     t = tl.program_id(1)
     h_row = h_ptr + t * stride_h
@@ -372,11 +398,11 @@ def _router_fused_kernel(h_ptr, nw_ptr, xn_ptr, w_ptr, bias_ptr, logits_ptr, cou
     if SHARED:
         if pid >= R_PROGRAMS:
             _shared_gate_up(h_row, nw_ptr, sw_ptr, act_ptr, pid - R_PROGRAMS, I, K, eps, stride_se, TOPK, K_POW2,
-                            S_BLOCK_N, S_BLOCK_K, S_STAGES, PDL, EARLY, FLAGS, sync_ptr)
+                            S_BLOCK_N, S_BLOCK_K, S_STAGES, PDL, EARLY, FLAGS, sync_ptr, WAIT_ROWS, N_ROWS)
         else:
             _router_program(h_row, nw_ptr, xn_row, w_ptr, bias_ptr, logits_ptr, count_ptr, ids_ptr, wts_ptr, scale,
                             eps, K, pid, t, R_PROGRAMS, E, TOPK, N_GROUP, TOPK_GROUP, E_POW2, K_POW2, BLOCK_N,
-                            BLOCK_K, STAGES, PDL, EARLY, FLAGS, sync_ptr)
+                            BLOCK_K, STAGES, PDL, EARLY, FLAGS, sync_ptr, WAIT_ROWS, N_ROWS)
     else:
         _router_program(h_row, nw_ptr, xn_row, w_ptr, bias_ptr, logits_ptr, count_ptr, ids_ptr, wts_ptr, scale, eps,
                         K, pid, t, R_PROGRAMS, E, TOPK, N_GROUP, TOPK_GROUP, E_POW2, K_POW2, BLOCK_N, BLOCK_K,
@@ -388,7 +414,7 @@ def _router_program(h_row, nw_ptr, xn_row, w_ptr, bias_ptr, logits_ptr, count_pt
                     pid, t, R_PROGRAMS: tl.constexpr, E: tl.constexpr, TOPK: tl.constexpr, N_GROUP: tl.constexpr,
                     TOPK_GROUP: tl.constexpr, E_POW2: tl.constexpr, K_POW2: tl.constexpr, BLOCK_N: tl.constexpr,
                     BLOCK_K: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr,
-                    FLAGS: tl.constexpr = False, sync_ptr=None):
+                    FLAGS: tl.constexpr = False, sync_ptr=None, WAIT_ROWS: tl.constexpr = False, N_ROWS=0):
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     rmask = rows < E
     FIRST: tl.constexpr = BLOCK_K if EARLY else 0  # EARLY (with PDL): weight tile 0 loaded before the wait
@@ -396,10 +422,7 @@ def _router_program(h_row, nw_ptr, xn_row, w_ptr, bias_ptr, logits_ptr, count_pt
         k0 = tl.arange(0, BLOCK_K)
         w0 = tl.load(w_ptr + rows[:, None].to(tl.int64) * K + k0[None, :], mask=rmask[:, None] & (k0 < K)[None, :],
                      other=0.0, eviction_policy="evict_first")
-    if PDL:  # h comes from the previous kernel (and xn / logits / ids may still be read by it)
-        gdc_wait()
-        if FLAGS:
-            gdc_launch_dependents()
+    _wait_input(sync_ptr, N_ROWS, PDL, FLAGS, WAIT_ROWS)  # h comes from the previous kernel
     kk = tl.arange(0, K_POW2)
     xs = tl.load(h_row + kk, mask=kk < K, other=0.0).to(tl.float32)
     inv = 1.0 / tl.sqrt(tl.sum(xs * xs, axis=0) / K + eps)
@@ -430,7 +453,8 @@ def router(xn: torch.Tensor, w: torch.Tensor, bias: torch.Tensor, ids: torch.Ten
            top_k: int, scale: float, logits: torch.Tensor | None = None, *, n_group: int = 1,
            topk_group: int = 1, norm_w: torch.Tensor | None = None, eps: float = 1e-6,
            xn_out: torch.Tensor | None = None, count: torch.Tensor | None = None, pdl: bool = False,
-           early: bool = True, shared: "SharedGateUp | None" = None, sync: torch.Tensor | None = None) -> None:
+           early: bool = True, shared: "SharedGateUp | None" = None, sync: torch.Tensor | None = None,
+           wait_rows: int = 0) -> None:
     """ids [T, k] int32 (best first), wts [T, k] fp32 from normed x [T, H] (noaux_tc; group-limited to
     the ``topk_group`` best of ``n_group`` expert groups when fewer than all: reference.router).
 
@@ -442,7 +466,8 @@ def router(xn: torch.Tensor, w: torch.Tensor, bias: torch.Tensor, ids: torch.Ten
     zeros, a token's entry reset by its last program; allocated when not given). ``shared`` (with ``norm_w``, one
     token, bf16 shared experts): the same launch also runs the shared experts' gate/up + SiLU into their act rows
     (GroupedMoe(..., shared_done=True) then runs the routed pairs only). ``sync`` (with ``shared``): an int32 [4]
-    of zeros shared with that GroupedMoe call (:data:`GroupedMoe.SYNC` explains it)."""
+    of zeros shared with that GroupedMoe call (:data:`GroupedMoe.SYNC` explains it); ``wait_rows`` (with ``sync``):
+    the launch waits for that many programs of the GEMV before it (gemv_rows(count=sync[3:])), not for its end."""
     t, e = xn.shape[0], w.shape[0]
     if norm_w is not None and xn_out is None:
         raise ValueError("router(norm_w=...) takes an xn_out for its normed input")
@@ -461,12 +486,14 @@ def router(xn: torch.Tensor, w: torch.Tensor, bias: torch.Tensor, ids: torch.Ten
         extra, programs = {}, triton.cdiv(e, 2)
         if sync is not None and shared is None:
             raise ValueError("router(sync=...) flags the shared experts' act rows: it takes shared=")
+        if wait_rows and sync is None:
+            raise ValueError("router(wait_rows=...) waits on sync[3]: it takes sync=")
         if shared is not None:
             if t != 1:
                 raise ValueError(f"router(shared=...) runs one token's shared experts, not {t} tokens'")
             extra = dict(sw_ptr=shared.w, act_ptr=shared.act, I=shared.inter, stride_se=shared.w.stride(0),
                          SHARED=True, S_BLOCK_N=shared.block_n, S_BLOCK_K=shared.block_k, S_STAGES=shared.stages,
-                         FLAGS=sync is not None, sync_ptr=sync)
+                         FLAGS=sync is not None, sync_ptr=sync, WAIT_ROWS=wait_rows > 0, N_ROWS=wait_rows)
             programs += shared.programs
         _router_fused_kernel[(programs, t)](
             xn, norm_w, xn_out, w, bias, logits, count, ids, wts, scale, eps, k, xn.stride(0), xn_out.stride(0),
@@ -790,6 +817,7 @@ def _moe_down_rows_kernel(act_ptr, ids_ptr, w_ptr, ws_ptr, wts_ptr, h_ptr, H, I,
             tl.atomic_xchg(sync_ptr, 0, sem="relaxed", scope="gpu")  # every program is past both waits
             tl.atomic_xchg(sync_ptr + 1, 0, sem="relaxed", scope="gpu")
             tl.atomic_xchg(sync_ptr + 2, 0, sem="relaxed", scope="gpu")
+            tl.atomic_xchg(sync_ptr + 3, 0, sem="relaxed", scope="gpu")  # the GEMV's count before the router's
     elif PDL:
         gdc_wait()
     routed = tl.zeros((BLOCK_N,), tl.float32)
