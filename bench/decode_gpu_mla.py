@@ -447,6 +447,9 @@ ONE_TOKEN_VARIANTS = {  # name -> what the run sets: ("mod.Class", attr) class a
     "moe_flags": {("moe.GroupedMoe", "SYNC"): True},
     # ... and the router's launch on the wo GEMV's counted programs, not on its end
     "moe_flags_wo": {("moe.GroupedMoe", "SYNC"): True, ("mla.MlaStack", "WO_COUNT"): True},
+    # the waits with a nanosleep between reads (G40: the flags as they were read back to back cost +61 us on V2-Lite)
+    "moe_flags_sleep100": {("moe.GroupedMoe", "SYNC"): True, ("moe.GroupedMoe", "SYNC_SLEEP_NS"): 100},
+    "moe_flags_sleep500": {("moe.GroupedMoe", "SYNC"): True, ("moe.GroupedMoe", "SYNC_SLEEP_NS"): 500},
 }
 # run G21 also timed the first shared expert in the experts' launch and the second beside the router, with and without
 # the experts' launch asking L2 for its weights before its wait: +47..+63 us (V2-Lite), +6..+7 (V3 cut); G22-G23 the

@@ -629,7 +629,7 @@ class MlaStack:
         if lw.is_moe and self.fused_router:  # the MLP's norm, the router and its top-k in one launch
             router(h, lw.router, lw.router_bias, self.ids, self.wts, d.top_k, d.routed_scale, self.router_logits,
                    norm_w=lw.mlp_norm, eps=d.eps, xn_out=self.xn, count=self.router_count, pdl=self.pdl,
-                   early=self.early, shared=shared, sync=sync,
+                   early=self.early, shared=shared, sync=sync, sleep_ns=self.moe.sleep_ns,
                    wait_rows=triton.cdiv(lw.wo.shape[0], self.tiles["wo"][0]) if wo_count else 0, **route)
         else:
             smallops.rmsnorm_rows(h, lw.mlp_norm, self.xn, d.eps, pdl=self.pdl)

@@ -311,12 +311,22 @@ def _router_x(h_ptr, nw_ptr, xn_ptr, pid, k, K, inv, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
-def _wait_input(sync_ptr, N_ROWS, PDL: tl.constexpr, FLAGS: tl.constexpr, WAIT_ROWS: tl.constexpr):
+def _spin_until(ptr, target, SLEEP_NS: tl.constexpr = 0):
+    # until the int32 at ptr reaches target (acquire: what was written before its release is seen after); SLEEP_NS:
+    # nanosleep between reads, so a waiting program leaves its SM's issue slots to the programs it waits on
+    while tl.atomic_add(ptr, 0, sem="acquire", scope="gpu") < target:
+        if SLEEP_NS > 0:
+            tl.inline_asm_elementwise("nanosleep.u32 $1; mov.b32 $0, $1;", "=r,r", [tl.full((1,), SLEEP_NS, tl.int32)],
+                                      dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _wait_input(sync_ptr, N_ROWS, PDL: tl.constexpr, FLAGS: tl.constexpr, WAIT_ROWS: tl.constexpr,
+                SLEEP_NS: tl.constexpr):
     # the router's launch: the previous GEMV's N_ROWS programs counted in sync[3] (WAIT_ROWS) or its end; with FLAGS
     # the experts' launch may then start
     if WAIT_ROWS:
-        while tl.atomic_add(sync_ptr + 3, 0, sem="acquire", scope="gpu") < N_ROWS:
-            pass
+        _spin_until(sync_ptr + 3, N_ROWS, SLEEP_NS)
     elif PDL:
         gdc_wait()
     if PDL and FLAGS:  # the routed gate/up launch waits on the router's flag, not on this launch's end
@@ -327,7 +337,7 @@ def _wait_input(sync_ptr, N_ROWS, PDL: tl.constexpr, FLAGS: tl.constexpr, WAIT_R
 def _shared_gate_up(h_row, nw_ptr, sw_ptr, act_ptr, j, I, K, eps, stride_se, TOPK: tl.constexpr,
                     K_POW2: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
                     PDL: tl.constexpr, EARLY: tl.constexpr, FLAGS: tl.constexpr = False, sync_ptr=None,
-                    WAIT_ROWS: tl.constexpr = False, N_ROWS=0):
+                    WAIT_ROWS: tl.constexpr = False, N_ROWS=0, SLEEP_NS: tl.constexpr = 0):
     # one token's shared expert j // (I / BLOCK_N), rows block j % (I / BLOCK_N): silu(gate) * up over the normed
     # residual as _moe_gate_up_kernel's one-token FMA path computes it from xn (the same normed values, products and
     # roundings), into its pair's act row (TOPK + the expert's index)
@@ -342,7 +352,7 @@ def _shared_gate_up(h_row, nw_ptr, sw_ptr, act_ptr, j, I, K, eps, stride_se, TOP
         m0 = rmask[:, None] & (k0 < K)[None, :]
         wa0 = tl.load(base + rows[:, None].to(tl.int64) * K + k0[None, :], mask=m0, other=0.0)
         wb0 = tl.load(base + (rows + I)[:, None].to(tl.int64) * K + k0[None, :], mask=m0, other=0.0)
-    _wait_input(sync_ptr, N_ROWS, PDL, FLAGS, WAIT_ROWS)
+    _wait_input(sync_ptr, N_ROWS, PDL, FLAGS, WAIT_ROWS, SLEEP_NS)
     kk = tl.arange(0, K_POW2)
     xs = tl.load(h_row + kk, mask=kk < K, other=0.0).to(tl.float32)
     inv = 1.0 / tl.sqrt(tl.sum(xs * xs, axis=0) / K + eps)
@@ -380,7 +390,7 @@ def _router_fused_kernel(h_ptr, nw_ptr, xn_ptr, w_ptr, bias_ptr, logits_ptr, cou
                          PDL: tl.constexpr = False, EARLY: tl.constexpr = False, sw_ptr=None, act_ptr=None, I=0,
                          stride_se=0, SHARED: tl.constexpr = False, S_BLOCK_N: tl.constexpr = 8,
                          S_BLOCK_K: tl.constexpr = 512, S_STAGES: tl.constexpr = 3, FLAGS: tl.constexpr = False,
-                         sync_ptr=None, WAIT_ROWS: tl.constexpr = False, N_ROWS=0):
+                         sync_ptr=None, WAIT_ROWS: tl.constexpr = False, N_ROWS=0, SLEEP_NS: tl.constexpr = 0):
     # token t = program_id(1): the MLP's RMSNorm of its row (its output -> xn, by program 0, for the experts),
     # the router GEMV (BLOCK_N experts a program, as gemv_rows' one-token form: the same rounding points) and,
     # in the last of the token's programs to finish, its top-k (_topk_body): one launch instead of three.
@@ -398,11 +408,11 @@ def _router_fused_kernel(h_ptr, nw_ptr, xn_ptr, w_ptr, bias_ptr, logits_ptr, cou
     if SHARED:
         if pid >= R_PROGRAMS:
             _shared_gate_up(h_row, nw_ptr, sw_ptr, act_ptr, pid - R_PROGRAMS, I, K, eps, stride_se, TOPK, K_POW2,
-                            S_BLOCK_N, S_BLOCK_K, S_STAGES, PDL, EARLY, FLAGS, sync_ptr, WAIT_ROWS, N_ROWS)
+                            S_BLOCK_N, S_BLOCK_K, S_STAGES, PDL, EARLY, FLAGS, sync_ptr, WAIT_ROWS, N_ROWS, SLEEP_NS)
         else:
             _router_program(h_row, nw_ptr, xn_row, w_ptr, bias_ptr, logits_ptr, count_ptr, ids_ptr, wts_ptr, scale,
                             eps, K, pid, t, R_PROGRAMS, E, TOPK, N_GROUP, TOPK_GROUP, E_POW2, K_POW2, BLOCK_N,
-                            BLOCK_K, STAGES, PDL, EARLY, FLAGS, sync_ptr, WAIT_ROWS, N_ROWS)
+                            BLOCK_K, STAGES, PDL, EARLY, FLAGS, sync_ptr, WAIT_ROWS, N_ROWS, SLEEP_NS)
     else:
         _router_program(h_row, nw_ptr, xn_row, w_ptr, bias_ptr, logits_ptr, count_ptr, ids_ptr, wts_ptr, scale, eps,
                         K, pid, t, R_PROGRAMS, E, TOPK, N_GROUP, TOPK_GROUP, E_POW2, K_POW2, BLOCK_N, BLOCK_K,
@@ -414,7 +424,8 @@ def _router_program(h_row, nw_ptr, xn_row, w_ptr, bias_ptr, logits_ptr, count_pt
                     pid, t, R_PROGRAMS: tl.constexpr, E: tl.constexpr, TOPK: tl.constexpr, N_GROUP: tl.constexpr,
                     TOPK_GROUP: tl.constexpr, E_POW2: tl.constexpr, K_POW2: tl.constexpr, BLOCK_N: tl.constexpr,
                     BLOCK_K: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr,
-                    FLAGS: tl.constexpr = False, sync_ptr=None, WAIT_ROWS: tl.constexpr = False, N_ROWS=0):
+                    FLAGS: tl.constexpr = False, sync_ptr=None, WAIT_ROWS: tl.constexpr = False, N_ROWS=0,
+                    SLEEP_NS: tl.constexpr = 0):
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     rmask = rows < E
     FIRST: tl.constexpr = BLOCK_K if EARLY else 0  # EARLY (with PDL): weight tile 0 loaded before the wait
@@ -422,7 +433,7 @@ def _router_program(h_row, nw_ptr, xn_row, w_ptr, bias_ptr, logits_ptr, count_pt
         k0 = tl.arange(0, BLOCK_K)
         w0 = tl.load(w_ptr + rows[:, None].to(tl.int64) * K + k0[None, :], mask=rmask[:, None] & (k0 < K)[None, :],
                      other=0.0, eviction_policy="evict_first")
-    _wait_input(sync_ptr, N_ROWS, PDL, FLAGS, WAIT_ROWS)  # h comes from the previous kernel
+    _wait_input(sync_ptr, N_ROWS, PDL, FLAGS, WAIT_ROWS, SLEEP_NS)  # h comes from the previous kernel
     kk = tl.arange(0, K_POW2)
     xs = tl.load(h_row + kk, mask=kk < K, other=0.0).to(tl.float32)
     inv = 1.0 / tl.sqrt(tl.sum(xs * xs, axis=0) / K + eps)
@@ -454,7 +465,7 @@ def router(xn: torch.Tensor, w: torch.Tensor, bias: torch.Tensor, ids: torch.Ten
            topk_group: int = 1, norm_w: torch.Tensor | None = None, eps: float = 1e-6,
            xn_out: torch.Tensor | None = None, count: torch.Tensor | None = None, pdl: bool = False,
            early: bool = True, shared: "SharedGateUp | None" = None, sync: torch.Tensor | None = None,
-           wait_rows: int = 0) -> None:
+           wait_rows: int = 0, sleep_ns: int = 0) -> None:
     """ids [T, k] int32 (best first), wts [T, k] fp32 from normed x [T, H] (noaux_tc; group-limited to
     the ``topk_group`` best of ``n_group`` expert groups when fewer than all: reference.router).
 
@@ -467,7 +478,8 @@ def router(xn: torch.Tensor, w: torch.Tensor, bias: torch.Tensor, ids: torch.Ten
     token, bf16 shared experts): the same launch also runs the shared experts' gate/up + SiLU into their act rows
     (GroupedMoe(..., shared_done=True) then runs the routed pairs only). ``sync`` (with ``shared``): an int32 [4]
     of zeros shared with that GroupedMoe call (:data:`GroupedMoe.SYNC` explains it); ``wait_rows`` (with ``sync``):
-    the launch waits for that many programs of the GEMV before it (gemv_rows(count=sync[3:])), not for its end."""
+    the launch waits for that many programs of the GEMV before it (gemv_rows(count=sync[3:])), not for its end;
+    ``sleep_ns``: a waiting program's pause between reads of a flag (0: none)."""
     t, e = xn.shape[0], w.shape[0]
     if norm_w is not None and xn_out is None:
         raise ValueError("router(norm_w=...) takes an xn_out for its normed input")
@@ -493,7 +505,8 @@ def router(xn: torch.Tensor, w: torch.Tensor, bias: torch.Tensor, ids: torch.Ten
                 raise ValueError(f"router(shared=...) runs one token's shared experts, not {t} tokens'")
             extra = dict(sw_ptr=shared.w, act_ptr=shared.act, I=shared.inter, stride_se=shared.w.stride(0),
                          SHARED=True, S_BLOCK_N=shared.block_n, S_BLOCK_K=shared.block_k, S_STAGES=shared.stages,
-                         FLAGS=sync is not None, sync_ptr=sync, WAIT_ROWS=wait_rows > 0, N_ROWS=wait_rows)
+                         FLAGS=sync is not None, sync_ptr=sync, WAIT_ROWS=wait_rows > 0, N_ROWS=wait_rows,
+                         SLEEP_NS=0 if interpreting() else sleep_ns)
             programs += shared.programs
         _router_fused_kernel[(programs, t)](
             xn, norm_w, xn_out, w, bias, logits, count, ids, wts, scale, eps, k, xn.stride(0), xn_out.stride(0),
@@ -557,15 +570,14 @@ def _moe_gate_up_kernel(x_ptr, ids_ptr, w_ptr, ws_ptr, act_ptr, I, K, stride_e,
                         DOT: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr = False,
                         FP8: tl.constexpr = False, s_ptr=None, ss_ptr=None, stride_se=0, KB=0, SG: tl.constexpr = 1,
                         SK: tl.constexpr = 1, ACT: tl.constexpr = False, GROUPS: tl.constexpr = 0,
-                        FLAGS: tl.constexpr = False, sync_ptr=None):
+                        FLAGS: tl.constexpr = False, sync_ptr=None, SLEEP_NS: tl.constexpr = 0):
     # FP8: block-scaled FP8 experts (fp8block.py), scales s_ptr / ss_ptr [E, ceil(2I / SG), KB] (gate's and up's
     # rows of a program each in one scale row: I a multiple of BLOCK_N); GROUPS: one token's grouped-activation
     # tiles [BLOCK_N, GROUPS, SK] (gemv_rows' GROUPS)
     # FLAGS (GroupedMoe.SYNC): the router's flag in place of the wait, this program's act rows counted after them
     p = tl.program_id(0)
     if FLAGS:  # the router's ids and xn are written once its top-k program set the flag
-        while tl.atomic_add(sync_ptr, 0, sem="acquire", scope="gpu") == 0:
-            pass
+        _spin_until(sync_ptr, 1, SLEEP_NS)
         if PDL:  # the down kernel waits on the count, not on this launch's end
             gdc_launch_dependents()
     elif PDL:  # the router's ids and the input rows come from earlier kernels
@@ -784,7 +796,8 @@ def _reduce_cols(y_ptr, wts_ptr, h_ptr, t, cols, cmask, H, TOPK: tl.constexpr, N
 def _moe_down_rows_kernel(act_ptr, ids_ptr, w_ptr, ws_ptr, wts_ptr, h_ptr, H, I, stride_e, TOPK: tl.constexpr,
                           NUM_SHARED: tl.constexpr, SLOTS_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
                           BLOCK_K: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr = False,
-                          EARLY: tl.constexpr = False, FLAGS: tl.constexpr = False, sync_ptr=None, N_ACT=0):
+                          EARLY: tl.constexpr = False, FLAGS: tl.constexpr = False, sync_ptr=None, N_ACT=0,
+                          SLEEP_NS: tl.constexpr = 0):
     # one token's down projections and their reduce by output rows: a program owns BLOCK_N rows of h and walks
     # every pair (routed, then shared), one [BLOCK_N, I] tile a pair (BLOCK_K >= I), so its stream is all the
     # layer's pairs back to back and no other program's rows are waited for; the sums are combined as
@@ -802,8 +815,7 @@ def _moe_down_rows_kernel(act_ptr, ids_ptr, w_ptr, ws_ptr, wts_ptr, h_ptr, H, I,
     dt = h_ptr.dtype.element_ty
     sj = tl.arange(0, SLOTS_PAD)
     if FLAGS:
-        while tl.atomic_add(sync_ptr, 0, sem="acquire", scope="gpu") == 0:
-            pass
+        _spin_until(sync_ptr, 1, SLEEP_NS)
     ids = tl.load(ids_ptr + sj, mask=sj < TOPK, other=0, cache_modifier=".cg")  # the pairs' experts, loop-invariant
     wts = tl.load(wts_ptr + sj, mask=sj < TOPK, other=0.0, cache_modifier=".cg")
     if EARLY:  # the first pair's weight tile before the wait
@@ -811,8 +823,7 @@ def _moe_down_rows_kernel(act_ptr, ids_ptr, w_ptr, ws_ptr, wts_ptr, h_ptr, H, I,
         b0 = (w_ptr + e0.to(tl.int64) * stride_e) if TOPK > 0 else ws_ptr
         w0 = tl.load(b0 + rows[:, None].to(tl.int64) * I + offs[None, :], mask=wmask, other=0.0)
     if FLAGS:
-        while tl.atomic_add(sync_ptr + 1, 0, sem="acquire", scope="gpu") < N_ACT:
-            pass
+        _spin_until(sync_ptr + 1, N_ACT, SLEEP_NS)
         if tl.atomic_add(sync_ptr + 2, 1, sem="relaxed", scope="gpu") == tl.num_programs(0) - 1:
             tl.atomic_xchg(sync_ptr, 0, sem="relaxed", scope="gpu")  # every program is past both waits
             tl.atomic_xchg(sync_ptr + 1, 0, sem="relaxed", scope="gpu")
@@ -891,6 +902,7 @@ class GroupedMoe:
     # waits (the last resets all three). Each launch lets the next one launch once its programs have passed their
     # own wait: every program a later one waits on has started, so no wait can hold an SM another one needs.
     SYNC: bool = False
+    SYNC_SLEEP_NS: int = 0  # a waiting program's nanosleep between reads of a flag (0: it reads back to back)
 
     def __init__(self, *, num_tokens: int, top_k: int, num_shared: int, hidden: int, inter: int,
                  device: torch.device | str, tiles: tuple[tuple[int, int, int, int], ...] | None = None,
@@ -949,7 +961,7 @@ class GroupedMoe:
         rows_down = self._rows_down(fp8)
         if sync is not None and not (shared_done and rows_down):
             raise ValueError("GroupedMoe(sync=...): one token, shared experts in the router's launch, down by rows")
-        flags = dict(FLAGS=True, sync_ptr=sync[0]) if sync is not None else {}
+        flags = dict(FLAGS=True, sync_ptr=sync[0], SLEEP_NS=self.sleep_ns) if sync is not None else {}
         up_grid = (up_pairs, triton.cdiv(inter, bn))
         _moe_gate_up_kernel[up_grid](
             xn, ids, w_gate_up, shared_gate_up, self.act, inter, hid, 2 * inter * hid, **common,
@@ -976,6 +988,11 @@ class GroupedMoe:
         _moe_reduce_kernel[(t, triton.cdiv(hid, 1024))](self.out_rows, wts, h, hid, TOPK=self.top_k,
                                                         NUM_SHARED=self.num_shared, BLOCK=1024, PDL=self.pdl,
                                                         num_warps=4, **launch_opts(self.pdl))
+
+    @property
+    def sleep_ns(self) -> int:
+        """:data:`SYNC_SLEEP_NS` where the kernels are compiled (the interpreter has no nanosleep)."""
+        return 0 if interpreting() else self.SYNC_SLEEP_NS
 
     def _rows_down(self, fp8: bool) -> bool:
         return bool(self.DOWN_ROWS_TILE) and self.num_tokens == 1 and not fp8 and self.inter <= self.DOWN_ROWS_MAX_I
