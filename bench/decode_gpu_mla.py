@@ -443,13 +443,6 @@ ONE_TOKEN_VARIANTS = {  # name -> what the run sets: ("mod.Class", attr) class a
     "product": {},
     "shared_in_experts": {("mla.MlaStack", "SHARED_IN_ROUTER"): False},
     "down_by_pairs": {("moe.GroupedMoe", "DOWN_ROWS_TILE"): None},
-    # the router's launch, the routed gate/up and the down kernel on flags, not each on the previous one's end
-    "moe_flags": {("moe.GroupedMoe", "SYNC"): True},
-    # ... and the router's launch on the wo GEMV's counted programs, not on its end
-    "moe_flags_wo": {("moe.GroupedMoe", "SYNC"): True, ("mla.MlaStack", "WO_COUNT"): True},
-    # the waits with a nanosleep between reads (G40: the flags as they were read back to back cost +61 us on V2-Lite)
-    "moe_flags_sleep100": {("moe.GroupedMoe", "SYNC"): True, ("moe.GroupedMoe", "SYNC_SLEEP_NS"): 100},
-    "moe_flags_sleep500": {("moe.GroupedMoe", "SYNC"): True, ("moe.GroupedMoe", "SYNC_SLEEP_NS"): 500},
 }
 # run G21 also timed the first shared expert in the experts' launch and the second beside the router, with and without
 # the experts' launch asking L2 for its weights before its wait: +47..+63 us (V2-Lite), +6..+7 (V3 cut); G22-G23 the
@@ -459,6 +452,10 @@ ONE_TOKEN_VARIANTS = {  # name -> what the run sets: ("mod.Class", attr) class a
 # tiles; bit-equal), the rows kernel then walking the routed pairs only: +10..+53 us (V2-Lite), -5 (V3 cut)
 # run G17 also timed the router-launch shared experts in (4|16, 512, 3), (8, 256, 4), (8, 1024, 2) tiles: +24..+58 us;
 # G20 the rows kernel's pairs unrolled, each tile loaded one pair ahead: +20..+184 us (V2-Lite)
+# G40 the router's launch, the routed gate/up and the down kernel synchronised by flags (the top-k's program flagging
+# the ids, the act rows counted; each launch triggering its dependents once past its own wait) instead of each
+# waiting for the previous grid's end: +54..+61 us (V2-Lite), neutral (V3 cut); with the router's launch waiting on
+# wo's counted programs too +77; a nanosleep of 100 / 500 ns between a waiting program's reads +49..+51
 ATTN_VARIANTS = {  # the one-token attention's forms (MLA_ATTN_AB). Run G13 also timed one program a split (value
     # chunks 1) at 16, 32 and 64 splits, 16-row key blocks and 8 warps; G14-G18 the merge + w_uv in 16 / 64 value
     # columns, q . w_uk in 32 / 128 latent columns, 32 splits in 4 chunks and in 2 on 8 warps: all slower
@@ -477,9 +474,6 @@ def one_token_variants_ab(X, model, caches, cos, sin, ctx: int, R: dict, tag: st
     gate/up in the experts' launch, the down projections by pairs, the attention's splits), alternated three
     times in one process (best of each), with the greedy tokens of each (``{tag}{key}``)."""
     variants = variants or ONE_TOKEN_VARIANTS
-    only = os.environ.get("MLA_AB_ONLY")  # "product,moe_flags": these forms alone (a shorter run)
-    if only:
-        variants = {k: v for k, v in variants.items() if k in only.split(",")}
     out: dict = {k: [] for k in variants}
     toks = {}
     for _ in range(3):

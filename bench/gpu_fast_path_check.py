@@ -116,23 +116,15 @@ def main() -> int:
     p.add_argument("--mla-verify-chain", action="store_true",
                    help="the DeepSeek family's verify block (MTP drafts) as one chain of Triton kernels "
                         "(MlaStack.VERIFY_CHAIN)")
-    p.add_argument("--moe-flags", action="store_true",
-                   help="the DeepSeek family's one-token MoE launches synchronised by flags (GroupedMoe.SYNC, "
-                        "MlaStack.WO_COUNT)")
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "gpu_fast_path_check.json")
     args = p.parse_args()
-    if args.moe_flags:
-        from services.decode.engine.cuda import mla, moe
-
-        moe.GroupedMoe.SYNC = mla.MlaStack.WO_COUNT = True
     if args.mla_batch_chain or args.mla_verify_chain:
         from services.decode.engine.cuda import mla
 
         mla.MlaStack.BATCH_CHAIN = mla.MlaStack.BATCH_CHAIN or args.mla_batch_chain
         mla.MlaStack.VERIFY_CHAIN = mla.MlaStack.VERIFY_CHAIN or args.mla_verify_chain
     out: dict = {"bench": "gpu_fast_path_check", "device": torch.cuda.get_device_name(0),
-                 "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "tokens": args.tokens,
-                 "moe_flags": args.moe_flags}
+                 "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "tokens": args.tokens}
     ok = True
     kv = args.kv_cache_dtype
     for arch in args.archs.split(","):

@@ -287,38 +287,3 @@ def test_the_fast_drafts_write_the_mtp_rows_the_reference_step_and_vllm_write(ch
     fast, ref = rows["on"], rows["off"]
     assert fast[n - 1].abs().max() > 0
     assert torch.allclose(fast, ref, atol=3e-2, rtol=3e-2), (fast - ref).abs().max()
-
-
-@pytest.mark.parametrize("wo_count", [False, True])
-def test_the_moe_launches_on_flags_keep_the_tokens(checkpoint, v3_checkpoint, pdl_interpreted, monkeypatch, wo_count):
-    # GroupedMoe.SYNC: the router's launch, the routed gate/up and the down kernel synchronised by flags (one token,
-    # the shared experts in the router's launch) give the reference step's tokens; a spy on the router's calls says
-    # the flags served every MoE layer's one-token step (plain and draft), and they are back at 0 after each step;
-    # with MlaStack.WO_COUNT the router's launch waits on the wo GEMV's counted programs too
-    from services.decode.engine.cuda import mla, moe
-
-    monkeypatch.setattr(mla.MlaStack, "PDL", True)
-    monkeypatch.setattr(moe.GroupedMoe, "SYNC", True)
-    monkeypatch.setattr(mla.MlaStack, "WO_COUNT", wo_count)
-    flagged = []
-    real = mla.router
-
-    def spy(*args, sync=None, wait_rows=0, **kw):
-        flagged.append((args[0].shape[0], sync is not None and (wait_rows > 0) == wo_count))  # (tokens, on flags)
-        real(*args, sync=sync, wait_rows=wait_rows, **kw)
-        if sync is not None:
-            assert sync[0] == 1  # the ids flag stays up until the down kernel's last program
-
-    monkeypatch.setattr(mla, "router", spy)
-    greedy = SamplingParams(max_tokens=10, ignore_eos=True)
-    for path, prompt in ((checkpoint, PROMPT), (v3_checkpoint, V3_PROMPT)):
-        ref = run(load(path, "off", 0), prompt, greedy)[0]
-        for k in (0, 2):  # plain steps, and steps with MTP drafts (the draft layer's MoE on flags too)
-            flagged.clear()
-            fast = load(path, "on", k)
-            tokens, _, paths = run(fast, prompt, greedy)[:3]
-            assert "fast" in paths and tokens == ref
-            one = [on for t, on in flagged if t == 1]  # the verify's stacks (several tokens) keep their waits
-            assert one and all(one)
-            dec, _ = fast.fast_path.decoders[0]
-            assert dec.stacks[1].moe_sync.eq(0).all()

@@ -145,11 +145,8 @@ def test_shared_experts_in_the_router_launch_equal_their_gate_up_launch(experts,
                                                                        pdl_interpreted):
     """router(shared=...) runs the shared experts' gate/up + SiLU beside the router (moe.SharedGateUp), and the
     grouped gate/up launch then covers the routed pairs only: the experts, the act rows and the MoE's output equal
-    the router + a gate/up launch over every pair, bit for bit; the router's count is back at 0. The same with the
-    three launches on flags (GroupedMoe.SYNC), and with the router's launch waiting on the counted programs of the
-    GEMV before it (the wo projection's, gemv_rows(count=)): the flags back at 0 after the call, as the next layer
-    needs them."""
-    from services.decode.engine.cuda.moe import GroupedMoe, gemv_rows, router
+    the router + a gate/up launch over every pair, bit for bit; the router's count is back at 0."""
+    from services.decode.engine.cuda.moe import GroupedMoe, router
 
     g = torch.Generator().manual_seed(experts + hidden + inter)
     h0 = torch.randn(1, hidden, generator=g).to(BF)
@@ -160,53 +157,19 @@ def test_shared_experts_in_the_router_launch_equal_their_gate_up_launch(experts,
     down = (torch.randn(experts, hidden, inter, generator=g) * inter ** -0.5).to(BF)
     sg = (torch.randn(shared, 2 * inter, hidden, generator=g) * hidden ** -0.5).to(BF)
     sd = (torch.randn(shared, hidden, inter, generator=g) * inter ** -0.5).to(BF)
-    o = torch.randn(1, 48, generator=g).to(BF)  # the attention's output before wo, wo's rows 4 a program
-    wo = (torch.randn(hidden, 48, generator=g) * 48 ** -0.5).to(BF)
     out = {}
-    for form in ("apart", "together", "flags", "flags_rows"):
-        together = form != "apart"
+    for together in (False, True):
         moe = GroupedMoe(num_tokens=1, top_k=top_k, num_shared=shared, hidden=hidden, inter=inter, device="cpu",
                          tiles=(tile, (8, 32, 4, 1)), pdl=pdl)
-        moe.SYNC = form == "flags"
         h, xn = h0.clone(), torch.zeros(1, hidden, dtype=BF)
         ids, wts, count = torch.zeros(1, top_k, dtype=torch.int32), torch.zeros(1, top_k), torch.zeros(1, dtype=torch.int32)
         sh = moe.shared_gate_up(sg) if together else None
-        assert (sh is not None) == together and moe.syncs(sh) == (form == "flags")
-        sync = torch.zeros(4, dtype=torch.int32) if form.startswith("flags") else None
-        rows = form == "flags_rows"
-        gemv_rows(o, wo, h, residual=h, block_n=4, block_k=16, stages=1, pdl=pdl, count=sync[3:] if rows else None)
+        assert (sh is not None) == together
         router(h, w, bias, ids, wts, top_k, 2.5, n_group=n_group, topk_group=topk_group, norm_w=norm_w, eps=1e-6,
-               xn_out=xn, count=count, pdl=pdl, shared=sh, sync=sync, wait_rows=hidden // 4 if rows else 0)
-        if sync is not None:  # the launches' flags as the down kernel finds them: ids written, every act row counted
-            assert sync[0] == 1 and sync[1] == sh.programs and sync[3] == (hidden // 4 if rows else 0)
-        moe(xn, ids, wts, gate_up, down, sg, sd, h, shared_done=together,
-            sync=(sync, sh.programs) if sync is not None else None)
-        assert count.eq(0).all() and (sync is None or sync.eq(0).all())
-        out[form] = (ids, wts, xn, moe.act.clone(), h)
-    for form in ("together", "flags", "flags_rows"):
-        for a, b in zip(out["apart"], out[form]):
-            assert torch.equal(a, b)
-    assert out["flags"][4].ne(h0).any()  # the MoE added something
-
-
-def test_flags_need_the_shared_experts_in_the_router_launch():
-    from services.decode.engine.cuda.moe import GroupedMoe, gemv_rows, router
-
-    moe = GroupedMoe(num_tokens=1, top_k=2, num_shared=1, hidden=32, inter=24, device="cpu")
-    moe.SYNC = True
-    assert not moe.syncs(None)
-    sync = torch.zeros(4, dtype=torch.int32)
-    x = torch.zeros(1, 32, dtype=BF)
-    with pytest.raises(ValueError, match="shared="):
-        router(x, torch.zeros(8, 32, dtype=BF), torch.zeros(8), torch.zeros(1, 2, dtype=torch.int32),
-               torch.zeros(1, 2), 2, 1.0, norm_w=torch.ones(32, dtype=BF), xn_out=x.clone(), sync=sync)
-    with pytest.raises(ValueError, match="takes sync="):
-        router(x, torch.zeros(8, 32, dtype=BF), torch.zeros(8), torch.zeros(1, 2, dtype=torch.int32),
-               torch.zeros(1, 2), 2, 1.0, norm_w=torch.ones(32, dtype=BF), xn_out=x.clone(), wait_rows=8,
-               shared=moe.shared_gate_up(torch.zeros(1, 48, 32, dtype=BF)))
-    with pytest.raises(ValueError, match="one token's bf16"):
-        gemv_rows(torch.zeros(2, 32, dtype=BF), torch.zeros(16, 32, dtype=BF), torch.zeros(2, 16, dtype=BF),
-                  count=sync[3:])
-    with pytest.raises(ValueError, match="down by rows"):
-        moe(x, torch.zeros(1, 2, dtype=torch.int32), torch.zeros(1, 2), torch.zeros(8, 48, 32, dtype=BF),
-            torch.zeros(8, 32, 24, dtype=BF), None, None, x.clone(), shared_done=False, sync=(sync, 3))
+               xn_out=xn, count=count, pdl=pdl, shared=sh)
+        moe(xn, ids, wts, gate_up, down, sg, sd, h, shared_done=together)
+        assert count.eq(0).all()
+        out[together] = (ids, wts, xn, moe.act.clone(), h)
+    for a, b in zip(out[False], out[True]):
+        assert torch.equal(a, b)
+    assert out[True][4].ne(h0).any()  # the MoE added something

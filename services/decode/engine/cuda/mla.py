@@ -441,9 +441,6 @@ class MlaStack:
     # context of a multiple of the splits' rows does not cost every split one more key block (run G18: V2-Lite -36
     # us at 1K and at 1000; G19 neutral; the V3 cut's 64-row programs +8..+20 us: not there)
     POS_ROW_LAST: bool = True
-    # with GroupedMoe.SYNC (one token, bf16 wo): the router's launch waits for the wo GEMV's programs to have written
-    # their rows (counted, gemv_rows(count=)) instead of for its end, and may launch once they are past their wait
-    WO_COUNT: bool = False
 
     def __init__(self, dims: MlaDims, num_tokens: int, device, num_splits: int = 16,
                  dense_inter: int = 0, max_tokens: int = 0, batch: bool = False):
@@ -471,7 +468,6 @@ class MlaStack:
         # row in one launch; the bmm forms keep the three (run MB3's form)
         self.fused_router = self.FUSED_ROUTER and chain
         self.router_count = torch.zeros(t, dtype=torch.int32, device=dev)
-        self.moe_sync = torch.zeros(4, dtype=torch.int32, device=dev)  # GroupedMoe.SYNC's flags, zero between launches
         self.uv_tile = self.UV_TILE
         self.o1 = torch.zeros(d.num_heads, t, d.v_dim, dtype=bf, device=dev) if self.fused_uv else None
         nq = d.num_heads * (d.nope + d.rope)
@@ -614,23 +610,19 @@ class MlaStack:
             o = self.o1
         else:
             o = torch.matmul(self.o_lat.transpose(0, 1), lw.w_uv_t)  # [Hq, T, v]
-        shared = sync = None
-        if lw.is_moe and self.fused_router and self.SHARED_IN_ROUTER:  # (one token) the shared experts' gate/up
-            shared = self.moe.shared_gate_up(lw.shared_gate_up)  # in the router's launch, beside its chain
-            sync = self.moe_sync if self.moe.syncs(shared) else None
-        wo_count = sync is not None and self.WO_COUNT and not isinstance(lw.wo, BlockFp8)
         if t == 1:
-            gemv_rows(o.view(1, -1), lw.wo, h, residual=h, count=self.moe_sync[3:] if wo_count else None,
-                      **self._tile("wo"))
+            gemv_rows(o.view(1, -1), lw.wo, h, residual=h, **self._tile("wo"))
         else:  # [Hq, T, v] read in place (its [T, Hq * v] transpose would be one more copy kernel)
             gemv_rows(o, lw.wo, h, residual=h, dot=self.PROJ_DOT, dot_tile=self.DOT_TILE, heads=True, pdl=self.pdl,
                       early=self.early)
         route = dict(n_group=d.n_group, topk_group=d.topk_group)
+        shared = None
         if lw.is_moe and self.fused_router:  # the MLP's norm, the router and its top-k in one launch
+            if self.SHARED_IN_ROUTER:  # (one token) with the shared experts' gate/up streaming beside them
+                shared = self.moe.shared_gate_up(lw.shared_gate_up)
             router(h, lw.router, lw.router_bias, self.ids, self.wts, d.top_k, d.routed_scale, self.router_logits,
                    norm_w=lw.mlp_norm, eps=d.eps, xn_out=self.xn, count=self.router_count, pdl=self.pdl,
-                   early=self.early, shared=shared, sync=sync, sleep_ns=self.moe.sleep_ns,
-                   wait_rows=triton.cdiv(lw.wo.shape[0], self.tiles["wo"][0]) if wo_count else 0, **route)
+                   early=self.early, shared=shared, **route)
         else:
             smallops.rmsnorm_rows(h, lw.mlp_norm, self.xn, d.eps, pdl=self.pdl)
             if lw.is_moe:
@@ -638,7 +630,7 @@ class MlaStack:
                        self.router_logits, pdl=self.pdl, early=self.early, **route)
         mlp = self.moe if lw.is_moe else self.dense
         mlp(self.xn, self.ids, self.wts, lw.gate_up, lw.down, lw.shared_gate_up, lw.shared_down, h,
-            shared_done=shared is not None, sync=(self.moe_sync, shared.programs) if sync is not None else None)
+            shared_done=shared is not None)
 
     def _tile(self, name: str) -> dict:
         bn, bk, nw, st = self.tiles[name]

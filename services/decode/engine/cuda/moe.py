@@ -83,11 +83,8 @@ def _gemv_rows_kernel(x_ptr, w_ptr, out_ptr, res_ptr, nw_ptr, N, K, eps, stride_
                       K_POW2: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
                       DOT: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr = False,
                       EARLY: tl.constexpr = False, FP8: tl.constexpr = False, s_ptr=None, KB=0,
-                      SG: tl.constexpr = 1, SK: tl.constexpr = 1, ACT: tl.constexpr = False, GROUPS: tl.constexpr = 0,
-                      COUNT: tl.constexpr = False, count_ptr=None):
-    # COUNT (one token, bf16): each program counts its written rows in count_ptr (release), and the next launch,
-    # which waits on that count (the router's, moe.router(wait_rows=...)), may launch once every program is past
-    # the wait. FP8: W is block-scaled FP8 (fp8block.py), its scales s_ptr [ceil(N / SG), KB] per SG rows x SK columns (the
+                      SG: tl.constexpr = 1, SK: tl.constexpr = 1, ACT: tl.constexpr = False, GROUPS: tl.constexpr = 0):
+    # FP8: W is block-scaled FP8 (fp8block.py), its scales s_ptr [ceil(N / SG), KB] per SG rows x SK columns (the
     # program's rows in one scale row); on the tensor-core path BLOCK_K == SK. GROUPS (one token, grouped
     # activations): the FMA tiles as [BLOCK_N, GROUPS, SK], GROUPS * SK == BLOCK_K (fp8block.fp8_fma_grouped)
     pid = tl.program_id(0)
@@ -108,8 +105,6 @@ def _gemv_rows_kernel(x_ptr, w_ptr, out_ptr, res_ptr, nw_ptr, N, K, eps, stride_
                          other=0.0, eviction_policy="evict_first")
     if PDL:  # x (and the residual) come from the previous kernel
         gdc_wait()
-        if COUNT:
-            gdc_launch_dependents()
     inv = tl.full((T_PAD,), 1.0, tl.float32)
     if NORM:
         if DOT:  # T_PAD = 16 rows: sum the squares tile by tile (a [16, K] tile would not fit in registers;
@@ -178,7 +173,7 @@ def _gemv_rows_kernel(x_ptr, w_ptr, out_ptr, res_ptr, nw_ptr, N, K, eps, stride_
                     acc = fp8_fma(acc, w, x, s_ptr, srow, k, K, KB, T_PAD, SK, ACT, BLOCK_K)
                 else:
                     acc += w.to(tl.float32)[None, :, :] * x.to(tl.float32)[:, None, :]
-        if PDL and not COUNT:
+        if PDL:
             gdc_launch_dependents()
         if DOT:
             y = acc2
@@ -189,9 +184,6 @@ def _gemv_rows_kernel(x_ptr, w_ptr, out_ptr, res_ptr, nw_ptr, N, K, eps, stride_
             r = tl.load(res_ptr + t[:, None] * stride_o + rows[None, :], mask=omask, other=0.0)
             y = r.to(tl.float32) + round_to_dtype(y, r.dtype)
         tl.store(out_ptr + t[:, None] * stride_o + rows[None, :], y.to(out_ptr.dtype.element_ty), mask=omask)
-        if COUNT:
-            tl.debug_barrier()
-            tl.atomic_add(count_ptr, 1, sem="release", scope="gpu")
 
 
 DOT_ROWS = 16  # tokens padded to one tensor-core tile when T > 1
@@ -207,7 +199,7 @@ def gemv_rows(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, *, norm_w: to
               eps: float = 1e-6, residual: torch.Tensor | None = None, block_n: int = 8, block_k: int = 256,
               num_warps: int = 4, stages: int = 4, dot: bool | None = None,
               dot_tile: tuple[int, int, int, int] | None = None, heads: bool = False, pdl: bool = False,
-              early: bool = True, fp8_rows: int | None = None, count: torch.Tensor | None = None) -> torch.Tensor:
+              early: bool = True, fp8_rows: int | None = None) -> torch.Tensor:
     """out[T, N] = [residual +] x'[T, K] @ W[N, K]^T, x' = rmsnorm(x) * norm_w when given (T <= MAX_ROWS);
     ``w`` a bf16 tensor or block-scaled FP8 (fp8block.BlockFp8, its scales applied in the kernel).
 
@@ -218,8 +210,7 @@ def gemv_rows(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, *, norm_w: to
     [heads, T, D] (the per-head value projection's output), read as [T, heads * D] in place. ``pdl``: launched
     as a programmatic dependent of the previous kernel, with (``early``) its first weight tile before the wait.
     ``fp8_rows``: one token over block-scaled FP8 with grouped activations, the fewest rows a program (default
-    fp8block.FMA_ACT_BLOCK_N). ``count`` (one token, bf16 weights): an int32 entry each program adds 1 to once its
-    rows are written (:func:`rows_programs` of them), for a next launch that waits on it."""
+    fp8block.FMA_ACT_BLOCK_N)."""
     if heads:  # x [heads, T, D] read as [T, heads * D] without a copy
         if norm_w is not None:
             raise ValueError("gemv_rows: heads=True takes no norm_w")
@@ -241,11 +232,7 @@ def gemv_rows(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, *, norm_w: to
     fp8 = kernel_args(w)
     if fp8:
         fp8["GROUPS"] = fp8_groups(w, t, dot, block_k)
-    if count is not None:
-        if t != 1 or fp8:
-            raise ValueError("gemv_rows(count=...) counts one token's bf16 programs")
-        fp8 = dict(COUNT=True, count_ptr=count)
-    w = w.w if isinstance(w, BlockFp8) else w
+    w = w.w if fp8 else w
     _gemv_rows_kernel[(triton.cdiv(n, block_n),)](
         x, w, out, residual if residual is not None else out, norm_w if norm_w is not None else x, n, k, eps,
         stride_t, out.stride(0), stride_h, HEAD_DIM=hd, T=t, T_PAD=DOT_ROWS if dot else triton.next_power_of_2(t), NORM=norm_w is not None,
@@ -311,33 +298,9 @@ def _router_x(h_ptr, nw_ptr, xn_ptr, pid, k, K, inv, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
-def _spin_until(ptr, target, SLEEP_NS: tl.constexpr = 0):
-    # until the int32 at ptr reaches target (acquire: what was written before its release is seen after); SLEEP_NS:
-    # nanosleep between reads, so a waiting program leaves its SM's issue slots to the programs it waits on
-    while tl.atomic_add(ptr, 0, sem="acquire", scope="gpu") < target:
-        if SLEEP_NS > 0:
-            tl.inline_asm_elementwise("nanosleep.u32 $1; mov.b32 $0, $1;", "=r,r", [tl.full((1,), SLEEP_NS, tl.int32)],
-                                      dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def _wait_input(sync_ptr, N_ROWS, PDL: tl.constexpr, FLAGS: tl.constexpr, WAIT_ROWS: tl.constexpr,
-                SLEEP_NS: tl.constexpr):
-    # the router's launch: the previous GEMV's N_ROWS programs counted in sync[3] (WAIT_ROWS) or its end; with FLAGS
-    # the experts' launch may then start
-    if WAIT_ROWS:
-        _spin_until(sync_ptr + 3, N_ROWS, SLEEP_NS)
-    elif PDL:
-        gdc_wait()
-    if PDL and FLAGS:  # the routed gate/up launch waits on the router's flag, not on this launch's end
-        gdc_launch_dependents()
-
-
-@triton.jit
 def _shared_gate_up(h_row, nw_ptr, sw_ptr, act_ptr, j, I, K, eps, stride_se, TOPK: tl.constexpr,
                     K_POW2: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
-                    PDL: tl.constexpr, EARLY: tl.constexpr, FLAGS: tl.constexpr = False, sync_ptr=None,
-                    WAIT_ROWS: tl.constexpr = False, N_ROWS=0, SLEEP_NS: tl.constexpr = 0):
+                    PDL: tl.constexpr, EARLY: tl.constexpr):
     # one token's shared expert j // (I / BLOCK_N), rows block j % (I / BLOCK_N): silu(gate) * up over the normed
     # residual as _moe_gate_up_kernel's one-token FMA path computes it from xn (the same normed values, products and
     # roundings), into its pair's act row (TOPK + the expert's index)
@@ -352,7 +315,8 @@ def _shared_gate_up(h_row, nw_ptr, sw_ptr, act_ptr, j, I, K, eps, stride_se, TOP
         m0 = rmask[:, None] & (k0 < K)[None, :]
         wa0 = tl.load(base + rows[:, None].to(tl.int64) * K + k0[None, :], mask=m0, other=0.0)
         wb0 = tl.load(base + (rows + I)[:, None].to(tl.int64) * K + k0[None, :], mask=m0, other=0.0)
-    _wait_input(sync_ptr, N_ROWS, PDL, FLAGS, WAIT_ROWS, SLEEP_NS)
+    if PDL:
+        gdc_wait()
     kk = tl.arange(0, K_POW2)
     xs = tl.load(h_row + kk, mask=kk < K, other=0.0).to(tl.float32)
     inv = 1.0 / tl.sqrt(tl.sum(xs * xs, axis=0) / K + eps)
@@ -370,16 +334,13 @@ def _shared_gate_up(h_row, nw_ptr, sw_ptr, act_ptr, j, I, K, eps, stride_se, TOP
         wb = tl.load(base + (rows + I)[:, None].to(tl.int64) * K + offs[None, :], mask=wmask, other=0.0)
         acc_a += wa.to(tl.float32)[None, :, :] * x.to(tl.float32)[None, None, :]
         acc_b += wb.to(tl.float32)[None, :, :] * x.to(tl.float32)[None, None, :]
-    if PDL and not FLAGS:
+    if PDL:
         gdc_launch_dependents()
     dt = act_ptr.dtype.element_ty
     g = round_to_dtype(tl.sum(acc_a, axis=2), dt)
     u = round_to_dtype(tl.sum(acc_b, axis=2), dt)
     sg = round_to_dtype(g / (1.0 + tl.exp(-g)), dt)
     tl.store(act_ptr + (TOPK + e).to(tl.int64) * I + rows[None, :], (sg * u).to(dt), mask=rmask[None, :])
-    if FLAGS:  # this program's act rows are written: counted for the down kernel
-        tl.debug_barrier()
-        tl.atomic_add(sync_ptr + 1, 1, sem="release", scope="gpu")
 
 
 @triton.jit
@@ -389,17 +350,12 @@ def _router_fused_kernel(h_ptr, nw_ptr, xn_ptr, w_ptr, bias_ptr, logits_ptr, cou
                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
                          PDL: tl.constexpr = False, EARLY: tl.constexpr = False, sw_ptr=None, act_ptr=None, I=0,
                          stride_se=0, SHARED: tl.constexpr = False, S_BLOCK_N: tl.constexpr = 8,
-                         S_BLOCK_K: tl.constexpr = 512, S_STAGES: tl.constexpr = 3, FLAGS: tl.constexpr = False,
-                         sync_ptr=None, WAIT_ROWS: tl.constexpr = False, N_ROWS=0, SLEEP_NS: tl.constexpr = 0):
+                         S_BLOCK_K: tl.constexpr = 512, S_STAGES: tl.constexpr = 3):
     # token t = program_id(1): the MLP's RMSNorm of its row (its output -> xn, by program 0, for the experts),
     # the router GEMV (BLOCK_N experts a program, as gemv_rows' one-token form: the same rounding points) and,
     # in the last of the token's programs to finish, its top-k (_topk_body): one launch instead of three.
     # SHARED (one token): programs past the router's also run the shared experts' gate/up + SiLU
-    # (_shared_gate_up), so their weights stream while the router's latency-bound chain runs. FLAGS (with SHARED):
-    # the top-k's program sets sync[0] once the ids are written and each shared program counts its act rows in
-    # sync[1], so the experts' launches wait on those (GroupedMoe(sync=...)) rather than on this launch's end;
-    # WAIT_ROWS: this launch's programs wait for the previous GEMV's N_ROWS programs in sync[3] (gemv_rows(count=))
-    # rather than for its end
+    # (_shared_gate_up), so their weights stream while the router's latency-bound chain runs
     pid = tl.program_id(0)
     t = tl.program_id(1)
     h_row = h_ptr + t * stride_h
@@ -408,11 +364,11 @@ def _router_fused_kernel(h_ptr, nw_ptr, xn_ptr, w_ptr, bias_ptr, logits_ptr, cou
     if SHARED:
         if pid >= R_PROGRAMS:
             _shared_gate_up(h_row, nw_ptr, sw_ptr, act_ptr, pid - R_PROGRAMS, I, K, eps, stride_se, TOPK, K_POW2,
-                            S_BLOCK_N, S_BLOCK_K, S_STAGES, PDL, EARLY, FLAGS, sync_ptr, WAIT_ROWS, N_ROWS, SLEEP_NS)
+                            S_BLOCK_N, S_BLOCK_K, S_STAGES, PDL, EARLY)
         else:
             _router_program(h_row, nw_ptr, xn_row, w_ptr, bias_ptr, logits_ptr, count_ptr, ids_ptr, wts_ptr, scale,
                             eps, K, pid, t, R_PROGRAMS, E, TOPK, N_GROUP, TOPK_GROUP, E_POW2, K_POW2, BLOCK_N,
-                            BLOCK_K, STAGES, PDL, EARLY, FLAGS, sync_ptr, WAIT_ROWS, N_ROWS, SLEEP_NS)
+                            BLOCK_K, STAGES, PDL, EARLY)
     else:
         _router_program(h_row, nw_ptr, xn_row, w_ptr, bias_ptr, logits_ptr, count_ptr, ids_ptr, wts_ptr, scale, eps,
                         K, pid, t, R_PROGRAMS, E, TOPK, N_GROUP, TOPK_GROUP, E_POW2, K_POW2, BLOCK_N, BLOCK_K,
@@ -423,9 +379,7 @@ def _router_fused_kernel(h_ptr, nw_ptr, xn_ptr, w_ptr, bias_ptr, logits_ptr, cou
 def _router_program(h_row, nw_ptr, xn_row, w_ptr, bias_ptr, logits_ptr, count_ptr, ids_ptr, wts_ptr, scale, eps, K,
                     pid, t, R_PROGRAMS: tl.constexpr, E: tl.constexpr, TOPK: tl.constexpr, N_GROUP: tl.constexpr,
                     TOPK_GROUP: tl.constexpr, E_POW2: tl.constexpr, K_POW2: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr,
-                    FLAGS: tl.constexpr = False, sync_ptr=None, WAIT_ROWS: tl.constexpr = False, N_ROWS=0,
-                    SLEEP_NS: tl.constexpr = 0):
+                    BLOCK_K: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr):
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     rmask = rows < E
     FIRST: tl.constexpr = BLOCK_K if EARLY else 0  # EARLY (with PDL): weight tile 0 loaded before the wait
@@ -433,7 +387,8 @@ def _router_program(h_row, nw_ptr, xn_row, w_ptr, bias_ptr, logits_ptr, count_pt
         k0 = tl.arange(0, BLOCK_K)
         w0 = tl.load(w_ptr + rows[:, None].to(tl.int64) * K + k0[None, :], mask=rmask[:, None] & (k0 < K)[None, :],
                      other=0.0, eviction_policy="evict_first")
-    _wait_input(sync_ptr, N_ROWS, PDL, FLAGS, WAIT_ROWS, SLEEP_NS)  # h comes from the previous kernel
+    if PDL:  # h comes from the previous kernel (and xn / logits / ids may still be read by it)
+        gdc_wait()
     kk = tl.arange(0, K_POW2)
     xs = tl.load(h_row + kk, mask=kk < K, other=0.0).to(tl.float32)
     inv = 1.0 / tl.sqrt(tl.sum(xs * xs, axis=0) / K + eps)
@@ -447,7 +402,7 @@ def _router_program(h_row, nw_ptr, xn_row, w_ptr, bias_ptr, logits_ptr, count_pt
         w = tl.load(w_ptr + rows[:, None].to(tl.int64) * K + offs[None, :], mask=rmask[:, None] & (offs < K)[None, :],
                     other=0.0, eviction_policy="evict_first")
         acc += w.to(tl.float32) * x[None, :]
-    if PDL and not FLAGS:
+    if PDL:
         gdc_launch_dependents()
     tl.store(logits_ptr + t * E + rows, tl.sum(acc, axis=1), mask=rmask)
     tl.debug_barrier()  # every thread's logits stored before the count
@@ -455,17 +410,13 @@ def _router_program(h_row, nw_ptr, xn_row, w_ptr, bias_ptr, logits_ptr, count_pt
     if done == R_PROGRAMS - 1:
         tl.store(count_ptr + t, 0)  # reset for the next call
         _topk_body(logits_ptr, bias_ptr, ids_ptr, wts_ptr, scale, t, E, TOPK, N_GROUP, TOPK_GROUP, E_POW2)
-        if FLAGS:  # the ids, weights and xn are written (xn by program 0, before its count): the experts may start
-            tl.debug_barrier()
-            tl.atomic_xchg(sync_ptr, 1, sem="release", scope="gpu")
 
 
 def router(xn: torch.Tensor, w: torch.Tensor, bias: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor,
            top_k: int, scale: float, logits: torch.Tensor | None = None, *, n_group: int = 1,
            topk_group: int = 1, norm_w: torch.Tensor | None = None, eps: float = 1e-6,
            xn_out: torch.Tensor | None = None, count: torch.Tensor | None = None, pdl: bool = False,
-           early: bool = True, shared: "SharedGateUp | None" = None, sync: torch.Tensor | None = None,
-           wait_rows: int = 0, sleep_ns: int = 0) -> None:
+           early: bool = True, shared: "SharedGateUp | None" = None) -> None:
     """ids [T, k] int32 (best first), wts [T, k] fp32 from normed x [T, H] (noaux_tc; group-limited to
     the ``topk_group`` best of ``n_group`` expert groups when fewer than all: reference.router).
 
@@ -476,10 +427,7 @@ def router(xn: torch.Tensor, w: torch.Tensor, bias: torch.Tensor, ids: torch.Ten
     the experts, and the norm, GEMV and top-k of every token are one launch (``count``: an int32 [>= T] of
     zeros, a token's entry reset by its last program; allocated when not given). ``shared`` (with ``norm_w``, one
     token, bf16 shared experts): the same launch also runs the shared experts' gate/up + SiLU into their act rows
-    (GroupedMoe(..., shared_done=True) then runs the routed pairs only). ``sync`` (with ``shared``): an int32 [4]
-    of zeros shared with that GroupedMoe call (:data:`GroupedMoe.SYNC` explains it); ``wait_rows`` (with ``sync``):
-    the launch waits for that many programs of the GEMV before it (gemv_rows(count=sync[3:])), not for its end;
-    ``sleep_ns``: a waiting program's pause between reads of a flag (0: none)."""
+    (GroupedMoe(..., shared_done=True) then runs the routed pairs only)."""
     t, e = xn.shape[0], w.shape[0]
     if norm_w is not None and xn_out is None:
         raise ValueError("router(norm_w=...) takes an xn_out for its normed input")
@@ -496,17 +444,11 @@ def router(xn: torch.Tensor, w: torch.Tensor, bias: torch.Tensor, ids: torch.Ten
             count = torch.zeros(t, dtype=torch.int32, device=xn.device)
         k = xn.shape[1]
         extra, programs = {}, triton.cdiv(e, 2)
-        if sync is not None and shared is None:
-            raise ValueError("router(sync=...) flags the shared experts' act rows: it takes shared=")
-        if wait_rows and sync is None:
-            raise ValueError("router(wait_rows=...) waits on sync[3]: it takes sync=")
         if shared is not None:
             if t != 1:
                 raise ValueError(f"router(shared=...) runs one token's shared experts, not {t} tokens'")
             extra = dict(sw_ptr=shared.w, act_ptr=shared.act, I=shared.inter, stride_se=shared.w.stride(0),
-                         SHARED=True, S_BLOCK_N=shared.block_n, S_BLOCK_K=shared.block_k, S_STAGES=shared.stages,
-                         FLAGS=sync is not None, sync_ptr=sync, WAIT_ROWS=wait_rows > 0, N_ROWS=wait_rows,
-                         SLEEP_NS=0 if interpreting() else sleep_ns)
+                         SHARED=True, S_BLOCK_N=shared.block_n, S_BLOCK_K=shared.block_k, S_STAGES=shared.stages)
             programs += shared.programs
         _router_fused_kernel[(programs, t)](
             xn, norm_w, xn_out, w, bias, logits, count, ids, wts, scale, eps, k, xn.stride(0), xn_out.stride(0),
@@ -569,18 +511,12 @@ def _moe_gate_up_kernel(x_ptr, ids_ptr, w_ptr, ws_ptr, act_ptr, I, K, stride_e,
                         SLOTS_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
                         DOT: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr = False,
                         FP8: tl.constexpr = False, s_ptr=None, ss_ptr=None, stride_se=0, KB=0, SG: tl.constexpr = 1,
-                        SK: tl.constexpr = 1, ACT: tl.constexpr = False, GROUPS: tl.constexpr = 0,
-                        FLAGS: tl.constexpr = False, sync_ptr=None, SLEEP_NS: tl.constexpr = 0):
+                        SK: tl.constexpr = 1, ACT: tl.constexpr = False, GROUPS: tl.constexpr = 0):
     # FP8: block-scaled FP8 experts (fp8block.py), scales s_ptr / ss_ptr [E, ceil(2I / SG), KB] (gate's and up's
     # rows of a program each in one scale row: I a multiple of BLOCK_N); GROUPS: one token's grouped-activation
     # tiles [BLOCK_N, GROUPS, SK] (gemv_rows' GROUPS)
-    # FLAGS (GroupedMoe.SYNC): the router's flag in place of the wait, this program's act rows counted after them
     p = tl.program_id(0)
-    if FLAGS:  # the router's ids and xn are written once its top-k program set the flag
-        _spin_until(sync_ptr, 1, SLEEP_NS)
-        if PDL:  # the down kernel waits on the count, not on this launch's end
-            gdc_launch_dependents()
-    elif PDL:  # the router's ids and the input rows come from earlier kernels
+    if PDL:  # the router's ids and the input rows come from earlier kernels
         gdc_wait()
     expert, is_first, pair_of, is_routed = _owner(ids_ptr, p, T, TOPK, SLOTS, SLOTS_PAD, T_PAD)
     if is_first:
@@ -644,7 +580,7 @@ def _moe_gate_up_kernel(x_ptr, ids_ptr, w_ptr, ws_ptr, act_ptr, I, K, stride_e,
                     else:
                         acc_a += wa.to(tl.float32)[None, :, :] * x.to(tl.float32)[:, None, :]
                         acc_b += wb.to(tl.float32)[None, :, :] * x.to(tl.float32)[:, None, :]
-        if PDL and not FLAGS:
+        if PDL:
             gdc_launch_dependents()
         dt = act_ptr.dtype.element_ty
         if GROUPS:
@@ -659,9 +595,6 @@ def _moe_gate_up_kernel(x_ptr, ids_ptr, w_ptr, ws_ptr, act_ptr, I, K, stride_e,
         s = round_to_dtype(g / (1.0 + tl.exp(-g)), dt)
         tl.store(act_ptr + pair_of[:, None].to(tl.int64) * I + rows[None, :], (s * u).to(dt),
                  mask=uses[:, None] & rmask[None, :])
-    if FLAGS:  # every program counts, written rows or not
-        tl.debug_barrier()
-        tl.atomic_add(sync_ptr + 1, 1, sem="release", scope="gpu")
 
 
 @triton.jit
@@ -796,16 +729,13 @@ def _reduce_cols(y_ptr, wts_ptr, h_ptr, t, cols, cmask, H, TOPK: tl.constexpr, N
 def _moe_down_rows_kernel(act_ptr, ids_ptr, w_ptr, ws_ptr, wts_ptr, h_ptr, H, I, stride_e, TOPK: tl.constexpr,
                           NUM_SHARED: tl.constexpr, SLOTS_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
                           BLOCK_K: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr = False,
-                          EARLY: tl.constexpr = False, FLAGS: tl.constexpr = False, sync_ptr=None, N_ACT=0,
-                          SLEEP_NS: tl.constexpr = 0):
+                          EARLY: tl.constexpr = False):
     # one token's down projections and their reduce by output rows: a program owns BLOCK_N rows of h and walks
     # every pair (routed, then shared), one [BLOCK_N, I] tile a pair (BLOCK_K >= I), so its stream is all the
     # layer's pairs back to back and no other program's rows are waited for; the sums are combined as
     # _reduce_cols combines the down kernel's rows (each routed row rounded, times its rounded weight, rounded;
     # the shared rows summed in fp32, one rounding). The router's ids are read before the wait (the router
-    # finished before the gate/up kernel that let this one launch passed its own wait). FLAGS (GroupedMoe.SYNC): the
-    # router's flag before the ids, the count of written act programs (N_ACT) in place of the wait; the last
-    # program to pass resets the flags
+    # finished before the gate/up kernel that let this one launch passed its own wait)
     SLOTS: tl.constexpr = TOPK + NUM_SHARED
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rmask = rows < H
@@ -814,22 +744,13 @@ def _moe_down_rows_kernel(act_ptr, ids_ptr, w_ptr, ws_ptr, wts_ptr, h_ptr, H, I,
     wmask = rmask[:, None] & kmask[None, :]
     dt = h_ptr.dtype.element_ty
     sj = tl.arange(0, SLOTS_PAD)
-    if FLAGS:
-        _spin_until(sync_ptr, 1, SLEEP_NS)
     ids = tl.load(ids_ptr + sj, mask=sj < TOPK, other=0, cache_modifier=".cg")  # the pairs' experts, loop-invariant
     wts = tl.load(wts_ptr + sj, mask=sj < TOPK, other=0.0, cache_modifier=".cg")
     if EARLY:  # the first pair's weight tile before the wait
         e0 = tl.sum(tl.where(sj == 0, ids, 0))
         b0 = (w_ptr + e0.to(tl.int64) * stride_e) if TOPK > 0 else ws_ptr
         w0 = tl.load(b0 + rows[:, None].to(tl.int64) * I + offs[None, :], mask=wmask, other=0.0)
-    if FLAGS:
-        _spin_until(sync_ptr + 1, N_ACT, SLEEP_NS)
-        if tl.atomic_add(sync_ptr + 2, 1, sem="relaxed", scope="gpu") == tl.num_programs(0) - 1:
-            tl.atomic_xchg(sync_ptr, 0, sem="relaxed", scope="gpu")  # every program is past both waits
-            tl.atomic_xchg(sync_ptr + 1, 0, sem="relaxed", scope="gpu")
-            tl.atomic_xchg(sync_ptr + 2, 0, sem="relaxed", scope="gpu")
-            tl.atomic_xchg(sync_ptr + 3, 0, sem="relaxed", scope="gpu")  # the GEMV's count before the router's
-    elif PDL:
+    if PDL:
         gdc_wait()
     routed = tl.zeros((BLOCK_N,), tl.float32)
     shared = tl.zeros((BLOCK_N,), tl.float32)
@@ -894,15 +815,6 @@ class GroupedMoe:
     # step 2.188 -> 2.151 ms; but 4 slots 3.967 -> 4.036 (the down kernel's tail waits for its last programs'
     # 32 pairs), so several tokens keep the launch. None in __init__: this
     FUSED_REDUCE: bool = True
-    # one token, the shared experts in the router's launch, down by rows: the router's launch, the routed gate/up
-    # and the down kernel synchronised by flags in an int32 [4] (``sync``), not each by the previous launch's end:
-    # [0] set by the top-k's program once the ids are written (the gate/up programs wait on it, so the routed
-    # weights stream while the shared experts' still do), [1] the programs whose act rows are written (the down
-    # programs wait for all of them, so they start as the gate/up programs end), [2] the down programs past their
-    # waits (the last resets all three). Each launch lets the next one launch once its programs have passed their
-    # own wait: every program a later one waits on has started, so no wait can hold an SM another one needs.
-    SYNC: bool = False
-    SYNC_SLEEP_NS: int = 0  # a waiting program's nanosleep between reads of a flag (0: it reads back to back)
 
     def __init__(self, *, num_tokens: int, top_k: int, num_shared: int, hidden: int, inter: int,
                  device: torch.device | str, tiles: tuple[tuple[int, int, int, int], ...] | None = None,
@@ -929,13 +841,11 @@ class GroupedMoe:
 
     def __call__(self, xn: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor, w_gate_up: torch.Tensor,
                  w_down: torch.Tensor, shared_gate_up: torch.Tensor, shared_down: torch.Tensor, h: torch.Tensor,
-                 shared_done: bool = False, sync: tuple[torch.Tensor, int] | None = None) -> None:
+                 shared_done: bool = False) -> None:
         """h[T, H] += MoE(xn); routed weights [E, 2I, H] / [E, H, I], shared [S, 2I, H] / [S, H, I]; bf16, or
         block-scaled FP8 (fp8block.BlockFp8, routed and shared alike: mla.prepare_layer lays them out so).
         ``shared_done``: the shared experts' act rows are written already (:meth:`shared_gate_up` given to the
-        router's launch): the gate/up launch covers the routed pairs only. ``sync`` (with ``shared_done``, where
-        :meth:`syncs` says so): the flags given to the router's launch and how many shared programs it ran
-        (:data:`SYNC`)."""
+        router's launch): the gate/up launch covers the routed pairs only."""
         t, hid, inter = self.num_tokens, self.hidden, self.inter
         fp8 = isinstance(w_gate_up, BlockFp8)
         dot = self.dot and (fp8 or w_gate_up.dtype in (torch.bfloat16, torch.float16))
@@ -958,22 +868,16 @@ class GroupedMoe:
         if shared_done and t != 1:
             raise ValueError("shared_done: one token's shared experts run in the router's launch, not several's")
         up_pairs = t * self.top_k if shared_done else pairs  # the gate/up launch's (the routed ones only)
-        rows_down = self._rows_down(fp8)
-        if sync is not None and not (shared_done and rows_down):
-            raise ValueError("GroupedMoe(sync=...): one token, shared experts in the router's launch, down by rows")
-        flags = dict(FLAGS=True, sync_ptr=sync[0], SLEEP_NS=self.sleep_ns) if sync is not None else {}
-        up_grid = (up_pairs, triton.cdiv(inter, bn))
-        _moe_gate_up_kernel[up_grid](
+        _moe_gate_up_kernel[(up_pairs, triton.cdiv(inter, bn))](
             xn, ids, w_gate_up, shared_gate_up, self.act, inter, hid, 2 * inter * hid, **common,
-            BLOCK_N=bn, BLOCK_K=bk, STAGES=st, num_warps=nw, **up_args, **flags)
-        if rows_down:
+            BLOCK_N=bn, BLOCK_K=bk, STAGES=st, num_warps=nw, **up_args)
+        if self.DOWN_ROWS_TILE and t == 1 and not fp8 and inter <= self.DOWN_ROWS_MAX_I:
             rbn, rnw, rst = self.DOWN_ROWS_TILE
             _moe_down_rows_kernel[(triton.cdiv(hid, rbn),)](
                 self.act, ids, w_down, shared_down if shared_down is not None else w_down, wts, h, hid, inter,
                 hid * inter, TOPK=self.top_k, NUM_SHARED=self.num_shared,
                 SLOTS_PAD=triton.next_power_of_2(self.slots), BLOCK_N=rbn,
                 BLOCK_K=triton.next_power_of_2(inter), STAGES=rst, PDL=self.pdl, EARLY=self.early, num_warps=rnw,
-                **flags, **(dict(N_ACT=up_grid[0] * up_grid[1] + sync[1]) if sync is not None else {}),
                 **launch_opts(self.pdl))
             return
         if self.fused_reduce:  # the last program of each column block adds the pairs' rows into h
@@ -988,18 +892,6 @@ class GroupedMoe:
         _moe_reduce_kernel[(t, triton.cdiv(hid, 1024))](self.out_rows, wts, h, hid, TOPK=self.top_k,
                                                         NUM_SHARED=self.num_shared, BLOCK=1024, PDL=self.pdl,
                                                         num_warps=4, **launch_opts(self.pdl))
-
-    @property
-    def sleep_ns(self) -> int:
-        """:data:`SYNC_SLEEP_NS` where the kernels are compiled (the interpreter has no nanosleep)."""
-        return 0 if interpreting() else self.SYNC_SLEEP_NS
-
-    def _rows_down(self, fp8: bool) -> bool:
-        return bool(self.DOWN_ROWS_TILE) and self.num_tokens == 1 and not fp8 and self.inter <= self.DOWN_ROWS_MAX_I
-
-    def syncs(self, shared: "SharedGateUp | None") -> bool:
-        """Whether this MoE's launches run on flags (:data:`SYNC`) with ``shared`` in the router's launch."""
-        return self.SYNC and shared is not None and self._rows_down(False)
 
     def shared_gate_up(self, w_shared: torch.Tensor) -> "SharedGateUp | None":
         """The router-launch form of this MoE's shared experts' gate/up (router(shared=...)), where it applies: one
