@@ -69,14 +69,15 @@ class _Body(httpx.AsyncByteStream):
 class AiohttpTransport(httpx.AsyncBaseTransport):
     """An httpx transport over one aiohttp session (made on the first request, in the running loop)."""
 
-    def __init__(self, max_connections: int = 1000, keepalive_s: float = 15.0):
+    def __init__(self, max_connections: int = 1000, keepalive_s: float = 4.0):
+        # keepalive_s: an idle connection is dropped before vLLM's server drops it (uvicorn's 5 s), so a request
+        # never goes out on a connection the server is closing (httpx's pool keeps 5 s for the same reason)
         self._limit, self._keepalive_s = max_connections, keepalive_s
         self._session: aiohttp.ClientSession | None = None
 
     def _sess(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
-            connector = aiohttp.TCPConnector(limit=self._limit, keepalive_timeout=self._keepalive_s,
-                                             enable_cleanup_closed=True)
+            connector = aiohttp.TCPConnector(limit=self._limit, keepalive_timeout=self._keepalive_s)
             self._session = aiohttp.ClientSession(connector=connector, auto_decompress=False,
                                                   cookie_jar=aiohttp.DummyCookieJar(),
                                                   skip_auto_headers=("User-Agent", "Accept-Encoding"))
