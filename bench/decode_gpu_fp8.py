@@ -63,6 +63,8 @@ for _name, _tile in (("gate_up", (16, 256, 4, 3)), ("o", (8, 512, 4, 3)), ("o", 
                      ("qkv", (16, 256, 4, 4))):
     FP8_VARIANTS[f"{_name}_" + "x".join(map(str, _tile))] = {"fp8_tiles": {_name: _tile}}  # over the product's
 FP8_VARIANTS["rows8"] = {"fp8_tiles": {"qkv": (8, 512, 4, 3), "down": (8, 512, 4, 4)}}  # both 8-row tiles
+# the QKV and gate/up inputs normed and rounded once a layer (fp8.round_token) instead of by each GEMV program
+FP8_VARIANTS["round_once"] = {"fp8_round_once": True}
 
 
 def quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

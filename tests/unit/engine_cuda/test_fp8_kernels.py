@@ -101,3 +101,31 @@ def test_fp8_qkv_rope_is_the_gemv_then_the_rope_kernel(qk_norm, kv_fp8, act, bia
     for a, b_ in zip(got, want):
         assert torch.equal(a, b_)
     assert got[1][pos].any() and not got[1][:pos].any()
+
+
+@pytest.mark.parametrize("h", [96, 128, 80])  # K a power of two or not (round_token's one program masks past K)
+def test_a_token_rounded_once_feeds_the_silu_and_qkv_gemvs_the_values_their_prologue_makes(h):
+    # FastOptions.fp8_round_once: round_token's FP8 values and scale, read by the per-channel SiLU and QKV + rope
+    # GEMVs, give what the GEMVs give when each program norms and rounds the input itself, bit for bit
+    x, nw = (rand(h) * 3).to(BF), (1 + rand(h, std=0.1)).to(BF)
+    q, xs = torch.zeros(h, dtype=torch.float8_e4m3fn), torch.zeros(1)
+    xq = fp8.round_token(x, q, xs, norm_w=nw, eps=1e-5)
+    assert xq[0].float().abs().max() <= 448 and xq[1].item() > 0
+    w, scale = quantized(64, h, seed=5)
+    outs = [torch.full((32,), float("nan"), dtype=BF) for _ in range(2)]
+    fp8.gemv_fp8_silu(x, w, scale, outs[0], norm_w=nw, eps=1e-5, act=True, block_n=8, block_k=32)
+    fp8.gemv_fp8_silu(x, w, scale, outs[1], act=True, block_n=8, block_k=32, xq=xq)
+    assert torch.equal(outs[0], outs[1]) and not outs[0].isnan().any()
+    hq, hkv, d, t, pos = 2, 1, 16, 8, 3
+    wq, sq = quantized((hq + 2 * hkv) * d, h, seed=9)
+    cos, sin = rand(t, d // 2, seed=1).to(BF), rand(t, d // 2, seed=2).to(BF)
+    got = []
+    for rounded in (None, xq):
+        kc, vc, qo = torch.zeros(t, hkv, d, dtype=BF), torch.zeros(t, hkv, d, dtype=BF), torch.zeros(hq * d, dtype=BF)
+        fp8.gemv_fp8_qkv_rope(x, wq, sq, nw, 1e-5, qo, kc, vc, torch.tensor([pos], dtype=torch.int32), cos, sin,
+                              num_q_heads=hq, num_kv_heads=hkv, head_dim=d, act=True, block_n=8, block_k=32,
+                              xq=rounded)
+        got.append((qo, kc, vc))
+    for a, b in zip(*got):
+        assert torch.equal(a, b)
+    assert got[0][1][pos].any()

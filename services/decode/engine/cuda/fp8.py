@@ -45,12 +45,16 @@ ACT_MIN_SCALE = 1.0 / (FP8_MAX * 512.0)
 
 
 @triton.jit
-def _prologue(x_ptr, nw_ptr, K, eps, NORM: tl.constexpr, ACT: tl.constexpr, K_POW2: tl.constexpr):
-    # (1/rms, activation scale, its reciprocal) of the input vector; 1.0 where not asked
+def _prologue(x_ptr, nw_ptr, K, eps, NORM: tl.constexpr, ACT: tl.constexpr, K_POW2: tl.constexpr,
+              XQ: tl.constexpr = False):
+    # (1/rms, activation scale, its reciprocal) of the input vector; 1.0 where not asked. XQ: the input arrives
+    # rounded (x_ptr its FP8 values, nw_ptr its scale: quant_groups over the whole vector), nothing to reduce
     inv_rms = 1.0
     s = 1.0
     inv_s = 1.0
-    if NORM or ACT:
+    if XQ:
+        s = tl.load(nw_ptr)
+    elif NORM or ACT:
         offs = tl.arange(0, K_POW2)
         m = offs < K
         x = tl.load(x_ptr + offs, mask=m, other=0.0).to(tl.float32)
@@ -65,10 +69,13 @@ def _prologue(x_ptr, nw_ptr, K, eps, NORM: tl.constexpr, ACT: tl.constexpr, K_PO
 
 
 @triton.jit
-def _x_tile(x_ptr, nw_ptr, k, K, inv_rms, s, inv_s, NORM: tl.constexpr, ACT: tl.constexpr, BLOCK_K: tl.constexpr):
+def _x_tile(x_ptr, nw_ptr, k, K, inv_rms, s, inv_s, NORM: tl.constexpr, ACT: tl.constexpr, BLOCK_K: tl.constexpr,
+            XQ: tl.constexpr = False):
     offs = k + tl.arange(0, BLOCK_K)
     kmask = offs < K
     x = tl.load(x_ptr + offs, mask=kmask, other=0.0).to(tl.float32)
+    if XQ:  # FP8 values times their scale: what act_round below gives
+        return x * s, offs, kmask
     if NORM:
         nw = tl.load(nw_ptr + offs, mask=kmask, other=0.0)
         x = rnd_bf16(rnd_bf16(x * inv_rms) * nw.to(tl.float32))
@@ -128,13 +135,13 @@ def _gemv_fp8_kernel(x_ptr, w_ptr, ws_ptr, out_ptr, res_ptr, nw_ptr, bias_ptr, N
 
 @triton.jit
 def _pair_dot(x_ptr, nw_ptr, w_ptr, rows_a, rows_b, K, inv_rms, s, inv_s, wa0, wb0, NORM: tl.constexpr,
-              ACT: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
+              ACT: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, XQ: tl.constexpr = False):
     # fp32 sums of two row sets (gate/up, or a head's rope halves) against the input, every weight read once
-    x0, _, _ = _x_tile(x_ptr, nw_ptr, 0, K, inv_rms, s, inv_s, NORM, ACT, BLOCK_K)
+    x0, _, _ = _x_tile(x_ptr, nw_ptr, 0, K, inv_rms, s, inv_s, NORM, ACT, BLOCK_K, XQ)
     acc_a = wa0.to(tl.float32) * x0[None, :]
     acc_b = wb0.to(tl.float32) * x0[None, :]
     for k in tl.range(BLOCK_K, K, BLOCK_K, num_stages=STAGES):
-        x, offs, kmask = _x_tile(x_ptr, nw_ptr, k, K, inv_rms, s, inv_s, NORM, ACT, BLOCK_K)
+        x, offs, kmask = _x_tile(x_ptr, nw_ptr, k, K, inv_rms, s, inv_s, NORM, ACT, BLOCK_K, XQ)
         wa = tl.load(w_ptr + rows_a[:, None].to(tl.int64) * K + offs[None, :], mask=kmask[None, :], other=0.0,
                      eviction_policy="evict_first")
         wb = tl.load(w_ptr + rows_b[:, None].to(tl.int64) * K + offs[None, :], mask=kmask[None, :], other=0.0,
@@ -147,7 +154,7 @@ def _pair_dot(x_ptr, nw_ptr, w_ptr, rows_a, rows_b, K, inv_rms, s, inv_s, wa0, w
 @triton.jit
 def _gemv_fp8_silu_kernel(x_ptr, w_ptr, ws_ptr, out_ptr, nw_ptr, I, K, eps,
                           NORM: tl.constexpr, ACT: tl.constexpr, K_POW2: tl.constexpr, BLOCK_N: tl.constexpr,
-                          BLOCK_K: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr):
+                          BLOCK_K: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr, XQ: tl.constexpr = False):
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)  # I % BLOCK_N == 0
     all_rows = rows >= 0
@@ -157,8 +164,9 @@ def _gemv_fp8_silu_kernel(x_ptr, w_ptr, ws_ptr, out_ptr, nw_ptr, I, K, eps,
     ws_u = tl.load(ws_ptr + rows + I)
     if PDL:
         gdc_wait()
-    inv_rms, s, inv_s = _prologue(x_ptr, nw_ptr, K, eps, NORM, ACT, K_POW2)
-    g, u = _pair_dot(x_ptr, nw_ptr, w_ptr, rows, rows + I, K, inv_rms, s, inv_s, wg0, wu0, NORM, ACT, BLOCK_K, STAGES)
+    inv_rms, s, inv_s = _prologue(x_ptr, nw_ptr, K, eps, NORM, ACT, K_POW2, XQ)
+    g, u = _pair_dot(x_ptr, nw_ptr, w_ptr, rows, rows + I, K, inv_rms, s, inv_s, wg0, wu0, NORM, ACT, BLOCK_K, STAGES,
+                     XQ)
     if PDL:
         gdc_launch_dependents()
     dt = out_ptr.dtype.element_ty
@@ -174,7 +182,8 @@ def _gemv_fp8_qkv_rope_kernel(x_ptr, w_ptr, ws_ptr, nw_ptr, bias_ptr, q_ptr, k_c
                               HEAD_DIM: tl.constexpr, NORM: tl.constexpr, BIAS: tl.constexpr, ROPE: tl.constexpr,
                               ACT: tl.constexpr, K_POW2: tl.constexpr, BLOCK_N: tl.constexpr,
                               BLOCK_K: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr,
-                              POS_EARLY: tl.constexpr, KV_FMT: tl.constexpr, inv_k=1.0, inv_v=1.0):
+                              POS_EARLY: tl.constexpr, KV_FMT: tl.constexpr, inv_k=1.0, inv_v=1.0,
+                              XQ: tl.constexpr = False):
     # gemv.py's _gemv_qkv_rope_kernel over an FP8 wqkv: program = BLOCK_N rows of one head's first half
     # and their rope partners; the epilogue (scale, bias, rounding, rope, q / cache stores) is gemv.qkv_store's
     HALF: tl.constexpr = HEAD_DIM // 2
@@ -194,9 +203,9 @@ def _gemv_fp8_qkv_rope_kernel(x_ptr, w_ptr, ws_ptr, nw_ptr, bias_ptr, q_ptr, k_c
             sin = tl.load(sin_ptr + pos * HALF + j).to(tl.float32)
     if PDL:
         gdc_wait()
-    inv_rms, s, inv_s = _prologue(x_ptr, nw_ptr, K, eps, NORM, ACT, K_POW2)
+    inv_rms, s, inv_s = _prologue(x_ptr, nw_ptr, K, eps, NORM, ACT, K_POW2, XQ)
     a, b = _pair_dot(x_ptr, nw_ptr, w_ptr, rows_a, rows_a + HALF, K, inv_rms, s, inv_s, wa0, wb0, NORM, ACT,
-                     BLOCK_K, STAGES)
+                     BLOCK_K, STAGES, XQ)
     if PDL:
         gdc_launch_dependents()
     a = a * ws_a
@@ -238,16 +247,19 @@ def gemv_fp8(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, out: torch
 def gemv_fp8_silu(x: torch.Tensor, w_gate_up: torch.Tensor, w_scale: torch.Tensor, out: torch.Tensor, *,
                   norm_w: torch.Tensor | None = None, eps: float = 1e-5, act: bool = False, block_n: int = 16,
                   block_k: int = 512, num_warps: int = 4, stages: int = 1, pdl: bool = False,
-                  prefetch: int = 0) -> torch.Tensor:
-    """out[I] = silu(gate) * up of the FP8 [2I, K] weight, as gemv.gemv_silu computes it from bf16."""
+                  prefetch: int = 0, xq: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """out[I] = silu(gate) * up of the FP8 [2I, K] weight, as gemv.gemv_silu computes it from bf16. ``xq``: the
+    input already normed and rounded per token (:func:`round_token`'s FP8 values and scale) in place of x."""
     two_i, k = w_gate_up.shape
+    if xq is not None:
+        x, norm_w, act = xq[0], xq[1], False
     inter = two_i // 2
     if inter % block_n:
         raise ValueError(f"intermediate size {inter} is not a multiple of block_n {block_n}")
     _gemv_fp8_silu_kernel[(inter // block_n,)](
-        x, w_gate_up, w_scale, out, norm_w if norm_w is not None else x, inter, k, eps, NORM=norm_w is not None,
-        ACT=act, K_POW2=_pow2(k), BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, PDL=pdl, num_warps=num_warps,
-        **launch_opts(pdl))
+        x, w_gate_up, w_scale, out, norm_w if norm_w is not None else x, inter, k, eps,
+        NORM=norm_w is not None and xq is None, ACT=act, K_POW2=_pow2(k), BLOCK_N=block_n, BLOCK_K=block_k,
+        STAGES=stages, PDL=pdl, XQ=xq is not None, num_warps=num_warps, **launch_opts(pdl))
     return out
 
 
@@ -257,9 +269,13 @@ def gemv_fp8_qkv_rope(x: torch.Tensor, wqkv: torch.Tensor, w_scale: torch.Tensor
                       num_kv_heads: int, head_dim: int, bias: torch.Tensor | None = None, rope: bool = True,
                       act: bool = False, block_n: int = 16, block_k: int = 512, num_warps: int = 4,
                       stages: int = 1, pdl: bool = False, pos_early: bool = False, kv_fmt: int = 0,
-                      inv_k: float = 1.0, inv_v: float = 1.0) -> None:
+                      inv_k: float = 1.0, inv_v: float = 1.0,
+                      xq: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
     """gemv.gemv_qkv_rope over an FP8 wqkv with per-row scales (and the FP8 activation rounding when ``act``):
-    one launch where gemv_fp8 + smallops.rope_cache_write take two, the same values."""
+    one launch where gemv_fp8 + smallops.rope_cache_write take two, the same values. ``xq``: the input already
+    normed and rounded per token (:func:`round_token`'s FP8 values and scale) in place of x."""
+    if xq is not None:
+        x, norm_w, act = xq[0], xq[1], False
     half = head_dim // 2
     if half % block_n:
         raise ValueError(f"head_dim/2 = {half} is not a multiple of block_n {block_n}")
@@ -270,9 +286,9 @@ def gemv_fp8_qkv_rope(x: torch.Tensor, wqkv: torch.Tensor, w_scale: torch.Tensor
     _gemv_fp8_qkv_rope_kernel[(num_heads * (half // block_n),)](
         x, wqkv, w_scale, norm_w if norm_w is not None else x, bias if bias is not None else x, q_out, k_cache,
         v_cache, pos, cos, sin, k, eps, NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
-        NORM=norm_w is not None, BIAS=bias is not None, ROPE=rope, ACT=act, K_POW2=_pow2(k), BLOCK_N=block_n,
-        BLOCK_K=block_k, STAGES=stages, PDL=pdl, POS_EARLY=pos_early, KV_FMT=kv_fmt, inv_k=inv_k, inv_v=inv_v,
-        num_warps=num_warps, **launch_opts(pdl))
+        NORM=norm_w is not None and xq is None, BIAS=bias is not None, ROPE=rope, ACT=act, K_POW2=_pow2(k),
+        BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, PDL=pdl, POS_EARLY=pos_early, KV_FMT=kv_fmt, inv_k=inv_k,
+        inv_v=inv_v, XQ=xq is not None, num_warps=num_warps, **launch_opts(pdl))
 
 
 # ---------------------------------------------------------------- block-scaled gate/up + SiLU, one token
@@ -355,6 +371,16 @@ def quant_groups(x: torch.Tensor, q: torch.Tensor, xs: torch.Tensor, group: int,
     _quant_groups_kernel[(triton.cdiv(k, group),)](
         x, norm_w if norm_w is not None else x, q, xs, k, eps, NORM=norm_w is not None, K_POW2=_pow2(k), SK=group,
         PDL=pdl, num_warps=4, **launch_opts(pdl))
+
+
+def round_token(x: torch.Tensor, q: torch.Tensor, xs: torch.Tensor, *, norm_w: torch.Tensor | None = None,
+                eps: float = 1e-6, pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token's x [K] ([rmsnorm(x) * norm_w]) rounded to FP8 with one scale (FP8_DYNAMIC, as the per-channel
+    GEMVs' prologue rounds it): :func:`quant_groups` over the whole vector, one program. Returns (q, xs[:1]), the
+    ``xq`` of gemv_fp8_silu / gemv_fp8_qkv_rope."""
+    k = x.shape[-1]
+    quant_groups(x, q[:k], xs[:1], _pow2(k), norm_w=norm_w, eps=eps, pdl=pdl)
+    return q[:k], xs[:1]
 
 
 @triton.jit
@@ -600,6 +626,10 @@ class Fp8GqaDecoder(GqaDecoder):
         # the rounded inputs' buffers (_xq_buffers), before any graph capture: two pairs of FP8 values and a scale a
         # group (groups of 16 features at least), as long as the longest GEMV input
         self._xq_pairs = None
+        # FastOptions.fp8_round_once: one token's FP8 values and scale, the QKV and gate/up inputs in turn
+        self._token_xq = (torch.zeros(model.hidden, dtype=torch.float8_e4m3fn, device=model.embed.device),
+                          torch.zeros(1, dtype=torch.float32, device=model.embed.device)) \
+            if act_fp8 and self.opt.fp8_round_once else None
         if any(sc.blocked() for sc in scales):
             n = max(model.hidden, model.intermediate, model.num_q_heads * model.head_dim)
             self._xq_pairs = [(torch.zeros(n, dtype=torch.float8_e4m3fn, device=model.embed.device),
@@ -619,6 +649,12 @@ class Fp8GqaDecoder(GqaDecoder):
         return (self.model.layers[i].q_norm is not None and self.opt.fp8_qkv_rope
                 and self.opt.qk_norm_in in ("attention", "qkv") and not self.kv_fmt)  # no last-program norm in FP8
 
+    def _rounded(self, norm_w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The residual normed and rounded once for the next GEMV (FastOptions.fp8_round_once), or None."""
+        if self._token_xq is None:
+            return None
+        return round_token(self.residual, *self._token_xq, norm_w=norm_w, eps=self.model.eps, pdl=self.opt.pdl)
+
     def _qkv(self, i: int):
         sc = self.scales[i]
         if sc.wqkv is None:
@@ -633,7 +669,7 @@ class Fp8GqaDecoder(GqaDecoder):
                               self.v_caches[i], self.pos, self.cos, self.sin, num_q_heads=m.num_q_heads,
                               num_kv_heads=m.num_kv_heads, head_dim=m.head_dim, bias=lw.bqkv,
                               rope=lw.q_norm is None, act=self.act_fp8, pos_early=i > 0, **tile,
-                              **self.kv_kwargs(i))
+                              xq=self._rounded(lw.attn_norm), **self.kv_kwargs(i))
             return (lw.q_norm, lw.k_norm, eps, self.cos, self.sin) if lw.q_norm is not None else None
         qkv = gemv_fp8(self.residual, lw.wqkv, sc.wqkv, self.tmp[: lw.wqkv.shape[0]], norm_w=lw.attn_norm,
                        eps=eps, bias=lw.bqkv, act=self.act_fp8, **self.fp8_tile_kwargs("qkv"))
@@ -659,7 +695,7 @@ class Fp8GqaDecoder(GqaDecoder):
             gemv.gemv(self.attn_out, lw.wo, self.residual, residual=self.residual, bias=lw.bo, **self.tile_kwargs("o"))
         if sc.w_gate_up is not None:
             gemv_fp8_silu(self.residual, lw.w_gate_up, sc.w_gate_up, self.act, norm_w=lw.mlp_norm, eps=eps, act=act,
-                          **self.fp8_tile_kwargs("gate_up"))
+                          xq=self._rounded(lw.mlp_norm), **self.fp8_tile_kwargs("gate_up"))
         else:
             gemv.gemv_silu(self.residual, lw.w_gate_up, self.act, norm_w=lw.mlp_norm, eps=eps,
                            norm_late=folds_norm(self.opt, "gate_up", False, self.kv_fmt), **self.tile_kwargs("gate_up"))

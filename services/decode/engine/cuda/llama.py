@@ -167,6 +167,10 @@ class FastOptions:
     # FP8 checkpoints (cuda/fp8.py): the rope + q / K / V stores in the FP8 QKV GEMV's epilogue (one launch
     # a layer, as the bf16 step); False: gemv_fp8 + rope_cache_write
     fp8_qkv_rope: bool = True
+    # FP8 checkpoints with FP8_DYNAMIC activations: the QKV and gate/up inputs normed and rounded once a layer
+    # (fp8.round_token, one small launch each) instead of by every program of the GEMV (its prologue's two
+    # reductions over the input, then a rounding a K tile); the same values
+    fp8_round_once: bool = False
 
     def attn_num_warps(self, qk_norm_in_attention: bool) -> int:
         """The split kernel's warps (``attn_warps``, or its default for where q/k norm runs)."""
