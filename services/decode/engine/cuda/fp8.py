@@ -9,8 +9,10 @@ fp8.py), so one kernel serves compressed-tensors "channel" and "tensor" checkpoi
 ``ACT`` (the checkpoint quantizes activations dynamically per token, FP8_DYNAMIC): the input vector
 (after the fused RMSNorm, rounded as gemv.py rounds it) goes through vLLM's FP8 rounding with one
 scale per token, ``s = max(amax / 448, 1 / (448 * 512))``, ``x = fp8(x / s) * s``, exactly as the
-engine's reference step (engine/fp8.quantize_activations) and vLLM's W8A8 prefill do; every program
-computes the vector's amax itself from L2 (the vector is 4-28 KB), so there is no extra launch.
+engine's reference step (engine/fp8.quantize_activations) and vLLM's W8A8 prefill do. The o and down GEMVs'
+programs compute the vector's amax themselves from L2 (the vector is 4-28 KB: no extra launch); the QKV and
+gate/up inputs, the normed residual, are rounded once a layer by :func:`round_token` (``FastOptions.fp8_round_once``)
+and their GEMVs read its FP8 values and scale (``XQ``): the same values, without two reductions in every program.
 
 Block-scaled checkpoints (fp8block.BlockFp8: Qwen's FP8 releases, 128 x 128 blocks, activations rounded per 128
 features) take the one-token step's other kernels here. With every projection rounding its activations, each GEMV
@@ -612,7 +614,8 @@ class Fp8GqaDecoder(GqaDecoder):
     (norm, bias, rope and the q / K / V stores fused, as the bf16 step's; with ``FastOptions.fp8_qkv_rope``
     off, or Qwen3's q/k norm over an FP8 KV cache, the GEMV + one small rope/q-k-norm/cache-write kernel),
     attention, FP8 o_proj (+ residual), FP8 gate/up +
-    SiLU, FP8 down (+ residual); the lm_head stays bf16 (compressed-tensors ``ignore: [lm_head]``).
+    SiLU, FP8 down (+ residual); the lm_head stays bf16 (compressed-tensors ``ignore: [lm_head]``). With FP8_DYNAMIC
+    activations the QKV and gate/up inputs are normed and rounded once before their GEMVs (round_token).
     ``act_fp8``: activations through FP8 per token (the checkpoint's FP8_DYNAMIC scheme)."""
 
     def __init__(self, model, k_caches, v_caches, cos, sin, options=None, max_steps: int = 4096, *,
