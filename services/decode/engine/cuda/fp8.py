@@ -626,14 +626,11 @@ class Fp8GqaDecoder(GqaDecoder):
         self.scales, self.act_fp8 = scales, act_fp8  # before the base's set-up, which asks _norms_in_attention
         super().__init__(model, k_caches, v_caches, cos, sin, options, max_steps, kv_format, kv_scales,
                          kv_nearest=kv_nearest)
-        # the rounded inputs' buffers (_xq_buffers), before any graph capture: two pairs of FP8 values and a scale a
-        # group (groups of 16 features at least), as long as the longest GEMV input
+        # the rounded inputs' buffers (_xq_buffers; the per-channel step's round_token uses the first pair), before any
+        # graph capture: two pairs of FP8 values and a scale a group (groups of 16 features at least), as long as the
+        # longest GEMV input
         self._xq_pairs = None
-        # FastOptions.fp8_round_once: one token's FP8 values and scale, the QKV and gate/up inputs in turn
-        self._token_xq = (torch.zeros(model.hidden, dtype=torch.float8_e4m3fn, device=model.embed.device),
-                          torch.zeros(1, dtype=torch.float32, device=model.embed.device)) \
-            if act_fp8 and self.opt.fp8_round_once else None
-        if any(sc.blocked() for sc in scales):
+        if any(sc.blocked() for sc in scales) or self._rounds_once():
             n = max(model.hidden, model.intermediate, model.num_q_heads * model.head_dim)
             self._xq_pairs = [(torch.zeros(n, dtype=torch.float8_e4m3fn, device=model.embed.device),
                                torch.zeros(-(-n // fp8block.MIN_ROWS), dtype=torch.float32, device=model.embed.device))
@@ -652,11 +649,15 @@ class Fp8GqaDecoder(GqaDecoder):
         return (self.model.layers[i].q_norm is not None and self.opt.fp8_qkv_rope
                 and self.opt.qk_norm_in in ("attention", "qkv") and not self.kv_fmt)  # no last-program norm in FP8
 
+    def _rounds_once(self) -> bool:
+        """Whether the per-channel step rounds its QKV and gate/up inputs once (FastOptions.fp8_round_once)."""
+        return self.act_fp8 and self.opt.fp8_round_once
+
     def _rounded(self, norm_w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The residual normed and rounded once for the next GEMV (FastOptions.fp8_round_once), or None."""
-        if self._token_xq is None:
+        if not self._rounds_once():
             return None
-        return round_token(self.residual, *self._token_xq, norm_w=norm_w, eps=self.model.eps, pdl=self.opt.pdl)
+        return round_token(self.residual, *self._xq_pairs[0], norm_w=norm_w, eps=self.model.eps, pdl=self.opt.pdl)
 
     def _qkv(self, i: int):
         sc = self.scales[i]
