@@ -66,6 +66,8 @@ FP8_VARIANTS["rows8"] = {"fp8_tiles": {"qkv": (8, 512, 4, 3), "down": (8, 512, 4
 # each GEMV program norming and rounding the QKV and gate/up inputs itself (the product before run G41: 3.456 /
 # 3.462 ms against 3.337 / 3.339 with the inputs rounded once, in alternated orders)
 FP8_VARIANTS["round_in_gemv"] = {"fp8_round_once": False}
+FP8_VARIANTS["amax_in_gemv"] = {"fp8_amax_carry": False}  # o / down programs reduce their input (before G42)
+FP8_VARIANTS["round_in_producer"] = {"fp8_round_in_producer": True}  # o / down's last program rounds
 
 
 def quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -406,10 +408,12 @@ def run(R: dict) -> None:
         return
     R["llama8b_fp8_variants"] = V = {}
     made = {}
-    only = os.environ.get("FP8_VARIANTS_ONLY")  # "a,b": these variants alone (a short run)
-    for name, fields in FP8_VARIANTS.items():
-        if only and name not in only.split(","):
-            continue
+    only = os.environ.get("FP8_VARIANTS_ONLY")  # "a,b,a": these variants alone, in this order (a short run; a name
+    # given again is measured again, under "<name>_2")
+    for name in only.split(",") if only else list(FP8_VARIANTS):
+        fields = FP8_VARIANTS[name]
+        if name in made:
+            name = f"{name}_2"
         if "fp8_tiles" in fields:  # some projections' tiles over the product's
             fields = dict(fields, fp8_tiles={**base.fp8_tiles, **fields["fp8_tiles"]})
         opts = made[name] = replace(base, **fields)
@@ -428,7 +432,8 @@ def run(R: dict) -> None:
     R["llama8b_fp8_best_variant_ctx1k_frac_roofline"] = ok[best]["frac_roofline"]
     # the headline keys and the runs below: the product's defaults (what the decode node serves), unless only
     # other variants ran
-    head = "product" if "product" in ok else best
+    head = os.environ.get("FP8_HEADLINE") or ("product" if "product" in ok else best)  # FP8_HEADLINE: a variant's
+    # logits and per-kernel profile in place of the product's
     bopts = made[head]
     R["llama8b_fp8_headline_variant"] = head
     R["llama8b_fp8_ctx1k_tok_s"] = ok[head]["tok_s"]

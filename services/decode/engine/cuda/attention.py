@@ -268,9 +268,11 @@ def split_weights(part_ml_ptr, row, NUM_SPLITS: tl.constexpr):
 
 @triton.jit
 def _attn_combine_kernel(part_o_ptr, part_ml_ptr, out_ptr, NUM_SPLITS: tl.constexpr, D_V: tl.constexpr,
-                         PDL: tl.constexpr, QUANT: tl.constexpr = False, q_ptr=None, xs_ptr=None):
+                         PDL: tl.constexpr, QUANT: tl.constexpr = False, q_ptr=None, xs_ptr=None,
+                         amax_ptr=None, AMAX: tl.constexpr = False):
     # QUANT: each output row (D_V values, one activation group of the next GEMV) also through vLLM's FP8 rounding,
-    # its FP8 values into q_ptr and its scale into xs_ptr[row] (what fp8.quant_groups makes of out)
+    # its FP8 values into q_ptr and its scale into xs_ptr[row] (what fp8.quant_groups makes of out). AMAX: each
+    # row's largest |out| into amax_ptr (atomic max; the caller zeroed it): a per-token FP8 GEMV's input scale
     row = tl.program_id(0)  # (b * T + t) * Hq + head
     if PDL:
         gdc_wait()
@@ -282,6 +284,8 @@ def _attn_combine_kernel(part_o_ptr, part_ml_ptr, out_ptr, NUM_SPLITS: tl.conste
     o = tl.load(part_o_ptr + (row * NUM_SPLITS + sp)[:, None] * D_V + dv[None, :], mask=(w > 0)[:, None], other=0.0)
     o = (tl.sum(o * w[:, None], axis=0) / denom).to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + row * D_V + dv, o)
+    if AMAX:
+        tl.atomic_max(amax_ptr, tl.max(tl.abs(o.to(tl.float32)), axis=0))
     if QUANT:
         of = o.to(tl.float32)
         sx = act_scale(tl.max(tl.abs(of), axis=0))
@@ -470,7 +474,8 @@ class DecodeAttention:
                  qk_norm: tuple | None = None, slot_ids: torch.Tensor | None = None, stride_ks: int = 0,
                  stride_vs: int = 0, kv_fmt: int = 0, k_scale: float = 1.0, v_scale: float = 1.0,
                  sparse: tuple[torch.Tensor, torch.Tensor] | None = None, combine: bool = True,
-                 quant: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor | None:
+                 quant: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 amax: torch.Tensor | None = None) -> torch.Tensor | None:
         """q: main part, row (t, head) at t*stride_qt + head*stride_qh (default [T, Hq, D_MAIN] contiguous);
         q_pe [T, Hq, D_ROPE] (MLA); k/v cache storage (token strides in elements); out [T, Hq, D_V].
         ``qk_norm=(q_norm [D], k_norm [D], eps, cos, sin)``: q and K row pos as projected (Qwen3, T == 1).
@@ -485,7 +490,9 @@ class DecodeAttention:
         [B, T, Hq, NUM_SPLITS, D_V] and ``part_ml`` [..., 2] (max in log2 units, sum) for a kernel of the
         caller's that merges them (returns None).
         ``quant=(q, xs)`` (two-launch form): out also rounded to FP8 a row of D_V values at a time (a block-scaled
-        GEMV's activation groups of D_V), its FP8 values into q and a scale a row into xs."""
+        GEMV's activation groups of D_V), its FP8 values into q and a scale a row into xs.
+        ``amax`` (two-launch form; float32 [1], zero on entry): the largest |out| gathered into it, the activation
+        scale of a per-token FP8 GEMV that reads out (fp8.gemv_fp8's ``amax``)."""
         sqh = stride_qh if stride_qh is not None else self.d_main
         sqt = stride_qt if stride_qt is not None else self.hq * self.d_main
         if qk_norm is not None and (self.num_tokens != 1 or self.d_rope or self.v_is_k or self.v_chunks != 1
@@ -498,9 +505,9 @@ class DecodeAttention:
         batch = 1 if slot_ids is None else slot_ids.shape[0]
         if batch > self.max_batch:
             raise ValueError(f"a batch of {batch} rows: this attention holds partials for {self.max_batch}")
-        if (not combine or quant is not None) and self.one_launch:
-            raise ValueError("combine=False and quant need the two-launch attention (one_launch merges in its split "
-                             "kernel)")
+        if (not combine or quant is not None or amax is not None) and self.one_launch:
+            raise ValueError("combine=False, quant and amax need the two-launch attention (one_launch merges in its "
+                             "split kernel)")
         if sparse is not None and (self.num_tokens != 1 or qk_norm is not None or slot_ids is not None
                                    or self.one_launch):
             raise ValueError("sparse attention takes one query token of one slot, without qk_norm (MLA)")
@@ -531,5 +538,6 @@ class DecodeAttention:
         _attn_combine_kernel[(batch * self.num_tokens * self.hq,)](
             self.part_o, self.part_ml, out, NUM_SPLITS=self.num_splits,
             D_V=self.d_v, PDL=self.pdl, QUANT=quant is not None, q_ptr=quant[0] if quant is not None else None,
-            xs_ptr=quant[1] if quant is not None else None, num_warps=self.combine_warps, **launch_opts(self.pdl))
+            xs_ptr=quant[1] if quant is not None else None, amax_ptr=amax, AMAX=amax is not None,
+            num_warps=self.combine_warps, **launch_opts(self.pdl))
         return out
