@@ -132,67 +132,39 @@ def test_a_token_rounded_once_feeds_the_silu_and_qkv_gemvs_the_values_their_prol
 
 
 @pytest.mark.parametrize("k,block_k", [(96, 32), (80, 32), (128, 64)])  # K a power of two or not
-def test_an_input_amax_gathered_by_its_writer_gives_the_gemv_its_own_scale(k, block_k):
-    # FastOptions.fp8_amax_carry: the SiLU GEMV gathers max |out| (an atomic max a program) and the o / down
-    # GEMV takes its activation scale from it instead of reducing its whole input in every program: bit for bit
-    # the same outputs, the residual and bias included
+def test_an_input_amax_left_by_its_writer_gives_the_gemv_its_own_scale(k, block_k):
+    # FastOptions.fp8_amax_carry: each SiLU GEMV program stores the largest |value| of its rows, and the o / down
+    # GEMV takes its activation scale from the max of those parts instead of reducing its whole input in every
+    # program: bit for bit the same outputs, the residual and bias included
     x, nw = (rand(k) * 3).to(BF), (1 + rand(k, std=0.1)).to(BF)
     wgu, sgu = quantized(2 * 48, k, seed=7)
-    act, amax = torch.full((48,), float("nan"), dtype=BF), torch.zeros(1)
-    fp8.gemv_fp8_silu(x, wgu, sgu, act, norm_w=nw, eps=1e-5, act=True, block_n=8, block_k=block_k, amax_out=amax)
-    assert amax.item() == act.float().abs().max().item() > 0
+    act, parts = torch.full((48,), float("nan"), dtype=BF), torch.full((7,), float("nan"))
+    fp8.gemv_fp8_silu(x, wgu, sgu, act, norm_w=nw, eps=1e-5, act=True, block_n=8, block_k=block_k, amax_out=parts)
+    assert torch.equal(parts[:6], act.float().abs().view(6, 8).amax(dim=1)) and parts[6].isnan()
     wd, sd = quantized(24, 48, seed=11)
     res, b = rand(24).to(BF), rand(24, std=0.1).to(BF)
     outs = [torch.full((24,), float("nan"), dtype=BF) for _ in range(2)]
     fp8.gemv_fp8(act, wd, sd, outs[0], residual=res, bias=b, act=True, block_n=8, block_k=16)
-    fp8.gemv_fp8(act, wd, sd, outs[1], residual=res, bias=b, act=True, block_n=8, block_k=16, amax=amax)
+    fp8.gemv_fp8(act, wd, sd, outs[1], residual=res, bias=b, act=True, block_n=8, block_k=16, amax=parts[:6])
     assert torch.equal(outs[0], outs[1]) and not outs[0].isnan().any()
     with pytest.raises(ValueError, match="un-normed"):
-        fp8.gemv_fp8(act, wd, sd, outs[1], norm_w=nw[:48], act=True, amax=amax)
+        fp8.gemv_fp8(act, wd, sd, outs[1], norm_w=nw[:48], act=True, amax=parts[:6])
+    with pytest.raises(ValueError, match="programs"):
+        fp8.gemv_fp8_silu(x, wgu, sgu, act, act=True, block_n=8, block_k=block_k, amax_out=parts[:5])
 
 
-def test_the_attention_merge_gathers_its_outputs_amax_and_the_rounding_zeroes_it():
-    # the two-launch attention's merge gathers max |out| into a zeroed amax (o's input scale); round_token's
-    # ``zero`` resets the amaxes in its own launch
+def test_the_attention_merge_leaves_each_heads_amax():
+    # the two-launch attention's merge stores each output row's largest |value| (o's input scale parts)
     from services.decode.engine.cuda.attention import DecodeAttention
 
     hq, hkv, d, pos = 8, 2, 32, 40
     q, k, v = rand(1, hq, d).to(BF), rand(pos + 4, hkv, d, seed=1).to(BF), rand(pos + 4, hkv, d, seed=2).to(BF)
     attn = DecodeAttention(num_q_heads=hq, num_kv_heads=hkv, d_main=d, d_v=d, num_tokens=1, num_splits=4,
                            block_s=16, one_launch=False)
-    assert not attn.one_launch
-    out, amax = torch.full((1, hq, d), float("nan"), dtype=BF), torch.zeros(2)
-    attn(q, k, v, torch.tensor([pos], dtype=torch.int32), out, stride_kt=hkv * d, stride_vt=hkv * d, amax=amax[:1])
-    assert amax[0].item() == out.float().abs().max().item() > 0 and amax[1].item() == 0
-    amax[1] = 5.0
-    x = rand(64).to(BF)
-    fp8.round_token(x, torch.zeros(64, dtype=torch.float8_e4m3fn), torch.zeros(1), zero=amax)
-    assert amax.tolist() == [0.0, 0.0]
-    with pytest.raises(ValueError, match="power of two"):
-        fp8.round_token(x, torch.zeros(64, dtype=torch.float8_e4m3fn), torch.zeros(1), zero=torch.zeros(3))
+    out, parts = torch.full((1, hq, d), float("nan"), dtype=BF), torch.full((hq,), float("nan"))
+    attn(q, k, v, torch.tensor([pos], dtype=torch.int32), out, stride_kt=hkv * d, stride_vt=hkv * d, amax=parts)
+    assert torch.equal(parts, out.float().abs().view(hq, d).amax(dim=1))
     one = DecodeAttention(num_q_heads=hq, num_kv_heads=hkv, d_main=d, d_v=d, num_tokens=1, num_splits=4,
                           block_s=16, one_launch=True)
     with pytest.raises(ValueError, match="two-launch"):
-        one(q, k, v, torch.tensor([pos], dtype=torch.int32), out, stride_kt=hkv * d, stride_vt=hkv * d,
-            amax=amax[:1])
-
-
-@pytest.mark.parametrize("n,block_n", [(64, 8), (80, 16), (96, 32)])  # N a power of two or not, 2-8 programs
-def test_the_gemvs_last_program_rounds_its_output_as_round_token_does(n, block_n):
-    # FastOptions.fp8_round_in_producer: the o / down GEMV's last program to finish norms and rounds the whole
-    # residual it completed (round_token's FP8 values and scale, bit for bit), zeroes the amaxes, and leaves its
-    # count at 0 for the next launch
-    x, res, nw = rand(48).to(BF), rand(n).to(BF), (1 + rand(n, std=0.1)).to(BF)
-    w, scale = quantized(n, 48, seed=13)
-    out = res.clone()
-    count, q, xs, zero = torch.zeros(1, dtype=torch.int32), torch.zeros(n, dtype=torch.float8_e4m3fn), \
-        torch.zeros(1), torch.full((2,), 7.0)
-    fp8.gemv_fp8(x, w, scale, out, residual=out, act=True, block_n=block_n, block_k=16,
-                 round_out=(count, nw, q, xs, zero))
-    want = res.clone()
-    fp8.gemv_fp8(x, w, scale, want, residual=want, act=True, block_n=block_n, block_k=16)
-    assert torch.equal(out, want)
-    q2, xs2 = torch.zeros(n, dtype=torch.float8_e4m3fn), torch.zeros(1)
-    fp8.round_token(want, q2, xs2, norm_w=nw, eps=1e-5)
-    assert torch.equal(q.view(torch.uint8), q2.view(torch.uint8)) and xs.item() == xs2.item() > 0
-    assert count.item() == 0 and zero.tolist() == [0.0, 0.0]
+        one(q, k, v, torch.tensor([pos], dtype=torch.int32), out, stride_kt=hkv * d, stride_vt=hkv * d, amax=parts)

@@ -271,8 +271,8 @@ def _attn_combine_kernel(part_o_ptr, part_ml_ptr, out_ptr, NUM_SPLITS: tl.conste
                          PDL: tl.constexpr, QUANT: tl.constexpr = False, q_ptr=None, xs_ptr=None,
                          amax_ptr=None, AMAX: tl.constexpr = False):
     # QUANT: each output row (D_V values, one activation group of the next GEMV) also through vLLM's FP8 rounding,
-    # its FP8 values into q_ptr and its scale into xs_ptr[row] (what fp8.quant_groups makes of out). AMAX: each
-    # row's largest |out| into amax_ptr (atomic max; the caller zeroed it): a per-token FP8 GEMV's input scale
+    # its FP8 values into q_ptr and its scale into xs_ptr[row] (what fp8.quant_groups makes of out). AMAX: row's
+    # largest |out| into amax_ptr[row], the parts a per-token FP8 GEMV's input scale is the max of
     row = tl.program_id(0)  # (b * T + t) * Hq + head
     if PDL:
         gdc_wait()
@@ -285,7 +285,7 @@ def _attn_combine_kernel(part_o_ptr, part_ml_ptr, out_ptr, NUM_SPLITS: tl.conste
     o = (tl.sum(o * w[:, None], axis=0) / denom).to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + row * D_V + dv, o)
     if AMAX:
-        tl.atomic_max(amax_ptr, tl.max(tl.abs(o.to(tl.float32)), axis=0))
+        tl.store(amax_ptr + row, tl.max(tl.abs(o.to(tl.float32)), axis=0))
     if QUANT:
         of = o.to(tl.float32)
         sx = act_scale(tl.max(tl.abs(of), axis=0))
@@ -491,8 +491,8 @@ class DecodeAttention:
         caller's that merges them (returns None).
         ``quant=(q, xs)`` (two-launch form): out also rounded to FP8 a row of D_V values at a time (a block-scaled
         GEMV's activation groups of D_V), its FP8 values into q and a scale a row into xs.
-        ``amax`` (two-launch form; float32 [1], zero on entry): the largest |out| gathered into it, the activation
-        scale of a per-token FP8 GEMV that reads out (fp8.gemv_fp8's ``amax``)."""
+        ``amax`` (two-launch form; float32 [B * T * Hq]): each output row's largest |value|, the parts of a per-token
+        FP8 GEMV's activation scale (fp8.gemv_fp8's ``amax``)."""
         sqh = stride_qh if stride_qh is not None else self.d_main
         sqt = stride_qt if stride_qt is not None else self.hq * self.d_main
         if qk_norm is not None and (self.num_tokens != 1 or self.d_rope or self.v_is_k or self.v_chunks != 1

@@ -48,17 +48,18 @@ ACT_MIN_SCALE = 1.0 / (FP8_MAX * 512.0)
 
 @triton.jit
 def _prologue(x_ptr, nw_ptr, K, eps, NORM: tl.constexpr, ACT: tl.constexpr, K_POW2: tl.constexpr,
-              XQ: tl.constexpr = False, AMAX: tl.constexpr = False):
+              XQ: tl.constexpr = False, AMAX: tl.constexpr = 0, AMAX_POW2: tl.constexpr = 1):
     # (1/rms, activation scale, its reciprocal) of the input vector; 1.0 where not asked. XQ: the input arrives
     # rounded (x_ptr its FP8 values, nw_ptr its scale: quant_groups over the whole vector), nothing to reduce.
-    # AMAX (ACT, no NORM): the input's largest |x| arrives at nw_ptr, gathered by the kernel that wrote x
+    # AMAX (ACT, no NORM): the largest |x| of each of the AMAX parts the writer's programs made arrive at nw_ptr
     inv_rms = 1.0
     s = 1.0
     inv_s = 1.0
     if XQ:
         s = tl.load(nw_ptr)
     elif AMAX:
-        s = act_scale(tl.load(nw_ptr))
+        parts = tl.arange(0, AMAX_POW2)
+        s = act_scale(tl.max(tl.load(nw_ptr + parts, mask=parts < AMAX, other=0.0), axis=0))
         inv_s = 1.0 / s
     elif NORM or ACT:
         offs = tl.arange(0, K_POW2)
@@ -113,29 +114,10 @@ def _rows_dot(x_ptr, nw_ptr, w_ptr, rows, rmask, K, inv_rms, s, inv_s, w0, NORM:
 
 
 @triton.jit
-def _round_written(x_ptr, nw_ptr, q_ptr, xs_ptr, K, eps, K_POW2: tl.constexpr):
-    # the vector other programs of this launch wrote (read past L1), normed and rounded as round_token rounds it:
-    # its FP8 values into q_ptr, its scale into xs_ptr[0]
-    offs = tl.arange(0, K_POW2)
-    m = offs < K
-    x = tl.load(x_ptr + offs, mask=m, other=0.0, cache_modifier=".cg")
-    xf = x.to(tl.float32)
-    inv = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / K + eps)
-    xn = rms_scaled(x, inv, tl.load(nw_ptr + offs, mask=m, other=0.0)).to(tl.float32)
-    sx = act_scale(tl.max(tl.abs(xn), axis=0))
-    tl.store(q_ptr + offs, act_round(xn, 1.0 / sx), mask=m)
-    tl.store(xs_ptr, sx)
-
-
-@triton.jit
 def _gemv_fp8_kernel(x_ptr, w_ptr, ws_ptr, out_ptr, res_ptr, nw_ptr, bias_ptr, N, K, eps,
                      NORM: tl.constexpr, RESIDUAL: tl.constexpr, BIAS: tl.constexpr, ACT: tl.constexpr,
                      K_POW2: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
-                     PDL: tl.constexpr, AMAX: tl.constexpr = False, count_ptr=None, tnw_ptr=None, tq_ptr=None,
-                     txs_ptr=None, zero_ptr=None, TAIL: tl.constexpr = False, N_POW2: tl.constexpr = 1,
-                     ZERO: tl.constexpr = 0):
-    # TAIL: the last program to finish rounds the whole output for the next GEMV (normed by tnw_ptr: its FP8
-    # values into tq_ptr, its scale into txs_ptr) and sets zero_ptr[:ZERO] to 0, in place of a round_token launch
+                     PDL: tl.constexpr, AMAX: tl.constexpr = 0, AMAX_POW2: tl.constexpr = 1):
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     rmask = rows < N
@@ -145,7 +127,7 @@ def _gemv_fp8_kernel(x_ptr, w_ptr, ws_ptr, out_ptr, res_ptr, nw_ptr, bias_ptr, N
         bias = tl.load(bias_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
     if PDL:  # weights and scales are never written: only x and the outputs wait for the previous kernel
         gdc_wait()
-    inv_rms, s, inv_s = _prologue(x_ptr, nw_ptr, K, eps, NORM, ACT, K_POW2, False, AMAX)
+    inv_rms, s, inv_s = _prologue(x_ptr, nw_ptr, K, eps, NORM, ACT, K_POW2, False, AMAX, AMAX_POW2)
     y = _rows_dot(x_ptr, nw_ptr, w_ptr, rows, rmask, K, inv_rms, s, inv_s, w0, NORM, ACT, BLOCK_N, BLOCK_K, STAGES)
     if PDL:
         gdc_launch_dependents()
@@ -156,14 +138,6 @@ def _gemv_fp8_kernel(x_ptr, w_ptr, ws_ptr, out_ptr, res_ptr, nw_ptr, bias_ptr, N
         r = tl.load(res_ptr + rows, mask=rmask, other=0.0)
         y = r.to(tl.float32) + round_to_dtype(y, r.dtype)
     tl.store(out_ptr + rows, y.to(out_ptr.dtype.element_ty), mask=rmask)
-    if TAIL:  # every program's rows are written before its count (the attention's one-launch merge's pattern)
-        tl.debug_barrier()
-        done = tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu")
-        if done == tl.num_programs(0) - 1:
-            tl.store(count_ptr, 0)  # for the next launch (which counts after its wait, so after our end)
-            _round_written(out_ptr, tnw_ptr, tq_ptr, txs_ptr, N, eps, N_POW2)
-            if ZERO:
-                tl.store(zero_ptr + tl.arange(0, ZERO), tl.zeros((ZERO,), tl.float32))
 
 
 @triton.jit
@@ -189,8 +163,8 @@ def _gemv_fp8_silu_kernel(x_ptr, w_ptr, ws_ptr, out_ptr, nw_ptr, I, K, eps,
                           NORM: tl.constexpr, ACT: tl.constexpr, K_POW2: tl.constexpr, BLOCK_N: tl.constexpr,
                           BLOCK_K: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr, XQ: tl.constexpr = False,
                           amax_ptr=None, AMAX_OUT: tl.constexpr = False):
-    # AMAX_OUT: each program's largest |out| into amax_ptr (atomic max; the caller zeroed it), the next GEMV's
-    # activation scale without a reduction over the whole vector in each of its programs
+    # AMAX_OUT: program p's largest |out| into amax_ptr[p] (a plain store: no atomics, nothing to reset), from
+    # which the next GEMV takes its activation scale without reducing the whole vector in each of its programs
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)  # I % BLOCK_N == 0
     all_rows = rows >= 0
@@ -212,7 +186,7 @@ def _gemv_fp8_silu_kernel(x_ptr, w_ptr, ws_ptr, out_ptr, nw_ptr, I, K, eps,
     y = (sg * u).to(dt)
     tl.store(out_ptr + rows, y)
     if AMAX_OUT:
-        tl.atomic_max(amax_ptr, tl.max(tl.abs(y.to(tl.float32)), axis=0))
+        tl.store(amax_ptr + pid, tl.max(tl.abs(y.to(tl.float32)), axis=0))
 
 
 @triton.jit
@@ -272,27 +246,21 @@ def gemv_fp8(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, out: torch
              norm_w: torch.Tensor | None = None, eps: float = 1e-5, residual: torch.Tensor | None = None,
              bias: torch.Tensor | None = None, act: bool = False, block_n: int = 16, block_k: int = 512,
              num_warps: int = 4, stages: int = 1, pdl: bool = False, prefetch: int = 0,
-             amax: torch.Tensor | None = None, round_out: tuple | None = None) -> torch.Tensor:
+             amax: torch.Tensor | None = None) -> torch.Tensor:
     """out[N] = [residual +] round(scale * (W8[N, K] @ q([rmsnorm(x) * norm_w | x])) [+ bias]); q is the FP8
-    activation rounding when ``act``. ``amax`` (act, no norm_w): a float32 [1] holding max |x|, gathered by the
-    kernel that wrote x (gemv_fp8_silu's ``amax_out``, the attention's ``amax``), in place of each program's
-    reduction over x; the same scale. ``round_out=(count, norm_w, q, xs, zero | None)``: the last program to finish
-    also rounds out as :func:`round_token` (``norm_w``, eps) would, into q and xs[:1] (count: int32 [1], zero on
-    entry and on return), and sets ``zero`` to 0 (FastOptions.fp8_round_in_producer). ``prefetch`` is accepted for
+    activation rounding when ``act``. ``amax`` (act, no norm_w): float32 [P], the largest |x| of each of P parts
+    of x, written by the kernel that wrote x (gemv_fp8_silu's ``amax_out``, the attention's ``amax``); their max
+    is x's, so each program reduces P values in place of x's K; the same scale. ``prefetch`` is accepted for
     gemv.py's tile kwargs and unused."""
     n, k = w.shape
     if amax is not None and (not act or norm_w is not None):
         raise ValueError("amax gives the activation scale of an un-normed input: act=True without norm_w")
-    count, tnw, tq, txs, zero = round_out if round_out is not None else (None,) * 5
-    if zero is not None and zero.numel() & (zero.numel() - 1):
-        raise ValueError(f"zero holds {zero.numel()} values: a power of two is asked")
     nw = norm_w if norm_w is not None else (amax if amax is not None else x)
     _gemv_fp8_kernel[(triton.cdiv(n, block_n),)](
         x, w, w_scale, out, residual if residual is not None else out, nw,
         bias if bias is not None else x, n, k, eps, NORM=norm_w is not None, RESIDUAL=residual is not None,
         BIAS=bias is not None, ACT=act, K_POW2=_pow2(k), BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, PDL=pdl,
-        AMAX=amax is not None, count_ptr=count, tnw_ptr=tnw, tq_ptr=tq, txs_ptr=txs, zero_ptr=zero,
-        TAIL=round_out is not None, N_POW2=_pow2(n), ZERO=zero.numel() if zero is not None else 0,
+        AMAX=amax.numel() if amax is not None else 0, AMAX_POW2=_pow2(amax.numel()) if amax is not None else 1,
         num_warps=num_warps, **launch_opts(pdl))
     return out
 
@@ -304,14 +272,16 @@ def gemv_fp8_silu(x: torch.Tensor, w_gate_up: torch.Tensor, w_scale: torch.Tenso
                   amax_out: torch.Tensor | None = None) -> torch.Tensor:
     """out[I] = silu(gate) * up of the FP8 [2I, K] weight, as gemv.gemv_silu computes it from bf16. ``xq``: the
     input already normed and rounded per token (:func:`round_token`'s FP8 values and scale) in place of x.
-    ``amax_out`` (float32 [1], zero on entry): max |out| gathered into it (atomic max a program), for the down
-    GEMV's ``amax``."""
+    ``amax_out`` (float32, at least I / block_n): program p's largest |out| into amax_out[p], for the down GEMV's
+    ``amax`` (amax_out[:I // block_n])."""
     two_i, k = w_gate_up.shape
     if xq is not None:
         x, norm_w, act = xq[0], xq[1], False
     inter = two_i // 2
     if inter % block_n:
         raise ValueError(f"intermediate size {inter} is not a multiple of block_n {block_n}")
+    if amax_out is not None and amax_out.numel() < inter // block_n:
+        raise ValueError(f"amax_out holds {amax_out.numel()} values for {inter // block_n} programs")
     _gemv_fp8_silu_kernel[(inter // block_n,)](
         x, w_gate_up, w_scale, out, norm_w if norm_w is not None else x, inter, k, eps,
         NORM=norm_w is not None and xq is None, ACT=act, K_POW2=_pow2(k), BLOCK_N=block_n, BLOCK_K=block_k,
@@ -401,17 +371,14 @@ def _pair_rows_block(x_ptr, xs_ptr, nw_ptr, w_ptr, s_ptr, rows_a, rows_b, srow_a
 
 @triton.jit
 def _quant_groups_kernel(x_ptr, nw_ptr, q_ptr, xs_ptr, K, eps, NORM: tl.constexpr, K_POW2: tl.constexpr,
-                         SK: tl.constexpr, PDL: tl.constexpr, zero_ptr=None, ZERO: tl.constexpr = 0):
+                         SK: tl.constexpr, PDL: tl.constexpr):
     # program g: input group g ([g SK, (g + 1) SK), normed first when NORM: each program sums the whole input's
     # squares) through vLLM's FP8 rounding: its FP8 values into q_ptr and its scale into xs_ptr[g], the numbers
-    # fp8block.round_groups makes of the same group inside a GEMV. ZERO: program 0 also sets zero_ptr[:ZERO] to 0
+    # fp8block.round_groups makes of the same group inside a GEMV
     g = tl.program_id(0)
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
-    if ZERO:
-        if g == 0:
-            tl.store(zero_ptr + tl.arange(0, ZERO), tl.zeros((ZERO,), tl.float32))
     inv = 1.0
     if NORM:
         inv = _inv_rms(x_ptr, K, eps, K_POW2)
@@ -423,26 +390,23 @@ def _quant_groups_kernel(x_ptr, nw_ptr, q_ptr, xs_ptr, K, eps, NORM: tl.constexp
 
 
 def quant_groups(x: torch.Tensor, q: torch.Tensor, xs: torch.Tensor, group: int, *, norm_w: torch.Tensor | None = None,
-                 eps: float = 1e-6, pdl: bool = False, zero: torch.Tensor | None = None) -> None:
+                 eps: float = 1e-6, pdl: bool = False) -> None:
     """One token's x [K] ([rmsnorm(x) * norm_w]) rounded to FP8 per ``group`` features as vLLM's W8A8 block path
     rounds a GEMV's input: its FP8 values into q [K] (float8_e4m3fn) and a float32 scale a group into xs
-    [ceil(K / group)], for the block-scaled GEMVs that read a rounded input (``xq``). ``zero`` (float32, a power of
-    two long): set to 0 by the same launch."""
+    [ceil(K / group)], for the block-scaled GEMVs that read a rounded input (``xq``)."""
     k = x.shape[-1]
-    if zero is not None and zero.numel() & (zero.numel() - 1):
-        raise ValueError(f"zero holds {zero.numel()} values: a power of two is asked")
     _quant_groups_kernel[(triton.cdiv(k, group),)](
         x, norm_w if norm_w is not None else x, q, xs, k, eps, NORM=norm_w is not None, K_POW2=_pow2(k), SK=group,
-        PDL=pdl, zero_ptr=zero, ZERO=zero.numel() if zero is not None else 0, num_warps=4, **launch_opts(pdl))
+        PDL=pdl, num_warps=4, **launch_opts(pdl))
 
 
 def round_token(x: torch.Tensor, q: torch.Tensor, xs: torch.Tensor, *, norm_w: torch.Tensor | None = None,
-                eps: float = 1e-6, pdl: bool = False, zero: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                eps: float = 1e-6, pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """One token's x [K] ([rmsnorm(x) * norm_w]) rounded to FP8 with one scale (FP8_DYNAMIC, as the per-channel
-    GEMVs' prologue rounds it): :func:`quant_groups` over the whole vector, one program (``zero``: as there).
+    GEMVs' prologue rounds it): :func:`quant_groups` over the whole vector, one program.
     Returns (q, xs[:1]), the ``xq`` of gemv_fp8_silu / gemv_fp8_qkv_rope."""
     k = x.shape[-1]
-    quant_groups(x, q[:k], xs[:1], _pow2(k), norm_w=norm_w, eps=eps, pdl=pdl, zero=zero)
+    quant_groups(x, q[:k], xs[:1], _pow2(k), norm_w=norm_w, eps=eps, pdl=pdl)
     return q[:k], xs[:1]
 
 
@@ -696,12 +660,13 @@ class Fp8GqaDecoder(GqaDecoder):
             self._xq_pairs = [(torch.zeros(n, dtype=torch.float8_e4m3fn, device=model.embed.device),
                                torch.zeros(-(-n // fp8block.MIN_ROWS), dtype=torch.float32, device=model.embed.device))
                               for _ in range(2)]
-        # FastOptions.fp8_amax_carry: [0] max |attention output| (o's input), [1] max |SiLU . up| (down's), each
-        # gathered by its writer; both set to 0 by the launch that rounds gate/up's input, after o has read [0] and
-        # the previous layer's down [1]
-        self._amax = torch.zeros(2, dtype=torch.float32, device=model.embed.device) if self._carries_amax() else None
-        # FastOptions.fp8_round_in_producer: the o / down GEMVs' count of finished programs (0 between launches)
-        self._count = torch.zeros(1, dtype=torch.int32, device=model.embed.device)
+        # FastOptions.fp8_amax_carry: the largest |value| of each attention head's output (o's input) and of each
+        # SiLU GEMV program's rows (down's), written by those kernels, read by the o / down GEMV of the same layer
+        self._amax = None
+        if self._carries_amax():
+            parts = model.intermediate // self.opt.fp8_tiles["gate_up"][0]
+            self._amax = (torch.zeros(model.num_q_heads, dtype=torch.float32, device=model.embed.device),
+                          torch.zeros(parts, dtype=torch.float32, device=model.embed.device))
 
     def fp8_tile_kwargs(self, name: str) -> dict:
         """tile_kwargs for projection ``name`` in FP8 (FastOptions.fp8_tiles)."""
@@ -720,39 +685,19 @@ class Fp8GqaDecoder(GqaDecoder):
         """Whether the per-channel step rounds its QKV and gate/up inputs once (FastOptions.fp8_round_once)."""
         return self.act_fp8 and self.opt.fp8_round_once
 
-    def _all_per_channel(self) -> bool:
-        """Every layer's four projections per-channel FP8, inputs rounded once."""
-        return self._rounds_once() and all(
-            all(isinstance(w, torch.Tensor) for w in (sc.wqkv, sc.wo, sc.w_gate_up, sc.w_down)) for sc in self.scales)
-
     def _carries_amax(self) -> bool:
-        """Whether the o and down GEMVs take their input's scale from the amax their input's writer gathered
-        (FastOptions.fp8_amax_carry): every layer per-channel FP8 with inputs rounded once (the gate/up input's
-        rounding resets the amaxes), the attention in two launches (its merge gathers o's)."""
-        return self.opt.fp8_amax_carry and not self.attn.one_launch and self._all_per_channel()
+        """Whether the o and down GEMVs take their input's scale from the per-part maxima their input's writer left
+        (FastOptions.fp8_amax_carry): FP8_DYNAMIC activations, the attention in two launches (its merge writes
+        o's), and a SiLU GEMV whose programs cover the intermediate size evenly."""
+        m = self.model
+        return (self.act_fp8 and self.opt.fp8_amax_carry and not self.attn.one_launch
+                and m.intermediate % self.opt.fp8_tiles["gate_up"][0] == 0)
 
-    def _producer_rounds(self) -> bool:
-        """Whether the o and down GEMVs round the residual for the next GEMV (FastOptions.fp8_round_in_producer)."""
-        return self.opt.fp8_round_in_producer and self._all_per_channel()
-
-    def _rounded(self, norm_w: torch.Tensor, zero: torch.Tensor | None = None,
-                 ready: bool = False) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The residual normed and rounded once for the next GEMV (FastOptions.fp8_round_once), or None;
-        ``ready``: the GEMV that wrote the residual rounded it already (round_out)."""
+    def _rounded(self, norm_w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The residual normed and rounded once for the next GEMV (FastOptions.fp8_round_once), or None."""
         if not self._rounds_once():
             return None
-        if ready:
-            q, xs = self._xq_pairs[0]
-            return q[: self.model.hidden], xs[:1]
-        return round_token(self.residual, *self._xq_pairs[0], norm_w=norm_w, eps=self.model.eps, pdl=self.opt.pdl,
-                           zero=zero)
-
-    def _round_out(self, norm_w: torch.Tensor, zero: torch.Tensor | None = None) -> tuple | None:
-        """gemv_fp8's ``round_out`` for the residual's next GEMV (normed by norm_w), where its writer rounds it."""
-        if not self._producer_rounds():
-            return None
-        q, xs = self._xq_pairs[0]
-        return self._count, norm_w, q, xs, zero
+        return round_token(self.residual, *self._xq_pairs[0], norm_w=norm_w, eps=self.model.eps, pdl=self.opt.pdl)
 
     def _qkv(self, i: int):
         sc = self.scales[i]
@@ -768,8 +713,7 @@ class Fp8GqaDecoder(GqaDecoder):
                               self.v_caches[i], self.pos, self.cos, self.sin, num_q_heads=m.num_q_heads,
                               num_kv_heads=m.num_kv_heads, head_dim=m.head_dim, bias=lw.bqkv,
                               rope=lw.q_norm is None, act=self.act_fp8, pos_early=i > 0, **tile,
-                              xq=self._rounded(lw.attn_norm, ready=i > 0 and self._producer_rounds()),
-                              **self.kv_kwargs(i))
+                              xq=self._rounded(lw.attn_norm), **self.kv_kwargs(i))
             return (lw.q_norm, lw.k_norm, eps, self.cos, self.sin) if lw.q_norm is not None else None
         qkv = gemv_fp8(self.residual, lw.wqkv, sc.wqkv, self.tmp[: lw.wqkv.shape[0]], norm_w=lw.attn_norm,
                        eps=eps, bias=lw.bqkv, act=self.act_fp8, **self.fp8_tile_kwargs("qkv"))
@@ -785,29 +729,27 @@ class Fp8GqaDecoder(GqaDecoder):
             return super().layer(i)
         if sc.blocked():
             return self._block_layer(i)
-        m, lw, eps, act = self.model, self.model.layers[i], self.model.eps, self.act_fp8
-        amax = self._amax  # None, or o's and down's input amax (_carries_amax)
+        lw, eps, act = self.model.layers[i], self.model.eps, self.act_fp8
+        # the o / down GEMVs' input scale from the per-part maxima their writer leaves (_carries_amax), where both
+        # the writer and the reader are this step's FP8 kernels
+        o_amax = self._amax[0] if self._amax is not None and sc.wo is not None else None
+        down_amax = self._amax[1] if self._amax is not None and sc.w_gate_up is not None and sc.w_down is not None \
+            else None
         qk_norm = self._qkv(i)
-        self.attend(i, qk_norm, amax=amax[:1] if amax is not None else None)
-        ready = self._producer_rounds()  # o rounds gate/up's input; down the next layer's QKV's (not the last's)
+        self.attend(i, qk_norm, amax=o_amax)
         if sc.wo is not None:
             gemv_fp8(self.attn_out, lw.wo, sc.wo, self.residual, residual=self.residual, bias=lw.bo, act=act,
-                     amax=amax[:1] if amax is not None else None, round_out=self._round_out(lw.mlp_norm, zero=amax),
-                     **self.fp8_tile_kwargs("o"))
+                     amax=o_amax, **self.fp8_tile_kwargs("o"))
         else:
             gemv.gemv(self.attn_out, lw.wo, self.residual, residual=self.residual, bias=lw.bo, **self.tile_kwargs("o"))
         if sc.w_gate_up is not None:
             gemv_fp8_silu(self.residual, lw.w_gate_up, sc.w_gate_up, self.act, norm_w=lw.mlp_norm, eps=eps, act=act,
-                          xq=self._rounded(lw.mlp_norm, zero=amax, ready=ready),
-                          amax_out=amax[1:] if amax is not None else None, **self.fp8_tile_kwargs("gate_up"))
+                          xq=self._rounded(lw.mlp_norm), amax_out=down_amax, **self.fp8_tile_kwargs("gate_up"))
         else:
             gemv.gemv_silu(self.residual, lw.w_gate_up, self.act, norm_w=lw.mlp_norm, eps=eps,
                            norm_late=folds_norm(self.opt, "gate_up", False, self.kv_fmt), **self.tile_kwargs("gate_up"))
         if sc.w_down is not None:
-            last = i == len(m.layers) - 1
-            gemv_fp8(self.act, lw.w_down, sc.w_down, self.residual, residual=self.residual, act=act,
-                     amax=amax[1:] if amax is not None else None,
-                     round_out=None if last else self._round_out(m.layers[i + 1].attn_norm),
+            gemv_fp8(self.act, lw.w_down, sc.w_down, self.residual, residual=self.residual, act=act, amax=down_amax,
                      **self.fp8_tile_kwargs("down"))
         else:
             gemv.gemv(self.act, lw.w_down, self.residual, residual=self.residual, **self.tile_kwargs("down"))

@@ -172,13 +172,11 @@ class FastOptions:
     # reductions over the input, then a rounding a K tile); the same values. H100, run G41: a Llama-3-8B step
     # 3.456 -> 3.337 ms (0.782 -> 0.810 of roofline)
     fp8_round_once: bool = True
-    # with fp8_round_once and the two-launch attention: the o and down inputs' activation scale from their largest
-    # |value|, gathered by the kernels that write them (the attention's merge, the SiLU GEMV: an atomic max a
-    # program) instead of reduced over the whole input by every program of the o / down GEMV; the same values
+    # FP8_DYNAMIC activations, two-launch attention: the o and down inputs' activation scale from the largest
+    # |value| of each attention head's output / each SiLU GEMV program's rows, which those kernels store beside
+    # their output, instead of a reduction over the whole input (4096 / 14336 values) in every o / down program;
+    # the same values
     fp8_amax_carry: bool = True
-    # with fp8_round_once: the o and down GEMVs' last program to finish norms and rounds the residual it completed
-    # for the next GEMV (gate/up's, the next layer's QKV) in place of a round_token launch; the same values
-    fp8_round_in_producer: bool = False
 
     def attn_num_warps(self, qk_norm_in_attention: bool) -> int:
         """The split kernel's warps (``attn_warps``, or its default for where q/k norm runs)."""
@@ -339,7 +337,7 @@ class GqaDecoder:
     def attend(self, i: int, qk_norm, quant: tuple[torch.Tensor, torch.Tensor] | None = None,
                amax: torch.Tensor | None = None) -> None:
         """Launches 2-3: the attention of layer i over the slot's cache into ``attn_out`` (``quant``: also rounded
-        to FP8 a head at a time; ``amax``: its largest |value| gathered; DecodeAttention's)."""
+        to FP8 a head at a time; ``amax``: each head's largest |value|; DecodeAttention's)."""
         m = self.model
         ks, vs = self.kv_scales[i]
         self.attn(self.query, self.k_caches[i], self.v_caches[i], self.pos, self.attn_out,
