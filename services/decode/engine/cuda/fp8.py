@@ -9,10 +9,12 @@ fp8.py), so one kernel serves compressed-tensors "channel" and "tensor" checkpoi
 ``ACT`` (the checkpoint quantizes activations dynamically per token, FP8_DYNAMIC): the input vector
 (after the fused RMSNorm, rounded as gemv.py rounds it) goes through vLLM's FP8 rounding with one
 scale per token, ``s = max(amax / 448, 1 / (448 * 512))``, ``x = fp8(x / s) * s``, exactly as the
-engine's reference step (engine/fp8.quantize_activations) and vLLM's W8A8 prefill do. The o and down GEMVs'
-programs compute the vector's amax themselves from L2 (the vector is 4-28 KB: no extra launch); the QKV and
-gate/up inputs, the normed residual, are rounded once a layer by :func:`round_token` (``FastOptions.fp8_round_once``)
-and their GEMVs read its FP8 values and scale (``XQ``): the same values, without two reductions in every program.
+engine's reference step (engine/fp8.quantize_activations) and vLLM's W8A8 prefill do. The QKV and gate/up inputs,
+the normed residual, are rounded once a layer by :func:`round_token` (``FastOptions.fp8_round_once``) and their GEMVs
+read its FP8 values and scale (``XQ``): the same values, without two reductions in every program. The o and down
+GEMVs round their input a K tile at a time with a scale from the largest |value| of each part of it, which the
+kernels that write it store beside it (each attention head's merge, each SiLU GEMV program: ``AMAX``,
+``FastOptions.fp8_amax_carry``); without it each o / down program reduces the whole input (4-28 KB) itself.
 
 Block-scaled checkpoints (fp8block.BlockFp8: Qwen's FP8 releases, 128 x 128 blocks, activations rounded per 128
 features) take the one-token step's other kernels here. With every projection rounding its activations, each GEMV
