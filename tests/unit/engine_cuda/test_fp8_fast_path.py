@@ -114,31 +114,34 @@ def test_the_unfused_fp8_qkv_keeps_the_tokens(tmp_path, arch):
     assert tokens == run(load(tmp_path, "off"), 0, PROMPT, greedy)[0]
 
 
-@pytest.mark.parametrize("arch,once", [("llama", True), ("qwen2", True), ("llama", False)])
-def test_fp8_inputs_rounded_once_keep_the_tokens(tmp_path, arch, once, monkeypatch):
-    # FastOptions.fp8_round_once (the default): the QKV and gate/up inputs normed and rounded by round_token, one
-    # launch each, give the reference step's tokens; a spy says the GEMVs read them. Off: each GEMV program rounds
-    # the input itself (no round_token), the same tokens
+def spied_fast_run(tmp_path, arch, monkeypatch, name: str, seen, **options) -> tuple[list[int], set, list[int]]:
+    """(tokens, step paths, the reference step's tokens) of a per-channel FP8_DYNAMIC checkpoint on the fast path
+    with ``options`` over OPTIONS, cuda/fp8.py's ``name`` wrapped so that ``seen(args, kwargs)`` sees each call."""
     from dataclasses import replace
 
     from services.decode.engine.cuda import fp8
 
     save_checkpoint(arch, tmp_path, damp=True)
     quantize_checkpoint(tmp_path, "fp8-channel", activations="dynamic")
-    calls = []
-    real = fp8.round_token
-
-    def spy(*args, **kw):
-        calls.append(kw.get("norm_w") is not None)
-        return real(*args, **kw)
-
-    monkeypatch.setattr(fp8, "round_token", spy)
-    opts = replace(OPTIONS, fp8_round_once=once)
-    fast = Engine.load(tmp_path, num_slots=1, max_seq_len=48, dtype="bfloat16", fast_path="on", fast_path_options=opts)
+    real = getattr(fp8, name)
+    monkeypatch.setattr(fp8, name, lambda *a, **kw: seen(a, kw) or real(*a, **kw))
+    fast = Engine.load(tmp_path, num_slots=1, max_seq_len=48, dtype="bfloat16", fast_path="on",
+                       fast_path_options=replace(OPTIONS, **options))
     greedy = SamplingParams(max_tokens=6, ignore_eos=True)
     tokens, _, paths = run(fast, 0, PROMPT, greedy)
+    return tokens, paths, run(load(tmp_path, "off"), 0, PROMPT, greedy)[0]
+
+
+@pytest.mark.parametrize("arch,once", [("llama", True), ("qwen2", True), ("llama", False)])
+def test_fp8_inputs_rounded_once_keep_the_tokens(tmp_path, arch, once, monkeypatch):
+    # FastOptions.fp8_round_once (the default): the QKV and gate/up inputs normed and rounded by round_token, one
+    # launch each, give the reference step's tokens; a spy says the GEMVs read them. Off: each GEMV program rounds
+    # the input itself (no round_token), the same tokens
+    calls = []
+    tokens, paths, want = spied_fast_run(tmp_path, arch, monkeypatch, "round_token",
+                                         lambda a, kw: calls.append(kw.get("norm_w") is not None), fp8_round_once=once)
     assert paths == {"fast"} and (all(calls) and len(calls) > 0) == once and (not calls) == (not once)
-    assert tokens == run(load(tmp_path, "off"), 0, PROMPT, greedy)[0]
+    assert tokens == want
 
 
 @pytest.mark.parametrize("arch,carry", [("llama", True), ("qwen2", True), ("llama", False)])
@@ -146,26 +149,14 @@ def test_fp8_input_amax_carried_keeps_the_tokens(tmp_path, arch, carry, monkeypa
     # FastOptions.fp8_amax_carry (the default): the o and down GEMVs take their input's scale from the per-part
     # maxima the attention's merge and the SiLU GEMV leave; the reference step's tokens. Off: each program reduces
     # its input
-    from dataclasses import replace
-
-    from services.decode.engine.cuda import fp8
-
-    save_checkpoint(arch, tmp_path, damp=True)
-    quantize_checkpoint(tmp_path, "fp8-channel", activations="dynamic")
     amaxes, exact = [], []
-    real = fp8.gemv_fp8
 
-    def spy(*args, **kw):  # the parts' max is the input's own amax at the GEMV's launch (this step's writer's)
+    def seen(args, kw):  # the parts' max is the input's own amax at the GEMV's launch (this step's writer's)
         amaxes.append(kw.get("amax") is not None)
         if amaxes[-1]:
             exact.append(kw["amax"].max().item() == args[0].float().abs().max().item())
-        return real(*args, **kw)
 
-    monkeypatch.setattr(fp8, "gemv_fp8", spy)
-    opts = replace(OPTIONS, fp8_amax_carry=carry)
-    fast = Engine.load(tmp_path, num_slots=1, max_seq_len=48, dtype="bfloat16", fast_path="on", fast_path_options=opts)
-    greedy = SamplingParams(max_tokens=6, ignore_eos=True)
-    tokens, _, paths = run(fast, 0, PROMPT, greedy)
+    tokens, paths, want = spied_fast_run(tmp_path, arch, monkeypatch, "gemv_fp8", seen, fp8_amax_carry=carry)
     assert paths == {"fast"} and amaxes and all(a == carry for a in amaxes) and all(exact)
-    assert tokens == run(load(tmp_path, "off"), 0, PROMPT, greedy)[0]
+    assert tokens == want
 
