@@ -405,8 +405,8 @@ def quant_groups(x: torch.Tensor, q: torch.Tensor, xs: torch.Tensor, group: int,
 def round_token(x: torch.Tensor, q: torch.Tensor, xs: torch.Tensor, *, norm_w: torch.Tensor | None = None,
                 eps: float = 1e-6, pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """One token's x [K] ([rmsnorm(x) * norm_w]) rounded to FP8 with one scale (FP8_DYNAMIC, as the per-channel
-    GEMVs' prologue rounds it): :func:`quant_groups` over the whole vector, one program.
-    Returns (q, xs[:1]), the ``xq`` of gemv_fp8_silu / gemv_fp8_qkv_rope."""
+    GEMVs' prologue rounds it): :func:`quant_groups` over the whole vector, one program. Returns (q, xs[:1]), the
+    ``xq`` of gemv_fp8_silu / gemv_fp8_qkv_rope."""
     k = x.shape[-1]
     quant_groups(x, q[:k], xs[:1], _pow2(k), norm_w=norm_w, eps=eps, pdl=pdl)
     return q[:k], xs[:1]

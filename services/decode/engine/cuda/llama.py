@@ -175,7 +175,7 @@ class FastOptions:
     # FP8_DYNAMIC activations, two-launch attention: the o and down inputs' activation scale from the largest
     # |value| of each attention head's output / each SiLU GEMV program's rows, which those kernels store beside
     # their output, instead of a reduction over the whole input (4096 / 14336 values) in every o / down program;
-    # the same values
+    # the same values. H100, run G43: a Llama-3-8B step 3.340 -> 3.330 ms (gathered by atomics instead, G42: slower)
     fp8_amax_carry: bool = True
 
     def attn_num_warps(self, qk_norm_in_attention: bool) -> int:
