@@ -412,11 +412,12 @@ def run(R: dict) -> None:
     R["llama8b_fp8_variants"] = V = {}
     made = {}
     only = os.environ.get("FP8_VARIANTS_ONLY")  # "a,b,a": these variants alone, in this order (a short run; a name
-    # given again is measured again, under "<name>_2")
-    for name in only.split(",") if only else list(FP8_VARIANTS):
+    # given again is measured again, under "<name>_2", "<name>_3", ...)
+    names = only.split(",") if only else list(FP8_VARIANTS)
+    for i, name in enumerate(names):
         fields = FP8_VARIANTS[name]
-        if name in made:
-            name = f"{name}_2"
+        if (n := names[:i].count(name)):
+            name = f"{name}_{n + 1}"
         if "fp8_tiles" in fields:  # some projections' tiles over the product's
             fields = dict(fields, fp8_tiles={**base.fp8_tiles, **fields["fp8_tiles"]})
         opts = made[name] = replace(base, **fields)

@@ -689,11 +689,9 @@ class Fp8GqaDecoder(GqaDecoder):
 
     def _carries_amax(self) -> bool:
         """Whether the o and down GEMVs take their input's scale from the per-part maxima their input's writer left
-        (FastOptions.fp8_amax_carry): FP8_DYNAMIC activations, the attention in two launches (its merge writes
-        o's), and a SiLU GEMV whose programs cover the intermediate size evenly."""
-        m = self.model
-        return (self.act_fp8 and self.opt.fp8_amax_carry and not self.attn.one_launch
-                and m.intermediate % self.opt.fp8_tiles["gate_up"][0] == 0)
+        (FastOptions.fp8_amax_carry): FP8_DYNAMIC activations and the attention in two launches (its merge writes
+        o's)."""
+        return self.act_fp8 and self.opt.fp8_amax_carry and not self.attn.one_launch
 
     def _rounded(self, norm_w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The residual normed and rounded once for the next GEMV (FastOptions.fp8_round_once), or None."""
