@@ -53,16 +53,23 @@ FP8_VARIANTS = {
     "qkv_unfused": {"fp8_qkv_rope": False},
     "attn_one_launch": {"attn_one_launch": True},  # the attention's merge by its last split (run N2)
 }
-# gate/up tiles in the step (its prologue - the input's norm and activation scale - runs once a program, so once a
-# wave of resident programs: the product's 448 programs of 96 KB of pipeline buffers take two waves on 132 SMs)
-# (run G16: (32, 256, 4, 3) 3.519 ms, the product since; (32, 256, 4, 6) 3.615, (32, 256, 4, 4) 3.531,
-# (64, 128, 4, 4) 3.688, (32, 512, 4, 2) 4.494, (64, 256, 4, 3) 8.180); the other projections' tiles likewise
-for _name, _tile in (("gate_up", (16, 256, 4, 3)), ("o", (8, 512, 4, 3)), ("o", (16, 256, 4, 4)),
+# gate/up tiles in the step (its prologue - the input's norm and activation scale - ran once a program, so once a
+# wave of resident programs, until run G41 rounded its input once: the then product's 448 programs of 96 KB of pipeline
+# buffers took two waves on 132 SMs)
+# (run G16: (32, 256, 4, 3) 3.519 ms, the product until run G45; (32, 256, 4, 6) 3.615, (32, 256, 4, 4) 3.531,
+# (64, 128, 4, 4) 3.688, (32, 512, 4, 2) 4.494, (64, 256, 4, 3) 8.180); the other projections' tiles likewise.
+# Run G44 (H100) over the tiles before: QKV (8, 512, 4, 3) -22 us, gate/up (16, 256, 4, 3) -12, o and down's 8-row
+# tiles +7..+25; run G45 (H200) over both of those: QKV (8, 256, 4, 6) +105 us, (8, 1024, 4, 3) +98, gate/up (16, 512,
+# 4, 3) +70, (8, 512, 4, 3) +37, (16, 256, 4, 4) +65
+for _name, _tile in (("gate_up", (32, 256, 4, 3)), ("o", (8, 512, 4, 3)), ("o", (16, 256, 4, 4)),
                      ("o", (8, 256, 4, 4)), ("down", (8, 1024, 4, 3)), ("down", (16, 512, 4, 4)),
-                     ("down", (32, 512, 4, 3)), ("down", (8, 512, 4, 4)), ("qkv", (8, 512, 4, 3)),
-                     ("qkv", (16, 256, 4, 4))):
+                     ("down", (32, 512, 4, 3)), ("down", (8, 512, 4, 4)), ("qkv", (16, 512, 4, 3)),
+                     ("qkv", (16, 256, 4, 4)), ("qkv", (8, 256, 4, 6)), ("qkv", (8, 1024, 4, 3)),
+                     ("gate_up", (16, 512, 4, 3)), ("gate_up", (8, 512, 4, 3)), ("gate_up", (16, 256, 4, 4))):
     FP8_VARIANTS[f"{_name}_" + "x".join(map(str, _tile))] = {"fp8_tiles": {_name: _tile}}  # over the product's
-FP8_VARIANTS["rows8"] = {"fp8_tiles": {"qkv": (8, 512, 4, 3), "down": (8, 512, 4, 4)}}  # both 8-row tiles
+# the QKV and gate/up tiles before run G45 (G44's two faster tiles, together the product since: 2.701 against 2.671 ms
+# on the H200, run G45)
+FP8_VARIANTS["tiles_g43"] = {"fp8_tiles": {"qkv": (16, 512, 4, 3), "gate_up": (32, 256, 4, 3)}}
 # each GEMV program norming and rounding the QKV and gate/up inputs itself (the product before run G41: 3.456 /
 # 3.462 ms against 3.337 / 3.339 with the inputs rounded once, in alternated orders)
 FP8_VARIANTS["round_in_gemv"] = {"fp8_round_once": False}

@@ -1059,6 +1059,29 @@ def run_dsv3_fp8(X, R: dict, ctx: int = 1024) -> None:
             except Exception:
                 log(traceback.format_exc()[-800:])
         X.fp8block.FMA_ACT_BLOCK_N, X.fp8block.ACC_ELEMS = base
+    if os.environ.get("FP8_ROWS_SWEEP"):  # "name=rows+name=rows,...": the fewest rows a program of one-token FP8
+        # GEMVs by projection (MlaStack.FP8_ROWS; "moe_gate_up" / "moe_down": GroupedMoe.FP8_ROWS), each spec measured
+        # twice in turn ("-": the product's; "flat": none, fp8block.FMA_ACT_BLOCK_N everywhere as before run G48)
+        base = (dict(X.mla.MlaStack.FP8_ROWS), dict(X.moe.GroupedMoe.FP8_ROWS))
+        specs = os.environ["FP8_ROWS_SWEEP"].split(",")
+        for rnd in range(2):
+            for spec in specs:
+                if spec == "-":
+                    X.mla.MlaStack.FP8_ROWS, X.moe.GroupedMoe.FP8_ROWS = (dict(b) for b in base)
+                else:
+                    rows = {} if spec == "flat" else {k: int(v) for k, v in (p.split("=") for p in spec.split("+"))}
+                    X.mla.MlaStack.FP8_ROWS = {k: v for k, v in rows.items() if not k.startswith("moe_")}
+                    X.moe.GroupedMoe.FP8_ROWS = {k[4:]: v for k, v in rows.items() if k.startswith("moe_")}
+                try:
+                    dec = X.mla_decoder.MlaDecoder(model, caches, cos, sin, max_draft=0, max_steps=4096)
+                    ms, runner = time_plain_step(dec, ctx)
+                    R.setdefault("dsv3_shape_fp8_rows_sweep_ms", {}).setdefault(spec, []).append(ms)
+                    log(f"  dsv3 shape FP8 rows {spec}: plain {ms:.3f} ms, {roof_ms / ms:.3f} of roofline")
+                    del dec, runner
+                except Exception:
+                    log(traceback.format_exc()[-800:])
+        X.mla.MlaStack.FP8_ROWS, X.moe.GroupedMoe.FP8_ROWS = base
+        return
     default = X.fp8block.GROUPED
     try:
         # the product's default first, then the one-token tiles' other layout ([rows, groups, 128] against

@@ -115,9 +115,12 @@ class FastOptions:
     # the same for FP8 weights (cuda/fp8.py): a row is half the bytes, so the tiles that keep enough bytes in
     # flight differ; best of bench/gpu_fp8_gemv.py's sweep on H200 (FP8_DYNAMIC activations). gate/up: 3 stages,
     # not 6, so that its 448 programs are resident in one wave and its input's prologue (norm, activation scale)
-    # runs once (run G16 on the H100, in the step: 3.519 against 3.615 ms)
+    # runs once (run G16 on the H100, in the step: 3.519 against 3.615 ms). Since the QKV and gate/up inputs are
+    # rounded once (fp8_round_once) no program has a prologue to repeat, and smaller row tiles spread those GEMVs
+    # over more programs: QKV 8 rows (384 programs, not 192 in 1.45 waves) -22 us a Llama-3-8B step, gate/up 16 rows
+    # -12 us on the H100 (run G44); both together 2.701 -> 2.671 ms on the H200 (run G45)
     fp8_tiles: dict[str, tuple[int, int, int, int]] = field(default_factory=lambda: {
-        "qkv": (16, 512, 4, 3), "o": (16, 512, 4, 3), "gate_up": (32, 256, 4, 3), "down": (16, 1024, 4, 3)})
+        "qkv": (8, 512, 4, 3), "o": (16, 512, 4, 3), "gate_up": (16, 256, 4, 3), "down": (16, 1024, 4, 3)})
     # the batched step's GEMVs (cuda/batch.py rows_gemv: mode 1 = W @ x^T on tensor cores over the rows
     # padded to 16, block_n >= 16): per projection the best of bench/decode_gpu_batch.py's sweep at 2 and 8
     # rows on H200 (run B3; the run's end-to-end numbers took (32, 128, 4, 6) everywhere)

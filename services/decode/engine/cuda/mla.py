@@ -396,6 +396,11 @@ class MlaStack:
                                                          "wo": (4, 512, 4, 4)}
     # ... wo's where the hidden size is GroupedMoe.WIDE_HIDDEN or more (T1's tile: better on the V3 shape, run D1)
     WIDE_WO_TILE: tuple[int, int, int, int] = (8, 256, 4, 4)
+    # one token over block-scaled FP8 with grouped activations: the fewest rows a program of these projections
+    # (gemv_rows' fp8_rows, cut to the scale rows; absent: fp8block.FMA_ACT_BLOCK_N). On the DeepSeek-V3 shape (H200,
+    # run G48) wo at 64 rows -25 us a step (its 224 programs of 32 rows took 1.7 waves), wq_b at 128 -25 us more; 16
+    # rows were slower for all three projections, 64 for wqkv_a
+    FP8_ROWS: dict[str, int] = {"wo": 64, "wq_b": 128}
     # one token: the attention splits' merge and o . w_uv in one kernel (_combine_uv_kernel) instead of the
     # merge kernel + a cuBLAS bmm (run F7 on the H200: -62 us a V2-Lite step); False: those two
     FUSED_UV: bool = True
@@ -634,7 +639,8 @@ class MlaStack:
 
     def _tile(self, name: str) -> dict:
         bn, bk, nw, st = self.tiles[name]
-        return dict(block_n=bn, block_k=bk, num_warps=nw, stages=st, pdl=self.pdl, early=self.early)
+        return dict(block_n=bn, block_k=bk, num_warps=nw, stages=st, pdl=self.pdl, early=self.early,
+                    fp8_rows=self.FP8_ROWS.get(name))
 
     def _select(self, lw: MlaLayer, q_a: torch.Tensor, index_cache: torch.Tensor, pos: torch.Tensor,
                 cos: torch.Tensor, sin: torch.Tensor) -> None:

@@ -815,6 +815,10 @@ class GroupedMoe:
     # step 2.188 -> 2.151 ms; but 4 slots 3.967 -> 4.036 (the down kernel's tail waits for its last programs'
     # 32 pairs), so several tokens keep the launch. None in __init__: this
     FUSED_REDUCE: bool = True
+    # one token over block-scaled FP8 experts: the fewest rows a program of "gate_up" / "down" (absent:
+    # fp8block.FMA_ACT_BLOCK_N; 16 or more: the fused reduce's counts). DeepSeek-V3 shape (H200, run G48): down at 64
+    # rows -18 us a step (16: +-0, 128: +27 us), gate/up best at 32 (16: +68 us, 64: +108)
+    FP8_ROWS: dict[str, int] = {"down": 64}
 
     def __init__(self, *, num_tokens: int, top_k: int, num_shared: int, hidden: int, inter: int,
                  device: torch.device | str, tiles: tuple[tuple[int, int, int, int], ...] | None = None,
@@ -859,8 +863,9 @@ class GroupedMoe:
                 shared_gate_up, shared_down = w_gate_up, w_down
             if inter % w_gate_up.rows:  # each half's rows in whole scale rows (the up half's start, srow_b)
                 raise ValueError(f"FP8 experts of {inter} rows in {w_gate_up.rows}-row scale blocks")
-            bn, bk = fp8_tile(w_gate_up, bn, bk, dot, accumulators=2)  # gate and up rows a program
-            bn2, bk2 = fp8_tile(w_down, bn2, bk2, dot)
+            bn, bk = fp8_tile(w_gate_up, bn, bk, dot, accumulators=2,  # gate and up rows a program
+                              act_rows=self.FP8_ROWS.get("gate_up"))
+            bn2, bk2 = fp8_tile(w_down, bn2, bk2, dot, act_rows=self.FP8_ROWS.get("down"))
             up_args = dict(_expert_scales(w_gate_up, shared_gate_up), GROUPS=fp8_groups(w_gate_up, t, dot, bk))
             down_args = dict(_expert_scales(w_down, shared_down), GROUPS=fp8_groups(w_down, t, dot, bk2))
             w_gate_up, shared_gate_up, w_down, shared_down = w_gate_up.w, shared_gate_up.w, w_down.w, shared_down.w
