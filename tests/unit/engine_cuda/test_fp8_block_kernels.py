@@ -253,6 +253,50 @@ def test_grouped_one_token_expert_tiles_compute_what_flat_tiles_do(monkeypatch, 
     assert rel(outs[True], outs[False]) <= 1e-2 / 4
 
 
+@pytest.mark.parametrize("rows", [{}, {"gate_up": 16}, {"down": 16}, {"gate_up": 16, "down": 32}])
+def test_expert_rows_a_program_compute_the_same(monkeypatch, rows):
+    # GroupedMoe.FP8_ROWS (the fewest rows a program of the one-token FP8 experts' gate/up and down, a GPU run's
+    # choice per projection): each reaches its kernel's tile, and the function stays the flat tiles' one
+    h, e, inter, k = 128, 8, 64, 2
+    xn, router_w, bias = rand(1, h, seed=1), rand(e, h, std=0.3, seed=2), torch.zeros(e)
+    ids, wts = torch.zeros(1, k, dtype=torch.int32), torch.zeros(1, k)
+    moe.router(xn, router_w, bias, ids, wts, k, 2.5)
+    parts = [quantize(rand(*shape, std=0.2, seed=seed), (32, 32), True)
+             for shape, seed in (((e, 2 * inter, h), 3), ((e, h, inter), 4), ((1, 2 * inter, h), 5), ((1, h, inter), 6))]
+    asked, tile = [], moe.fp8_tile
+
+    def spy(w, block_n, block_k, dot, accumulators=1, act_rows=None):
+        asked.append(act_rows)
+        return tile(w, block_n, block_k, dot, accumulators, act_rows)
+
+    monkeypatch.setattr(moe, "fp8_tile", spy)
+    outs = []
+    for fp8_rows in ({}, rows):
+        monkeypatch.setattr(moe.GroupedMoe, "FP8_ROWS", fp8_rows)
+        hbuf = rand(1, h, seed=9)
+        moe.GroupedMoe(num_tokens=1, top_k=k, num_shared=1, hidden=h, inter=inter, device="cpu",
+                       tiles=((8, 64, 4, 1), (8, 64, 4, 1)))(xn, ids, wts, *parts, hbuf)
+        outs.append(hbuf)
+    assert asked[2:] == [rows.get("gate_up"), rows.get("down")]
+    assert rel(outs[1], outs[0]) <= 1e-2 / 4
+    if not rows:
+        assert torch.equal(outs[1], outs[0])
+
+
+def test_the_mla_stack_asks_its_projections_rows_a_program(monkeypatch):
+    # MlaStack.FP8_ROWS by projection reaches gemv_rows as fp8_rows (None where a projection has none)
+    from types import SimpleNamespace
+
+    from services.decode.engine.cuda import mla
+
+    stack = SimpleNamespace(tiles=dict(mla.MlaStack.PLAIN_TILES), pdl=False, early=False,
+                            FP8_ROWS={"wo": 64, "wq_b": 128})
+    assert mla.MlaStack._tile(stack, "wo")["fp8_rows"] == 64
+    assert mla.MlaStack._tile(stack, "wq_b")["fp8_rows"] == 128
+    assert mla.MlaStack._tile(stack, "wqkv_a")["fp8_rows"] is None
+    assert mla.MlaStack.FP8_ROWS == {"wo": 64, "wq_b": 128}  # the product's (run G48)
+
+
 def test_block_fp8_activations_are_rounded_per_group():
     # one huge feature in the first 32-wide group must not coarsen the second group's rounding (the output reads
     # the second group only: the first group's weights are zero)
