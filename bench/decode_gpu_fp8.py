@@ -65,7 +65,8 @@ for _name, _tile in (("gate_up", (32, 256, 4, 3)), ("o", (8, 512, 4, 3)), ("o", 
                      ("o", (8, 256, 4, 4)), ("down", (8, 1024, 4, 3)), ("down", (16, 512, 4, 4)),
                      ("down", (32, 512, 4, 3)), ("down", (8, 512, 4, 4)), ("qkv", (16, 512, 4, 3)),
                      ("qkv", (16, 256, 4, 4)), ("qkv", (8, 256, 4, 6)), ("qkv", (8, 1024, 4, 3)),
-                     ("gate_up", (16, 512, 4, 3)), ("gate_up", (8, 512, 4, 3)), ("gate_up", (16, 256, 4, 4))):
+                     ("gate_up", (16, 512, 4, 3)), ("gate_up", (8, 512, 4, 3)), ("gate_up", (16, 256, 4, 4)),
+                     ("o", (32, 512, 4, 3)), ("o", (32, 256, 4, 4)), ("down", (32, 1024, 4, 3))):
     FP8_VARIANTS[f"{_name}_" + "x".join(map(str, _tile))] = {"fp8_tiles": {_name: _tile}}  # over the product's
 # the QKV and gate/up tiles before run G45 (G44's two faster tiles, together the product since: 2.701 against 2.671 ms
 # on the H200, run G45)
