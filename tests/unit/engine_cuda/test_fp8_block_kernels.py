@@ -283,7 +283,7 @@ def test_expert_rows_a_program_compute_the_same(monkeypatch, rows):
         assert torch.equal(outs[1], outs[0])
 
 
-def test_the_mla_stack_asks_its_projections_rows_a_program(monkeypatch):
+def test_the_mla_stack_asks_its_projections_rows_a_program():
     # MlaStack.FP8_ROWS by projection reaches gemv_rows as fp8_rows (None where a projection has none)
     from types import SimpleNamespace
 

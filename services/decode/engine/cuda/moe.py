@@ -816,7 +816,7 @@ class GroupedMoe:
     # 32 pairs), so several tokens keep the launch. None in __init__: this
     FUSED_REDUCE: bool = True
     # one token over block-scaled FP8 experts: the fewest rows a program of "gate_up" / "down" (absent:
-    # fp8block.FMA_ACT_BLOCK_N; 16 or more: the fused reduce's counts). DeepSeek-V3 shape (H200, run G48): down at 64
+    # fp8block.FMA_ACT_BLOCK_N; never fewer than the tile's own). DeepSeek-V3 shape (H200, run G48): down at 64
     # rows -18 us a step (16: +-0, 128: +27 us), gate/up best at 32 (16: +68 us, 64: +108)
     FP8_ROWS: dict[str, int] = {"down": 64}
 
