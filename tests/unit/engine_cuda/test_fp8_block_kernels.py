@@ -235,21 +235,30 @@ def test_block_fp8_gate_up_silu_refuses_what_it_cannot_tile():
         fp8.gemv_fp8block_silu(rand(64), quantize(rand(48, 64), (16, 16), act=True), torch.empty(24, dtype=BF))
 
 
-@pytest.mark.parametrize("fused_reduce", [True, False])
-def test_grouped_one_token_expert_tiles_compute_what_flat_tiles_do(monkeypatch, fused_reduce):
+def one_token_experts(**kw):
+    """A one-token FP8 MoE case (32 x 32 blocks, 8 experts top-2 and a shared one): a function of GroupedMoe's
+    settings (``kw``: its keyword arguments) returning the layer's output over a fixed residual."""
     h, e, inter, k = 128, 8, 64, 2
     xn, router_w, bias = rand(1, h, seed=1), rand(e, h, std=0.3, seed=2), torch.zeros(e)
     ids, wts = torch.zeros(1, k, dtype=torch.int32), torch.zeros(1, k)
     moe.router(xn, router_w, bias, ids, wts, k, 2.5)
     parts = [quantize(rand(*shape, std=0.2, seed=seed), (32, 32), True)
              for shape, seed in (((e, 2 * inter, h), 3), ((e, h, inter), 4), ((1, 2 * inter, h), 5), ((1, h, inter), 6))]
-    outs = {}
-    for grouped in (True, False):
-        monkeypatch.setattr(fp8block, "GROUPED", grouped)
+
+    def run():
         hbuf = rand(1, h, seed=9)
         moe.GroupedMoe(num_tokens=1, top_k=k, num_shared=1, hidden=h, inter=inter, device="cpu",
-                       tiles=((8, 64, 4, 1), (8, 64, 4, 1)), fused_reduce=fused_reduce)(xn, ids, wts, *parts, hbuf)
-        outs[grouped] = hbuf
+                       tiles=((8, 64, 4, 1), (8, 64, 4, 1)), **kw)(xn, ids, wts, *parts, hbuf)
+        return hbuf
+    return run
+
+
+@pytest.mark.parametrize("fused_reduce", [True, False])
+def test_grouped_one_token_expert_tiles_compute_what_flat_tiles_do(monkeypatch, fused_reduce):
+    run, outs = one_token_experts(fused_reduce=fused_reduce), {}
+    for grouped in (True, False):
+        monkeypatch.setattr(fp8block, "GROUPED", grouped)
+        outs[grouped] = run()
     assert rel(outs[True], outs[False]) <= 1e-2 / 4
 
 
@@ -257,13 +266,7 @@ def test_grouped_one_token_expert_tiles_compute_what_flat_tiles_do(monkeypatch, 
 def test_expert_rows_a_program_compute_the_same(monkeypatch, rows):
     # GroupedMoe.FP8_ROWS (the fewest rows a program of the one-token FP8 experts' gate/up and down, a GPU run's
     # choice per projection): each reaches its kernel's tile, and the function stays the flat tiles' one
-    h, e, inter, k = 128, 8, 64, 2
-    xn, router_w, bias = rand(1, h, seed=1), rand(e, h, std=0.3, seed=2), torch.zeros(e)
-    ids, wts = torch.zeros(1, k, dtype=torch.int32), torch.zeros(1, k)
-    moe.router(xn, router_w, bias, ids, wts, k, 2.5)
-    parts = [quantize(rand(*shape, std=0.2, seed=seed), (32, 32), True)
-             for shape, seed in (((e, 2 * inter, h), 3), ((e, h, inter), 4), ((1, 2 * inter, h), 5), ((1, h, inter), 6))]
-    asked, tile = [], moe.fp8_tile
+    asked, tile, run = [], moe.fp8_tile, one_token_experts()
 
     def spy(w, block_n, block_k, dot, accumulators=1, act_rows=None):
         asked.append(act_rows)
@@ -273,10 +276,7 @@ def test_expert_rows_a_program_compute_the_same(monkeypatch, rows):
     outs = []
     for fp8_rows in ({}, rows):
         monkeypatch.setattr(moe.GroupedMoe, "FP8_ROWS", fp8_rows)
-        hbuf = rand(1, h, seed=9)
-        moe.GroupedMoe(num_tokens=1, top_k=k, num_shared=1, hidden=h, inter=inter, device="cpu",
-                       tiles=((8, 64, 4, 1), (8, 64, 4, 1)))(xn, ids, wts, *parts, hbuf)
-        outs.append(hbuf)
+        outs.append(run())
     assert asked[2:] == [rows.get("gate_up"), rows.get("down")]
     assert rel(outs[1], outs[0]) <= 1e-2 / 4
     if not rows:
