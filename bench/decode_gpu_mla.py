@@ -1064,7 +1064,7 @@ def run_dsv3_fp8(X, R: dict, ctx: int = 1024) -> None:
         # twice in turn ("-": the product's; "flat": none, fp8block.FMA_ACT_BLOCK_N everywhere as before run G48)
         base = (dict(X.mla.MlaStack.FP8_ROWS), dict(X.moe.GroupedMoe.FP8_ROWS))
         specs = os.environ["FP8_ROWS_SWEEP"].split(",")
-        for rnd in range(2):
+        for _ in range(2):
             for spec in specs:
                 if spec == "-":
                     X.mla.MlaStack.FP8_ROWS, X.moe.GroupedMoe.FP8_ROWS = (dict(b) for b in base)
