@@ -1045,19 +1045,25 @@ def run_dsv3_fp8(X, R: dict, ctx: int = 1024) -> None:
     model, caches, cos, sin, by, bw, roof_ms = shape_setup(X, s, ctx, R, "dsv3_shape_fp8_",
                                                            f"deepseek-v3-shaped FP8 model ({s['layers']} layers)",
                                                            fp8=True)
+
+    def sweep_point(label: str) -> float | None:
+        """The plain step's ms under the settings in force (a sweep's point), logged; None where it failed."""
+        try:
+            dec = X.mla_decoder.MlaDecoder(model, caches, cos, sin, max_draft=0, max_steps=4096)
+            ms, runner = time_plain_step(dec, ctx)
+            del dec, runner
+        except Exception:
+            log(traceback.format_exc()[-800:])
+            return None
+        log(f"  dsv3 shape FP8 {label}: plain {ms:.3f} ms, {roof_ms / ms:.3f} of roofline")
+        return ms
+
     if os.environ.get("FP8_TILE_SWEEP"):  # "rows:acc_elems,...": the one-token block-FP8 tile policy (fp8block.tile)
         base = (X.fp8block.FMA_ACT_BLOCK_N, X.fp8block.ACC_ELEMS)
         for spec in os.environ["FP8_TILE_SWEEP"].split(","):
-            rows, acc = (int(v) for v in spec.split(":"))
-            X.fp8block.FMA_ACT_BLOCK_N, X.fp8block.ACC_ELEMS = rows, acc
-            try:
-                dec = X.mla_decoder.MlaDecoder(model, caches, cos, sin, max_draft=0, max_steps=4096)
-                ms, runner = time_plain_step(dec, ctx)
+            X.fp8block.FMA_ACT_BLOCK_N, X.fp8block.ACC_ELEMS = (int(v) for v in spec.split(":"))
+            if (ms := sweep_point(f"tiles {spec}")) is not None:
                 R.setdefault("dsv3_shape_fp8_tile_sweep_ms", {})[spec] = ms
-                log(f"  dsv3 shape FP8 tiles {spec}: plain {ms:.3f} ms, {roof_ms / ms:.3f} of roofline")
-                del dec, runner
-            except Exception:
-                log(traceback.format_exc()[-800:])
         X.fp8block.FMA_ACT_BLOCK_N, X.fp8block.ACC_ELEMS = base
     if os.environ.get("FP8_ROWS_SWEEP"):  # "name=rows+name=rows,...": the fewest rows a program of one-token FP8
         # GEMVs by projection (MlaStack.FP8_ROWS; "moe_gate_up" / "moe_down": GroupedMoe.FP8_ROWS), each spec measured
@@ -1072,14 +1078,8 @@ def run_dsv3_fp8(X, R: dict, ctx: int = 1024) -> None:
                     rows = {} if spec == "flat" else {k: int(v) for k, v in (p.split("=") for p in spec.split("+"))}
                     X.mla.MlaStack.FP8_ROWS = {k: v for k, v in rows.items() if not k.startswith("moe_")}
                     X.moe.GroupedMoe.FP8_ROWS = {k[4:]: v for k, v in rows.items() if k.startswith("moe_")}
-                try:
-                    dec = X.mla_decoder.MlaDecoder(model, caches, cos, sin, max_draft=0, max_steps=4096)
-                    ms, runner = time_plain_step(dec, ctx)
+                if (ms := sweep_point(f"rows {spec}")) is not None:
                     R.setdefault("dsv3_shape_fp8_rows_sweep_ms", {}).setdefault(spec, []).append(ms)
-                    log(f"  dsv3 shape FP8 rows {spec}: plain {ms:.3f} ms, {roof_ms / ms:.3f} of roofline")
-                    del dec, runner
-                except Exception:
-                    log(traceback.format_exc()[-800:])
         X.mla.MlaStack.FP8_ROWS, X.moe.GroupedMoe.FP8_ROWS = base
         return
     default = X.fp8block.GROUPED
