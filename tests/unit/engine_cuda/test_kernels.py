@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import triton
 
 from services.decode.engine.cuda import gemv
 from services.decode.engine.cuda import moe
@@ -16,6 +17,13 @@ from services.decode.engine.cuda import reference
 from services.decode.engine.cuda.attention import DecodeAttention
 
 BF = torch.bfloat16
+
+
+@pytest.fixture(autouse=True)
+def named_tiles(monkeypatch):
+    """Each launch here runs the tile the test names (the engine's interpreted launches widen their row tiles:
+    gemv.interpreted_rows, held to these tiles by test_widened_row_tiles_compute_the_named_tiles_bits)."""
+    monkeypatch.setattr(gemv, "INTERPRETED_PROGRAMS", 0)
 
 
 def rand(*shape, std=1.0, seed=0):
@@ -294,3 +302,48 @@ def test_down_by_rows_is_the_down_kernel_and_its_reduce(k, shared, inter, tile, 
         out[rows] = hbuf
     assert torch.equal(out[True], out[False])
     assert out[True].ne(rand(t, h, seed=9)).any()
+
+
+def test_widened_row_tiles_compute_the_named_tiles_bits(monkeypatch):
+    # under the interpreter the row-tiled launches take the rows of several programs in one
+    # (gemv.interpreted_rows): every output bit as with the tile named, at most INTERPRETED_PROGRAMS programs
+    h, inter, e, k, t = 200, 48, 16, 2, 1  # K = 200: another summation order shows in fp32 sums
+    x, nw, res = rand(h, seed=1), 1 + rand(h, std=0.1, seed=2), rand(72, seed=3)
+    w, w_gu = rand(72, h, std=0.2, seed=4), rand(2 * inter, h, std=0.2, seed=5)
+    router_w, bias = rand(e, h, std=0.3, seed=6), torch.zeros(e)
+    gate_up, down = rand(e, 2 * inter, h, std=0.2, seed=7), rand(e, h, inter, std=0.2, seed=8)
+    sg, sd = rand(1, 2 * inter, h, std=0.2, seed=9), rand(1, h, inter, std=0.2, seed=10)
+    launched = []
+    grid_call = triton.runtime.interpreter.GridExecutor.__call__
+
+    def count_programs(self, *args, **kwargs):
+        launched.append((self.fn.__name__, self.grid))
+        return grid_call(self, *args, **kwargs)
+
+    monkeypatch.setattr(triton.runtime.interpreter.GridExecutor, "__call__", count_programs)
+    out = {}
+    for programs in (0, 4):
+        monkeypatch.setattr(gemv, "INTERPRETED_PROGRAMS", programs)
+        launched.clear()
+        y, rows, silu = torch.empty(72, dtype=BF), res[None].clone(), torch.empty(inter, dtype=BF)
+        sums = torch.empty(1, 72)  # fp32: the sums themselves, unrounded
+        gemv.gemv(x, w, y, norm_w=nw, block_n=4, block_k=16)
+        moe.gemv_rows(x[None], w, rows, norm_w=nw, residual=rows, block_n=4, block_k=16)
+        moe.gemv_rows(x[None], w, sums, block_n=4, block_k=16)
+        gemv.gemv_silu(x, w_gu, silu, norm_w=nw, block_n=4, block_k=16)
+        xn, ids, wts, logits = torch.empty(t, h, dtype=BF), torch.zeros(t, k, dtype=torch.int32), torch.zeros(t, k), \
+            torch.empty(t, e)
+        hbuf = x[None].clone()
+        moe.router(hbuf, router_w, bias, ids, wts, k, 2.5, norm_w=nw, xn_out=xn, logits=logits)
+        grouped = moe.GroupedMoe(num_tokens=t, top_k=k, num_shared=1, hidden=h, inter=inter, device="cpu",
+                                 tiles=((4, 16, 4, 1), (8, 64, 4, 1)), fused_reduce=False)
+        grouped.DOWN_ROWS_TILE = (4, 4, 1)
+        grouped(xn, ids, wts, gate_up, down, sg, sd, hbuf)
+        out[programs] = (y, rows, sums, silu, logits, ids, hbuf)
+        grids = {name: grid[-1] if name == "_moe_gate_up_kernel" else grid[0] for name, grid in launched}
+        if programs:  # each launch at most 4 programs, more than one where the rows span several tiles
+            assert all(1 < n <= 4 for n in grids.values()), grids
+        else:
+            assert grids["_gemv_kernel"] == 18 and grids["_router_fused_kernel"] == 8, grids
+    for a, b in zip(out[0], out[4]):
+        assert torch.equal(a, b)

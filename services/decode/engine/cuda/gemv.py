@@ -322,6 +322,21 @@ def qkv_store(a, b, head, j, pos, cos, sin, q_ptr, k_cache_ptr, v_cache_ptr, inv
         kv_store_row(v_cache_ptr + row + HALF + j, b, inv_v, dt, KV_FMT)
 
 
+INTERPRETED_PROGRAMS = 4  # interpreted_rows' programs a launch at most (0: every launch keeps its tile)
+
+
+def interpreted_rows(block_n: int, n: int) -> int:
+    """Rows a program of a row-tiled GEMV over ``n`` rows whose rows are independent (each row's sum its own,
+    nothing shared between a program's rows): ``block_n`` on a GPU. Triton's interpreter (the CPU tests) runs the
+    programs one after another, each op at a fixed cost whatever its tile's size, so there the rows of several
+    programs go to one: at most INTERPRETED_PROGRAMS programs, still more than one where ``n`` spans several
+    tiles. Every row gets the same arithmetic in the same order as with ``block_n``."""
+    programs = INTERPRETED_PROGRAMS
+    if not programs or not interpreting() or n <= block_n * programs:
+        return block_n
+    return max(block_n, triton.next_power_of_2(triton.cdiv(n, programs)))
+
+
 def _pow2(n: int) -> int:
     return triton.next_power_of_2(n)
 
@@ -334,6 +349,8 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, *, norm_w: torch.T
     fp32, idx int32, each >= cdiv(N, block_n)) also each block's max and its row, for ``greedy_finish``."""
     n, k = w.shape
     av, ai = argmax_parts if argmax_parts is not None else (out, out)
+    if argmax_parts is None:  # (with them: a part a program, as greedy_finish reads them)
+        block_n = interpreted_rows(block_n, n)
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x, w, out, residual if residual is not None else out, norm_w if norm_w is not None else x,
         bias if bias is not None else x, av, ai, n, k, eps, NORM=norm_w is not None, RESIDUAL=residual is not None,
@@ -360,6 +377,8 @@ def gemv_silu(x: torch.Tensor, w_gate_up: torch.Tensor, out: torch.Tensor, *, no
     inter = two_i // 2
     if inter % block_n:
         raise ValueError(f"intermediate size {inter} is not a multiple of block_n {block_n}")
+    if inter % (wide := interpreted_rows(block_n, inter)) == 0:
+        block_n = wide
     _gemv_silu_kernel[(inter // block_n,)](
         x, w_gate_up, out, norm_w if norm_w is not None else x, inter, k, eps,
         NORM=norm_w is not None, K_POW2=_pow2(k), BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, PDL=pdl,

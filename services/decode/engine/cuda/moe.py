@@ -29,7 +29,7 @@ import triton.language as tl
 from .fp8block import BlockFp8, act_groups, col_scales, fp8_block_dot, fp8_fma, fp8_fma_grouped, group_offs, kernel_args
 from .fp8block import groups as fp8_groups
 from .fp8block import tile as fp8_tile
-from .gemv import gdc_launch_dependents, gdc_wait, interpreting, launch_opts
+from .gemv import gdc_launch_dependents, gdc_wait, interpreted_rows, interpreting, launch_opts
 from .kernel_helpers import load_first_pair_tile, rms_scaled, round_to_dtype
 
 
@@ -230,6 +230,8 @@ def gemv_rows(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, *, norm_w: to
         block_k = max(32, block_k // triton.next_power_of_2(t))  # the [T, BLOCK_N, BLOCK_K] accumulator in registers
     block_n, block_k = fp8_tile(w, block_n, block_k, dot, act_rows=fp8_rows)
     fp8 = kernel_args(w)
+    if not fp8 and not dot:
+        block_n = interpreted_rows(block_n, n)
     if fp8:
         fp8["GROUPS"] = fp8_groups(w, t, dot, block_k)
     w = w.w if fp8 else w
@@ -443,7 +445,8 @@ def router(xn: torch.Tensor, w: torch.Tensor, bias: torch.Tensor, ids: torch.Ten
         if count is None:
             count = torch.zeros(t, dtype=torch.int32, device=xn.device)
         k = xn.shape[1]
-        extra, programs = {}, triton.cdiv(e, 2)
+        experts = interpreted_rows(2, e)  # a program's experts
+        extra, programs = {}, triton.cdiv(e, experts)
         if shared is not None:
             if t != 1:
                 raise ValueError(f"router(shared=...) runs one token's shared experts, not {t} tokens'")
@@ -454,7 +457,7 @@ def router(xn: torch.Tensor, w: torch.Tensor, bias: torch.Tensor, ids: torch.Ten
             xn, norm_w, xn_out, w, bias, logits, count, ids, wts, scale, eps, k, xn.stride(0), xn_out.stride(0),
             E=e, TOPK=top_k,
             N_GROUP=n_group if grouped else 1, TOPK_GROUP=topk_group if grouped else 1,
-            E_POW2=triton.next_power_of_2(e), K_POW2=triton.next_power_of_2(k), BLOCK_N=2, BLOCK_K=512, STAGES=2,
+            E_POW2=triton.next_power_of_2(e), K_POW2=triton.next_power_of_2(k), BLOCK_N=experts, BLOCK_K=512, STAGES=2,
             PDL=pdl, EARLY=pdl and early, num_warps=4, **extra, **launch_opts(pdl))
         return
     # 512-wide K tiles for any T (gemv_rows narrows block_k by T): 4 dependent loads, not 16
@@ -869,6 +872,8 @@ class GroupedMoe:
             up_args = dict(_expert_scales(w_gate_up, shared_gate_up), GROUPS=fp8_groups(w_gate_up, t, dot, bk))
             down_args = dict(_expert_scales(w_down, shared_down), GROUPS=fp8_groups(w_down, t, dot, bk2))
             w_gate_up, shared_gate_up, w_down, shared_down = w_gate_up.w, shared_gate_up.w, w_down.w, shared_down.w
+        if not fp8 and not dot:
+            bn = interpreted_rows(bn, inter)
         pairs = t * self.slots
         if shared_done and t != 1:
             raise ValueError("shared_done: one token's shared experts run in the router's launch, not several's")
@@ -878,6 +883,7 @@ class GroupedMoe:
             BLOCK_N=bn, BLOCK_K=bk, STAGES=st, num_warps=nw, **up_args)
         if self.DOWN_ROWS_TILE and t == 1 and not fp8 and inter <= self.DOWN_ROWS_MAX_I:
             rbn, rnw, rst = self.DOWN_ROWS_TILE
+            rbn = interpreted_rows(rbn, hid)
             _moe_down_rows_kernel[(triton.cdiv(hid, rbn),)](
                 self.act, ids, w_down, shared_down if shared_down is not None else w_down, wts, h, hid, inter,
                 hid * inter, TOPK=self.top_k, NUM_SHARED=self.num_shared,
