@@ -62,9 +62,25 @@ class LlamaModel(nn.Module):
         self.cache: KvCache | None = None
 
     def bind(self, cache: KvCache) -> None:
-        """Attach the KV cache and build rope tables for its capacity."""
+        """Attach the KV cache and build rope tables for its capacity (and, on the CPU, lay the float32
+        projections out for one-token products: :meth:`column_major_projections`)."""
         self.cache = cache
         self.cos, self.sin = rope_tables(self.cfg.rope, self.cfg.head_dim, cache.max_tokens, self.embed.device)
+        if self.embed.device.type == "cpu" and self.embed.dtype == torch.float32:
+            self.column_major_projections()
+
+    def column_major_projections(self) -> None:
+        """Store each float32 projection weight [N, K] column-major (the same tensor, ``W^T`` contiguous): a
+        step's ``F.linear(x, W)`` of one token is then ``x @ W^T`` over a row-major matrix, which the CPU's
+        BLAS streams faster than the dot products over W's rows (the tiny Llama's nine projections ~155 ->
+        ~98 us a step on one core). The sums run in another order (fp32; vLLM's CPU build uses oneDNN's,
+        which is neither). FP8 weights and an lm_head tied to the embedding keep their layout."""
+        mats = [getattr(blk, n) for blk in self.layers for n in ("wqkv", "wo", "w_gate_up", "w_down")]
+        if self.lm_head.untyped_storage().data_ptr() != self.embed.untyped_storage().data_ptr():
+            mats.append(self.lm_head)
+        for p in mats:
+            if p.dtype == torch.float32 and p.dim() == 2 and p.is_contiguous():
+                p.data = p.data.t().contiguous().t()
 
     def _attention(self, i: int, blk: GqaBlock, x: torch.Tensor, cos, sin, mask, slot_ids, positions, n: int,
                    run=None) -> torch.Tensor:
