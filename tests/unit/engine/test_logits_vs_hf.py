@@ -62,3 +62,22 @@ def check_against_hf(path, hf, prompt=PROMPT, num_steps=NUM_STEPS, max_seq_len=6
     assert engine.active_slots() == []
     engine.release(0)
     assert engine.free_slots() == [0]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: its lm_head is the embedding (tied)
+def test_cpu_float32_projections_are_column_major_with_their_values(hf_checkpoint, arch):
+    """On the CPU in float32 the engine stores each projection weight column-major (LlamaModel.
+    column_major_projections: the one-token F.linear's faster form), values unchanged; a bf16 model keeps
+    row-major weights, and a tied lm_head stays the embedding (whose rows F.embedding gathers)."""
+    path, _ = hf_checkpoint(arch)
+    f32 = Engine.load(path, num_slots=1, max_seq_len=64, dtype=torch.float32).model
+    bf16 = Engine.load(path, num_slots=1, max_seq_len=64, dtype=torch.bfloat16).model
+    for blk, ref in zip(f32.layers, bf16.layers, strict=True):
+        for name in ("wqkv", "wo", "w_gate_up", "w_down"):
+            w, w_ref = getattr(blk, name), getattr(ref, name)
+            assert w.t().is_contiguous() and not w.is_contiguous() and w_ref.is_contiguous()
+            assert torch.equal(w.to(torch.bfloat16), w_ref)
+    tied = f32.lm_head.untyped_storage().data_ptr() == f32.embed.untyped_storage().data_ptr()
+    assert tied == (arch == "qwen2")
+    assert f32.lm_head.is_contiguous() == tied and f32.embed.is_contiguous()
+    assert torch.equal(f32.lm_head.to(torch.bfloat16), bf16.lm_head)
