@@ -18,7 +18,7 @@ from .cache import KvCache
 from .config import ModelConfig
 from .fp8 import linear
 from .kvquant import dequantize, quantize
-from .layers import attend, cached_rows, causal_mask, lone_run, rms_norm, swiglu, write_cache
+from .layers import attend, cached_rows, causal_mask, column_major, lone_run, rms_norm, swiglu, write_cache
 from .rope import rope_factors, rope_tables, rotate
 from .tp import ShardPlan, TensorParallel, gather_vocab, plan
 
@@ -70,17 +70,12 @@ class LlamaModel(nn.Module):
             self.column_major_projections()
 
     def column_major_projections(self) -> None:
-        """Store each float32 projection weight [N, K] column-major (the same tensor, ``W^T`` contiguous): a
-        step's ``F.linear(x, W)`` of one token is then ``x @ W^T`` over a row-major matrix, which the CPU's
-        BLAS streams faster than the dot products over W's rows (the tiny Llama's nine projections ~155 ->
-        ~98 us a step on one core). The sums run in another order (fp32; vLLM's CPU build uses oneDNN's,
-        which is neither). FP8 weights and an lm_head tied to the embedding keep their layout."""
+        """The float32 projection weights column-major (layers.column_major: the one-token F.linear's
+        faster form on the CPU); an lm_head tied to the embedding keeps its layout."""
         mats = [getattr(blk, n) for blk in self.layers for n in ("wqkv", "wo", "w_gate_up", "w_down")]
         if self.lm_head.untyped_storage().data_ptr() != self.embed.untyped_storage().data_ptr():
             mats.append(self.lm_head)
-        for p in mats:
-            if p.dtype == torch.float32 and p.dim() == 2 and p.is_contiguous():
-                p.data = p.data.t().contiguous().t()
+        column_major(mats)
 
     def _attention(self, i: int, blk: GqaBlock, x: torch.Tensor, cos, sin, mask, slot_ids, positions, n: int,
                    run=None) -> torch.Tensor:

@@ -40,6 +40,29 @@ def test_logits_match_hf_across_attended_key_buckets(hf_checkpoint, arch):
     check_against_hf(path, hf, prompt, num_steps=12, max_seq_len=1024)
 
 
+def test_cpu_float32_deepseek_projections_are_column_major_with_their_values(hf_checkpoint):
+    """The DeepSeek family's float32 CPU weights the same way (DeepseekModel.column_major_projections): every
+    block's projections, each stacked expert, the MTP layer's input projection and head; the embeddings
+    (main and MTP) stay row-major, every value unchanged."""
+    from services.decode.engine.deepseek import PROJECTIONS
+
+    path, _ = hf_checkpoint("deepseek_v3")
+    f32 = Engine.load(path, num_slots=1, max_seq_len=64, dtype=torch.float32, num_speculative_tokens=1).model
+    bf16 = Engine.load(path, num_slots=1, max_seq_len=64, dtype=torch.bfloat16, num_speculative_tokens=1).model
+    assert len(f32.mtp) == 1 and f32.cfg.q_lora_rank and any(b.is_moe for b in f32.layers)
+    pairs = [(getattr(b, n), getattr(r, n)) for b, r in zip([*f32.layers, f32.mtp[0].block],
+                                                            [*bf16.layers, bf16.mtp[0].block], strict=True)
+             for n in PROJECTIONS if hasattr(b, n)]
+    pairs += [(getattr(f32, "lm_head"), bf16.lm_head), (f32.mtp[0].eh_proj, bf16.mtp[0].eh_proj),
+              (f32.mtp[0].head, bf16.mtp[0].head)]
+    assert len(pairs) >= 20
+    for w, w_ref in pairs:
+        assert w.transpose(-1, -2).is_contiguous() and not w.is_contiguous() and w_ref.is_contiguous()
+        assert torch.equal(w.to(torch.bfloat16), w_ref)
+    for e, e_ref in ((f32.embed, bf16.embed), (f32.mtp[0].embed, bf16.mtp[0].embed)):
+        assert e.is_contiguous() and torch.equal(e.to(torch.bfloat16), e_ref)
+
+
 def check_against_hf(path, hf, prompt=PROMPT, num_steps=NUM_STEPS, max_seq_len=600) -> None:
     from transformers import DynamicCache
 
