@@ -54,11 +54,15 @@ def write_cache(cache: torch.Tensor, slot_ids: torch.Tensor, positions: torch.Te
     cache[slot_ids[:, None], positions] = values.to(cache.dtype)
 
 
-def cached_rows(cache: torch.Tensor, slot_ids: torch.Tensor, num_keys: int) -> torch.Tensor:
+def cached_rows(cache: torch.Tensor, slot_ids: torch.Tensor, num_keys: int,
+                run: tuple[int, int] | None = None) -> torch.Tensor:
     """cache [N, S, ...][slot_ids, :num_keys]. On the CPU, where the slots are one run (a lone slot
     always), a view of the cache: the gather's copy was a CPU step's largest cost after the matmuls
     (~12% of a tiny model's step at 500 tokens); the values, and so every result, are the same. Elsewhere
-    a gather, free of host syncs (CUDA graphs capture it; so is a traced step, on any device)."""
+    a gather, free of host syncs (CUDA graphs capture it; so is a traced step, on any device). ``run``:
+    :func:`lone_run`'s answer, the one slot's view without reading the ids again."""
+    if run is not None:
+        return cache[run[0]:run[0] + 1, :num_keys]
     if cache.device.type == "cpu" and not torch.compiler.is_compiling():
         ids = slot_ids.tolist()
         if ids == list(range(ids[0], ids[0] + len(ids))):

@@ -85,6 +85,20 @@ def rope_factors(cos: torch.Tensor, sin: torch.Tensor, dtype: torch.dtype) -> tu
     return cos.unsqueeze(-2).to(dtype), sin.unsqueeze(-2).to(dtype)
 
 
+def neox_factors(cos: torch.Tensor, sin: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin [..., T, dim/2] as :func:`rotate_neox` takes them: ``[cos | cos]`` and ``[-sin | sin]``,
+    [..., T, 1, dim] in ``dtype`` (once a step)."""
+    return (torch.cat((cos, cos), dim=-1).unsqueeze(-2).to(dtype),
+            torch.cat((-sin, sin), dim=-1).unsqueeze(-2).to(dtype))
+
+
+def rotate_neox(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """:func:`rotate`'s neox pairing with :func:`neox_factors`: ``x * [cos | cos] + [x2 | x1] * [-sin | sin]``,
+    the same products and sums (a - b is a + (-b) exactly, in any dtype), in four ops instead of nine (a CPU
+    step's ops cost ~2 us each whatever their size)."""
+    return x * cos + x.roll(x.shape[-1] // 2, -1) * sin
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool = False) -> torch.Tensor:
     """Rotate ``x`` [..., T, H, dim] with cos/sin [..., T, dim/2]; returns x's dtype."""
     return rotate(x, *rope_factors(cos, sin, x.dtype), interleave)

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.decode.engine.layers import attend, causal_mask, lone_run, write_cache
+from services.decode.engine.layers import attend, cached_rows, causal_mask, lone_run, write_cache
+from services.decode.engine.rope import neox_factors, rope_factors, rotate, rotate_neox
 
 
 @pytest.mark.parametrize("slots,positions,want", [
@@ -62,3 +63,26 @@ def test_fp32_rms_norm_in_one_op_is_the_four_op_form(shape):
     x, w = torch.randn(*shape, generator=g) * 4, torch.randn(shape[-1], generator=g) + 1
     want = w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
     assert torch.equal(rms_norm(x, w, 1e-6), want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", [(1, 1, 6, 64), (2, 3, 4, 128), (1, 5, 2, 16)])
+def test_the_four_op_neox_rotation_is_the_nine_op_one_bit_for_bit(dtype, shape):
+    g = torch.Generator().manual_seed(shape[-1] + shape[1])
+    x = (torch.randn(*shape, generator=g) * 4).to(dtype)
+    angles = torch.randn(*shape[:2], shape[-1] // 2, generator=g) * 30
+    cos, sin = angles.cos(), angles.sin()
+    got = rotate_neox(x, *neox_factors(cos, sin, dtype))
+    want = rotate(x, *rope_factors(cos, sin, dtype))
+    assert got.dtype == dtype and torch.equal(got, want) and not torch.equal(got, x)
+
+
+@pytest.mark.parametrize("slot,positions", [(0, [[4]]), (2, [[6, 7, 8]])])
+def test_the_lone_runs_cached_rows_are_the_ids_view(slot, positions):
+    cache = torch.randn(3, 16, 2, 4, generator=torch.Generator().manual_seed(slot))
+    slots = torch.tensor([slot])
+    run = lone_run(slots, torch.tensor(positions))
+    assert run == (slot, positions[0][0])
+    got = cached_rows(cache, slots, 9, run)
+    assert torch.equal(got, cached_rows(cache, slots, 9)) and torch.equal(got, cache[slot:slot + 1, :9])
+    assert got.data_ptr() == cache[slot].data_ptr()  # a view, no copy
