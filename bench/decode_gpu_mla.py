@@ -727,6 +727,13 @@ BATCH_TILE_VARIANTS = [
     ("splits_32", {}, {}, {"num_splits": 32}),
     ("router_3_launches", {"FUSED_ROUTER": False}, {}, {}),  # norm, router GEMV, top-k as before SW2
     ("reduce_launch", {}, {"FUSED_REDUCE": False}, {}),  # the experts' reduce in a launch of its own
+    # the attention projections' tensor-core tile (MlaStack.DOT_TILE, read when the step is captured)
+    ("proj_16x128", {"DOT_TILE": (16, 128, 4, 4)}, {}, {}),
+    ("proj_16x512_s3", {"DOT_TILE": (16, 512, 4, 3)}, {}, {}),
+    ("proj_32x256", {"DOT_TILE": (32, 256, 4, 4)}, {}, {}),
+    ("proj_16x256_w8", {"DOT_TILE": (16, 256, 8, 4)}, {}, {}),
+    ("proj_16x128_w2_s6", {"DOT_TILE": (16, 128, 2, 6)}, {}, {}),
+    ("proj_32x128", {"DOT_TILE": (32, 128, 4, 4)}, {}, {}),
 ]
 
 
@@ -767,11 +774,15 @@ def batch_sweep(X, model, s: dict, ctx: int, R: dict, b: int = 4, tag: str = "ds
     for _ in range(2):
         for name, stack_attrs, moe_attrs, kwargs in BATCH_TILE_VARIANTS:
             saved = {k: getattr(moe_cls, k) for k in moe_attrs}
+            st_cls = X.mla.MlaStack
+            st_saved = {k: getattr(st_cls, k) for k in stack_attrs}
             try:
                 for k, v in moe_attrs.items():
                     setattr(moe_cls, k, v)
-                dec = built_with(X, stack_attrs, lambda: X.mla_decoder.MlaBatchDecoder(
-                    model, caches, cos, sin, batch=b, max_steps=4096, **{"num_splits": 16, **kwargs}))
+                for k, v in stack_attrs.items():  # set through the capture: some are read when the step runs
+                    setattr(st_cls, k, v)
+                dec = X.mla_decoder.MlaBatchDecoder(model, caches, cos, sin, batch=b, max_steps=4096,
+                                                   **{"num_splits": 16, **kwargs})
                 runner = capture(dec.step, steps_per_replay=4,
                                  before_capture=lambda: dec.set_rows(toks, [ctx] * b, slots))
                 dec.set_rows(toks, [ctx] * b, slots)
@@ -783,6 +794,8 @@ def batch_sweep(X, model, s: dict, ctx: int, R: dict, b: int = 4, tag: str = "ds
             finally:
                 for k, v in saved.items():
                     setattr(moe_cls, k, v)
+                for k, v in st_saved.items():
+                    setattr(st_cls, k, v)
             torch.cuda.empty_cache()
     R[f"{tag}batch{b}_tiles"] = res = {k: min(v) for k, v in times.items()}
     log(f"  {tag}batch {b} tiles: " + ", ".join(f"{k} {v:.3f} ms" for k, v in res.items()))
