@@ -5,7 +5,8 @@ Attention runs in the latent space for every step (prefill, decode, verify): the
 token is ``[c (kv_lora_rank), k_pe (rope)]``; queries are absorbed, ``q_c = q_nope @ W_UK``, so
 scores are ``[q_c, q_pe] . [c, k_pe]`` (one shared KV head) and the latent output is lifted by
 ``W_UV``. Same forward contract as llama.py. MoE: static gather of the chosen experts' weights for
-small steps (decode, graph-safe), a per-expert loop for large ones (prefill).
+small steps (decode, graph-safe; the CPU's one float32 token reads each chosen expert's weights in
+place), a per-expert loop for large ones (prefill).
 
 Sparse attention (``cfg.index_topk`` > 0, deepseek_v32 and glm_moe_dsa): a lightning indexer scores every
 cached token for each query, ``sum_h w_h * relu(q_h . k * d^-1/2)`` with ``w = weights_proj(x) *
