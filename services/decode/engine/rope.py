@@ -99,9 +99,17 @@ def rotate_neox(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
     return x * cos + x.roll(x.shape[-1] // 2, -1) * sin
 
 
+def rotate_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool = False) -> torch.Tensor:
+    """:func:`rotate` with :func:`neox_factors`: the interleaved pairing's evens and odds laid out as halves first
+    (one copy), then :func:`rotate_neox`; the same values as :func:`rotate` (rotated evens, then rotated odds)."""
+    if interleave:
+        x = x.unflatten(-1, (x.shape[-1] // 2, 2)).transpose(-1, -2).flatten(-2)
+    return rotate_neox(x, cos, sin)
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool = False) -> torch.Tensor:
     """Rotate ``x`` [..., T, H, dim] with cos/sin [..., T, dim/2]; returns x's dtype."""
-    return rotate(x, *rope_factors(cos, sin, x.dtype), interleave)
+    return rotate_pairs(x, *neox_factors(cos, sin, x.dtype), interleave)
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool = False) -> torch.Tensor:

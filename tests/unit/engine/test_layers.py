@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from services.decode.engine.layers import attend, cached_rows, causal_mask, lone_run, write_cache
-from services.decode.engine.rope import neox_factors, rope_factors, rotate, rotate_neox
+from services.decode.engine.rope import neox_factors, rope_factors, rotate, rotate_neox, rotate_pairs
 
 
 @pytest.mark.parametrize("slots,positions,want", [
@@ -67,7 +67,7 @@ def test_fp32_rms_norm_in_one_op_is_the_four_op_form(shape):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("shape", [(1, 1, 6, 64), (2, 3, 4, 128), (1, 5, 2, 16)])
-def test_the_four_op_neox_rotation_is_the_nine_op_one_bit_for_bit(dtype, shape):
+def test_the_four_op_rotations_are_the_nine_op_ones_bit_for_bit(dtype, shape):
     g = torch.Generator().manual_seed(shape[-1] + shape[1])
     x = (torch.randn(*shape, generator=g) * 4).to(dtype)
     angles = torch.randn(*shape[:2], shape[-1] // 2, generator=g) * 30
@@ -75,6 +75,9 @@ def test_the_four_op_neox_rotation_is_the_nine_op_one_bit_for_bit(dtype, shape):
     got = rotate_neox(x, *neox_factors(cos, sin, dtype))
     want = rotate(x, *rope_factors(cos, sin, dtype))
     assert got.dtype == dtype and torch.equal(got, want) and not torch.equal(got, x)
+    for interleave in (False, True):  # the DeepSeek family's pairings (adjacent pairs: evens, then odds)
+        got = rotate_pairs(x, *neox_factors(cos, sin, dtype), interleave)
+        assert torch.equal(got, rotate(x, *rope_factors(cos, sin, dtype), interleave))
 
 
 @pytest.mark.parametrize("slot,positions", [(0, [[4]]), (2, [[6, 7, 8]])])
