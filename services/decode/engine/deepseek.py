@@ -36,7 +36,7 @@ from .cuda.reference import limit_to_groups
 from .fp8 import expert, expert_matmul, is_fp8, linear
 from .kvquant import dequantize, quantize
 from .layers import cached_rows, causal_mask, column_major, rms_norm, swiglu, write_cache
-from .rope import neox_factors, rope_tables, rotate_pairs, yarn_mscale
+from .rope import rope_factors, rope_tables, rotate, yarn_mscale
 from .tp import ShardPlan, TensorParallel, gather_vocab, plan
 from .weights import is_moe_layer
 
@@ -194,8 +194,8 @@ class DeepseekModel(nn.Module):
         q_nope, q_pe = q.view(b, t, nh, -1).split([nope, cfg.qk_rope_head_dim], dim=-1)
         c, k_pe = linear(x, blk.wkv_a).split([r, cfg.qk_rope_head_dim], dim=-1)
         c = rms_norm(c, blk.kv_a_norm, cfg.rms_norm_eps)
-        q_pe = rotate_pairs(q_pe, cos, sin, cfg.rope_interleave)
-        k_pe = rotate_pairs(k_pe[:, :, None], cos, sin, cfg.rope_interleave)[:, :, 0]
+        q_pe = rotate(q_pe, cos, sin, cfg.rope_interleave)
+        k_pe = rotate(k_pe[:, :, None], cos, sin, cfg.rope_interleave)[:, :, 0]
         cache, fmt = self.cache.kv[layer], self.cache.kv_format
         row = torch.cat([c, k_pe], dim=-1)
         one = b * t == 1 and x.device.type == "cpu"  # the CPU's one token: the heads' products as one bmm each
@@ -230,9 +230,9 @@ class DeepseekModel(nn.Module):
         nh, d, rope = cfg.index_n_heads, cfg.index_head_dim, cfg.qk_rope_head_dim
         q = linear(q_resid, blk.idx_wq_b).view(b, t, nh, d)
         inter = cfg.index_rope_interleave
-        q = torch.cat([rotate_pairs(q[..., :rope], cos, sin, inter), q[..., rope:]], dim=-1)
+        q = torch.cat([rotate(q[..., :rope], cos, sin, inter), q[..., rope:]], dim=-1)
         k = F.layer_norm(linear(x, blk.idx_wk), (d,), blk.idx_k_norm, blk.idx_k_norm_bias, 1e-6)
-        k = torch.cat([rotate_pairs(k[:, :, None, :rope], cos, sin, inter)[:, :, 0], k[..., rope:]], dim=-1)
+        k = torch.cat([rotate(k[:, :, None, :rope], cos, sin, inter)[:, :, 0], k[..., rope:]], dim=-1)
         cache = self.cache.index_k[layer]
         write_cache(cache, slot_ids, positions, k)
         keys = cached_rows(cache, slot_ids, mask.shape[-1]).float()  # [B, S, d]
@@ -251,8 +251,8 @@ class DeepseekModel(nn.Module):
         return x + tp.all_reduce(moe(self.cfg, blk, h, p) if blk.is_moe else swiglu(h, blk.w_gate_up, blk.w_down))
 
     def _rope_mask(self, positions, num_keys: int | None):
-        """rope.neox_factors at the positions (once a step, in the model's dtype) and the causal mask."""
-        cos, sin = neox_factors(self.cos[positions], self.sin[positions], self.embed.dtype)
+        """rope.rope_factors at the positions (once a step, in the model's dtype) and the causal mask."""
+        cos, sin = rope_factors(self.cos[positions], self.sin[positions], self.embed.dtype)
         return cos, sin, causal_mask(positions, num_keys or self.cache.max_tokens)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, slot_ids: torch.Tensor,

@@ -19,7 +19,7 @@ from .config import ModelConfig
 from .fp8 import linear
 from .kvquant import dequantize, quantize
 from .layers import attend, cached_rows, causal_mask, column_major, lone_run, rms_norm, swiglu, write_cache
-from .rope import neox_factors, rope_tables, rotate_neox
+from .rope import rope_factors, rope_tables, rotate
 from .tp import ShardPlan, TensorParallel, gather_vocab, plan
 
 
@@ -79,18 +79,18 @@ class LlamaModel(nn.Module):
 
     def _attention(self, i: int, blk: GqaBlock, x: torch.Tensor, cos, sin, mask, slot_ids, positions, n: int,
                    run=None) -> torch.Tensor:
-        # cos / sin: rope.neox_factors of x's dtype; mask None: every key of the prefix n visible; run: lone_run's
+        # cos / sin: rope.rope_factors of x's dtype; mask None: every key of the prefix n visible; run: lone_run's
         cfg, cache = self.cfg, self.cache
         b, t, _ = x.shape
         d, nq, nkv = cfg.head_dim, self.plan.heads, self.plan.kv_heads
         qkv = linear(x, blk.wqkv, blk.bqkv)
         v = qkv[..., (nq + nkv) * d:].view(b, t, nkv, d)
         if blk.q_norm is None:  # q and K rotated in one pass (elementwise: the same values as two)
-            q, k = rotate_neox(qkv[..., :(nq + nkv) * d].view(b, t, nq + nkv, d), cos, sin).split([nq, nkv], dim=2)
+            q, k = rotate(qkv[..., :(nq + nkv) * d].view(b, t, nq + nkv, d), cos, sin).split([nq, nkv], dim=2)
         else:
             q, k = qkv[..., :nq * d].view(b, t, nq, d), qkv[..., nq * d:(nq + nkv) * d].view(b, t, nkv, d)
             q, k = rms_norm(q, blk.q_norm, cfg.rms_norm_eps), rms_norm(k, blk.k_norm, cfg.rms_norm_eps)
-            q, k = rotate_neox(q, cos, sin), rotate_neox(k, cos, sin)
+            q, k = rotate(q, cos, sin), rotate(k, cos, sin)
         fmt = cache.kv_format
         if fmt is None:
             write_cache(cache.k_caches[i], slot_ids, positions, k, run)
@@ -115,7 +115,7 @@ class LlamaModel(nn.Module):
                 num_keys: int | None = None) -> torch.Tensor:
         """Hidden states after the final norm, [B, T, hidden]; ``num_keys`` > every position (default: all)."""
         x = F.embedding(tokens, self.embed)
-        cos, sin = neox_factors(self.cos[positions], self.sin[positions], x.dtype)  # [B, T, 1, D]
+        cos, sin = rope_factors(self.cos[positions], self.sin[positions], x.dtype)  # [B, T, 1, D]
         n = num_keys or self.cache.max_tokens  # keys attended: a prefix of the cache covering every position
         run = lone_run(slot_ids, positions)  # the CPU's one slot: host ints, sliced cache writes
         # one token seeing exactly its prefix (the CPU's plain step): no mask, the same attention

@@ -80,43 +80,18 @@ def rope_tables(params: dict[str, Any], dim: int, max_pos: int, device: torch.de
 
 
 def rope_factors(cos: torch.Tensor, sin: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin [..., T, dim/2] as :func:`rotate` takes them ([..., T, 1, dim/2] in ``dtype``): once a step,
-    not once a layer."""
-    return cos.unsqueeze(-2).to(dtype), sin.unsqueeze(-2).to(dtype)
-
-
-def neox_factors(cos: torch.Tensor, sin: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin [..., T, dim/2] as :func:`rotate_neox` takes them: ``[cos | cos]`` and ``[-sin | sin]``,
-    [..., T, 1, dim] in ``dtype`` (once a step)."""
+    """cos/sin [..., T, dim/2] as :func:`rotate` takes them: ``[cos | cos]`` and ``[-sin | sin]``, [..., T, 1, dim]
+    in ``dtype`` (once a step, not once a layer)."""
     return (torch.cat((cos, cos), dim=-1).unsqueeze(-2).to(dtype),
             torch.cat((-sin, sin), dim=-1).unsqueeze(-2).to(dtype))
 
 
-def rotate_neox(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """:func:`rotate`'s neox pairing with :func:`neox_factors`: ``x * [cos | cos] + [x2 | x1] * [-sin | sin]``,
-    the same products and sums (a - b is a + (-b) exactly, in any dtype), in four ops instead of nine (a CPU
-    step's ops cost ~2 us each whatever their size)."""
-    return x * cos + x.roll(x.shape[-1] // 2, -1) * sin
-
-
-def rotate_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool = False) -> torch.Tensor:
-    """:func:`rotate` with :func:`neox_factors`: the interleaved pairing's evens and odds laid out as halves first
-    (one copy), then :func:`rotate_neox`; the same values as :func:`rotate` (rotated evens, then rotated odds)."""
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool = False) -> torch.Tensor:
+    """Rotate ``x`` [..., T, H, dim] with :func:`rope_factors`' cos/sin (x's dtype): ``x * [cos | cos] +
+    [x2 | x1] * [-sin | sin]``, the halves' pairs (neox); ``interleave``: adjacent pairs, their evens and odds laid
+    out as halves first (one copy), so the result is rotated evens then rotated odds, as HF transformers returns
+    them. The same products and sums as HF's ``cat(x1 * cos - x2 * sin, x2 * cos + x1 * sin)`` (a - b is a + (-b)
+    exactly, in any dtype), in four ops instead of nine (a CPU step's ops cost ~2 us each whatever their size)."""
     if interleave:
         x = x.unflatten(-1, (x.shape[-1] // 2, 2)).transpose(-1, -2).flatten(-2)
-    return rotate_neox(x, cos, sin)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool = False) -> torch.Tensor:
-    """Rotate ``x`` [..., T, H, dim] with cos/sin [..., T, dim/2]; returns x's dtype."""
-    return rotate_pairs(x, *neox_factors(cos, sin, x.dtype), interleave)
-
-
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool = False) -> torch.Tensor:
-    """:func:`apply_rope` with factors from :func:`rope_factors` (x's dtype)."""
-    if interleave:  # rotated evens then rotated odds, as HF transformers returns them
-        x1, x2 = x[..., 0::2], x[..., 1::2]
-    else:
-        half = x.shape[-1] // 2
-        x1, x2 = x[..., :half], x[..., half:]
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    return x * cos + x.roll(x.shape[-1] // 2, -1) * sin

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from services.decode.engine.layers import attend, cached_rows, causal_mask, lone_run, write_cache
-from services.decode.engine.rope import neox_factors, rope_factors, rotate, rotate_neox, rotate_pairs
+from services.decode.engine.rope import rope_factors, rotate
 
 
 @pytest.mark.parametrize("slots,positions,want", [
@@ -65,19 +65,24 @@ def test_fp32_rms_norm_in_one_op_is_the_four_op_form(shape):
     assert torch.equal(rms_norm(x, w, 1e-6), want)
 
 
+def hf_rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool) -> torch.Tensor:
+    """HF transformers' rotation (nine ops) with cos/sin [..., T, dim/2]: rotated evens then odds where interleaved."""
+    cos, sin = cos.unsqueeze(-2).to(x.dtype), sin.unsqueeze(-2).to(x.dtype)
+    half = x.shape[-1] // 2
+    x1, x2 = (x[..., 0::2], x[..., 1::2]) if interleave else (x[..., :half], x[..., half:])
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("shape", [(1, 1, 6, 64), (2, 3, 4, 128), (1, 5, 2, 16)])
-def test_the_four_op_rotations_are_the_nine_op_ones_bit_for_bit(dtype, shape):
+@pytest.mark.parametrize("interleave", [False, True])  # Llama / Qwen halves; the DeepSeek family's adjacent pairs
+def test_the_four_op_rotation_is_hf_transformers_nine_op_one_bit_for_bit(dtype, shape, interleave):
     g = torch.Generator().manual_seed(shape[-1] + shape[1])
     x = (torch.randn(*shape, generator=g) * 4).to(dtype)
     angles = torch.randn(*shape[:2], shape[-1] // 2, generator=g) * 30
     cos, sin = angles.cos(), angles.sin()
-    got = rotate_neox(x, *neox_factors(cos, sin, dtype))
-    want = rotate(x, *rope_factors(cos, sin, dtype))
-    assert got.dtype == dtype and torch.equal(got, want) and not torch.equal(got, x)
-    for interleave in (False, True):  # the DeepSeek family's pairings (adjacent pairs: evens, then odds)
-        got = rotate_pairs(x, *neox_factors(cos, sin, dtype), interleave)
-        assert torch.equal(got, rotate(x, *rope_factors(cos, sin, dtype), interleave))
+    got = rotate(x, *rope_factors(cos, sin, dtype), interleave)
+    assert got.dtype == dtype and torch.equal(got, hf_rotate(x, cos, sin, interleave)) and not torch.equal(got, x)
 
 
 @pytest.mark.parametrize("slot,positions", [(0, [[4]]), (2, [[6, 7, 8]])])

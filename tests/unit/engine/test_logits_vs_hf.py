@@ -53,7 +53,7 @@ def test_cpu_float32_deepseek_projections_are_column_major_with_their_values(hf_
     pairs = [(getattr(b, n), getattr(r, n)) for b, r in zip([*f32.layers, f32.mtp[0].block],
                                                             [*bf16.layers, bf16.mtp[0].block], strict=True)
              for n in PROJECTIONS if hasattr(b, n)]
-    pairs += [(getattr(f32, "lm_head"), bf16.lm_head), (f32.mtp[0].eh_proj, bf16.mtp[0].eh_proj),
+    pairs += [(f32.lm_head, bf16.lm_head), (f32.mtp[0].eh_proj, bf16.mtp[0].eh_proj),
               (f32.mtp[0].head, bf16.mtp[0].head)]
     assert len(pairs) >= 20
     for w, w_ref in pairs:
