@@ -54,7 +54,8 @@ class DecodeConfig:
             kv_cache_dtype=args.kv_cache_dtype,
             num_speculative_tokens=args.num_speculative_tokens, fast_path=args.fast_path,
             mtp_draft_vocab=args.mtp_draft_vocab, tokenizer=args.tokenizer or None,
-            adaptive_speculation=args.adaptive_speculation, moe_parallel=args.moe_parallel)
+            adaptive_speculation=args.adaptive_speculation, moe_parallel=args.moe_parallel,
+            cpu_step=args.cpu_step)
         return cls(
             model=args.model, node_id=args.node_id or default_node_id(), engine=engine,
             nats_url=args.nats_url, bus_auth=shared_config.bus_auth(args),
@@ -155,6 +156,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "block scales), greedy and sampled requests, 1-8 slots a step (auto: wherever the "
                         "model, dtype and device allow, the node logs why not; on: refuse to start otherwise; "
                         "off: the reference step)")
+    p.add_argument("--cpu-step", choices=["auto", "off"], default="auto",
+                   help="on a CPU node, a Llama/Qwen-family float32 model's one-token step of a lone request "
+                        "in one native call, compiled for this host with its C compiler on first use (auto: "
+                        "where it applies, the node logs why not, e.g. no compiler; off: torch's ops); "
+                        "the same tokens either way")
     p.add_argument("--torch-threads", type=int, default=1, metavar="N",
                    help="torch intra-op threads for the engine's CPU work (default 1): a decode step is "
                         "many small ops, which more threads slow down (their barriers) and which then "

@@ -46,7 +46,8 @@ class NodeStatus:
         self.step_seconds = Histogram("xl_decode_step_seconds", "One engine step over all slots",
                                       registry=self.registry, buckets=STEP_BUCKETS_S)
         self.requests = Counter("xl_decode_requests", "Requests ended, by the path that decoded them "
-                                "(fast, reference, mixed: some steps each; none: no step)",
+                                "(fast, reference, cpu-fused: the Llama family's one-token CPU step in one call; "
+                                "mixed: some steps each; none: no step)",
                                 ["path"], registry=self.registry)
         self.steps = Counter("xl_decode_steps", "Engine steps by path (a batched step counts once)",
                              ["path"], registry=self.registry)
@@ -112,7 +113,7 @@ class DecodePaths:
             counts[path] = counts.get(path, 0) + 1
 
     def end(self, lease_id: str) -> tuple[str, str | None]:
-        """(fast | reference | mixed | none, the fast path's refusal or None); forgets the lease."""
+        """(fast | reference | cpu-fused | mixed | none, the fast path's refusal or None); forgets the lease."""
         counts, reason = self.counts.pop(lease_id, {}), self.reasons.pop(lease_id, None)
         paths = sorted(p for p, n in counts.items() if n)
         return (paths[0] if len(paths) == 1 else "mixed" if paths else "none"), reason

@@ -118,10 +118,10 @@ async def test_full_handoff_streams_the_engines_greedy_tokens(stack, transport, 
     assert (end.usage.prompt_tokens, end.usage.completion_tokens) == (len(PROMPT), NUM_TOKENS + 1)
     await stack.wait_state("r0", "completed")
     assert stack.states("r0") == ["claimed", "kv_ready", "decoding", "completed"]
-    # the node says which path decoded it: the reference step (float32 on a CPU: no fast path)
+    # the node says which path decoded it: float32 on a CPU, no fast path: the fused CPU step (cpustep.py)
     metrics = httpx.get(f"http://127.0.0.1:{node.port}/metrics", timeout=5).text
-    assert 'xl_decode_requests_total{path="reference"} 1.0' in metrics
-    assert f'xl_decode_steps_total{{path="reference"}} {float(NUM_TOKENS)}' in metrics
+    assert 'xl_decode_requests_total{path="cpu-fused"} 1.0' in metrics
+    assert f'xl_decode_steps_total{{path="cpu-fused"}} {float(NUM_TOKENS)}' in metrics
     # the model and the imports frozen out of the collector's walks before the node took leases
     frozen = re.search(r"^xl_decode_gc_frozen_objects (\S+)$", metrics, re.M)
     assert frozen and float(frozen.group(1)) > 10_000, metrics

@@ -39,7 +39,11 @@ DeepSeek-V3-family blocks) and logs why not otherwise (``fast_path_reason``); ``
 raises ValueError for an engine it cannot serve. Requests it cannot serve (logprobs
 or grammars on the DeepSeek family, drafts on a Llama-family engine, bad words beyond its buffers) take the reference step in either mode, their reason in
 ``slot_fast_path_reason(slot)``; ``last_step_path`` says which path the last step took ("fast" |
-"reference", for every slot it served) and ``last_step_slots`` how many slots it served.
+"reference" | "cpu-fused", for every slot it served) and ``last_step_slots`` how many slots it served.
+CPU step (``cpu_step="auto"|"off"``, cpustep.py): on the CPU a Llama-family float32 engine runs one token
+of a lone slot (the reference step's plain case) in one native call compiled for the host, the torch
+step's math in another order of sums (``"cpu-fused"``); other steps, and hosts without a C compiler
+(``model.cpu_step_reason`` says why), take the torch step.
 Logprobs (``SamplingParams.logprobs``, logprobs.py): each emitted token's logprob, rank and top n of
 the raw logits (vLLM's raw_logprobs: after a grammar's mask, before every other processor), in
 ``StepOutput.logprobs``; with drafts, each accepted token scored by the target model at its
@@ -109,7 +113,7 @@ from .sampling import ReferenceSampler, SamplingBuffers, banned_ids, exponential
 from .cuda.sampling_state import BAD_WORDS, FREQ_PRES, GREEDY, I_FLAGS, I_SEED, REP, STREAM_ACCEPT, STREAM_DRAFT, \
     TRACK_COUNTS, uniform
 from .slots import SlotState, emit
-from . import logprobs as lpmod
+from . import cpustep, logprobs as lpmod
 from .grammar import GrammarError, Grammars
 from .spec import verify
 from .config import parse_config
@@ -219,6 +223,10 @@ class Engine:
                              kv_dtype=kv_dtype, scales=kv_scales if kv_dtype in FP8_DTYPES else None,
                              tp_size=self.tp.size, tp_rank=self.tp.rank, kv_nearest=fp8_kv_nearest(kv_shape, self.device))
         model.bind(self.cache)
+        if hasattr(model, "attach_cpu_step"):  # the Llama family's fused CPU step (cpustep.py), where it applies
+            model.attach_cpu_step(config.cpu_step)
+            if self.device.type == "cpu":
+                _log.info("cpu_step", model=model_name, fused=model.cpu_step is not None, reason=model.cpu_step_reason)
         on_cuda = self.device.type == "cuda" and config.use_cuda_graphs
         self._forward = GraphedFn(lambda t, p, s, n: _with_logits(model, model(t, p, s, n)), on_cuda)
         self._mtp = GraphedFn(model.mtp_forward, on_cuda) if getattr(model, "has_mtp", False) else None
@@ -246,7 +254,7 @@ class Engine:
         # drafts accepted, and accepted drafts per position (1-based: position j accepted j-th)
         self.spec_counters = {"steps": 0, "draft_tokens": 0, "accepted_tokens": 0,
                               "accepted_per_pos": [0] * max(self.num_spec, 1)}
-        self.last_step_path: str | None = None  # "fast" | "reference" after a step
+        self.last_step_path: str | None = None  # "fast" | "reference" | "cpu-fused" after a step
         self.last_step_slots = 0  # how many slots the last step served
         with torch.inference_mode():  # build, compile and capture every slot's decoder now, not mid-request
             for slot in range(num_slots if self._fast is not None else 0):
@@ -544,7 +552,7 @@ class Engine:
             out, reason = self._fast.step(active[0], s, self.max_seq_len,
                                           self.prefill_hidden[active[0]] if s.has_prefill_hidden else None)
             return {active[0]: self._fast_output(active[0], out, reason)}
-        self.last_step_path = "reference"
+        self.last_step_path = "reference"  # or cpustep.PATH, once the forward has run
         if self._fast is not None:
             self._fast.drop()  # a fast step run ahead for these slots: discarded, its counts undone
         # drafts this step verifies and draws: the most any slot asks for (0: a plain forward, no MTP)
@@ -562,6 +570,8 @@ class Engine:
             tokens, positions = pending[:, None], seq[:, None]
         num_keys = self._num_keys(max(self.slots[i].seq_len for i in active) + 2 * k + 1)
         hidden, self.last_logits = self._forward(tokens, positions, slot_ids, num_keys)  # logits [B, 1+K, V] f32
+        if getattr(self.model, "fused", False):
+            self.last_step_path = cpustep.PATH
         if bitmask is not None:  # forbidden tokens -inf before sampling and logprobs, as vLLM
             import xgrammar as xgr
 

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import cpustep
 from .cache import KvCache
 from .config import ModelConfig
 from .fp8 import linear
@@ -60,6 +61,11 @@ class LlamaModel(nn.Module):
         self.final_norm = _param(cfg.hidden_size)
         self.lm_head = _param(p.vocab_rows, cfg.hidden_size)
         self.cache: KvCache | None = None
+        # the fused CPU step (cpustep.py) once attach_cpu_step found it applies, else why not; fused: whether
+        # the last forward took it
+        self.cpu_step: cpustep.GqaKernel | None = None
+        self.cpu_step_reason: str | None = "not attached"
+        self.fused = False
 
     def bind(self, cache: KvCache) -> None:
         """Attach the KV cache and build rope tables for its capacity (and, on the CPU, lay the float32
@@ -68,6 +74,11 @@ class LlamaModel(nn.Module):
         self.cos, self.sin = rope_tables(self.cfg.rope, self.cfg.head_dim, cache.max_tokens, self.embed.device)
         if self.embed.device.type == "cpu" and self.embed.dtype == torch.float32:
             self.column_major_projections()
+
+    def attach_cpu_step(self, mode: str = "auto") -> None:
+        """Use the fused CPU step (cpustep.py) for one token of a lone slot where it applies (after :meth:`bind`;
+        ``mode`` "off": never); ``cpu_step_reason`` says why not otherwise."""
+        self.cpu_step, self.cpu_step_reason = cpustep.attach(self, self.cache, mode)
 
     def column_major_projections(self) -> None:
         """The float32 projection weights column-major (layers.column_major: the one-token F.linear's
@@ -114,10 +125,13 @@ class LlamaModel(nn.Module):
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, slot_ids: torch.Tensor,
                 num_keys: int | None = None) -> torch.Tensor:
         """Hidden states after the final norm, [B, T, hidden]; ``num_keys`` > every position (default: all)."""
-        x = F.embedding(tokens, self.embed)
-        cos, sin = rope_factors(self.cos[positions], self.sin[positions], x.dtype)  # [B, T, 1, D]
         n = num_keys or self.cache.max_tokens  # keys attended: a prefix of the cache covering every position
         run = lone_run(slot_ids, positions)  # the CPU's one slot: host ints, sliced cache writes
+        self.fused = self.cpu_step is not None and run is not None and tokens.shape[1] == 1 and n == run[1] + 1
+        if self.fused:  # one token seeing exactly its prefix: the whole forward in one native call
+            return self.cpu_step.forward(int(tokens[0, 0]), *run)
+        x = F.embedding(tokens, self.embed)
+        cos, sin = rope_factors(self.cos[positions], self.sin[positions], x.dtype)  # [B, T, 1, D]
         # one token seeing exactly its prefix (the CPU's plain step): no mask, the same attention
         mask = None if run is not None and tokens.shape[1] == 1 and n == run[1] + 1 else causal_mask(positions, n)
         eps = self.cfg.rms_norm_eps

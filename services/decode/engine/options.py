@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 FAST_PATH_MODES = ("auto", "on", "off")
+CPU_STEP_MODES = ("auto", "off")
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")  # vLLM's --kv-cache-dtype names (kvquant.py)
 MOE_PARALLEL = ("tp", "ep")  # routed experts under tensor parallelism: sliced on every rank, or whole per rank
 MAX_SPECULATIVE_TOKENS = 3
@@ -39,6 +40,8 @@ class EngineConfig:
     # tensor-parallel engines (Engine.load(..., tp=...), tp.py): "tp" slices every routed expert over the
     # ranks, "ep" gives each rank E / tp whole experts; no effect on one rank or dense models
     moe_parallel: str = "tp"
+    # the Llama family's one-token CPU step in one native call (cpustep.py) where it applies; "off": torch's ops
+    cpu_step: str = "auto"
 
     def validate(self) -> EngineConfig:
         """Raise ValueError naming the first setting that is out of range; return self."""
@@ -55,6 +58,8 @@ class EngineConfig:
             raise ValueError(f"num_speculative_tokens must be 0..{MAX_SPECULATIVE_TOKENS}, got {k}")
         if self.moe_parallel not in MOE_PARALLEL:
             raise ValueError(f"moe_parallel must be one of {', '.join(MOE_PARALLEL)}, got {self.moe_parallel!r}")
+        if self.cpu_step not in CPU_STEP_MODES:
+            raise ValueError(f"cpu_step must be one of {', '.join(CPU_STEP_MODES)}, got {self.cpu_step!r}")
         if self.fast_path_tokens_per_step < 1:
             raise ValueError(f"fast_path_tokens_per_step must be 1 or more, got {self.fast_path_tokens_per_step}")
         return self

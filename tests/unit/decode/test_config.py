@@ -17,10 +17,11 @@ def config_of(argv, env=None):
 
 def test_flags_become_one_typed_config():
     config = config_of(["--model", "/m", "--slots", "3", "--node-id", "d1", "--max-seq-len", "512",
-                        "--num-speculative-tokens", "2", "--fast-path", "off", "--heartbeat-ms", "50"])
+                        "--num-speculative-tokens", "2", "--fast-path", "off", "--heartbeat-ms", "50",
+                        "--cpu-step", "off"])
     assert (config.model, config.node_id, config.heartbeat_ms) == ("/m", "d1", 50)
     assert config.engine == EngineConfig(num_slots=3, max_seq_len=512, num_speculative_tokens=2,
-                                         fast_path="off")
+                                         fast_path="off", cpu_step="off")
     assert (config.num_slots, config.max_seq_len) == (3, 512)
 
 

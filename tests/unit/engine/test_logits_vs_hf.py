@@ -23,6 +23,14 @@ def test_logits_match_hf_prefill_and_every_decode_step(hf_checkpoint, arch):
     check_against_hf(path, hf)
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_the_torch_step_matches_hf_where_the_fused_cpu_step_would_run(hf_checkpoint, arch):
+    """The Llama family's torch step, which the fused CPU step (cpustep.py) replaces for one token of a lone
+    float32 slot, against HF too (other steps and hosts without a compiler take it)."""
+    path, hf = hf_checkpoint(arch)
+    check_against_hf(path, hf, cpu_step="off")
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "deepseek_v3"])
 def test_logits_match_hf_on_the_project_tiny_models(tiny_model, arch):
     from transformers import AutoModelForCausalLM
@@ -63,10 +71,12 @@ def test_cpu_float32_deepseek_projections_are_column_major_with_their_values(hf_
         assert e.is_contiguous() and torch.equal(e.to(torch.bfloat16), e_ref)
 
 
-def check_against_hf(path, hf, prompt=PROMPT, num_steps=NUM_STEPS, max_seq_len=600) -> None:
+def check_against_hf(path, hf, prompt=PROMPT, num_steps=NUM_STEPS, max_seq_len=600, cpu_step="auto") -> None:
     from transformers import DynamicCache
 
-    engine = Engine.load(path, num_slots=1, max_seq_len=max_seq_len, dtype=torch.float32)
+    engine = Engine.load(path, num_slots=1, max_seq_len=max_seq_len, dtype=torch.float32, cpu_step=cpu_step)
+    # the step checked: the Llama family's fused CPU step where it applies (float32, one slot), else torch's
+    path = "cpu-fused" if engine.cfg.family == "gqa" and cpu_step == "auto" else "reference"
     with torch.no_grad():
         cache = DynamicCache(config=hf.config)
         ref = hf(torch.tensor([prompt]), past_key_values=cache, use_cache=True).logits[0, -1]
@@ -79,6 +89,7 @@ def check_against_hf(path, hf, prompt=PROMPT, num_steps=NUM_STEPS, max_seq_len=6
             ref = hf(torch.tensor([[token]]), past_key_values=cache, use_cache=True).logits[0, -1]
             out = engine.step()[0]
             assert rel_err(engine.last_logits[0, 0], ref) < 1e-4, f"step {i}"
+            assert engine.last_step_path == path
             token = int(ref.argmax())
             assert out.token_ids == [token], f"step {i}"
         assert out.finish_reason == "length"

@@ -1,0 +1,106 @@
+"""The Llama family's fused CPU step (services/decode/engine/cpustep.py): the torch step's tokens, logits and cache
+rows for one token of a lone slot, the torch step everywhere else, and the torch step when it cannot be built."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.decode.engine import Engine, EngineConfig, cpustep
+from shared.events import SamplingParams
+
+PROMPT = [0, 17, 42, 99, 3, 250, 7, 8, 120, 64, 5, 31, 77]
+NUM_STEPS = 24
+
+
+def run(engine: Engine, slot: int, sampling: SamplingParams) -> tuple[list[int], list[torch.Tensor], set[str]]:
+    first = int(engine.prefill(slot, PROMPT).argmax())
+    engine.start(slot, first, sampling)
+    tokens, logits, paths = [first], [], set()
+    while engine.active_slots():
+        out = engine.step()[slot]
+        tokens += out.token_ids
+        logits.append(engine.last_logits[0, 0].clone())
+        paths.add(engine.last_step_path)
+    return tokens, logits, paths
+
+
+@pytest.mark.parametrize("arch", ["llama", "llama3_rope", "qwen2", "qwen3"])  # GQA; llama3 rope; qkv bias + tied
+@pytest.mark.parametrize("sampling", [dict(), dict(temperature=0.9, top_p=0.9, seed=11)])  # head; q/k norm
+def test_fused_step_gives_the_torch_steps_tokens_logits_and_cache_rows(hf_checkpoint, arch, sampling):
+    path, _ = hf_checkpoint(arch)
+    params = SamplingParams(max_tokens=NUM_STEPS, ignore_eos=True, **sampling)
+    fused = Engine.load(path, num_slots=2, max_seq_len=128, dtype=torch.float32)
+    plain = Engine.load(path, num_slots=2, max_seq_len=128, dtype=torch.float32, cpu_step="off")
+    assert fused.model.cpu_step is not None, fused.model.cpu_step_reason  # this host builds it
+    assert plain.model.cpu_step is None and plain.model.cpu_step_reason == "cpu_step='off'"
+    got, got_logits, got_paths = run(fused, 1, params)
+    want, want_logits, want_paths = run(plain, 1, params)
+    assert got_paths == {cpustep.PATH} and want_paths == {"reference"}
+    assert got == want and len(got) == NUM_STEPS + 1
+    for a, b in zip(got_logits, want_logits, strict=True):
+        assert float((a - b).abs().max() / b.abs().max()) < 1e-5
+    n = len(PROMPT) + NUM_STEPS  # rows written: the prompt's, then each step's input token
+    for ours, theirs in zip([*fused.cache.k_caches, *fused.cache.v_caches],
+                            [*plain.cache.k_caches, *plain.cache.v_caches], strict=True):
+        torch.testing.assert_close(ours[1, :n], theirs[1, :n], rtol=1e-5, atol=1e-5)
+        assert not ours[1, :n].eq(0).all(dim=-1).any() and ours[1, n:].eq(0).all()  # these rows, no others
+        assert ours[0].eq(0).all()  # the other slot untouched
+
+
+def test_two_slots_take_the_torch_step_and_a_lone_slot_the_fused_one(hf_checkpoint):
+    path, _ = hf_checkpoint("llama")
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    engines = [Engine.load(path, num_slots=2, max_seq_len=64, dtype=torch.float32, cpu_step=m) for m in ("auto", "off")]
+    outputs = []
+    for engine in engines:
+        for slot, prompt in ((0, PROMPT), (1, PROMPT[3:])):
+            engine.start(slot, int(engine.prefill(slot, prompt).argmax()), params)
+        steps = [(engine.step(), engine.last_step_path)]  # both slots
+        engine.cancel(1)
+        engine.release(1)
+        while engine.active_slots():
+            steps.append((engine.step(), engine.last_step_path))
+        outputs.append(steps)
+    fused, plain = outputs
+    assert [p for _, p in fused] == ["reference"] + [cpustep.PATH] * 5
+    assert [p for _, p in plain] == ["reference"] * 6
+    assert [{k: v.token_ids for k, v in s.items()} for s, _ in fused] == \
+        [{k: v.token_ids for k, v in s.items()} for s, _ in plain]
+
+
+def test_without_a_compiler_the_engine_keeps_the_torch_step_and_says_why(hf_checkpoint, monkeypatch, tmp_path, caplog):
+    path, _ = hf_checkpoint("llama")
+    monkeypatch.setattr(cpustep, "_lib", {})  # nothing built in this process yet
+    monkeypatch.setenv("EXPRESSLANE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    engine = Engine.load(path, num_slots=1, max_seq_len=64, dtype=torch.float32)
+    assert engine.model.cpu_step is None and "no C compiler" in engine.model.cpu_step_reason
+    assert list(tmp_path.iterdir()) == []
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    tokens, _, paths = run(engine, 0, params)
+    assert paths == {"reference"}
+    monkeypatch.setattr(cpustep, "_lib", {})
+    monkeypatch.delenv("CC")
+    built = Engine.load(path, num_slots=1, max_seq_len=64, dtype=torch.float32)  # a compiler: built into the dir
+    assert built.model.cpu_step is not None and [p.suffix for p in (tmp_path / "cpustep").iterdir()] == [".so"]
+    assert run(built, 0, params)[::2] == (tokens, {cpustep.PATH})
+
+
+@pytest.mark.parametrize("dtype,kv,env,words", [
+    (torch.bfloat16, "auto", None, "not float32"),
+    (torch.float32, "fp8", None, "FP8 KV cache"),
+    (torch.float32, "auto", "off", "EXPRESSLANE_CPU_STEP=off"),
+])
+def test_engines_the_fused_step_cannot_serve_keep_the_torch_step(hf_checkpoint, monkeypatch, dtype, kv, env, words):
+    path, _ = hf_checkpoint("llama")
+    if env:
+        monkeypatch.setenv("EXPRESSLANE_CPU_STEP", env)
+    engine = Engine.load(path, num_slots=1, max_seq_len=64, dtype=dtype, kv_cache_dtype=kv)
+    assert engine.model.cpu_step is None and words in engine.model.cpu_step_reason
+    assert run(engine, 0, SamplingParams(max_tokens=2, ignore_eos=True))[2] == {"reference"}
+
+
+def test_cpu_step_setting_is_checked():
+    with pytest.raises(ValueError, match="cpu_step must be one of auto, off"):
+        EngineConfig(cpu_step="fast").validate()
