@@ -1,10 +1,11 @@
 """The CPU's one-token step of the Llama family in one native call (cpustep.c), where the host can build it.
 
-The torch step of a lone slot's one token on the CPU is ~25 ATen ops a layer; on a tiny model each op's
+The torch step of one token on the CPU is ~25 ATen ops a layer; on a tiny model each op's
 dispatch and allocation cost more than its arithmetic (the tiny Llama's step: ~1.1 ms, of which its nine
 projections ~0.15). ``GqaKernel`` runs the same math in one call of a small C function compiled for this
-host: what ``LlamaModel.forward`` does for one token of one slot that sees exactly its prefix, in float32
-with column-major projections (what ``bind`` lays out on the CPU), one rank, K/V in float32.
+host: what ``LlamaModel.forward`` does for a step of one token a slot (the reference step's plain decode,
+one slot or several, each attending to its own prefix), in float32 with column-major projections (what
+``bind`` lays out on the CPU), one rank, K/V in float32.
 
 Building: the source is compiled once per host and compiler (``cc -O3 -march=native``; ``$CC`` names
 another compiler) into ``$EXPRESSLANE_CACHE_DIR/cpustep`` (default ``~/.cache/expresslane/cpustep``), a
@@ -137,8 +138,9 @@ def refusal(model, cache) -> str | None:
 
 class GqaKernel:
     """The fused step over a bound model's tensors (pointers taken once: the weights and the cache never
-    move after ``bind``). ``forward(token, slot, pos)`` -> hidden [1, 1, H] after the final norm, the K/V
-    row of ``pos`` written into the slot's cache."""
+    move after ``bind``). ``forward(tokens, slots, positions)`` (host lists, one token a slot) -> hidden
+    [B, 1, H] after the final norm, each slot's K/V row of its position written into its cache and its
+    query attending to its keys 0..position, as the torch step's causal mask has it."""
 
     def __init__(self, lib, model, cache):
         cfg, p = model.cfg, model.plan
@@ -179,9 +181,11 @@ class GqaKernel:
             if not getattr(model, name).is_contiguous():
                 raise ValueError(f"{name} is not contiguous")
 
-    def forward(self, token: int, slot: int, pos: int) -> torch.Tensor:
-        out = torch.empty(1, 1, self.hidden, dtype=torch.float32)
-        self.lib.cpustep_gqa(self._m, token, slot, pos, out.data_ptr())
+    def forward(self, tokens: list[int], slots: list[int], positions: list[int]) -> torch.Tensor:
+        out = torch.empty(len(tokens), 1, self.hidden, dtype=torch.float32)
+        ptr, row = out.data_ptr(), self.hidden * 4
+        for b, (token, slot, pos) in enumerate(zip(tokens, slots, positions, strict=True)):
+            self.lib.cpustep_gqa(self._m, token, slot, pos, ptr + b * row)
         return out
 
 

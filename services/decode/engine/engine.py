@@ -40,10 +40,11 @@ raises ValueError for an engine it cannot serve. Requests it cannot serve (logpr
 or grammars on the DeepSeek family, drafts on a Llama-family engine, bad words beyond its buffers) take the reference step in either mode, their reason in
 ``slot_fast_path_reason(slot)``; ``last_step_path`` says which path the last step took ("fast" |
 "reference" | "cpu-fused", for every slot it served) and ``last_step_slots`` how many slots it served.
-CPU step (``cpu_step="auto"|"off"``, cpustep.py): on the CPU a Llama-family float32 engine runs one token
-of a lone slot (the reference step's plain case) in one native call compiled for the host, the torch
-step's math in another order of sums (``"cpu-fused"``); other steps, and hosts without a C compiler
-(``model.cpu_step_reason`` says why), take the torch step.
+CPU step (``cpu_step="auto"|"off"``, cpustep.py): on the CPU a Llama-family float32 engine runs a step of
+one token a slot (the reference step's plain decode, one slot or several) in one native call a slot,
+compiled for the host, the torch step's math in another order of sums (``"cpu-fused"``); other steps
+(verifying drafts, prefill), and hosts without a C compiler (``model.cpu_step_reason`` says why), take
+the torch step.
 Logprobs (``SamplingParams.logprobs``, logprobs.py): each emitted token's logprob, rank and top n of
 the raw logits (vLLM's raw_logprobs: after a grammar's mask, before every other processor), in
 ``StepOutput.logprobs``; with drafts, each accepted token scored by the target model at its

@@ -76,7 +76,7 @@ class LlamaModel(nn.Module):
             self.column_major_projections()
 
     def attach_cpu_step(self, mode: str = "auto") -> None:
-        """Use the fused CPU step (cpustep.py) for one token of a lone slot where it applies (after :meth:`bind`;
+        """Use the fused CPU step (cpustep.py) for steps of one token a slot where it applies (after :meth:`bind`;
         ``mode`` "off": never); ``cpu_step_reason`` says why not otherwise."""
         self.cpu_step, self.cpu_step_reason = cpustep.attach(self, self.cache, mode)
 
@@ -125,11 +125,11 @@ class LlamaModel(nn.Module):
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, slot_ids: torch.Tensor,
                 num_keys: int | None = None) -> torch.Tensor:
         """Hidden states after the final norm, [B, T, hidden]; ``num_keys`` > every position (default: all)."""
+        self.fused = self.cpu_step is not None and tokens.shape[1] == 1 and not torch.compiler.is_compiling()
+        if self.fused:  # one token a slot, each seeing its own prefix: one native call a slot
+            return self.cpu_step.forward(tokens.view(-1).tolist(), slot_ids.tolist(), positions.view(-1).tolist())
         n = num_keys or self.cache.max_tokens  # keys attended: a prefix of the cache covering every position
         run = lone_run(slot_ids, positions)  # the CPU's one slot: host ints, sliced cache writes
-        self.fused = self.cpu_step is not None and run is not None and tokens.shape[1] == 1 and n == run[1] + 1
-        if self.fused:  # one token seeing exactly its prefix: the whole forward in one native call
-            return self.cpu_step.forward(int(tokens[0, 0]), *run)
         x = F.embedding(tokens, self.embed)
         cos, sin = rope_factors(self.cos[positions], self.sin[positions], x.dtype)  # [B, T, 1, D]
         # one token seeing exactly its prefix (the CPU's plain step): no mask, the same attention

@@ -1,5 +1,5 @@
 """The Llama family's fused CPU step (services/decode/engine/cpustep.py): the torch step's tokens, logits and cache
-rows for one token of a lone slot, the torch step everywhere else, and the torch step when it cannot be built."""
+rows for steps of one token a slot, alone or batched, and the torch step where it cannot be built or applied."""
 
 from __future__ import annotations
 
@@ -48,28 +48,34 @@ def test_fused_step_gives_the_torch_steps_tokens_logits_and_cache_rows(hf_checkp
         assert ours[0].eq(0).all()  # the other slot untouched
 
 
-def test_two_slots_take_the_torch_step_and_a_lone_slot_the_fused_one(hf_checkpoint):
-    path, _ = hf_checkpoint("llama")
-    params = SamplingParams(max_tokens=6, ignore_eos=True)
-    engines = [Engine.load(path, num_slots=2, max_seq_len=64, dtype=torch.float32, cpu_step=m) for m in ("auto", "off")]
-    outputs = []
-    for engine in engines:
-        for slot, prompt in ((0, PROMPT), (1, PROMPT[3:])):
-            engine.start(slot, int(engine.prefill(slot, prompt).argmax()), params)
-        steps = [(engine.step(), engine.last_step_path)]  # both slots
-        engine.cancel(1)
-        engine.release(1)
+def test_slots_stepped_together_each_get_the_torch_steps_tokens_and_rows(hf_checkpoint):
+    """Three slots of different lengths in one step (one greedy, two sampled), one leaving mid-run: each slot's
+    token attends to its own keys, as the torch step's causal mask over the batch has it."""
+    path, _ = hf_checkpoint("qwen3")
+    prompts = {0: PROMPT, 1: PROMPT[5:], 2: PROMPT[::-1] + PROMPT}
+    params = {0: SamplingParams(max_tokens=10, ignore_eos=True),
+              1: SamplingParams(max_tokens=4, ignore_eos=True, temperature=0.8, seed=3),
+              2: SamplingParams(max_tokens=10, ignore_eos=True, temperature=1.1, top_k=20, seed=5)}
+    runs = []
+    for mode in ("auto", "off"):
+        engine = Engine.load(path, num_slots=3, max_seq_len=64, dtype=torch.float32, cpu_step=mode)
+        for slot, prompt in prompts.items():
+            engine.start(slot, int(engine.prefill(slot, prompt).argmax()), params[slot])
+        steps = []
         while engine.active_slots():
-            steps.append((engine.step(), engine.last_step_path))
-        outputs.append(steps)
-    fused, plain = outputs
-    assert [p for _, p in fused] == ["reference"] + [cpustep.PATH] * 5
-    assert [p for _, p in plain] == ["reference"] * 6
-    assert [{k: v.token_ids for k, v in s.items()} for s, _ in fused] == \
-        [{k: v.token_ids for k, v in s.items()} for s, _ in plain]
+            out = engine.step()
+            steps.append(({k: v.token_ids for k, v in out.items()}, engine.last_step_slots, engine.last_step_path))
+        runs.append((steps, engine))
+    (fused, fe), (plain, pe) = runs
+    assert [s[1] for s in fused] == [3] * 4 + [2] * 6  # slot 1 done after its 4 steps
+    assert {s[2] for s in fused} == {cpustep.PATH} and {s[2] for s in plain} == {"reference"}
+    assert [s[0] for s in fused] == [s[0] for s in plain]
+    for ours, theirs in zip([*fe.cache.k_caches, *fe.cache.v_caches], [*pe.cache.k_caches, *pe.cache.v_caches],
+                            strict=True):
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
 
 
-def test_without_a_compiler_the_engine_keeps_the_torch_step_and_says_why(hf_checkpoint, monkeypatch, tmp_path, caplog):
+def test_without_a_compiler_the_engine_keeps_the_torch_step_and_says_why(hf_checkpoint, monkeypatch, tmp_path):
     path, _ = hf_checkpoint("llama")
     monkeypatch.setattr(cpustep, "_lib", {})  # nothing built in this process yet
     monkeypatch.setenv("EXPRESSLANE_CACHE_DIR", str(tmp_path))
