@@ -107,7 +107,9 @@ def library():
             except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
                 _lib["error"] = str(exc)
                 _log.warning("cpu_step_unavailable", reason=str(exc),
-                             hint="the engine keeps the torch step (same tokens, slower on small models)")
+                             hint="the engine keeps the torch step (same tokens, slower on small models); for "
+                                  "the fused step install a C compiler and give EXPRESSLANE_CACHE_DIR a writable "
+                                  f"directory (now {cache_dir()})")
         return _lib.get("lib")
 
 
