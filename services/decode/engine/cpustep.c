@@ -46,16 +46,11 @@ static void rms_norm(const float *x, const float *restrict w, float *out, int64_
     for (int64_t i = 0; i < n; i++) out[i] = x[i] * inv * w[i];
 }
 
-/* y[N] = W x over a column-major W (wt: [K, N] row-major), plus bias (or + y when accumulate). */
+/* y[N] = W x (+ bias) over a column-major W (wt: [K, N] row-major). */
 static void gemv_cm(const float *restrict x, const float *restrict wt, const float *restrict bias, float *restrict y,
-                    int64_t k_dim, int64_t n_dim, int accumulate) {
-    if (!accumulate) {
-        if (bias) memcpy(y, bias, (size_t)n_dim * sizeof(float));
-        else memset(y, 0, (size_t)n_dim * sizeof(float));
-    } else if (bias) {
-#pragma omp simd
-        for (int64_t n = 0; n < n_dim; n++) y[n] += bias[n];
-    }
+                    int64_t k_dim, int64_t n_dim) {
+    if (bias) memcpy(y, bias, (size_t)n_dim * sizeof(float));
+    else memset(y, 0, (size_t)n_dim * sizeof(float));
     int64_t k = 0;
     for (; k + 4 <= k_dim; k += 4) {
         const float x0 = x[k], x1 = x[k + 1], x2 = x[k + 2], x3 = x[k + 3];
@@ -82,7 +77,8 @@ static void rotate(float *restrict x, const float *restrict cos, const float *re
     }
 }
 
-/* hidden[H] after the final norm for `token` at `pos` of cache row `slot` (its keys 0..pos-1 cached). */
+/* hidden[H] after the final norm for `token` at `pos` of cache row `slot` (its keys 0..pos-1 cached); the
+ * caller checks token < vocab, slot < rows and pos < max_tokens (cpustep.py). */
 void cpustep_gqa(const GqaModel *m, int64_t token, int64_t slot, int64_t pos, float *restrict hidden) {
     const int64_t H = m->hidden, D = m->head_dim, nq = m->heads, nkv = m->kv_heads, I = m->inter;
     const int64_t half = D / 2, group = nq / nkv, nkeys = pos + 1;
@@ -92,7 +88,7 @@ void cpustep_gqa(const GqaModel *m, int64_t token, int64_t slot, int64_t pos, fl
     memcpy(x, m->embed + token * H, (size_t)H * sizeof(float));
     for (int64_t l = 0; l < m->layers; l++) {
         rms_norm(x, m->attn_norm[l], h, H, m->eps);
-        gemv_cm(h, m->wqkv[l], m->bqkv[l], qkv, H, (nq + 2 * nkv) * D, 0);
+        gemv_cm(h, m->wqkv[l], m->bqkv[l], qkv, H, (nq + 2 * nkv) * D);
         for (int64_t j = 0; j < nq + nkv; j++) { /* the q heads, then the K heads */
             float *head = qkv + j * D;
             if (m->q_norm[l]) rms_norm(head, j < nq ? m->q_norm[l] : m->k_norm[l], head, D, m->eps);
@@ -130,15 +126,15 @@ void cpustep_gqa(const GqaModel *m, int64_t token, int64_t slot, int64_t pos, fl
 #pragma omp simd
             for (int64_t d = 0; d < D; d++) o[d] *= inv;
         }
-        gemv_cm(att, m->wo[l], m->bo[l], tmp, nq * D, H, 0);
+        gemv_cm(att, m->wo[l], m->bo[l], tmp, nq * D, H);
 #pragma omp simd
         for (int64_t i = 0; i < H; i++) x[i] += tmp[i];
         rms_norm(x, m->mlp_norm[l], h, H, m->eps);
-        gemv_cm(h, m->w_gate_up[l], NULL, gu, H, 2 * I, 0);
+        gemv_cm(h, m->w_gate_up[l], NULL, gu, H, 2 * I);
         float *act = gu + 2 * I;
 #pragma omp simd
         for (int64_t i = 0; i < I; i++) act[i] = gu[i] / (1.0f + expf(-gu[i])) * gu[I + i];
-        gemv_cm(act, m->w_down[l], NULL, tmp, I, H, 0);
+        gemv_cm(act, m->w_down[l], NULL, tmp, I, H);
 #pragma omp simd
         for (int64_t i = 0; i < H; i++) x[i] += tmp[i];
     }

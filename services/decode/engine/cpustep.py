@@ -148,6 +148,13 @@ class GqaKernel:
         cfg, p = model.cfg, model.plan
         layers = list(model.layers)
         self.lib, self.hidden = lib, cfg.hidden_size
+        # what the C code indexes without checks: token ids, slot rows (the scratch row included), positions
+        self.vocab, self.rows, self.max_tokens = model.embed.shape[0], cache.num_slots + 1, cache.max_tokens
+        flat = [model.embed, model.final_norm, model.cos, model.sin]
+        flat += [t for b in layers for n in ("attn_norm", "mlp_norm", "bqkv", "q_norm", "k_norm", "bo")
+                 if (t := getattr(b, n)) is not None]
+        if not all(t.is_contiguous() for t in flat):
+            raise ValueError("the embedding, norms, biases and rope tables must be contiguous")
         k0 = cache.k_caches[0]
         if any(c.stride() != k0.stride() for c in (*cache.k_caches, *cache.v_caches)) or k0.stride(-1) != 1 \
                 or k0.stride(-2) != cfg.head_dim or k0.stride(1) != p.kv_heads * cfg.head_dim:
@@ -156,7 +163,9 @@ class GqaKernel:
         floats = lib.cpustep_scratch_floats(cfg.hidden_size, p.heads, p.kv_heads, cfg.head_dim, inter,
                                             cache.max_tokens)
         self.scratch = torch.zeros(floats, dtype=torch.float32)
-        self._keep = [self.scratch]  # the pointer arrays live as long as the kernel
+        # every tensor the C code points at, and the pointer arrays, live as long as the kernel
+        self._keep = [self.scratch, *flat, *cache.k_caches, *cache.v_caches,
+                      *[getattr(b, n) for b in layers for n in ("wqkv", "wo", "w_gate_up", "w_down")]]
 
         def ptrs(name):
             arr = (_P * len(layers))(*[(t.data_ptr() if (t := getattr(b, name)) is not None else None)
@@ -179,14 +188,14 @@ class GqaKernel:
             w_gate_up=ptrs("w_gate_up"), w_down=ptrs("w_down"), k_cache=caches(cache.k_caches),
             v_cache=caches(cache.v_caches), scratch=self.scratch.data_ptr())
         self._m = ctypes.byref(self.m)
-        for name in ("embed", "final_norm", "cos", "sin"):
-            if not getattr(model, name).is_contiguous():
-                raise ValueError(f"{name} is not contiguous")
 
     def forward(self, tokens: list[int], slots: list[int], positions: list[int]) -> torch.Tensor:
         out = torch.empty(len(tokens), 1, self.hidden, dtype=torch.float32)
         ptr, row = out.data_ptr(), self.hidden * 4
         for b, (token, slot, pos) in enumerate(zip(tokens, slots, positions, strict=True)):
+            if not (0 <= token < self.vocab and 0 <= slot < self.rows and 0 <= pos < self.max_tokens):
+                raise IndexError(f"token {token}, slot {slot}, position {pos}: out of range (vocabulary {self.vocab}, "
+                                 f"{self.rows} cache rows of {self.max_tokens} tokens)")
             self.lib.cpustep_gqa(self._m, token, slot, pos, ptr + b * row)
         return out
 

@@ -110,3 +110,12 @@ def test_engines_the_fused_step_cannot_serve_keep_the_torch_step(hf_checkpoint, 
 def test_cpu_step_setting_is_checked():
     with pytest.raises(ValueError, match="cpu_step must be one of auto, off"):
         EngineConfig(cpu_step="fast").validate()
+
+
+def test_the_fused_step_refuses_what_it_would_read_out_of_bounds(hf_checkpoint):
+    path, _ = hf_checkpoint("llama")
+    kernel = Engine.load(path, num_slots=2, max_seq_len=64, dtype=torch.float32).model.cpu_step
+    assert kernel.forward([5], [2], [63]).shape == (1, 1, 64)  # the scratch row, the last position
+    for tokens, slots, positions in (([256], [0], [0]), ([-1], [0], [0]), ([5], [3], [0]), ([5], [0], [64])):
+        with pytest.raises(IndexError, match="out of range"):
+            kernel.forward(tokens, slots, positions)
