@@ -10,7 +10,8 @@ import socket
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from services.decode.engine.options import KV_CACHE_DTYPES, MAX_SPECULATIVE_TOKENS, EngineConfig
+from services.decode.engine.options import CPU_STEP_MODES, FAST_PATH_MODES, KV_CACHE_DTYPES, MAX_SPECULATIVE_TOKENS, \
+    EngineConfig
 from shared import config as shared_config
 from shared import subjects
 from shared.bus_auth import BusAuth
@@ -150,13 +151,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokenizer", default="", metavar="DIR",
                    help="the tokenizer's directory for grammars (structured output), as vLLM's --tokenizer "
                         "(default: the model directory)")
-    p.add_argument("--fast-path", choices=["auto", "on", "off"], default="auto",
+    p.add_argument("--fast-path", choices=FAST_PATH_MODES, default="auto",
                    help="the CUDA fast path: fused Triton kernels replayed as CUDA graphs for Llama/Qwen- and "
                         "DeepSeek-V3-family models (bf16, or FP8 weights with per-channel, per-tensor or "
                         "block scales), greedy and sampled requests, 1-8 slots a step (auto: wherever the "
                         "model, dtype and device allow, the node logs why not; on: refuse to start otherwise; "
                         "off: the reference step)")
-    p.add_argument("--cpu-step", choices=["auto", "off"], default="auto",
+    p.add_argument("--cpu-step", choices=CPU_STEP_MODES, default="auto",
                    help="on a CPU node, a Llama/Qwen-family float32 model's decode step in one native call "
                         "a request, compiled for this host with its C compiler on first use (auto: "
                         "where it applies, the node logs why not, e.g. no compiler; off: torch's ops); "

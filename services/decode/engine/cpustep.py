@@ -117,6 +117,17 @@ def unavailable_reason() -> str | None:
     return _lib.get("error")
 
 
+VECTORS = ("attn_norm", "mlp_norm", "bqkv", "q_norm", "k_norm", "bo")  # a block's 1-D weights (None: absent)
+
+
+def _pointed_at(model, cache) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+    """What the C code reads and writes: (the projections, the contiguous rest, the K/V cache views)."""
+    mats = [getattr(b, n) for b in model.layers for n in b.PROJECTIONS]
+    flat = [model.embed, model.final_norm, model.cos, model.sin]
+    flat += [t for b in model.layers for n in VECTORS if (t := getattr(b, n)) is not None]
+    return mats, flat, [*cache.k_caches, *cache.v_caches]
+
+
 def refusal(model, cache) -> str | None:
     """Why ``model`` (a bound LlamaModel) cannot take the fused step, or None when it can."""
     if os.environ.get("EXPRESSLANE_CPU_STEP", "auto").lower() in ("off", "0", "false", "no"):
@@ -127,11 +138,8 @@ def refusal(model, cache) -> str | None:
         return "tensor-parallel"
     if cache.kv_format is not None:
         return "FP8 KV cache"
-    mats = [getattr(blk, n) for blk in model.layers for n in ("wqkv", "wo", "w_gate_up", "w_down")]
-    tensors = [model.embed, model.final_norm, model.cos, model.sin, *cache.k_caches, *cache.v_caches, *mats]
-    tensors += [getattr(blk, n) for blk in model.layers for n in ("attn_norm", "mlp_norm", "bqkv", "q_norm", "k_norm", "bo")
-                if getattr(blk, n) is not None]
-    if any(t.dtype != torch.float32 for t in tensors):
+    mats, flat, caches = _pointed_at(model, cache)
+    if any(t.dtype != torch.float32 for t in (*mats, *flat, *caches)):
         return "not float32 throughout (FP8 or half-precision weights, or K/V)"
     if any(m.dim() != 2 or m.stride() != (1, m.shape[0]) for m in mats):
         return "projections not column-major"
@@ -150,9 +158,7 @@ class GqaKernel:
         self.lib, self.hidden = lib, cfg.hidden_size
         # what the C code indexes without checks: token ids, slot rows (the scratch row included), positions
         self.vocab, self.rows, self.max_tokens = model.embed.shape[0], cache.num_slots + 1, cache.max_tokens
-        flat = [model.embed, model.final_norm, model.cos, model.sin]
-        flat += [t for b in layers for n in ("attn_norm", "mlp_norm", "bqkv", "q_norm", "k_norm", "bo")
-                 if (t := getattr(b, n)) is not None]
+        mats, flat, caches = _pointed_at(model, cache)
         if not all(t.is_contiguous() for t in flat):
             raise ValueError("the embedding, norms, biases and rope tables must be contiguous")
         k0 = cache.k_caches[0]
@@ -164,8 +170,7 @@ class GqaKernel:
                                             cache.max_tokens)
         self.scratch = torch.zeros(floats, dtype=torch.float32)
         # every tensor the C code points at, and the pointer arrays, live as long as the kernel
-        self._keep = [self.scratch, *flat, *cache.k_caches, *cache.v_caches,
-                      *[getattr(b, n) for b in layers for n in ("wqkv", "wo", "w_gate_up", "w_down")]]
+        self._keep = [self.scratch, *mats, *flat, *caches]
 
         def ptrs(name):
             arr = (_P * len(layers))(*[(t.data_ptr() if (t := getattr(b, name)) is not None else None)

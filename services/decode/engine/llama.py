@@ -29,6 +29,8 @@ def _param(*shape: int, dtype: torch.dtype | None = None) -> nn.Parameter:
 
 
 class GqaBlock(nn.Module):
+    PROJECTIONS = ("wqkv", "wo", "w_gate_up", "w_down")  # the block's matrices
+
     def __init__(self, cfg: ModelConfig, p: ShardPlan):
         super().__init__()
         h, d, nq, nkv = cfg.hidden_size, cfg.head_dim, p.heads, p.kv_heads
@@ -83,7 +85,7 @@ class LlamaModel(nn.Module):
     def column_major_projections(self) -> None:
         """The float32 projection weights column-major (layers.column_major: the one-token F.linear's
         faster form on the CPU); an lm_head tied to the embedding keeps its layout."""
-        mats = [getattr(blk, n) for blk in self.layers for n in ("wqkv", "wo", "w_gate_up", "w_down")]
+        mats = [getattr(blk, n) for blk in self.layers for n in blk.PROJECTIONS]
         if self.lm_head.untyped_storage().data_ptr() != self.embed.untyped_storage().data_ptr():
             mats.append(self.lm_head)
         column_major(mats)
