@@ -356,6 +356,7 @@ def start_stack(args: argparse.Namespace) -> tuple[subprocess.Popen, dict]:
     workdir = Path(tempfile.mkdtemp(prefix="expresslane-bench-"))
     cmd = [sys.executable, "-m", "infra.cli", "up", "--port", str(port), "--prefill-port", str(prefill_port),
            "--decode-nodes", str(args.decode_nodes), "--slots", str(args.slots), "--arch", args.arch,
+           "--decode-nice", str(args.decode_nice),
            "--workdir", str(workdir)]
     if args.model_dir:
         cmd += ["--model", args.model_dir]
@@ -682,6 +683,9 @@ def main() -> int:
     p.add_argument("--arch", default="llama")
     p.add_argument("--decode-nodes", type=int, default=2, help="for the stack this script starts")
     p.add_argument("--slots", type=int, default=2, help="slots per decode node, for the stack this script starts")
+    p.add_argument("--decode-nice", type=int, default=19,
+                   help="the decode nodes' nice value, for the stack this script starts (`expresslane up "
+                        "--decode-nice`, default 19)")
     p.add_argument("--concurrency", default="1,4", help="comma separated (default 1,4)")
     p.add_argument("--requests", type=int, default=32, help="per lane and concurrency")
     p.add_argument("--warmup", type=int, default=2, help="per lane and concurrency, not counted")
@@ -714,8 +718,8 @@ def main() -> int:
         cpu = platform.processor()
     config = {"model": urls["model"], **source_state(), "requests": args.requests, "warmup": args.warmup,
               "max_tokens": args.max_tokens, "concurrency": args.concurrency,
-              "stack": (f"{args.decode_nodes} decode nodes x {args.slots} slots (started by the bench), "
-                        "all concurrencies on it") if proc else "a running stack",
+              "stack": (f"{args.decode_nodes} decode nodes x {args.slots} slots at nice {args.decode_nice} "
+                        "(started by the bench), all concurrencies on it") if proc else "a running stack",
               "machine": f"{platform.machine()} {os.cpu_count()} cpus, {cpu}",
               "load_avg_1m_before_after": [round(load_before[0], 2), round(os.getloadavg()[0], 2)],
               "duration_s": round(time.monotonic() - t0, 1),

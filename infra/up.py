@@ -185,7 +185,7 @@ def plan(args: argparse.Namespace, model: Path, nats_url: str, py: str,
             procs.append(Proc(f"decode-{i}", cli + [
                 "decode", *common("decode"), "--model", str(model), "--node-id", f"decode-{i}",
                 "--slots", str(args.slots), "--max-seq-len", str(args.max_model_len),
-                "--tensor-parallel-size", str(args.decode_tp),
+                "--tensor-parallel-size", str(args.decode_tp), "--cpu-nice", str(args.decode_nice),
                 "--http-port", str(port)], f"http://127.0.0.1:{port}/health"))
     else:
         missing.append("decode node (services/decode/main.py)")
@@ -267,6 +267,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--slots", type=int, default=2, help="slots per decode node (default 2)")
     p.add_argument("--decode-tp", type=int, default=1, metavar="N",
                    help="tensor-parallel ranks per decode node (default 1; each rank is a process)")
+    p.add_argument("--decode-nice", type=int, choices=range(0, 20), default=19, metavar="N",
+                   help="the decode nodes' CPU priority below vLLM, the router and NATS, which share "
+                        "this host's cores with them (0-19, default 19): a busy node then yields to "
+                        "the prefill an express request's first token waits for (`expresslane decode "
+                        "--cpu-nice`); 0 for equal shares")
     p.add_argument("--port", type=int, default=8000, help="router port (default 8000)")
     p.add_argument("--host", default="127.0.0.1", help="router listen address")
     p.add_argument("--prefill-port", type=int, default=0, help="vLLM port (default: a free one)")

@@ -15,6 +15,7 @@ from services.decode.engine.options import CPU_STEP_MODES, FAST_PATH_MODES, KV_C
 from shared import config as shared_config
 from shared import subjects
 from shared.bus_auth import BusAuth
+from shared.cpu_priority import MAX_NICE
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,7 @@ class DecodeConfig:
     torch_threads: int = 1  # torch's intra-op threads (CPU work of the engine's step)
     fault_stall_after_tokens: int = 0  # FAULT INJECTION: the engine hangs (tests, bench only)
     tensor_parallel_size: int = 1  # ranks (processes, one GPU each) the model is sharded over
+    cpu_nice: int = 0  # this node's CPU priority below the host's other services (shared.cpu_priority)
 
     @property
     def num_slots(self) -> int:
@@ -67,7 +69,7 @@ class DecodeConfig:
             require_kv_checksum=args.require_kv_checksum, num_checksum_threads=args.checksum_threads,
             torch_threads=args.torch_threads,
             fault_stall_after_tokens=args.fault_stall_after_tokens,
-            tensor_parallel_size=args.tensor_parallel_size)
+            tensor_parallel_size=args.tensor_parallel_size, cpu_nice=args.cpu_nice)
 
     def validate(self) -> DecodeConfig:
         """Raise ValueError naming the flag whose value cannot work; return self."""
@@ -86,6 +88,8 @@ class DecodeConfig:
             raise ValueError(f"--fault-stall-after-tokens must be 0 or more, got {self.fault_stall_after_tokens}")
         if self.drain_timeout_s < 0:
             raise ValueError(f"--drain-timeout-s must be 0 or more, got {self.drain_timeout_s}")
+        if not 0 <= self.cpu_nice <= MAX_NICE:
+            raise ValueError(f"--cpu-nice must be 0 to {MAX_NICE}, got {self.cpu_nice}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"--tensor-parallel-size must be 1 or more, got {self.tensor_parallel_size}")
         if self.tensor_parallel_size > 1:
@@ -167,6 +171,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "many small ops, which more threads slow down (their barriers) and which then "
                         "take cores from the prefill and other nodes on the host; raise it only for a "
                         "CPU decode node with a large model on cores of its own")
+    p.add_argument("--cpu-nice", type=int, default=0, metavar="N",
+                   help="on a host whose cores the node shares with a prefill server, run the node at "
+                        "nice N, below the other services (0-19; default 0): its steps then wait "
+                        "while vLLM prefills, which is where an express request's first token waits "
+                        "(`expresslane up` sets 19). Sets the node's session group too when it leads "
+                        "its session (Linux autogroup). Nothing to gain on a host of its own")
     p.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
                    help="shard the model over N ranks, one process and one GPU each (cuda:K..K+N-1 for "
                         "--device cuda:K; gloo on CPU): this process is rank 0 and starts the others; each "

@@ -16,9 +16,10 @@ from services.decode import ranks
 from services.decode.config import DecodeConfig, parse
 from services.decode.receiver import Receiver
 from services.decode.server import DecodeNode
+from shared import cpu_priority
 from shared.bus import Bus, BusUnavailable
 from shared.gcheap import GcPauses, freeze_heap
-from shared.log import setup_logging
+from shared.log import get_logger, setup_logging
 from shared.tracing import setup_tracing
 
 
@@ -110,7 +111,10 @@ def _follow(config: DecodeConfig, rank: int) -> int:
 
 def main(argv: list[str]) -> int:
     config = parse(argv)
+    priority = cpu_priority.lower(config.cpu_nice)  # before any thread starts: they inherit it
     setup_logging("decode", config.log_level, json=config.log_format == "json")
+    if config.cpu_nice:
+        get_logger("decode").info("cpu_priority", rank=ranks.rank_from_env(), **priority)
     setup_tracing("decode")
     import torch
 

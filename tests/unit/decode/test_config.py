@@ -47,6 +47,12 @@ def test_kv_cache_dtype():
         "fp8_e5m2"
 
 
+def test_cpu_nice():
+    assert config_of(["--model", "/m"]).cpu_nice == 0  # a node on a host of its own: nothing to yield to
+    assert config_of(["--model", "/m", "--cpu-nice", "19"]).cpu_nice == 19
+    assert config_of(["--model", "/m"], env={"EXPRESSLANE_CPU_NICE": "5"}).cpu_nice == 5
+
+
 def test_torch_threads():
     assert config_of(["--model", "/m"]).torch_threads == 1  # a step is many small ops: one thread
     assert config_of(["--model", "/m", "--torch-threads", "4"]).torch_threads == 4
@@ -62,6 +68,8 @@ def test_torch_threads():
     (["--drain-timeout-s", "-1"], "--drain-timeout-s must be 0 or more"),
     (["--checksum-threads", "0"], "--checksum-threads must be 1 or more"),
     (["--torch-threads", "0"], "--torch-threads must be 1 or more"),
+    (["--cpu-nice", "20"], "--cpu-nice must be 0 to 19, got 20"),
+    (["--cpu-nice", "-1"], "--cpu-nice must be 0 to 19, got -1"),
     (["--node-id", "a.b"], "--node-id: node id 'a.b' cannot be used in a NATS subject"),
 ])
 def test_validate_names_the_flag(argv, message):

@@ -57,6 +57,16 @@ def test_prefill_vllm_gets_the_cores_the_decode_nodes_leave(tmp_path, monkeypatc
     assert prefill.env["OMP_NUM_THREADS"] == "6"
 
 
+def test_decode_nodes_yield_the_shared_cores_to_the_prefill(tmp_path):
+    from services.decode.config import parse as decode_config
+    (tmp_path / "config.json").write_text('{"model_type": "llama"}')
+    for flags, nice in (([], 19), (["--decode-nice", "0"], 0)):
+        procs, _ = plan(build_parser().parse_args(["--decode-nodes", "2", *flags]), tmp_path, "nats://x:1",
+                        sys.executable)
+        nodes = [decode_config(p.argv[p.argv.index("decode") + 1:]) for p in procs if p.name.startswith("decode")]
+        assert [n.cpu_nice for n in nodes] == [nice, nice]
+
+
 def test_coordinators_flag_starts_a_leader_and_standbys_first(tmp_path):
     args = build_parser().parse_args(["--coordinators", "2", "--decode-nodes", "1"])
     (tmp_path / "config.json").write_text('{"model_type": "llama"}')
