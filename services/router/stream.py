@@ -15,17 +15,22 @@ Pure: builds dicts and bytes.
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+import msgspec
+
 DONE = b"data: [DONE]\n\n"
+# compact UTF-8 JSON, the bytes json.dumps(separators=(",", ":"), ensure_ascii=False) gives for these
+# chunks (floats aside: the shortest form of the same value, 1e-05 as 0.00001), at ~1/10 of the cost: one
+# chunk a token for every stream the router relays
+_JSON = msgspec.json.Encoder()
 
 
 def sse(obj: dict[str, Any]) -> bytes:
     """One server-sent event carrying ``obj`` as JSON."""
-    return b"data: " + json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
+    return b"data: " + _JSON.encode(obj) + b"\n\n"
 
 
 def usage_dict(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
