@@ -33,7 +33,10 @@ def lower(nice: int, autogroup: Path = AUTOGROUP) -> dict[str, Any]:
         raise ValueError(f"nice must be 0 to {MAX_NICE}, got {nice}")
     if nice == 0:
         return {"nice": 0}
-    os.setpriority(os.PRIO_PROCESS, 0, max(nice, os.getpriority(os.PRIO_PROCESS, 0)))
+    try:
+        os.setpriority(os.PRIO_PROCESS, 0, max(nice, os.getpriority(os.PRIO_PROCESS, 0)))
+    except OSError as exc:  # e.g. a sandbox that filters the call: run as we are, and say so
+        return {"nice": os.getpriority(os.PRIO_PROCESS, 0), "not_set": str(exc)}
     out: dict[str, Any] = {"nice": os.getpriority(os.PRIO_PROCESS, 0)}
     if os.getsid(0) != os.getpid():
         out["autogroup"] = "not a session leader: left to the session"

@@ -114,7 +114,7 @@ def main(argv: list[str]) -> int:
     priority = cpu_priority.lower(config.cpu_nice)  # before any thread starts: they inherit it
     setup_logging("decode", config.log_level, json=config.log_format == "json")
     if config.cpu_nice:
-        get_logger("decode").info("cpu_priority", rank=ranks.rank_from_env(), **priority)
+        get_logger("decode").info("cpu_priority", node_id=config.node_id, rank=ranks.rank_from_env(), **priority)
     setup_tracing("decode")
     import torch
 

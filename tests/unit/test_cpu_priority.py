@@ -58,6 +58,17 @@ def test_the_kernels_session_group_takes_the_value():
     assert got["got"]["autogroup"].endswith("nice 9")  # what /proc reads back, e.g. "/autogroup-12 nice 9"
 
 
+def test_a_refused_call_leaves_the_priority_and_says_why(monkeypatch, tmp_path):
+    def refuse(*args):
+        raise PermissionError(1, "Operation not permitted")
+    monkeypatch.setattr(cpu_priority.os, "setpriority", refuse)
+    group = tmp_path / "autogroup"
+    group.write_text("untouched")
+    got = cpu_priority.lower(10, group)
+    assert got["nice"] == os.getpriority(os.PRIO_PROCESS, 0) and "not permitted" in got["not_set"]
+    assert group.read_text() == "untouched"
+
+
 @pytest.mark.parametrize("nice", [-1, 20])
 def test_out_of_range_is_refused(nice):
     with pytest.raises(ValueError, match="nice must be 0 to 19"):
