@@ -43,6 +43,7 @@ from pathlib import Path
 from infra.nats import stopping_with_parent
 from infra.processes import free_port, group_alive, shared_host_omp_env, signal_group, stop_process_groups
 from infra.vllm_flags import check_vllm_args, parser_flags, split_args
+from shared.cpu_priority import MAX_NICE
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 STOP_GRACE_S = 15.0
@@ -267,7 +268,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--slots", type=int, default=2, help="slots per decode node (default 2)")
     p.add_argument("--decode-tp", type=int, default=1, metavar="N",
                    help="tensor-parallel ranks per decode node (default 1; each rank is a process)")
-    p.add_argument("--decode-nice", type=int, choices=range(0, 20), default=19, metavar="N",
+    p.add_argument("--decode-nice", type=int, choices=range(MAX_NICE + 1), default=MAX_NICE, metavar="N",
                    help="the decode nodes' CPU priority below vLLM, the router and NATS, which share "
                         "this host's cores with them (0-19, default 19): a busy node then yields to "
                         "the prefill an express request's first token waits for (`expresslane decode "
