@@ -162,8 +162,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "model, dtype and device allow, the node logs why not; on: refuse to start otherwise; "
                         "off: the reference step)")
     p.add_argument("--cpu-step", choices=CPU_STEP_MODES, default="auto",
-                   help="on a CPU node, a Llama/Qwen-family float32 model's decode step in one native call "
-                        "a request, compiled for this host with its C compiler on first use (auto: "
+                   help="on a CPU node, a float32 model's decode step (Llama/Qwen family; DeepSeek-V3 family "
+                        "with dense attention, drafts verified by torch) in one native call a request, "
+                        "compiled for this host with its C compiler on first use (auto: "
                         "where it applies, the node logs why not, e.g. no compiler; off: torch's ops); "
                         "the same tokens either way")
     p.add_argument("--torch-threads", type=int, default=1, metavar="N",

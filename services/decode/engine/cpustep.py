@@ -1,11 +1,13 @@
-"""The CPU's one-token step of the Llama family in one native call (cpustep.c), where the host can build it.
+"""The CPU's one-token step in one native call (cpustep.c), where the host can build it: the Llama family
+(``GqaKernel``) and the DeepSeek-V3 family with dense attention (``MlaKernel``).
 
 The torch step of one token on the CPU is ~25 ATen ops a layer; on a tiny model each op's
 dispatch and allocation cost more than its arithmetic (the tiny Llama's step: ~1.1 ms, of which its nine
-projections ~0.15). ``GqaKernel`` runs the same math in one call of a small C function compiled for this
-host: what ``LlamaModel.forward`` does for a step of one token a slot (the reference step's plain decode,
-one slot or several, each attending to its own prefix), in float32 with column-major projections (what
-``bind`` lays out on the CPU), one rank, K/V in float32.
+projections ~0.15; the tiny DeepSeek-V3's ~2.4 ms). The kernels run the same math in one call of a small C
+function compiled for this host: what ``LlamaModel.forward`` / ``DeepseekModel.forward`` do for a step of one
+token a slot (the reference step's plain decode, one slot or several, each attending to its own prefix), in
+float32 with column-major projections (what ``bind`` lays out on the CPU), one rank, the cache in float32.
+Steps of several tokens a slot (verifying drafts, prefill) and the MTP layer's drafts keep the torch step.
 
 Building: the source is compiled once per host and compiler (``cc -O3 -march=native``; ``$CC`` names
 another compiler) into ``$EXPRESSLANE_CACHE_DIR/cpustep`` (default ``~/.cache/expresslane/cpustep``), a
@@ -44,6 +46,21 @@ class _GqaModel(ctypes.Structure):  # cpustep.c's GqaModel, field for field
                [(n, _P) for n in ("embed", "final_norm", "cos", "sin", "attn_norm", "wqkv", "bqkv", "q_norm",
                                   "k_norm", "wo", "bo", "mlp_norm", "w_gate_up", "w_down", "k_cache", "v_cache",
                                   "scratch")]
+
+
+class _MlaModel(ctypes.Structure):  # cpustep.c's MlaModel, field for field
+    _fields_ = [(n, ctypes.c_int64) for n in ("hidden", "heads", "nope", "rope", "v_dim", "kv_rank", "q_rank", "layers",
+                                              "experts", "top_k", "n_group", "topk_group", "moe_inter",
+                                              "shared_inter", "dense_inter", "interleave", "norm_topk",
+                                              "cache_slot_stride", "cache_token_stride")] + \
+               [(n, ctypes.c_float) for n in ("eps", "scale", "routed_scale")] + \
+               [(n, _P) for n in ("embed", "final_norm", "cos", "sin", "attn_norm", "wq", "wq_a", "q_a_norm",
+                                  "wq_b", "wkv_a", "kv_a_norm", "w_uk", "w_uv", "wo", "mlp_norm", "w_gate_up",
+                                  "w_down", "router", "router_bias", "experts_gate_up", "experts_down",
+                                  "shared_gate_up", "shared_down", "kv_cache", "scratch")]
+
+
+MLA_MAX_GROUPS = MLA_MAX_TOP_K = 64  # cpustep.c's MAX_GROUPS, MAX_TOP_K
 
 
 _lib_lock = threading.Lock()
@@ -103,6 +120,11 @@ def library():
                 lib.cpustep_gqa.restype = None
                 lib.cpustep_scratch_floats.argtypes = [ctypes.c_int64] * 6
                 lib.cpustep_scratch_floats.restype = ctypes.c_int64
+                lib.cpustep_mla.argtypes = [ctypes.POINTER(_MlaModel), ctypes.c_int64, ctypes.c_int64,
+                                            ctypes.c_int64, _P]
+                lib.cpustep_mla.restype = None
+                lib.cpustep_mla_scratch_floats.argtypes = [ctypes.c_int64] * 10
+                lib.cpustep_mla_scratch_floats.restype = ctypes.c_int64
                 _lib["lib"] = lib
             except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
                 _lib["error"] = str(exc)
@@ -118,18 +140,51 @@ def unavailable_reason() -> str | None:
 
 
 VECTORS = ("attn_norm", "mlp_norm", "bqkv", "q_norm", "k_norm", "bo")  # a block's 1-D weights (None: absent)
+MLA_MATS = ("wq", "wq_a", "wq_b", "wkv_a", "wo", "w_gate_up", "w_down", "router", "shared_gate_up", "shared_down")
+MLA_EXPERTS = ("experts_gate_up", "experts_down")  # stacked [E, N, K], each expert column-major
+MLA_DENSE = ("w_uk", "w_uv")  # the absorbed latent products, row-major per head
+MLA_VECTORS = ("attn_norm", "q_a_norm", "kv_a_norm", "mlp_norm", "router_bias")
 
 
 def _pointed_at(model, cache) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
-    """What the C code reads and writes: (the projections, the contiguous rest, the K/V cache views)."""
+    """What the C code reads and writes: (the projections, the contiguous rest, the cache views)."""
+    if model.family == "mla":
+        blocks = list(model.layers)
+        mats = [t for b in blocks for n in MLA_MATS + MLA_EXPERTS if (t := getattr(b, n, None)) is not None]
+        flat = [model.embed, model.final_norm, model.cos, model.sin]
+        flat += [t for b in blocks for n in MLA_DENSE + MLA_VECTORS if (t := getattr(b, n, None)) is not None]
+        return mats, flat, cache.kv[:len(blocks)]
     mats = [getattr(b, n) for b in model.layers for n in b.PROJECTIONS]
     flat = [model.embed, model.final_norm, model.cos, model.sin]
     flat += [t for b in model.layers for n in VECTORS if (t := getattr(b, n)) is not None]
     return mats, flat, [*cache.k_caches, *cache.v_caches]
 
 
+def _column_major(m: torch.Tensor) -> bool:
+    """[..., N, K] stored as layers.column_major lays it out (each stacked matrix W^T contiguous)."""
+    if m.dim() < 2:
+        return False
+    n, k = m.shape[-2:]
+    return m.stride(-2) == 1 and m.stride(-1) == n and (m.dim() == 2 or m.stride(-3) == n * k)
+
+
+def _mla_refusal(model) -> str | None:
+    cfg = model.cfg
+    if cfg.index_topk:
+        return "sparse attention (its indexer)"
+    if cfg.qk_rope_head_dim % 2 or cfg.qk_rope_head_dim > cfg.hidden_size:
+        return "a rope dimension the kernel does not take (odd, or wider than the hidden size)"
+    if any(b.is_moe for b in model.layers):
+        if cfg.n_group > MLA_MAX_GROUPS or cfg.num_experts_per_tok > MLA_MAX_TOP_K:
+            return f"more than {MLA_MAX_GROUPS} routing groups or {MLA_MAX_TOP_K} experts a token"
+        kept = cfg.num_experts // max(cfg.n_group, 1) * min(cfg.topk_group, cfg.n_group)
+        if cfg.n_group > 1 and cfg.num_experts % cfg.n_group or kept < cfg.num_experts_per_tok:
+            return "routing groups that do not hold the experts a token takes"
+    return None
+
+
 def refusal(model, cache) -> str | None:
-    """Why ``model`` (a bound LlamaModel) cannot take the fused step, or None when it can."""
+    """Why ``model`` (a bound LlamaModel or DeepseekModel) cannot take the fused step, or None when it can."""
     if os.environ.get("EXPRESSLANE_CPU_STEP", "auto").lower() in ("off", "0", "false", "no"):
         return "EXPRESSLANE_CPU_STEP=off"
     if model.embed.device.type != "cpu":
@@ -138,19 +193,50 @@ def refusal(model, cache) -> str | None:
         return "tensor-parallel"
     if cache.kv_format is not None:
         return "FP8 KV cache"
+    if model.family == "mla" and (why := _mla_refusal(model)):
+        return why
     mats, flat, caches = _pointed_at(model, cache)
     if any(t.dtype != torch.float32 for t in (*mats, *flat, *caches)):
         return "not float32 throughout (FP8 or half-precision weights, or K/V)"
-    if any(m.dim() != 2 or m.stride() != (1, m.shape[0]) for m in mats):
+    if not all(_column_major(m) for m in mats):
         return "projections not column-major"
     return None
 
 
-class GqaKernel:
-    """The fused step over a bound model's tensors (pointers taken once: the weights and the cache never
+def _pointers(keep: list, tensors: list) -> ctypes.c_void_p:
+    """A C array of the tensors' data pointers (None: NULL), kept alive in ``keep``."""
+    arr = (_P * len(tensors))(*[t.data_ptr() if t is not None else None for t in tensors])
+    keep.append(arr)
+    return ctypes.cast(arr, _P)
+
+
+class _Kernel:
+    """One native call a slot over a bound model's tensors (pointers taken once: the weights and the cache never
     move after ``bind``). ``forward(tokens, slots, positions)`` (host lists, one token a slot) -> hidden
-    [B, 1, H] after the final norm, each slot's K/V row of its position written into its cache and its
-    query attending to its keys 0..position, as the torch step's causal mask has it."""
+    [B, 1, H] after the final norm, each slot's cache row of its position written and its query attending to
+    its rows 0..position, as the torch step's causal mask has it."""
+
+    hidden: int
+    vocab: int
+    rows: int
+    max_tokens: int
+
+    def _call(self, token: int, slot: int, pos: int, out_ptr: int) -> None:
+        raise NotImplementedError
+
+    def forward(self, tokens: list[int], slots: list[int], positions: list[int]) -> torch.Tensor:
+        out = torch.empty(len(tokens), 1, self.hidden, dtype=torch.float32)
+        ptr, row = out.data_ptr(), self.hidden * 4
+        for b, (token, slot, pos) in enumerate(zip(tokens, slots, positions, strict=True)):
+            if not (0 <= token < self.vocab and 0 <= slot < self.rows and 0 <= pos < self.max_tokens):
+                raise IndexError(f"token {token}, slot {slot}, position {pos}: out of range (vocabulary {self.vocab}, "
+                                 f"{self.rows} cache rows of {self.max_tokens} tokens)")
+            self._call(token, slot, pos, ptr + b * row)
+        return out
+
+
+class GqaKernel(_Kernel):
+    """The Llama family's fused step (cpustep.c's cpustep_gqa)."""
 
     def __init__(self, lib, model, cache):
         cfg, p = model.cfg, model.plan
@@ -170,18 +256,10 @@ class GqaKernel:
                                             cache.max_tokens)
         self.scratch = torch.zeros(floats, dtype=torch.float32)
         # every tensor the C code points at, and the pointer arrays, live as long as the kernel
-        self._keep = [self.scratch, *mats, *flat, *caches]
+        keep = self._keep = [self.scratch, *mats, *flat, *caches]
 
         def ptrs(name):
-            arr = (_P * len(layers))(*[(t.data_ptr() if (t := getattr(b, name)) is not None else None)
-                                       for b in layers])
-            self._keep.append(arr)
-            return ctypes.cast(arr, _P)
-
-        def caches(views):
-            arr = (_P * len(views))(*[v.data_ptr() for v in views])
-            self._keep.append(arr)
-            return ctypes.cast(arr, _P)
+            return _pointers(keep, [getattr(b, name) for b in layers])
 
         self.m = _GqaModel(
             hidden=cfg.hidden_size, heads=p.heads, kv_heads=p.kv_heads, head_dim=cfg.head_dim, inter=inter,
@@ -190,22 +268,61 @@ class GqaKernel:
             final_norm=model.final_norm.data_ptr(), cos=model.cos.data_ptr(), sin=model.sin.data_ptr(),
             attn_norm=ptrs("attn_norm"), wqkv=ptrs("wqkv"), bqkv=ptrs("bqkv"), q_norm=ptrs("q_norm"),
             k_norm=ptrs("k_norm"), wo=ptrs("wo"), bo=ptrs("bo"), mlp_norm=ptrs("mlp_norm"),
-            w_gate_up=ptrs("w_gate_up"), w_down=ptrs("w_down"), k_cache=caches(cache.k_caches),
-            v_cache=caches(cache.v_caches), scratch=self.scratch.data_ptr())
+            w_gate_up=ptrs("w_gate_up"), w_down=ptrs("w_down"), k_cache=_pointers(keep, cache.k_caches),
+            v_cache=_pointers(keep, cache.v_caches), scratch=self.scratch.data_ptr())
         self._m = ctypes.byref(self.m)
 
-    def forward(self, tokens: list[int], slots: list[int], positions: list[int]) -> torch.Tensor:
-        out = torch.empty(len(tokens), 1, self.hidden, dtype=torch.float32)
-        ptr, row = out.data_ptr(), self.hidden * 4
-        for b, (token, slot, pos) in enumerate(zip(tokens, slots, positions, strict=True)):
-            if not (0 <= token < self.vocab and 0 <= slot < self.rows and 0 <= pos < self.max_tokens):
-                raise IndexError(f"token {token}, slot {slot}, position {pos}: out of range (vocabulary {self.vocab}, "
-                                 f"{self.rows} cache rows of {self.max_tokens} tokens)")
-            self.lib.cpustep_gqa(self._m, token, slot, pos, ptr + b * row)
-        return out
+    def _call(self, token: int, slot: int, pos: int, out_ptr: int) -> None:
+        self.lib.cpustep_gqa(self._m, token, slot, pos, out_ptr)
 
 
-def attach(model, cache, mode: str = "auto") -> tuple[GqaKernel | None, str | None]:
+class MlaKernel(_Kernel):
+    """The DeepSeek-V3 family's fused step with dense attention (cpustep.c's cpustep_mla): q LoRA or not,
+    dense first layers, noaux_tc routing in groups, shared experts; the main model's layers (the MTP layer's
+    drafts keep the torch step)."""
+
+    def __init__(self, lib, model, cache):
+        cfg, p = model.cfg, model.plan
+        layers = list(model.layers)
+        self.lib, self.hidden = lib, cfg.hidden_size
+        self.vocab, self.rows, self.max_tokens = model.embed.shape[0], cache.num_slots + 1, cache.max_tokens
+        mats, flat, caches = _pointed_at(model, cache)
+        if not all(t.is_contiguous() for t in flat):
+            raise ValueError("the embedding, norms, latent products and rope tables must be contiguous")
+        r, rope = cfg.kv_lora_rank, cfg.qk_rope_head_dim
+        c0 = caches[0]
+        if any(c.stride() != c0.stride() for c in caches) or c0.stride(-1) != 1 or c0.stride(1) != r + rope:
+            raise ValueError("the latent views are not [rows, tokens, kv_lora_rank + rope] with one stride")
+        moe = [b for b in layers if b.is_moe]
+        inters = [p.intermediate if len(moe) < len(layers) else 0, p.moe_intermediate if moe else 0,
+                  p.shared_intermediate if moe and cfg.num_shared_experts else 0]
+        q_rank = cfg.q_lora_rank or 0
+        floats = lib.cpustep_mla_scratch_floats(cfg.hidden_size, p.heads, cfg.qk_nope_head_dim, rope,
+                                                cfg.v_head_dim, r, q_rank, cfg.num_experts if moe else 0,
+                                                max(inters), cache.max_tokens)
+        self.scratch = torch.zeros(floats, dtype=torch.float32)
+        keep = self._keep = [self.scratch, *mats, *flat, *caches]
+
+        def ptrs(name):
+            return _pointers(keep, [getattr(b, name, None) for b in layers])
+
+        self.m = _MlaModel(
+            hidden=cfg.hidden_size, heads=p.heads, nope=cfg.qk_nope_head_dim, rope=rope, v_dim=cfg.v_head_dim,
+            kv_rank=r, q_rank=q_rank, layers=len(layers), experts=cfg.num_experts if moe else 0,
+            top_k=cfg.num_experts_per_tok, n_group=cfg.n_group, topk_group=cfg.topk_group,
+            moe_inter=inters[1], shared_inter=inters[2], dense_inter=inters[0], interleave=int(cfg.rope_interleave),
+            norm_topk=int(cfg.norm_topk_prob), cache_slot_stride=c0.stride(0), cache_token_stride=c0.stride(1),
+            eps=cfg.rms_norm_eps, scale=model.scale, routed_scale=cfg.routed_scaling_factor,
+            embed=model.embed.data_ptr(), final_norm=model.final_norm.data_ptr(), cos=model.cos.data_ptr(),
+            sin=model.sin.data_ptr(), kv_cache=_pointers(keep, caches), scratch=self.scratch.data_ptr(),
+            **{n: ptrs(n) for n in MLA_MATS + MLA_EXPERTS + MLA_DENSE + MLA_VECTORS})
+        self._m = ctypes.byref(self.m)
+
+    def _call(self, token: int, slot: int, pos: int, out_ptr: int) -> None:
+        self.lib.cpustep_mla(self._m, token, slot, pos, out_ptr)
+
+
+def attach(model, cache, mode: str = "auto") -> tuple[_Kernel | None, str | None]:
     """(the kernel, None) where ``model`` takes the fused step, else (None, why not); ``mode`` "off" never."""
     if mode == "off":
         return None, "cpu_step='off'"
@@ -215,4 +332,4 @@ def attach(model, cache, mode: str = "auto") -> tuple[GqaKernel | None, str | No
     lib = library()
     if lib is None:
         return None, unavailable_reason()
-    return GqaKernel(lib, model, cache), None
+    return (MlaKernel if model.family == "mla" else GqaKernel)(lib, model, cache), None

@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import cpustep
 from .cache import KvCache
 from .config import ModelConfig
 from .cuda.reference import limit_to_groups
@@ -159,6 +160,11 @@ class DeepseekModel(nn.Module):
             scale *= yarn_mscale(cfg.rope["factor"], cfg.rope["mscale_all_dim"]) ** 2
         self.scale = scale
         self.cache: KvCache | None = None
+        # the fused CPU step (cpustep.py) once attach_cpu_step found it applies, else why not; fused: whether
+        # the last forward took it
+        self.cpu_step: cpustep.MlaKernel | None = None
+        self.cpu_step_reason: str | None = "not attached"
+        self.fused = False
 
     def bind(self, cache: KvCache) -> None:
         """Attach the KV cache and build rope tables for its capacity (and, on the CPU, lay the float32
@@ -167,6 +173,11 @@ class DeepseekModel(nn.Module):
         self.cos, self.sin = rope_tables(self.cfg.rope, self.cfg.qk_rope_head_dim, cache.max_tokens, self.embed.device)
         if self.embed.device.type == "cpu" and self.embed.dtype == torch.float32:
             self.column_major_projections()
+
+    def attach_cpu_step(self, mode: str = "auto") -> None:
+        """Use the fused CPU step (cpustep.py) for the main model's steps of one token a slot where it applies
+        (after :meth:`bind`; ``mode`` "off": never); ``cpu_step_reason`` says why not otherwise."""
+        self.cpu_step, self.cpu_step_reason = cpustep.attach(self, self.cache, mode)
 
     def column_major_projections(self) -> None:
         """The float32 projection weights column-major (layers.column_major: the one-token F.linear's
@@ -258,6 +269,9 @@ class DeepseekModel(nn.Module):
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, slot_ids: torch.Tensor,
                 num_keys: int | None = None) -> torch.Tensor:
         """Hidden states after the final norm, [B, T, hidden]; ``num_keys`` > every position (default: all)."""
+        self.fused = self.cpu_step is not None and tokens.shape[1] == 1 and not torch.compiler.is_compiling()
+        if self.fused:  # one token a slot, each seeing its own prefix: one native call a slot
+            return self.cpu_step.forward(tokens.view(-1).tolist(), slot_ids.tolist(), positions.view(-1).tolist())
         x = F.embedding(tokens, self.embed)
         cos, sin, mask = self._rope_mask(positions, num_keys)
         for i, blk in enumerate(self.layers):

@@ -40,8 +40,9 @@ raises ValueError for an engine it cannot serve. Requests it cannot serve (logpr
 or grammars on the DeepSeek family, drafts on a Llama-family engine, bad words beyond its buffers) take the reference step in either mode, their reason in
 ``slot_fast_path_reason(slot)``; ``last_step_path`` says which path the last step took ("fast" |
 "reference" | "cpu-fused", for every slot it served) and ``last_step_slots`` how many slots it served.
-CPU step (``cpu_step="auto"|"off"``, cpustep.py): on the CPU a Llama-family float32 engine runs a step of
-one token a slot (the reference step's plain decode, one slot or several) in one native call a slot,
+CPU step (``cpu_step="auto"|"off"``, cpustep.py): on the CPU a float32 engine of the Llama family or the
+DeepSeek-V3 family (dense attention) runs a step of one token a slot (the reference step's plain decode,
+one slot or several; not a step verifying drafts) in one native call a slot,
 compiled for the host, the torch step's math in another order of sums (``"cpu-fused"``); other steps
 (verifying drafts, prefill), and hosts without a C compiler (``model.cpu_step_reason`` says why), take
 the torch step.
@@ -224,7 +225,7 @@ class Engine:
                              kv_dtype=kv_dtype, scales=kv_scales if kv_dtype in FP8_DTYPES else None,
                              tp_size=self.tp.size, tp_rank=self.tp.rank, kv_nearest=fp8_kv_nearest(kv_shape, self.device))
         model.bind(self.cache)
-        if hasattr(model, "attach_cpu_step"):  # the Llama family's fused CPU step (cpustep.py), where it applies
+        if hasattr(model, "attach_cpu_step"):  # the fused CPU step (cpustep.py), where it applies
             model.attach_cpu_step(config.cpu_step)
             if self.device.type == "cpu":
                 _log.info("cpu_step", model=model_name, fused=model.cpu_step is not None, reason=model.cpu_step_reason)

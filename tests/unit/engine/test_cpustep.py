@@ -1,5 +1,6 @@
-"""The Llama family's fused CPU step (services/decode/engine/cpustep.py): the torch step's tokens, logits and cache
-rows for steps of one token a slot, alone or batched, and the torch step where it cannot be built or applied."""
+"""The fused CPU step (services/decode/engine/cpustep.py), the Llama family's and the DeepSeek-V3 family's: the torch
+step's tokens, logits and cache rows for steps of one token a slot, alone or batched, beside drafting steps, and the
+torch step where it cannot be built or applied."""
 
 from __future__ import annotations
 
@@ -11,6 +12,12 @@ from shared.events import SamplingParams
 
 PROMPT = [0, 17, 42, 99, 3, 250, 7, 8, 120, 64, 5, 31, 77]
 NUM_STEPS = 24
+
+
+def cache_views(engine: Engine) -> list[torch.Tensor]:
+    """Every cache view the steps write: K and V a layer (Llama family) or the latent a layer (DeepSeek family)."""
+    c = engine.cache
+    return [*c.k_caches, *c.v_caches] if engine.cfg.family == "gqa" else list(c.kv)
 
 
 def run(engine: Engine, slot: int, sampling: SamplingParams) -> tuple[list[int], list[torch.Tensor], set[str]]:
@@ -25,8 +32,11 @@ def run(engine: Engine, slot: int, sampling: SamplingParams) -> tuple[list[int],
     return tokens, logits, paths
 
 
-@pytest.mark.parametrize("arch", ["llama", "llama3_rope", "qwen2", "qwen3"])  # GQA; llama3 rope; qkv bias + tied
-@pytest.mark.parametrize("sampling", [dict(), dict(temperature=0.9, top_p=0.9, seed=11)])  # head; q/k norm
+# GQA; llama3 rope; qkv bias + tied head; q/k norm; MLA with q LoRA, two routing groups, a shared expert and a dense
+# first layer; with YaRN's mscale; without q LoRA in one routing group (DeepSeek-V2-Lite-like)
+@pytest.mark.parametrize("arch", ["llama", "llama3_rope", "qwen2", "qwen3", "deepseek_v3", "deepseek_v3_yarn",
+                                  "deepseek_v3_lite"])
+@pytest.mark.parametrize("sampling", [dict(), dict(temperature=0.9, top_p=0.9, seed=11)])
 def test_fused_step_gives_the_torch_steps_tokens_logits_and_cache_rows(hf_checkpoint, arch, sampling):
     path, _ = hf_checkpoint(arch)
     params = SamplingParams(max_tokens=NUM_STEPS, ignore_eos=True, **sampling)
@@ -41,17 +51,17 @@ def test_fused_step_gives_the_torch_steps_tokens_logits_and_cache_rows(hf_checkp
     for a, b in zip(got_logits, want_logits, strict=True):
         assert float((a - b).abs().max() / b.abs().max()) < 1e-5
     n = len(PROMPT) + NUM_STEPS  # rows written: the prompt's, then each step's input token
-    for ours, theirs in zip([*fused.cache.k_caches, *fused.cache.v_caches],
-                            [*plain.cache.k_caches, *plain.cache.v_caches], strict=True):
+    for ours, theirs in zip(cache_views(fused), cache_views(plain), strict=True):
         torch.testing.assert_close(ours[1, :n], theirs[1, :n], rtol=1e-5, atol=1e-5)
         assert not ours[1, :n].eq(0).all(dim=-1).any() and ours[1, n:].eq(0).all()  # these rows, no others
         assert ours[0].eq(0).all()  # the other slot untouched
 
 
-def test_slots_stepped_together_each_get_the_torch_steps_tokens_and_rows(hf_checkpoint):
+@pytest.mark.parametrize("arch", ["qwen3", "deepseek_v3"])
+def test_slots_stepped_together_each_get_the_torch_steps_tokens_and_rows(hf_checkpoint, arch):
     """Three slots of different lengths in one step (one greedy, two sampled), one leaving mid-run: each slot's
     token attends to its own keys, as the torch step's causal mask over the batch has it."""
-    path, _ = hf_checkpoint("qwen3")
+    path, _ = hf_checkpoint(arch)
     prompts = {0: PROMPT, 1: PROMPT[5:], 2: PROMPT[::-1] + PROMPT}
     params = {0: SamplingParams(max_tokens=10, ignore_eos=True),
               1: SamplingParams(max_tokens=4, ignore_eos=True, temperature=0.8, seed=3),
@@ -70,8 +80,27 @@ def test_slots_stepped_together_each_get_the_torch_steps_tokens_and_rows(hf_chec
     assert [s[1] for s in fused] == [3] * 4 + [2] * 6  # slot 1 done after its 4 steps
     assert {s[2] for s in fused} == {cpustep.PATH} and {s[2] for s in plain} == {"reference"}
     assert [s[0] for s in fused] == [s[0] for s in plain]
-    for ours, theirs in zip([*fe.cache.k_caches, *fe.cache.v_caches], [*pe.cache.k_caches, *pe.cache.v_caches],
-                            strict=True):
+    for ours, theirs in zip(cache_views(fe), cache_views(pe), strict=True):
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+
+
+def test_drafting_steps_keep_the_torch_step_and_plain_steps_between_them_take_the_fused_one(hf_checkpoint):
+    """An MTP engine (DeepSeek-V3, two drafts a step): steps that verify drafts run the torch forward, the plain
+    steps the drafting policy turns to run the fused one; the greedy tokens, the main layers' latent rows and the
+    MTP layer's (which only the drafts write) are those of an engine that never takes the fused step."""
+    path, _ = hf_checkpoint("deepseek_v3")
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    runs = {}
+    for mode in ("auto", "off"):
+        engine = Engine.load(path, num_slots=1, max_seq_len=128, dtype=torch.float32, cpu_step=mode,
+                             num_speculative_tokens=2)
+        runs[mode] = (*run(engine, 0, params), engine)
+    (tokens, _, paths, fe), (want, _, want_paths, pe) = runs["auto"], runs["off"]
+    assert paths == {cpustep.PATH, "reference"} and want_paths == {"reference"}  # both kinds of step ran
+    assert tokens == want and len(tokens) > 40
+    views, want_views = cache_views(fe), cache_views(pe)
+    assert len(views) == fe.cfg.num_layers + 1  # the MTP layer's latent rows too
+    for ours, theirs in zip(views, want_views, strict=True):
         torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
 
 
@@ -93,13 +122,17 @@ def test_without_a_compiler_the_engine_keeps_the_torch_step_and_says_why(hf_chec
     assert run(built, 0, params)[::2] == (tokens, {cpustep.PATH})
 
 
-@pytest.mark.parametrize("dtype,kv,env,words", [
-    (torch.bfloat16, "auto", None, "not float32"),
-    (torch.float32, "fp8", None, "FP8 KV cache"),
-    (torch.float32, "auto", "off", "EXPRESSLANE_CPU_STEP=off"),
+@pytest.mark.parametrize("arch,dtype,kv,env,words", [
+    ("llama", torch.bfloat16, "auto", None, "not float32"),
+    ("llama", torch.float32, "fp8", None, "FP8 KV cache"),
+    ("llama", torch.float32, "auto", "off", "EXPRESSLANE_CPU_STEP=off"),
+    ("deepseek_v3", torch.bfloat16, "auto", None, "not float32"),
+    ("deepseek_v32", torch.float32, "auto", None, "sparse attention"),
+    ("glm_moe_dsa", torch.float32, "auto", None, "sparse attention"),
 ])
-def test_engines_the_fused_step_cannot_serve_keep_the_torch_step(hf_checkpoint, monkeypatch, dtype, kv, env, words):
-    path, _ = hf_checkpoint("llama")
+def test_engines_the_fused_step_cannot_serve_keep_the_torch_step(hf_checkpoint, monkeypatch, arch, dtype, kv, env,
+                                                                 words):
+    path, _ = hf_checkpoint(arch)
     if env:
         monkeypatch.setenv("EXPRESSLANE_CPU_STEP", env)
     engine = Engine.load(path, num_slots=1, max_seq_len=64, dtype=dtype, kv_cache_dtype=kv)
@@ -112,8 +145,9 @@ def test_cpu_step_setting_is_checked():
         EngineConfig(cpu_step="fast").validate()
 
 
-def test_the_fused_step_refuses_what_it_would_read_out_of_bounds(hf_checkpoint):
-    path, _ = hf_checkpoint("llama")
+@pytest.mark.parametrize("arch", ["llama", "deepseek_v3"])
+def test_the_fused_step_refuses_what_it_would_read_out_of_bounds(hf_checkpoint, arch):
+    path, _ = hf_checkpoint(arch)
     kernel = Engine.load(path, num_slots=2, max_seq_len=64, dtype=torch.float32).model.cpu_step
     assert kernel.forward([5], [2], [63]).shape == (1, 1, 64)  # the scratch row, the last position
     for tokens, slots, positions in (([256], [0], [0]), ([-1], [0], [0]), ([5], [3], [0]), ([5], [0], [64])):

@@ -35,8 +35,8 @@ def test_engine_records_why_it_decodes_on_the_reference_step(hf_checkpoint, capl
     first = int(engine.prefill(0, [0, 5, 9]).argmax())
     engine.start(0, first, SamplingParams(max_tokens=2, ignore_eos=True))
     assert engine.slot_fast_path_reason(0) == engine.fast_path_reason
-    # not the fast path: the torch step, or the Llama family's fused CPU step in float32 (cpustep.py)
-    fused = dtype == torch.float32 and arch != "deepseek_v3"
+    # not the fast path: the torch step, or the fused CPU step in float32 (cpustep.py, both families)
+    fused = dtype == torch.float32
     assert engine.step()[0].token_ids and engine.last_step_path == ("cpu-fused" if fused else "reference")
     engine.release(0)
     assert engine.free_slots() == [0]

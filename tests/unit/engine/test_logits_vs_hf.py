@@ -23,10 +23,10 @@ def test_logits_match_hf_prefill_and_every_decode_step(hf_checkpoint, arch):
     check_against_hf(path, hf)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "deepseek_v3"])
 def test_the_torch_step_matches_hf_where_the_fused_cpu_step_would_run(hf_checkpoint, arch):
-    """The Llama family's torch step, which the fused CPU step (cpustep.py) replaces for one token of a lone
-    float32 slot, against HF too (other steps and hosts without a compiler take it)."""
+    """The torch step, which the fused CPU step (cpustep.py) replaces for one token of a float32 slot, against
+    HF too (other steps, sparse attention and hosts without a compiler take it)."""
     path, hf = hf_checkpoint(arch)
     check_against_hf(path, hf, cpu_step="off")
 
@@ -75,8 +75,10 @@ def check_against_hf(path, hf, prompt=PROMPT, num_steps=NUM_STEPS, max_seq_len=6
     from transformers import DynamicCache
 
     engine = Engine.load(path, num_slots=1, max_seq_len=max_seq_len, dtype=torch.float32, cpu_step=cpu_step)
-    # the step checked: the Llama family's fused CPU step where it applies (float32, one slot), else torch's
-    path = "cpu-fused" if engine.cfg.family == "gqa" and cpu_step == "auto" else "reference"
+    # the step checked: the fused CPU step where it applies (float32, one token a slot; the DeepSeek family's with
+    # dense attention), else torch's
+    fused = cpu_step == "auto" and (engine.cfg.family == "gqa" or not engine.cfg.index_topk)
+    path = "cpu-fused" if fused else "reference"
     with torch.no_grad():
         cache = DynamicCache(config=hf.config)
         ref = hf(torch.tensor([prompt]), past_key_values=cache, use_cache=True).logits[0, -1]
