@@ -161,20 +161,24 @@ typedef struct {
     int64_t cache_slot_stride, cache_token_stride; /* elements, the same for every layer's latent view */
     float eps, scale, routed_scale;                /* RMSNorm epsilon, attention scale, routed_scaling_factor */
     const float *embed, *final_norm, *cos, *sin;   /* rope tables [max_pos, rope / 2] */
-    /* per layer (arrays of `layers` pointers; what a layer lacks is NULL: wq or wq_a/q_a_norm/wq_b; the dense
-     * MLP's w_gate_up/w_down or the router's and experts' weights; shared experts) */
+    int64_t mtp_layers;                            /* MTP layers after the main ones (their blocks' weights
+                                                    * and caches at index layers + j of the arrays below) */
+    const float *const *mtp_embed, *const *enorm, *const *hnorm, *const *eh_proj, *const *head_norm;
+    /* per block, the main model's then the MTP layers' (arrays of `layers + mtp_layers` pointers; what a block
+     * lacks is NULL: wq or wq_a/q_a_norm/wq_b; the dense MLP's w_gate_up/w_down or the router's and experts'
+     * weights; shared experts) */
     const float *const *attn_norm, *const *wq, *const *wq_a, *const *q_a_norm, *const *wq_b, *const *wkv_a;
     const float *const *kv_a_norm, *const *w_uk, *const *w_uv, *const *wo, *const *mlp_norm;
     const float *const *w_gate_up, *const *w_down, *const *router, *const *router_bias;
     const float *const *experts_gate_up, *const *experts_down, *const *shared_gate_up, *const *shared_down;
-    float *const *kv_cache; /* each layer's [rows, max_tokens, kv_rank + rope] */
+    float *const *kv_cache; /* each block's [rows, max_tokens, kv_rank + rope] */
     float *scratch;         /* cpustep_mla_scratch_floats(...) floats */
 } MlaModel;
 
 int64_t cpustep_mla_scratch_floats(int64_t hidden, int64_t heads, int64_t nope, int64_t rope, int64_t v_dim,
                                    int64_t kv_rank, int64_t q_rank, int64_t experts, int64_t max_inter,
                                    int64_t max_tokens) {
-    return 4 * hidden + q_rank + heads * (nope + rope) + kv_rank + rope + 2 * heads * kv_rank + heads * v_dim +
+    return 6 * hidden + q_rank + heads * (nope + rope) + kv_rank + rope + 2 * heads * kv_rank + heads * v_dim +
            (heads + 1) * max_tokens + 2 * experts + 3 * max_inter;
 }
 
@@ -297,78 +301,100 @@ static void moe(const MlaModel *m, int64_t l, const float *restrict h, float *re
     }
 }
 
+/* block l (a main layer, or layers + j: MTP layer j's) of one token at `pos` of cache row `slot`: x[H] += its
+ * attention, then += its MLP */
+static void mla_block(const MlaModel *m, int64_t l, float *restrict x, int64_t slot, int64_t pos) {
+    const int64_t H = m->hidden, nh = m->heads, nope = m->nope, rp = m->rope, R = m->kv_rank, V = m->v_dim;
+    const int64_t qk = nope + rp, half = rp / 2, nkeys = pos + 1, row = R + rp;
+    /* the scratch's first 3H are the callers' (x, an MTP layer's input) */
+    float *h = m->scratch + 3 * H, *tmp = h + H, *y = tmp + H, *qa = y + H, *q = qa + m->q_rank, *kva = q + nh * qk,
+          *qc = kva + row, *olat = qc + nh * R, *ov = olat + nh * R, *scores = ov + nh * V,
+          *rs = scores + (nh + 1) * nkeys, *rc = rs + m->experts, *gu = rc + m->experts;
+    const float *cos = m->cos + pos * half, *sin = m->sin + pos * half;
+    rms_norm(x, m->attn_norm[l], h, H, m->eps);
+    if (m->q_rank) {
+        gemv_cm(h, m->wq_a[l], NULL, qa, H, m->q_rank);
+        rms_norm(qa, m->q_a_norm[l], qa, m->q_rank, m->eps);
+        gemv_cm(qa, m->wq_b[l], NULL, q, m->q_rank, nh * qk);
+    } else {
+        gemv_cm(h, m->wq[l], NULL, q, H, nh * qk);
+    }
+    gemv_cm(h, m->wkv_a[l], NULL, kva, H, row);
+    rms_norm(kva, m->kv_a_norm[l], kva, R, m->eps);
+    rotate_rope(kva + R, cos, sin, half, m->interleave, tmp);
+    float *cache = m->kv_cache[l] + slot * m->cache_slot_stride;
+    memcpy(cache + pos * m->cache_token_stride, kva, (size_t)row * sizeof(float));
+    for (int64_t hq = 0; hq < nh; hq++) { /* q_pe roped; the absorbed query q_nope . w_uk[hq] ([nope, R]) */
+        float *qh = q + hq * qk, *c = qc + hq * R;
+        rotate_rope(qh + nope, cos, sin, half, m->interleave, tmp);
+        memset(c, 0, (size_t)R * sizeof(float));
+        const float *wk = m->w_uk[l] + hq * nope * R;
+        for (int64_t n = 0; n < nope; n++) {
+            const float qn = qh[n];
+            const float *restrict wr = wk + n * R;
+#pragma omp simd
+            for (int64_t r = 0; r < R; r++) c[r] += qn * wr[r];
+        }
+    }
+    for (int64_t hq = 0; hq < nh; hq++) { /* every head's scores over the slot's rows 0..pos */
+        float *sc = scores + hq * nkeys, *pe = scores + nh * nkeys; /* pe: the rope parts' products */
+        dots(qc + hq * R, cache, m->cache_token_stride, nkeys, R, sc);
+        dots(q + hq * qk + nope, cache + R, m->cache_token_stride, nkeys, rp, pe);
+        for (int64_t s = 0; s < nkeys; s++) sc[s] = (sc[s] + pe[s]) * m->scale;
+    }
+    for (int64_t hq = 0; hq < nh; hq++) { /* softmax: the probabilities, normalised */
+        float *sc = scores + hq * nkeys, mx = -INFINITY, sum = 0.0f;
+        for (int64_t s = 0; s < nkeys; s++) mx = sc[s] > mx ? sc[s] : mx;
+        for (int64_t s = 0; s < nkeys; s++) {
+            sc[s] = expf(sc[s] - mx);
+            sum += sc[s];
+        }
+        const float inv = 1.0f / sum;
+        for (int64_t s = 0; s < nkeys; s++) sc[s] *= inv;
+    }
+    memset(olat, 0, (size_t)(nh * R) * sizeof(float));
+    for (int64_t s = 0; s < nkeys; s++) { /* the latent outputs sum_s p_s c_s, each row read once for all heads */
+        const float *restrict kv = cache + s * m->cache_token_stride;
+        for (int64_t hq = 0; hq < nh; hq++) {
+            const float p = scores[hq * nkeys + s];
+            float *restrict o = olat + hq * R;
+#pragma omp simd
+            for (int64_t r = 0; r < R; r++) o[r] += p * kv[r];
+        }
+    }
+    for (int64_t hq = 0; hq < nh; hq++) /* lifted by w_uv[hq] ([V, R]) */
+        dots(olat + hq * R, m->w_uv[l] + hq * V * R, R, V, R, ov + hq * V);
+    gemv_cm(ov, m->wo[l], NULL, tmp, nh * V, H);
+#pragma omp simd
+    for (int64_t i = 0; i < H; i++) x[i] += tmp[i];
+    rms_norm(x, m->mlp_norm[l], h, H, m->eps);
+    if (m->router[l]) moe(m, l, h, tmp, rs, rc, gu, y);
+    else swiglu_cm(h, m->w_gate_up[l], m->w_down[l], tmp, H, m->dense_inter, gu);
+#pragma omp simd
+    for (int64_t i = 0; i < H; i++) x[i] += tmp[i];
+}
+
 /* hidden[H] after the final norm for `token` at `pos` of cache row `slot` (its rows 0..pos-1 cached); the
  * caller checks token < vocab, slot < rows and pos < max_tokens (cpustep.py). */
 void cpustep_mla(const MlaModel *m, int64_t token, int64_t slot, int64_t pos, float *restrict hidden) {
-    const int64_t H = m->hidden, nh = m->heads, nope = m->nope, rp = m->rope, R = m->kv_rank, V = m->v_dim;
-    const int64_t qk = nope + rp, half = rp / 2, nkeys = pos + 1, row = R + rp;
-    float *x = m->scratch, *h = x + H, *tmp = h + H, *y = tmp + H, *qa = y + H, *q = qa + m->q_rank,
-          *kva = q + nh * qk, *qc = kva + row, *olat = qc + nh * R, *ov = olat + nh * R, *scores = ov + nh * V,
-          *rs = scores + (nh + 1) * nkeys, *rc = rs + m->experts, *gu = rc + m->experts;
-    const float *cos = m->cos + pos * half, *sin = m->sin + pos * half;
+    const int64_t H = m->hidden;
+    float *x = m->scratch;
     memcpy(x, m->embed + token * H, (size_t)H * sizeof(float));
-    for (int64_t l = 0; l < m->layers; l++) {
-        rms_norm(x, m->attn_norm[l], h, H, m->eps);
-        if (m->q_rank) {
-            gemv_cm(h, m->wq_a[l], NULL, qa, H, m->q_rank);
-            rms_norm(qa, m->q_a_norm[l], qa, m->q_rank, m->eps);
-            gemv_cm(qa, m->wq_b[l], NULL, q, m->q_rank, nh * qk);
-        } else {
-            gemv_cm(h, m->wq[l], NULL, q, H, nh * qk);
-        }
-        gemv_cm(h, m->wkv_a[l], NULL, kva, H, row);
-        rms_norm(kva, m->kv_a_norm[l], kva, R, m->eps);
-        rotate_rope(kva + R, cos, sin, half, m->interleave, tmp);
-        float *cache = m->kv_cache[l] + slot * m->cache_slot_stride;
-        memcpy(cache + pos * m->cache_token_stride, kva, (size_t)row * sizeof(float));
-        for (int64_t hq = 0; hq < nh; hq++) { /* q_pe roped; the absorbed query q_nope . w_uk[hq] ([nope, R]) */
-            float *qh = q + hq * qk, *c = qc + hq * R;
-            rotate_rope(qh + nope, cos, sin, half, m->interleave, tmp);
-            memset(c, 0, (size_t)R * sizeof(float));
-            const float *wk = m->w_uk[l] + hq * nope * R;
-            for (int64_t n = 0; n < nope; n++) {
-                const float qn = qh[n];
-                const float *restrict wr = wk + n * R;
-#pragma omp simd
-                for (int64_t r = 0; r < R; r++) c[r] += qn * wr[r];
-            }
-        }
-        for (int64_t hq = 0; hq < nh; hq++) { /* every head's scores over the slot's rows 0..pos */
-            float *sc = scores + hq * nkeys, *pe = scores + nh * nkeys; /* pe: the rope parts' products */
-            dots(qc + hq * R, cache, m->cache_token_stride, nkeys, R, sc);
-            dots(q + hq * qk + nope, cache + R, m->cache_token_stride, nkeys, rp, pe);
-            for (int64_t s = 0; s < nkeys; s++) sc[s] = (sc[s] + pe[s]) * m->scale;
-        }
-        for (int64_t hq = 0; hq < nh; hq++) { /* softmax: the probabilities, normalised */
-            float *sc = scores + hq * nkeys, mx = -INFINITY, sum = 0.0f;
-            for (int64_t s = 0; s < nkeys; s++) mx = sc[s] > mx ? sc[s] : mx;
-            for (int64_t s = 0; s < nkeys; s++) {
-                sc[s] = expf(sc[s] - mx);
-                sum += sc[s];
-            }
-            const float inv = 1.0f / sum;
-            for (int64_t s = 0; s < nkeys; s++) sc[s] *= inv;
-        }
-        memset(olat, 0, (size_t)(nh * R) * sizeof(float));
-        for (int64_t s = 0; s < nkeys; s++) { /* the latent outputs sum_s p_s c_s, each row read once for all heads */
-            const float *restrict kv = cache + s * m->cache_token_stride;
-            for (int64_t hq = 0; hq < nh; hq++) {
-                const float p = scores[hq * nkeys + s];
-                float *restrict o = olat + hq * R;
-#pragma omp simd
-                for (int64_t r = 0; r < R; r++) o[r] += p * kv[r];
-            }
-        }
-        for (int64_t hq = 0; hq < nh; hq++) /* lifted by w_uv[hq] ([V, R]) */
-            dots(olat + hq * R, m->w_uv[l] + hq * V * R, R, V, R, ov + hq * V);
-        gemv_cm(ov, m->wo[l], NULL, tmp, nh * V, H);
-#pragma omp simd
-        for (int64_t i = 0; i < H; i++) x[i] += tmp[i];
-        rms_norm(x, m->mlp_norm[l], h, H, m->eps);
-        if (m->router[l]) moe(m, l, h, tmp, rs, rc, gu, y);
-        else swiglu_cm(h, m->w_gate_up[l], m->w_down[l], tmp, H, m->dense_inter, gu);
-#pragma omp simd
-        for (int64_t i = 0; i < H; i++) x[i] += tmp[i];
-    }
+    for (int64_t l = 0; l < m->layers; l++) mla_block(m, l, x, slot, pos);
     rms_norm(x, m->final_norm, hidden, H, m->eps);
+}
+
+/* MTP layer j for `token` at `pos`, given the hidden before it (the main model's there, or a recycled one):
+ * prev[H]; hidden[H] is its output after the head norm (deepseek.mtp_forward: the token's embedding is zero at
+ * position 0). The caller checks j < mtp_layers too. */
+void cpustep_mla_mtp(const MlaModel *m, int64_t j, int64_t token, int64_t slot, int64_t pos,
+                     const float *restrict prev, float *restrict hidden) {
+    const int64_t H = m->hidden;
+    float *x = m->scratch, *cat = x + H; /* [enorm(e), hnorm(prev)]: 2H */
+    if (pos == 0) memset(cat, 0, (size_t)H * sizeof(float));
+    else rms_norm(m->mtp_embed[j] + token * H, m->enorm[j], cat, H, m->eps);
+    rms_norm(prev, m->hnorm[j], cat + H, H, m->eps);
+    gemv_cm(cat, m->eh_proj[j], NULL, x, 2 * H, H);
+    mla_block(m, m->layers + j, x, slot, pos);
+    rms_norm(x, m->head_norm[j], hidden, H, m->eps);
 }

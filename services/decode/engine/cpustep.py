@@ -7,7 +7,9 @@ projections ~0.15; the tiny DeepSeek-V3's ~2.4 ms). The kernels run the same mat
 function compiled for this host: what ``LlamaModel.forward`` / ``DeepseekModel.forward`` do for a step of one
 token a slot (the reference step's plain decode, one slot or several, each attending to its own prefix), in
 float32 with column-major projections (what ``bind`` lays out on the CPU), one rank, the cache in float32.
-Steps of several tokens a slot (verifying drafts, prefill) and the MTP layer's drafts keep the torch step.
+A step of a few tokens a slot at consecutive positions (verifying MTP drafts; the MTP layer over them, and
+each further draft, with ``MlaKernel.mtp``) takes the tokens one after another, which is what the torch step's
+causal mask over them computes; a prefill keeps the torch step.
 
 Building: the source is compiled once per host and compiler (``cc -O3 -march=native``; ``$CC`` names
 another compiler) into ``$EXPRESSLANE_CACHE_DIR/cpustep`` (default ``~/.cache/expresslane/cpustep``), a
@@ -54,9 +56,10 @@ class _MlaModel(ctypes.Structure):  # cpustep.c's MlaModel, field for field
                                               "shared_inter", "dense_inter", "interleave", "norm_topk",
                                               "cache_slot_stride", "cache_token_stride")] + \
                [(n, ctypes.c_float) for n in ("eps", "scale", "routed_scale")] + \
-               [(n, _P) for n in ("embed", "final_norm", "cos", "sin", "attn_norm", "wq", "wq_a", "q_a_norm",
-                                  "wq_b", "wkv_a", "kv_a_norm", "w_uk", "w_uv", "wo", "mlp_norm", "w_gate_up",
-                                  "w_down", "router", "router_bias", "experts_gate_up", "experts_down",
+               [(n, _P) for n in ("embed", "final_norm", "cos", "sin")] + [("mtp_layers", ctypes.c_int64)] + \
+               [(n, _P) for n in ("mtp_embed", "enorm", "hnorm", "eh_proj", "head_norm", "attn_norm", "wq", "wq_a",
+                                  "q_a_norm", "wq_b", "wkv_a", "kv_a_norm", "w_uk", "w_uv", "wo", "mlp_norm",
+                                  "w_gate_up", "w_down", "router", "router_bias", "experts_gate_up", "experts_down",
                                   "shared_gate_up", "shared_down", "kv_cache", "scratch")]
 
 
@@ -123,6 +126,9 @@ def library():
                 lib.cpustep_mla.argtypes = [ctypes.POINTER(_MlaModel), ctypes.c_int64, ctypes.c_int64,
                                             ctypes.c_int64, _P]
                 lib.cpustep_mla.restype = None
+                lib.cpustep_mla_mtp.argtypes = [ctypes.POINTER(_MlaModel), ctypes.c_int64, ctypes.c_int64,
+                                                ctypes.c_int64, ctypes.c_int64, _P, _P]
+                lib.cpustep_mla_mtp.restype = None
                 lib.cpustep_mla_scratch_floats.argtypes = [ctypes.c_int64] * 10
                 lib.cpustep_mla_scratch_floats.restype = ctypes.c_int64
                 _lib["lib"] = lib
@@ -144,15 +150,27 @@ MLA_MATS = ("wq", "wq_a", "wq_b", "wkv_a", "wo", "w_gate_up", "w_down", "router"
 MLA_EXPERTS = ("experts_gate_up", "experts_down")  # stacked [E, N, K], each expert column-major
 MLA_DENSE = ("w_uk", "w_uv")  # the absorbed latent products, row-major per head
 MLA_VECTORS = ("attn_norm", "q_a_norm", "kv_a_norm", "mlp_norm", "router_bias")
+MTP_VECTORS = ("embed", "enorm", "hnorm", "head_norm")  # an MTP layer's, beside its eh_proj and its block's
+MAX_TOKENS_A_SLOT = 4  # a step's tokens a slot taken one after another (1 + the most drafts a step verifies)
+
+
+def _mtp_layers(model, cache) -> list:
+    """The MTP layers the fused step serves: those the engine drafts with (their cache rows exist)."""
+    if model.family != "mla" or not model.has_mtp or len(cache.kv) < len(model.layers) + len(model.mtp):
+        return []
+    return list(model.mtp)
 
 
 def _pointed_at(model, cache) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
     """What the C code reads and writes: (the projections, the contiguous rest, the cache views)."""
     if model.family == "mla":
-        blocks = list(model.layers)
+        mtp = _mtp_layers(model, cache)
+        blocks = [*model.layers, *(m.block for m in mtp)]
         mats = [t for b in blocks for n in MLA_MATS + MLA_EXPERTS if (t := getattr(b, n, None)) is not None]
+        mats += [m.eh_proj for m in mtp]
         flat = [model.embed, model.final_norm, model.cos, model.sin]
         flat += [t for b in blocks for n in MLA_DENSE + MLA_VECTORS if (t := getattr(b, n, None)) is not None]
+        flat += [getattr(m, n) for m in mtp for n in MTP_VECTORS]
         return mats, flat, cache.kv[:len(blocks)]
     mats = [getattr(b, n) for b in model.layers for n in b.PROJECTIONS]
     flat = [model.embed, model.final_norm, model.cos, model.sin]
@@ -174,7 +192,7 @@ def _mla_refusal(model) -> str | None:
         return "sparse attention (its indexer)"
     if cfg.qk_rope_head_dim % 2 or cfg.qk_rope_head_dim > cfg.hidden_size:
         return "a rope dimension the kernel does not take (odd, or wider than the hidden size)"
-    if any(b.is_moe for b in model.layers):
+    if any(b.is_moe for b in (*model.layers, *(m.block for m in model.mtp))):
         if cfg.n_group > MLA_MAX_GROUPS or cfg.num_experts_per_tok > MLA_MAX_TOP_K:
             return f"more than {MLA_MAX_GROUPS} routing groups or {MLA_MAX_TOP_K} experts a token"
         kept = cfg.num_experts // max(cfg.n_group, 1) * min(cfg.topk_group, cfg.n_group)
@@ -211,10 +229,11 @@ def _pointers(keep: list, tensors: list) -> ctypes.c_void_p:
 
 
 class _Kernel:
-    """One native call a slot over a bound model's tensors (pointers taken once: the weights and the cache never
-    move after ``bind``). ``forward(tokens, slots, positions)`` (host lists, one token a slot) -> hidden
-    [B, 1, H] after the final norm, each slot's cache row of its position written and its query attending to
-    its rows 0..position, as the torch step's causal mask has it."""
+    """One native call a token over a bound model's tensors (pointers taken once: the weights and the cache never
+    move after ``bind``). ``forward(tokens, slots, positions)`` (host lists, one token a slot, or rows of up to
+    MAX_TOKENS_A_SLOT tokens at consecutive positions) -> hidden [B, T, H] after the final norm, each token's cache
+    row written and its query attending to the rows 0..its position: a slot's tokens one after another, which is
+    what the torch step's causal mask over them computes."""
 
     hidden: int
     vocab: int
@@ -224,15 +243,25 @@ class _Kernel:
     def _call(self, token: int, slot: int, pos: int, out_ptr: int) -> None:
         raise NotImplementedError
 
-    def forward(self, tokens: list[int], slots: list[int], positions: list[int]) -> torch.Tensor:
-        out = torch.empty(len(tokens), 1, self.hidden, dtype=torch.float32)
-        ptr, row = out.data_ptr(), self.hidden * 4
-        for b, (token, slot, pos) in enumerate(zip(tokens, slots, positions, strict=True)):
-            if not (0 <= token < self.vocab and 0 <= slot < self.rows and 0 <= pos < self.max_tokens):
-                raise IndexError(f"token {token}, slot {slot}, position {pos}: out of range (vocabulary {self.vocab}, "
-                                 f"{self.rows} cache rows of {self.max_tokens} tokens)")
-            self._call(token, slot, pos, ptr + b * row)
+    def _each(self, tokens: list, slots: list[int], positions: list, call) -> torch.Tensor:
+        rows = [[t] for t in tokens] if tokens and isinstance(tokens[0], int) else tokens
+        places = [[p] for p in positions] if positions and isinstance(positions[0], int) else positions
+        t = len(rows[0]) if rows else 1
+        out = torch.empty(len(rows), t, self.hidden, dtype=torch.float32)
+        ptr, size = out.data_ptr(), self.hidden * 4
+        for b, (row, slot, pos) in enumerate(zip(rows, slots, places, strict=True)):
+            if len(row) != t or len(pos) != t or t > MAX_TOKENS_A_SLOT or pos != list(range(pos[0], pos[0] + t)):
+                raise ValueError(f"slot {slot}: tokens {row} at positions {pos}: one to {MAX_TOKENS_A_SLOT} tokens "
+                                 "a slot, as many in every slot, at consecutive positions")
+            for j, (token, p) in enumerate(zip(row, pos)):
+                if not (0 <= token < self.vocab and 0 <= slot < self.rows and 0 <= p < self.max_tokens):
+                    raise IndexError(f"token {token}, slot {slot}, position {p}: out of range (vocabulary "
+                                     f"{self.vocab}, {self.rows} cache rows of {self.max_tokens} tokens)")
+                call(b, j, token, slot, p, ptr + (b * t + j) * size)
         return out
+
+    def forward(self, tokens: list, slots: list[int], positions: list) -> torch.Tensor:
+        return self._each(tokens, slots, positions, lambda b, j, token, slot, p, out: self._call(token, slot, p, out))
 
 
 class GqaKernel(_Kernel):
@@ -278,13 +307,14 @@ class GqaKernel(_Kernel):
 
 class MlaKernel(_Kernel):
     """The DeepSeek-V3 family's fused step with dense attention (cpustep.c's cpustep_mla): q LoRA or not,
-    dense first layers, noaux_tc routing in groups, shared experts; the main model's layers (the MTP layer's
-    drafts keep the torch step)."""
+    dense first layers, noaux_tc routing in groups, shared experts; and its MTP layers' (:meth:`mtp`,
+    cpustep_mla_mtp) where the engine drafts."""
 
     def __init__(self, lib, model, cache):
         cfg, p = model.cfg, model.plan
-        layers = list(model.layers)
-        self.lib, self.hidden = lib, cfg.hidden_size
+        mtp = _mtp_layers(model, cache)
+        layers = [*model.layers, *(m.block for m in mtp)]  # the main model's blocks, then the MTP layers'
+        self.lib, self.hidden, self.num_mtp = lib, cfg.hidden_size, len(mtp)
         self.vocab, self.rows, self.max_tokens = model.embed.shape[0], cache.num_slots + 1, cache.max_tokens
         mats, flat, caches = _pointed_at(model, cache)
         if not all(t.is_contiguous() for t in flat):
@@ -308,18 +338,37 @@ class MlaKernel(_Kernel):
 
         self.m = _MlaModel(
             hidden=cfg.hidden_size, heads=p.heads, nope=cfg.qk_nope_head_dim, rope=rope, v_dim=cfg.v_head_dim,
-            kv_rank=r, q_rank=q_rank, layers=len(layers), experts=cfg.num_experts if moe else 0,
+            kv_rank=r, q_rank=q_rank, layers=len(model.layers), experts=cfg.num_experts if moe else 0,
             top_k=cfg.num_experts_per_tok, n_group=cfg.n_group, topk_group=cfg.topk_group,
             moe_inter=inters[1], shared_inter=inters[2], dense_inter=inters[0], interleave=int(cfg.rope_interleave),
             norm_topk=int(cfg.norm_topk_prob), cache_slot_stride=c0.stride(0), cache_token_stride=c0.stride(1),
             eps=cfg.rms_norm_eps, scale=model.scale, routed_scale=cfg.routed_scaling_factor,
             embed=model.embed.data_ptr(), final_norm=model.final_norm.data_ptr(), cos=model.cos.data_ptr(),
             sin=model.sin.data_ptr(), kv_cache=_pointers(keep, caches), scratch=self.scratch.data_ptr(),
+            mtp_layers=len(mtp), mtp_embed=_pointers(keep, [m.embed for m in mtp]),
+            eh_proj=_pointers(keep, [m.eh_proj for m in mtp]),
+            **{n: _pointers(keep, [getattr(m, n) for m in mtp]) for n in ("enorm", "hnorm", "head_norm")},
             **{n: ptrs(n) for n in MLA_MATS + MLA_EXPERTS + MLA_DENSE + MLA_VECTORS})
         self._m = ctypes.byref(self.m)
 
     def _call(self, token: int, slot: int, pos: int, out_ptr: int) -> None:
         self.lib.cpustep_mla(self._m, token, slot, pos, out_ptr)
+
+    def mtp(self, j: int, tokens: list, slots: list[int], positions: list, prev: torch.Tensor) -> torch.Tensor:
+        """MTP layer j over tokens as :meth:`forward` takes them, ``prev`` [B, T, H] the hidden before each (float32):
+        its outputs after the head norm [B, T, H] (deepseek.mtp_forward's recycled hidden), its cache rows written."""
+        if not 0 <= j < self.num_mtp:
+            raise IndexError(f"MTP layer {j}: this kernel has {self.num_mtp}")
+        prev = prev.to(torch.float32).contiguous()
+        t = 1 if tokens and isinstance(tokens[0], int) else len(tokens[0]) if tokens else 0
+        if tuple(prev.shape) != (len(slots), t, self.hidden):
+            raise ValueError(f"prev {tuple(prev.shape)}: ({len(slots)}, {t}, {self.hidden}) expected")
+        base, size = prev.data_ptr(), self.hidden * 4
+
+        def call(b, i, token, slot, p, out):
+            self.lib.cpustep_mla_mtp(self._m, j, token, slot, p, base + (b * t + i) * size, out)
+
+        return self._each(tokens, slots, positions, call)
 
 
 def attach(model, cache, mode: str = "auto") -> tuple[_Kernel | None, str | None]:

@@ -269,14 +269,21 @@ class DeepseekModel(nn.Module):
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, slot_ids: torch.Tensor,
                 num_keys: int | None = None) -> torch.Tensor:
         """Hidden states after the final norm, [B, T, hidden]; ``num_keys`` > every position (default: all)."""
-        self.fused = self.cpu_step is not None and tokens.shape[1] == 1 and not torch.compiler.is_compiling()
-        if self.fused:  # one token a slot, each seeing its own prefix: one native call a slot
-            return self.cpu_step.forward(tokens.view(-1).tolist(), slot_ids.tolist(), positions.view(-1).tolist())
+        self.fused = self._fused_rows(tokens, positions)
+        if self.fused:  # a few tokens a slot, each seeing its own prefix: one native call a token
+            return self.cpu_step.forward(tokens.tolist(), slot_ids.tolist(), positions.tolist())
         x = F.embedding(tokens, self.embed)
         cos, sin, mask = self._rope_mask(positions, num_keys)
         for i, blk in enumerate(self.layers):
             x = self._block(i, blk, x, cos, sin, mask, slot_ids, positions)
         return rms_norm(x, self.final_norm, self.cfg.rms_norm_eps)
+
+    def _fused_rows(self, tokens: torch.Tensor, positions: torch.Tensor) -> bool:
+        """Whether the fused CPU step takes these rows: one token a slot, or a few at consecutive positions (a
+        step verifying drafts; a prefill keeps the torch step)."""
+        if self.cpu_step is None or torch.compiler.is_compiling() or tokens.shape[1] > cpustep.MAX_TOKENS_A_SLOT:
+            return False
+        return tokens.shape[1] == 1 or bool((positions[:, 1:] - positions[:, :-1] == 1).all())
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[..., hidden] -> float32 logits [..., vocab] (every rank: the whole vocabulary)."""
@@ -291,6 +298,9 @@ class DeepseekModel(nn.Module):
         """
         j = depth % len(self.mtp)
         layer, eps = self.mtp[j], self.cfg.rms_norm_eps
+        if self._fused_rows(tokens, positions) and j < self.cpu_step.num_mtp:  # one native call a token
+            h = self.cpu_step.mtp(j, tokens.tolist(), slot_ids.tolist(), positions.tolist(), prev_hidden)
+            return h, gather_vocab(self.tp, linear(h, layer.head).float(), self.cfg.vocab_size)
         e = F.embedding(tokens, layer.embed)
         e = torch.where((positions == 0)[..., None], torch.zeros_like(e), e)  # position 0 carries no token
         x = linear(torch.cat([rms_norm(e, layer.enorm, eps), rms_norm(prev_hidden, layer.hnorm, eps)], dim=-1), layer.eh_proj)

@@ -12,6 +12,7 @@ from shared.events import SamplingParams
 
 PROMPT = [0, 17, 42, 99, 3, 250, 7, 8, 120, 64, 5, 31, 77]
 NUM_STEPS = 24
+DRAFTED_PROMPT = [0, 88, 2, 150]  # the near-bigram DeepSeek-V3 accepts most of its MTP drafts after it
 
 
 def cache_views(engine: Engine) -> list[torch.Tensor]:
@@ -20,8 +21,9 @@ def cache_views(engine: Engine) -> list[torch.Tensor]:
     return [*c.k_caches, *c.v_caches] if engine.cfg.family == "gqa" else list(c.kv)
 
 
-def run(engine: Engine, slot: int, sampling: SamplingParams) -> tuple[list[int], list[torch.Tensor], set[str]]:
-    first = int(engine.prefill(slot, PROMPT).argmax())
+def run(engine: Engine, slot: int, sampling: SamplingParams,
+        prompt: list[int] = PROMPT) -> tuple[list[int], list[torch.Tensor], set[str]]:
+    first = int(engine.prefill(slot, prompt).argmax())
     engine.start(slot, first, sampling)
     tokens, logits, paths = [first], [], set()
     while engine.active_slots():
@@ -84,24 +86,46 @@ def test_slots_stepped_together_each_get_the_torch_steps_tokens_and_rows(hf_chec
         torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
 
 
-def test_drafting_steps_keep_the_torch_step_and_plain_steps_between_them_take_the_fused_one(hf_checkpoint):
-    """An MTP engine (DeepSeek-V3, two drafts a step): steps that verify drafts run the torch forward, the plain
-    steps the drafting policy turns to run the fused one; the greedy tokens, the main layers' latent rows and the
-    MTP layer's (which only the drafts write) are those of an engine that never takes the fused step."""
+@pytest.mark.parametrize("sampling", [dict(), dict(temperature=0.8, seed=7)])
+def test_speculative_steps_take_the_fused_step_and_keep_the_torch_steps_output(hf_checkpoint, sampling):
+    """An MTP engine (DeepSeek-V3 near-bigram, whose drafts are accepted; two drafts a step): the steps verifying
+    drafts (their tokens one after another), the MTP layer over them and each further draft all take native calls;
+    the tokens, the drafts verified and accepted, the main layers' latent rows and the MTP layer's are those of an
+    engine that never takes the fused step (greedy, and speculative sampling with a seed)."""
     path, _ = hf_checkpoint("deepseek_v3")
-    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    params = SamplingParams(max_tokens=40, ignore_eos=True, **sampling)
     runs = {}
     for mode in ("auto", "off"):
         engine = Engine.load(path, num_slots=1, max_seq_len=128, dtype=torch.float32, cpu_step=mode,
                              num_speculative_tokens=2)
-        runs[mode] = (*run(engine, 0, params), engine)
+        assert (engine.model.cpu_step is not None and engine.model.cpu_step.num_mtp == 1) == (mode == "auto")
+        runs[mode] = (*run(engine, 0, params, DRAFTED_PROMPT), engine)
     (tokens, _, paths, fe), (want, _, want_paths, pe) = runs["auto"], runs["off"]
-    assert paths == {cpustep.PATH, "reference"} and want_paths == {"reference"}  # both kinds of step ran
-    assert tokens == want and len(tokens) > 40
+    assert paths == {cpustep.PATH} and want_paths == {"reference"}
+    assert tokens == want and len(tokens) == 41
+    spec = fe.spec_counters
+    assert spec["draft_tokens"] > 0 and spec["accepted_tokens"] > 0  # drafts were verified, some accepted
+    assert (spec["draft_tokens"], spec["accepted_tokens"]) == (pe.spec_counters["draft_tokens"],
+                                                                pe.spec_counters["accepted_tokens"])
     views, want_views = cache_views(fe), cache_views(pe)
     assert len(views) == fe.cfg.num_layers + 1  # the MTP layer's latent rows too
     for ours, theirs in zip(views, want_views, strict=True):
         torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+
+
+def test_a_prefill_keeps_the_torch_step_and_rows_past_a_step_s_reach_are_refused(hf_checkpoint):
+    """The prompt (many tokens a slot) runs torch's batched forward; the kernel takes at most MAX_TOKENS_A_SLOT
+    tokens a slot, at consecutive positions, as many in every slot."""
+    path, _ = hf_checkpoint("deepseek_v3")
+    engine = Engine.load(path, num_slots=2, max_seq_len=64, dtype=torch.float32)
+    engine.prefill(0, PROMPT)
+    assert not engine.model.fused  # the prompt's forward was torch's
+    kernel = engine.model.cpu_step
+    assert kernel.forward([[5, 6, 7, 8]], [1], [[0, 1, 2, 3]]).shape == (1, 4, 64)
+    for tokens, slots, positions in (([[5] * 5], [1], [list(range(5))]), ([[5, 6]], [1], [[0, 2]]),
+                                     ([[5, 6], [5]], [0, 1], [[3, 4], [3]])):
+        with pytest.raises(ValueError, match="consecutive positions"):
+            kernel.forward(tokens, slots, positions)
 
 
 def test_without_a_compiler_the_engine_keeps_the_torch_step_and_says_why(hf_checkpoint, monkeypatch, tmp_path):
