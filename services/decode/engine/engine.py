@@ -250,8 +250,11 @@ class Engine:
         self.adaptive_spec = config.adaptive_speculation and self.num_spec > 0
         # a step's cost by draft count, in plain steps: fixed per engine, so that a seeded sampled
         # request drafts (and samples) the same alone or batched, run after run
-        self._spec_costs = spec_policy.costs(self.num_spec)
-        self._spec_costs_sampled = spec_policy.costs(self.num_spec, spec_policy.SAMPLED_COST_PER_DRAFT)
+        # (a CPU engine's own steps: spec_policy.CPU_COST_PER_DRAFT)
+        cpu = self.device.type == "cpu" and self._fast is None
+        per_draft = spec_policy.CPU_COST_PER_DRAFT if cpu else spec_policy.COST_PER_DRAFT
+        self._spec_costs = spec_policy.costs(self.num_spec, per_draft)
+        self._spec_costs_sampled = spec_policy.costs(self.num_spec, max(per_draft, spec_policy.SAMPLED_COST_PER_DRAFT))
         # totals over the engine's life (node /metrics): steps that verified drafts, drafts verified,
         # drafts accepted, and accepted drafts per position (1-based: position j accepted j-th)
         self.spec_counters = {"steps": 0, "draft_tokens": 0, "accepted_tokens": 0,

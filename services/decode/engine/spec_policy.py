@@ -33,6 +33,11 @@ COST_PER_DRAFT = 0.35  # a k-draft step costs ~ 1 + 0.35 k plain steps
 # ... and ~ 1 + 0.5 k when it samples: each draft and the verify also build their processed distribution
 # over the vocabulary (DeepSeek-family fast path, run SS3 in bench/NOTES-gpu.md: +0.4 ms a draft on the H200)
 SAMPLED_COST_PER_DRAFT = 0.5
+# ... and on an engine whose steps run on the CPU (the torch step or the fused one, cpustep.py): a step verifying k
+# drafts runs the model, and its MTP layer, over k + 1 tokens at about k + 1 steps' cost or more (the tiny
+# DeepSeek-V3, 79% of its drafts accepted: one draft costs 3.5 plain steps fused, 2.3 in torch). Drafting cannot
+# pay there whatever is accepted: requests decode plain steps but for the probes
+CPU_COST_PER_DRAFT = 1.5
 
 
 def tokens_per_step(p: float, k: int) -> float:

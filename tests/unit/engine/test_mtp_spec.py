@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.decode.engine import Engine
+from services.decode.engine import Engine, spec_policy
 from shared.events import SamplingParams
 from tests.unit.engine.test_engine_behaviour import PROMPTS, run
 
@@ -192,7 +192,10 @@ def test_drafts_that_are_never_accepted_stop_costing_steps(hf_checkpoint, plain,
     assert sum(c["accepted_per_pos"]) == stats.num_accepted_tokens
 
 
-def test_adaptive_drafting_keeps_drafting_what_is_accepted(hf_checkpoint, plain):
+def test_adaptive_drafting_keeps_drafting_what_is_accepted(hf_checkpoint, plain, monkeypatch):
+    """Where drafts pay (the GPU fast path's cost a draft, given to this CPU engine), adaptive drafting accepts
+    about as many as drafting every step."""
+    monkeypatch.setattr(spec_policy, "CPU_COST_PER_DRAFT", spec_policy.COST_PER_DRAFT)
     path, _ = hf_checkpoint("deepseek_v3")
     engine = Engine.load(path, num_slots=1, max_seq_len=512, dtype=torch.float32, num_speculative_tokens=2)
     tokens, per_step, stats = run_counted(engine, 0, PROMPTS[1], GREEDY)
@@ -200,5 +203,21 @@ def test_adaptive_drafting_keeps_drafting_what_is_accepted(hf_checkpoint, plain)
     fixed = Engine.load(path, num_slots=1, max_seq_len=512, dtype=torch.float32, num_speculative_tokens=2,
                         adaptive_speculation=False)
     _, _, always = run_counted(fixed, 0, PROMPTS[1], GREEDY)
-    # where drafts pay, adaptive drafting accepts about as many as drafting every step
     assert stats.num_accepted_tokens >= 0.8 * always.num_accepted_tokens > 0
+
+
+def test_on_a_cpu_engine_accepted_drafts_do_not_pay_and_are_left_to_probes(hf_checkpoint, plain):
+    """A CPU engine's step verifying k drafts costs about k + 1 plain steps (spec_policy.CPU_COST_PER_DRAFT): with
+    most drafts accepted, adaptive drafting still decodes plain steps but for the first ones and the probes, where
+    drafting every step would verify a draft or two at each."""
+    path, _ = hf_checkpoint("deepseek_v3")
+    engine = Engine.load(path, num_slots=1, max_seq_len=512, dtype=torch.float32, num_speculative_tokens=2)
+    assert engine._spec_costs == spec_policy.costs(2, spec_policy.CPU_COST_PER_DRAFT)
+    tokens, per_step, stats = run_counted(engine, 0, PROMPTS[1], GREEDY)
+    assert tokens == plain[1]
+    fixed = Engine.load(path, num_slots=1, max_seq_len=512, dtype=torch.float32, num_speculative_tokens=2,
+                        adaptive_speculation=False)
+    _, _, always = run_counted(fixed, 0, PROMPTS[1], GREEDY)
+    assert always.num_accepted_tokens > 0.5 * always.num_draft_tokens  # the drafts would be accepted
+    assert 0 < stats.num_draft_tokens <= 2 * 12  # the first steps and the probes in 128 tokens
+    assert sum(1 for n in per_step if n == 1) >= 100  # plain steps (or all drafts missed)
