@@ -248,15 +248,17 @@ class _Kernel:
         places = [[p] for p in positions] if positions and isinstance(positions[0], int) else positions
         t = len(rows[0]) if rows else 1
         out = torch.empty(len(rows), t, self.hidden, dtype=torch.float32)
-        ptr, size = out.data_ptr(), self.hidden * 4
-        for b, (row, slot, pos) in enumerate(zip(rows, slots, places, strict=True)):
+        for row, slot, pos in zip(rows, slots, places, strict=True):  # every row checked before any is written
             if len(row) != t or len(pos) != t or t > MAX_TOKENS_A_SLOT or pos != list(range(pos[0], pos[0] + t)):
                 raise ValueError(f"slot {slot}: tokens {row} at positions {pos}: one to {MAX_TOKENS_A_SLOT} tokens "
                                  "a slot, as many in every slot, at consecutive positions")
-            for j, (token, p) in enumerate(zip(row, pos)):
+            for token, p in zip(row, pos):
                 if not (0 <= token < self.vocab and 0 <= slot < self.rows and 0 <= p < self.max_tokens):
                     raise IndexError(f"token {token}, slot {slot}, position {p}: out of range (vocabulary "
                                      f"{self.vocab}, {self.rows} cache rows of {self.max_tokens} tokens)")
+        ptr, size = out.data_ptr(), self.hidden * 4
+        for b, (row, slot, pos) in enumerate(zip(rows, slots, places)):
+            for j, (token, p) in enumerate(zip(row, pos)):
                 call(b, j, token, slot, p, ptr + (b * t + j) * size)
         return out
 

@@ -172,8 +172,12 @@ def test_cpu_step_setting_is_checked():
 @pytest.mark.parametrize("arch", ["llama", "deepseek_v3"])
 def test_the_fused_step_refuses_what_it_would_read_out_of_bounds(hf_checkpoint, arch):
     path, _ = hf_checkpoint(arch)
-    kernel = Engine.load(path, num_slots=2, max_seq_len=64, dtype=torch.float32).model.cpu_step
+    engine = Engine.load(path, num_slots=2, max_seq_len=64, dtype=torch.float32)
+    kernel = engine.model.cpu_step
     assert kernel.forward([5], [2], [63]).shape == (1, 1, 64)  # the scratch row, the last position
-    for tokens, slots, positions in (([256], [0], [0]), ([-1], [0], [0]), ([5], [3], [0]), ([5], [0], [64])):
+    for tokens, slots, positions in (([256], [0], [0]), ([-1], [0], [0]), ([5], [3], [0]), ([5], [0], [64]),
+                                     ([5, 5], [1, 3], [4, 0])):  # a bad row after a good one: neither is run
+        rows = [c.clone() for c in cache_views(engine)]
         with pytest.raises(IndexError, match="out of range"):
             kernel.forward(tokens, slots, positions)
+        assert all(torch.equal(a, b) for a, b in zip(rows, cache_views(engine)))
