@@ -164,7 +164,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "off: the reference step)")
     p.add_argument("--cpu-step", choices=CPU_STEP_MODES, default="auto",
                    help="on a CPU node, a float32 model's decode step (Llama/Qwen family; DeepSeek-V3 family "
-                        "with dense attention, drafts verified by torch) in one native call a request, "
+                        "with dense attention, its MTP drafts and their verification included) in one native "
+                        "call a token, "
                         "compiled for this host with its C compiler on first use (auto: "
                         "where it applies, the node logs why not, e.g. no compiler; off: torch's ops); "
                         "the same tokens either way")

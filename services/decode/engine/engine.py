@@ -42,10 +42,9 @@ or grammars on the DeepSeek family, drafts on a Llama-family engine, bad words b
 "reference" | "cpu-fused", for every slot it served) and ``last_step_slots`` how many slots it served.
 CPU step (``cpu_step="auto"|"off"``, cpustep.py): on the CPU a float32 engine of the Llama family or the
 DeepSeek-V3 family (dense attention) runs a step of one token a slot (the reference step's plain decode,
-one slot or several; not a step verifying drafts) in one native call a slot,
-compiled for the host, the torch step's math in another order of sums (``"cpu-fused"``); other steps
-(verifying drafts, prefill), and hosts without a C compiler (``model.cpu_step_reason`` says why), take
-the torch step.
+one slot or several; a step verifying drafts token by token, and the MTP layer's drafts) in one native call
+a token, compiled for the host, the torch step's math in another order of sums (``"cpu-fused"``); prefills,
+and hosts without a C compiler (``model.cpu_step_reason`` says why), take the torch step.
 Logprobs (``SamplingParams.logprobs``, logprobs.py): each emitted token's logprob, rank and top n of
 the raw logits (vLLM's raw_logprobs: after a grammar's mask, before every other processor), in
 ``StepOutput.logprobs``; with drafts, each accepted token scored by the target model at its
