@@ -635,7 +635,12 @@ def verify_ab(X, model, caches, cos, sin, ctx: int, R: dict, tag: str, rounds: i
 # the batched block's forms (MLA_BATCH_AB): MlaStack attributes over the product's ("product": the chain of Triton
 # kernels on PDL); "bmm": norms + dots + cuBLAS bmms (run MB3's form). Run G15 also timed the one-token stack's
 # few-rows attention form for the batch's rows: 4 slots 5.124 against 5.026 ms, 8 slots 7.575 against 7.525
-BATCH_VARIANTS = {"product": {}, "bmm": {"BATCH_CHAIN": False}}
+BATCH_VARIANTS = {"product": {}, "bmm": {"BATCH_CHAIN": False},
+                  # the latent prep and the absorb in two launches (the form before run G53)
+                  "prep_absorb_two_launches": {"PREP_ABSORB_ROWS": False},
+                  # the attention's norm a launch of its own, not the MoE reduce's (the form before run G54)
+                  "norm_launch": {"NORM_IN_REDUCE": False},
+                  "before_g53": {"PREP_ABSORB_ROWS": False, "NORM_IN_REDUCE": False}}
 
 
 def batch_measure(X, model, s: dict, ctx: int, R: dict, tag: str = "dsv2lite_", sizes=(2, 4, 8),

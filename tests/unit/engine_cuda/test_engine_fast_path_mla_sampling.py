@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.decode.engine import Engine
+from services.decode.engine import Engine, spec_policy
 from services.decode.engine.cuda import sampling as K
 from shared.events import SamplingParams
 from tests.unit.engine.hf_models import save_checkpoint
@@ -84,7 +84,11 @@ def test_greedy_keeps_the_argmax_graph_and_unseeded_requests_differ(fast, monkey
     assert a[1] == b[1] == {"fast"} and len(calls) == 12 and a[0] != b[0]
 
 
-def test_sampled_requests_with_mtp_drafts_decode_on_the_fast_path_by_speculative_sampling(checkpoint, reference):
+def test_sampled_requests_with_mtp_drafts_decode_on_the_fast_path_by_speculative_sampling(checkpoint, reference,
+                                                                                         monkeypatch):
+    # the reference step's CPU engine priced a draft as the fast path does (spec_policy.CPU_COST_PER_DRAFT), so
+    # that both draft at the same steps: a seeded sampled request's tokens depend on where its drafts were
+    monkeypatch.setattr(spec_policy, "CPU_COST_PER_DRAFT", spec_policy.COST_PER_DRAFT)
     mtp, mtp_reference = load(checkpoint, "on", k=2), load(checkpoint, "off", k=2)
     # temperature 0 with logits processors: one-hot distributions, so speculative sampling keeps exactly the
     # processed argmax, the reference step's tokens

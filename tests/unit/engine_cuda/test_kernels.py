@@ -275,6 +275,38 @@ def test_grouped_moe_fused_reduce_is_the_reduce_launch(t, k, shared, dot):
     assert torch.equal(out[True], out[False])
 
 
+@pytest.mark.parametrize("t,k,shared,h,dtype", [
+    (3, 2, 2, 32, torch.float32), (4, 3, 1, 48, torch.bfloat16),  # H not a power of two: masked columns
+    (2, 0, 1, 32, torch.bfloat16)])  # a dense MLP (the one shared expert)
+def test_reduce_that_norms_h_writes_what_the_reduce_and_the_norm_launch_write(t, k, shared, h, dtype,
+                                                                               pdl_interpreted):
+    # GroupedMoe(next_norm=...) of several tokens: its reduce launch, one program a row, also writes RMSNorm(h) * w
+    # (the next block's attention input): h and that output bit for bit as the reduce launch then
+    # smallops.rmsnorm_rows, rows of a wider buffer included (a strided output)
+    e, inter = 8, 16
+    xn, router_w, bias = rand(t, h, seed=t).to(dtype), rand(e, h, std=0.3, seed=k + 1), torch.zeros(e)
+    ids, wts = torch.zeros(t, max(k, 1), dtype=torch.int32), torch.zeros(t, max(k, 1))
+    if k:
+        moe.router(xn.float(), router_w, bias, ids, wts, k, 2.5)
+    gate_up, down = rand(e, 2 * inter, h, std=0.2, seed=3).to(dtype), rand(e, h, inter, std=0.2, seed=4).to(dtype)
+    sg, sd = rand(shared, 2 * inter, h, std=0.2, seed=5).to(dtype), rand(shared, h, inter, std=0.2, seed=6).to(dtype)
+    nw = (1 + 0.1 * rand(h, seed=7)).to(dtype)
+    out = {}
+    for fold in (False, True):
+        hbuf = rand(t, h, seed=9).to(dtype)
+        xn_out = torch.full((t, h + 8), float("nan"), dtype=dtype)[:, :h]
+        grouped = moe.GroupedMoe(num_tokens=t, top_k=k, num_shared=shared, hidden=h, inter=inter, device="cpu",
+                                 tiles=((16, 16, 4, 1), (16, 16, 4, 1)), pdl=True)
+        if fold:
+            assert grouped(xn, ids, wts, gate_up, down, sg, sd, hbuf, next_norm=(nw, xn_out, 1e-6))
+        else:
+            assert not grouped(xn, ids, wts, gate_up, down, sg, sd, hbuf)
+            smallops.rmsnorm_rows(hbuf, nw, xn_out, 1e-6)
+        out[fold] = (hbuf, xn_out)
+    assert torch.equal(out[True][0], out[False][0]) and torch.equal(out[True][1], out[False][1])
+    assert not torch.isnan(out[True][1].float()).any()
+
+
 @pytest.mark.parametrize("k,shared,inter,tile,pdl", [
     (2, 2, 24, (4, 4, 2), False),  # routed and shared pairs; I not a power of two (a masked tile)
     (6, 2, 40, (8, 4, 3), True),  # V2-Lite's pairs; the first pair's tile before the wait

@@ -2,7 +2,7 @@
 interpreter) against the merge kernel's arithmetic and the torch matmul it replaces, over shapes of the tiny
 test models and DeepSeek-V2-Lite/V3 (heads cut to keep the interpreter quick), with empty splits, in latent
 chunks and in one; with ``_absorb_kernel`` for one token and for a batch's rows (each row its own slot's
-partials and query)."""
+partials and query), and the latent prep with it in one launch for one row or several."""
 
 from __future__ import annotations
 
@@ -132,6 +132,54 @@ def test_prep_and_absorb_in_one_launch_write_what_the_two_kernels_write(heads, n
     for a, b in zip(*got):
         assert torch.equal(a, b)
     assert got[0][1][5].any() and not got[0][1][:5].any() and not torch.isnan(got[0][2].float()).any()
+
+
+@pytest.mark.parametrize("rows,batch,fp8", [
+    (4, True, False),  # a batch: each row its own slot's token at its own position
+    (3, False, False),  # a verify: one slot's consecutive tokens
+    (2, True, True),  # a batch over an FP8 latent cache
+])
+def test_prep_and_absorb_of_several_rows_in_one_launch_write_what_the_two_kernels_write(rows, batch, fp8,
+                                                                                        pdl_interpreted):
+    # _prep_absorb_kernel over T rows: every row's q_pe, latent row and q . w_uk, bit for bit as _mla_prep_kernel's
+    # T x (heads + 1) programs then _absorb_kernel's over the T rows; nothing else in the cache is written
+    heads, nope, rope, r, block_r = 3, 32, 16, 64, 16
+    g = torch.Generator().manual_seed(rows)
+    qkv = torch.randn(rows, heads * (nope + rope) + r + rope, generator=g).to(BF)
+    w_uk = (torch.randn(heads, nope, r, generator=g) * nope ** -0.5).to(BF)
+    nw = (1 + 0.1 * torch.randn(r, generator=g)).to(BF)
+    cos, sin = torch.randn(16, rope // 2, generator=g).to(BF), torch.randn(16, rope // 2, generator=g).to(BF)
+    if batch:
+        pos = torch.tensor([5, 9, 2, 7][:rows], dtype=torch.int32)
+        slots = torch.tensor([2, 0, 3, 1][:rows], dtype=torch.int32)
+    else:
+        pos, slots = torch.tensor([5], dtype=torch.int32), None
+    fmt = dict(KV_FMT=kv_fmt("fp8_e4m3", nearest=True), inv_scale=20.0) if fp8 else {}
+    got = []
+    for one in (True, False):
+        cache = torch.zeros(4, 16, r + rope, dtype=torch.uint8 if fp8 else BF)
+        view = cache if batch else cache[0]
+        rows_at = dict(slot_ptr=slots if batch else pos, stride_cs=cache.stride(0) if batch else 0, BATCH=batch)
+        q_pe = torch.zeros(rows, heads, rope, dtype=BF)
+        q_c = torch.full((heads, rows, r), float("nan"), dtype=BF)
+        if one:
+            _prep_absorb_kernel[(rows * (heads + 1) + heads * (r // block_r),)](
+                qkv, q_pe, view, nw, pos, cos, sin, qkv.stride(0), 1e-6, w_uk, q_c, w_uk.stride(0), w_uk.stride(1),
+                NUM_HEADS=heads, NOPE=nope, ROPE=rope, R=r, BLOCK_R=block_r, PDL=True, EARLY=True, T=rows, **rows_at,
+                **fmt)
+        else:
+            _mla_prep_kernel[(rows, heads + 1)](qkv, q_pe, view, nw, pos, cos, sin, qkv.stride(0), 1e-6,
+                                                NUM_HEADS=heads, NOPE=nope, ROPE=rope, R=r, **rows_at, **fmt)
+            _absorb_kernel[(heads, r // block_r)](qkv, w_uk, q_c, w_uk.stride(0), w_uk.stride(1), NOPE=nope,
+                                                  QK=nope + rope, R=r, BLOCK_R=block_r, PDL=False, EARLY=False,
+                                                  T=rows, stride_qkv=qkv.stride(0))
+        got.append((q_pe, cache, q_c))
+    for a, b in zip(*got):
+        assert torch.equal(a, b)
+    written = {(int(s), int(p)) for s, p in zip(slots, pos)} if batch else {(0, 5 + i) for i in range(rows)}
+    cache = got[0][1]
+    assert {(s, p) for s in range(4) for p in range(16) if cache[s, p].any()} == written
+    assert not torch.isnan(got[0][2].float()).any() and got[0][0].abs().sum(dim=(1, 2)).gt(0).all()
 
 
 @pytest.mark.parametrize("experts,top_k,n_group,topk_group,hidden,inter,shared,tile", [

@@ -273,19 +273,22 @@ def _absorb_program(head, cb, qkv_ptr, w_ptr, out_ptr, stride_wh, stride_wn, NOP
 def _prep_absorb_kernel(qkv_ptr, q_pe_ptr, cache_ptr, kv_norm_ptr, pos_ptr, cos_ptr, sin_ptr, stride_qkv, eps,
                         w_ptr, out_ptr, stride_wh, stride_wn, NUM_HEADS: tl.constexpr, NOPE: tl.constexpr,
                         ROPE: tl.constexpr, R: tl.constexpr, BLOCK_R: tl.constexpr, PDL: tl.constexpr,
-                        EARLY: tl.constexpr, KV_FMT: tl.constexpr = 0, inv_scale=1.0):
-    # one token: _mla_prep_kernel's programs (the heads' q_pe rope, the latent's norm + k_pe rope into the cache)
-    # and _absorb_kernel's (q_nope . w_uk) in one launch: both read only the QKV GEMV's output, so neither waits
-    # on the other, and the attention waits on one launch instead of two in a row
+                        EARLY: tl.constexpr, KV_FMT: tl.constexpr = 0, inv_scale=1.0, T: tl.constexpr = 1,
+                        BATCH: tl.constexpr = False, slot_ptr=None, stride_cs=0):
+    # _mla_prep_kernel's programs (each row's heads' q_pe rope, its latent's norm + k_pe rope into the cache: T x
+    # (NUM_HEADS + 1) programs, BATCH as there) and _absorb_kernel's (q_nope . w_uk of the T rows) in one launch:
+    # both read only the QKV GEMV's output, so neither waits on the other, and the attention waits on one launch
+    # instead of two in a row
     pid = tl.program_id(0)
-    if pid < NUM_HEADS + 1:
-        _mla_prep_program(0, pid, qkv_ptr, q_pe_ptr, cache_ptr, kv_norm_ptr, pos_ptr, cos_ptr, sin_ptr, stride_qkv,
-                          eps, NUM_HEADS, NOPE, ROPE, R, PDL, pos_ptr, 0, False, KV_FMT, inv_scale)
+    if pid < T * (NUM_HEADS + 1):
+        _mla_prep_program(pid // (NUM_HEADS + 1), pid % (NUM_HEADS + 1), qkv_ptr, q_pe_ptr, cache_ptr, kv_norm_ptr,
+                          pos_ptr, cos_ptr, sin_ptr, stride_qkv, eps, NUM_HEADS, NOPE, ROPE, R, PDL,
+                          slot_ptr if BATCH else pos_ptr, stride_cs, BATCH, KV_FMT, inv_scale)
     else:
         NB: tl.constexpr = R // BLOCK_R
-        a = pid - (NUM_HEADS + 1)
+        a = pid - T * (NUM_HEADS + 1)
         _absorb_program(a // NB, a % NB, qkv_ptr, w_ptr, out_ptr, stride_wh, stride_wn, NOPE, NOPE + ROPE, R, BLOCK_R,
-                        PDL, EARLY, 1, stride_qkv)
+                        PDL, EARLY, T, stride_qkv)
 
 
 @triton.jit
@@ -431,6 +434,11 @@ class MlaStack:
     ABSORB_BLOCK_R: int = 64
     # one token with the absorb kernel: the latent prep's programs and the absorb's in one launch (_prep_absorb_kernel)
     PREP_ABSORB_ONE_LAUNCH: bool = True
+    # ... and so for several rows (a batch's slots, a verify's tokens); read when a stack is made
+    PREP_ABSORB_ROWS: bool = True
+    # several rows: the MLP's launch that sums into h (the MoE's reduce) also norms h for the next block's attention
+    # (block's next_lw), which then skips its own norm launch; read when a stack is made
+    NORM_IN_REDUCE: bool = True
     # the attention's programs a split: (value chunks, key rows a block, warps): each of a split's programs
     # accumulates kv_lora_rank / chunks value columns and reads its split's keys (the second and later from L2).
     # One program a split (the values taken from its key tiles) was slower at 16-64 splits (run G13)
@@ -464,6 +472,9 @@ class MlaStack:
         self.pdl = chain and (sm90 if self.PDL is None else bool(self.PDL))
         self.early = self.pdl and self.PDL_EARLY
         self.absorb = self.ABSORB_KERNEL and chain
+        self.prep_absorb = self.PREP_ABSORB_ONE_LAUNCH and (t == 1 or self.PREP_ABSORB_ROWS)
+        self.norm_in_reduce = t > 1 and self.NORM_IN_REDUCE
+        self._normed_for = None  # (the block, its h) whose attention input the last MLP launch normed into xn
         self.q_c1 = torch.zeros(d.num_heads, t, d.kv_lora_rank, dtype=bf, device=dev) if self.absorb else None
         self.tiles = dict(self.PLAIN_TILES)
         if d.hidden >= GroupedMoe.WIDE_HIDDEN:
@@ -528,13 +539,15 @@ class MlaStack:
 
     def block(self, lw: MlaLayer, h: torch.Tensor, cache: torch.Tensor, pos: torch.Tensor,
               cos: torch.Tensor, sin: torch.Tensor, index_cache: torch.Tensor | None = None,
-              slots: torch.Tensor | None = None, k_scale: float = 1.0) -> None:
+              slots: torch.Tensor | None = None, k_scale: float = 1.0, next_lw: MlaLayer | None = None) -> None:
         """h [T, H] += attention; h += MLP/MoE (in place); writes this block's cache rows at pos.. (and
         with an indexer its key at pos into ``index_cache`` [max_tokens, index_dim]). A batch stack: row t
         decodes at pos[t] in slot slots[t] of ``cache`` [slots, max_tokens, r + rope]. A uint8 ``cache`` holds
         the latent as E4M3 bytes (vLLM's FP8 MLA cache): rows written as the values / ``k_scale`` rounded to
-        nearest, read as fp8 * ``k_scale``."""
+        nearest, read as fp8 * ``k_scale``. ``next_lw``: the block the caller runs next on this h (several rows:
+        this block's last launch norms h for its attention, NORM_IN_REDUCE)."""
         d, t = self.dims, self.num_tokens
+        normed, self._normed_for = self._normed_for == (id(lw), h.data_ptr()), None
         if self.batch != (slots is not None):
             raise ValueError("a batch stack takes the rows' slots (and only it does)")
         fmt = kv_fmt("fp8_e4m3", nearest=True) if cache.dtype == torch.uint8 else 0  # an FP8 latent
@@ -554,7 +567,7 @@ class MlaStack:
             if t == 1:
                 gemv_rows(h, w, out, norm_w=lw.attn_norm, eps=d.eps, **self._tile("wqkv_a"))
             else:  # the norm first: a norm prologue in each of the GEMV's programs loops over 16 padded rows
-                if w is lw.wqkv_a:
+                if w is lw.wqkv_a and not normed:  # (or the previous block's last launch wrote it)
                     smallops.rmsnorm_rows(h, lw.attn_norm, self.xn, d.eps, pdl=self.pdl)
                 gemv_rows(self.xn, w, out, dot=self.PROJ_DOT, dot_tile=self.DOT_TILE, pdl=self.pdl, early=self.early)
         if lora:  # q = q_b(RMSNorm(q_a)) into the q columns (row views: strided rows, contiguous columns)
@@ -569,11 +582,12 @@ class MlaStack:
                 self._select(lw, q_a, index_cache, pos, cos, sin)
         br = min(self.ABSORB_BLOCK_R, r)
         absorb = self.absorb and lw.w_uk.stride(2) == 1  # absorbed q: [Hq, T, r]
-        if absorb and t == 1 and not self.batch and self.PREP_ABSORB_ONE_LAUNCH and r % br == 0:
-            _prep_absorb_kernel[(d.num_heads + 1 + d.num_heads * (r // br),)](
+        if absorb and self.prep_absorb and r % br == 0:
+            _prep_absorb_kernel[(t * (d.num_heads + 1) + d.num_heads * (r // br),)](
                 self.qkv, self.q_pe, cache, lw.kv_a_norm, pos, cos, sin, self.qkv.stride(0), d.eps, lw.w_uk, self.q_c1,
                 lw.w_uk.stride(0), lw.w_uk.stride(1), NUM_HEADS=d.num_heads, NOPE=nope, ROPE=d.rope, R=r, BLOCK_R=br,
-                PDL=self.pdl, EARLY=self.early, KV_FMT=fmt, inv_scale=1.0 / k_scale, num_warps=4,
+                PDL=self.pdl, EARLY=self.early, KV_FMT=fmt, inv_scale=1.0 / k_scale, T=t, BATCH=self.batch,
+                slot_ptr=slots if self.batch else pos, stride_cs=cache.stride(0) if self.batch else 0, num_warps=4,
                 **launch_opts(self.pdl))
         else:
             _mla_prep_kernel[(t, d.num_heads + 1)](self.qkv, self.q_pe, cache, lw.kv_a_norm, pos, cos, sin,
@@ -634,8 +648,10 @@ class MlaStack:
                 router(self.xn, lw.router, lw.router_bias, self.ids, self.wts, d.top_k, d.routed_scale,
                        self.router_logits, pdl=self.pdl, early=self.early, **route)
         mlp = self.moe if lw.is_moe else self.dense
-        mlp(self.xn, self.ids, self.wts, lw.gate_up, lw.down, lw.shared_gate_up, lw.shared_down, h,
-            shared_done=shared is not None)
+        nxt = (next_lw.attn_norm, self.xn, d.eps) if self.norm_in_reduce and next_lw is not None else None
+        if mlp(self.xn, self.ids, self.wts, lw.gate_up, lw.down, lw.shared_gate_up, lw.shared_down, h,
+               shared_done=shared is not None, next_norm=nxt) and nxt is not None:
+            self._normed_for = (id(next_lw), h.data_ptr())
 
     def _tile(self, name: str) -> dict:
         bn, bk, nw, st = self.tiles[name]

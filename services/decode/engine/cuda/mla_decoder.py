@@ -213,9 +213,10 @@ class MlaDecoder:
         ``parts`` (t = 1): also each head block's maximum, for _pick_kernel."""
         m, h = self.model, self.residual[t]
         torch.index_select(m.embed, 0, self.tokens[:t], out=h)
-        for i, lw in enumerate(m.layers):
+        layers = list(m.layers)
+        for i, lw in enumerate(layers):
             self.stacks[t].block(lw, h, self.caches[i], self.pos, self.cos, self.sin, self.index_caches[i],
-                                 k_scale=self.k_scales[i])
+                                 k_scale=self.k_scales[i], next_lw=layers[i + 1] if i + 1 < len(layers) else None)
         smallops.rmsnorm_rows(h, m.final_norm, self.hid[t], m.dims.eps)
         if t == 1:  # with each block's maximum, for _pick_kernel
             self._head(self.hid[1][0], m.lm_head, self.logits[1][0], self.parts_main if parts else None)
@@ -378,8 +379,10 @@ class MlaBatchDecoder(RowsDecoder):
                               max_tokens=caches[0].shape[1], batch=True)
 
     def layer(self, i: int) -> None:
-        self.stack.block(self.model.layers[i], self.residual, self.caches[i], self.pos, self.cos, self.sin,
-                         slots=self.slots, k_scale=self.k_scales[i])
+        layers = self.model.layers
+        self.stack.block(layers[i], self.residual, self.caches[i], self.pos, self.cos, self.sin,
+                         slots=self.slots, k_scale=self.k_scales[i],
+                         next_lw=layers[i + 1] if i + 1 < len(layers) else None)
 
 
 class _RowBuffers:

@@ -725,7 +725,9 @@ def _reduce_cols(y_ptr, wts_ptr, h_ptr, t, cols, cmask, H, TOPK: tl.constexpr, N
     if TOPK > 0:
         out = round_to_dtype(round_to_dtype(routed, dt) + out, dt)
     h = tl.load(h_ptr + t * H + cols, mask=cmask, other=0.0).to(tl.float32)
-    tl.store(h_ptr + t * H + cols, (h + out).to(dt), mask=cmask)
+    h = (h + out).to(dt)
+    tl.store(h_ptr + t * H + cols, h, mask=cmask)
+    return h
 
 
 @triton.jit
@@ -787,13 +789,23 @@ def _moe_down_rows_kernel(act_ptr, ids_ptr, w_ptr, ws_ptr, wts_ptr, h_ptr, H, I,
 
 @triton.jit
 def _moe_reduce_kernel(y_ptr, wts_ptr, h_ptr, H, TOPK: tl.constexpr, NUM_SHARED: tl.constexpr,
-                       BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+                       BLOCK: tl.constexpr, PDL: tl.constexpr = False, NORM: tl.constexpr = False, nw_ptr=None,
+                       xn_ptr=None, eps=1e-6, stride_xn=0):
+    # NORM (one program a row, BLOCK >= H): the row of h just written, RMSNorm'd with nw_ptr's weight into xn_ptr's
+    # row t, as smallops.rmsnorm_rows computes it (the next block's attention input: one launch less a layer)
     t = tl.program_id(0)
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    _reduce_cols(y_ptr, wts_ptr, h_ptr, t, cols, cols < H, H, TOPK, NUM_SHARED, "")
+    cmask = cols < H
+    h = _reduce_cols(y_ptr, wts_ptr, h_ptr, t, cols, cmask, H, TOPK, NUM_SHARED, "")
+    if NORM:
+        x = tl.where(cmask, h.to(tl.float32), 0.0)
+        inv = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / H + eps)
+        w = tl.load(nw_ptr + cols, mask=cmask, other=0.0)
+        xr = round_to_dtype(x * inv, w.dtype)
+        tl.store(xn_ptr + t * stride_xn + cols, (xr * w.to(tl.float32)).to(w.dtype), mask=cmask)
 
 
 class GroupedMoe:
@@ -848,11 +860,13 @@ class GroupedMoe:
 
     def __call__(self, xn: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor, w_gate_up: torch.Tensor,
                  w_down: torch.Tensor, shared_gate_up: torch.Tensor, shared_down: torch.Tensor, h: torch.Tensor,
-                 shared_done: bool = False) -> None:
+                 shared_done: bool = False, next_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None) -> bool:
         """h[T, H] += MoE(xn); routed weights [E, 2I, H] / [E, H, I], shared [S, 2I, H] / [S, H, I]; bf16, or
         block-scaled FP8 (fp8block.BlockFp8, routed and shared alike: mla.prepare_layer lays them out so).
         ``shared_done``: the shared experts' act rows are written already (:meth:`shared_gate_up` given to the
-        router's launch): the gate/up launch covers the routed pairs only."""
+        router's launch): the gate/up launch covers the routed pairs only. ``next_norm`` (weight, out [T, H], eps):
+        where the sums into h take a launch of their own (several tokens), that launch also writes RMSNorm(h) *
+        weight into out (smallops.rmsnorm_rows' values); returns whether it did."""
         t, hid, inter = self.num_tokens, self.hidden, self.inter
         fp8 = isinstance(w_gate_up, BlockFp8)
         dot = self.dot and (fp8 or w_gate_up.dtype in (torch.bfloat16, torch.float16))
@@ -890,19 +904,27 @@ class GroupedMoe:
                 SLOTS_PAD=triton.next_power_of_2(self.slots), BLOCK_N=rbn,
                 BLOCK_K=triton.next_power_of_2(inter), STAGES=rst, PDL=self.pdl, EARLY=self.early, num_warps=rnw,
                 **launch_opts(self.pdl))
-            return
+            return False
         if self.fused_reduce:  # the last program of each column block adds the pairs' rows into h
             _moe_down_kernel[(pairs, triton.cdiv(hid, bn2))](
                 self.act, ids, w_down, shared_down, self.out_rows, hid, inter, hid * inter, **common,
                 BLOCK_N=bn2, BLOCK_K=bk2, STAGES=st2, EARLY=self.early, num_warps=nw2, wts_ptr=wts, h_ptr=h,
                 count_ptr=self.count, NUM_SHARED=self.num_shared, REDUCE=True, **down_args)
-            return
+            return False
         _moe_down_kernel[(pairs, triton.cdiv(hid, bn2))](
             self.act, ids, w_down, shared_down, self.out_rows, hid, inter, hid * inter, **common,
             BLOCK_N=bn2, BLOCK_K=bk2, STAGES=st2, EARLY=self.early, num_warps=nw2, **down_args)
+        if next_norm is not None:  # a row a program, as smallops.rmsnorm_rows (its block and warps: its sums' order)
+            nw, xn_out, eps = next_norm
+            _moe_reduce_kernel[(t, 1)](self.out_rows, wts, h, hid, TOPK=self.top_k, NUM_SHARED=self.num_shared,
+                                       BLOCK=triton.next_power_of_2(hid), PDL=self.pdl, NORM=True, nw_ptr=nw,
+                                       xn_ptr=xn_out, eps=eps, stride_xn=xn_out.stride(0), num_warps=8,
+                                       **launch_opts(self.pdl))
+            return True
         _moe_reduce_kernel[(t, triton.cdiv(hid, 1024))](self.out_rows, wts, h, hid, TOPK=self.top_k,
                                                         NUM_SHARED=self.num_shared, BLOCK=1024, PDL=self.pdl,
                                                         num_warps=4, **launch_opts(self.pdl))
+        return False
 
     def shared_gate_up(self, w_shared: torch.Tensor) -> "SharedGateUp | None":
         """The router-launch form of this MoE's shared experts' gate/up (router(shared=...)), where it applies: one
