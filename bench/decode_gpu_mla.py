@@ -638,9 +638,8 @@ def verify_ab(X, model, caches, cos, sin, ctx: int, R: dict, tag: str, rounds: i
 BATCH_VARIANTS = {"product": {}, "bmm": {"BATCH_CHAIN": False},
                   # the latent prep and the absorb in two launches (the form before run G53)
                   "prep_absorb_two_launches": {"PREP_ABSORB_ROWS": False},
-                  # the attention's norm a launch of its own, not the MoE reduce's (the form before run G54)
-                  "norm_launch": {"NORM_IN_REDUCE": False},
-                  "before_g53": {"PREP_ABSORB_ROWS": False, "NORM_IN_REDUCE": False}}
+                  # the attention's norm written by the MoE reduce, not a launch of its own (run G54, pending)
+                  "norm_in_reduce": {"NORM_IN_REDUCE": True}}
 
 
 def batch_measure(X, model, s: dict, ctx: int, R: dict, tag: str = "dsv2lite_", sizes=(2, 4, 8),

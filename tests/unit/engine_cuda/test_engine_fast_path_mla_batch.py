@@ -46,13 +46,18 @@ def alone(checkpoint):
     return decode_alone(load(checkpoint), PROMPTS, REQUESTS)
 
 
-@pytest.mark.parametrize("chain", [False, True])
-def test_slots_decode_together_in_one_fast_step_with_their_tokens_alone(checkpoint, alone, chain, monkeypatch):
+@pytest.mark.parametrize("chain,norm_in_reduce", [(False, False), (True, False), (True, True)])
+def test_slots_decode_together_in_one_fast_step_with_their_tokens_alone(checkpoint, alone, chain, norm_in_reduce,
+                                                                       monkeypatch):
     # chain: the batched block as one chain of Triton kernels (MlaStack.BATCH_CHAIN: absorb and merge + w_uv
-    # kernels over every row) instead of cuBLAS bmms
-    from services.decode.engine.cuda import mla
+    # kernels over every row) instead of cuBLAS bmms; norm_in_reduce: each MLP's reduce norms h for the next block
+    # (MlaStack.NORM_IN_REDUCE), whose own norm launch is skipped
+    from services.decode.engine.cuda import mla, smallops
 
     monkeypatch.setattr(mla.MlaStack, "BATCH_CHAIN", chain)
+    monkeypatch.setattr(mla.MlaStack, "NORM_IN_REDUCE", norm_in_reduce)
+    norms, rmsnorm_rows = [], smallops.rmsnorm_rows
+    monkeypatch.setattr(smallops, "rmsnorm_rows", lambda *a, **kw: norms.append(a[1]) or rmsnorm_rows(*a, **kw))
     engine = load(checkpoint)
     assert engine.fast_path.batch_ok and not engine.fast_path.batches  # interpreted: built at first use
     assert engine.fast_path.max_batch == 8  # more active slots take the reference step together
@@ -61,6 +66,10 @@ def test_slots_decode_together_in_one_fast_step_with_their_tokens_alone(checkpoi
     assert got == alone and all(len(t) == 5 for t in got.values())
     assert set(engine.fast_path.batches) == {4}
     assert engine.fast_path.batches[4][0].stack.absorb is chain
+    layers = engine.fast_path.batches[4][0].model.layers
+    launched = [[w is lw.attn_norm for w in norms].count(True) for lw in layers]  # attention norm launches a layer
+    # every layer's own, once a batched step; or (norm_in_reduce) the first layer's only, the others' by the reduce
+    assert launched[0] > 0 and launched[1:] == ([0] if norm_in_reduce else [launched[0]]) * (len(layers) - 1)
     for layer, kv in enumerate(engine.cache.kv[: len(engine.model.layers)]):
         for slot in REQUESTS:  # each slot's rows: the prompt's (prefill) and one per decoded token, nothing past
             n = len(PROMPTS[slot]) + 4

@@ -437,8 +437,10 @@ class MlaStack:
     # ... and so for several rows (a batch's slots, a verify's tokens); read when a stack is made
     PREP_ABSORB_ROWS: bool = True
     # several rows: the MLP's launch that sums into h (the MoE's reduce) also norms h for the next block's attention
-    # (block's next_lw), which then skips its own norm launch; read when a stack is made
-    NORM_IN_REDUCE: bool = True
+    # (block's next_lw), which then skips its own norm launch; read when a stack is made. Off until a GPU run
+    # measures it (bench/NOTES-gpu.md, run G54: no device was lent): its reduce runs a program a row, one launch
+    # less a layer against fewer programs reading the experts' rows (at hidden 7168, a row's nine rows of 28 KB)
+    NORM_IN_REDUCE: bool = False
     # the attention's programs a split: (value chunks, key rows a block, warps): each of a split's programs
     # accumulates kv_lora_rank / chunks value columns and reads its split's keys (the second and later from L2).
     # One program a split (the values taken from its key tiles) was slower at 16-64 splits (run G13)
