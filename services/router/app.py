@@ -440,7 +440,8 @@ def create_app(cfg: RouterConfig, settle_heap: bool = False) -> FastAPI:
     async def health() -> Response:
         body = {"status": "ok" if router.is_ready else "starting", "bus": router.bus is not None,
                 "models": sorted(router.models), "express_capacity": router.express_capacity(),
-                "warm_leases": router.warm.held_ids(), "vllm_surface": router.surface.ready,
+                "warm_leases": router.warm.held_ids(), "nodes": router.nodes.describe(time.monotonic()),
+                "vllm_surface": router.surface.ready,
                 "missing": sorted(set(cfg.prefill_urls) - router.discovered)}
         return JSONResponse(body, status_code=200 if router.is_ready else 503)
 

@@ -8,7 +8,7 @@ Contract (``NodeTable``):
   (``None`` when no live node serves it): the policy's availability input. The coordinator, not the
   router, picks the node; the router only needs to know whether the express lane is open.
   ``free_slots(aliases, now_s)``: their free (node, slot) pairs by the last heartbeats (warm
-  leases' input).
+  leases' input). ``describe(now_s)``: each node heard of, live or not, and its endpoints (/health).
 - A node serves a model when ``shared.models.serves`` says so: the coordinator matches claims the
   same way.
 
@@ -75,6 +75,13 @@ class NodeTable:
         return (node is not None and self._is_live(node, now_s)
                 and node.last.endpoints.get(target.transport) == target.endpoint
                 and target.slot in node.last.slots)
+
+    def describe(self, now_s: float) -> dict[str, dict]:
+        """Each node heard of as /health shows it: live or not, its model, the endpoints its last heartbeat
+        gave (a restarted node process registers other ones: a restart is over, for the router, once they
+        show)."""
+        return {node_id: {"live": self._is_live(n, now_s), "model": n.last.model, "endpoints": dict(n.last.endpoints)}
+                for node_id, n in sorted(self._nodes.items())}
 
     def free_slots(self, aliases: Collection[str], now_s: float) -> set[tuple[str, int]]:
         """(node, slot) of the free slots of the live nodes serving the model, as their last

@@ -71,15 +71,23 @@ class Deployment:
                     self.health_urls[name])
 
     def restart_node(self, name: str, env: dict[str, str] | None = None) -> None:
-        """Start a decode node again (after a test killed it, or with extra ``env``)."""
+        """Start a decode node again (after a test killed it, or with extra ``env``); back once the router has
+        the new process's heartbeat (its endpoints in place of the old process's: a warm lease the router still
+        holds on the old ones is then refused, not used)."""
         old = self.procs.pop(name)
+        before = self.router_nodes().get(name, {}).get("endpoints")
         stop_all([old], grace_s=5.0)
         model, dtype = ((self.llama.model_dir, "float32") if name in LLAMA_NODES
                         else (self.deepseek.model_dir, "float32"))
         proc = self.decode_proc(name, model, dtype)
         proc.env = {**proc.env, **(env or {})}
         self.start(proc)
+        wait_until(lambda: (n := self.router_nodes().get(name)) and n["live"] and n["endpoints"] != before, 30.0,
+                   f"{name}'s new process in the router")
         wait_until(lambda: self.express_capacity().get(str(model)), 30.0, f"{name} back in the router")
+
+    def router_nodes(self) -> dict:
+        return httpx.get(f"{self.router_url}/health", timeout=5.0).json()["nodes"]
 
     def express_capacity(self) -> dict:
         return httpx.get(f"{self.router_url}/health", timeout=5.0).json()["express_capacity"]

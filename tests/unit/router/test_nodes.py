@@ -100,3 +100,14 @@ def test_serves_target(beat, now_s, target, served):
     if beat is not None:
         t.observe(beat, 0.0)
     assert t.serves_target(target, now_s) is served
+
+
+def test_describe_shows_each_node_live_or_not_with_its_last_endpoints():
+    t = NodeTable()
+    t.observe(_beat(), 0.0)
+    t.observe(hb(node="n1", interval_ms=100), 0.0)
+    assert t.describe(0.1) == {"n0": {"live": True, "model": "/m/tiny-llama", "endpoints": {"mooncake": "127.0.0.1:1"}},
+                               "n1": {"live": True, "model": "/m/tiny-llama", "endpoints": {}}}
+    t.observe(_beat(endpoint="127.0.0.1:2", seq=1), 1.0)  # n0's process restarted: another endpoint, seq anew
+    assert t.describe(1.1) == {"n0": {"live": True, "model": "/m/tiny-llama", "endpoints": {"mooncake": "127.0.0.1:2"}},
+                               "n1": {"live": False, "model": "/m/tiny-llama", "endpoints": {}}}
