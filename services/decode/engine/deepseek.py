@@ -175,8 +175,9 @@ class DeepseekModel(nn.Module):
             self.column_major_projections()
 
     def attach_cpu_step(self, mode: str = "auto") -> None:
-        """Use the fused CPU step (cpustep.py) for the main model's steps of one token a slot where it applies
-        (after :meth:`bind`; ``mode`` "off": never); ``cpu_step_reason`` says why not otherwise."""
+        """Use the fused CPU step (cpustep.py) where it applies (after :meth:`bind`; ``mode`` "off": never): steps of
+        one token a slot, steps verifying drafts (token by token) and the MTP layer's drafts; ``cpu_step_reason``
+        says why not otherwise."""
         self.cpu_step, self.cpu_step_reason = cpustep.attach(self, self.cache, mode)
 
     def column_major_projections(self) -> None:
