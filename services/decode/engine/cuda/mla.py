@@ -437,9 +437,8 @@ class MlaStack:
     # ... and so for several rows (a batch's slots, a verify's tokens); read when a stack is made
     PREP_ABSORB_ROWS: bool = True
     # several rows: the MLP's launch that sums into h (the MoE's reduce) also norms h for the next block's attention
-    # (block's next_lw), which then skips its own norm launch; read when a stack is made. Off until a GPU run
-    # measures it (bench/NOTES-gpu.md, run G54: no device was lent): its reduce runs a program a row, one launch
-    # less a layer against fewer programs reading the experts' rows (at hidden 7168, a row's nine rows of 28 KB)
+    # (block's next_lw), which then skips its own norm launch; read when a stack is made. Off: run G54 (H100) had
+    # the 4-slot V2-Lite step +28 us with it (its reduce's program a row does the work of two), 8 slots even
     NORM_IN_REDUCE: bool = False
     # the attention's programs a split: (value chunks, key rows a block, warps): each of a split's programs
     # accumulates kv_lora_rank / chunks value columns and reads its split's keys (the second and later from L2).
