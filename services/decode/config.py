@@ -146,8 +146,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--adaptive-speculation", action=argparse.BooleanOptionalAction, default=True,
                    help="each request drafts as many MTP tokens per step (0 up to --num-speculative-tokens) "
                         "as its accepted drafts pay for, and stops drafting (probing again now and then) "
-                        "where they are not accepted, so speculation never slows a request down (on a "
-                        "CPU node, whose steps verify drafts at about a step a token, drafts never pay); "
+                        "where they are not accepted, so speculation never slows a request down (a CPU "
+                        "node's steps verify drafts at about a step a token: no draft can pay there, and "
+                        "its requests do not draft); "
                         "--no-adaptive-speculation drafts every step (default: adaptive)")
     p.add_argument("--mtp-draft-vocab", type=int, default=None, metavar="N",
                    help="on the fast path, MTP drafts propose only token ids < N: a draft head of N rows "

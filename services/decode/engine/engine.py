@@ -64,7 +64,9 @@ Adaptive drafting (``adaptive_speculation``, on by default; spec_policy.py): eac
 draft as many MTP tokens (0..its maximum) as its observed acceptance pays for, against a fixed cost
 per draft (so a seeded sampled request drafts, and samples, the same alone or batched); drafts that
 are not accepted turn drafting off for a backoff, then a probe measures again. A reference step
-drafts the most any of its slots asks for (each slot verifies only the drafts it asked for).
+drafts the most any of its slots asks for (each slot verifies only the drafts it asked for). On an
+engine whose steps run on the CPU no draft count pays even if every draft is accepted
+(spec_policy.can_pay), so its requests do not draft at all unless drafting is fixed.
 ``spec_counters`` totals the steps that verified drafts, the drafts verified and accepted (per
 draft position too), as vLLM's spec-decode metrics.
 KV cache dtype (``kv_cache_dtype``, vLLM's ``--kv-cache-dtype`` names): ``auto`` keeps slot K/V in the
@@ -254,6 +256,10 @@ class Engine:
         per_draft = spec_policy.CPU_COST_PER_DRAFT if cpu else spec_policy.COST_PER_DRAFT
         self._spec_costs = spec_policy.costs(self.num_spec, per_draft)
         self._spec_costs_sampled = spec_policy.costs(self.num_spec, max(per_draft, spec_policy.SAMPLED_COST_PER_DRAFT))
+        if self.adaptive_spec and not spec_policy.can_pay(self._spec_costs):
+            fastpath.log.info("adaptive speculation: a draft costs %.2f steps on this engine's CPU step, more than it "
+                              "can return; requests decode without drafts (adaptive_speculation=False drafts every "
+                              "step)", per_draft)
         # totals over the engine's life (node /metrics): steps that verified drafts, drafts verified,
         # drafts accepted, and accepted drafts per position (1-based: position j accepted j-th)
         self.spec_counters = {"steps": 0, "draft_tokens": 0, "accepted_tokens": 0,
@@ -378,6 +384,8 @@ class Engine:
         k = self.num_spec if asked is None else min(self.num_spec, asked)
         if req.flags & (REP | FREQ_PRES | BAD_WORDS):  # they read the output, drafts included: no drafts
             k = 0
+        if self.adaptive_spec and not spec_policy.can_pay(self._costs(req.plain_greedy)):
+            k = 0  # no draft count can pay on this engine (its steps run on the CPU): plain steps from the first
         s.drafting = spec_policy.Drafting(k) if self.adaptive_spec and k else None
         if sampling.logprobs is not None and not 0 <= sampling.logprobs <= self.cfg.vocab_size:
             raise ValueError(f"invalid sampling parameters: logprobs must be 0..{self.cfg.vocab_size} or absent, "
@@ -529,6 +537,10 @@ class Engine:
         self._account_spec(active, before)
         return out
 
+    def _costs(self, greedy: bool) -> list[float]:
+        """The draft-count cost table of a greedy or a sampling request on this engine."""
+        return self._spec_costs if greedy else self._spec_costs_sampled
+
     def _account_spec(self, active: list[int], before: dict) -> None:
         c = self.spec_counters
         for i in active:
@@ -541,7 +553,7 @@ class Engine:
                 for j in range(min(accepted, len(c["accepted_per_pos"]))):
                     c["accepted_per_pos"][j] += 1
             if s.drafting is not None and s.state == "active":
-                k = s.drafting.observe(verified, accepted, self._spec_costs if s.is_greedy else self._spec_costs_sampled)
+                k = s.drafting.observe(verified, accepted, self._costs(s.is_greedy))
                 s.num_valid_drafts = min(s.num_valid_drafts, k)  # drafts drawn beyond it are not verified
 
     def _step(self, active: list[int]) -> dict[int, StepOutput]:

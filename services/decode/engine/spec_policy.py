@@ -36,7 +36,7 @@ SAMPLED_COST_PER_DRAFT = 0.5
 # ... and on an engine whose steps run on the CPU (the torch step or the fused one, cpustep.py): a step verifying k
 # drafts runs the model, and its MTP layer, over k + 1 tokens at about k + 1 steps' cost or more (the tiny
 # DeepSeek-V3, 79% of its drafts accepted: one draft costs 3.5 plain steps fused, 2.3 in torch). Drafting cannot
-# pay there whatever is accepted: requests decode plain steps but for the probes
+# pay there whatever is accepted (can_pay): under adaptive speculation its requests do not draft at all
 CPU_COST_PER_DRAFT = 1.5
 
 
@@ -54,6 +54,12 @@ def best_k(p: float, costs: list[float]) -> int:
         if r > rate * (1 + 1e-9):
             best, rate = k, r
     return best
+
+
+def can_pay(costs: list[float]) -> bool:
+    """Whether any draft count pays for its cost at all, were every draft accepted (a CPU engine's
+    table: none does, so its requests never draft under adaptive speculation)."""
+    return best_k(1.0, costs) > 0
 
 
 def costs(k_max: int, per_draft: float = COST_PER_DRAFT) -> list[float]:

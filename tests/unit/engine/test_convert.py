@@ -22,8 +22,9 @@ def test_converted_checkpoint_decodes_like_the_hf_one(hf_checkpoint, tmp_path, a
     marker = json.loads((dst / ENGINE_MARKER).read_text())
     assert len(marker["shards"]) > 1 and all((dst / s).exists() for s in marker["shards"])
     greedy = SamplingParams(max_tokens=40, ignore_eos=True)
-    hf_engine = Engine.load(src, max_seq_len=96, dtype=torch.float32, num_speculative_tokens=k)
-    ours = Engine.load(dst, max_seq_len=96, num_speculative_tokens=k)
+    drafts = dict(num_speculative_tokens=k, adaptive_speculation=False)  # every step drafts (a CPU engine)
+    hf_engine = Engine.load(src, max_seq_len=96, dtype=torch.float32, **drafts)
+    ours = Engine.load(dst, max_seq_len=96, **drafts)
     assert ours.dtype == torch.float32
     ref = hf_engine.prefill(0, PROMPTS[0])
     assert float((ours.prefill(0, PROMPTS[0]) - ref).abs().max() / ref.abs().max()) < 1e-6  # same math, other alignment

@@ -97,7 +97,7 @@ def test_speculative_steps_take_the_fused_step_and_keep_the_torch_steps_output(h
     runs = {}
     for mode in ("auto", "off"):
         engine = Engine.load(path, num_slots=1, max_seq_len=128, dtype=torch.float32, cpu_step=mode,
-                             num_speculative_tokens=2)
+                             num_speculative_tokens=2, adaptive_speculation=False)
         assert (engine.model.cpu_step is not None and engine.model.cpu_step.num_mtp == 1) == (mode == "auto")
         runs[mode] = (*run(engine, 0, params, DRAFTED_PROMPT), engine)
     (tokens, _, paths, fe), (want, _, want_paths, pe) = runs["auto"], runs["off"]

@@ -118,7 +118,7 @@ def _free_port() -> int:
 SCENARIOS = ["llama_planted", "qwen2", "qwen3", "deepseek_tp", "deepseek_ep", "glm_dsa"]
 INJECTED = ["llama_planted", "qwen2", "deepseek_tp"]
 ENGINE = dict(num_slots=2, max_seq_len=96, dtype=torch.float32)
-MTP = dict(ENGINE, num_speculative_tokens=2)
+MTP = dict(ENGINE, num_speculative_tokens=2, adaptive_speculation=False)  # CPU engines: drafts every step
 
 
 @pytest.fixture(scope="module")

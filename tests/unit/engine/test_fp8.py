@@ -69,7 +69,8 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def load(path, dtype="float32", k=0) -> Engine:
-    return Engine.load(path, num_slots=1, max_seq_len=64, dtype=dtype, num_speculative_tokens=k)
+    return Engine.load(path, num_slots=1, max_seq_len=64, dtype=dtype, num_speculative_tokens=k,
+                       adaptive_speculation=False)  # with k, every step drafts (a CPU engine)
 
 
 CASES = [  # (arch, scheme, engine dtype, speculative tokens)

@@ -62,7 +62,7 @@ def test_fp8_latent_steps_equal_a_float32_cache_of_the_dequantized_values(deepse
     reads it back. k = 2: MTP drafts and their verify read and write the FP8 latent too (the draft
     layer's own cache layer included)."""
     fp8 = Engine.load(deepseek, num_slots=1, max_seq_len=64, dtype=torch.float32, kv_cache_dtype="fp8",
-                      num_speculative_tokens=k)
+                      num_speculative_tokens=k, adaptive_speculation=False)  # every step drafts
     assert fp8.layout.dtype == "fp8_e4m3" and fp8.cache.kv[0].dtype == torch.uint8
     assert len(fp8.cache.kv) == len(fp8.cache.scales) == fp8.cfg.num_layers + (1 if k else 0)
     fp8.cache.scales = [(scale, scale)] * len(fp8.cache.scales)
@@ -73,7 +73,8 @@ def test_fp8_latent_steps_equal_a_float32_cache_of_the_dequantized_values(deepse
     plain_write = ds.write_cache
     monkeypatch.setattr(ds, "write_cache", lambda cache, slots, pos, values: plain_write(
         cache, slots, pos, dequantize(quantize_nearest(values, scale), scale, "fp8_e4m3")))
-    ref = Engine.load(deepseek, num_slots=1, max_seq_len=64, dtype=torch.float32, num_speculative_tokens=k)
+    ref = Engine.load(deepseek, num_slots=1, max_seq_len=64, dtype=torch.float32, num_speculative_tokens=k,
+                      adaptive_speculation=False)
     want_logits, want = _greedy(ref)
     assert rel(got_logits, want_logits) < 1e-4
     assert got == want
@@ -83,7 +84,7 @@ def test_fp8_latent_spec_output_equals_plain_output(deepseek):
     plain = _greedy(Engine.load(deepseek, num_slots=1, max_seq_len=64, dtype=torch.bfloat16,
                                 kv_cache_dtype="fp8"))[1]
     spec = _greedy(Engine.load(deepseek, num_slots=1, max_seq_len=64, dtype=torch.bfloat16,
-                               kv_cache_dtype="fp8", num_speculative_tokens=3))[1]
+                               kv_cache_dtype="fp8", num_speculative_tokens=3, adaptive_speculation=False))[1]
     assert spec == plain
 
 

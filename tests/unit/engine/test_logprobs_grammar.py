@@ -257,7 +257,8 @@ def test_mtp_drafts_are_checked_against_the_grammar(tiny_model):
     first = first_under(plain, spec, prompt)
     sp = SamplingParams(max_tokens=40, structured=spec, logprobs=2)
     want, want_lps, want_reason = run(plain, prompt, sp, first)
-    engine = Engine.load(path, num_slots=1, max_seq_len=128, dtype=torch.float32, num_speculative_tokens=2)
+    engine = Engine.load(path, num_slots=1, max_seq_len=128, dtype=torch.float32, num_speculative_tokens=2,
+                         adaptive_speculation=False)  # every step verifies the drafts planted here
     engine.prefill(0, prompt)
     engine.start(0, first, sp)
     got, lps, reason, bad = [first], [], None, tok.convert_tokens_to_ids("z")

@@ -12,6 +12,12 @@ from tests.unit.engine.test_engine_behaviour import PROMPTS, run
 GREEDY = SamplingParams(max_tokens=128, ignore_eos=True)
 
 
+def load(path, **kw) -> Engine:
+    """A float32 CPU engine that drafts every step unless the test asks for adaptive drafting (which, at a CPU
+    engine's price a draft, would not draft at all: spec_policy.can_pay)."""
+    return Engine.load(path, dtype=torch.float32, **{"adaptive_speculation": False, **kw})
+
+
 def run_counted(engine: Engine, slot: int, prompt: list[int], sampling: SamplingParams):
     first = int(engine.prefill(slot, prompt).argmax())
     engine.start(slot, first, sampling)
@@ -28,14 +34,14 @@ def run_counted(engine: Engine, slot: int, prompt: list[int], sampling: Sampling
 @pytest.fixture(scope="module")
 def plain(hf_checkpoint):
     path, _ = hf_checkpoint("deepseek_v3")
-    engine = Engine.load(path, num_slots=1, max_seq_len=512, dtype=torch.float32)
+    engine = load(path, num_slots=1, max_seq_len=512)
     return {i: run(engine, 0, p, GREEDY) for i, p in enumerate(PROMPTS)}
 
 
 @pytest.mark.parametrize("k", [1, 2, 3])
 def test_speculative_greedy_equals_plain_greedy_over_128_tokens(hf_checkpoint, plain, k):
     path, _ = hf_checkpoint("deepseek_v3")
-    engine = Engine.load(path, num_slots=1, max_seq_len=512, dtype=torch.float32, num_speculative_tokens=k)
+    engine = load(path, num_slots=1, max_seq_len=512, num_speculative_tokens=k)
     total_accepted = 0
     for i, prompt in enumerate(PROMPTS):
         tokens, per_step, stats = run_counted(engine, 0, prompt, GREEDY)
@@ -52,7 +58,7 @@ def test_speculative_greedy_equals_plain_greedy_over_128_tokens(hf_checkpoint, p
 
 def test_speculative_sampling_is_seeded_and_top_k_1_is_greedy(hf_checkpoint, plain):
     path, _ = hf_checkpoint("deepseek_v3")
-    engine = Engine.load(path, num_slots=1, max_seq_len=512, dtype=torch.float32, num_speculative_tokens=2)
+    engine = load(path, num_slots=1, max_seq_len=512, num_speculative_tokens=2)
     seeded = SamplingParams(max_tokens=60, ignore_eos=True, temperature=0.9, top_p=0.95, seed=5)
     a, _, sa = run_counted(engine, 0, PROMPTS[0], seeded)
     b, _, sb = run_counted(engine, 0, PROMPTS[0], seeded)
@@ -65,9 +71,9 @@ def test_two_slots_greedy_and_sampling_under_speculation(hf_checkpoint, plain):
     """A greedy slot batched with a sampling slot keeps its exact greedy tokens; the sampled one its seeded ones."""
     path, _ = hf_checkpoint("deepseek_v3")
     sampled = SamplingParams(max_tokens=50, ignore_eos=True, temperature=0.7, top_k=20, seed=11)
-    alone = Engine.load(path, num_slots=1, max_seq_len=512, dtype=torch.float32, num_speculative_tokens=3)
+    alone = load(path, num_slots=1, max_seq_len=512, num_speculative_tokens=3)
     expected = run_counted(alone, 0, PROMPTS[1], sampled)[0]
-    engine = Engine.load(path, num_slots=2, max_seq_len=512, dtype=torch.float32, num_speculative_tokens=3)
+    engine = load(path, num_slots=2, max_seq_len=512, num_speculative_tokens=3)
     got = {}
     for slot, prompt, params in ((0, PROMPTS[0], GREEDY), (1, PROMPTS[1], sampled)):
         first = int(engine.prefill(slot, prompt).argmax())
@@ -87,7 +93,7 @@ def test_two_slots_greedy_and_sampling_under_speculation(hf_checkpoint, plain):
 
 def test_speculation_per_request_off_and_two_slots(hf_checkpoint, plain):
     path, _ = hf_checkpoint("deepseek_v3")
-    engine = Engine.load(path, num_slots=2, max_seq_len=512, dtype=torch.float32, num_speculative_tokens=3)
+    engine = load(path, num_slots=2, max_seq_len=512, num_speculative_tokens=3)
     params = [GREEDY, SamplingParams(max_tokens=100, ignore_eos=True, num_speculative_tokens=0)]
     got = {}
     for slot in (0, 1):
@@ -108,7 +114,7 @@ def test_speculation_per_request_off_and_two_slots(hf_checkpoint, plain):
 def test_injected_state_with_mtp_cache_continues_like_own_prefill(hf_checkpoint, plain):
     """The MTP layer's cache travels in the slot buffer like any layer: a copied buffer decodes the same."""
     path, _ = hf_checkpoint("deepseek_v3")
-    engine = Engine.load(path, num_slots=2, max_seq_len=512, dtype=torch.float32, num_speculative_tokens=2)
+    engine = load(path, num_slots=2, max_seq_len=512, num_speculative_tokens=2)
     prompt = PROMPTS[2]
     first = int(engine.prefill(0, prompt).argmax())
     # the writer holds the MTP entry of the last prompt position too (from the first token), as vLLM's
@@ -130,7 +136,7 @@ def test_injected_state_with_mtp_cache_continues_like_own_prefill(hf_checkpoint,
 def test_speculation_up_to_max_seq_len(hf_checkpoint, plain, k):
     """Drafts that would land past the cache at the end of the context never break or change the output."""
     path, _ = hf_checkpoint("deepseek_v3")
-    engine = Engine.load(path, num_slots=1, max_seq_len=40, dtype=torch.float32, num_speculative_tokens=k)
+    engine = load(path, num_slots=1, max_seq_len=40, num_speculative_tokens=k)
     tokens, per_step, stats = run_counted(engine, 0, PROMPTS[0], GREEDY)
     assert len(PROMPTS[0]) + len(tokens) == 40
     assert tokens == plain[0][: len(tokens)]
@@ -143,14 +149,14 @@ def test_speculative_sampling_keeps_the_target_distribution(hf_checkpoint):
     path, _ = hf_checkpoint("deepseek_v3")
     prompt, first = PROMPTS[2], 7
     params = dict(max_tokens=2, ignore_eos=True, temperature=1.0, top_k=4)
-    plain = Engine.load(path, num_slots=1, max_seq_len=64, dtype=torch.float32)
+    plain = load(path, num_slots=1, max_seq_len=64)
     plain.prefill(0, prompt)
     plain.start(0, first, SamplingParams(**params, seed=0))
     plain.step()
     logits = plain.last_logits[0, 0]
     top = logits.topk(4)
     target = dict(zip(top.indices.tolist(), top.values.softmax(-1).tolist()))
-    engine = Engine.load(path, num_slots=4, max_seq_len=64, dtype=torch.float32, num_speculative_tokens=2)
+    engine = load(path, num_slots=4, max_seq_len=64, num_speculative_tokens=2)
     engine.model.mtp[0].head.mul_(0.2)  # flatter drafts: the draft distribution differs from the target's
     counts: dict[int, int] = {}
     trials, accepted = 1200, 0
@@ -170,11 +176,13 @@ def test_speculative_sampling_keeps_the_target_distribution(hf_checkpoint):
 
 
 @pytest.mark.parametrize("adaptive", [True, False])
-def test_drafts_that_are_never_accepted_stop_costing_steps(hf_checkpoint, plain, adaptive):
-    """An MTP head whose drafts miss: adaptive drafting verifies them only in rare probes (the output
-    is the same either way); the engine's totals count what was verified and accepted."""
+def test_drafts_that_are_never_accepted_stop_costing_steps(hf_checkpoint, plain, adaptive, monkeypatch):
+    """An MTP head whose drafts miss: adaptive drafting (at the GPU fast path's price a draft, where drafts can pay)
+    verifies them only in rare probes (the output is the same either way); the engine's totals count what was
+    verified and accepted."""
+    monkeypatch.setattr(spec_policy, "CPU_COST_PER_DRAFT", spec_policy.COST_PER_DRAFT)
     path, _ = hf_checkpoint("deepseek_v3")
-    engine = Engine.load(path, num_slots=1, max_seq_len=512, dtype=torch.float32, num_speculative_tokens=3,
+    engine = load(path, num_slots=1, max_seq_len=512, num_speculative_tokens=3,
                          adaptive_speculation=adaptive)
     engine.model.mtp[0].head.zero_()  # every draft is token 0
     tokens, per_step, stats = run_counted(engine, 0, PROMPTS[0], GREEDY)
@@ -197,27 +205,27 @@ def test_adaptive_drafting_keeps_drafting_what_is_accepted(hf_checkpoint, plain,
     about as many as drafting every step."""
     monkeypatch.setattr(spec_policy, "CPU_COST_PER_DRAFT", spec_policy.COST_PER_DRAFT)
     path, _ = hf_checkpoint("deepseek_v3")
-    engine = Engine.load(path, num_slots=1, max_seq_len=512, dtype=torch.float32, num_speculative_tokens=2)
+    engine = load(path, num_slots=1, max_seq_len=512, num_speculative_tokens=2, adaptive_speculation=True)
     tokens, per_step, stats = run_counted(engine, 0, PROMPTS[1], GREEDY)
     assert tokens == plain[1]
-    fixed = Engine.load(path, num_slots=1, max_seq_len=512, dtype=torch.float32, num_speculative_tokens=2,
-                        adaptive_speculation=False)
+    fixed = load(path, num_slots=1, max_seq_len=512, num_speculative_tokens=2)
     _, _, always = run_counted(fixed, 0, PROMPTS[1], GREEDY)
     assert stats.num_accepted_tokens >= 0.8 * always.num_accepted_tokens > 0
 
 
-def test_on_a_cpu_engine_accepted_drafts_do_not_pay_and_are_left_to_probes(hf_checkpoint, plain):
-    """A CPU engine's step verifying k drafts costs about k + 1 plain steps (spec_policy.CPU_COST_PER_DRAFT): with
-    most drafts accepted, adaptive drafting still decodes plain steps but for the first ones and the probes, where
-    drafting every step would verify a draft or two at each."""
+def test_on_a_cpu_engine_drafts_never_pay_and_adaptive_drafting_does_not_draft(hf_checkpoint, plain):
+    """A CPU engine's step verifying k drafts costs about k + 1 plain steps (spec_policy.CPU_COST_PER_DRAFT): no
+    draft count pays even were every draft accepted, so under adaptive drafting its requests decode plain steps from
+    the first (no first drafts, no probes), though drafting every step would have had most drafts accepted."""
     path, _ = hf_checkpoint("deepseek_v3")
-    engine = Engine.load(path, num_slots=1, max_seq_len=512, dtype=torch.float32, num_speculative_tokens=2)
+    engine = load(path, num_slots=1, max_seq_len=512, num_speculative_tokens=2, adaptive_speculation=True)
     assert engine._spec_costs == spec_policy.costs(2, spec_policy.CPU_COST_PER_DRAFT)
+    assert not spec_policy.can_pay(engine._spec_costs) and not spec_policy.can_pay(engine._spec_costs_sampled)
     tokens, per_step, stats = run_counted(engine, 0, PROMPTS[1], GREEDY)
     assert tokens == plain[1]
-    fixed = Engine.load(path, num_slots=1, max_seq_len=512, dtype=torch.float32, num_speculative_tokens=2,
-                        adaptive_speculation=False)
+    fixed = load(path, num_slots=1, max_seq_len=512, num_speculative_tokens=2)
     _, _, always = run_counted(fixed, 0, PROMPTS[1], GREEDY)
     assert always.num_accepted_tokens > 0.5 * always.num_draft_tokens  # the drafts would be accepted
-    assert 0 < stats.num_draft_tokens <= 2 * 12  # the first steps and the probes in 128 tokens
-    assert sum(1 for n in per_step if n == 1) >= 100  # plain steps (or all drafts missed)
+    assert stats.num_draft_tokens == 0 and per_step == [1] * 128  # plain steps only
+    assert engine.spec_counters["steps"] == 0 and engine.spec_counters["draft_tokens"] == 0
+    assert engine.slots[0].drafting is None
