@@ -14,6 +14,7 @@ plain step and the batched ones alone.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 import traceback
@@ -531,6 +532,21 @@ PDL_VARIANTS = {"pdl_early": (True, True, True), "pdl_early_bmm": (True, True, F
                 "no_pdl": (False, False, True), "no_pdl_bmm": (False, False, False)}
 
 
+@contextlib.contextmanager
+def holding(X, attrs: dict):
+    """MlaStack's class attributes ``attrs`` set while the block runs (those read when a step is captured or
+    launched, DOT_TILE, as well as those read when a stack is made), the previous values back afterwards."""
+    st = X.mla.MlaStack
+    saved = {k: getattr(st, k) for k in attrs}
+    for k, v in attrs.items():
+        setattr(st, k, v)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            setattr(st, k, v)
+
+
 def built_with(X, attrs: dict, build):
     """``build()`` with MlaStack's class attributes ``attrs`` set while it runs (its stacks read them when they
     are made), the previous values back afterwards."""
@@ -638,8 +654,12 @@ def verify_ab(X, model, caches, cos, sin, ctx: int, R: dict, tag: str, rounds: i
 BATCH_VARIANTS = {"product": {}, "bmm": {"BATCH_CHAIN": False},
                   # the latent prep and the absorb in two launches (the form before run G53)
                   "prep_absorb_two_launches": {"PREP_ABSORB_ROWS": False},
-                  # the attention's norm written by the MoE reduce, not a launch of its own (run G54, pending)
-                  "norm_in_reduce": {"NORM_IN_REDUCE": True}}
+                  # the attention's norm written by the MoE reduce, not a launch of its own (run G54: slower)
+                  "norm_in_reduce": {"NORM_IN_REDUCE": True},
+                  # the attention projections' tensor-core tile that G52 timed best on the H100 (-0.6% at 4 slots)
+                  "proj_16x128_w2_s6": {"DOT_TILE": (16, 128, 2, 6)},
+                  # the MLP's norm, router GEMV and top-k in three launches (G50-G51: -1% at 4 slots, last in order)
+                  "router_3_launches": {"FUSED_ROUTER": False}}
 
 
 def batch_measure(X, model, s: dict, ctx: int, R: dict, tag: str = "dsv2lite_", sizes=(2, 4, 8),
@@ -664,28 +684,27 @@ def batch_measure(X, model, s: dict, ctx: int, R: dict, tag: str = "dsv2lite_", 
         times, tokens, distinct = {v: [] for v in variants}, {}, []
         for _ in range(rounds):
             for name in variants:
-                dec = built_with(X, BATCH_VARIANTS[name],
-                                 lambda: X.mla_decoder.MlaBatchDecoder(model, caches, cos, sin, batch=b,
-                                                                       max_steps=4096, num_splits=16))
-                dec.set_rows(toks, [ctx] * b, slots)
-                dec._apply_rows()  # an eager step, layer by layer: which experts the rows route to
-                distinct = []
-                for i in range(n_layers):
-                    dec.layer(i)
-                    if model.layers[i].is_moe:
-                        distinct.append(int(dec.stack.ids[:b].unique().numel()))
-                torch.cuda.synchronize()
-                runner = capture(dec.step, steps_per_replay=4,
-                                 before_capture=lambda: dec.set_rows(toks, [ctx] * b, slots))
-                dec.set_rows(toks, [ctx] * b, slots)
-                times[name].append(time_replays(runner, 30) / 4)
-                dec.set_rows(toks, [ctx] * b, slots)
-                for _ in range(2):  # 8 steps from the same rows
-                    runner()
-                torch.cuda.synchronize()
-                tokens[name] = dec.out_tokens[:b, :8].tolist()
-                del runner, dec
-                torch.cuda.empty_cache()
+                with holding(X, BATCH_VARIANTS[name]):  # through the capture: DOT_TILE is read there
+                    dec = X.mla_decoder.MlaBatchDecoder(model, caches, cos, sin, batch=b, max_steps=4096, num_splits=16)
+                    dec.set_rows(toks, [ctx] * b, slots)
+                    dec._apply_rows()  # an eager step, layer by layer: which experts the rows route to
+                    distinct = []
+                    for i in range(n_layers):
+                        dec.layer(i)
+                        if model.layers[i].is_moe:
+                            distinct.append(int(dec.stack.ids[:b].unique().numel()))
+                    torch.cuda.synchronize()
+                    runner = capture(dec.step, steps_per_replay=4,
+                                     before_capture=lambda: dec.set_rows(toks, [ctx] * b, slots))
+                    dec.set_rows(toks, [ctx] * b, slots)
+                    times[name].append(time_replays(runner, 30) / 4)
+                    dec.set_rows(toks, [ctx] * b, slots)
+                    for _ in range(2):  # 8 steps from the same rows
+                        runner()
+                    torch.cuda.synchronize()
+                    tokens[name] = dec.out_tokens[:b, :8].tolist()
+                    del runner, dec
+                    torch.cuda.empty_cache()
         ms = min(times[variants[0]])
         mean_distinct = sum(distinct) / max(len(distinct), 1)
         total = by["total"] - by["routed_experts"] + sum(distinct) * per_expert + (b - 1) * by["kv"]
@@ -859,7 +878,8 @@ def run_mla(X, R: dict, ctx: int = 1024) -> None:
         del dec
         ab = bool(os.environ.get("MLA_BATCH_AB"))  # the batched block's forms alternated (BATCH_VARIANTS)
         batch_measure(X, model, s, ctx, R, sizes=(4, 8) if ab else (2, 4, 8),
-                      variants=tuple(BATCH_VARIANTS) if ab else ("product",), rounds=3 if ab else 1)
+                      variants=tuple(os.environ.get("MLA_BATCH_VARIANTS", ",".join(BATCH_VARIANTS)).split(","))
+                      if ab else ("product",), rounds=3 if ab else 1)
         return
     if os.environ.get("MLA_FUSED_AB"):  # the attention middle's variants alone (a short run)
         fused_middle_ab(X, model, caches, cos, sin, ctx, R, "dsv2lite_", variants=list(FUSED_VARIANTS))
