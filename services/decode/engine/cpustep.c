@@ -87,6 +87,54 @@ static void rotate(float *restrict x, const float *restrict cos, const float *re
     }
 }
 
+/* x . each of four rows, n long: four independent sums (one sum's chain of dependent adds bounded a dot of
+ * 512 at the adder's latency) */
+static void dot4(const float *restrict x, const float *restrict r0, const float *restrict r1,
+                 const float *restrict r2, const float *restrict r3, int64_t n, float *restrict out) {
+    float d0 = 0.0f, d1 = 0.0f, d2 = 0.0f, d3 = 0.0f;
+#pragma omp simd reduction(+ : d0, d1, d2, d3)
+    for (int64_t i = 0; i < n; i++) {
+        const float xi = x[i];
+        d0 += xi * r0[i];
+        d1 += xi * r1[i];
+        d2 += xi * r2[i];
+        d3 += xi * r3[i];
+    }
+    out[0] = d0;
+    out[1] = d1;
+    out[2] = d2;
+    out[3] = d3;
+}
+
+/* out[j] = x . rows[j] for `count` rows `stride` apart, four at a time */
+static void dots(const float *restrict x, const float *rows, int64_t stride, int64_t count, int64_t n,
+                 float *restrict out) {
+    int64_t j = 0;
+    for (; j + 4 <= count; j += 4)
+        dot4(x, rows + j * stride, rows + (j + 1) * stride, rows + (j + 2) * stride, rows + (j + 3) * stride, n,
+             out + j);
+    for (; j < count; j++) {
+        const float *restrict r = rows + j * stride;
+        float d = 0.0f;
+#pragma omp simd reduction(+ : d)
+        for (int64_t i = 0; i < n; i++) d += x[i] * r[i];
+        out[j] = d;
+    }
+}
+
+/* y[H] = down(SiLU(gate(x)) * up(x)), gate and up one [2I, H] weight (column-major: [H, 2I]), down [I, H] */
+static void swiglu_cm(const float *restrict x, const float *restrict w_gate_up, const float *restrict w_down,
+                      float *restrict y, int64_t hidden, int64_t inter, float *restrict gu) {
+    gemv_cm(x, w_gate_up, NULL, gu, hidden, 2 * inter);
+    float *act = gu + 2 * inter;
+#pragma omp simd
+    for (int64_t i = 0; i < inter; i++) {
+        const float g = gu[i];
+        act[i] = g / (1.0f + expf(-g)) * gu[inter + i];
+    }
+    gemv_cm(act, w_down, NULL, y, inter, hidden);
+}
+
 /* hidden[H] after the final norm for `token` at `pos` of cache row `slot` (its keys 0..pos-1 cached); the
  * caller checks token < vocab, slot < rows and pos < max_tokens (cpustep.py). */
 void cpustep_gqa(const GqaModel *m, int64_t token, int64_t slot, int64_t pos, float *restrict hidden) {
@@ -111,12 +159,9 @@ void cpustep_gqa(const GqaModel *m, int64_t token, int64_t slot, int64_t pos, fl
             const float *q = qkv + hq * D;
             const int64_t g = hq / group;
             float mx = -INFINITY;
+            dots(q, kc + g * D, m->cache_token_stride, nkeys, D, scores);
             for (int64_t s = 0; s < nkeys; s++) {
-                const float *k = kc + s * m->cache_token_stride + g * D;
-                float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-                for (int64_t d = 0; d < D; d++) dot += q[d] * k[d];
-                scores[s] = dot * m->scale;
+                scores[s] *= m->scale;
                 mx = scores[s] > mx ? scores[s] : mx;
             }
             float sum = 0.0f;
@@ -140,11 +185,7 @@ void cpustep_gqa(const GqaModel *m, int64_t token, int64_t slot, int64_t pos, fl
 #pragma omp simd
         for (int64_t i = 0; i < H; i++) x[i] += tmp[i];
         rms_norm(x, m->mlp_norm[l], h, H, m->eps);
-        gemv_cm(h, m->w_gate_up[l], NULL, gu, H, 2 * I);
-        float *act = gu + 2 * I;
-#pragma omp simd
-        for (int64_t i = 0; i < I; i++) act[i] = gu[i] / (1.0f + expf(-gu[i])) * gu[I + i];
-        gemv_cm(act, m->w_down[l], NULL, tmp, I, H);
+        swiglu_cm(h, m->w_gate_up[l], m->w_down[l], tmp, H, I, gu);
 #pragma omp simd
         for (int64_t i = 0; i < H; i++) x[i] += tmp[i];
     }
@@ -194,53 +235,6 @@ static void rotate_rope(float *restrict x, const float *restrict cos, const floa
         memcpy(x, tmp, (size_t)(2 * half) * sizeof(float));
     }
     rotate(x, cos, sin, half);
-}
-
-/* x . each of four rows, n long: four independent sums (one sum's chain of dependent adds bounded a dot of
- * 512 at the adder's latency) */
-static void dot4(const float *restrict x, const float *restrict r0, const float *restrict r1,
-                 const float *restrict r2, const float *restrict r3, int64_t n, float *restrict out) {
-    float d0 = 0.0f, d1 = 0.0f, d2 = 0.0f, d3 = 0.0f;
-#pragma omp simd reduction(+ : d0, d1, d2, d3)
-    for (int64_t i = 0; i < n; i++) {
-        const float xi = x[i];
-        d0 += xi * r0[i];
-        d1 += xi * r1[i];
-        d2 += xi * r2[i];
-        d3 += xi * r3[i];
-    }
-    out[0] = d0;
-    out[1] = d1;
-    out[2] = d2;
-    out[3] = d3;
-}
-
-/* out[j] = x . rows[j] for `count` rows `stride` apart, four at a time */
-static void dots(const float *restrict x, const float *rows, int64_t stride, int64_t count, int64_t n,
-                 float *restrict out) {
-    int64_t j = 0;
-    for (; j + 4 <= count; j += 4)
-        dot4(x, rows + j * stride, rows + (j + 1) * stride, rows + (j + 2) * stride, rows + (j + 3) * stride, n,
-             out + j);
-    for (; j < count; j++) {
-        const float *restrict r = rows + j * stride;
-        float d = 0.0f;
-#pragma omp simd reduction(+ : d)
-        for (int64_t i = 0; i < n; i++) d += x[i] * r[i];
-        out[j] = d;
-    }
-}
-
-/* y[H] = down(SiLU(gate(x)) * up(x)), gate and up one [2I, H] weight (column-major: [H, 2I]), down [I, H] */
-static void swiglu_cm(const float *restrict x, const float *restrict w_gate_up, const float *restrict w_down,
-                      float *restrict y, int64_t hidden, int64_t inter, float *restrict gu) {
-    gemv_cm(x, w_gate_up, NULL, gu, hidden, 2 * inter);
-    float *act = gu + 2 * inter;
-    for (int64_t i = 0; i < inter; i++) {
-        const float g = gu[i];
-        act[i] = g / (1.0f + expf(-g)) * gu[inter + i];
-    }
-    gemv_cm(act, w_down, NULL, y, inter, hidden);
 }
 
 /* the routed experts' weighted sum (deepseek.route's noaux_tc choice) plus the shared experts, into out[H] */
