@@ -219,8 +219,6 @@ def test_on_a_cpu_engine_drafts_never_pay_and_adaptive_drafting_does_not_draft(h
     the first (no first drafts, no probes), though drafting every step would have had most drafts accepted."""
     path, _ = hf_checkpoint("deepseek_v3")
     engine = load(path, num_slots=1, max_seq_len=512, num_speculative_tokens=2, adaptive_speculation=True)
-    assert engine._spec_costs == spec_policy.costs(2, spec_policy.CPU_COST_PER_DRAFT)
-    assert not spec_policy.can_pay(engine._spec_costs) and not spec_policy.can_pay(engine._spec_costs_sampled)
     tokens, per_step, stats = run_counted(engine, 0, PROMPTS[1], GREEDY)
     assert tokens == plain[1]
     fixed = load(path, num_slots=1, max_seq_len=512, num_speculative_tokens=2)

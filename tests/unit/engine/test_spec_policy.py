@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from services.decode.engine.spec_policy import MAX_BACKOFF, MIN_BACKOFF, PROBE_STEPS, Drafting, best_k, costs, \
-    tokens_per_step
+from services.decode.engine.spec_policy import COST_PER_DRAFT, CPU_COST_PER_DRAFT, MAX_BACKOFF, MIN_BACKOFF, \
+    PROBE_STEPS, SAMPLED_COST_PER_DRAFT, Drafting, best_k, can_pay, costs, tokens_per_step
 
 COSTS = costs(3)  # 1, 1.35, 1.7, 2.05
 
@@ -23,6 +23,15 @@ def test_sampled_requests_draft_against_their_dearer_table(p, greedy_k, sampled_
 
     assert best_k(p, COSTS) == greedy_k
     assert best_k(p, costs(3, SAMPLED_COST_PER_DRAFT)) == sampled_k
+
+
+@pytest.mark.parametrize("k_max, per_draft, pays", [
+    (3, COST_PER_DRAFT, True), (1, SAMPLED_COST_PER_DRAFT, True), (3, 0.99, True),  # k drafts: k + 1 tokens
+    (3, 1.0, False), (1, CPU_COST_PER_DRAFT, False), (3, CPU_COST_PER_DRAFT, False),  # ... for 1 + k * per_draft
+    (0, COST_PER_DRAFT, False)])  # no drafts to pay for
+def test_drafting_can_pay_only_where_full_acceptance_beats_its_cost(k_max, per_draft, pays):
+    """A CPU engine's price a draft (a verify of k drafts ~ k + 1 plain steps) never pays; the fast path's does."""
+    assert can_pay(costs(k_max, per_draft)) is pays
 
 
 @pytest.mark.parametrize("p, k, tokens", [(0.0, 3, 1.0), (1.0, 3, 4.0), (0.5, 2, 1.75)])
