@@ -29,7 +29,8 @@ Contract:
 - ``FastPath.step_batch([(slot, slot_state), ...], max_seq_len)`` (``batch_ok``: one GPU, and on the
   DeepSeek family dense attention): one engine step of 2..``max_batch`` (8) active slots in one batched
   decoder (cuda/batch.py; cuda/mla_decoder.py's MlaBatchDecoder, plain steps: a DeepSeek-family slot
-  drafts again once it decodes alone): each replay
+  drafts again once it decodes alone, from its last batched step's hidden; the MTP layer's rows of the
+  batched positions stay unwritten): each replay
   decodes one token of every slot, the weights read once for all, each slot attending to its own cache
   at its own length and sampling with its own parameters (greedy and sampled slots mix: any sampled
   slot takes the batch's sampling graph, where greedy rows take the argmax). One graph (greedy,
@@ -277,6 +278,10 @@ class FastPath:
         self.max_batch = MAX_BATCH if self.batch_ok else 1  # more active slots take the reference step together
         self.batches: dict[int, tuple] = {}  # padded size -> (batch decoder, {graph key: GraphedFn})
         self.synced: dict[int, tuple[int, int]] = {}  # slot -> (token, pos) its bad-word state follows
+        # DeepSeek family with drafts: each batched slot's last final-normed hidden (the MTP layer's input one
+        # position back) and the position it precedes, so that a slot decoding alone again drafts from it
+        self._batch_hidden: torch.Tensor | None = None  # [rows, hidden], a row per slot
+        self._batch_hidden_pos: dict[int, int] = {}
         # one replay launched ahead of the host (module docstring): the Llama family, one token a step
         self.run_ahead = run_ahead and not self.mla and tokens_per_step == 1
         self._flight: _Flight | None = None  # at most one engine step ahead
@@ -559,6 +564,8 @@ class FastPath:
                 dec.set_rows([s.pending for _, s in items], [s.seq_len for _, s in items], list(slots))
             for _ in range(n - launched):
                 runner()
+            if self.num_spec:  # the MTP layer's input for each slot's next step, should it decode alone
+                self._keep_batch_hidden(dec, items, n)
             src = dec.out_tokens[: len(items), col : col + n]
             if (self.run_ahead and col + n < self.max_steps and all(r > n for r in rooms)
                     and all(_may_run_ahead(s) for _, s in items)):
@@ -597,6 +604,24 @@ class FastPath:
             results.append((out, reason))
         return results
 
+    def _keep_batch_hidden(self, dec, items: list[tuple[int, SlotState]], n: int) -> None:
+        """After a batched step: each row's final-normed hidden (``dec.hn``: the last of its n tokens) into its slot's
+        row of ``_batch_hidden``, one copy on the stream; a slot whose next step runs alone re-arms its decoder's
+        MTP input with it (``hidden_after_batch``) rather than zeros."""
+        if self._batch_hidden is None or self._batch_hidden.shape[0] <= dec.scratch_slot:
+            self._batch_hidden = torch.zeros(dec.scratch_slot + 1, dec.hn.shape[1], dtype=dec.hn.dtype,
+                                             device=dec.hn.device)
+        self._batch_hidden.index_copy_(0, dec.slots.long(), dec.hn)
+        for slot, s in items:
+            self._batch_hidden_pos[slot] = s.seq_len + n
+
+    def hidden_after_batch(self, slot: int, pos: int) -> torch.Tensor | None:
+        """The slot's MTP input kept by its last batched step, when that step left the slot's next token at
+        ``pos`` (a later step elsewhere makes it stale: None)."""
+        if self._batch_hidden is None or self._batch_hidden_pos.get(slot) != pos:
+            return None
+        return self._batch_hidden[slot]
+
     def spec(self, slot: int, token: int, pos: int, k: int, prev_hidden=None, s: SlotState | None = None) -> list[int]:
         """One k-draft step (DeepSeek family): the 1..k+1 tokens it kept (accepted drafts + one); one sync.
         Greedy, or speculative sampling by the slot's sampling row when ``s`` samples or has logits
@@ -623,8 +648,10 @@ class FastPath:
         cuts them; (emitted tokens, finish reason)."""
         room = min(s.max_tokens - s.num_generated, max_seq_len - 1 - s.seq_len)
         k = min(s.spec_k, self.num_spec)
+        if s.num_generated > 0:  # the prefill's hidden serves the first step only; after batched steps, theirs
+            prev_hidden = self.hidden_after_batch(slot, s.seq_len)
         if k and room > 0:
-            tokens = self.spec(slot, s.pending, s.seq_len, k, prev_hidden if s.num_generated == 0 else None, s)
+            tokens = self.spec(slot, s.pending, s.seq_len, k, prev_hidden, s)
             s.num_steps += 1
             s.num_draft_tokens += k
         else:
@@ -652,6 +679,7 @@ class FastPath:
             self.ahead_dropped += 1
         self.held.pop(slot, None)
         self.synced.pop(slot, None)
+        self._batch_hidden_pos.pop(slot, None)
 
 
 def setup(mode: str, model, device: torch.device, dtype: torch.dtype, num_speculative_tokens: int,

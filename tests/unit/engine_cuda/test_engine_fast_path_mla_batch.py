@@ -84,6 +84,9 @@ def test_slots_join_and_leave_without_changing_anyone_s_tokens(checkpoint, alone
 
 
 def test_a_drafting_slot_decodes_plain_steps_while_batched_and_drafts_again_alone(checkpoint):
+    """Slot 0 (two drafts a step) batched with slot 1 for two plain steps, then alone: its tokens are the reference
+    engine's, and its first draft alone starts from its last batched step's hidden, so the MTP cache row that
+    draft writes (the pair of hidden 5 and token 6) is the reference step's, not one from a zero hidden."""
     greedy = SamplingParams(max_tokens=8, ignore_eos=True)
     ref = Engine.load(checkpoint, num_slots=3, max_seq_len=24, dtype="bfloat16", fast_path="off",
                       num_speculative_tokens=2, adaptive_speculation=False)
@@ -109,6 +112,10 @@ def test_a_drafting_slot_decodes_plain_steps_while_batched_and_drafts_again_alon
     stats = engine.spec_stats(0)
     # the two batched steps drafted nothing; alone again, k drafts + verify every step
     assert stats.num_draft_tokens == 2 * (stats.num_steps - 2) > 0 and stats.num_accepted_tokens > 0
+    alone_at = len(PROMPTS[0]) + 2  # slot 0's next token after the two batched steps
+    fast_row, ref_row = (e.cache.kv[-1][0][alone_at - 1].float() for e in (engine, ref))
+    assert fast_row.abs().max() > 0
+    assert torch.allclose(fast_row, ref_row, atol=3e-2, rtol=3e-2), (fast_row - ref_row).abs().max()
 
 
 def test_a_sparse_attention_model_keeps_one_slot_per_step(tmp_path):
