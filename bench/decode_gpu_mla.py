@@ -550,15 +550,8 @@ def holding(X, attrs: dict):
 def built_with(X, attrs: dict, build):
     """``build()`` with MlaStack's class attributes ``attrs`` set while it runs (its stacks read them when they
     are made), the previous values back afterwards."""
-    st = X.mla.MlaStack
-    saved = {k: getattr(st, k) for k in attrs}
-    for k, v in attrs.items():
-        setattr(st, k, v)
-    try:
+    with holding(X, attrs):
         return build()
-    finally:
-        for k, v in saved.items():
-            setattr(st, k, v)
 
 
 def pdl_ab(X, model, caches, cos, sin, ctx: int, R: dict, tag: str, rounds: int = 3) -> None:
