@@ -724,6 +724,59 @@ def batch_measure(X, model, s: dict, ctx: int, R: dict, tag: str = "dsv2lite_", 
         torch.cuda.empty_cache()
 
 
+
+BATCH_SPEC_PLANS = ((2, 1), (2, 2), (2, 3), (4, 1))  # (slots, drafts each): the batched drafting graphs (8 rows)
+
+
+def batch_spec_measure(X, model, s: dict, ctx: int, R: dict, tag: str = "dsv2lite_", plans=BATCH_SPEC_PLANS) -> None:
+    """Slots that draft together (MlaBatchSpecDecoder: each slot's k MTP drafts, one verify of its k + 1 tokens, the
+    MTP layer over them, one graph), each row at ``ctx`` in its own slot: the step's time against the plain batched
+    step of as many slots measured before in the same run (``{tag}batch{b}_step_ms``): ``{tag}batch{b}_mtp_k{k}_
+    step_ms`` / ``_step_ratio`` (the acceptance length a slot needs to break even), and the greedy tokens of such
+    steps driven from the host against the plain batched step's from the same rows (``_tokens_equal``, the first
+    8 of each slot; random weights: a rounding difference may flip a near tie, ``_first_difference`` says where)."""
+    n_layers, dev = len(model.layers), "cuda"
+    mt = ctx + 1024
+    inv = 1.0 / (10000.0 ** (torch.arange(0, s["rope"], 2).float() / s["rope"]))
+    fr = torch.arange(mt, dtype=torch.float32)[:, None] * inv[None, :]
+    cos, sin = fr.cos(), fr.sin()
+    for b, k in plans:
+        caches = [torch.randn(b + 1, mt, s["r"] + s["rope"], device=dev).to(torch.bfloat16)
+                  for _ in range(n_layers + 1)]
+        toks, slots = [1 + 97 * i for i in range(b)], list(range(b))
+        plain = X.mla_decoder.MlaBatchDecoder(model, caches[:n_layers], cos, sin, batch=b, max_steps=64, num_splits=16)
+        plain.set_rows(toks, [ctx] * b, slots)
+        for _ in range(8):
+            plain.step()
+        want = plain.out_tokens[:b, :8].tolist()
+        del plain
+        dec = X.mla_decoder.MlaBatchSpecDecoder(model, caches, cos, sin, batch=b, k=k, num_splits=16)
+        runner = capture(dec.step, steps_per_replay=1,
+                         before_capture=lambda: dec.set_rows(toks, [ctx] * b, slots, [k] * b))
+        dec.set_rows(toks, [ctx] * b, slots, [k] * b)
+        ms = time_replays(runner, 30)
+        got, cur, pos = [[] for _ in range(b)], list(toks), [ctx] * b
+        dec.mtp_hidden.zero_()
+        while min(len(g) for g in got) < 8:
+            dec.set_rows(cur, pos, slots, [k] * b)
+            runner()
+            for r, row in enumerate(dec.out[:b].tolist()):
+                kept = row[1:row[0] + 2]
+                got[r] += kept
+                cur[r], pos[r] = kept[-1], pos[r] + len(kept)
+        got = [g[:8] for g in got]
+        plain_ms = R.get(f"{tag}batch{b}_step_ms")
+        key = f"{tag}batch{b}_mtp_k{k}"
+        R[f"{key}_step_ms"] = ms
+        R[f"{key}_step_ratio"] = ms / plain_ms if plain_ms else None
+        R[f"{key}_tokens_equal"] = got == want
+        R[f"{key}_first_difference"] = next((i for r in range(b) for i in range(8) if got[r][i] != want[r][i]), None)
+        log(f"  {tag}batch {b}, {k} drafts a slot: {ms:.3f} ms a step = {R[f'{key}_step_ratio'] or float('nan'):.2f}x "
+            f"the plain batched step (a slot breaks even at that acceptance length; all {k} accepted: "
+            f"{(k + 1) / (R[f'{key}_step_ratio'] or float('nan')):.2f}x its tok/s); tokens equal {got == want}")
+        del runner, dec, caches
+        torch.cuda.empty_cache()
+
 # (name, MlaStack / GroupedMoe class attributes, MlaBatchDecoder arguments) of the batched step's sweep: the
 # grouped experts' tiles (gate/up, down: run SW1 swept both together, SW2 down alone), the projections'
 # tensor-core tile, the attention's splits
@@ -873,6 +926,8 @@ def run_mla(X, R: dict, ctx: int = 1024) -> None:
         batch_measure(X, model, s, ctx, R, sizes=(4, 8) if ab else (2, 4, 8),
                       variants=tuple(os.environ.get("MLA_BATCH_VARIANTS", ",".join(BATCH_VARIANTS)).split(","))
                       if ab else ("product",), rounds=3 if ab else 1)
+        if not ab:
+            batch_spec_measure(X, model, s, ctx, R)
         return
     if os.environ.get("MLA_FUSED_AB"):  # the attention middle's variants alone (a short run)
         fused_middle_ab(X, model, caches, cos, sin, ctx, R, "dsv2lite_", variants=list(FUSED_VARIANTS))
@@ -909,10 +964,11 @@ def run_mla(X, R: dict, ctx: int = 1024) -> None:
     except Exception:
         R["dsv2lite_error"] = traceback.format_exc()[-1500:]
         log(R["dsv2lite_error"])
-    try:
-        batch_measure(X, model, s, ctx, R)
-    except Exception:
-        log(traceback.format_exc()[-1500:])
+    for fn in (batch_measure, batch_spec_measure):
+        try:
+            fn(X, model, s, ctx, R)
+        except Exception:
+            log(traceback.format_exc()[-1500:])
     for tag, fn in (("dsv2lite_draftvocab_", lambda: measure(X, model, caches, cos, sin, ctx, "dsv2lite_draftvocab_", R,
                                                              draft_vocab=DRAFT_VOCAB)),
                     ("dsv2lite_", lambda: breakdown(X, model, caches, cos, sin, ctx, "dsv2lite_", R))):

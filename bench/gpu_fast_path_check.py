@@ -100,6 +100,33 @@ def run_batch(path: Path, num_tokens: int, prompts: list[list[int]]) -> dict:
                                              if a != b), None) for slot in alone}}
 
 
+def run_batch_spec(path: Path, num_tokens: int, prompts: list[list[int]], k: int) -> dict:
+    """Greedy requests with k MTP drafts each (fixed drafting) decoding together, each slot verifying its own
+    drafts in the batched fast step, against the reference engine's tokens for the same requests together; which
+    batched drafting graphs ran, and each slot's verified and accepted drafts."""
+    res = {}
+    for mode in ("on", "off"):
+        engine = Engine.load(path, num_slots=len(prompts), max_seq_len=128, dtype="bfloat16", fast_path=mode,
+                             device="cuda", num_speculative_tokens=k, adaptive_speculation=False)
+        tokens = {slot: [int(engine.prefill(slot, p).argmax())] for slot, p in enumerate(prompts)}
+        for slot, first in tokens.items():
+            engine.start(slot, first[0], SamplingParams(max_tokens=num_tokens, ignore_eos=True))
+        served = []
+        while engine.active_slots():
+            for slot, out in engine.step().items():
+                tokens[slot] += out.token_ids
+            served.append((engine.last_step_path, engine.last_step_slots))
+        res[mode] = tokens, served, engine
+    (got, served, fast), (want, _, _) = res["on"], res["off"]
+    stats = {slot: fast.spec_stats(slot) for slot in got}
+    return {"tokens_identical": got == want, "steps": sorted(set(served)),
+            "graphs": sorted(fast.fast_path.spec_batches),
+            "drafts_verified": {slot: st.num_draft_tokens for slot, st in stats.items()},
+            "drafts_accepted": {slot: st.num_accepted_tokens for slot, st in stats.items()},
+            "first_difference": {slot: next((i for i, (a, b) in enumerate(zip(got[slot], want[slot])) if a != b), None)
+                                 for slot in got}}
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--archs", default=",".join(ARCHS))
@@ -111,6 +138,10 @@ def main() -> int:
                         "against the reference step reading the same FP8 bytes); keys get it as a prefix")
     p.add_argument("--batch", action="store_true",
                    help="also five requests of each family in one batched step against each alone")
+    p.add_argument("--batch-spec", action="store_true",
+                   help="also greedy requests of each dense-attention MTP family drafting together: 2 slots with "
+                        "3 drafts each, 4 slots with 1 (each slot's drafts verified in the batched step), against the "
+                        "reference engine's tokens")
     p.add_argument("--mla-batch-chain", action="store_true",
                    help="the DeepSeek family's batched block as one chain of Triton kernels (MlaStack.BATCH_CHAIN)")
     p.add_argument("--mla-verify-chain", action="store_true",
@@ -144,6 +175,19 @@ def main() -> int:
                 out[f"{arch}_batch5_error"] = f"{type(exc).__name__}: {exc}"
                 traceback.print_exc()
             print(f"{arch}_batch5", {k2: v for k2, v in out.items() if k2.startswith(f"{arch}_batch5")}, flush=True)
+        if args.batch_spec and kv == "auto" and arch in ("deepseek_v3", "deepseek_v3_lite"):
+            more = [[5, 77, 200, 9, 61, 18, 140], [3, 44], [11, 12, 13]]
+            for slots, k in ((2, 3), (4, 1)):
+                key = f"{arch}_batch{slots}_k{k}"
+                try:
+                    b = run_batch_spec(path, args.tokens, ([prompt] + more)[:slots], k)
+                    out.update({f"{key}_{k2}": v for k2, v in b.items()})
+                    ok &= b["tokens_identical"] and ("fast", slots) in b["steps"] and {p for p, _ in b["steps"]} == {"fast"}
+                except Exception as exc:  # noqa: BLE001
+                    ok = False
+                    out[f"{key}_error"] = f"{type(exc).__name__}: {exc}"
+                    traceback.print_exc()
+                print(key, {k2: v for k2, v in out.items() if k2.startswith(key)}, flush=True)
         for k, sampled in cases:
             key = ("" if kv == "auto" else f"kv_{kv}_") + f"{arch}_k{k}" + ("_sampled" if sampled else "")
             try:

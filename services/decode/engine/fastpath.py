@@ -28,9 +28,13 @@ Contract:
   slot (``prev_hidden``: the prefill's last final-normed hidden, the first MTP draft's input).
 - ``FastPath.step_batch([(slot, slot_state), ...], max_seq_len)`` (``batch_ok``: one GPU, and on the
   DeepSeek family dense attention): one engine step of 2..``max_batch`` (8) active slots in one batched
-  decoder (cuda/batch.py; cuda/mla_decoder.py's MlaBatchDecoder, plain steps: a DeepSeek-family slot
-  drafts again once it decodes alone, from its last batched step's hidden; the MTP layer's rows of the
-  batched positions stay unwritten): each replay
+  decoder (cuda/batch.py; cuda/mla_decoder.py's MlaBatchDecoder). A greedy DeepSeek-family batch in which
+  a slot drafts takes MlaBatchSpecDecoder instead (``spec_batch_ok``): each slot's drafts (as many as it
+  asks for, at most ``batch_spec_k``: the rows, slots x (k + 1), fit 8) verified and its next ones drawn in
+  one replay, the MTP layer's rows of every verified token written, one graph per (padded size, k), the
+  engine's k captured with the plain graphs; each slot's MTP input is its last hidden wherever its last step
+  ran (``_mtp_input``). A batch with a sampled slot takes plain steps (a slot drafts again once alone or in
+  a greedy batch, from its last batched step's hidden). Each plain replay
   decodes one token of every slot, the weights read once for all, each slot attending to its own cache
   at its own length and sampling with its own parameters (greedy and sampled slots mix: any sampled
   slot takes the batch's sampling graph, where greedy rows take the argmax). One graph (greedy,
@@ -78,6 +82,7 @@ log = logging.getLogger(__name__)
 MODES = ("auto", "on", "off")
 MAX_LOGPROBS = 20  # cuda/sampling_state.MAX_LOGPROBS (torch-only import kept out of this module's top)
 MAX_BATCH = 8  # slots of one batched step (cuda/batch.py, cuda/mla_decoder.py's MlaBatchDecoder)
+MAX_SPEC_ROWS = 8  # rows of a batched step with drafts, slots x (drafts + 1) (cuda/moe.py's MAX_ROWS)
 BATCH_SIZES = (2, 4, 8)  # its padded sizes, one graph (greedy, sampled) each
 
 
@@ -120,6 +125,12 @@ def padded_batch(n: int) -> int:
         if n <= b:
             return b
     raise ValueError(f"{n} slots: a batched step takes at most {MAX_BATCH}")
+
+
+def batch_spec_k(size: int, k: int) -> int:
+    """Drafts a slot of a batch of padded ``size`` verifies when k are asked for: the batch's rows (size x (k + 1))
+    fit the row-batched kernels' most (cuda/moe.py's MAX_ROWS, 8), or none (a plain batched step)."""
+    return max(0, min(k, MAX_SPEC_ROWS // size - 1))
 
 
 def batch_sizes(num_slots: int) -> list[int]:
@@ -269,7 +280,7 @@ class FastPath:
         self.decoders: dict[int, tuple] = {}  # slot -> (decoder, {drafts k: GraphedFn})
         self.held: dict[int, tuple[int, int, int]] = {}  # slot -> (token, pos, out index) on device
         # several slots in one step (step_batch), on one GPU: the Llama family (bf16 or FP8 weights, bf16 or FP8 KV
-        # cache), the DeepSeek family with dense attention (plain steps: no drafts while batched)
+        # cache), the DeepSeek family with dense attention (greedy batches draft: spec_batch_ok)
         sparse = bool(getattr(getattr(model, "cfg", None), "index_topk", 0)) if self.mla else False
         self.batch_ok = not sparse and getattr(getattr(model, "tp", None), "size", 1) == 1
         # batch graphs built when the engine loads; a DeepSeek-family batch under Triton's interpreter (tests)
@@ -282,6 +293,9 @@ class FastPath:
         # position back) and the position it precedes, so that a slot decoding alone again drafts from it
         self._batch_hidden: torch.Tensor | None = None  # [rows, hidden], a row per slot
         self._batch_hidden_pos: dict[int, int] = {}
+        # ... and greedy batches with drafts: each slot's k drafts + verify in one step (MlaBatchSpecDecoder)
+        self.spec_batch_ok = self.batch_ok and self.num_spec > 0 and bool(getattr(model, "has_mtp", False))
+        self.spec_batches: dict[tuple[int, int], tuple] = {}  # (padded size, k) -> (decoder, GraphedFn)
         # one replay launched ahead of the host (module docstring): the Llama family, one token a step
         self.run_ahead = run_ahead and not self.mla and tokens_per_step == 1
         self._flight: _Flight | None = None  # at most one engine step ahead
@@ -494,7 +508,24 @@ class FastPath:
                 runner.capture()
                 runners[key] = runner
             self.batches[size] = (dec, runners)
+            k = batch_spec_k(size, self.num_spec) if self.spec_batch_ok and self.device.type == "cuda" else 0
+            if k:  # the engine's own draft count, with the plain graphs (interpreted: at its first use)
+                self.prepare_batch_spec(size, k)
         return self.batches[size]
+
+    def prepare_batch_spec(self, size: int, k: int):
+        """The batched decoder of ``size`` rows with ``k`` drafts each (greedy) and its graph, built and captured
+        on first use (errors propagate); capture decodes on the scratch slot only."""
+        if (size, k) not in self.spec_batches:
+            from .cuda.adapter import mla_batch_spec_decoder_from_engine
+            from .cuda.graph import GraphedFn
+
+            dec = mla_batch_spec_decoder_from_engine(self.model, size, k, self.draft_vocab)
+            runner = GraphedFn(dec.step, self.device.type == "cuda", warmup_calls=1, device=self.device,
+                               before_capture=lambda: dec.set_rows([], [], [], []))
+            runner.capture()
+            self.spec_batches[(size, k)] = (dec, runner)
+        return self.spec_batches[(size, k)]
 
     def _batch_extras_runner(self, size: int, mask: bool, logprobs: bool):
         """The batched decoder's sampling graph with every row's grammar mask and/or logprobs (rows
@@ -531,14 +562,21 @@ class FastPath:
                                               lambda: dec.set_rows([], [], []))
         return runners[key]
 
-    def step_batch(self, items: list[tuple[int, SlotState]], max_seq_len: int) -> list[tuple[list[int], str | None]]:
+    def step_batch(self, items: list[tuple[int, SlotState]], max_seq_len: int,
+                   prev_hidden: dict[int, torch.Tensor] | None = None) -> list[tuple[list[int], str | None]]:
         """One engine step of 2..max_batch active slots ``[(slot, state)]`` in one batched decoder: per slot
         (emitted tokens, finish reason), cut as ``step`` cuts them (module docstring). Slots with logprobs
         or a grammar: the batch takes the graph with masks and/or logprobs (one token per step with a
-        grammar: each mask needs the token before it), their logprobs in ``s.extra["fast_logprobs"]``."""
+        grammar: each mask needs the token before it), their logprobs in ``s.extra["fast_logprobs"]``.
+        A greedy DeepSeek-family batch where a slot drafts: each slot's drafts + verify in one step
+        (``_step_batch_spec``; ``prev_hidden``: {slot: the prefill's last hidden} of slots at their first step)."""
         rooms = [min(s.max_tokens - s.num_generated, max_seq_len - 1 - s.seq_len) for _, s in items]
         masks = any(s.grammar is not None for _, s in items)
         lps = any(s.num_logprobs is not None for _, s in items)
+        k = batch_spec_k(padded_batch(len(items)), min(max(s.spec_k for _, s in items), self.num_spec))
+        if (k and self.spec_batch_ok and min(rooms) > 0 and not masks and not lps
+                and all(s.is_greedy for _, s in items)):
+            return self._step_batch_spec(items, k, max_seq_len, prev_hidden or {})
         n = max(0, min(self.tokens_per_step if not masks else 1, *rooms))
         rows: list[list[int]] = [[] for _ in items]
         if n > 0:
@@ -564,8 +602,10 @@ class FastPath:
                 dec.set_rows([s.pending for _, s in items], [s.seq_len for _, s in items], list(slots))
             for _ in range(n - launched):
                 runner()
-            if self.num_spec:  # the MTP layer's input for each slot's next step, should it decode alone
-                self._keep_batch_hidden(dec, items, n)
+            if self.num_spec:  # the MTP layer's input for each slot's next step, should it draft
+                self._keep_batch_hidden(dec.hn, dec.slots)
+                for slot, s in items:
+                    self._batch_hidden_pos[slot] = s.seq_len + n
             src = dec.out_tokens[: len(items), col : col + n]
             if (self.run_ahead and col + n < self.max_steps and all(r > n for r in rooms)
                     and all(_may_run_ahead(s) for _, s in items)):
@@ -604,16 +644,57 @@ class FastPath:
             results.append((out, reason))
         return results
 
-    def _keep_batch_hidden(self, dec, items: list[tuple[int, SlotState]], n: int) -> None:
-        """After a batched step: each row's final-normed hidden (``dec.hn``: the last of its n tokens) into its slot's
-        row of ``_batch_hidden``, one copy on the stream; a slot whose next step runs alone re-arms its decoder's
-        MTP input with it (``hidden_after_batch``) rather than zeros."""
-        if self._batch_hidden is None or self._batch_hidden.shape[0] <= dec.scratch_slot:
-            self._batch_hidden = torch.zeros(dec.scratch_slot + 1, dec.hn.shape[1], dtype=dec.hn.dtype,
-                                             device=dec.hn.device)
-        self._batch_hidden.index_copy_(0, dec.slots.long(), dec.hn)
-        for slot, s in items:
-            self._batch_hidden_pos[slot] = s.seq_len + n
+    def _step_batch_spec(self, items: list[tuple[int, SlotState]], k: int, max_seq_len: int,
+                         prev_hidden: dict[int, torch.Tensor]) -> list[tuple[list[int], str | None]]:
+        """One greedy step of 2..max_batch DeepSeek-family slots, each verifying its own drafts (at most
+        ``k``, as many as it asks for) and drawing its next ones, in one replay; one host sync. Each slot's MTP
+        input is its hidden one position back: kept by its last batched step, its own decoder's, or the
+        prefill's (zeros when none is known: its first drafts are then likely rejected, never wrong)."""
+        dec, runner = self.prepare_batch_spec(padded_batch(len(items)), k)
+        for r, (slot, s) in enumerate(items):
+            dec.mtp_hidden[r].copy_(self._mtp_input(slot, s, prev_hidden.get(slot)))
+        valid = [min(s.spec_k, k) for _, s in items]
+        dec.set_rows([s.pending for _, s in items], [s.seq_len for _, s in items], [slot for slot, _ in items], valid)
+        runner()
+        self._keep_batch_hidden(dec.mtp_hidden, dec.slots)
+        rows = dec.out[: len(items)].tolist()  # the one sync
+        results = []
+        for (slot, s), row, v in zip(items, rows, valid):
+            self.held.pop(slot, None)  # the slot's own decoder did not see this step: re-armed at its next decode
+            self.synced.pop(slot, None)
+            n = row[0]
+            self._batch_hidden_pos[slot] = s.seq_len + n + 1
+            s.num_steps += 1
+            s.num_draft_tokens += v
+            s.num_valid_drafts = 0
+            out, reason = emit(s, row[1 : n + 2], max_seq_len)
+            s.num_accepted_tokens += max(0, len(out) - 1)
+            if reason is not None:
+                s.state = "done"
+            results.append((out, reason))
+        return results
+
+    def _mtp_input(self, slot: int, s: SlotState, prefill_hidden: torch.Tensor | None) -> torch.Tensor:
+        """The slot's final-normed hidden one position back of its pending token, wherever its last step left it."""
+        kept = self.hidden_after_batch(slot, s.seq_len)
+        if kept is not None:
+            return kept
+        held = self.held.get(slot)
+        if held is not None and held[:2] == (s.pending, s.seq_len):  # its last step ran alone on its decoder
+            return self.decoders[slot][0].mtp_hidden[0]
+        if prefill_hidden is not None and s.num_generated == 0:
+            return prefill_hidden.view(-1)
+        return torch.zeros(self.model.cfg.hidden_size, dtype=torch.bfloat16, device=self.device)
+
+    def _keep_batch_hidden(self, hidden: torch.Tensor, slots: torch.Tensor) -> None:
+        """After a batched step: each row's final-normed hidden before its slot's next token (a plain step's ``hn``,
+        the last of its tokens; a drafting one's ``mtp_hidden``) into its slot's row of ``_batch_hidden``, one copy
+        on the stream (the caller records the positions); a slot whose next step runs alone re-arms its decoder's
+        MTP input with it (``hidden_after_batch``), a batched drafting step reads it back."""
+        rows = int(self.model.cache.scratch_slot) + 1
+        if self._batch_hidden is None:
+            self._batch_hidden = torch.zeros(rows, hidden.shape[1], dtype=hidden.dtype, device=hidden.device)
+        self._batch_hidden.index_copy_(0, slots.long(), hidden)
 
     def hidden_after_batch(self, slot: int, pos: int) -> torch.Tensor | None:
         """The slot's MTP input kept by its last batched step, when that step left the slot's next token at

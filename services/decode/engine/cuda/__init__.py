@@ -16,7 +16,8 @@ Entry points (see each module's docstring for the contract):
   the layout shared with the engine's reference sampler, and the Philox twin).
 - ``mla.py`` / ``mla_decoder.py``: the DeepSeek-V3-family step (absorbed MLA, grouped-expert MoE, MTP
   draft + verify in one graph) over the engine's deepseek.py weights (``prepare_layer``), and its batched
-  step of 2..8 slots (``MlaBatchDecoder``).
+  steps of 2..8 slots: plain (``MlaBatchDecoder``), and each slot with its own MTP drafts
+  (``MlaBatchSpecDecoder``).
 - ``fp8.py`` / ``fp8block.py``: FP8 weights: per-channel / per-tensor scales on the Llama family
   (``Fp8GqaDecoder``), and block scales (``BlockFp8``, DeepSeek-V3's and Qwen's 128 x 128) read by moe.py's
   GEMVs for both families.

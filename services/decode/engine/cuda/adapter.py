@@ -25,7 +25,7 @@ import torch
 from .batch import GqaBatchDecoder
 from .llama import FastOptions, GqaDecoder, GqaLayer, GqaModel
 from .mla import MlaDims, MtpWeights, prepare_layer
-from .mla_decoder import MlaBatchDecoder, MlaDecoder, MlaModel
+from .mla_decoder import MlaBatchDecoder, MlaBatchSpecDecoder, MlaDecoder, MlaModel
 
 
 def _gqa_model(model) -> GqaModel:
@@ -172,6 +172,16 @@ def mla_batch_decoder_from_engine(model, batch: int, max_steps: int = 256) -> Ml
                            scratch_slot=model.cache.scratch_slot, num_splits=attention_splits(caches[0].shape[1]),
                            kv_scales=_latent_scales(model.cache))
 
+
+
+def mla_batch_spec_decoder_from_engine(model, batch: int, k: int, draft_vocab: int | None = None
+                                       ) -> MlaBatchSpecDecoder:
+    """MlaBatchSpecDecoder of ``batch`` rows with ``k`` drafts each over a bound engine DeepseekModel's weights, its
+    first MTP layer and every slot's latent cache (the main model's layers, then the MTP layer's)."""
+    caches = list(model.cache.kv[: len(model.layers) + 1])
+    return MlaBatchSpecDecoder(_mla_model(model), caches, model.cos, model.sin, batch, k,
+                               scratch_slot=model.cache.scratch_slot, num_splits=attention_splits(caches[0].shape[1]),
+                               draft_vocab=draft_vocab, kv_scales=_latent_scales(model.cache))
 
 def _latent_scales(cache) -> list[float] | None:
     """Each cache layer's k_scale of an FP8 latent cache (None: the latent in the model dtype)."""

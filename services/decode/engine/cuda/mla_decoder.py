@@ -29,6 +29,7 @@ token outside the first N can never be drafted (that draft is rejected like any 
 
 ``MlaBatchDecoder``: 2..8 slots, one plain step each in one graph (the verify's T-row block with each row
 in its own slot at its own position; the rows' control plane and step tail are batch.py's ``RowsDecoder``).
+``MlaBatchSpecDecoder``: 2..4 slots, each with its own k drafts + verify (spec_step's greedy step, row by row).
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ from .batch import RowsDecoder
 from .gemv import gemv
 from .kernel_helpers import round_to_dtype
 from .mla import MlaDims, MlaLayer, MlaStack, MtpWeights
-from .moe import gemv_rows
+from .moe import MAX_ROWS, gemv_rows
 from .sampling import uniform
 from .sampling_state import (BIAS, GREEDY, I_FLAGS, I_SEED, MIN_TOKENS, STREAM_ACCEPT, STREAM_DRAFT,
                              STREAM_SAMPLE, TOP_K, TOP_P, row_argmax)
@@ -362,8 +363,8 @@ class MlaBatchDecoder(RowsDecoder):
     position in its own slot: the latent written by ``_mla_prep_kernel``'s batch form, the attention with
     ``slot_ids``.
     ``caches``: the engine's whole per-layer latent caches [num_slots + 1, max_tokens, r + rope] (the
-    main model's layers; padded rows decode on the scratch slot). Plain steps only: no MTP drafts (a
-    slot back alone drafts again), no sparse attention (its indexer decodes one slot per step)."""
+    main model's layers; padded rows decode on the scratch slot). Plain steps (a greedy batch that drafts:
+    MlaBatchSpecDecoder), no sparse attention (its indexer decodes one slot per step)."""
 
     def __init__(self, model: MlaModel, caches: list[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor,
                  batch: int, options=None, max_steps: int = 256, scratch_slot: int | None = None,
@@ -384,6 +385,147 @@ class MlaBatchDecoder(RowsDecoder):
                          slots=self.slots, k_scale=self.k_scales[i],
                          next_lw=layers[i + 1] if i + 1 < len(layers) else None)
 
+
+
+class MlaBatchSpecDecoder:
+    """``batch`` slots of a DeepSeek-family model, each with ``k`` MTP drafts and one verify of its k + 1 tokens, in
+    one step (one CUDA graph per padded batch size and k): MlaDecoder.spec_step's greedy step, row by row.
+
+    Row b decodes slot ``slots[b]`` from token ``tokens[b, 0]`` at ``pos[b]``, its MTP input ``mtp_hidden[b]``
+    (the main model's final-normed hidden one position back), verifying at most ``num_valid[b]`` of its drafts
+    (a slot asking for fewer than k, or none, in a batch that drafts). A step: k drafts, each the MTP layer over
+    the B rows (MTP cache row pos + j - 1 of each slot, as the one-slot step places it) and the draft head's
+    argmax; the verify, the main model over B x (k + 1) rows (row (b, i): token i of slot b at pos[b] + i, every
+    row's latent written before any row attends, so each sees its slot's earlier rows of this step); each slot's
+    longest greedy-matching prefix; the MTP layer over every verified row (MTP row pos[b] + i pairs the main
+    model's hidden there with the token after it, the reference step's rows); each slot's hidden before its next
+    token into ``mtp_hidden``. ``out[b]`` = [accepted drafts n, then the k + 1 candidate tokens: the n accepted,
+    the step's token, rejected drafts' replacements]; the host keeps n + 1 of them.
+
+    ``set_rows(tokens, positions, slots, num_valid)`` (host, before each step; one pinned buffer, one async copy)
+    and the caller's writes into ``mtp_hidden`` are applied by the step's first ops. Rows past the lists decode
+    on the scratch slot. Greedy only: a batch with a sampled slot takes MlaBatchDecoder's plain steps."""
+
+    def __init__(self, model: MlaModel, caches: list[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor,
+                 batch: int, k: int, scratch_slot: int | None = None, num_splits: int = 16,
+                 draft_vocab: int | None = None, kv_scales: list[float] | None = None):
+        """``caches``: the engine's whole per-layer latent caches [num_slots + 1, max_tokens, r + rope], the main
+        model's layers then the MTP layer's."""
+        if model.mtp is None:
+            raise ValueError("a batch that drafts needs the model's MTP layer")
+        if len(caches) != len(model.layers) + 1:
+            raise ValueError(f"{len(caches)} caches for {len(model.layers)} layers and the MTP layer")
+        rows = batch * (k + 1)
+        if k < 1 or batch < 2 or rows > MAX_SPEC_ROWS:
+            raise ValueError(f"a batch that drafts has 2 or more slots, 1 or more drafts and at most "
+                             f"{MAX_SPEC_ROWS} rows (slots x (drafts + 1)), got {batch} slots x {k} drafts")
+        d, dev, bf = model.dims, model.embed.device, torch.bfloat16
+        self.model, self.caches, self.batch, self.k, self.rows = model, caches, batch, k, rows
+        self.k_scales = list(kv_scales) if kv_scales is not None else [1.0] * len(caches)
+        self.scratch_slot = caches[0].shape[0] - 1 if scratch_slot is None else scratch_slot
+        self.cos, self.sin = cos.to(device=dev, dtype=bf).contiguous(), sin.to(device=dev, dtype=bf).contiguous()
+        vocab, hd = model.lm_head.shape
+        self.draft_head = model.mtp.head[: draft_vocab or vocab]  # a view: no copy
+        stack = dict(num_splits=num_splits, dense_inter=model.dense_inter, max_tokens=caches[0].shape[1], batch=True)
+        self.draft_stack = MlaStack(d, batch, dev, **stack)  # the MTP layer over one draft of every slot
+        self.stack = MlaStack(d, rows, dev, **stack)  # the verify's rows (main layers, then the MTP layer)
+        self.tokens = torch.zeros(batch, k + 1, dtype=torch.int64, device=dev)
+        self.pos = torch.zeros(batch, dtype=torch.int32, device=dev)
+        self.slots = torch.full((batch,), self.scratch_slot, dtype=torch.int32, device=dev)
+        self.num_valid = torch.zeros(batch, dtype=torch.int64, device=dev)
+        self.pos_draft = torch.zeros(batch, dtype=torch.int32, device=dev)
+        self.pos_rows = torch.zeros(rows, dtype=torch.int32, device=dev)
+        self.slot_rows = torch.zeros(rows, dtype=torch.int32, device=dev)
+        self.steps = torch.arange(k + 1, dtype=torch.int32, device=dev)
+        self.first_rows = torch.arange(batch, device=dev) * (k + 1)
+        self.mtp_hidden = torch.zeros(batch, hd, dtype=bf, device=dev)
+        self.emb = torch.zeros(batch, hd, dtype=bf, device=dev)
+        self.cat = torch.zeros(batch, 2 * hd, dtype=bf, device=dev)
+        self.mtp_x = torch.zeros(batch, hd, dtype=bf, device=dev)
+        self.draft_logits = torch.zeros(batch, self.draft_head.shape[0], dtype=torch.float32, device=dev)
+        self.residual = torch.zeros(rows, hd, dtype=bf, device=dev)
+        self.hid = torch.zeros(rows, hd, dtype=bf, device=dev)
+        self.logits = torch.zeros(rows, vocab, dtype=torch.float32, device=dev)
+        self.emb_rows = torch.zeros(rows, hd, dtype=bf, device=dev)
+        self.cat_rows = torch.zeros(rows, 2 * hd, dtype=bf, device=dev)
+        self.mtp_x_rows = torch.zeros(rows, hd, dtype=bf, device=dev)
+        self.out = torch.zeros(batch, k + 2, dtype=torch.int64, device=dev)
+        self._ctrl = torch.zeros(4 * batch, dtype=torch.int64, device=dev)
+        self._ctrl_host = torch.zeros(4 * batch, dtype=torch.int64, pin_memory=dev.type == "cuda")
+        self._ctrl_copied = torch.cuda.Event() if dev.type == "cuda" else None
+
+    def set_rows(self, tokens: list[int], positions: list[int], slots: list[int], num_valid: list[int]) -> None:
+        """Every row's next input token, position, slot and drafts to verify (rows past the lists: token 0 at
+        position 0 of the scratch slot, nothing verified); applied by the next ``step()``."""
+        b, pad = self.batch, self.batch - len(tokens)
+        if self._ctrl_copied is not None:
+            self._ctrl_copied.synchronize()  # the previous write has left the pinned buffer
+        host = self._ctrl_host.numpy()
+        host[:b] = list(tokens) + [0] * pad
+        host[b:2 * b] = list(positions) + [0] * pad
+        host[2 * b:3 * b] = list(slots) + [self.scratch_slot] * pad
+        host[3 * b:] = [min(max(n, 0), self.k) for n in num_valid] + [0] * pad
+        self._ctrl.copy_(self._ctrl_host, non_blocking=True)
+        if self._ctrl_copied is not None:
+            self._ctrl_copied.record()
+
+    def step(self) -> None:
+        """One step of every row (capturable: no host sync)."""
+        b, c = self.batch, self._ctrl
+        self.tokens[:, 0].copy_(c[:b])
+        self.pos.copy_(c[b:2 * b])
+        self.slots.copy_(c[2 * b:3 * b])
+        self.num_valid.copy_(c[3 * b:])
+        for j in range(self.k):
+            self._draft(j)
+        self._verify()
+
+    def _draft(self, j: int) -> None:
+        """Draft j of every row: MTP(embed(tokens[:, j]), mtp_hidden) in MTP row pos + j - 1 -> tokens[:, j + 1];
+        mtp_hidden becomes the recycled hidden (at row 0 the token's embedding is zero, as vLLM's MTP masks it)."""
+        mt, eps, hd = self.model.mtp, self.model.dims.eps, self.mtp_hidden.shape[1]
+        torch.add(self.pos, j - 1, out=self.pos_draft).clamp_(min=0)
+        torch.index_select(mt.embed, 0, self.tokens[:, j], out=self.emb)
+        self.emb.mul_((self.pos_draft > 0).to(self.emb.dtype)[:, None])
+        smallops.rmsnorm_rows(self.emb, mt.enorm, self.cat[:, :hd], eps)
+        smallops.rmsnorm_rows(self.mtp_hidden, mt.hnorm, self.cat[:, hd:], eps)
+        gemv_rows(self.cat, mt.eh_proj, self.mtp_x)
+        n = len(self.model.layers)
+        self.draft_stack.block(mt.layer, self.mtp_x, self.caches[n], self.pos_draft, self.cos, self.sin,
+                               slots=self.slots, k_scale=self.k_scales[n])
+        smallops.rmsnorm_rows(self.mtp_x, mt.head_norm, self.mtp_hidden, eps)
+        gemv_rows(self.mtp_hidden, self.draft_head, self.draft_logits, block_n=16, block_k=256,
+                  dot_tile=MlaDecoder.LM_HEAD_DOT_TILE)
+        self.tokens[:, j + 1].copy_(row_argmax(self.draft_logits))
+
+    def _verify(self) -> None:
+        m, k, eps = self.model, self.k, self.model.dims.eps
+        mt, hd, n = m.mtp, self.mtp_hidden.shape[1], len(m.layers)
+        torch.add(self.pos[:, None], self.steps[None], out=self.pos_rows.view(self.batch, k + 1))
+        self.slot_rows.view(self.batch, k + 1).copy_(self.slots[:, None].expand(-1, k + 1))
+        torch.index_select(m.embed, 0, self.tokens.view(-1), out=self.residual)
+        for i, lw in enumerate(m.layers):
+            self.stack.block(lw, self.residual, self.caches[i], self.pos_rows, self.cos, self.sin, slots=self.slot_rows,
+                             k_scale=self.k_scales[i], next_lw=m.layers[i + 1] if i + 1 < n else None)
+        smallops.rmsnorm_rows(self.residual, m.final_norm, self.hid, eps)
+        gemv_rows(self.hid, m.lm_head, self.logits, block_n=16, block_k=256, dot_tile=MlaDecoder.LM_HEAD_DOT_TILE)
+        a = row_argmax(self.logits).view(self.batch, k + 1)  # the model's token after each input
+        ok = (a[:, :k] == self.tokens[:, 1:]) & (self.steps[None, :k] < self.num_valid[:, None])
+        accepted = ok.long().cumprod(dim=1).sum(dim=1)  # [B]
+        self.out[:, 0].copy_(accepted)
+        self.out[:, 1:].copy_(a)
+        # the MTP layer over every verified row (MlaDecoder._mtp_over_verified's pairs, each slot's own)
+        torch.index_select(mt.embed, 0, a.reshape(-1), out=self.emb_rows)
+        smallops.rmsnorm_rows(self.emb_rows, mt.enorm, self.cat_rows[:, :hd], eps)
+        smallops.rmsnorm_rows(self.hid, mt.hnorm, self.cat_rows[:, hd:], eps)
+        gemv_rows(self.cat_rows, mt.eh_proj, self.mtp_x_rows)
+        self.stack.block(mt.layer, self.mtp_x_rows, self.caches[n], self.pos_rows, self.cos, self.sin,
+                         slots=self.slot_rows, k_scale=self.k_scales[n])
+        torch.index_select(self.hid, 0, self.first_rows + accepted, out=self.mtp_hidden)
+
+
+# rows of a batch that drafts (slots x (drafts + 1)): gemv_rows' most (moe.MAX_ROWS)
+MAX_SPEC_ROWS = MAX_ROWS
 
 class _RowBuffers:
     """One slot's row of the engine's SamplingBuffers (a sampling_state.SlotSampling) as [1, ...]
