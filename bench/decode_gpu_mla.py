@@ -725,7 +725,7 @@ def batch_measure(X, model, s: dict, ctx: int, R: dict, tag: str = "dsv2lite_", 
 
 
 
-BATCH_SPEC_PLANS = ((2, 1), (2, 2), (2, 3), (4, 1))  # (slots, drafts each): the batched drafting graphs (8 rows)
+BATCH_SPEC_PLANS = ((2, 1), (2, 3), (4, 1), (4, 3), (8, 1))  # (slots, drafts each): batched drafting graphs (<= 16 rows)
 
 
 def batch_spec_measure(X, model, s: dict, ctx: int, R: dict, tag: str = "dsv2lite_", plans=BATCH_SPEC_PLANS) -> None:

@@ -139,8 +139,8 @@ def main() -> int:
     p.add_argument("--batch", action="store_true",
                    help="also five requests of each family in one batched step against each alone")
     p.add_argument("--batch-spec", action="store_true",
-                   help="also greedy requests of each dense-attention MTP family drafting together: 2 slots with "
-                        "3 drafts each, 4 slots with 1 (each slot's drafts verified in the batched step), against the "
+                   help="also greedy requests of each dense-attention MTP family drafting together: 2 and 4 slots "
+                        "with 3 drafts each, 5 with 1 (each slot's drafts verified in the batched step), against the "
                         "reference engine's tokens")
     p.add_argument("--mla-batch-chain", action="store_true",
                    help="the DeepSeek family's batched block as one chain of Triton kernels (MlaStack.BATCH_CHAIN)")
@@ -176,8 +176,8 @@ def main() -> int:
                 traceback.print_exc()
             print(f"{arch}_batch5", {k2: v for k2, v in out.items() if k2.startswith(f"{arch}_batch5")}, flush=True)
         if args.batch_spec and kv == "auto" and arch in ("deepseek_v3", "deepseek_v3_lite"):
-            more = [[5, 77, 200, 9, 61, 18, 140], [3, 44], [11, 12, 13]]
-            for slots, k in ((2, 3), (4, 1)):
+            more = [[5, 77, 200, 9, 61, 18, 140], [3, 44], [11, 12, 13], [250, 1, 90, 7, 33]]
+            for slots, k in ((2, 3), (4, 3), (5, 1)):  # 8, 16 and 16 rows (five slots: the batch of 8)
                 key = f"{arch}_batch{slots}_k{k}"
                 try:
                     b = run_batch_spec(path, args.tokens, ([prompt] + more)[:slots], k)

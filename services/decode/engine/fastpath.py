@@ -30,7 +30,7 @@ Contract:
   DeepSeek family dense attention): one engine step of 2..``max_batch`` (8) active slots in one batched
   decoder (cuda/batch.py; cuda/mla_decoder.py's MlaBatchDecoder). A greedy DeepSeek-family batch in which
   a slot drafts takes MlaBatchSpecDecoder instead (``spec_batch_ok``): each slot's drafts (as many as it
-  asks for, at most ``batch_spec_k``: the rows, slots x (k + 1), fit 8) verified and its next ones drawn in
+  asks for, at most ``batch_spec_k``: the rows, slots x (k + 1), fit 16) verified and its next ones drawn in
   one replay, the MTP layer's rows of every verified token written, one graph per (padded size, k), the
   engine's k captured with the plain graphs; each slot's MTP input is its last hidden wherever its last step
   ran (``_mtp_input``). A batch with a sampled slot takes plain steps (a slot drafts again once alone or in
@@ -82,7 +82,7 @@ log = logging.getLogger(__name__)
 MODES = ("auto", "on", "off")
 MAX_LOGPROBS = 20  # cuda/sampling_state.MAX_LOGPROBS (torch-only import kept out of this module's top)
 MAX_BATCH = 8  # slots of one batched step (cuda/batch.py, cuda/mla_decoder.py's MlaBatchDecoder)
-MAX_SPEC_ROWS = 8  # rows of a batched step with drafts, slots x (drafts + 1) (cuda/moe.py's MAX_ROWS)
+MAX_SPEC_ROWS = 16  # rows of a batched step with drafts, slots x (drafts + 1) (cuda/moe.py's MAX_ROWS)
 BATCH_SIZES = (2, 4, 8)  # its padded sizes, one graph (greedy, sampled) each
 
 
@@ -129,7 +129,7 @@ def padded_batch(n: int) -> int:
 
 def batch_spec_k(size: int, k: int) -> int:
     """Drafts a slot of a batch of padded ``size`` verifies when k are asked for: the batch's rows (size x (k + 1))
-    fit the row-batched kernels' most (cuda/moe.py's MAX_ROWS, 8), or none (a plain batched step)."""
+    fit the row-batched kernels' most (cuda/moe.py's MAX_ROWS, 16), or none (a plain batched step)."""
     return max(0, min(k, MAX_SPEC_ROWS // size - 1))
 
 

@@ -21,6 +21,7 @@ from tests.unit.engine_cuda.test_engine_fast_path_mla import SMALL
 from tests.unit.engine_cuda.test_fast_path_batch import decode_alone, decode_on_schedule, decode_together
 
 PROMPTS = {0: [0, 13, 131, 31], 1: [5, 77, 200, 9, 61, 18, 140], 2: [3, 44]}
+DRAFTING_PROMPTS = {**PROMPTS, 3: [11, 12, 13], 4: [250, 1, 90, 7, 33]}  # up to five slots drafting together
 REQUESTS = {
     0: SamplingParams(max_tokens=4, ignore_eos=True),
     1: SamplingParams(max_tokens=4, temperature=0.9, top_k=20, top_p=0.9, seed=11, ignore_eos=True),
@@ -86,7 +87,7 @@ def test_slots_join_and_leave_without_changing_anyone_s_tokens(checkpoint, alone
 def _decode(engine: Engine, params: dict[int, SamplingParams]) -> tuple[dict, list]:
     """Every slot of ``params`` started on its prompt, then stepped until all finish: (tokens, each step's
     (path, active slots))."""
-    got = {slot: [int(engine.prefill(slot, PROMPTS[slot]).argmax())] for slot in params}
+    got = {slot: [int(engine.prefill(slot, DRAFTING_PROMPTS[slot]).argmax())] for slot in params}
     for slot, p in params.items():
         engine.start(slot, got[slot][0], p)
     served = []
@@ -101,48 +102,47 @@ def _mtp_rows(engine: Engine, slot: int, upto: int) -> torch.Tensor:
     return engine.cache.kv[-1][slot][:upto].float()
 
 
-@pytest.mark.parametrize("k, slots, batch_k, plain", [(2, (0, 1), 2, None), (2, (0, 1, 2), 1, None), (2, (0, 1), 2, 1)])
+@pytest.mark.parametrize("k, slots, batch_k, plain", [(2, (0, 1), 2, None), (2, (0, 1, 2, 3, 4), 1, None),
+                                                      (2, (0, 1), 2, 1)])
 def test_drafting_slots_verify_their_own_drafts_in_one_batched_step(checkpoint, k, slots, batch_k, plain):
     """Greedy slots with MTP drafts decode together on the fast path, each verifying its own drafts and drawing its
-    next ones in the batched step (2 slots: all k; 3 slots, a batch of 4 rows: one draft each, so that the rows fit
-    8; ``plain``: a slot that asks for no drafts, one token a step beside a drafting one): every slot's tokens are
+    next ones in the batched step (2 slots: all k; 5 slots, a batch of 8 rows: one draft each, so that the rows fit
+    16; ``plain``: a slot that asks for no drafts, one token a step beside a drafting one): every slot's tokens are
     the reference engine's (which drafts for the same slots together), and the MTP layer's cache rows each slot's
     batched steps write (the verified tokens' pairs) are the reference step's."""
+    from services.decode.engine import fastpath
+
     params = {slot: SamplingParams(max_tokens=8, ignore_eos=True, num_speculative_tokens=0 if slot == plain else None)
               for slot in slots}
-    ref = Engine.load(checkpoint, num_slots=3, max_seq_len=24, dtype="bfloat16", fast_path="off",
+    ref = Engine.load(checkpoint, num_slots=len(slots), max_seq_len=24, dtype="bfloat16", fast_path="off",
                       num_speculative_tokens=k, adaptive_speculation=False)
     want, _ = _decode(ref, params)
-    engine = Engine.load(checkpoint, num_slots=3, max_seq_len=24, dtype="bfloat16", fast_path="on",
+    engine = Engine.load(checkpoint, num_slots=len(slots), max_seq_len=24, dtype="bfloat16", fast_path="on",
                          num_speculative_tokens=k, adaptive_speculation=False)
     got, served = _decode(engine, params)
     assert got == want and all(len(t) == 9 for t in got.values())
     assert served[0] == ("fast", len(slots)) and {p for p, _ in served} == {"fast"}
-    assert min(engine.fast_path.spec_batches) == (2, k)  # (a batch of 3 keeps 2 slots once one has finished)
-    assert max(engine.fast_path.spec_batches) == (fastpath_padded(len(slots)), batch_k)
+    graphs = engine.fast_path.spec_batches  # (padded size, drafts): a batch keeps fewer slots as they finish
+    assert (fastpath.padded_batch(len(slots)), batch_k) in graphs
+    assert all(d == fastpath.batch_spec_k(size, k) for size, d in graphs)
     accepted = 0
     for slot in slots:
         stats = engine.spec_stats(slot)
         batched = sum(1 for _, n in served[: stats.num_steps] if n > 1)  # its steps while the others decoded
-        lo, upto = 0, len(PROMPTS[slot]) + len(got[slot]) - 2  # rows of verified pairs in both engines
+        lo, upto = 0, len(DRAFTING_PROMPTS[slot]) + len(got[slot]) - 2  # rows of verified pairs in both engines
         if slot == plain:  # nothing verified, one token a step, its MTP rows written all the same while batched
             assert stats.num_draft_tokens == stats.num_accepted_tokens == 0 and stats.num_steps == 8
             # (its first token's pair, row L - 1, the fast path's first draft writes and the reference's start does
             # not; alone, its plain steps write none: a hole, as the reference's)
-            lo, upto = len(PROMPTS[slot]), len(PROMPTS[slot]) + batched
+            lo, upto = len(DRAFTING_PROMPTS[slot]), len(DRAFTING_PROMPTS[slot]) + batched
         else:
             assert batched > 0 and stats.num_draft_tokens >= batch_k * batched
         accepted += stats.num_accepted_tokens
         fast_rows, ref_rows = _mtp_rows(engine, slot, upto)[lo:], _mtp_rows(ref, slot, upto)[lo:]
-        assert fast_rows[len(PROMPTS[slot]) - lo:].abs().amax(dim=-1).min() > 0  # every decoded position's row
+        decoded = fast_rows[len(DRAFTING_PROMPTS[slot]) - lo:]
+        assert decoded.abs().amax(dim=-1).min() > 0  # every decoded position's row written
         assert torch.allclose(fast_rows, ref_rows, atol=3e-2, rtol=3e-2), (fast_rows - ref_rows).abs().max()
     assert accepted > 0  # drafts were accepted: a slot had more than one token in a step
-
-
-def fastpath_padded(n: int) -> int:
-    from services.decode.engine import fastpath
-
-    return fastpath.padded_batch(n)
 
 
 def test_a_drafting_slot_batched_with_a_sampled_one_decodes_plain_steps_and_drafts_again_alone(checkpoint):

@@ -29,7 +29,7 @@ token outside the first N can never be drafted (that draft is rejected like any 
 
 ``MlaBatchDecoder``: 2..8 slots, one plain step each in one graph (the verify's T-row block with each row
 in its own slot at its own position; the rows' control plane and step tail are batch.py's ``RowsDecoder``).
-``MlaBatchSpecDecoder``: 2..4 slots, each with its own k drafts + verify (spec_step's greedy step, row by row).
+``MlaBatchSpecDecoder``: 2..8 slots, each with its own k drafts + verify (spec_step's greedy step, row by row).
 """
 
 from __future__ import annotations

@@ -187,7 +187,9 @@ def _gemv_rows_kernel(x_ptr, w_ptr, out_ptr, res_ptr, nw_ptr, N, K, eps, stride_
 
 
 DOT_ROWS = 16  # tokens padded to one tensor-core tile when T > 1
-MAX_ROWS = 8  # gemv_rows' rows: up to 4 verify tokens (3 drafts), up to 8 batched slots
+# gemv_rows' rows: up to 4 verify tokens (3 drafts), up to 8 batched slots, up to 16 rows of a batch that drafts (one
+# tensor-core tile of rows)
+MAX_ROWS = 16
 
 
 def _dot(t: int, w) -> bool:
