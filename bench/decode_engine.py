@@ -318,11 +318,23 @@ def bench_cuda_mla(steps: int, context: int) -> dict:
                                     # four requests at once: one batched step of the four slots (MlaBatchDecoder)
                                     # against one slot's step, and the reference step batching the same four
                                     ("fast_4slots", 0, "auto", {"num_slots": 4}, None),
-                                    ("reference_graph_4slots", 0, "off", {"num_slots": 4}, None)):
+                                    ("reference_graph_4slots", 0, "off", {"num_slots": 4}, None),
+                                    # ... each slot verifying one draft a step in the batched step (never
+                                    # accepted here: the batched drafting step's own cost)
+                                    ("fast_4slots_mtp1_every_step", 1, "auto",
+                                     {"num_slots": 4, "adaptive_speculation": False}, None),
+                                    # adaptive drafting's plain steps without the MTP layer's row each
+                                    # (FastPath.MTP_ROWS off): what keeping the draft layer's cache costs
+                                    ("fast_mtp3_no_mtp_rows", 3, "auto", {"mtp_rows": False}, None)):
+        from services.decode.engine import fastpath
+
+        opts = dict(opts)
+        fastpath.FastPath.MTP_ROWS = opts.pop("mtp_rows", True)
         engine = Engine.from_hf_tensors(cfg, tensors, max_seq_len=context + steps + 16, device=device, dtype=dtype,
                                         model_name="dsv2-lite-shape", num_speculative_tokens=k, fast_path=mode,
                                         **opts)
         r = engine_tokens_per_s(engine, prompt, steps, num_slots=opts.get("num_slots", 1), k=k, sampling=sp)
+        fastpath.FastPath.MTP_ROWS = True
         out[name] = {"tok_s": r["tokens_per_s"], "paths": r["paths"], "acceptance": r["acceptance"],
                      "draft_tokens": r["draft_tokens"], "itl_p50_ms": r["itl_p50_ms"], "step_ms": r["step_ms"],
                      "fast_path": engine.fast_path_reason or "on"}
@@ -336,6 +348,9 @@ def bench_cuda_mla(steps: int, context: int) -> dict:
     out["dsv2lite_unaccepted_spec_itl_ratio"] = out["fast_mtp3"]["itl_p50_ms"] / out["fast"]["itl_p50_ms"]
     out["dsv2lite_unaccepted_spec_itl_ratio_every_step"] = (out["fast_mtp3_every_step"]["itl_p50_ms"]
                                                             / out["fast"]["itl_p50_ms"])
+    out["dsv2lite_unaccepted_spec_itl_ratio_no_mtp_rows"] = (out["fast_mtp3_no_mtp_rows"]["itl_p50_ms"]
+                                                             / out["fast"]["itl_p50_ms"])
+    out["dsv2lite_batch4_mtp1_step_ratio"] = out["fast_4slots_mtp1_every_step"]["step_ms"] / out["fast_4slots"]["step_ms"]
     out["dsv2lite_sampled_over_greedy"] = out["fast_sampled"]["tok_s"] / out["fast"]["tok_s"]
     # a k = 3 step drafting and verifying with sampling over the same step greedy; the default (adaptive)
     # sampled request with drafts on the fast path over the reference step, and over plain sampled steps

@@ -921,7 +921,13 @@ def run_mla(X, R: dict, ctx: int = 1024) -> None:
         R["dsv2lite_plain_ms"] = time_plain_step(dec, ctx, 30)[0]
         R["dsv2lite_frac_roofline"] = roof_ms / R["dsv2lite_plain_ms"]
         log(f"  dsv2lite plain step {R['dsv2lite_plain_ms']:.3f} ms ({R['dsv2lite_frac_roofline']:.3f} of roofline)")
-        del dec
+        # a drafting request's plain step (adaptive drafting between probes): + the MTP layer's cache row
+        rows = capture(lambda: dec.plain_step(mtp_row=True), steps_per_replay=4, before_capture=lambda: dec.set_state(1, ctx))
+        dec.set_state(1, ctx)
+        R["dsv2lite_plain_mtp_row_ms"] = ms = time_replays(rows, 30) / 4
+        R["dsv2lite_plain_mtp_row_ratio"] = ms / R["dsv2lite_plain_ms"]
+        log(f"  dsv2lite plain step + MTP row {ms:.3f} ms ({R['dsv2lite_plain_mtp_row_ratio']:.3f}x)")
+        del dec, rows
         ab = bool(os.environ.get("MLA_BATCH_AB"))  # the batched block's forms alternated (BATCH_VARIANTS)
         batch_measure(X, model, s, ctx, R, sizes=(4, 8) if ab else (2, 4, 8),
                       variants=tuple(os.environ.get("MLA_BATCH_VARIANTS", ",".join(BATCH_VARIANTS)).split(","))

@@ -42,6 +42,9 @@ Contract:
   the rows' tokens, positions and slots are written to device tensors before each step, so a slot
   joining or leaving changes no graph. ``tokens_per_step`` tokens per step as alone (fewer when a
   slot's max_tokens or max_seq_len leaves less room), one host sync; results cut per slot by slots.emit.
+- A DeepSeek-family request that may draft (``num_spec`` > 0) takes plain-step graphs that also write the
+  MTP layer's cache row of the pair each step leaves (keys ``PLAIN_ROW`` / ``SAMPLED_ROW``; ``MTP_ROWS``,
+  MlaDecoder.mtp_row), so adaptive drafting's steps between probes leave no holes for the next drafts.
 - ``FastPath.prepare(slot, token, pos)`` builds a slot's decoder and graphs (the engine calls it first,
   so that under ``auto`` a build or capture failure turns the fast path off instead of failing the
   request); ``FastPath.decode(slot, token, pos, n)``: ``n`` greedy tokens after ``token`` at position ``pos``
@@ -138,6 +141,8 @@ def batch_sizes(num_slots: int) -> list[int]:
     return sorted({padded_batch(n) for n in range(2, min(num_slots, MAX_BATCH) + 1)})
 SAMPLED = "sampled"  # the runner key of a slot's sampling graph (one token a step)
 SPEC_SAMPLED = "spec_sampled"  # ... of a DeepSeek-family slot's k sampled drafts + verify: (SPEC_SAMPLED, k)
+# ... of a DeepSeek-family slot's plain step (greedy, sampled) that also writes the MTP layer's cache row
+PLAIN_ROW, SAMPLED_ROW = "plain_mtp_row", "sampled_mtp_row"
 EXTRAS = "extras"  # ... and of its graphs that also apply a grammar mask and/or compute logprobs:
 
 
@@ -258,6 +263,10 @@ def _captured_or_eager(runner, fn, what: str, rearm):
 class FastPath:
     """Per-slot fast decoders over one engine model, built on first use and kept for the slot."""
 
+    # a DeepSeek-family request that drafts writes the MTP layer's cache row on its plain steps too (adaptive
+    # drafting's steps between probes: MlaDecoder.mtp_row), so its next drafts attend over no holes
+    MTP_ROWS: bool = True
+
     def __init__(self, model, device: torch.device, options=None, tokens_per_step: int = 1, max_steps: int = 256,
                  num_speculative_tokens: int = 0, draft_vocab: int | None = None, sampling=None,
                  run_ahead: bool = True):
@@ -309,6 +318,8 @@ class FastPath:
 
             if k == SAMPLED:
                 fn = (lambda: dec.plain_step(sample=True)) if self.mla else (lambda: dec.step(sample=True))
+            elif k in (PLAIN_ROW, SAMPLED_ROW):
+                fn = lambda sample=k == SAMPLED_ROW: dec.plain_step(sample=sample, mtp_row=True)  # noqa: E731
             elif isinstance(k, tuple) and k[0] == SPEC_SAMPLED:
                 fn = lambda drafts=k[1]: dec.spec_step(drafts, sample=True)  # noqa: E731
             elif isinstance(k, tuple) and k[0] == EXTRAS:
@@ -329,6 +340,11 @@ class FastPath:
                 runner.capture()
             runners[k] = runner
         return runners[k]
+
+    def _mtp_rows(self, dec) -> bool:
+        """Whether this slot's plain steps write the MTP layer's cache row (``MTP_ROWS``; a DeepSeek-family engine
+        that drafts, a dense-attention MTP layer)."""
+        return self.MTP_ROWS and self.mla and self.num_spec > 0 and dec.mtp_rows_ok
 
     def _arm(self, dec, token: int, pos: int, prev_hidden=None) -> None:
         if self.mla:
@@ -408,6 +424,10 @@ class FastPath:
             self._runner(dec, runners, 0, token, pos)
             if self.sample_ok:
                 self._runner(dec, runners, SAMPLED, token, pos)
+            if self.num_spec and self._mtp_rows(dec):
+                self._runner(dec, runners, PLAIN_ROW, token, pos)
+                if self.sample_ok and self.device.type == "cuda":
+                    self._runner(dec, runners, SAMPLED_ROW, token, pos)
             if self.num_spec:
                 self._runner(dec, runners, self.num_spec, token, pos)
                 if self.sample_ok and self.device.type == "cuda":  # a sampled request's first step: no capture
@@ -442,7 +462,9 @@ class FastPath:
         if (sampled or extras) and not self.sample_ok:
             raise ValueError("this fast path decodes plain greedy requests only")
         dec, runners = self.prepare(slot, token, pos)
-        key = extras_key(s.grammar is not None, s.num_logprobs is not None) if extras else SAMPLED if sampled else 0
+        rows = s is not None and s.num_spec > 0 and self._mtp_rows(dec)  # a request that drafts, between drafts
+        key = (extras_key(s.grammar is not None, s.num_logprobs is not None) if extras
+               else (SAMPLED_ROW if rows else SAMPLED) if sampled else PLAIN_ROW if rows else 0)
         if key not in runners:  # captured now, which re-arms the decoder
             self.held.pop(slot, None)
         runner = self._runner(dec, runners, key, token, pos)
