@@ -434,6 +434,25 @@ def _apply_rows_kernel(ctrl_ptr, token_ptr, pos_ptr, slot_ptr, step_idx_ptr, emb
         tl.store(ctrl_ptr + 3 * B, tl.zeros((1,), tl.int64).sum(axis=0))
 
 
+class RowControl:
+    """A batched step's control words from the host (each row's token, position, slot, ...): one pinned host buffer
+    and one async copy into ``dev``, which the step's first ops read; a write waits until the previous one has left
+    the pinned buffer."""
+
+    def __init__(self, n: int, device: torch.device):
+        self.dev = torch.zeros(n, dtype=torch.int64, device=device)
+        self._host = torch.zeros(n, dtype=torch.int64, pin_memory=device.type == "cuda")
+        self._copied = torch.cuda.Event() if device.type == "cuda" else None
+
+    def write(self, values: list[int]) -> None:
+        if self._copied is not None:
+            self._copied.synchronize()
+        self._host.numpy()[:] = values
+        self.dev.copy_(self._host, non_blocking=True)
+        if self._copied is not None:
+            self._copied.record()
+
+
 class RowsDecoder:
     """What every family's batched decoder shares: the rows' control plane (``set_rows``: each row's token,
     position and slot, applied by the step's first kernel), the per-row samplers, and the step around the
@@ -471,9 +490,7 @@ class RowsDecoder:
         self.samplers: list | None = None
         # set_rows' host -> device write: tokens, positions, slots and an armed flag, one pinned buffer and one
         # async copy; the step's first kernel applies them (once: it clears the flag)
-        self._ctrl = torch.zeros(3 * b + 1, dtype=torch.int64, device=dev)
-        self._ctrl_host = torch.zeros(3 * b + 1, dtype=torch.int64, pin_memory=dev.type == "cuda")
-        self._ctrl_copied = torch.cuda.Event() if dev.type == "cuda" else None
+        self._ctrl = RowControl(3 * b + 1, dev)
 
     def attach_samplers(self, buffers, **kwargs) -> None:
         """Sample in ``step(sample=True)``: row b by the sampling kernels over row ``slots[b]`` of
@@ -491,21 +508,12 @@ class RowsDecoder:
         lists decode token 0 at position 0 of the scratch slot. One pinned host buffer and one async copy
         (the engine calls it before every batched step); the next ``step()`` applies it in its first kernel,
         so the device tensors (token, pos, slots, step_idx, residual) change only then."""
-        pad, b = self.batch - len(tokens), self.batch
-        if self._ctrl_copied is not None:
-            self._ctrl_copied.synchronize()  # the previous write has left the pinned buffer
-        host = self._ctrl_host.numpy()
-        host[:b] = list(tokens) + [0] * pad
-        host[b : 2 * b] = list(positions) + [0] * pad
-        host[2 * b : 3 * b] = list(slots) + [self.scratch_slot] * pad
-        host[3 * b] = 1
-        self._ctrl.copy_(self._ctrl_host, non_blocking=True)
-        if self._ctrl_copied is not None:
-            self._ctrl_copied.record()
+        pad = self.batch - len(tokens)
+        self._ctrl.write([*tokens, *[0] * pad, *positions, *[0] * pad, *slots, *[self.scratch_slot] * pad, 1])
 
     def _apply_rows(self) -> None:
         h = self.hidden
-        _apply_rows_kernel[(1,)](self._ctrl, self.token, self.pos, self.slots, self.step_idx, self.embed,
+        _apply_rows_kernel[(1,)](self._ctrl.dev, self.token, self.pos, self.slots, self.step_idx, self.embed,
                                  self.residual, self.residual.stride(0), h, B=self.batch,
                                  H_POW2=triton.next_power_of_2(h), PDL=self.opt.pdl, num_warps=4,
                                  **launch_opts(self.opt.pdl))

@@ -42,7 +42,7 @@ import triton.language as tl
 
 from . import smallops
 from . import reference
-from .batch import RowsDecoder
+from .batch import RowControl, RowsDecoder
 from .gemv import gemv
 from .kernel_helpers import round_to_dtype
 from .mla import MlaDims, MlaLayer, MlaStack, MtpWeights
@@ -472,28 +472,19 @@ class MlaBatchSpecDecoder:
         self.cat_rows = torch.zeros(rows, 2 * hd, dtype=bf, device=dev)
         self.mtp_x_rows = torch.zeros(rows, hd, dtype=bf, device=dev)
         self.out = torch.zeros(batch, k + 2, dtype=torch.int64, device=dev)
-        self._ctrl = torch.zeros(4 * batch, dtype=torch.int64, device=dev)
-        self._ctrl_host = torch.zeros(4 * batch, dtype=torch.int64, pin_memory=dev.type == "cuda")
-        self._ctrl_copied = torch.cuda.Event() if dev.type == "cuda" else None
+        self._ctrl = RowControl(4 * batch, dev)
 
     def set_rows(self, tokens: list[int], positions: list[int], slots: list[int], num_valid: list[int]) -> None:
         """Every row's next input token, position, slot and drafts to verify (rows past the lists: token 0 at
         position 0 of the scratch slot, nothing verified); applied by the next ``step()``."""
-        b, pad = self.batch, self.batch - len(tokens)
-        if self._ctrl_copied is not None:
-            self._ctrl_copied.synchronize()  # the previous write has left the pinned buffer
-        host = self._ctrl_host.numpy()
-        host[:b] = list(tokens) + [0] * pad
-        host[b:2 * b] = list(positions) + [0] * pad
-        host[2 * b:3 * b] = list(slots) + [self.scratch_slot] * pad
-        host[3 * b:] = [min(max(n, 0), self.k) for n in num_valid] + [0] * pad
-        self._ctrl.copy_(self._ctrl_host, non_blocking=True)
-        if self._ctrl_copied is not None:
-            self._ctrl_copied.record()
+        pad = self.batch - len(tokens)
+        valid = [min(max(n, 0), self.k) for n in num_valid]
+        self._ctrl.write([*tokens, *[0] * pad, *positions, *[0] * pad, *slots, *[self.scratch_slot] * pad,
+                          *valid, *[0] * pad])
 
     def step(self) -> None:
         """One step of every row (capturable: no host sync)."""
-        b, c = self.batch, self._ctrl
+        b, c = self.batch, self._ctrl.dev
         self.tokens[:, 0].copy_(c[:b])
         self.pos.copy_(c[b:2 * b])
         self.slots.copy_(c[2 * b:3 * b])
