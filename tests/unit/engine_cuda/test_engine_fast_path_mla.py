@@ -157,8 +157,8 @@ def test_adaptive_drafting_on_the_fast_path_switches_draft_and_plain_steps_witho
 
 
 
-@pytest.mark.parametrize("arch", ["deepseek_v3_lite", "deepseek_v3"])
-@pytest.mark.parametrize("mtp_rows", [True, False])
+@pytest.mark.parametrize("arch, mtp_rows", [("deepseek_v3_lite", True), ("deepseek_v3", True),
+                                            ("deepseek_v3_lite", False)])
 def test_plain_steps_between_drafts_write_the_mtp_rows_a_drafting_step_writes(tmp_path, monkeypatch, arch, mtp_rows):
     """Adaptive drafting on random MTP weights turns drafting off after the first steps (plain steps until a probe).
     Those plain steps still write the MTP layer's cache row of the pair they leave (MlaDecoder.mtp_row: the draft
