@@ -560,9 +560,8 @@ class Engine:
         self.last_step_slots = len(active)
         if len(active) > 1 and self._fast_batch_ready(active):
             self.last_step_path = "fast"
-            firsts = {i: self.prefill_hidden[i] for i in active
-                      if self.slots[i].has_prefill_hidden and self.slots[i].num_generated == 0}
-            results = self._fast.step_batch([(i, self.slots[i]) for i in active], self.max_seq_len, firsts)
+            results = self._fast.step_batch([(i, self.slots[i]) for i in active], self.max_seq_len,
+                                            self.prefill_hidden)
             return {i: self._fast_output(i, out, reason) for i, (out, reason) in zip(active, results)}
         if len(active) == 1 and self._fast_ready(active[0]):
             self.last_step_path = "fast"

@@ -585,20 +585,21 @@ class FastPath:
         return runners[key]
 
     def step_batch(self, items: list[tuple[int, SlotState]], max_seq_len: int,
-                   prev_hidden: dict[int, torch.Tensor] | None = None) -> list[tuple[list[int], str | None]]:
+                   prefill_hidden: torch.Tensor | None = None) -> list[tuple[list[int], str | None]]:
         """One engine step of 2..max_batch active slots ``[(slot, state)]`` in one batched decoder: per slot
         (emitted tokens, finish reason), cut as ``step`` cuts them (module docstring). Slots with logprobs
         or a grammar: the batch takes the graph with masks and/or logprobs (one token per step with a
         grammar: each mask needs the token before it), their logprobs in ``s.extra["fast_logprobs"]``.
         A greedy DeepSeek-family batch where a slot drafts: each slot's drafts + verify in one step
-        (``_step_batch_spec``; ``prev_hidden``: {slot: the prefill's last hidden} of slots at their first step)."""
+        (``_step_batch_spec``; ``prefill_hidden`` [slots, hidden]: each prefilled slot's last hidden, the first
+        draft's input of a slot at its first step)."""
         rooms = [min(s.max_tokens - s.num_generated, max_seq_len - 1 - s.seq_len) for _, s in items]
         masks = any(s.grammar is not None for _, s in items)
         lps = any(s.num_logprobs is not None for _, s in items)
         k = batch_spec_k(padded_batch(len(items)), min(max(s.spec_k for _, s in items), self.num_spec))
         if (k and self.spec_batch_ok and min(rooms) > 0 and not masks and not lps
                 and all(s.is_greedy for _, s in items)):
-            return self._step_batch_spec(items, k, max_seq_len, prev_hidden or {})
+            return self._step_batch_spec(items, k, max_seq_len, prefill_hidden)
         n = max(0, min(self.tokens_per_step if not masks else 1, *rooms))
         rows: list[list[int]] = [[] for _ in items]
         if n > 0:
@@ -667,14 +668,14 @@ class FastPath:
         return results
 
     def _step_batch_spec(self, items: list[tuple[int, SlotState]], k: int, max_seq_len: int,
-                         prev_hidden: dict[int, torch.Tensor]) -> list[tuple[list[int], str | None]]:
+                         prefill_hidden: torch.Tensor | None) -> list[tuple[list[int], str | None]]:
         """One greedy step of 2..max_batch DeepSeek-family slots, each verifying its own drafts (at most
         ``k``, as many as it asks for) and drawing its next ones, in one replay; one host sync. Each slot's MTP
         input is its hidden one position back: kept by its last batched step, its own decoder's, or the
         prefill's (zeros when none is known: its first drafts are then likely rejected, never wrong)."""
         dec, runner = self.prepare_batch_spec(padded_batch(len(items)), k)
         for r, (slot, s) in enumerate(items):
-            dec.mtp_hidden[r].copy_(self._mtp_input(slot, s, prev_hidden.get(slot)))
+            dec.mtp_hidden[r].copy_(self._mtp_input(slot, s, prefill_hidden))
         valid = [min(s.spec_k, k) for _, s in items]
         dec.set_rows([s.pending for _, s in items], [s.seq_len for _, s in items], [slot for slot, _ in items], valid)
         runner()
@@ -704,8 +705,8 @@ class FastPath:
         held = self.held.get(slot)
         if held is not None and held[:2] == (s.pending, s.seq_len):  # its last step ran alone on its decoder
             return self.decoders[slot][0].mtp_hidden[0]
-        if prefill_hidden is not None and s.num_generated == 0:
-            return prefill_hidden.view(-1)
+        if prefill_hidden is not None and s.has_prefill_hidden and s.num_generated == 0:
+            return prefill_hidden[slot]
         return torch.zeros(self.model.cfg.hidden_size, dtype=torch.bfloat16, device=self.device)
 
     def _keep_batch_hidden(self, hidden: torch.Tensor, slots: torch.Tensor) -> None:

@@ -173,7 +173,6 @@ def mla_batch_decoder_from_engine(model, batch: int, max_steps: int = 256) -> Ml
                            kv_scales=_latent_scales(model.cache))
 
 
-
 def mla_batch_spec_decoder_from_engine(model, batch: int, k: int, draft_vocab: int | None = None
                                        ) -> MlaBatchSpecDecoder:
     """MlaBatchSpecDecoder of ``batch`` rows with ``k`` drafts each over a bound engine DeepseekModel's weights, its
@@ -182,6 +181,7 @@ def mla_batch_spec_decoder_from_engine(model, batch: int, k: int, draft_vocab: i
     return MlaBatchSpecDecoder(_mla_model(model), caches, model.cos, model.sin, batch, k,
                                scratch_slot=model.cache.scratch_slot, num_splits=attention_splits(caches[0].shape[1]),
                                draft_vocab=draft_vocab, kv_scales=_latent_scales(model.cache))
+
 
 def _latent_scales(cache) -> list[float] | None:
     """Each cache layer's k_scale of an FP8 latent cache (None: the latent in the model dtype)."""

@@ -130,6 +130,20 @@ def uniform_rows(seed: torch.Tensor, pos: torch.Tensor, pos_add: int, stream: in
     return out
 
 
+def mtp_input_rows(mt: MtpWeights, tokens: torch.Tensor, hidden: torch.Tensor, emb: torch.Tensor, cat: torch.Tensor,
+                   x: torch.Tensor, eps: float, keep: torch.Tensor | None = None) -> None:
+    """The MTP layer's input for T rows, each pairing a main-model hidden with the token after it: x = eh_proj(
+    [enorm . embed(tokens), hnorm . hidden]) (``emb``, ``cat``: the rows' buffers; ``keep`` [T] 0/1: rows whose token
+    embedding counts, as vLLM's MTP masks position 0's)."""
+    hd = hidden.shape[1]
+    torch.index_select(mt.embed, 0, tokens, out=emb)
+    if keep is not None:
+        emb.mul_(keep[:, None])
+    smallops.rmsnorm_rows(emb, mt.enorm, cat[:, :hd], eps)
+    smallops.rmsnorm_rows(hidden, mt.hnorm, cat[:, hd:], eps)
+    gemv_rows(cat, mt.eh_proj, x)
+
+
 class MlaDecoder:
     """Slot state and step functions over per-layer caches [max_tokens, r + rope] (MTP cache last)."""
 
@@ -319,14 +333,11 @@ class MlaDecoder:
         chain's, and the next step's drafts see what the reference step's see. The cache rows only: the
         next step's first draft recomputes row pos + n from the same pair."""
         t = k + 1
-        mt, eps, hd = self.model.mtp, self.model.dims.eps, self.mtp_hidden.shape[1]
+        mt = self.model.mtp
         if mt is None or t not in self.mtp_x_rows:
             return
-        cat = self.mtp_cat_rows[t]
-        torch.index_select(mt.embed, 0, cand, out=self.mtp_emb_rows[t])
-        smallops.rmsnorm_rows(self.mtp_emb_rows[t], mt.enorm, cat[:, :hd], eps)
-        smallops.rmsnorm_rows(self.hid[t], mt.hnorm, cat[:, hd:], eps)
-        gemv_rows(cat, mt.eh_proj, self.mtp_x_rows[t])
+        mtp_input_rows(mt, cand, self.hid[t], self.mtp_emb_rows[t], self.mtp_cat_rows[t], self.mtp_x_rows[t],
+                       self.model.dims.eps)
         n = len(self.model.layers)
         self.stacks[t].block(mt.layer, self.mtp_x_rows[t], self.caches[n], self.pos, self.cos, self.sin,
                              self.index_caches[n], k_scale=self.k_scales[n])
@@ -408,6 +419,9 @@ class MlaBatchDecoder(RowsDecoder):
                          next_lw=layers[i + 1] if i + 1 < len(layers) else None)
 
 
+# rows of a batch that drafts (slots x (drafts + 1)): gemv_rows' most (moe.MAX_ROWS)
+MAX_SPEC_ROWS = MAX_ROWS
+
 
 class MlaBatchSpecDecoder:
     """``batch`` slots of a DeepSeek-family model, each with ``k`` MTP drafts and one verify of its k + 1 tokens, in
@@ -442,7 +456,7 @@ class MlaBatchSpecDecoder:
             raise ValueError(f"a batch that drafts has 2 or more slots, 1 or more drafts and at most "
                              f"{MAX_SPEC_ROWS} rows (slots x (drafts + 1)), got {batch} slots x {k} drafts")
         d, dev, bf = model.dims, model.embed.device, torch.bfloat16
-        self.model, self.caches, self.batch, self.k, self.rows = model, caches, batch, k, rows
+        self.model, self.caches, self.batch, self.k = model, caches, batch, k
         self.k_scales = list(kv_scales) if kv_scales is not None else [1.0] * len(caches)
         self.scratch_slot = caches[0].shape[0] - 1 if scratch_slot is None else scratch_slot
         self.cos, self.sin = cos.to(device=dev, dtype=bf).contiguous(), sin.to(device=dev, dtype=bf).contiguous()
@@ -496,13 +510,10 @@ class MlaBatchSpecDecoder:
     def _draft(self, j: int) -> None:
         """Draft j of every row: MTP(embed(tokens[:, j]), mtp_hidden) in MTP row pos + j - 1 -> tokens[:, j + 1];
         mtp_hidden becomes the recycled hidden (at row 0 the token's embedding is zero, as vLLM's MTP masks it)."""
-        mt, eps, hd = self.model.mtp, self.model.dims.eps, self.mtp_hidden.shape[1]
+        mt, eps = self.model.mtp, self.model.dims.eps
         torch.add(self.pos, j - 1, out=self.pos_draft).clamp_(min=0)
-        torch.index_select(mt.embed, 0, self.tokens[:, j], out=self.emb)
-        self.emb.mul_((self.pos_draft > 0).to(self.emb.dtype)[:, None])
-        smallops.rmsnorm_rows(self.emb, mt.enorm, self.cat[:, :hd], eps)
-        smallops.rmsnorm_rows(self.mtp_hidden, mt.hnorm, self.cat[:, hd:], eps)
-        gemv_rows(self.cat, mt.eh_proj, self.mtp_x)
+        mtp_input_rows(mt, self.tokens[:, j], self.mtp_hidden, self.emb, self.cat, self.mtp_x, eps,
+                       keep=(self.pos_draft > 0).to(self.emb.dtype))
         n = len(self.model.layers)
         self.draft_stack.block(mt.layer, self.mtp_x, self.caches[n], self.pos_draft, self.cos, self.sin,
                                slots=self.slots, k_scale=self.k_scales[n])
@@ -513,7 +524,7 @@ class MlaBatchSpecDecoder:
 
     def _verify(self) -> None:
         m, k, eps = self.model, self.k, self.model.dims.eps
-        mt, hd, n = m.mtp, self.mtp_hidden.shape[1], len(m.layers)
+        mt, n = m.mtp, len(m.layers)
         torch.add(self.pos[:, None], self.steps[None], out=self.pos_rows.view(self.batch, k + 1))
         self.slot_rows.view(self.batch, k + 1).copy_(self.slots[:, None].expand(-1, k + 1))
         torch.index_select(m.embed, 0, self.tokens.view(-1), out=self.residual)
@@ -528,17 +539,11 @@ class MlaBatchSpecDecoder:
         self.out[:, 0].copy_(accepted)
         self.out[:, 1:].copy_(a)
         # the MTP layer over every verified row (MlaDecoder._mtp_over_verified's pairs, each slot's own)
-        torch.index_select(mt.embed, 0, a.reshape(-1), out=self.emb_rows)
-        smallops.rmsnorm_rows(self.emb_rows, mt.enorm, self.cat_rows[:, :hd], eps)
-        smallops.rmsnorm_rows(self.hid, mt.hnorm, self.cat_rows[:, hd:], eps)
-        gemv_rows(self.cat_rows, mt.eh_proj, self.mtp_x_rows)
+        mtp_input_rows(mt, a.reshape(-1), self.hid, self.emb_rows, self.cat_rows, self.mtp_x_rows, eps)
         self.stack.block(mt.layer, self.mtp_x_rows, self.caches[n], self.pos_rows, self.cos, self.sin,
                          slots=self.slot_rows, k_scale=self.k_scales[n])
         torch.index_select(self.hid, 0, self.first_rows + accepted, out=self.mtp_hidden)
 
-
-# rows of a batch that drafts (slots x (drafts + 1)): gemv_rows' most (moe.MAX_ROWS)
-MAX_SPEC_ROWS = MAX_ROWS
 
 class _RowBuffers:
     """One slot's row of the engine's SamplingBuffers (a sampling_state.SlotSampling) as [1, ...]
