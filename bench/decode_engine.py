@@ -323,6 +323,9 @@ def bench_cuda_mla(steps: int, context: int) -> dict:
                                     # accepted here: the batched drafting step's own cost)
                                     ("fast_4slots_mtp1_every_step", 1, "auto",
                                      {"num_slots": 4, "adaptive_speculation": False}, None),
+                                    # ... the same four sampling: speculative sampling in the batched step
+                                    ("fast_4slots_mtp1_every_step_sampled", 1, "auto",
+                                     {"num_slots": 4, "adaptive_speculation": False}, drafting),
                                     # adaptive drafting's plain steps without the MTP layer's row each
                                     # (FastPath.MTP_ROWS off): what keeping the draft layer's cache costs
                                     ("fast_mtp3_no_mtp_rows", 3, "auto", {"mtp_rows": False}, None)):
@@ -351,6 +354,8 @@ def bench_cuda_mla(steps: int, context: int) -> dict:
     out["dsv2lite_unaccepted_spec_itl_ratio_no_mtp_rows"] = (out["fast_mtp3_no_mtp_rows"]["itl_p50_ms"]
                                                              / out["fast"]["itl_p50_ms"])
     out["dsv2lite_batch4_mtp1_step_ratio"] = out["fast_4slots_mtp1_every_step"]["step_ms"] / out["fast_4slots"]["step_ms"]
+    out["dsv2lite_batch4_mtp1_sampled_over_greedy_step"] = (out["fast_4slots_mtp1_every_step_sampled"]["step_ms"]
+                                                            / out["fast_4slots_mtp1_every_step"]["step_ms"])
     out["dsv2lite_sampled_over_greedy"] = out["fast_sampled"]["tok_s"] / out["fast"]["tok_s"]
     # a k = 3 step drafting and verifying with sampling over the same step greedy; the default (adaptive)
     # sampled request with drafts on the fast path over the reference step, and over plain sampled steps
@@ -367,7 +372,8 @@ def bench_cuda_mla(steps: int, context: int) -> dict:
                                                     / out["reference_graph_4slots"]["tok_s"])
     out["dsv2lite_engine_batch4_over_one_slot_tok_s"] = out["fast_4slots"]["tok_s"] / out["fast"]["tok_s"]
     for name in ("fast_sampled", "fast_mtp3_every_step_sampled", "fast_mtp3_sampled", "fast_sampled_no_penalty",
-                 "reference_graph_mtp3_sampled", "fast_4slots", "reference_graph_4slots"):
+                 "reference_graph_mtp3_sampled", "fast_4slots", "reference_graph_4slots",
+                 "fast_4slots_mtp1_every_step", "fast_4slots_mtp1_every_step_sampled", "fast_mtp3_no_mtp_rows"):
         out.pop(f"{name}_tokens")
     ref = out["reference_graph_tokens"]
     for name in ("fast", "fast_mtp3", "fast_mtp3_every_step", "reference_graph_mtp3"):

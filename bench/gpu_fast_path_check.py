@@ -100,17 +100,20 @@ def run_batch(path: Path, num_tokens: int, prompts: list[list[int]]) -> dict:
                                              if a != b), None) for slot in alone}}
 
 
-def run_batch_spec(path: Path, num_tokens: int, prompts: list[list[int]], k: int) -> dict:
+def run_batch_spec(path: Path, num_tokens: int, prompts: list[list[int]], k: int, sampled: bool = False) -> dict:
     """Greedy requests with k MTP drafts each (fixed drafting) decoding together, each slot verifying its own
     drafts in the batched fast step, against the reference engine's tokens for the same requests together; which
-    batched drafting graphs ran, and each slot's verified and accepted drafts."""
+    batched drafting graphs ran, and each slot's verified and accepted drafts. ``sampled``: every other slot samples
+    (seeded; speculative sampling in the batched step)."""
     res = {}
     for mode in ("on", "off"):
         engine = Engine.load(path, num_slots=len(prompts), max_seq_len=128, dtype="bfloat16", fast_path=mode,
                              device="cuda", num_speculative_tokens=k, adaptive_speculation=False)
         tokens = {slot: [int(engine.prefill(slot, p).argmax())] for slot, p in enumerate(prompts)}
         for slot, first in tokens.items():
-            engine.start(slot, first[0], SamplingParams(max_tokens=num_tokens, ignore_eos=True))
+            engine.start(slot, first[0], SamplingParams(max_tokens=num_tokens, ignore_eos=True, seed=100 + slot,
+                                                        **(dict(temperature=0.7, top_p=0.95) if sampled and slot % 2
+                                                           else {})))
         served = []
         while engine.active_slots():
             for slot, out in engine.step().items():
@@ -139,9 +142,9 @@ def main() -> int:
     p.add_argument("--batch", action="store_true",
                    help="also five requests of each family in one batched step against each alone")
     p.add_argument("--batch-spec", action="store_true",
-                   help="also greedy requests of each dense-attention MTP family drafting together: 2 and 4 slots "
-                        "with 3 drafts each, 5 with 1 (each slot's drafts verified in the batched step), against the "
-                        "reference engine's tokens")
+                   help="also requests of each dense-attention MTP family drafting together: 2 and 4 slots with 3 "
+                        "drafts each, 5 with 1 (each slot's drafts verified in the batched step), greedy, and 4 x 3 "
+                        "and 5 x 1 with every other slot sampled, against the reference engine's tokens")
     p.add_argument("--mla-batch-chain", action="store_true",
                    help="the DeepSeek family's batched block as one chain of Triton kernels (MlaStack.BATCH_CHAIN)")
     p.add_argument("--mla-verify-chain", action="store_true",
@@ -177,10 +180,11 @@ def main() -> int:
             print(f"{arch}_batch5", {k2: v for k2, v in out.items() if k2.startswith(f"{arch}_batch5")}, flush=True)
         if args.batch_spec and kv == "auto" and arch in ("deepseek_v3", "deepseek_v3_lite"):
             more = [[5, 77, 200, 9, 61, 18, 140], [3, 44], [11, 12, 13], [250, 1, 90, 7, 33]]
-            for slots, k in ((2, 3), (4, 3), (5, 1)):  # 8, 16 and 16 rows (five slots: the batch of 8)
-                key = f"{arch}_batch{slots}_k{k}"
+            # 8, 16 and 16 rows (five slots: the batch of 8); greedy, then with sampled slots
+            for slots, k, sampled in ((2, 3, False), (4, 3, False), (5, 1, False), (4, 3, True), (5, 1, True)):
+                key = f"{arch}_batch{slots}_k{k}" + ("_sampled" if sampled else "")
                 try:
-                    b = run_batch_spec(path, args.tokens, ([prompt] + more)[:slots], k)
+                    b = run_batch_spec(path, args.tokens, ([prompt] + more)[:slots], k, sampled)
                     out.update({f"{key}_{k2}": v for k2, v in b.items()})
                     ok &= b["tokens_identical"] and ("fast", slots) in b["steps"] and {p for p, _ in b["steps"]} == {"fast"}
                 except Exception as exc:  # noqa: BLE001

@@ -28,13 +28,15 @@ Contract:
   slot (``prev_hidden``: the prefill's last final-normed hidden, the first MTP draft's input).
 - ``FastPath.step_batch([(slot, slot_state), ...], max_seq_len)`` (``batch_ok``: one GPU, and on the
   DeepSeek family dense attention): one engine step of 2..``max_batch`` (8) active slots in one batched
-  decoder (cuda/batch.py; cuda/mla_decoder.py's MlaBatchDecoder). A greedy DeepSeek-family batch in which
-  a slot drafts takes MlaBatchSpecDecoder instead (``spec_batch_ok``): each slot's drafts (as many as it
+  decoder (cuda/batch.py; cuda/mla_decoder.py's MlaBatchDecoder). A DeepSeek-family batch in which a
+  slot drafts takes MlaBatchSpecDecoder instead (``spec_batch_ok``): each slot's drafts (as many as it
   asks for, at most ``batch_spec_k``: the rows, slots x (k + 1), fit 16) verified and its next ones drawn in
   one replay, the MTP layer's rows of every verified token written, one graph per (padded size, k), the
   engine's k captured with the plain graphs; each slot's MTP input is its last hidden wherever its last step
-  ran (``_mtp_input``). A batch with a sampled slot takes plain steps (a slot drafts again once alone or in
-  a greedy batch, from its last batched step's hidden). Each plain replay
+  ran (``_mtp_input``). A batch with a sampled slot drafts by speculative sampling (its own graph per size and
+  k, MlaBatchSpecDecoder.step(sample=True)), unless a slot's processors read its output (penalties, bad words)
+  or it has a grammar or logprobs: then plain steps (a slot drafts again once alone or in a batch that can,
+  from its last batched step's hidden). Each plain replay
   decodes one token of every slot, the weights read once for all, each slot attending to its own cache
   at its own length and sampling with its own parameters (greedy and sampled slots mix: any sampled
   slot takes the batch's sampling graph, where greedy rows take the argmax). One graph (greedy,
@@ -120,6 +122,14 @@ def _counted(s: SlotState) -> bool:
     from .cuda.sampling_state import TRACK_COUNTS
 
     return bool(s.sampling.flags & TRACK_COUNTS)
+
+
+def _may_draft(s: SlotState) -> bool:
+    """Whether a sampled slot can take speculative sampling's batched step: no processor that reads its own output
+    (penalties, bad words: such a request never drafts, and its sampled steps keep their state)."""
+    from .cuda.sampling_state import BAD_WORDS, TRACK_COUNTS
+
+    return s.sampling is not None and not s.sampling.flags & (TRACK_COUNTS | BAD_WORDS)
 
 
 def padded_batch(n: int) -> int:
@@ -289,7 +299,7 @@ class FastPath:
         self.decoders: dict[int, tuple] = {}  # slot -> (decoder, {drafts k: GraphedFn})
         self.held: dict[int, tuple[int, int, int]] = {}  # slot -> (token, pos, out index) on device
         # several slots in one step (step_batch), on one GPU: the Llama family (bf16 or FP8 weights, bf16 or FP8 KV
-        # cache), the DeepSeek family with dense attention (greedy batches draft: spec_batch_ok)
+        # cache), the DeepSeek family with dense attention (batches draft: spec_batch_ok)
         sparse = bool(getattr(getattr(model, "cfg", None), "index_topk", 0)) if self.mla else False
         self.batch_ok = not sparse and getattr(getattr(model, "tp", None), "size", 1) == 1
         # batch graphs built when the engine loads; a DeepSeek-family batch under Triton's interpreter (tests)
@@ -302,9 +312,10 @@ class FastPath:
         # position back) and the position it precedes, so that a slot decoding alone again drafts from it
         self._batch_hidden: torch.Tensor | None = None  # [rows, hidden], a row per slot
         self._batch_hidden_pos: dict[int, int] = {}
-        # ... and greedy batches with drafts: each slot's k drafts + verify in one step (MlaBatchSpecDecoder)
+        # ... and batches with drafts: each slot's k drafts + verify in one step (MlaBatchSpecDecoder)
         self.spec_batch_ok = self.batch_ok and self.num_spec > 0 and bool(getattr(model, "has_mtp", False))
-        self.spec_batches: dict[tuple[int, int], tuple] = {}  # (padded size, k) -> (decoder, GraphedFn)
+        # (padded size, k) -> (decoder, {0: greedy GraphedFn, SAMPLED: speculative sampling's})
+        self.spec_batches: dict[tuple[int, int], tuple] = {}
         # one replay launched ahead of the host (module docstring): the Llama family, one token a step
         self.run_ahead = run_ahead and not self.mla and tokens_per_step == 1
         self._flight: _Flight | None = None  # at most one engine step ahead
@@ -533,21 +544,36 @@ class FastPath:
             k = batch_spec_k(size, self.num_spec) if self.spec_batch_ok and self.device.type == "cuda" else 0
             if k:  # the engine's own draft count, with the plain graphs (interpreted: at its first use)
                 self.prepare_batch_spec(size, k)
+                if self.sample_ok:
+                    self.prepare_batch_spec(size, k, sampled=True)
         return self.batches[size]
 
-    def prepare_batch_spec(self, size: int, k: int):
-        """The batched decoder of ``size`` rows with ``k`` drafts each (greedy) and its graph, built and captured
-        on first use (errors propagate); capture decodes on the scratch slot only."""
+    def prepare_batch_spec(self, size: int, k: int, sampled: bool = False):
+        """(the batched decoder of ``size`` rows with ``k`` drafts each, its greedy graph or with ``sampled`` its
+        speculative sampling graph), built and captured on first use (errors propagate); capture decodes on the
+        scratch slot only."""
+        from .cuda.graph import GraphedFn
+
         if (size, k) not in self.spec_batches:
             from .cuda.adapter import mla_batch_spec_decoder_from_engine
-            from .cuda.graph import GraphedFn
 
             dec = mla_batch_spec_decoder_from_engine(self.model, size, k, self.draft_vocab)
-            runner = GraphedFn(dec.step, self.device.type == "cuda", warmup_calls=1, device=self.device,
-                               before_capture=lambda: dec.set_rows([], [], [], []))
+            self.spec_batches[(size, k)] = (dec, {})
+        dec, runners = self.spec_batches[(size, k)]
+        key = SAMPLED if sampled else 0
+        if key not in runners:
+            if sampled:
+                from .cuda.sampling_state import GREEDY, I_FLAGS
+
+                if not self.sample_ok:
+                    raise ValueError("this fast path decodes plain greedy requests only")
+                self.sampling.iparams[dec.scratch_slot, I_FLAGS] = GREEDY  # what padded rows sample: the argmax
+                dec.attach_sampler(self.sampling)
+            runner = GraphedFn(lambda: dec.step(sample=sampled), self.device.type == "cuda", warmup_calls=1,
+                               device=self.device, before_capture=lambda: dec.set_rows([], [], [], []))
             runner.capture()
-            self.spec_batches[(size, k)] = (dec, runner)
-        return self.spec_batches[(size, k)]
+            runners[key] = runner
+        return dec, runners[key]
 
     def _batch_extras_runner(self, size: int, mask: bool, logprobs: bool):
         """The batched decoder's sampling graph with every row's grammar mask and/or logprobs (rows
@@ -590,15 +616,16 @@ class FastPath:
         (emitted tokens, finish reason), cut as ``step`` cuts them (module docstring). Slots with logprobs
         or a grammar: the batch takes the graph with masks and/or logprobs (one token per step with a
         grammar: each mask needs the token before it), their logprobs in ``s.extra["fast_logprobs"]``.
-        A greedy DeepSeek-family batch where a slot drafts: each slot's drafts + verify in one step
-        (``_step_batch_spec``; ``prefill_hidden`` [slots, hidden]: each prefilled slot's last hidden, the first
-        draft's input of a slot at its first step)."""
+        A DeepSeek-family batch where a slot drafts: each slot's drafts + verify in one step, greedy or by
+        speculative sampling (``_step_batch_spec``; ``prefill_hidden`` [slots, hidden]: each prefilled slot's last
+        hidden, the first draft's input of a slot at its first step), unless a slot reads its own output (penalties,
+        bad words), has a grammar or logprobs."""
         rooms = [min(s.max_tokens - s.num_generated, max_seq_len - 1 - s.seq_len) for _, s in items]
         masks = any(s.grammar is not None for _, s in items)
         lps = any(s.num_logprobs is not None for _, s in items)
         k = batch_spec_k(padded_batch(len(items)), min(max(s.spec_k for _, s in items), self.num_spec))
         if (k and self.spec_batch_ok and min(rooms) > 0 and not masks and not lps
-                and all(s.is_greedy for _, s in items)):
+                and all(s.is_greedy or (self.sample_ok and _may_draft(s)) for _, s in items)):
             return self._step_batch_spec(items, k, max_seq_len, prefill_hidden)
         n = max(0, min(self.tokens_per_step if not masks else 1, *rooms))
         rows: list[list[int]] = [[] for _ in items]
@@ -669,11 +696,13 @@ class FastPath:
 
     def _step_batch_spec(self, items: list[tuple[int, SlotState]], k: int, max_seq_len: int,
                          prefill_hidden: torch.Tensor | None) -> list[tuple[list[int], str | None]]:
-        """One greedy step of 2..max_batch DeepSeek-family slots, each verifying its own drafts (at most
-        ``k``, as many as it asks for) and drawing its next ones, in one replay; one host sync. Each slot's MTP
-        input is its hidden one position back: kept by its last batched step, its own decoder's, or the
-        prefill's (zeros when none is known: its first drafts are then likely rejected, never wrong)."""
-        dec, runner = self.prepare_batch_spec(padded_batch(len(items)), k)
+        """One step of 2..max_batch DeepSeek-family slots, each verifying its own drafts (at most ``k``, as many as
+        it asks for) and drawing its next ones, in one replay (greedy, or speculative sampling where a slot samples);
+        one host sync. Each slot's MTP input is its hidden one position back: kept by its last batched step, its own
+        decoder's, or the prefill's (zeros when none is known: its first drafts are then likely rejected, never
+        wrong)."""
+        sampled = any(not s.is_greedy for _, s in items)
+        dec, runner = self.prepare_batch_spec(padded_batch(len(items)), k, sampled)
         for r, (slot, s) in enumerate(items):
             dec.mtp_hidden[r].copy_(self._mtp_input(slot, s, prefill_hidden))
         valid = [min(s.spec_k, k) for _, s in items]

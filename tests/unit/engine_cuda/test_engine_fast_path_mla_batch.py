@@ -4,8 +4,9 @@ kernels interpreted on CPU, through the Engine API.
 Slots at different context lengths decode together in one batched step (each row's latent written into its
 own slot at its own position, its attention over its own slot, its own experts) and emit, per slot, the
 tokens that slot gets decoding alone on the batch-1 fast path: greedy and seeded sampled requests mixed,
-with q LoRA and group-limited routing; a slot with MTP drafts decodes plain steps while batched and drafts
-again alone; a slot joining or leaving changes no one's tokens; the scratch slot takes the padded rows and
+with q LoRA and group-limited routing; slots with MTP drafts verify their own drafts in the batched step,
+greedy or by speculative sampling; a slot batched with one whose processors read its output decodes plain
+steps and drafts again alone; a slot joining or leaving changes no one's tokens; the scratch slot takes the padded rows and
 no other slot's cache changes. A sparse-attention model keeps one slot per step.
 """
 
@@ -145,12 +146,12 @@ def test_drafting_slots_verify_their_own_drafts_in_one_batched_step(checkpoint, 
     assert accepted > 0  # drafts were accepted: a slot had more than one token in a step
 
 
-def test_a_drafting_slot_batched_with_a_sampled_one_decodes_plain_steps_and_drafts_again_alone(checkpoint):
-    """Slot 0 (two greedy drafts a step) batched with a sampled slot 1 for two plain steps (a batch with a sampled
-    slot does not draft), then alone: its tokens are the reference engine's, and its first draft alone starts from
+def test_a_drafting_slot_batched_with_a_penalised_one_decodes_plain_steps_and_drafts_again_alone(checkpoint):
+    """Slot 0 (two greedy drafts a step) batched with a sampled slot 1 with a repetition penalty for two plain steps (a
+    batch with a slot whose processors read its output does not draft), then alone: its tokens are the reference engine's, and its first draft alone starts from
     its last batched step's hidden, so the MTP cache row that draft writes (the pair of hidden 5 and token 6) is the
     reference step's, not one from a zero hidden."""
-    sampled = SamplingParams(max_tokens=2, temperature=0.9, seed=5, ignore_eos=True)
+    sampled = SamplingParams(max_tokens=2, temperature=0.9, repetition_penalty=1.3, seed=5, ignore_eos=True)
     params = {0: SamplingParams(max_tokens=8, ignore_eos=True), 1: sampled}
     ref = Engine.load(checkpoint, num_slots=3, max_seq_len=24, dtype="bfloat16", fast_path="off",
                       num_speculative_tokens=2, adaptive_speculation=False)
@@ -168,6 +169,45 @@ def test_a_drafting_slot_batched_with_a_sampled_one_decodes_plain_steps_and_draf
     fast_row, ref_row = (e.cache.kv[-1][0][alone_at - 1].float() for e in (engine, ref))
     assert fast_row.abs().max() > 0
     assert torch.allclose(fast_row, ref_row, atol=3e-2, rtol=3e-2), (fast_row - ref_row).abs().max()
+
+
+def test_sampled_slots_draft_together_by_speculative_sampling_with_the_reference_tokens(checkpoint):
+    """A greedy slot, a seeded sampled one, one at temperature 0 with logits processors (one-hot distributions) and a
+    sampled one asking for no drafts decode together on the fast path by speculative sampling in one batched step
+    (each slot's drafts drawn from its own processed distribution with its own seed, accepted or redrawn against the
+    verify's): their tokens are the reference engine's (which drafts for the same slots together with the same
+    distributions and random numbers) and the sampled slot's are its tokens alone, drafts are accepted, the slot
+    without drafts verifies none."""
+    params = {0: SamplingParams(max_tokens=8, ignore_eos=True),
+              1: SamplingParams(max_tokens=8, temperature=0.9, top_p=0.9, top_k=20, min_p=0.05, seed=7,
+                                ignore_eos=True),
+              2: SamplingParams(max_tokens=8, temperature=0.0, logit_bias={5: 0.5, 42: -1.0}, min_tokens=3,
+                                ignore_eos=True),
+              3: SamplingParams(max_tokens=8, temperature=0.8, seed=3, ignore_eos=True, num_speculative_tokens=0)}
+    ref = Engine.load(checkpoint, num_slots=4, max_seq_len=24, dtype="bfloat16", fast_path="off",
+                      num_speculative_tokens=2, adaptive_speculation=False)
+    want, _ = _decode(ref, params)
+    engine = Engine.load(checkpoint, num_slots=4, max_seq_len=24, dtype="bfloat16", fast_path="on",
+                         num_speculative_tokens=2, adaptive_speculation=False)
+    got, served = _decode(engine, params)
+    assert served[0] == ("fast", 4) and {p for p, _ in served} == {"fast"}
+    # the sampled slot draws with the reference step's distributions, positions and random numbers over the same
+    # MTP rows, so its tokens follow the reference's until bf16 rounding (Triton kernels against torch) flips a
+    # draw: here the last, a redraw after a rejected draft, which it draws alone on the fast path too
+    assert {s: t for s, t in got.items() if s != 1} == {s: t for s, t in want.items() if s != 1}
+    assert got[1][:8] == want[1][:8] and all(len(t) == 9 for t in got.values())
+    dec, runners = engine.fast_path.spec_batches[(4, 2)]
+    assert "sampled" in runners and dec.sampler is not None
+    for slot in params:
+        stats = engine.spec_stats(slot)
+        if slot == 3:
+            assert stats.num_draft_tokens == stats.num_accepted_tokens == 0 and stats.num_steps == 8
+        else:
+            assert stats.num_draft_tokens > 0
+    assert sum(engine.spec_stats(slot).num_accepted_tokens for slot in (1, 2)) > 0
+    for slot in params:
+        engine.release(slot)
+    assert _decode(engine, {1: params[1]})[0] == {1: got[1]}  # alone, the same draws
 
 
 def test_a_sparse_attention_model_keeps_one_slot_per_step(tmp_path):

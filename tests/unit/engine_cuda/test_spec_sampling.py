@@ -33,8 +33,9 @@ def torch_uniforms(monkeypatch):
 
     def uniform_rows(seed, pos, pos_add, stream, out):
         rows, n = out.shape
-        at = pos.to(torch.int64) + pos_add + torch.arange(rows)[:, None]
-        return out.copy_(uniform(seed[:, None], torch.arange(n)[None], at, stream))
+        group = torch.arange(rows) // (rows // seed.numel())  # each seed's rows (one slot's, or a batch's slots')
+        at = pos.to(torch.int64)[group] + pos_add + torch.arange(rows) % (rows // seed.numel())
+        return out.copy_(uniform(seed[group][:, None], torch.arange(n)[None], at[:, None], stream))
 
     monkeypatch.setattr(mla_decoder, "uniform_rows", uniform_rows)
 
@@ -155,3 +156,11 @@ def test_the_uniform_kernel_draws_the_reference_generators_numbers():
         got = uniform_rows(s, p, add, stream, torch.empty(rows, n))
         idx, at = torch.arange(n)[None], pos + add + torch.arange(rows)[:, None]
         assert torch.equal(got, uniform(s[:, None], idx, at, stream))
+    # a batch's slots, each its own seed and position, two rows each (a batched step's acceptance uniforms)
+    s, p = torch.tensor([7, seed_i64(2**64 - 3), 11]), torch.tensor([5, 70_000, 0], dtype=torch.int32)
+    got = uniform_rows(s, p, 1, 1, torch.empty(6, 3))
+    for slot in range(3):
+        at = p[slot].long() + 1 + torch.arange(2)[:, None]
+        assert torch.equal(got[2 * slot:2 * slot + 2], uniform(s[slot:slot + 1, None], torch.arange(3)[None], at, 1))
+    with pytest.raises(ValueError, match="groups"):
+        uniform_rows(s, p, 1, 1, torch.empty(4, 3))

@@ -112,21 +112,27 @@ def _mtp_prologue_kernel(embed_ptr, tokens_ptr, j, g_ptr, enorm_ptr, hnorm_ptr, 
 
 
 @triton.jit
-def _uniform_kernel(seed_ptr, pos_ptr, pos_add, stream, out_ptr, n, BLOCK: tl.constexpr):
-    # out[row, i] = U(0, 1) of the counter (i, pos + pos_add + row, stream) under the seed (sampling.py's
-    # uniform, sampling_state.uniform's numbers): one launch where torch takes ~275 small ops
+def _uniform_kernel(seed_ptr, pos_ptr, pos_add, stream, out_ptr, n, ROWS_PER: tl.constexpr, BLOCK: tl.constexpr):
+    # out[row, i] = U(0, 1) of the counter (i, pos[s] + pos_add + r, stream) under seed[s], s = row // ROWS_PER,
+    # r = row % ROWS_PER (sampling.py's uniform, sampling_state.uniform's numbers): one launch where torch takes
+    # ~275 small ops
     row = tl.program_id(0)
+    s = row // ROWS_PER
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    position = tl.load(pos_ptr).to(tl.int64) + pos_add + row
-    tl.store(out_ptr + row * n + offs, uniform(tl.load(seed_ptr), offs, position, stream), mask=offs < n)
+    position = tl.load(pos_ptr + s).to(tl.int64) + pos_add + row % ROWS_PER
+    tl.store(out_ptr + row * n + offs, uniform(tl.load(seed_ptr + s), offs, position, stream), mask=offs < n)
 
 
 def uniform_rows(seed: torch.Tensor, pos: torch.Tensor, pos_add: int, stream: int, out: torch.Tensor) -> torch.Tensor:
-    """out [rows, n] float32: row r, index i -> sampling_state.uniform(seed, i, pos + pos_add + r, stream);
-    ``seed`` int64 [1] and ``pos`` [1] on the device (read at replay)."""
+    """out [rows, n] float32 (contiguous) in S groups of rows / S rows, S = seed.numel(): row r of group s, index i
+    -> sampling_state.uniform(seed[s], i, pos[s] + pos_add + r, stream); ``seed`` int64 [S] and ``pos`` [S] on the
+    device (read at replay): one slot's rows (S = 1), or each of a batch's slots' own."""
     rows, n = out.shape
+    if rows % seed.numel() or pos.numel() != seed.numel():
+        raise ValueError(f"uniform_rows: {rows} rows in {seed.numel()} groups, {pos.numel()} positions")
     block = min(1024, triton.next_power_of_2(n))
-    _uniform_kernel[(rows, triton.cdiv(n, block))](seed, pos, pos_add, stream, out, n, BLOCK=block, num_warps=4)
+    _uniform_kernel[(rows, triton.cdiv(n, block))](seed, pos, pos_add, stream, out, n, ROWS_PER=rows // seed.numel(),
+                                                   BLOCK=block, num_warps=4)
     return out
 
 
@@ -396,7 +402,7 @@ class MlaBatchDecoder(RowsDecoder):
     position in its own slot: the latent written by ``_mla_prep_kernel``'s batch form, the attention with
     ``slot_ids``.
     ``caches``: the engine's whole per-layer latent caches [num_slots + 1, max_tokens, r + rope] (the
-    main model's layers; padded rows decode on the scratch slot). Plain steps (a greedy batch that drafts:
+    main model's layers; padded rows decode on the scratch slot). Plain steps (a batch that drafts:
     MlaBatchSpecDecoder), no sparse attention (its indexer decodes one slot per step)."""
 
     def __init__(self, model: MlaModel, caches: list[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor,
@@ -440,7 +446,14 @@ class MlaBatchSpecDecoder:
 
     ``set_rows(tokens, positions, slots, num_valid)`` (host, before each step; one pinned buffer, one async copy)
     and the caller's writes into ``mtp_hidden`` are applied by the step's first ops. Rows past the lists decode
-    on the scratch slot. Greedy only: a batch with a sampled slot takes MlaBatchDecoder's plain steps."""
+    on the scratch slot.
+
+    ``step(sample=True)`` (after ``attach_sampler(buffers)``, the engine's SamplingBuffers): speculative sampling,
+    MlaDecoder._spec_sampled's step row by row, each row by its own slot's sampling row (parameters, seed): draft j
+    drawn from the slot's processed distribution of the draft head's logits at position pos + 1 + j, the verify's
+    k + 1 target distributions accepting or redrawing (spec.verify), greedy rows one-hot (their drafts and tokens
+    the argmax, as the greedy step's). Torch ops captured with the graph; padded rows sample the scratch slot's row,
+    which the caller keeps greedy."""
 
     def __init__(self, model: MlaModel, caches: list[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor,
                  batch: int, k: int, scratch_slot: int | None = None, num_splits: int = 16,
@@ -478,7 +491,10 @@ class MlaBatchSpecDecoder:
         self.emb = torch.zeros(batch, hd, dtype=bf, device=dev)
         self.cat = torch.zeros(batch, 2 * hd, dtype=bf, device=dev)
         self.mtp_x = torch.zeros(batch, hd, dtype=bf, device=dev)
-        self.draft_logits = torch.zeros(batch, self.draft_head.shape[0], dtype=torch.float32, device=dev)
+        # the draft head's logits: the first draft_vocab ids of whole-vocabulary rows whose other ids stay -inf (what
+        # a sampled draft's distribution is taken over)
+        self.draft_logits_v = torch.full((batch, vocab), float("-inf"), dtype=torch.float32, device=dev)
+        self.draft_logits = self.draft_logits_v[:, : self.draft_head.shape[0]]
         self.residual = torch.zeros(rows, hd, dtype=bf, device=dev)
         self.hid = torch.zeros(rows, hd, dtype=bf, device=dev)
         self.logits = torch.zeros(rows, vocab, dtype=torch.float32, device=dev)
@@ -487,6 +503,18 @@ class MlaBatchSpecDecoder:
         self.mtp_x_rows = torch.zeros(rows, hd, dtype=bf, device=dev)
         self.out = torch.zeros(batch, k + 2, dtype=torch.int64, device=dev)
         self._ctrl = RowControl(4 * batch, dev)
+        self.sampler = None  # the engine's ReferenceSampler over its SamplingBuffers (attach_sampler)
+
+    def attach_sampler(self, buffers) -> None:
+        """Sample in ``step(sample=True)`` with each row's request parameters in row ``slots[b]`` of ``buffers``
+        (the engine's SamplingBuffers, read at every replay)."""
+        from ..sampling import ReferenceSampler
+
+        vocab, dev = self.logits.shape[1], self.logits.device
+        self.sampler = ReferenceSampler(buffers)
+        self.draft_q = torch.zeros(self.batch, self.k, vocab, dtype=torch.float32, device=dev)  # each draft's q
+        self.noise = torch.zeros(self.batch, vocab, dtype=torch.float32, device=dev)  # a draw's uniforms
+        self.accept_u = torch.zeros(self.batch * self.k, 1, dtype=torch.float32, device=dev)
 
     def set_rows(self, tokens: list[int], positions: list[int], slots: list[int], num_valid: list[int]) -> None:
         """Every row's next input token, position, slot and drafts to verify (rows past the lists: token 0 at
@@ -496,20 +524,29 @@ class MlaBatchSpecDecoder:
         self._ctrl.write([*tokens, *[0] * pad, *positions, *[0] * pad, *slots, *[self.scratch_slot] * pad,
                           *valid, *[0] * pad])
 
-    def step(self) -> None:
-        """One step of every row (capturable: no host sync)."""
+    def step(self, sample: bool = False) -> None:
+        """One step of every row (capturable: no host sync); ``sample``: speculative sampling (class docstring)."""
+        if sample and self.sampler is None:
+            raise ValueError("step(sample=True) needs attach_sampler first")
         b, c = self.batch, self._ctrl.dev
         self.tokens[:, 0].copy_(c[:b])
         self.pos.copy_(c[b:2 * b])
         self.slots.copy_(c[2 * b:3 * b])
         self.num_valid.copy_(c[3 * b:])
+        rows = self.slots.long()
+        draw = None
+        if sample:  # each row's seed and greedy flag, from its slot's sampling row
+            iparams = self.sampler.bufs.iparams[rows]
+            draw = (rows, iparams[:, I_SEED].contiguous(), (iparams[:, I_FLAGS] & GREEDY) != 0)
         for j in range(self.k):
-            self._draft(j)
-        self._verify()
+            self._draft(j, draw)
+        self._verify(draw)
 
-    def _draft(self, j: int) -> None:
-        """Draft j of every row: MTP(embed(tokens[:, j]), mtp_hidden) in MTP row pos + j - 1 -> tokens[:, j + 1];
-        mtp_hidden becomes the recycled hidden (at row 0 the token's embedding is zero, as vLLM's MTP masks it)."""
+    def _draft(self, j: int, draw: tuple | None = None) -> None:
+        """Draft j of every row: MTP(embed(tokens[:, j]), mtp_hidden) in MTP row pos + j - 1 -> tokens[:, j + 1]
+        (the argmax; with ``draw`` = (sampling rows, seeds, greedy) drawn from the slot's processed distribution,
+        kept in draft_q[:, j]); mtp_hidden becomes the recycled hidden (at row 0 the token's embedding is zero,
+        as vLLM's MTP masks it)."""
         mt, eps = self.model.mtp, self.model.dims.eps
         torch.add(self.pos, j - 1, out=self.pos_draft).clamp_(min=0)
         mtp_input_rows(mt, self.tokens[:, j], self.mtp_hidden, self.emb, self.cat, self.mtp_x, eps,
@@ -520,9 +557,20 @@ class MlaBatchSpecDecoder:
         smallops.rmsnorm_rows(self.mtp_x, mt.head_norm, self.mtp_hidden, eps)
         gemv_rows(self.mtp_hidden, self.draft_head, self.draft_logits, block_n=16, block_k=256,
                   dot_tile=MlaDecoder.LM_HEAD_DOT_TILE)
-        self.tokens[:, j + 1].copy_(row_argmax(self.draft_logits))
+        if draw is None:
+            self.tokens[:, j + 1].copy_(row_argmax(self.draft_logits))
+            return
+        from ..sampling import sample
 
-    def _verify(self) -> None:
+        rows, seeds, greedy = draw
+        q = self.sampler.probs(self.draft_logits_v, rows, self.pos.long() + 1 + j, SPEC_SAMPLING_FLAGS)
+        uniform_rows(seeds, self.pos, 1 + j, STREAM_DRAFT, self.noise)
+        self.tokens[:, j + 1].copy_(sample(q, -torch.log(self.noise), greedy))
+        self.draft_q[:, j].copy_(q)
+
+    def _verify(self, draw: tuple | None = None) -> None:
+        """The main model over every row, each slot's acceptance (greedy, or with ``draw`` speculative sampling), the
+        MTP layer over every verified row, each slot's next MTP input."""
         m, k, eps = self.model, self.k, self.model.dims.eps
         mt, n = m.mtp, len(m.layers)
         torch.add(self.pos[:, None], self.steps[None], out=self.pos_rows.view(self.batch, k + 1))
@@ -533,9 +581,12 @@ class MlaBatchSpecDecoder:
                              k_scale=self.k_scales[i], next_lw=m.layers[i + 1] if i + 1 < n else None)
         smallops.rmsnorm_rows(self.residual, m.final_norm, self.hid, eps)
         gemv_rows(self.hid, m.lm_head, self.logits, block_n=16, block_k=256, dot_tile=MlaDecoder.LM_HEAD_DOT_TILE)
-        a = row_argmax(self.logits).view(self.batch, k + 1)  # the model's token after each input
-        ok = (a[:, :k] == self.tokens[:, 1:]) & (self.steps[None, :k] < self.num_valid[:, None])
-        accepted = ok.long().cumprod(dim=1).sum(dim=1)  # [B]
+        if draw is None:
+            a = row_argmax(self.logits).view(self.batch, k + 1)  # the model's token after each input
+            ok = (a[:, :k] == self.tokens[:, 1:]) & (self.steps[None, :k] < self.num_valid[:, None])
+            accepted = ok.long().cumprod(dim=1).sum(dim=1)  # [B]
+        else:
+            accepted, a = self._accept_sampled(*draw[1:])
         self.out[:, 0].copy_(accepted)
         self.out[:, 1:].copy_(a)
         # the MTP layer over every verified row (MlaDecoder._mtp_over_verified's pairs, each slot's own)
@@ -543,6 +594,24 @@ class MlaBatchSpecDecoder:
         self.stack.block(mt.layer, self.mtp_x_rows, self.caches[n], self.pos_rows, self.cos, self.sin,
                          slots=self.slot_rows, k_scale=self.k_scales[n])
         torch.index_select(self.hid, 0, self.first_rows + accepted, out=self.mtp_hidden)
+
+    def _accept_sampled(self, seeds: torch.Tensor, greedy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Speculative sampling's acceptance of every slot (MlaDecoder._spec_sampled's, row by row): (accepted drafts
+        [B], candidates [B, k + 1]: the accepted drafts, the draw after them, then rejected drafts)."""
+        from ..spec import verify
+
+        b, k, vocab = self.batch, self.k, self.logits.shape[1]
+        at = self.pos_rows.long() + 1  # the position of the token after each verified input
+        p = self.sampler.probs(self.logits, self.slot_rows.long(), at, SPEC_SAMPLING_FLAGS).view(b, k + 1, vocab)
+        # a draft whose distribution is empty (every allowed id outside a reduced draft vocabulary) and the ones
+        # after it are not verified
+        drawn = (self.draft_q.sum(dim=-1) > 0).to(torch.int64).cumprod(dim=1).sum(dim=1)
+        u = uniform_rows(seeds, self.pos, 1, STREAM_ACCEPT, self.accept_u).view(b, k)
+        uniform_rows(seeds, self.pos, 1, STREAM_SAMPLE, self.noise)
+        accepted, nxt = verify(p, self.draft_q, self.tokens[:, 1:], torch.minimum(self.num_valid, drawn), u,
+                               -torch.log(self.noise), greedy)
+        cand = torch.cat([self.tokens[:, 1:], nxt[:, None]], dim=1).scatter(1, accepted[:, None], nxt[:, None])
+        return accepted, cand
 
 
 class _RowBuffers:
