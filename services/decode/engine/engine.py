@@ -62,7 +62,8 @@ row before each replay (one token per step with a grammar), the graph applies th
 sampling kernels (all ones where a row has no grammar) and computes the logprobs after them.
 Adaptive drafting (``adaptive_speculation``, on by default; spec_policy.py): each request's steps
 draft as many MTP tokens (0..its maximum) as its observed acceptance pays for, against a fixed cost
-per draft (so a seeded sampled request drafts, and samples, the same alone or batched); drafts that
+per draft (so a seeded sampled request drafts, and samples, the same alone or batched; a greedy request
+prices a draft dearer while its steps run beside other slots, as the batched step costs); drafts that
 are not accepted turn drafting off for a backoff, then a probe measures again. A reference step
 drafts the most any of its slots asks for (each slot verifies only the drafts it asked for). On an
 engine whose steps run on the CPU no draft count pays even if every draft is accepted
@@ -256,6 +257,8 @@ class Engine:
         per_draft = spec_policy.CPU_COST_PER_DRAFT if cpu else spec_policy.COST_PER_DRAFT
         self._spec_costs = spec_policy.costs(self.num_spec, per_draft)
         self._spec_costs_sampled = spec_policy.costs(self.num_spec, max(per_draft, spec_policy.SAMPLED_COST_PER_DRAFT))
+        # ... and a greedy request's in a batched step (its output never depends on where its drafts were)
+        self._spec_costs_batched = spec_policy.costs(self.num_spec, max(per_draft, spec_policy.BATCH_COST_PER_DRAFT))
         if self.adaptive_spec and not spec_policy.can_pay(self._spec_costs):
             fastpath.log.info("adaptive speculation: a draft costs %.2f steps on this engine's CPU step, more than it "
                               "can return; requests decode without drafts (adaptive_speculation=False drafts every "
@@ -537,9 +540,12 @@ class Engine:
         self._account_spec(active, before)
         return out
 
-    def _costs(self, greedy: bool) -> list[float]:
-        """The draft-count cost table of a greedy or a sampling request on this engine."""
-        return self._spec_costs if greedy else self._spec_costs_sampled
+    def _costs(self, greedy: bool, batched: bool = False) -> list[float]:
+        """The draft-count cost table of a greedy or a sampling request on this engine (a greedy one's whose step ran
+        beside other slots: the batched step's)."""
+        if not greedy:
+            return self._spec_costs_sampled
+        return self._spec_costs_batched if batched else self._spec_costs
 
     def _account_spec(self, active: list[int], before: dict) -> None:
         c = self.spec_counters
@@ -553,7 +559,7 @@ class Engine:
                 for j in range(min(accepted, len(c["accepted_per_pos"]))):
                     c["accepted_per_pos"][j] += 1
             if s.drafting is not None and s.state == "active":
-                k = s.drafting.observe(verified, accepted, self._costs(s.is_greedy))
+                k = s.drafting.observe(verified, accepted, self._costs(s.is_greedy, batched=len(active) > 1))
                 s.num_valid_drafts = min(s.num_valid_drafts, k)  # drafts drawn beyond it are not verified
 
     def _step(self, active: list[int]) -> dict[int, StepOutput]:

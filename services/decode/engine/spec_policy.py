@@ -18,7 +18,8 @@ tokens depend on where its drafts were (greedy output never depends on any of th
 verified, engine.py). The default (0.35) sits between what the H200 measured for a k-draft step on
 the DeepSeek-V2-Lite shape (1 + 0.1 k when drafts route to the experts the verified token uses, 1 +
 0.32 k with random routing: bench/NOTES-gpu.md); requests that sample draft against their own, higher
-table (``SAMPLED_COST_PER_DRAFT``): speculative sampling costs more a draft.
+table (``SAMPLED_COST_PER_DRAFT``): speculative sampling costs more a draft; a greedy request whose step ran in a
+batch of slots against the batched step's (``BATCH_COST_PER_DRAFT``).
 """
 
 from __future__ import annotations
@@ -33,6 +34,12 @@ COST_PER_DRAFT = 0.35  # a k-draft step costs ~ 1 + 0.35 k plain steps
 # ... and ~ 1 + 0.5 k when it samples: each draft and the verify also build their processed distribution
 # over the vocabulary (DeepSeek-family fast path, run SS3 in bench/NOTES-gpu.md: +0.4 ms a draft on the H200)
 SAMPLED_COST_PER_DRAFT = 0.5
+# ... and ~ 1 + 0.5 k for a greedy request drafting in a batched step beside other slots (the DeepSeek-family fast
+# path's MlaBatchSpecDecoder, run G56 on an H100, V2-Lite shape: one draft a slot 1.53-1.61x the plain batched step
+# of 2-8 slots, three drafts 2.38-2.47x): a batch reads the experts once for all its rows, so the draft rows' share
+# of the step is larger than alone. Greedy requests only: greedy output never depends on where the drafts were, a
+# seeded sampled request's does, so a sampled request keeps one table whatever decodes beside it
+BATCH_COST_PER_DRAFT = 0.5
 # ... and on an engine whose steps run on the CPU (the torch step or the fused one, cpustep.py): a step verifying k
 # drafts runs the model, and its MTP layer, over k + 1 tokens at about k + 1 steps' cost or more (the tiny
 # DeepSeek-V3, 79% of its drafts accepted: one draft costs 3.5 plain steps fused, 2.3 in torch). Drafting cannot

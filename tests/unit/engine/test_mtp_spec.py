@@ -227,3 +227,29 @@ def test_on_a_cpu_engine_drafts_never_pay_and_adaptive_drafting_does_not_draft(h
     assert stats.num_draft_tokens == 0 and per_step == [1] * 128  # plain steps only
     assert engine.spec_counters["steps"] == 0 and engine.spec_counters["draft_tokens"] == 0
     assert engine.slots[0].drafting is None
+
+
+def test_a_greedy_request_batched_with_others_prices_its_drafts_by_the_batched_step(hf_checkpoint, plain,
+                                                                                    monkeypatch):
+    """A greedy request's steps beside other slots take the batched step's cost table (BATCH_COST_PER_DRAFT): set
+    where no draft count pays, two greedy requests decoding together stop drafting after their first steps (probes
+    only) with their tokens unchanged, where alone the same request keeps drafting (the test above); a sampled request
+    beside them keeps its own table (its draws depend on where its drafts were) and keeps drafting."""
+    monkeypatch.setattr(spec_policy, "CPU_COST_PER_DRAFT", spec_policy.COST_PER_DRAFT)
+    monkeypatch.setattr(spec_policy, "BATCH_COST_PER_DRAFT", 1.0)  # k drafts never beat k + 1 steps' cost
+    path, _ = hf_checkpoint("deepseek_v3")
+    engine = load(path, num_slots=3, max_seq_len=512, num_speculative_tokens=2, adaptive_speculation=True)
+    sampled = SamplingParams(max_tokens=128, temperature=0.5, seed=3, ignore_eos=True)
+    tokens = {}
+    for slot, (prompt, sp) in enumerate([(PROMPTS[1], GREEDY), (PROMPTS[0], GREEDY), (PROMPTS[1], sampled)]):
+        tokens[slot] = [int(engine.prefill(slot, prompt).argmax())]
+        engine.start(slot, tokens[slot][0], sp)
+    while engine.active_slots():
+        for slot, out in engine.step().items():
+            tokens[slot] += out.token_ids
+    assert tokens[0] == plain[1] and tokens[1] == plain[0]
+    for slot in (0, 1):  # the first steps and a probe now and then: few drafts over ~128 steps
+        stats = engine.spec_stats(slot)
+        assert stats.num_steps > 100 and stats.num_draft_tokens <= 0.15 * stats.num_steps
+    sampled_stats = engine.spec_stats(2)
+    assert sampled_stats.num_accepted_tokens > 0.5 * sampled_stats.num_draft_tokens > 0.3 * sampled_stats.num_steps
