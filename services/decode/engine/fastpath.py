@@ -46,7 +46,8 @@ Contract:
   slot's max_tokens or max_seq_len leaves less room), one host sync; results cut per slot by slots.emit.
 - A DeepSeek-family request that may draft (``num_spec`` > 0) takes plain-step graphs that also write the
   MTP layer's cache row of the pair each step leaves (keys ``PLAIN_ROW`` / ``SAMPLED_ROW``; ``MTP_ROWS``,
-  MlaDecoder.mtp_row), so adaptive drafting's steps between probes leave no holes for the next drafts.
+  MlaDecoder.mtp_row), alone or in a plain batched step (MlaBatchDecoder.step(mtp_row=True), every row's), so
+  adaptive drafting's steps between probes leave no holes for the next drafts.
 - ``FastPath.prepare(slot, token, pos)`` builds a slot's decoder and graphs (the engine calls it first,
   so that under ``auto`` a build or capture failure turns the fast path off instead of failing the
   request); ``FastPath.decode(slot, token, pos, n)``: ``n`` greedy tokens after ``token`` at position ``pos``
@@ -533,20 +534,32 @@ class FastPath:
                 self.sampling.iparams[dec.scratch_slot, I_FLAGS] = GREEDY  # what padded rows sample: the argmax
                 dec.attach_samplers(self.sampling)
                 keys.append(SAMPLED)
-            runners: dict = {}
+            if self._mtp_rows(dec) and self.device.type == "cuda":  # (interpreted: at their first use)
+                keys += [PLAIN_ROW, SAMPLED_ROW] if self.sample_ok else [PLAIN_ROW]
+            self.batches[size] = (dec, {})
             for key in keys:
-                fn = dec.step if key == 0 else (lambda: dec.step(sample=True))
-                runner = GraphedFn(fn, self.device.type == "cuda", warmup_calls=1, device=self.device,
-                                   before_capture=lambda: dec.set_rows([], [], []))
-                runner.capture()
-                runners[key] = runner
-            self.batches[size] = (dec, runners)
+                self._batch_runner(size, key)
             k = batch_spec_k(size, self.num_spec) if self.spec_batch_ok and self.device.type == "cuda" else 0
             if k:  # the engine's own draft count, with the plain graphs (interpreted: at its first use)
                 self.prepare_batch_spec(size, k)
                 if self.sample_ok:
                     self.prepare_batch_spec(size, k, sampled=True)
         return self.batches[size]
+
+    def _batch_runner(self, size: int, key):
+        """The batched decoder's plain-step graph ``key`` (0, SAMPLED; PLAIN_ROW / SAMPLED_ROW: the step and each
+        row's MTP cache row), captured on first use on the scratch slot."""
+        dec, runners = self.batches[size]
+        if key not in runners:
+            from .cuda.graph import GraphedFn
+
+            sample, mtp_row = key in (SAMPLED, SAMPLED_ROW), key in (PLAIN_ROW, SAMPLED_ROW)
+            fn = (lambda: dec.step(sample=sample, mtp_row=True)) if mtp_row else (lambda: dec.step(sample=sample))
+            runner = GraphedFn(fn, self.device.type == "cuda", warmup_calls=1, device=self.device,
+                               before_capture=lambda: dec.set_rows([], [], []))
+            runner.capture()
+            runners[key] = runner
+        return runners[key]
 
     def prepare_batch_spec(self, size: int, k: int, sampled: bool = False):
         """(the batched decoder of ``size`` rows with ``k`` drafts each, its greedy graph or with ``sampled`` its
@@ -634,9 +647,12 @@ class FastPath:
             sampled = any(not s.is_greedy for _, s in items)
             if (sampled or masks or lps) and not self.sample_ok:
                 raise ValueError("this fast path decodes plain greedy requests only")
+            # a DeepSeek-family batch holding a request that drafts: the graph that keeps the MTP layer's rows too
+            rows = self.mla and any(s.num_spec > 0 for _, s in items) and self._mtp_rows(dec)
+            plain = (SAMPLED_ROW if rows else SAMPLED) if sampled else PLAIN_ROW if rows else 0
             runner = (self._batch_extras_runner(padded_batch(len(items)), masks, lps) if masks or lps
-                      else runners[SAMPLED if sampled else 0])
-            key = (padded_batch(len(items)), (EXTRAS, masks, lps) if masks or lps else SAMPLED if sampled else 0)
+                      else self._batch_runner(padded_batch(len(items)), plain))
+            key = (padded_batch(len(items)), (EXTRAS, masks, lps) if masks or lps else plain)
             slots = tuple(slot for slot, _ in items)
             flight = self._resume("batch", lambda f: f.key == key and f.slots == slots
                                   and f.expect == tuple((s.pending, s.seq_len) for _, s in items)
@@ -662,7 +678,7 @@ class FastPath:
                 read, done = self._launch_ahead(runner, src)
                 rows = read()  # the one sync, on this step's copy only
                 counted = tuple((slot, dec.out_tokens[r, col + n : col + n + 1]) for r, (slot, s) in enumerate(items)
-                                if key[1] == SAMPLED and _counted(s))
+                                if key[1] in (SAMPLED, SAMPLED_ROW) and _counted(s))
                 self._flight = _Flight("batch", key, col + n, done, slots,
                                        tuple((r[-1], s.seq_len + n) for r, (_, s) in zip(rows, items)), counted)
             else:

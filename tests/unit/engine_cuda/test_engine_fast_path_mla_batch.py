@@ -210,6 +210,38 @@ def test_sampled_slots_draft_together_by_speculative_sampling_with_the_reference
     assert _decode(engine, {1: params[1]})[0] == {1: got[1]}  # alone, the same draws
 
 
+@pytest.mark.parametrize("mtp_rows", [True, False])
+def test_plain_batched_steps_of_drafting_requests_write_the_mtp_rows_drafting_writes(checkpoint, mtp_rows,
+                                                                                   monkeypatch):
+    """Two greedy requests that may draft, batched with a penalised one (a batch that does not draft: plain steps),
+    write each step's MTP layer row (the pair of the step's hidden and the token it picked) as drafting together
+    writes it: rows L .. L + 7 of slots 0 and 1 equal (bf16) those of the same two requests drafting in the batched
+    step, their tokens unchanged; with ``FastPath.MTP_ROWS`` off the plain batched steps leave them empty."""
+    from services.decode.engine import fastpath
+
+    monkeypatch.setattr(fastpath.FastPath, "MTP_ROWS", mtp_rows)
+    greedy = SamplingParams(max_tokens=8, ignore_eos=True)
+    penalised = SamplingParams(max_tokens=8, temperature=0.0, repetition_penalty=1.3, ignore_eos=True)
+    engine = Engine.load(checkpoint, num_slots=3, max_seq_len=24, dtype="bfloat16", fast_path="on",
+                         num_speculative_tokens=2, adaptive_speculation=False)
+    got, served = _decode(engine, {0: greedy, 1: greedy, 2: penalised})
+    assert served == [("fast", 3)] * 8 and engine.spec_stats(0).num_draft_tokens == 0  # plain batched steps
+    rows = {slot: _mtp_rows(engine, slot, len(DRAFTING_PROMPTS[slot]) + 8)[len(DRAFTING_PROMPTS[slot]):]
+            for slot in (0, 1)}
+    if not mtp_rows:
+        assert all(r.abs().max() == 0 for r in rows.values())
+        return
+    drafting = Engine.load(checkpoint, num_slots=3, max_seq_len=24, dtype="bfloat16", fast_path="on",
+                           num_speculative_tokens=2, adaptive_speculation=False)
+    want, served = _decode(drafting, {0: greedy, 1: greedy})
+    assert {s: want[s] for s in (0, 1)} == {s: got[s] for s in (0, 1)}
+    assert ("fast", 2) in served and drafting.spec_stats(0).num_draft_tokens > 0
+    for slot in (0, 1):
+        ref = _mtp_rows(drafting, slot, len(DRAFTING_PROMPTS[slot]) + 8)[len(DRAFTING_PROMPTS[slot]):]
+        assert rows[slot].abs().amax(dim=-1).min() > 0 and ref.abs().amax(dim=-1).min() > 0
+        assert torch.allclose(rows[slot], ref, atol=3e-2, rtol=3e-2), (rows[slot] - ref).abs().max()
+
+
 def test_a_sparse_attention_model_keeps_one_slot_per_step(tmp_path):
     save_checkpoint("deepseek_v32", tmp_path, **SMALL)
     engine = Engine.load(tmp_path, num_slots=2, max_seq_len=24, dtype="bfloat16", fast_path="on")

@@ -166,11 +166,14 @@ def _mla_model(model) -> MlaModel:
 
 def mla_batch_decoder_from_engine(model, batch: int, max_steps: int = 256) -> MlaBatchDecoder:
     """MlaBatchDecoder of ``batch`` rows over a bound engine DeepseekModel's weights and every slot's latent
-    cache (the whole per-layer tensors of the main model; padded rows decode on the cache's scratch slot)."""
-    caches = list(model.cache.kv[: len(model.layers)])
+    cache (the whole per-layer tensors of the main model; padded rows decode on the cache's scratch slot), and the
+    MTP layer's cache where the model has one (its plain steps can keep it: ``step(mtp_row=True)``)."""
+    n = len(model.layers)
+    caches = list(model.cache.kv[:n])
+    mtp_cache = model.cache.kv[n] if len(model.cache.kv) > n else None
     return MlaBatchDecoder(_mla_model(model), caches, model.cos, model.sin, batch, max_steps=max_steps,
                            scratch_slot=model.cache.scratch_slot, num_splits=attention_splits(caches[0].shape[1]),
-                           kv_scales=_latent_scales(model.cache))
+                           kv_scales=_latent_scales(model.cache), mtp_cache=mtp_cache)
 
 
 def mla_batch_spec_decoder_from_engine(model, batch: int, k: int, draft_vocab: int | None = None

@@ -239,10 +239,13 @@ def _mla_prep_program(t, head, qkv_ptr, q_pe_ptr, cache_ptr, kv_norm_ptr, pos_pt
 @triton.jit
 def _mla_latent_kernel(qkv_ptr, q_pe_ptr, cache_ptr, kv_norm_ptr, pos_ptr, cos_ptr, sin_ptr, stride_qkv, eps,
                        NUM_HEADS: tl.constexpr, NOPE: tl.constexpr, ROPE: tl.constexpr, R: tl.constexpr,
-                       PDL: tl.constexpr, KV_FMT: tl.constexpr, inv_scale):
-    # one token's latent alone (_mla_prep_program's last program): RMSNorm(c) and rope(k_pe) -> cache[pos]
-    _mla_prep_program(0, NUM_HEADS, qkv_ptr, q_pe_ptr, cache_ptr, kv_norm_ptr, pos_ptr, cos_ptr, sin_ptr, stride_qkv,
-                      eps, NUM_HEADS, NOPE, ROPE, R, PDL, pos_ptr, 0, False, KV_FMT, inv_scale)
+                       PDL: tl.constexpr, KV_FMT: tl.constexpr, inv_scale, slot_ptr=None, stride_cs=0,
+                       BATCH: tl.constexpr = False):
+    # a token's latent alone (_mla_prep_program's last program): RMSNorm(c) and rope(k_pe) -> cache[pos]; BATCH:
+    # program t's row t of a batch, at pos[t] of slot slot_ptr[t]
+    _mla_prep_program(tl.program_id(0), NUM_HEADS, qkv_ptr, q_pe_ptr, cache_ptr, kv_norm_ptr, pos_ptr, cos_ptr,
+                      sin_ptr, stride_qkv, eps, NUM_HEADS, NOPE, ROPE, R, PDL, slot_ptr if BATCH else pos_ptr,
+                      stride_cs, BATCH, KV_FMT, inv_scale)
 
 
 @triton.jit
@@ -664,13 +667,16 @@ class MlaStack:
             self._normed_for = (id(next_lw), h.data_ptr())
 
     def latent(self, lw: MlaLayer, h: torch.Tensor, cache: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor,
-               sin: torch.Tensor, k_scale: float = 1.0) -> None:
+               sin: torch.Tensor, k_scale: float = 1.0, slots: torch.Tensor | None = None) -> None:
         """One token's cache row alone, the start of ``block`` without its query: RMSNorm(h) * attn_norm, the latent
         rows of wqkv_a ([c, k_pe]; a block-scaled FP8 wqkv_a: all its rows), kv_a_norm and the rope into cache[pos]
-        (what a later token attends to). Dense attention (an indexer's key row would be missing)."""
-        d = self.dims
-        if self.num_tokens != 1 or self.batch or lw.index is not None or lw.sparse:
-            raise ValueError("latent() writes one token's row of a dense-attention block")
+        (what a later token attends to). A batch stack: row t's at pos[t] of slot slots[t] of ``cache`` [slots,
+        max_tokens, r + rope]. Dense attention (an indexer's key row would be missing)."""
+        d, t = self.dims, self.num_tokens
+        if self.batch != (slots is not None):
+            raise ValueError("a batch stack takes the rows' slots (and only it does)")
+        if (t != 1 and not self.batch) or lw.index is not None or lw.sparse:
+            raise ValueError("latent() writes one token's row (or a batch's rows) of a dense-attention block")
         r, nq = d.kv_lora_rank, d.num_heads * (d.nope + d.rope)
         lora = lw.wq_b is not None
         first = 0 if lora else nq  # the latent's rows in wqkv_a: [c, k_pe | q_a] or [q | c, k_pe]
@@ -678,11 +684,17 @@ class MlaStack:
             w, out = lw.wqkv_a[first:first + r + d.rope], self.qkv[:, nq:nq + r + d.rope]
         else:
             w, out = lw.wqkv_a, self.qkv[:, nq:] if lora else self.qkv
-        gemv_rows(h, w, out, norm_w=lw.attn_norm, eps=d.eps, **self._tile("wqkv_a"))
+        if t == 1:
+            gemv_rows(h, w, out, norm_w=lw.attn_norm, eps=d.eps, **self._tile("wqkv_a"))
+        else:  # as block's rows: the norm first, then the tensor-core GEMV
+            smallops.rmsnorm_rows(h, lw.attn_norm, self.xn, d.eps, pdl=self.pdl)
+            gemv_rows(self.xn, w, out, dot=self.PROJ_DOT, dot_tile=self.DOT_TILE, pdl=self.pdl, early=self.early)
         fmt = kv_fmt("fp8_e4m3", nearest=True) if cache.dtype == torch.uint8 else 0
-        _mla_latent_kernel[(1,)](self.qkv, self.q_pe, cache, lw.kv_a_norm, pos, cos, sin, self.qkv.stride(0), d.eps,
+        _mla_latent_kernel[(t,)](self.qkv, self.q_pe, cache, lw.kv_a_norm, pos, cos, sin, self.qkv.stride(0), d.eps,
                                  NUM_HEADS=d.num_heads, NOPE=d.nope, ROPE=d.rope, R=r, PDL=self.pdl, KV_FMT=fmt,
-                                 inv_scale=1.0 / k_scale, num_warps=4, **launch_opts(self.pdl))
+                                 inv_scale=1.0 / k_scale, slot_ptr=slots if self.batch else pos,
+                                 stride_cs=cache.stride(0) if self.batch else 0,
+                                 BATCH=self.batch, num_warps=4, **launch_opts(self.pdl))
 
     def _tile(self, name: str) -> dict:
         bn, bk, nw, st = self.tiles[name]

@@ -403,20 +403,50 @@ class MlaBatchDecoder(RowsDecoder):
     ``slot_ids``.
     ``caches``: the engine's whole per-layer latent caches [num_slots + 1, max_tokens, r + rope] (the
     main model's layers; padded rows decode on the scratch slot). Plain steps (a batch that drafts:
-    MlaBatchSpecDecoder), no sparse attention (its indexer decodes one slot per step)."""
+    MlaBatchSpecDecoder), no sparse attention (its indexer decodes one slot per step).
+    ``mtp_cache`` (the MTP layer's, as ``caches``; kv_scales then has its scale last): ``step(mtp_row=True)`` also
+    writes each row's MTP cache row of the pair its step leaves (MlaDecoder.mtp_row, row by row), so that a slot's
+    drafts after plain batched steps attend over the rows drafting would have written."""
 
     def __init__(self, model: MlaModel, caches: list[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor,
                  batch: int, options=None, max_steps: int = 256, scratch_slot: int | None = None,
-                 num_splits: int = 16, kv_scales: list[float] | None = None):
+                 num_splits: int = 16, kv_scales: list[float] | None = None, mtp_cache: torch.Tensor | None = None):
         if len(caches) != len(model.layers):
             raise ValueError(f"{len(caches)} caches for {len(model.layers)} layers")
         self.model, self.caches = model, caches
-        self.k_scales = list(kv_scales) if kv_scales is not None else [1.0] * len(caches)  # uint8 caches: FP8
-        d = model.dims
+        self.k_scales = list(kv_scales) if kv_scales is not None else [1.0] * (len(caches) + 1)  # uint8 caches: FP8
+        d, dev, bf = model.dims, model.embed.device, torch.bfloat16
         self._init_rows(model.embed, model.final_norm, model.lm_head, d.eps, len(model.layers), cos, sin, batch,
                         options, max_steps, caches[0].shape[0] - 1 if scratch_slot is None else scratch_slot)
-        self.stack = MlaStack(d, batch, model.embed.device, num_splits=num_splits, dense_inter=model.dense_inter,
+        self.stack = MlaStack(d, batch, dev, num_splits=num_splits, dense_inter=model.dense_inter,
                               max_tokens=caches[0].shape[1], batch=True)
+        self.mtp_cache = mtp_cache
+        if mtp_cache is not None and model.mtp is not None:  # the MTP layer's input rows and their positions
+            hd = model.lm_head.shape[1]
+            self.mtp_emb = torch.zeros(batch, hd, dtype=bf, device=dev)
+            self.mtp_cat = torch.zeros(batch, 2 * hd, dtype=bf, device=dev)
+            self.mtp_x = torch.zeros(batch, hd, dtype=bf, device=dev)
+            self.mtp_pos = torch.zeros(batch, dtype=torch.int32, device=dev)
+
+    @property
+    def mtp_rows_ok(self) -> bool:
+        """Whether ``step(mtp_row=True)`` can keep the MTP layer's cache: its cache given, dense attention."""
+        mt = self.model.mtp
+        return self.mtp_cache is not None and mt is not None and mt.layer.index is None and not mt.layer.sparse
+
+    def step(self, sample: bool = False, mtp_row: bool = False) -> None:
+        """RowsDecoder.step; with ``mtp_row`` then every row's MTP cache row of the pair it leaves: the step's
+        final-normed hidden (at the input's position p) with the token it picked, in MTP row p of the row's slot (the
+        draft prologue, eh_proj and the MTP block's latent alone: MlaStack.latent)."""
+        if mtp_row and not self.mtp_rows_ok:
+            raise ValueError("step(mtp_row=True) needs the MTP layer's cache and a dense-attention MTP layer")
+        super().step(sample)
+        if mtp_row:
+            mt, n = self.model.mtp, len(self.caches)
+            torch.sub(self.pos, 1, out=self.mtp_pos)  # the input's position: pos has moved past it
+            mtp_input_rows(mt, self.token, self.hn, self.mtp_emb, self.mtp_cat, self.mtp_x, self.model.dims.eps)
+            self.stack.latent(mt.layer, self.mtp_x, self.mtp_cache, self.mtp_pos, self.cos, self.sin,
+                              k_scale=self.k_scales[n], slots=self.slots)
 
     def layer(self, i: int) -> None:
         layers = self.model.layers
