@@ -582,9 +582,14 @@ class FastPath:
                     raise ValueError("this fast path decodes plain greedy requests only")
                 self.sampling.iparams[dec.scratch_slot, I_FLAGS] = GREEDY  # what padded rows sample: the argmax
                 dec.attach_sampler(self.sampling)
-            runner = GraphedFn(lambda: dec.step(sample=sampled), self.device.type == "cuda", warmup_calls=1,
-                               device=self.device, before_capture=lambda: dec.set_rows([], [], [], []))
-            runner.capture()
+            fn = lambda: dec.step(sample=sampled)  # noqa: E731
+            runner = GraphedFn(fn, self.device.type == "cuda", warmup_calls=1, device=self.device,
+                               before_capture=lambda: dec.set_rows([], [], [], []))
+            if sampled:  # torch's sampling ops in the graph: eager (slower, not wrong) should the capture fail
+                runner = _captured_or_eager(runner, fn, f"batch {size} x {k} drafts speculative sampling graph",
+                                            lambda: dec.set_rows([], [], [], []))
+            else:
+                runner.capture()
             runners[key] = runner
         return dec, runners[key]
 
