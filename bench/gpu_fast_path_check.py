@@ -101,10 +101,11 @@ def run_batch(path: Path, num_tokens: int, prompts: list[list[int]]) -> dict:
 
 
 def run_batch_spec(path: Path, num_tokens: int, prompts: list[list[int]], k: int, sampled: bool = False) -> dict:
-    """Greedy requests with k MTP drafts each (fixed drafting) decoding together, each slot verifying its own
-    drafts in the batched fast step, against the reference engine's tokens for the same requests together; which
-    batched drafting graphs ran, and each slot's verified and accepted drafts. ``sampled``: every other slot samples
-    (seeded; speculative sampling in the batched step)."""
+    """Requests with k MTP drafts each (fixed drafting) decoding together, each slot verifying its own drafts in the
+    batched fast step, against the reference engine's tokens for the same requests together; which batched drafting
+    graphs ran (size, k, graph keys: "sampled" the speculative sampling one), and each slot's verified and accepted
+    drafts. Greedy, or with ``sampled`` every other slot seeded at temperature 0.7 (a bf16 rounding difference
+    between the kernels and torch can flip a draw: ``first_difference`` says where)."""
     res = {}
     for mode in ("on", "off"):
         engine = Engine.load(path, num_slots=len(prompts), max_seq_len=128, dtype="bfloat16", fast_path=mode,
@@ -123,7 +124,8 @@ def run_batch_spec(path: Path, num_tokens: int, prompts: list[list[int]], k: int
     (got, served, fast), (want, _, _) = res["on"], res["off"]
     stats = {slot: fast.spec_stats(slot) for slot in got}
     return {"tokens_identical": got == want, "steps": sorted(set(served)),
-            "graphs": sorted(fast.fast_path.spec_batches),
+            "graphs": sorted((*key, sorted(map(str, runners)))
+                             for key, (_, runners) in fast.fast_path.spec_batches.items()),
             "drafts_verified": {slot: st.num_draft_tokens for slot, st in stats.items()},
             "drafts_accepted": {slot: st.num_accepted_tokens for slot, st in stats.items()},
             "first_difference": {slot: next((i for i, (a, b) in enumerate(zip(got[slot], want[slot])) if a != b), None)

@@ -62,8 +62,9 @@ row before each replay (one token per step with a grammar), the graph applies th
 sampling kernels (all ones where a row has no grammar) and computes the logprobs after them.
 Adaptive drafting (``adaptive_speculation``, on by default; spec_policy.py): each request's steps
 draft as many MTP tokens (0..its maximum) as its observed acceptance pays for, against a fixed cost
-per draft (so a seeded sampled request drafts, and samples, the same alone or batched; a greedy request
-prices a draft dearer while its steps run beside other slots, as the batched step costs); drafts that
+per draft (a sampled request's one table whatever decodes beside it: where its drafts were decides its seeded
+draws; a greedy request prices a draft dearer while its steps run beside other slots, as the fast path's
+batched drafting step costs, and the reference step's batches alike); drafts that
 are not accepted turn drafting off for a backoff, then a probe measures again. A reference step
 drafts the most any of its slots asks for (each slot verifies only the drafts it asked for). On an
 engine whose steps run on the CPU no draft count pays even if every draft is accepted
@@ -251,7 +252,7 @@ class Engine:
                                                            run_ahead=config.fast_path_run_ahead)
         self.adaptive_spec = config.adaptive_speculation and self.num_spec > 0
         # a step's cost by draft count, in plain steps: fixed per engine, so that a seeded sampled
-        # request drafts (and samples) the same alone or batched, run after run
+        # request's draft counts do not follow what decodes beside it (a greedy one's do: _costs)
         # (a CPU engine's own steps: spec_policy.CPU_COST_PER_DRAFT)
         cpu = self.device.type == "cpu" and self._fast is None
         per_draft = spec_policy.CPU_COST_PER_DRAFT if cpu else spec_policy.COST_PER_DRAFT

@@ -89,7 +89,8 @@ MODES = ("auto", "on", "off")
 MAX_LOGPROBS = 20  # cuda/sampling_state.MAX_LOGPROBS (torch-only import kept out of this module's top)
 MAX_BATCH = 8  # slots of one batched step (cuda/batch.py, cuda/mla_decoder.py's MlaBatchDecoder)
 MAX_SPEC_ROWS = 16  # rows of a batched step with drafts, slots x (drafts + 1) (cuda/moe.py's MAX_ROWS)
-BATCH_SIZES = (2, 4, 8)  # its padded sizes, one graph (greedy, sampled) each
+BATCH_SIZES = (2, 4, 8)  # its padded sizes: plain-step graphs (greedy, sampled; DeepSeek family with drafts: also
+# keeping the MTP rows) and, with drafts, the drafting step's (greedy, speculative sampling) each
 
 
 @dataclass
@@ -523,7 +524,6 @@ class FastPath:
             raise ValueError("this fast path decodes one slot per step (sparse attention, or tensor parallel)")
         if size not in self.batches:
             from .cuda.adapter import gqa_batch_decoder_from_engine, mla_batch_decoder_from_engine
-            from .cuda.graph import GraphedFn
 
             dec = (mla_batch_decoder_from_engine(self.model, size, self.max_steps) if self.mla
                    else gqa_batch_decoder_from_engine(self.model, size, self.options, self.max_steps))
@@ -653,8 +653,8 @@ class FastPath:
             if (sampled or masks or lps) and not self.sample_ok:
                 raise ValueError("this fast path decodes plain greedy requests only")
             # a DeepSeek-family batch holding a request that drafts: the graph that keeps the MTP layer's rows too
-            rows = self.mla and any(s.num_spec > 0 for _, s in items) and self._mtp_rows(dec)
-            plain = (SAMPLED_ROW if rows else SAMPLED) if sampled else PLAIN_ROW if rows else 0
+            keep_mtp = self.mla and any(s.num_spec > 0 for _, s in items) and self._mtp_rows(dec)
+            plain = (SAMPLED_ROW if keep_mtp else SAMPLED) if sampled else PLAIN_ROW if keep_mtp else 0
             runner = (self._batch_extras_runner(padded_batch(len(items)), masks, lps) if masks or lps
                       else self._batch_runner(padded_batch(len(items)), plain))
             key = (padded_batch(len(items)), (EXTRAS, masks, lps) if masks or lps else plain)

@@ -6,8 +6,9 @@ own slot at its own position, its attention over its own slot, its own experts) 
 tokens that slot gets decoding alone on the batch-1 fast path: greedy and seeded sampled requests mixed,
 with q LoRA and group-limited routing; slots with MTP drafts verify their own drafts in the batched step,
 greedy or by speculative sampling; a slot batched with one whose processors read its output decodes plain
-steps and drafts again alone; a slot joining or leaving changes no one's tokens; the scratch slot takes the padded rows and
-no other slot's cache changes. A sparse-attention model keeps one slot per step.
+steps (writing its draft layer's rows) and drafts again alone; a slot joining or leaving changes no one's
+tokens; the scratch slot takes the padded rows and no other slot's cache changes. A sparse-attention model
+keeps one slot per step.
 """
 
 from __future__ import annotations
@@ -148,8 +149,8 @@ def test_drafting_slots_verify_their_own_drafts_in_one_batched_step(checkpoint, 
 
 def test_a_drafting_slot_batched_with_a_penalised_one_decodes_plain_steps_and_drafts_again_alone(checkpoint):
     """Slot 0 (two greedy drafts a step) batched with a sampled slot 1 with a repetition penalty for two plain steps (a
-    batch with a slot whose processors read its output does not draft), then alone: its tokens are the reference engine's, and its first draft alone starts from
-    its last batched step's hidden, so the MTP cache row that draft writes (the pair of hidden 5 and token 6) is the
+    batch with a slot whose processors read its output does not draft), then alone: its tokens are the reference
+    engine's, and its first draft alone starts from its last batched step's hidden, so the MTP cache row that draft writes (the pair of hidden 5 and token 6) is the
     reference step's, not one from a zero hidden."""
     sampled = SamplingParams(max_tokens=2, temperature=0.9, repetition_penalty=1.3, seed=5, ignore_eos=True)
     params = {0: SamplingParams(max_tokens=8, ignore_eos=True), 1: sampled}
@@ -172,64 +173,74 @@ def test_a_drafting_slot_batched_with_a_penalised_one_decodes_plain_steps_and_dr
 
 
 def test_sampled_slots_draft_together_by_speculative_sampling_with_the_reference_tokens(checkpoint):
-    """A greedy slot, a seeded sampled one, one at temperature 0 with logits processors (one-hot distributions) and a
-    sampled one asking for no drafts decode together on the fast path by speculative sampling in one batched step
-    (each slot's drafts drawn from its own processed distribution with its own seed, accepted or redrawn against the
-    verify's): their tokens are the reference engine's (which drafts for the same slots together with the same
-    distributions and random numbers) and the sampled slot's are its tokens alone, drafts are accepted, the slot
-    without drafts verifies none."""
-    params = {0: SamplingParams(max_tokens=8, ignore_eos=True),
+    """A greedy slot, two seeded sampled ones and one at temperature 0 with logits processors (one-hot distributions)
+    asking for no drafts decode together on the fast path by speculative sampling in one batched step (each slot's
+    drafts drawn from its own processed distribution with its own seed, accepted or redrawn against the verify's),
+    finishing at different lengths (the batch of 4 shrinks to 2, then one slot alone): their tokens are the reference
+    engine's (which drafts for the same slots together with the same distributions and random numbers) and each
+    sampled slot's are its tokens alone on the fast path; drafts are accepted, the slot without drafts verifies none."""
+    params = {0: SamplingParams(max_tokens=10, ignore_eos=True),
               1: SamplingParams(max_tokens=8, temperature=0.9, top_p=0.9, top_k=20, min_p=0.05, seed=7,
                                 ignore_eos=True),
-              2: SamplingParams(max_tokens=8, temperature=0.0, logit_bias={5: 0.5, 42: -1.0}, min_tokens=3,
-                                ignore_eos=True),
-              3: SamplingParams(max_tokens=8, temperature=0.8, seed=3, ignore_eos=True, num_speculative_tokens=0)}
+              2: SamplingParams(max_tokens=6, temperature=0.0, logit_bias={5: 0.5, 42: -1.0}, min_tokens=3,
+                                ignore_eos=True, num_speculative_tokens=0),
+              3: SamplingParams(max_tokens=7, temperature=0.8, top_k=30, seed=11, ignore_eos=True)}
     ref = Engine.load(checkpoint, num_slots=4, max_seq_len=24, dtype="bfloat16", fast_path="off",
                       num_speculative_tokens=2, adaptive_speculation=False)
     want, _ = _decode(ref, params)
     engine = Engine.load(checkpoint, num_slots=4, max_seq_len=24, dtype="bfloat16", fast_path="on",
                          num_speculative_tokens=2, adaptive_speculation=False)
     got, served = _decode(engine, params)
-    assert served[0] == ("fast", 4) and {p for p, _ in served} == {"fast"}
-    # the sampled slot draws with the reference step's distributions, positions and random numbers over the same
-    # MTP rows, so its tokens follow the reference's until bf16 rounding (Triton kernels against torch) flips a
-    # draw: here the last, a redraw after a rejected draft, which it draws alone on the fast path too
+    assert served[0] == ("fast", 4) and ("fast", 2) in served and {p for p, _ in served} == {"fast"}
+    # a sampled slot draws with the reference step's distributions, positions and random numbers over the same MTP
+    # rows, so its tokens follow the reference's until bf16 rounding (Triton kernels against torch) flips a draw:
+    # here slot 1's last, a redraw after a rejected draft, which it draws alone on the fast path too
     assert {s: t for s, t in got.items() if s != 1} == {s: t for s, t in want.items() if s != 1}
-    assert got[1][:8] == want[1][:8] and all(len(t) == 9 for t in got.values())
-    dec, runners = engine.fast_path.spec_batches[(4, 2)]
-    assert "sampled" in runners and dec.sampler is not None
-    for slot in params:
-        stats = engine.spec_stats(slot)
-        if slot == 3:
-            assert stats.num_draft_tokens == stats.num_accepted_tokens == 0 and stats.num_steps == 8
-        else:
-            assert stats.num_draft_tokens > 0
-    assert sum(engine.spec_stats(slot).num_accepted_tokens for slot in (1, 2)) > 0
+    assert got[1][:8] == want[1][:8] and [len(got[s]) for s in params] == [11, 9, 7, 8]
+    assert {key: sorted(map(str, runners)) for key, (_, runners) in engine.fast_path.spec_batches.items()} == {
+        (4, 2): ["sampled"], (2, 2): ["sampled"]}
+    stats = {slot: engine.spec_stats(slot) for slot in params}
+    assert stats[2].num_draft_tokens == stats[2].num_accepted_tokens == 0 and stats[2].num_steps == 6
+    assert all(stats[s].num_accepted_tokens > 0 for s in (0, 1, 3))
     for slot in params:
         engine.release(slot)
-    assert _decode(engine, {1: params[1]})[0] == {1: got[1]}  # alone, the same draws
+    for slot in (1, 3):  # alone, the same draws
+        assert _decode(engine, {slot: params[slot]})[0] == {slot: got[slot]}
+        engine.release(slot)
 
 
-@pytest.mark.parametrize("mtp_rows", [True, False])
-def test_plain_batched_steps_of_drafting_requests_write_the_mtp_rows_drafting_writes(checkpoint, mtp_rows,
+@pytest.mark.parametrize("plain, mtp_rows", [("penalised", True), ("backed_off", True), ("backed_off", False)])
+def test_plain_batched_steps_of_drafting_requests_write_the_mtp_rows_drafting_writes(checkpoint, plain, mtp_rows,
                                                                                    monkeypatch):
-    """Two greedy requests that may draft, batched with a penalised one (a batch that does not draft: plain steps),
-    write each step's MTP layer row (the pair of the step's hidden and the token it picked) as drafting together
-    writes it: rows L .. L + 7 of slots 0 and 1 equal (bf16) those of the same two requests drafting in the batched
-    step, their tokens unchanged; with ``FastPath.MTP_ROWS`` off the plain batched steps leave them empty."""
-    from services.decode.engine import fastpath
+    """Two greedy requests that may draft decode plain batched steps, beside a penalised request (a batch that does
+    not draft: the sampled graph) or backed off by adaptive drafting (a draft priced at a whole step while batched:
+    the greedy graph after their first step). Each plain step writes every row's MTP layer row (the pair of the
+    step's hidden and the token it picked) as drafting writes it: rows L .. L + 7 of slots 0 and 1 equal (bf16) those
+    of the same two requests drafting every step together, their tokens unchanged, nothing written past them; with
+    ``FastPath.MTP_ROWS`` off the plain steps leave holes."""
+    from services.decode.engine import fastpath, spec_policy
 
     monkeypatch.setattr(fastpath.FastPath, "MTP_ROWS", mtp_rows)
+    monkeypatch.setattr(spec_policy, "BATCH_COST_PER_DRAFT", 1.0)  # batched, no draft count pays
     greedy = SamplingParams(max_tokens=8, ignore_eos=True)
     penalised = SamplingParams(max_tokens=8, temperature=0.0, repetition_penalty=1.3, ignore_eos=True)
+    params = {0: greedy, 1: greedy, 2: penalised} if plain == "penalised" else {0: greedy, 1: greedy}
     engine = Engine.load(checkpoint, num_slots=3, max_seq_len=24, dtype="bfloat16", fast_path="on",
-                         num_speculative_tokens=2, adaptive_speculation=False)
-    got, served = _decode(engine, {0: greedy, 1: greedy, 2: penalised})
-    assert served == [("fast", 3)] * 8 and engine.spec_stats(0).num_draft_tokens == 0  # plain batched steps
-    rows = {slot: _mtp_rows(engine, slot, len(DRAFTING_PROMPTS[slot]) + 8)[len(DRAFTING_PROMPTS[slot]):]
-            for slot in (0, 1)}
-    if not mtp_rows:
-        assert all(r.abs().max() == 0 for r in rows.values())
+                         num_speculative_tokens=2, adaptive_speculation=plain == "backed_off")
+    got, served = _decode(engine, params)
+    drafting_steps = 0 if plain == "penalised" else 1  # the first step drafts (k = 2), then drafting backs off
+    assert served[0] == ("fast", len(params)) and served.count(("fast", len(params))) >= 5
+    assert {p for p, _ in served} == {"fast"}
+    assert engine.spec_stats(0).num_draft_tokens == engine.spec_stats(1).num_draft_tokens == 2 * drafting_steps
+    keys = engine.fast_path.batches[fastpath.padded_batch(len(params))][1]
+    assert (fastpath.SAMPLED_ROW if plain == "penalised" else fastpath.PLAIN_ROW) in keys or not mtp_rows
+    rows = {}
+    for slot in (0, 1):
+        n = len(DRAFTING_PROMPTS[slot])
+        rows[slot] = _mtp_rows(engine, slot, n + 8)[n:]
+        assert engine.cache.kv[-1][slot][n + 8:].abs().max() == 0  # nothing past the decoded positions
+    if not mtp_rows:  # the first step's verify wrote rows L .. L + 2; the plain steps after it none
+        assert all(r[3:].abs().max() == 0 for r in rows.values())
         return
     drafting = Engine.load(checkpoint, num_slots=3, max_seq_len=24, dtype="bfloat16", fast_path="on",
                            num_speculative_tokens=2, adaptive_speculation=False)

@@ -29,7 +29,8 @@ token outside the first N can never be drafted (that draft is rejected like any 
 
 ``MlaBatchDecoder``: 2..8 slots, one plain step each in one graph (the verify's T-row block with each row
 in its own slot at its own position; the rows' control plane and step tail are batch.py's ``RowsDecoder``).
-``MlaBatchSpecDecoder``: 2..8 slots, each with its own k drafts + verify (spec_step's greedy step, row by row).
+``MlaBatchSpecDecoder``: 2..8 slots, each with its own k drafts + verify (spec_step's step, greedy or speculative
+sampling, row by row).
 """
 
 from __future__ import annotations
@@ -359,36 +360,61 @@ class MlaDecoder:
         drafting requests can carry (bias and allowed ids, min_tokens, temperature, min_p, top_k, top_p;
         penalties and bad words read the output and never draft). A draft whose distribution is empty
         (every allowed id outside a reduced draft vocabulary) and the drafts after it are not verified."""
-        from ..sampling import sample
-        from ..spec import verify
-
         if self.spec_sampler is None:
             raise ValueError("spec_step(k, sample=True) needs attach_sampler first, within the engine package "
                              "(services.decode.engine: its sampler and speculative acceptance)")
         ref, rows = self.spec_sampler
         iparams = ref.bufs.iparams[0]
         seeds, greedy = iparams[I_SEED:I_SEED + 1], (iparams[I_FLAGS:I_FLAGS + 1] & GREEDY) != 0
-        pos, noise = self.pos.to(torch.int64), self.noise
         for j in range(k):
             self.mtp_draft(j, pick=False)
-            q = ref.probs(self.mtp_logits_v, rows, pos + 1 + j, SPEC_SAMPLING_FLAGS)  # at the draft's position
-            uniform_rows(seeds, self.pos, 1 + j, STREAM_DRAFT, noise)
-            self.tokens[j + 1:j + 2].copy_(sample(q, -torch.log(noise), greedy))
+            token, q = draw_draft(ref, self.mtp_logits_v, rows, self.pos, j, seeds, greedy, self.noise)
+            self.tokens[j + 1:j + 2].copy_(token)
             self.draft_q[j].copy_(q[0])
         self.forward(k + 1, parts=False)
-        at = pos + 1 + self.arange[:k + 1]  # of the token after each verified input
+        at = self.pos.to(torch.int64) + 1 + self.arange[:k + 1]  # of the token after each verified input
         p = ref.probs(self.logits[k + 1], rows, at, SPEC_SAMPLING_FLAGS)
-        q = self.draft_q[:k]
-        num_valid = (q.sum(dim=-1) > 0).to(torch.int64).cumprod(dim=0).sum().view(1)
-        u = uniform_rows(seeds, self.pos, 1, STREAM_ACCEPT, self.accept_u[:k]).view(1, k)
-        uniform_rows(seeds, self.pos, 1, STREAM_SAMPLE, noise)
-        n, nxt = verify(p[None], q[None], self.tokens[None, 1:k + 1], num_valid, u, -torch.log(noise), greedy)
-        self._keep(k, torch.cat([self.tokens[1:k + 1], nxt]).scatter(0, n, nxt), n)  # accepted drafts, the draw
+        n, cand = accept_drafts(p[None], self.draft_q[None, :k], self.tokens[None, 1:k + 1], None, seeds, self.pos,
+                                self.accept_u[:k], self.noise, greedy)
+        self._keep(k, cand[0], n)  # accepted drafts, the draw
 
 
 # every processor a drafting request can carry, each applied per row by its own flag (the reference
 # sampler's flags_any: a superset changes nothing), so one captured graph serves every such request
 SPEC_SAMPLING_FLAGS = BIAS | MIN_TOKENS | TOP_K | TOP_P
+
+
+def draw_draft(sampler, logits: torch.Tensor, rows, pos: torch.Tensor, j: int, seeds: torch.Tensor,
+               greedy: torch.Tensor, noise: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Draft j of each of R rows by speculative sampling, as the reference step's ``_draft``: q, the row's processed
+    distribution of the draft head's whole-vocabulary ``logits`` [R, V] at position pos + 1 + j (``sampler``: the
+    engine's ReferenceSampler, ``rows`` its buffer rows), and the token drawn from q with Exp noise of stream
+    STREAM_DRAFT there (``noise`` [R, V]: the uniforms' buffer): (tokens [R], q [R, V])."""
+    from ..sampling import sample
+
+    q = sampler.probs(logits, rows, pos.to(torch.int64) + 1 + j, SPEC_SAMPLING_FLAGS)
+    uniform_rows(seeds, pos, 1 + j, STREAM_DRAFT, noise)
+    return sample(q, -torch.log(noise), greedy), q
+
+
+def accept_drafts(p: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor, num_valid: torch.Tensor | None,
+                  seeds: torch.Tensor, pos: torch.Tensor, accept_u: torch.Tensor, noise: torch.Tensor,
+                  greedy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Speculative sampling's acceptance of R rows' k drafts (spec.verify with the reference step's random numbers:
+    uniforms of stream STREAM_ACCEPT at pos + 1 + i into ``accept_u`` [R * k, 1], the draw's Exp noise at pos + 1
+    into ``noise`` [R, V]): ``p`` [R, k + 1, V] the verify's targets, ``q`` [R, k, V] the drafts' distributions,
+    ``num_valid`` [R] drafts each row verifies at most (None: all). A draft whose distribution is empty (every
+    allowed id outside a reduced draft vocabulary) and the ones after it are not verified. (accepted [R],
+    candidates [R, k + 1]: the accepted drafts, the draw after them, then rejected drafts)."""
+    from ..spec import verify
+
+    r, k = drafts.shape
+    drawn = (q.sum(dim=-1) > 0).to(torch.int64).cumprod(dim=1).sum(dim=1)
+    valid = drawn if num_valid is None else torch.minimum(num_valid, drawn)
+    u = uniform_rows(seeds, pos, 1, STREAM_ACCEPT, accept_u).view(r, k)
+    uniform_rows(seeds, pos, 1, STREAM_SAMPLE, noise)
+    n, nxt = verify(p, q, drafts, valid, u, -torch.log(noise), greedy)
+    return n, torch.cat([drafts, nxt[:, None]], dim=1).scatter(1, n[:, None], nxt[:, None])
 
 
 class MlaBatchDecoder(RowsDecoder):
@@ -461,7 +487,8 @@ MAX_SPEC_ROWS = MAX_ROWS
 
 class MlaBatchSpecDecoder:
     """``batch`` slots of a DeepSeek-family model, each with ``k`` MTP drafts and one verify of its k + 1 tokens, in
-    one step (one CUDA graph per padded batch size and k): MlaDecoder.spec_step's greedy step, row by row.
+    one step (one CUDA graph per padded batch size and k): MlaDecoder.spec_step's greedy step, row by row (or its
+    speculative sampling: ``step(sample=True)``, below).
 
     Row b decodes slot ``slots[b]`` from token ``tokens[b, 0]`` at ``pos[b]``, its MTP input ``mtp_hidden[b]``
     (the main model's final-normed hidden one position back), verifying at most ``num_valid[b]`` of its drafts
@@ -563,9 +590,9 @@ class MlaBatchSpecDecoder:
         self.pos.copy_(c[b:2 * b])
         self.slots.copy_(c[2 * b:3 * b])
         self.num_valid.copy_(c[3 * b:])
-        rows = self.slots.long()
         draw = None
-        if sample:  # each row's seed and greedy flag, from its slot's sampling row
+        if sample:  # each row's sampling row, seed and greedy flag (its slot's)
+            rows = self.slots.long()
             iparams = self.sampler.bufs.iparams[rows]
             draw = (rows, iparams[:, I_SEED].contiguous(), (iparams[:, I_FLAGS] & GREEDY) != 0)
         for j in range(self.k):
@@ -590,12 +617,8 @@ class MlaBatchSpecDecoder:
         if draw is None:
             self.tokens[:, j + 1].copy_(row_argmax(self.draft_logits))
             return
-        from ..sampling import sample
-
-        rows, seeds, greedy = draw
-        q = self.sampler.probs(self.draft_logits_v, rows, self.pos.long() + 1 + j, SPEC_SAMPLING_FLAGS)
-        uniform_rows(seeds, self.pos, 1 + j, STREAM_DRAFT, self.noise)
-        self.tokens[:, j + 1].copy_(sample(q, -torch.log(self.noise), greedy))
+        token, q = draw_draft(self.sampler, self.draft_logits_v, draw[0], self.pos, j, *draw[1:], self.noise)
+        self.tokens[:, j + 1].copy_(token)
         self.draft_q[:, j].copy_(q)
 
     def _verify(self, draw: tuple | None = None) -> None:
@@ -615,8 +638,10 @@ class MlaBatchSpecDecoder:
             a = row_argmax(self.logits).view(self.batch, k + 1)  # the model's token after each input
             ok = (a[:, :k] == self.tokens[:, 1:]) & (self.steps[None, :k] < self.num_valid[:, None])
             accepted = ok.long().cumprod(dim=1).sum(dim=1)  # [B]
-        else:
-            accepted, a = self._accept_sampled(*draw[1:])
+        else:  # speculative sampling against each row's targets (its slot's sampling row at each position)
+            p = self.sampler.probs(self.logits, self.slot_rows.long(), self.pos_rows.long() + 1, SPEC_SAMPLING_FLAGS)
+            accepted, a = accept_drafts(p.view(self.batch, k + 1, -1), self.draft_q, self.tokens[:, 1:],
+                                        self.num_valid, draw[1], self.pos, self.accept_u, self.noise, draw[2])
         self.out[:, 0].copy_(accepted)
         self.out[:, 1:].copy_(a)
         # the MTP layer over every verified row (MlaDecoder._mtp_over_verified's pairs, each slot's own)
@@ -624,24 +649,6 @@ class MlaBatchSpecDecoder:
         self.stack.block(mt.layer, self.mtp_x_rows, self.caches[n], self.pos_rows, self.cos, self.sin,
                          slots=self.slot_rows, k_scale=self.k_scales[n])
         torch.index_select(self.hid, 0, self.first_rows + accepted, out=self.mtp_hidden)
-
-    def _accept_sampled(self, seeds: torch.Tensor, greedy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Speculative sampling's acceptance of every slot (MlaDecoder._spec_sampled's, row by row): (accepted drafts
-        [B], candidates [B, k + 1]: the accepted drafts, the draw after them, then rejected drafts)."""
-        from ..spec import verify
-
-        b, k, vocab = self.batch, self.k, self.logits.shape[1]
-        at = self.pos_rows.long() + 1  # the position of the token after each verified input
-        p = self.sampler.probs(self.logits, self.slot_rows.long(), at, SPEC_SAMPLING_FLAGS).view(b, k + 1, vocab)
-        # a draft whose distribution is empty (every allowed id outside a reduced draft vocabulary) and the ones
-        # after it are not verified
-        drawn = (self.draft_q.sum(dim=-1) > 0).to(torch.int64).cumprod(dim=1).sum(dim=1)
-        u = uniform_rows(seeds, self.pos, 1, STREAM_ACCEPT, self.accept_u).view(b, k)
-        uniform_rows(seeds, self.pos, 1, STREAM_SAMPLE, self.noise)
-        accepted, nxt = verify(p, self.draft_q, self.tokens[:, 1:], torch.minimum(self.num_valid, drawn), u,
-                               -torch.log(self.noise), greedy)
-        cand = torch.cat([self.tokens[:, 1:], nxt[:, None]], dim=1).scatter(1, accepted[:, None], nxt[:, None])
-        return accepted, cand
 
 
 class _RowBuffers:
