@@ -100,6 +100,15 @@ def _decode(engine: Engine, params: dict[int, SamplingParams]) -> tuple[dict, li
     return got, served
 
 
+def _reference_and_fast(checkpoint, params: dict[int, SamplingParams], num_slots: int, k: int = 2):
+    """The requests decoded together by the reference engine and by the fast path, both drafting k every step:
+    (reference tokens, fast tokens, the fast engine's steps, the reference engine, the fast engine)."""
+    engines = [Engine.load(checkpoint, num_slots=num_slots, max_seq_len=24, dtype="bfloat16", fast_path=mode,
+                           num_speculative_tokens=k, adaptive_speculation=False) for mode in ("off", "on")]
+    (want, _), (got, served) = (_decode(e, params) for e in engines)
+    return want, got, served, *engines
+
+
 def _mtp_rows(engine: Engine, slot: int, upto: int) -> torch.Tensor:
     return engine.cache.kv[-1][slot][:upto].float()
 
@@ -116,12 +125,7 @@ def test_drafting_slots_verify_their_own_drafts_in_one_batched_step(checkpoint, 
 
     params = {slot: SamplingParams(max_tokens=8, ignore_eos=True, num_speculative_tokens=0 if slot == plain else None)
               for slot in slots}
-    ref = Engine.load(checkpoint, num_slots=len(slots), max_seq_len=24, dtype="bfloat16", fast_path="off",
-                      num_speculative_tokens=k, adaptive_speculation=False)
-    want, _ = _decode(ref, params)
-    engine = Engine.load(checkpoint, num_slots=len(slots), max_seq_len=24, dtype="bfloat16", fast_path="on",
-                         num_speculative_tokens=k, adaptive_speculation=False)
-    got, served = _decode(engine, params)
+    want, got, served, ref, engine = _reference_and_fast(checkpoint, params, len(slots), k)
     assert got == want and all(len(t) == 9 for t in got.values())
     assert served[0] == ("fast", len(slots)) and {p for p, _ in served} == {"fast"}
     graphs = engine.fast_path.spec_batches  # (padded size, drafts): a batch keeps fewer slots as they finish
@@ -150,16 +154,11 @@ def test_drafting_slots_verify_their_own_drafts_in_one_batched_step(checkpoint, 
 def test_a_drafting_slot_batched_with_a_penalised_one_decodes_plain_steps_and_drafts_again_alone(checkpoint):
     """Slot 0 (two greedy drafts a step) batched with a sampled slot 1 with a repetition penalty for two plain steps (a
     batch with a slot whose processors read its output does not draft), then alone: its tokens are the reference
-    engine's, and its first draft alone starts from its last batched step's hidden, so the MTP cache row that draft writes (the pair of hidden 5 and token 6) is the
-    reference step's, not one from a zero hidden."""
+    engine's, and its first draft alone starts from its last batched step's hidden, so the MTP cache row that draft
+    writes (the pair of hidden 5 and token 6) is the reference step's, not one from a zero hidden."""
     sampled = SamplingParams(max_tokens=2, temperature=0.9, repetition_penalty=1.3, seed=5, ignore_eos=True)
     params = {0: SamplingParams(max_tokens=8, ignore_eos=True), 1: sampled}
-    ref = Engine.load(checkpoint, num_slots=3, max_seq_len=24, dtype="bfloat16", fast_path="off",
-                      num_speculative_tokens=2, adaptive_speculation=False)
-    want, _ = _decode(ref, params)
-    engine = Engine.load(checkpoint, num_slots=3, max_seq_len=24, dtype="bfloat16", fast_path="on",
-                         num_speculative_tokens=2, adaptive_speculation=False)
-    got, served = _decode(engine, params)
+    want, got, served, ref, engine = _reference_and_fast(checkpoint, params, 3)
     assert got[0] == want[0]
     assert served[:2] == [("fast", 2), ("fast", 2)] and {p for p, _ in served} == {"fast"}
     assert not engine.fast_path.spec_batches
@@ -185,12 +184,7 @@ def test_sampled_slots_draft_together_by_speculative_sampling_with_the_reference
               2: SamplingParams(max_tokens=6, temperature=0.0, logit_bias={5: 0.5, 42: -1.0}, min_tokens=3,
                                 ignore_eos=True, num_speculative_tokens=0),
               3: SamplingParams(max_tokens=7, temperature=0.8, top_k=30, seed=11, ignore_eos=True)}
-    ref = Engine.load(checkpoint, num_slots=4, max_seq_len=24, dtype="bfloat16", fast_path="off",
-                      num_speculative_tokens=2, adaptive_speculation=False)
-    want, _ = _decode(ref, params)
-    engine = Engine.load(checkpoint, num_slots=4, max_seq_len=24, dtype="bfloat16", fast_path="on",
-                         num_speculative_tokens=2, adaptive_speculation=False)
-    got, served = _decode(engine, params)
+    want, got, served, _, engine = _reference_and_fast(checkpoint, params, 4)
     assert served[0] == ("fast", 4) and ("fast", 2) in served and {p for p, _ in served} == {"fast"}
     # a sampled slot draws with the reference step's distributions, positions and random numbers over the same MTP
     # rows, so its tokens follow the reference's until bf16 rounding (Triton kernels against torch) flips a draw:
