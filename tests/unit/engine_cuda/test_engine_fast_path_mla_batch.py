@@ -203,6 +203,28 @@ def test_sampled_slots_draft_together_by_speculative_sampling_with_the_reference
         engine.release(slot)
 
 
+def test_a_reduced_draft_vocabulary_in_the_batched_drafting_step(checkpoint):
+    """``mtp_draft_vocab=128`` of 256: the batched drafting step's draft head reads 128 rows into the front of
+    whole-vocabulary rows (the rest -inf). A greedy slot keeps its tokens (the reference engine's); a sampled slot
+    allowed only ids >= 128 draws empty draft distributions, so none of its drafts is verified (one token a step,
+    none accepted), and its tokens are its tokens alone on the fast path."""
+    sampled = SamplingParams(max_tokens=6, temperature=0.8, seed=5, allowed_token_ids=list(range(128, 256)),
+                             ignore_eos=True)
+    params = {0: SamplingParams(max_tokens=6, ignore_eos=True), 1: sampled}
+    engine = Engine.load(checkpoint, num_slots=2, max_seq_len=24, dtype="bfloat16", fast_path="on",
+                         num_speculative_tokens=2, mtp_draft_vocab=128, adaptive_speculation=False)
+    got, served = _decode(engine, params)
+    assert served[0] == ("fast", 2) and (2, 2) in engine.fast_path.spec_batches
+    reference = Engine.load(checkpoint, num_slots=2, max_seq_len=24, dtype="bfloat16", fast_path="off",
+                            num_speculative_tokens=2, adaptive_speculation=False)
+    assert got[0] == _decode(reference, {0: params[0]})[0][0]
+    assert all(t >= 128 for t in got[1][1:]) and engine.spec_stats(1).num_accepted_tokens == 0
+    assert engine.spec_stats(1).num_steps == 6
+    for slot in params:
+        engine.release(slot)
+    assert _decode(engine, {1: sampled})[0] == {1: got[1]}
+
+
 @pytest.mark.parametrize("plain, mtp_rows", [("penalised", True), ("backed_off", True), ("backed_off", False)])
 def test_plain_batched_steps_of_drafting_requests_write_the_mtp_rows_drafting_writes(checkpoint, plain, mtp_rows,
                                                                                    monkeypatch):
