@@ -115,7 +115,7 @@ from shared.log import get_logger
 from .cache import TORCH_DTYPES, KvCache, dtype_name
 from .kvquant import checkpoint_scales
 from .sampling import ReferenceSampler, SamplingBuffers, banned_ids, exponential, resolve, sample
-from .cuda.sampling_state import BAD_WORDS, FREQ_PRES, GREEDY, I_FLAGS, I_SEED, REP, STREAM_ACCEPT, STREAM_DRAFT, \
+from .cuda.sampling_state import BAD_WORDS, GREEDY, I_FLAGS, I_SEED, READS_OUTPUT, STREAM_ACCEPT, STREAM_DRAFT, \
     TRACK_COUNTS, uniform
 from .slots import SlotState, emit
 from . import cpustep, logprobs as lpmod
@@ -386,7 +386,7 @@ class Engine:
         stop = set(sampling.stop_token_ids) | (set() if sampling.ignore_eos else set(self.eos_token_ids))
         asked = sampling.num_speculative_tokens
         k = self.num_spec if asked is None else min(self.num_spec, asked)
-        if req.flags & (REP | FREQ_PRES | BAD_WORDS):  # they read the output, drafts included: no drafts
+        if req.flags & READS_OUTPUT:  # they read the output, drafts included: no drafts
             k = 0
         if self.adaptive_spec and not spec_policy.can_pay(self._costs(req.plain_greedy)):
             k = 0  # no draft count can pay on this engine (its steps run on the CPU): plain steps from the first

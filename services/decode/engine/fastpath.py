@@ -129,9 +129,9 @@ def _counted(s: SlotState) -> bool:
 def _may_draft(s: SlotState) -> bool:
     """Whether a sampled slot can take speculative sampling's batched step: no processor that reads its own output
     (penalties, bad words: such a request never drafts, and its sampled steps keep their state)."""
-    from .cuda.sampling_state import BAD_WORDS, TRACK_COUNTS
+    from .cuda.sampling_state import READS_OUTPUT
 
-    return s.sampling is not None and not s.sampling.flags & (TRACK_COUNTS | BAD_WORDS)
+    return s.sampling is not None and not s.sampling.flags & READS_OUTPUT
 
 
 def padded_batch(n: int) -> int:
@@ -529,9 +529,7 @@ class FastPath:
                    else gqa_batch_decoder_from_engine(self.model, size, self.options, self.max_steps))
             keys = [0]
             if self.sample_ok:
-                from .cuda.sampling_state import GREEDY, I_FLAGS
-
-                self.sampling.iparams[dec.scratch_slot, I_FLAGS] = GREEDY  # what padded rows sample: the argmax
+                self._scratch_greedy(dec)
                 dec.attach_samplers(self.sampling)
                 keys.append(SAMPLED)
             if self._mtp_rows(dec) and self.device.type == "cuda":  # (interpreted: at their first use)
@@ -545,6 +543,12 @@ class FastPath:
                 if self.sample_ok:
                     self.prepare_batch_spec(size, k, sampled=True)
         return self.batches[size]
+
+    def _scratch_greedy(self, dec) -> None:
+        """What a batched decoder's padded rows (the scratch slot's sampling row) sample: the argmax."""
+        from .cuda.sampling_state import GREEDY, I_FLAGS
+
+        self.sampling.iparams[dec.scratch_slot, I_FLAGS] = GREEDY
 
     def _batch_runner(self, size: int, key):
         """The batched decoder's plain-step graph ``key`` (0, SAMPLED; PLAIN_ROW / SAMPLED_ROW: the step and each
@@ -576,11 +580,9 @@ class FastPath:
         key = SAMPLED if sampled else 0
         if key not in runners:
             if sampled:
-                from .cuda.sampling_state import GREEDY, I_FLAGS
-
                 if not self.sample_ok:
                     raise ValueError("this fast path decodes plain greedy requests only")
-                self.sampling.iparams[dec.scratch_slot, I_FLAGS] = GREEDY  # what padded rows sample: the argmax
+                self._scratch_greedy(dec)
                 dec.attach_sampler(self.sampling)
             fn = lambda: dec.step(sample=sampled)  # noqa: E731
             runner = GraphedFn(fn, self.device.type == "cuda", warmup_calls=1, device=self.device,

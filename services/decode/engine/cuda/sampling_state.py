@@ -63,6 +63,7 @@ TOP_P = 128
 MIN_P = 256
 PROCESSORS = BIAS | REP | FREQ_PRES | MIN_TOKENS | BAD_WORDS  # logits processors (they change greedy too)
 TRACK_COUNTS = REP | FREQ_PRES  # penalties read ``counts``
+READS_OUTPUT = TRACK_COUNTS | BAD_WORDS  # processors that read the output, drafts included: such requests never draft
 
 # random streams (counter word 2)
 STREAM_SAMPLE, STREAM_ACCEPT, STREAM_DRAFT = 0, 1, 2
