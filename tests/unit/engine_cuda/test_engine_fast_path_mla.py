@@ -164,7 +164,9 @@ def test_plain_steps_between_drafts_write_the_mtp_rows_a_drafting_step_writes(tm
     Those plain steps still write the MTP layer's cache row of the pair they leave (MlaDecoder.mtp_row: the draft
     prologue, eh_proj and the MTP block's latent alone; without and with q LoRA), so after the run the rows of every
     decoded position are those of the fast path drafting every step (bf16 rounding apart): a probe's drafts
-    attend over no holes. With FastPath.MTP_ROWS off, the plain steps' rows stay empty."""
+    attend over no holes. With FastPath.MTP_ROWS off, the plain steps' rows stay empty. The rows drafting every step
+    writes are the reference step's (the fast path's drafts write the same rows, a test above; interpreted kernels
+    drafting every step cost the suite twice this test)."""
     import torch
 
     from services.decode.engine import fastpath
@@ -172,8 +174,8 @@ def test_plain_steps_between_drafts_write_the_mtp_rows_a_drafting_step_writes(tm
     monkeypatch.setattr(fastpath.FastPath, "MTP_ROWS", mtp_rows)
     save_checkpoint(arch, tmp_path, damp=False, **SMALL)
     n, rows, tokens = len(PROMPT), {}, {}
-    for mode in ("adaptive", "every step"):
-        engine = load(tmp_path, "on", 3, adaptive=mode == "adaptive")
+    for mode in ("adaptive", "every step"):  # the rows drafting every step writes: the reference step's
+        engine = load(tmp_path, "on" if mode == "adaptive" else "off", 3, adaptive=mode == "adaptive")
         out = [int(engine.prefill(0, PROMPT).argmax())]
         engine.start(0, out[0], SamplingParams(max_tokens=16, ignore_eos=True))
         while engine.active_slots():
@@ -189,11 +191,11 @@ def test_plain_steps_between_drafts_write_the_mtp_rows_a_drafting_step_writes(tm
         assert not written.all()  # the holes this closes
         return
     assert written.all()
-    # each row the pair's own (a wrong pair, position or hidden is off by the rows' whole scale); a row whose last
-    # writer was the verify's several-row MTP block in one run and the next step's one-row draft in the other
-    # rounds apart by a few bf16 ulps on this random model, the plain steps' rows equal the drafts' bit for bit
-    assert (fast - ref).abs().max() <= 0.06 * ref.abs().max(), (fast - ref).abs().amax(dim=-1)
-    assert (fast == ref).all(dim=-1).sum() >= len(fast) - 2
+    # each row the pair's own (a wrong pair, position or hidden is off by the rows' whole scale); the reference
+    # step's torch rows and the kernels' round apart by a few bf16 ulps (a row the verify's several-row MTP block
+    # wrote in one run and a one-row draft in the other by a few more)
+    rel = (fast - ref).abs().amax(dim=-1) / ref.abs().max()
+    assert rel.max() <= 0.06 and (rel <= 0.01).sum() >= len(fast) - 2, rel
 
 DSA_PROMPT = [0, 13, 131, 31, 7, 250, 42, 99, 3, 17, 64, 5, 77, 120]  # longer than index_topk (8): tokens dropped
 
@@ -329,4 +331,5 @@ def test_the_fast_drafts_write_the_mtp_rows_the_reference_step_and_vllm_write(ch
     # writer was the verify's several-row MTP block in one run and the next step's one-row draft in the other
     # rounds apart by a few bf16 ulps on this random model, the plain steps' rows equal the drafts' bit for bit
     assert (fast - ref).abs().max() <= 0.06 * ref.abs().max(), (fast - ref).abs().amax(dim=-1)
+    print("DIFF", ((fast - ref).abs().amax(dim=-1) / ref.abs().max()).tolist(), (fast == ref).all(dim=-1).sum().item(), len(fast))
     assert (fast == ref).all(dim=-1).sum() >= len(fast) - 2
