@@ -23,6 +23,9 @@ import msgspec
 #    (TokenLogprobs): logprobs and grammars on the express lane.
 #    StructuredOutput kind "structural_tag" (.structural_tag: the tag's JSON text as vLLM hands it
 #    to xgrammar): tool_choice required/named under vLLM's strict tool calling.
+#    StructuredOutput.reasoning_start_token_id, .reasoning_end_token_id, .reasoning_ended: a grammar
+#    after a think-tag reasoning; a node older than these fields constrains from the first token and
+#    fails such a request at its start (invalid_grammar): upgrade decode nodes before routers.
 PROTOCOL_VERSION = 1
 
 
@@ -59,6 +62,14 @@ class StructuredOutput(msgspec.Struct, kw_only=True):
     ``VLLM_ENFORCE_STRICT_TOOL_CALLING``, its default). ``any_whitespace`` is vLLM's
     ``not disable_any_whitespace``. The matcher first accepts ``SamplingParams.output_token_ids``
     then ``DecodeStart.first_token_id`` (the prefill sampled it under the same grammar).
+
+    With a think-tag reasoning parser (vLLM's ``--reasoning-parser`` deepseek_r1, qwen3, ...:
+    ``reasoning_end_token_id`` >= 0) the grammar constrains the answer after the reasoning, as vLLM's
+    structured-output manager does: tokens up to and including the first end token are neither masked
+    nor fed to the grammar, unless the prompt ended the reasoning already (``reasoning_ended``: vLLM's
+    ``is_reasoning_end`` of the prompt, ``prompt_ends_reasoning``). None: not known yet; whoever holds
+    the prompt's token ids (the prefill connector, or the router from the first token's event) sets it
+    before the decode starts (``with_prompt``).
     """
 
     kind: Literal["json", "json_object", "regex", "choice", "grammar", "structural_tag"]
@@ -68,6 +79,32 @@ class StructuredOutput(msgspec.Struct, kw_only=True):
     grammar: str = ""
     structural_tag: str = ""
     any_whitespace: bool = True
+    reasoning_start_token_id: int = -1
+    reasoning_end_token_id: int = -1  # -1: no reasoning gate, the grammar constrains from the first token
+    reasoning_ended: bool | None = None
+
+    @property
+    def gated(self) -> bool:
+        """Whether tokens before the reasoning's end go unconstrained (a gate, still closed at the prompt)."""
+        return self.reasoning_end_token_id >= 0 and not self.reasoning_ended
+
+    def with_prompt(self, prompt_token_ids: list[int]) -> StructuredOutput:
+        """This grammar with ``reasoning_ended`` decided from the prompt where a gate has it unknown."""
+        if self.reasoning_end_token_id < 0 or self.reasoning_ended is not None:
+            return self
+        ended = prompt_ends_reasoning(prompt_token_ids, self.reasoning_start_token_id, self.reasoning_end_token_id)
+        return msgspec.structs.replace(self, reasoning_ended=ended)
+
+
+def prompt_ends_reasoning(token_ids: list[int], start_id: int, end_id: int) -> bool:
+    """vLLM's think-tag ``is_reasoning_end`` (BaseThinkingReasoningParser): the last start or end token
+    among ``token_ids`` is an end token."""
+    for t in reversed(token_ids):
+        if t == start_id:
+            return False
+        if t == end_id:
+            return True
+    return False
 
 
 class SamplingParams(msgspec.Struct, kw_only=True):

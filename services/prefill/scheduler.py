@@ -146,6 +146,9 @@ class ExpressScheduler:
             sampling = h.start
             if sampling.repetition_penalty != 1.0 and sampling.prompt_token_ids is None:
                 sampling = msgspec.structs.replace(sampling, prompt_token_ids=list(prompt_token_ids))
+            if sampling.structured is not None:  # a reasoning gate's state at the prompt (StructuredOutput)
+                sampling = msgspec.structs.replace(sampling,
+                                                   structured=sampling.structured.with_prompt(prompt_token_ids))
             out.append((subjects.decode_start(h.target.node_id), DecodeStart(
                 request_id=h.request_id, lease_id=h.lease_id, generation=h.generation,
                 slot=h.target.slot.slot, first_token_id=token, num_prompt_tokens=claim.num_prompt_tokens,

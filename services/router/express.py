@@ -492,6 +492,8 @@ class ExpressStream:
         self._leg, self._first, self.prompt_ids = await self._open_leg(
             self.first_leg_id, self._path, self._body, self._num_prompt_tokens, self.max_tokens,
             self.deps.cfg.claim_wait_ms, grant, start)
+        if self._structured is not None:  # a reasoning gate: did the prompt end the reasoning? (later legs keep it)
+            self._structured = self._structured.with_prompt(self.prompt_ids)
         self.timings["open_ms"] = (time.perf_counter() - t0) * 1000
         return self.prompt_ids
 

@@ -15,7 +15,10 @@ Contract:
   a JSON schema, or under vLLM's default strict tool calling an xgrammar structural tag, passed
   through as its JSON text), and the decode node's ``StructuredOutput`` and ``logprobs`` derived
   from vLLM's ``StructuredOutputsParams``/``SamplingParams``. ``Prepared.blocker`` names what the
-  express lane cannot honour (whitespace patterns, a grammar during reasoning).
+  express lane cannot honour (whitespace patterns, a grammar beside a reasoning parser other than a
+  think-tag one). With a think-tag reasoning parser (deepseek_r1, ernie45, deepseek_v3 thinking) the
+  grammar carries the parser's start/end token ids: the decode node constrains the answer after the
+  reasoning, as vLLM's engine does (``reasoning_gate``).
 - ``Surface.render(prepared, ...)``: an async iterator of SSE strings (stream) or the response
   body (not streamed), from vLLM's own ``chat_completion_stream_generator`` /
   ``chat_completion_full_generator`` (completions alike), fed with ``RequestOutput``s built from
@@ -99,6 +102,36 @@ def structured_output(params: Any) -> tuple[StructuredOutput | None, str]:
     if params.structural_tag is not None:  # the JSON text vLLM's xgrammar backend compiles
         return StructuredOutput(kind="structural_tag", structural_tag=params.structural_tag, any_whitespace=ws), ""
     return None, ""
+
+
+def reasoning_gate(structured: StructuredOutput, request: Any, parser_cls: Any, info: Any,
+                   chat_template_kwargs: dict) -> tuple[StructuredOutput, str]:
+    """The grammar with vLLM's reasoning gate where the express lane can keep it, else a blocker.
+
+    vLLM's API server constrains from the first token when the request does not include reasoning
+    (``resolve_reasoning_ended``); otherwise its engine builds the reasoning parser per request (with
+    the request's chat template kwargs), asks ``is_reasoning_end`` of the prompt, and then leaves
+    tokens unconstrained until ``is_reasoning_end_streaming`` sees the end token. For think-tag
+    parsers (BaseThinkingReasoningParser's own two methods) that is: the last start/end token of the
+    prompt, then the end token's id, which the decode node follows (StructuredOutput). IdentityReasoningParser
+    (deepseek_v3 without thinking) ends at once: the grammar constrains from the first token."""
+    from vllm.reasoning.basic_parsers import BaseThinkingReasoningParser as Think
+    from vllm.reasoning.identity_reasoning_parser import IdentityReasoningParser
+
+    if not request.include_reasoning:  # the express leg asks vLLM for the reasoning's tokens (express.py)
+        return structured, "structured output with include_reasoning false and a reasoning parser"
+    reasoner = parser_cls.reasoning_parser_cls(info.tokenizer, chat_template_kwargs=chat_template_kwargs)
+    reasoner = getattr(reasoner, "_parser", reasoner)  # deepseek_v3's parser delegates to R1 or identity
+    if isinstance(reasoner, IdentityReasoningParser):
+        return structured, ""
+    cls = type(reasoner)
+    if (isinstance(reasoner, Think) and cls.is_reasoning_end is Think.is_reasoning_end
+            and cls.is_reasoning_end_streaming is Think.is_reasoning_end_streaming):
+        import msgspec
+
+        return msgspec.structs.replace(structured, reasoning_start_token_id=reasoner.start_token_id,
+                                       reasoning_end_token_id=reasoner.end_token_id), ""
+    return structured, f"structured output with the {cls.__name__} reasoning parser"
 
 
 class _Model:
@@ -193,7 +226,8 @@ class Surface:
         if getattr(request, "_grammar_from_parser", False):
             prepared.blocker = "structured output (parser grammar)"
         if prepared.structured is not None and parser_cls is not None and parser_cls.reasoning_parser_cls:
-            prepared.blocker = "structured output with a reasoning parser"
+            prepared.structured, blocker = reasoning_gate(prepared.structured, request, parser_cls, info, kwargs)
+            prepared.blocker = prepared.blocker or blocker
         if request.logprobs:
             prepared.logprobs = request.top_logprobs or 0
             if prepared.logprobs < 0 or request.logprob_token_ids:

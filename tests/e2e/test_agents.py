@@ -85,8 +85,7 @@ def agent(deployment, express_vllm):
 
 @pytest.fixture(scope="module")
 def tool_agent(deployment, express_vllm):
-    """The tool-call model with the hermes parser alone (no reasoning: a grammar during reasoning
-    keeps the standard lane), vLLM's strict tool calling left at its default."""
+    """The tool-call model with the hermes parser alone, vLLM's strict tool calling left at its default."""
     yield from _stack(deployment, express_vllm, TOOL_PLANT, TOOL_ARGS, "tools")
 
 
@@ -167,6 +166,25 @@ def test_reasoning_split_without_tools_equals_vllm_alone(agent, stream):
     express, alone, lane = _both(agent, stream, messages=ASK, max_tokens=40)
     assert lane == "express"
     assert express == alone and express["reasoning"] and "<tool_call>" in express["content"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_json_schema_after_the_reasoning_equals_vllm_alone(agent, stream):
+    """deepseek_r1 with a JSON schema: vLLM leaves the reasoning unconstrained and puts the answer after
+    ``</think>`` under the schema; the express lane's decode node does the same (the grammar's think-tag gate)."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "weather", "schema": SCHEMA}}
+    express, alone, lane = _both(agent, stream, messages=ASK, response_format=fmt, max_tokens=60)
+    assert lane == "express"
+    assert express == alone
+    assert express["reasoning"] and "weather" in express["reasoning"]  # the planted reasoning, unconstrained
+    assert express["content"].startswith("{") and "<tool_call>" not in express["content"]  # the answer constrained
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_required_tool_choice_after_the_reasoning_equals_vllm_alone(agent, stream):
+    express, alone, lane = _both(agent, stream, messages=ASK, tools=TOOLS, tool_choice="required", max_tokens=60)
+    assert lane == "express"
+    assert express == alone and express["reasoning"] and express["tool_calls"]
 
 
 def test_tool_call_loop_stays_on_the_express_lane(agent):

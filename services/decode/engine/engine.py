@@ -423,8 +423,10 @@ class Engine:
 
     def _grammar(self, sampling: SamplingParams, first_token_id: int, num_spec: int):
         """The request's matcher, advanced through the output so far (raises GrammarError)."""
-        compiled = self.grammars.compile(sampling.structured)
-        g = self.grammars.matcher(compiled, set(sampling.stop_token_ids) | set(self.eos_token_ids), num_spec)
+        spec = sampling.structured
+        compiled = self.grammars.compile(spec)
+        g = self.grammars.matcher(compiled, set(sampling.stop_token_ids) | set(self.eos_token_ids), num_spec,
+                                  reasoning_end=spec.reasoning_end_token_id if spec.gated else -1)
         so_far = list(sampling.output_token_ids) + [first_token_id]
         if not g.accept(so_far):
             raise GrammarError(f"the output so far (token ids {so_far[-8:]} last) does not match the "

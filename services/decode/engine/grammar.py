@@ -16,7 +16,10 @@
   ``override_stop_tokens`` (the request's stop ids and the model's EOS ids); rollback for drafts
   is unlimited in xgrammar 0.2.8.
 - ``SlotGrammar``: one request's matcher with vLLM's bookkeeping (tokens after termination are
-  ignored; a terminated matcher masks nothing).
+  ignored; a terminated matcher masks nothing). With a reasoning gate (``reasoning_end``: the think
+  end token's id) it masks nothing and feeds nothing to the matcher until that token has been
+  accepted, the token itself included (vLLM's StructuredOutputManager with a think-tag reasoning
+  parser and ``enable_in_reasoning`` off): the grammar constrains the answer after the reasoning.
 """
 
 from __future__ import annotations
@@ -189,23 +192,31 @@ class Grammars:
             while len(self._timed_out) > MAX_TIMED_OUT_REMEMBERED:
                 del self._timed_out[next(iter(self._timed_out))]
 
-    def matcher(self, compiled, stop_token_ids: list[int], max_rollback: int) -> SlotGrammar:
+    def matcher(self, compiled, stop_token_ids: list[int], max_rollback: int,
+                reasoning_end: int = -1) -> SlotGrammar:
         import xgrammar as xgr
 
         del max_rollback  # vLLM passes its drafts per step; xgrammar 0.2.8 always keeps unlimited rollback
-        return SlotGrammar(xgr.GrammarMatcher(compiled, override_stop_tokens=sorted(stop_token_ids) or None))
+        return SlotGrammar(xgr.GrammarMatcher(compiled, override_stop_tokens=sorted(stop_token_ids) or None),
+                           reasoning_end)
 
 
 class SlotGrammar:
-    """One request's matcher, with vLLM's XgrammarGrammar bookkeeping."""
+    """One request's matcher, with vLLM's XgrammarGrammar bookkeeping; ``reasoning_end`` >= 0: the
+    grammar starts after that token (module docstring)."""
 
-    def __init__(self, matcher):
+    def __init__(self, matcher, reasoning_end: int = -1):
         self.matcher = matcher
         self.is_terminated = False
+        self.reasoning_end = reasoning_end
+        self.reasoning = reasoning_end >= 0  # still reasoning: nothing masked, nothing fed to the matcher
 
     def accept(self, tokens: list[int]) -> bool:
         """Advance through ``tokens`` (those after termination ignored); False at the first rejected one."""
         for t in tokens:
+            if self.reasoning:
+                self.reasoning = t != self.reasoning_end
+                continue
             if self.is_terminated:
                 return True
             if not self.matcher.accept_token(t):
@@ -214,8 +225,8 @@ class SlotGrammar:
         return True
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
-        """The next token's mask into ``bitmask[row]`` (all allowed once terminated, as vLLM)."""
-        if self.is_terminated:
+        """The next token's mask into ``bitmask[row]`` (all allowed while reasoning or once terminated, as vLLM)."""
+        if self.is_terminated or self.reasoning:
             bitmask[row].fill_(-1)
         else:
             self.matcher.fill_next_token_bitmask(bitmask, row)
@@ -223,7 +234,17 @@ class SlotGrammar:
     def fill_through(self, drafts: list[int], bitmask: torch.Tensor, row0: int) -> int:
         """Masks for the positions after each grammar-valid prefix of ``drafts``: rows ``row0 + j``
         for j = 0..v, where v is the length of the longest prefix the grammar accepts; the matcher
-        ends where it started (rolled back). Returns v. Rows past v are left all allowed."""
+        ends where it started (rolled back). Returns v. Rows past v are left all allowed. While
+        reasoning, drafts are unconstrained up to the reasoning's end token; the drafts after it are
+        not verified this step (v stops there, the row after it has the grammar's first mask)."""
+        if self.reasoning:
+            for v, t in enumerate(drafts):
+                bitmask[row0 + v].fill_(-1)
+                if t == self.reasoning_end:
+                    self.matcher.fill_next_token_bitmask(bitmask, row0 + v + 1)
+                    return v + 1
+            bitmask[row0 + len(drafts)].fill_(-1)
+            return len(drafts)
         v = 0
         self.fill(bitmask, row0)
         if not self.is_terminated:

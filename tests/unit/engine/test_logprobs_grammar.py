@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import re
 
+import msgspec
 import pytest
 import torch
 
@@ -289,3 +290,66 @@ def test_a_node_without_tokenizer_files_fails_structured_starts_retryably(hf_che
     assert getattr(err.value, "retryable", True)
     engine.start(0, 5, SamplingParams(max_tokens=2, logprobs=1))  # logprobs need no tokenizer
     assert len(engine.step()[0].logprobs) == 1
+
+
+# ---------------------------------------------------------------- the grammar after the reasoning
+
+
+@pytest.mark.parametrize("ids, ended", [([], False), ([7], False), ([9], True), ([7, 3, 9], True),
+                                        ([9, 3, 7], False), ([9, 7, 9, 3], True), ([3, 4], False)])
+def test_the_prompt_ends_the_reasoning_as_vllms_think_tag_parsers_decide(ids, ended):
+    from shared.events import prompt_ends_reasoning
+
+    assert prompt_ends_reasoning(ids, 7, 9) is ended  # start 7, end 9: the last of them decides
+    gate = StructuredOutput(kind="regex", regex="a", reasoning_start_token_id=7, reasoning_end_token_id=9)
+    assert gate.with_prompt(ids).reasoning_ended is ended and gate.with_prompt(ids).gated is not ended
+    assert gate.with_prompt(ids).with_prompt([9]).reasoning_ended is ended  # decided once, by the first prompt
+    plain = StructuredOutput(kind="regex", regex="a")
+    assert plain.with_prompt(ids) is plain and not plain.gated
+
+
+def test_a_gated_grammar_masks_and_feeds_nothing_until_the_reasoning_ends(llama):
+    """Tokens up to and including the end token go unmasked and unfed (any token, even one the grammar
+    refuses); after it, the grammar's own masks; drafts while reasoning are valid up to the end token,
+    the row after it the grammar's first mask, and the matcher stays where it was."""
+    import xgrammar as xgr
+
+    engine, tok = llama
+    ids = {c: tok.convert_tokens_to_ids(c) for c in "abxz"}
+    end = ids["z"]
+    compiled = engine.grammars.compile(StructuredOutput(kind="regex", regex="[ab]{3}x"))
+    allowed = lambda m, row, c: bool(m[row, ids[c] // 32] >> (ids[c] % 32) & 1)  # noqa: E731
+    g = engine.grammars.matcher(compiled, [1], 3, reasoning_end=end)
+    mask = xgr.allocate_token_bitmask(5, engine.cfg.vocab_size)
+    assert g.fill_through([ids["x"], ids["x"]], mask, 0) == 2  # reasoning: every row all allowed
+    assert all(allowed(mask, r, "x") and allowed(mask, r, "z") for r in range(3))
+    assert g.fill_through([ids["x"], end, ids["a"], ids["a"]], mask, 0) == 2  # stops at the end token
+    assert allowed(mask, 1, "x") and allowed(mask, 2, "a") and not allowed(mask, 2, "x")  # row 2: the grammar's
+    assert g.accept([ids["x"], ids["x"]]) and g.reasoning  # refused by the grammar, but still reasoning
+    g.fill(mask, 0)
+    assert allowed(mask, 0, "x")
+    assert g.accept([end]) and not g.reasoning  # the end token itself is not fed to the grammar
+    g.fill(mask, 0)
+    assert allowed(mask, 0, "a") and not allowed(mask, 0, "x") and not allowed(mask, 0, "z")
+    assert g.accept([ids["a"], ids["b"], ids["a"], ids["x"]]) and not g.accept([ids["a"]])  # complete: stop only
+    refused = engine.grammars.matcher(compiled, [1], 3, reasoning_end=end)
+    assert refused.accept([end]) and not refused.accept([ids["x"]])  # after the end, the grammar decides
+
+
+def test_the_engine_decodes_unconstrained_until_the_reasoning_ends_then_under_the_grammar(llama):
+    """A request whose grammar starts after a reasoning end token (here a token the model emits greedily on its
+    own): its tokens are the unconstrained greedy tokens up to and including that token, then the grammar's."""
+    engine, tok = llama
+    prompt = tok.encode("Answer:")
+    free = run(engine, prompt, SamplingParams(max_tokens=12, ignore_eos=True))[0]
+    cut = next(i for i in range(2, len(free)) if free[i] not in free[:i])  # its first occurrence
+    spec = StructuredOutput(kind="regex", regex="[ab]{3}x", reasoning_start_token_id=-2,
+                            reasoning_end_token_id=free[cut], reasoning_ended=False)
+    tokens, _, reason = run(engine, prompt, SamplingParams(max_tokens=40, structured=spec), free[0])
+    assert tokens[:cut + 1] == free[:cut + 1]
+    assert reason == "stop" and re.fullmatch("[ab]{3}x", tok.decode(tokens[cut + 1:], skip_special_tokens=True))
+    ended = msgspec.structs.replace(spec, reasoning_ended=True)  # the prompt ended it: constrained from the start
+    with pytest.raises(GrammarError, match="does not match"):
+        engine.prefill(0, prompt)
+        engine.start(0, free[0], SamplingParams(max_tokens=4, structured=ended))
+    engine.release(0)

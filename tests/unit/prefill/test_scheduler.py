@@ -9,7 +9,7 @@ import pytest
 
 from services.prefill.scheduler import ExpressScheduler
 from shared import subjects
-from shared.events import KvLayoutSpec, PrefillToken, SamplingParams, SlotTarget, TransferTarget
+from shared.events import KvLayoutSpec, PrefillToken, SamplingParams, SlotTarget, StructuredOutput, TransferTarget
 from shared.handoff import Handoff, HandoffStatus, parse_request, parse_status, request_params
 
 
@@ -174,6 +174,32 @@ def test_first_token_publishes_token_then_start(name, start, num_slots, finish, 
         assert "decode_started" not in slots.counts
     # the request's status for vLLM's response is unchanged by it
     assert parse_status(sched.on_finished("vllm-id")).handed_off is (num_slots > 0)
+
+
+GRAMMAR = StructuredOutput(kind="regex", regex="a")
+# the start's grammar, and the DecodeStart's: a reasoning gate's verdict on PROMPT ([5, 6, 7, 8]) filled in where unknown
+GATE_CASES = [
+    ("no gate: unchanged", GRAMMAR, GRAMMAR),
+    ("end token last: ended", msgspec.structs.replace(GRAMMAR, reasoning_start_token_id=6, reasoning_end_token_id=8),
+     msgspec.structs.replace(GRAMMAR, reasoning_start_token_id=6, reasoning_end_token_id=8, reasoning_ended=True)),
+    ("start token last: reasoning", msgspec.structs.replace(GRAMMAR, reasoning_start_token_id=8,
+                                                             reasoning_end_token_id=6),
+     msgspec.structs.replace(GRAMMAR, reasoning_start_token_id=8, reasoning_end_token_id=6, reasoning_ended=False)),
+    ("decided by an earlier leg: kept", msgspec.structs.replace(GRAMMAR, reasoning_start_token_id=6,
+                                                                 reasoning_end_token_id=8, reasoning_ended=False),
+     msgspec.structs.replace(GRAMMAR, reasoning_start_token_id=6, reasoning_end_token_id=8, reasoning_ended=False)),
+]
+
+
+@pytest.mark.parametrize("name,structured,want", GATE_CASES, ids=[c[0] for c in GATE_CASES])
+def test_the_start_decides_a_reasoning_gate_from_the_prompt(name, structured, want):
+    sched = ExpressScheduler(FakeSlots(1), max_tokens=100)
+    start = msgspec.structs.replace(START, structured=structured)
+    handoff = Handoff(request_id="leg", lease_id="L", generation=2, target=TARGET, traceparent="tp", start=start)
+    sched.on_alloc("vllm-id", request_params(handoff), len(PROMPT))
+    sched.on_step([("vllm-id", ([1],), 0)], [], {"vllm-id": len(PROMPT)})
+    _, ds, _ = sched.on_first_token("vllm-id", [9], "length", PROMPT)[1]
+    assert ds.sampling == msgspec.structs.replace(start, structured=want)
 
 
 def test_start_survives_vllms_json_round_trip():

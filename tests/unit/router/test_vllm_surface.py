@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 
+import msgspec
 import pytest
 
 from services.router.express import chunk_logprobs
@@ -194,3 +195,36 @@ print(json.dumps(out))
     required, named = json.loads(result.stdout.strip().splitlines()[-1])
     assert required[0] == "json" and required[1]["type"] == "array" and required[2] == ""
     assert named == ["json", TOOLS[0]["function"]["parameters"], ""]
+
+
+REASONING = [
+    # (reasoning parser, extra body fields, gated by the think tags, blocker)
+    ("deepseek_r1", {}, True, ""),
+    ("deepseek_r1", {"include_reasoning": False}, False,
+     "structured output with include_reasoning false and a reasoning parser"),
+    ("deepseek_v3", {}, False, ""),  # without thinking its parser is the identity: the grammar from the first token
+    ("deepseek_v3", {"chat_template_kwargs": {"thinking": True}}, True, ""),
+    ("qwen3", {}, False, "structured output with the Qwen3ParserReasoningAdapter reasoning parser"),
+]
+
+
+@pytest.mark.parametrize("parser,fields,gated,blocker", REASONING)
+def test_structured_output_beside_a_reasoning_parser_carries_its_think_tags(tiny_model, parser, fields, gated,
+                                                                            blocker):
+    """vLLM's engine leaves the reasoning unconstrained and the answer under the grammar; for think-tag parsers the
+    decode node does the same from the tags' ids (the prompt's verdict comes later, with its token ids); a parser
+    the node cannot follow keeps the standard lane and says which."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model("llama", plant="reasoning-tool-call"))
+    s = vllm_surface.Surface("hermes", parser, enable_auto_tools=True)
+    s.load()
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}],
+            "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA}}, **fields}
+    prepared = s.prepare("chat", body, _Info(tok))
+    want = StructuredOutput(kind="json", json_schema=json.dumps(SCHEMA))
+    if gated:
+        want = msgspec.structs.replace(want, reasoning_start_token_id=tok.convert_tokens_to_ids("<think>"),
+                                       reasoning_end_token_id=tok.convert_tokens_to_ids("</think>"))
+        assert want.reasoning_end_token_id >= 0 and want.gated and want.reasoning_ended is None
+    assert (prepared.structured, prepared.blocker) == (want, blocker)
