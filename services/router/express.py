@@ -111,6 +111,13 @@ def chunk_logprobs(choice: dict[str, Any]) -> TokenLogprobs | None:
                          top_logprobs=[v for _, v in tops])
 
 
+def stream_error_status(chunk: dict) -> int:
+    """The status for an error vLLM streamed after its 200 (e.g. a schema its grammar compiler refuses): the
+    chunk's own 4xx code, which vLLM alone answers with, else 502."""
+    code = (chunk.get("error") or {}).get("code") if isinstance(chunk.get("error"), dict) else None
+    return code if isinstance(code, int) and 400 <= code < 500 else 502
+
+
 async def _first_token(lines: AsyncIterator[str]) -> tuple[TokenBatch, list[int]]:
     """From a streamed prefill (``max_tokens=1``, ``return_token_ids``): its one token (finish
     reason "stop" when vLLM stopped on it, its logprobs when asked) and the prompt's token ids."""
@@ -120,7 +127,7 @@ async def _first_token(lines: AsyncIterator[str]) -> tuple[TokenBatch, list[int]
             continue
         chunk = msgspec.json.decode(line[6:])
         if "error" in chunk:
-            raise UpstreamError(502, msgspec.json.encode(chunk))
+            raise UpstreamError(stream_error_status(chunk), msgspec.json.encode(chunk))
         prompt_ids = chunk.get("prompt_token_ids") or prompt_ids
         for choice in chunk.get("choices") or []:
             prompt_ids = choice.get("prompt_token_ids") or prompt_ids

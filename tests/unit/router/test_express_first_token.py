@@ -186,3 +186,16 @@ async def test_without_the_bus_the_stream_gives_the_token_and_the_router_starts_
     waiting.cancel()
     await asyncio.gather(waiting, return_exceptions=True)
     await tokens.aclose()
+
+
+def test_an_error_vllm_streams_after_its_200_keeps_its_client_status():
+    """vLLM refuses some requests only once streaming (its grammar compiler on a schema pydantic let through): the
+    express leg answers with that chunk's 4xx, as vLLM alone answers, and 502 for anything else."""
+
+    from services.router.express import stream_error_status
+
+    cases = [({"error": {"message": "Grammar error", "type": "BadRequestError", "code": 400}}, 400),
+             ({"error": {"message": "too long", "code": 413}}, 413),
+             ({"error": {"message": "boom", "code": 500}}, 502),
+             ({"error": {"message": "no code"}}, 502), ({"error": "text"}, 502), ({"error": {"code": "400"}}, 502)]
+    assert [stream_error_status(chunk) for chunk, _ in cases] == [want for _, want in cases]
