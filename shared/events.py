@@ -25,7 +25,8 @@ import msgspec
 #    to xgrammar): tool_choice required/named under vLLM's strict tool calling.
 #    StructuredOutput.reasoning_start_token_id, .reasoning_end_token_id, .reasoning_ended: a grammar
 #    after a think-tag reasoning; a node older than these fields constrains from the first token and
-#    fails such a request at its start (invalid_grammar): upgrade decode nodes before routers.
+#    fails such a request at its start (invalid_grammar), and an older prefill connector drops them:
+#    upgrade decode nodes and prefill connectors before routers.
 PROTOCOL_VERSION = 1
 
 
@@ -63,7 +64,7 @@ class StructuredOutput(msgspec.Struct, kw_only=True):
     ``not disable_any_whitespace``. The matcher first accepts ``SamplingParams.output_token_ids``
     then ``DecodeStart.first_token_id`` (the prefill sampled it under the same grammar).
 
-    With a think-tag reasoning parser (vLLM's ``--reasoning-parser`` deepseek_r1, qwen3, ...:
+    With a think-tag reasoning parser (vLLM's ``--reasoning-parser`` deepseek_r1, ernie45, deepseek_v3:
     ``reasoning_end_token_id`` >= 0) the grammar constrains the answer after the reasoning, as vLLM's
     structured-output manager does: tokens up to and including the first end token are neither masked
     nor fed to the grammar, unless the prompt ended the reasoning already (``reasoning_ended``: vLLM's
@@ -90,8 +91,8 @@ class StructuredOutput(msgspec.Struct, kw_only=True):
 
     def with_prompt(self, prompt_token_ids: list[int]) -> StructuredOutput:
         """This grammar with ``reasoning_ended`` decided from the prompt where a gate has it unknown."""
-        if self.reasoning_end_token_id < 0 or self.reasoning_ended is not None:
-            return self
+        if self.reasoning_end_token_id < 0 or self.reasoning_ended is not None or not prompt_token_ids:
+            return self  # (no ids: left unknown, for a holder of them)
         ended = prompt_ends_reasoning(prompt_token_ids, self.reasoning_start_token_id, self.reasoning_end_token_id)
         return msgspec.structs.replace(self, reasoning_ended=ended)
 

@@ -87,7 +87,8 @@ class Router:
         self._surface_load_started = time.monotonic()  # reset when start() begins the load
         self.warm = WarmLeases(cfg.warm_leases)
         self.surface = Surface(cfg.tool_call_parser, cfg.reasoning_parser, cfg.enable_auto_tool_choice,
-                               cfg.tool_strict_level)
+                               cfg.tool_strict_level, default_chat_template_kwargs=cfg.default_chat_template_kwargs,
+                               structured_in_reasoning=cfg.structured_in_reasoning)
 
     # ---------------------------------------------------------------- lifecycle
 

@@ -47,6 +47,10 @@ class RouterConfig:
     enable_auto_tool_choice: bool = False
     tool_strict_level: str = "auto"
     vllm_surface: str = "auto"  # auto: when vLLM is installed; on: required; off: never
+    # the prefill vLLM's --default-chat-template-kwargs and structured outputs' enable_in_reasoning (from
+    # --vllm-args): what its engine's reasoning gate reads (services.router.vllm_surface.reasoning_gate)
+    default_chat_template_kwargs: dict = field(default_factory=dict)
+    structured_in_reasoning: bool = False
 
 
 def _pairs(text: str, what: str) -> dict[str, str]:
@@ -107,7 +111,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--vllm-args", default="", metavar="'VLLM ARGS'",
                    help="the prefill vLLM's own arguments as one string (compose passes the same "
                         "EXPRESSLANE_VLLM_ARGS to both): its --tool-call-parser, --reasoning-parser "
-                        "and --enable-auto-tool-choice configure the router too")
+                        "and --enable-auto-tool-choice configure the router too, and its "
+                        "--default-chat-template-kwargs and --structured-outputs-config (enable_in_reasoning) "
+                        "decide where a grammar starts after the reasoning, as in vLLM")
     p.add_argument("--vllm-surface", default=d.vllm_surface, choices=["auto", "on", "off"],
                    help="render tools, structured output, logprobs and reasoning of express "
                         "requests with vLLM's serving code, imported in the router: auto (when "
@@ -163,6 +169,9 @@ def from_args(args: argparse.Namespace) -> RouterConfig:
                                  f"prefill's ({theirs!r} in --vllm-args): set it in one place")
             setattr(args, flag, mine or theirs or getattr(args, flag))
         args.enable_auto_tool_choice = args.enable_auto_tool_choice or "--enable-auto-tool-choice" in vllm
+        chat_defaults, in_reasoning = vllm_structured_flags(vllm)
+    else:
+        chat_defaults, in_reasoning = {}, False
     if args.enable_auto_tool_choice and not args.tool_call_parser:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (as in vLLM)")
     if args.vllm_surface == "off" and (args.tool_call_parser or args.reasoning_parser):
@@ -198,4 +207,28 @@ def from_args(args: argparse.Namespace) -> RouterConfig:
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         tool_strict_level=args.tool_strict_level,
         vllm_surface=args.vllm_surface,
+        default_chat_template_kwargs=chat_defaults,
+        structured_in_reasoning=in_reasoning,
     )
+
+
+def vllm_structured_flags(vllm: list[str]) -> tuple[dict, bool]:
+    """(``--default-chat-template-kwargs``, structured outputs' ``enable_in_reasoning``) of the prefill's vLLM
+    arguments, as JSON (the dotted ``--structured-outputs-config.enable_in_reasoning`` too)."""
+    import json
+
+    from infra.vllm_flags import value
+
+    def parsed(flag: str) -> dict:
+        text = value(vllm, flag)
+        try:
+            out = json.loads(text) if text else {}
+        except ValueError:
+            raise ValueError(f"{flag} in --vllm-args is not JSON: {text!r}") from None
+        if not isinstance(out, dict):
+            raise ValueError(f"{flag} in --vllm-args must be a JSON object, got {text!r}")
+        return out
+
+    dotted = value(vllm, "--structured-outputs-config.enable_in_reasoning").lower()
+    in_reasoning = bool(parsed("--structured-outputs-config").get("enable_in_reasoning", False))
+    return parsed("--default-chat-template-kwargs"), (dotted in ("true", "1")) if dotted else in_reasoning

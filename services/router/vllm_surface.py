@@ -105,7 +105,7 @@ def structured_output(params: Any) -> tuple[StructuredOutput | None, str]:
 
 
 def reasoning_gate(structured: StructuredOutput, request: Any, parser_cls: Any, info: Any,
-                   chat_template_kwargs: dict) -> tuple[StructuredOutput, str]:
+                   chat_template_kwargs: dict, in_reasoning: bool = False) -> tuple[StructuredOutput, str]:
     """The grammar with vLLM's reasoning gate where the express lane can keep it, else a blocker.
 
     vLLM's API server constrains from the first token when the request does not include reasoning
@@ -114,13 +114,20 @@ def reasoning_gate(structured: StructuredOutput, request: Any, parser_cls: Any, 
     tokens unconstrained until ``is_reasoning_end_streaming`` sees the end token. For think-tag
     parsers (BaseThinkingReasoningParser's own two methods) that is: the last start/end token of the
     prompt, then the end token's id, which the decode node follows (StructuredOutput). IdentityReasoningParser
-    (deepseek_v3 without thinking) ends at once: the grammar constrains from the first token."""
+    (deepseek_v3 without thinking) ends at once: the grammar constrains from the first token, as it does
+    with vLLM's ``enable_in_reasoning`` (``in_reasoning``). ``chat_template_kwargs``: the request's
+    effective ones (its own over vLLM's ``--default-chat-template-kwargs``, reasoning_effort's
+    enable_thinking), as vLLM's engine builds the parser; completions: none (``request`` None: vLLM
+    does not resolve the prompt's verdict in its frontend there)."""
     from vllm.reasoning.basic_parsers import BaseThinkingReasoningParser as Think
     from vllm.reasoning.identity_reasoning_parser import IdentityReasoningParser
 
-    if not request.include_reasoning:  # the express leg asks vLLM for the reasoning's tokens (express.py)
+    if in_reasoning:
+        return structured, ""
+    if request is not None and not request.include_reasoning:  # the express leg asks vLLM for the reasoning
         return structured, "structured output with include_reasoning false and a reasoning parser"
-    reasoner = parser_cls.reasoning_parser_cls(info.tokenizer, chat_template_kwargs=chat_template_kwargs)
+    kwargs = {"chat_template_kwargs": chat_template_kwargs} if request is not None else {}
+    reasoner = parser_cls.reasoning_parser_cls(info.tokenizer, **kwargs)
     reasoner = getattr(reasoner, "_parser", reasoner)  # deepseek_v3's parser delegates to R1 or identity
     if isinstance(reasoner, IdentityReasoningParser):
         return structured, ""
@@ -149,8 +156,12 @@ class Surface:
     """vLLM's serving pieces, loaded once (see the module contract)."""
 
     def __init__(self, tool_parser: str | None = None, reasoning_parser: str | None = None,
-                 enable_auto_tools: bool = False, tool_strict_level: str = "auto") -> None:
+                 enable_auto_tools: bool = False, tool_strict_level: str = "auto",
+                 default_chat_template_kwargs: dict | None = None, structured_in_reasoning: bool = False) -> None:
         self.tool_strict_level = tool_strict_level or "auto"
+        # the prefill vLLM's --default-chat-template-kwargs and structured outputs' enable_in_reasoning
+        self.default_chat_template_kwargs = dict(default_chat_template_kwargs or {})
+        self.structured_in_reasoning = structured_in_reasoning
         self.tool_parser = tool_parser or None
         self.reasoning_parser = reasoning_parser or None
         self.enable_auto_tools = enable_auto_tools
@@ -199,7 +210,7 @@ class Surface:
         try:
             if endpoint == "chat":
                 return self._prepare_chat(body, info)
-            return self._prepare_completion(body)
+            return self._prepare_completion(body, info)
         except ValidationError as exc:
             raise ValueError(str(exc)) from None
         except Exception as exc:  # VLLMValidationError and what adjust_request raises
@@ -226,7 +237,10 @@ class Surface:
         if getattr(request, "_grammar_from_parser", False):
             prepared.blocker = "structured output (parser grammar)"
         if prepared.structured is not None and parser_cls is not None and parser_cls.reasoning_parser_cls:
-            prepared.structured, blocker = reasoning_gate(prepared.structured, request, parser_cls, info, kwargs)
+            effective = request.build_chat_params(None, "auto").with_defaults(
+                self.default_chat_template_kwargs).chat_template_kwargs  # vLLM's _effective_chat_template_kwargs
+            prepared.structured, blocker = reasoning_gate(prepared.structured, request, parser_cls, info, effective,
+                                                          self.structured_in_reasoning)
             prepared.blocker = prepared.blocker or blocker
         if request.logprobs:
             prepared.logprobs = request.top_logprobs or 0
@@ -234,12 +248,17 @@ class Surface:
                 prepared.blocker = prepared.blocker or "top_logprobs=-1"
         return prepared
 
-    def _prepare_completion(self, body: dict[str, Any]) -> Prepared:
+    def _prepare_completion(self, body: dict[str, Any], info: Any) -> Prepared:
         from vllm.entrypoints.openai.completion.protocol import CompletionRequest
 
         request = CompletionRequest.model_validate(body)
         prepared = Prepared("completions", request)
         prepared.structured, prepared.blocker = structured_output(request.extract_structured_outputs())
+        parser_cls = self.parser_cls(info) if self.reasoning_parser else None
+        if prepared.structured is not None and parser_cls is not None and parser_cls.reasoning_parser_cls:
+            prepared.structured, blocker = reasoning_gate(prepared.structured, None, parser_cls, info, {},
+                                                          self.structured_in_reasoning)
+            prepared.blocker = prepared.blocker or blocker
         if request.logprobs is not None:
             prepared.logprobs = request.logprobs
             if prepared.logprobs < 0 or request.logprob_token_ids:
@@ -261,7 +280,7 @@ class Surface:
         s.response_role = "assistant"
         s.chat_template = None
         s.chat_template_content_format = "auto"
-        s.default_chat_template_kwargs = {}
+        s.default_chat_template_kwargs = dict(self.default_chat_template_kwargs)
         s.enable_log_outputs = False
         s.enable_log_deltas = False
         s.enable_auto_tools = self.enable_auto_tools

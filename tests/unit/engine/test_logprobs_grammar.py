@@ -302,8 +302,10 @@ def test_the_prompt_ends_the_reasoning_as_vllms_think_tag_parsers_decide(ids, en
 
     assert prompt_ends_reasoning(ids, 7, 9) is ended  # start 7, end 9: the last of them decides
     gate = StructuredOutput(kind="regex", regex="a", reasoning_start_token_id=7, reasoning_end_token_id=9)
-    assert gate.with_prompt(ids).reasoning_ended is ended and gate.with_prompt(ids).gated is not ended
-    assert gate.with_prompt(ids).with_prompt([9]).reasoning_ended is ended  # decided once, by the first prompt
+    decided = ended if ids else None  # no ids: left unknown for whoever holds them
+    assert gate.with_prompt(ids).reasoning_ended is decided and gate.with_prompt(ids).gated is not ended
+    if ids:
+        assert gate.with_prompt(ids).with_prompt([9]).reasoning_ended is ended  # decided once, by the first prompt
     plain = StructuredOutput(kind="regex", regex="a")
     assert plain.with_prompt(ids) is plain and not plain.gated
 

@@ -198,33 +198,54 @@ print(json.dumps(out))
 
 
 REASONING = [
-    # (reasoning parser, extra body fields, gated by the think tags, blocker)
-    ("deepseek_r1", {}, True, ""),
-    ("deepseek_r1", {"include_reasoning": False}, False,
+    # (reasoning parser, endpoint, extra body fields, Surface options, gated by the think tags, blocker)
+    ("deepseek_r1", "chat", {}, {}, True, ""),
+    ("deepseek_r1", "chat", {"include_reasoning": False}, {}, False,
      "structured output with include_reasoning false and a reasoning parser"),
-    ("deepseek_v3", {}, False, ""),  # without thinking its parser is the identity: the grammar from the first token
-    ("deepseek_v3", {"chat_template_kwargs": {"thinking": True}}, True, ""),
-    ("qwen3", {}, False, "structured output with the Qwen3ParserReasoningAdapter reasoning parser"),
+    ("deepseek_v3", "chat", {}, {}, False, ""),  # without thinking: the identity parser, the grammar from the start
+    ("deepseek_v3", "chat", {"chat_template_kwargs": {"thinking": True}}, {}, True, ""),
+    ("deepseek_v3", "chat", {"reasoning_effort": "high"}, {}, True, ""),  # vLLM adds enable_thinking for it
+    ("deepseek_v3", "chat", {}, {"default_chat_template_kwargs": {"thinking": True}}, True, ""),  # the server's
+    ("deepseek_r1", "chat", {}, {"structured_in_reasoning": True}, False, ""),  # vLLM's enable_in_reasoning
+    ("qwen3", "chat", {}, {}, False, "structured output with the Qwen3ParserReasoningAdapter reasoning parser"),
+    ("deepseek_r1", "completions", {}, {}, True, ""),  # vLLM's engine gates completions too
+    ("deepseek_v3", "completions", {}, {}, False, ""),  # (its parser built without kwargs: the identity)
 ]
 
 
-@pytest.mark.parametrize("parser,fields,gated,blocker", REASONING)
-def test_structured_output_beside_a_reasoning_parser_carries_its_think_tags(tiny_model, parser, fields, gated,
-                                                                            blocker):
+@pytest.mark.parametrize("parser,endpoint,fields,options,gated,blocker", REASONING)
+def test_structured_output_beside_a_reasoning_parser_carries_its_think_tags(tiny_model, parser, endpoint, fields,
+                                                                            options, gated, blocker):
     """vLLM's engine leaves the reasoning unconstrained and the answer under the grammar; for think-tag parsers the
     decode node does the same from the tags' ids (the prompt's verdict comes later, with its token ids); a parser
     the node cannot follow keeps the standard lane and says which."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(tiny_model("llama", plant="reasoning-tool-call"))
-    s = vllm_surface.Surface("hermes", parser, enable_auto_tools=True)
+    s = vllm_surface.Surface("hermes", parser, enable_auto_tools=True, **options)
     s.load()
-    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}],
+    prompt = {"messages": [{"role": "user", "content": "hi"}]} if endpoint == "chat" else {"prompt": "hi"}
+    body = {"model": "m", **prompt,
             "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA}}, **fields}
-    prepared = s.prepare("chat", body, _Info(tok))
+    prepared = s.prepare(endpoint, body, _Info(tok))
     want = StructuredOutput(kind="json", json_schema=json.dumps(SCHEMA))
     if gated:
         want = msgspec.structs.replace(want, reasoning_start_token_id=tok.convert_tokens_to_ids("<think>"),
                                        reasoning_end_token_id=tok.convert_tokens_to_ids("</think>"))
         assert want.reasoning_end_token_id >= 0 and want.gated and want.reasoning_ended is None
     assert (prepared.structured, prepared.blocker) == (want, blocker)
+
+
+@pytest.mark.parametrize("args,want", [
+    ([], ({}, False)),
+    (["--default-chat-template-kwargs", '{"thinking": true}'], ({"thinking": True}, False)),
+    (['--structured-outputs-config={"enable_in_reasoning": true}'], ({}, True)),
+    (["--structured-outputs-config.enable_in_reasoning", "true"], ({}, True)),
+    (["--structured-outputs-config", '{"backend": "xgrammar"}'], ({}, False)),
+])
+def test_the_prefills_template_defaults_and_enable_in_reasoning_come_from_its_arguments(args, want):
+    from services.router.config import vllm_structured_flags
+
+    assert vllm_structured_flags(args) == want
+    with pytest.raises(ValueError, match="is not JSON"):
+        vllm_structured_flags(["--default-chat-template-kwargs", "{thinking"])
